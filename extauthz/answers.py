@@ -1,0 +1,104 @@
+"""What the client sees: status, headers and problem+json body for a decision.
+
+Pure functions, no grpc. Header syntax follows the IETF httpapi ratelimit-headers draft
+(``RateLimit-Policy: "name";q=500;w=5`` and ``RateLimit: "name";r=499;t=0``), with the
+``qu="concurrent-requests"`` quota unit for in-flight limits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from .context import RequestContext
+from .verdict import Decision, Kind, Outcome, Verdict
+
+PROBLEM_TYPE = "urn:extauthz:problem:"
+_TITLES = {429: "Too Many Requests", 503: "Service Unavailable"}
+
+
+def _num(value: float) -> str:
+    return str(max(0, math.floor(value)))
+
+
+def policy_item(v: Verdict) -> str | None:
+    q = v.quota
+    if q is None:
+        return None
+    item = f'"{v.limiter}";q={_num(q.limit)}'
+    if q.window is not None:
+        item += f";w={max(1, math.ceil(q.window))}"
+    if q.unit != "requests":
+        item += f';qu="{q.unit}"'
+    return item
+
+
+def limit_item(v: Verdict) -> str | None:
+    if v.quota is None or v.remaining is None:
+        return None
+    if v.outcome is Outcome.DENIED:
+        t = v.retry_after or 1.0
+    else:
+        t = v.reset or 0.0
+    return f'"{v.limiter}";r={_num(v.remaining)};t={math.ceil(t - 1e-9)}'
+
+
+def ratelimit_headers(decision: Decision) -> list[tuple[str, str]]:
+    """``RateLimit-Policy`` and ``RateLimit`` for the per-user rate limiters that answered."""
+    policies, limits = [], []
+    for v in decision.verdicts:
+        if v.kind is not Kind.RATE_LIMITER or v.outcome not in (Outcome.ALLOWED, Outcome.DENIED):
+            continue
+        p, lim = policy_item(v), limit_item(v)
+        if p is not None and lim is not None:
+            policies.append(p)
+            limits.append(lim)
+    if not policies:
+        return []
+    return [("ratelimit-policy", ", ".join(policies)), ("ratelimit", ", ".join(limits))]
+
+
+@dataclass(frozen=True, slots=True)
+class Denial:
+    status: int
+    headers: list[tuple[str, str]]
+    body: str
+
+
+def retry_after_seconds(v: Verdict) -> int:
+    return max(1, math.ceil((v.retry_after or 1.0) - 1e-9))
+
+
+def denial(ctx: RequestContext, decision: Decision) -> Denial:
+    v = decision.denied_by
+    assert v is not None, "denial() needs a refused decision"
+    status = decision.http_status
+    retry = retry_after_seconds(v)
+    if v.outcome is Outcome.FAILED_CLOSED:
+        reason = "store_unavailable"
+        detail = (f"Limiter '{v.limiter}' could not reach its store and is configured to fail "
+                  f"closed. Retry after {retry} s.")
+    else:
+        reason = v.reason or "denied"
+        detail = v.detail or f"Refused by '{v.limiter}'. Retry after {retry} s."
+    body: dict[str, object] = {
+        "type": PROBLEM_TYPE + reason,
+        "title": _TITLES.get(status, "Refused"),
+        "status": status,
+        "detail": detail,
+        "limiter": v.limiter,
+        "tier": ctx.tier.value,
+        "retry_after": retry,
+    }
+    if v.limit is not None and v.kind is Kind.RATE_LIMITER:
+        body["limit"] = v.limit
+        body["remaining"] = max(0, math.floor(v.remaining or 0))
+    if ctx.request_id:
+        body["request_id"] = ctx.request_id
+    headers = [
+        ("content-type", "application/problem+json"),
+        ("retry-after", str(retry)),
+        *ratelimit_headers(decision),
+    ]
+    return Denial(status, headers, json.dumps(body, separators=(",", ":")))

@@ -1,0 +1,105 @@
+"""Identity extraction and tier classification: RawRequest -> RequestContext.
+
+Tier precedence: test mode, route metadata, context extensions, policy rules, then the
+method default (GET/HEAD/OPTIONS are ``get``, everything else ``post``). An unknown tier
+name in metadata or extensions is ignored (and counted by the caller), never trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from .context import RawRequest, RequestContext
+from .policy.model import Policy
+from .tiers import READ_METHODS, Tier
+
+_TIERS = {t.value: t for t in Tier}
+
+
+def hash_identity(value: str, source: str, salt: bytes = b"") -> str:
+    """A keyed BLAKE2b digest: stable across replicas, irreversible without the salt."""
+    h = hashlib.blake2b(digest_size=12, key=salt[:64])
+    h.update(source.encode())
+    h.update(b"\0")
+    h.update(value.encode("utf-8", "surrogateescape"))
+    return h.hexdigest()
+
+
+class Classifier:
+    __slots__ = ("_needed", "_policy", "_salt", "unknown_tiers")
+
+    def __init__(self, policy: Policy, salt: bytes = b"") -> None:
+        self._policy = policy
+        self._salt = salt
+        self._needed = policy.needed_headers
+        #: count of tier names in metadata/extensions that were not a known tier.
+        self.unknown_tiers = 0
+
+    @property
+    def needed_headers(self) -> frozenset[str]:
+        return self._needed
+
+    def identity(self, raw: RawRequest) -> tuple[str, str]:
+        """The raw identity value and the label of the rule that produced it."""
+        for src in self._policy.identity:
+            if src.source_ip:
+                if raw.source_ip:
+                    return raw.source_ip, "source_ip"
+                continue
+            value = raw.headers.get(src.header or "")
+            if not value:
+                continue
+            if src.strip_prefix is not None:
+                prefix = src.strip_prefix
+                if value[: len(prefix)].lower() != prefix.lower():
+                    continue
+                value = value[len(prefix):].strip()
+                if not value:
+                    continue
+            return value, src.label
+        return "", "none"
+
+    def _known(self, name: object) -> Tier | None:
+        if not isinstance(name, str) or not name:
+            return None
+        tier = _TIERS.get(name.strip().lower())
+        if tier is None:
+            self.unknown_tiers += 1
+        return tier
+
+    def context(self, raw: RawRequest) -> RequestContext:
+        policy = self._policy
+        value, source = self.identity(raw)
+        method = raw.method.upper()
+        test_mode = bool(
+            (policy.test_key_prefix and source != "source_ip" and value.startswith(policy.test_key_prefix))
+            or (policy.test_header and raw.headers.get(policy.test_header, "").lower() == "true")
+        )
+        tier: Tier | None
+        if test_mode:
+            tier, why = Tier.TEST, "test_mode"
+        else:
+            tier, why = self._known(raw.route_tier), "route_metadata"
+            if tier is None:
+                tier = self._known(raw.context_extensions.get(policy.context_extension_key))
+                why = "context_extensions"
+            if tier is None:
+                for i, rule in enumerate(policy.rules):
+                    if rule.matcher.matches(method, raw.path, raw.host, raw.headers):
+                        tier, why = rule.tier, f"rule[{i}]"
+                        break
+            if tier is None:
+                tier = Tier.GET if method in READ_METHODS else Tier.POST
+                why = "default"
+        return RequestContext(
+            tier=tier,
+            identity=hash_identity(value, source, self._salt),
+            identity_source=source,
+            test_mode=test_mode,
+            method=method,
+            path=raw.path,
+            host=raw.host,
+            tier_source=why,
+            request_id=raw.request_id,
+            headers=raw.headers,
+        )

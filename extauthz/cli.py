@@ -1,0 +1,124 @@
+"""The ``extauthz`` command: serve, check-policies, schema, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from . import __version__
+from .errors import PolicyError
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"EXTAUTHZ_{name}", default)
+
+
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("serve", help="run the ext_authz gRPC server",
+                       description="Run the Envoy ext_authz gRPC server. Every option also "
+                       "reads an EXTAUTHZ_* environment variable (shown in brackets).")
+    p.add_argument("--policies", nargs="+", default=(_env("POLICIES") or "policies").split(","),
+                   help="policy file(s) or directory [EXTAUTHZ_POLICIES, comma-separated; default policies/]")
+    p.add_argument("--listen", default=_env("LISTEN", "0.0.0.0:9001"),
+                   help="gRPC Check + AccessLog port [EXTAUTHZ_LISTEN; default 0.0.0.0:9001]")
+    p.add_argument("--redis-url", default=_env("REDIS_URL"),
+                   help="Redis store URL; without it the embedded store serves one replica "
+                   "[EXTAUTHZ_REDIS_URL]")
+    p.add_argument("--store-deadline-ms", type=float, default=float(_env("STORE_DEADLINE_MS", "5") or 5),
+                   help="deadline of each store call before failing open [EXTAUTHZ_STORE_DEADLINE_MS; default 5]")
+    p.add_argument("--key-prefix", default=_env("KEY_PREFIX", "extauthz"),
+                   help="prefix of every store key [EXTAUTHZ_KEY_PREFIX; default extauthz]")
+    p.add_argument("--identity-salt", default=_env("IDENTITY_SALT", ""),
+                   help="key for hashing identities; same on every replica [EXTAUTHZ_IDENTITY_SALT]")
+    p.add_argument("--admin-listen", default=_env("ADMIN_LISTEN", "127.0.0.1:9002"),
+                   help="admin HTTP port (status, switches); keep it private "
+                   "[EXTAUTHZ_ADMIN_LISTEN; default 127.0.0.1:9002]")
+    p.add_argument("--metrics-listen", default=_env("METRICS_LISTEN"),
+                   help="Prometheus metrics port, e.g. 0.0.0.0:9464 [EXTAUTHZ_METRICS_LISTEN]")
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", "info"),
+                   help="log level [EXTAUTHZ_LOG_LEVEL; default info]")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .server.app import ServerConfig, serve
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(message)s")
+    config = ServerConfig(
+        policies=list(args.policies), listen=args.listen, redis_url=args.redis_url or None,
+        store_deadline_ms=args.store_deadline_ms, key_prefix=args.key_prefix,
+        identity_salt=args.identity_salt, admin_listen=args.admin_listen,
+        metrics_listen=args.metrics_listen,
+    )
+    try:
+        serve(config)
+    except PolicyError as exc:
+        print(f"extauthz: the policy has errors:\n{exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_check_policies(args: argparse.Namespace) -> int:
+    from .policy import load_policy
+
+    failed = False
+    for path in args.paths:
+        try:
+            policy = load_policy([path])
+        except PolicyError as exc:
+            failed = True
+            for issue in exc.issues:
+                print(f"error: {issue}", file=sys.stderr)
+        else:
+            names = ", ".join(f"{s.name} ({s.type}, {s.mode})" for s in policy.limiters) or "no limiters"
+            print(f"ok: {path} (version {policy.version}): {names}")
+    return 1 if failed else 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from .policy.jsonschema import policy_json_schema
+
+    print(json.dumps(policy_json_schema(), indent=2))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import main as demo_main
+
+    return demo_main(policies=args.policies)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="extauthz",
+        description="Envoy external authorization server: per-user rate and concurrency "
+        "limits, fleet and worker load shedding.",
+    )
+    parser.add_argument("--version", action="version", version=f"extauthz {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve(sub)
+    p = sub.add_parser("check-policies", help="validate policy files or directories (exit 1 on error)")
+    p.add_argument("paths", nargs="+", help="a policy file or a directory (one policy per argument)")
+    sub.add_parser("schema", help="print the policy JSON Schema")
+    p = sub.add_parser("demo", help="quick start: Envoy + server + upstream on this machine, "
+                       "a burst of traffic per tier, and a summary")
+    p.add_argument("--policies", nargs="+", default=None, help="policy to demo (default: the packaged demo policy)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = {
+        "serve": cmd_serve,
+        "check-policies": cmd_check_policies,
+        "schema": cmd_schema,
+        "demo": cmd_demo,
+    }[args.command]
+    return handler(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The request as the engine sees it, converted once at the edge.
+
+:class:`RawRequest` is what the server layer extracts from Envoy's CheckRequest (plain
+strings and dicts, no protobuf). :func:`extauthz.classify.Classifier.context` turns it
+into a :class:`RequestContext`: identity (hashed), test mode and tier. Nothing below the
+edge walks protobuf attribute chains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from .tiers import Tier
+
+_EMPTY: Mapping[str, str] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class RawRequest:
+    method: str
+    path: str
+    host: str = ""
+    headers: Mapping[str, str] = field(default_factory=dict)
+    source_ip: str = ""
+    #: ``route_metadata_context.filter_metadata[namespace]["tier"]`` if present.
+    route_tier: str | None = None
+    #: ``context_extensions`` (per-route check settings).
+    context_extensions: Mapping[str, str] = field(default_factory=dict)
+    #: the ``x-request-id`` header (Envoy's own stream id is not useful to people).
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestContext:
+    tier: Tier
+    #: a keyed hash of the identity value; the raw value never leaves the classifier.
+    identity: str
+    #: which identity rule matched: ``header:x-api-key``, ``source_ip``, or ``none``.
+    identity_source: str
+    test_mode: bool
+    method: str
+    path: str
+    host: str
+    #: why this tier: ``test_mode``, ``route_metadata``, ``context_extensions``,
+    #: ``rule[N]`` or ``default``.
+    tier_source: str
+    request_id: str = ""
+    headers: Mapping[str, str] = field(default_factory=lambda: _EMPTY)

@@ -1,0 +1,158 @@
+"""A whole local stack: upstream, the extauthz server (a real process), and Envoy.
+
+Used by ``extauthz demo``, the end-to-end tests and the benchmarks, so all three run the
+same Envoy config (``envoy/envoy.yaml``) and the same server command.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+from .envoy import EnvoyProcess, render_config
+from .upstream import Upstream, start_upstream
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_health(port: int, timeout: float = 15.0, proc: subprocess.Popen[bytes] | None = None,
+                    log: Path | None = None) -> None:
+    """Block until the gRPC health service on ``port`` answers SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if proc is not None and proc.poll() is not None:
+                tail = log.read_text(errors="replace")[-2000:] if log else ""
+                raise RuntimeError(f"extauthz server exited with {proc.returncode}:\n{tail}")
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=0.5)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                tail = log.read_text(errors="replace")[-2000:] if log else ""
+                raise TimeoutError(f"extauthz server on port {port} not serving after {timeout} s\n{tail}")
+            time.sleep(0.05)
+
+
+class ServerProcess:
+    """``python -m extauthz serve`` on a free port, with its log in a file."""
+
+    def __init__(self, policies: Sequence[str | Path], *, args: Sequence[str] = (),
+                 env: dict[str, str] | None = None, port: int | None = None,
+                 workdir: Path | None = None) -> None:
+        self.port = port or free_port()
+        self.admin_port = free_port()
+        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="extauthz-server-"))
+        self.log_path = self.workdir / f"server-{self.port}.log"
+        self.cmd = [
+            sys.executable, "-m", "extauthz", "serve",
+            "--policies", *map(str, policies),
+            "--listen", f"127.0.0.1:{self.port}",
+            "--admin-listen", f"127.0.0.1:{self.admin_port}",
+            *args,
+        ]
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 20.0) -> Self:
+        log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=self.env)
+        log.close()
+        try:
+            wait_for_health(self.port, timeout, self.proc, self.log_path)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class Stack:
+    """Upstream + extauthz server process + Envoy, on free loopback ports."""
+
+    def __init__(self, policies: Sequence[str | Path], *, server_args: Sequence[str] = (),
+                 server_env: dict[str, str] | None = None, envoy_concurrency: int = 1,
+                 otel: tuple[str, int] | None = None, **render: Any) -> None:
+        self.policies = policies
+        self.server_args = server_args
+        self.server_env = server_env
+        self.envoy_concurrency = envoy_concurrency
+        self.otel = otel
+        self.render = render
+        self.upstream: Upstream | None = None
+        self.server: ServerProcess | None = None
+        self.envoy: EnvoyProcess | None = None
+
+    def start(self) -> Self:
+        try:
+            self.upstream = start_upstream()
+            self.server = ServerProcess(self.policies, args=self.server_args, env=self.server_env).start()
+            config = render_config(
+                listen_port=0, admin_port=0, extauthz=("127.0.0.1", self.server.port),
+                upstream=("127.0.0.1", self.upstream.port),
+                otel=self.otel or ("127.0.0.1", free_port()), **self.render,
+            )
+            self.envoy = EnvoyProcess(config, concurrency=self.envoy_concurrency).start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def url(self) -> str:
+        assert self.envoy is not None
+        return self.envoy.url
+
+    def stop(self) -> None:
+        if self.envoy is not None:
+            self.envoy.stop()
+        if self.server is not None:
+            self.server.stop()
+        if self.upstream is not None:
+            self.upstream.stop()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

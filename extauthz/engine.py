@@ -1,0 +1,282 @@
+"""The engine: classify, run every applicable limiter, decide. No grpc here.
+
+This module is the one place that decides fail-open: a store error or a missed deadline
+becomes an allowed verdict (``failed_open``) for limiters with ``failure_mode: open`` and
+a 503 (``failed_closed``) for those with ``failure_mode: closed``, counted by reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .classify import Classifier
+from .clock import SYSTEM_CLOCK, Clock
+from .context import RawRequest, RequestContext
+from .errors import CircuitOpen, StoreError, StoreTimeout
+from .limiters import Limiter, WorkerUtilizationShedder, build_limiters
+from .limiters.base import applies
+from .policy.model import Policy
+from .store.base import CheckResult, LeaseOp, Op, Store
+from .store.keys import Keys
+from .verdict import Decision, Mode, Outcome, Verdict
+
+
+@dataclass(frozen=True, slots=True)
+class Switches:
+    """Runtime kill switches. ``global_mode`` caps every limiter (``off`` < ``shadow`` <
+    ``enforce``); a per-limiter switch replaces that limiter's policy ``mode``."""
+
+    global_mode: Mode | None = None
+    limiters: Mapping[str, Mode] = field(default_factory=dict)
+
+    def effective(self, name: str, policy_mode: Mode) -> Mode:
+        mode = self.limiters.get(name, policy_mode)
+        if self.global_mode is Mode.OFF:
+            return Mode.OFF
+        if self.global_mode is Mode.SHADOW and mode is Mode.ENFORCE:
+            return Mode.SHADOW
+        return mode
+
+    def to_dict(self) -> dict[str, str]:
+        out = {name: mode.value for name, mode in sorted(self.limiters.items())}
+        if self.global_mode is not None:
+            out["*"] = self.global_mode.value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, str]) -> Switches:
+        g = data.get("*")
+        return cls(
+            global_mode=Mode(g) if g else None,
+            limiters={k: Mode(v) for k, v in data.items() if k != "*"},
+        )
+
+
+class Observer(Protocol):
+    def decided(self, ctx: RequestContext, decision: Decision, policy: Policy) -> None: ...
+
+    def store_failed(self, reason: str) -> None: ...
+
+
+class NullObserver:
+    def decided(self, ctx: RequestContext, decision: Decision, policy: Policy) -> None:
+        return None
+
+    def store_failed(self, reason: str) -> None:
+        return None
+
+
+class Breaker:
+    """Circuit breaker: after ``threshold`` consecutive failures, skip the store for
+    ``open_for`` seconds, then let one probe through; success closes it again."""
+
+    def __init__(self, clock: Clock, threshold: int = 5, open_for: float = 1.0) -> None:
+        self._clock = clock
+        self.threshold = threshold
+        self.open_for = open_for
+        self.failures = 0
+        self.open_until = 0.0
+        self._probing = False
+
+    @property
+    def state(self) -> str:
+        if self.failures < self.threshold:
+            return "closed"
+        return "half_open" if self._clock.monotonic() >= self.open_until else "open"
+
+    def allow(self) -> bool:
+        if self.failures < self.threshold:
+            return True
+        if self._probing or self._clock.monotonic() < self.open_until:
+            return False
+        self._probing = True
+        return True
+
+    def success(self) -> None:
+        self.failures = 0
+        self._probing = False
+
+    def failure(self) -> None:
+        self.failures += 1
+        self._probing = False
+        if self.failures >= self.threshold:
+            self.open_until = self._clock.monotonic() + self.open_for
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Everything a decision reads, replaced as a whole on reload or switch change."""
+
+    policy: Policy
+    classifier: Classifier
+    limiters: tuple[Limiter, ...]
+    #: (limiter, enforce) for every limiter whose effective mode is not ``off``.
+    active: tuple[tuple[Limiter, bool], ...]
+    switches: Switches
+
+    @property
+    def workers(self) -> tuple[WorkerUtilizationShedder, ...]:
+        return tuple([lim for lim in self.limiters if isinstance(lim, WorkerUtilizationShedder)])
+
+
+class Engine:
+    def __init__(
+        self,
+        store: Store,
+        policy: Policy,
+        *,
+        keys: Keys | None = None,
+        deadline: float = 0.005,
+        clock: Clock = SYSTEM_CLOCK,
+        rng: random.Random | None = None,
+        observer: Observer | None = None,
+        salt: bytes = b"",
+        breaker: Breaker | None = None,
+    ) -> None:
+        self.store = store
+        self.keys = keys or Keys()
+        self.deadline = deadline
+        self.clock = clock
+        self._rng = rng
+        self.observer: Observer = observer or NullObserver()
+        self._salt = salt
+        self.breaker = breaker or Breaker(clock)
+        self.failures: dict[str, int] = {}
+        self.snapshot = self._build(policy, Switches(), None)
+
+    # -- configuration ------------------------------------------------------------------
+    def _build(self, policy: Policy, switches: Switches, old: Snapshot | None,
+               limiters: tuple[Limiter, ...] | None = None) -> Snapshot:
+        if limiters is None:
+            limiters = build_limiters(policy, self.keys, self._rng)
+            if old is not None:  # a reload keeps each shedder's level
+                levels = {w.name: w.level for w in old.workers}
+                for lim in limiters:
+                    if isinstance(lim, WorkerUtilizationShedder) and lim.name in levels:
+                        lim.set_level(levels[lim.name])
+        modes = {spec.name: Mode(spec.mode) for spec in policy.limiters}
+        active = tuple(
+            (lim, mode is Mode.ENFORCE)
+            for lim in limiters
+            if (mode := switches.effective(lim.name, modes[lim.name])) is not Mode.OFF
+        )
+        return Snapshot(policy, Classifier(policy, self._salt), limiters, active, switches)
+
+    def set_policy(self, policy: Policy) -> None:
+        self.snapshot = self._build(policy, self.snapshot.switches, self.snapshot)
+
+    def set_switches(self, switches: Switches) -> None:
+        old = self.snapshot
+        if switches != old.switches:
+            self.snapshot = self._build(old.policy, switches, old, old.limiters)
+
+    # -- the request path -----------------------------------------------------------------
+    def context(self, raw: RawRequest) -> RequestContext:
+        return self.snapshot.classifier.context(raw)
+
+    async def check(self, raw: RawRequest) -> tuple[RequestContext, Decision]:
+        ctx = self.context(raw)
+        return ctx, await self.decide(ctx)
+
+    async def decide(self, ctx: RequestContext) -> Decision:
+        snap = self.snapshot
+        verdicts: list[Verdict] = []
+        refused: Verdict | None = None
+        pending: list[tuple[Limiter, bool, Verdict | None]] = []
+        ops: list[Op] = []
+        for lim, enforce in snap.active:
+            if not applies(lim.applies_to, ctx):
+                continue
+            local = lim.local(ctx, enforce)
+            if local is not None and refused is None and local.refused:
+                refused = local
+            op = lim.op(ctx, enforce)
+            if op is None:
+                if local is not None:
+                    verdicts.append(local)
+                continue
+            ops.append(op)
+            pending.append((lim, enforce, local))
+
+        failures: tuple[str, ...] = ()
+        lease_keys: tuple[str, ...] = ()
+        lease_id = ""
+        if refused is not None:
+            # A local shedder refused: the store is not asked, nothing is committed.
+            verdicts.extend(v for _, _, v in pending if v is not None)
+        elif ops:
+            lease_id = os.urandom(8).hex()
+            try:
+                result = await self._store_check(ops, lease_id)
+            except StoreError as exc:
+                failures = (exc.reason,)
+                for lim, _, local in pending:
+                    if local is not None:
+                        verdicts.append(local)
+                    elif lim.failure_mode == "closed":
+                        v = Verdict(lim.name, lim.kind, Outcome.FAILED_CLOSED,
+                                    retry_after=1.0, reason=f"store_{exc.reason}")
+                        verdicts.append(v)
+                        refused = refused or v
+                    else:
+                        verdicts.append(Verdict(lim.name, lim.kind, Outcome.FAILED_OPEN,
+                                                reason=f"store_{exc.reason}"))
+                lease_id = ""
+            else:
+                held = []
+                for (lim, enforce, local), op, res in zip(pending, ops, result.results, strict=True):
+                    v = local if local is not None else lim.verdict(ctx, res, enforce)
+                    verdicts.append(v)
+                    if v.refused and refused is None:
+                        refused = v
+                    if result.admitted and res.allowed and isinstance(op, LeaseOp):
+                        held.append(op.key)
+                lease_keys = tuple(held)
+                if not lease_keys:
+                    lease_id = ""
+        decision = Decision(
+            allowed=refused is None,
+            tier=ctx.tier,
+            verdicts=tuple(verdicts),
+            denied_by=refused,
+            leases=lease_keys,
+            lease_id=lease_id,
+            failures=failures,
+        )
+        self.observer.decided(ctx, decision, snap.policy)
+        return decision
+
+    async def _store_check(self, ops: Sequence[Op], lease_id: str) -> CheckResult:
+        if not self.breaker.allow():
+            self._failed(CircuitOpen.reason)
+            raise CircuitOpen("circuit open")
+        try:
+            async with asyncio.timeout(self.deadline):
+                result = await self.store.check(ops, lease_id)
+        except TimeoutError:
+            self.breaker.failure()
+            self._failed(StoreTimeout.reason)
+            raise StoreTimeout(f"store did not answer within {self.deadline * 1000:.0f} ms") from None
+        except StoreError as exc:
+            self.breaker.failure()
+            self._failed(exc.reason)
+            raise
+        self.breaker.success()
+        return result
+
+    def _failed(self, reason: str) -> None:
+        self.failures[reason] = self.failures.get(reason, 0) + 1
+        self.observer.store_failed(reason)
+
+    async def release(self, keys: Sequence[str], lease_id: str) -> int:
+        """Release a finished request's leases. Errors propagate to the caller."""
+        if not keys or not lease_id:
+            return 0
+        async with asyncio.timeout(max(self.deadline * 10, 0.05)):
+            return await self.store.release(keys, lease_id)
+

@@ -1,0 +1,50 @@
+"""The error hierarchy. Store errors are wrapped once, in the store, into these types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ExtauthzError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyIssue:
+    """One problem in a policy file: where it is and what is wrong."""
+
+    file: str
+    path: str
+    line: int | None
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.file}:{self.line}" if self.line is not None else self.file
+        field = f" {self.path}:" if self.path else ""
+        return f"{where}:{field} {self.message}"
+
+
+class PolicyError(ExtauthzError):
+    """A policy could not be loaded. ``issues`` lists every problem found."""
+
+    def __init__(self, issues: list[PolicyIssue]) -> None:
+        self.issues = issues
+        super().__init__("\n".join(str(i) for i in issues))
+
+
+class StoreError(ExtauthzError):
+    """The store could not answer. ``reason`` is a stable metrics label."""
+
+    reason = "error"
+
+
+class StoreTimeout(StoreError):
+    reason = "timeout"
+
+
+class StoreUnavailable(StoreError):
+    reason = "unavailable"
+
+
+class CircuitOpen(StoreError):
+    reason = "circuit_open"

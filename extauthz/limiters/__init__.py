@@ -1,0 +1,48 @@
+"""Limiters and load shedders, one module per kind, all behind :class:`Limiter`."""
+
+from __future__ import annotations
+
+import random
+
+from ..policy.model import Policy
+from ..policy.schema import (
+    ConcurrentRequestsSpec,
+    FleetUsageSpec,
+    RequestRateSpec,
+    WorkerUtilizationSpec,
+)
+from ..store.keys import Keys
+from .base import Limiter
+from .concurrent import ConcurrentRequestsLimiter
+from .fleet import FleetUsageShedder
+from .request_rate import RequestRateLimiter
+from .worker import WorkerUtilizationShedder
+
+__all__ = [
+    "ConcurrentRequestsLimiter",
+    "FleetUsageShedder",
+    "Limiter",
+    "RequestRateLimiter",
+    "WorkerUtilizationShedder",
+    "build_limiters",
+]
+
+
+def build_limiters(policy: Policy, keys: Keys, rng: random.Random | None = None) -> tuple[Limiter, ...]:
+    """One limiter object per policy entry, in policy order."""
+    fleet_keys: tuple[str, ...] = ()
+    for spec in policy.limiters:
+        if isinstance(spec, FleetUsageSpec) and spec.mode != "off":
+            fleet_keys = FleetUsageShedder(spec, keys).lease_keys
+            break
+    out: list[Limiter] = []
+    for spec in policy.limiters:
+        if isinstance(spec, RequestRateSpec):
+            out.append(RequestRateLimiter(spec, keys))
+        elif isinstance(spec, ConcurrentRequestsSpec):
+            out.append(ConcurrentRequestsLimiter(spec, keys))
+        elif isinstance(spec, FleetUsageSpec):
+            out.append(FleetUsageShedder(spec, keys))
+        elif isinstance(spec, WorkerUtilizationSpec):
+            out.append(WorkerUtilizationShedder(spec, keys, rng=rng, inflight_keys=fleet_keys))
+    return tuple(out)

@@ -1,0 +1,224 @@
+"""Load policy files: YAML with line numbers, strict validation, merge, compile.
+
+This is the one validator. The server, ``extauthz check-policies`` and the tests all call
+:func:`load_policy`; every problem is reported with the file, the dotted field path and
+the line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from ..errors import PolicyError, PolicyIssue
+from .model import Policy, compile_policy
+from .schema import LIMITER_TYPES, PolicyFile
+
+YAML_SUFFIXES = (".yaml", ".yml")
+_PathKey = tuple[str | int, ...]
+
+
+def format_path(path: Sequence[str | int]) -> str:
+    out = ""
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+def policy_files(paths: Iterable[Path]) -> list[Path]:
+    """The YAML files a set of paths names: files as given, directories' top-level files.
+
+    Hidden entries are skipped, so a Kubernetes ConfigMap mount (``..data`` symlinks) is
+    read once, through its visible symlinks.
+    """
+    files: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            files.extend(
+                sorted(
+                    p for p in path.iterdir()
+                    if p.suffix in YAML_SUFFIXES and not p.name.startswith(".") and p.is_file()
+                )
+            )
+        else:
+            files.append(path)
+    return files
+
+
+class _Document:
+    """A parsed YAML document: plain data plus the line of every key and item."""
+
+    def __init__(self, file: str, text: str) -> None:
+        self.file = file
+        self.lines: dict[_PathKey, int] = {}
+        self.issues: list[PolicyIssue] = []
+        loader = yaml.SafeLoader(text)
+        try:
+            node = loader.get_single_node()
+            self.data: Any = None if node is None else self._build(loader, node, ())
+        except yaml.MarkedYAMLError as exc:
+            mark = exc.problem_mark or exc.context_mark
+            line = mark.line + 1 if mark is not None else None
+            problem = exc.problem or str(exc)
+            if exc.context and exc.context_mark is not None:
+                problem += f" ({exc.context} started on line {exc.context_mark.line + 1})"
+            self.issues.append(PolicyIssue(file, "", line, f"YAML syntax error: {problem}"))
+            self.data = None
+        finally:
+            loader.dispose()
+
+    def _build(self, loader: yaml.SafeLoader, node: yaml.Node, path: _PathKey) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            loader.flatten_mapping(node)
+            out: dict[str, Any] = {}
+            for key_node, value_node in node.value:
+                key = loader.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                if not isinstance(key, str):
+                    self.issues.append(
+                        PolicyIssue(self.file, format_path(path), line, f"key {key!r} is not a string")
+                    )
+                    continue
+                if key in out:
+                    self.issues.append(
+                        PolicyIssue(
+                            self.file, format_path((*path, key)), line,
+                            f"duplicate key '{key}' (first on line {self.lines[(*path, key)]})",
+                        )
+                    )
+                    continue
+                self.lines[(*path, key)] = line
+                out[key] = self._build(loader, value_node, (*path, key))
+            return out
+        if isinstance(node, yaml.SequenceNode):
+            items = []
+            for i, item in enumerate(node.value):
+                self.lines[(*path, i)] = item.start_mark.line + 1
+                items.append(self._build(loader, item, (*path, i)))
+            return items
+        return loader.construct_object(node, deep=True)
+
+    def line_of(self, path: _PathKey) -> int | None:
+        while path:
+            if path in self.lines:
+                return self.lines[path]
+            path = path[:-1]
+        return 1
+
+
+def _message(err: dict[str, Any]) -> str:
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return "unknown field"
+    if kind == "missing":
+        return "required field is missing"
+    if kind == "union_tag_invalid":
+        tag = err.get("ctx", {}).get("tag")
+        return f"unknown limiter type {tag!r} (expected one of: {', '.join(LIMITER_TYPES)})"
+    if kind == "union_tag_not_found":
+        return f"'type' is missing (one of: {', '.join(LIMITER_TYPES)})"
+    if kind == "literal_error":
+        return f"{err['msg']} (got {err.get('input')!r})"
+    msg = str(err["msg"])
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    return msg
+
+
+def _clean_loc(loc: Sequence[str | int]) -> _PathKey:
+    """Drop the discriminator tags pydantic inserts after ``limiters[i]``."""
+    out: list[str | int] = []
+    for i, part in enumerate(loc):
+        if (
+            isinstance(part, str) and part in LIMITER_TYPES and i >= 2
+            and loc[i - 2] == "limiters" and isinstance(loc[i - 1], int)
+        ):
+            continue
+        out.append(part)
+    return tuple(out)
+
+
+def parse_file(file: str, text: str) -> tuple[PolicyFile | None, _Document, list[PolicyIssue]]:
+    doc = _Document(file, text)
+    issues = list(doc.issues)
+    if issues:
+        return None, doc, issues
+    if not isinstance(doc.data, dict):
+        return None, doc, [PolicyIssue(file, "", 1, "a policy file is a mapping with 'version: 1'")]
+    try:
+        return PolicyFile.model_validate(doc.data), doc, []
+    except ValidationError as exc:
+        for err in exc.errors():
+            loc = _clean_loc(err["loc"])
+            issues.append(PolicyIssue(file, format_path(loc), doc.line_of(loc), _message(dict(err))))
+        return None, doc, issues
+
+
+_SINGLETONS = ("identity", "test_mode", "classification")
+
+
+def load_policy(paths: Sequence[Path | str]) -> Policy:
+    """Load, validate, merge and compile a policy. Raises :class:`PolicyError`."""
+    resolved = [Path(p) for p in paths]
+    issues: list[PolicyIssue] = []
+    for p in resolved:
+        if not p.exists():
+            issues.append(PolicyIssue(str(p), "", None, "no such file or directory"))
+    files = policy_files(p for p in resolved if p.exists())
+    if not files and not issues:
+        issues.append(PolicyIssue(", ".join(map(str, resolved)), "", None, "no policy files (*.yaml, *.yml)"))
+    digest = hashlib.sha256()
+    parsed: list[tuple[str, PolicyFile, _Document]] = []
+    for f in files:
+        try:
+            raw = f.read_bytes()
+        except OSError as exc:
+            issues.append(PolicyIssue(str(f), "", None, f"cannot read: {exc.strerror}"))
+            continue
+        digest.update(f.name.encode() + b"\0" + raw + b"\0")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            issues.append(PolicyIssue(str(f), "", None, "not UTF-8 text"))
+            continue
+        model, doc, file_issues = parse_file(str(f), text)
+        issues.extend(file_issues)
+        if model is not None:
+            parsed.append((str(f), model, doc))
+
+    # Merge: singleton sections in one file only; limiter names unique across files.
+    owner: dict[str, str] = {}
+    names: dict[str, tuple[str, int | None]] = {}
+    for file, model, doc in parsed:
+        for section in _SINGLETONS:
+            if getattr(model, section) is None:
+                continue
+            if section in owner:
+                issues.append(PolicyIssue(
+                    file, section, doc.line_of((section,)),
+                    f"'{section}' is already set in {owner[section]}; it may appear in one file only",
+                ))
+            else:
+                owner[section] = file
+        for i, spec in enumerate(model.limiters):
+            line = doc.line_of(("limiters", i, "name"))
+            if spec.name in names:
+                first_file, first_line = names[spec.name]
+                issues.append(PolicyIssue(
+                    file, f"limiters[{i}].name", line,
+                    f"duplicate limiter name '{spec.name}' (first in {first_file}:{first_line})",
+                ))
+            else:
+                names[spec.name] = (file, line)
+    if issues:
+        raise PolicyError(issues)
+    return compile_policy([m for _, m, _ in parsed], version=digest.hexdigest()[:12],
+                          sources=tuple(f for f, _, _ in parsed))

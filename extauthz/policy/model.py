@@ -1,0 +1,122 @@
+"""The compiled policy: frozen data the request path only reads."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ..tiers import Tier
+from .schema import AppliesTo, LimiterSpec, Match, PolicyFile
+
+
+@dataclass(frozen=True, slots=True)
+class Matcher:
+    """Method, path prefix, host and header conditions; an unset condition matches all."""
+
+    methods: frozenset[str] | None = None
+    path_prefix: str | None = None
+    hosts: frozenset[str] | None = None
+    headers: tuple[tuple[str, str], ...] = ()
+    tiers: frozenset[Tier] | None = None
+
+    def matches(self, method: str, path: str, host: str, headers: Mapping[str, str],
+                tier: Tier | None = None) -> bool:
+        if self.methods is not None and method not in self.methods:
+            return False
+        if self.path_prefix is not None and not path.startswith(self.path_prefix):
+            return False
+        if self.hosts is not None and host.split(":", 1)[0].lower() not in self.hosts:
+            return False
+        for name, value in self.headers:
+            if headers.get(name) != value:
+                return False
+        return not (self.tiers is not None and tier is not None and tier not in self.tiers)
+
+    @property
+    def header_names(self) -> frozenset[str]:
+        return frozenset(name for name, _ in self.headers)
+
+
+def compile_match(m: Match | AppliesTo) -> Matcher:
+    headers = getattr(m, "headers", None) or {}
+    tiers = getattr(m, "tiers", None)
+    return Matcher(
+        methods=frozenset(m.methods) if m.methods else None,
+        path_prefix=m.path_prefix or None,
+        hosts=frozenset(h.lower() for h in m.hosts) if m.hosts else None,
+        headers=tuple((k.lower(), v) for k, v in sorted(headers.items())),
+        tiers=frozenset(Tier(t) for t in tiers) if tiers else None,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class IdentitySource:
+    header: str | None
+    strip_prefix: str | None
+    source_ip: bool
+
+    @property
+    def label(self) -> str:
+        return "source_ip" if self.source_ip else f"header:{self.header}"
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    matcher: Matcher
+    tier: Tier
+
+
+DEFAULT_IDENTITY = (IdentitySource(None, None, True),)
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    version: str
+    sources: tuple[str, ...]
+    identity: tuple[IdentitySource, ...]
+    test_key_prefix: str | None
+    test_header: str | None
+    route_metadata_namespace: str
+    context_extension_key: str
+    rules: tuple[Rule, ...]
+    limiters: tuple[LimiterSpec, ...]
+
+    @property
+    def needed_headers(self) -> frozenset[str]:
+        """The request headers the engine reads; the edge copies only these."""
+        names = {s.header for s in self.identity if s.header}
+        if self.test_header:
+            names.add(self.test_header)
+        for rule in self.rules:
+            names |= rule.matcher.header_names
+        return frozenset(n.lower() for n in names)
+
+    def limiter(self, name: str) -> LimiterSpec | None:
+        for spec in self.limiters:
+            if spec.name == name:
+                return spec
+        return None
+
+
+def compile_policy(files: Sequence[PolicyFile], *, version: str,
+                   sources: tuple[str, ...] = ()) -> Policy:
+    identity = next((f.identity for f in files if f.identity is not None), None)
+    test_mode = next((f.test_mode for f in files if f.test_mode is not None), None)
+    classification = next((f.classification for f in files if f.classification is not None), None)
+    limiters = tuple(spec for f in files for spec in f.limiters)
+    return Policy(
+        version=version,
+        sources=sources,
+        identity=tuple(
+            IdentitySource(r.header.lower() if r.header else None, r.strip_prefix, r.source_ip)
+            for r in identity
+        ) if identity else DEFAULT_IDENTITY,
+        test_key_prefix=test_mode.key_prefix if test_mode else None,
+        test_header=test_mode.header.lower() if test_mode and test_mode.header else None,
+        route_metadata_namespace=classification.route_metadata_namespace if classification else "extauthz",
+        context_extension_key=classification.context_extension_key if classification else "tier",
+        rules=tuple(
+            Rule(compile_match(r.match), Tier(r.tier)) for r in classification.rules
+        ) if classification else (),
+        limiters=limiters,
+    )

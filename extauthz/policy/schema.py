@@ -1,0 +1,227 @@
+"""The policy file schema: strict, typed, and the source of the published JSON Schema.
+
+Every model forbids unknown keys. Durations and rates are parsed here, once, so the
+request path only reads numbers. See ``docs/policy.md`` for the field reference.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(s|m|h)\s*$")
+
+
+def parse_duration(value: Any) -> Any:
+    """``"60s"``, ``"500ms"``, ``"2m"``, ``"1h"`` or a number of seconds."""
+    if isinstance(value, bool):
+        raise ValueError("a duration must be a number of seconds or a string like '60s'")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        m = _DURATION.match(value)
+        if m is None:
+            raise ValueError(
+                f"bad duration {value!r}: use a number of seconds or a string like "
+                "'500ms', '60s', '2m', '1h'"
+            )
+        return float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
+    raise ValueError("a duration must be a number of seconds or a string like '60s'")
+
+
+def parse_rate(value: Any) -> Any:
+    """A number of tokens per second, or ``"100/s"``, ``"6000/m"``, ``"10/h"``."""
+    if isinstance(value, bool):
+        raise ValueError("a rate must be a number (per second) or a string like '100/s'")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        m = _RATE.match(value)
+        if m is None:
+            raise ValueError(f"bad rate {value!r}: use a number per second or '100/s', '6000/m'")
+        return float(m.group(1)) / _UNIT_SECONDS[m.group(2)]
+    raise ValueError("a rate must be a number (per second) or a string like '100/s'")
+
+
+def _upper_methods(value: Any) -> Any:
+    if isinstance(value, list):
+        return [v.upper() if isinstance(v, str) else v for v in value]
+    return value
+
+
+Duration = Annotated[
+    float, BeforeValidator(parse_duration), Field(ge=0),
+    WithJsonSchema({"anyOf": [{"type": "number", "minimum": 0},
+                              {"type": "string", "pattern": _DURATION.pattern}],
+                    "description": "seconds, or a string like '500ms', '60s', '2m', '1h'"}),
+]
+Rate = Annotated[
+    float, BeforeValidator(parse_rate), Field(gt=0),
+    WithJsonSchema({"anyOf": [{"type": "number", "exclusiveMinimum": 0},
+                              {"type": "string", "pattern": _RATE.pattern}],
+                    "description": "per second, or a string like '100/s', '6000/m'"}),
+]
+Methods = Annotated[list[str], BeforeValidator(_upper_methods)]
+Name = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_.-]{0,62}$")]
+# Literals rather than enums: strict validation of Python input accepts no strings for enums.
+TierName = Literal["critical", "post", "get", "test"]
+ModeName = Literal["enforce", "shadow", "off"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class IdentityRule(_Strict):
+    """One way to name the user. The first rule that yields a value wins."""
+
+    header: str | None = Field(None, description="Request header holding the identity.")
+    strip_prefix: str | None = Field(
+        None, description="Prefix removed from the header value (e.g. 'Bearer '); "
+        "a value without it yields nothing."
+    )
+    source_ip: bool = Field(False, description="Use the downstream peer address.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> IdentityRule:
+        if (self.header is None) == (not self.source_ip):
+            raise ValueError("an identity rule names exactly one of 'header' or 'source_ip: true'")
+        if self.strip_prefix is not None and self.header is None:
+            raise ValueError("'strip_prefix' needs 'header'")
+        return self
+
+
+class TestModeSpec(_Strict):
+    """How to recognise test-mode traffic (always the ``test`` tier, shed first)."""
+
+    __test__ = False  # not a pytest test class
+
+    key_prefix: str | None = Field(None, description="Identities starting with this are test mode.")
+    header: str | None = Field(None, description="A request header that is 'true' in test mode.")
+
+
+class Match(_Strict):
+    methods: Methods | None = None
+    path_prefix: str | None = None
+    hosts: list[str] | None = None
+    headers: dict[str, str] | None = Field(
+        None, description="Header name to exact value; all must match."
+    )
+
+
+class ClassificationRule(_Strict):
+    match: Match
+    tier: TierName
+
+
+class Classification(_Strict):
+    route_metadata_namespace: str = Field(
+        "extauthz", description="filter_metadata namespace of the route holding 'tier'."
+    )
+    context_extension_key: str = Field("tier", description="context_extensions key naming the tier.")
+    rules: list[ClassificationRule] = Field(default_factory=list)
+
+
+class AppliesTo(_Strict):
+    tiers: list[TierName] | None = None
+    methods: Methods | None = None
+    path_prefix: str | None = None
+    hosts: list[str] | None = None
+
+
+class _LimiterBase(_Strict):
+    name: Name
+    mode: ModeName = "enforce"
+    applies_to: AppliesTo = Field(default_factory=AppliesTo)
+    failure_mode: Literal["open", "closed"] = "open"
+
+
+class RequestRateSpec(_LimiterBase):
+    """Token bucket per user: ``rate`` tokens per second up to ``burst``."""
+
+    type: Literal["request_rate"]
+    rate: Rate
+    burst: Annotated[float, Field(gt=0)]
+    cost: Annotated[float, Field(gt=0)] = 1.0
+
+    @model_validator(mode="after")
+    def _cost_fits(self) -> RequestRateSpec:
+        if self.cost > self.burst:
+            raise ValueError(f"cost ({self.cost:g}) is larger than burst ({self.burst:g}): "
+                             "no request could ever pass")
+        return self
+
+
+class ConcurrentRequestsSpec(_LimiterBase):
+    """At most ``limit`` requests in flight per user."""
+
+    type: Literal["concurrent_requests"]
+    limit: Annotated[int, Field(ge=1)]
+    lease_ttl: Annotated[Duration, Field(ge=1)] = 60.0
+
+
+class FleetUsageSpec(_LimiterBase):
+    """Fleet-wide in-flight cap keeping ``reserved_for_critical`` for critical traffic."""
+
+    type: Literal["fleet_usage"]
+    capacity: Annotated[int, Field(ge=1)]
+    reserved_for_critical: Annotated[float, Field(ge=0, lt=1)] = 0.2
+    lease_ttl: Annotated[Duration, Field(ge=1)] = 60.0
+
+
+class Signal(_Strict):
+    source: Literal["inflight", "redis", "envoy_admin"]
+    capacity: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="Upstream workers (inflight, envoy_admin)."
+    )
+    key: str | None = Field(None, description="Store key the services publish into (redis).")
+    url: str | None = Field(None, description="Envoy admin base URL (envoy_admin).")
+    cluster: str | None = Field(None, description="Envoy upstream cluster name (envoy_admin).")
+
+    @model_validator(mode="after")
+    def _fields_for_source(self) -> Signal:
+        if self.source in ("inflight", "envoy_admin") and self.capacity is None:
+            raise ValueError(f"signal source '{self.source}' needs 'capacity'")
+        if self.source == "envoy_admin" and (self.url is None or self.cluster is None):
+            raise ValueError("signal source 'envoy_admin' needs 'url' and 'cluster'")
+        return self
+
+
+class WorkerUtilizationSpec(_LimiterBase):
+    """Sheds test, then GET, then POST traffic when utilization stays bad; never critical."""
+
+    type: Literal["worker_utilization"]
+    signal: Signal
+    sample_interval: Annotated[Duration, Field(gt=0)] = 8.0
+    good_below: Annotated[float, Field(gt=0, lt=1)] = 0.7
+    bad_above: Annotated[float, Field(gt=0, lt=1)] = 0.8
+    delay_before_shedding: Duration = 28.0
+    time_to_shed_all: Annotated[Duration, Field(gt=0)] = 120.0
+    lease_ttl: Annotated[Duration, Field(ge=1)] = 60.0
+
+    @model_validator(mode="after")
+    def _dead_zone(self) -> WorkerUtilizationSpec:
+        if self.good_below > self.bad_above:
+            raise ValueError(f"good_below ({self.good_below:g}) is above bad_above ({self.bad_above:g})")
+        return self
+
+
+LimiterSpec = Annotated[
+    RequestRateSpec | ConcurrentRequestsSpec | FleetUsageSpec | WorkerUtilizationSpec,
+    Field(discriminator="type"),
+]
+LIMITER_TYPES = ("request_rate", "concurrent_requests", "fleet_usage", "worker_utilization")
+
+
+class PolicyFile(_Strict):
+    """One policy file. A directory of them is merged into one policy."""
+
+    version: Literal[1]
+    identity: list[IdentityRule] | None = None
+    test_mode: TestModeSpec | None = None
+    classification: Classification | None = None
+    limiters: list[LimiterSpec] = Field(default_factory=list)

@@ -1,0 +1,1 @@
+"""The gRPC edge: Envoy's Authorization and AccessLogService APIs, health, admin."""

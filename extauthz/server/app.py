@@ -1,0 +1,123 @@
+"""Build every dependency in one place and run the servers.
+
+:class:`Server` is what ``extauthz serve`` runs and what the tests start in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from ..clock import SYSTEM_CLOCK, Clock
+from ..engine import Engine
+from ..policy import Policy, load_policy
+from ..proto import accesslog_pb2_grpc, auth_pb2_grpc
+from ..store.base import Store
+from ..store.keys import Keys
+from ..store.memory import MemoryStore
+from .services import AccessLogService, AuthorizationService
+
+log = logging.getLogger("extauthz.server")
+
+AUTH_SERVICE = "envoy.service.auth.v3.Authorization"
+ACCESSLOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
+
+
+@dataclass
+class ServerConfig:
+    policies: list[str] = field(default_factory=lambda: ["policies"])
+    listen: str = "0.0.0.0:9001"
+    redis_url: str | None = None
+    store_deadline_ms: float = 5.0
+    key_prefix: str = "extauthz"
+    identity_salt: str = ""
+    admin_listen: str = "127.0.0.1:9002"
+    metrics_listen: str | None = None
+    grace_seconds: float = 5.0
+
+
+def make_store(config: ServerConfig, clock: Clock = SYSTEM_CLOCK) -> Store:
+    if not config.redis_url:
+        return MemoryStore(clock)
+    from ..store.redis import RedisStore  # imported only when Redis is asked for
+
+    return RedisStore.from_url(config.redis_url, deadline=config.store_deadline_ms / 1000.0)
+
+
+class Server:
+    def __init__(self, config: ServerConfig, *, policy: Policy | None = None,
+                 store: Store | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.config = config
+        self.clock = clock
+        self.policy = policy if policy is not None else load_policy(config.policies)
+        self.store = store if store is not None else make_store(config, clock)
+        self.engine = Engine(
+            self.store, self.policy, keys=Keys(config.key_prefix),
+            deadline=config.store_deadline_ms / 1000.0, clock=clock,
+            salt=config.identity_salt.encode(),
+        )
+        self.health = health.aio.HealthServicer()
+        self.accesslog = AccessLogService(self.engine)
+        self.grpc: grpc.aio.Server | None = None
+        self.port = 0
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> int:
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        auth_pb2_grpc.add_AuthorizationServicer_to_server(AuthorizationService(self.engine), server)
+        accesslog_pb2_grpc.add_AccessLogServiceServicer_to_server(self.accesslog, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        self.port = server.add_insecure_port(self.config.listen)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self.config.listen}")
+        await server.start()
+        self.grpc = server
+        for name in ("", AUTH_SERVICE, ACCESSLOG_SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving on port %d with policy %s (%s store)", self.port,
+                 self.policy.version, self.store.name)
+        return self.port
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Graceful stop: NOT_SERVING first, let in-flight calls finish, then close."""
+        await self.health.enter_graceful_shutdown()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.grpc is not None:
+            await self.grpc.stop(self.config.grace_seconds if grace is None else grace)
+        await self.store.close()
+
+    async def wait(self) -> None:
+        if self.grpc is not None:
+            await self.grpc.wait_for_termination()
+
+
+async def run(config: ServerConfig) -> None:
+    server = Server(config)
+    await server.start()
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    await stopping.wait()
+    log.info("stopping: health NOT_SERVING, finishing in-flight calls")
+    await server.stop()
+
+
+def serve(config: ServerConfig) -> None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        asyncio.run(run(config))
+    else:
+        uvloop.run(run(config))
+

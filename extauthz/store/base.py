@@ -1,0 +1,114 @@
+"""The store contract: every store (embedded memory, Redis) implements it the same way.
+
+A Check sends all store-backed limiters' operations in one :meth:`Store.check` call,
+which is atomic and commits nothing unless the request is admitted:
+
+* each op is evaluated on its own (``allowed`` in its :class:`OpResult`);
+* the request is admitted when every op with ``enforce=True`` allows;
+* only then is every op that allows committed (tokens taken, lease added); an op in
+  shadow mode that would refuse is not committed and does not block the others.
+
+Leases are released by the access-log path (:meth:`Store.release`) or expire after
+their TTL; expired leases are swept inside the same atomic operation that reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+#: a bucket holding ``cost - TOKEN_EPSILON`` tokens admits the request: float time
+#: arithmetic (``1000.05 + 0.05``) must not refuse a request that arrives exactly on time.
+TOKEN_EPSILON = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class BucketOp:
+    """Token bucket: ``rate`` tokens/s refilled continuously up to ``burst``; take ``cost``."""
+
+    key: str
+    rate: float
+    burst: float
+    cost: float
+    enforce: bool = True
+
+    @property
+    def ttl(self) -> int:
+        """Seconds an idle bucket is kept: twice the fill time, at least 1 (Redis refuses 0)."""
+        return max(1, int(2 * self.burst / self.rate + 0.999999))
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseOp:
+    """Hold a lease in ``key`` while fewer than ``limit`` are live (``limit`` 0: count only)."""
+
+    key: str
+    limit: int
+    ttl: float
+    enforce: bool = True
+
+
+Op = BucketOp | LeaseOp
+
+
+@dataclass(frozen=True, slots=True)
+class OpResult:
+    allowed: bool
+    #: tokens left (bucket) or free slots (lease), after this request if it was admitted.
+    remaining: float
+    #: bucket: seconds until ``cost`` tokens are there (0 when allowed); lease: 0.
+    retry_after: float
+    #: bucket: seconds until the bucket is full again; lease: live leases after the call.
+    extra: float
+
+
+@dataclass(frozen=True, slots=True)
+class CheckResult:
+    admitted: bool
+    results: tuple[OpResult, ...]
+
+
+class Store(Protocol):
+    #: a short name for metrics and status: ``memory``, ``redis``, ``redis-cluster``...
+    name: str
+
+    async def check(self, ops: Sequence[Op], lease_id: str) -> CheckResult:
+        """Evaluate ``ops`` atomically; commit iff admitted (see the module docstring)."""
+
+    async def release(self, keys: Sequence[str], lease_id: str) -> int:
+        """Drop ``lease_id`` from each lease key. Idempotent; returns how many were held."""
+
+    async def inflight(self, keys: Sequence[str]) -> list[int]:
+        """Live (unexpired) leases per key."""
+
+    async def get_value(self, key: str) -> str | None:
+        """A plain value (published signals, switches)."""
+
+    async def set_value(self, key: str, value: str | None, ttl: float | None = None) -> None:
+        """Set or (``None``) delete a plain value."""
+
+    async def shed_update(self, key: str, utilization: float, params: ShedParams) -> float:
+        """Advance the shared shed controller with a new utilization sample; return the level."""
+
+    async def ping(self) -> None:
+        """Raise :class:`~extauthz.errors.StoreError` when the store cannot answer."""
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ShedParams:
+    """The worker utilization controller's constants (see ``extauthz.limiters.worker``)."""
+
+    good_below: float
+    bad_above: float
+    delay_before_shedding: float
+    time_to_shed_all: float
+    ttl: float
+
+    @property
+    def resting(self) -> float:
+        """Where the level rests: ``delay_before_shedding`` of ramp below zero (float math)."""
+        return -self.delay_before_shedding / self.time_to_shed_all

@@ -1,0 +1,144 @@
+"""The embedded store: one process, no Redis. The default, for one replica.
+
+Every operation runs synchronously inside one event-loop step, so a check is atomic with
+respect to every other check in the process. Leases of one key all have the same TTL,
+so insertion order is expiry order and sweeping pops from the front.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .. import shed
+from ..clock import SYSTEM_CLOCK, Clock
+from .base import TOKEN_EPSILON, BucketOp, CheckResult, Op, OpResult, ShedParams
+
+_SWEEP_EVERY = 4096
+
+
+class MemoryStore:
+    name = "memory"
+
+    def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
+        self._clock = clock
+        #: bucket key -> [tokens, last refill time, expires at]
+        self._buckets: dict[str, list[float]] = {}
+        #: lease key -> {lease id: expires at}, in expiry order
+        self._leases: dict[str, dict[str, float]] = {}
+        self._values: dict[str, tuple[str, float | None]] = {}
+        self._shed: dict[str, tuple[float, float]] = {}
+        self._ops = 0
+
+    # -- helpers ---------------------------------------------------------------------
+    def _live_leases(self, key: str, now: float) -> dict[str, float]:
+        leases = self._leases.get(key)
+        if leases is None:
+            return {}
+        while leases:
+            first = next(iter(leases))
+            if leases[first] > now:
+                break
+            del leases[first]
+        if not leases:
+            del self._leases[key]
+        return leases
+
+    def _sweep(self, now: float) -> None:
+        for key in [k for k, v in self._buckets.items() if v[2] <= now]:
+            del self._buckets[key]
+        for key in list(self._leases):
+            self._live_leases(key, now)
+
+    # -- contract --------------------------------------------------------------------
+    async def check(self, ops: Sequence[Op], lease_id: str) -> CheckResult:
+        return self.check_now(ops, lease_id)
+
+    def check_now(self, ops: Sequence[Op], lease_id: str) -> CheckResult:
+        now = self._clock.monotonic()
+        self._ops += 1
+        if self._ops % _SWEEP_EVERY == 0:
+            self._sweep(now)
+        staged: list[tuple[bool, float, float, float]] = []
+        admitted = True
+        for op in ops:
+            if isinstance(op, BucketOp):
+                state = self._buckets.get(op.key)
+                if state is None or state[2] <= now:
+                    tokens = op.burst
+                else:
+                    tokens = min(op.burst, state[0] + max(0.0, now - state[1]) * op.rate)
+                ok = tokens + TOKEN_EPSILON >= op.cost
+                staged.append((ok, tokens, 0.0 if ok else (op.cost - tokens) / op.rate, 0.0))
+            else:
+                count = len(self._live_leases(op.key, now))
+                ok = op.limit <= 0 or count < op.limit
+                staged.append((ok, float(count), 0.0, 0.0))
+            if not ok and op.enforce:
+                admitted = False
+        results = []
+        for op, (ok, value, retry, _) in zip(ops, staged, strict=True):
+            commit = admitted and ok
+            if isinstance(op, BucketOp):
+                tokens = value - op.cost if commit else value
+                if commit:
+                    self._buckets[op.key] = [tokens, now, now + op.ttl]
+                results.append(OpResult(ok, tokens, retry, (op.burst - tokens) / op.rate))
+            else:
+                count = int(value)
+                if commit:
+                    self._leases.setdefault(op.key, {})[lease_id] = now + op.ttl
+                    count += 1
+                free = float(op.limit - count) if op.limit > 0 else float("inf")
+                results.append(OpResult(ok, max(0.0, free), 0.0, float(count)))
+        return CheckResult(admitted, tuple(results))
+
+    async def release(self, keys: Sequence[str], lease_id: str) -> int:
+        released = 0
+        for key in keys:
+            leases = self._leases.get(key)
+            if leases is not None and leases.pop(lease_id, None) is not None:
+                released += 1
+                if not leases:
+                    del self._leases[key]
+        return released
+
+    async def inflight(self, keys: Sequence[str]) -> list[int]:
+        now = self._clock.monotonic()
+        return [len(self._live_leases(k, now)) for k in keys]
+
+    async def get_value(self, key: str) -> str | None:
+        item = self._values.get(key)
+        if item is None:
+            return None
+        value, expires = item
+        if expires is not None and expires <= self._clock.monotonic():
+            del self._values[key]
+            return None
+        return value
+
+    async def set_value(self, key: str, value: str | None, ttl: float | None = None) -> None:
+        if value is None:
+            self._values.pop(key, None)
+        else:
+            self._values[key] = (value, None if ttl is None else self._clock.monotonic() + ttl)
+
+    async def shed_update(self, key: str, utilization: float, params: ShedParams) -> float:
+        now = self._clock.monotonic()
+        level, last = self._shed.get(key, (None, None))
+        new = shed.advance(level, last, now, utilization, params)
+        self._shed[key] = (new, now)
+        return new
+
+    async def ping(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    # -- introspection for tests and status -------------------------------------------
+    def tokens(self, key: str) -> float | None:
+        state = self._buckets.get(key)
+        return None if state is None else state[0]
+
+    def key_count(self) -> int:
+        return len(self._buckets) + len(self._leases) + len(self._values) + len(self._shed)

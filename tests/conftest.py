@@ -1,0 +1,17 @@
+"""Shared test helpers. Real-Redis fixtures live in tests/infra (loaded via addopts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from extauthz.clock import ManualClock
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()

@@ -1,0 +1,456 @@
+"""The shipped Envoy config: validation, rendering variants, and a real Envoy in front of it."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import queue
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+
+from extauthz.devtools.envoy import (
+    EXT_AUTHZ_FILTER,
+    LOCAL_RATELIMIT_FILTER,
+    EnvoyConfigError,
+    EnvoyProcess,
+    grpc_cluster_problems,
+    render_config,
+    validate,
+)
+from extauthz.devtools.upstream import Upstream, start_upstream
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+SOURCE_CONFIG = REPO / "envoy" / "envoy.yaml"
+PACKAGE_CONFIG = REPO / "extauthz" / "devtools" / "envoy.yaml"
+
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def render(**kwargs: Any) -> str:
+    defaults: dict[str, Any] = {
+        "listen_port": 0,
+        "admin_port": 0,
+        "extauthz": ("127.0.0.1", free_port()),
+        "upstream": ("127.0.0.1", free_port()),
+        "otel": ("127.0.0.1", free_port()),
+    }
+    return render_config(**(defaults | kwargs))
+
+
+def http(
+    url: str, method: str = "GET", headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    request = urllib.request.Request(url, method=method, headers=headers or {})
+    try:
+        with _OPENER.open(request, timeout=5) as response:
+            return (
+                response.status,
+                {k.lower(): v for k, v in response.headers.items()},
+                response.read(),
+            )
+    except urllib.error.HTTPError as error:
+        return (
+            error.code,
+            {k.lower(): v for k, v in error.headers.items()},
+            error.read(),
+        )
+
+
+# ---- static checks ----------------------------------------------------------------------
+
+
+def test_package_copy_equals_source_config() -> None:
+    assert PACKAGE_CONFIG.read_bytes() == SOURCE_CONFIG.read_bytes(), (
+        "extauthz/devtools/envoy.yaml must be a byte-for-byte copy of envoy/envoy.yaml: "
+        "cp envoy/envoy.yaml extauthz/devtools/envoy.yaml"
+    )
+
+
+def test_shipped_config_validates() -> None:
+    validate(SOURCE_CONFIG.read_text(encoding="utf-8"))
+
+
+def test_shipped_config_states_fail_open_and_route_metadata() -> None:
+    config = yaml.safe_load(SOURCE_CONFIG.read_text(encoding="utf-8"))
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    filters = {
+        f["name"]: f.get("typed_config", {})
+        for f in hcm["typed_config"]["http_filters"]
+    }
+    ext_authz = filters[EXT_AUTHZ_FILTER]
+    assert ext_authz["failure_mode_allow"] is True
+    assert ext_authz["grpc_service"]["timeout"] == "0.25s"
+    assert ext_authz["route_metadata_context_namespaces"] == ["extauthz"]
+
+
+@pytest.mark.parametrize(
+    ("access_log", "ext_authz", "ratelimit", "direct"),
+    list(itertools.product([True, False], repeat=4)),
+)
+def test_rendered_variants_validate(
+    access_log: bool, ext_authz: bool, ratelimit: bool, direct: bool
+) -> None:
+    text = render(
+        access_log_enabled=access_log,
+        ext_authz_enabled=ext_authz,
+        local_ratelimit={"max_tokens": 100, "fill_interval": 0.5}
+        if ratelimit
+        else None,
+        direct_response_upstream=direct,
+    )
+    validate(text)
+    hcm = _hcm(yaml.safe_load(text))
+    names = [f["name"] for f in hcm["http_filters"]]
+    assert (EXT_AUTHZ_FILTER in names) is ext_authz
+    assert (LOCAL_RATELIMIT_FILTER in names) is ratelimit
+    assert names[-1] == "envoy.filters.http.router"
+    loggers = [a["name"] for a in hcm.get("access_log", [])]
+    assert ("envoy.access_loggers.http_grpc" in loggers) is (access_log and ext_authz)
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    routed = [r for r in routes if r.get("route", {}).get("cluster") == "upstream"]
+    assert (not routed) is direct
+    if not ext_authz:
+        assert not any(
+            EXT_AUTHZ_FILTER in r.get("typed_per_filter_config", {}) for r in routes
+        )
+
+
+def test_render_without_tracing_and_with_host_names_validates() -> None:
+    text = render(tracing_enabled=False, upstream=("localhost", 8080))
+    validate(text)
+    config = yaml.safe_load(text)
+    assert "tracing" not in _hcm(config)
+    assert _cluster(config, "upstream")["type"] == "STRICT_DNS"
+
+
+def test_render_sets_ports_and_endpoints_by_cluster_name() -> None:
+    text = render_config(
+        listen_port=11000,
+        admin_port=11001,
+        extauthz=("127.0.0.2", 11002),
+        upstream=("127.0.0.3", 11003),
+        otel=("127.0.0.4", 11004),
+    )
+    config = yaml.safe_load(text)
+    assert config["admin"]["address"]["socket_address"]["port_value"] == 11001
+    listener = config["static_resources"]["listeners"][0]
+    assert listener["address"]["socket_address"]["port_value"] == 11000
+    for name, host, port in [
+        ("extauthz", "127.0.0.2", 11002),
+        ("upstream", "127.0.0.3", 11003),
+        ("otel_collector", "127.0.0.4", 11004),
+    ]:
+        lb = _cluster(config, name)["load_assignment"]["endpoints"][0]["lb_endpoints"][
+            0
+        ]
+        assert lb["endpoint"]["address"]["socket_address"] == {
+            "address": host,
+            "port_value": port,
+        }
+
+
+def test_cluster_reference_check_catches_undefined_grpc_cluster() -> None:
+    config = yaml.safe_load(render())
+    ext_authz = next(
+        f for f in _hcm(config)["http_filters"] if f["name"] == EXT_AUTHZ_FILTER
+    )
+    ext_authz["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] = (
+        "ext-authz-typo"
+    )
+    broken = yaml.safe_dump(config, sort_keys=False)
+
+    problems = grpc_cluster_problems(broken)
+    assert len(problems) == 1
+    assert (
+        "http_filters[0].typed_config.grpc_service.envoy_grpc.cluster_name"
+        in problems[0]
+    )
+    assert "'ext-authz-typo'" in problems[0]
+    with pytest.raises(EnvoyConfigError, match="ext-authz-typo"):
+        validate(broken)
+
+
+def test_validate_reports_envoy_output() -> None:
+    broken = render().replace("failure_mode_allow: true", "failure_mode_alow: true")
+    with pytest.raises(EnvoyConfigError, match="failure_mode_alow"):
+        validate(broken)
+
+
+def test_local_ratelimit_rejects_unknown_keys() -> None:
+    with pytest.raises(ValueError, match="max_token"):
+        render(local_ratelimit={"max_token": 1})
+
+
+def _hcm(config: dict[str, Any]) -> dict[str, Any]:
+    chain = config["static_resources"]["listeners"][0]["filter_chains"][0]
+    return chain["filters"][0]["typed_config"]  # type: ignore[no-any-return]
+
+
+def _cluster(config: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(c for c in config["static_resources"]["clusters"] if c["name"] == name)
+
+
+# ---- a real Envoy ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def upstream() -> Iterator[Upstream]:
+    with start_upstream("127.0.0.1") as server:
+        yield server
+
+
+def test_fail_open_when_ext_authz_server_is_down(upstream: Upstream) -> None:
+    text = render(
+        extauthz=("127.0.0.1", free_port()), upstream=("127.0.0.1", upstream.port)
+    )
+    with EnvoyProcess(text) as envoy:
+        status, _, body = http(envoy.url + "/v1/reports/daily")
+        assert status == 200
+        echo = json.loads(body)
+        assert echo["path"] == "/v1/reports/daily"
+        assert echo["tier"] is None
+        assert echo["headers"]["x-envoy-auth-failure-mode-allowed"] == "true"
+        assert echo["headers"]["x-request-id"]
+
+        status, _, body = http(envoy.url + "/v1/charges", method="POST")
+        assert status == 200
+        assert json.loads(body)["method"] == "POST"
+
+        status, _, body = http(envoy.url + "/healthz")
+        assert (status, body) == (200, b"ok\n")
+
+        stats = envoy.stats(r"ext_authz")
+        assert (
+            stats["http.ingress_http.ext_authz.failure_mode_allowed"] == 2
+        )  # not /healthz
+        assert upstream.served == 2
+
+
+# A fake ext_authz server: grpcio generic handlers and hand-encoded protobuf, so the test
+# depends on neither the server package nor generated classes. Field numbers are Envoy's
+# (envoy/service/auth/v3/external_auth.proto, attribute_context.proto, core/v3/base.proto).
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _header_option(key: str, value: str) -> bytes:
+    header_value = _field(1, key.encode()) + _field(2, value.encode())
+    return _field(1, header_value)  # HeaderValueOption.header
+
+
+def _ok_response(
+    upstream_headers: dict[str, str],
+    client_headers: dict[str, str],
+    metadata: dict[str, str],
+) -> bytes:
+    ok = b"".join(_field(2, _header_option(k, v)) for k, v in upstream_headers.items())
+    ok += b"".join(_field(6, _header_option(k, v)) for k, v in client_headers.items())
+    struct = b"".join(
+        _field(
+            1, _field(1, k.encode()) + _field(2, _field(3, v.encode()))
+        )  # Value.string_value
+        for k, v in metadata.items()
+    )
+    return (
+        _field(1, b"") + _field(3, ok) + _field(4, struct)
+    )  # status OK, ok_response, metadata
+
+
+def _decode(data: bytes) -> dict[int, list[Any]]:
+    """One level of protobuf wire format: field number -> values (bytes or int)."""
+    fields: dict[int, list[Any]] = {}
+    pos = 0
+
+    def varint() -> int:
+        nonlocal pos
+        result = shift = 0
+        while True:
+            byte = data[pos]
+            pos += 1
+            result |= (byte & 0x7F) << shift
+            shift += 7
+            if not byte & 0x80:
+                return result
+
+    while pos < len(data):
+        key = varint()
+        number, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            value: Any = varint()
+        elif wire_type == 2:
+            length = varint()
+            value, pos = data[pos : pos + length], pos + length
+        elif wire_type == 1:
+            value, pos = data[pos : pos + 8], pos + 8
+        elif wire_type == 5:
+            value, pos = data[pos : pos + 4], pos + 4
+        else:
+            raise ValueError(f"unsupported wire type {wire_type}")
+        fields.setdefault(number, []).append(value)
+    return fields
+
+
+def _string_map(entries: list[bytes]) -> dict[str, bytes]:
+    out = {}
+    for entry in entries:
+        fields = _decode(entry)
+        out[fields[1][0].decode()] = fields.get(2, [b""])[0]
+    return out
+
+
+def _check_summary(request: bytes) -> dict[str, Any]:
+    attributes = _decode(_decode(request)[1][0])  # CheckRequest.attributes
+    http_request = _decode(_decode(attributes[4][0])[2][0])  # .request.http
+    route_metadata: dict[str, dict[str, str]] = {}
+    for entry in attributes.get(13, []):  # route_metadata_context
+        for namespace, struct in _string_map(_decode(entry).get(1, [])).items():
+            values = _string_map(_decode(struct).get(1, []))
+            route_metadata[namespace] = {
+                k: _decode(v)[3][0].decode() for k, v in values.items()
+            }
+    return {
+        "path": http_request[4][0].decode(),
+        "context_extensions": {
+            k: v.decode() for k, v in _string_map(attributes.get(10, [])).items()
+        },
+        "route_metadata": route_metadata,
+    }
+
+
+class FakeExtAuthz:
+    """Allows everything with tier ``gold``, RateLimit headers and a lease in metadata."""
+
+    def __init__(self) -> None:
+        self.checks: queue.Queue[tuple[dict[str, Any], dict[str, str]]] = queue.Queue()
+        self.log_messages: queue.Queue[bytes] = queue.Queue()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        self.server.add_generic_rpc_handlers(
+            [
+                grpc.method_handlers_generic_handler(
+                    "envoy.service.auth.v3.Authorization",
+                    {"Check": grpc.unary_unary_rpc_method_handler(self._check)},
+                ),
+                grpc.method_handlers_generic_handler(
+                    "envoy.service.accesslog.v3.AccessLogService",
+                    {
+                        "StreamAccessLogs": grpc.stream_unary_rpc_method_handler(
+                            self._logs
+                        )
+                    },
+                ),
+            ]
+        )
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def _check(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        metadata = {k: str(v) for k, v in context.invocation_metadata()}
+        self.checks.put((_check_summary(request), metadata))
+        return _ok_response(
+            {"x-extauthz-tier": "gold"},
+            {
+                "RateLimit-Policy": "10;w=1",
+                "RateLimit": "limit=10, remaining=9, reset=1",
+            },
+            {"lease": "lease-7f3a"},
+        )
+
+    def _logs(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        for message in requests:
+            self.log_messages.put(message)
+        return b""  # StreamAccessLogsResponse is empty
+
+
+@pytest.fixture
+def fake_ext_authz() -> Iterator[FakeExtAuthz]:
+    fake = FakeExtAuthz()
+    yield fake
+    fake.server.stop(grace=None)
+
+
+def test_allowed_request_carries_tier_headers_and_metadata(
+    upstream: Upstream, fake_ext_authz: FakeExtAuthz
+) -> None:
+    text = render(
+        extauthz=("127.0.0.1", fake_ext_authz.port),
+        upstream=("127.0.0.1", upstream.port),
+    )
+    with EnvoyProcess(text) as envoy:
+        status, headers, body = http(envoy.url + "/v1/charges", method="POST")
+        assert status == 200
+        echo = json.loads(body)
+        assert echo["tier"] == "gold"  # OkHttpResponse.headers reach the upstream
+        assert "x-envoy-auth-failure-mode-allowed" not in echo["headers"]
+        # OkHttpResponse.response_headers_to_add reach the client; no config needed.
+        assert headers["ratelimit-policy"] == "10;w=1"
+        assert headers["ratelimit"] == "limit=10, remaining=9, reset=1"
+
+        check, grpc_metadata = fake_ext_authz.checks.get(timeout=1)
+        assert check["path"] == "/v1/charges"
+        assert check["route_metadata"] == {"extauthz": {"tier": "critical"}}
+        assert check["context_extensions"] == {}
+        assert grpc_metadata["traceparent"].startswith("00-")
+
+        assert http(envoy.url + "/v1/ext/thing")[0] == 200
+        check, _ = fake_ext_authz.checks.get(timeout=1)
+        assert check["context_extensions"] == {"tier": "post"}
+        assert check["route_metadata"] == {}
+
+        assert http(envoy.url + "/healthz")[0] == 200
+        # The access log stream: one entry per finished request, ext_authz metadata included.
+        deadline = time.monotonic() + 5
+        seen = b""
+        while (seen.count(b"lease-7f3a") < 2 or b"/healthz" not in seen) and (
+            time.monotonic() < deadline
+        ):
+            try:
+                seen += fake_ext_authz.log_messages.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        assert seen.count(b"lease-7f3a") == 2
+        assert b"envoy.filters.http.ext_authz" in seen
+        assert b"/healthz" in seen
+        assert fake_ext_authz.checks.empty()  # /healthz skipped ext_authz
+
+
+def test_benchmark_variant_local_ratelimit_with_direct_response() -> None:
+    text = render(
+        ext_authz_enabled=False,
+        direct_response_upstream=True,
+        local_ratelimit={"max_tokens": 3, "fill_interval": "60s"},
+    )
+    with EnvoyProcess(text) as envoy:
+        answers = [http(envoy.url + "/v1/anything") for _ in range(4)]
+    assert [(status, body) for status, _, body in answers[:3]] == [(200, b"ok")] * 3
+    status, headers, _ = answers[3]
+    assert status == 429
+    assert headers["x-ratelimit-limit"] == "3"
