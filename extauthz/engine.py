@@ -185,9 +185,10 @@ class Engine:
 
     async def decide(self, ctx: RequestContext) -> Decision:
         snap = self.snapshot
-        verdicts: list[Verdict] = []
         refused: Verdict | None = None
-        pending: list[tuple[Limiter, bool, Verdict | None]] = []
+        # One slot per applicable limiter, in policy order: its local verdict (if it
+        # decided locally) and the index of its store op (or -1).
+        slots: list[tuple[Limiter, bool, Verdict | None, int]] = []
         ops: list[Op] = []
         for lim, enforce in snap.active:
             if not applies(lim.applies_to, ctx):
@@ -196,26 +197,24 @@ class Engine:
             if local is not None and refused is None and local.refused:
                 refused = local
             op = lim.op(ctx, enforce)
-            if op is None:
-                if local is not None:
-                    verdicts.append(local)
-                continue
-            ops.append(op)
-            pending.append((lim, enforce, local))
+            if op is not None:
+                ops.append(op)
+            slots.append((lim, enforce, local, len(ops) - 1 if op is not None else -1))
 
+        verdicts: list[Verdict] = []
         failures: tuple[str, ...] = ()
-        lease_keys: tuple[str, ...] = ()
+        held: list[str] = []
         lease_id = ""
-        if refused is not None:
-            # A local shedder refused: the store is not asked, nothing is committed.
-            verdicts.extend(v for _, _, v in pending if v is not None)
-        elif ops:
+        if refused is not None or not ops:
+            # Nothing to ask the store, or a local shedder refused: nothing is committed.
+            verdicts = [local for _, _, local, _ in slots if local is not None]
+        else:
             lease_id = os.urandom(8).hex()
             try:
                 result = await self._store_check(ops, lease_id)
             except StoreError as exc:
                 failures = (exc.reason,)
-                for lim, _, local in pending:
+                for lim, _, local, _ in slots:
                     if local is not None:
                         verdicts.append(local)
                     elif lim.failure_mode == "closed":
@@ -226,19 +225,24 @@ class Engine:
                     else:
                         verdicts.append(Verdict(lim.name, lim.kind, Outcome.FAILED_OPEN,
                                                 reason=f"store_{exc.reason}"))
-                lease_id = ""
             else:
-                held = []
-                for (lim, enforce, local), op, res in zip(pending, ops, result.results, strict=True):
-                    v = local if local is not None else lim.verdict(ctx, res, enforce)
+                for lim, enforce, local, i in slots:
+                    res = result.results[i] if i >= 0 else None
+                    if local is not None:
+                        v = local
+                    else:
+                        assert res is not None
+                        v = lim.verdict(ctx, res, enforce)
                     verdicts.append(v)
                     if v.refused and refused is None:
                         refused = v
-                    if result.admitted and res.allowed and isinstance(op, LeaseOp):
-                        held.append(op.key)
-                lease_keys = tuple(held)
-                if not lease_keys:
-                    lease_id = ""
+                    if res is not None and result.admitted and res.allowed:
+                        op = ops[i]
+                        if isinstance(op, LeaseOp):
+                            held.append(op.key)
+        lease_keys = tuple(held)
+        if not lease_keys:
+            lease_id = ""
         decision = Decision(
             allowed=refused is None,
             tier=ctx.tier,

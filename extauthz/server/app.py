@@ -18,6 +18,7 @@ from ..clock import SYSTEM_CLOCK, Clock
 from ..engine import Engine
 from ..policy import Policy, load_policy
 from ..proto import accesslog_pb2_grpc, auth_pb2_grpc
+from ..sampler import run_sampler
 from ..store.base import Store
 from ..store.keys import Keys
 from ..store.memory import MemoryStore
@@ -67,6 +68,7 @@ class Server:
         self.grpc: grpc.aio.Server | None = None
         self.port = 0
         self._tasks: list[asyncio.Task[None]] = []
+        self._samplers: dict[str, asyncio.Task[None]] = {}
 
     async def start(self) -> int:
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -80,16 +82,28 @@ class Server:
         self.grpc = server
         for name in ("", AUTH_SERVICE, ACCESSLOG_SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.sync_samplers()
         log.info("serving on port %d with policy %s (%s store)", self.port,
                  self.policy.version, self.store.name)
         return self.port
 
+    def sync_samplers(self) -> None:
+        """One sampler task per worker utilization shedder of the current policy; call
+        again after a policy reload (a sampler whose shedder is gone ends by itself)."""
+        for name in [n for n, t in self._samplers.items() if t.done()]:
+            del self._samplers[name]
+        for shedder in self.engine.snapshot.workers:
+            if shedder.name not in self._samplers:
+                self._samplers[shedder.name] = asyncio.create_task(
+                    run_sampler(self.engine, shedder.name), name=f"sampler:{shedder.name}")
+
     async def stop(self, grace: float | None = None) -> None:
         """Graceful stop: NOT_SERVING first, let in-flight calls finish, then close."""
         await self.health.enter_graceful_shutdown()
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._samplers.values()]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if self.grpc is not None:
