@@ -37,10 +37,7 @@ def policy_item(v: Verdict) -> str | None:
 def limit_item(v: Verdict) -> str | None:
     if v.quota is None or v.remaining is None:
         return None
-    if v.outcome is Outcome.DENIED:
-        t = v.retry_after or 1.0
-    else:
-        t = v.reset or 0.0
+    t = (v.retry_after or 1.0) if v.outcome is Outcome.DENIED else (v.reset or 0.0)
     return f'"{v.limiter}";r={_num(v.remaining)};t={math.ceil(t - 1e-9)}'
 
 

@@ -4,66 +4,16 @@ burst of traffic per tier, then a summary of what got through, what was refused 
 
 from __future__ import annotations
 
-import http.client
-import json
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
+from .devtools.client import HttpClient, Result
 from .devtools.stack import Stack
-
-_local = threading.local()
-
-
-@dataclass
-class Result:
-    status: int
-    tier: str | None = None
-    limiter: str | None = None
-    headers: dict[str, str] = field(default_factory=dict)
-    body: str = ""
-
-
-def _connection(url: str) -> http.client.HTTPConnection:
-    conns: dict[str, http.client.HTTPConnection] = _local.__dict__.setdefault("conns", {})
-    conn = conns.get(url)
-    if conn is None:
-        parts = urlsplit(url)
-        conn = conns[url] = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=10)
-    return conn
-
-
-def send(url: str, method: str = "GET", headers: dict[str, str] | None = None) -> Result:
-    """One request on this thread's keep-alive connection (urllib closes every time)."""
-    parts = urlsplit(url)
-    base = f"{parts.scheme}://{parts.netloc}"
-    target = parts.path + (f"?{parts.query}" if parts.query else "")
-    body = b"{}" if method in ("POST", "PUT", "PATCH") else None
-    for attempt in (1, 2):
-        conn = _connection(base)
-        try:
-            conn.request(method, target, body=body, headers=headers or {})
-            resp = conn.getresponse()
-            text = resp.read().decode()
-            break
-        except (ConnectionError, http.client.HTTPException):
-            conn.close()
-            _local.conns.pop(base, None)
-            if attempt == 2:
-                raise
-    hdrs = {k.lower(): v for k, v in resp.getheaders()}
-    if resp.status == 200 and hdrs.get("content-type", "").startswith("application/json"):
-        return Result(200, tier=json.loads(text).get("tier"), headers=hdrs, body=text)
-    limiter = None
-    if hdrs.get("content-type", "").startswith("application/problem+json"):
-        limiter = json.loads(text).get("limiter")
-    return Result(resp.status, limiter=limiter, headers=hdrs, body=text)
 
 
 @dataclass
@@ -82,7 +32,8 @@ class Phase:
                 f"{codes.get(503, 0):>5}  {tier:<9} {why}")
 
 
-def run_phases(url: str) -> list[Phase]:
+def run_phases(url: str, client: HttpClient) -> list[Phase]:
+    send = client.send
     phases = []
     with ThreadPoolExecutor(max_workers=8) as pool:
         live = {"x-api-key": "sk_live_demo_alice"}
@@ -125,7 +76,8 @@ def main(policies: Sequence[str] | None = None) -> int:
         print(f"  Envoy      {stack.url}  (config envoy/envoy.yaml, admin {stack.envoy.admin_url})")
         print(f"  extauthz   127.0.0.1:{stack.server.port}  (policies: {', '.join(paths)})")
         print(f"  ready in {time.monotonic() - started:.1f} s\n")
-        phases = run_phases(stack.url)
+        with HttpClient() as client:
+            phases = run_phases(stack.url, client)
         print(f"{'phase':<24} {'sent':>5} {'200':>6} {'429':>5} {'503':>5}  {'tier':<9} refused by")
         print("-" * 88)
         for phase in phases:

@@ -7,24 +7,24 @@ import json
 
 import pytest
 
-from extauthz.demo import send
+from extauthz.devtools.client import HttpClient
 from extauthz.devtools.stack import Stack
 
 pytestmark = pytest.mark.e2e
 
 
-def test_allowed_requests_carry_ratelimit_headers_and_tier(quickstart_stack: Stack) -> None:
-    r = send(quickstart_stack.url + "/v1/customers", headers={"x-api-key": "sk_live_headers"})
+def test_allowed_requests_carry_ratelimit_headers_and_tier(client: HttpClient, quickstart_stack: Stack) -> None:
+    r = client.send(quickstart_stack.url + "/v1/customers", headers={"x-api-key": "sk_live_headers"})
     assert r.status == 200 and r.tier == "get"
     assert r.headers["ratelimit-policy"] == '"user-rate";q=500;w=5, "user-concurrency";q=20;qu="concurrent-requests"'
     assert r.headers["ratelimit"].startswith('"user-rate";r=499;t=')
 
 
-def test_burst_exhausted_gives_429_problem_json(quickstart_stack: Stack) -> None:
+def test_burst_exhausted_gives_429_problem_json(client: HttpClient, quickstart_stack: Stack) -> None:
     headers = {"x-api-key": "sk_live_burst"}
     allowed, refused = 0, None
     for _ in range(3000):
-        r = send(quickstart_stack.url + "/v1/customers", headers=headers)
+        r = client.send(quickstart_stack.url + "/v1/customers", headers=headers)
         if r.status != 200:
             refused = r
             break
@@ -40,7 +40,7 @@ def test_burst_exhausted_gives_429_problem_json(quickstart_stack: Stack) -> None
     assert "100 per second" in body["detail"] and body["type"] == "urn:extauthz:problem:rate_exceeded"
     assert body["request_id"]  # Envoy's x-request-id, for support tickets
     # The upstream never saw the refused request; another user is unaffected.
-    assert send(quickstart_stack.url + "/v1/customers", headers={"x-api-key": "sk_live_other"}).status == 200
+    assert client.send(quickstart_stack.url + "/v1/customers", headers={"x-api-key": "sk_live_other"}).status == 200
 
 
 @pytest.mark.parametrize(
@@ -55,8 +55,8 @@ def test_burst_exhausted_gives_429_problem_json(quickstart_stack: Stack) -> None
         ("PUT", "/v1/customers/1", {"authorization": "Bearer sk_live_t"}, "post"),  # default
     ],
 )
-def test_tiers_through_envoy(quickstart_stack: Stack, method: str, path: str,
+def test_tiers_through_envoy(client: HttpClient, quickstart_stack: Stack, method: str, path: str,
                              headers: dict[str, str], tier: str) -> None:
-    r = send(quickstart_stack.url + path, method, headers)
+    r = client.send(quickstart_stack.url + path, method, headers)
     assert r.status == 200
     assert r.tier == tier
