@@ -1,0 +1,102 @@
+"""The gRPC server in-process and as a process: Check, health, malformed input, SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from extauthz.devtools.stack import ServerProcess
+from extauthz.proto import auth_pb2, auth_pb2_grpc
+from extauthz.server.app import Server, ServerConfig
+
+from ..conftest import ROOT
+
+
+def check_request(key: str = "sk_live_x", method: str = "GET", path: str = "/v1/x") -> auth_pb2.CheckRequest:
+    req = auth_pb2.CheckRequest()
+    http = req.attributes.request.http
+    http.method, http.path, http.host = method, path, "api.example.com"
+    http.headers["x-api-key"] = key
+    http.headers["x-request-id"] = "req-1"
+    req.attributes.source.address.socket_address.address = "10.1.2.3"
+    return req
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[Server]:
+    policy = tmp_path / "p.yaml"
+    policy.write_text("version: 1\nidentity: [{header: x-api-key}]\nlimiters:\n"
+                      "  - {name: user-rate, type: request_rate, rate: 1, burst: 2}\n")
+    srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0"))
+    await srv.start()
+    yield srv
+    await srv.stop(grace=0)
+
+
+async def test_check_allows_then_refuses_with_429(server: Server) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        stub = auth_pb2_grpc.AuthorizationStub(ch)
+        ok = await stub.Check(check_request())
+        assert ok.status.code == 0 and ok.HasField("ok_response")
+        headers = {h.header.key: h.header.value for h in ok.ok_response.headers}
+        assert headers == {"x-extauthz-tier": "get"}
+        await stub.Check(check_request())
+        denied = await stub.Check(check_request())
+        assert denied.HasField("denied_response") and denied.denied_response.status.code == 429
+        assert denied.status.code == 8  # RESOURCE_EXHAUSTED
+        resp_headers = {h.header.key: h.header.value for h in denied.denied_response.headers}
+        assert resp_headers["retry-after"] == "1" and resp_headers["content-type"] == "application/problem+json"
+
+
+async def test_malformed_request_is_decided_safely(server: Server) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        stub = auth_pb2_grpc.AuthorizationStub(ch)
+        empty = await stub.Check(auth_pb2.CheckRequest())  # no attributes at all
+        assert empty.status.code == 0 and empty.HasField("ok_response")
+        weird = check_request(method="BREW", path="/?%%%")
+        weird.attributes.route_metadata_context.filter_metadata["extauthz"].update({"tier": 42})
+        resp = await stub.Check(weird)
+        assert resp.status.code == 0
+        assert {h.header.key: h.header.value for h in resp.ok_response.headers}["x-extauthz-tier"] == "post"
+
+
+async def test_health_serving_then_not_serving_on_stop(tmp_path: Path) -> None:
+    srv = Server(ServerConfig(policies=[str(ROOT / "policies")], listen="127.0.0.1:0"))
+    await srv.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        for service in ("", "envoy.service.auth.v3.Authorization"):
+            resp = await stub.Check(health_pb2.HealthCheckRequest(service=service))
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        await srv.health.enter_graceful_shutdown()
+        resp = await stub.Check(health_pb2.HealthCheckRequest(service=""))
+        assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    await srv.stop(grace=0)
+
+
+def test_sigterm_stops_gracefully(tmp_path: Path) -> None:
+    proc = ServerProcess([ROOT / "policies"], workdir=tmp_path).start()
+    assert proc.proc is not None
+    with grpc.insecure_channel(f"127.0.0.1:{proc.port}") as ch:
+        stub = auth_pb2_grpc.AuthorizationStub(ch)
+        assert stub.Check(check_request(), timeout=5).status.code == 0
+    proc.proc.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    assert proc.proc.wait(10) == 0
+    assert time.monotonic() - started < 8
+    assert "NOT_SERVING" in proc.log()
+
+
+def test_bad_policy_refuses_to_start_with_a_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 1\nlimiters:\n  - {name: r, type: request_rate, rate: 1}\n")
+    proc = ServerProcess([bad], workdir=tmp_path)
+    with pytest.raises(RuntimeError, match="exited with 2"):
+        proc.start(timeout=10)
+    assert f"{bad}:3: limiters[0].burst: required field is missing" in proc.log()
