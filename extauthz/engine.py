@@ -8,9 +8,10 @@ a 503 (``failed_closed``) for those with ``failure_mode: closed``, counted by re
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -72,40 +73,67 @@ class NullObserver:
 
 
 class Breaker:
-    """Circuit breaker: after ``threshold`` consecutive failures, skip the store for
-    ``open_for`` seconds, then let one probe through; success closes it again."""
+    """Circuit breaker on the store's failure *rate*.
 
-    def __init__(self, clock: Clock, threshold: int = 5, open_for: float = 1.0) -> None:
+    It opens when, within one ``window`` (seconds), at least ``threshold`` calls failed and
+    they were at least ``ratio`` of that window's calls; it then skips the store for
+    ``open_for`` seconds, lets one probe through (half-open), and closes on its success.
+    A dead or paused store fails every call and opens it within ``threshold`` calls; a
+    saturated host where a few calls miss the deadline does not (a consecutive-failures
+    breaker trips there on every burst of late answers, failing open for a whole second).
+    """
+
+    def __init__(self, clock: Clock, threshold: int = 10, ratio: float = 0.5, window: float = 1.0,
+                 open_for: float = 1.0) -> None:
         self._clock = clock
         self.threshold = threshold
+        self.ratio = ratio
+        self.window = window
         self.open_for = open_for
+        #: failures and calls in the current window
         self.failures = 0
-        self.open_until = 0.0
+        self.calls = 0
+        self._window_start = clock.monotonic()
+        self.open_until: float | None = None
         self._probing = False
 
     @property
     def state(self) -> str:
-        if self.failures < self.threshold:
+        if self.open_until is None:
             return "closed"
         return "half_open" if self._clock.monotonic() >= self.open_until else "open"
 
     def allow(self) -> bool:
-        if self.failures < self.threshold:
+        if self.open_until is None:
             return True
         if self._probing or self._clock.monotonic() < self.open_until:
             return False
         self._probing = True
         return True
 
+    def _roll(self) -> None:
+        now = self._clock.monotonic()
+        if now - self._window_start >= self.window:
+            self._window_start, self.failures, self.calls = now, 0, 0
+
     def success(self) -> None:
-        self.failures = 0
-        self._probing = False
+        if self.open_until is not None:  # the probe succeeded: close
+            self.open_until, self._probing = None, False
+            self.failures = self.calls = 0
+            return
+        self._roll()
+        self.calls += 1
 
     def failure(self) -> None:
+        now = self._clock.monotonic()
+        if self.open_until is not None:  # the probe failed: stay open
+            self.open_until, self._probing = now + self.open_for, False
+            return
+        self._roll()
+        self.calls += 1
         self.failures += 1
-        self._probing = False
-        if self.failures >= self.threshold:
-            self.open_until = self._clock.monotonic() + self.open_for
+        if self.failures >= self.threshold and self.failures >= self.ratio * self.calls:
+            self.open_until = now + self.open_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +167,13 @@ class Engine:
         breaker: Breaker | None = None,
     ) -> None:
         self.store = store
+        #: the store call of a check; the server may wrap it (latency histogram, child span).
+        self.store_check: Callable[[Sequence[Op], str], Awaitable[CheckResult]] = store.check
+        #: the embedded store answers within the call: no task, no deadline needed.
+        self.store_immediate = bool(getattr(store, "immediate", False))
+        #: admitted store calls whose caller had given up, whose leases were given back.
+        self.abandoned_releases = 0
+        self._background: set[asyncio.Future[int]] = set()
         self.keys = keys or Keys()
         self.deadline = deadline
         self.clock = clock
@@ -259,10 +294,18 @@ class Engine:
         if not self.breaker.allow():
             self._failed(CircuitOpen.reason)
             raise CircuitOpen("circuit open")
+        if self.store_immediate:  # the embedded store answers synchronously: no deadline
+            return await self.store_check(ops, lease_id)
+        # The store call runs as its own task, shielded: when the deadline passes (or
+        # Envoy cancels the Check) the call may still commit. asyncio can even wake us
+        # with TimeoutError after the answer arrived. Either way the answer is not lost:
+        # leases it took are given back as soon as it lands (no leak until lease_ttl).
+        call = asyncio.ensure_future(self.store_check(ops, lease_id))
         try:
             async with asyncio.timeout(self.deadline):
-                result = await self.store.check(ops, lease_id)
+                result = await asyncio.shield(call)
         except TimeoutError:
+            call.add_done_callback(functools.partial(self._abandoned, ops, lease_id))
             self.breaker.failure()
             self._failed(StoreTimeout.reason)
             raise StoreTimeout(f"store did not answer within {self.deadline * 1000:.0f} ms") from None
@@ -270,8 +313,26 @@ class Engine:
             self.breaker.failure()
             self._failed(exc.reason)
             raise
+        except asyncio.CancelledError:
+            call.add_done_callback(functools.partial(self._abandoned, ops, lease_id))
+            raise
         self.breaker.success()
         return result
+
+    def _abandoned(self, ops: Sequence[Op], lease_id: str, call: asyncio.Future[CheckResult]) -> None:
+        """A store call nobody waits for any more has landed: release what it committed."""
+        if call.cancelled() or call.exception() is not None:
+            return
+        result = call.result()
+        if not result.admitted:
+            return
+        held = [op.key for op, res in zip(ops, result.results, strict=True)
+                if isinstance(op, LeaseOp) and res.allowed]
+        if held:
+            self.abandoned_releases += 1
+            job = asyncio.ensure_future(self.store.release(held, lease_id))
+            self._background.add(job)
+            job.add_done_callback(self._background.discard)
 
     def _failed(self, reason: str) -> None:
         self.failures[reason] = self.failures.get(reason, 0) + 1

@@ -223,7 +223,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         if self.command != "HEAD":
-            self.wfile.write(body)
+            try:
+                self.wfile.write(body)
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True  # the client (or Envoy) went away: fine here
 
     def log_message(self, format: str, *args: Any) -> None:
         """Silence the per-request stderr line."""

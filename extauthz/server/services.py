@@ -10,14 +10,21 @@ import grpc
 
 from ..engine import Engine
 from ..proto import accesslog_pb2, accesslog_pb2_grpc, auth_pb2, auth_pb2_grpc
+from ..verdict import Decision
 from .edge import EXT_AUTHZ_NAMESPACE, check_response, lease_release, raw_request
 
 log = logging.getLogger("extauthz.server")
+
+MAX_PENDING_RELEASES = 1024
+
 
 
 class AuthorizationService(auth_pb2_grpc.AuthorizationServicer):  # type: ignore[misc]
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        #: leases given back because Envoy cancelled the Check after the store committed.
+        self.cancelled_releases = 0
+        self._jobs: set[asyncio.Future[int]] = set()
 
     async def Check(  # noqa: N802 - gRPC method name
         self, request: auth_pb2.CheckRequest, context: grpc.aio.ServicerContext
@@ -32,8 +39,21 @@ class AuthorizationService(auth_pb2_grpc.AuthorizationServicer):  # type: ignore
             log.exception("could not read a CheckRequest; allowing it")
             engine.failures["bad_request"] = engine.failures.get("bad_request", 0) + 1
             return auth_pb2.CheckResponse(ok_response=auth_pb2.OkHttpResponse())
+        # A cancellation while the store call is out is handled by the engine (it gives
+        # back what a late answer committed).
         decision = await engine.decide(ctx)
+        if decision.leases:
+            # Envoy may reset the call after we answer (client abort, ext_authz timeout):
+            # then the answer, and the leases in it, never reach the access log.
+            context.add_done_callback(lambda c: self._release_later(decision) if c.cancelled() else None)
         return check_response(ctx, decision)
+
+    def _release_later(self, decision: Decision) -> None:
+        if decision.leases:
+            self.cancelled_releases += 1
+            job = asyncio.ensure_future(self.engine.release(decision.leases, decision.lease_id))
+            self._jobs.add(job)
+            job.add_done_callback(self._jobs.discard)
 
 
 class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
@@ -45,30 +65,43 @@ class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ig
         self.released = 0
         self.release_errors = 0
 
+    def _released(self, task: asyncio.Task[int]) -> None:
+        if task.cancelled() or task.exception() is not None:
+            self.release_errors += 1  # the lease TTL is the backstop; counted, not fatal
+        else:
+            self.released += task.result()
+
     async def StreamAccessLogs(  # noqa: N802 - gRPC method name
         self,
         request_iterator: AsyncIterator[accesslog_pb2.StreamAccessLogsMessage],
         context: grpc.aio.ServicerContext,
     ) -> accesslog_pb2.StreamAccessLogsResponse:
-        async for message in request_iterator:
-            jobs = []
-            for entry in message.http_logs.log_entry:
-                self.entries += 1
-                common = entry.common_properties
-                if common.intermediate_log_entry:
-                    continue
-                fm = common.metadata.filter_metadata
-                if EXT_AUTHZ_NAMESPACE not in fm:
-                    continue
-                lease = lease_release(fm[EXT_AUTHZ_NAMESPACE])
-                if lease is not None:
-                    jobs.append(self.engine.release(*lease))
-            if jobs:
-                for result in await asyncio.gather(*jobs, return_exceptions=True):
-                    if isinstance(result, BaseException):
-                        # the lease TTL is the backstop; count and go on
-                        self.release_errors += 1
-                    else:
-                        self.released += result
+        # Releases run as tasks so that reading the stream never waits on the store: a
+        # slow release must not hold back the entries behind it (their leases would
+        # linger and inflate every in-flight count). At most MAX_PENDING at a time.
+        pending: set[asyncio.Task[int]] = set()
+        try:
+            async for message in request_iterator:
+                for entry in message.http_logs.log_entry:
+                    self.entries += 1
+                    common = entry.common_properties
+                    if common.intermediate_log_entry:
+                        continue
+                    fm = common.metadata.filter_metadata
+                    if EXT_AUTHZ_NAMESPACE not in fm:
+                        continue
+                    lease = lease_release(fm[EXT_AUTHZ_NAMESPACE])
+                    if lease is None:
+                        continue
+                    if len(pending) >= MAX_PENDING_RELEASES:
+                        done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                        pending -= done
+                    task = asyncio.ensure_future(self.engine.release(*lease))
+                    pending.add(task)
+                    task.add_done_callback(self._released)
+                    task.add_done_callback(pending.discard)
+        finally:
+            if pending:
+                await asyncio.wait(pending)
         return accesslog_pb2.StreamAccessLogsResponse()
 

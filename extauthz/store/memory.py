@@ -7,6 +7,7 @@ so insertion order is expiry order and sweeping pops from the front.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 from .. import shed
@@ -18,6 +19,8 @@ _SWEEP_EVERY = 4096
 
 class MemoryStore:
     name = "memory"
+    #: every call completes without waiting: the engine needs no deadline around it.
+    immediate = True
 
     def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
         self._clock = clock
@@ -27,6 +30,8 @@ class MemoryStore:
         self._leases: dict[str, dict[str, float]] = {}
         self._values: dict[str, tuple[str, float | None]] = {}
         self._shed: dict[str, tuple[float, float]] = {}
+        #: event log key -> (ring buffer of (wall time, event), expires at)
+        self._events: dict[str, tuple[deque[tuple[float, str]], float]] = {}
         self._ops = 0
 
     # -- helpers ---------------------------------------------------------------------
@@ -129,6 +134,25 @@ class MemoryStore:
         self._shed[key] = (new, now)
         return new
 
+    async def append_events(self, key: str, events: Sequence[str], maxlen: int, ttl: float) -> None:
+        now = self._clock.monotonic()
+        item = self._events.get(key)
+        ring = item[0] if item is not None and item[1] > now else None
+        if ring is None or ring.maxlen != maxlen:
+            ring = deque(ring or (), maxlen=max(1, maxlen))
+        wall = self._clock.wall()
+        ring.extend((wall, e) for e in events)
+        self._events[key] = (ring, now + ttl)
+
+    async def read_events(self, key: str, since: float) -> list[str]:
+        item = self._events.get(key)
+        if item is None:
+            return []
+        if item[1] <= self._clock.monotonic():
+            del self._events[key]
+            return []
+        return [e for t, e in item[0] if t >= since]
+
     async def ping(self) -> None:
         return None
 
@@ -141,4 +165,5 @@ class MemoryStore:
         return None if state is None else state[0]
 
     def key_count(self) -> int:
-        return len(self._buckets) + len(self._leases) + len(self._values) + len(self._shed)
+        return (len(self._buckets) + len(self._leases) + len(self._values) + len(self._shed)
+                + len(self._events))

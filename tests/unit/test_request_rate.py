@@ -107,3 +107,26 @@ async def test_no_partial_commit_between_two_buckets(tmp_path: Path, clock: Manu
     assert await allowed_count(engine, 5) == 1
     ctx = engine.context(get())
     assert store.tokens(engine.keys.bucket("wide", ctx.identity)) == pytest.approx(99)
+
+
+def test_breaker_opens_on_failure_rate_not_on_a_few_late_answers(clock: ManualClock) -> None:
+    from extauthz.engine import Breaker
+
+    b = Breaker(clock, threshold=5, ratio=0.5, window=1.0, open_for=1.0)
+    for i in range(100):  # 10% failures on a busy host: stays closed
+        assert b.allow()
+        b.failure() if i % 10 == 0 else b.success()
+    assert b.state == "closed"
+    clock.advance(1.0)
+    for _ in range(5):  # a dead store: every call fails
+        assert b.allow()
+        b.failure()
+    assert b.state == "open" and not b.allow()
+    clock.advance(1.0)
+    assert b.state == "half_open" and b.allow() and not b.allow()  # one probe at a time
+    b.failure()
+    assert b.state == "open"
+    clock.advance(1.0)
+    assert b.allow()
+    b.success()
+    assert b.state == "closed" and b.allow()
