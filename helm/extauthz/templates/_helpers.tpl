@@ -1,0 +1,110 @@
+{{/* Chart name, truncated to the 63 characters a label allows. */}}
+{{- define "extauthz.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Fully qualified app name: the release name, unless it already contains the chart name. */}}
+{{- define "extauthz.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "extauthz.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "extauthz.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "extauthz.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "extauthz.labels" -}}
+helm.sh/chart: {{ include "extauthz.chart" . }}
+{{ include "extauthz.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/component: ext-authz
+{{- end }}
+
+{{- define "extauthz.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "extauthz.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "extauthz.policyConfigMapName" -}}
+{{- if .Values.existingPolicyConfigMap }}
+{{- .Values.existingPolicyConfigMap }}
+{{- else }}
+{{- printf "%s-policies" (include "extauthz.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret the chart creates for identitySalt.value (none when an existing one is named). */}}
+{{- define "extauthz.secretName" -}}
+{{- printf "%s-secrets" (include "extauthz.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "extauthz.redisConfigured" -}}
+{{- if or .Values.redis.url .Values.redis.existingSecret }}true{{ end }}
+{{- end }}
+
+{{/* Worker processes (`extauthz serve --workers N`); 1 when unset. */}}
+{{- define "extauthz.workers" -}}
+{{- .Values.server.workers | default 1 | int }}
+{{- end }}
+
+{{/*
+Metrics ports as a JSON list of {name, port}: worker i listens on metrics.port + i
+(extauthz/server/workers.py), so each worker gets its own named port.
+*/}}
+{{- define "extauthz.metricsPorts" -}}
+{{- $ports := list }}
+{{- range $i := until (include "extauthz.workers" . | int) }}
+{{- $name := ternary "metrics" (printf "metrics-w%d" $i) (eq $i 0) }}
+{{- $ports = append $ports (dict "name" $name "port" (add $.Values.metrics.port $i)) }}
+{{- end }}
+{{- toJson $ports }}
+{{- end }}
+
+{{/* Refuse combinations that cannot work. */}}
+{{- define "extauthz.validate" -}}
+{{- if not (include "extauthz.redisConfigured" .) }}
+{{- if gt (int .Values.replicaCount) 1 }}
+{{- fail "replicaCount > 1 needs a shared store: set redis.url or redis.existingSecret (the embedded store serves one replica)" }}
+{{- end }}
+{{- if gt (include "extauthz.workers" . | int) 1 }}
+{{- fail "server.workers > 1 needs a shared store: set redis.url or redis.existingSecret (each worker process would enforce the whole limit)" }}
+{{- end }}
+{{- if .Values.autoscaling.enabled }}
+{{- fail "autoscaling needs a shared store: set redis.url or redis.existingSecret (the embedded store serves one replica)" }}
+{{- end }}
+{{- end }}
+{{- if and .Values.redis.url .Values.redis.existingSecret }}
+{{- fail "set only one of redis.url and redis.existingSecret" }}
+{{- end }}
+{{- if and .Values.identitySalt.value .Values.identitySalt.existingSecret }}
+{{- fail "set only one of identitySalt.value and identitySalt.existingSecret" }}
+{{- end }}
+{{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.enabled) }}
+{{- fail "metrics.serviceMonitor.enabled needs metrics.enabled" }}
+{{- end }}
+{{- if and (not .Values.existingPolicyConfigMap) (not .Values.policies) }}
+{{- fail "set policies (file name -> YAML) or existingPolicyConfigMap" }}
+{{- end }}
+{{- $grpc := int .Values.server.grpcPort }}
+{{- $metrics := int .Values.metrics.port }}
+{{- if and .Values.metrics.enabled (le $metrics $grpc) (lt $grpc (add $metrics (include "extauthz.workers" . | int))) }}
+{{- fail "server.grpcPort must lie outside the metrics ports (metrics.port .. metrics.port + workers - 1)" }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,515 @@
+"""The Helm chart in helm/extauthz, checked without a cluster or a helm binary.
+
+helm-python-sdk (Helm's Go library behind ctypes) lints and renders the chart like
+``helm lint`` / ``helm template`` and applies values.schema.json; kubernetes-validate checks the
+rendered objects against the Kubernetes 1.30 OpenAPI schemas (strict: unknown fields fail);
+jsonschema checks values files against values.schema.json on its own.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from extauthz.devtools import envoy as envoy_config
+from extauthz.policy import load_policy
+from extauthz.server.app import ServerConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "extauthz"
+ISTIO = CHART / "examples" / "istio"
+KUBE_VERSION = "1.30.0"
+RELEASE, NAMESPACE = "extauthz", "extauthz"
+
+# Every optional piece on.
+FULL_VALUES: dict[str, Any] = {
+    "replicaCount": 3,
+    "redis": {"existingSecret": "extauthz-redis", "existingSecretKey": "url"},
+    "identitySalt": {"value": "s3cret-salt"},
+    "server": {"workers": 2, "logLevel": "debug"},
+    "extraEnv": [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": "http://otel-collector:4317"}],
+    "podDisruptionBudget": {"enabled": True},
+    "autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 12},
+    "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}},
+    "networkPolicy": {
+        "enabled": True,
+        "grpcFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "istio-system"}}}],
+        "metricsFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+        "egress": [{"ports": [{"port": 6379, "protocol": "TCP"}]}, {"ports": [{"port": 53, "protocol": "UDP"}]}],
+    },
+    "service": {"headless": True},
+    "podAnnotations": {"example.com/team": "edge"},
+    "topologySpreadConstraints": [{
+        "maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway",
+        "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "extauthz"}},
+    }],
+    "lifecycle": {"preStopMode": "exec"},
+}
+Objects = list[dict[str, Any]]
+# Kinds kubernetes-validate has no schema for (CRDs); checked by hand below.
+CRD_KINDS = {"ServiceMonitor"}
+
+
+@pytest.fixture(scope="module")
+def chart() -> Any:
+    with helm.Chart.load(CHART) as loaded:
+        yield loaded
+
+
+def render(chart: Any, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    manifests = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    objects: list[dict[str, Any]] = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        objects.extend(doc for doc in yaml.safe_load_all(text) if doc)
+    return objects
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    [found] = [o for o in objects if o["kind"] == kind]
+    return found
+
+
+def container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    [main] = by_kind(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    found: dict[str, Any] = main
+    return found
+
+
+def env_of(main: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in main["env"]}
+
+
+@pytest.fixture(scope="module")
+def default_objects(chart: Any) -> list[dict[str, Any]]:
+    return render(chart)
+
+
+@pytest.fixture(scope="module")
+def full_objects(chart: Any) -> list[dict[str, Any]]:
+    return render(chart, FULL_VALUES)
+
+
+def schema() -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads((CHART / "values.schema.json").read_text())
+    return loaded
+
+
+def default_values() -> dict[str, Any]:
+    loaded: dict[str, Any] = yaml.safe_load((CHART / "values.yaml").read_text())
+    return loaded
+
+
+def merged(overrides: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(default_values())
+
+    def merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
+        for key, value in src.items():
+            if isinstance(value, dict) and isinstance(dst.get(key), dict):
+                merge(dst[key], value)
+            else:
+                dst[key] = value
+
+    merge(out, overrides)
+    return out
+
+
+# -- lint and Kubernetes schemas -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", [None, FULL_VALUES], ids=["default", "full"])
+def test_lint_is_clean(values: dict[str, Any] | None) -> None:
+    report = helm.lint(CHART, values, strict=True, kube_version=f"v{KUBE_VERSION}")
+    assert report["errors"] == []
+    # severity 1 = info (only "icon is recommended"), 2 = warning, 3 = error
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize("name", ["default", "full"])
+def test_rendered_objects_match_kubernetes_schemas(name: str, request: pytest.FixtureRequest) -> None:
+    objects = request.getfixturevalue(f"{name}_objects")
+    for obj in objects:
+        if obj["kind"] in CRD_KINDS:
+            continue
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+
+
+def test_default_render_has_the_base_objects_only(default_objects: list[dict[str, Any]]) -> None:
+    assert sorted(o["kind"] for o in default_objects) == ["ConfigMap", "Deployment", "Service", "ServiceAccount"]
+
+
+def test_full_render_has_every_optional_object(full_objects: list[dict[str, Any]]) -> None:
+    assert sorted(o["kind"] for o in full_objects) == sorted([
+        "ConfigMap", "Deployment", "HorizontalPodAutoscaler", "NetworkPolicy", "PodDisruptionBudget",
+        "Secret", "Service", "ServiceAccount", "ServiceMonitor",
+    ])
+    for obj in full_objects:
+        assert obj["metadata"]["namespace"] == NAMESPACE
+    selector = by_kind(full_objects, "Deployment")["spec"]["selector"]["matchLabels"]
+    pod_labels = by_kind(full_objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert selector.items() <= pod_labels.items()
+    for kind, path in [("Service", ["spec", "selector"]),
+                       ("PodDisruptionBudget", ["spec", "selector", "matchLabels"]),
+                       ("NetworkPolicy", ["spec", "podSelector", "matchLabels"]),
+                       ("ServiceMonitor", ["spec", "selector", "matchLabels"])]:
+        node: Any = by_kind(full_objects, kind)
+        for key in path:
+            node = node[key]
+        assert node == selector, kind
+    # The HPA owns the replica count.
+    assert "replicas" not in by_kind(full_objects, "Deployment")["spec"]
+    hpa = by_kind(full_objects, "HorizontalPodAutoscaler")["spec"]
+    assert hpa["scaleTargetRef"]["name"] == by_kind(full_objects, "Deployment")["metadata"]["name"]
+
+
+def test_service_monitor_scrapes_the_metrics_port(full_objects: list[dict[str, Any]]) -> None:
+    monitor = by_kind(full_objects, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    # one endpoint per worker process (FULL_VALUES has 2): worker i serves metrics.port + i
+    assert [(e["port"], e["path"]) for e in monitor["spec"]["endpoints"]] == [
+        ("metrics", "/metrics"), ("metrics-w1", "/metrics")]
+    service_ports = {p["name"]: p["port"] for p in by_kind(full_objects, "Service")["spec"]["ports"]}
+    assert service_ports == {"grpc": 9001, "metrics": 9464, "metrics-w1": 9465}
+    container_ports = {p["name"]: p["containerPort"] for p in container(full_objects)["ports"]}
+    assert container_ports == service_ports
+
+
+def test_network_policy_opens_only_grpc_and_metrics(full_objects: list[dict[str, Any]]) -> None:
+    spec = by_kind(full_objects, "NetworkPolicy")["spec"]
+    assert spec["policyTypes"] == ["Ingress", "Egress"]
+    ports = [p["port"] for rule in spec["ingress"] for p in rule["ports"]]
+    assert ports == ["grpc", "metrics", "metrics-w1"]
+    assert spec["ingress"][0]["from"] == FULL_VALUES["networkPolicy"]["grpcFrom"]
+
+
+# -- the points that matter for this server -------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["default", "full"])
+def test_policies_are_a_directory_mount_without_subpath(name: str, request: pytest.FixtureRequest) -> None:
+    objects = request.getfixturevalue(name + "_objects")
+    pod = by_kind(objects, "Deployment")["spec"]["template"]["spec"]
+    main = container(objects)
+    for mount in main["volumeMounts"]:
+        assert "subPath" not in mount and "subPathExpr" not in mount, mount
+    [mount] = [m for m in main["volumeMounts"] if m["name"] == "policies"]
+    assert mount["mountPath"] == "/etc/extauthz/policies"
+    assert env_of(main)["EXTAUTHZ_POLICIES"]["value"] == mount["mountPath"]
+    [volume] = [v for v in pod["volumes"] if v["name"] == "policies"]
+    assert "items" not in volume["configMap"]  # every key of the ConfigMap is a file
+    assert volume["configMap"]["name"] == by_kind(objects, "ConfigMap")["metadata"]["name"]
+
+
+def test_no_checksum_restart_for_policies(full_objects: Objects, default_objects: Objects) -> None:
+    """Policies hot-reload: a ConfigMap edit must not change the pod template."""
+    default_annotations = by_kind(default_objects, "Deployment")["spec"]["template"]["metadata"].get("annotations")
+    assert default_annotations is None
+    annotations = by_kind(full_objects, "Deployment")["spec"]["template"]["metadata"]["annotations"]
+    assert set(annotations) == {"checksum/secret", "example.com/team"}
+
+
+def test_policy_edit_leaves_the_pod_template_unchanged(chart: Any) -> None:
+    edited = {"policies": {"api.yaml": "version: 1\nlimiters: []\n"}}
+    before, after = render(chart), render(chart, edited)
+    assert by_kind(before, "ConfigMap")["data"] != by_kind(after, "ConfigMap")["data"]
+    assert by_kind(before, "Deployment") == by_kind(after, "Deployment")
+
+
+def test_default_policy_is_the_repository_policy_and_loads(default_objects: Objects, tmp_path: Path) -> None:
+    repo_policy = (ROOT / "policies" / "api.yaml").read_text()
+    assert default_values()["policies"] == {"api.yaml": repo_policy}
+    data = by_kind(default_objects, "ConfigMap")["data"]
+    assert data == {"api.yaml": repo_policy}
+    for name, text in data.items():
+        (tmp_path / name).write_text(text)
+    policy = load_policy([str(tmp_path)])
+    assert [limiter.name for limiter in policy.limiters] == ["user-rate", "user-concurrency", "fleet", "workers"]
+
+
+def test_structured_policy_values_are_rendered_as_yaml(chart: Any, tmp_path: Path) -> None:
+    structured = {"version": 1, "limiters": [{"name": "r", "type": "request_rate", "rate": 5, "burst": 10}]}
+    objects = render(chart, {"policies": {"api.yaml": None, "limits.yaml": structured}})
+    data = by_kind(objects, "ConfigMap")["data"]
+    assert set(data) == {"limits.yaml"}
+    assert yaml.safe_load(data["limits.yaml"]) == structured
+    (tmp_path / "limits.yaml").write_text(data["limits.yaml"])
+    assert [limiter.name for limiter in load_policy([str(tmp_path)]).limiters] == ["r"]
+
+
+def test_existing_policy_configmap(chart: Any) -> None:
+    objects = render(chart, {"existingPolicyConfigMap": "my-policies"})
+    assert "ConfigMap" not in {o["kind"] for o in objects}
+    pod = by_kind(objects, "Deployment")["spec"]["template"]["spec"]
+    [volume] = [v for v in pod["volumes"] if v["name"] == "policies"]
+    assert volume["configMap"]["name"] == "my-policies"
+
+
+@pytest.mark.parametrize("name", ["default", "full"])
+def test_admin_port_is_never_exposed(name: str, request: pytest.FixtureRequest) -> None:
+    objects = request.getfixturevalue(name + "_objects")
+    main = container(objects)
+    admin = env_of(main)["EXTAUTHZ_ADMIN_LISTEN"]["value"]
+    assert admin.startswith("127.0.0.1:")
+    admin_port = int(admin.rsplit(":", 1)[1])
+    ports = by_kind(objects, "Service")["spec"]["ports"]
+    assert {(p["name"], p["port"]) for p in ports} >= {("grpc", 9001), ("metrics", 9464)}
+    assert {p["name"] for p in ports} <= {"grpc", "metrics", "metrics-w1"}
+    assert admin_port not in {p["port"] for p in ports}
+    assert "admin" not in {p["name"] for p in ports}
+    assert admin_port not in {p["containerPort"] for p in main["ports"]}
+
+
+def test_public_admin_listen_is_refused(chart: Any) -> None:
+    bad = {"server": {"adminListen": "0.0.0.0:9002"}}
+    with pytest.raises(helm.HelmValuesError, match="adminListen"):
+        chart.render(bad, name=RELEASE, namespace=NAMESPACE)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(merged(bad), schema())
+
+
+@pytest.mark.parametrize("name", ["default", "full"])
+def test_grpc_probes_target_the_check_port(name: str, request: pytest.FixtureRequest) -> None:
+    objects = request.getfixturevalue(name + "_objects")
+    main = container(objects)
+    [grpc_port] = [p["containerPort"] for p in main["ports"] if p["name"] == "grpc"]
+    assert env_of(main)["EXTAUTHZ_LISTEN"]["value"] == f"0.0.0.0:{grpc_port}"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert main[probe]["grpc"] == {"port": grpc_port, "service": ""}, probe
+    service_grpc = [p for p in by_kind(objects, "Service")["spec"]["ports"] if p["name"] == "grpc"]
+    assert service_grpc[0]["targetPort"] == "grpc"
+    assert service_grpc[0]["appProtocol"] == "grpc"
+
+
+def test_graceful_stop_fits_the_termination_grace(default_objects: list[dict[str, Any]],
+                                                  full_objects: list[dict[str, Any]]) -> None:
+    drain = ServerConfig().grace_seconds  # the server's own drain after NOT_SERVING
+    for objects, hook in [(default_objects, {"sleep": {"seconds": 5}}),
+                          (full_objects, {"exec": {"command": ["sleep", "5"]}})]:
+        pod = by_kind(objects, "Deployment")["spec"]["template"]["spec"]
+        pre_stop = container(objects)["lifecycle"]["preStop"]
+        assert pre_stop == hook
+        sleep = int(pre_stop.get("sleep", {}).get("seconds") or pre_stop["exec"]["command"][1])
+        assert pod["terminationGracePeriodSeconds"] >= sleep + drain + 5
+
+
+def test_security_context(default_objects: list[dict[str, Any]]) -> None:
+    pod = by_kind(default_objects, "Deployment")["spec"]["template"]["spec"]
+    main = container(default_objects)
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert pod["automountServiceAccountToken"] is False
+    sc = main["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert {"name": "tmp", "mountPath": "/tmp"} in main["volumeMounts"]
+
+
+def test_default_env(default_objects: list[dict[str, Any]]) -> None:
+    env = env_of(container(default_objects))
+    assert {name: e.get("value") for name, e in env.items()} == {
+        "EXTAUTHZ_POLICIES": "/etc/extauthz/policies",
+        "EXTAUTHZ_LISTEN": "0.0.0.0:9001",
+        "EXTAUTHZ_ADMIN_LISTEN": "127.0.0.1:9002",
+        "EXTAUTHZ_METRICS_LISTEN": "0.0.0.0:9464",
+        "EXTAUTHZ_STORE_DEADLINE_MS": "5",
+        "EXTAUTHZ_KEY_PREFIX": "extauthz",
+        "EXTAUTHZ_LOG_LEVEL": "info",
+        "EXTAUTHZ_LOG_FORMAT": "json",
+    }
+    assert container(default_objects)["command"] == ["extauthz", "serve"]
+
+
+@pytest.mark.parametrize("name", ["default", "full"])
+def test_env_names_are_the_cli_variables(name: str, request: pytest.FixtureRequest) -> None:
+    """Each EXTAUTHZ_* variable the chart sets is one `extauthz serve` reads."""
+    cli = (ROOT / "extauthz" / "cli.py").read_text()
+    read = {f"EXTAUTHZ_{var}" for var in re.findall(r'_env\("([A-Z_]+)"', cli)}
+    env = env_of(container(request.getfixturevalue(name + "_objects")))
+    assert {n for n in env if n.startswith("EXTAUTHZ_")} <= read
+
+
+def test_full_env_uses_secrets(full_objects: list[dict[str, Any]]) -> None:
+    env = env_of(container(full_objects))
+    assert env["EXTAUTHZ_REDIS_URL"] == {
+        "name": "EXTAUTHZ_REDIS_URL",
+        "valueFrom": {"secretKeyRef": {"name": "extauthz-redis", "key": "url"}},
+    }
+    secret = by_kind(full_objects, "Secret")
+    assert env["EXTAUTHZ_IDENTITY_SALT"]["valueFrom"]["secretKeyRef"] == {
+        "name": secret["metadata"]["name"], "key": "identity-salt",
+    }
+    assert set(secret["data"]) == {"identity-salt"}
+    assert env["EXTAUTHZ_WORKERS"]["value"] == "2"
+    assert env["EXTAUTHZ_LOG_LEVEL"]["value"] == "debug"
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "http://otel-collector:4317"
+
+
+def test_plain_redis_url_and_existing_salt_secret(chart: Any) -> None:
+    objects = render(chart, {"replicaCount": 2, "redis": {"url": "redis://redis:6379/0"},
+                             "identitySalt": {"existingSecret": "salt"}})
+    env = env_of(container(objects))
+    assert env["EXTAUTHZ_REDIS_URL"]["value"] == "redis://redis:6379/0"
+    assert env["EXTAUTHZ_IDENTITY_SALT"]["valueFrom"]["secretKeyRef"] == {"name": "salt", "key": "identity-salt"}
+    assert "Secret" not in {o["kind"] for o in objects}
+
+
+def test_metrics_can_be_turned_off(chart: Any) -> None:
+    objects = render(chart, {"metrics": {"enabled": False}})
+    main = container(objects)
+    assert "EXTAUTHZ_METRICS_LISTEN" not in env_of(main)
+    assert [p["name"] for p in by_kind(objects, "Service")["spec"]["ports"]] == ["grpc"]
+    assert [p["name"] for p in main["ports"]] == ["grpc"]
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"replicaCount": 2}, "shared store"),
+    ({"autoscaling": {"enabled": True}}, "shared store"),
+    ({"redis": {"url": "redis://r:6379", "existingSecret": "r"}}, "only one of redis"),
+    ({"metrics": {"enabled": False, "serviceMonitor": {"enabled": True}}}, "needs metrics.enabled"),
+    ({"policies": None}, "existingPolicyConfigMap"),
+    ({"server": {"workers": 2}}, "shared store"),
+    ({"redis": {"url": "redis://r:6379"}, "server": {"workers": 4, "grpcPort": 9466}}, "outside the metrics ports"),
+])
+def test_impossible_combinations_fail_to_render(chart: Any, values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmError, match=message):
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+
+
+# -- values.schema.json --------------------------------------------------------------------------
+
+
+def test_schema_is_valid_and_accepts_the_shipped_values() -> None:
+    jsonschema.Draft7Validator.check_schema(schema())
+    jsonschema.validate(default_values(), schema())
+    jsonschema.validate(merged(FULL_VALUES), schema())
+    istio_values = yaml.safe_load((ISTIO / "values-istio.yaml").read_text())
+    jsonschema.validate(merged(istio_values), schema())
+
+
+BAD_VALUES = [
+    {"replicaCount": "three"},
+    {"server": {"logLevel": "verbose"}},
+    {"server": {"grpcPort": 70000}},
+    {"server": {"workers": 0}},
+    {"server": {"logFormat": "xml"}},
+    {"redis": {"url": "http://redis:6379"}},
+    {"policies": {"api.json": "{}"}},
+    {"policies": {"api.yaml": 42}},
+    {"service": {"type": "ExternalName"}},
+    {"lifecycle": {"preStopMode": "later"}},
+    {"image": {"pullPolicy": "Sometimes"}},
+    {"replicas": 2},  # unknown top-level key (typo of replicaCount)
+]
+
+
+@pytest.mark.parametrize("bad", BAD_VALUES, ids=lambda v: json.dumps(v)[:40])
+def test_bad_values_fail_schema_validation(chart: Any, bad: dict[str, Any]) -> None:
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(merged(bad), schema())
+    with pytest.raises(helm.HelmValuesError):
+        chart.validate_schema(bad)
+
+
+def test_bad_values_file_fails(chart: Any, tmp_path: Path) -> None:
+    path = tmp_path / "bad-values.yaml"
+    path.write_text("server:\n  logLevel: chatty\n  adminListen: 0.0.0.0:9002\n")
+    bad = helm.values_from_yaml(path.read_text())
+    errors = sorted(e.message for e in jsonschema.Draft7Validator(schema()).iter_errors(merged(bad)))
+    assert len(errors) == 2
+    with pytest.raises(helm.HelmValuesError, match="logLevel"):
+        chart.render(bad, name=RELEASE, namespace=NAMESPACE)
+
+
+# -- the Istio example ---------------------------------------------------------------------------
+
+
+def load_docs(name: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((ISTIO / name).read_text()) if d]
+
+
+def test_istio_example_is_consistent(default_objects: list[dict[str, Any]], tmp_path: Path) -> None:
+    [mesh] = load_docs("meshconfig.yaml")
+    providers = {p["name"]: p for p in mesh["meshConfig"]["extensionProviders"]}
+    authz = providers["extauthz"]["envoyExtAuthzGrpc"]
+    als = providers["extauthz-als"]["envoyHttpAls"]
+    service = by_kind(default_objects, "Service")
+    host = f"{service['metadata']['name']}.{NAMESPACE}.svc.cluster.local"
+    [grpc_port] = [p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc"]
+    assert set(authz) <= {"service", "port", "timeout", "failOpen", "statusOnError", "includeRequestBodyInCheck"}
+    assert (authz["service"], authz["port"]) == (als["service"], als["port"]) == (host, grpc_port)
+    assert authz["failOpen"] is True
+    assert re.fullmatch(r"\d+(\.\d+)?s", authz["timeout"])  # protobuf JSON duration
+    assert isinstance(authz["statusOnError"], str)
+    assert set(als) <= {"service", "port", "logName", "filterStateObjectsToLog", "additionalRequestHeadersToLog",
+                        "additionalResponseHeadersToLog", "additionalResponseTrailersToLog"}
+
+    [policy] = load_docs("authorizationpolicy.yaml")
+    assert policy["apiVersion"] == "security.istio.io/v1"
+    assert policy["spec"]["action"] == "CUSTOM"
+    assert policy["spec"]["provider"]["name"] in providers
+    assert policy["spec"]["rules"], "a CUSTOM policy only checks requests its rules match"
+
+    [telemetry] = load_docs("telemetry.yaml")
+    names = [p["name"] for entry in telemetry["spec"]["accessLogging"] for p in entry["providers"]]
+    assert "extauthz-als" in names
+    assert telemetry["spec"]["selector"] == policy["spec"]["selector"]
+
+    [envoy_filter] = load_docs("envoyfilter-als.yaml")
+    [patch] = envoy_filter["spec"]["configPatches"]
+    [logger] = patch["patch"]["value"]["typed_config"]["access_log"]
+    grpc_service = logger["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"]
+    assert grpc_service["cluster_name"] == f"outbound|{grpc_port}||{host}"
+
+    values = yaml.safe_load((ISTIO / "values-istio.yaml").read_text())
+    for name, text in values["policies"].items():
+        (tmp_path / name).write_text(text)
+    assert load_policy([str(tmp_path)]).limiters
+
+
+def test_istio_values_render_and_validate(chart: Any) -> None:
+    values = yaml.safe_load((ISTIO / "values-istio.yaml").read_text())
+    for obj in render(chart, values):
+        if obj["kind"] not in CRD_KINDS:
+            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+
+
+def test_envoyfilter_access_logger_is_valid_envoy_config() -> None:
+    """The logger block of envoyfilter-als.yaml, put in a minimal bootstrap, passes `envoy --mode validate`
+    (field names and types; the Istio side of the EnvoyFilter needs a live Istio)."""
+    [envoy_filter] = load_docs("envoyfilter-als.yaml")
+    [patch] = envoy_filter["spec"]["configPatches"]
+    hcm = copy.deepcopy(patch["patch"]["value"]["typed_config"])
+    cluster = hcm["access_log"][0]["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
+    hcm.update({
+        "stat_prefix": "ingress_http",
+        "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
+            {"match": {"prefix": "/"}, "direct_response": {"status": 200}}]}]},
+        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+    })
+    bootstrap = {"static_resources": {
+        "listeners": [{"name": "gateway", "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}},
+                       "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                       "typed_config": hcm}]}]}],
+        "clusters": [{"name": cluster, "type": "STATIC", "load_assignment": {"cluster_name": cluster, "endpoints": [
+            {"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": "127.0.0.1",
+                                                                            "port_value": 9001}}}}]}]},
+                      "typed_extension_protocol_options": {
+                          "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                              "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                              "explicit_http_config": {"http2_protocol_options": {}}}}}],
+    }}
+    envoy_config.validate(yaml.safe_dump(bootstrap))
