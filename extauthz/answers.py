@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from .context import RequestContext
-from .verdict import Decision, Kind, Outcome, Verdict
+from .verdict import Decision, Kind, Outcome, Quota, Verdict
 
 PROBLEM_TYPE = "urn:extauthz:problem:"
 _TITLES = {429: "Too Many Requests", 503: "Service Unavailable"}
@@ -41,19 +41,27 @@ def limit_item(v: Verdict) -> str | None:
     return f'"{v.limiter}";r={_num(v.remaining)};t={math.ceil(t - 1e-9)}'
 
 
+#: ``RateLimit-Policy`` values by the (limiter, quota) pairs they list: constant per policy.
+_POLICY_HEADERS: dict[tuple[tuple[str, Quota | None], ...], str] = {}
+_POLICY_HEADERS_MAX = 4096
+
+
 def ratelimit_headers(decision: Decision) -> list[tuple[str, str]]:
     """``RateLimit-Policy`` and ``RateLimit`` for the per-user rate limiters that answered."""
-    policies, limits = [], []
-    for v in decision.verdicts:
-        if v.kind is not Kind.RATE_LIMITER or v.outcome not in (Outcome.ALLOWED, Outcome.DENIED):
-            continue
-        p, lim = policy_item(v), limit_item(v)
-        if p is not None and lim is not None:
-            policies.append(p)
-            limits.append(lim)
-    if not policies:
+    answered = [
+        v for v in decision.verdicts
+        if v.kind is Kind.RATE_LIMITER and (v.outcome is Outcome.ALLOWED or v.outcome is Outcome.DENIED)
+        and v.quota is not None and v.remaining is not None
+    ]
+    if not answered:
         return []
-    return [("ratelimit-policy", ", ".join(policies)), ("ratelimit", ", ".join(limits))]
+    key = tuple([(v.limiter, v.quota) for v in answered])
+    policy = _POLICY_HEADERS.get(key)
+    if policy is None:
+        policy = ", ".join([policy_item(v) or "" for v in answered])
+        if len(_POLICY_HEADERS) < _POLICY_HEADERS_MAX:
+            _POLICY_HEADERS[key] = policy
+    return [("ratelimit-policy", policy), ("ratelimit", ", ".join([limit_item(v) or "" for v in answered]))]
 
 
 @dataclass(frozen=True, slots=True)

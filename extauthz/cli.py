@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 from . import __version__
 from .errors import PolicyError
+from .opscli import add_parsers as add_ops_parsers
+from .opscli import cmd_report, cmd_switch
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -39,25 +41,44 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    "[EXTAUTHZ_ADMIN_LISTEN; default 127.0.0.1:9002]")
     p.add_argument("--metrics-listen", default=_env("METRICS_LISTEN"),
                    help="Prometheus metrics port, e.g. 0.0.0.0:9464 [EXTAUTHZ_METRICS_LISTEN]")
+    p.add_argument("--workers", type=int, default=int(_env("WORKERS", "1") or 1),
+                   help="server processes sharing the --listen port (SO_REUSEPORT); above 1 "
+                   "needs --redis-url and an Envoy with as many worker threads [EXTAUTHZ_WORKERS; "
+                   "default 1]")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "info"),
                    help="log level [EXTAUTHZ_LOG_LEVEL; default info]")
+    p.add_argument("--log-format", choices=("json", "text"), default=_env("LOG_FORMAT", "json"),
+                   help="log lines: one JSON object each, or text [EXTAUTHZ_LOG_FORMAT; default json]")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from .observe.logs import configure_logging
     from .server.app import ServerConfig, serve
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(message)s")
+    listener = configure_logging(args.log_level, args.log_format)
     config = ServerConfig(
         policies=list(args.policies), listen=args.listen, redis_url=args.redis_url or None,
         store_deadline_ms=args.store_deadline_ms, key_prefix=args.key_prefix,
         identity_salt=args.identity_salt, admin_listen=args.admin_listen,
         metrics_listen=args.metrics_listen,
     )
+    workers = getattr(args, "workers", 1)
     try:
+        if workers != 1:
+            from .server.workers import WorkersError, serve_workers
+
+            try:
+                return serve_workers(config, workers, log_level=args.log_level)
+            except WorkersError as exc:
+                print(f"extauthz: {exc}", file=sys.stderr)
+                return 2
         serve(config)
     except PolicyError as exc:
-        print(f"extauthz: the policy has errors:\n{exc}", file=sys.stderr)
+        logging.getLogger("extauthz.server").error("the policy has errors, not starting:\n%s", exc, extra={
+            "fields": {"event": "policy_invalid", "issues": [str(i) for i in exc.issues]}})
         return 2
+    finally:
+        listener.stop()
     return 0
 
 
@@ -103,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check-policies", help="validate policy files or directories (exit 1 on error)")
     p.add_argument("paths", nargs="+", help="a policy file or a directory (one policy per argument)")
     sub.add_parser("schema", help="print the policy JSON Schema")
+    add_ops_parsers(sub)
     p = sub.add_parser("demo", help="quick start: Envoy + server + upstream on this machine, "
                        "a burst of traffic per tier, and a summary")
     p.add_argument("--policies", nargs="+", default=None, help="policy to demo (default: the packaged demo policy)")
@@ -116,6 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "check-policies": cmd_check_policies,
         "schema": cmd_schema,
         "demo": cmd_demo,
+        "switch": cmd_switch,
+        "report": cmd_report,
     }[args.command]
     return handler(args)
 

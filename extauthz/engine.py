@@ -338,6 +338,14 @@ class Engine:
         self.failures[reason] = self.failures.get(reason, 0) + 1
         self.observer.store_failed(reason)
 
+    def release_now(self, keys: Sequence[str], lease_id: str) -> int | None:
+        """Release within this call when the store can (the embedded store: no task, no
+        deadline); None when the caller must ``await release()`` instead."""
+        now = getattr(self.store, "release_now", None)
+        if now is None:
+            return None
+        return int(now(keys, lease_id)) if keys and lease_id else 0
+
     async def release(self, keys: Sequence[str], lease_id: str) -> int:
         """Release a finished request's leases. Errors propagate to the caller."""
         if not keys or not lease_id:

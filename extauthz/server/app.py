@@ -8,8 +8,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,7 +25,8 @@ from ..sampler import run_sampler
 from ..store.base import Store
 from ..store.keys import Keys
 from ..store.memory import MemoryStore
-from .services import AccessLogService, AuthorizationService
+from .operations import Operations
+from .services import AccessLogService
 
 log = logging.getLogger("extauthz.server")
 
@@ -41,6 +45,13 @@ class ServerConfig:
     admin_listen: str = "127.0.0.1:9002"
     metrics_listen: str | None = None
     grace_seconds: float = 5.0
+    #: policy file poll (hot reload; 0 turns it off), kill switch poll, in seconds.
+    reload_interval: float = 1.0
+    switch_poll_interval: float = 1.0
+    #: cap on decision log records (denials, shadow would-denials) per second.
+    decision_log_per_second: int = 1000
+    #: share the Check port with other processes (``--workers``; see server/workers.py).
+    reuse_port: bool = False
 
 
 def make_store(config: ServerConfig, clock: Clock = SYSTEM_CLOCK) -> Store:
@@ -53,7 +64,8 @@ def make_store(config: ServerConfig, clock: Clock = SYSTEM_CLOCK) -> Store:
 
 class Server:
     def __init__(self, config: ServerConfig, *, policy: Policy | None = None,
-                 store: Store | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
+                 store: Store | None = None, clock: Clock = SYSTEM_CLOCK,
+                 tracer_provider: Any = None) -> None:
         self.config = config
         self.clock = clock
         self.policy = policy if policy is not None else load_policy(config.policies)
@@ -65,14 +77,24 @@ class Server:
         )
         self.health = health.aio.HealthServicer()
         self.accesslog = AccessLogService(self.engine)
+        # observers, admin + metrics ports, hot reload, switches (tracing from OTEL_* unless given)
+        self.ops = Operations(
+            engine=self.engine, store=self.store, keys=self.engine.keys, clock=clock,
+            accesslog=self.accesslog, listen=config.listen, admin_listen=config.admin_listen,
+            metrics_listen=config.metrics_listen, watch=config.policies if policy is None else None,
+            reload_interval=config.reload_interval, switch_poll_interval=config.switch_poll_interval,
+            decision_log_per_second=config.decision_log_per_second,
+            tracer_provider=tracer_provider, after_reload=self.sync_samplers,
+        )
         self.grpc: grpc.aio.Server | None = None
         self.port = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._samplers: dict[str, asyncio.Task[None]] = {}
 
     async def start(self) -> int:
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        auth_pb2_grpc.add_AuthorizationServicer_to_server(AuthorizationService(self.engine), server)
+        await self.ops.start()
+        server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.config.reuse_port))])
+        auth_pb2_grpc.add_AuthorizationServicer_to_server(self.ops.auth_service(), server)
         accesslog_pb2_grpc.add_AccessLogServiceServicer_to_server(self.accesslog, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self.port = server.add_insecure_port(self.config.listen)
@@ -108,6 +130,7 @@ class Server:
                 await task
         if self.grpc is not None:
             await self.grpc.stop(self.config.grace_seconds if grace is None else grace)
+        await self.ops.stop()
         await self.store.close()
 
     async def wait(self) -> None:
@@ -115,23 +138,30 @@ class Server:
             await self.grpc.wait_for_termination()
 
 
-async def run(config: ServerConfig) -> None:
+async def run(config: ServerConfig, on_ready: Callable[[int], None] | None = None) -> None:
     server = Server(config)
     await server.start()
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
+    if on_ready is not None:
+        on_ready(server.port)
     await stopping.wait()
     log.info("stopping: health NOT_SERVING, finishing in-flight calls")
     await server.stop()
 
 
-def serve(config: ServerConfig) -> None:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        asyncio.run(run(config))
-    else:
-        uvloop.run(run(config))
+def serve(config: ServerConfig, on_ready: Callable[[int], None] | None = None) -> None:
+    """Run until SIGTERM/SIGINT. uvloop unless ``EXTAUTHZ_EVENT_LOOP=asyncio`` (measured in
+    docs/benchmarks.md: uvloop is the faster of the two here)."""
+    if os.environ.get("EXTAUTHZ_EVENT_LOOP", "uvloop") != "asyncio":
+        try:
+            import uvloop
+        except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+            pass
+        else:
+            uvloop.run(run(config, on_ready))
+            return
+    asyncio.run(run(config, on_ready))
 

@@ -12,6 +12,7 @@ from google.protobuf import struct_pb2
 from ..answers import denial, ratelimit_headers
 from ..context import RawRequest, RequestContext
 from ..proto import auth_pb2, core_pb2, http_status_pb2, status_pb2
+from ..tiers import Tier
 from ..verdict import Decision
 
 #: where Envoy files the CheckResponse's dynamic metadata (and the access log shows it).
@@ -59,26 +60,48 @@ def _header(key: str, value: str) -> core_pb2.HeaderValueOption:
     )
 
 
+def _fill_lease_metadata(md: struct_pb2.Struct, decision: Decision) -> None:
+    # Field by field: Struct.update() walks Python values through protobuf's pure-Python
+    # well-known-type helpers (about 3x slower).
+    fields = md.fields
+    fields["lease_id"].string_value = decision.lease_id
+    add = fields["leases"].list_value.values.add
+    for key in decision.leases:
+        add(string_value=key)
+
+
 def lease_metadata(decision: Decision, ctx: RequestContext) -> struct_pb2.Struct | None:
     if not decision.leases:
         return None
     md = struct_pb2.Struct()
-    md.update({"lease_id": decision.lease_id, "leases": list(decision.leases)})
+    _fill_lease_metadata(md, decision)
     return md
+
+
+def _ok_template(tier: str) -> auth_pb2.CheckResponse:
+    return auth_pb2.CheckResponse(
+        status=status_pb2.Status(code=_GRPC_OK),
+        ok_response=auth_pb2.OkHttpResponse(headers=[_header(TIER_HEADER, tier)]),
+    )
+
+
+#: The constant part of an OK answer per tier, built once and copied (one C-level copy
+#: instead of building four nested messages per request).
+_OK_TEMPLATES = {tier.value: _ok_template(tier.value) for tier in Tier}
 
 
 def check_response(ctx: RequestContext, decision: Decision) -> auth_pb2.CheckResponse:
     if decision.allowed:
-        resp = auth_pb2.CheckResponse(
-            status=status_pb2.Status(code=_GRPC_OK),
-            ok_response=auth_pb2.OkHttpResponse(
-                headers=[_header(TIER_HEADER, ctx.tier.value)],
-                response_headers_to_add=[_header(k, v) for k, v in ratelimit_headers(decision)],
-            ),
-        )
-        md = lease_metadata(decision, ctx)
-        if md is not None:
-            resp.dynamic_metadata.CopyFrom(md)
+        resp = auth_pb2.CheckResponse()
+        template = _OK_TEMPLATES.get(ctx.tier.value)
+        resp.CopyFrom(template if template is not None else _ok_template(ctx.tier.value))
+        headers = ratelimit_headers(decision)
+        if headers:
+            add = resp.ok_response.response_headers_to_add.add
+            for k, v in headers:
+                add(header=core_pb2.HeaderValue(key=k, value=v), append_action=_OVERWRITE)
+        if decision.leases:
+            _fill_lease_metadata(resp.dynamic_metadata, decision)
         return resp
     d = denial(ctx, decision)
     code = _GRPC_RESOURCE_EXHAUSTED if d.status == 429 else _GRPC_UNAVAILABLE

@@ -93,6 +93,10 @@ class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ig
                     lease = lease_release(fm[EXT_AUTHZ_NAMESPACE])
                     if lease is None:
                         continue
+                    released = self.engine.release_now(*lease)  # embedded store: at once
+                    if released is not None:
+                        self.released += released
+                        continue
                     if len(pending) >= MAX_PENDING_RELEASES:
                         done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                         pending -= done

@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-
 #: a bucket holding ``cost - TOKEN_EPSILON`` tokens admits the request: float time
 #: arithmetic (``1000.05 + 0.05``) must not refuse a request that arrives exactly on time.
 TOKEN_EPSILON = 1e-9
@@ -91,6 +90,13 @@ class Store(Protocol):
 
     async def shed_update(self, key: str, utilization: float, params: ShedParams) -> float:
         """Advance the shared shed controller with a new utilization sample; return the level."""
+
+    async def append_events(self, key: str, events: Sequence[str], maxlen: int, ttl: float) -> None:
+        """Append ``events`` (JSON strings) to the bounded event log ``key``: about ``maxlen``
+        newest kept, the whole log dropped ``ttl`` seconds after the last append."""
+
+    async def read_events(self, key: str, since: float) -> list[str]:
+        """The events of ``key`` appended at or after ``since`` (Unix seconds), oldest first."""
 
     async def ping(self) -> None:
         """Raise :class:`~extauthz.errors.StoreError` when the store cannot answer."""

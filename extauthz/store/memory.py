@@ -98,6 +98,10 @@ class MemoryStore:
         return CheckResult(admitted, tuple(results))
 
     async def release(self, keys: Sequence[str], lease_id: str) -> int:
+        return self.release_now(keys, lease_id)
+
+    def release_now(self, keys: Sequence[str], lease_id: str) -> int:
+        """:meth:`release` within the call (the access-log path needs no task for it)."""
         released = 0
         for key in keys:
             leases = self._leases.get(key)

@@ -1,0 +1,186 @@
+"""``extauthz switch`` and ``extauthz report``: the operator's side of safe rollout.
+
+Both talk to a running server's admin port (``--admin``, default ``http://127.0.0.1:9002``)
+or, with ``--redis-url``, straight to the Redis every replica reads (the same key and JSON
+the servers use), which also works when no admin port is reachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from .policy.schema import parse_duration
+from .switches import dump_switches, parse_switches, valid_name, with_switch
+from .verdict import Mode
+
+DEFAULT_ADMIN = "http://127.0.0.1:9002"
+CLEAR = "clear"
+
+
+class CliError(Exception):
+    pass
+
+
+def _add_target(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--admin", default=os.environ.get("EXTAUTHZ_ADMIN_URL", DEFAULT_ADMIN),
+                   help=f"a server's admin URL [EXTAUTHZ_ADMIN_URL; default {DEFAULT_ADMIN}]")
+    p.add_argument("--redis-url", default=None,
+                   help="talk to the fleet's Redis directly instead of an admin port")
+    p.add_argument("--key-prefix", default=os.environ.get("EXTAUTHZ_KEY_PREFIX", "extauthz"),
+                   help="with --redis-url: the servers' --key-prefix [EXTAUTHZ_KEY_PREFIX; default extauthz]")
+
+
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "switch", help="set, clear or list the runtime kill switches",
+        description="Kill switches override a limiter's policy mode (or, with '*', cap every "
+        "limiter) until cleared: enforce, shadow (evaluate, record, allow) or off. Every "
+        "replica applies a change within about a second.",
+        epilog="examples: extauthz switch user-rate shadow | extauthz switch '*' off | "
+        "extauthz switch user-rate clear | extauthz switch --list")
+    _add_target(p)
+    p.add_argument("--list", action="store_true", help="show the switches and effective modes")
+    p.add_argument("name", nargs="?", help="a limiter name, or '*' for the global switch")
+    p.add_argument("mode", nargs="?", choices=[*(m.value for m in Mode), CLEAR],
+                   help="enforce | shadow | off | clear")
+
+    p = sub.add_parser(
+        "report", help="dark-launch report: who shadow limiters would have refused",
+        description="Per limiter, the identities (hashed) and routes that shadow limiters "
+        "would have refused over a time window, with counts and the lowest headroom seen.")
+    _add_target(p)
+    p.add_argument("--window", default="1h", help="how far back: 15m, 1h, 24h or seconds (default 1h)")
+    p.add_argument("--top", type=int, default=10, help="rows per limiter (default 10)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+# -- transports ---------------------------------------------------------------------------
+
+
+def _http(method: str, url: str, body: str | None = None) -> Any:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    req = urllib.request.Request(url, method=method, data=body.encode() if body is not None else None,
+                                 headers={"content-type": "text/plain"})
+    try:
+        with opener.open(req, timeout=10) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.loads(exc.read()).get("error", exc.reason)
+        except ValueError:
+            message = exc.reason
+        raise CliError(f"{method} {url}: {exc.code} {message}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise CliError(f"cannot reach the admin port at {url}: {exc}") from None
+
+
+async def _with_redis(url: str, fn: Any) -> Any:
+    from .store.redis import RedisStore
+
+    store = RedisStore.from_url(url, deadline=0.2)
+    try:
+        return await fn(store)
+    finally:
+        await store.close()
+
+
+# -- switch -------------------------------------------------------------------------------
+
+
+def _print_switches(data: dict[str, Any]) -> None:
+    switches = data.get("switches", {})
+    print(f"switches: {json.dumps(switches, sort_keys=True) if switches else 'none'}")
+    limiters = data.get("limiters")
+    if limiters:
+        print(f"{'limiter':<24} {'type':<20} {'policy':<8} {'switch':<8} effective")
+        for name, info in limiters.items():
+            print(f"{name:<24} {info['type']:<20} {info['policy_mode']:<8} "
+                  f"{switches.get(name, '-'):<8} {info['mode']}")
+
+
+def cmd_switch(args: argparse.Namespace) -> int:
+    try:
+        if args.list:
+            if args.name or args.mode:
+                raise CliError("--list takes no name or mode")
+        elif not args.name or not args.mode:
+            raise CliError("usage: extauthz switch NAME|'*' enforce|shadow|off|clear (or --list)")
+        elif not valid_name(args.name):
+            raise CliError(f"bad switch name {args.name!r}")
+        mode = None if args.mode in (None, CLEAR) else Mode(args.mode)
+        if args.redis_url:
+            from .store.keys import Keys
+
+            key = Keys(args.key_prefix).switches
+
+            async def go(store: Any) -> dict[str, Any]:
+                current = parse_switches(await store.get_value(key))
+                if not args.list:
+                    current = with_switch(current, args.name, mode)
+                    await store.set_value(key, dump_switches(current))
+                return {"switches": current.to_dict()}
+
+            data = asyncio.run(_with_redis(args.redis_url, go))
+        else:
+            base = args.admin.rstrip("/")
+            if args.list:
+                data = _http("GET", f"{base}/switches")
+            elif mode is None:
+                data = _http("DELETE", f"{base}/switches/{urllib.parse.quote(args.name, safe='')}")
+            else:
+                data = _http("PUT", f"{base}/switches/{urllib.parse.quote(args.name, safe='')}", mode.value)
+    except CliError as exc:
+        print(f"extauthz switch: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # the store's errors: say what failed, no traceback
+        print(f"extauthz switch: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if not args.list:
+        what = f"cleared {args.name}" if mode is None else f"{args.name} -> {mode.value}"
+        print(f"ok: {what} (every replica sharing the store applies it within about a second)")
+    _print_switches(data)
+    return 0
+
+
+# -- report -------------------------------------------------------------------------------
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .observe.shadow import format_report, report_from_events
+
+    try:
+        try:
+            window = float(args.window)
+        except ValueError:
+            window = float(parse_duration(args.window))
+        if args.redis_url:
+            from .store.keys import Keys
+            from .store.redis_events import read_events
+
+            key = Keys(args.key_prefix).shadow_log
+            since = time.time() - window
+
+            async def go(store: Any) -> list[str]:
+                return await read_events(store.client, key, since)
+
+            events = asyncio.run(_with_redis(args.redis_url, go))
+            data = report_from_events(events, window=window, since=since, top=args.top)
+        else:
+            data = _http("GET", f"{args.admin.rstrip('/')}/shadow?window={window:g}&top={args.top}")
+    except CliError as exc:
+        print(f"extauthz report: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        print(f"extauthz report: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(data, indent=2) if args.json else format_report(data))
+    return 0

@@ -1,0 +1,141 @@
+"""The admin and metrics HTTP ports (aiohttp, on the server's event loop).
+
+Admin (``--admin-listen``, loopback by default; never the public Check port; no auth, so
+keep it private):
+
+=========================  ==========================================================
+``GET /status``            policy version and sources, reload error, store, breaker,
+                           fail-opens by reason, switches and effective modes, shed
+                           levels, leases and access-log counters, shadow recorder
+``GET /switches``          the switches and each limiter's policy and effective mode
+``PUT /switches/{name}``   body ``enforce`` | ``shadow`` | ``off``; ``*`` is global
+``DELETE /switches/{name}`` clear a switch (the policy's ``mode`` applies again)
+``GET /shadow?window=1h``  the dark-launch report over the window (``&top=N``)
+=========================  ==========================================================
+
+Metrics (``--metrics-listen``): ``GET /metrics`` in the Prometheus text format.
+
+Both run on the event loop rather than in a thread of their own (prometheus-client's
+``start_http_server``): the scrape-time collectors then read engine state from the thread
+that writes it, and start/stop follow the server's lifecycle.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from ..errors import StoreError
+from ..policy.schema import parse_duration
+from ..switches import GLOBAL, valid_name
+from ..verdict import Mode
+
+if TYPE_CHECKING:
+    from .operations import Operations
+
+MAX_WINDOW = 7 * 24 * 3600.0
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {listen!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def parse_window(value: str) -> float:
+    """Seconds (``3600``) or a duration (``1h``, ``15m``)."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float(parse_duration(value))
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError("window must be positive")
+    return min(seconds, MAX_WINDOW)
+
+
+async def start_http(app: web.Application, listen: str) -> tuple[web.AppRunner, int]:
+    host, port = parse_listen(listen)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound = runner.addresses[0][1] if runner.addresses else port
+    return runner, int(bound)
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(text=json.dumps(data, indent=2, sort_keys=False, default=str) + "\n",
+                        status=status, content_type="application/json")
+
+
+def _error(status: int, message: str, **extra: Any) -> web.Response:
+    return _json({"error": message, **extra}, status)
+
+
+def admin_app(ops: Operations) -> web.Application:
+    async def status(request: web.Request) -> web.Response:
+        return _json(ops.status())
+
+    async def switches(request: web.Request) -> web.Response:
+        return _json(ops.switch_status())
+
+    async def put_switch(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        body = (await request.text()).strip().strip('"').lower()
+        try:
+            mode = Mode(body)
+        except ValueError:
+            return _error(400, f"mode must be enforce, shadow or off (got {body[:20]!r})")
+        return await _change(name, mode)
+
+    async def delete_switch(request: web.Request) -> web.Response:
+        return await _change(request.match_info["name"], None)
+
+    async def _change(name: str, mode: Mode | None) -> web.Response:
+        known = ops.limiter_names()
+        if not valid_name(name) or (name != GLOBAL and name not in known):
+            return _error(404, f"no limiter named {name!r} in the policy", limiters=sorted(known))
+        try:
+            await ops.switches.change(name, mode)
+        except StoreError as exc:
+            return _error(503, f"the store did not take the change: {exc}")
+        return _json(ops.switch_status())
+
+    async def shadow(request: web.Request) -> web.Response:
+        try:
+            window = parse_window(request.query.get("window", "3600"))
+            top = int(request.query.get("top", "10"))
+        except ValueError as exc:
+            return _error(400, str(exc))
+        try:
+            report = await ops.shadow_report(window, top=max(1, min(top, 1000)))
+        except StoreError as exc:
+            return _error(503, f"cannot read the shadow log: {exc}")
+        return _json(report)
+
+    app = web.Application()
+    app.router.add_get("/status", status)
+    app.router.add_get("/switches", switches)
+    app.router.add_put("/switches/{name}", put_switch)
+    app.router.add_delete("/switches/{name}", delete_switch)
+    app.router.add_get("/shadow", shadow)
+    return app
+
+
+def metrics_app(registry: CollectorRegistry) -> web.Application:
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/", metrics)
+    return app

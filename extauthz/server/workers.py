@@ -1,0 +1,200 @@
+"""``extauthz serve --workers N``: N server processes sharing one port (SO_REUSEPORT).
+
+The parent binds nothing: it starts N children (``python -m extauthz.server.workers``), each a
+complete server (its own event loop, engine and store client) listening on the same port
+with ``grpc.so_reuseport`` on, waits until every child is serving, and then supervises:
+SIGTERM or SIGINT is forwarded to every child (each stops gracefully: NOT_SERVING, finishes
+in-flight calls); a child that exits on its own stops the others and the parent exits 1, so
+that the orchestrator restarts the whole set.
+
+What to know:
+
+* The kernel spreads *connections*, not requests. Envoy keeps one HTTP/2 connection to the
+  extauthz cluster per Envoy worker thread, so N server workers only help behind an Envoy
+  with at least N worker threads (``--concurrency``), and even then the spread of a few
+  long-lived connections over N processes is random (two connections land on one process
+  half the time with N = 2). More Envoy threads (or several Envoys) even it out.
+* The embedded store is per process: N workers would each enforce the whole limit. So
+  ``--workers`` above 1 needs ``--redis-url`` (refused otherwise).
+* Each child gets its own admin and metrics port: child ``i`` listens on the configured
+  port plus ``i`` (a configured port 0 stays 0). The Check port itself must not be 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from types import FrameType
+
+from .app import ServerConfig
+
+log = logging.getLogger("extauthz.server")
+
+CONFIG_ENV = "EXTAUTHZ_WORKER_CONFIG"
+READY_FD_ENV = "EXTAUTHZ_WORKER_READY_FD"
+INDEX_ENV = "EXTAUTHZ_WORKER_INDEX"
+LOG_LEVEL_ENV = "EXTAUTHZ_WORKER_LOG_LEVEL"
+
+
+class WorkersError(ValueError):
+    """``--workers`` was asked for with options it cannot work with."""
+
+
+def _port_of(listen: str) -> int:
+    _, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise WorkersError(f"expected HOST:PORT, got {listen!r}")
+    return int(port)
+
+
+def _offset(listen: str | None, i: int) -> str | None:
+    """``host:port`` with ``port + i`` (port 0 stays 0: let the OS pick)."""
+    if not listen or i == 0:
+        return listen
+    host, _, port = listen.rpartition(":")
+    if not port.isdigit() or int(port) == 0:
+        return listen
+    return f"{host}:{int(port) + i}"
+
+
+def child_config(config: ServerConfig, i: int) -> ServerConfig:
+    """The configuration of worker ``i``: shared Check port, own admin/metrics ports."""
+    changes: dict[str, object] = {"reuse_port": True}
+    for name in ("admin_listen", "metrics_listen"):
+        if hasattr(config, name):
+            changes[name] = _offset(getattr(config, name), i)
+    return dataclasses.replace(config, **changes)  # type: ignore[arg-type]
+
+
+def check_workers(config: ServerConfig, workers: int) -> None:
+    if workers < 1:
+        raise WorkersError("--workers must be at least 1")
+    if workers == 1:
+        return
+    if not config.redis_url:
+        raise WorkersError(
+            "--workers above 1 needs --redis-url: the embedded store is per process, so "
+            f"{workers} workers would each enforce the whole limit"
+        )
+    if _port_of(config.listen) == 0:
+        raise WorkersError("--workers above 1 needs a fixed --listen port (not 0) to share")
+
+
+def _start_child(config: ServerConfig, i: int, log_level: str) -> tuple[subprocess.Popen[bytes], int]:
+    read_fd, write_fd = os.pipe()
+    env = {
+        **os.environ,
+        CONFIG_ENV: json.dumps(dataclasses.asdict(child_config(config, i))),
+        READY_FD_ENV: str(write_fd),
+        INDEX_ENV: str(i),
+        LOG_LEVEL_ENV: log_level,
+    }
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "extauthz.server.workers"], env=env,
+                                pass_fds=(write_fd,), stdin=subprocess.DEVNULL)
+    finally:
+        os.close(write_fd)
+    return proc, read_fd
+
+
+def _stop_all(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace + 5.0
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.error("worker %d did not stop in time: killing it", proc.pid)
+            proc.kill()
+            proc.wait()
+
+
+def serve_workers(config: ServerConfig, workers: int, *, log_level: str = "info",
+                  startup_timeout: float = 60.0) -> int:
+    """Run ``workers`` server processes on one port until SIGTERM/SIGINT; return the exit code."""
+    check_workers(config, workers)
+    from ..policy import load_policy
+
+    load_policy(config.policies)  # a bad policy fails here, once, with the usual message
+    stopping = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stopping.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    procs: list[subprocess.Popen[bytes]] = []
+    pending: dict[int, int] = {}  # ready pipe fd -> worker index
+    try:
+        for i in range(workers):
+            proc, fd = _start_child(config, i, log_level)
+            procs.append(proc)
+            pending[fd] = i
+        deadline = time.monotonic() + startup_timeout
+        while pending and not stopping.is_set():
+            dead = [i for i, p in enumerate(procs) if p.poll() is not None]
+            if dead:
+                log.error("worker %d exited during startup (code %s)", dead[0], procs[dead[0]].returncode)
+                return 1
+            if time.monotonic() > deadline:
+                log.error("workers not serving after %.0f s", startup_timeout)
+                return 1
+            ready, _, _ = select.select(list(pending), [], [], 0.2)
+            for fd in ready:
+                serving = os.read(fd, 1) == b"1"  # b"" when the child died first
+                os.close(fd)
+                i = pending.pop(fd)
+                if not serving:
+                    log.error("worker %d exited during startup (code %s)", i, procs[i].wait())
+                    return 1
+        if not stopping.is_set():
+            log.info("%d workers serving on %s (pids %s)", workers, config.listen,
+                     " ".join(str(p.pid) for p in procs))
+        while not stopping.wait(0.2):
+            dead = [i for i, p in enumerate(procs) if p.poll() is not None]
+            if dead:
+                log.error("worker %d exited (code %s): stopping the others", dead[0],
+                          procs[dead[0]].returncode)
+                return 1
+        log.info("stopping %d workers", workers)
+        return 0
+    finally:
+        for fd in pending:
+            os.close(fd)
+        _stop_all(procs, config.grace_seconds)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _child_main() -> int:
+    from ..errors import PolicyError
+    from .app import serve
+
+    logging.basicConfig(level=os.environ.get(LOG_LEVEL_ENV, "info").upper(),
+                        format=f"[w{os.environ.get(INDEX_ENV, '?')}] %(message)s")
+    config = ServerConfig(**json.loads(os.environ[CONFIG_ENV]))
+    ready_fd = int(os.environ[READY_FD_ENV])
+
+    def ready(port: int) -> None:
+        os.write(ready_fd, b"1")
+        os.close(ready_fd)
+
+    try:
+        serve(config, on_ready=ready)
+    except PolicyError as exc:
+        print(f"extauthz: the policy has errors:\n{exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main())

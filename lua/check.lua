@@ -1,0 +1,92 @@
+-- check.lua: evaluate every store-backed limiter of one request atomically; commit iff admitted.
+--
+-- Semantics (extauthz/store/base.py, same as extauthz/store/memory.py): every op is evaluated;
+-- the request is admitted iff every op with enforce=1 allows; only then is every op that
+-- allows committed. A shadow op (enforce=0) that would refuse neither blocks nor is committed.
+--
+-- KEYS[i]       the key of op i, i = 1..#KEYS (on Redis Cluster all in one hash slot)
+-- ARGV[1]       now, in seconds (float), from the caller's injected clock; "" = Redis TIME
+--               (seconds + microseconds/1e6 of the Redis server: one clock for every replica)
+-- ARGV[2]       lease id: the ZSET member added for each committed lease op
+-- then 5 ARGV per op i, starting at j = 3 + 5*(i-1):
+--   ARGV[j]     "b" token bucket | "l" lease
+--   ARGV[j+1]   "1" enforce | "0" shadow
+--   bucket:     ARGV[j+2] rate (tokens/s), ARGV[j+3] burst (tokens), ARGV[j+4] cost (tokens)
+--   lease:      ARGV[j+2] limit (live leases; 0 = count only, never refuses),
+--               ARGV[j+3] lease ttl (s, float), ARGV[j+4] unused
+--
+-- State:
+--   bucket  HASH {t = tokens after the last commit, ts = now of that commit};
+--           EXPIRE max(1, ceil(2*burst/rate)) s on commit (twice the fill time: a bucket
+--           idle that long is full again, so deleting it changes nothing)
+--   lease   ZSET member = lease id, score = expiry time (now + ttl, s); members with
+--           score <= now are swept (ZREMRANGEBYSCORE -inf now) before counting;
+--           PEXPIRE max(1000, ceil(ttl*1000)) ms on commit (the newest lease's lifetime)
+--
+-- Returns a flat array: {admitted, ok_1, value_1, ..., ok_n, value_n}
+--   admitted, ok_i  integers 1/0 (ok_i: op i allows, on its own)
+--   value_i         state BEFORE this request's commit, as seen at "now":
+--                   bucket: tokens available (refilled to now, at most burst);
+--                   lease: live leases (after the sweep);
+--                   as a "%.17g" string (Redis truncates Lua numbers in replies to integers).
+--   The caller derives the rest from its own op parameters: a committed op holds
+--   tokens - cost / leases + 1; retry_after = (cost - tokens) / rate when refused.
+
+local function fmt(x)
+  return string.format('%.17g', x)
+end
+
+local now = tonumber(ARGV[1])
+if now == nil then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local lease_id = ARGV[2]
+local n = #KEYS
+
+local ok = {}
+local value = {}
+local admitted = true
+for i = 1, n do
+  local j = 3 + 5 * (i - 1)
+  local key = KEYS[i]
+  if ARGV[j] == 'b' then
+    local rate, burst, cost = tonumber(ARGV[j + 2]), tonumber(ARGV[j + 3]), tonumber(ARGV[j + 4])
+    local state = redis.call('HMGET', key, 't', 'ts')
+    local tokens = burst
+    if state[1] then
+      tokens = math.min(burst, tonumber(state[1]) + math.max(0, now - tonumber(state[2])) * rate)
+    end
+    ok[i] = tokens >= cost
+    value[i] = tokens
+  else
+    local limit = tonumber(ARGV[j + 2])
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+    local count = redis.call('ZCARD', key)
+    ok[i] = limit <= 0 or count < limit
+    value[i] = count
+  end
+  if not ok[i] and ARGV[j + 1] == '1' then
+    admitted = false
+  end
+end
+
+local out = {admitted and 1 or 0}
+for i = 1, n do
+  local j = 3 + 5 * (i - 1)
+  local key = KEYS[i]
+  if admitted and ok[i] then
+    if ARGV[j] == 'b' then
+      local rate, burst, cost = tonumber(ARGV[j + 2]), tonumber(ARGV[j + 3]), tonumber(ARGV[j + 4])
+      redis.call('HSET', key, 't', fmt(value[i] - cost), 'ts', fmt(now))
+      redis.call('EXPIRE', key, math.max(1, math.ceil(2 * burst / rate)))
+    else
+      local ttl = tonumber(ARGV[j + 3])
+      redis.call('ZADD', key, fmt(now + ttl), lease_id)
+      redis.call('PEXPIRE', key, math.max(1000, math.ceil(ttl * 1000)))
+    end
+  end
+  out[2 * i] = ok[i] and 1 or 0
+  out[2 * i + 1] = fmt(value[i])
+end
+return out

@@ -1,0 +1,150 @@
+"""Metrics scraped over HTTP from a running server, checked against known traffic; the
+shipped alert rules parse and name only metrics the server exports."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from extauthz.clock import ManualClock
+from extauthz.errors import StoreUnavailable
+from extauthz.limiters import WorkerUtilizationShedder
+from extauthz.sampler import sample_once
+from extauthz.store.base import CheckResult, Op
+from extauthz.store.memory import MemoryStore
+from extauthz.verdict import Mode
+from tests.conftest import ROOT
+
+from .helpers import rate, running, samples, scrape, value, write_policy
+
+
+class FlakyStore(MemoryStore):
+    """The embedded store, except that it can fail (so it goes through the deadline path)."""
+
+    immediate = False
+    fail = False
+
+    async def check(self, ops: Sequence[Op], lease_id: str) -> CheckResult:
+        if self.fail:
+            raise StoreUnavailable("down for the test")
+        return await super().check(ops, lease_id)
+
+
+def metrics_policy(tmp_path: Path) -> Path:
+    return write_policy(tmp_path / "p" / "api.yaml", [
+        rate("user-rate", burst=3),
+        rate("dark", burst=1, mode="shadow"),
+        {"name": "fleet", "type": "fleet_usage", "capacity": 100, "reserved_for_critical": 0.2},
+        {"name": "workers", "type": "worker_utilization", "signal": {"source": "redis"},
+         "sample_interval": "60s", "good_below": 0.5, "bad_above": 0.6,
+         "delay_before_shedding": "10s", "time_to_shed_all": "10s"},
+    ], test_mode={"key_prefix": "sk_test_"})
+
+
+async def test_metrics_after_known_traffic(tmp_path: Path) -> None:
+    clock = ManualClock()
+    store = FlakyStore(clock)
+    async with running([metrics_policy(tmp_path).parent], store=store, clock=clock) as (server, client):
+        version = server.engine.snapshot.policy.version
+        before = samples(await scrape(server))
+        assert value(before, "extauthz_decisions_total", limiter="user-rate", tier="get", outcome="denied") == 0
+
+        # 5 GETs from one user: the bucket (3) admits 3 and refuses 2; the shadow bucket (1)
+        # admits the first and would refuse the other 4 (they pass).
+        assert [await client.check("sk_live_alice") for _ in range(5)] == [200, 200, 200, 429, 429]
+        # The store fails once: every store-backed limiter fails open.
+        store.fail = True
+        assert await client.check("sk_live_bob") == 200
+        store.fail = False
+        # Shedding: the utilization signal reads 1.0: 10 s of delay, then 5 s of a 10 s ramp.
+        workers = next(w for w in server.engine.snapshot.workers if w.name == "workers")
+        assert isinstance(workers, WorkerUtilizationShedder)
+        await store.set_value(workers.signal_key, "1.0")
+        for step in (0, 10, 5):
+            clock.advance(step)
+            await sample_once(server.engine, workers)
+        assert await client.check("sk_test_carol") == 503  # the test tier is shed first (p = 1)
+        assert server.ops.leases is not None
+        await server.ops.leases.sample_once()
+
+        m = samples(await scrape(server))
+
+        def decisions(limiter: str, outcome: str, tier: str = "get") -> float:
+            return value(m, "extauthz_decisions_total", limiter=limiter, tier=tier, outcome=outcome)
+
+        assert decisions("user-rate", "allowed") == 3
+        assert decisions("user-rate", "denied") == 2
+        assert decisions("user-rate", "failed_open") == 1
+        assert decisions("dark", "allowed") == 1
+        assert decisions("dark", "shadow_denied") == 4
+        assert decisions("dark", "denied") == 0
+        assert decisions("fleet", "allowed") == 5
+        assert decisions("workers", "allowed") == 6
+        assert decisions("workers", "denied", tier="test") == 1
+        assert value(m, "extauthz_requests_total", tier="get", result="allowed") == 4
+        assert value(m, "extauthz_requests_total", tier="get", result="rate_limited") == 2
+        assert value(m, "extauthz_requests_total", tier="test", result="shed") == 1
+        assert value(m, "extauthz_fail_open_total", reason="unavailable") == 1
+        # 6 store calls (5 + the failed one); the shed request never reached the store.
+        assert value(m, "extauthz_store_call_seconds_count") == 6
+        assert value(m, "extauthz_store_call_seconds_bucket", le="+Inf") == 6
+        assert value(m, "extauthz_shed_controller_level", limiter="workers") == 0.5
+        assert value(m, "extauthz_shed_level", limiter="workers", tier="test") == 1.0
+        assert value(m, "extauthz_shed_level", limiter="workers", tier="get") == 0.5
+        assert value(m, "extauthz_shed_level", limiter="workers", tier="post") == 0.0
+        assert value(m, "extauthz_shed_level", limiter="workers", tier="critical") == 0.0
+        assert value(m, "extauthz_leases_in_flight", limiter="fleet") == 3  # 3 admitted, none released
+        assert value(m, "extauthz_policy_info", version=version) == 1
+        assert value(m, "extauthz_policy_reload_failures_total") == 0
+        assert value(m, "extauthz_policy_reload_error") == 0
+        assert value(m, "extauthz_limiter_mode", limiter="dark", mode="shadow") == 1
+        assert value(m, "extauthz_limiter_mode", limiter="dark", mode="enforce") == 0
+        assert value(m, "extauthz_access_log_entries_total") == 0
+        assert value(m, "extauthz_lease_releases_total") == 0
+        assert value(m, "extauthz_store_breaker_open") == 0
+
+        # A kill switch shows up too.
+        await server.ops.switches.change("dark", None)
+        await server.ops.switches.change("*", Mode.OFF)
+        m = samples(await scrape(server))
+        assert value(m, "extauthz_switches_set", switch="*", mode="off") == 1
+        assert value(m, "extauthz_limiter_mode", limiter="user-rate", mode="off") == 1
+
+
+def alert_rules() -> list[dict[str, Any]]:
+    doc = yaml.safe_load((ROOT / "docs" / "alerts.yaml").read_text())
+    return [rule for group in doc["groups"] for rule in group["rules"]]
+
+
+def test_alert_rules_are_well_formed() -> None:
+    rules = alert_rules()
+    names = [r["alert"] for r in rules]
+    assert len(names) == len(set(names))
+    for rule in rules:
+        assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]
+        assert rule["labels"]["severity"] in ("info", "warning", "critical")
+        assert rule["annotations"]["summary"]
+        expr = rule["expr"]
+        assert expr.count("(") == expr.count(")") and expr.count("[") == expr.count("]"), rule["alert"]
+        if "for" in rule:
+            assert re.fullmatch(r"\d+[smh]", rule["for"]), rule["alert"]
+    covered = " ".join(r["expr"] for r in rules)
+    for needed in ("extauthz_fail_open_total", "extauthz_shed_level", "extauthz_policy_reload_failures_total",
+                   'outcome="denied"'):
+        assert needed in covered
+
+
+async def test_alert_rules_name_only_exported_metrics(tmp_path: Path) -> None:
+    async with running([metrics_policy(tmp_path).parent]) as (server, client):
+        await client.check("sk_live_x")
+        await server.ops.switches.change("dark", Mode.OFF)
+        exported = set()
+        for (name, _labels) in samples(await scrape(server)):
+            exported.add(name)
+    for rule in alert_rules():
+        for metric in re.findall(r"\bextauthz_[a-z_]+", rule["expr"]):
+            assert metric in exported, f"{rule['alert']}: {metric} is not exported"

@@ -1,0 +1,159 @@
+"""Hot reload on a real temporary directory: good edits take effect, broken edits keep the
+last good policy serving and are reported once, ConfigMap symlink swaps are picked up."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from extauthz.clock import ManualClock
+from extauthz.policy import load_policy
+from extauthz.reload import PolicyWatcher
+from tests.unit.helpers import engine_for, get
+
+from .helpers import admin, eventually, rate, running, write_policy
+
+
+async def allowed_in_a_row(engine, key: str = "sk_live_alice", limit: int = 50) -> int:  # type: ignore[no-untyped-def]
+    n = 0
+    while n < limit:
+        _, decision = await engine.check(get(key=key))
+        if not decision.allowed:
+            return n
+        n += 1
+    return n
+
+
+def watcher_for(directory: Path, clock: ManualClock):  # type: ignore[no-untyped-def]
+    policy = load_policy([directory])
+    engine, _ = engine_for(policy, clock)
+    return engine, PolicyWatcher([directory], engine.set_policy, current=policy, clock=clock)
+
+
+async def test_a_good_edit_takes_effect(tmp_path: Path, clock: ManualClock) -> None:
+    write_policy(tmp_path / "p" / "api.yaml", [rate("user-rate", burst=2)])
+    engine, watcher = watcher_for(tmp_path / "p", clock)
+    old = engine.snapshot.policy.version
+    assert await allowed_in_a_row(engine, "sk_live_a") == 2
+    assert watcher.poll_once() is False  # nothing changed
+
+    write_policy(tmp_path / "p" / "api.yaml", [rate("user-rate", burst=5)])
+    assert watcher.poll_once() is True
+    assert watcher.version == engine.snapshot.policy.version != old
+    assert await allowed_in_a_row(engine, "sk_live_b") == 5
+    assert watcher.reloads == 1 and watcher.failures == 0 and watcher.last_error is None
+
+
+async def test_a_new_file_in_the_directory_is_picked_up(tmp_path: Path, clock: ManualClock) -> None:
+    write_policy(tmp_path / "p" / "api.yaml", [rate("user-rate", burst=2)])
+    engine, watcher = watcher_for(tmp_path / "p", clock)
+    (tmp_path / "p" / "more.yaml").write_text(
+        "version: 1\nlimiters:\n  - {name: extra, type: request_rate, rate: 1, burst: 1, mode: shadow}\n")
+    assert watcher.poll_once() is True
+    assert [s.name for s in engine.snapshot.policy.limiters] == ["user-rate", "extra"]
+
+
+async def test_a_broken_edit_keeps_the_old_policy_and_is_reported_once(
+        tmp_path: Path, clock: ManualClock, caplog: pytest.LogCaptureFixture) -> None:
+    f = write_policy(tmp_path / "p" / "api.yaml", [rate("user-rate", burst=2)])
+    engine, watcher = watcher_for(tmp_path / "p", clock)
+    good = engine.snapshot.policy.version
+
+    f.write_text(f.read_text().replace("burst: 2", "burst: -3\n  bogus_field: 1"))
+    with caplog.at_level(logging.ERROR, logger="extauthz.reload"):
+        assert watcher.poll_once() is False
+        assert watcher.poll_once() is False  # same broken content: not logged or counted again
+        clock.advance(5)
+        assert watcher.poll_once() is False
+    assert engine.snapshot.policy.version == good  # the last good policy keeps serving
+    assert await allowed_in_a_row(engine) == 2
+    assert watcher.failures == 1
+    records = [r for r in caplog.records if r.name == "extauthz.reload"]
+    assert len(records) == 1
+    err = watcher.status()["last_error"]
+    assert isinstance(err, dict)
+    issues = err["issues"]
+    line = f.read_text().splitlines().index("  burst: -3") + 1
+    assert any(i.startswith(f"{f}:{line}: limiters[0].burst:") for i in issues), issues
+    assert any("limiters[0].bogus_field" in i and "unknown field" in i for i in issues), issues
+    assert records[0].fields["issues"] == issues  # type: ignore[attr-defined]
+
+    # Another distinct broken content is a new failure; fixing it clears the error.
+    f.write_text("version: 1\nlimiters: [\n")
+    assert watcher.poll_once() is False and watcher.failures == 2
+    write_policy(f, [rate("user-rate", burst=4)])
+    assert watcher.poll_once() is True
+    assert watcher.last_error is None and watcher.failures == 2
+    assert await allowed_in_a_row(engine, "sk_live_new") == 4
+
+
+def configmap(directory: Path, stamp: str, files: dict[str, str]) -> None:
+    """What the kubelet does: write a timestamped dir, point ``..data`` at it atomically,
+    keep the visible names as symlinks into ``..data/``, drop the old dir."""
+    directory.mkdir(exist_ok=True)
+    new = directory / f"..{stamp}"
+    new.mkdir()
+    for name, text in files.items():
+        (new / name).write_text(text)
+    old = os.readlink(directory / "..data") if (directory / "..data").is_symlink() else None
+    tmp = directory / "..data_tmp"
+    tmp.symlink_to(new.name)
+    os.replace(tmp, directory / "..data")
+    for name in files:
+        link = directory / name
+        if not link.is_symlink():
+            link.symlink_to(f"..data/{name}")
+    if old is not None:
+        for child in (directory / old).iterdir():
+            child.unlink()
+        (directory / old).rmdir()
+
+
+async def test_a_configmap_symlink_swap_is_picked_up(tmp_path: Path, clock: ManualClock) -> None:
+    source = tmp_path / "src.yaml"
+    write_policy(source, [rate("user-rate", burst=2)])
+    cm = tmp_path / "cm"
+    configmap(cm, "2026_01_01_00_00_00.1", {"api.yaml": source.read_text()})
+    assert (cm / "api.yaml").is_symlink() and (cm / "..data").is_symlink()
+    engine, watcher = watcher_for(cm, clock)
+    assert engine.snapshot.policy.sources == (str(cm / "api.yaml"),)  # read once, via the visible link
+
+    write_policy(source, [rate("user-rate", burst=3)])
+    configmap(cm, "2026_01_01_00_01_00.2", {"api.yaml": source.read_text()})
+    assert watcher.poll_once() is True
+    assert await allowed_in_a_row(engine) == 3
+    assert not (cm / "..2026_01_01_00_00_00.1").exists()
+
+
+async def test_the_server_reloads_in_the_background_and_status_shows_errors(tmp_path: Path) -> None:
+    f = write_policy(tmp_path / "p" / "api.yaml", [rate("user-rate", burst=1)])
+    async with running([tmp_path / "p"], reload_interval=0.05) as (server, client):
+        _, status = await admin(server, "GET", "/status")
+        first = status["policy"]["version"]
+        assert status["reload"]["last_error"] is None
+        assert [await client.check("sk_live_x") for _ in range(2)] == [200, 429]
+
+        f.write_text("version: 1\nlimiters:\n  - {name: user-rate, type: request_rate, rate: nope}\n")
+
+        async def broken() -> bool:
+            _, s = await admin(server, "GET", "/status")
+            return s["reload"]["last_error"] is not None
+
+        await eventually(broken)
+        _, status = await admin(server, "GET", "/status")
+        assert status["policy"]["version"] == first
+        assert status["reload"]["failures"] == 1
+        assert any("limiters[0].rate" in i for i in status["reload"]["last_error"]["issues"])
+        assert await client.check("sk_live_x") == 429  # still the old policy
+
+        write_policy(f, [rate("user-rate", burst=1, mode="shadow")])
+
+        async def reloaded() -> bool:
+            _, s = await admin(server, "GET", "/status")
+            return s["policy"]["version"] != first and s["reload"]["last_error"] is None
+
+        await eventually(reloaded)
+        assert await client.check("sk_live_x") == 200  # shadow now: would-deny, allowed

@@ -1,0 +1,142 @@
+"""Kill switches: flipped at runtime, without a restart, through the admin port (embedded
+store) and through Redis on two replicas at once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from extauthz import cli
+from extauthz.engine import Switches
+from extauthz.server.app import Server
+from extauthz.store.memory import MemoryStore
+from extauthz.switches import SwitchBoard, parse_switches, with_switch
+from extauthz.verdict import Mode
+
+from .helpers import Client, admin, eventually, rate, running, write_policy
+
+
+async def extauthz(*argv: str) -> int:
+    """The CLI, in a thread: it does blocking HTTP to servers that run on this loop."""
+    return await asyncio.to_thread(cli.main, list(argv))
+
+
+def test_switch_json_round_trip_and_precedence() -> None:
+    s = with_switch(with_switch(Switches(), "user-rate", Mode.OFF), "*", Mode.SHADOW)
+    assert parse_switches(json.dumps(s.to_dict())) == s
+    assert s.effective("user-rate", Mode.ENFORCE) is Mode.OFF
+    assert s.effective("other", Mode.ENFORCE) is Mode.SHADOW
+    assert with_switch(s, "*", None).effective("other", Mode.ENFORCE) is Mode.ENFORCE
+    for bad in ("[1]", '{"x": "loud"}', "{"):
+        with pytest.raises(ValueError):
+            parse_switches(bad)
+
+
+async def test_malformed_stored_switches_keep_the_current_ones() -> None:
+    store = MemoryStore()
+    applied: list[Switches] = []
+    board = SwitchBoard(store, "k", applied.append)
+    await store.set_value("k", '{"user-rate": "off"}')
+    await board.poll_once()
+    await store.set_value("k", "not json")
+    assert (await board.poll_once()).to_dict() == {"user-rate": "off"}
+    assert board.errors == 1 and len(applied) == 1
+
+
+async def test_switches_through_the_admin_port_on_the_embedded_store(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    policy = write_policy(tmp_path / "p.yaml", [rate("user-rate", burst=1), rate("other", burst=100)])
+    async with running([policy]) as (server, client):
+        url = f"http://127.0.0.1:{server.ops.admin_port}"
+        assert [await client.check("sk_live_a") for _ in range(2)] == [200, 429]
+
+        assert await extauthz("switch", "--admin", url, "user-rate", "shadow") == 0
+        assert await client.check("sk_live_a") == 200  # applied at once: would-deny, allowed
+        _, status = await admin(server, "GET", "/status")
+        assert status["switches"] == {"user-rate": "shadow"}
+        assert status["limiters"]["user-rate"]["mode"] == "shadow"
+        assert status["limiters"]["user-rate"]["policy_mode"] == "enforce"
+
+        assert await extauthz("switch", "--admin", url, "user-rate", "clear") == 0
+        assert await client.check("sk_live_a") == 429
+
+        assert await extauthz("switch", "--admin", url, "*", "off") == 0
+        assert await client.check("sk_live_a") == 200
+        assert server.engine.snapshot.active == ()  # every limiter off: nothing evaluated
+
+        capsys.readouterr()
+        assert await extauthz("switch", "--admin", url, "--list") == 0
+        out = capsys.readouterr().out
+        assert 'switches: {"*": "off"}' in out
+        assert "user-rate" in out and "enforce  -        off" in out
+
+        assert await extauthz("switch", "--admin", url, "*", "clear") == 0
+        assert await client.check("sk_live_a") == 429
+
+        # Mistakes are refused, not applied.
+        assert await extauthz("switch", "--admin", url, "user-rte", "off") == 1
+        assert "no limiter named 'user-rte'" in capsys.readouterr().err
+        code, body = await admin(server, "PUT", "/switches/user-rate", "loud")
+        assert code == 400 and "enforce, shadow or off" in body["error"]
+        assert server.engine.snapshot.switches == Switches()
+
+
+@pytest.mark.redis
+async def test_kill_switches_flip_two_replicas_sharing_redis(tmp_path: Path, redis_single_clean) -> None:  # type: ignore[no-untyped-def]
+    from extauthz.store.redis import RedisStore
+
+    policy = write_policy(tmp_path / "p.yaml", [rate("user-rate", burst=1)])
+    url = redis_single_clean.url
+    prefix = "kstest"
+    servers: list[Server] = []
+    clients: list[Client] = []
+    cms = [running([policy], store=RedisStore.from_url(url, deadline=0.25), key_prefix=prefix,
+                   switch_poll_interval=0.1) for _ in range(2)]
+    try:
+        for cm in cms:
+            server, client = await cm.__aenter__()
+            servers.append(server)
+            clients.append(client)
+        a, b = clients
+
+        # One bucket for the fleet: one request passes on A, then both replicas refuse.
+        assert await a.check("sk_live_shared") == 200
+        assert await a.check("sk_live_shared") == 429
+        assert await b.check("sk_live_shared") == 429
+
+        async def both(status: int) -> bool:
+            return [await a.check("sk_live_shared"), await b.check("sk_live_shared")] == [status, status]
+
+        # Through Redis directly (no admin port needed): both replicas follow within ~1 s.
+        assert await extauthz("switch", "--redis-url", url, "--key-prefix", prefix, "user-rate", "shadow") == 0
+        await eventually(lambda: both(200), within=2.0)
+        assert all(s.engine.snapshot.switches.to_dict() == {"user-rate": "shadow"} for s in servers)
+
+        assert await extauthz("switch", "--redis-url", url, "--key-prefix", prefix, "user-rate", "clear") == 0
+        await eventually(lambda: both(429), within=2.0)
+
+        # Through replica A's admin port: B sees it through Redis.
+        admin_a = f"http://127.0.0.1:{servers[0].ops.admin_port}"
+        assert await extauthz("switch", "--admin", admin_a, "*", "off") == 0
+        await eventually(lambda: both(200), within=2.0)
+        assert servers[1].engine.snapshot.switches.global_mode is Mode.OFF
+
+        assert await extauthz("switch", "--admin", admin_a, "*", "clear") == 0
+        await eventually(lambda: both(429), within=2.0)
+        assert redis_single_clean.client().get(f"{prefix}:switches") is None
+    finally:
+        for cm in reversed(cms[:len(servers)]):
+            await cm.__aexit__(None, None, None)
+
+
+def test_the_admin_port_is_never_the_public_check_port(tmp_path: Path) -> None:
+    from extauthz.server.app import ServerConfig
+
+    policy = write_policy(tmp_path / "p.yaml", [rate("user-rate", burst=1)])
+    with pytest.raises(ValueError, match="must not be the public Check port"):
+        Server(ServerConfig(policies=[str(policy)], listen="0.0.0.0:9001", admin_listen="127.0.0.1:9001"))
+    server = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:9001", admin_listen="off"))
+    assert server.ops.admin_listen is None

@@ -1,0 +1,1 @@
+"""The store contract suite (every store) and Redis-specific tests."""
