@@ -523,6 +523,10 @@ def test_wheel_carries_the_lua_scripts(tmp_path: Path) -> None:
             assert zf.read(f"extauthz/lua/{script}.lua") == load_script(script).source
         assert "extauthz/lua/__init__.py" in names
         assert "extauthz/store/redis.py" in names
+        # every subpackage is listed in pyproject (packages are listed, not discovered)
+        for init in (ROOT / "extauthz").rglob("__init__.py"):
+            assert init.relative_to(ROOT).as_posix() in names, init
+        assert "extauthz/devtools/envoy.yaml" in names and "extauthz/py.typed" in names
 
 
 def test_every_script_states_its_contract() -> None:
