@@ -29,6 +29,7 @@ from ..policy import Policy
 from ..reload import PolicyWatcher
 from ..store.base import Store
 from ..store.keys import Keys
+from ..store.memory import MemoryStore
 from ..switches import SwitchBoard
 from ..verdict import Mode
 from .admin import admin_app, metrics_app, parse_listen, start_http
@@ -103,11 +104,12 @@ class Operations:
             self.after_reload()
 
     def auth_service(self) -> AuthorizationService:
+        # shares the access log's request-id index (leases whose answer Envoy dropped)
         if self.tracing is None:
-            return AuthorizationService(self.engine)
+            return AuthorizationService(self.engine, self.accesslog.index)
         from .traced import TracedAuthorizationService
 
-        return TracedAuthorizationService(self.engine, self.tracing.tracer)
+        return TracedAuthorizationService(self.engine, self.tracing.tracer, self.accesslog.index)
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -210,7 +212,10 @@ class Operations:
             "policy": {"version": policy.version, "sources": list(policy.sources)},
             "reload": reload,
             "store": {"name": self.store.name, "breaker": engine.breaker.state,
-                      "consecutive_failures": engine.breaker.failures},
+                      "window_failures": engine.breaker.failures,
+                      "abandoned_releases": engine.abandoned_releases,
+                      **({"live_leases": self.store.live_leases()}
+                         if isinstance(self.store, MemoryStore) else {})},
             "fail_open": dict(sorted(engine.failures.items())),
             **self.switch_status(),
             "switch_poll": {"errors": self.switches.errors, "updates": self.switches.updates},
@@ -221,7 +226,9 @@ class Operations:
             ],
             "leases_in_flight": dict(self.leases.values) if self.leases is not None else None,
             "access_log": {"entries": self.accesslog.entries, "released": self.accesslog.released,
-                           "release_errors": self.accesslog.release_errors},
+                           "release_errors": self.accesslog.release_errors,
+                           "found_by_request_id": self.accesslog.found_by_request_id,
+                           "awaiting_log": len(self.accesslog.index)},
             "shadow": {"recorded": self.shadow.recorded, "flushed_events": self.shadow.flushed,
                        "pending": self.shadow.pending, "dropped": self.shadow.dropped},
             "decision_log": {"written": self.decision_log.written,

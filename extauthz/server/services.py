@@ -17,11 +17,56 @@ log = logging.getLogger("extauthz.server")
 
 MAX_PENDING_RELEASES = 1024
 
+Lease = tuple[tuple[str, ...], str]
+
+
+class LeaseIndex:
+    """Request id (``x-request-id``) -> leases of the requests this replica admitted, until
+    their access-log entry arrives.
+
+    Envoy logs every finished request with its request id, but the CheckResponse's dynamic
+    metadata is missing from the entry when Envoy dropped our answer: the client went away
+    or the ext_authz timeout fired while the answer was on its way. The index still finds
+    those leases (on the replica that answered; elsewhere the lease TTL remains the
+    backstop). Bounded: the oldest request ids are forgotten first.
+    """
+
+    def __init__(self, limit: int = 100_000) -> None:
+        self.limit = limit
+        self._by_id: dict[str, list[Lease]] = {}
+        self.found = 0
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def put(self, request_id: str, leases: tuple[str, ...], lease_id: str) -> None:
+        entry = self._by_id.get(request_id)
+        if entry is None:
+            self._by_id[request_id] = [(leases, lease_id)]
+            if len(self._by_id) > self.limit:
+                del self._by_id[next(iter(self._by_id))]
+        else:  # a client-chosen x-request-id used twice
+            entry.append((leases, lease_id))
+
+    def take(self, request_id: str, lease_id: str | None) -> Lease | None:
+        """Forget (and return) the entry for ``lease_id``, or the oldest one for the
+        request id when the access log did not say which lease it was."""
+        entry = self._by_id.get(request_id)
+        if entry is None:
+            return None
+        i = 0 if lease_id is None else next((k for k, e in enumerate(entry) if e[1] == lease_id), -1)
+        if i < 0:
+            return None
+        lease = entry.pop(i)
+        if not entry:
+            del self._by_id[request_id]
+        return lease
 
 
 class AuthorizationService(auth_pb2_grpc.AuthorizationServicer):  # type: ignore[misc]
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, index: LeaseIndex | None = None) -> None:
         self.engine = engine
+        self.index = index if index is not None else LeaseIndex()
         #: leases given back because Envoy cancelled the Check after the store committed.
         self.cancelled_releases = 0
         self._jobs: set[asyncio.Future[int]] = set()
@@ -43,6 +88,8 @@ class AuthorizationService(auth_pb2_grpc.AuthorizationServicer):  # type: ignore
         # back what a late answer committed).
         decision = await engine.decide(ctx)
         if decision.leases:
+            if ctx.request_id:
+                self.index.put(ctx.request_id, decision.leases, decision.lease_id)
             # Envoy may reset the call after we answer (client abort, ext_authz timeout):
             # then the answer, and the leases in it, never reach the access log.
             context.add_done_callback(lambda c: self._release_later(decision) if c.cancelled() else None)
@@ -59,11 +106,14 @@ class AuthorizationService(auth_pb2_grpc.AuthorizationServicer):  # type: ignore
 class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
     """Releases the leases of every finished request that Envoy's access log reports."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, index: LeaseIndex | None = None) -> None:
         self.engine = engine
+        self.index = index if index is not None else LeaseIndex()
         self.entries = 0
         self.released = 0
         self.release_errors = 0
+        #: entries without our metadata whose leases the request-id index found.
+        self.found_by_request_id = 0
 
     def _released(self, task: asyncio.Task[int]) -> None:
         if task.cancelled() or task.exception() is not None:
@@ -88,9 +138,13 @@ class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ig
                     if common.intermediate_log_entry:
                         continue
                     fm = common.metadata.filter_metadata
-                    if EXT_AUTHZ_NAMESPACE not in fm:
-                        continue
-                    lease = lease_release(fm[EXT_AUTHZ_NAMESPACE])
+                    lease = lease_release(fm[EXT_AUTHZ_NAMESPACE]) if EXT_AUTHZ_NAMESPACE in fm else None
+                    rid = entry.request.request_id
+                    if rid:
+                        known = self.index.take(rid, lease[1] if lease is not None else None)
+                        if lease is None and known is not None:
+                            self.found_by_request_id += 1
+                            lease = (list(known[0]), known[1])
                     if lease is None:
                         continue
                     released = self.engine.release_now(*lease)  # embedded store: at once

@@ -168,6 +168,12 @@ class MemoryStore:
         state = self._buckets.get(key)
         return None if state is None else state[0]
 
+    def live_leases(self) -> dict[str, int]:
+        """Live leases per lease key (expired ones swept first): the embedded store's
+        in-flight picture, shown on the admin ``/status``."""
+        now = self._clock.monotonic()
+        return {key: n for key in list(self._leases) if (n := len(self._live_leases(key, now)))}
+
     def key_count(self) -> int:
         return (len(self._buckets) + len(self._leases) + len(self._values) + len(self._shed)
                 + len(self._events))

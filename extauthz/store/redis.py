@@ -29,7 +29,6 @@ import importlib.resources
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Final
 from urllib.parse import unquote, urlsplit
 
@@ -79,12 +78,7 @@ class Script:
 
 def load_script(name: str) -> Script:
     """Read ``<name>.lua`` from the ``extauthz.lua`` package data."""
-    try:
-        source = importlib.resources.files("extauthz.lua").joinpath(f"{name}.lua").read_bytes()
-    except ModuleNotFoundError:
-        # A setuptools editable install maps only top-level packages, so ``extauthz.lua``
-        # (``lua/`` in the source tree) is not importable there: read the source tree.
-        source = (Path(__file__).resolve().parents[2] / "lua" / f"{name}.lua").read_bytes()
+    source = importlib.resources.files("extauthz.lua").joinpath(f"{name}.lua").read_bytes()
     return Script.of(name, source)
 
 

@@ -4,6 +4,7 @@ long before any lease TTL."""
 
 from __future__ import annotations
 
+import json
 import random
 import socket
 import threading
@@ -11,6 +12,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+import urllib.request
 from urllib.parse import urlsplit
 
 import pytest
@@ -106,3 +108,22 @@ def test_no_leaks_on_redis(tmp_path: Path, redis_single_clean: RedisSingle) -> N
             time.sleep(0.1)
         leases = live_leases_in_redis(r)
         assert not any(leases.values()), {k: v for k, v in leases.items() if v}
+
+
+def live_leases_in_memory(stack: Stack) -> dict[str, int]:
+    assert stack.server is not None
+    with urllib.request.urlopen(f"http://127.0.0.1:{stack.server.admin_port}/status", timeout=5) as resp:
+        status = json.load(resp)
+    leases: dict[str, int] = status["store"]["live_leases"]
+    return leases
+
+
+def test_no_leaks_on_the_embedded_store(tmp_path: Path) -> None:
+    with Stack([leak_policy(tmp_path / "p")]) as stack:
+        statuses = drive(stack.url)
+        assert sum(statuses.values()) >= REQUESTS
+        assert statuses[200] > REQUESTS // 2 and statuses[429] > 50, statuses
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and live_leases_in_memory(stack):
+            time.sleep(0.1)
+        assert live_leases_in_memory(stack) == {}

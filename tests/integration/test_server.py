@@ -100,3 +100,58 @@ def test_bad_policy_refuses_to_start_with_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="exited with 2"):
         proc.start(timeout=10)
     assert f"{bad}:3: limiters[0].burst: required field is missing" in proc.log()
+
+
+def test_lease_index_by_request_id() -> None:
+    from extauthz.server.services import LeaseIndex
+
+    idx = LeaseIndex(limit=2)
+    idx.put("r1", ("k1",), "a")
+    idx.put("r1", ("k1",), "b")  # a client reusing its x-request-id
+    assert idx.take("r1", "b") == (("k1",), "b")
+    assert idx.take("r1", "zz") is None  # not ours
+    assert idx.take("r1", None) == (("k1",), "a")
+    assert idx.take("r1", None) is None and len(idx) == 0
+    for rid in ("x", "y", "z"):
+        idx.put(rid, ("k",), rid)
+    assert len(idx) == 2 and idx.take("x", None) is None  # the oldest was forgotten
+
+
+async def test_access_log_releases_with_or_without_our_metadata(tmp_path: Path) -> None:
+    """Envoy logs every finished request; when it dropped our answer (client gone, ext_authz
+    timeout) the entry lacks the lease metadata, and the request id finds the leases."""
+    from extauthz.proto import accesslog_pb2, accesslog_pb2_grpc
+    from extauthz.server.edge import EXT_AUTHZ_NAMESPACE
+
+    policy = tmp_path / "p.yaml"
+    policy.write_text("version: 1\nidentity: [{header: x-api-key}]\nlimiters:\n"
+                      "  - {name: conc, type: concurrent_requests, limit: 2}\n")
+    srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0"))
+    await srv.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            auth = auth_pb2_grpc.AuthorizationStub(ch)
+            answers = []
+            for rid in ("req-a", "req-b"):
+                req = check_request()
+                req.attributes.request.http.headers["x-request-id"] = rid
+                answers.append(await auth.Check(req))
+            assert (await auth.Check(check_request())).HasField("denied_response")  # limit 2 held
+
+            msg = accesslog_pb2.StreamAccessLogsMessage()
+            with_md = msg.http_logs.log_entry.add()  # Envoy got our answer: metadata present
+            with_md.request.request_id = "req-a"
+            with_md.common_properties.metadata.filter_metadata[EXT_AUTHZ_NAMESPACE].CopyFrom(
+                answers[0].dynamic_metadata)
+            without = msg.http_logs.log_entry.add()  # Envoy dropped our answer: no metadata
+            without.request.request_id = "req-b"
+            stub = accesslog_pb2_grpc.AccessLogServiceStub(ch)
+
+            async def stream():  # type: ignore[no-untyped-def]
+                yield msg
+
+            await stub.StreamAccessLogs(stream())
+            assert srv.accesslog.released == 2 and srv.accesslog.found_by_request_id == 1
+            assert (await auth.Check(check_request())).HasField("ok_response")
+    finally:
+        await srv.stop(grace=0)
