@@ -9,10 +9,10 @@ import random
 import socket
 import threading
 import time
+import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-import urllib.request
 from urllib.parse import urlsplit
 
 import pytest
