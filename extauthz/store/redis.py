@@ -358,7 +358,10 @@ class RedisStore:
         if isinstance(self.client, RedisCluster):
             self.stats.round_trips += 1
             await self.client.initialize()
-            await asyncio.gather(*(self.client.script_load(s.source) for s in scripts))
+            # Best effort: with a master down the load fails there, and the healthy masters
+            # must still serve (NOSCRIPT loads a script where it is missing).
+            await asyncio.gather(*(self.client.script_load(s.source) for s in scripts),
+                                 return_exceptions=True)
         else:
             pipe = self.client.pipeline(transaction=False)
             for script in scripts:
@@ -369,6 +372,11 @@ class RedisStore:
         self._ready = True
 
     async def _send(self, batch: list[_Call]) -> None:
+        # A check whose caller gave up before it was even sent is not sent: nothing is
+        # committed for it. (Other calls, releases in particular, go out regardless.)
+        batch = [call for call in batch if call.orphan is None or not call.future.cancelled()]
+        if not batch:
+            return
         try:
             await self._ensure_ready()
             if not isinstance(self.client, RedisCluster):

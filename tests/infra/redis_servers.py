@@ -810,7 +810,7 @@ class RedisSentinel:
 def start_sentinel(
     tmpdir: Path | str,
     *,
-    down_after_ms: int = 500,
+    down_after_ms: int = 2000,
     failover_timeout_ms: int = 3000,
     timeout: float = 30.0,
 ) -> RedisSentinel:

@@ -16,6 +16,7 @@ import pytest
 from extauthz import shed
 from extauthz.store.base import BucketOp, CheckResult, LeaseOp, Op, ShedParams, Store
 from extauthz.store.keys import Keys
+from extauthz.store.memory import MemoryStore
 from tests.store.conftest import StoreCase, key_ttls
 
 K = Keys("t")
@@ -313,13 +314,20 @@ async def test_shed_update_follows_the_controller(store_case: StoreCase) -> None
 
 async def test_every_key_has_a_ttl(store_case: StoreCase) -> None:
     """Idle users cost nothing: every key a run leaves behind expires on its own."""
-    if store_case.topology is None:
-        pytest.skip("the memory store keeps no Redis keys (it sweeps expired state itself)")
     store = store_case.store
     p = ShedParams(0.7, 0.8, 28, 120, 60)
     await many(store, [bucket(rate=1000, burst=1), lease(USER_LEASES), lease(FLEET, limit=0)], 3)
     await store.check([bucket(OTHER_BUCKET, rate=1, burst=5)], "x")
     await store.check([lease(FLEET_ALL, limit=0, ttl=0.2)], "y")
+    if store_case.topology is None:
+        # The embedded store has no key TTLs: it forgets idle buckets and expired leases
+        # in its periodic sweep.
+        assert isinstance(store, MemoryStore)
+        assert store.key_count() == 5
+        store_case.clock.advance(31.0)  # past every bucket's idle time and lease TTL
+        store._sweep(store_case.clock.monotonic())
+        assert store.key_count() == 0
+        return
     await store.shed_update(K.shed_state("w"), 0.9, p)
     await store.set_value(K.signal("w"), "0.9", ttl=0.5)
     await store.append_events(K.shadow_log, ["{}"], maxlen=10, ttl=60)
