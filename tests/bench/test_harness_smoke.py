@@ -1,0 +1,49 @@
+"""The benchmark harness runs end to end (``--smoke``): real Envoy, the server process, wrk and
+h2load, for (a) Envoy alone, (b) the no-op server and (c) all limiters on the embedded store.
+
+Asserts only that figures were produced and that ext_authz was really consulted: no timing
+assertions (the machine's speed is not under test)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+
+@pytest.mark.skipif(shutil.which("wrk") is None or shutil.which("h2load") is None,
+                    reason="wrk/h2load not installed (scripts/install-system-deps.sh)")
+def test_smoke_run_produces_figures(tmp_path: Path) -> None:
+    out = tmp_path / "smoke.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.harness", "--smoke", "--configs", "a,b,c", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=150,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    phases = result["phases"]
+    assert {(p["setup"], p["kind"]) for p in phases} == {
+        (s, k) for s in "abc" for k in ("saturated", "latency")}
+    for p in phases:
+        assert p["requests"] > 0, p
+        assert p["rps"] > 0, p
+        if p["kind"] == "latency":
+            assert p["p50_ms"] > 0 and p["p99_ms"] >= p["p50_ms"] and p["p999_ms"] >= p["p99_ms"], p
+        if p["setup"] in ("b", "c"):
+            # ext_authz was consulted for (nearly) every request and never failed open in Envoy
+            assert p["ext_authz_ok"] >= 0.99 * p["requests"], p
+            assert p["ext_authz_failure_mode_allowed"] == 0, p
+            assert p["server_cpu_us"] > 0, p
+        else:
+            assert p["ext_authz_ok"] is None
+    rows = {r["key"]: r for r in result["summary"]["rows"]}
+    assert rows["b"]["consulted"] and rows["c"]["consulted"]
+    assert rows["a"]["rps"] > 0
