@@ -140,7 +140,10 @@ class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ig
                     fm = common.metadata.filter_metadata
                     lease = lease_release(fm[EXT_AUTHZ_NAMESPACE]) if EXT_AUTHZ_NAMESPACE in fm else None
                     rid = entry.request.request_id
-                    if rid:
+                    # A request we refused holds nothing: never let its entry (no metadata,
+                    # maybe a client-chosen request id shared with admitted requests) take
+                    # another request's leases from the index.
+                    if rid and not common.response_flags.HasField("unauthorized_details"):
                         known = self.index.take(rid, lease[1] if lease is not None else None)
                         if lease is None and known is not None:
                             self.found_by_request_id += 1

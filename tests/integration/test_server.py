@@ -153,5 +153,23 @@ async def test_access_log_releases_with_or_without_our_metadata(tmp_path: Path) 
             await stub.StreamAccessLogs(stream())
             assert srv.accesslog.released == 2 and srv.accesslog.found_by_request_id == 1
             assert (await auth.Check(check_request())).HasField("ok_response")
+
+            # A request we refused, reusing an admitted request's (client-chosen) request id:
+            # its entry (Envoy flags it UAEX) must not take the admitted request's leases.
+            dup = check_request()
+            dup.attributes.request.http.headers["x-request-id"] = "req-dup"
+            assert (await auth.Check(dup)).HasField("ok_response")  # 2 of 2 held again
+            assert (await auth.Check(dup)).HasField("denied_response")
+            refused = accesslog_pb2.StreamAccessLogsMessage()
+            entry = refused.http_logs.log_entry.add()
+            entry.request.request_id = "req-dup"
+            entry.common_properties.response_flags.unauthorized_details.reason = 1  # EXTERNAL_SERVICE
+
+            async def refused_stream():  # type: ignore[no-untyped-def]
+                yield refused
+
+            await stub.StreamAccessLogs(refused_stream())
+            assert srv.accesslog.released == 2  # nothing taken
+            assert (await auth.Check(check_request())).HasField("denied_response")
     finally:
         await srv.stop(grace=0)
