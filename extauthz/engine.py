@@ -295,7 +295,12 @@ class Engine:
             self._failed(CircuitOpen.reason)
             raise CircuitOpen("circuit open")
         if self.store_immediate:  # the embedded store answers synchronously: no deadline
-            return await self.store_check(ops, lease_id)
+            try:
+                return await self.store_check(ops, lease_id)
+            except StoreError as exc:
+                self.breaker.failure()
+                self._failed(exc.reason)
+                raise
         # The store call runs as its own task, shielded: when the deadline passes (or
         # Envoy cancels the Check) the call may still commit. asyncio can even wake us
         # with TimeoutError after the answer arrived. Either way the answer is not lost:

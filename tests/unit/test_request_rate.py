@@ -130,3 +130,17 @@ def test_breaker_opens_on_failure_rate_not_on_a_few_late_answers(clock: ManualCl
     assert b.allow()
     b.success()
     assert b.state == "closed" and b.allow()
+
+
+async def test_an_immediate_store_error_fails_open_and_is_counted(tmp_path: Path, clock: ManualClock) -> None:
+    from extauthz.errors import StoreUnavailable
+
+    engine, _ = engine_for(policy_from(tmp_path, {"limiters": [RATE]}), clock)
+
+    async def broken(ops, lease_id):  # type: ignore[no-untyped-def]
+        raise StoreUnavailable("down")
+
+    engine.store_check = broken
+    _, d = await engine.check(get())
+    assert d.allowed and d.verdicts[0].outcome is Outcome.FAILED_OPEN and d.failures == ("unavailable",)
+    assert engine.failures == {"unavailable": 1}
