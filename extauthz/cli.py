@@ -68,7 +68,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             from .server.workers import WorkersError, serve_workers
 
             try:
-                return serve_workers(config, workers, log_level=args.log_level)
+                return serve_workers(config, workers, log_level=args.log_level,
+                                     log_format=args.log_format)
             except WorkersError as exc:
                 print(f"extauthz: {exc}", file=sys.stderr)
                 return 2

@@ -42,6 +42,7 @@ CONFIG_ENV = "EXTAUTHZ_WORKER_CONFIG"
 READY_FD_ENV = "EXTAUTHZ_WORKER_READY_FD"
 INDEX_ENV = "EXTAUTHZ_WORKER_INDEX"
 LOG_LEVEL_ENV = "EXTAUTHZ_WORKER_LOG_LEVEL"
+LOG_FORMAT_ENV = "EXTAUTHZ_WORKER_LOG_FORMAT"
 
 
 class WorkersError(ValueError):
@@ -88,7 +89,8 @@ def check_workers(config: ServerConfig, workers: int) -> None:
         raise WorkersError("--workers above 1 needs a fixed --listen port (not 0) to share")
 
 
-def _start_child(config: ServerConfig, i: int, log_level: str) -> tuple[subprocess.Popen[bytes], int]:
+def _start_child(config: ServerConfig, i: int, log_level: str,
+                 log_format: str = "json") -> tuple[subprocess.Popen[bytes], int]:
     read_fd, write_fd = os.pipe()
     env = {
         **os.environ,
@@ -96,6 +98,7 @@ def _start_child(config: ServerConfig, i: int, log_level: str) -> tuple[subproce
         READY_FD_ENV: str(write_fd),
         INDEX_ENV: str(i),
         LOG_LEVEL_ENV: log_level,
+        LOG_FORMAT_ENV: log_format,
     }
     try:
         proc = subprocess.Popen([sys.executable, "-m", "extauthz.server.workers"], env=env,
@@ -120,7 +123,7 @@ def _stop_all(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
 
 
 def serve_workers(config: ServerConfig, workers: int, *, log_level: str = "info",
-                  startup_timeout: float = 60.0) -> int:
+                  log_format: str = "json", startup_timeout: float = 60.0) -> int:
     """Run ``workers`` server processes on one port until SIGTERM/SIGINT; return the exit code."""
     check_workers(config, workers)
     from ..policy import load_policy
@@ -136,7 +139,7 @@ def serve_workers(config: ServerConfig, workers: int, *, log_level: str = "info"
     pending: dict[int, int] = {}  # ready pipe fd -> worker index
     try:
         for i in range(workers):
-            proc, fd = _start_child(config, i, log_level)
+            proc, fd = _start_child(config, i, log_level, log_format)
             procs.append(proc)
             pending[fd] = i
         deadline = time.monotonic() + startup_timeout
@@ -177,10 +180,12 @@ def serve_workers(config: ServerConfig, workers: int, *, log_level: str = "info"
 
 def _child_main() -> int:
     from ..errors import PolicyError
+    from ..observe.logs import configure_logging
     from .app import serve
 
-    logging.basicConfig(level=os.environ.get(LOG_LEVEL_ENV, "info").upper(),
-                        format=f"[w{os.environ.get(INDEX_ENV, '?')}] %(message)s")
+    # the same log lines as a single server (JSON by default), from every worker
+    listener = configure_logging(os.environ.get(LOG_LEVEL_ENV, "info"),
+                                 os.environ.get(LOG_FORMAT_ENV, "json"))
     config = ServerConfig(**json.loads(os.environ[CONFIG_ENV]))
     ready_fd = int(os.environ[READY_FD_ENV])
 
@@ -193,6 +198,8 @@ def _child_main() -> int:
     except PolicyError as exc:
         print(f"extauthz: the policy has errors:\n{exc}", file=sys.stderr)
         return 2
+    finally:
+        listener.stop()
     return 0
 
 

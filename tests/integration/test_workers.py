@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -87,6 +88,10 @@ def test_two_workers_share_one_port_and_one_budget(tmp_path: Path, redis_single_
         assert allowed == 4  # one budget on Redis for both workers: burst 4, no refill to speak of
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(30) == 0
+        # every worker logs the same JSON lines as a single server ("serving on port ...")
+        serving = [json.loads(line) for line in server.log().splitlines()
+                   if line.startswith("{") and '"serving on port' in line]
+        assert len(serving) == 2, server.log()
         for pid in pids:
             assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
     finally:
