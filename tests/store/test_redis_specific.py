@@ -192,6 +192,8 @@ CLIENT_TIMEOUT = 2.0
 #: below CLIENT_TIMEOUT, generous for a noisy 2-core machine (event-loop stalls of 100+ ms
 #: were seen there while other test suites ran).
 MARGIN = 0.3
+#: ... and the small margin that 99% of the checks must meet (measured here: p99 1-3 ms).
+P99_MARGIN = 0.025
 
 
 def _latencies_ok(latencies: list[float], bound: float) -> str:
@@ -200,6 +202,7 @@ def _latencies_ok(latencies: list[float], bound: float) -> str:
     summary = (f"{len(ordered)} checks: p50 {statistics.median(ordered) * 1000:.2f} ms, "
                f"p99 {p99 * 1000:.2f} ms, max {ordered[-1] * 1000:.2f} ms")
     assert ordered[-1] <= bound, summary
+    assert p99 <= bound - MARGIN + P99_MARGIN, summary
     return summary
 
 
