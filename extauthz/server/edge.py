@@ -21,7 +21,6 @@ TIER_HEADER = "x-extauthz-tier"
 
 _OVERWRITE = core_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _GRPC_OK = 0
-_GRPC_PERMISSION_DENIED = 7
 _GRPC_RESOURCE_EXHAUSTED = 8
 _GRPC_UNAVAILABLE = 14
 _EMPTY: Mapping[str, str] = {}
@@ -68,14 +67,6 @@ def _fill_lease_metadata(md: struct_pb2.Struct, decision: Decision) -> None:
     add = fields["leases"].list_value.values.add
     for key in decision.leases:
         add(string_value=key)
-
-
-def lease_metadata(decision: Decision, ctx: RequestContext) -> struct_pb2.Struct | None:
-    if not decision.leases:
-        return None
-    md = struct_pb2.Struct()
-    _fill_lease_metadata(md, decision)
-    return md
 
 
 def _ok_template(tier: str) -> auth_pb2.CheckResponse:

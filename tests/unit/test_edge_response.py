@@ -13,7 +13,7 @@ from extauthz.answers import denial, ratelimit_headers
 from extauthz.clock import ManualClock
 from extauthz.context import RequestContext
 from extauthz.proto import auth_pb2, core_pb2, http_status_pb2, status_pb2
-from extauthz.server.edge import TIER_HEADER, check_response, lease_metadata, lease_release
+from extauthz.server.edge import TIER_HEADER, check_response, lease_release
 from extauthz.verdict import Decision
 
 from .helpers import engine_for, get, policy_from
@@ -79,9 +79,8 @@ async def test_check_response_matches_reference(tmp_path: Path, clock: ManualClo
             reference(ctx, decision).SerializeToString(deterministic=True)
         seen_allowed |= decision.allowed
         seen_denied |= not decision.allowed
-        if decision.leases:
-            md = lease_metadata(decision, ctx)
-            assert md is not None
+        if decision.leases:  # what the access log hands back is what the answer carried
+            md = check_response(ctx, decision).dynamic_metadata
             assert lease_release(md) == (list(decision.leases), decision.lease_id)
     assert seen_allowed and seen_denied
 
