@@ -335,9 +335,13 @@ class Engine:
                 if isinstance(op, LeaseOp) and res.allowed]
         if held:
             self.abandoned_releases += 1
-            job = asyncio.ensure_future(self.store.release(held, lease_id))
-            self._background.add(job)
-            job.add_done_callback(self._background.discard)
+            self.release_soon(held, lease_id)
+
+    def release_soon(self, keys: Sequence[str], lease_id: str) -> None:
+        """Release in the background (nobody waits): a store-owned, tracked task."""
+        job = asyncio.ensure_future(self.store.release(keys, lease_id))
+        self._background.add(job)
+        job.add_done_callback(self._background.discard)
 
     def _failed(self, reason: str) -> None:
         self.failures[reason] = self.failures.get(reason, 0) + 1

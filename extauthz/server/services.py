@@ -69,7 +69,6 @@ class AuthorizationService(auth_pb2_grpc.AuthorizationServicer):  # type: ignore
         self.index = index if index is not None else LeaseIndex()
         #: leases given back because Envoy cancelled the Check after the store committed.
         self.cancelled_releases = 0
-        self._jobs: set[asyncio.Future[int]] = set()
 
     async def Check(  # noqa: N802 - gRPC method name
         self, request: auth_pb2.CheckRequest, context: grpc.aio.ServicerContext
@@ -96,11 +95,8 @@ class AuthorizationService(auth_pb2_grpc.AuthorizationServicer):  # type: ignore
         return check_response(ctx, decision)
 
     def _release_later(self, decision: Decision) -> None:
-        if decision.leases:
-            self.cancelled_releases += 1
-            job = asyncio.ensure_future(self.engine.release(decision.leases, decision.lease_id))
-            self._jobs.add(job)
-            job.add_done_callback(self._jobs.discard)
+        self.cancelled_releases += 1
+        self.engine.release_soon(decision.leases, decision.lease_id)
 
 
 class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
