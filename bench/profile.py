@@ -33,8 +33,10 @@ from pathlib import Path
 
 from extauthz.devtools.stack import free_port
 
-from .harness import SETUPS, Options, Running, run_wrk, wrk_script
+from .configs import SETUPS, Options
+from .load import run_wrk, wrk_cmd, wrk_script
 from .procs import RedisServer
+from .stack import Running
 
 CATEGORIES = ("gRPC + event loop (native)", "gRPC poller thread", "Check handler",
               "access-log handler", "store tasks", "other Python")
@@ -96,9 +98,8 @@ def profile(key: str, seconds: float, svg_dir: Path | None, workdir: Path,
     try:
         assert running.server is not None and running.server.proc is not None
         pid = running.server.proc.pid
-        run_wrk(running.url, 2, opts, script)
-        load = subprocess.Popen(["wrk", "-t1", f"-c{opts.connections}", f"-d{round(seconds + 3)}s",
-                                 "-s", str(script), running.url + "/v1/items"],
+        run_wrk(running.url, 2, script, threads=opts.threads, connections=opts.connections)
+        load = subprocess.Popen(wrk_cmd(running.url, seconds + 3, script, threads=1, connections=opts.connections),
                                 stdout=subprocess.PIPE, text=True)
         time.sleep(1.0)
         spy = [_py_spy(), "record", "--pid", str(pid), "--duration", str(round(seconds)),

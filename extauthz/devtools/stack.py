@@ -17,7 +17,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from .envoy import EnvoyProcess, render_config
+from .envoy_config import render_config
+from .envoy_process import EnvoyProcess
 from .upstream import Upstream, start_upstream
 
 

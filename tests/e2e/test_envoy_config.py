@@ -18,22 +18,23 @@ import grpc
 import pytest
 import yaml
 
-from extauthz.devtools.envoy import (
+from extauthz.devtools.envoy_config import (
     EXT_AUTHZ_FILTER,
     LOCAL_RATELIMIT_FILTER,
     EnvoyConfigError,
-    EnvoyProcess,
+    config_path,
     grpc_cluster_problems,
+    load_config_text,
     render_config,
     validate,
 )
+from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.upstream import Upstream, start_upstream
 
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE_CONFIG = REPO / "envoy" / "envoy.yaml"
-PACKAGE_CONFIG = REPO / "extauthz" / "devtools" / "envoy.yaml"
 
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -77,11 +78,15 @@ def http(
 # ---- static checks ----------------------------------------------------------------------
 
 
-def test_package_copy_equals_source_config() -> None:
-    assert PACKAGE_CONFIG.read_bytes() == SOURCE_CONFIG.read_bytes(), (
-        "extauthz/devtools/envoy.yaml must be a byte-for-byte copy of envoy/envoy.yaml: "
-        "cp envoy/envoy.yaml extauthz/devtools/envoy.yaml"
-    )
+def test_default_config_is_the_one_in_envoy_dir() -> None:
+    # One copy: a checkout reads envoy/ in place (the wheel ships the same files as
+    # extauthz/envoy/, checked by tests/store/test_redis_specific.py's wheel test).
+    assert config_path() == SOURCE_CONFIG
+    assert load_config_text() == SOURCE_CONFIG.read_text(encoding="utf-8")
+    assert not (REPO / "extauthz" / "envoy").exists()
+    assert not list((REPO / "extauthz" / "devtools").glob("*.yaml"))
+    with pytest.raises(FileNotFoundError, match=r"no-such\.yaml"):
+        config_path("no-such.yaml")
 
 
 def test_shipped_config_validates() -> None:
@@ -139,6 +144,20 @@ def test_render_without_tracing_and_with_host_names_validates() -> None:
     config = yaml.safe_load(text)
     assert "tracing" not in _hcm(config)
     assert _cluster(config, "upstream")["type"] == "STRICT_DNS"
+
+
+def test_render_with_buffered_access_log_validates() -> None:
+    text = render(access_log_flush_ms=5)
+    validate(text)
+    (grpc_log,) = [
+        a for a in _hcm(yaml.safe_load(text))["access_log"]
+        if a["name"] == "envoy.access_loggers.http_grpc"
+    ]
+    common = grpc_log["typed_config"]["common_config"]
+    assert common["buffer_flush_interval"] == "0.005s"
+    assert common["buffer_size_bytes"] == 16384
+    (plain,) = [a for a in _hcm(yaml.safe_load(render()))["access_log"] if a["name"] == grpc_log["name"]]
+    assert plain["typed_config"]["common_config"]["buffer_size_bytes"] == 0  # as shipped: every entry
 
 
 def test_render_sets_ports_and_endpoints_by_cluster_name() -> None:

@@ -20,7 +20,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from extauthz.devtools import envoy as envoy_config
+from extauthz.devtools import envoy_config
 from extauthz.policy import load_policy
 from extauthz.server.app import ServerConfig
 

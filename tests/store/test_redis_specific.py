@@ -6,6 +6,7 @@ compensation, cancellation safety, URL forms, and the wheel carrying the scripts
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import statistics
 import subprocess
@@ -516,10 +517,10 @@ async def test_url_forms() -> None:
 
 
 @pytest.mark.slow
-def test_wheel_carries_the_lua_scripts(tmp_path: Path) -> None:
+def test_wheel_carries_the_lua_scripts_and_envoy_configs(tmp_path: Path) -> None:
     src = tmp_path / "src"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for name in ("extauthz", "lua"):
+    for name in ("extauthz", "lua", "envoy"):
         shutil.copytree(ROOT / name, src / name, ignore=ignore)
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         if (ROOT / name).exists():
@@ -543,7 +544,24 @@ def test_wheel_carries_the_lua_scripts(tmp_path: Path) -> None:
         # every subpackage is listed in pyproject (packages are listed, not discovered)
         for init in (ROOT / "extauthz").rglob("__init__.py"):
             assert init.relative_to(ROOT).as_posix() in names, init
-        assert "extauthz/devtools/envoy.yaml" in names and "extauthz/py.typed" in names
+        assert "extauthz/py.typed" in names
+        # The Envoy configs ship once, from the top-level envoy/ (package-dir mapping), as
+        # extauthz/envoy/*.yaml: byte-for-byte the repository's files, and no other copy.
+        configs = sorted((ROOT / "envoy").glob("*.yaml"))
+        assert configs
+        for config in configs:
+            assert zf.read(f"extauthz/envoy/{config.name}") == config.read_bytes(), config
+        assert {n for n in names if n.endswith(".yaml")} == {f"extauthz/envoy/{c.name}" for c in configs}
+    # Installed from the wheel (away from the checkout), the devtools find the shipped config.
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                    "--target", str(site), str(wheel)], check=True, capture_output=True, timeout=300)
+    found = subprocess.run(
+        [sys.executable, "-c", "from extauthz.devtools.envoy_config import config_path; print(config_path())"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)}, check=True, capture_output=True, text=True,
+        timeout=60,
+    ).stdout.strip()
+    assert Path(found) == site / "extauthz" / "envoy" / "envoy.yaml"
 
 
 def test_every_script_states_its_contract() -> None:

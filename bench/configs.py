@@ -1,0 +1,81 @@
+"""What the harness can run: the table of configurations and the run options.
+
+To add a configuration, add a row to ``SETUPS`` (and, if it belongs in a default run, its key
+to ``DEFAULT_SETUPS``); ``RATIOS`` and ``P99_ADDED`` list the comparisons the report shows
+besides each configuration's throughput relative to (a). A configuration is a stack:
+Envoy (``envoy_config`` from ``envoy/``, rendered by ``bench.stack.Running``), optionally the
+extauthz server (policy from ``bench/policies``, ``server_args`` appended) and Redis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One configuration: what runs behind Envoy, and how."""
+
+    key: str
+    label: str
+    ext_authz: bool = True
+    policy: str = "noop"
+    redis: bool = False
+    local_ratelimit: bool = False
+    envoy_concurrency: int = 1
+    workers: int = 1
+    loop: str = "uvloop"
+    #: Envoy's gRPC access log buffered (16 KiB or this many ms) instead of flushed per entry
+    accesslog_flush_ms: float | None = None
+    #: the Envoy config, a file in envoy/ (see extauthz.devtools.envoy_config.config_path)
+    envoy_config: str = "envoy.yaml"
+    #: extra ``extauthz serve`` arguments
+    server_args: tuple[str, ...] = ()
+
+
+SETUPS: dict[str, Setup] = {s.key: s for s in [
+    Setup("a", "Envoy alone", ext_authz=False),
+    Setup("b", "no-op ext_authz (ceiling)", policy="noop"),
+    Setup("c", "4 limiters, embedded store", policy="all-on"),
+    Setup("d", "4 limiters, Redis", policy="all-on", redis=True),
+    Setup("e", "Envoy local_ratelimit", ext_authz=False, local_ratelimit=True),
+    Setup("d1", "(d), Envoy x2 threads, 1 worker", policy="all-on", redis=True, envoy_concurrency=2),
+    Setup("d2", "(d), Envoy x2 threads, --workers 2", policy="all-on", redis=True,
+          envoy_concurrency=2, workers=2),
+    Setup("b-aio", "(b) on asyncio (no uvloop)", policy="noop", loop="asyncio"),
+    Setup("d-aio", "(d) on asyncio (no uvloop)", policy="all-on", redis=True, loop="asyncio"),
+    Setup("b-buf", "(b), access log buffered 5 ms", policy="noop", accesslog_flush_ms=5),
+    Setup("d-buf", "(d), access log buffered 5 ms", policy="all-on", redis=True, accesslog_flush_ms=5),
+]}
+DEFAULT_SETUPS = ("a", "b", "c", "d", "e", "d1", "d2", "b-aio", "d-aio", "b-buf", "d-buf")
+SMOKE_SETUPS = ("a", "b", "c")
+
+#: Throughput ratios ``<k>/<base>`` reported besides every ``<k>/a`` (report order).
+RATIOS: tuple[tuple[str, str], ...] = (
+    ("c", "b"), ("d", "b"), ("d2", "d1"), ("b-aio", "b"), ("d-aio", "d"), ("d-buf", "b-buf"),
+    ("b-buf", "b"), ("d-buf", "d"),
+)
+#: ``p99 added <k>/<base>``: (p99(k) - p99(a)) / (p99(base) - p99(a)) at the paced rate.
+P99_ADDED: tuple[tuple[str, str], ...] = (("d", "b"), ("c", "b"))
+
+
+@dataclass
+class Options:
+    setups: tuple[str, ...] = DEFAULT_SETUPS
+    rounds: int = 3
+    duration: float = 10.0      # seconds of each measured load run
+    warmup: float = 2.0
+    connections: int = 32       # wrk
+    threads: int = 1            # wrk
+    rate: int = 1000            # h2load paced run, requests/s in total
+    rate_clients: int = 2
+    deadline_ms: float = 5.0
+    outage: tuple[str, ...] = ("kill", "pause")
+    outage_duration: float = 10.0
+    limits_compare: bool = True
+    smoke: bool = False
+    json_path: Path | None = None
+    docs: bool = True
+    plot: bool = True
+    report_from: Path | None = None

@@ -1,0 +1,198 @@
+"""One configuration's running stack (Envoy, the server, Redis) and the counters and CPU
+read from it around a measured run."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from extauthz.devtools.envoy_config import config_path, render_config
+from extauthz.devtools.envoy_process import EnvoyProcess
+from extauthz.devtools.stack import ServerProcess, free_port
+
+from .configs import Options, Setup
+from .procs import RedisServer, children, cpu_seconds, established_by_pid, free_port_block
+from .stats import Phase
+
+ROOT = Path(__file__).resolve().parents[1]
+POLICIES = Path(__file__).resolve().parent / "policies"
+
+
+class Running:
+    """Envoy (+ server) for one configuration; counters and CPU snapshots."""
+
+    def __init__(self, setup: Setup, redis: RedisServer | None, opts: Options, workdir: Path) -> None:
+        self.setup = setup
+        self.redis = redis
+        self.opts = opts
+        self.workdir = workdir
+        self.server: ServerProcess | None = None
+        self.envoy: EnvoyProcess | None = None
+        self.admin_base = 0
+
+    # -- lifecycle
+    def start(self) -> Running:
+        s = self.setup
+        try:
+            extauthz_port = free_port()
+            if s.ext_authz:
+                args = ["--store-deadline-ms", str(self.opts.deadline_ms)]
+                if s.redis:
+                    assert self.redis is not None
+                    args += ["--redis-url", self.redis.url]
+                if s.workers > 1:
+                    args += ["--workers", str(s.workers)]
+                # worker i serves admin on base + i: take a block of free ports
+                self.admin_base = free_port_block(s.workers)
+                args += ["--admin-listen", f"127.0.0.1:{self.admin_base}"]
+                args += s.server_args
+                env = {"EXTAUTHZ_EVENT_LOOP": s.loop, "PYTHONPATH": str(ROOT)}
+                self.server = ServerProcess([POLICIES / f"{s.policy}.yaml"], args=args, env=env,
+                                            workdir=self.workdir).start()
+                if s.workers > 1:
+                    self._wait_workers()
+                extauthz_port = self.server.port
+            self._start_envoy(extauthz_port)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_envoy(self, extauthz_port: int) -> None:
+        s = self.setup
+        config = render_config(
+            config_path(s.envoy_config), listen_port=0, admin_port=0, extauthz=("127.0.0.1", extauthz_port),
+            upstream=("127.0.0.1", free_port()), otel=("127.0.0.1", free_port()),
+            ext_authz_enabled=s.ext_authz, tracing_enabled=False, direct_response_upstream=True,
+            local_ratelimit={"max_tokens": 1_000_000_000} if s.local_ratelimit else None,
+            access_log_flush_ms=s.accesslog_flush_ms,
+        )
+        self.envoy = EnvoyProcess(config, concurrency=s.envoy_concurrency).start()
+
+    def _wait_workers(self, timeout: float = 60.0) -> None:
+        assert self.server is not None
+        deadline = time.monotonic() + timeout
+        while "workers serving" not in self.server.log():
+            if self.server.proc is None or self.server.proc.poll() is not None:
+                raise RuntimeError("server exited:\n" + self.server.log()[-2000:])
+            if time.monotonic() > deadline:
+                raise RuntimeError("workers not serving:\n" + self.server.log()[-2000:])
+            time.sleep(0.1)
+
+    def balance_workers(self, warm: Callable[[], None], attempts: int = 12) -> list[int]:
+        """SO_REUSEPORT spreads connections at random: restart Envoy until every server worker
+        holds at least one of Envoy's connections. Returns the connections per worker."""
+        assert self.server is not None and self.server.proc is not None
+        pids = children(self.server.proc.pid)
+        counts: list[int] = []
+        for _ in range(attempts):
+            warm()
+            by_pid = established_by_pid(self.server.port, pids)
+            counts = [by_pid.get(p, 0) for p in pids]
+            if counts and min(counts) > 0:
+                return counts
+            assert self.envoy is not None
+            self.envoy.stop()
+            self._start_envoy(self.server.port)
+        return counts
+
+    def stop(self) -> None:
+        if self.envoy is not None:
+            self.envoy.stop()
+            self.envoy = None
+        if self.server is not None:
+            self.server.stop()
+
+    # -- observation
+    @property
+    def url(self) -> str:
+        assert self.envoy is not None
+        return self.envoy.url
+
+    def server_pids(self) -> list[int]:
+        if self.server is None or self.server.proc is None:
+            return []
+        pid = self.server.proc.pid
+        return [pid, *children(pid)]
+
+    def snapshot(self) -> dict[str, Any]:
+        assert self.envoy is not None
+        snap: dict[str, Any] = {
+            "stats": self.envoy.stats(r"ext_authz\.|local_ratelimit\.|downstream_rq_2xx"),
+            "envoy_cpu": cpu_seconds(self.envoy.pid),
+            "server_cpu": {pid: cpu_seconds(pid) for pid in self.server_pids()},
+            "redis_cpu": cpu_seconds(self.redis.pid) if self.redis is not None and self.setup.redis else 0.0,
+            "fail_open": self.fail_open(),
+        }
+        return snap
+
+    def fail_open(self) -> dict[str, int]:
+        """Fail-open counts by reason, summed over the server processes (admin /status)."""
+        if self.server is None:
+            return {}
+        total: dict[str, int] = {}
+        for i in range(self.setup.workers):
+            try:
+                with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+                        f"http://127.0.0.1:{self.admin_base + i}/status", timeout=2) as resp:
+                    status = json.load(resp)
+            except (OSError, ValueError):
+                total["admin_unreachable"] = total.get("admin_unreachable", 0) + 1
+                continue
+            for reason, n in (status.get("fail_open") or {}).items():
+                total[reason] = total.get(reason, 0) + int(n)
+        return total
+
+
+def stat_value(stats: dict[str, int], suffix: str) -> int | None:
+    for name, value in stats.items():
+        if name.endswith(suffix) and not name.startswith("listener.admin"):
+            return value
+    return None
+
+
+def fill_counters(phase: Phase, before: dict[str, Any], after: dict[str, Any], setup: Setup) -> None:
+    def delta(suffix: str) -> int | None:
+        a, b = stat_value(after["stats"], suffix), stat_value(before["stats"], suffix)
+        return None if a is None or b is None else a - b
+
+    n = max(1, phase.requests)
+    if setup.ext_authz:
+        phase.ext_authz_ok = delta("ext_authz.ok")
+        phase.ext_authz_failure_mode_allowed = delta("ext_authz.failure_mode_allowed")
+        phase.ext_authz_error = delta("ext_authz.error")
+        phase.ext_authz_denied = delta("ext_authz.denied")
+        cpu_before, cpu_after = before["server_cpu"], after["server_cpu"]
+        used = {pid: cpu_after[pid] - cpu_before.get(pid, 0.0) for pid in cpu_after}
+        phase.server_cpu_us = sum(used.values()) / n * 1e6
+        if setup.workers > 1:
+            workers = [pid for pid in cpu_after if pid != min(cpu_after)]
+            total = sum(used[p] for p in workers) or 1.0
+            phase.worker_cpu_share = [round(used[p] / total, 3) for p in workers]
+        phase.fail_open = {k: after["fail_open"].get(k, 0) - before["fail_open"].get(k, 0)
+                           for k in after["fail_open"]
+                           if after["fail_open"].get(k, 0) != before["fail_open"].get(k, 0)}
+        if phase.fail_open:
+            phase.problems.append(f"the server failed open {sum(phase.fail_open.values())} times "
+                                  "(store deadline or breaker): figures not comparable")
+        if not phase.ext_authz_ok:
+            phase.problems.append("ext_authz was not consulted (ext_authz.ok did not move)")
+        elif phase.ext_authz_ok < 0.99 * phase.requests:
+            phase.problems.append(f"ext_authz.ok {phase.ext_authz_ok} < requests {phase.requests}")
+        for name, value in (("failure_mode_allowed", phase.ext_authz_failure_mode_allowed),
+                            ("error", phase.ext_authz_error), ("denied", phase.ext_authz_denied)):
+            if value:
+                phase.problems.append(f"ext_authz.{name} = {value}")
+    if setup.local_ratelimit:
+        phase.local_ratelimit_ok = delta("http_local_rate_limit.ok")
+        if not phase.local_ratelimit_ok:
+            phase.problems.append("local_ratelimit did not count the requests")
+    phase.envoy_cpu_us = (after["envoy_cpu"] - before["envoy_cpu"]) / n * 1e6
+    if setup.redis:
+        phase.redis_cpu_us = (after["redis_cpu"] - before["redis_cpu"]) / n * 1e6
+    if phase.non_2xx or phase.errors:
+        phase.problems.append(f"{phase.non_2xx} non-2xx responses, {phase.errors} socket errors")

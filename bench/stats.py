@@ -1,0 +1,186 @@
+"""The measured record of one load run (``Phase``) and the statistics over rounds: medians,
+per-round ratios, percentiles, and the targets of issue 7."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .configs import P99_ADDED, RATIOS, SETUPS, Setup
+
+
+@dataclass
+class Phase:
+    """One measured load run against one configuration."""
+
+    setup: str
+    kind: str  # "saturated" | "latency"
+    round: int
+    requests: int = 0
+    seconds: float = 0.0
+    rps: float = 0.0
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    p999_ms: float | None = None
+    non_2xx: int = 0
+    errors: int = 0
+    ext_authz_ok: int | None = None
+    ext_authz_failure_mode_allowed: int | None = None
+    ext_authz_error: int | None = None
+    ext_authz_denied: int | None = None
+    local_ratelimit_ok: int | None = None
+    fail_open: dict[str, int] = field(default_factory=dict)
+    server_cpu_us: float | None = None     # per request
+    envoy_cpu_us: float | None = None
+    redis_cpu_us: float | None = None
+    worker_connections: list[int] = field(default_factory=list)
+    worker_cpu_share: list[float] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def consulted(self) -> bool:
+        return bool(self.ext_authz_ok)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of unsorted values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), int(-(-q * len(ordered) // 100))))
+    return ordered[rank - 1]
+
+
+def latency_summary(rows: Sequence[tuple[int, int, int]]) -> dict[str, float]:
+    ms = [d / 1000.0 for _, _, d in rows]
+    return {"p50_ms": percentile(ms, 50), "p99_ms": percentile(ms, 99), "p999_ms": percentile(ms, 99.9)}
+
+
+def med(values: Sequence[float | None]) -> float | None:
+    real = [v for v in values if v is not None]
+    return statistics.median(real) if real else None
+
+
+def by(phases: Sequence[Phase], setup: str, kind: str) -> list[Phase]:
+    return [p for p in phases if p.setup == setup and p.kind == kind]
+
+
+def round_ratio(phases: Sequence[Phase], fn: Callable[[dict[str, Phase]], float | None]) -> list[float]:
+    """``fn`` on each round's phases (keyed ``setup/kind``); the rounds where it is defined."""
+    out = []
+    for r in sorted({p.round for p in phases}):
+        table = {f"{p.setup}/{p.kind}": p for p in phases if p.round == r}
+        try:
+            value = fn(table)
+        except (KeyError, ZeroDivisionError, TypeError):
+            value = None
+        if value is not None:
+            out.append(value)
+    return out
+
+
+def summarize(setups: Sequence[Setup], phases: Sequence[Phase]) -> dict[str, Any]:
+    """Per configuration (in ``setups`` order) the medians over rounds; the ratios."""
+    rows = []
+    for setup in setups:
+        sat, lat = by(phases, setup.key, "saturated"), by(phases, setup.key, "latency")
+        rows.append({
+            "key": setup.key, "label": setup.label,
+            "rps": med([p.rps for p in sat]), "rps_all": [round(p.rps) for p in sat],
+            "p50_ms": med([p.p50_ms for p in lat]), "p99_ms": med([p.p99_ms for p in lat]),
+            "p999_ms": med([p.p999_ms for p in lat]),
+            "rate": med([p.rps for p in lat]),
+            "server_cpu_us": med([p.server_cpu_us for p in sat]),
+            "envoy_cpu_us": med([p.envoy_cpu_us for p in sat]),
+            "redis_cpu_us": med([p.redis_cpu_us for p in sat]),
+            "consulted": all(p.consulted for p in sat + lat) if setup.ext_authz else None,
+            "ext_authz_ok": sum(p.ext_authz_ok or 0 for p in sat + lat) if setup.ext_authz else None,
+            "failure_mode_allowed": sum(p.ext_authz_failure_mode_allowed or 0 for p in sat + lat)
+            if setup.ext_authz else None,
+            "fail_open": _sum_dicts([p.fail_open for p in sat + lat]),
+            "fail_open_saturated": _sum_dicts([p.fail_open for p in sat]),
+            "fail_open_latency": _sum_dicts([p.fail_open for p in lat]),
+            "requests": sum(p.requests for p in sat + lat),
+            "cores": {
+                "server": med([(p.server_cpu_us or 0) * p.rps / 1e6 for p in sat]) if setup.ext_authz else None,
+                "envoy": med([(p.envoy_cpu_us or 0) * p.rps / 1e6 for p in sat]),
+                "redis": med([(p.redis_cpu_us or 0) * p.rps / 1e6 for p in sat]) if setup.redis else None,
+            },
+            "problems": sorted({x for p in sat + lat for x in p.problems if "failed open" not in x}),
+            "worker_cpu_share": [p.worker_cpu_share for p in sat if p.worker_cpu_share],
+        })
+
+    def thr(t: dict[str, Phase], k: str) -> float:
+        return t[f"{k}/saturated"].rps
+
+    def p99(t: dict[str, Phase], k: str) -> float:
+        v = t[f"{k}/latency"].p99_ms
+        assert v is not None
+        return v
+
+    ratios: dict[str, list[float]] = {}
+    keys = {setup.key for setup in setups}
+    if "a" in keys:
+        for k in SETUPS:
+            if k != "a" and k in keys:
+                ratios[f"{k}/a"] = round_ratio(phases, _ratio_fn(thr, k, "a"))
+    for k, base in RATIOS:
+        if {k, base} <= keys:
+            ratios[f"{k}/{base}"] = round_ratio(phases, _ratio_fn(thr, k, base))
+    for k, base in P99_ADDED:
+        if {"a", k, base} <= keys:
+            ratios[f"p99 added {k}/{base}"] = round_ratio(phases, _p99_added_fn(p99, k, base))
+    return {
+        "rows": rows,
+        "ratios": {k: {"median": med(v), "rounds": [round(x, 3) for x in v]} for k, v in ratios.items()},
+    }
+
+
+def _ratio_fn(thr: Callable[[dict[str, Phase], str], float], k: str,
+              base: str) -> Callable[[dict[str, Phase]], float | None]:
+    return lambda t: thr(t, k) / thr(t, base)
+
+
+def _p99_added_fn(p99: Callable[[dict[str, Phase], str], float], k: str,
+                  base: str) -> Callable[[dict[str, Phase]], float | None]:
+    return lambda t: (p99(t, k) - p99(t, "a")) / (p99(t, base) - p99(t, "a"))
+
+
+def _sum_dicts(items: Sequence[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in items:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def targets(summary: dict[str, Any], *, limits: dict[str, Any] | None, outages: Sequence[dict[str, Any]],
+            deadline_ms: float) -> list[dict[str, Any]]:
+    """The goals of issue 7, each with its measured value (only those the run measured)."""
+    ratios = summary["ratios"]
+    out = []
+
+    def add(name: str, value: float | None, goal: float, higher: bool = True, unit: str = "x") -> None:
+        if value is None:
+            return
+        ok = value >= goal if higher else value <= goal
+        out.append({"target": name, "value": round(value, 3), "goal": goal, "met": ok,
+                    "unit": unit, "higher": higher})
+
+    add("(d) throughput / (b)", (ratios.get("d/b") or {}).get("median"), 0.8)
+    add("(c) throughput / (b)", (ratios.get("c/b") or {}).get("median"), 0.9)
+    add("(d) 2 workers / 1 worker (Envoy x2)", (ratios.get("d2/d1") or {}).get("median"), 1.5)
+    add("p99 added by (d) / p99 added by (b), at 1,000 req/s",
+        (ratios.get("p99 added d/b") or {}).get("median"), 1.3, higher=False)
+    if limits:
+        add("Redis store checks/s / limits hits/s", limits.get("ratio"), 2.0)
+    for o in outages:
+        sat, lat = o.get("saturated"), o.get("latency")
+        if sat:
+            add(f"Redis {o['mode']}: throughput down / up", sat["down_rps"] / sat["up_rps"], 0.9)
+        if lat:
+            add(f"Redis {o['mode']}: p99 growth at 1,000 req/s (ms, <= deadline)",
+                lat["down"]["p99_ms"] - lat["up"]["p99_ms"], deadline_ms, higher=False, unit="ms")
+    return out
