@@ -200,8 +200,9 @@ def plot(summary: dict[str, Any], path: Path = PLOT) -> None:
     names = [name(r) for r in rows]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(14, 10))
     rps = [r["rps"] for r in rows]
-    lows = [r["rps"] - min(r["rps_all"]) for r in rows]
-    highs = [max(r["rps_all"]) - r["rps"] for r in rows]
+    # rps_all holds rounded figures: clamp, or a median just above its rounding is "below" it
+    lows = [max(0.0, r["rps"] - min(r["rps_all"])) for r in rows]
+    highs = [max(0.0, max(r["rps_all"]) - r["rps"]) for r in rows]
     bars = ax1.bar(range(len(rows)), rps, yerr=[lows, highs], capsize=4, color="#4C72B0")
     ax1.set_yscale("log")
     ax1.set_ylabel("saturated requests/s (log)")

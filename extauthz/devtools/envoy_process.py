@@ -33,7 +33,7 @@ __all__ = [
 
 
 class EnvoyError(RuntimeError):
-    """Base class of the errors this module raises."""
+    """Base class of the Envoy errors (this module and ``envoy_config.EnvoyConfigError``)."""
 
 
 class EnvoyNotFoundError(EnvoyError):

@@ -1,0 +1,41 @@
+"""The harness's statistics on made-up figures (no load run): which ratios a run reports and
+how they are taken (per round, then the median), and the percentile rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.configs import SETUPS
+from bench.stats import Phase, percentile, summarize
+
+
+def phases(rps: dict[str, list[float]], p99: dict[str, list[float]]) -> list[Phase]:
+    out = []
+    for key, values in rps.items():
+        for r, v in enumerate(values):
+            out.append(Phase(key, "saturated", r, requests=int(v), rps=v))
+            out.append(Phase(key, "latency", r, p50_ms=1.0, p99_ms=p99[key][r], p999_ms=p99[key][r]))
+    return out
+
+
+def test_ratios_are_medians_of_per_round_ratios() -> None:
+    rps = {"a": [1000.0, 2000.0, 1000.0], "b": [100.0, 100.0, 300.0], "d": [80.0, 50.0, 150.0]}
+    p99 = {"a": [1.0, 1.0, 1.0], "b": [3.0, 5.0, 3.0], "d": [4.0, 9.0, 5.0]}
+    summary = summarize([SETUPS[k] for k in ("a", "b", "d")], phases(rps, p99))
+    ratios = summary["ratios"]
+    assert list(ratios) == ["b/a", "d/a", "d/b", "p99 added d/b"]
+    assert ratios["d/b"]["rounds"] == [0.8, 0.5, 0.5]
+    assert ratios["d/b"]["median"] == pytest.approx(0.5)
+    assert ratios["b/a"]["rounds"] == [0.1, 0.05, 0.3]
+    assert ratios["p99 added d/b"]["rounds"] == [1.5, 2.0, 2.0]
+    rows = {row["key"]: row for row in summary["rows"]}
+    assert rows["d"]["rps"] == 80.0 and rows["d"]["rps_all"] == [80, 50, 150]
+    assert rows["a"]["consulted"] is None  # no ext_authz in (a)
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50.0
+    assert percentile(values, 99) == 99.0
+    assert percentile(values, 99.9) == 100.0
+    assert percentile([], 50) != percentile([], 50)  # nan
