@@ -60,7 +60,7 @@ def classify(stack: list[str]) -> str:
         return "Check handler"
     if "StreamAccessLogs" in joined or "Engine.release" in joined:
         return "access-log handler"
-    if "store/redis.py" in joined or "redis/asyncio" in joined or "redis/_parsers" in joined:
+    if "store/redis/" in joined or "redis/asyncio" in joined or "redis/_parsers" in joined:
         return "store tasks"
     leaf = frames[-1] if frames else ""
     if leaf.startswith(("Runner.run", "run (uvloop", "run_until_complete")):

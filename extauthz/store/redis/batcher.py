@@ -1,0 +1,114 @@
+"""The auto-batcher: script calls queued in one event-loop iteration go out together in
+the next (one round trip for all of them), sent by batcher-owned tasks, so that a caller
+cancelled by the engine's deadline never interrupts a read on a pooled connection."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import StoreUnavailable
+from .wire import CLIENT_ERRORS, Reply, Script, StoreStats, wrap
+
+__all__ = ["Batcher", "Call"]
+
+
+@dataclass(slots=True)
+class Call:
+    script: Script
+    keys: Sequence[str]
+    args: Sequence[str | bytes]
+    future: asyncio.Future[Reply]
+    #: what to do with the reply when the caller has gone (cancelled)
+    orphan: Callable[[Reply], None] | None = None
+
+
+class Batcher:
+    """Queues calls and sends them with ``transmit(batch) -> replies`` (error replies in
+    place); owns every task it starts (cancelled by :meth:`close`)."""
+
+    def __init__(self, transmit: Callable[[list[Call]], Awaitable[list[Reply]]], *,
+                 batching: bool, stats: StoreStats) -> None:
+        self.batching = batching
+        self.stats = stats
+        self.closed = False
+        self._transmit = transmit
+        self._pending: list[Call] = []
+        self._sender: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def submit(self, script: Script, keys: Sequence[str], args: Sequence[str | bytes],
+               orphan: Callable[[Reply], None] | None = None) -> asyncio.Future[Reply]:
+        """Queue one script call; its future resolves to the raw reply (or a StoreError)."""
+        if self.closed:
+            raise StoreUnavailable("redis store is closed")
+        loop = asyncio.get_running_loop()
+        call = Call(script, keys, args, loop.create_future(), orphan)
+        if not self.batching:
+            self.spawn(self._send([call]))
+        else:
+            self._pending.append(call)
+            if self._sender is None:
+                # Runs in the next loop iteration: everything submitted in this one rides along.
+                self._sender = self.spawn(self._send_pending())
+        return call.future
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], *, awaited: bool = False) -> asyncio.Task[Any]:
+        """A batcher-owned task (cancelled by :meth:`close`). Errors of tasks nobody awaits
+        (orphan releases) are counted in ``stats.background_errors``."""
+        task: asyncio.Task[Any] = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._background_done if not awaited else self._awaited_done)
+        return task
+
+    def _awaited_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: its awaiters may all have been cancelled
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.stats.background_errors += 1
+
+    async def _send_pending(self) -> None:
+        batch, self._pending, self._sender = self._pending, [], None
+        await self._send(batch)
+
+    async def _send(self, batch: list[Call]) -> None:
+        # A check whose caller gave up before it was even sent is not sent: nothing is
+        # committed for it. (Other calls, releases in particular, go out regardless.)
+        batch = [call for call in batch if call.orphan is None or not call.future.cancelled()]
+        if not batch:
+            return
+        try:
+            replies = await self._transmit(batch)
+        except asyncio.CancelledError:
+            for call in batch:
+                call.future.cancel()
+            raise
+        except BaseException as exc:  # every caller gets the error (wrapped below)
+            replies = [exc] * len(batch)
+        for call, reply in zip(batch, replies, strict=True):
+            if call.future.cancelled():
+                if call.orphan is not None and not isinstance(reply, BaseException):
+                    call.orphan(reply)
+            elif isinstance(reply, BaseException):
+                call.future.set_exception(wrap(reply) if isinstance(reply, CLIENT_ERRORS) else reply)
+            else:
+                call.future.set_result(reply)
+
+    async def close(self) -> None:
+        """Cancel every task and every queued call."""
+        self.closed = True
+        while self._tasks:
+            tasks = list(self._tasks)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._tasks.difference_update(tasks)
+        for call in self._pending:
+            call.future.cancel()
+        self._pending.clear()

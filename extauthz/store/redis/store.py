@@ -1,0 +1,357 @@
+"""The Redis store: the store contract (:mod:`extauthz.store.base`) on a Redis shared by
+every replica, so that one budget holds across the fleet.
+
+* Every operation is one Lua script (``lua/*.lua``, shipped as ``extauthz.lua``), called
+  by SHA and loaded again when Redis answers NOSCRIPT (``SCRIPT FLUSH``, failover,
+  restart): :mod:`.wire`. A check evaluates every op of the request in one ``check.lua``
+  call.
+* "now" is Redis ``TIME`` inside the script (one clock for every replica) unless a clock
+  is injected (``now=``, tests): its value is then passed as ``ARGV[1]``.
+* Redis Cluster: :mod:`.cluster` (groups by hash tag, compensation).
+* Auto-batching (default on): :mod:`.batcher`.
+* Client exceptions are wrapped once (:func:`.wire.wrap`) into
+  :class:`~extauthz.errors.StoreTimeout` and :class:`~extauthz.errors.StoreUnavailable`.
+  Nothing here decides fail-open: the engine does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from redis import exceptions as rx
+from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.sentinel import Sentinel
+
+from .. import redis_events
+from ..base import CheckResult, LeaseOp, Op, ShedParams
+from . import cluster
+from .batcher import Batcher, Call
+from .url import Client, connect
+from .wire import (
+    CLIENT_ERRORS,
+    SCRIPT_NAMES,
+    Reply,
+    Script,
+    StoreStats,
+    check_results,
+    load_script,
+    num,
+    op_args,
+    pack_evalsha,
+    send_reloading,
+    wrap,
+)
+
+__all__ = ["RedisStore"]
+
+
+class RedisStore:
+    """The store contract on Redis, Redis Cluster or Sentinel. Build it with :meth:`from_url`."""
+
+    def __init__(
+        self,
+        client: Client,
+        *,
+        name: str = "redis",
+        now: Callable[[], float] | None = None,
+        batching: bool = True,
+        sentinel: Sentinel | None = None,
+    ) -> None:
+        self.name = name
+        self.client = client
+        self.stats = StoreStats()
+        self._cluster = isinstance(client, RedisCluster)
+        self._now = now
+        self._sentinel = sentinel
+        self._scripts = {name: load_script(name) for name in SCRIPT_NAMES}
+        self._batcher = Batcher(self._transmit, batching=batching, stats=self.stats)
+        #: see _ensure_ready
+        self._ready = False
+        self._init_task: asyncio.Task[None] | None = None
+
+    @property
+    def batching(self) -> bool:
+        return self._batcher.batching
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        deadline: float = 0.005,
+        now: Callable[[], float] | None = None,
+        batching: bool | None = None,
+        **kw: Any,
+    ) -> RedisStore:
+        """A store for ``url`` (see :func:`.url.connect` and ``docs/redis.md``).
+
+        ``deadline`` is the engine's per-call deadline (socket timeouts derive from it);
+        ``batching`` (default on; also the URL query option ``batching=false``) pipelines
+        the checks of one event-loop iteration. ``kw`` goes to the redis-py client.
+        """
+        conn = connect(url, deadline=deadline, batching=batching, **kw)
+        return cls(conn.client, name=conn.name, now=now, batching=conn.batching,
+                   sentinel=conn.sentinel)
+
+    # -- sending ------------------------------------------------------------------------
+    def _now_arg(self) -> str:
+        return "" if self._now is None else repr(float(self._now()))
+
+    def _submit(self, script: str, keys: Sequence[str], args: Sequence[str | bytes],
+                orphan: Callable[[Reply], None] | None = None) -> asyncio.Future[Reply]:
+        return self._batcher.submit(self._scripts[script], keys, args, orphan)
+
+    async def _ensure_ready(self) -> None:
+        """Once per store, before the first command: a cluster client initialized alone
+        (redis-py 8's lazy initialization races when many calls start it together), and
+        every script loaded (a cold start then sends no NOSCRIPT round trips). Concurrent
+        callers share one attempt; a failed attempt is retried by the next call."""
+        if self._ready:
+            return
+        task = self._init_task
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = self._init_task = self._batcher.spawn(self._initialize(), awaited=True)
+        await asyncio.shield(task)
+
+    async def _initialize(self) -> None:
+        scripts = list(self._scripts.values())
+        if isinstance(self.client, RedisCluster):
+            self.stats.round_trips += 1
+            await self.client.initialize()
+            # Best effort: with a master down the load fails there, and the healthy masters
+            # must still serve (NOSCRIPT loads a script where it is missing).
+            await asyncio.gather(*(self.client.script_load(s.source) for s in scripts),
+                                 return_exceptions=True)
+        else:
+            pipe = self.client.pipeline(transaction=False)
+            for script in scripts:
+                pipe.script_load(script.source)
+            await pipe.execute()
+        self.stats.round_trips += 1
+        self.stats.script_loads += len(scripts)
+        self._ready = True
+
+    async def _transmit(self, batch: list[Call]) -> list[Reply]:
+        """The batcher's way out: one round trip (per cluster master) for ``batch``."""
+        await self._ensure_ready()
+        if isinstance(self.client, RedisCluster):
+            return await cluster.pipeline_by_node(
+                self.client, [call.keys for call in batch],
+                lambda idx, node: self._pipeline_on([batch[i] for i in idx], node))
+        return await self._raw_pipeline(batch)
+
+    async def _script_load(self, script: Script, node: ClusterNode | None) -> None:
+        """SCRIPT LOAD where NOSCRIPT came from: on a cluster that node only, so that one
+        dead master cannot keep scripts off the others."""
+        self.stats.script_loads += 1
+        self.stats.round_trips += 1
+        if node is None:
+            await self.client.script_load(script.source)
+        else:
+            await self.client.execute_command("SCRIPT LOAD", script.source, target_nodes=node)
+
+    async def _raw_pipeline(self, batch: Sequence[Call]) -> list[Any]:
+        """Single Redis and Sentinel: the batch's EVALSHAs packed here and written at once on
+        one pooled connection, then one reply read per call (a pipeline without redis-py's
+        per-command overhead). Error replies are returned in place, like a pipeline's
+        ``raise_on_error=False``."""
+        assert isinstance(self.client, Redis)
+        pool = self.client.connection_pool
+
+        async def send(todo: list[int]) -> list[Any]:
+            data = b"".join(pack_evalsha(batch[i].script.sha.encode(), batch[i].keys,
+                                         batch[i].args) for i in todo)
+            conn = await pool.get_connection()  # type: ignore[no-untyped-call]
+            answers: list[Any] = []
+            try:
+                await conn.send_packed_command(data)
+                for _ in todo:
+                    try:
+                        answers.append(await conn.read_response())
+                    except rx.ResponseError as exc:  # this call's error; the stream goes on
+                        answers.append(exc)
+            except BaseException:
+                # A half-read stream must never go back to the pool (redis-py disconnects
+                # on its own errors; this covers every other way out).
+                await conn.disconnect(nowait=True)
+                raise
+            finally:
+                await pool.release(conn)
+            return answers
+
+        return await send_reloading([call.script for call in batch], send,
+                                    lambda script: self._script_load(script, None), self.stats)
+
+    async def _pipeline_on(self, batch: Sequence[Call], node: ClusterNode | None) -> list[Any]:
+        """Redis Cluster, one master: the calls as one pipeline of EVALSHAs
+        (``transaction=False``), or one plain call (cheaper than a one-command pipeline)."""
+        assert isinstance(self.client, RedisCluster)
+        client = self.client
+
+        async def send(todo: list[int]) -> list[Any]:
+            if len(batch) == 1:
+                call = batch[0]
+                try:
+                    return [await client.evalsha(call.script.sha, len(call.keys), *call.keys,
+                                                 *call.args)]
+                except rx.NoScriptError as exc:
+                    return [exc]
+            pipe = client.pipeline(transaction=False)
+            for i in todo:
+                call = batch[i]
+                # execute_command: redis-py's ClusterPipeline blocks the evalsha() method
+                # (the slot is found from numkeys all the same; every call is one slot).
+                pipe.execute_command("EVALSHA", call.script.sha, len(call.keys), *call.keys,
+                                     *call.args)
+            return list(await pipe.execute(raise_on_error=False))
+
+        return await send_reloading([call.script for call in batch], send,
+                                    lambda script: self._script_load(script, node), self.stats)
+
+    async def _run(self, script: str, keys: Sequence[str], args: Sequence[str | bytes]) -> Reply:
+        return await self._submit(script, keys, args)
+
+    # -- contract -----------------------------------------------------------------------
+    async def check(self, ops: Sequence[Op], lease_id: str) -> CheckResult:
+        if not ops:
+            return CheckResult(True, ())
+        if self._cluster and len(groups := cluster.group_by_tag([op.key for op in ops])) > 1:
+            return await self._check_groups(ops, groups, lease_id)
+        keys, args = self._check_args(ops, lease_id)
+        reply = await self._submit("check", keys, args,
+                                   orphan=lambda r: self._orphaned(ops, r, lease_id))
+        admitted = int(reply[0]) == 1
+        return CheckResult(admitted, tuple(check_results(ops, reply, admitted)))
+
+    def _check_args(self, ops: Sequence[Op], lease_id: str) -> tuple[list[str], list[str | bytes]]:
+        args: list[str | bytes] = [self._now_arg(), lease_id]
+        for op in ops:
+            args.extend(op_args(op))
+        return [op.key for op in ops], args
+
+    def _orphaned(self, ops: Sequence[Op], reply: Reply, lease_id: str) -> None:
+        """A check whose caller gave up (deadline) was admitted: release its leases."""
+        if int(reply[0]) != 1:
+            return
+        held = [op.key for i, op in enumerate(ops)
+                if isinstance(op, LeaseOp) and int(reply[1 + 2 * i]) == 1]
+        self._release_orphan(held, lease_id)
+
+    def _release_orphan(self, keys: list[str], lease_id: str) -> None:
+        if keys and not self._batcher.closed:
+            self.stats.orphans_released += 1
+            self._batcher.spawn(self.release(keys, lease_id))  # an error is counted (the TTL is the backstop)
+
+    async def _check_groups(self, ops: Sequence[Op], groups: list[list[int]],
+                            lease_id: str) -> CheckResult:
+        """Redis Cluster, ops in several slots: run in a task the caller cannot cancel, so
+        that a compensation always completes; an abandoned admitted check releases its leases."""
+        task = self._batcher.spawn(
+            cluster.check_groups(self._submit, self._check_args, self.stats, ops, groups,
+                                 lease_id), awaited=True)
+        try:
+            result: CheckResult = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda t: self._groups_orphaned(t, ops, lease_id))
+            raise
+        return result
+
+    def _groups_orphaned(self, task: asyncio.Task[CheckResult], ops: Sequence[Op],
+                         lease_id: str) -> None:
+        if task.cancelled() or task.exception() is not None:
+            return
+        result = task.result()
+        if result.admitted:
+            held = [op.key for op, res in zip(ops, result.results, strict=True)
+                    if isinstance(op, LeaseOp) and res.allowed]
+            self._release_orphan(held, lease_id)
+
+    async def release(self, keys: Sequence[str], lease_id: str) -> int:
+        if not keys:
+            return 0
+        if not self._cluster:
+            return int(await self._run("release", keys, [lease_id]))
+        groups = cluster.group_by_tag(keys)
+        counts = await asyncio.gather(
+            *(self._run("release", [keys[i] for i in g], [lease_id]) for g in groups)
+        )
+        return sum(int(c) for c in counts)
+
+    async def inflight(self, keys: Sequence[str]) -> list[int]:
+        if not keys:
+            return []
+        now = self._now_arg()
+        if not self._cluster:
+            return [int(c) for c in await self._run("inflight", keys, [now])]
+        groups = cluster.group_by_tag(keys)
+        replies = await asyncio.gather(
+            *(self._run("inflight", [keys[i] for i in g], [now]) for g in groups)
+        )
+        out = [0] * len(keys)
+        for group, reply in zip(groups, replies, strict=True):
+            for i, count in zip(group, reply, strict=True):
+                out[i] = int(count)
+        return out
+
+    async def get_value(self, key: str) -> str | None:
+        try:
+            await self._ensure_ready()
+            value = await self.client.get(key)
+        except CLIENT_ERRORS as exc:
+            raise wrap(exc) from exc
+        if value is None:
+            return None
+        return value.decode() if isinstance(value, bytes) else str(value)
+
+    async def set_value(self, key: str, value: str | None, ttl: float | None = None) -> None:
+        try:
+            await self._ensure_ready()
+            if value is None or (ttl is not None and ttl <= 0):
+                await self.client.delete(key)
+            elif ttl is None:
+                await self.client.set(key, value)
+            else:
+                await self.client.set(key, value, px=max(1, math.ceil(ttl * 1000)))
+        except CLIENT_ERRORS as exc:
+            raise wrap(exc) from exc
+
+    async def shed_update(self, key: str, utilization: float, params: ShedParams) -> float:
+        reply = await self._run("shed_update", [key], [
+            self._now_arg(), num(utilization), num(params.good_below), num(params.bad_above),
+            num(params.delay_before_shedding), num(params.time_to_shed_all), num(params.ttl),
+        ])
+        return float(reply)
+
+    async def append_events(self, key: str, events: Sequence[str], maxlen: int, ttl: float) -> None:
+        await self._prepared()
+        await redis_events.append_events(self.client, key, events, maxlen, ttl)
+
+    async def read_events(self, key: str, since: float) -> list[str]:
+        await self._prepared()
+        return await redis_events.read_events(self.client, key, since)
+
+    async def _prepared(self) -> None:
+        try:
+            await self._ensure_ready()
+        except CLIENT_ERRORS as exc:
+            raise wrap(exc) from exc
+
+    async def ping(self) -> None:
+        try:
+            await self._ensure_ready()
+            await self.client.ping()
+        except CLIENT_ERRORS as exc:
+            raise wrap(exc) from exc
+
+    async def close(self) -> None:
+        if self._batcher.closed:
+            return
+        await self._batcher.close()
+        await self.client.aclose()
+        if self._sentinel is not None:
+            for sentinel in self._sentinel.sentinels:
+                await sentinel.aclose()
