@@ -8,7 +8,6 @@ a 503 (``failed_closed``) for those with ``failure_mode: closed``, counted by re
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -22,6 +21,7 @@ from .errors import CircuitOpen, StoreError, StoreTimeout
 from .limiters import Limiter, WorkerUtilizationShedder, build_limiters
 from .limiters.base import applies
 from .policy.model import Policy
+from .release import Releaser
 from .store.base import CheckResult, LeaseOp, Op, Store
 from .store.keys import Keys
 from .verdict import Decision, Mode, Outcome, Verdict
@@ -165,15 +165,15 @@ class Engine:
         observer: Observer | None = None,
         salt: bytes = b"",
         breaker: Breaker | None = None,
+        releaser: Releaser | None = None,
     ) -> None:
         self.store = store
         #: the store call of a check; the server may wrap it (latency histogram, child span).
         self.store_check: Callable[[Sequence[Op], str], Awaitable[CheckResult]] = store.check
         #: the embedded store answers within the call: no task, no deadline needed.
         self.store_immediate = bool(getattr(store, "immediate", False))
-        #: admitted store calls whose caller had given up, whose leases were given back.
-        self.abandoned_releases = 0
-        self._background: set[asyncio.Future[int]] = set()
+        #: the one release path (access log, request-id index, cancelled Checks, abandoned answers)
+        self.releaser = releaser or Releaser(store, timeout=max(deadline * 10, 0.05))
         self.keys = keys or Keys()
         self.deadline = deadline
         self.clock = clock
@@ -310,7 +310,7 @@ class Engine:
             async with asyncio.timeout(self.deadline):
                 result = await asyncio.shield(call)
         except TimeoutError:
-            call.add_done_callback(functools.partial(self._abandoned, ops, lease_id))
+            call.add_done_callback(self.releaser.abandoned(ops, lease_id))
             self.breaker.failure()
             self._failed(StoreTimeout.reason)
             raise StoreTimeout(f"store did not answer within {self.deadline * 1000:.0f} ms") from None
@@ -319,46 +319,11 @@ class Engine:
             self._failed(exc.reason)
             raise
         except asyncio.CancelledError:
-            call.add_done_callback(functools.partial(self._abandoned, ops, lease_id))
+            call.add_done_callback(self.releaser.abandoned(ops, lease_id))
             raise
         self.breaker.success()
         return result
 
-    def _abandoned(self, ops: Sequence[Op], lease_id: str, call: asyncio.Future[CheckResult]) -> None:
-        """A store call nobody waits for any more has landed: release what it committed."""
-        if call.cancelled() or call.exception() is not None:
-            return
-        result = call.result()
-        if not result.admitted:
-            return
-        held = [op.key for op, res in zip(ops, result.results, strict=True)
-                if isinstance(op, LeaseOp) and res.allowed]
-        if held:
-            self.abandoned_releases += 1
-            self.release_soon(held, lease_id)
-
-    def release_soon(self, keys: Sequence[str], lease_id: str) -> None:
-        """Release in the background (nobody waits): a store-owned, tracked task."""
-        job = asyncio.ensure_future(self.store.release(keys, lease_id))
-        self._background.add(job)
-        job.add_done_callback(self._background.discard)
-
     def _failed(self, reason: str) -> None:
         self.failures[reason] = self.failures.get(reason, 0) + 1
         self.observer.store_failed(reason)
-
-    def release_now(self, keys: Sequence[str], lease_id: str) -> int | None:
-        """Release within this call when the store can (the embedded store: no task, no
-        deadline); None when the caller must ``await release()`` instead."""
-        now = getattr(self.store, "release_now", None)
-        if now is None:
-            return None
-        return int(now(keys, lease_id)) if keys and lease_id else 0
-
-    async def release(self, keys: Sequence[str], lease_id: str) -> int:
-        """Release a finished request's leases. Errors propagate to the caller."""
-        if not keys or not lease_id:
-            return 0
-        async with asyncio.timeout(max(self.deadline * 10, 0.05)):
-            return await self.store.release(keys, lease_id)
-

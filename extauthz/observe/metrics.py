@@ -105,8 +105,6 @@ class Metrics:
 
 class AccessLogCounters(Protocol):
     entries: int
-    released: int
-    release_errors: int
 
 
 class ReloadState(Protocol):
@@ -215,6 +213,14 @@ class StateCollector:
             switched.add_metric([name, value], 1)
         yield switched
 
+        releases = CounterMetricFamily(
+            "extauthz_lease_releases", "Lease release calls by path (access_log, request_id_index, "
+            "cancelled_check, abandoned_answer) and outcome (released; none: nothing was held, "
+            "e.g. expired; error: the lease TTL is the backstop).", labels=["path", "outcome"])
+        for (path, outcome), n in engine.releaser.counts.items():
+            releases.add_metric([path, outcome], n)
+        yield releases
+
         breaker = GaugeMetricFamily("extauthz_store_breaker_open", "1 while the store circuit "
                                     "breaker skips the store (open or half-open).")
         breaker.add_metric([], 0 if engine.breaker.state == "closed" else 1)
@@ -237,10 +243,6 @@ class StateCollector:
         if self.accesslog is not None:
             yield CounterMetricFamily("extauthz_access_log_entries", "Envoy access-log entries received.",
                                       value=self.accesslog.entries)
-            yield CounterMetricFamily("extauthz_lease_releases", "Leases released by finished requests.",
-                                      value=self.accesslog.released)
-            yield CounterMetricFamily("extauthz_lease_release_errors", "Lease releases that failed "
-                                      "(the lease TTL is the backstop).", value=self.accesslog.release_errors)
         if self.shadow_dropped is not None:
             yield CounterMetricFamily("extauthz_shadow_events_dropped", "Shadow would-denial "
                                       "records dropped (buffer full or store error).",

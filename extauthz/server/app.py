@@ -131,6 +131,9 @@ class Server:
         if self.grpc is not None:
             await self.grpc.stop(self.config.grace_seconds if grace is None else grace)
         await self.ops.stop()
+        # Releases still on their way (access log, cancelled Checks, late store answers)
+        # finish before the store closes.
+        await self.engine.releaser.drain(self.config.grace_seconds if grace is None else max(grace, 1.0))
         await self.store.close()
 
     async def wait(self) -> None:

@@ -26,6 +26,7 @@ from ..observe.metrics import LeaseSampler, Metrics, StateCollector, instrument_
 from ..observe.shadow import ShadowRecorder, read_report
 from ..observe.tracing import Tracing, TracingObserver, provider_from_env
 from ..policy import Policy
+from ..release import releases_status
 from ..reload import PolicyWatcher
 from ..store.base import Store
 from ..store.keys import Keys
@@ -213,7 +214,6 @@ class Operations:
             "reload": reload,
             "store": {"name": self.store.name, "breaker": engine.breaker.state,
                       "window_failures": engine.breaker.failures,
-                      "abandoned_releases": engine.abandoned_releases,
                       **({"live_leases": self.store.live_leases()}
                          if isinstance(self.store, MemoryStore) else {})},
             "fail_open": dict(sorted(engine.failures.items())),
@@ -225,10 +225,9 @@ class Operations:
                 for w in snap.workers
             ],
             "leases_in_flight": dict(self.leases.values) if self.leases is not None else None,
-            "access_log": {"entries": self.accesslog.entries, "released": self.accesslog.released,
-                           "release_errors": self.accesslog.release_errors,
-                           "found_by_request_id": self.accesslog.found_by_request_id,
+            "access_log": {"entries": self.accesslog.entries,
                            "awaiting_log": len(self.accesslog.index)},
+            "lease_releases": releases_status(engine.releaser),
             "shadow": {"recorded": self.shadow.recorded, "flushed_events": self.shadow.flushed,
                        "pending": self.shadow.pending, "dropped": self.shadow.dropped},
             "decision_log": {"written": self.decision_log.written,

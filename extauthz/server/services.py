@@ -10,7 +10,6 @@ import grpc
 
 from ..engine import Engine
 from ..proto import accesslog_pb2, accesslog_pb2_grpc, auth_pb2, auth_pb2_grpc
-from ..verdict import Decision
 from .edge import EXT_AUTHZ_NAMESPACE, check_response, lease_release, raw_request
 
 log = logging.getLogger("extauthz.server")
@@ -34,7 +33,6 @@ class LeaseIndex:
     def __init__(self, limit: int = 100_000) -> None:
         self.limit = limit
         self._by_id: dict[str, list[Lease]] = {}
-        self.found = 0
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -67,8 +65,6 @@ class AuthorizationService(auth_pb2_grpc.AuthorizationServicer):  # type: ignore
     def __init__(self, engine: Engine, index: LeaseIndex | None = None) -> None:
         self.engine = engine
         self.index = index if index is not None else LeaseIndex()
-        #: leases given back because Envoy cancelled the Check after the store committed.
-        self.cancelled_releases = 0
 
     async def Check(  # noqa: N802 - gRPC method name
         self, request: auth_pb2.CheckRequest, context: grpc.aio.ServicerContext
@@ -91,31 +87,20 @@ class AuthorizationService(auth_pb2_grpc.AuthorizationServicer):  # type: ignore
                 self.index.put(ctx.request_id, decision.leases, decision.lease_id)
             # Envoy may reset the call after we answer (client abort, ext_authz timeout):
             # then the answer, and the leases in it, never reach the access log.
-            context.add_done_callback(lambda c: self._release_later(decision) if c.cancelled() else None)
+            release = engine.releaser.release
+            context.add_done_callback(lambda c: release(
+                decision.leases, decision.lease_id, "cancelled_check") if c.cancelled() else None)
         return check_response(ctx, decision)
-
-    def _release_later(self, decision: Decision) -> None:
-        self.cancelled_releases += 1
-        self.engine.release_soon(decision.leases, decision.lease_id)
 
 
 class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
-    """Releases the leases of every finished request that Envoy's access log reports."""
+    """Releases (through the engine's :class:`~extauthz.release.Releaser`) the leases of
+    every finished request that Envoy's access log reports."""
 
     def __init__(self, engine: Engine, index: LeaseIndex | None = None) -> None:
         self.engine = engine
         self.index = index if index is not None else LeaseIndex()
         self.entries = 0
-        self.released = 0
-        self.release_errors = 0
-        #: entries without our metadata whose leases the request-id index found.
-        self.found_by_request_id = 0
-
-    def _released(self, task: asyncio.Task[int]) -> None:
-        if task.cancelled() or task.exception() is not None:
-            self.release_errors += 1  # the lease TTL is the backstop; counted, not fatal
-        else:
-            self.released += task.result()
 
     async def StreamAccessLogs(  # noqa: N802 - gRPC method name
         self,
@@ -125,6 +110,7 @@ class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ig
         # Releases run as tasks so that reading the stream never waits on the store: a
         # slow release must not hold back the entries behind it (their leases would
         # linger and inflate every in-flight count). At most MAX_PENDING at a time.
+        release = self.engine.releaser.release
         pending: set[asyncio.Task[int]] = set()
         try:
             async for message in request_iterator:
@@ -135,6 +121,7 @@ class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ig
                         continue
                     fm = common.metadata.filter_metadata
                     lease = lease_release(fm[EXT_AUTHZ_NAMESPACE]) if EXT_AUTHZ_NAMESPACE in fm else None
+                    path = "access_log"
                     rid = entry.request.request_id
                     # A request we refused holds nothing: never let its entry (no metadata,
                     # maybe a client-chosen request id shared with admitted requests) take
@@ -142,21 +129,17 @@ class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ig
                     if rid and not common.response_flags.HasField("unauthorized_details"):
                         known = self.index.take(rid, lease[1] if lease is not None else None)
                         if lease is None and known is not None:
-                            self.found_by_request_id += 1
+                            path = "request_id_index"
                             lease = (list(known[0]), known[1])
                     if lease is None:
-                        continue
-                    released = self.engine.release_now(*lease)  # embedded store: at once
-                    if released is not None:
-                        self.released += released
                         continue
                     if len(pending) >= MAX_PENDING_RELEASES:
                         done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                         pending -= done
-                    task = asyncio.ensure_future(self.engine.release(*lease))
-                    pending.add(task)
-                    task.add_done_callback(self._released)
-                    task.add_done_callback(pending.discard)
+                    task = release(lease[0], lease[1], path)  # None: done at once (embedded store)
+                    if task is not None:
+                        pending.add(task)
+                        task.add_done_callback(pending.discard)
         finally:
             if pending:
                 await asyncio.wait(pending)

@@ -151,7 +151,7 @@ async def test_access_log_releases_with_or_without_our_metadata(tmp_path: Path) 
                 yield msg
 
             await stub.StreamAccessLogs(stream())
-            assert srv.accesslog.released == 2 and srv.accesslog.found_by_request_id == 1
+            assert srv.engine.releaser.leases_released == 2 and srv.engine.releaser.count("request_id_index") == 1
             assert (await auth.Check(check_request())).HasField("ok_response")
 
             # A request we refused, reusing an admitted request's (client-chosen) request id:
@@ -169,7 +169,7 @@ async def test_access_log_releases_with_or_without_our_metadata(tmp_path: Path) 
                 yield refused
 
             await stub.StreamAccessLogs(refused_stream())
-            assert srv.accesslog.released == 2  # nothing taken
+            assert srv.engine.releaser.leases_released == 2  # nothing taken
             assert (await auth.Check(check_request())).HasField("denied_response")
     finally:
         await srv.stop(grace=0)

@@ -104,7 +104,7 @@ async def test_metrics_after_known_traffic(tmp_path: Path) -> None:
         assert value(m, "extauthz_limiter_mode", limiter="dark", mode="shadow") == 1
         assert value(m, "extauthz_limiter_mode", limiter="dark", mode="enforce") == 0
         assert value(m, "extauthz_access_log_entries_total") == 0
-        assert value(m, "extauthz_lease_releases_total") == 0
+        assert value(m, "extauthz_lease_releases_total", path="access_log", outcome="released") == 0
         assert value(m, "extauthz_store_breaker_open") == 0
 
         # A kill switch shows up too.

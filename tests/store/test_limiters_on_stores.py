@@ -35,7 +35,7 @@ async def test_concurrency_seed_case(store_case: StoreCase, tmp_path: Path) -> N
     for _ in range(1001):
         _, d = await e.check(get())
         assert d.allowed
-        assert await e.release(d.leases, d.lease_id) == 1
+        assert await e.releaser.release_and_wait(d.leases, d.lease_id, "access_log") == 1
     held: list[Decision] = []
     for _ in range(100):
         _, d = await e.check(get())

@@ -393,14 +393,33 @@ async def test_cluster_group_failure_is_compensated_and_reported(
 # --------------------------------------------------------------------------- cancellation
 
 
+CONC_POLICY = """\
+version: 1
+identity:
+  - header: x-api-key
+limiters:
+  - name: conc
+    type: concurrent_requests
+    limit: 5
+    lease_ttl: 30s
+"""
+
+
 @pytest.mark.redis
 @pytest.mark.parametrize("batching", [True, False], ids=["batching", "single-calls"])
 async def test_abandoned_calls_neither_poison_connections_nor_keep_leases(
-    redis_single_clean: RedisSingle, batching: bool
+    redis_single_clean: RedisSingle, batching: bool, tmp_path: Path
 ) -> None:
     # A long socket timeout: the replies of the abandoned calls do arrive.
     store = make_redis_store(redis_single_clean, batching=batching, socket_timeout=10)
-    users = [K.user_leases("conc", f"user{i}") for i in range(20)]
+    # The engine gives back what an abandoned store answer committed (the one release path).
+    (tmp_path / "conc.yaml").write_text(CONC_POLICY)
+    engine = Engine(store, load_policy([tmp_path / "conc.yaml"]), keys=K, deadline=0.02,
+                    breaker=Breaker(SYSTEM_CLOCK, threshold=1000))
+    ctxs = [engine.context(RawRequest("GET", "/", headers={"x-api-key": f"user{i}"})) for i in range(20)]
+    conc = engine.snapshot.limiters[0]
+    users = [op.key for ctx in ctxs if (op := conc.op(ctx, True)) is not None]
+    assert len(users) == 20
     try:
         await store.ping()
         await store.check([LeaseOp(users[0], 5, 30)], "warm")  # scripts loaded
@@ -410,10 +429,13 @@ async def test_abandoned_calls_neither_poison_connections_nor_keep_leases(
             async def abandoned(i: int) -> None:
                 with pytest.raises(TimeoutError):
                     async with asyncio.timeout(0.02):
-                        await store.check([BucketOp(K.bucket("r", f"user{i}"), 0.001, 5, 1),
-                                           LeaseOp(users[i], 5, 30)], f"lease{i}")
+                        await store.check([BucketOp(K.bucket("r", f"user{i}"), 0.001, 5, 1)], f"b{i}")
 
-            await asyncio.gather(*(abandoned(i) for i in range(20)))
+            async def failed_open(i: int) -> None:
+                decision = await engine.decide(ctxs[i])
+                assert decision.allowed and decision.failures == ("timeout",)
+
+            await asyncio.gather(*(abandoned(i) for i in range(20)), *(failed_open(i) for i in range(20)))
         finally:
             redis_single_clean.resume()
 
@@ -431,9 +453,10 @@ async def test_abandoned_calls_neither_poison_connections_nor_keep_leases(
             return await store.inflight(users) == [0] * 20
 
         await wait_until(released, 5, "the abandoned checks' leases to be released")
-        assert store.stats.orphans_released == 20
+        assert engine.releaser.count("abandoned_answer", "released") == 20
     finally:
         redis_single_clean.resume()
+        await engine.releaser.drain()
         await store.close()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -31,3 +32,41 @@ def get(path: str = "/v1/customers", key: str = "sk_live_alice", **kw: Any) -> R
     if key:
         headers["x-api-key"] = key
     return RawRequest(method=kw.pop("method", "GET"), path=path, headers=headers, **kw)
+
+
+class FaultyStore:
+    """A real :class:`MemoryStore` behind the store contract, with injectable faults: a
+    ``check`` or ``release`` that raises ``check_error`` / ``release_error``, and releases
+    that go through the event loop (``release_delay``), as on Redis (no ``release_now``)."""
+
+    name = "faulty"
+
+    def __init__(self, inner: MemoryStore, *, check_error: BaseException | None = None,
+                 release_error: BaseException | None = None, release_delay: float = 0.0) -> None:
+        self.inner = inner
+        self.check_error = check_error
+        self.release_error = release_error
+        self.release_delay = release_delay
+        self.releases = 0
+        self.closed = False
+
+    async def check(self, ops: Any, lease_id: str) -> Any:
+        if self.check_error is not None:
+            raise self.check_error
+        return await self.inner.check(ops, lease_id)
+
+    async def release(self, keys: Any, lease_id: str) -> int:
+        await asyncio.sleep(self.release_delay)
+        assert not self.closed, "released after the store was closed"
+        if self.release_error is not None:
+            raise self.release_error
+        self.releases += 1
+        return await self.inner.release(keys, lease_id)
+
+    async def close(self) -> None:
+        self.closed = True
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("release_now", "immediate"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)

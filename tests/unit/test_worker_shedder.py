@@ -189,5 +189,5 @@ async def test_inflight_signal_counts_leases(tmp_path: Path, clock: ManualClock)
     from extauthz.sampler import read_utilization
 
     assert await read_utilization(drill.engine, drill.shedder) == 1.0
-    await drill.engine.release(decisions[0].leases, decisions[0].lease_id)
+    await drill.engine.releaser.release_and_wait(decisions[0].leases, decisions[0].lease_id, "access_log")
     assert await read_utilization(drill.engine, drill.shedder) == 0.75

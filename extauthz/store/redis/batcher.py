@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import StoreUnavailable
-from .wire import CLIENT_ERRORS, Reply, Script, StoreStats, wrap
+from .wire import CLIENT_ERRORS, Reply, Script, wrap
 
 __all__ = ["Batcher", "Call"]
 
@@ -21,8 +21,8 @@ class Call:
     keys: Sequence[str]
     args: Sequence[str | bytes]
     future: asyncio.Future[Reply]
-    #: what to do with the reply when the caller has gone (cancelled)
-    orphan: Callable[[Reply], None] | None = None
+    #: not sent when its caller has gone before it was (a check: nothing gets committed)
+    droppable: bool = False
 
 
 class Batcher:
@@ -30,22 +30,21 @@ class Batcher:
     place); owns every task it starts (cancelled by :meth:`close`)."""
 
     def __init__(self, transmit: Callable[[list[Call]], Awaitable[list[Reply]]], *,
-                 batching: bool, stats: StoreStats) -> None:
+                 batching: bool) -> None:
         self.batching = batching
-        self.stats = stats
         self.closed = False
         self._transmit = transmit
         self._pending: list[Call] = []
         self._sender: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    def submit(self, script: Script, keys: Sequence[str], args: Sequence[str | bytes],
-               orphan: Callable[[Reply], None] | None = None) -> asyncio.Future[Reply]:
+    def submit(self, script: Script, keys: Sequence[str], args: Sequence[str | bytes], *,
+               droppable: bool = False) -> asyncio.Future[Reply]:
         """Queue one script call; its future resolves to the raw reply (or a StoreError)."""
         if self.closed:
             raise StoreUnavailable("redis store is closed")
         loop = asyncio.get_running_loop()
-        call = Call(script, keys, args, loop.create_future(), orphan)
+        call = Call(script, keys, args, loop.create_future(), droppable)
         if not self.batching:
             self.spawn(self._send([call]))
         else:
@@ -55,23 +54,18 @@ class Batcher:
                 self._sender = self.spawn(self._send_pending())
         return call.future
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], *, awaited: bool = False) -> asyncio.Task[Any]:
-        """A batcher-owned task (cancelled by :meth:`close`). Errors of tasks nobody awaits
-        (orphan releases) are counted in ``stats.background_errors``."""
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """A batcher-owned task (cancelled by :meth:`close`) whose result its caller
+        awaits (senders deliver theirs through the calls' futures)."""
         task: asyncio.Task[Any] = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._background_done if not awaited else self._awaited_done)
+        task.add_done_callback(self._done)
         return task
 
-    def _awaited_done(self, task: asyncio.Task[Any]) -> None:
+    def _done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
         if not task.cancelled():
             task.exception()  # retrieved: its awaiters may all have been cancelled
-
-    def _background_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            self.stats.background_errors += 1
 
     async def _send_pending(self) -> None:
         batch, self._pending, self._sender = self._pending, [], None
@@ -80,7 +74,7 @@ class Batcher:
     async def _send(self, batch: list[Call]) -> None:
         # A check whose caller gave up before it was even sent is not sent: nothing is
         # committed for it. (Other calls, releases in particular, go out regardless.)
-        batch = [call for call in batch if call.orphan is None or not call.future.cancelled()]
+        batch = [call for call in batch if not (call.droppable and call.future.cancelled())]
         if not batch:
             return
         try:
@@ -93,9 +87,8 @@ class Batcher:
             replies = [exc] * len(batch)
         for call, reply in zip(batch, replies, strict=True):
             if call.future.cancelled():
-                if call.orphan is not None and not isinstance(reply, BaseException):
-                    call.orphan(reply)
-            elif isinstance(reply, BaseException):
+                continue  # the caller has gone (the engine never cancels its store calls)
+            if isinstance(reply, BaseException):
                 call.future.set_exception(wrap(reply) if isinstance(reply, CLIENT_ERRORS) else reply)
             else:
                 call.future.set_result(reply)

@@ -27,7 +27,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.sentinel import Sentinel
 
 from .. import redis_events
-from ..base import CheckResult, LeaseOp, Op, ShedParams
+from ..base import CheckResult, Op, ShedParams
 from . import cluster
 from .batcher import Batcher, Call
 from .url import Client, connect
@@ -68,7 +68,7 @@ class RedisStore:
         self._now = now
         self._sentinel = sentinel
         self._scripts = {name: load_script(name) for name in SCRIPT_NAMES}
-        self._batcher = Batcher(self._transmit, batching=batching, stats=self.stats)
+        self._batcher = Batcher(self._transmit, batching=batching)
         #: see _ensure_ready
         self._ready = False
         self._init_task: asyncio.Task[None] | None = None
@@ -102,8 +102,8 @@ class RedisStore:
         return "" if self._now is None else repr(float(self._now()))
 
     def _submit(self, script: str, keys: Sequence[str], args: Sequence[str | bytes],
-                orphan: Callable[[Reply], None] | None = None) -> asyncio.Future[Reply]:
-        return self._batcher.submit(self._scripts[script], keys, args, orphan)
+                *, droppable: bool = False) -> asyncio.Future[Reply]:
+        return self._batcher.submit(self._scripts[script], keys, args, droppable=droppable)
 
     async def _ensure_ready(self) -> None:
         """Once per store, before the first command: a cluster client initialized alone
@@ -114,7 +114,7 @@ class RedisStore:
             return
         task = self._init_task
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
-            task = self._init_task = self._batcher.spawn(self._initialize(), awaited=True)
+            task = self._init_task = self._batcher.spawn(self._initialize())
         await asyncio.shield(task)
 
     async def _initialize(self) -> None:
@@ -222,8 +222,7 @@ class RedisStore:
         if self._cluster and len(groups := cluster.group_by_tag([op.key for op in ops])) > 1:
             return await self._check_groups(ops, groups, lease_id)
         keys, args = self._check_args(ops, lease_id)
-        reply = await self._submit("check", keys, args,
-                                   orphan=lambda r: self._orphaned(ops, r, lease_id))
+        reply = await self._submit("check", keys, args, droppable=True)
         admitted = int(reply[0]) == 1
         return CheckResult(admitted, tuple(check_results(ops, reply, admitted)))
 
@@ -233,42 +232,16 @@ class RedisStore:
             args.extend(op_args(op))
         return [op.key for op in ops], args
 
-    def _orphaned(self, ops: Sequence[Op], reply: Reply, lease_id: str) -> None:
-        """A check whose caller gave up (deadline) was admitted: release its leases."""
-        if int(reply[0]) != 1:
-            return
-        held = [op.key for i, op in enumerate(ops)
-                if isinstance(op, LeaseOp) and int(reply[1 + 2 * i]) == 1]
-        self._release_orphan(held, lease_id)
-
-    def _release_orphan(self, keys: list[str], lease_id: str) -> None:
-        if keys and not self._batcher.closed:
-            self.stats.orphans_released += 1
-            self._batcher.spawn(self.release(keys, lease_id))  # an error is counted (the TTL is the backstop)
-
     async def _check_groups(self, ops: Sequence[Op], groups: list[list[int]],
                             lease_id: str) -> CheckResult:
         """Redis Cluster, ops in several slots: run in a task the caller cannot cancel, so
-        that a compensation always completes; an abandoned admitted check releases its leases."""
+        that a compensation always completes. (A caller that gives up loses the answer: the
+        engine's release path gives back what an abandoned answer committed.)"""
         task = self._batcher.spawn(
             cluster.check_groups(self._submit, self._check_args, self.stats, ops, groups,
-                                 lease_id), awaited=True)
-        try:
-            result: CheckResult = await asyncio.shield(task)
-        except asyncio.CancelledError:
-            task.add_done_callback(lambda t: self._groups_orphaned(t, ops, lease_id))
-            raise
+                                 lease_id))
+        result: CheckResult = await asyncio.shield(task)
         return result
-
-    def _groups_orphaned(self, task: asyncio.Task[CheckResult], ops: Sequence[Op],
-                         lease_id: str) -> None:
-        if task.cancelled() or task.exception() is not None:
-            return
-        result = task.result()
-        if result.admitted:
-            held = [op.key for op, res in zip(ops, result.results, strict=True)
-                    if isinstance(op, LeaseOp) and res.allowed]
-            self._release_orphan(held, lease_id)
 
     async def release(self, keys: Sequence[str], lease_id: str) -> int:
         if not keys:

@@ -65,9 +65,6 @@ class StoreStats:
     #: Redis Cluster: groups given back because another group refused (or failed)
     compensations: int = 0
     compensation_errors: int = 0
-    #: checks abandoned by their caller (deadline) whose leases were released here
-    orphans_released: int = 0
-    background_errors: int = 0
 
 
 def wrap(exc: BaseException) -> StoreError:

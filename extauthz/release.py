@@ -1,0 +1,142 @@
+"""The one release path: every lease this server gives back goes through :class:`Releaser`.
+
+Four paths lead here (the ``path`` label of ``extauthz_lease_releases_total``):
+
+* ``access_log``: Envoy's access log reports a finished request with our lease metadata;
+* ``request_id_index``: the entry lacked the metadata (Envoy dropped our answer) and the
+  request id found the leases (:class:`~extauthz.server.services.LeaseIndex`);
+* ``cancelled_check``: Envoy reset a Check after we answered (client gone);
+* ``abandoned_answer``: a store call the engine stopped waiting for (deadline, or the
+  Check cancelled) landed admitted: what it committed is given back at once.
+
+The embedded store releases within the call (no task). Any other store releases in a
+tracked background task: its outcome is counted (``released``, ``none`` when the store
+held nothing, e.g. expired, ``error``; an error is logged, rate-limited, never left
+unretrieved in a task), and :meth:`Releaser.drain` waits for the pending ones on a
+graceful stop, before the store closes. The lease TTL stays the backstop for failures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import Final
+
+from .store.base import CheckResult, LeaseOp, Op, Store
+from .throttle import LogThrottle
+
+__all__ = ["OUTCOMES", "PATHS", "Releaser", "releases_status"]
+
+log = logging.getLogger("extauthz.release")
+
+PATHS: Final = ("access_log", "request_id_index", "cancelled_check", "abandoned_answer")
+OUTCOMES: Final = ("released", "none", "error")
+
+
+class Releaser:
+    def __init__(self, store: Store, *, timeout: float = 0.05,
+                 throttle: LogThrottle | None = None) -> None:
+        self.store = store
+        #: a background release gives up after this long (the TTL is the backstop)
+        self.timeout = timeout
+        self._now: Callable[[Sequence[str], str], int] | None = getattr(store, "release_now", None)
+        #: (path, outcome) -> release calls
+        self.counts: dict[tuple[str, str], int] = {(p, o): 0 for p in PATHS for o in OUTCOMES}
+        #: leases the store reported given back (a call may free several)
+        self.leases_released = 0
+        self.pending: set[asyncio.Task[int]] = set()
+        self._throttle = throttle or LogThrottle(log)
+
+    def count(self, path: str, outcome: str | None = None) -> int:
+        """Release calls on ``path`` (with ``outcome``, or all outcomes)."""
+        return sum(n for (p, o), n in self.counts.items()
+                   if p == path and (outcome is None or o == outcome))
+
+    def release(self, keys: Sequence[str], lease_id: str, path: str) -> asyncio.Task[int] | None:
+        """Give back ``lease_id`` in ``keys``: at once on the embedded store (None), else in
+        a tracked background task (returned; it never raises, its result is the count)."""
+        if path not in PATHS:
+            raise ValueError(f"unknown release path {path!r}")
+        if not keys or not lease_id:
+            return None
+        if self._now is not None:
+            self._at_once(keys, lease_id, path)
+            return None
+        task = asyncio.get_running_loop().create_task(self._release(list(keys), lease_id, path))
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
+        return task
+
+    async def release_and_wait(self, keys: Sequence[str], lease_id: str, path: str) -> int:
+        """:meth:`release`, and the number of leases given back (0 on an error, counted)."""
+        if self._now is not None and path in PATHS and keys and lease_id:
+            return self._at_once(keys, lease_id, path)
+        task = self.release(keys, lease_id, path)
+        return 0 if task is None else await task
+
+    def _at_once(self, keys: Sequence[str], lease_id: str, path: str) -> int:
+        assert self._now is not None
+        try:
+            released = self._now(keys, lease_id)
+        except Exception as exc:  # counted and logged; the TTL is the backstop
+            self._failed(path, exc)
+            return 0
+        self._done(path, released)
+        return released
+
+    async def _release(self, keys: list[str], lease_id: str, path: str) -> int:
+        try:
+            async with asyncio.timeout(self.timeout):
+                released = await self.store.release(keys, lease_id)
+        except Exception as exc:  # counted and logged; the TTL is the backstop
+            self._failed(path, exc)
+            return 0
+        self._done(path, released)
+        return released
+
+    def _done(self, path: str, released: int) -> None:
+        self.leases_released += released
+        self.counts[(path, "released" if released else "none")] += 1
+
+    def _failed(self, path: str, exc: BaseException) -> None:
+        self.counts[(path, "error")] += 1
+        self._throttle.log(logging.WARNING, "a lease release (%s) failed; its TTL will end it: %s",
+                           path, f"{type(exc).__name__}: {exc}",
+                           fields={"event": "lease_release_failed", "path": path})
+
+    def abandoned(self, ops: Sequence[Op], lease_id: str) -> Callable[[asyncio.Future[CheckResult]], None]:
+        """A done callback for a store call nobody waits for any more: when it lands
+        admitted, the leases it committed are given back (path ``abandoned_answer``)."""
+        def landed(call: asyncio.Future[CheckResult]) -> None:
+            if call.cancelled() or call.exception() is not None:
+                return  # nothing committed (or nothing known): the failure was counted
+            result = call.result()
+            if not result.admitted:
+                return
+            held = [op.key for op, res in zip(ops, result.results, strict=True)
+                    if isinstance(op, LeaseOp) and res.allowed]
+            if held:
+                self.release(held, lease_id, "abandoned_answer")
+
+        return landed
+
+    async def drain(self, within: float = 5.0) -> None:
+        """Wait (up to ``within`` seconds) for pending releases, including those started while
+        waiting (late abandoned answers); what is left then is cancelled."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + within
+        while self.pending and (left := end - loop.time()) > 0:
+            await asyncio.wait(set(self.pending), timeout=left)
+        stuck = set(self.pending)
+        for task in stuck:
+            task.cancel()
+        if stuck:
+            await asyncio.wait(stuck)
+
+
+def releases_status(releaser: Releaser) -> dict[str, object]:
+    """The admin ``/status`` view: calls by path and outcome, leases freed, pending."""
+    by_path = {p: {o: releaser.counts[(p, o)] for o in OUTCOMES} for p in PATHS}
+    return {"by_path": by_path, "leases_released": releaser.leases_released,
+            "pending": len(releaser.pending)}

@@ -1,0 +1,115 @@
+"""The one release path: counted by path and outcome, errors never lost, drained on stop."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from extauthz.clock import ManualClock
+from extauthz.engine import Engine
+from extauthz.release import PATHS, Releaser
+from extauthz.server.app import Server, ServerConfig
+from extauthz.store.base import LeaseOp
+from extauthz.store.memory import MemoryStore
+
+from .helpers import FaultyStore, get, policy_from
+
+
+@pytest.fixture
+async def loop_errors() -> AsyncIterator[list[dict[str, Any]]]:
+    """What reaches the event loop's exception handler ("Task exception was never
+    retrieved" among others); the test asserts it stays empty."""
+    loop = asyncio.get_running_loop()
+    seen: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: seen.append(context))
+    yield seen
+    gc.collect()  # a task destroyed with an unretrieved exception reports here
+    loop.set_exception_handler(previous)
+
+
+async def test_embedded_store_releases_at_once_and_counts_by_path() -> None:
+    clock = ManualClock()
+    store = MemoryStore(clock)
+    releaser = Releaser(store)
+    result = await store.check([LeaseOp("k", 2, 30)], "lease-1")
+    assert result.admitted
+    assert releaser.release(["k"], "lease-1", "access_log") is None  # no task
+    assert releaser.release(["k"], "lease-1", "request_id_index") is None
+    assert releaser.counts[("access_log", "released")] == 1
+    assert releaser.counts[("request_id_index", "none")] == 1  # already given back
+    assert releaser.leases_released == 1
+    assert await store.inflight(["k"]) == [0]
+    with pytest.raises(ValueError, match="unknown release path"):
+        releaser.release(["k"], "lease-1", "elsewhere")
+
+
+async def test_failing_background_release_is_counted_and_never_unretrieved(
+    loop_errors: list[dict[str, Any]], caplog: pytest.LogCaptureFixture
+) -> None:
+    store = FaultyStore(MemoryStore(ManualClock()), release_error=TypeError("client bug"))
+    releaser = Releaser(store)
+    tasks = [releaser.release(["k"], f"lease-{i}", path) for i, path in enumerate(PATHS)]
+    assert all(t is not None for t in tasks) and len(releaser.pending) == len(PATHS)
+    await releaser.drain()
+    for path in PATHS:
+        assert releaser.counts[(path, "error")] == 1
+        assert releaser.counts[(path, "released")] == 0
+    assert not releaser.pending
+    # Logged once (rate-limited), not once per failure.
+    logged = [r for r in caplog.records if "lease release" in r.getMessage()]
+    assert len(logged) == 1 and "TypeError: client bug" in logged[0].getMessage()
+    del tasks
+    gc.collect()
+    assert loop_errors == []
+
+
+async def test_abandoned_store_answer_is_released_through_the_releaser(tmp_path: Path) -> None:
+    """The engine's deadline passes while the store call is out: the Check fails open, and
+    when the answer lands its lease is given back on the ``abandoned_answer`` path."""
+    clock = ManualClock()
+    policy = policy_from(tmp_path, {"limiters": [{"name": "conc", "type": "concurrent_requests",
+                                                  "limit": 5}]})
+    inner = MemoryStore(clock)
+    gate = asyncio.Event()
+
+    class SlowStore(FaultyStore):
+        async def check(self, ops: Any, lease_id: str) -> Any:
+            await gate.wait()
+            return await self.inner.check(ops, lease_id)
+
+    store = SlowStore(inner)
+    engine = Engine(store, policy, clock=clock, deadline=0.01)
+    _, decision = await engine.check(get())
+    assert decision.allowed and decision.failures == ("timeout",)
+    gate.set()
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if engine.releaser.count("abandoned_answer") and not engine.releaser.pending:
+            break
+    assert engine.releaser.counts[("abandoned_answer", "released")] == 1
+    assert inner.live_leases() == {}
+
+
+async def test_server_stop_waits_for_pending_releases_before_closing_the_store(tmp_path: Path) -> None:
+    policy = policy_from(tmp_path, {"limiters": [{"name": "conc", "type": "concurrent_requests",
+                                                  "limit": 5}]})
+    inner = MemoryStore(ManualClock())
+    store = FaultyStore(inner, release_delay=0.15)
+    # store deadline 20 ms: a background release may take 200 ms
+    srv = Server(ServerConfig(listen="127.0.0.1:0", admin_listen="off", store_deadline_ms=20),
+                 policy=policy, store=store)
+    await srv.start()
+    _, decision = await srv.engine.check(get())
+    assert decision.leases
+    task = srv.engine.releaser.release(decision.leases, decision.lease_id, "cancelled_check")
+    assert task is not None
+    await srv.stop(grace=0)
+    assert store.closed and store.releases == 1
+    assert srv.engine.releaser.counts[("cancelled_check", "released")] == 1
+    assert inner.live_leases() == {}
