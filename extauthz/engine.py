@@ -8,6 +8,7 @@ a 503 (``failed_closed``) for those with ``failure_mode: closed``, counted by re
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -17,14 +18,17 @@ from typing import Protocol
 from .classify import Classifier
 from .clock import SYSTEM_CLOCK, Clock
 from .context import RawRequest, RequestContext
-from .errors import CircuitOpen, StoreError, StoreTimeout
+from .errors import INTERNAL_ERROR, CircuitOpen, StoreError, StoreInternalError, StoreTimeout
 from .limiters import Limiter, WorkerUtilizationShedder, build_limiters
 from .limiters.base import applies
 from .policy.model import Policy
 from .release import Releaser
 from .store.base import CheckResult, LeaseOp, Op, Store
 from .store.keys import Keys
+from .throttle import LogThrottle
 from .verdict import Decision, Mode, Outcome, Verdict
+
+log = logging.getLogger("extauthz.engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,16 +63,13 @@ class Switches:
 
 
 class Observer(Protocol):
-    def decided(self, ctx: RequestContext, decision: Decision, policy: Policy) -> None: ...
+    """Called once per decision (``decision.failures`` names the failures met)."""
 
-    def store_failed(self, reason: str) -> None: ...
+    def decided(self, ctx: RequestContext, decision: Decision, policy: Policy) -> None: ...
 
 
 class NullObserver:
     def decided(self, ctx: RequestContext, decision: Decision, policy: Policy) -> None:
-        return None
-
-    def store_failed(self, reason: str) -> None:
         return None
 
 
@@ -136,6 +137,14 @@ class Breaker:
             self.open_until = now + self.open_for
 
 
+def failed_verdict(lim: Limiter, reason: str) -> Verdict:
+    """A limiter's verdict when it cannot decide: allowed (``failed_open``) or a 503
+    (``failed_closed``, retry after 1 s) per its ``failure_mode``."""
+    if lim.failure_mode == "closed":
+        return Verdict(lim.name, lim.kind, Outcome.FAILED_CLOSED, retry_after=1.0, reason=reason)
+    return Verdict(lim.name, lim.kind, Outcome.FAILED_OPEN, reason=reason)
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """Everything a decision reads, replaced as a whole on reload or switch change."""
@@ -181,7 +190,9 @@ class Engine:
         self.observer: Observer = observer or NullObserver()
         self._salt = salt
         self.breaker = breaker or Breaker(clock)
+        #: fail-opens/closes by reason (timeout, unavailable, circuit_open, internal_error)
         self.failures: dict[str, int] = {}
+        self._bug_log = LogThrottle(log, clock=clock)
         self.snapshot = self._build(policy, Switches(), None)
 
     # -- configuration ------------------------------------------------------------------
@@ -219,7 +230,18 @@ class Engine:
         return ctx, await self.decide(ctx)
 
     async def decide(self, ctx: RequestContext) -> Decision:
+        """The decision for ``ctx``. Never raises: a store failure, a missed deadline, an
+        open breaker and any unexpected exception (a limiter or client library bug) fail
+        each applicable limiter open or closed per its ``failure_mode``, counted by reason."""
         snap = self.snapshot
+        try:
+            decision = await self._decide(ctx, snap)
+        except Exception as exc:
+            decision = self._internal_error(ctx, snap, exc)
+        self.observer.decided(ctx, decision, snap.policy)
+        return decision
+
+    async def _decide(self, ctx: RequestContext, snap: Snapshot) -> Decision:
         refused: Verdict | None = None
         # One slot per applicable limiter, in policy order: its local verdict (if it
         # decided locally) and the index of its store op (or -1).
@@ -250,35 +272,36 @@ class Engine:
             except StoreError as exc:
                 failures = (exc.reason,)
                 for lim, _, local, _ in slots:
-                    if local is not None:
-                        verdicts.append(local)
-                    elif lim.failure_mode == "closed":
-                        v = Verdict(lim.name, lim.kind, Outcome.FAILED_CLOSED,
-                                    retry_after=1.0, reason=f"store_{exc.reason}")
-                        verdicts.append(v)
-                        refused = refused or v
-                    else:
-                        verdicts.append(Verdict(lim.name, lim.kind, Outcome.FAILED_OPEN,
-                                                reason=f"store_{exc.reason}"))
-            else:
-                for lim, enforce, local, i in slots:
-                    res = result.results[i] if i >= 0 else None
-                    if local is not None:
-                        v = local
-                    else:
-                        assert res is not None
-                        v = lim.verdict(ctx, res, enforce)
+                    v = local if local is not None else failed_verdict(lim, f"store_{exc.reason}")
                     verdicts.append(v)
                     if v.refused and refused is None:
                         refused = v
-                    if res is not None and result.admitted and res.allowed:
-                        op = ops[i]
-                        if isinstance(op, LeaseOp):
-                            held.append(op.key)
+            else:
+                try:
+                    for lim, enforce, local, i in slots:
+                        res = result.results[i] if i >= 0 else None
+                        if local is not None:
+                            v = local
+                        else:
+                            assert res is not None
+                            v = lim.verdict(ctx, res, enforce)
+                        verdicts.append(v)
+                        if v.refused and refused is None:
+                            refused = v
+                        if res is not None and result.admitted and res.allowed:
+                            op = ops[i]
+                            if isinstance(op, LeaseOp):
+                                held.append(op.key)
+                except Exception:
+                    # The store committed: give its leases back before failing the request.
+                    taken = [op.key for op, res in zip(ops, result.results, strict=False)
+                             if result.admitted and res.allowed and isinstance(op, LeaseOp)]
+                    self.releaser.release(taken, lease_id, "abandoned_answer")
+                    raise
         lease_keys = tuple(held)
         if not lease_keys:
             lease_id = ""
-        decision = Decision(
+        return Decision(
             allowed=refused is None,
             tier=ctx.tier,
             verdicts=tuple(verdicts),
@@ -287,8 +310,28 @@ class Engine:
             lease_id=lease_id,
             failures=failures,
         )
-        self.observer.decided(ctx, decision, snap.policy)
-        return decision
+
+    def _internal_error(self, ctx: RequestContext, snap: Snapshot, exc: Exception) -> Decision:
+        """An unexpected exception while deciding: every applicable limiter fails open or
+        closed per its ``failure_mode``; counted (``internal_error``) and logged, rate-limited."""
+        self._failed(INTERNAL_ERROR)
+        self._bug_log.log(logging.ERROR, "unexpected error while deciding; failing per "
+                          "failure_mode: %s: %s", type(exc).__name__, exc, exc_info=exc,
+                          fields={"event": "internal_error", "error": type(exc).__name__})
+        verdicts: list[Verdict] = []
+        refused: Verdict | None = None
+        for lim, _ in snap.active:
+            try:
+                applicable = applies(lim.applies_to, ctx)
+            except Exception:
+                applicable = True
+            if applicable:
+                v = failed_verdict(lim, INTERNAL_ERROR)
+                verdicts.append(v)
+                if v.refused and refused is None:
+                    refused = v
+        return Decision(allowed=refused is None, tier=ctx.tier, verdicts=tuple(verdicts),
+                        denied_by=refused, failures=(INTERNAL_ERROR,))
 
     async def _store_check(self, ops: Sequence[Op], lease_id: str) -> CheckResult:
         if not self.breaker.allow():
@@ -297,10 +340,10 @@ class Engine:
         if self.store_immediate:  # the embedded store answers synchronously: no deadline
             try:
                 return await self.store_check(ops, lease_id)
-            except StoreError as exc:
-                self.breaker.failure()
-                self._failed(exc.reason)
-                raise
+            except Exception as exc:
+                if (failure := self._store_failed(exc)) is exc:
+                    raise
+                raise failure from exc
         # The store call runs as its own task, shielded: when the deadline passes (or
         # Envoy cancels the Check) the call may still commit. asyncio can even wake us
         # with TimeoutError after the answer arrived. Either way the answer is not lost:
@@ -314,16 +357,30 @@ class Engine:
             self.breaker.failure()
             self._failed(StoreTimeout.reason)
             raise StoreTimeout(f"store did not answer within {self.deadline * 1000:.0f} ms") from None
-        except StoreError as exc:
-            self.breaker.failure()
-            self._failed(exc.reason)
-            raise
+        except Exception as exc:
+            if (failure := self._store_failed(exc)) is exc:
+                raise
+            raise failure from exc
         except asyncio.CancelledError:
             call.add_done_callback(self.releaser.abandoned(ops, lease_id))
             raise
         self.breaker.success()
         return result
 
+    def _store_failed(self, exc: Exception) -> StoreError:
+        """A failed store call: counted (by reason) on the breaker and here. A client
+        library bug (not a StoreError) is an ``internal_error``, logged rate-limited."""
+        self.breaker.failure()
+        if isinstance(exc, StoreError):
+            self._failed(exc.reason)
+            return exc
+        self._failed(INTERNAL_ERROR)
+        self._bug_log.log(logging.ERROR, "unexpected error from the store call; failing per "
+                          "failure_mode: %s: %s", type(exc).__name__, exc, exc_info=exc,
+                          fields={"event": "internal_error", "error": type(exc).__name__})
+        return StoreInternalError(f"{type(exc).__name__}: {exc}")
+
     def _failed(self, reason: str) -> None:
+        """The one failure count: ``extauthz_fail_open_total{reason}`` (each failure fails
+        its limiters open or closed per ``failure_mode``)."""
         self.failures[reason] = self.failures.get(reason, 0) + 1
-        self.observer.store_failed(reason)

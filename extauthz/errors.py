@@ -48,3 +48,14 @@ class StoreUnavailable(StoreError):
 
 class CircuitOpen(StoreError):
     reason = "circuit_open"
+
+
+#: the failure reason of an unexpected exception (a bug) met while deciding
+INTERNAL_ERROR = "internal_error"
+
+
+class StoreInternalError(StoreError):
+    """The store call raised something that is not a store error (a client library bug,
+    e.g. a ``TypeError``): failed open or closed like any store failure."""
+
+    reason = INTERNAL_ERROR

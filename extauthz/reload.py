@@ -21,7 +21,6 @@ dependency for what a 1 s poll does as well.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
@@ -125,11 +124,6 @@ class PolicyWatcher:
         log.error("policy reload failed; still serving version %s:\n  %s", self.version,
                   "\n  ".join(issues), extra={"fields": {
                       "event": "policy_reload_failed", "serving": self.version, "issues": issues}})
-
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval)
-            self.poll_once()
 
     def status(self) -> dict[str, object]:
         return {

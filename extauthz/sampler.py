@@ -22,9 +22,11 @@ import json
 import logging
 import urllib.parse
 import urllib.request
+from collections.abc import Awaitable, Callable
 
 from .engine import Engine
 from .limiters.worker import WorkerUtilizationShedder
+from .runner import DONE
 
 log = logging.getLogger("extauthz.sampler")
 
@@ -58,16 +60,12 @@ async def read_utilization(engine: Engine, shedder: WorkerUtilizationShedder) ->
     return min(1.0, max(0.0, value))
 
 
-async def sample_once(engine: Engine, shedder: WorkerUtilizationShedder) -> float | None:
-    """One sample: read, advance the shared controller, install the level. Returns the
-    level, or None when the signal or the store failed (the level is then held)."""
-    try:
-        utilization = await read_utilization(engine, shedder)
-        level = await engine.store.shed_update(shedder.state_key, utilization, shedder.params)
-    except Exception as exc:
-        engine.failures["sampler"] = engine.failures.get("sampler", 0) + 1
-        log.warning("sampling %s failed: %s", shedder.name, exc)
-        return None
+async def sample_once(engine: Engine, shedder: WorkerUtilizationShedder) -> float:
+    """One sample: read, advance the shared controller, install the level, return it.
+    Raises when the signal or the store failed (the level is then held; the background
+    runner counts it as an error of the job ``sampler:<limiter>``)."""
+    utilization = await read_utilization(engine, shedder)
+    level = await engine.store.shed_update(shedder.state_key, utilization, shedder.params)
     # The snapshot may have been replaced by a reload: update the live shedder by name.
     for live in engine.snapshot.workers:
         if live.name == shedder.name:
@@ -75,11 +73,20 @@ async def sample_once(engine: Engine, shedder: WorkerUtilizationShedder) -> floa
     return level
 
 
-async def run_sampler(engine: Engine, name: str) -> None:
-    """Sample the named shedder forever (until cancelled); follows policy reloads."""
-    while True:
-        shedder = next((w for w in engine.snapshot.workers if w.name == name), None)
+def sampler_job(engine: Engine, name: str) -> tuple[Callable[[], float], Callable[[], Awaitable[object]]]:
+    """(interval, tick) of the named shedder's sampler job for the background runner; the
+    tick ends the job (``DONE``) once a reload removed the shedder."""
+    def find() -> WorkerUtilizationShedder | None:
+        return next((w for w in engine.snapshot.workers if w.name == name), None)
+
+    def interval() -> float:
+        shedder = find()
+        return shedder.sample_interval if shedder is not None else 1.0
+
+    async def tick() -> object:
+        shedder = find()
         if shedder is None:
-            return
-        await sample_once(engine, shedder)
-        await asyncio.sleep(shedder.sample_interval)
+            return DONE
+        return await sample_once(engine, shedder)
+
+    return interval, tick

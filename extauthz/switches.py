@@ -15,7 +15,6 @@ store contract.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
@@ -130,8 +129,3 @@ class SwitchBoard:
         await self.store.set_value(self.key, dump_switches(new))
         self._set(new, "admin")
         return new
-
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval)
-            await self.poll_once()

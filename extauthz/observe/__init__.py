@@ -20,14 +20,16 @@ log = logging.getLogger("extauthz.observe")
 
 class Observers:
     """Several observers as one. An observer that raises is logged once and counted; the
-    request it was observing is decided all the same."""
+    request it was observing is decided all the same. Members that also define
+    ``store_failed(reason)`` hear of each failure in ``decision.failures``."""
 
     __slots__ = ("_decided", "_failed", "errors", "members")
 
     def __init__(self, members: Sequence[Observer]) -> None:
         self.members = tuple(members)
         self._decided = tuple(m.decided for m in self.members)
-        self._failed = tuple(m.store_failed for m in self.members)
+        self._failed = tuple(fn for m in self.members
+                             if (fn := getattr(m, "store_failed", None)) is not None)
         self.errors = 0
 
     def decided(self, ctx: RequestContext, decision: Decision, policy: Policy) -> None:
@@ -36,13 +38,12 @@ class Observers:
                 fn(ctx, decision, policy)
             except Exception:
                 self._error()
-
-    def store_failed(self, reason: str) -> None:
-        for fn in self._failed:
-            try:
-                fn(reason)
-            except Exception:
-                self._error()
+        for reason in decision.failures:
+            for failed in self._failed:
+                try:
+                    failed(reason)
+                except Exception:
+                    self._error()
 
     def _error(self) -> None:
         self.errors += 1
@@ -51,7 +52,7 @@ class Observers:
 
 
 def compose(members: Sequence[Observer]) -> Observer:
-    """No observer, the one observer, or :class:`Observers` around several."""
+    """No observer, or :class:`Observers` around the given ones."""
     if not members:
         return NullObserver()
     return Observers(members)

@@ -16,7 +16,6 @@ reads engine state from the thread that writes it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, Protocol
@@ -26,7 +25,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 from ..context import RequestContext
 from ..engine import Engine
-from ..errors import CircuitOpen, StoreError, StoreTimeout, StoreUnavailable
+from ..errors import CircuitOpen, StoreError, StoreInternalError, StoreTimeout, StoreUnavailable
 from ..limiters import FleetUsageShedder, WorkerUtilizationShedder
 from ..policy.model import Policy
 from ..store.base import CheckResult, Op
@@ -42,7 +41,7 @@ STORE_BUCKETS = (0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02
 RESULTS = ("allowed", "rate_limited", "shed", "failed_closed")
 
 #: fail-open reasons exported from the start (at 0), so rate() has a series to work on.
-FAIL_REASONS = tuple(cls.reason for cls in (StoreTimeout, StoreUnavailable, CircuitOpen))
+FAIL_REASONS = tuple(cls.reason for cls in (StoreTimeout, StoreUnavailable, CircuitOpen, StoreInternalError))
 
 CheckFn = Callable[[Sequence[Op], str], Awaitable[CheckResult]]
 
@@ -99,9 +98,6 @@ class Metrics:
             child.inc()
         self._requests[(tier, request_result(decision))].inc()
 
-    def store_failed(self, reason: str) -> None:
-        return None  # fail-opens are read from Engine.failures at scrape time
-
 
 class AccessLogCounters(Protocol):
     entries: int
@@ -148,11 +144,6 @@ class LeaseSampler:
         it = iter(counts)
         self.values = {name: sum(next(it) for _ in keys) for name, keys in per_limiter.items()}
 
-    async def run(self) -> None:
-        while True:
-            await self.sample_once()
-            await asyncio.sleep(self.interval)
-
 
 class StateCollector:
     """Exports, at scrape time, what the server already holds. Register it on the
@@ -160,8 +151,12 @@ class StateCollector:
 
     def __init__(self, engine: Engine, *, accesslog: AccessLogCounters | None = None,
                  reload: ReloadState | None = None, leases: LeaseSampler | None = None,
-                 shadow_dropped: Callable[[], int] | None = None) -> None:
+                 shadow_dropped: Callable[[], int] | None = None,
+                 background_errors: Callable[[], dict[str, int]] | None = None,
+                 bad_requests: Callable[[], int] | None = None) -> None:
         self.engine = engine
+        self.background_errors = background_errors
+        self.bad_requests = bad_requests
         self.accesslog = accesslog
         self.reload = reload
         self.leases = leases
@@ -173,9 +168,10 @@ class StateCollector:
     def collect(self) -> Iterator[Metric]:
         engine = self.engine
         snap = engine.snapshot
-        fail = CounterMetricFamily("extauthz_fail_open", "Store failures met while deciding "
-                                   "(each fails its limiters open or closed per failure_mode), by reason.",
-                                   labels=["reason"])
+        fail = CounterMetricFamily("extauthz_fail_open", "Failures met while deciding (store "
+                                   "timeout/unavailable, circuit_open, internal_error: an unexpected "
+                                   "exception), each failing its limiters open or closed per "
+                                   "failure_mode, by reason.", labels=["reason"])
         counts = dict.fromkeys(FAIL_REASONS, 0) | engine.failures
         for reason, n in sorted(counts.items()):
             fail.add_metric([reason], n)
@@ -243,6 +239,15 @@ class StateCollector:
         if self.accesslog is not None:
             yield CounterMetricFamily("extauthz_access_log_entries", "Envoy access-log entries received.",
                                       value=self.accesslog.entries)
+        if self.bad_requests is not None:
+            yield CounterMetricFamily("extauthz_bad_requests", "CheckRequests the edge could not "
+                                      "read (answered allowed).", value=self.bad_requests())
+        if self.background_errors is not None:
+            bg = CounterMetricFamily("extauthz_background_errors", "Background job runs that raised "
+                                     "(the job keeps running), by job.", labels=["job"])
+            for job, n in sorted(self.background_errors().items()):
+                bg.add_metric([job], n)
+            yield bg
         if self.shadow_dropped is not None:
             yield CounterMetricFamily("extauthz_shadow_events_dropped", "Shadow would-denial "
                                       "records dropped (buffer full or store error).",

@@ -74,9 +74,6 @@ class ShadowRecorder:
                 if headroom is not None and (entry[1] is None or headroom < entry[1]):
                     entry[1] = headroom
 
-    def store_failed(self, reason: str) -> None:
-        return None
-
     # -- background ---------------------------------------------------------------------------
     @property
     def pending(self) -> int:

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -21,7 +20,8 @@ from ..clock import SYSTEM_CLOCK, Clock
 from ..engine import Engine
 from ..policy import Policy, load_policy
 from ..proto import accesslog_pb2_grpc, auth_pb2_grpc
-from ..sampler import run_sampler
+from ..runner import Runner
+from ..sampler import sampler_job
 from ..store.base import Store
 from ..store.keys import Keys
 from ..store.memory import MemoryStore
@@ -75,6 +75,8 @@ class Server:
             deadline=config.store_deadline_ms / 1000.0, clock=clock,
             salt=config.identity_salt.encode(),
         )
+        #: every background loop (switch poll, reload, shadow flush, samplers)
+        self.runner = Runner()
         self.health = health.aio.HealthServicer()
         self.accesslog = AccessLogService(self.engine)
         # observers, admin + metrics ports, hot reload, switches (tracing from OTEL_* unless given)
@@ -84,12 +86,10 @@ class Server:
             metrics_listen=config.metrics_listen, watch=config.policies if policy is None else None,
             reload_interval=config.reload_interval, switch_poll_interval=config.switch_poll_interval,
             decision_log_per_second=config.decision_log_per_second,
-            tracer_provider=tracer_provider, after_reload=self.sync_samplers,
+            tracer_provider=tracer_provider, after_reload=self.sync_samplers, runner=self.runner,
         )
         self.grpc: grpc.aio.Server | None = None
         self.port = 0
-        self._tasks: list[asyncio.Task[None]] = []
-        self._samplers: dict[str, asyncio.Task[None]] = {}
 
     async def start(self) -> int:
         await self.ops.start()
@@ -110,24 +110,16 @@ class Server:
         return self.port
 
     def sync_samplers(self) -> None:
-        """One sampler task per worker utilization shedder of the current policy; call
+        """One sampler job per worker utilization shedder of the current policy; call
         again after a policy reload (a sampler whose shedder is gone ends by itself)."""
-        for name in [n for n, t in self._samplers.items() if t.done()]:
-            del self._samplers[name]
         for shedder in self.engine.snapshot.workers:
-            if shedder.name not in self._samplers:
-                self._samplers[shedder.name] = asyncio.create_task(
-                    run_sampler(self.engine, shedder.name), name=f"sampler:{shedder.name}")
+            interval, tick = sampler_job(self.engine, shedder.name)
+            self.runner.every(f"sampler:{shedder.name}", interval, tick, first=True)
 
     async def stop(self, grace: float | None = None) -> None:
         """Graceful stop: NOT_SERVING first, let in-flight calls finish, then close."""
         await self.health.enter_graceful_shutdown()
-        tasks = [*self._tasks, *self._samplers.values()]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self.runner.stop()
         if self.grpc is not None:
             await self.grpc.stop(self.config.grace_seconds if grace is None else grace)
         await self.ops.stop()

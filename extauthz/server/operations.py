@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from ..observe.tracing import Tracing, TracingObserver, provider_from_env
 from ..policy import Policy
 from ..release import releases_status
 from ..reload import PolicyWatcher
+from ..runner import Runner
 from ..store.base import Store
 from ..store.keys import Keys
 from ..store.memory import MemoryStore
@@ -48,13 +49,15 @@ class Operations:
                  reload_interval: float = 1.0, switch_poll_interval: float = 1.0,
                  shadow_flush_interval: float = 1.0, leases_sample_interval: float = 2.0,
                  decision_log_per_second: int = 1000, tracer_provider: Any = None,
-                 after_reload: Callable[[], None] | None = None) -> None:
+                 after_reload: Callable[[], None] | None = None,
+                 runner: Runner | None = None) -> None:
         self.engine = engine
         self.store = store
         self.keys = keys
         self.clock = clock
         self.accesslog = accesslog
         self.after_reload = after_reload
+        self.runner = runner if runner is not None else Runner()
         self.admin_listen = None if (admin_listen or "").lower() in OFF else admin_listen
         self.metrics_listen = None if (metrics_listen or "").lower() in OFF else metrics_listen
         for what, where in (("admin", self.admin_listen), ("metrics", self.metrics_listen)):
@@ -64,6 +67,8 @@ class Operations:
 
         provider = tracer_provider if tracer_provider is not None else provider_from_env()
         self.tracing = Tracing(provider) if provider is not None else None
+        #: the Check servicer (its bad-request count is exported)
+        self.auth = self._auth_service()
         self.decision_log = DecisionLog(max_per_second=decision_log_per_second, clock=clock)
         self.shadow = ShadowRecorder(store, keys.shadow_log, clock=clock)
         self.shadow_flush_interval = shadow_flush_interval
@@ -81,7 +86,9 @@ class Operations:
             self.leases = LeaseSampler(engine, leases_sample_interval)
             self.metrics.registry.register(StateCollector(
                 engine, accesslog=accesslog, reload=self.watcher, leases=self.leases,
-                shadow_dropped=lambda: self.shadow.dropped))
+                shadow_dropped=lambda: self.shadow.dropped,
+                background_errors=lambda: self.runner.errors,
+                bad_requests=lambda: self.auth.bad_requests))
             observers.append(self.metrics)
         observers += [self.decision_log, self.shadow]
         if self.tracing is not None:
@@ -95,7 +102,6 @@ class Operations:
         self.admin_port = 0
         self.metrics_port = 0
         self._runners: list[web.AppRunner] = []
-        self._tasks: list[asyncio.Task[None]] = []
 
     def _apply_policy(self, policy: Policy) -> None:
         self.engine.set_policy(policy)
@@ -104,13 +110,16 @@ class Operations:
         if self.after_reload is not None:
             self.after_reload()
 
-    def auth_service(self) -> AuthorizationService:
+    def _auth_service(self) -> AuthorizationService:
         # shares the access log's request-id index (leases whose answer Envoy dropped)
         if self.tracing is None:
             return AuthorizationService(self.engine, self.accesslog.index)
         from .traced import TracedAuthorizationService
 
         return TracedAuthorizationService(self.engine, self.tracing.tracer, self.accesslog.index)
+
+    def auth_service(self) -> AuthorizationService:
+        return self.auth
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -131,50 +140,25 @@ class Operations:
         except BaseException:
             await self.stop()
             raise
-        self._spawn("switch-poll", self.switches.run())
-        self._spawn("shadow-flush", self._every(self.shadow_flush_interval, self._housekeeping))
+        run = self.runner.every
+        run("switch_poll", self.switches.interval, self.switches.poll_once)
+        run("shadow_flush", self.shadow_flush_interval, self._housekeeping)
         if self.watcher is not None:
-            self._spawn("policy-reload", self.watcher.run())
+            run("policy_reload", self.watcher.interval, self.watcher.poll_once)
         if self.leases is not None:
-            self._spawn("lease-sampler", self.leases.run())
+            run("lease_sampler", self.leases.interval, self.leases.sample_once, first=True)
         log.info("admin on port %s, metrics on port %s, tracing %s", self.admin_port or "off",
                  self.metrics_port or "off", "on" if self.tracing else "off",
                  extra={"fields": {"event": "operations_started", "admin_port": self.admin_port,
                                    "metrics_port": self.metrics_port, "tracing": self.tracing is not None,
                                    "reload": self.watcher is not None}})
 
-    def _spawn(self, name: str, coro: Awaitable[None]) -> None:
-        async def guarded() -> None:
-            try:
-                await coro
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("background job %s stopped", name)
-
-        self._tasks.append(asyncio.create_task(guarded(), name=f"extauthz-{name}"))
-
-    async def _every(self, interval: float, job: Callable[[], Awaitable[None]]) -> None:
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                await job()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("housekeeping failed")
-
     async def _housekeeping(self) -> None:
         self.decision_log.flush()
         await self.shadow.flush()
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks.clear()
+        await self.runner.stop()
         with contextlib.suppress(Exception):
             async with asyncio.timeout(1.0):
                 await self.shadow.flush()
@@ -217,6 +201,8 @@ class Operations:
                       **({"live_leases": self.store.live_leases()}
                          if isinstance(self.store, MemoryStore) else {})},
             "fail_open": dict(sorted(engine.failures.items())),
+            "bad_requests": self.auth.bad_requests,
+            "background_errors": dict(sorted(self.runner.errors.items())),
             **self.switch_status(),
             "switch_poll": {"errors": self.switches.errors, "updates": self.switches.updates},
             "shedding": [

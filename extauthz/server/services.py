@@ -10,6 +10,7 @@ import grpc
 
 from ..engine import Engine
 from ..proto import accesslog_pb2, accesslog_pb2_grpc, auth_pb2, auth_pb2_grpc
+from ..throttle import LogThrottle
 from .edge import EXT_AUTHZ_NAMESPACE, check_response, lease_release, raw_request
 
 log = logging.getLogger("extauthz.server")
@@ -62,9 +63,14 @@ class LeaseIndex:
 
 
 class AuthorizationService(auth_pb2_grpc.AuthorizationServicer):  # type: ignore[misc]
+    """Check: the edge reads the request, the engine decides (and never raises)."""
+
     def __init__(self, engine: Engine, index: LeaseIndex | None = None) -> None:
         self.engine = engine
         self.index = index if index is not None else LeaseIndex()
+        #: requests the edge could not read (answered allowed): ``extauthz_bad_requests_total``
+        self.bad_requests = 0
+        self._bad_log = LogThrottle(log)
 
     async def Check(  # noqa: N802 - gRPC method name
         self, request: auth_pb2.CheckRequest, context: grpc.aio.ServicerContext
@@ -75,12 +81,14 @@ class AuthorizationService(auth_pb2_grpc.AuthorizationServicer):  # type: ignore
             raw = raw_request(request, snap.classifier.needed_headers,
                               snap.policy.route_metadata_namespace)
             ctx = snap.classifier.context(raw)
-        except Exception:  # a malformed request is decided safely: allowed, counted
-            log.exception("could not read a CheckRequest; allowing it")
-            engine.failures["bad_request"] = engine.failures.get("bad_request", 0) + 1
+        except Exception as exc:  # a request the edge cannot read: allowed, counted here
+            self.bad_requests += 1
+            self._bad_log.log(logging.WARNING, "could not read a CheckRequest; allowing it: %s: %s",
+                              type(exc).__name__, exc, fields={"event": "bad_request"})
             return auth_pb2.CheckResponse(ok_response=auth_pb2.OkHttpResponse())
-        # A cancellation while the store call is out is handled by the engine (it gives
-        # back what a late answer committed).
+        # Never raises (failures are decided by failure_mode and counted in the engine). A
+        # cancellation while the store call is out is handled there too (the answer's
+        # leases are given back when it lands).
         decision = await engine.decide(ctx)
         if decision.leases:
             if ctx.request_id:
