@@ -11,130 +11,29 @@ import asyncio
 import logging
 import os
 import random
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
+from .breaker import Breaker
 from .classify import Classifier
 from .clock import SYSTEM_CLOCK, Clock
 from .context import RawRequest, RequestContext
 from .errors import INTERNAL_ERROR, CircuitOpen, StoreError, StoreInternalError, StoreTimeout
 from .limiters import Limiter, WorkerUtilizationShedder, build_limiters
 from .limiters.base import applies
+from .observe.base import NullObserver, Observer
 from .policy.model import Policy
 from .release import Releaser
 from .store.base import CheckResult, LeaseOp, Op, Store
 from .store.keys import Keys
+from .switches import Switches
 from .throttle import LogThrottle
 from .verdict import Decision, Mode, Outcome, Verdict
 
 log = logging.getLogger("extauthz.engine")
 
-
-@dataclass(frozen=True, slots=True)
-class Switches:
-    """Runtime kill switches. ``global_mode`` caps every limiter (``off`` < ``shadow`` <
-    ``enforce``); a per-limiter switch replaces that limiter's policy ``mode``."""
-
-    global_mode: Mode | None = None
-    limiters: Mapping[str, Mode] = field(default_factory=dict)
-
-    def effective(self, name: str, policy_mode: Mode) -> Mode:
-        mode = self.limiters.get(name, policy_mode)
-        if self.global_mode is Mode.OFF:
-            return Mode.OFF
-        if self.global_mode is Mode.SHADOW and mode is Mode.ENFORCE:
-            return Mode.SHADOW
-        return mode
-
-    def to_dict(self) -> dict[str, str]:
-        out = {name: mode.value for name, mode in sorted(self.limiters.items())}
-        if self.global_mode is not None:
-            out["*"] = self.global_mode.value
-        return out
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, str]) -> Switches:
-        g = data.get("*")
-        return cls(
-            global_mode=Mode(g) if g else None,
-            limiters={k: Mode(v) for k, v in data.items() if k != "*"},
-        )
-
-
-class Observer(Protocol):
-    """Called once per decision (``decision.failures`` names the failures met)."""
-
-    def decided(self, ctx: RequestContext, decision: Decision, policy: Policy) -> None: ...
-
-
-class NullObserver:
-    def decided(self, ctx: RequestContext, decision: Decision, policy: Policy) -> None:
-        return None
-
-
-class Breaker:
-    """Circuit breaker on the store's failure *rate*.
-
-    It opens when, within one ``window`` (seconds), at least ``threshold`` calls failed and
-    they were at least ``ratio`` of that window's calls; it then skips the store for
-    ``open_for`` seconds, lets one probe through (half-open), and closes on its success.
-    A dead or paused store fails every call and opens it within ``threshold`` calls; a
-    saturated host where a few calls miss the deadline does not (a consecutive-failures
-    breaker trips there on every burst of late answers, failing open for a whole second).
-    """
-
-    def __init__(self, clock: Clock, threshold: int = 10, ratio: float = 0.5, window: float = 1.0,
-                 open_for: float = 1.0) -> None:
-        self._clock = clock
-        self.threshold = threshold
-        self.ratio = ratio
-        self.window = window
-        self.open_for = open_for
-        #: failures and calls in the current window
-        self.failures = 0
-        self.calls = 0
-        self._window_start = clock.monotonic()
-        self.open_until: float | None = None
-        self._probing = False
-
-    @property
-    def state(self) -> str:
-        if self.open_until is None:
-            return "closed"
-        return "half_open" if self._clock.monotonic() >= self.open_until else "open"
-
-    def allow(self) -> bool:
-        if self.open_until is None:
-            return True
-        if self._probing or self._clock.monotonic() < self.open_until:
-            return False
-        self._probing = True
-        return True
-
-    def _roll(self) -> None:
-        now = self._clock.monotonic()
-        if now - self._window_start >= self.window:
-            self._window_start, self.failures, self.calls = now, 0, 0
-
-    def success(self) -> None:
-        if self.open_until is not None:  # the probe succeeded: close
-            self.open_until, self._probing = None, False
-            self.failures = self.calls = 0
-            return
-        self._roll()
-        self.calls += 1
-
-    def failure(self) -> None:
-        now = self._clock.monotonic()
-        if self.open_until is not None:  # the probe failed: stay open
-            self.open_until, self._probing = now + self.open_for, False
-            return
-        self._roll()
-        self.calls += 1
-        self.failures += 1
-        if self.failures >= self.threshold and self.failures >= self.ratio * self.calls:
-            self.open_until = now + self.open_for
+#: the store call of a check: ``Store.check`` or a wrapper around it
+StoreCheck = Callable[[Sequence[Op], str], Awaitable[CheckResult]]
 
 
 def failed_verdict(lim: Limiter, reason: str) -> Verdict:
@@ -175,10 +74,14 @@ class Engine:
         salt: bytes = b"",
         breaker: Breaker | None = None,
         releaser: Releaser | None = None,
+        store_check: StoreCheck | None = None,
     ) -> None:
+        """Everything is given here, once: the server builds the observer (metrics, logs,
+        shadow recorder, tracing) and the store-call wrapper (latency histogram, child
+        span: :func:`extauthz.observe.metrics.instrument_store_check`) before the engine."""
         self.store = store
-        #: the store call of a check; the server may wrap it (latency histogram, child span).
-        self.store_check: Callable[[Sequence[Op], str], Awaitable[CheckResult]] = store.check
+        #: the store call of a check (``store.check``, or the server's wrapper around it)
+        self.store_check: StoreCheck = store_check if store_check is not None else store.check
         #: the embedded store answers within the call: no task, no deadline needed.
         self.store_immediate = bool(getattr(store, "immediate", False))
         #: the one release path (access log, request-id index, cancelled Checks, abandoned answers)
@@ -211,7 +114,10 @@ class Engine:
             for lim in limiters
             if (mode := switches.effective(lim.name, modes[lim.name])) is not Mode.OFF
         )
-        return Snapshot(policy, Classifier(policy, self._salt), limiters, active, switches)
+        classifier = Classifier(policy, self._salt)
+        if old is not None:  # a count, exported: carried over to the new snapshot
+            classifier.unknown_tiers = old.classifier.unknown_tiers
+        return Snapshot(policy, classifier, limiters, active, switches)
 
     def set_policy(self, policy: Policy) -> None:
         self.snapshot = self._build(policy, self.snapshot.switches, self.snapshot)

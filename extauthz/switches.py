@@ -5,7 +5,7 @@ The switches are one JSON object at ``Keys.switches`` (``{"*": "shadow", "user-r
 sees a change at its next poll (about a second); with the embedded store the admin port
 writes the same value in-process and applies it at once. ``*`` is the global switch. A
 switch overrides the policy file's ``mode`` until it is cleared (precedence:
-:meth:`extauthz.engine.Switches.effective`).
+:meth:`Switches.effective`).
 
 A change is a read-modify-write of that one value: two operators changing different
 switches in the same instant can lose one change (``extauthz switch --list`` shows the
@@ -18,14 +18,46 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
-from .engine import Switches
 from .errors import StoreError
 from .store.base import Store
 from .verdict import Mode
 
 log = logging.getLogger("extauthz.switches")
+
+
+@dataclass(frozen=True, slots=True)
+class Switches:
+    """Runtime kill switches. ``global_mode`` caps every limiter (``off`` < ``shadow`` <
+    ``enforce``); a per-limiter switch replaces that limiter's policy ``mode``."""
+
+    global_mode: Mode | None = None
+    limiters: Mapping[str, Mode] = field(default_factory=dict)
+
+    def effective(self, name: str, policy_mode: Mode) -> Mode:
+        mode = self.limiters.get(name, policy_mode)
+        if self.global_mode is Mode.OFF:
+            return Mode.OFF
+        if self.global_mode is Mode.SHADOW and mode is Mode.ENFORCE:
+            return Mode.SHADOW
+        return mode
+
+    def to_dict(self) -> dict[str, str]:
+        out = {name: mode.value for name, mode in sorted(self.limiters.items())}
+        if self.global_mode is not None:
+            out["*"] = self.global_mode.value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, str]) -> Switches:
+        g = data.get("*")
+        return cls(
+            global_mode=Mode(g) if g else None,
+            limiters={k: Mode(v) for k, v in data.items() if k != "*"},
+        )
+
 
 GLOBAL = "*"
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")

@@ -12,8 +12,5 @@ class Tier(enum.StrEnum):
     TEST = "test"
 
 
-#: Shedding order: the first tier in this tuple is shed first.
-SHED_ORDER: tuple[Tier, ...] = (Tier.TEST, Tier.GET, Tier.POST)
-
 #: Methods that default to the ``get`` tier when nothing else names a tier.
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})

@@ -39,9 +39,6 @@ class Limiter(Protocol):
     def verdict(self, ctx: RequestContext, result: OpResult, enforce: bool) -> Verdict:
         """Turn the store's answer to :meth:`op` into a verdict."""
 
-    def lease_key(self, ctx: RequestContext) -> str | None:
-        """The lease key this limiter holds for an admitted request, if any."""
-
 
 def denied_outcome(enforce: bool) -> Outcome:
     return Outcome.DENIED if enforce else Outcome.SHADOW_DENIED

@@ -34,11 +34,8 @@ class ConcurrentRequestsLimiter:
     def local(self, ctx: RequestContext, enforce: bool) -> Verdict | None:
         return None
 
-    def lease_key(self, ctx: RequestContext) -> str:
-        return self._keys.user_leases(self.name, ctx.identity)
-
     def op(self, ctx: RequestContext, enforce: bool) -> LeaseOp:
-        return LeaseOp(self.lease_key(ctx), self.limit, self.ttl, enforce)
+        return LeaseOp(self._keys.user_leases(self.name, ctx.identity), self.limit, self.ttl, enforce)
 
     def verdict(self, ctx: RequestContext, result: OpResult, enforce: bool) -> Verdict:
         if result.allowed:

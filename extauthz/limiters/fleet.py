@@ -42,9 +42,6 @@ class FleetUsageShedder:
     def local(self, ctx: RequestContext, enforce: bool) -> Verdict | None:
         return None
 
-    def lease_key(self, ctx: RequestContext) -> str:
-        return self.critical_key if ctx.tier is Tier.CRITICAL else self.other_key
-
     def op(self, ctx: RequestContext, enforce: bool) -> LeaseOp:
         if ctx.tier is Tier.CRITICAL:
             return LeaseOp(self.critical_key, 0, self.ttl, enforce)

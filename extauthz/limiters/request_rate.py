@@ -37,9 +37,6 @@ class RequestRateLimiter:
         return BucketOp(self._keys.bucket(self.name, ctx.identity), self.rate, self.burst,
                         self.cost, enforce)
 
-    def lease_key(self, ctx: RequestContext) -> str | None:
-        return None
-
     def verdict(self, ctx: RequestContext, result: OpResult, enforce: bool) -> Verdict:
         if result.allowed:
             return Verdict(self.name, self.kind, Outcome.ALLOWED, limit=self.burst,

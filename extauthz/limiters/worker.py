@@ -18,7 +18,6 @@ from ..policy.schema import WorkerUtilizationSpec
 from ..shed import drop_probabilities
 from ..store.base import LeaseOp, OpResult, ShedParams
 from ..store.keys import Keys
-from ..tiers import Tier
 from ..verdict import Kind, Outcome, Verdict
 from .base import denied_outcome
 
@@ -61,10 +60,6 @@ class WorkerUtilizationShedder:
         self.utilization = utilization
         self.probabilities = drop_probabilities(level)
 
-    def drop_chance(self) -> float:
-        """The gist's single drop chance: the positive part of the level."""
-        return max(0.0, self.level)
-
     def local(self, ctx: RequestContext, enforce: bool) -> Verdict:
         p = self.probabilities[ctx.tier]
         if p > 0.0 and self._rng.random() < p:
@@ -81,13 +76,6 @@ class WorkerUtilizationShedder:
             return None
         return LeaseOp(self.own_lease_key, 0, self.ttl, enforce)
 
-    def lease_key(self, ctx: RequestContext) -> str | None:
-        return self.own_lease_key
-
     def verdict(self, ctx: RequestContext, result: OpResult, enforce: bool) -> Verdict:
         # Count-only lease: never refuses; the local draw already decided.
         return Verdict(self.name, self.kind, Outcome.ALLOWED, limit=1.0)
-
-    @property
-    def tier_levels(self) -> dict[Tier, float]:
-        return dict(self.probabilities)

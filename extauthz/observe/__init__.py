@@ -11,9 +11,9 @@ import logging
 from collections.abc import Sequence
 
 from ..context import RequestContext
-from ..engine import NullObserver, Observer
 from ..policy.model import Policy
 from ..verdict import Decision
+from .base import NullObserver, Observer
 
 log = logging.getLogger("extauthz.observe")
 

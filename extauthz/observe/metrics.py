@@ -10,7 +10,7 @@ Two kinds of metric, chosen by cost:
   holds (fail-opens by reason, shed levels, policy version, reload failures, leases in
   flight from :class:`LeaseSampler`, access-log counters, switches). Nothing per request.
 
-Scrapes are served on the event loop (see :mod:`extauthz.server.admin`), so the collector
+Scrapes are served on the event loop (see :mod:`extauthz.server.ports`), so the collector
 reads engine state from the thread that writes it.
 """
 
@@ -216,6 +216,10 @@ class StateCollector:
         for (path, outcome), n in engine.releaser.counts.items():
             releases.add_metric([path, outcome], n)
         yield releases
+
+        yield CounterMetricFamily("extauthz_unknown_tiers", "Tier names in route metadata or "
+                                  "context extensions that are not a tier (the rules or the method default "
+                                  "tier applied).", value=snap.classifier.unknown_tiers)
 
         breaker = GaugeMetricFamily("extauthz_store_breaker_open", "1 while the store circuit "
                                     "breaker skips the store (open or half-open).")

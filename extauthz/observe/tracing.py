@@ -37,7 +37,6 @@ from ..verdict import Decision, Outcome
 
 TRACER_NAME = "extauthz"
 CHECK_SPAN = "extauthz.check"
-STORE_SPAN = "extauthz.store.check"
 SHADOW_EVENT = "extauthz.shadow_denied"
 ROUTE_MAX = 100
 

@@ -13,38 +13,39 @@ keep it private):
 ``GET /shadow?window=1h``  the dark-launch report over the window (``&top=N``)
 =========================  ==========================================================
 
-Metrics (``--metrics-listen``): ``GET /metrics`` in the Prometheus text format.
-
-Both run on the event loop rather than in a thread of their own (prometheus-client's
-``start_http_server``): the scrape-time collectors then read engine state from the thread
-that writes it, and start/stop follow the server's lifecycle.
+The port itself (and the metrics port) is started by :mod:`extauthz.server.ports`; what
+the routes read and change is an :class:`AdminBackend` (the server's
+:class:`~extauthz.server.operations.Operations`).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from ..errors import StoreError
 from ..policy.schema import parse_duration
-from ..switches import GLOBAL, valid_name
+from ..switches import GLOBAL, SwitchBoard, valid_name
 from ..verdict import Mode
 
-if TYPE_CHECKING:
-    from .operations import Operations
+
+class AdminBackend(Protocol):
+    """What the admin routes read and change."""
+
+    switches: SwitchBoard
+
+    def status(self) -> dict[str, Any]: ...
+
+    def switch_status(self) -> dict[str, Any]: ...
+
+    def limiter_names(self) -> set[str]: ...
+
+    async def shadow_report(self, window: float, *, top: int = 10) -> dict[str, Any]: ...
 
 MAX_WINDOW = 7 * 24 * 3600.0
-
-
-def parse_listen(listen: str) -> tuple[str, int]:
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"expected HOST:PORT, got {listen!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
 
 
 def parse_window(value: str) -> float:
@@ -58,20 +59,6 @@ def parse_window(value: str) -> float:
     return min(seconds, MAX_WINDOW)
 
 
-async def start_http(app: web.Application, listen: str) -> tuple[web.AppRunner, int]:
-    host, port = parse_listen(listen)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
-    try:
-        await site.start()
-    except BaseException:
-        await runner.cleanup()
-        raise
-    bound = runner.addresses[0][1] if runner.addresses else port
-    return runner, int(bound)
-
-
 def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(text=json.dumps(data, indent=2, sort_keys=False, default=str) + "\n",
                         status=status, content_type="application/json")
@@ -81,7 +68,7 @@ def _error(status: int, message: str, **extra: Any) -> web.Response:
     return _json({"error": message, **extra}, status)
 
 
-def admin_app(ops: Operations) -> web.Application:
+def admin_app(ops: AdminBackend) -> web.Application:
     async def status(request: web.Request) -> web.Response:
         return _json(ops.status())
 
@@ -128,14 +115,4 @@ def admin_app(ops: Operations) -> web.Application:
     app.router.add_put("/switches/{name}", put_switch)
     app.router.add_delete("/switches/{name}", delete_switch)
     app.router.add_get("/shadow", shadow)
-    return app
-
-
-def metrics_app(registry: CollectorRegistry) -> web.Application:
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/", metrics)
     return app

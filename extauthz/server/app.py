@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..engine import Engine
+from ..observe.setup import Observability
 from ..policy import Policy, load_policy
 from ..proto import accesslog_pb2_grpc, auth_pb2_grpc
 from ..runner import Runner
@@ -26,6 +27,7 @@ from ..store.base import Store
 from ..store.keys import Keys
 from ..store.memory import MemoryStore
 from .operations import Operations
+from .ports import off
 from .services import AccessLogService
 
 log = logging.getLogger("extauthz.server")
@@ -70,23 +72,30 @@ class Server:
         self.clock = clock
         self.policy = policy if policy is not None else load_policy(config.policies)
         self.store = store if store is not None else make_store(config, clock)
+        keys = Keys(config.key_prefix)
+        # The engine's observers and store-call wrapper first: the engine gets them at
+        # construction (tracing from OTEL_* unless given; metrics when a port is asked for).
+        self.observe = Observability(
+            store=self.store, keys=keys, clock=clock, policy=self.policy,
+            metrics=off(config.metrics_listen) is not None,
+            decision_log_per_second=config.decision_log_per_second, tracer_provider=tracer_provider)
         self.engine = Engine(
-            self.store, self.policy, keys=Keys(config.key_prefix),
-            deadline=config.store_deadline_ms / 1000.0, clock=clock,
-            salt=config.identity_salt.encode(),
+            self.store, self.policy, keys=keys, deadline=config.store_deadline_ms / 1000.0,
+            clock=clock, salt=config.identity_salt.encode(), observer=self.observe.observer,
+            store_check=self.observe.store_check,
         )
         #: every background loop (switch poll, reload, shadow flush, samplers)
         self.runner = Runner()
         self.health = health.aio.HealthServicer()
         self.accesslog = AccessLogService(self.engine)
-        # observers, admin + metrics ports, hot reload, switches (tracing from OTEL_* unless given)
+        # admin + metrics ports, hot reload, switches, scrape-time metrics, /status
         self.ops = Operations(
-            engine=self.engine, store=self.store, keys=self.engine.keys, clock=clock,
-            accesslog=self.accesslog, listen=config.listen, admin_listen=config.admin_listen,
-            metrics_listen=config.metrics_listen, watch=config.policies if policy is None else None,
+            engine=self.engine, store=self.store, keys=keys, clock=clock, observe=self.observe,
+            accesslog=self.accesslog, runner=self.runner, listen=config.listen,
+            admin_listen=config.admin_listen, metrics_listen=config.metrics_listen,
+            watch=config.policies if policy is None else None,
             reload_interval=config.reload_interval, switch_poll_interval=config.switch_poll_interval,
-            decision_log_per_second=config.decision_log_per_second,
-            tracer_provider=tracer_provider, after_reload=self.sync_samplers, runner=self.runner,
+            after_reload=self.sync_samplers,
         )
         self.grpc: grpc.aio.Server | None = None
         self.port = 0

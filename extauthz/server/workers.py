@@ -35,6 +35,7 @@ import time
 from types import FrameType
 
 from .app import ServerConfig
+from .ports import parse_listen
 
 log = logging.getLogger("extauthz.server")
 
@@ -50,10 +51,10 @@ class WorkersError(ValueError):
 
 
 def _port_of(listen: str) -> int:
-    _, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit():
-        raise WorkersError(f"expected HOST:PORT, got {listen!r}")
-    return int(port)
+    try:
+        return parse_listen(listen)[1]
+    except ValueError as exc:
+        raise WorkersError(str(exc)) from None
 
 
 def _offset(listen: str | None, i: int) -> str | None:

@@ -33,7 +33,7 @@ async def server(tmp_path: Path) -> AsyncIterator[Server]:
     policy = tmp_path / "p.yaml"
     policy.write_text("version: 1\nidentity: [{header: x-api-key}]\nlimiters:\n"
                       "  - {name: user-rate, type: request_rate, rate: 1, burst: 2}\n")
-    srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0"))
+    srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0", admin_listen="127.0.0.1:0"))
     await srv.start()
     yield srv
     await srv.stop(grace=0)
@@ -67,7 +67,7 @@ async def test_malformed_request_is_decided_safely(server: Server) -> None:
 
 
 async def test_health_serving_then_not_serving_on_stop(tmp_path: Path) -> None:
-    srv = Server(ServerConfig(policies=[str(ROOT / "policies")], listen="127.0.0.1:0"))
+    srv = Server(ServerConfig(policies=[str(ROOT / "policies")], listen="127.0.0.1:0", admin_listen="127.0.0.1:0"))
     await srv.start()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
         stub = health_pb2_grpc.HealthStub(ch)
@@ -126,7 +126,7 @@ async def test_access_log_releases_with_or_without_our_metadata(tmp_path: Path) 
     policy = tmp_path / "p.yaml"
     policy.write_text("version: 1\nidentity: [{header: x-api-key}]\nlimiters:\n"
                       "  - {name: conc, type: concurrent_requests, limit: 2}\n")
-    srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0"))
+    srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0", admin_listen="127.0.0.1:0"))
     await srv.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:

@@ -123,7 +123,7 @@ async def test_no_raw_secret_in_any_log_line_or_span(tmp_path: Path) -> None:
                     break
                 await asyncio.sleep(0.02)
             assert server.ops.watcher is not None and server.ops.watcher.failures == 1
-            server.ops.decision_log.flush()
+            server.observe.decision_log.flush()
     assert 429 in statuses
     records = decision_records(lines)
     assert {r["outcome"] for r in records} >= {"denied", "shadow_denied"}

@@ -134,8 +134,8 @@ async def test_report_over_redis_from_two_replicas(tmp_path: Path, redis_single_
             running([policy], store=Store.from_url(url, deadline=0.25), key_prefix="rp") as (b, cb):
         for client in (ca, cb, ca, cb):  # one shared bucket: 3 would-denials over two replicas
             assert await client.check("sk_live_dave") == 200
-        await a.ops.shadow.flush()
-        await b.ops.shadow.flush()
+        await a.observe.shadow.flush()
+        await b.observe.shadow.flush()
         capsys.readouterr()
         code = await asyncio.to_thread(cli.main, ["report", "--redis-url", url, "--key-prefix", "rp", "--json"])
         assert code == 0

@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 
 from extauthz import cli
-from extauthz.engine import Switches
 from extauthz.server.app import Server
 from extauthz.store.memory import MemoryStore
-from extauthz.switches import SwitchBoard, parse_switches, with_switch
+from extauthz.switches import SwitchBoard, Switches, parse_switches, with_switch
 from extauthz.verdict import Mode
 
 from .helpers import Client, admin, eventually, rate, running, write_policy

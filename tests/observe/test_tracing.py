@@ -127,6 +127,6 @@ async def test_tracing_off_installs_nothing_on_the_request_path(tmp_path: Path,
         monkeypatch.delenv(name, raising=False)
     policy = write_policy(tmp_path / "p.yaml", [rate("user-rate", burst=5)])
     async with running([policy], metrics_listen="") as (server, _):
-        assert server.ops.tracing is None
+        assert server.observe.tracing is None
         assert type(server.ops.auth_service()).__name__ == "AuthorizationService"
         assert server.engine.store_check == server.store.check  # no wrapper at all

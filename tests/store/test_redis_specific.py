@@ -21,9 +21,10 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.crc import key_slot
 
+from extauthz.breaker import Breaker
 from extauthz.clock import SYSTEM_CLOCK, ManualClock
 from extauthz.context import RawRequest
-from extauthz.engine import Breaker, Engine
+from extauthz.engine import Engine
 from extauthz.errors import StoreUnavailable
 from extauthz.policy import Policy, load_policy
 from extauthz.store.base import BucketOp, CheckResult, LeaseOp, Op

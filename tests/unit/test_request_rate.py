@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from extauthz.clock import ManualClock
-from extauthz.engine import Switches
+from extauthz.switches import Switches
 from extauthz.verdict import Mode, Outcome
 
 from .helpers import engine_for, get, policy_from
@@ -110,7 +110,7 @@ async def test_no_partial_commit_between_two_buckets(tmp_path: Path, clock: Manu
 
 
 def test_breaker_opens_on_failure_rate_not_on_a_few_late_answers(clock: ManualClock) -> None:
-    from extauthz.engine import Breaker
+    from extauthz.breaker import Breaker
 
     b = Breaker(clock, threshold=5, ratio=0.5, window=1.0, open_for=1.0)
     for i in range(100):  # 10% failures on a busy host: stays closed
@@ -135,12 +135,10 @@ def test_breaker_opens_on_failure_rate_not_on_a_few_late_answers(clock: ManualCl
 async def test_an_immediate_store_error_fails_open_and_is_counted(tmp_path: Path, clock: ManualClock) -> None:
     from extauthz.errors import StoreUnavailable
 
-    engine, _ = engine_for(policy_from(tmp_path, {"limiters": [RATE]}), clock)
-
     async def broken(ops, lease_id):  # type: ignore[no-untyped-def]
         raise StoreUnavailable("down")
 
-    engine.store_check = broken
+    engine, _ = engine_for(policy_from(tmp_path, {"limiters": [RATE]}), clock, store_check=broken)
     _, d = await engine.check(get())
     assert d.allowed and d.verdicts[0].outcome is Outcome.FAILED_OPEN and d.failures == ("unavailable",)
     assert engine.failures == {"unavailable": 1}

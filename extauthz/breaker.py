@@ -1,0 +1,72 @@
+"""The store circuit breaker: skips the store while its calls fail at a high rate (the
+engine then fails each limiter open or closed per ``failure_mode``)."""
+
+from __future__ import annotations
+
+from .clock import Clock
+
+__all__ = ["Breaker"]
+
+
+class Breaker:
+    """Circuit breaker on the store's failure *rate*.
+
+    It opens when, within one ``window`` (seconds), at least ``threshold`` calls failed and
+    they were at least ``ratio`` of that window's calls; it then skips the store for
+    ``open_for`` seconds, lets one probe through (half-open), and closes on its success.
+    A dead or paused store fails every call and opens it within ``threshold`` calls; a
+    saturated host where a few calls miss the deadline does not (a consecutive-failures
+    breaker trips there on every burst of late answers, failing open for a whole second).
+    """
+
+    def __init__(self, clock: Clock, threshold: int = 10, ratio: float = 0.5, window: float = 1.0,
+                 open_for: float = 1.0) -> None:
+        self._clock = clock
+        self.threshold = threshold
+        self.ratio = ratio
+        self.window = window
+        self.open_for = open_for
+        #: failures and calls in the current window
+        self.failures = 0
+        self.calls = 0
+        self._window_start = clock.monotonic()
+        self.open_until: float | None = None
+        self._probing = False
+
+    @property
+    def state(self) -> str:
+        if self.open_until is None:
+            return "closed"
+        return "half_open" if self._clock.monotonic() >= self.open_until else "open"
+
+    def allow(self) -> bool:
+        if self.open_until is None:
+            return True
+        if self._probing or self._clock.monotonic() < self.open_until:
+            return False
+        self._probing = True
+        return True
+
+    def _roll(self) -> None:
+        now = self._clock.monotonic()
+        if now - self._window_start >= self.window:
+            self._window_start, self.failures, self.calls = now, 0, 0
+
+    def success(self) -> None:
+        if self.open_until is not None:  # the probe succeeded: close
+            self.open_until, self._probing = None, False
+            self.failures = self.calls = 0
+            return
+        self._roll()
+        self.calls += 1
+
+    def failure(self) -> None:
+        now = self._clock.monotonic()
+        if self.open_until is not None:  # the probe failed: stay open
+            self.open_until, self._probing = now + self.open_for, False
+            return
+        self._roll()
+        self.calls += 1
+        self.failures += 1
+        if self.failures >= self.threshold and self.failures >= self.ratio * self.calls:
+            self.open_until = now + self.open_for

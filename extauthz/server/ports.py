@@ -1,0 +1,80 @@
+"""The HTTP ports (admin, metrics): ``HOST:PORT`` parsing, starting an aiohttp app on the
+server's event loop, and stopping them all. The gRPC port is :mod:`extauthz.server.app`'s.
+
+Both run on the event loop rather than in a thread of their own (prometheus-client's
+``start_http_server``): the scrape-time collectors then read engine state from the thread
+that writes it, and start/stop follow the server's lifecycle.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+__all__ = ["OFF", "HttpPorts", "metrics_app", "off", "parse_listen"]
+
+log = logging.getLogger("extauthz.server")
+
+#: ``--admin-listen`` / ``--metrics-listen`` values that turn a port off
+OFF = ("", "off", "none")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def off(listen: str | None) -> str | None:
+    """None for an off value (:data:`OFF`), else ``listen``."""
+    return None if (listen or "").lower() in OFF else listen
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {listen!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def metrics_app(registry: CollectorRegistry) -> web.Application:
+    """``GET /metrics`` (and ``/``) in the Prometheus text format."""
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/", metrics)
+    return app
+
+
+class HttpPorts:
+    """The server's HTTP ports; none may be the public Check port."""
+
+    def __init__(self, public: str) -> None:
+        self.public = public
+        self._runners: list[web.AppRunner] = []
+
+    def check(self, what: str, listen: str | None) -> None:
+        """Refuse ``listen`` when it is the public Check port (a fixed port, not 0)."""
+        if listen is None:
+            return
+        port = parse_listen(listen)[1]
+        if port != 0 and port == parse_listen(self.public)[1]:
+            raise ValueError(f"the {what} port must not be the public Check port ({self.public})")
+
+    async def start(self, app: web.Application, listen: str) -> int:
+        """Serve ``app`` on ``listen``; the port bound (``:0`` picks a free one)."""
+        host, port = parse_listen(listen)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runners.append(runner)
+        return int(runner.addresses[0][1] if runner.addresses else port)
+
+    async def stop(self) -> None:
+        for runner in self._runners:
+            await runner.cleanup()
+        self._runners.clear()
