@@ -1,8 +1,11 @@
 """The engine: classify, run every applicable limiter, decide. No grpc here.
 
-This module is the one place that decides fail-open: a store error or a missed deadline
-becomes an allowed verdict (``failed_open``) for limiters with ``failure_mode: open`` and
-a 503 (``failed_closed``) for those with ``failure_mode: closed``, counted by reason.
+This module is the one place that decides fail-open: a store error, a missed deadline, an
+open circuit breaker or an unexpected exception (``internal_error``) becomes an allowed
+verdict (``failed_open``) for limiters with ``failure_mode: open`` and a 503
+(``failed_closed``) for those with ``failure_mode: closed``, counted by reason
+(:attr:`Engine.failures`, exported as ``extauthz_fail_open_total{reason}``).
+Leases go back through :class:`~extauthz.release.Releaser` (``Engine.releaser``).
 """
 
 from __future__ import annotations
