@@ -317,6 +317,24 @@ def test_security_context(default_objects: list[dict[str, Any]]) -> None:
     assert {"name": "tmp", "mountPath": "/tmp"} in main["volumeMounts"]
 
 
+def test_default_image_is_the_projects_at_app_version(default_objects: list[dict[str, Any]]) -> None:
+    chart_yaml = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    pyproject = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert pyproject is not None and chart_yaml["appVersion"] == pyproject.group(1)
+    main = container(default_objects)
+    # the name scripts/build-image gives the image by default
+    build_image = (ROOT / "scripts" / "build-image").read_text()
+    default_repo = re.search(r"^IMAGE=\$\{IMAGE:-([^}]+)\}", build_image, re.M)
+    assert default_repo is not None
+    assert default_repo.group(1) == "ghcr.io/extauthz/extauthz"
+    assert main["image"] == f"ghcr.io/extauthz/extauthz:{chart_yaml['appVersion']}"
+    # the image's user (Containerfile USER) is the pod's user
+    user = re.search(r"^USER (\d+):(\d+)", (ROOT / "Containerfile").read_text(), re.M)
+    pod = by_kind(default_objects, "Deployment")["spec"]["template"]["spec"]
+    assert user is not None
+    assert (pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsGroup"]) == tuple(map(int, user.groups()))
+
+
 def test_default_env(default_objects: list[dict[str, Any]]) -> None:
     env = env_of(container(default_objects))
     assert {name: e.get("value") for name, e in env.items()} == {
