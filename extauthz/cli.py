@@ -45,6 +45,11 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="server processes sharing the --listen port (SO_REUSEPORT); above 1 "
                    "needs --redis-url and an Envoy with as many worker threads [EXTAUTHZ_WORKERS; "
                    "default 1]")
+    p.add_argument("--reuse-port", action="store_true",
+                   default=(_env("REUSE_PORT", "") or "").lower() in ("1", "true", "yes"),
+                   help="let another process bind the same --listen port (SO_REUSEPORT): a new "
+                   "version starts beside this one, then this one gets SIGTERM and drains "
+                   "[EXTAUTHZ_REUSE_PORT]")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "info"),
                    help="log level [EXTAUTHZ_LOG_LEVEL; default info]")
     p.add_argument("--log-format", choices=("json", "text"), default=_env("LOG_FORMAT", "json"),
@@ -60,7 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         policies=list(args.policies), listen=args.listen, redis_url=args.redis_url or None,
         store_deadline_ms=args.store_deadline_ms, key_prefix=args.key_prefix,
         identity_salt=args.identity_salt, admin_listen=args.admin_listen,
-        metrics_listen=args.metrics_listen,
+        metrics_listen=args.metrics_listen, reuse_port=args.reuse_port,
     )
     workers = getattr(args, "workers", 1)
     try:
