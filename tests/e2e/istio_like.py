@@ -9,11 +9,11 @@ from typing import Any
 
 import yaml
 
-from extauthz.devtools.envoy import GRPC_ACCESS_LOGGER, validate
+from extauthz.devtools.envoy_config import GRPC_ACCESS_LOGGER, config_path, validate
 
 from ..conftest import ROOT
 
-CONFIG = ROOT / "envoy" / "istio-like.yaml"
+CONFIG = config_path("istio-like.yaml")
 ISTIO_EXAMPLES = ROOT / "helm" / "extauthz" / "examples" / "istio"
 EXTAUTHZ_CLUSTER = "outbound|9001||extauthz.extauthz.svc.cluster.local"
 API_CLUSTER = "outbound|8080||api.default.svc.cluster.local"

@@ -25,7 +25,8 @@ import pytest
 import yaml
 
 from extauthz.devtools.client import HttpClient
-from extauthz.devtools.envoy import EXT_AUTHZ_FILTER, GRPC_ACCESS_LOGGER, EnvoyProcess
+from extauthz.devtools.envoy_config import EXT_AUTHZ_FILTER, GRPC_ACCESS_LOGGER
+from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import ServerProcess
 from extauthz.devtools.upstream import Upstream, start_upstream
 from extauthz.policy import load_policy

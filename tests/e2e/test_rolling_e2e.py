@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from extauthz.devtools.client import HttpClient
-from extauthz.devtools.envoy import EnvoyProcess
+from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import ServerProcess, free_port
 from extauthz.devtools.upstream import Upstream, start_upstream
 from tests.infra.redis_servers import RedisSingle
