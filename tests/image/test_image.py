@@ -86,7 +86,7 @@ def ensure_base() -> tuple[str, float | None]:
     cold = None
     if not tarball.exists():
         started = time.monotonic()
-        partial = tarball.with_suffix(".partial.tar")
+        partial = tarball.with_suffix(f".{os.getpid()}.partial.tar")  # concurrent runs: last rename wins
         subprocess.run(mmdebstrap_args(partial), check=True, capture_output=True, timeout=900)
         partial.rename(tarball)
         cold = time.monotonic() - started
@@ -112,7 +112,8 @@ def image() -> Iterator[Built]:
     if cold is not None:
         print(f"\nimage base: mmdebstrap cold build took {cold:.0f} s")
     started = time.monotonic()
-    env = {**os.environ, "BASE": base, "IMAGE": TEST_IMAGE, "TAG": "test"}
+    tag = f"test-{os.getpid()}"  # concurrent runs on one machine never share (or remove) an image
+    env = {**os.environ, "BASE": base, "IMAGE": TEST_IMAGE, "TAG": tag}
     out = subprocess.run([str(ROOT / "scripts" / "build-image")], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=900, check=False)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -136,7 +137,7 @@ def run_in(container: str, *cmd: str) -> str:
 
 
 def test_build_image_prints_the_requested_name_last(image: Built) -> None:
-    assert image.name == f"{TEST_IMAGE}:test"
+    assert image.name == f"{TEST_IMAGE}:test-{os.getpid()}"
 
 
 def test_image_config(image: Built) -> None:
