@@ -8,9 +8,12 @@ name in metadata or extensions is ignored (and counted by the caller), never tru
 from __future__ import annotations
 
 import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from .context import RawRequest, RequestContext
-from .policy.model import Policy
+from .policy.model import MetadataTest, Policy
 from .tiers import READ_METHODS, Tier
 
 _TIERS = {t.value: t for t in Tier}
@@ -25,13 +28,51 @@ def hash_identity(value: str, source: str, salt: bytes = b"") -> str:
     return h.hexdigest()
 
 
+def metadata_value(metadata: Mapping[str, Any], namespace: str, path: Sequence[str]) -> Any:
+    """The value at ``path`` in ``metadata[namespace]`` (nested mappings), or None."""
+    node = metadata.get(namespace)
+    for key in path:
+        if not isinstance(node, Mapping):
+            return None
+        node = node.get(key)
+    return node
+
+
+def identity_text(value: Any) -> str:
+    """A metadata value as an identity: a string as is, a number as its decimal text
+    (``42``, not ``42.0``; protobuf Structs carry every number as a double); anything else
+    (booleans, lists, structs, non-finite numbers) yields nothing."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return ""
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float) and math.isfinite(value):
+        return str(int(value)) if value.is_integer() and abs(value) < 2**63 else repr(value)
+    return ""
+
+
+def _equals(value: Any, wanted: str | int | float | bool) -> bool:
+    if isinstance(wanted, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(wanted, bool) and value is wanted
+    if isinstance(wanted, (int, float)):
+        return isinstance(value, (int, float)) and value == wanted
+    return isinstance(value, str) and value == wanted
+
+
+def metadata_test(raw: RawRequest, spec: MetadataTest | None) -> bool:
+    return spec is not None and _equals(metadata_value(raw.metadata, spec.namespace, spec.path), spec.equals)
+
+
 class Classifier:
-    __slots__ = ("_needed", "_policy", "_salt", "unknown_tiers")
+    __slots__ = ("_needed", "_needed_metadata", "_policy", "_salt", "unknown_tiers")
 
     def __init__(self, policy: Policy, salt: bytes = b"") -> None:
         self._policy = policy
         self._salt = salt
         self._needed = policy.needed_headers
+        self._needed_metadata = policy.needed_metadata
         #: count of tier names in metadata/extensions that were not a known tier.
         self.unknown_tiers = 0
 
@@ -39,12 +80,26 @@ class Classifier:
     def needed_headers(self) -> frozenset[str]:
         return self._needed
 
+    @property
+    def needed_metadata(self) -> Mapping[str, tuple[tuple[str, ...], ...]]:
+        """Filter-metadata namespace -> paths the policy reads (the edge copies only these)."""
+        return self._needed_metadata
+
     def identity(self, raw: RawRequest) -> tuple[str, str]:
         """The raw identity value and the label of the rule that produced it."""
         for src in self._policy.identity:
             if src.source_ip:
                 if raw.source_ip:
                     return raw.source_ip, "source_ip"
+                continue
+            if src.principal:
+                if raw.principal:
+                    return raw.principal, "principal"
+                continue
+            if src.metadata is not None:
+                text = identity_text(metadata_value(raw.metadata, *src.metadata))
+                if text:
+                    return text, src.label
                 continue
             value = raw.headers.get(src.header or "")
             if not value:
@@ -74,6 +129,7 @@ class Classifier:
         test_mode = bool(
             (policy.test_key_prefix and source != "source_ip" and value.startswith(policy.test_key_prefix))
             or (policy.test_header and raw.headers.get(policy.test_header, "").lower() == "true")
+            or metadata_test(raw, policy.test_metadata)
         )
         tier: Tier | None
         if test_mode:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from .tiers import Tier
 
@@ -29,6 +30,11 @@ class RawRequest:
     context_extensions: Mapping[str, str] = field(default_factory=dict)
     #: the ``x-request-id`` header (Envoy's own stream id is not useful to people).
     request_id: str = ""
+    #: authenticated metadata by namespace (``metadata_context.filter_metadata[ns]`` as plain
+    #: nested dicts of str/float/bool), only the namespaces and paths the policy names.
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    #: the authenticated peer principal (mTLS: URI SAN, e.g. a SPIFFE id), if any.
+    principal: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +42,8 @@ class RequestContext:
     tier: Tier
     #: a keyed hash of the identity value; the raw value never leaves the classifier.
     identity: str
-    #: which identity rule matched: ``header:x-api-key``, ``source_ip``, or ``none``.
+    #: which identity rule matched: ``header:x-api-key``, ``metadata:NS:a.b``, ``principal``,
+    #: ``source_ip``, or ``none``.
     identity_source: str
     test_mode: bool
     method: str

@@ -49,15 +49,36 @@ def compile_match(m: Match | AppliesTo) -> Matcher:
     )
 
 
+MetadataPath = tuple[str, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class IdentitySource:
     header: str | None
     strip_prefix: str | None
     source_ip: bool
+    #: (namespace, path) in the request's filter metadata.
+    metadata: tuple[str, MetadataPath] | None = None
+    principal: bool = False
 
     @property
     def label(self) -> str:
-        return "source_ip" if self.source_ip else f"header:{self.header}"
+        if self.source_ip:
+            return "source_ip"
+        if self.principal:
+            return "principal"
+        if self.metadata is not None:
+            return f"metadata:{self.metadata[0]}:{'.'.join(self.metadata[1])}"
+        return f"header:{self.header}"
+
+
+@dataclass(frozen=True, slots=True)
+class MetadataTest:
+    """Test mode when the value at (namespace, path) equals ``equals``."""
+
+    namespace: str
+    path: MetadataPath
+    equals: str | int | float | bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +101,7 @@ class Policy:
     context_extension_key: str
     rules: tuple[Rule, ...]
     limiters: tuple[LimiterSpec, ...]
+    test_metadata: MetadataTest | None = None
 
     @property
     def needed_headers(self) -> frozenset[str]:
@@ -90,6 +112,19 @@ class Policy:
         for rule in self.rules:
             names |= rule.matcher.header_names
         return frozenset(n.lower() for n in names)
+
+    @property
+    def needed_metadata(self) -> Mapping[str, tuple[MetadataPath, ...]]:
+        """Filter-metadata namespace -> the paths the engine reads; the edge extracts only these."""
+        wanted: dict[str, list[MetadataPath]] = {}
+        refs = [s.metadata for s in self.identity if s.metadata is not None]
+        if self.test_metadata is not None:
+            refs.append((self.test_metadata.namespace, self.test_metadata.path))
+        for namespace, path in refs:
+            paths = wanted.setdefault(namespace, [])
+            if path not in paths:
+                paths.append(path)
+        return {ns: tuple(paths) for ns, paths in wanted.items()}
 
     def limiter(self, name: str) -> LimiterSpec | None:
         for spec in self.limiters:
@@ -108,7 +143,9 @@ def compile_policy(files: Sequence[PolicyFile], *, version: str,
         version=version,
         sources=sources,
         identity=tuple(
-            IdentitySource(r.header.lower() if r.header else None, r.strip_prefix, r.source_ip)
+            IdentitySource(r.header.lower() if r.header else None, r.strip_prefix, r.source_ip,
+                           (r.metadata.namespace, tuple(r.metadata.path)) if r.metadata else None,
+                           r.principal)
             for r in identity
         ) if identity else DEFAULT_IDENTITY,
         test_key_prefix=test_mode.key_prefix if test_mode else None,
@@ -119,4 +156,7 @@ def compile_policy(files: Sequence[PolicyFile], *, version: str,
             Rule(compile_match(r.match), Tier(r.tier)) for r in classification.rules
         ) if classification else (),
         limiters=limiters,
+        test_metadata=MetadataTest(test_mode.metadata.namespace, tuple(test_mode.metadata.path),
+                                   test_mode.metadata.equals)
+        if test_mode is not None and test_mode.metadata is not None else None,
     )

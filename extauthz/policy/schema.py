@@ -76,6 +76,21 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
+MetadataPath = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=16)]
+
+
+class MetadataRef(_Strict):
+    """A value in the CheckRequest's ``metadata_context.filter_metadata``."""
+
+    namespace: str = Field(
+        min_length=1, description="filter_metadata namespace, e.g. 'envoy.filters.http.jwt_authn' "
+        "(the ext_authz filter must list it in 'metadata_context_namespaces')."
+    )
+    path: MetadataPath = Field(
+        description="Keys followed through nested structs, e.g. [payload, sub]."
+    )
+
+
 class IdentityRule(_Strict):
     """One way to name the user. The first rule that yields a value wins."""
 
@@ -85,14 +100,40 @@ class IdentityRule(_Strict):
         "a value without it yields nothing."
     )
     source_ip: bool = Field(False, description="Use the downstream peer address.")
+    metadata: MetadataRef | None = Field(
+        None, description="A string or number in the request's filter metadata (e.g. the JWT "
+        "'sub' that jwt_authn verified); anything else yields nothing."
+    )
+    principal: bool = Field(
+        False, description="The peer principal Envoy reports from mTLS (Istio: the SPIFFE id)."
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> IdentityRule:
-        if (self.header is None) == (not self.source_ip):
-            raise ValueError("an identity rule names exactly one of 'header' or 'source_ip: true'")
+        sources = (self.header is not None) + self.source_ip + (self.metadata is not None) + self.principal
+        if sources != 1:
+            raise ValueError("an identity rule names exactly one of 'header', 'metadata', "
+                             "'principal: true' or 'source_ip: true'")
         if self.strip_prefix is not None and self.header is None:
             raise ValueError("'strip_prefix' needs 'header'")
         return self
+
+
+def _scalar_only(value: Any) -> Any:
+    if not isinstance(value, (str, int, float, bool)):
+        raise ValueError("'equals' is a string, a number or a boolean")
+    return value
+
+
+class TestModeMetadata(MetadataRef):
+    """Test mode when a filter-metadata value equals ``equals`` (e.g. a claim ``livemode: false``)."""
+
+    __test__ = False  # not a pytest test class
+
+    equals: Annotated[str | int | float | bool, BeforeValidator(_scalar_only)] = Field(
+        description="The value meaning test mode; strings compare exactly, numbers by value, "
+        "booleans only with booleans."
+    )
 
 
 class TestModeSpec(_Strict):
@@ -100,8 +141,14 @@ class TestModeSpec(_Strict):
 
     __test__ = False  # not a pytest test class
 
-    key_prefix: str | None = Field(None, description="Identities starting with this are test mode.")
+    key_prefix: str | None = Field(
+        None, description="Identities (header, metadata or principal rules) starting with this are test mode."
+    )
     header: str | None = Field(None, description="A request header that is 'true' in test mode.")
+    metadata: TestModeMetadata | None = Field(
+        None, description="A filter-metadata value meaning test mode, e.g. "
+        "{namespace: envoy.filters.http.jwt_authn, path: [payload, livemode], equals: false}."
+    )
 
 
 class Match(_Strict):

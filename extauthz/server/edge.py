@@ -5,7 +5,8 @@ The only module that reads Envoy's attribute chains or builds Envoy's messages.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from google.protobuf import struct_pb2
 
@@ -24,9 +25,46 @@ _GRPC_OK = 0
 _GRPC_RESOURCE_EXHAUSTED = 8
 _GRPC_UNAVAILABLE = 14
 _EMPTY: Mapping[str, str] = {}
+_NO_METADATA: Mapping[str, tuple[tuple[str, ...], ...]] = {}
 
 
-def raw_request(req: auth_pb2.CheckRequest, needed: frozenset[str], namespace: str) -> RawRequest:
+def _scalar(value: struct_pb2.Value) -> str | float | bool | None:
+    kind = value.WhichOneof("kind")
+    if kind == "string_value":
+        return value.string_value
+    if kind == "number_value":
+        return value.number_value
+    if kind == "bool_value":
+        return value.bool_value
+    return None
+
+
+def struct_paths(struct: struct_pb2.Struct, paths: Sequence[Sequence[str]]) -> dict[str, Any]:
+    """Only the scalars at ``paths`` of a Struct, as nested dicts (e.g. ``{"payload": {"sub":
+    "alice"}}``): the cost follows the paths, not the size of the Struct."""
+    out: dict[str, Any] = {}
+    for path in paths:
+        node, into = struct, out
+        for key in path[:-1]:
+            value = node.fields.get(key)
+            if value is None or value.WhichOneof("kind") != "struct_value":
+                break
+            sub = into.setdefault(key, {})
+            if not isinstance(sub, dict):
+                break
+            node, into = value.struct_value, sub
+        else:
+            value = node.fields.get(path[-1])
+            scalar = _scalar(value) if value is not None else None
+            if scalar is not None:
+                into[path[-1]] = scalar
+    return out
+
+
+def raw_request(req: auth_pb2.CheckRequest, needed: frozenset[str], namespace: str,
+                metadata: Mapping[str, Sequence[Sequence[str]]] = _NO_METADATA) -> RawRequest:
+    """``metadata``: the filter-metadata namespaces and paths to extract (only those: the
+    request path pays for what the policy reads)."""
     attrs = req.attributes
     http = attrs.request.http
     headers = http.headers
@@ -41,6 +79,10 @@ def raw_request(req: auth_pb2.CheckRequest, needed: frozenset[str], namespace: s
         if value is not None and value.WhichOneof("kind") == "string_value":
             route_tier = value.string_value
     ext = attrs.context_extensions
+    found: Mapping[str, Any] = _EMPTY
+    if metadata:
+        md = attrs.metadata_context.filter_metadata
+        found = {ns: struct_paths(md[ns], paths) for ns, paths in metadata.items() if ns in md}
     return RawRequest(
         method=http.method,
         path=path,
@@ -50,6 +92,8 @@ def raw_request(req: auth_pb2.CheckRequest, needed: frozenset[str], namespace: s
         route_tier=route_tier,
         context_extensions=dict(ext) if ext else _EMPTY,
         request_id=headers.get("x-request-id", ""),
+        metadata=found,
+        principal=attrs.source.principal,
     )
 
 

@@ -473,3 +473,28 @@ def test_benchmark_variant_local_ratelimit_with_direct_response() -> None:
     status, headers, _ = answers[3]
     assert status == 429
     assert headers["x-ratelimit-limit"] == "3"
+
+
+# ---- variants shipped beside envoy.yaml ---------------------------------------------------
+
+
+def _filters(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {f["name"]: f.get("typed_config", {}) for f in _hcm(config)["http_filters"]}
+
+
+def test_jwt_config_validates_with_jwt_authn_before_ext_authz() -> None:
+    text = (REPO / "envoy" / "envoy-jwt.yaml").read_text(encoding="utf-8")
+    validate(text)
+    config = yaml.safe_load(text)
+    names = [f["name"] for f in _hcm(config)["http_filters"]]
+    assert names.index("envoy.filters.http.jwt_authn") < names.index(EXT_AUTHZ_FILTER)
+    filters = _filters(config)
+    provider = filters["envoy.filters.http.jwt_authn"]["providers"]["issuer"]
+    assert provider["payload_in_metadata"] == "payload"
+    requirements = filters["envoy.filters.http.jwt_authn"]["rules"][0]["requires"]["requires_any"]["requirements"]
+    assert {"allow_missing": {}} in requirements
+    ext_authz = filters[EXT_AUTHZ_FILTER]
+    assert ext_authz["metadata_context_namespaces"] == ["envoy.filters.http.jwt_authn"]
+    assert ext_authz["failure_mode_allow"] is True
+    # renders like envoy.yaml (same clusters and listener)
+    validate(render(base=REPO / "envoy" / "envoy-jwt.yaml"))
