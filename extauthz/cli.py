@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from . import __version__
 from .errors import PolicyError
 from .opscli import add_parsers as add_ops_parsers
-from .opscli import cmd_report, cmd_switch
+from .opscli import cmd_report, cmd_status, cmd_switch
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -36,9 +36,16 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="prefix of every store key [EXTAUTHZ_KEY_PREFIX; default extauthz]")
     p.add_argument("--identity-salt", default=_env("IDENTITY_SALT", ""),
                    help="key for hashing identities; same on every replica [EXTAUTHZ_IDENTITY_SALT]")
-    p.add_argument("--admin-listen", default=_env("ADMIN_LISTEN", "127.0.0.1:9002"),
-                   help="admin HTTP port (status, switches); keep it private "
+    p.add_argument("--admin-listen", default=_env("ADMIN_LISTEN"),
+                   help="admin HTTP port (status, switches); keep it private; 'off' disables. "
+                   "Not given: 127.0.0.1:9002, or an OS-chosen port with a warning when that is "
+                   "taken (a second server on the host); given and taken: the start fails "
                    "[EXTAUTHZ_ADMIN_LISTEN; default 127.0.0.1:9002]")
+    p.add_argument("--admin-url-file", default=_env("ADMIN_URL_FILE"),
+                   help="file the server writes its admin URL to, so that `extauthz switch|report "
+                   "--listen HOST:PORT` reach it [EXTAUTHZ_ADMIN_URL_FILE; default "
+                   "$XDG_RUNTIME_DIR/extauthz/admin-PORT.url or /tmp/extauthz-UID/admin-PORT.url, "
+                   "PORT the --listen port; 'off' disables]")
     p.add_argument("--metrics-listen", default=_env("METRICS_LISTEN"),
                    help="Prometheus metrics port, e.g. 0.0.0.0:9464 [EXTAUTHZ_METRICS_LISTEN]")
     p.add_argument("--workers", type=int, default=int(_env("WORKERS", "1") or 1),
@@ -59,12 +66,22 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def cmd_serve(args: argparse.Namespace) -> int:
     from .observe.logs import configure_logging
     from .server.app import ServerConfig, serve
+    from .server.portfile import admin_url_path
 
     listener = configure_logging(args.log_level, args.log_format)
+    url_file = args.admin_url_file
+    if url_file is None:
+        try:
+            url_file = str(admin_url_path(args.listen))
+        except ValueError:
+            url_file = None
     config = ServerConfig(
         policies=list(args.policies), listen=args.listen, redis_url=args.redis_url or None,
         store_deadline_ms=args.store_deadline_ms, key_prefix=args.key_prefix,
-        identity_salt=args.identity_salt, admin_listen=args.admin_listen,
+        identity_salt=args.identity_salt,
+        admin_listen=args.admin_listen if args.admin_listen is not None else ServerConfig.admin_listen,
+        admin_listen_optional=args.admin_listen is None,
+        admin_url_file=None if (url_file or "off").lower() in ("off", "none") else url_file,
         metrics_listen=args.metrics_listen, reuse_port=args.reuse_port,
     )
     workers = getattr(args, "workers", 1)
@@ -82,6 +99,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except PolicyError as exc:
         logging.getLogger("extauthz.server").error("the policy has errors, not starting:\n%s", exc, extra={
             "fields": {"event": "policy_invalid", "issues": [str(i) for i in exc.issues]}})
+        return 2
+    except OSError as exc:  # a port asked for is taken, a certificate cannot be read, ...
+        logging.getLogger("extauthz.server").error("not starting: %s", exc, extra={
+            "fields": {"event": "start_failed"}})
+        print(f"extauthz serve: {exc}", file=sys.stderr)
         return 2
     finally:
         listener.stop()
@@ -146,6 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "demo": cmd_demo,
         "switch": cmd_switch,
         "report": cmd_report,
+        "status": cmd_status,
     }[args.command]
     return handler(args)
 

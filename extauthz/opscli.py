@@ -1,8 +1,10 @@
-"""``extauthz switch`` and ``extauthz report``: the operator's side of safe rollout.
+"""``extauthz switch``, ``report`` and ``status``: the operator's side of safe rollout.
 
-Both talk to a running server's admin port (``--admin``, default ``http://127.0.0.1:9002``)
-or, with ``--redis-url``, straight to the Redis every replica reads (the same key and JSON
-the servers use), which also works when no admin port is reachable.
+They talk to a running server's admin port (``--admin``, default ``http://127.0.0.1:9002``;
+or ``--listen HOST:PORT``, the server's gRPC port, whose admin URL the server wrote to a file
+on this host: see ``extauthz.server.portfile``) or, with ``--redis-url`` (switch, report),
+straight to the Redis every replica reads (the same key and JSON the servers use), which also
+works when no admin port is reachable.
 """
 
 from __future__ import annotations
@@ -31,8 +33,13 @@ class CliError(Exception):
 
 
 def _add_target(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--admin", default=os.environ.get("EXTAUTHZ_ADMIN_URL", DEFAULT_ADMIN),
+    p.add_argument("--admin", default=None,
                    help=f"a server's admin URL [EXTAUTHZ_ADMIN_URL; default {DEFAULT_ADMIN}]")
+    p.add_argument("--listen", default=None, metavar="HOST:PORT",
+                   help="reach the server on this host started with this --listen (e.g. the second "
+                   "of two servers, whose admin port was chosen by the OS): its admin URL is read "
+                   "from the file it wrote, $XDG_RUNTIME_DIR/extauthz/admin-PORT.url or "
+                   "/tmp/extauthz-UID/admin-PORT.url")
     p.add_argument("--redis-url", default=None,
                    help="talk to the fleet's Redis directly instead of an admin port")
     p.add_argument("--key-prefix", default=os.environ.get("EXTAUTHZ_KEY_PREFIX", "extauthz"),
@@ -62,8 +69,31 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--top", type=int, default=10, help="rows per limiter (default 10)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
+    p = sub.add_parser(
+        "status", help="print a running server's /status (policy, store, counters) as JSON",
+        description="GET /status from a server's admin port: --admin URL, or --listen HOST:PORT for "
+        "the server on this host started with that --listen.")
+    p.add_argument("--admin", default=None,
+                   help=f"a server's admin URL [EXTAUTHZ_ADMIN_URL; default {DEFAULT_ADMIN}]")
+    p.add_argument("--listen", default=None, metavar="HOST:PORT",
+                   help="the server on this host started with this --listen (its admin URL file)")
+
 
 # -- transports ---------------------------------------------------------------------------
+
+
+def admin_base(args: argparse.Namespace) -> str:
+    """--admin, else the URL the server on --listen wrote, else EXTAUTHZ_ADMIN_URL, else the default."""
+    if args.admin:
+        return str(args.admin).rstrip("/")
+    if args.listen:
+        from .server.portfile import read_admin_url
+
+        try:
+            return read_admin_url(args.listen).rstrip("/")
+        except (OSError, ValueError) as exc:
+            raise CliError(str(exc)) from None
+    return os.environ.get("EXTAUTHZ_ADMIN_URL", DEFAULT_ADMIN).rstrip("/")
 
 
 def _http(method: str, url: str, body: str | None = None) -> Any:
@@ -131,7 +161,7 @@ def cmd_switch(args: argparse.Namespace) -> int:
 
             data = asyncio.run(_with_redis(args.redis_url, go))
         else:
-            base = args.admin.rstrip("/")
+            base = admin_base(args)
             if args.list:
                 data = _http("GET", f"{base}/switches")
             elif mode is None:
@@ -175,7 +205,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             events = asyncio.run(_with_redis(args.redis_url, go))
             data = report_from_events(events, window=window, since=since, top=args.top)
         else:
-            data = _http("GET", f"{args.admin.rstrip('/')}/shadow?window={window:g}&top={args.top}")
+            data = _http("GET", f"{admin_base(args)}/shadow?window={window:g}&top={args.top}")
     except CliError as exc:
         print(f"extauthz report: {exc}", file=sys.stderr)
         return 1
@@ -183,4 +213,17 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(f"extauthz report: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(data, indent=2) if args.json else format_report(data))
+    return 0
+
+
+# -- status -------------------------------------------------------------------------------
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    try:
+        data = _http("GET", f"{admin_base(args)}/status")
+    except CliError as exc:
+        print(f"extauthz status: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(data, indent=2))
     return 0

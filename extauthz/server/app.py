@@ -6,11 +6,13 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -27,7 +29,8 @@ from ..store.base import Store
 from ..store.keys import Keys
 from ..store.memory import MemoryStore
 from .operations import Operations
-from .ports import off
+from .portfile import remove_admin_url, write_admin_url
+from .ports import off, parse_listen
 from .services import AccessLogService
 
 log = logging.getLogger("extauthz.server")
@@ -45,6 +48,11 @@ class ServerConfig:
     key_prefix: str = "extauthz"
     identity_salt: str = ""
     admin_listen: str = "127.0.0.1:9002"
+    #: the admin port was not asked for (the CLI default): when taken, fall back to an
+    #: OS-chosen port with a warning instead of failing the start.
+    admin_listen_optional: bool = False
+    #: where to write the admin URL for ``extauthz switch|report|status --listen`` (server/portfile.py).
+    admin_url_file: str | None = None
     metrics_listen: str | None = None
     grace_seconds: float = 5.0
     #: policy file poll (hot reload; 0 turns it off), kill switch poll, in seconds.
@@ -54,6 +62,16 @@ class ServerConfig:
     decision_log_per_second: int = 1000
     #: share the Check port with other processes (``--workers``; see server/workers.py).
     reuse_port: bool = False
+
+
+def _bind(server: grpc.aio.Server, listen: str, flag: str) -> int:
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError:  # grpc's "Failed to bind to address"
+        port = 0
+    if port == 0:
+        raise OSError(errno.EADDRINUSE, f"cannot listen on {listen} ({flag}): the address is taken or not available")
+    return int(port)
 
 
 def make_store(config: ServerConfig, clock: Clock = SYSTEM_CLOCK) -> Store:
@@ -95,7 +113,7 @@ class Server:
             admin_listen=config.admin_listen, metrics_listen=config.metrics_listen,
             watch=config.policies if policy is None else None,
             reload_interval=config.reload_interval, switch_poll_interval=config.switch_poll_interval,
-            after_reload=self.sync_samplers,
+            after_reload=self.sync_samplers, admin_optional=config.admin_listen_optional,
         )
         self.grpc: grpc.aio.Server | None = None
         self.port = 0
@@ -106,17 +124,36 @@ class Server:
         auth_pb2_grpc.add_AuthorizationServicer_to_server(self.ops.auth_service(), server)
         accesslog_pb2_grpc.add_AccessLogServiceServicer_to_server(self.accesslog, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        self.port = server.add_insecure_port(self.config.listen)
-        if self.port == 0:
-            raise OSError(f"cannot listen on {self.config.listen}")
+        try:
+            self.port = _bind(server, self.config.listen, "--listen")
+        except BaseException:
+            await self.ops.stop()
+            raise
         await server.start()
         self.grpc = server
         for name in ("", AUTH_SERVICE, ACCESSLOG_SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.sync_samplers()
+        self._write_admin_url()
         log.info("serving on port %d with policy %s (%s store)", self.port,
                  self.policy.version, self.store.name)
         return self.port
+
+    @property
+    def admin_url(self) -> str | None:
+        if not self.ops.admin_port or self.ops.admin_listen is None:
+            return None
+        host = parse_listen(self.ops.admin_listen)[0]
+        host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.ops.admin_port}"
+
+    def _write_admin_url(self) -> None:
+        if not self.config.admin_url_file or self.admin_url is None:
+            return
+        try:
+            write_admin_url(Path(self.config.admin_url_file), self.admin_url)
+        except OSError as exc:
+            log.warning("cannot write the admin URL file: %s", exc)
 
     def sync_samplers(self) -> None:
         """One sampler job per worker utilization shedder of the current policy; call
@@ -132,6 +169,8 @@ class Server:
         if self.grpc is not None:
             await self.grpc.stop(self.config.grace_seconds if grace is None else grace)
         await self.ops.stop()
+        if self.config.admin_url_file and self.admin_url is not None:
+            remove_admin_url(Path(self.config.admin_url_file), self.admin_url)
         # Releases still on their way (access log, cancelled Checks, late store answers)
         # finish before the store closes.
         await self.engine.releaser.drain(self.config.grace_seconds if grace is None else max(grace, 1.0))

@@ -42,7 +42,8 @@ class Operations:
                  watch: Sequence[str | Path] | None, reload_interval: float = 1.0,
                  switch_poll_interval: float = 1.0, shadow_flush_interval: float = 1.0,
                  leases_sample_interval: float = 2.0,
-                 after_reload: Callable[[], None] | None = None) -> None:
+                 after_reload: Callable[[], None] | None = None,
+                 admin_optional: bool = False) -> None:
         self.engine = engine
         self.store = store
         self.keys = keys
@@ -56,6 +57,9 @@ class Operations:
         self.metrics_listen = off(metrics_listen)
         self.ports.check("admin", self.admin_listen)
         self.ports.check("metrics", self.metrics_listen)
+        #: the admin port was not asked for: when taken, take an OS-chosen one (two servers
+        #: on one host) instead of failing the start.
+        self.admin_optional = admin_optional
 
         self.shadow_flush_interval = shadow_flush_interval
         self.switches = SwitchBoard(store, keys.switches, engine.set_switches, interval=switch_poll_interval)
@@ -99,9 +103,9 @@ class Operations:
         try:
             if self.observe.metrics is not None and self.metrics_listen is not None:
                 self.metrics_port = await self.ports.start(metrics_app(self.observe.metrics.registry),
-                                                           self.metrics_listen)
+                                                           self.metrics_listen, "--metrics-listen")
             if self.admin_listen is not None:
-                self.admin_port = await self.ports.start(admin_app(self), self.admin_listen)
+                self.admin_port = await self._start_admin(self.admin_listen)
                 if parse_listen(self.admin_listen)[0] not in LOOPBACK:
                     log.warning("the admin port listens on %s: it changes kill switches without "
                                 "authentication; keep it private", self.admin_listen,
@@ -122,6 +126,20 @@ class Operations:
                                    "metrics_port": self.metrics_port,
                                    "tracing": self.observe.tracing is not None,
                                    "reload": self.watcher is not None}})
+
+    async def _start_admin(self, listen: str) -> int:
+        try:
+            return await self.ports.start(admin_app(self), listen, "--admin-listen")
+        except OSError as exc:
+            if not self.admin_optional:
+                raise
+            host = parse_listen(listen)[0]
+            port = await self.ports.start(admin_app(self), f"[{host}]:0" if ":" in host else f"{host}:0",
+                                          "--admin-listen")
+            log.warning("%s; the admin port is %d instead (not asked for with --admin-listen, so "
+                        "not fatal; `extauthz switch --listen HOST:PORT` finds it)", exc, port,
+                        extra={"fields": {"event": "admin_port_fallback", "admin_port": port}})
+            return port
 
     async def stop(self) -> None:
         await self.runner.stop()

@@ -60,14 +60,19 @@ class HttpPorts:
         if port != 0 and port == parse_listen(self.public)[1]:
             raise ValueError(f"the {what} port must not be the public Check port ({self.public})")
 
-    async def start(self, app: web.Application, listen: str) -> int:
-        """Serve ``app`` on ``listen``; the port bound (``:0`` picks a free one)."""
+    async def start(self, app: web.Application, listen: str, flag: str = "") -> int:
+        """Serve ``app`` on ``listen``; the port bound (``:0`` picks a free one). A taken
+        port raises an OSError naming ``flag`` (``--admin-listen``)."""
         host, port = parse_listen(listen)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         site = web.TCPSite(runner, host, port, reuse_address=True)
         try:
             await site.start()
+        except OSError as exc:
+            await runner.cleanup()
+            where = f"{listen} ({flag})" if flag else listen
+            raise OSError(exc.errno, f"cannot listen on {where}: {exc.strerror or exc}") from None
         except BaseException:
             await runner.cleanup()
             raise

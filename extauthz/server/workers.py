@@ -17,7 +17,8 @@ What to know:
 * The embedded store is per process: N workers would each enforce the whole limit. So
   ``--workers`` above 1 needs ``--redis-url`` (refused otherwise).
 * Each child gets its own admin and metrics port: child ``i`` listens on the configured
-  port plus ``i`` (a configured port 0 stays 0). The Check port itself must not be 0.
+  port plus ``i`` (a configured port 0 stays 0), and writes its admin URL to
+  ``admin-PORT-i.url`` (worker 0: ``admin-PORT.url``). The Check port itself must not be 0.
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ def child_config(config: ServerConfig, i: int) -> ServerConfig:
     for name in ("admin_listen", "metrics_listen"):
         if hasattr(config, name):
             changes[name] = _offset(getattr(config, name), i)
+    url_file = getattr(config, "admin_url_file", None)
+    if url_file and i:  # admin-PORT.url for worker 0, admin-PORT-i.url for worker i
+        base, dot, ext = url_file.rpartition(".")
+        changes["admin_url_file"] = f"{base}-{i}.{ext}" if dot else f"{url_file}-{i}"
     return dataclasses.replace(config, **changes)  # type: ignore[arg-type]
 
 

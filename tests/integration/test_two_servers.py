@@ -1,0 +1,103 @@
+"""Two ``extauthz serve`` processes on one host with only ``--listen`` differing both start,
+answer Check and can each be reached by the operator commands; a port asked for that is
+taken still fails the start with a clear message."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from extauthz.devtools.stack import free_port, wait_for_health
+from extauthz.proto import auth_pb2, auth_pb2_grpc
+
+from ..conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def _env(runtime: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXTAUTHZ_")}
+    return {**env, "XDG_RUNTIME_DIR": str(runtime), "EXTAUTHZ_LOG_FORMAT": "text"}
+
+
+def _serve(runtime: Path, *args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "extauthz", "serve", "--policies", str(ROOT / "policies"),
+                             *args], env=_env(runtime), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _cli(runtime: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "extauthz", *args], env=_env(runtime), text=True,
+                          capture_output=True, timeout=30, check=False)
+
+
+def _check(port: int, key: str) -> auth_pb2.CheckResponse:
+    req = auth_pb2.CheckRequest()
+    req.attributes.request.http.method = "GET"
+    req.attributes.request.http.path = "/v1/things"
+    req.attributes.request.http.headers["x-api-key"] = key
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return auth_pb2_grpc.AuthorizationStub(channel).Check(req, timeout=5)
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    procs: list[subprocess.Popen[bytes]] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        if p.stdout is not None:
+            p.stdout.close()
+
+
+def test_two_servers_with_only_listen_given_both_start_and_answer(
+        tmp_path: Path, processes: list[subprocess.Popen[bytes]]) -> None:
+    ports = [free_port(), free_port()]
+    for port in ports:
+        processes.append(_serve(tmp_path, "--listen", f"127.0.0.1:{port}"))
+    for port, proc in zip(ports, processes, strict=True):
+        wait_for_health(port, 30, proc)
+        assert _check(port, "sk_live_a").status.code == 0
+    urls = [(tmp_path / "extauthz" / f"admin-{p}.url").read_text().strip() for p in ports]
+    assert urls[0] != urls[1] and all(u.startswith("http://127.0.0.1:") for u in urls)
+    # the operator commands reach each server by the --listen it was started with
+    for port in ports:
+        status = _cli(tmp_path, "status", "--listen", f"127.0.0.1:{port}")
+        assert status.returncode == 0, status.stderr
+        assert json.loads(status.stdout)["policy"]["version"]
+        switches = _cli(tmp_path, "switch", "--listen", f"127.0.0.1:{port}", "--list")
+        assert switches.returncode == 0 and "user-rate" in switches.stdout
+    missing = _cli(tmp_path, "status", "--listen", f"127.0.0.1:{free_port()}")
+    assert missing.returncode == 1 and "wrote" in missing.stderr
+
+    # a port asked for explicitly that is taken fails the start, saying which and why
+    admin_port = int(urls[0].rsplit(":", 1)[1])
+    taken = _serve(tmp_path, "--listen", f"127.0.0.1:{free_port()}", "--admin-listen", f"127.0.0.1:{admin_port}")
+    processes.append(taken)
+    out = taken.communicate(timeout=30)[0].decode()
+    assert taken.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{admin_port} (--admin-listen)" in out
+    busy = _serve(tmp_path, "--listen", f"127.0.0.1:{ports[0]}")
+    processes.append(busy)
+    out = busy.communicate(timeout=30)[0].decode()
+    assert busy.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{ports[0]} (--listen)" in out
+
+    # a clean stop removes the URL file
+    processes[1].terminate()
+    processes[1].wait(10)
+    assert not (tmp_path / "extauthz" / f"admin-{ports[1]}.url").exists()
