@@ -48,6 +48,18 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    "PORT the --listen port; 'off' disables]")
     p.add_argument("--metrics-listen", default=_env("METRICS_LISTEN"),
                    help="Prometheus metrics port, e.g. 0.0.0.0:9464 [EXTAUTHZ_METRICS_LISTEN]")
+    p.add_argument("--tls-cert", default=_env("TLS_CERT"),
+                   help="PEM certificate (chain) of the gRPC port: TLS on; needs --tls-key. Rotated "
+                   "files are picked up without a restart [EXTAUTHZ_TLS_CERT; default: plaintext]")
+    p.add_argument("--tls-key", default=_env("TLS_KEY"),
+                   help="PEM private key of --tls-cert [EXTAUTHZ_TLS_KEY]")
+    p.add_argument("--tls-client-ca", default=_env("TLS_CLIENT_CA"),
+                   help="PEM CA: clients (Envoy) must present a certificate it signed (mTLS) "
+                   "[EXTAUTHZ_TLS_CLIENT_CA]")
+    p.add_argument("--health-listen", default=_env("HEALTH_LISTEN"),
+                   help="a plaintext port serving only gRPC health, e.g. 0.0.0.0:9003, for probes "
+                   "that speak no TLS (the kubelet's) when the gRPC port uses TLS "
+                   "[EXTAUTHZ_HEALTH_LISTEN; default off]")
     p.add_argument("--workers", type=int, default=int(_env("WORKERS", "1") or 1),
                    help="server processes sharing the --listen port (SO_REUSEPORT); above 1 "
                    "needs --redis-url and an Envoy with as many worker threads [EXTAUTHZ_WORKERS; "
@@ -83,6 +95,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         admin_listen_optional=args.admin_listen is None,
         admin_url_file=None if (url_file or "off").lower() in ("off", "none") else url_file,
         metrics_listen=args.metrics_listen, reuse_port=args.reuse_port,
+        tls_cert=args.tls_cert or None, tls_key=args.tls_key or None,
+        tls_client_ca=args.tls_client_ca or None, health_listen=args.health_listen or None,
     )
     workers = getattr(args, "workers", 1)
     try:

@@ -32,6 +32,7 @@ from .operations import Operations
 from .portfile import remove_admin_url, write_admin_url
 from .ports import off, parse_listen
 from .services import AccessLogService
+from .tls import CertificateReloader, TlsFiles
 
 log = logging.getLogger("extauthz.server")
 
@@ -62,11 +63,19 @@ class ServerConfig:
     decision_log_per_second: int = 1000
     #: share the Check port with other processes (``--workers``; see server/workers.py).
     reuse_port: bool = False
+    #: TLS on the gRPC port (PEM files; both or neither), mTLS with a client CA (server/tls.py).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    #: a plaintext port serving only grpc.health.v1 (the kubelet's gRPC probes speak no TLS).
+    health_listen: str | None = None
 
 
-def _bind(server: grpc.aio.Server, listen: str, flag: str) -> int:
+def _bind(server: grpc.aio.Server, listen: str, flag: str,
+          credentials: grpc.ServerCredentials | None) -> int:
     try:
-        port = server.add_insecure_port(listen)
+        port = (server.add_insecure_port(listen) if credentials is None
+                else server.add_secure_port(listen, credentials))
     except RuntimeError:  # grpc's "Failed to bind to address"
         port = 0
     if port == 0:
@@ -115,8 +124,13 @@ class Server:
             reload_interval=config.reload_interval, switch_poll_interval=config.switch_poll_interval,
             after_reload=self.sync_samplers, admin_optional=config.admin_listen_optional,
         )
+        files = TlsFiles.from_options(config.tls_cert, config.tls_key, config.tls_client_ca)
+        self.tls = CertificateReloader(files) if files is not None else None
+        self.ops.tls = self.tls
         self.grpc: grpc.aio.Server | None = None
+        self.health_grpc: grpc.aio.Server | None = None
         self.port = 0
+        self.health_port = 0
 
     async def start(self) -> int:
         await self.ops.start()
@@ -125,7 +139,14 @@ class Server:
         accesslog_pb2_grpc.add_AccessLogServiceServicer_to_server(self.accesslog, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:
-            self.port = _bind(server, self.config.listen, "--listen")
+            self.port = _bind(server, self.config.listen, "--listen",
+                              self.tls.credentials() if self.tls is not None else None)
+            if self.config.health_listen:
+                health_server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.config.reuse_port))])
+                health_pb2_grpc.add_HealthServicer_to_server(self.health, health_server)
+                self.health_port = _bind(health_server, self.config.health_listen, "--health-listen", None)
+                await health_server.start()
+                self.health_grpc = health_server
         except BaseException:
             await self.ops.stop()
             raise
@@ -135,7 +156,8 @@ class Server:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.sync_samplers()
         self._write_admin_url()
-        log.info("serving on port %d with policy %s (%s store)", self.port,
+        log.info("serving on port %d (%s) with policy %s (%s store)", self.port,
+                 "plaintext" if self.tls is None else ("mTLS" if self.tls.mtls else "TLS"),
                  self.policy.version, self.store.name)
         return self.port
 
@@ -168,6 +190,8 @@ class Server:
         await self.runner.stop()
         if self.grpc is not None:
             await self.grpc.stop(self.config.grace_seconds if grace is None else grace)
+        if self.health_grpc is not None:
+            await self.health_grpc.stop(0)
         await self.ops.stop()
         if self.config.admin_url_file and self.admin_url is not None:
             remove_admin_url(Path(self.config.admin_url_file), self.admin_url)

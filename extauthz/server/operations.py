@@ -16,6 +16,7 @@ from typing import Any
 from .. import __version__
 from ..clock import Clock
 from ..engine import Engine
+from ..observe.edge_metrics import EdgeCollector
 from ..observe.metrics import LeaseSampler, StateCollector
 from ..observe.setup import Observability
 from ..observe.shadow import read_report
@@ -31,6 +32,7 @@ from ..verdict import Mode
 from .admin import admin_app
 from .ports import LOOPBACK, HttpPorts, metrics_app, off, parse_listen
 from .services import AccessLogService, AuthorizationService
+from .tls import CertificateReloader
 
 log = logging.getLogger("extauthz.server")
 
@@ -60,6 +62,8 @@ class Operations:
         #: the admin port was not asked for: when taken, take an OS-chosen one (two servers
         #: on one host) instead of failing the start.
         self.admin_optional = admin_optional
+        #: the gRPC port's certificate reloader when TLS is on (set by the server).
+        self.tls: CertificateReloader | None = None
 
         self.shadow_flush_interval = shadow_flush_interval
         self.switches = SwitchBoard(store, keys.switches, engine.set_switches, interval=switch_poll_interval)
@@ -76,6 +80,8 @@ class Operations:
                 shadow_dropped=lambda: observe.shadow.dropped,
                 background_errors=lambda: runner.errors,
                 bad_requests=lambda: self.auth.bad_requests))
+            observe.metrics.registry.register(EdgeCollector(
+                lambda: self.tls, lambda: getattr(accesslog, "rejected", {})))
         self.admin_port = 0
         self.metrics_port = 0
 
@@ -197,6 +203,7 @@ class Operations:
                              "suppressed": self.observe.decision_log.suppressed_total},
             "observer_errors": getattr(self.observe.observer, "errors", 0),
             "tracing": self.observe.tracing is not None,
+            "tls": self.tls.status() if self.tls is not None else {"enabled": False},
         }
 
     async def shadow_report(self, window: float, *, top: int = 10) -> dict[str, Any]:

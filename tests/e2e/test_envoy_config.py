@@ -498,3 +498,26 @@ def test_jwt_config_validates_with_jwt_authn_before_ext_authz() -> None:
     assert ext_authz["failure_mode_allow"] is True
     # renders like envoy.yaml (same clusters and listener)
     validate(render(base=REPO / "envoy" / "envoy-jwt.yaml"))
+
+
+def test_tls_config_validates_with_a_client_certificate(tmp_path: Path) -> None:
+    from ..infra.certs import CA
+
+    ca = CA()
+    ca.write(tmp_path / "ca.crt")
+    ca.issue("envoy").write(tmp_path, "tls")
+    text = render(base=REPO / "envoy" / "envoy-tls.yaml").replace("/etc/envoy/extauthz-tls/", f"{tmp_path}/")
+    validate(text)
+    config = yaml.safe_load(text)
+    socket_ = _cluster(config, "extauthz")["transport_socket"]
+    assert socket_["name"] == "envoy.transport_sockets.tls"
+    context = socket_["typed_config"]
+    assert context["@type"].endswith("UpstreamTlsContext")
+    common = context["common_tls_context"]
+    assert common["tls_certificates"][0]["certificate_chain"] == {"filename": f"{tmp_path}/tls.crt"}
+    assert common["validation_context"]["trusted_ca"] == {"filename": f"{tmp_path}/ca.crt"}
+    # one cluster carries both the Check calls and the access-log stream: both are encrypted
+    hcm = _hcm(config)
+    assert _filters(config)[EXT_AUTHZ_FILTER]["grpc_service"]["envoy_grpc"]["cluster_name"] == "extauthz"
+    logger = next(a for a in hcm["access_log"] if a["name"] == "envoy.access_loggers.http_grpc")
+    assert logger["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] == "extauthz"

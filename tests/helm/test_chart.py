@@ -531,3 +531,44 @@ def test_envoyfilter_access_logger_is_valid_envoy_config() -> None:
                               "explicit_http_config": {"http2_protocol_options": {}}}}}],
     }}
     envoy_config.validate(yaml.safe_dump(bootstrap))
+
+
+# -- TLS on the grpc port ----------------------------------------------------------------------------
+
+
+def test_tls_secret_is_mounted_and_probes_use_the_plaintext_health_port(chart: Any) -> None:
+    objects = render(chart, {"tls": {"existingSecret": "extauthz-tls", "requireClientCertificate": True}})
+    kubernetes_validate.validate(by_kind(objects, "Deployment"), KUBE_VERSION, strict=True)
+    main = container(objects)
+    env = {n: e.get("value") for n, e in env_of(main).items()}
+    assert env["EXTAUTHZ_TLS_CERT"] == "/etc/extauthz/tls/tls.crt"
+    assert env["EXTAUTHZ_TLS_KEY"] == "/etc/extauthz/tls/tls.key"
+    assert env["EXTAUTHZ_TLS_CLIENT_CA"] == "/etc/extauthz/tls/ca.crt"
+    assert env["EXTAUTHZ_HEALTH_LISTEN"] == "0.0.0.0:9003"
+    pod = by_kind(objects, "Deployment")["spec"]["template"]["spec"]
+    assert {"name": "tls", "secret": {"secretName": "extauthz-tls", "defaultMode": 0o440}} in pod["volumes"]
+    mount = next(m for m in main["volumeMounts"] if m["name"] == "tls")
+    assert mount == {"name": "tls", "mountPath": "/etc/extauthz/tls", "readOnly": True}  # no subPath
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert main[probe]["grpc"] == {"port": 9003, "service": ""}, probe
+    assert {"name": "health", "containerPort": 9003, "protocol": "TCP"} in main["ports"]
+    assert "health" not in {p["name"] for p in by_kind(objects, "Service")["spec"]["ports"]}
+    # server-only TLS: no client CA
+    plain_tls = env_of(container(render(chart, {"tls": {"existingSecret": "extauthz-tls"}})))
+    assert "EXTAUTHZ_TLS_CLIENT_CA" not in plain_tls and "EXTAUTHZ_TLS_CERT" in plain_tls
+
+
+def test_tls_off_by_default(default_objects: Objects) -> None:
+    main = container(default_objects)
+    assert not {n for n in env_of(main) if n.startswith("EXTAUTHZ_TLS") or n == "EXTAUTHZ_HEALTH_LISTEN"}
+    assert "tls" not in {m["name"] for m in main["volumeMounts"]}
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"tls": {"requireClientCertificate": True}}, "tls.requireClientCertificate needs tls.existingSecret"),
+    ({"tls": {"existingSecret": "s", "healthPort": 9001}}, "tls.healthPort must differ"),
+    ({"tls": {"existingSecret": "s", "healthPort": 9464}}, "tls.healthPort must lie outside"),
+])
+def test_impossible_tls_values_fail(chart: Any, values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmError, match=message):
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)

@@ -102,8 +102,17 @@ Metrics ports as a JSON list of {name, port}: worker i listens on metrics.port +
 {{- if and (not .Values.existingPolicyConfigMap) (not .Values.policies) }}
 {{- fail "set policies (file name -> YAML) or existingPolicyConfigMap" }}
 {{- end }}
+{{- if and .Values.tls.requireClientCertificate (not .Values.tls.existingSecret) }}
+{{- fail "tls.requireClientCertificate needs tls.existingSecret (mTLS is TLS plus client certificates)" }}
+{{- end }}
 {{- $grpc := int .Values.server.grpcPort }}
 {{- $metrics := int .Values.metrics.port }}
+{{- if and .Values.tls.existingSecret (eq (int .Values.tls.healthPort) $grpc) }}
+{{- fail "tls.healthPort must differ from server.grpcPort (the probes' plaintext port)" }}
+{{- end }}
+{{- if and .Values.tls.existingSecret .Values.metrics.enabled (le $metrics (int .Values.tls.healthPort)) (lt (int .Values.tls.healthPort) (add $metrics (include "extauthz.workers" . | int))) }}
+{{- fail "tls.healthPort must lie outside the metrics ports (metrics.port .. metrics.port + workers - 1)" }}
+{{- end }}
 {{- if and .Values.metrics.enabled (le $metrics $grpc) (lt $grpc (add $metrics (include "extauthz.workers" . | int))) }}
 {{- fail "server.grpcPort must lie outside the metrics ports (metrics.port .. metrics.port + workers - 1)" }}
 {{- end }}
