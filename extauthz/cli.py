@@ -48,6 +48,10 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    "PORT the --listen port; 'off' disables]")
     p.add_argument("--metrics-listen", default=_env("METRICS_LISTEN"),
                    help="Prometheus metrics port, e.g. 0.0.0.0:9464 [EXTAUTHZ_METRICS_LISTEN]")
+    p.add_argument("--lease-secret", default=_env("LEASE_SECRET", ""),
+                   help="key of the lease tickets that let the access-log release path act only on "
+                   "leases this fleet issued; the same on every replica (a random per-process key "
+                   "when unset: right for one replica) [EXTAUTHZ_LEASE_SECRET]")
     p.add_argument("--tls-cert", default=_env("TLS_CERT"),
                    help="PEM certificate (chain) of the gRPC port: TLS on; needs --tls-key. Rotated "
                    "files are picked up without a restart [EXTAUTHZ_TLS_CERT; default: plaintext]")
@@ -95,6 +99,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         admin_listen_optional=args.admin_listen is None,
         admin_url_file=None if (url_file or "off").lower() in ("off", "none") else url_file,
         metrics_listen=args.metrics_listen, reuse_port=args.reuse_port,
+        lease_secret=args.lease_secret or "",
         tls_cert=args.tls_cert or None, tls_key=args.tls_key or None,
         tls_client_ca=args.tls_client_ca or None, health_listen=args.health_listen or None,
     )

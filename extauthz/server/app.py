@@ -28,6 +28,7 @@ from ..sampler import sampler_job
 from ..store.base import Store
 from ..store.keys import Keys
 from ..store.memory import MemoryStore
+from ..tickets import LeaseTickets
 from .operations import Operations
 from .portfile import remove_admin_url, write_admin_url
 from .ports import off, parse_listen
@@ -67,6 +68,9 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+    #: key of the lease tickets (extauthz/tickets.py); the same on every replica. "" = a
+    #: random per-process secret (right for one replica).
+    lease_secret: str = ""
     #: a plaintext port serving only grpc.health.v1 (the kubelet's gRPC probes speak no TLS).
     health_listen: str | None = None
 
@@ -114,7 +118,12 @@ class Server:
         #: every background loop (switch poll, reload, shadow flush, samplers)
         self.runner = Runner()
         self.health = health.aio.HealthServicer()
-        self.accesslog = AccessLogService(self.engine)
+        self.accesslog = AccessLogService(self.engine, tickets=LeaseTickets(keys, config.lease_secret))
+        if not config.lease_secret and config.redis_url:
+            log.warning("no --lease-secret: lease tickets use a random per-process key, so with several "
+                        "replicas an access-log entry reaching another replica releases nothing (its "
+                        "leases wait for their TTL); give every replica the same --lease-secret",
+                        extra={"fields": {"event": "lease_secret_random"}})
         # admin + metrics ports, hot reload, switches, scrape-time metrics, /status
         self.ops = Operations(
             engine=self.engine, store=self.store, keys=keys, clock=clock, observe=self.observe,

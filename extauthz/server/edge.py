@@ -13,6 +13,7 @@ from google.protobuf import struct_pb2
 from ..answers import denial, ratelimit_headers
 from ..context import RawRequest, RequestContext
 from ..proto import auth_pb2, core_pb2, http_status_pb2, status_pb2
+from ..tickets import TICKET_FIELD
 from ..tiers import Tier
 from ..verdict import Decision
 
@@ -103,7 +104,7 @@ def _header(key: str, value: str) -> core_pb2.HeaderValueOption:
     )
 
 
-def _fill_lease_metadata(md: struct_pb2.Struct, decision: Decision) -> None:
+def _fill_lease_metadata(md: struct_pb2.Struct, decision: Decision, ticket: str) -> None:
     # Field by field: Struct.update() walks Python values through protobuf's pure-Python
     # well-known-type helpers (about 3x slower).
     fields = md.fields
@@ -111,6 +112,8 @@ def _fill_lease_metadata(md: struct_pb2.Struct, decision: Decision) -> None:
     add = fields["leases"].list_value.values.add
     for key in decision.leases:
         add(string_value=key)
+    if ticket:
+        fields[TICKET_FIELD].string_value = ticket
 
 
 def _ok_template(tier: str) -> auth_pb2.CheckResponse:
@@ -125,7 +128,8 @@ def _ok_template(tier: str) -> auth_pb2.CheckResponse:
 _OK_TEMPLATES = {tier.value: _ok_template(tier.value) for tier in Tier}
 
 
-def check_response(ctx: RequestContext, decision: Decision) -> auth_pb2.CheckResponse:
+def check_response(ctx: RequestContext, decision: Decision, ticket: str = "") -> auth_pb2.CheckResponse:
+    """``ticket``: the lease ticket (extauthz/tickets.py) put beside the leases."""
     if decision.allowed:
         resp = auth_pb2.CheckResponse()
         template = _OK_TEMPLATES.get(ctx.tier.value)
@@ -136,7 +140,7 @@ def check_response(ctx: RequestContext, decision: Decision) -> auth_pb2.CheckRes
             for k, v in headers:
                 add(header=core_pb2.HeaderValue(key=k, value=v), append_action=_OVERWRITE)
         if decision.leases:
-            _fill_lease_metadata(resp.dynamic_metadata, decision)
+            _fill_lease_metadata(resp.dynamic_metadata, decision, ticket)
         return resp
     d = denial(ctx, decision)
     code = _GRPC_RESOURCE_EXHAUSTED if d.status == 429 else _GRPC_UNAVAILABLE
@@ -161,3 +165,9 @@ def lease_release(md: struct_pb2.Struct) -> tuple[list[str], str] | None:
         return None
     out = [v.string_value for v in keys.list_value.values if v.WhichOneof("kind") == "string_value"]
     return (out, lid.string_value) if out and lid.string_value else None
+
+
+def lease_ticket(md: struct_pb2.Struct) -> str:
+    """The ticket a CheckResponse put beside its leases ("" when none or not a string)."""
+    value = md.fields.get(TICKET_FIELD)
+    return value.string_value if value is not None and value.WhichOneof("kind") == "string_value" else ""

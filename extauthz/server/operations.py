@@ -28,6 +28,7 @@ from ..store.base import Store
 from ..store.keys import Keys
 from ..store.memory import MemoryStore
 from ..switches import SwitchBoard
+from ..tickets import REASONS as REJECT_REASONS
 from ..verdict import Mode
 from .admin import admin_app
 from .ports import LOOPBACK, HttpPorts, metrics_app, off, parse_listen
@@ -81,7 +82,7 @@ class Operations:
                 background_errors=lambda: runner.errors,
                 bad_requests=lambda: self.auth.bad_requests))
             observe.metrics.registry.register(EdgeCollector(
-                lambda: self.tls, lambda: getattr(accesslog, "rejected", {})))
+                lambda: self.tls, lambda: accesslog.rejected, REJECT_REASONS))
         self.admin_port = 0
         self.metrics_port = 0
 
@@ -95,10 +96,11 @@ class Operations:
         # shares the access log's request-id index (leases whose answer Envoy dropped)
         tracing = self.observe.tracing
         if tracing is None:
-            return AuthorizationService(self.engine, self.accesslog.index)
+            return AuthorizationService(self.engine, self.accesslog.index, self.accesslog.tickets)
         from .traced import TracedAuthorizationService
 
-        return TracedAuthorizationService(self.engine, tracing.tracer, self.accesslog.index)
+        return TracedAuthorizationService(self.engine, tracing.tracer, self.accesslog.index,
+                                          self.accesslog.tickets)
 
     def auth_service(self) -> AuthorizationService:
         return self.auth
@@ -195,7 +197,8 @@ class Operations:
             ],
             "leases_in_flight": dict(self.leases.values) if self.leases is not None else None,
             "access_log": {"entries": self.accesslog.entries,
-                           "awaiting_log": len(self.accesslog.index)},
+                           "awaiting_log": len(self.accesslog.index),
+                           "rejected": dict(sorted(self.accesslog.rejected.items()))},
             "lease_releases": releases_status(engine.releaser),
             "shadow": {"recorded": shadow.recorded, "flushed_events": shadow.flushed,
                        "pending": shadow.pending, "dropped": shadow.dropped},

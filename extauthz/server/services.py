@@ -11,7 +11,8 @@ import grpc
 from ..engine import Engine
 from ..proto import accesslog_pb2, accesslog_pb2_grpc, auth_pb2, auth_pb2_grpc
 from ..throttle import LogThrottle
-from .edge import EXT_AUTHZ_NAMESPACE, check_response, lease_release, raw_request
+from ..tickets import LeaseTickets
+from .edge import EXT_AUTHZ_NAMESPACE, check_response, lease_release, lease_ticket, raw_request
 
 log = logging.getLogger("extauthz.server")
 
@@ -65,9 +66,12 @@ class LeaseIndex:
 class AuthorizationService(auth_pb2_grpc.AuthorizationServicer):  # type: ignore[misc]
     """Check: the edge reads the request, the engine decides (and never raises)."""
 
-    def __init__(self, engine: Engine, index: LeaseIndex | None = None) -> None:
+    def __init__(self, engine: Engine, index: LeaseIndex | None = None,
+                 tickets: LeaseTickets | None = None) -> None:
         self.engine = engine
         self.index = index if index is not None else LeaseIndex()
+        #: makes the lease ticket each answer with leases carries (shared with the access log)
+        self.tickets = tickets if tickets is not None else LeaseTickets(engine.keys)
         #: requests the edge could not read (answered allowed): ``extauthz_bad_requests_total``
         self.bad_requests = 0
         self._bad_log = LogThrottle(log)
@@ -98,6 +102,7 @@ class AuthorizationService(auth_pb2_grpc.AuthorizationServicer):  # type: ignore
             release = engine.releaser.release
             context.add_done_callback(lambda c: release(
                 decision.leases, decision.lease_id, "cancelled_check") if c.cancelled() else None)
+            return check_response(ctx, decision, self.tickets.make(decision.lease_id, decision.leases))
         return check_response(ctx, decision)
 
 
@@ -105,9 +110,14 @@ class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ig
     """Releases (through the engine's :class:`~extauthz.release.Releaser`) the leases of
     every finished request that Envoy's access log reports."""
 
-    def __init__(self, engine: Engine, index: LeaseIndex | None = None) -> None:
+    def __init__(self, engine: Engine, index: LeaseIndex | None = None,
+                 tickets: LeaseTickets | None = None) -> None:
         self.engine = engine
         self.index = index if index is not None else LeaseIndex()
+        #: checks every lease an entry names before any store call (shared with Check).
+        self.tickets = tickets if tickets is not None else LeaseTickets(engine.keys)
+        #: entries refused before any store call, by reason (tickets.REASONS).
+        self.rejected: dict[str, int] = {}
         self.entries = 0
 
     async def StreamAccessLogs(  # noqa: N802 - gRPC method name
@@ -128,7 +138,15 @@ class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ig
                     if common.intermediate_log_entry:
                         continue
                     fm = common.metadata.filter_metadata
-                    lease = lease_release(fm[EXT_AUTHZ_NAMESPACE]) if EXT_AUTHZ_NAMESPACE in fm else None
+                    lease = None
+                    if EXT_AUTHZ_NAMESPACE in fm:
+                        md = fm[EXT_AUTHZ_NAMESPACE]
+                        lease = lease_release(md)
+                        if lease is not None:
+                            refused = self.tickets.check(lease[1], lease[0], lease_ticket(md))
+                            if refused is not None:  # forged, altered or foreign: touch nothing
+                                self.rejected[refused] = self.rejected.get(refused, 0) + 1
+                                continue
                     path = "access_log"
                     rid = entry.request.request_id
                     # A request we refused holds nothing: never let its entry (no metadata,

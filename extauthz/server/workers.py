@@ -27,6 +27,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import select
 import signal
 import subprocess
@@ -135,6 +136,9 @@ def serve_workers(config: ServerConfig, workers: int, *, log_level: str = "info"
     from ..policy import load_policy
 
     load_policy(config.policies)  # a bad policy fails here, once, with the usual message
+    if not getattr(config, "lease_secret", True):
+        # one lease-ticket key for all workers: an access-log entry may reach any of them
+        config = dataclasses.replace(config, lease_secret=secrets.token_hex(32))
     stopping = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

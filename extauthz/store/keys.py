@@ -7,7 +7,19 @@ fleet-wide keys share ``{fleet}``. Identities are already hashed by the classifi
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
+
+#: a limiter name (policy schema ``Name``) and a hashed identity (classify.hash_identity).
+_NAME = r"[a-z0-9][a-z0-9_.-]{0,62}"
+_IDENTITY = r"[0-9a-f]{24}"
+
+
+@functools.lru_cache(maxsize=8)
+def _lease_key_pattern(prefix: str) -> re.Pattern[str]:
+    p = re.escape(prefix)
+    return re.compile(rf"{p}:\{{u:{_IDENTITY}\}}:cc:{_NAME}|{p}:\{{fleet\}}:fl:{_NAME}:(?:critical|other|all)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +56,11 @@ class Keys:
     @property
     def shadow_log(self) -> str:
         return f"{self.prefix}:shadow"
+
+    def is_lease_key(self, key: str) -> bool:
+        """True for a key :meth:`user_leases` or :meth:`fleet_leases` can build, with this
+        prefix: the only keys a lease release may touch."""
+        return _lease_key_pattern(self.prefix).fullmatch(key) is not None
 
     @staticmethod
     def tag_of(key: str) -> str:

@@ -8,6 +8,7 @@ jsonschema checks values files against values.schema.json on its own.
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import re
@@ -369,7 +370,7 @@ def test_full_env_uses_secrets(full_objects: list[dict[str, Any]]) -> None:
     assert env["EXTAUTHZ_IDENTITY_SALT"]["valueFrom"]["secretKeyRef"] == {
         "name": secret["metadata"]["name"], "key": "identity-salt",
     }
-    assert set(secret["data"]) == {"identity-salt"}
+    assert set(secret["data"]) == {"identity-salt", "lease-secret"}  # lease secret: made by the chart
     assert env["EXTAUTHZ_WORKERS"]["value"] == "2"
     assert env["EXTAUTHZ_LOG_LEVEL"]["value"] == "debug"
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "http://otel-collector:4317"
@@ -381,7 +382,11 @@ def test_plain_redis_url_and_existing_salt_secret(chart: Any) -> None:
     env = env_of(container(objects))
     assert env["EXTAUTHZ_REDIS_URL"]["value"] == "redis://redis:6379/0"
     assert env["EXTAUTHZ_IDENTITY_SALT"]["valueFrom"]["secretKeyRef"] == {"name": "salt", "key": "identity-salt"}
-    assert "Secret" not in {o["kind"] for o in objects}
+    # with Redis (several replicas) the chart makes the replicas' shared lease secret
+    secret = by_kind(objects, "Secret")
+    assert set(secret["data"]) == {"lease-secret"}
+    assert env["EXTAUTHZ_LEASE_SECRET"]["valueFrom"]["secretKeyRef"] == {
+        "name": secret["metadata"]["name"], "key": "lease-secret"}
 
 
 def test_metrics_can_be_turned_off(chart: Any) -> None:
@@ -572,3 +577,18 @@ def test_tls_off_by_default(default_objects: Objects) -> None:
 def test_impossible_tls_values_fail(chart: Any, values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm.HelmError, match=message):
         chart.render(values, name=RELEASE, namespace=NAMESPACE)
+
+
+def test_lease_secret_from_an_existing_secret_or_a_value(chart: Any) -> None:
+    objects = render(chart, {"redis": {"url": "redis://r:6379"},
+                             "leaseSecret": {"existingSecret": "fleet-lease", "existingSecretKey": "k"}})
+    env = env_of(container(objects))
+    assert env["EXTAUTHZ_LEASE_SECRET"]["valueFrom"]["secretKeyRef"] == {"name": "fleet-lease", "key": "k"}
+    assert "Secret" not in {o["kind"] for o in objects}
+    objects = render(chart, {"leaseSecret": {"value": "v" * 40}})
+
+    assert base64.b64decode(by_kind(objects, "Secret")["data"]["lease-secret"]).decode() == "v" * 40
+    # one replica without Redis and no secret given: the server's own random secret is right
+    assert "EXTAUTHZ_LEASE_SECRET" not in env_of(container(render(chart)))
+    with pytest.raises(helm.HelmError, match="only one of leaseSecret"):
+        chart.render({"leaseSecret": {"value": "a", "existingSecret": "b"}}, name=RELEASE, namespace=NAMESPACE)

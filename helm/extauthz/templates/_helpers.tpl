@@ -55,6 +55,21 @@ app.kubernetes.io/component: ext-authz
 {{- printf "%s-secrets" (include "extauthz.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
+{{/* The lease secret the chart's Secret holds: leaseSecret.value, else (with Redis, no
+existingSecret) the one already in the cluster, else a new random one. Empty: none. */}}
+{{- define "extauthz.leaseSecretValue" -}}
+{{- if .Values.leaseSecret.value }}
+{{- .Values.leaseSecret.value }}
+{{- else if and (not .Values.leaseSecret.existingSecret) (include "extauthz.redisConfigured" .) }}
+{{- $existing := lookup "v1" "Secret" .Release.Namespace (include "extauthz.secretName" .) }}
+{{- if and $existing (hasKey ($existing.data | default dict) "lease-secret") }}
+{{- index $existing.data "lease-secret" | b64dec }}
+{{- else }}
+{{- randAlphaNum 48 }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{- define "extauthz.redisConfigured" -}}
 {{- if or .Values.redis.url .Values.redis.existingSecret }}true{{ end }}
 {{- end }}
@@ -92,6 +107,9 @@ Metrics ports as a JSON list of {name, port}: worker i listens on metrics.port +
 {{- end }}
 {{- if and .Values.redis.url .Values.redis.existingSecret }}
 {{- fail "set only one of redis.url and redis.existingSecret" }}
+{{- end }}
+{{- if and .Values.leaseSecret.value .Values.leaseSecret.existingSecret }}
+{{- fail "set only one of leaseSecret.value and leaseSecret.existingSecret" }}
 {{- end }}
 {{- if and .Values.identitySalt.value .Values.identitySalt.existingSecret }}
 {{- fail "set only one of identitySalt.value and identitySalt.existingSecret" }}
