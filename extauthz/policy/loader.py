@@ -53,6 +53,25 @@ def policy_files(paths: Iterable[Path]) -> list[Path]:
     return files
 
 
+MAX_NODES = 100_000
+MAX_DEPTH = 64
+
+
+class _TooBig(Exception):
+    def __init__(self, message: str, line: int) -> None:
+        super().__init__(message)
+        self.line = line
+
+
+def _reader_line(text: str, exc: yaml.YAMLError) -> int:
+    position = getattr(exc, "position", None)
+    return text.count("\n", 0, position) + 1 if isinstance(position, int) else 1
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).split("\n", 1)[0].rstrip(":")
+
+
 class _Document:
     """A parsed YAML document: plain data plus the line of every key and item."""
 
@@ -60,10 +79,16 @@ class _Document:
         self.file = file
         self.lines: dict[_PathKey, int] = {}
         self.issues: list[PolicyIssue] = []
-        loader = yaml.SafeLoader(text)
+        self._nodes = 0
+        self.data: Any = None
+        try:
+            loader = yaml.SafeLoader(text)
+        except yaml.YAMLError as exc:  # e.g. a character YAML does not allow
+            self.issues.append(PolicyIssue(file, "", _reader_line(text, exc), f"YAML syntax error: {_first_line(exc)}"))
+            return
         try:
             node = loader.get_single_node()
-            self.data: Any = None if node is None else self._build(loader, node, ())
+            self.data = None if node is None else self._build(loader, node, ())
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
             line = mark.line + 1 if mark is not None else None
@@ -71,11 +96,22 @@ class _Document:
             if exc.context and exc.context_mark is not None:
                 problem += f" ({exc.context} started on line {exc.context_mark.line + 1})"
             self.issues.append(PolicyIssue(file, "", line, f"YAML syntax error: {problem}"))
-            self.data = None
+        except yaml.YAMLError as exc:  # ReaderError: a character YAML does not allow
+            self.issues.append(PolicyIssue(file, "", _reader_line(text, exc), f"YAML syntax error: {_first_line(exc)}"))
+        except _TooBig as exc:
+            self.issues.append(PolicyIssue(file, "", exc.line, str(exc)))
+        except RecursionError:
+            self.issues.append(PolicyIssue(file, "", 1, "the document is nested too deeply"))
         finally:
             loader.dispose()
 
     def _build(self, loader: yaml.SafeLoader, node: yaml.Node, path: _PathKey) -> Any:
+        self._nodes += 1
+        if self._nodes > MAX_NODES:  # aliases can expand a small file exponentially
+            raise _TooBig(f"the document expands to more than {MAX_NODES} values (YAML aliases?)",
+                          node.start_mark.line + 1)
+        if len(path) > MAX_DEPTH:
+            raise _TooBig(f"the document is nested deeper than {MAX_DEPTH} levels", node.start_mark.line + 1)
         if isinstance(node, yaml.MappingNode):
             loader.flatten_mapping(node)
             out: dict[str, Any] = {}
