@@ -592,3 +592,19 @@ def test_lease_secret_from_an_existing_secret_or_a_value(chart: Any) -> None:
     assert "EXTAUTHZ_LEASE_SECRET" not in env_of(container(render(chart)))
     with pytest.raises(helm.HelmError, match="only one of leaseSecret"):
         chart.render({"leaseSecret": {"value": "a", "existingSecret": "b"}}, name=RELEASE, namespace=NAMESPACE)
+
+
+def test_networkpolicy_example_follows_the_security_doc(chart: Any) -> None:
+    example = CHART / "examples" / "networkpolicy.yaml"
+    values = yaml.safe_load(example.read_text())
+    doc = (ROOT / "docs" / "security.md").read_text()
+    block = doc.split("## Recommended NetworkPolicy", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    assert yaml.safe_load(block)["networkPolicy"] == values["networkPolicy"]
+    jsonschema.validate(merged(values), schema())
+    objects = render(chart, values)
+    policy = by_kind(objects, "NetworkPolicy")
+    kubernetes_validate.validate(policy, KUBE_VERSION, strict=True)
+    ingress = policy["spec"]["ingress"]
+    assert [[p["port"] for p in rule["ports"]] for rule in ingress] == [["grpc"], ["metrics"]]
+    assert ingress[0]["from"] == values["networkPolicy"]["grpcFrom"]
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
