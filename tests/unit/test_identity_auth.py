@@ -142,3 +142,20 @@ def test_policy_labels_and_needs(tmp_path: Path) -> None:
     policy = policy_from(tmp_path, {"identity": RULES})
     assert [s.label for s in policy.identity] == [f"metadata:{JWT}:payload.sub", "principal", "header:x-api-key"]
     assert load_policy([tmp_path / "policy.yaml"]).needed_headers == {"x-api-key"}
+
+
+def test_json_schema_knows_both_new_rules() -> None:
+    import json
+
+    import jsonschema
+
+    from ..conftest import ROOT
+
+    schema = json.loads((ROOT / "docs" / "policy.schema.json").read_text())
+    good = {"version": 1, "identity": RULES,
+            "test_mode": {"metadata": {"namespace": JWT, "path": ["payload", "livemode"], "equals": False}}}
+    jsonschema.validate(good, schema)
+    for bad in ({"metadata": {"namespace": JWT}}, {"metadata": {"namespace": JWT, "path": []}},
+                {"principal": True, "colour": "red"}, {"metadata": {"namespace": JWT, "path": ["a"], "x": 1}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({"version": 1, "identity": [bad]}, schema)
