@@ -13,10 +13,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .context import RawRequest, RequestContext
-from .policy.model import MetadataTest, Policy
+from .policy.model import IdentitySource, MetadataTest, Policy
 from .tiers import READ_METHODS, Tier
+from .verdict import Limits
 
 _TIERS = {t.value: t for t in Tier}
+#: live overrides as the classifier reads them: identity hash -> limiter -> plan -> numbers.
+OverrideTable = Mapping[str, Mapping[str, Mapping[str, Limits]]]
+_NO_OVERRIDES: OverrideTable = {}
+_NO_LIMITS: Mapping[str, Mapping[str, Limits]] = {}
 
 
 def hash_identity(value: str, source: str, salt: bytes = b"") -> str:
@@ -65,16 +70,53 @@ def metadata_test(raw: RawRequest, spec: MetadataTest | None) -> bool:
     return spec is not None and _equals(metadata_value(raw.metadata, spec.namespace, spec.path), spec.equals)
 
 
-class Classifier:
-    __slots__ = ("_needed", "_needed_metadata", "_policy", "_salt", "unknown_tiers")
+def first_value(sources: Sequence[IdentitySource], raw: RawRequest) -> tuple[str, str]:
+    """The value of the first rule that yields one, and that rule's label (``none``).
 
-    def __init__(self, policy: Policy, salt: bytes = b"") -> None:
+    One extraction for the ``identity`` and the ``plan`` rules (the same rule shapes).
+    """
+    for src in sources:
+        if src.source_ip:
+            if raw.source_ip:
+                return raw.source_ip, "source_ip"
+            continue
+        if src.principal:
+            if raw.principal:
+                return raw.principal, "principal"
+            continue
+        if src.metadata is not None:
+            text = identity_text(metadata_value(raw.metadata, *src.metadata))
+            if text:
+                return text, src.label
+            continue
+        value = raw.headers.get(src.header or "")
+        if not value:
+            continue
+        if src.strip_prefix is not None:
+            prefix = src.strip_prefix
+            if value[: len(prefix)].lower() != prefix.lower():
+                continue
+            value = value[len(prefix):].strip()
+            if not value:
+                continue
+        return value, src.label
+    return "", "none"
+
+
+class Classifier:
+    __slots__ = ("_needed", "_needed_metadata", "_overrides", "_policy", "_salt", "unknown_plans",
+                 "unknown_tiers")
+
+    def __init__(self, policy: Policy, salt: bytes = b"", overrides: OverrideTable = _NO_OVERRIDES) -> None:
         self._policy = policy
         self._salt = salt
         self._needed = policy.needed_headers
         self._needed_metadata = policy.needed_metadata
+        self._overrides = overrides
         #: count of tier names in metadata/extensions that were not a known tier.
         self.unknown_tiers = 0
+        #: count of plan values the policy does not name (the default plan was used).
+        self.unknown_plans = 0
 
     @property
     def needed_headers(self) -> frozenset[str]:
@@ -87,32 +129,21 @@ class Classifier:
 
     def identity(self, raw: RawRequest) -> tuple[str, str]:
         """The raw identity value and the label of the rule that produced it."""
-        for src in self._policy.identity:
-            if src.source_ip:
-                if raw.source_ip:
-                    return raw.source_ip, "source_ip"
-                continue
-            if src.principal:
-                if raw.principal:
-                    return raw.principal, "principal"
-                continue
-            if src.metadata is not None:
-                text = identity_text(metadata_value(raw.metadata, *src.metadata))
-                if text:
-                    return text, src.label
-                continue
-            value = raw.headers.get(src.header or "")
-            if not value:
-                continue
-            if src.strip_prefix is not None:
-                prefix = src.strip_prefix
-                if value[: len(prefix)].lower() != prefix.lower():
-                    continue
-                value = value[len(prefix):].strip()
-                if not value:
-                    continue
-            return value, src.label
-        return "", "none"
+        return first_value(self._policy.identity, raw)
+
+    def plan(self, raw: RawRequest) -> tuple[str, str]:
+        """The request's plan and where it came from (see ``RequestContext.plan_source``)."""
+        policy = self._policy
+        if not policy.plan_sources:
+            return "", ""
+        value, label = first_value(policy.plan_sources, raw)
+        if not value:
+            return policy.plan_default, "default"
+        name = value.strip().lower()
+        if name in policy.plan_names:
+            return name, label
+        self.unknown_plans += 1
+        return policy.plan_default, "unknown"
 
     def _known(self, name: object) -> Tier | None:
         if not isinstance(name, str) or not name:
@@ -147,9 +178,11 @@ class Classifier:
             if tier is None:
                 tier = Tier.GET if method in READ_METHODS else Tier.POST
                 why = "default"
+        identity = hash_identity(value, source, self._salt)
+        plan, plan_source = self.plan(raw)
         return RequestContext(
             tier=tier,
-            identity=hash_identity(value, source, self._salt),
+            identity=identity,
             identity_source=source,
             test_mode=test_mode,
             method=method,
@@ -158,4 +191,7 @@ class Classifier:
             tier_source=why,
             request_id=raw.request_id,
             headers=raw.headers,
+            plan=plan,
+            plan_source=plan_source,
+            overrides=self._overrides.get(identity, _NO_LIMITS) if self._overrides else _NO_LIMITS,
         )

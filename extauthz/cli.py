@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from . import __version__
 from .errors import PolicyError
 from .opscli import add_parsers as add_ops_parsers
-from .opscli import cmd_report, cmd_status, cmd_switch
+from .opscli import cmd_override, cmd_report, cmd_status, cmd_switch
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -188,6 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "switch": cmd_switch,
         "report": cmd_report,
         "status": cmd_status,
+        "override": cmd_override,
     }[args.command]
     return handler(args)
 

@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .tiers import Tier
+from .verdict import Limits
 
 _EMPTY: Mapping[str, str] = {}
+_NO_OVERRIDES: Mapping[str, Mapping[str, Limits]] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,3 +56,13 @@ class RequestContext:
     tier_source: str
     request_id: str = ""
     headers: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
+    #: the customer's plan (policy ``plan``): a name the policy knows, or ``""`` without a
+    #: ``plan`` section (every limiter's own numbers).
+    plan: str = ""
+    #: where the plan came from: the rule's label (``header:x-plan``), ``default`` (no
+    #: rule named one) or ``unknown`` (a rule named a plan the policy does not know: the
+    #: default plan is used and the request counted).
+    plan_source: str = ""
+    #: live overrides for this identity, by limiter name (``extauthz.overrides``): each a
+    #: mapping plan -> that limiter's numbers. Empty for nearly every request.
+    overrides: Mapping[str, Mapping[str, Limits]] = field(default_factory=lambda: _NO_OVERRIDES)

@@ -14,8 +14,8 @@ import asyncio
 import logging
 import os
 import random
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from .breaker import Breaker
 from .classify import Classifier
@@ -25,6 +25,7 @@ from .errors import INTERNAL_ERROR, CircuitOpen, StoreError, StoreInternalError,
 from .limiters import Limiter, WorkerUtilizationShedder, build_limiters
 from .limiters.base import applies
 from .observe.base import NullObserver, Observer
+from .overrides import Override, compile_overrides
 from .policy.model import Policy
 from .release import Releaser
 from .store.base import CheckResult, LeaseOp, Op, Store
@@ -57,6 +58,8 @@ class Snapshot:
     #: (limiter, enforce) for every limiter whose effective mode is not ``off``.
     active: tuple[tuple[Limiter, bool], ...]
     switches: Switches
+    #: live overrides that do not apply, and why: ``(limiter, identity) -> reason``.
+    overrides_not_applied: Mapping[tuple[str, str], str] = field(default_factory=dict)
 
     @property
     def workers(self) -> tuple[WorkerUtilizationShedder, ...]:
@@ -99,6 +102,8 @@ class Engine:
         #: fail-opens/closes by reason (timeout, unavailable, circuit_open, internal_error)
         self.failures: dict[str, int] = {}
         self._bug_log = LogThrottle(log, clock=clock)
+        #: live per-customer overrides (``extauthz.overrides``), compiled into each snapshot.
+        self.overrides: tuple[Override, ...] = ()
         self.snapshot = self._build(policy, Switches(), None)
 
     # -- configuration ------------------------------------------------------------------
@@ -117,10 +122,12 @@ class Engine:
             for lim in limiters
             if (mode := switches.effective(lim.name, modes[lim.name])) is not Mode.OFF
         )
-        classifier = Classifier(policy, self._salt)
-        if old is not None:  # a count, exported: carried over to the new snapshot
+        table, not_applied = compile_overrides(self.overrides, limiters, self.clock.wall())
+        classifier = Classifier(policy, self._salt, table)
+        if old is not None:  # counts, exported: carried over to the new snapshot
             classifier.unknown_tiers = old.classifier.unknown_tiers
-        return Snapshot(policy, classifier, limiters, active, switches)
+            classifier.unknown_plans = old.classifier.unknown_plans
+        return Snapshot(policy, classifier, limiters, active, switches, not_applied)
 
     def set_policy(self, policy: Policy) -> None:
         self.snapshot = self._build(policy, self.snapshot.switches, self.snapshot)
@@ -129,6 +136,12 @@ class Engine:
         old = self.snapshot
         if switches != old.switches:
             self.snapshot = self._build(old.policy, switches, old, old.limiters)
+
+    def set_overrides(self, overrides: Sequence[Override]) -> None:
+        """Apply the live overrides (expired ones are dropped); a reload keeps them."""
+        self.overrides = tuple(overrides)
+        old = self.snapshot
+        self.snapshot = self._build(old.policy, old.switches, old, old.limiters)
 
     # -- the request path -----------------------------------------------------------------
     def context(self, raw: RawRequest) -> RequestContext:

@@ -1,10 +1,10 @@
-"""``extauthz switch``, ``report`` and ``status``: the operator's side of safe rollout.
+"""``extauthz switch``, ``report``, ``status`` and ``override``: the operator's side of safe rollout.
 
 They talk to a running server's admin port (``--admin``, default ``http://127.0.0.1:9002``;
 or ``--listen HOST:PORT``, the server's gRPC port, whose admin URL the server wrote to a file
-on this host: see ``extauthz.server.portfile``) or, with ``--redis-url`` (switch, report),
-straight to the Redis every replica reads (the same key and JSON the servers use), which also
-works when no admin port is reachable.
+on this host: see ``extauthz.server.portfile``) or, with ``--redis-url`` (switch, report,
+override), straight to the Redis every replica reads (the same key and JSON the servers use),
+which also works when no admin port is reachable.
 """
 
 from __future__ import annotations
@@ -46,6 +46,59 @@ def _add_target(p: argparse.ArgumentParser) -> None:
                    help="with --redis-url: the servers' --key-prefix [EXTAUTHZ_KEY_PREFIX; default extauthz]")
 
 
+def _add_override_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "override", help="set, list or clear one customer's limits (live overrides)",
+        description="A live override sets one customer's numbers for one limiter (it wins "
+        "over the plan) until its TTL. The raw identity (an API key) is hashed here with the "
+        "fleet's identity salt and never stored, sent or shown. With --redis-url (or "
+        "EXTAUTHZ_REDIS_URL) the override goes to the fleet's Redis and every replica applies "
+        "it within about two seconds; without, to a server's admin port (the embedded store).",
+        epilog="examples: extauthz override set user-rate --identity sk_live_abc rate=1000 "
+        "burst=5000 --ttl 24h --reason 'launch' | extauthz override list | "
+        "extauthz override clear user-rate --identity sk_live_abc")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+    def common(q: argparse.ArgumentParser, identity: bool) -> None:
+        q.add_argument("--admin", default=None,
+                       help=f"a server's admin URL (embedded store) [EXTAUTHZ_ADMIN_URL; default {DEFAULT_ADMIN}]")
+        q.add_argument("--listen", default=None, metavar="HOST:PORT",
+                       help="reach the server on this host started with this --listen (its admin URL file)")
+        q.add_argument("--redis-url", default=os.environ.get("EXTAUTHZ_REDIS_URL"),
+                       help="the fleet's Redis, as for serve [EXTAUTHZ_REDIS_URL]")
+        q.add_argument("--key-prefix", default=os.environ.get("EXTAUTHZ_KEY_PREFIX", "extauthz"),
+                       help="the servers' --key-prefix [EXTAUTHZ_KEY_PREFIX; default extauthz]")
+        q.add_argument("--policies", nargs="+", default=None,
+                       help="with --redis-url: the fleet's policy, to refuse an override that "
+                       "would not apply and to show which apply")
+        if identity:
+            q.add_argument("--identity", required=True,
+                           help="the customer's raw identity value (an API key); '-' reads it "
+                           "from stdin. Hashed here, never shown")
+            q.add_argument("--identity-salt", default=os.environ.get("EXTAUTHZ_IDENTITY_SALT", ""),
+                           help="the fleet's --identity-salt [EXTAUTHZ_IDENTITY_SALT]")
+            q.add_argument("--source", default="header:x-api-key",
+                           help="the identity rule that names this customer, as the policy "
+                           "labels it: header:NAME or source_ip (default header:x-api-key)")
+
+    q = actions.add_parser("set", help="set (or replace) one customer's numbers for a limiter")
+    common(q, True)
+    q.add_argument("limiter", help="the limiter's name")
+    q.add_argument("numbers", nargs="+", metavar="NAME=VALUE",
+                   help="rate=1000 burst=5000 cost=1 (request_rate) or limit=200 (concurrent_requests)")
+    q.add_argument("--ttl", default="24h", help="expiry, a duration like 30m, 24h or 720h "
+                   "(at most 30 days; default 24h)")
+    q.add_argument("--reason", default="", help="why (shown by list)")
+    q.add_argument("--by", default=os.environ.get("USER", ""), help="who (default $USER)")
+    q = actions.add_parser("list", help="live overrides: limiter, hashed identity, numbers, "
+                           "reason, who/when, expiry, applied")
+    common(q, False)
+    q.add_argument("--json", action="store_true", help="print JSON")
+    q = actions.add_parser("clear", help="remove one customer's override for a limiter")
+    common(q, True)
+    q.add_argument("limiter", help="the limiter's name")
+
+
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "switch", help="set, clear or list the runtime kill switches",
@@ -68,6 +121,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--window", default="1h", help="how far back: 15m, 1h, 24h or seconds (default 1h)")
     p.add_argument("--top", type=int, default=10, help="rows per limiter (default 10)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    _add_override_parser(sub)
 
     p = sub.add_parser(
         "status", help="print a running server's /status (policy, store, counters) as JSON",
@@ -226,4 +280,130 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"extauthz status: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(data, indent=2))
+    return 0
+
+
+# -- override -----------------------------------------------------------------------------
+
+
+def _hashed_identity(args: argparse.Namespace) -> str:
+    from .classify import hash_identity
+
+    raw = sys.stdin.readline().rstrip("\r\n") if args.identity == "-" else args.identity
+    if not raw:
+        raise CliError("--identity is empty")
+    return hash_identity(raw, args.source, args.identity_salt.encode())
+
+
+def _fmt_time(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+def _fmt_numbers(numbers: dict[str, float]) -> str:
+    return " ".join(f"{k}={v:g}" for k, v in sorted(numbers.items()))
+
+
+def format_overrides(data: dict[str, Any]) -> str:
+    rows = data.get("overrides", [])
+    if not rows:
+        return f"no live overrides (at most {data.get('max', '?')})"
+    out = [f"{len(rows)} live overrides (at most {data.get('max', '?')})",
+           f"{'limiter':<20} {'identity':<26} {'numbers':<28} {'set by':<12} {'set at':<21} "
+           f"{'expires':<21} {'applied':<8} reason"]
+    for r in rows:
+        applied = {True: "yes", False: "NO", None: "-"}[r.get("applied")]
+        out.append(f"{r['limiter']:<20} {r['identity']:<26} {_fmt_numbers(r['numbers']):<28} "
+                   f"{r['by'] or '-':<12} {_fmt_time(r['set_at']):<21} {_fmt_time(r['expires_at']):<21} "
+                   f"{applied:<8} {r['reason']}")
+        if r.get("not_applied"):
+            out.append(f"  not applied: {r['not_applied']}")
+    return "\n".join(out)
+
+
+def _policy_limiters(paths: list[str] | None) -> tuple[object, ...] | None:
+    if not paths:
+        return None
+    from .limiters import build_limiters
+    from .policy import load_policy
+    from .store.keys import Keys
+
+    return build_limiters(load_policy(paths), Keys())
+
+
+def cmd_override(args: argparse.Namespace) -> int:
+    from .overrides import (
+        MAX_OVERRIDES,
+        OverrideError,
+        change_stored,
+        compile_overrides,
+        describe,
+        make_override,
+        parse_numbers,
+        parse_overrides,
+        with_override,
+        without_override,
+    )
+    from .store.keys import Keys
+
+    try:
+        keys = Keys(args.key_prefix)
+        limiters = _policy_limiters(args.policies) if args.redis_url else None
+        now = time.time()
+        identity = _hashed_identity(args) if args.action != "list" else ""
+        if args.action == "set":
+            new = make_override(args.limiter, identity, parse_numbers(args.numbers), ttl=args.ttl,
+                                reason=args.reason, by=args.by, source=args.source, now=now)
+            if limiters is not None:
+                _, refused = compile_overrides([new], limiters, now)
+                if refused:
+                    raise OverrideError(next(iter(refused.values())))
+        if args.redis_url:
+            async def go(store: Any) -> dict[str, Any]:
+                if args.action == "set":
+                    entries = await change_stored(store, keys, lambda e: with_override(e, new, now), now)
+                elif args.action == "clear":
+                    found = False
+
+                    def clear(e: list[Any]) -> list[Any]:
+                        nonlocal found
+                        out, found = without_override(e, args.limiter, identity, now)
+                        return out
+
+                    entries = await change_stored(store, keys, clear, now)
+                    if not found:
+                        raise CliError(f"no override for limiter {args.limiter!r} and that identity")
+                else:
+                    entries = parse_overrides(await store.get_value(keys.overrides))
+                not_applied = (compile_overrides(entries, limiters, now)[1]
+                               if limiters is not None else None)
+                return {"overrides": describe(entries, not_applied, now), "max": MAX_OVERRIDES}
+
+            data = asyncio.run(_with_redis(args.redis_url, go))
+        else:
+            base = f"{admin_base(args)}/overrides"
+            if args.action == "list":
+                data = _http("GET", base)
+            else:
+                url = f"{base}/{urllib.parse.quote(args.limiter, safe='')}/{identity}"
+                if args.action == "set":
+                    data = _http("PUT", url, json.dumps({
+                        "numbers": dict(new.numbers), "ttl": new.expires_at - new.set_at,
+                        "reason": new.reason, "by": new.by, "source": new.source}))
+                else:
+                    data = _http("DELETE", url)
+    except (CliError, OverrideError) as exc:
+        print(f"extauthz override: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # the store's and the policy's errors: say what failed
+        print(f"extauthz override: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if args.action == "list" and args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    if args.action == "set":
+        print(f"ok: {args.limiter} {_fmt_numbers(dict(new.numbers))} for identity {identity} "
+              f"until {_fmt_time(new.expires_at)} (every replica applies it within about two seconds)")
+    elif args.action == "clear":
+        print(f"ok: cleared {args.limiter} for identity {identity}")
+    print(format_overrides(data))
     return 0

@@ -44,6 +44,21 @@ class Quota:
 
 
 @dataclass(frozen=True, slots=True)
+class Limits:
+    """One limiter's numbers for one customer: the limiter's own, its plan's, or a live
+    override's, resolved at load (policy) or at override change, never per request."""
+
+    #: request_rate: tokens per second, bucket size, tokens per request.
+    rate: float = 0.0
+    burst: float = 0.0
+    cost: float = 0.0
+    #: concurrent_requests: requests in flight.
+    limit: int = 0
+    #: what the ``RateLimit-Policy`` header promises with these numbers.
+    quota: Quota | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Verdict:
     limiter: str
     kind: Kind

@@ -8,12 +8,13 @@ The engine batches every limiter's op into one atomic store call.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
 
 from ..context import RequestContext
 from ..policy.model import Matcher
 from ..store.base import Op, OpResult
-from ..verdict import Kind, Outcome, Verdict
+from ..verdict import Kind, Limits, Outcome, Verdict
 
 
 class Limiter(Protocol):
@@ -38,6 +39,17 @@ class Limiter(Protocol):
 
     def verdict(self, ctx: RequestContext, result: OpResult, enforce: bool) -> Verdict:
         """Turn the store's answer to :meth:`op` into a verdict."""
+
+
+def customer_limits(name: str, ctx: RequestContext, plans: Mapping[str, Limits], own: Limits) -> Limits:
+    """One customer's numbers for limiter ``name``: a live override (its numbers for the
+    customer's plan, or ``""`` for a plan the limiter does not list), else the plan's,
+    else the limiter's own. One or two dict lookups; everything was compiled before."""
+    if ctx.overrides:
+        by_plan = ctx.overrides.get(name)
+        if by_plan is not None:
+            return by_plan.get(ctx.plan) or by_plan[""]
+    return plans.get(ctx.plan, own)
 
 
 def denied_outcome(enforce: bool) -> Outcome:

@@ -2,21 +2,30 @@
 
 Each admitted request holds a lease (a member of a sorted set scored by its expiry).
 The lease is released when Envoy's access log reports the request finished, or expires
-after ``lease_ttl``. Answers 429.
+after ``lease_ttl``. Answers 429. ``limit`` is per customer: the limiter's own, its plan's
+(``plans``) or a live override's.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from ..context import RequestContext
 from ..policy.model import compile_match
 from ..policy.schema import ConcurrentRequestsSpec
 from ..store.base import LeaseOp, OpResult
 from ..store.keys import Keys
-from ..verdict import Kind, Outcome, Quota, Verdict
-from .base import denied_outcome
+from ..verdict import Kind, Limits, Outcome, Quota, Verdict
+from .base import customer_limits, denied_outcome
 
 #: seconds a client is told to wait after a concurrency refusal.
 RETRY_AFTER = 1.0
+#: the numbers an override (or a plan entry) of this kind may set.
+NUMBERS = ("limit",)
+
+
+def lease_limits(limit: int) -> Limits:
+    return Limits(limit=limit, quota=Quota(limit=limit, window=None, unit="concurrent-requests"))
 
 
 class ConcurrentRequestsLimiter:
@@ -29,21 +38,40 @@ class ConcurrentRequestsLimiter:
         self.limit = spec.limit
         self.ttl = spec.lease_ttl
         self._keys = keys
-        self.quota = Quota(limit=spec.limit, window=None, unit="concurrent-requests")
+        self.own = lease_limits(spec.limit)
+        self.quota = self.own.quota
+        self.plans: dict[str, Limits] = {
+            name: lease_limits(p.limit) for name, p in (spec.plans or {}).items()
+        }
+
+    def override(self, numbers: Mapping[str, float]) -> dict[str, Limits]:
+        """An override's numbers, the same for every plan. ValueError when they do not fit."""
+        unknown = sorted(set(numbers) - set(NUMBERS))
+        if unknown or "limit" not in numbers:
+            raise ValueError("a concurrent_requests override sets 'limit' only"
+                             + (f", not {', '.join(unknown)}" if unknown else ""))
+        return {"": lease_limits(int(numbers["limit"]))}
+
+    def limits(self, ctx: RequestContext) -> Limits:
+        """This customer's numbers: an override, else its plan's, else the limiter's own."""
+        return customer_limits(self.name, ctx, self.plans, self.own)
 
     def local(self, ctx: RequestContext, enforce: bool) -> Verdict | None:
         return None
 
     def op(self, ctx: RequestContext, enforce: bool) -> LeaseOp:
-        return LeaseOp(self._keys.user_leases(self.name, ctx.identity), self.limit, self.ttl, enforce)
+        return LeaseOp(self._keys.user_leases(self.name, ctx.identity), self.limits(ctx).limit, self.ttl,
+                       enforce)
 
     def verdict(self, ctx: RequestContext, result: OpResult, enforce: bool) -> Verdict:
+        n = self.limits(ctx)
         if result.allowed:
-            return Verdict(self.name, self.kind, Outcome.ALLOWED, limit=self.limit,
-                           remaining=result.remaining, quota=self.quota)
-        return Verdict(self.name, self.kind, denied_outcome(enforce), limit=self.limit,
+            return Verdict(self.name, self.kind, Outcome.ALLOWED, limit=n.limit,
+                           remaining=result.remaining, quota=n.quota)
+        plan = f" (plan {ctx.plan})" if ctx.plan else ""
+        return Verdict(self.name, self.kind, denied_outcome(enforce), limit=n.limit,
                        remaining=0.0, retry_after=RETRY_AFTER,
-                       reason="concurrency_exceeded", quota=self.quota,
-                       detail=(f"Concurrent requests limit '{self.name}' exceeded: at most "
-                               f"{self.limit} requests in flight per user. Wait for a request "
+                       reason="concurrency_exceeded", quota=n.quota,
+                       detail=(f"Concurrent requests limit '{self.name}' exceeded{plan}: at most "
+                               f"{n.limit} requests in flight per user. Wait for a request "
                                f"to finish before sending another."))

@@ -2,19 +2,45 @@
 
 ``rate`` tokens per second refill continuously (sub-second precision) up to ``burst``;
 a request takes ``cost`` tokens; a refused request takes nothing. Answers 429.
+
+The numbers are per customer: the limiter's own, its plan's (``plans``) or a live
+override's, all resolved before the request (:meth:`RequestRateLimiter.limits` is two dict
+lookups). The bucket key does not depend on the plan, so a customer whose plan changes keeps
+its tokens, capped at the new ``burst`` on its next request (both stores refill with the
+request's numbers and cap at its burst).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from ..context import RequestContext
 from ..policy.model import compile_match
-from ..policy.schema import RequestRateSpec
+from ..policy.schema import RequestRateSpec, cost_message
 from ..store.base import BucketOp, OpResult
 from ..store.keys import Keys
-from ..verdict import Kind, Outcome, Quota, Verdict
-from .base import denied_outcome
+from ..verdict import Kind, Limits, Outcome, Quota, Verdict
+from .base import customer_limits, denied_outcome
+
+#: the numbers an override (or a plan entry) of this kind may set.
+NUMBERS = ("rate", "burst", "cost")
+
+
+def bucket_limits(rate: float, burst: float, cost: float) -> Limits:
+    return Limits(rate=rate, burst=burst, cost=cost,
+                  quota=Quota(limit=burst, window=math.ceil(burst / rate)))
+
+
+def _merged(base: Limits, numbers: Mapping[str, float | None]) -> Limits:
+    def pick(name: str, own: float) -> float:
+        value = numbers.get(name)
+        return own if value is None else float(value)
+
+    rate, burst, cost = pick("rate", base.rate), pick("burst", base.burst), pick("cost", base.cost)
+    if cost > burst:
+        raise ValueError(cost_message(cost, burst))
+    return bucket_limits(rate, burst, cost)
 
 
 class RequestRateLimiter:
@@ -28,22 +54,48 @@ class RequestRateLimiter:
         self.burst = spec.burst
         self.cost = spec.cost
         self._keys = keys
-        self.quota = Quota(limit=spec.burst, window=math.ceil(spec.burst / spec.rate))
+        self.own = bucket_limits(spec.rate, spec.burst, spec.cost)
+        self.quota = self.own.quota
+        #: plan name -> numbers (unset numbers are the limiter's own); validated at load.
+        self.plans: dict[str, Limits] = {
+            name: _merged(self.own, {"rate": p.rate, "burst": p.burst, "cost": p.cost})
+            for name, p in (spec.plans or {}).items()
+        }
+
+    def override(self, numbers: Mapping[str, float]) -> dict[str, Limits]:
+        """An override's numbers for each plan (``""``: a plan this limiter does not list);
+        numbers the override does not set are the plan's. ValueError when they do not fit."""
+        unknown = sorted(set(numbers) - set(NUMBERS))
+        if unknown:
+            raise ValueError(f"a request_rate override sets {', '.join(NUMBERS)}, not {', '.join(unknown)}")
+        out = {"": _merged(self.own, numbers)}
+        for name, limits in self.plans.items():
+            try:
+                out[name] = _merged(limits, numbers)
+            except ValueError as exc:
+                raise ValueError(f"with plan '{name}': {exc}") from None
+        return out
+
+    def limits(self, ctx: RequestContext) -> Limits:
+        """This customer's numbers: an override, else its plan's, else the limiter's own."""
+        return customer_limits(self.name, ctx, self.plans, self.own)
 
     def local(self, ctx: RequestContext, enforce: bool) -> Verdict | None:
         return None
 
     def op(self, ctx: RequestContext, enforce: bool) -> BucketOp:
-        return BucketOp(self._keys.bucket(self.name, ctx.identity), self.rate, self.burst,
-                        self.cost, enforce)
+        n = self.limits(ctx)
+        return BucketOp(self._keys.bucket(self.name, ctx.identity), n.rate, n.burst, n.cost, enforce)
 
     def verdict(self, ctx: RequestContext, result: OpResult, enforce: bool) -> Verdict:
+        n = self.limits(ctx)
         if result.allowed:
-            return Verdict(self.name, self.kind, Outcome.ALLOWED, limit=self.burst,
-                           remaining=result.remaining, reset=result.extra, quota=self.quota)
-        return Verdict(self.name, self.kind, denied_outcome(enforce), limit=self.burst,
+            return Verdict(self.name, self.kind, Outcome.ALLOWED, limit=n.burst,
+                           remaining=result.remaining, reset=result.extra, quota=n.quota)
+        plan = f" (plan {ctx.plan})" if ctx.plan else ""
+        return Verdict(self.name, self.kind, denied_outcome(enforce), limit=n.burst,
                        remaining=result.remaining, retry_after=result.retry_after,
-                       reset=result.extra, reason="rate_exceeded", quota=self.quota,
-                       detail=(f"Request rate limit '{self.name}' exceeded: bursts of up to "
-                               f"{self.burst:g} requests, refilled at {self.rate:g} per second. "
+                       reset=result.extra, reason="rate_exceeded", quota=n.quota,
+                       detail=(f"Request rate limit '{self.name}' exceeded{plan}: bursts of up to "
+                               f"{n.burst:g} requests, refilled at {n.rate:g} per second. "
                                f"Slow down and retry after the Retry-After delay."))

@@ -125,6 +125,8 @@ class DecisionLog:
             "tier_source": ctx.tier_source,
             "identity": ctx.identity,
             "identity_source": ctx.identity_source,
+            "plan": ctx.plan,
+            "plan_source": ctx.plan_source,
             "route": route_of(ctx),
             "remaining": v.remaining,
             "limit": v.limit,

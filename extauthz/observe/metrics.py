@@ -61,8 +61,12 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.decisions = Counter(
-            "extauthz_decisions", "Limiter verdicts by limiter, tier and outcome.",
-            ["limiter", "tier", "outcome"], registry=self.registry,
+            "extauthz_decisions", "Limiter verdicts by limiter, tier, plan and outcome.",
+            ["limiter", "tier", "plan", "outcome"], registry=self.registry,
+        )
+        self.unknown_plans = Counter(
+            "extauthz_plan_unknown", "Requests naming a plan the policy does not know (the "
+            "default plan was used).", registry=self.registry,
         )
         self.requests = Counter(
             "extauthz_requests", "Checks by tier and result (allowed, rate_limited, shed, failed_closed).",
@@ -72,30 +76,37 @@ class Metrics:
             "extauthz_store_call_seconds", "Latency of the one store call a check makes.",
             buckets=STORE_BUCKETS, registry=self.registry,
         )
-        self._decisions: dict[tuple[str, Tier, Outcome], Any] = {}
+        self._decisions: dict[tuple[str, Tier, str, Outcome], Any] = {}
         self._requests: dict[tuple[Tier, str], Any] = {
             (tier, result): self.requests.labels(tier.value, result) for tier in Tier for result in RESULTS
         }
 
     def prime(self, policy: Policy) -> None:
-        """Resolve (and so export, at 0) every limiter x tier x outcome series of ``policy``."""
+        """Resolve (and so export, at 0) every limiter x tier x plan x outcome series of
+        ``policy`` (plans: the names the policy knows, so the label stays bounded)."""
+        plans = sorted(policy.plan_names) or [""]
         for spec in policy.limiters:
             for tier in Tier:
-                for outcome in Outcome:
-                    key = (spec.name, tier, outcome)
-                    if key not in self._decisions:
-                        self._decisions[key] = self.decisions.labels(spec.name, tier.value, outcome.value)
+                for plan in plans:
+                    for outcome in Outcome:
+                        key = (spec.name, tier, plan, outcome)
+                        if key not in self._decisions:
+                            self._decisions[key] = self.decisions.labels(
+                                spec.name, tier.value, plan, outcome.value)
 
     # -- Observer -------------------------------------------------------------------------
     def decided(self, ctx: RequestContext, decision: Decision, policy: Policy) -> None:
         tier = decision.tier
+        plan = ctx.plan
         children = self._decisions
         for v in decision.verdicts:
-            child = children.get((v.limiter, tier, v.outcome))
+            child = children.get((v.limiter, tier, plan, v.outcome))
             if child is None:
-                child = children[(v.limiter, tier, v.outcome)] = self.decisions.labels(
-                    v.limiter, tier.value, v.outcome.value)
+                child = children[(v.limiter, tier, plan, v.outcome)] = self.decisions.labels(
+                    v.limiter, tier.value, plan, v.outcome.value)
             child.inc()
+        if ctx.plan_source == "unknown":
+            self.unknown_plans.inc()
         self._requests[(tier, request_result(decision))].inc()
 
 
@@ -193,6 +204,16 @@ class StateCollector:
                                  labels=["version"])
         info.add_metric([snap.policy.version], 1)
         yield info
+
+        now = engine.clock.wall()
+        live = sum(1 for o in engine.overrides if o.expires_at > now)
+        not_applied = len(snap.overrides_not_applied)
+        overrides = GaugeMetricFamily("extauthz_overrides", "Live per-customer overrides, by "
+                                      "whether they apply (a limiter the policy no longer has: no).",
+                                      labels=["applied"])
+        overrides.add_metric(["yes"], live - not_applied)
+        overrides.add_metric(["no"], not_applied)
+        yield overrides
 
         modes = {spec.name: Mode(spec.mode) for spec in snap.policy.limiters}
         mode = GaugeMetricFamily("extauthz_limiter_mode", "Effective mode of each limiter "

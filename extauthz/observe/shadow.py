@@ -4,7 +4,7 @@
 request path (a dict update) and flushes once a second, off the request path, to the
 store's bounded event log (``Store.append_events`` at ``Keys.shadow_log``: a ring buffer
 in the embedded store, a capped stream in Redis, shared by every replica). Within one
-flush, would-denials with the same limiter, tier, route and identity are one event with a
+flush, would-denials with the same limiter, tier, plan, route and identity are one event with a
 ``count`` and the lowest headroom seen, so a noisy user does not flood the log.
 
 :func:`build_report` turns the events of a time window into, per limiter, the most
@@ -33,10 +33,10 @@ log = logging.getLogger("extauthz.shadow")
 LOG_MAXLEN = 100_000
 #: the log disappears this long after its last append.
 LOG_TTL = 7 * 24 * 3600.0
-#: distinct (limiter, tier, route, identity) groups held between two flushes.
+#: distinct (limiter, tier, plan, route, identity) groups held between two flushes.
 MAX_PENDING = 10_000
 
-_Group = tuple[str, str, str, str, str]  # limiter, tier, route, identity, identity source
+_Group = tuple[str, str, str, str, str, str]  # limiter, tier, plan, route, identity, identity source
 
 
 class ShadowRecorder:
@@ -62,7 +62,7 @@ class ShadowRecorder:
                 continue
             self.recorded += 1
             headroom = v.remaining / v.limit if v.remaining is not None and v.limit else None
-            group = (v.limiter, ctx.tier.value, route_of(ctx), ctx.identity, ctx.identity_source)
+            group = (v.limiter, ctx.tier.value, ctx.plan, route_of(ctx), ctx.identity, ctx.identity_source)
             entry = self._pending.get(group)
             if entry is None:
                 if len(self._pending) >= self.max_pending:
@@ -85,11 +85,11 @@ class ShadowRecorder:
             return 0
         pending, self._pending = self._pending, {}
         events = [
-            json.dumps({"ts": round(first, 3), "limiter": limiter, "tier": tier, "route": route,
+            json.dumps({"ts": round(first, 3), "limiter": limiter, "tier": tier, "plan": plan, "route": route,
                         "identity": identity, "identity_source": source, "count": count,
                         "min_headroom": None if headroom is None else round(headroom, 4),
                         "reason": reason}, separators=(",", ":"))
-            for (limiter, tier, route, identity, source), (count, headroom, first, reason) in pending.items()
+            for (limiter, tier, plan, route, identity, source), (count, headroom, first, reason) in pending.items()
         ]
         try:
             await self.store.append_events(self.key, events, self.maxlen, self.ttl)
@@ -125,20 +125,25 @@ def build_report(events: Iterable[str], *, top: int = 10) -> list[dict[str, Any]
             continue
         headroom = e.get("min_headroom")
         lim = limiters.setdefault(name, {"limiter": name, "would_deny": 0, "first": e.get("ts"),
-                                         "last": e.get("ts"), "tiers": {}, "reasons": {},
+                                         "last": e.get("ts"), "tiers": {}, "plans": {}, "reasons": {},
                                          "_ids": {}, "_routes": {}})
         lim["would_deny"] += count
         lim["last"] = e.get("ts")
         tier = str(e.get("tier", ""))
         lim["tiers"][tier] = lim["tiers"].get(tier, 0) + count
+        plan = str(e.get("plan", ""))
+        if plan:
+            lim["plans"][plan] = lim["plans"].get(plan, 0) + count
         reason = str(e.get("reason", ""))
         lim["reasons"][reason] = lim["reasons"].get(reason, 0) + count
         ident = lim["_ids"].setdefault(str(e.get("identity", "")), {
             "identity": str(e.get("identity", "")), "identity_source": e.get("identity_source", ""),
-            "count": 0, "min_headroom": None, "tiers": set(), "routes": set()})
+            "count": 0, "min_headroom": None, "tiers": set(), "plans": set(), "routes": set()})
         ident["count"] += count
         ident["min_headroom"] = _headroom_min(ident["min_headroom"], headroom)
         ident["tiers"].add(tier)
+        if plan:
+            ident["plans"].add(plan)
         ident["routes"].add(str(e.get("route", "")))
         route = lim["_routes"].setdefault(str(e.get("route", "")), {
             "route": str(e.get("route", "")), "count": 0, "min_headroom": None, "identities": set()})
@@ -152,7 +157,8 @@ def build_report(events: Iterable[str], *, top: int = 10) -> list[dict[str, Any]
         lim["identities"] = len(ids)
         lim["routes"] = len(routes)
         lim["top_identities"] = [
-            {**i, "tiers": sorted(i["tiers"]), "routes": len(i["routes"])} for i in ids[:top]
+            {**i, "tiers": sorted(i["tiers"]), "plans": sorted(i["plans"]), "routes": len(i["routes"])}
+            for i in ids[:top]
         ]
         lim["top_routes"] = [{**r, "identities": len(r["identities"])} for r in routes[:top]]
         out.append(lim)
@@ -173,15 +179,17 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append("none: no shadow limiter would have refused anything in this window.")
     for lim in limiters:
         tiers = ", ".join(f"{t} {n}" for t, n in sorted(lim["tiers"].items(), key=lambda x: -x[1]))
+        plans = ", ".join(f"{p} {n}" for p, n in sorted(lim.get("plans", {}).items(), key=lambda x: -x[1]))
         lines += [
             "",
             f"limiter {lim['limiter']}: {lim['would_deny']} would-denials, {lim['identities']} identities, "
-            f"{lim['routes']} routes (tiers: {tiers})",
-            f"  {'identity':<26} {'source':<20} {'count':>8} {'min headroom':>13}  tiers",
+            f"{lim['routes']} routes (tiers: {tiers}{'; plans: ' + plans if plans else ''})",
+            f"  {'identity':<26} {'source':<20} {'count':>8} {'min headroom':>13}  tiers  plans",
         ]
         for i in lim["top_identities"]:
             lines.append(f"  {i['identity']:<26} {i['identity_source']:<20} {i['count']:>8} "
-                         f"{_pct(i['min_headroom']):>13}  {','.join(i['tiers'])}")
+                         f"{_pct(i['min_headroom']):>13}  {','.join(i['tiers'])}  "
+                         f"{','.join(i.get('plans', [])) or '-'}")
         lines.append(f"  {'route':<48} {'count':>8} {'min headroom':>13} {'identities':>11}")
         for r in lim["top_routes"]:
             lines.append(f"  {r['route'][:48]:<48} {r['count']:>8} {_pct(r['min_headroom']):>13} "

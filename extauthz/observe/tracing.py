@@ -114,6 +114,8 @@ class TracingObserver:
             "extauthz.tier_source": ctx.tier_source,
             "extauthz.identity": ctx.identity,
             "extauthz.identity_source": ctx.identity_source,
+            "extauthz.plan": ctx.plan,
+            "extauthz.plan_source": ctx.plan_source,
             "extauthz.decision": "allowed" if decision.allowed else "denied",
             "extauthz.http_status": decision.http_status,
             "extauthz.policy_version": policy.version,

@@ -198,7 +198,7 @@ def parse_file(file: str, text: str) -> tuple[PolicyFile | None, _Document, list
         return None, doc, issues
 
 
-_SINGLETONS = ("identity", "test_mode", "classification")
+_SINGLETONS = ("identity", "plan", "test_mode", "classification")
 
 
 def load_policy(paths: Sequence[Path | str]) -> Policy:
@@ -254,6 +254,15 @@ def load_policy(paths: Sequence[Path | str]) -> Policy:
                 ))
             else:
                 names[spec.name] = (file, line)
+    # Plans need the top-level section saying where a request's plan comes from.
+    if "plan" not in owner:
+        for file, model, doc in parsed:
+            for i, spec in enumerate(model.limiters):
+                if getattr(spec, "plans", None):
+                    issues.append(PolicyIssue(
+                        file, f"limiters[{i}].plans", doc.line_of(("limiters", i, "plans")),
+                        "plans need a top-level 'plan' section (where a request's plan comes from)",
+                    ))
     if issues:
         raise PolicyError(issues)
     return compile_policy([m for _, m, _ in parsed], version=digest.hexdigest()[:12],

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..tiers import Tier
-from .schema import AppliesTo, LimiterSpec, Match, PolicyFile
+from .schema import AppliesTo, IdentityRule, LimiterSpec, Match, PolicyFile
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,11 +102,17 @@ class Policy:
     rules: tuple[Rule, ...]
     limiters: tuple[LimiterSpec, ...]
     test_metadata: MetadataTest | None = None
+    #: where a request's plan comes from (empty: no ``plan`` section, every request has
+    #: the plan ``""``, i.e. every limiter's own numbers).
+    plan_sources: tuple[IdentitySource, ...] = ()
+    plan_default: str = ""
+    #: the plans the policy names (the default and every limiter's ``plans`` keys).
+    plan_names: frozenset[str] = frozenset()
 
     @property
     def needed_headers(self) -> frozenset[str]:
         """The request headers the engine reads; the edge copies only these."""
-        names = {s.header for s in self.identity if s.header}
+        names = {s.header for s in (*self.identity, *self.plan_sources) if s.header}
         if self.test_header:
             names.add(self.test_header)
         for rule in self.rules:
@@ -117,7 +123,7 @@ class Policy:
     def needed_metadata(self) -> Mapping[str, tuple[MetadataPath, ...]]:
         """Filter-metadata namespace -> the paths the engine reads; the edge extracts only these."""
         wanted: dict[str, list[MetadataPath]] = {}
-        refs = [s.metadata for s in self.identity if s.metadata is not None]
+        refs = [s.metadata for s in (*self.identity, *self.plan_sources) if s.metadata is not None]
         if self.test_metadata is not None:
             refs.append((self.test_metadata.namespace, self.test_metadata.path))
         for namespace, path in refs:
@@ -133,21 +139,27 @@ class Policy:
         return None
 
 
+def compile_sources(rules: Sequence[IdentityRule]) -> tuple[IdentitySource, ...]:
+    """Identity (and plan) rules as the classifier reads them."""
+    return tuple(
+        IdentitySource(r.header.lower() if r.header else None, r.strip_prefix, r.source_ip,
+                       (r.metadata.namespace, tuple(r.metadata.path)) if r.metadata else None,
+                       r.principal)
+        for r in rules
+    )
+
+
 def compile_policy(files: Sequence[PolicyFile], *, version: str,
                    sources: tuple[str, ...] = ()) -> Policy:
     identity = next((f.identity for f in files if f.identity is not None), None)
+    plan = next((f.plan for f in files if f.plan is not None), None)
     test_mode = next((f.test_mode for f in files if f.test_mode is not None), None)
     classification = next((f.classification for f in files if f.classification is not None), None)
     limiters = tuple(spec for f in files for spec in f.limiters)
     return Policy(
         version=version,
         sources=sources,
-        identity=tuple(
-            IdentitySource(r.header.lower() if r.header else None, r.strip_prefix, r.source_ip,
-                           (r.metadata.namespace, tuple(r.metadata.path)) if r.metadata else None,
-                           r.principal)
-            for r in identity
-        ) if identity else DEFAULT_IDENTITY,
+        identity=compile_sources(identity) if identity else DEFAULT_IDENTITY,
         test_key_prefix=test_mode.key_prefix if test_mode else None,
         test_header=test_mode.header.lower() if test_mode and test_mode.header else None,
         route_metadata_namespace=classification.route_metadata_namespace if classification else "extauthz",
@@ -159,4 +171,9 @@ def compile_policy(files: Sequence[PolicyFile], *, version: str,
         test_metadata=MetadataTest(test_mode.metadata.namespace, tuple(test_mode.metadata.path),
                                    test_mode.metadata.equals)
         if test_mode is not None and test_mode.metadata is not None else None,
+        plan_sources=compile_sources(plan.from_) if plan else (),
+        plan_default=plan.default if plan else "",
+        plan_names=frozenset(
+            [plan.default, *(name for spec in limiters for name in (getattr(spec, "plans", None) or {}))]
+        ) if plan else frozenset(),
     )

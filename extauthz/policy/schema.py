@@ -9,7 +9,15 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -134,6 +142,65 @@ class TestModeMetadata(MetadataRef):
         description="The value meaning test mode; strings compare exactly, numbers by value, "
         "booleans only with booleans."
     )
+class PlanSpec(_Strict):
+    """Where a request's plan comes from (the same rule shapes as ``identity``; the first
+    rule that yields a value wins), and the plan of every other request."""
+
+    from_: list[IdentityRule] = Field(
+        alias="from", min_length=1,
+        description="Rules naming the plan; the first that yields a value wins.",
+    )
+    default: Name = Field(description="The plan of a request no rule names, or names a plan "
+                          "the policy does not know.")
+
+    @field_validator("from_")
+    @classmethod
+    def _names_a_plan(cls, rules: list[IdentityRule]) -> list[IdentityRule]:
+        for rule in rules:
+            if rule.source_ip or rule.principal:
+                which = "source_ip" if rule.source_ip else "principal"
+                raise ValueError(f"'{which}: true' cannot name a plan; use 'metadata' (a verified "
+                                 "claim) or a header set by an authenticating filter")
+        return rules
+
+
+class RequestRatePlan(_Strict):
+    """A ``request_rate`` limiter's numbers for one plan; unset numbers are the limiter's."""
+
+    rate: Rate | None = None
+    burst: Annotated[float, Field(gt=0)] | None = None
+    cost: Annotated[float, Field(gt=0)] | None = None
+
+    @model_validator(mode="after")
+    def _some(self) -> RequestRatePlan:
+        if self.rate is None and self.burst is None and self.cost is None:
+            raise ValueError("a request_rate plan sets at least one of 'rate', 'burst', 'cost'")
+        if self.cost is not None and self.burst is not None and self.cost > self.burst:
+            raise ValueError(cost_message(self.cost, self.burst))
+        return self
+
+
+class ConcurrentRequestsPlan(_Strict):
+    """A ``concurrent_requests`` limiter's number for one plan."""
+
+    limit: Annotated[int, Field(ge=1)]
+
+
+def cost_message(cost: float, burst: float) -> str:
+    return f"cost ({cost:g}) is larger than burst ({burst:g}): no request could ever pass"
+
+
+def _no_plans(value: Any) -> Any:
+    if value is not None:
+        raise ValueError("plans are per customer; this limiter protects the whole fleet and "
+                         "takes none (only request_rate and concurrent_requests do)")
+    return value
+
+
+NoPlans = Annotated[
+    None, BeforeValidator(_no_plans),
+    Field(description="Not allowed: fleet-wide limiters have no per-customer plans."),
+]
 
 
 class TestModeSpec(_Strict):
@@ -194,12 +261,19 @@ class RequestRateSpec(_LimiterBase):
     rate: Rate
     burst: Annotated[float, Field(gt=0)]
     cost: Annotated[float, Field(gt=0)] = 1.0
+    plans: dict[Name, RequestRatePlan] | None = Field(
+        None, description="Numbers per plan (rate, burst, cost); a plan not listed uses the "
+        "limiter's own.")
 
     @model_validator(mode="after")
     def _cost_fits(self) -> RequestRateSpec:
         if self.cost > self.burst:
-            raise ValueError(f"cost ({self.cost:g}) is larger than burst ({self.burst:g}): "
-                             "no request could ever pass")
+            raise ValueError(cost_message(self.cost, self.burst))
+        for name, plan in (self.plans or {}).items():
+            cost = self.cost if plan.cost is None else plan.cost
+            burst = self.burst if plan.burst is None else plan.burst
+            if cost > burst:
+                raise ValueError(f"plan '{name}': {cost_message(cost, burst)}")
         return self
 
 
@@ -209,6 +283,8 @@ class ConcurrentRequestsSpec(_LimiterBase):
     type: Literal["concurrent_requests"]
     limit: Annotated[int, Field(ge=1)]
     lease_ttl: Annotated[Duration, Field(ge=1)] = 60.0
+    plans: dict[Name, ConcurrentRequestsPlan] | None = Field(
+        None, description="The limit per plan; a plan not listed uses the limiter's own.")
 
 
 class FleetUsageSpec(_LimiterBase):
@@ -218,6 +294,7 @@ class FleetUsageSpec(_LimiterBase):
     capacity: Annotated[int, Field(ge=1)]
     reserved_for_critical: Annotated[float, Field(ge=0, lt=1)] = 0.2
     lease_ttl: Annotated[Duration, Field(ge=1)] = 60.0
+    plans: NoPlans = None
 
 
 class Signal(_Strict):
@@ -249,6 +326,7 @@ class WorkerUtilizationSpec(_LimiterBase):
     delay_before_shedding: Duration = 28.0
     time_to_shed_all: Annotated[Duration, Field(gt=0)] = 120.0
     lease_ttl: Annotated[Duration, Field(ge=1)] = 60.0
+    plans: NoPlans = None
 
     @model_validator(mode="after")
     def _dead_zone(self) -> WorkerUtilizationSpec:
@@ -269,6 +347,8 @@ class PolicyFile(_Strict):
 
     version: Literal[1]
     identity: list[IdentityRule] | None = None
+    plan: PlanSpec | None = Field(None, description="Where a request's plan comes from; "
+                                  "limiters' 'plans' give the numbers per plan.")
     test_mode: TestModeSpec | None = None
     classification: Classification | None = None
     limiters: list[LimiterSpec] = Field(default_factory=list)

@@ -11,6 +11,10 @@ keep it private):
 ``PUT /switches/{name}``   body ``enforce`` | ``shadow`` | ``off``; ``*`` is global
 ``DELETE /switches/{name}`` clear a switch (the policy's ``mode`` applies again)
 ``GET /shadow?window=1h``  the dark-launch report over the window (``&top=N``)
+``GET /overrides``         live per-customer overrides, each with ``applied`` (and why not)
+``PUT /overrides/{limiter}/{identity}``  JSON ``{"numbers": {...}, "ttl": 86400, "reason",
+                           "by", "source"}``; ``identity`` is the hashed identity
+``DELETE /overrides/{limiter}/{identity}``  clear one override
 =========================  ==========================================================
 
 The port itself (and the metrics port) is started by :mod:`extauthz.server.ports`; what
@@ -22,11 +26,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from aiohttp import web
 
 from ..errors import StoreError
+from ..overrides import OverrideError
 from ..policy.schema import parse_duration
 from ..switches import GLOBAL, SwitchBoard, valid_name
 from ..verdict import Mode
@@ -44,6 +50,14 @@ class AdminBackend(Protocol):
     def limiter_names(self) -> set[str]: ...
 
     async def shadow_report(self, window: float, *, top: int = 10) -> dict[str, Any]: ...
+
+    def override_rows(self) -> dict[str, Any]: ...
+
+    async def set_override(self, limiter: str, identity: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Raises OverrideError (a refusal, 400) or StoreError (503)."""
+
+    async def clear_override(self, limiter: str, identity: str) -> bool:
+        """False when there was none. Raises StoreError."""
 
 MAX_WINDOW = 7 * 24 * 3600.0
 
@@ -109,8 +123,36 @@ def admin_app(ops: AdminBackend) -> web.Application:
             return _error(503, f"cannot read the shadow log: {exc}")
         return _json(report)
 
+    async def overrides(request: web.Request) -> web.Response:
+        return _json(ops.override_rows())
+
+    async def put_override(request: web.Request) -> web.Response:
+        try:
+            body = json.loads(await request.text())
+            if not isinstance(body, dict):
+                raise OverrideError('the body is a JSON object {"numbers": {...}, "ttl": seconds, ...}')
+            return _json(await ops.set_override(request.match_info["limiter"],
+                                                request.match_info["identity"], body))
+        except (ValueError, TypeError) as exc:  # OverrideError, JSON errors
+            return _error(400, str(exc))
+        except StoreError as exc:
+            return _error(503, f"the store did not take the change: {exc}")
+
+    async def delete_override(request: web.Request) -> web.Response:
+        limiter = request.match_info["limiter"]
+        try:
+            found = await ops.clear_override(limiter, request.match_info["identity"])
+        except StoreError as exc:
+            return _error(503, f"the store did not take the change: {exc}")
+        if not found:
+            return _error(404, f"no override for limiter {limiter!r} and that identity")
+        return _json(ops.override_rows())
+
     app = web.Application()
     app.router.add_get("/status", status)
+    app.router.add_get("/overrides", overrides)
+    app.router.add_put("/overrides/{limiter}/{identity}", put_override)
+    app.router.add_delete("/overrides/{limiter}/{identity}", delete_override)
     app.router.add_get("/switches", switches)
     app.router.add_put("/switches/{name}", put_switch)
     app.router.add_delete("/switches/{name}", delete_switch)

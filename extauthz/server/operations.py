@@ -9,7 +9,7 @@ rewires the engine.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,18 @@ from ..observe.edge_metrics import EdgeCollector
 from ..observe.metrics import LeaseSampler, StateCollector
 from ..observe.setup import Observability
 from ..observe.shadow import read_report
+from ..overrides import (
+    DEFAULT_TTL,
+    MAX_OVERRIDES,
+    Override,
+    OverrideBoard,
+    OverrideError,
+    compile_overrides,
+    describe,
+    make_override,
+    with_override,
+    without_override,
+)
 from ..policy import Policy
 from ..release import releases_status
 from ..reload import PolicyWatcher
@@ -68,6 +80,7 @@ class Operations:
 
         self.shadow_flush_interval = shadow_flush_interval
         self.switches = SwitchBoard(store, keys.switches, engine.set_switches, interval=switch_poll_interval)
+        self.overrides = OverrideBoard(store, keys, engine.set_overrides, wall=clock.wall)
         self.watcher = (PolicyWatcher(watch, self._apply_policy, current=engine.snapshot.policy,
                                       interval=reload_interval, clock=clock)
                         if watch and reload_interval > 0 else None)
@@ -107,7 +120,8 @@ class Operations:
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
-        await self.switches.poll_once()  # serve with the fleet's switches from the first check
+        # serve with the fleet's switches and overrides from the first check
+        await self._poll_fleet_state()
         try:
             if self.observe.metrics is not None and self.metrics_listen is not None:
                 self.metrics_port = await self.ports.start(metrics_app(self.observe.metrics.registry),
@@ -122,7 +136,8 @@ class Operations:
             await self.stop()
             raise
         run = self.runner.every
-        run("switch_poll", self.switches.interval, self.switches.poll_once)
+        # one poll of what operators change at run time: kill switches and overrides
+        run("switch_poll", self.switches.interval, self._poll_fleet_state)
         run("shadow_flush", self.shadow_flush_interval, self.observe.housekeeping)
         if self.watcher is not None:
             run("policy_reload", self.watcher.interval, self.watcher.poll_once)
@@ -148,6 +163,10 @@ class Operations:
                         "not fatal; `extauthz switch --listen HOST:PORT` finds it)", exc, port,
                         extra={"fields": {"event": "admin_port_fallback", "admin_port": port}})
             return port
+    async def _poll_fleet_state(self) -> None:
+        """The one poll of what operators change at run time: kill switches and overrides."""
+        await self.switches.poll_once()
+        await self.overrides.poll_once()
 
     async def stop(self) -> None:
         await self.runner.stop()
@@ -190,6 +209,7 @@ class Operations:
             "background_errors": dict(sorted(self.runner.errors.items())),
             **self.switch_status(),
             "switch_poll": {"errors": self.switches.errors, "updates": self.switches.updates},
+            "overrides": self.override_status(),
             "shedding": [
                 {"limiter": w.name, "level": w.level, "utilization": w.utilization,
                  "probabilities": {t.value: p for t, p in w.probabilities.items()}}
@@ -208,6 +228,44 @@ class Operations:
             "tracing": self.observe.tracing is not None,
             "tls": self.tls.status() if self.tls is not None else {"enabled": False},
         }
+
+    def override_rows(self) -> dict[str, Any]:
+        rows = describe(self.overrides.current, self.engine.snapshot.overrides_not_applied, self.clock.wall())
+        return {"overrides": rows, "max": MAX_OVERRIDES}
+
+    async def set_override(self, limiter: str, identity: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Set one override (the admin port). This replica knows the policy, so an override
+        that would not apply is refused. Raises OverrideError or StoreError."""
+        numbers = body.get("numbers")
+        if not isinstance(numbers, dict):
+            raise OverrideError('"numbers" is an object like {"rate": 1000, "burst": 5000}')
+        now = self.clock.wall()
+        new = make_override(limiter, identity, numbers, ttl=body.get("ttl", DEFAULT_TTL),
+                            reason=str(body.get("reason", "")), by=str(body.get("by", "")),
+                            source=str(body.get("source", "")), now=now)
+        _, not_applied = compile_overrides([new], self.engine.snapshot.limiters, now)
+        if not_applied:
+            raise OverrideError(next(iter(not_applied.values())))
+        await self.overrides.change(lambda entries: with_override(entries, new, now))
+        return self.override_rows()
+
+    async def clear_override(self, limiter: str, identity: str) -> bool:
+        found = False
+
+        def clear(entries: list[Override]) -> list[Override]:
+            nonlocal found
+            out, found = without_override(entries, limiter, identity, self.clock.wall())
+            return out
+
+        await self.overrides.change(clear)
+        return found
+
+    def override_status(self) -> dict[str, Any]:
+        rows = describe(self.overrides.current, self.engine.snapshot.overrides_not_applied,
+                        self.clock.wall())
+        return {"live": len(rows), "max": MAX_OVERRIDES,
+                "not_applied": [r for r in rows if not r["applied"]],
+                "poll_errors": self.overrides.errors, "updates": self.overrides.updates}
 
     async def shadow_report(self, window: float, *, top: int = 10) -> dict[str, Any]:
         await self.observe.shadow.flush()  # include what this replica noted in the last second

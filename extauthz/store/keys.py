@@ -54,6 +54,16 @@ class Keys:
         return f"{self.prefix}:switches"
 
     @property
+    def overrides(self) -> str:
+        """Live per-customer overrides: one JSON value (``extauthz.overrides``)."""
+        return f"{self.prefix}:overrides"
+
+    @property
+    def overrides_version(self) -> str:
+        """Changes with every override change; replicas poll it, then read :attr:`overrides`."""
+        return f"{self.prefix}:overrides:version"
+
+    @property
     def shadow_log(self) -> str:
         return f"{self.prefix}:shadow"
 

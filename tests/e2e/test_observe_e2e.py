@@ -118,7 +118,7 @@ def test_rollout_shadow_report_enforce_through_envoy(traced_stack: Stack) -> Non
                 f"http://127.0.0.1:{traced_stack.metrics_port}/metrics", timeout=5) as resp:  # type: ignore[attr-defined]
             metrics = resp.read().decode()
         line = next(x for x in metrics.splitlines() if x.startswith(
-            'extauthz_decisions_total{limiter="user-concurrency",outcome="shadow_denied",tier="get"}'))
+            'extauthz_decisions_total{limiter="user-concurrency",outcome="shadow_denied",plan="",tier="get"}'))
         assert float(line.split()[-1]) == 10
     finally:
         r = cli("switch", "--admin", admin, "user-concurrency", "clear")

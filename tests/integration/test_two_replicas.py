@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import grpc
 import pytest
 
-from extauthz.devtools.stack import ServerProcess
-from extauthz.proto import auth_pb2, auth_pb2_grpc
+from extauthz.proto import auth_pb2
 from tests.infra.redis_servers import RedisSingle
+
+from .replicas import replicas
 
 pytestmark = pytest.mark.redis
 
@@ -42,31 +41,19 @@ def test_two_replicas_share_one_budget(tmp_path: Path, redis_single_clean: Redis
     # A generous store deadline: this test is about the shared budget, not latency (a
     # fail-open on a slow first call would admit more than the budget).
     args = ["--redis-url", redis_single_clean.url, "--store-deadline-ms", "2000"]
-    replicas = [ServerProcess([policy], args=args, workdir=tmp_path) for _ in range(2)]
-    try:
-        with ThreadPoolExecutor(2) as pool:  # start both at once
-            list(pool.map(lambda p: p.start(), replicas))
-        channels = [grpc.insecure_channel(f"127.0.0.1:{p.port}") for p in replicas]
-        try:
-            stubs = [auth_pb2_grpc.AuthorizationStub(ch) for ch in channels]
-            allowed = [0, 0]
-            for i in range(3 * BURST):
-                replica = i % 2
-                resp = stubs[replica].Check(check_request("sk_live_shared"), timeout=10)
-                if resp.status.code == 0:
-                    allowed[replica] += 1
-                else:
-                    assert resp.denied_response.status.code == 429
-            assert sum(allowed) == BURST
-            assert allowed == [BURST // 2, BURST // 2]  # alternating: each admitted its share
-            # Another user has a budget of its own.
-            assert stubs[1].Check(check_request("sk_live_other"), timeout=10).status.code == 0
-        finally:
-            for ch in channels:
-                ch.close()
-    finally:
-        for p in replicas:
-            p.stop()
+    with replicas(policy, 2, args=args, workdir=tmp_path) as stubs:
+        allowed = [0, 0]
+        for i in range(3 * BURST):
+            replica = i % 2
+            resp = stubs[replica].Check(check_request("sk_live_shared"), timeout=10)
+            if resp.status.code == 0:
+                allowed[replica] += 1
+            else:
+                assert resp.denied_response.status.code == 429
+        assert sum(allowed) == BURST
+        assert allowed == [BURST // 2, BURST // 2]  # alternating: each admitted its share
+        # Another user has a budget of its own.
+        assert stubs[1].Check(check_request("sk_live_other"), timeout=10).status.code == 0
     with redis_single_clean.client() as raw:
         buckets = [k for k in raw.scan_iter("extauthz:*:rr:user-rate")]
         assert len(buckets) == 2  # the two users' buckets live in the shared Redis

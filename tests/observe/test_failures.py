@@ -65,7 +65,7 @@ async def test_a_client_library_type_error_fails_checks_open_counted_as_internal
         assert [await client.check(f"sk_live_{i}") for i in range(3)] == [200, 200, 200]
         m = samples(await scrape(server))
         assert value(m, "extauthz_fail_open_total", reason="internal_error") == 3
-        assert value(m, "extauthz_decisions_total", limiter="user-rate", tier="get",
+        assert value(m, "extauthz_decisions_total", limiter="user-rate", tier="get", plan="",
                      outcome="failed_open") == 3
         assert server.engine.failures == {"internal_error": 3}
     # One log line with the traceback for the streak, not one per request.
@@ -81,7 +81,7 @@ async def test_a_limiter_raising_key_error_fails_open_counted(tmp_path: Path) ->
         assert await client.check() == 200
         m = samples(await scrape(server))
         assert value(m, "extauthz_fail_open_total", reason="internal_error") == 2
-        assert value(m, "extauthz_decisions_total", limiter="user-rate", tier="get",
+        assert value(m, "extauthz_decisions_total", limiter="user-rate", tier="get", plan="",
                      outcome="failed_open") == 2
 
 

@@ -51,7 +51,8 @@ async def test_metrics_after_known_traffic(tmp_path: Path) -> None:
     async with running([metrics_policy(tmp_path).parent], store=store, clock=clock) as (server, client):
         version = server.engine.snapshot.policy.version
         before = samples(await scrape(server))
-        assert value(before, "extauthz_decisions_total", limiter="user-rate", tier="get", outcome="denied") == 0
+        assert value(before, "extauthz_decisions_total", limiter="user-rate", tier="get", plan="",
+                     outcome="denied") == 0
 
         # 5 GETs from one user: the bucket (3) admits 3 and refuses 2; the shadow bucket (1)
         # admits the first and would refuse the other 4 (they pass).
@@ -74,7 +75,7 @@ async def test_metrics_after_known_traffic(tmp_path: Path) -> None:
         m = samples(await scrape(server))
 
         def decisions(limiter: str, outcome: str, tier: str = "get") -> float:
-            return value(m, "extauthz_decisions_total", limiter=limiter, tier=tier, outcome=outcome)
+            return value(m, "extauthz_decisions_total", limiter=limiter, tier=tier, plan="", outcome=outcome)
 
         assert decisions("user-rate", "allowed") == 3
         assert decisions("user-rate", "denied") == 2

@@ -34,9 +34,9 @@ async def test_memory_event_log_is_bounded_and_expires(clock: ManualClock) -> No
 def test_report_groups_sums_and_ranks() -> None:
     ev = [
         {"ts": 1, "limiter": "a", "tier": "get", "route": "GET /x", "identity": "i1", "identity_source": "h",
-         "count": 3, "min_headroom": 0.2, "reason": "rate_exceeded"},
+         "count": 3, "min_headroom": 0.2, "reason": "rate_exceeded", "plan": "free"},
         {"ts": 2, "limiter": "a", "tier": "post", "route": "POST /y", "identity": "i1", "identity_source": "h",
-         "count": 2, "min_headroom": 0.0, "reason": "rate_exceeded"},
+         "count": 2, "min_headroom": 0.0, "reason": "rate_exceeded", "plan": "free"},
         {"ts": 3, "limiter": "a", "tier": "get", "route": "GET /x", "identity": "i2", "identity_source": "h",
          "count": 1, "min_headroom": None, "reason": "rate_exceeded"},
         {"ts": 4, "limiter": "b", "tier": "get", "route": "GET /x", "identity": "i2", "identity_source": "h",
@@ -47,11 +47,13 @@ def test_report_groups_sums_and_ranks() -> None:
     a = report[1]
     assert a["would_deny"] == 6 and a["identities"] == 2 and a["routes"] == 2
     assert a["tiers"] == {"get": 4, "post": 2}
+    assert a["plans"] == {"free": 5}  # the plan is a label of the report (events without one: none)
     assert a["top_identities"] == [{"identity": "i1", "identity_source": "h", "count": 5, "min_headroom": 0.0,
-                                    "tiers": ["get", "post"], "routes": 2}]
+                                    "tiers": ["get", "post"], "plans": ["free"], "routes": 2}]
     assert a["top_routes"] == [{"route": "GET /x", "count": 4, "min_headroom": 0.2, "identities": 2}]
     text = format_report({"window": 60, "events": 4, "limiters": report})
     assert "limiter a: 6 would-denials, 2 identities" in text and "i1" in text
+    assert "plans: free 5" in text
 
 
 async def test_the_report_lists_who_a_shadow_limiter_would_have_refused(

@@ -1,0 +1,358 @@
+"""Live overrides: one customer's numbers for one limiter, changed without a redeploy.
+
+An override names a limiter and a **hashed** identity (the classifier's
+:func:`~extauthz.classify.hash_identity` with the fleet's salt: the raw value is hashed by
+the ``extauthz override`` command and never stored, shown or sent) and sets that limiter
+kind's numbers (``rate``/``burst``/``cost`` for ``request_rate``, ``limit`` for
+``concurrent_requests``; numbers it does not set are the customer's plan's). It wins over
+the plan, and it expires at its TTL.
+
+Storage: every override lives in one JSON value at ``Keys.overrides``, and
+``Keys.overrides_version`` changes with every change. Both keys carry a TTL (the latest
+expiry plus a minute), so nothing outlives the last override. Each replica polls the
+version key in the same one-second loop that reads the kill switches
+(:class:`OverrideBoard.poll_once`, called by the server's fleet-state poll) and reads the
+overrides only when it changed: with Redis every replica applies a change within about a
+second; with the embedded store the admin port writes the same value and applies it at once.
+A change is a read-modify-write of that value (like the kill switches): two operators
+changing overrides in the same instant can lose one change; ``extauthz override list``
+shows the result.
+
+Bounds: at most :data:`MAX_OVERRIDES` live overrides (a new one beyond that is refused
+with :class:`OverrideError`; changing or clearing an existing one still works) and a TTL
+of at most :data:`MAX_TTL`. An override for a limiter the policy does not have (or whose
+kind does not take those numbers) is kept, reported (``list``, ``/status``) and not applied;
+it applies again if a reload brings the limiter back before it expires.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+from pydantic import ValidationError
+
+from .errors import StoreError
+from .policy.schema import ConcurrentRequestsPlan, RequestRatePlan, parse_duration
+from .store.base import Store
+from .store.keys import Keys
+from .verdict import Limits
+
+log = logging.getLogger("extauthz.overrides")
+
+#: live overrides at most (the fleet's, all limiters); a new one beyond is refused.
+MAX_OVERRIDES = 1000
+#: the longest TTL an override may have, and the default.
+MAX_TTL = 30 * 24 * 3600.0
+DEFAULT_TTL = 24 * 3600.0
+#: stored keys outlive the latest expiry by this much (clock skew between replicas).
+KEY_SLACK = 60.0
+IDENTITY_HASH = re.compile(r"^[0-9a-f]{24}$")
+_LIMITER = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+_TEXT_MAX = 200
+
+
+class OverrideError(ValueError):
+    """A refused override change (bad numbers, too many, unknown limiter): the message
+    says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Override:
+    limiter: str
+    #: the keyed hash of the identity (never the raw value).
+    identity: str
+    #: the identity rule label the hash was made for (``header:x-api-key``).
+    source: str
+    #: the numbers it sets: ``rate``/``burst``/``cost`` or ``limit``.
+    numbers: Mapping[str, float]
+    reason: str
+    #: who set it ($USER or ``--by``) and when (Unix seconds).
+    by: str
+    set_at: float
+    expires_at: float
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["numbers"] = dict(self.numbers)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Override:
+        numbers = data["numbers"]
+        if not isinstance(numbers, dict):
+            raise ValueError("numbers must be an object")
+        return cls(limiter=str(data["limiter"]), identity=str(data["identity"]),
+                   source=str(data.get("source", "")),
+                   numbers={str(k): float(v) for k, v in numbers.items()},
+                   reason=str(data.get("reason", "")), by=str(data.get("by", "")),
+                   set_at=float(data["set_at"]), expires_at=float(data["expires_at"]))
+
+
+# -- validation (the policy's rules) ------------------------------------------------------
+
+
+def _number(text: str) -> float | int | str:
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return text  # a rate like "100/s", or garbage the schema names
+
+
+def parse_numbers(pairs: Sequence[str]) -> dict[str, Any]:
+    """``["rate=1000", "burst=5000"]`` -> ``{"rate": 1000, "burst": 5000}`` (not yet validated)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        name = name.strip()
+        if not sep or not name or not value.strip():
+            raise OverrideError(f"expected NAME=VALUE (rate=1000 burst=5000, or limit=200), got {pair!r}")
+        if name in out:
+            raise OverrideError(f"{name} is given twice")
+        out[name] = _number(value.strip())
+    return out
+
+
+def validate_numbers(numbers: Mapping[str, Any]) -> dict[str, float]:
+    """Check an override's numbers with the policy's own rules (a plan entry's: the same
+    names, units, bounds and ``cost <= burst``). Returns them as plain numbers."""
+    if not numbers:
+        raise OverrideError("an override sets rate/burst/cost (request_rate) or limit "
+                            "(concurrent_requests)")
+    model: type[RequestRatePlan] | type[ConcurrentRequestsPlan] = (
+        ConcurrentRequestsPlan if "limit" in numbers else RequestRatePlan)
+    try:
+        parsed = model.model_validate(dict(numbers))
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"])
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                msg = ("not a number of this limiter kind (request_rate: rate, burst, cost; "
+                       "concurrent_requests: limit)")
+            problems.append(f"{where}: {msg}" if where else msg)
+        raise OverrideError("; ".join(problems)) from None
+    return {k: float(v) for k, v in parsed.model_dump(exclude_none=True).items()}
+
+
+def parse_ttl(value: str | float) -> float:
+    try:
+        seconds = float(parse_duration(value))
+    except ValueError as exc:
+        raise OverrideError(str(exc)) from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise OverrideError("the TTL must be positive")
+    if seconds > MAX_TTL:
+        raise OverrideError(f"the TTL is at most {MAX_TTL / 86400:g} days (got {seconds / 86400:g})")
+    return seconds
+
+
+def make_override(limiter: str, identity: str, numbers: Mapping[str, Any], *, ttl: str | float,
+                  reason: str = "", by: str = "", source: str = "", now: float) -> Override:
+    """A validated override (raises :class:`OverrideError`)."""
+    if not _LIMITER.match(limiter):
+        raise OverrideError(f"bad limiter name {limiter!r}")
+    if not IDENTITY_HASH.match(identity):
+        raise OverrideError("the identity must be a hashed identity (24 hex digits)")
+    return Override(limiter=limiter, identity=identity, source=source[:_TEXT_MAX],
+                    numbers=validate_numbers(numbers), reason=reason[:_TEXT_MAX], by=by[:_TEXT_MAX],
+                    set_at=now, expires_at=now + parse_ttl(ttl))
+
+
+# -- the stored value ---------------------------------------------------------------------
+
+
+def parse_overrides(text: str | None) -> list[Override]:
+    """The stored JSON (None: no overrides). Raises ValueError when malformed."""
+    if not text:
+        return []
+    data = json.loads(text)
+    if not isinstance(data, dict) or not isinstance(data.get("overrides"), list):
+        raise ValueError("overrides must be a JSON object {\"overrides\": [...]}")
+    try:
+        return [Override.from_dict(item) for item in data["overrides"]]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"malformed override: {exc}") from None
+
+
+def live(entries: Sequence[Override], now: float) -> list[Override]:
+    return [e for e in entries if e.expires_at > now]
+
+
+def with_override(entries: Sequence[Override], new: Override, now: float) -> list[Override]:
+    """``entries`` (expired ones dropped) with ``new`` set; at the bound a new one is refused."""
+    kept = [e for e in live(entries, now) if (e.limiter, e.identity) != (new.limiter, new.identity)]
+    if len(kept) >= MAX_OVERRIDES:
+        raise OverrideError(f"{len(kept)} overrides are live, the most the fleet keeps "
+                            f"({MAX_OVERRIDES}): clear some (extauthz override clear) or wait "
+                            "for them to expire")
+    return sorted([*kept, new], key=lambda e: (e.limiter, e.identity))
+
+
+def without_override(entries: Sequence[Override], limiter: str, identity: str,
+                     now: float) -> tuple[list[Override], bool]:
+    kept = live(entries, now)
+    out = [e for e in kept if (e.limiter, e.identity) != (limiter, identity)]
+    return out, len(out) != len(kept)
+
+
+async def change_stored(store: Store, keys: Keys,
+                        change: Callable[[list[Override]], list[Override]],
+                        now: float | None = None) -> list[Override]:
+    """Read, change and write the stored overrides, then bump the version key. Both keys
+    expire a minute after the latest override. The one writer (admin port and CLI)."""
+    now = time.time() if now is None else now
+    try:
+        current = parse_overrides(await store.get_value(keys.overrides))
+    except ValueError:
+        current = []  # overwrite a malformed value
+    new = change(current)
+    if new:
+        ttl = max(e.expires_at for e in new) - now + KEY_SLACK
+        await store.set_value(keys.overrides,
+                              json.dumps({"overrides": [e.to_dict() for e in new]}, sort_keys=True), ttl)
+        await store.set_value(keys.overrides_version, f"{time.time_ns()}-{os.urandom(4).hex()}", ttl)
+    else:
+        await store.set_value(keys.overrides, None)
+        await store.set_value(keys.overrides_version, None)
+    return new
+
+
+# -- compiling against the limiters -------------------------------------------------------
+
+
+class Overridable(Protocol):
+    name: str
+
+    def override(self, numbers: Mapping[str, float]) -> dict[str, Limits]: ...
+
+
+#: identity hash -> limiter -> plan -> numbers (what the classifier reads).
+Table = dict[str, dict[str, Mapping[str, Limits]]]
+
+
+def compile_overrides(entries: Sequence[Override], limiters: Sequence[object],
+                      now: float) -> tuple[Table, dict[tuple[str, str], str]]:
+    """The table of live overrides that fit the limiters, and why the others do not apply
+    (``(limiter, identity) -> reason``). Built at change, expiry and reload, never per request."""
+    by_name = {getattr(lim, "name", ""): lim for lim in limiters}
+    table: Table = {}
+    not_applied: dict[tuple[str, str], str] = {}
+    for e in live(entries, now):
+        lim = by_name.get(e.limiter)
+        if lim is None:
+            not_applied[(e.limiter, e.identity)] = f"the policy has no limiter named '{e.limiter}'"
+            continue
+        override = getattr(lim, "override", None)
+        if override is None:
+            not_applied[(e.limiter, e.identity)] = (f"limiter '{e.limiter}' limits the whole "
+                                                    "fleet and takes no per-customer override")
+            continue
+        try:
+            by_plan = override(e.numbers)
+        except ValueError as exc:
+            not_applied[(e.limiter, e.identity)] = str(exc)
+            continue
+        table.setdefault(e.identity, {})[e.limiter] = by_plan
+    return table, not_applied
+
+
+def describe(entries: Sequence[Override], not_applied: Mapping[tuple[str, str], str] | None,
+             now: float) -> list[dict[str, Any]]:
+    """Rows for ``list`` and ``/status``: each live override, and whether it applies."""
+    rows = []
+    for e in live(entries, now):
+        row = e.to_dict()
+        row["expires_in"] = round(e.expires_at - now, 1)
+        if not_applied is not None:
+            why = not_applied.get((e.limiter, e.identity))
+            row["applied"] = why is None
+            if why is not None:
+                row["not_applied"] = why
+        rows.append(row)
+    return rows
+
+
+# -- the replica's side -------------------------------------------------------------------
+
+
+class OverrideBoard:
+    """Keeps the engine's overrides in step with the store (polled with the switches)."""
+
+    def __init__(self, store: Store, keys: Keys, apply: Callable[[Sequence[Override]], None],
+                 *, wall: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.keys = keys
+        self.apply = apply
+        self.wall = wall
+        self.current: list[Override] = []
+        self.version: str | None = None
+        self.errors = 0
+        self.updates = 0
+        self._next_expiry = math.inf
+        self._failing = False
+
+    def _set(self, entries: list[Override], source: str) -> None:
+        now = self.wall()
+        entries = live(entries, now)
+        changed = entries != self.current
+        self.current = entries
+        self._next_expiry = min((e.expires_at for e in entries), default=math.inf)
+        self.apply(entries)
+        if changed:
+            self.updates += 1
+            log.warning("overrides now: %d live", len(entries), extra={"fields": {
+                "event": "overrides_changed", "count": len(entries), "source": source,
+                "overrides": [f"{e.limiter}/{e.identity}" for e in entries][:50]}})
+
+    async def poll_once(self) -> None:
+        """Read the version key; on a change read and apply the overrides. An expiry that
+        has passed re-applies (the engine drops the expired). On a store error or a
+        malformed value the current overrides stay (logged once per streak)."""
+        try:
+            version = await self.store.get_value(self.keys.overrides_version)
+            text = await self.store.get_value(self.keys.overrides) if version != self.version else None
+        except StoreError as exc:
+            self.errors += 1
+            if not self._failing:
+                log.warning("cannot read overrides (keeping %d): %s", len(self.current), exc,
+                            extra={"fields": {"event": "overrides_read_failed", "error": str(exc)}})
+            self._failing = True
+            return
+        self._failing = False
+        if version != self.version:
+            try:
+                entries = parse_overrides(text)
+            except ValueError as exc:
+                self.errors += 1
+                log.error("malformed overrides at %s (keeping %d): %s", self.keys.overrides,
+                          len(self.current), exc,
+                          extra={"fields": {"event": "overrides_malformed", "error": str(exc)}})
+                self.version = version
+                return
+            self.version = version
+            self._set(entries, "store")
+        elif self.wall() >= self._next_expiry:
+            self._set(self.current, "expiry")
+
+    async def change(self, change: Callable[[list[Override]], list[Override]]) -> list[Override]:
+        """Change the stored overrides and apply them here at once (the admin port).
+        Raises StoreError when the store cannot be read or written, OverrideError when
+        the change is refused."""
+        entries = await change_stored(self.store, self.keys, change, self.wall())
+        self.version = await self.store.get_value(self.keys.overrides_version)
+        self._set(entries, "admin")
+        return entries
+
