@@ -64,10 +64,6 @@ class Metrics:
             "extauthz_decisions", "Limiter verdicts by limiter, tier, plan and outcome.",
             ["limiter", "tier", "plan", "outcome"], registry=self.registry,
         )
-        self.unknown_plans = Counter(
-            "extauthz_plan_unknown", "Requests naming a plan the policy does not know (the "
-            "default plan was used).", registry=self.registry,
-        )
         self.requests = Counter(
             "extauthz_requests", "Checks by tier and result (allowed, rate_limited, shed, failed_closed).",
             ["tier", "result"], registry=self.registry,
@@ -105,8 +101,6 @@ class Metrics:
                 child = children[(v.limiter, tier, plan, v.outcome)] = self.decisions.labels(
                     v.limiter, tier.value, plan, v.outcome.value)
             child.inc()
-        if ctx.plan_source == "unknown":
-            self.unknown_plans.inc()
         self._requests[(tier, request_result(decision))].inc()
 
 
@@ -241,6 +235,8 @@ class StateCollector:
         yield CounterMetricFamily("extauthz_unknown_tiers", "Tier names in route metadata or "
                                   "context extensions that are not a tier (the rules or the method default "
                                   "tier applied).", value=snap.classifier.unknown_tiers)
+        yield CounterMetricFamily("extauthz_plan_unknown", "Requests naming a plan the policy does "
+                                  "not know (the default plan applied).", value=snap.classifier.unknown_plans)
 
         breaker = GaugeMetricFamily("extauthz_store_breaker_open", "1 while the store circuit "
                                     "breaker skips the store (open or half-open).")

@@ -13,7 +13,7 @@ import pytest
 from extauthz.answers import denial, ratelimit_headers
 from extauthz.classify import hash_identity
 from extauthz.clock import ManualClock
-from extauthz.observe.metrics import Metrics
+from extauthz.observe.metrics import Metrics, StateCollector
 from extauthz.overrides import (
     MAX_OVERRIDES,
     MAX_TTL,
@@ -28,6 +28,8 @@ from extauthz.overrides import (
     without_override,
 )
 from extauthz.policy import load_policy
+from extauthz.switches import Switches
+from extauthz.verdict import Mode
 
 from ..conftest import ROOT
 from .helpers import engine_for, get, policy_from
@@ -83,15 +85,18 @@ async def test_default_plan_without_a_value(tmp_path: Path) -> None:
 
 
 async def test_unknown_plan_uses_the_default_and_is_counted(tmp_path: Path) -> None:
-    engine, _ = engine_for(policy_from(tmp_path, PLANS), ManualClock())
     metrics = Metrics()
-    engine.observer = metrics
+    engine, _ = engine_for(policy_from(tmp_path, PLANS), ManualClock(), observer=metrics)
     ctx, d = await engine.check(on_plan("platinum"))
     assert (ctx.plan, ctx.plan_source) == ("free", "unknown")
     assert headers(d)["ratelimit-policy"].startswith('"user-rate";q=50;')
     await engine.check(on_plan("gold"))
     await engine.check(on_plan("free"))  # known: not counted
     assert engine.snapshot.classifier.unknown_plans == 2
+    collector = StateCollector(engine)
+    metrics.registry.register(collector)
+    assert metrics.registry.get_sample_value("extauthz_plan_unknown_total") == 2
+    engine.set_switches(Switches(global_mode=Mode.SHADOW))  # a new snapshot keeps the count
     assert metrics.registry.get_sample_value("extauthz_plan_unknown_total") == 2
     # the plan is a label of the decisions metric
     assert metrics.registry.get_sample_value("extauthz_decisions_total", {
