@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import jwt
@@ -61,6 +62,15 @@ def _config_with_jwks(jwks: str, path: Path) -> Path:
     return path
 
 
+@contextmanager
+def stack_with_jwt(policy: dict[str, object], issuer: Issuer, tmp: Path) -> Iterator[Stack]:
+    """The quick start's stack behind envoy/envoy-jwt.yaml trusting ``issuer``'s keys."""
+    (tmp / "policy.yaml").write_text(yaml.safe_dump(policy))
+    base = _config_with_jwks(issuer.jwks(), tmp / "envoy-jwt.yaml")
+    with Stack([tmp / "policy.yaml"], base=base, tracing_enabled=False) as stack:
+        yield stack
+
+
 @pytest.fixture(scope="module")
 def issuer() -> Issuer:
     return Issuer()
@@ -68,10 +78,7 @@ def issuer() -> Issuer:
 
 @pytest.fixture(scope="module")
 def jwt_stack(issuer: Issuer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("jwt")
-    (tmp / "policy.yaml").write_text(yaml.safe_dump(POLICY))
-    base = _config_with_jwks(issuer.jwks(), tmp / "envoy-jwt.yaml")
-    with Stack([tmp / "policy.yaml"], base=base, tracing_enabled=False) as stack:
+    with stack_with_jwt(POLICY, issuer, tmp_path_factory.mktemp("jwt")) as stack:
         yield stack
 
 

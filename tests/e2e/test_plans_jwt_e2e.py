@@ -7,12 +7,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-import yaml
 
 from extauthz.devtools.client import HttpClient
 from extauthz.devtools.stack import Stack
 
-from .test_identity_e2e import Issuer, _config_with_jwks
+from .test_identity_e2e import Issuer, stack_with_jwt
 
 pytestmark = pytest.mark.e2e
 
@@ -34,10 +33,7 @@ def issuer() -> Issuer:
 
 @pytest.fixture(scope="module")
 def plan_stack(issuer: Issuer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("jwt-plans")
-    (tmp / "policy.yaml").write_text(yaml.safe_dump(POLICY))
-    base = _config_with_jwks(issuer.jwks(), tmp / "envoy-jwt.yaml")
-    with Stack([tmp / "policy.yaml"], base=base, tracing_enabled=False) as stack:
+    with stack_with_jwt(POLICY, issuer, tmp_path_factory.mktemp("jwt-plans")) as stack:
         yield stack
 
 
