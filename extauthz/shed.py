@@ -1,4 +1,4 @@
-"""The worker utilization controller from Stripe's gist, and the tier mapping it drives.
+"""The worker utilization shed level, and the tier mapping it drives.
 
 The controller keeps one number, the shed *level*, in ``[resting, 1]`` where
 ``resting = -delay_before_shedding / time_to_shed_all`` (computed in floating point; the
@@ -14,6 +14,9 @@ Starting from rest, sustained full utilization therefore sheds nothing for
 ``delay_before_shedding`` seconds and everything non-critical after
 ``delay_before_shedding + time_to_shed_all``.
 
+The controller step is :func:`extauthz.store.algorithms.shed_advance`: the store runs it
+(``Store.shed_update``) against the state it keeps, one state per fleet on Redis.
+
 Tier mapping (:func:`drop_probabilities`): the positive part of the level is split into
 three equal thirds driving ``test``, then ``get``, then ``post``::
 
@@ -25,32 +28,8 @@ equals the gist's single drop chance ``max(L, 0)``, and recovery retraces the sa
 
 from __future__ import annotations
 
-from .store.base import ShedParams
+from .store.algorithms import clamp
 from .tiers import Tier
-
-
-def clamp(value: float, low: float, high: float) -> float:
-    return low if value < low else high if value > high else value
-
-
-def derivative(utilization: float, p: ShedParams) -> float:
-    """Level change per second for a utilization sample (the gist's derivative)."""
-    if utilization < p.good_below:
-        amount = utilization / p.good_below - 1.0
-    elif utilization < p.bad_above:
-        amount = 0.0
-    else:
-        amount = (utilization - p.bad_above) / (1.0 - p.bad_above)
-    return clamp(amount, -1.0, 1.0) / p.time_to_shed_all
-
-
-def advance(level: float | None, last: float | None, now: float, utilization: float,
-            p: ShedParams) -> float:
-    """The level after a sample taken at ``now``. A new controller starts at rest."""
-    if level is None or last is None:
-        return p.resting
-    elapsed = clamp(now - last, 0.0, p.delay_before_shedding)
-    return clamp(level + elapsed * derivative(utilization, p), p.resting, 1.0)
 
 
 def drop_probabilities(level: float) -> dict[Tier, float]:

@@ -1,8 +1,18 @@
 -- check.lua: evaluate every store-backed limiter of one request atomically; commit iff admitted.
 --
--- Semantics (extauthz/store/base.py, same as extauthz/store/memory.py): every op is evaluated;
--- the request is admitted iff every op with enforce=1 allows; only then is every op that
--- allows committed. A shadow op (enforce=0) that would refuse neither blocks nor is committed.
+-- Semantics (extauthz/store/base.py): every op is evaluated; the request is admitted iff
+-- every op with enforce=1 allows; only then is every op that allows committed. A shadow op
+-- (enforce=0) that would refuse neither blocks nor is committed.
+--
+-- The rules MIRROR extauthz/store/algorithms.py exactly (same float operations, same order,
+-- same TOKEN_EPSILON; tests/store/test_differential.py compares this script with the embedded
+-- store on random timelines, and a test pins TOKEN_EPSILON below to the Python one):
+--   refill  tokens = min(burst, t + max(0, now - ts) * rate)      (no state: burst)
+--   admits  tokens + TOKEN_EPSILON >= cost
+--   take    t = max(0, tokens - cost)
+--   sweep   a lease with expiry <= now is gone; lease_admits: limit <= 0 or live < limit
+-- Only the raw state is returned: the caller derives remaining, retry-after and reset with
+-- extauthz.store.algorithms.op_result, as the embedded store does.
 --
 -- KEYS[i]       the key of op i, i = 1..#KEYS (on Redis Cluster all in one hash slot)
 -- ARGV[1]       now, in seconds (float), from the caller's injected clock; "" = Redis TIME
@@ -29,8 +39,9 @@
 --                   bucket: tokens available (refilled to now, at most burst);
 --                   lease: live leases (after the sweep);
 --                   as a "%.17g" string (Redis truncates Lua numbers in replies to integers).
---   The caller derives the rest from its own op parameters: a committed op holds
---   tokens - cost / leases + 1; retry_after = (cost - tokens) / rate when refused.
+--   The caller derives the rest from its own op parameters (algorithms.op_result).
+
+local TOKEN_EPSILON = 1e-9
 
 local function fmt(x)
   return string.format('%.17g', x)
@@ -57,7 +68,7 @@ for i = 1, n do
     if state[1] then
       tokens = math.min(burst, tonumber(state[1]) + math.max(0, now - tonumber(state[2])) * rate)
     end
-    ok[i] = tokens >= cost
+    ok[i] = tokens + TOKEN_EPSILON >= cost
     value[i] = tokens
   else
     local limit = tonumber(ARGV[j + 2])
@@ -78,7 +89,7 @@ for i = 1, n do
   if admitted and ok[i] then
     if ARGV[j] == 'b' then
       local rate, burst, cost = tonumber(ARGV[j + 2]), tonumber(ARGV[j + 3]), tonumber(ARGV[j + 4])
-      redis.call('HSET', key, 't', fmt(value[i] - cost), 'ts', fmt(now))
+      redis.call('HSET', key, 't', fmt(math.max(0, value[i] - cost)), 'ts', fmt(now))
       redis.call('EXPIRE', key, math.max(1, math.ceil(2 * burst / rate)))
     else
       local ttl = tonumber(ARGV[j + 3])

@@ -10,17 +10,17 @@ which is atomic and commits nothing unless the request is admitted:
 
 Leases are released by the access-log path (:meth:`Store.release`) or expire after
 their TTL; expired leases are swept inside the same atomic operation that reads them.
+
+The rules themselves (refill, admit, sweep, the answers' numbers, the shed controller) are
+defined once, in :mod:`extauthz.store.algorithms`, and every store follows them exactly.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
-
-#: a bucket holding ``cost - TOKEN_EPSILON`` tokens admits the request: float time
-#: arithmetic (``1000.05 + 0.05``) must not refuse a request that arrives exactly on time.
-TOKEN_EPSILON = 1e-9
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,8 +35,10 @@ class BucketOp:
 
     @property
     def ttl(self) -> int:
-        """Seconds an idle bucket is kept: twice the fill time, at least 1 (Redis refuses 0)."""
-        return max(1, int(2 * self.burst / self.rate + 0.999999))
+        """Seconds an idle bucket is kept: twice the fill time, at least 1 (Redis refuses 0).
+        A bucket idle that long is full again, so forgetting it changes no answer.
+        ``lua/check.lua`` computes the same ``max(1, ceil(2 * burst / rate))``."""
+        return max(1, math.ceil(2 * self.burst / self.rate))
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,10 @@
 """The embedded store: one process, no Redis. The default, for one replica.
 
 Every operation runs synchronously inside one event-loop step, so a check is atomic with
-respect to every other check in the process. Leases of one key all have the same TTL,
-so insertion order is expiry order and sweeping pops from the front.
+respect to every other check in the process. The rules (refill, admit, sweep, the answers'
+numbers, the shed controller) are :mod:`extauthz.store.algorithms`, the same as Redis's.
+Leases of one key all have the same TTL (one limiter owns a key), so insertion order is
+expiry order and sweeping pops from the front.
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from .. import shed
 from ..clock import SYSTEM_CLOCK, Clock
-from .base import TOKEN_EPSILON, BucketOp, CheckResult, Op, OpResult, ShedParams
+from . import algorithms
+from .base import BucketOp, CheckResult, Op, ShedParams
 
 _SWEEP_EVERY = 4096
 
@@ -41,7 +43,7 @@ class MemoryStore:
             return {}
         while leases:
             first = next(iter(leases))
-            if leases[first] > now:
+            if algorithms.lease_live(leases[first], now):
                 break
             del leases[first]
         if not leases:
@@ -63,38 +65,27 @@ class MemoryStore:
         self._ops += 1
         if self._ops % _SWEEP_EVERY == 0:
             self._sweep(now)
-        staged: list[tuple[bool, float, float, float]] = []
-        admitted = True
+        # State before the request, then the same rules and answers as every store.
+        values: list[float] = []
         for op in ops:
             if isinstance(op, BucketOp):
                 state = self._buckets.get(op.key)
-                if state is None or state[2] <= now:
-                    tokens = op.burst
-                else:
-                    tokens = min(op.burst, state[0] + max(0.0, now - state[1]) * op.rate)
-                ok = tokens + TOKEN_EPSILON >= op.cost
-                staged.append((ok, tokens, 0.0 if ok else (op.cost - tokens) / op.rate, 0.0))
+                values.append(op.burst if state is None
+                              else algorithms.refill(state[0], state[1], now, op.rate, op.burst))
             else:
-                count = len(self._live_leases(op.key, now))
-                ok = op.limit <= 0 or count < op.limit
-                staged.append((ok, float(count), 0.0, 0.0))
-            if not ok and op.enforce:
-                admitted = False
+                values.append(float(len(self._live_leases(op.key, now))))
+        allowed = [algorithms.op_admits(op, value) for op, value in zip(ops, values, strict=True)]
+        admitted = algorithms.admitted(ops, allowed)
         results = []
-        for op, (ok, value, retry, _) in zip(ops, staged, strict=True):
-            commit = admitted and ok
-            if isinstance(op, BucketOp):
-                tokens = value - op.cost if commit else value
-                if commit:
-                    self._buckets[op.key] = [tokens, now, now + op.ttl]
-                results.append(OpResult(ok, tokens, retry, (op.burst - tokens) / op.rate))
-            else:
-                count = int(value)
-                if commit:
-                    self._leases.setdefault(op.key, {})[lease_id] = now + op.ttl
-                    count += 1
-                free = float(op.limit - count) if op.limit > 0 else float("inf")
-                results.append(OpResult(ok, max(0.0, free), 0.0, float(count)))
+        for op, ok, value in zip(ops, allowed, values, strict=True):
+            if admitted and ok:
+                if isinstance(op, BucketOp):
+                    self._buckets[op.key] = [algorithms.take(value, op.cost), now, now + op.ttl]
+                else:
+                    leases = self._leases.setdefault(op.key, {})
+                    leases.pop(lease_id, None)  # a renewed lease moves to the end (expiry order)
+                    leases[lease_id] = now + op.ttl
+            results.append(algorithms.op_result(op, ok, value, admitted))
         return CheckResult(admitted, tuple(results))
 
     async def release(self, keys: Sequence[str], lease_id: str) -> int:
@@ -134,7 +125,7 @@ class MemoryStore:
     async def shed_update(self, key: str, utilization: float, params: ShedParams) -> float:
         now = self._clock.monotonic()
         level, last = self._shed.get(key, (None, None))
-        new = shed.advance(level, last, now, utilization, params)
+        new = algorithms.shed_advance(level, last, now, utilization, params)
         self._shed[key] = (new, now)
         return new
 

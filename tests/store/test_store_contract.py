@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from extauthz import shed
+from extauthz.store import algorithms
 from extauthz.store.base import BucketOp, CheckResult, LeaseOp, Op, ShedParams, Store
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
@@ -299,7 +299,7 @@ async def test_shed_update_follows_the_controller(store_case: StoreCase) -> None
     levels = []
     for dt, utilization in timeline:
         clock.advance(dt)
-        expected = shed.advance(level, last, clock.now, utilization, p)
+        expected = algorithms.shed_advance(level, last, clock.now, utilization, p)
         got = await store.shed_update(key, utilization, p)
         assert got == pytest.approx(expected, abs=1e-12)
         level, last = got, clock.now

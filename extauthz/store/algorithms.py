@@ -1,0 +1,136 @@
+"""The limiting rules, defined once: token bucket, leases, and the shed controller.
+
+Both stores follow these exactly, so that the embedded store and Redis give the same
+answers (``tests/store/test_differential.py`` drives both through the same timelines and
+requires identical decisions, remaining, retry-after and levels):
+
+* the memory store calls every function here;
+* the Redis store must change its state atomically inside Redis, so ``lua/check.lua``
+  runs the minimal part of the rule, :func:`refill`, :func:`admits`, :func:`take` and the
+  lease sweep (:func:`lease_live`), with the same float operations in the same order and
+  the same :data:`TOKEN_EPSILON` (its header says so; a test pins the constant). The script
+  returns raw state (tokens or live leases before the commit, and whether each op allows),
+  and Python derives every reported number from it with :func:`op_result`, as the memory
+  store does;
+* the shed controller (:func:`shed_advance`) runs only here, for both stores: Redis keeps
+  its state (``lua/shed_state.lua``) and swaps it with a compare-and-set, so replicas
+  sampling one fleet move at one controller's pace.
+
+Every value crosses to Redis as ``repr(float)`` and back as Lua's ``%.17g``, both exact for
+a double, so Lua and Python compute on bit-identical inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .base import BucketOp, LeaseOp, Op, OpResult, ShedParams
+
+#: A bucket holding ``cost - TOKEN_EPSILON`` tokens admits the request: float time arithmetic
+#: must not refuse a request that arrives exactly on time (rate 7/s, burst 1: the next token
+#: is there 1/7 s later, but ``(t + 1/7 - t) * 7`` is 0.9999999999999xx). ``lua/check.lua``
+#: holds the same value.
+TOKEN_EPSILON = 1e-9
+
+
+# --------------------------------------------------------------------------- token bucket
+
+
+def refill(tokens: float, last: float, now: float, rate: float, burst: float) -> float:
+    """Tokens at ``now`` for a bucket that held ``tokens`` at ``last``: ``rate`` per second
+    added continuously, capped at ``burst``. A clock going back adds nothing."""
+    return min(burst, tokens + max(0.0, now - last) * rate)
+
+
+def admits(tokens: float, cost: float) -> bool:
+    """Whether a bucket holding ``tokens`` admits a request of ``cost`` tokens."""
+    return tokens + TOKEN_EPSILON >= cost
+
+
+def take(tokens: float, cost: float) -> float:
+    """Tokens left after an admitted request: never below 0 (:data:`TOKEN_EPSILON`)."""
+    return max(0.0, tokens - cost)
+
+
+def bucket_result(op: BucketOp, allowed: bool, tokens: float, committed: bool) -> OpResult:
+    """The answer for ``op`` from the tokens available before the request (refilled to now)."""
+    left = take(tokens, op.cost) if committed else tokens
+    retry = 0.0 if allowed else (op.cost - tokens) / op.rate
+    return OpResult(allowed, left, retry, (op.burst - left) / op.rate)
+
+
+# --------------------------------------------------------------------------- leases
+
+
+def lease_live(expires_at: float, now: float) -> bool:
+    """A lease is live strictly before its expiry; at ``expires_at == now`` it is swept
+    (Redis: ``ZREMRANGEBYSCORE key -inf now``, inclusive)."""
+    return expires_at > now
+
+
+def lease_admits(live: int, limit: int) -> bool:
+    """Whether a key holding ``live`` leases takes one more (``limit`` 0: count only)."""
+    return limit <= 0 or live < limit
+
+
+def lease_result(op: LeaseOp, allowed: bool, live: int, committed: bool) -> OpResult:
+    """The answer for ``op`` from the live leases before the request (after the sweep)."""
+    count = live + 1 if committed else live
+    free = float(op.limit - count) if op.limit > 0 else float("inf")
+    return OpResult(allowed, max(0.0, free), 0.0, float(count))
+
+
+# --------------------------------------------------------------------------- one request
+
+
+def op_admits(op: Op, value: float) -> bool:
+    """Whether ``op`` allows, on its own, given its state before the request (tokens or
+    live leases)."""
+    if isinstance(op, BucketOp):
+        return admits(value, op.cost)
+    return lease_admits(int(value), op.limit)
+
+
+def admitted(ops: Sequence[Op], allowed: Sequence[bool]) -> bool:
+    """A request is admitted when every enforcing op allows (shadow ops never block)."""
+    return all(ok or not op.enforce for op, ok in zip(ops, allowed, strict=True))
+
+
+def op_result(op: Op, allowed: bool, value: float, admitted: bool) -> OpResult:
+    """The answer for ``op`` from its state before the request; it was committed when the
+    request was admitted and the op allows."""
+    committed = admitted and allowed
+    if isinstance(op, BucketOp):
+        return bucket_result(op, allowed, value, committed)
+    return lease_result(op, allowed, int(value), committed)
+
+
+# --------------------------------------------------------------------------- shed controller
+
+
+def clamp(value: float, low: float, high: float) -> float:
+    return low if value < low else high if value > high else value
+
+
+def shed_derivative(utilization: float, p: ShedParams) -> float:
+    """Level change per second for a utilization sample (the gist's derivative): below
+    ``good_below`` it falls, proportionally to how far below; up to ``bad_above`` it holds
+    (the dead zone); above it rises; at most ``1 / time_to_shed_all`` per second."""
+    if utilization < p.good_below:
+        amount = utilization / p.good_below - 1.0
+    elif utilization < p.bad_above:
+        amount = 0.0
+    else:
+        amount = (utilization - p.bad_above) / (1.0 - p.bad_above)
+    return clamp(amount, -1.0, 1.0) / p.time_to_shed_all
+
+
+def shed_advance(level: float | None, last: float | None, now: float, utilization: float,
+                 p: ShedParams) -> float:
+    """The shed level after a sample taken at ``now``, from the state ``(level, last)``
+    left by the previous sample. A new controller (no state) starts at rest. The elapsed
+    time is clamped to ``[0, delay_before_shedding]`` so a long pause cannot jump the level."""
+    if level is None or last is None:
+        return p.resting
+    elapsed = clamp(now - last, 0.0, p.delay_before_shedding)
+    return clamp(level + elapsed * shed_derivative(utilization, p), p.resting, 1.0)
