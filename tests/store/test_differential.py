@@ -1,0 +1,294 @@
+"""The embedded store and Redis give the same answers.
+
+Hypothesis generates timelines (limiters with non-binary rates, bursts and costs; several
+users and a fleet key; enforce/shadow mixes; random gaps and gaps that land exactly on a
+refill boundary, on a lease's expiry or on the retry-after just answered; releases in
+between) and runs each one against a :class:`MemoryStore` and a :class:`RedisStore` on a
+real Redis (``lua/check.lua`` runs), both reading one :class:`ManualClock`. Every answer must
+be identical: admitted, per-op allowed, remaining, retry-after and reset, compared with
+``==`` (no tolerance: both stores apply :mod:`extauthz.store.algorithms` to bit-identical
+raw state, because every number crosses to Redis as ``repr(float)`` and back as ``%.17g``).
+The shed controller is compared the same way over random utilization samples.
+
+Examples are bounded (``EXTAUTHZ_DIFFERENTIAL_EXAMPLES``, default 60) and derandomized, so
+CI runs the same timelines in a few seconds; raise the count locally to search harder.
+
+One caveat, handled by the generator: Redis expires idle bucket keys on its own clock
+(after ``max(1, ceil(2 * burst / rate))`` real seconds), which the injected clock cannot
+move. A key that expires that way is full again in the memory store only if the virtual
+time moved as far, so each example runs in well under that second of real time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.resources
+import itertools
+import os
+import re
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from extauthz.clock import ManualClock
+from extauthz.store import algorithms
+from extauthz.store.base import BucketOp, CheckResult, LeaseOp, Op, ShedParams, Store
+from extauthz.store.keys import Keys
+from extauthz.store.memory import MemoryStore
+from tests.infra.redis_servers import RedisSingle
+from tests.store.conftest import StoreCase, make_redis_store
+
+EXAMPLES = int(os.environ.get("EXTAUTHZ_DIFFERENTIAL_EXAMPLES", "60"))
+DIFFERENTIAL = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+                        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+#: deliberately not binary fractions: 1/7 s, 0.3 tokens... are where float rounding bites
+RATES = (7.0, 3.0, 0.7, 13.3, 100 / 3)
+BURSTS = (1.0, 1.7, 2.3, 5.0)
+COSTS = (1.0, 0.3, 0.7, 2.5)
+LEASE_TTLS = (1.0, 10 / 7, 2.5)
+GAPS = (0.0, 1 / 7, 1 / 3, 0.1, 0.3, 1.0, 10 / 7, 2.5)
+#: a start that is not a round number: ``now - last`` rounds the way it does in production
+START = 1_000_003.123456789
+
+_example = itertools.count()
+
+
+@dataclass(frozen=True)
+class Bucket:
+    name: str
+    rate: float
+    burst: float
+
+
+@dataclass(frozen=True)
+class Leases:
+    name: str
+    limit: int  # 0: count only
+    ttl: float
+    fleet: bool  # one key for every user (fleet_usage) or one per user (concurrent_requests)
+
+
+Limiter = Bucket | Leases
+
+
+@dataclass(frozen=True)
+class Check:
+    user: int
+    #: (limiter index, enforce, cost); each limiter at most once per request
+    ops: tuple[tuple[int, bool, float], ...]
+
+
+@dataclass(frozen=True)
+class Advance:
+    #: a gap in seconds, or "retry" (the retry-after of the last refusal), or (k, i): k
+    #: tokens of limiter i's refill (k / rate), or ("ttl", i): limiter i's lease TTL
+    gap: float | str | tuple[int, int] | tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Release:
+    pick: int  # an earlier admitted request, modulo how many there are
+
+
+@dataclass(frozen=True)
+class Inflight:
+    pass
+
+
+Step = Check | Advance | Release | Inflight
+
+
+def _limiter(i: int) -> st.SearchStrategy[Limiter]:
+    buckets = st.builds(Bucket, st.just(f"b{i}"), st.sampled_from(RATES), st.sampled_from(BURSTS))
+    leases = st.builds(Leases, st.just(f"l{i}"), st.integers(0, 3), st.sampled_from(LEASE_TTLS),
+                       st.booleans())
+    return st.one_of(buckets, leases)
+
+
+@st.composite
+def timelines(draw: st.DrawFn) -> tuple[tuple[Limiter, ...], list[Step]]:
+    n = draw(st.integers(1, 4))
+    limiters = tuple(draw(_limiter(i)) for i in range(n))
+    op = st.tuples(st.integers(0, n - 1), st.sampled_from((True, True, True, False)),
+                   st.sampled_from(COSTS))
+    check = st.builds(Check, st.integers(0, 1),
+                      st.lists(op, min_size=1, max_size=n, unique_by=lambda o: o[0]).map(tuple))
+    gap = st.one_of(
+        st.sampled_from(GAPS),
+        st.floats(0.0, 3.0, allow_nan=False, allow_infinity=False),
+        st.just("retry"),
+        st.tuples(st.integers(1, 3), st.integers(0, n - 1)),
+        st.tuples(st.just("ttl"), st.integers(0, n - 1)),
+    )
+    step = st.one_of(check, check, check, st.builds(Advance, gap), st.builds(Release, st.integers(0, 50)),
+                     st.just(Inflight()))
+    return limiters, draw(st.lists(step, min_size=4, max_size=30))
+
+
+def _ops(keys: Keys, limiters: Sequence[Limiter], check: Check) -> list[Op]:
+    ops: list[Op] = []
+    user = f"user{check.user}"
+    for index, enforce, cost in check.ops:
+        lim = limiters[index]
+        if isinstance(lim, Bucket):
+            ops.append(BucketOp(keys.bucket(lim.name, user), lim.rate, lim.burst, cost, enforce))
+        else:
+            key = keys.fleet_leases(lim.name, "other") if lim.fleet else keys.user_leases(lim.name, user)
+            ops.append(LeaseOp(key, lim.limit, lim.ttl, enforce))
+    return ops
+
+
+def _gap(gap: float | str | tuple[int, int] | tuple[str, int], limiters: Sequence[Limiter],
+         last_retry: float) -> float:
+    if isinstance(gap, float):
+        return gap
+    if gap == "retry":
+        return last_retry
+    assert isinstance(gap, tuple)
+    what, index = gap
+    lim = limiters[index]
+    if what == "ttl":
+        return lim.ttl if isinstance(lim, Leases) else 1.0
+    assert isinstance(what, int)
+    return what / lim.rate if isinstance(lim, Bucket) else what * 0.5
+
+
+async def _run(stores: Sequence[Store], clock: ManualClock, keys: Keys,
+               limiters: Sequence[Limiter], steps: Sequence[Step]) -> None:
+    admitted: list[tuple[list[str], str]] = []
+    lease_keys = sorted({op.key for check in steps if isinstance(check, Check)
+                         for op in _ops(keys, limiters, check) if isinstance(op, LeaseOp)})
+    last_retry = 0.0
+    log: list[str] = []
+    for n, step in enumerate(steps):
+        if isinstance(step, Check):
+            ops = _ops(keys, limiters, step)
+            results: list[CheckResult] = [await s.check(ops, f"r{n}") for s in stores]
+            log.append(f"t={clock.now!r} check {ops} -> {results[0]}")
+            assert all(r == results[0] for r in results), "\n".join(log + [repr(results)])
+            refused = [r.retry_after for r in results[0].results if not r.allowed and r.retry_after > 0]
+            if refused:
+                last_retry = max(refused)
+            if results[0].admitted:
+                admitted.append(([op.key for op in ops if isinstance(op, LeaseOp)], f"r{n}"))
+        elif isinstance(step, Advance):
+            gap = _gap(step.gap, limiters, last_retry)
+            clock.advance(gap)
+            log.append(f"advance {gap!r}")
+        elif isinstance(step, Release):
+            if admitted:
+                held, lease_id = admitted[step.pick % len(admitted)]
+                counts = [await s.release(held, lease_id) for s in stores]
+                log.append(f"release {lease_id} -> {counts}")
+                assert len(set(counts)) == 1, "\n".join(log)
+        else:
+            counts_per_store = [await s.inflight(lease_keys) for s in stores]
+            log.append(f"inflight -> {counts_per_store}")
+            assert all(c == counts_per_store[0] for c in counts_per_store), "\n".join(log)
+    final = [await s.inflight(lease_keys) for s in stores]
+    assert all(c == final[0] for c in final), "\n".join(log + [repr(final)])
+
+
+Body = Callable[[Store, Store, ManualClock, Keys], Awaitable[None]]
+
+
+def _both(redis: RedisSingle, body: Body) -> None:
+    """Run ``body(memory, redis_store, clock, keys)`` on a fresh pair of stores."""
+    async def main() -> None:
+        clock = ManualClock(START)
+        memory = MemoryStore(clock)
+        remote = make_redis_store(redis, clock)
+        keys = Keys(f"d{next(_example)}")  # every example on keys of its own
+        try:
+            await body(memory, remote, clock, keys)
+        finally:
+            await remote.close()
+
+    asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def redis_up(redis_single: RedisSingle) -> RedisSingle:
+    redis_single.ensure_up()
+    redis_single.flushall()
+    return redis_single
+
+
+# --------------------------------------------------------------------------- the regression
+
+
+async def test_the_next_token_on_time_is_admitted(store_case: StoreCase) -> None:
+    """Rate 7/s, burst 1: the second request 1/7 s after the first is admitted by every
+    store (before the fix Redis refused it with Retry-After: 1: ``(t + 1/7 - t) * 7`` is
+    just under 1 in floating point)."""
+    store, clock = store_case.store, store_case.clock
+    clock.set(START)
+    op = BucketOp(Keys("t").bucket("rate7", "alice"), rate=7.0, burst=1.0, cost=1.0)
+    first = await store.check([op], "a")
+    assert first.admitted and first.results[0].remaining == 0.0
+    clock.advance(1 / 7)
+    second = await store.check([op], "b")
+    assert second.admitted
+    assert (second.results[0].remaining, second.results[0].retry_after) == (0.0, 0.0)
+    third = await store.check([op], "c")  # at the same instant: the bucket is empty
+    assert not third.admitted
+    assert third.results[0].retry_after == pytest.approx(1 / 7)
+
+
+def test_check_lua_uses_the_python_epsilon() -> None:
+    source = importlib.resources.files("extauthz.lua").joinpath("check.lua").read_text()
+    found = re.findall(r"^local TOKEN_EPSILON = (\S+)$", source, re.MULTILINE)
+    assert found and float(found[0]) == algorithms.TOKEN_EPSILON
+    assert "tokens + TOKEN_EPSILON >= cost" in source
+
+
+# --------------------------------------------------------------------------- random timelines
+
+
+@pytest.mark.redis
+@DIFFERENTIAL
+@given(timeline=timelines())
+def test_stores_agree_on_random_timelines(redis_up: RedisSingle,
+                                          timeline: tuple[tuple[Limiter, ...], list[Step]]) -> None:
+    limiters, steps = timeline
+
+    async def body(memory: Store, remote: Store, clock: ManualClock, keys: Keys) -> None:
+        await _run([memory, remote], clock, keys, limiters, steps)
+
+    _both(redis_up, body)
+
+
+SHED_PARAMS = (
+    ShedParams(good_below=0.7, bad_above=0.8, delay_before_shedding=28, time_to_shed_all=120, ttl=300),
+    ShedParams(good_below=0.6, bad_above=0.9, delay_before_shedding=7, time_to_shed_all=13, ttl=60),
+    ShedParams(good_below=0.33, bad_above=0.34, delay_before_shedding=0.7, time_to_shed_all=3, ttl=60),
+)
+#: thresholds exactly, either side of them, and the ends
+UTILIZATIONS = (0.0, 0.33, 0.34, 0.6, 0.7, 0.75, 0.8, 0.9, 0.95, 1.0)
+
+
+@pytest.mark.redis
+@DIFFERENTIAL
+@given(params=st.sampled_from(SHED_PARAMS),
+       samples=st.lists(st.tuples(st.one_of(st.sampled_from((0.0, 1 / 7, 1.0, 8.0, 30.0)),
+                                            st.floats(0.0, 40.0, allow_nan=False)),
+                                  st.one_of(st.sampled_from(UTILIZATIONS), st.floats(0.0, 1.0))),
+                        min_size=1, max_size=40))
+def test_stores_agree_on_the_shed_controller(redis_up: RedisSingle, params: ShedParams,
+                                             samples: list[tuple[float, float]]) -> None:
+    async def body(memory: Store, remote: Store, clock: ManualClock, keys: Keys) -> None:
+        key = keys.shed_state("w")
+        levels: list[tuple[float, float]] = []
+        for gap, utilization in samples:
+            clock.advance(gap)
+            pair = (await memory.shed_update(key, utilization, params),
+                    await remote.shed_update(key, utilization, params))
+            levels.append(pair)
+            assert pair[0] == pair[1], levels
+            assert params.resting <= pair[0] <= 1.0
+
+    _both(redis_up, body)
