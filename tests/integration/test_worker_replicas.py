@@ -1,8 +1,11 @@
 """One fleet, one level: two replicas (two engines, two Redis clients) sampling the same
-signal on one real Redis share one controller state and converge on one shed level."""
+signal on one real Redis share one controller state and converge on one shed level; the
+controller step runs in Python and the state is swapped in with a compare-and-set
+(``lua/shed_state.lua``)."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from pathlib import Path
 
@@ -11,6 +14,7 @@ import pytest
 from extauthz.clock import ManualClock
 from extauthz.engine import Engine
 from extauthz.sampler import sample_once
+from extauthz.store.base import ShedParams
 from extauthz.store.redis import RedisStore
 from tests.infra.redis_servers import RedisSingle
 
@@ -71,3 +75,43 @@ async def test_a_new_replica_picks_up_the_fleet_level(tmp_path: Path, redis_sing
     finally:
         await first.close()
         await late.close()
+
+
+async def test_replicas_sampling_at_once_step_from_each_others_state(redis_single_clean: RedisSingle) -> None:
+    """Two replicas read the same state and both try to write a step: the compare-and-set
+    lets one in; the other steps again from that state. Replica B's clock is 3 s behind A's,
+    so a blind write from the state both read would leave B's smaller step (R + 5/120)."""
+    params = ShedParams(0.7, 0.8, 28, 120, 300)
+    clock_a, clock_b = ManualClock(start=90_008.0), ManualClock(start=90_005.0)
+    a = RedisStore.from_url(redis_single_clean.url, now=clock_a.wall)
+    b = RedisStore.from_url(redis_single_clean.url, now=clock_b.wall)
+    start = RedisStore.from_url(redis_single_clean.url, now=lambda: 90_000.0)
+    try:
+        for round_ in range(5):
+            key = f"extauthz:{{fleet}}:shed:w{round_}"
+            assert await start.shed_update(key, 1.0, params) == params.resting
+            await asyncio.gather(a.shed_update(key, 1.0, params), b.shed_update(key, 1.0, params))
+            # a dead-zone sample at A's time reads the level back unchanged
+            assert await a.shed_update(key, 0.75, params) == pytest.approx(RESTING + 8 / 120, abs=1e-12)
+    finally:
+        for s in (a, b, start):
+            await s.close()
+
+
+async def test_shed_state_script_swaps_only_the_state_it_was_given(redis_single_clean: RedisSingle) -> None:
+    store = RedisStore.from_url(redis_single_clean.url, now=lambda: 100.0)
+    key = "extauthz:{fleet}:shed:cas"
+    try:
+        got = await store._run("shed_state", [key], ["", "get"])
+        assert [int(got[0]), got[1], got[2]] == [0, b"", b""]
+        assert float(got[3]) > 1e9  # no injected "now" in ARGV[1]: Redis TIME
+        set_ = ["100.0", "set", "", "", "0.5", "100.0", "60"]
+        assert int((await store._run("shed_state", [key], set_))[0]) == 1
+        stale = await store._run("shed_state", [key], ["101.5", "set", "", "", "0.9", "101.5", "60"])
+        assert [int(stale[0]), stale[1], stale[2], stale[3]] == [0, b"0.5", b"100.0", b"101.5"]
+        ok = await store._run("shed_state", [key], ["101.5", "set", "0.5", "100.0", "0.9", "101.5", "60"])
+        assert [int(ok[0]), ok[1], ok[2]] == [1, b"0.9", b"101.5"]
+        with redis_single_clean.client() as client:
+            assert 59_000 < client.pttl(key) <= 60_000
+    finally:
+        await store.close()

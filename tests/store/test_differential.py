@@ -80,12 +80,16 @@ class Check:
     user: int
     #: (limiter index, enforce, cost); each limiter at most once per request
     ops: tuple[tuple[int, bool, float], ...]
+    #: when refused, wait exactly the retry-after answered and send it again (a client that
+    #: obeys Retry-After: the refill boundary where float rounding bites)
+    obey: bool = False
 
 
 @dataclass(frozen=True)
 class Advance:
-    #: a gap in seconds, or "retry" (the retry-after of the last refusal), or (k, i): k
-    #: tokens of limiter i's refill (k / rate), or ("ttl", i): limiter i's lease TTL
+    #: a gap in seconds; "retry": the retry-after of the last refusal; "expiry": up to the
+    #: expiry of the newest lease, to the bit; (k, i): k tokens of limiter i's refill (k / rate);
+    #: ("ttl", i): limiter i's lease TTL
     gap: float | str | tuple[int, int] | tuple[str, int]
 
 
@@ -116,17 +120,22 @@ def timelines(draw: st.DrawFn) -> tuple[tuple[Limiter, ...], list[Step]]:
     op = st.tuples(st.integers(0, n - 1), st.sampled_from((True, True, True, False)),
                    st.sampled_from(COSTS))
     check = st.builds(Check, st.integers(0, 1),
-                      st.lists(op, min_size=1, max_size=n, unique_by=lambda o: o[0]).map(tuple))
+                      st.lists(op, min_size=1, max_size=n, unique_by=lambda o: o[0]).map(tuple),
+                      st.booleans())
     gap = st.one_of(
         st.sampled_from(GAPS),
         st.floats(0.0, 3.0, allow_nan=False, allow_infinity=False),
+    )
+    boundary = st.one_of(  # exactly when a token is due, a retry-after ends, a lease's TTL
         st.just("retry"),
         st.tuples(st.integers(1, 3), st.integers(0, n - 1)),
         st.tuples(st.just("ttl"), st.integers(0, n - 1)),
     )
-    step = st.one_of(check, check, check, st.builds(Advance, gap), st.builds(Release, st.integers(0, 50)),
-                     st.just(Inflight()))
-    return limiters, draw(st.lists(step, min_size=4, max_size=30))
+    steps = {"check": check, "gap": st.builds(Advance, gap), "boundary": st.builds(Advance, boundary),
+             "expiry": st.just(Advance("expiry")), "release": st.builds(Release, st.integers(0, 50)),
+             "inflight": st.just(Inflight())}
+    kinds = draw(st.lists(st.sampled_from(("check",) * 4 + tuple(steps)), min_size=8, max_size=30))
+    return limiters, [draw(steps[kind]) for kind in kinds]
 
 
 def _ops(keys: Keys, limiters: Sequence[Limiter], check: Check) -> list[Op]:
@@ -146,8 +155,8 @@ def _gap(gap: float | str | tuple[int, int] | tuple[str, int], limiters: Sequenc
          last_retry: float) -> float:
     if isinstance(gap, float):
         return gap
-    if gap == "retry":
-        return last_retry
+    if gap in ("retry", "expiry"):
+        return last_retry if gap == "retry" else 0.0  # expiry: set by the caller
     assert isinstance(gap, tuple)
     what, index = gap
     lim = limiters[index]
@@ -163,19 +172,32 @@ async def _run(stores: Sequence[Store], clock: ManualClock, keys: Keys,
     lease_keys = sorted({op.key for check in steps if isinstance(check, Check)
                          for op in _ops(keys, limiters, check) if isinstance(op, LeaseOp)})
     last_retry = 0.0
+    expiry = 0.0  # of the newest lease: ``now + ttl``, the float both stores store
     log: list[str] = []
     for n, step in enumerate(steps):
         if isinstance(step, Check):
             ops = _ops(keys, limiters, step)
-            results: list[CheckResult] = [await s.check(ops, f"r{n}") for s in stores]
-            log.append(f"t={clock.now!r} check {ops} -> {results[0]}")
-            assert all(r == results[0] for r in results), "\n".join(log + [repr(results)])
-            refused = [r.retry_after for r in results[0].results if not r.allowed and r.retry_after > 0]
-            if refused:
-                last_retry = max(refused)
-            if results[0].admitted:
-                admitted.append(([op.key for op in ops if isinstance(op, LeaseOp)], f"r{n}"))
+            for attempt in range(2 if step.obey else 1):
+                lease_id = f"r{n}.{attempt}"
+                results: list[CheckResult] = [await s.check(ops, lease_id) for s in stores]
+                log.append(f"t={clock.now!r} check {ops} -> {results[0]}")
+                assert all(r == results[0] for r in results), "\n".join([*log, repr(results)])
+                refused = [r.retry_after for r in results[0].results if not r.allowed and r.retry_after > 0]
+                if refused:
+                    last_retry = max(refused)
+                if results[0].admitted:
+                    admitted.append(([op.key for op in ops if isinstance(op, LeaseOp)], lease_id))
+                    expiry = max([expiry, *(clock.now + op.ttl for op in ops if isinstance(op, LeaseOp))])
+                    break
+                if not refused:
+                    break  # refused by a lease: no retry-after to obey
+                clock.advance(last_retry)
+                log.append(f"advance {last_retry!r} (retry-after)")
         elif isinstance(step, Advance):
+            if step.gap == "expiry" and expiry > clock.now:
+                clock.set(expiry)  # not advance(expiry - now): that may round off the boundary
+                log.append(f"set {expiry!r}")
+                continue
             gap = _gap(step.gap, limiters, last_retry)
             clock.advance(gap)
             log.append(f"advance {gap!r}")
@@ -190,7 +212,7 @@ async def _run(stores: Sequence[Store], clock: ManualClock, keys: Keys,
             log.append(f"inflight -> {counts_per_store}")
             assert all(c == counts_per_store[0] for c in counts_per_store), "\n".join(log)
     final = [await s.inflight(lease_keys) for s in stores]
-    assert all(c == final[0] for c in final), "\n".join(log + [repr(final)])
+    assert all(c == final[0] for c in final), "\n".join([*log, repr(final)])
 
 
 Body = Callable[[Store, Store, ManualClock, Keys], Awaitable[None]]
@@ -237,6 +259,19 @@ async def test_the_next_token_on_time_is_admitted(store_case: StoreCase) -> None
     third = await store.check([op], "c")  # at the same instant: the bucket is empty
     assert not third.admitted
     assert third.results[0].retry_after == pytest.approx(1 / 7)
+
+
+async def test_a_lease_is_swept_exactly_at_its_expiry(store_case: StoreCase) -> None:
+    """Expiry == now is expired, in check.lua as in the memory store (``<=`` both sides)."""
+    store, clock = store_case.store, store_case.clock
+    clock.set(START)
+    op = LeaseOp(Keys("t").user_leases("conc", "alice"), limit=1, ttl=10 / 7)
+    assert (await store.check([op], "a")).admitted
+    clock.advance(10 / 7 - 1e-6)
+    assert not (await store.check([op], "b")).admitted
+    clock.set(START + 10 / 7)  # the lease's expiry, to the last bit
+    res = await store.check([op], "c")
+    assert res.admitted and res.results[0].extra == 1.0
 
 
 def test_check_lua_uses_the_python_epsilon() -> None:

@@ -19,14 +19,15 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 from redis import exceptions as rx
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.sentinel import Sentinel
 
-from .. import redis_events
+from ...errors import StoreUnavailable
+from .. import algorithms, redis_events
 from ..base import CheckResult, Op, ShedParams
 from . import cluster
 from .batcher import Batcher, Call
@@ -47,6 +48,10 @@ from .wire import (
 )
 
 __all__ = ["RedisStore"]
+
+#: compare-and-set attempts of one shed controller step (each retry follows another
+#: replica's step; replicas sample seconds apart, so a second attempt is already rare)
+_SHED_ATTEMPTS: Final = 8
 
 
 class RedisStore:
@@ -293,11 +298,23 @@ class RedisStore:
             raise wrap(exc) from exc
 
     async def shed_update(self, key: str, utilization: float, params: ShedParams) -> float:
-        reply = await self._run("shed_update", [key], [
-            self._now_arg(), num(utilization), num(params.good_below), num(params.bad_above),
-            num(params.delay_before_shedding), num(params.time_to_shed_all), num(params.ttl),
-        ])
-        return float(reply)
+        """One step of the controller (:func:`~extauthz.store.algorithms.shed_advance`, the
+        embedded store's code) from the fleet's state, swapped in with a compare-and-set
+        (``shed_state.lua``). When another replica stepped in between, the CAS fails and
+        returns that replica's state: the step is taken again from it, so replicas move the
+        level at one controller's pace."""
+        reply = await self._run("shed_state", [key], [self._now_arg(), "get"])
+        for _ in range(_SHED_ATTEMPTS):
+            _, level, last, now = (v.decode() if isinstance(v, bytes) else str(v) for v in reply)
+            new = algorithms.shed_advance(float(level) if level else None,
+                                          float(last) if last else None, float(now),
+                                          utilization, params)
+            reply = await self._run("shed_state", [key], [
+                self._now_arg(), "set", level, last, num(new), num(float(now)), num(params.ttl),
+            ])
+            if int(reply[0]) == 1:
+                return new
+        raise StoreUnavailable(f"redis: shed state {key} changed under {_SHED_ATTEMPTS} attempts in a row")
 
     async def append_events(self, key: str, events: Sequence[str], maxlen: int, ttl: float) -> None:
         await self._prepared()

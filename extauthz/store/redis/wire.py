@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.resources
-import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -15,6 +14,7 @@ from typing import Any, Final
 from redis import exceptions as rx
 
 from ...errors import StoreError, StoreTimeout, StoreUnavailable
+from .. import algorithms
 from ..base import BucketOp, Op, OpResult
 
 __all__ = [
@@ -22,7 +22,7 @@ __all__ = [
     "check_results", "load_script", "num", "op_args", "pack_evalsha", "send_reloading", "wrap",
 ]
 
-SCRIPT_NAMES: Final = ("check", "release", "inflight", "shed_update", "compensate")
+SCRIPT_NAMES: Final = ("check", "release", "inflight", "shed_state", "compensate")
 
 #: EVALSHA attempts while Redis answers NOSCRIPT (each after a SCRIPT LOAD): a flush that
 #: lands between the load and the resend, or one per cluster node, is survived.
@@ -114,21 +114,10 @@ def pack_evalsha(sha: bytes, keys: Sequence[str], args: Sequence[str | bytes]) -
 
 
 def check_results(ops: Sequence[Op], reply: Sequence[Any], admitted: bool) -> list[OpResult]:
-    """check.lua's reply (state before the commit) -> results, as the memory store has them."""
-    out: list[OpResult] = []
-    for i, op in enumerate(ops):
-        ok = int(reply[1 + 2 * i]) == 1
-        value = float(reply[2 + 2 * i])
-        commit = admitted and ok
-        if isinstance(op, BucketOp):
-            tokens = value - op.cost if commit else value
-            retry = 0.0 if ok else (op.cost - value) / op.rate
-            out.append(OpResult(ok, tokens, retry, (op.burst - tokens) / op.rate))
-        else:
-            count = int(value) + (1 if commit else 0)
-            free = float(op.limit - count) if op.limit > 0 else math.inf
-            out.append(OpResult(ok, max(0.0, free), 0.0, float(count)))
-    return out
+    """check.lua's reply (each op's allowed flag and its state before the commit) -> the
+    results, derived by :func:`~extauthz.store.algorithms.op_result` as on the memory store."""
+    return [algorithms.op_result(op, int(reply[1 + 2 * i]) == 1, float(reply[2 + 2 * i]), admitted)
+            for i, op in enumerate(ops)]
 
 
 async def send_reloading(
