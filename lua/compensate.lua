@@ -9,7 +9,8 @@
 --   lease:      ARGV[j+1], ARGV[j+2] unused
 -- "now"     not used: a refund adds the cost to the stored token count and keeps the stored
 --           timestamp (refill later is computed from it as usual), capped at burst; the
---           key's TTL is kept.
+--           key's TTL is kept. (check.lua took max(0, tokens - cost): a refund of a request
+--           admitted within TOKEN_EPSILON gives back at most that epsilon more than it took.)
 --
 -- Returns an integer: how many ops were given back (a bucket or lease gone already, e.g.
 -- expired, is skipped).

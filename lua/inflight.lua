@@ -4,7 +4,8 @@
 --           (on Redis Cluster all in one hash slot)
 -- ARGV[1]   now, in seconds (float), from the caller's injected clock; "" = Redis TIME
 --
--- Sweeps expired leases (score <= now) from each key, then counts.
+-- Sweeps expired leases (score <= now: extauthz.store.algorithms.lease_live, as check.lua)
+-- from each key, then counts.
 -- Returns an array of integers: live leases per key, in KEYS order.
 
 local now = tonumber(ARGV[1])
