@@ -22,8 +22,6 @@ a double, so Lua and Python compute on bit-identical inputs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from .base import BucketOp, LeaseOp, Op, OpResult, ShedParams
 
 #: A bucket holding ``cost - TOKEN_EPSILON`` tokens admits the request: float time arithmetic
@@ -81,19 +79,6 @@ def lease_result(op: LeaseOp, allowed: bool, live: int, committed: bool) -> OpRe
 
 
 # --------------------------------------------------------------------------- one request
-
-
-def op_admits(op: Op, value: float) -> bool:
-    """Whether ``op`` allows, on its own, given its state before the request (tokens or
-    live leases)."""
-    if isinstance(op, BucketOp):
-        return admits(value, op.cost)
-    return lease_admits(int(value), op.limit)
-
-
-def admitted(ops: Sequence[Op], allowed: Sequence[bool]) -> bool:
-    """A request is admitted when every enforcing op allows (shadow ops never block)."""
-    return all(ok or not op.enforce for op, ok in zip(ops, allowed, strict=True))
 
 
 def op_result(op: Op, allowed: bool, value: float, admitted: bool) -> OpResult:

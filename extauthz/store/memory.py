@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from ..clock import SYSTEM_CLOCK, Clock
 from . import algorithms
+from .algorithms import admits, bucket_result, lease_admits, lease_result, refill, take
 from .base import BucketOp, CheckResult, Op, ShedParams
 
 _SWEEP_EVERY = 4096
@@ -67,25 +68,33 @@ class MemoryStore:
             self._sweep(now)
         # State before the request, then the same rules and answers as every store.
         values: list[float] = []
+        allowed: list[bool] = []
+        admitted = True
         for op in ops:
             if isinstance(op, BucketOp):
                 state = self._buckets.get(op.key)
-                values.append(op.burst if state is None
-                              else algorithms.refill(state[0], state[1], now, op.rate, op.burst))
+                value = op.burst if state is None else refill(state[0], state[1], now, op.rate, op.burst)
+                ok = admits(value, op.cost)
             else:
-                values.append(float(len(self._live_leases(op.key, now))))
-        allowed = [algorithms.op_admits(op, value) for op, value in zip(ops, values, strict=True)]
-        admitted = algorithms.admitted(ops, allowed)
+                value = float(len(self._live_leases(op.key, now)))
+                ok = lease_admits(int(value), op.limit)
+            values.append(value)
+            allowed.append(ok)
+            if not ok and op.enforce:
+                admitted = False  # shadow ops never block
         results = []
         for op, ok, value in zip(ops, allowed, values, strict=True):
-            if admitted and ok:
-                if isinstance(op, BucketOp):
-                    self._buckets[op.key] = [algorithms.take(value, op.cost), now, now + op.ttl]
-                else:
+            commit = admitted and ok
+            if isinstance(op, BucketOp):
+                if commit:
+                    self._buckets[op.key] = [take(value, op.cost), now, now + op.ttl]
+                results.append(bucket_result(op, ok, value, commit))
+            else:
+                if commit:
                     leases = self._leases.setdefault(op.key, {})
                     leases.pop(lease_id, None)  # a renewed lease moves to the end (expiry order)
                     leases[lease_id] = now + op.ttl
-            results.append(algorithms.op_result(op, ok, value, admitted))
+                results.append(lease_result(op, ok, int(value), commit))
         return CheckResult(admitted, tuple(results))
 
     async def release(self, keys: Sequence[str], lease_id: str) -> int:
