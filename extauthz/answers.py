@@ -17,6 +17,42 @@ from .verdict import Decision, Kind, Outcome, Quota, Verdict
 PROBLEM_TYPE = "urn:extauthz:problem:"
 _TITLES = {429: "Too Many Requests", 503: "Service Unavailable"}
 
+#: the request's tier, sent to the upstream with an allowed request.
+TIER_HEADER = "x-extauthz-tier"
+
+#: Lease metadata: the fields an allowed check files in Envoy's dynamic metadata (namespace
+#: ``envoy.filters.http.ext_authz``) for the access log to hand back. Header-shaped names
+#: and string values, so that both edges file the same thing: the gRPC edge writes them as
+#: Struct fields, the HTTP edge sends them as response headers that Envoy copies into the
+#: same namespace (``authorization_response.dynamic_metadata_from_headers``).
+LEASE_ID_FIELD = "x-extauthz-lease-id"
+LEASES_FIELD = "x-extauthz-leases"
+#: the lease ticket (a MAC over the lease id and keys) when the server makes one.
+LEASE_TICKET_FIELD = "x-extauthz-lease-ticket"
+LEASE_FIELDS = (LEASE_ID_FIELD, LEASES_FIELD, LEASE_TICKET_FIELD)
+_LEASE_SEP = ","  # store keys never hold one (limiter and group names are [a-z0-9_.-])
+
+
+def lease_fields(decision: Decision, ticket: str = "") -> list[tuple[str, str]]:
+    """The lease metadata of an admitted decision (empty when it holds no lease), with its
+    ``ticket`` when given: the ONE encoding both edges use; :func:`read_lease_fields` is its
+    inverse."""
+    if not decision.leases:
+        return []
+    fields = [(LEASE_ID_FIELD, decision.lease_id), (LEASES_FIELD, _LEASE_SEP.join(decision.leases))]
+    if ticket:
+        fields.append((LEASE_TICKET_FIELD, ticket))
+    return fields
+
+
+def read_lease_fields(lease_id: object, leases: object) -> tuple[list[str], str] | None:
+    """(lease keys, lease id) from the two metadata values, or None when either is missing,
+    not a string or empty."""
+    if not isinstance(lease_id, str) or not isinstance(leases, str) or not lease_id:
+        return None
+    keys = [k for k in leases.split(_LEASE_SEP) if k]
+    return (keys, lease_id) if keys else None
+
 
 def _num(value: float) -> str:
     return str(max(0, math.floor(value)))

@@ -26,7 +26,16 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--policies", nargs="+", default=(_env("POLICIES") or "policies").split(","),
                    help="policy file(s) or directory [EXTAUTHZ_POLICIES, comma-separated; default policies/]")
     p.add_argument("--listen", default=_env("LISTEN", "0.0.0.0:9001"),
-                   help="gRPC Check + AccessLog port [EXTAUTHZ_LISTEN; default 0.0.0.0:9001]")
+                   help="gRPC Check + AccessLog + health port; 'off' (or '') turns it off "
+                   "[EXTAUTHZ_LISTEN; default 0.0.0.0:9001]")
+    p.add_argument("--http-listen", default=_env("HTTP_LISTEN"),
+                   help="HTTP authorization port for Envoy's http_service (and other forward-auth "
+                   "proxies), e.g. 0.0.0.0:9003; off unless given (docs/http.md) [EXTAUTHZ_HTTP_LISTEN]")
+    p.add_argument("--http-forward-auth", action="store_true",
+                   default=(_env("HTTP_FORWARD_AUTH", "") or "").lower() in ("1", "true", "yes"),
+                   help="on the HTTP port, take the client's method, path and host from "
+                   "X-Forwarded-Method/-Uri/-Host (Traefik ForwardAuth); never with Envoy "
+                   "[EXTAUTHZ_HTTP_FORWARD_AUTH]")
     p.add_argument("--redis-url", default=_env("REDIS_URL"),
                    help="Redis store URL; without it the embedded store serves one replica "
                    "[EXTAUTHZ_REDIS_URL]")
@@ -92,7 +101,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except ValueError:
             url_file = None
     config = ServerConfig(
-        policies=list(args.policies), listen=args.listen, redis_url=args.redis_url or None,
+        policies=list(args.policies), listen=args.listen, http_listen=args.http_listen or None,
+        http_forward_auth=args.http_forward_auth,
+        redis_url=args.redis_url or None,
         store_deadline_ms=args.store_deadline_ms, key_prefix=args.key_prefix,
         identity_salt=args.identity_salt,
         admin_listen=args.admin_listen if args.admin_listen is not None else ServerConfig.admin_listen,
@@ -156,7 +167,24 @@ def cmd_schema(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import main as demo_main
 
-    return demo_main(policies=args.policies)
+    return demo_main(policies=args.policies, protocol=args.protocol)
+
+
+def cmd_envoy_allowed_headers(args: argparse.Namespace) -> int:
+    from .policy import load_policy
+    from .server.http import allowed_headers
+
+    try:
+        policy = load_policy(list(args.policies))
+    except PolicyError as exc:
+        for issue in exc.issues:
+            print(f"error: {issue}", file=sys.stderr)
+        return 1
+    print("# ext_authz (http_service): the request headers the policy and the HTTP edge read")
+    print("allowed_headers:\n  patterns:")
+    for name in allowed_headers(policy.needed_headers):
+        print(f"  - {{exact: {name}}}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,10 +199,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check-policies", help="validate policy files or directories (exit 1 on error)")
     p.add_argument("paths", nargs="+", help="a policy file or a directory (one policy per argument)")
     sub.add_parser("schema", help="print the policy JSON Schema")
+    p = sub.add_parser("envoy-allowed-headers", help="print the ext_authz allowed_headers list the "
+                       "HTTP protocol needs for a policy (docs/http.md)")
+    p.add_argument("policies", nargs="+", help="policy file(s) or directory")
     add_ops_parsers(sub)
     p = sub.add_parser("demo", help="quick start: Envoy + server + upstream on this machine, "
                        "a burst of traffic per tier, and a summary")
     p.add_argument("--policies", nargs="+", default=None, help="policy to demo (default: the packaged demo policy)")
+    p.add_argument("--protocol", choices=("grpc", "http"), default="grpc",
+                   help="Envoy's authorization protocol: gRPC (envoy/envoy.yaml) or HTTP "
+                   "(envoy/envoy-http.yaml, serve --http-listen); default grpc")
     return parser
 
 
@@ -184,6 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "serve": cmd_serve,
         "check-policies": cmd_check_policies,
         "schema": cmd_schema,
+        "envoy-allowed-headers": cmd_envoy_allowed_headers,
         "demo": cmd_demo,
         "switch": cmd_switch,
         "report": cmd_report,

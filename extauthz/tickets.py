@@ -23,9 +23,11 @@ import os
 import re
 from collections.abc import Sequence
 
+from .answers import LEASE_TICKET_FIELD
 from .store.keys import Keys
 
-TICKET_FIELD = "ticket"
+#: the metadata field the ticket travels in (answers.lease_fields, both edges)
+TICKET_FIELD = LEASE_TICKET_FIELD
 #: most lease keys one request can hold (one per store-backed limiter; policies have few).
 MAX_LEASE_KEYS = 32
 _LEASE_ID = re.compile(r"[0-9a-f]{16}")

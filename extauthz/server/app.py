@@ -29,6 +29,7 @@ from ..store.base import Store
 from ..store.keys import Keys
 from ..store.memory import MemoryStore
 from ..tickets import LeaseTickets
+from .http import HttpAuthorization, HttpLimits
 from .operations import Operations
 from .portfile import remove_admin_url, write_admin_url
 from .ports import off, parse_listen
@@ -44,7 +45,14 @@ ACCESSLOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
 @dataclass
 class ServerConfig:
     policies: list[str] = field(default_factory=lambda: ["policies"])
+    #: the gRPC port (Check, AccessLog, health); ``""`` or ``off`` turns it off.
     listen: str = "0.0.0.0:9001"
+    #: the HTTP authorization port (Envoy's ``http_service``; server/http.py); off when unset.
+    http_listen: str | None = None
+    #: seconds a client may take to send a request's headers on the HTTP port.
+    http_header_timeout: float = 10.0
+    #: read the client's request from X-Forwarded-Method/-Uri/-Host (Traefik ForwardAuth).
+    http_forward_auth: bool = False
     redis_url: str | None = None
     store_deadline_ms: float = 5.0
     key_prefix: str = "extauthz"
@@ -73,6 +81,11 @@ class ServerConfig:
     lease_secret: str = ""
     #: a plaintext port serving only grpc.health.v1 (the kubelet's gRPC probes speak no TLS).
     health_listen: str | None = None
+
+
+def is_off(listen: str | None) -> bool:
+    """An off ``--listen``/``--http-listen`` value (unset, ``""``, ``off``, ``none``)."""
+    return off((listen or "").strip()) is None
 
 
 def _bind(server: grpc.aio.Server, listen: str, flag: str,
@@ -127,7 +140,8 @@ class Server:
         # admin + metrics ports, hot reload, switches, scrape-time metrics, /status
         self.ops = Operations(
             engine=self.engine, store=self.store, keys=keys, clock=clock, observe=self.observe,
-            accesslog=self.accesslog, runner=self.runner, listen=config.listen,
+            accesslog=self.accesslog, runner=self.runner,
+            listen=[x for x in (config.listen, config.http_listen) if x and not is_off(x)],
             admin_listen=config.admin_listen, metrics_listen=config.metrics_listen,
             watch=config.policies if policy is None else None,
             reload_interval=config.reload_interval, switch_poll_interval=config.switch_poll_interval,
@@ -136,20 +150,40 @@ class Server:
         files = TlsFiles.from_options(config.tls_cert, config.tls_key, config.tls_client_ca)
         self.tls = CertificateReloader(files) if files is not None else None
         self.ops.tls = self.tls
+        if is_off(config.listen) and is_off(config.http_listen):
+            raise ValueError("both the gRPC (--listen) and the HTTP (--http-listen) ports are off: "
+                             "nothing to serve")
         self.grpc: grpc.aio.Server | None = None
         self.health_grpc: grpc.aio.Server | None = None
+        self.http: HttpAuthorization | None = None
+        #: the gRPC port (0 when off) and the HTTP authorization port (0 when off).
         self.port = 0
+        self.http_port = 0
         self.health_port = 0
 
     async def start(self) -> int:
         await self.ops.start()
-        server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.config.reuse_port))])
-        auth_pb2_grpc.add_AuthorizationServicer_to_server(self.ops.auth_service(), server)
-        accesslog_pb2_grpc.add_AccessLogServiceServicer_to_server(self.accesslog, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        # one servicer for both edges: one request-id index, one ticket key, one bad-request count
+        service = self.ops.auth_service()
+        server: grpc.aio.Server | None = None
         try:
-            self.port = _bind(server, self.config.listen, "--listen",
-                              self.tls.credentials() if self.tls is not None else None)
+            if not is_off(self.config.http_listen):
+                assert self.config.http_listen is not None
+                tracing = self.observe.tracing
+                self.http = HttpAuthorization(
+                    service, HttpLimits(header_timeout=self.config.http_header_timeout),
+                    tracer=tracing.tracer if tracing is not None else None,
+                    forward_auth=self.config.http_forward_auth)
+                self.http_port = await self.http.start(self.config.http_listen,
+                                                       reuse_port=self.config.reuse_port)
+                self.ops.status_sections["http"] = self.http.status
+            if not is_off(self.config.listen):
+                server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.config.reuse_port))])
+                auth_pb2_grpc.add_AuthorizationServicer_to_server(service, server)
+                accesslog_pb2_grpc.add_AccessLogServiceServicer_to_server(self.accesslog, server)
+                health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+                self.port = _bind(server, self.config.listen, "--listen",
+                                  self.tls.credentials() if self.tls is not None else None)
             if self.config.health_listen:
                 health_server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.config.reuse_port))])
                 health_pb2_grpc.add_HealthServicer_to_server(self.health, health_server)
@@ -157,18 +191,22 @@ class Server:
                 await health_server.start()
                 self.health_grpc = health_server
         except BaseException:
+            if self.http is not None:
+                await self.http.stop(0)
             await self.ops.stop()
             raise
-        await server.start()
-        self.grpc = server
+        if server is not None:
+            await server.start()
+            self.grpc = server
         for name in ("", AUTH_SERVICE, ACCESSLOG_SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.sync_samplers()
         self._write_admin_url()
-        log.info("serving on port %d (%s) with policy %s (%s store)", self.port,
-                 "plaintext" if self.tls is None else ("mTLS" if self.tls.mtls else "TLS"),
-                 self.policy.version, self.store.name)
-        return self.port
+        log.info("serving on port %s (%s) with policy %s (%s store); HTTP authorization on port %s",
+                 self.port or "off", "plaintext" if self.tls is None else ("mTLS" if self.tls.mtls else "TLS"),
+                 self.policy.version, self.store.name, self.http_port or "off",
+                 extra={"fields": {"event": "serving", "grpc_port": self.port, "http_port": self.http_port}})
+        return self.port or self.http_port
 
     @property
     def admin_url(self) -> str | None:
@@ -197,6 +235,8 @@ class Server:
         """Graceful stop: NOT_SERVING first, let in-flight calls finish, then close."""
         await self.health.enter_graceful_shutdown()
         await self.runner.stop()
+        if self.http is not None:
+            await self.http.stop(self.config.grace_seconds if grace is None else grace)
         if self.grpc is not None:
             await self.grpc.stop(self.config.grace_seconds if grace is None else grace)
         if self.health_grpc is not None:
@@ -212,6 +252,8 @@ class Server:
     async def wait(self) -> None:
         if self.grpc is not None:
             await self.grpc.wait_for_termination()
+        elif self.http is not None and self.http.server is not None:
+            await self.http.server.wait_closed()
 
 
 async def run(config: ServerConfig, on_ready: Callable[[int], None] | None = None) -> None:
@@ -222,7 +264,7 @@ async def run(config: ServerConfig, on_ready: Callable[[int], None] | None = Non
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     if on_ready is not None:
-        on_ready(server.port)
+        on_ready(server.port or server.http_port)
     await stopping.wait()
     log.info("stopping: health NOT_SERVING, finishing in-flight calls")
     await server.stop()

@@ -10,16 +10,23 @@ from typing import Any
 
 from google.protobuf import struct_pb2
 
-from ..answers import denial, ratelimit_headers
+from ..answers import (
+    LEASE_ID_FIELD,
+    LEASE_TICKET_FIELD,
+    LEASES_FIELD,
+    TIER_HEADER,
+    denial,
+    lease_fields,
+    ratelimit_headers,
+    read_lease_fields,
+)
 from ..context import RawRequest, RequestContext
 from ..proto import auth_pb2, core_pb2, http_status_pb2, status_pb2
-from ..tickets import TICKET_FIELD
 from ..tiers import Tier
 from ..verdict import Decision
 
 #: where Envoy files the CheckResponse's dynamic metadata (and the access log shows it).
 EXT_AUTHZ_NAMESPACE = "envoy.filters.http.ext_authz"
-TIER_HEADER = "x-extauthz-tier"
 
 _OVERWRITE = core_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _GRPC_OK = 0
@@ -108,12 +115,8 @@ def _fill_lease_metadata(md: struct_pb2.Struct, decision: Decision, ticket: str)
     # Field by field: Struct.update() walks Python values through protobuf's pure-Python
     # well-known-type helpers (about 3x slower).
     fields = md.fields
-    fields["lease_id"].string_value = decision.lease_id
-    add = fields["leases"].list_value.values.add
-    for key in decision.leases:
-        add(string_value=key)
-    if ticket:
-        fields[TICKET_FIELD].string_value = ticket
+    for name, value in lease_fields(decision, ticket):
+        fields[name].string_value = value
 
 
 def _ok_template(tier: str) -> auth_pb2.CheckResponse:
@@ -155,19 +158,21 @@ def check_response(ctx: RequestContext, decision: Decision, ticket: str = "") ->
 
 
 def lease_release(md: struct_pb2.Struct) -> tuple[list[str], str] | None:
-    """The (lease keys, lease id) a CheckResponse put in dynamic metadata, if any."""
+    """The (lease keys, lease id) an allowed check filed in dynamic metadata, if any: the
+    same fields whichever edge (gRPC or HTTP) answered the check (``answers.lease_fields``)."""
     fields = md.fields
-    lid = fields.get("lease_id")
-    keys = fields.get("leases")
-    if lid is None or keys is None or lid.WhichOneof("kind") != "string_value":
+    lid = fields.get(LEASE_ID_FIELD)
+    keys = fields.get(LEASES_FIELD)
+    if lid is None or keys is None:
         return None
-    if keys.WhichOneof("kind") != "list_value":
-        return None
-    out = [v.string_value for v in keys.list_value.values if v.WhichOneof("kind") == "string_value"]
-    return (out, lid.string_value) if out and lid.string_value else None
+    return read_lease_fields(_string(lid), _string(keys))
 
 
 def lease_ticket(md: struct_pb2.Struct) -> str:
-    """The ticket a CheckResponse put beside its leases ("" when none or not a string)."""
-    value = md.fields.get(TICKET_FIELD)
-    return value.string_value if value is not None and value.WhichOneof("kind") == "string_value" else ""
+    """The ticket a check put beside its leases ("" when none or not a string)."""
+    value = md.fields.get(LEASE_TICKET_FIELD)
+    return (_string(value) or "") if value is not None else ""
+
+
+def _string(value: struct_pb2.Value) -> str | None:
+    return value.string_value if value.WhichOneof("kind") == "string_value" else None

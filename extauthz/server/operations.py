@@ -53,7 +53,7 @@ log = logging.getLogger("extauthz.server")
 class Operations:
     def __init__(self, *, engine: Engine, store: Store, keys: Keys, clock: Clock,
                  observe: Observability, accesslog: AccessLogService, runner: Runner,
-                 listen: str, admin_listen: str | None, metrics_listen: str | None,
+                 listen: str | Sequence[str], admin_listen: str | None, metrics_listen: str | None,
                  watch: Sequence[str | Path] | None, reload_interval: float = 1.0,
                  switch_poll_interval: float = 1.0, shadow_flush_interval: float = 1.0,
                  leases_sample_interval: float = 2.0,
@@ -98,6 +98,8 @@ class Operations:
                 lambda: self.tls, lambda: accesslog.rejected, REJECT_REASONS))
         self.admin_port = 0
         self.metrics_port = 0
+        #: more sections of /status, by name (e.g. "http": the HTTP authorization port)
+        self.status_sections: dict[str, Callable[[], Any]] = {}
 
     def _apply_policy(self, policy: Policy) -> None:
         self.engine.set_policy(policy)
@@ -227,6 +229,7 @@ class Operations:
             "observer_errors": getattr(self.observe.observer, "errors", 0),
             "tracing": self.observe.tracing is not None,
             "tls": self.tls.status() if self.tls is not None else {"enabled": False},
+            **{name: section() for name, section in self.status_sections.items()},
         }
 
     def override_rows(self) -> dict[str, Any]:

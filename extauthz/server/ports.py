@@ -9,6 +9,7 @@ that writes it, and start/stop follow the server's lifecycle.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -46,19 +47,20 @@ def metrics_app(registry: CollectorRegistry) -> web.Application:
 
 
 class HttpPorts:
-    """The server's HTTP ports; none may be the public Check port."""
+    """The server's HTTP ports; none may be a public Check port (gRPC or HTTP authorization)."""
 
-    def __init__(self, public: str) -> None:
-        self.public = public
+    def __init__(self, public: str | Sequence[str]) -> None:
+        self.public = [public] if isinstance(public, str) else list(public)
         self._runners: list[web.AppRunner] = []
 
     def check(self, what: str, listen: str | None) -> None:
-        """Refuse ``listen`` when it is the public Check port (a fixed port, not 0)."""
+        """Refuse ``listen`` when it is a public Check port (a fixed port, not 0)."""
         if listen is None:
             return
         port = parse_listen(listen)[1]
-        if port != 0 and port == parse_listen(self.public)[1]:
-            raise ValueError(f"the {what} port must not be the public Check port ({self.public})")
+        for public in self.public:
+            if port != 0 and port == parse_listen(public)[1]:
+                raise ValueError(f"the {what} port must not be the public Check port ({public})")
 
     async def start(self, app: web.Application, listen: str, flag: str = "") -> int:
         """Serve ``app`` on ``listen``; the port bound (``:0`` picks a free one). A taken

@@ -8,10 +8,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from ..context import RequestContext
 from ..engine import Engine
 from ..proto import accesslog_pb2, accesslog_pb2_grpc, auth_pb2, auth_pb2_grpc
 from ..throttle import LogThrottle
 from ..tickets import LeaseTickets
+from ..verdict import Decision
 from .edge import EXT_AUTHZ_NAMESPACE, check_response, lease_release, lease_ticket, raw_request
 
 log = logging.getLogger("extauthz.server")
@@ -86,24 +88,37 @@ class AuthorizationService(auth_pb2_grpc.AuthorizationServicer):  # type: ignore
                               snap.policy.route_metadata_namespace, snap.classifier.needed_metadata)
             ctx = snap.classifier.context(raw)
         except Exception as exc:  # a request the edge cannot read: allowed, counted here
-            self.bad_requests += 1
-            self._bad_log.log(logging.WARNING, "could not read a CheckRequest; allowing it: %s: %s",
-                              type(exc).__name__, exc, fields={"event": "bad_request"})
+            self.bad_request("a CheckRequest", exc)
             return auth_pb2.CheckResponse(ok_response=auth_pb2.OkHttpResponse())
         # Never raises (failures are decided by failure_mode and counted in the engine). A
         # cancellation while the store call is out is handled there too (the answer's
         # leases are given back when it lands).
         decision = await engine.decide(ctx)
         if decision.leases:
-            if ctx.request_id:
-                self.index.put(ctx.request_id, decision.leases, decision.lease_id)
+            ticket = self.admitted(ctx, decision)
             # Envoy may reset the call after we answer (client abort, ext_authz timeout):
             # then the answer, and the leases in it, never reach the access log.
-            release = engine.releaser.release
-            context.add_done_callback(lambda c: release(
-                decision.leases, decision.lease_id, "cancelled_check") if c.cancelled() else None)
-            return check_response(ctx, decision, self.tickets.make(decision.lease_id, decision.leases))
+            context.add_done_callback(lambda c: self.abandoned(decision) if c.cancelled() else None)
+            return check_response(ctx, decision, ticket)
         return check_response(ctx, decision)
+
+    # -- shared by both edges (gRPC here, HTTP in server/http.py)
+    def bad_request(self, what: str, exc: Exception) -> None:
+        """Count (and log, throttled) a request the edge could not read; it was allowed."""
+        self.bad_requests += 1
+        self._bad_log.log(logging.WARNING, "could not read %s; allowing it: %s: %s", what,
+                          type(exc).__name__, exc, fields={"event": "bad_request"})
+
+    def admitted(self, ctx: RequestContext, decision: Decision) -> str:
+        """Remember an admitted request's leases by request id until its access-log entry;
+        the lease ticket its answer carries."""
+        if ctx.request_id:
+            self.index.put(ctx.request_id, decision.leases, decision.lease_id)
+        return self.tickets.make(decision.lease_id, decision.leases)
+
+    def abandoned(self, decision: Decision) -> None:
+        """Give back the leases of an answer Envoy will never log (it gave up on the check)."""
+        self.engine.releaser.release(decision.leases, decision.lease_id, "cancelled_check")
 
 
 class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]

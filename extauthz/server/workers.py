@@ -36,7 +36,7 @@ import threading
 import time
 from types import FrameType
 
-from .app import ServerConfig
+from .app import ServerConfig, is_off
 from .ports import parse_listen
 
 log = logging.getLogger("extauthz.server")
@@ -92,8 +92,9 @@ def check_workers(config: ServerConfig, workers: int) -> None:
             "--workers above 1 needs --redis-url: the embedded store is per process, so "
             f"{workers} workers would each enforce the whole limit"
         )
-    if _port_of(config.listen) == 0:
-        raise WorkersError("--workers above 1 needs a fixed --listen port (not 0) to share")
+    for flag, listen in (("--listen", config.listen), ("--http-listen", config.http_listen)):
+        if listen and not is_off(listen) and _port_of(listen) == 0:
+            raise WorkersError(f"--workers above 1 needs a fixed {flag} port (not 0) to share")
 
 
 def _start_child(config: ServerConfig, i: int, log_level: str,

@@ -31,6 +31,9 @@ def test_workers_need_redis_and_a_fixed_port() -> None:
         check_workers(ServerConfig(listen="127.0.0.1:9001"), 2)
     with pytest.raises(WorkersError, match="fixed --listen port"):
         check_workers(ServerConfig(listen="127.0.0.1:0", redis_url="redis://x"), 2)
+    with pytest.raises(WorkersError, match="fixed --http-listen port"):
+        check_workers(ServerConfig(listen="off", http_listen="127.0.0.1:0", redis_url="redis://x"), 2)
+    check_workers(ServerConfig(listen="off", http_listen="127.0.0.1:9003", redis_url="redis://x"), 2)
     with pytest.raises(WorkersError, match="at least 1"):
         check_workers(ServerConfig(), 0)
 

@@ -37,3 +37,29 @@ def test_check_policies_reports_every_bad_path_and_exits_1(capsys: pytest.Captur
 def test_schema_prints_the_published_schema(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["schema"]) == 0
     assert json.loads(capsys.readouterr().out) == json.loads((ROOT / "docs" / "policy.schema.json").read_text())
+
+
+def test_envoy_allowed_headers_lists_policy_and_edge_headers(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["envoy-allowed-headers", str(ROOT / "policies")]) == 0
+    out = capsys.readouterr().out
+    listed = [line.split("exact: ")[1].rstrip("}") for line in out.splitlines() if "exact:" in line]
+    assert listed[:2] == ["x-api-key", "x-test-mode"]  # the policy's (authorization: Envoy always sends it)
+    assert "authorization" not in listed
+    assert {"x-request-id", "x-forwarded-for", "x-extauthz-route-tier", "x-jwt-payload",
+            "x-forwarded-client-cert"} <= set(listed)
+
+
+def test_envoy_allowed_headers_bad_policy_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    bad = FIXTURES / "policies" / "bad" / "unknown_key.yaml"
+    assert main(["envoy-allowed-headers", str(bad)]) == 1
+    assert "unknown field" in capsys.readouterr().err
+
+
+def test_serve_and_demo_take_the_http_options() -> None:
+    from extauthz.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--listen", "off", "--http-listen", "127.0.0.1:9003"])
+    assert (args.listen, args.http_listen) == ("off", "127.0.0.1:9003")
+    assert build_parser().parse_args(["demo", "--protocol", "http"]).protocol == "http"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--protocol", "smtp"])

@@ -37,7 +37,8 @@ def reference(ctx: RequestContext, decision: Decision) -> auth_pb2.CheckResponse
         )
         if decision.leases:
             md = struct_pb2.Struct()
-            md.update({"lease_id": decision.lease_id, "leases": list(decision.leases)})
+            md.update({"x-extauthz-lease-id": decision.lease_id,
+                       "x-extauthz-leases": ",".join(decision.leases)})
             resp.dynamic_metadata.CopyFrom(md)
         return resp
     d = denial(ctx, decision)
@@ -97,11 +98,14 @@ async def test_no_limiters_no_metadata(tmp_path: Path, clock: ManualClock) -> No
 def test_lease_release_ignores_malformed_metadata() -> None:
     md = struct_pb2.Struct()
     assert lease_release(md) is None
-    md.update({"lease_id": 5, "leases": ["a"]})
+    md.update({"x-extauthz-lease-id": 5, "x-extauthz-leases": "a"})
     assert lease_release(md) is None
     md = struct_pb2.Struct()
-    md.update({"lease_id": "x", "leases": "a"})
+    md.update({"x-extauthz-lease-id": "x", "x-extauthz-leases": ["a"]})
     assert lease_release(md) is None
     md = struct_pb2.Struct()
-    md.update({"lease_id": "x", "leases": [1, "k"]})
+    md.update({"x-extauthz-lease-id": "", "x-extauthz-leases": "a"})
+    assert lease_release(md) is None
+    md = struct_pb2.Struct()
+    md.update({"x-extauthz-lease-id": "x", "x-extauthz-leases": ",k,"})
     assert lease_release(md) == (["k"], "x")

@@ -1,0 +1,171 @@
+"""The HTTP authorization port in-process: keep-alive, pipelining, bounds, malformed input,
+and both ports of one server sharing one engine."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from extauthz.server.app import Server, ServerConfig
+from extauthz.server.http import HttpLimits
+
+#: identity, test mode and rules as in the quick start (test_http_parity.py adds its limiters)
+POLICY_HEAD = """\
+version: 1
+identity: [{header: x-api-key}, {source_ip: true}]
+test_mode: {key_prefix: sk_test_}
+classification:
+  rules:
+    - {match: {methods: [POST], path_prefix: /v1/charges}, tier: critical}
+limiters:
+"""
+POLICY = POLICY_HEAD + "  - {name: user-rate, type: request_rate, rate: 1, burst: 3}\n"
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[Server]:
+    policy = tmp_path / "p.yaml"
+    policy.write_text(POLICY)
+    srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0", http_listen="127.0.0.1:0",
+                              admin_listen="off", http_header_timeout=0.5))
+    await srv.start()
+    yield srv
+    await srv.stop(grace=0)
+
+
+async def exchange(port: int, data: bytes, *, wait: float = 5.0) -> bytes:
+    """Send ``data``; read until the server closes (or ``wait`` seconds: ``<timeout>``)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    await writer.drain()
+    out = b""
+    try:
+        async with asyncio.timeout(wait):
+            while chunk := await reader.read(65536):
+                out += chunk
+    except TimeoutError:
+        out += b"<timeout>"
+    writer.close()
+    return out
+
+
+def statuses(raw: bytes) -> list[int]:
+    return [int(line.split()[1]) for line in raw.split(b"\r\n") if line.startswith(b"HTTP/1.1 ")]
+
+
+def request(path: str = "/v1/customers", key: str = "sk_live_a", method: str = "GET",
+            extra: str = "", version: str = "1.1") -> bytes:
+    return (f"{method} {path} HTTP/{version}\r\nhost: api\r\nx-api-key: {key}\r\n{extra}\r\n").encode()
+
+
+async def test_keep_alive_and_pipelined_answers_in_order(server: Server) -> None:
+    burst = (request("/v1/charges", method="POST", key="sk_live_p")
+             + request("/v1/customers", key="sk_test_p")
+             + request("/v1/customers", key="sk_live_q")
+             + request("/v1/customers", key="sk_live_q", version="1.0"))
+    raw = await exchange(server.http_port, burst)
+    assert statuses(raw) == [200, 200, 200, 200]
+    tiers = [line.split(b": ")[1] for line in raw.split(b"\r\n") if line.startswith(b"x-extauthz-tier")]
+    assert tiers == [b"critical", b"test", b"get", b"get"]
+    assert raw.endswith(b"\r\n\r\n")  # closed after the HTTP/1.0 request, nothing after it
+
+
+async def test_a_body_is_skipped_and_the_next_request_still_parsed(server: Server) -> None:
+    burst = (b"POST /v1/x HTTP/1.1\r\nhost: a\r\nx-api-key: sk_live_b\r\ncontent-length: 11\r\n\r\nhello world"
+             + request(key="sk_live_b", extra="connection: close\r\n"))
+    raw = await exchange(server.http_port, burst)
+    assert statuses(raw) == [200, 200]
+    assert b"ratelimit: \"user-rate\";r=1;" in raw  # the same user's second token
+
+
+async def test_the_fourth_request_is_refused_with_problem_json(server: Server) -> None:
+    last = request(key="sk_live_r", extra="connection: close\r\n")
+    raw = await exchange(server.http_port, request(key="sk_live_r") * 3 + last)
+    assert statuses(raw) == [200, 200, 200, 429]
+    refused = raw.rsplit(b"HTTP/1.1 ", 1)[1]
+    assert b"retry-after: 1\r\n" in refused
+    assert b"content-type: application/problem+json" in refused
+    assert b'"limiter":"user-rate"' in refused and b'"type":"urn:extauthz:problem:' in refused
+
+
+@pytest.mark.parametrize(("data", "status"), [
+    (b"NOT-HTTP\r\n\r\n", 400),
+    (b"GET / HTTP/1.1\r\nbad header line\r\n\r\n", 400),
+    (b"GET / HTTP/1.1\r\nhost: a\r\nx-big: " + b"a" * 20_000 + b"\r\n\r\n", 431),
+    (b"GET /" + b"p" * 20_000 + b" HTTP/1.1\r\n\r\n", 431),
+    (b"GET / HTTP/1.1\r\n" + b"".join(b"h%d: v\r\n" % i for i in range(150)) + b"\r\n", 431),
+])
+async def test_malformed_requests_get_a_4xx_and_a_closed_connection(server: Server, data: bytes, status: int) -> None:
+    raw = await exchange(server.http_port, data)
+    assert statuses(raw) == [status]
+    assert b"connection: close" in raw and not raw.endswith(b"<timeout>")
+    # and the server keeps serving
+    assert statuses(await exchange(server.http_port, request(extra="connection: close\r\n"))) == [200]
+
+
+async def test_an_upgrade_is_answered_then_closed(server: Server) -> None:
+    raw = await exchange(server.http_port, b"GET / HTTP/1.1\r\nhost: a\r\nconnection: upgrade\r\n"
+                         b"upgrade: websocket\r\n\r\n" + request())
+    assert statuses(raw) == [200] and not raw.endswith(b"<timeout>")
+
+
+async def test_answers_owed_come_before_the_error(server: Server) -> None:
+    raw = await exchange(server.http_port, request(key="sk_live_o") + b"NOT-HTTP\r\n\r\n")
+    assert statuses(raw) == [200, 400]
+
+
+async def test_a_client_that_never_finishes_its_headers_is_cut_off(server: Server) -> None:
+    raw = await exchange(server.http_port, b"GET / HTTP/1.1\r\nhost: a\r\n", wait=10.0)
+    assert statuses(raw) == [408]
+    assert not raw.endswith(b"<timeout>")
+    assert server.http is not None and server.http.rejected.get("header_timeout") == 1
+    assert server.ops.status()["http"]["rejected"] == {"header_timeout": 1}
+    assert statuses(await exchange(server.http_port, request(extra="connection: close\r\n"))) == [200]
+
+
+async def test_many_connections_each_served(server: Server) -> None:
+    results = await asyncio.gather(*[
+        exchange(server.http_port, request(key=f"sk_live_c{i}", extra="connection: close\r\n"))
+        for i in range(50)])
+    assert all(statuses(r) == [200] for r in results)
+
+
+async def test_grpc_off_http_only(tmp_path: Path) -> None:
+    policy = tmp_path / "p.yaml"
+    policy.write_text(POLICY)
+    srv = Server(ServerConfig(policies=[str(policy)], listen="off", http_listen="127.0.0.1:0", admin_listen="off"))
+    await srv.start()
+    try:
+        assert srv.port == 0 and srv.grpc is None
+        assert statuses(await exchange(srv.http_port, request(extra="connection: close\r\n"))) == [200]
+    finally:
+        await srv.stop(grace=0)
+
+
+def test_both_ports_off_is_refused(tmp_path: Path) -> None:
+    policy = tmp_path / "p.yaml"
+    policy.write_text(POLICY)
+    with pytest.raises(ValueError, match="nothing to serve"):
+        Server(ServerConfig(policies=[str(policy)], listen="", http_listen=None, admin_listen="off"))
+
+
+def test_limits_defaults_are_bounded() -> None:
+    limits = HttpLimits()
+    assert limits.max_header_bytes <= 64 * 1024 and limits.max_headers <= 200
+    assert 0 < limits.header_timeout <= 60
+
+
+async def test_a_bug_of_ours_answers_500_and_the_server_goes_on(server: Server,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    async def broken(ctx: object) -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(server.engine, "decide", broken)
+    raw = await exchange(server.http_port, request() + request())
+    assert statuses(raw) == [500]  # Envoy fails open on a 5xx; the connection is closed
+    monkeypatch.undo()
+    assert statuses(await exchange(server.http_port, request(extra="connection: close\r\n"))) == [200]
+    assert server.http is not None and server.http.rejected.get("internal") == 1
