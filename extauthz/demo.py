@@ -42,10 +42,10 @@ def run_phases(url: str, client: HttpClient) -> list[Phase]:
 
         bob = {"authorization": "Bearer sk_live_demo_bob"}
         results = list(pool.map(lambda _: send(url + "/v1/charges", "POST", bob), range(50)))
-        phases.append(Phase("POST /v1/charges", "route metadata says critical", results))
+        phases.append(Phase("POST /v1/charges", "the route says critical", results))
 
         results = list(pool.map(lambda _: send(url + "/v1/reports/daily", headers=bob), range(50)))
-        phases.append(Phase("GET /v1/reports", "route metadata says get", results))
+        phases.append(Phase("GET /v1/reports", "the route says get", results))
 
         test = {"x-api-key": "sk_test_demo_carol"}
         results = list(pool.map(lambda _: send(url + "/v1/charges", "POST", test), range(50)))
@@ -62,19 +62,25 @@ def run_phases(url: str, client: HttpClient) -> list[Phase]:
     return phases
 
 
-def main(policies: Sequence[str] | None = None) -> int:
+def main(policies: Sequence[str] | None = None, protocol: str = "grpc") -> int:
     paths = list(policies or ["policies"])
     missing = [p for p in paths if not Path(p).exists()]
     if missing:
         print(f"extauthz demo: {', '.join(missing)} not found; run it from the repository root "
               "or pass --policies", file=sys.stderr)
         return 2
-    print("Starting a tiny upstream, the extauthz server (embedded store) and Envoy ...")
+    config = "envoy/envoy-http.yaml" if protocol == "http" else "envoy/envoy.yaml"
+    print(f"Starting a tiny upstream, the extauthz server (embedded store) and Envoy ({protocol} "
+          "authorization protocol) ...")
     started = time.monotonic()
-    with Stack(paths) as stack:
+    with Stack(paths, protocol=protocol) as stack:
         assert stack.envoy is not None and stack.server is not None
-        print(f"  Envoy      {stack.url}  (config envoy/envoy.yaml, admin {stack.envoy.admin_url})")
-        print(f"  extauthz   127.0.0.1:{stack.server.port}  (policies: {', '.join(paths)})")
+        print(f"  Envoy      {stack.url}  (config {config}, admin {stack.envoy.admin_url})")
+        if protocol == "http":
+            print(f"  extauthz   HTTP authorization 127.0.0.1:{stack.http_port}, gRPC (access log) "
+                  f"127.0.0.1:{stack.server.port}  (policies: {', '.join(paths)})")
+        else:
+            print(f"  extauthz   127.0.0.1:{stack.server.port}  (policies: {', '.join(paths)})")
         print(f"  ready in {time.monotonic() - started:.1f} s\n")
         with HttpClient() as client:
             phases = run_phases(stack.url, client)
@@ -96,6 +102,6 @@ def main(policies: Sequence[str] | None = None) -> int:
             print(f"  body: {refused.body}")
         print("\nWhy: 'user-rate' is a token bucket (100/s, burst 500) per API key; "
               "'user-concurrency' allows 20 requests in flight per key,\nreleased when Envoy's "
-              "access log reports each request finished. Tiers come from route metadata "
-              "(envoy/envoy.yaml),\nthe policy's rules (policies/api.yaml) or the method.")
+              "access log reports each request finished. Tiers come from the route "
+              f"({config}),\nthe policy's rules (policies/api.yaml) or the method.")
     return 0

@@ -23,6 +23,7 @@ from .envoy_process import EnvoyError, find_envoy
 
 __all__ = [
     "EXT_AUTHZ_FILTER",
+    "HTTP_CONFIG",
     "LOCAL_RATELIMIT_FILTER",
     "EnvoyConfigError",
     "config_path",
@@ -38,6 +39,8 @@ LOCAL_RATELIMIT_FILTER = "envoy.filters.http.local_ratelimit"
 HCM_FILTER = "envoy.filters.network.http_connection_manager"
 UPSTREAM_CLUSTER = "upstream"
 DEFAULT_CONFIG = "envoy.yaml"
+#: the same proxy on Envoy's HTTP authorization protocol (``extauthz demo --protocol http``).
+HTTP_CONFIG = "envoy-http.yaml"
 
 _TYPE_PREFIX = "type.googleapis.com/"
 _ACCESS_LOG_BUFFER_BYTES = 16384
@@ -83,6 +86,7 @@ def render_config(
     extauthz: tuple[str, int],
     upstream: tuple[str, int],
     otel: tuple[str, int] | None = None,
+    extauthz_http: tuple[str, int] | None = None,
     access_log_enabled: bool = True,
     ext_authz_enabled: bool = True,
     tracing_enabled: bool = True,
@@ -93,7 +97,8 @@ def render_config(
     """Return the config in ``base`` (default: the shipped one) with ports and endpoints set.
 
     Port 0 lets the OS pick the listener/admin ports; :class:`EnvoyProcess` discovers them.
-    Clusters are addressed by name (``extauthz``, ``upstream``, ``otel_collector``); ``otel``
+    Clusters are addressed by name (``extauthz``, ``upstream``, ``otel_collector``, and
+    ``extauthz_http`` when ``extauthz_http`` is given); ``otel``
     None keeps the collector endpoint of ``base``.
 
     Variants (benchmarks and tests):
@@ -117,6 +122,8 @@ def render_config(
     _set_cluster_endpoint(config, UPSTREAM_CLUSTER, upstream)
     if otel is not None:
         _set_cluster_endpoint(config, "otel_collector", otel)
+    if extauthz_http is not None:  # the HTTP authorization port (envoy-http.yaml)
+        _set_cluster_endpoint(config, "extauthz_http", extauthz_http)
 
     hcm = _http_connection_manager(config)
     if not access_log_enabled or not ext_authz_enabled:

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from .envoy_config import render_config
+from .envoy_config import HTTP_CONFIG, config_path, render_config
 from .envoy_process import EnvoyProcess
 from .upstream import Upstream, start_upstream
 
@@ -107,12 +107,23 @@ class ServerProcess:
         self.stop()
 
 
+PROTOCOLS = ("grpc", "http")
+
+
 class Stack:
-    """Upstream + extauthz server process + Envoy, on free loopback ports."""
+    """Upstream + extauthz server process + Envoy, on free loopback ports.
+
+    ``protocol="http"`` runs Envoy's HTTP authorization protocol (envoy/envoy-http.yaml and
+    ``serve --http-listen``) instead of gRPC; the access log still streams to the gRPC port.
+    """
 
     def __init__(self, policies: Sequence[str | Path], *, server_args: Sequence[str] = (),
                  server_env: dict[str, str] | None = None, envoy_concurrency: int = 1,
-                 otel: tuple[str, int] | None = None, **render: Any) -> None:
+                 otel: tuple[str, int] | None = None, protocol: str = "grpc", **render: Any) -> None:
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, not {protocol!r}")
+        self.protocol = protocol
+        self.http_port = 0
         self.policies = policies
         self.server_args = server_args
         self.server_env = server_env
@@ -126,11 +137,18 @@ class Stack:
     def start(self) -> Self:
         try:
             self.upstream = start_upstream()
-            self.server = ServerProcess(self.policies, args=self.server_args, env=self.server_env).start()
+            args = list(self.server_args)
+            render = dict(self.render)
+            if self.protocol == "http":
+                self.http_port = free_port()
+                args += ["--http-listen", f"127.0.0.1:{self.http_port}"]
+                render.setdefault("base", config_path(HTTP_CONFIG))
+                render["extauthz_http"] = ("127.0.0.1", self.http_port)
+            self.server = ServerProcess(self.policies, args=args, env=self.server_env).start()
             config = render_config(
                 listen_port=0, admin_port=0, extauthz=("127.0.0.1", self.server.port),
                 upstream=("127.0.0.1", self.upstream.port),
-                otel=self.otel or ("127.0.0.1", free_port()), **self.render,
+                otel=self.otel or ("127.0.0.1", free_port()), **render,
             )
             self.envoy = EnvoyProcess(config, concurrency=self.envoy_concurrency).start()
         except BaseException:

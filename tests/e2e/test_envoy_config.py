@@ -35,6 +35,7 @@ pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE_CONFIG = REPO / "envoy" / "envoy.yaml"
+HTTP_CONFIG = REPO / "envoy" / "envoy-http.yaml"
 
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -91,6 +92,46 @@ def test_default_config_is_the_one_in_envoy_dir() -> None:
 
 def test_shipped_config_validates() -> None:
     validate(SOURCE_CONFIG.read_text(encoding="utf-8"))
+
+
+def test_shipped_http_config_validates() -> None:
+    validate(HTTP_CONFIG.read_text(encoding="utf-8"))
+
+
+def _http_ext_authz() -> dict[str, Any]:
+    config = yaml.safe_load(HTTP_CONFIG.read_text(encoding="utf-8"))
+    filters = _hcm(config)["http_filters"]
+    return next(f["typed_config"] for f in filters if f["name"] == EXT_AUTHZ_FILTER)  # type: ignore[no-any-return]
+
+
+def test_shipped_http_config_allows_what_the_policy_reads() -> None:
+    from extauthz.policy import load_policy
+    from extauthz.server.http import allowed_headers
+
+    listed = [p["exact"] for p in _http_ext_authz()["allowed_headers"]["patterns"]]
+    assert listed == allowed_headers(load_policy([REPO / "policies"]).needed_headers), (
+        "regenerate with `extauthz envoy-allowed-headers policies/`"
+    )
+
+
+def test_shipped_http_config_states_fail_open_shed_mapper_and_lease_metadata() -> None:
+    from extauthz.answers import LEASE_FIELDS
+    from extauthz.server.http import ROUTE_TIER_HEADER, SHED_STATUS
+
+    ext = _http_ext_authz()
+    assert ext["failure_mode_allow"] is True
+    assert ext["http_service"]["server_uri"]["timeout"] == "0.25s"
+    response = ext["http_service"]["authorization_response"]
+    assert [p["exact"] for p in response["dynamic_metadata_from_headers"]["patterns"]] == list(LEASE_FIELDS)
+    hcm = _hcm(yaml.safe_load(HTTP_CONFIG.read_text(encoding="utf-8")))
+    assert hcm["use_remote_address"] is True
+    mapper = hcm["local_reply_config"]["mappers"][0]
+    assert mapper["filter"]["status_code_filter"]["comparison"]["value"]["default_value"] == SHED_STATUS
+    assert mapper["status_code"] == 503
+    names = [f["name"] for f in hcm["http_filters"]]
+    assert names.index("extauthz.strip-route-tier") < names.index("extauthz.route-tier") < names.index(EXT_AUTHZ_FILTER)
+    strip = hcm["http_filters"][0]["typed_config"]["mutations"]["request_mutations"]
+    assert strip == [{"remove": ROUTE_TIER_HEADER}]
 
 
 def test_shipped_config_states_fail_open_and_route_metadata() -> None:
