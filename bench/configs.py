@@ -32,6 +32,9 @@ class Setup:
     envoy_config: str = "envoy.yaml"
     #: extra ``extauthz serve`` arguments
     server_args: tuple[str, ...] = ()
+    #: Envoy's authorization protocol: "grpc", or "http" (the server also gets ``--http-listen``
+    #: on a free port, and Envoy's ``extauthz_http`` cluster points at it)
+    protocol: str = "grpc"
 
 
 SETUPS: dict[str, Setup] = {s.key: s for s in [
@@ -47,15 +50,23 @@ SETUPS: dict[str, Setup] = {s.key: s for s in [
     Setup("d-aio", "(d) on asyncio (no uvloop)", policy="all-on", redis=True, loop="asyncio"),
     Setup("b-buf", "(b), access log buffered 5 ms", policy="noop", accesslog_flush_ms=5),
     Setup("d-buf", "(d), access log buffered 5 ms", policy="all-on", redis=True, accesslog_flush_ms=5),
+    Setup("h", "no-op, HTTP protocol (ceiling)", policy="noop", protocol="http",
+          envoy_config="envoy-http.yaml"),
+    Setup("hc", "4 limiters, embedded, HTTP", policy="all-on", protocol="http",
+          envoy_config="envoy-http.yaml"),
+    Setup("hd", "4 limiters, Redis, HTTP", policy="all-on", redis=True, protocol="http",
+          envoy_config="envoy-http.yaml"),
 ]}
-DEFAULT_SETUPS = ("a", "b", "c", "d", "e", "d1", "d2", "b-aio", "d-aio", "b-buf", "d-buf")
+DEFAULT_SETUPS = ("a", "b", "c", "d", "e", "d1", "d2", "b-aio", "d-aio", "b-buf", "d-buf", "h", "hc", "hd")
 SMOKE_SETUPS = ("a", "b", "c")
 
 #: Throughput ratios ``<k>/<base>`` reported besides every ``<k>/a`` (report order).
 RATIOS: tuple[tuple[str, str], ...] = (
     ("c", "b"), ("d", "b"), ("d2", "d1"), ("b-aio", "b"), ("d-aio", "d"), ("d-buf", "b-buf"),
-    ("b-buf", "b"), ("d-buf", "d"),
+    ("b-buf", "b"), ("d-buf", "d"), ("h", "b"), ("hc", "c"), ("hd", "d"), ("hc", "h"), ("hd", "h"),
 )
+#: ``cpu <k>/<base>``: server CPU per check of k over base, per round.
+CPU_RATIOS: tuple[tuple[str, str], ...] = (("h", "b"), ("hc", "c"), ("hd", "d"))
 #: ``p99 added <k>/<base>``: (p99(k) - p99(a)) / (p99(base) - p99(a)) at the paced rate.
 P99_ADDED: tuple[tuple[str, str], ...] = (("d", "b"), ("c", "b"))
 

@@ -14,6 +14,9 @@ Envoy in front of a trivial upstream, the extauthz server as a process, and driv
   b-aio, d-aio  (b), (d) on the plain asyncio event loop instead of uvloop
   b-buf, d-buf  (b), (d) with Envoy's gRPC access log buffered (a batch of entries every
                 5 ms or 16 KiB instead of one message per request)
+  h   (b) on Envoy's HTTP authorization protocol (envoy-http.yaml, ``serve --http-listen``)
+  hc  (c) over HTTP: all four limiters, embedded store
+  hd  (d) over HTTP: all four limiters, Redis store
 
 (The table of configurations is ``bench/configs.py``.) This module runs the rounds, the Redis
 outage runs and the CLI; ``bench/stack.py`` starts one configuration's stack and reads its

@@ -33,6 +33,7 @@ class Running:
         self.server: ServerProcess | None = None
         self.envoy: EnvoyProcess | None = None
         self.admin_base = 0
+        self.http_port = 0
 
     # -- lifecycle
     def start(self) -> Running:
@@ -50,6 +51,9 @@ class Running:
                 self.admin_base = free_port_block(s.workers)
                 args += ["--admin-listen", f"127.0.0.1:{self.admin_base}"]
                 args += s.server_args
+                if s.protocol == "http":
+                    self.http_port = free_port()
+                    args += ["--http-listen", f"127.0.0.1:{self.http_port}"]
                 env = {"EXTAUTHZ_EVENT_LOOP": s.loop, "PYTHONPATH": str(ROOT)}
                 self.server = ServerProcess([POLICIES / f"{s.policy}.yaml"], args=args, env=env,
                                             workdir=self.workdir).start()
@@ -70,6 +74,7 @@ class Running:
             ext_authz_enabled=s.ext_authz, tracing_enabled=False, direct_response_upstream=True,
             local_ratelimit={"max_tokens": 1_000_000_000} if s.local_ratelimit else None,
             access_log_flush_ms=s.accesslog_flush_ms,
+            extauthz_http=("127.0.0.1", self.http_port) if s.protocol == "http" else None,
         )
         self.envoy = EnvoyProcess(config, concurrency=s.envoy_concurrency).start()
 

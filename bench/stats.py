@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .configs import P99_ADDED, RATIOS, SETUPS, Setup
+from .configs import CPU_RATIOS, P99_ADDED, RATIOS, SETUPS, Setup
 
 
 @dataclass
@@ -132,6 +132,9 @@ def summarize(setups: Sequence[Setup], phases: Sequence[Phase]) -> dict[str, Any
     for k, base in P99_ADDED:
         if {"a", k, base} <= keys:
             ratios[f"p99 added {k}/{base}"] = round_ratio(phases, _p99_added_fn(p99, k, base))
+    for k, base in CPU_RATIOS:
+        if {k, base} <= keys:
+            ratios[f"cpu {k}/{base}"] = round_ratio(phases, _cpu_ratio_fn(k, base))
     return {
         "rows": rows,
         "ratios": {k: {"median": med(v), "rounds": [round(x, 3) for x in v]} for k, v in ratios.items()},
@@ -141,6 +144,14 @@ def summarize(setups: Sequence[Setup], phases: Sequence[Phase]) -> dict[str, Any
 def _ratio_fn(thr: Callable[[dict[str, Phase], str], float], k: str,
               base: str) -> Callable[[dict[str, Phase]], float | None]:
     return lambda t: thr(t, k) / thr(t, base)
+
+
+def _cpu_ratio_fn(k: str, base: str) -> Callable[[dict[str, Phase]], float | None]:
+    """Server CPU per check of ``k`` over ``base`` in one round (None when either is unknown)."""
+    def fn(t: dict[str, Phase]) -> float | None:
+        a, b = t[f"{k}/saturated"].server_cpu_us, t[f"{base}/saturated"].server_cpu_us
+        return a / b if a and b else None
+    return fn
 
 
 def _p99_added_fn(p99: Callable[[dict[str, Phase], str], float], k: str,
@@ -171,6 +182,9 @@ def targets(summary: dict[str, Any], *, limits: dict[str, Any] | None, outages: 
 
     add("(d) throughput / (b)", (ratios.get("d/b") or {}).get("median"), 0.8)
     add("(c) throughput / (b)", (ratios.get("c/b") or {}).get("median"), 0.9)
+    add("(hd) throughput / (h)", (ratios.get("hd/h") or {}).get("median"), 0.8)
+    add("(hc) throughput / (c)", (ratios.get("hc/c") or {}).get("median"), 4.0)
+    add("(hc) server CPU per check / (c)", (ratios.get("cpu hc/c") or {}).get("median"), 0.25, higher=False)
     add("(d) 2 workers / 1 worker (Envoy x2)", (ratios.get("d2/d1") or {}).get("median"), 1.5)
     add("p99 added by (d) / p99 added by (b), at 1,000 req/s",
         (ratios.get("p99 added d/b") or {}).get("median"), 1.3, higher=False)

@@ -1,5 +1,6 @@
 """The benchmark harness runs end to end (``--smoke``): real Envoy, the server process, wrk and
-h2load, for (a) Envoy alone, (b) the no-op server and (c) all limiters on the embedded store.
+h2load, for (a) Envoy alone, (b) the no-op server, (c) all limiters on the embedded store and
+(h) the no-op server on Envoy's HTTP authorization protocol.
 
 Asserts only that figures were produced and that ext_authz was really consulted: no timing
 assertions (the machine's speed is not under test)."""
@@ -24,20 +25,20 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 def test_smoke_run_produces_figures(tmp_path: Path) -> None:
     out = tmp_path / "smoke.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.harness", "--smoke", "--configs", "a,b,c", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=150,
+        [sys.executable, "-m", "bench.harness", "--smoke", "--configs", "a,b,c,h", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=200,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     phases = result["phases"]
     assert {(p["setup"], p["kind"]) for p in phases} == {
-        (s, k) for s in "abc" for k in ("saturated", "latency")}
+        (s, k) for s in "abch" for k in ("saturated", "latency")}
     for p in phases:
         assert p["requests"] > 0, p
         assert p["rps"] > 0, p
         if p["kind"] == "latency":
             assert p["p50_ms"] > 0 and p["p99_ms"] >= p["p50_ms"] and p["p999_ms"] >= p["p99_ms"], p
-        if p["setup"] in ("b", "c"):
+        if p["setup"] in ("b", "c", "h"):
             # ext_authz was consulted for (nearly) every request and never failed open in Envoy
             assert p["ext_authz_ok"] >= 0.99 * p["requests"], p
             assert p["ext_authz_failure_mode_allowed"] == 0, p
@@ -45,5 +46,5 @@ def test_smoke_run_produces_figures(tmp_path: Path) -> None:
         else:
             assert p["ext_authz_ok"] is None
     rows = {r["key"]: r for r in result["summary"]["rows"]}
-    assert rows["b"]["consulted"] and rows["c"]["consulted"]
+    assert rows["b"]["consulted"] and rows["c"]["consulted"] and rows["h"]["consulted"]
     assert rows["a"]["rps"] > 0
