@@ -63,3 +63,12 @@ def test_serve_and_demo_take_the_http_options() -> None:
     assert build_parser().parse_args(["demo", "--protocol", "http"]).protocol == "http"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["demo", "--protocol", "smtp"])
+
+
+def test_http_listen_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from extauthz.cli import build_parser
+
+    monkeypatch.setenv("EXTAUTHZ_HTTP_LISTEN", "0.0.0.0:9003")
+    monkeypatch.setenv("EXTAUTHZ_LISTEN", "off")
+    args = build_parser().parse_args(["serve"])
+    assert (args.http_listen, args.listen) == ("0.0.0.0:9003", "off")
