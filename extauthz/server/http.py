@@ -66,6 +66,7 @@ EDGE_HEADERS = (REQUEST_ID_HEADER, FORWARDED_FOR_HEADER, ROUTE_TIER_HEADER, JWT_
 ALWAYS_SENT = frozenset({"host", ":authority", "authorization", "content-length", ":method", ":path"})
 
 _EMPTY: Mapping[str, str] = {}
+_NO_METADATA: Mapping[str, Sequence[Sequence[str]]] = {}
 _REASONS = {200: b"OK", 400: b"Bad Request", 408: b"Request Timeout", 420: b"Shedding Load",
             429: b"Too Many Requests", 431: b"Request Header Fields Too Large",
             500: b"Internal Server Error"}
@@ -199,9 +200,12 @@ def http_metadata(headers: Mapping[str, str],
 
 
 def raw_request(method: str, target: str, headers: Mapping[str, str],
-                needed: Iterable[str], *, forward_auth: bool = False) -> RawRequest:
+                needed: Iterable[str], *, forward_auth: bool = False,
+                metadata: Mapping[str, Sequence[Sequence[str]]] = _NO_METADATA) -> RawRequest:
     """The HTTP authorization request as the engine sees it (the one conversion).
 
+    ``metadata``: the namespaces and paths the policy reads (``Classifier.needed_metadata``):
+    only the forwarded JWT payload is decoded, and only when the policy reads it.
     ``forward_auth``: the proxy sends every check as ``GET <its address>`` and the client's
     request in ``X-Forwarded-Method`` / ``X-Forwarded-Uri`` / ``X-Forwarded-Host`` (Traefik's
     ForwardAuth); only for proxies that set those themselves (never for Envoy, which sends the
@@ -224,6 +228,8 @@ def raw_request(method: str, target: str, headers: Mapping[str, str],
         route_tier=headers.get(ROUTE_TIER_HEADER),
         context_extensions=_EMPTY,
         request_id=headers.get(REQUEST_ID_HEADER, ""),
+        metadata=http_metadata(headers, metadata) if metadata else _EMPTY,
+        principal=xfcc_principal(headers.get(XFCC_HEADER, "")),
     )
 
 
@@ -453,7 +459,7 @@ class _Connection(asyncio.Protocol):
         snap = engine.snapshot
         try:
             raw = raw_request(method, target, headers, snap.classifier.needed_headers,
-                              forward_auth=self.front.forward_auth)
+                              forward_auth=self.front.forward_auth, metadata=snap.classifier.needed_metadata)
             ctx = snap.classifier.context(raw)
         except Exception as exc:  # decided safely: allowed, counted (as the gRPC edge does)
             service.bad_request("an HTTP authorization request", exc)

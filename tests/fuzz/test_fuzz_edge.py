@@ -14,6 +14,7 @@ from google.protobuf import struct_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from extauthz.answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD
 from extauthz.clock import ManualClock
 from extauthz.engine import Engine
 from extauthz.policy import load_policy
@@ -140,10 +141,10 @@ def log_messages(draw: st.DrawFn) -> accesslog_pb2.StreamAccessLogsMessage:
             common.response_flags.unauthorized_details.reason = 1
         shape = draw(st.one_of(
             json_values,
-            st.fixed_dictionaries({"lease_id": st.one_of(st.text(max_size=20), st.just("0123456789abcdef")),
-                                   "leases": st.lists(st.one_of(st.text(max_size=30), st.sampled_from(
-                                       ["jobs:queue", "extauthz:{fleet}:fl:fleet:other"])), max_size=40)},
-                                  optional={"ticket": st.one_of(st.text(max_size=40), json_values)}),
+            st.fixed_dictionaries({LEASE_ID_FIELD: st.one_of(st.text(max_size=20), st.just("0123456789abcdef")),
+                                   LEASES_FIELD: st.lists(st.one_of(st.text(max_size=30), st.sampled_from(
+                                       ["jobs:queue", "extauthz:{fleet}:fl:fleet:other"])), max_size=40).map(",".join)},
+                                  optional={LEASE_TICKET_FIELD: st.one_of(st.text(max_size=40), json_values)}),
         ))
         ns = draw(st.one_of(st.just(EXT_AUTHZ_NAMESPACE), st.text(max_size=8)))
         common.metadata.filter_metadata[ns].CopyFrom(_struct(shape))

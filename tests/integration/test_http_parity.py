@@ -4,8 +4,8 @@ request, over every limiter kind and outcome (docs/http.md has the mapping).
 Two servers with the same policy, fresh embedded stores and one frozen clock get the same
 sequence of requests, one over gRPC and one over HTTP; their answers are compared step by
 step after the documented mapping (gRPC ``ok_response.headers`` + ``response_headers_to_add``
-+ dynamic metadata <-> HTTP 200 headers; denied 503 <-> HTTP 420). Lease ids are random:
-only their presence is compared; the lease keys themselves must be equal.
++ dynamic metadata <-> HTTP 200 headers; denied 503 <-> HTTP 420). Lease ids are random and
+tickets keyed per process: only their presence is compared; the lease keys must be equal.
 """
 
 from __future__ import annotations
@@ -114,8 +114,9 @@ def check_request(method: str, path: str, key: str) -> auth_pb2.CheckRequest:
 
 def masked(answer: Answer) -> Answer:
     status, headers, body = answer
-    if "x-extauthz-lease-id" in headers:
-        headers = {**headers, "x-extauthz-lease-id": "<present>"}
+    for random_field in ("x-extauthz-lease-id", "x-extauthz-lease-ticket"):  # random id, per-process key
+        if random_field in headers:
+            headers = {**headers, random_field: "<present>"}
     return status, headers, body
 
 
@@ -139,7 +140,7 @@ async def test_same_decisions_and_headers_over_both_protocols(servers: tuple[Ser
         finally:
             writer.close()
     # the table exercised what it claims: leases, RateLimit headers, problem+json
-    assert any("x-extauthz-leases" in h for _, h, _ in seen)
+    assert any("x-extauthz-leases" in h and "x-extauthz-lease-ticket" in h for _, h, _ in seen)
     assert any("ratelimit" in h for s, h, _ in seen if s == 200)
     assert all(h.get("content-type") == "application/problem+json" and b for s, h, b in seen if s != 200)
     assert {s for s, _, _ in seen} == {200, 429, 503}

@@ -12,6 +12,7 @@ import grpc
 import pytest
 from google.protobuf import struct_pb2
 
+from extauthz.answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD
 from extauthz.proto import accesslog_pb2, accesslog_pb2_grpc, auth_pb2, auth_pb2_grpc
 from extauthz.server.app import Server, ServerConfig
 from extauthz.server.edge import EXT_AUTHZ_NAMESPACE
@@ -39,7 +40,9 @@ def check_request(key: str) -> auth_pb2.CheckRequest:
 
 def metadata(leases: list[str], lease_id: str, ticket: str | None) -> struct_pb2.Struct:
     md = struct_pb2.Struct()
-    md.update({"leases": leases, "lease_id": lease_id, **({"ticket": ticket} if ticket is not None else {})})
+    # the one lease encoding (answers.lease_fields): header-shaped names, keys comma-separated
+    md.update({LEASES_FIELD: ",".join(leases), LEASE_ID_FIELD: lease_id,
+               **({LEASE_TICKET_FIELD: ticket} if ticket is not None else {})})
     return md
 
 
@@ -96,10 +99,10 @@ async def test_forged_entries_change_nothing_and_are_counted(server: Server, red
         alice = (await auth.Check(check_request("alice"))).dynamic_metadata
         bob = (await auth.Check(check_request("bob"))).dynamic_metadata
         assert (await auth.Check(check_request("alice"))).HasField("denied_response")  # limit 1 held
-        a_keys = [v.string_value for v in alice.fields["leases"].list_value.values]
-        a_id, a_ticket = alice.fields["lease_id"].string_value, alice.fields["ticket"].string_value
-        b_keys = [v.string_value for v in bob.fields["leases"].list_value.values]
-        b_id, b_ticket = bob.fields["lease_id"].string_value, bob.fields["ticket"].string_value
+        a_keys = alice.fields[LEASES_FIELD].string_value.split(",")
+        a_id, a_ticket = alice.fields[LEASE_ID_FIELD].string_value, alice.fields[LEASE_TICKET_FIELD].string_value
+        b_keys = bob.fields[LEASES_FIELD].string_value.split(",")
+        b_id, b_ticket = bob.fields[LEASE_ID_FIELD].string_value, bob.fields[LEASE_TICKET_FIELD].string_value
         assert len(a_ticket) == 32 and a_keys and all(server.engine.keys.is_lease_key(k) for k in a_keys)
 
         before, calls = snapshot(redis), evalsha_calls(redis)
