@@ -169,3 +169,67 @@ def test_server_down_fails_open(tmp_path: Path) -> None:
         r = c.send(s.url + "/v1/rate/x", headers={"x-api-key": "sk_live_down"})
         assert r.status == 200
         assert echoed(r).get("x-envoy-auth-failure-mode-allowed") == "true"
+
+
+# ---- identity from a JWT verified by Envoy (jwt_authn forward_payload_header) -----------
+
+JWT_POLICY = {
+    "version": 1,
+    "identity": [
+        {"metadata": {"namespace": "envoy.filters.http.jwt_authn", "path": ["payload", "sub"]}},
+        {"header": "x-api-key"},
+        {"source_ip": True},
+    ],
+    "limiters": [{"name": "per-user", "type": "request_rate", "rate": "1/h", "burst": 2}],
+}
+
+
+def http_config_with_jwt(jwks: str, path: Path) -> Path:
+    """envoy-http.yaml with envoy-jwt.yaml's jwt_authn filter (trusting ``jwks``) right after
+    the filter that strips client-sent x-jwt-payload, forwarding the verified payload."""
+    from .test_identity_e2e import AUDIENCE, ISSUER, JWT_CONFIG
+
+    def hcm_of(config: dict[str, Any]) -> dict[str, Any]:
+        return config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]  # type: ignore[no-any-return]
+
+    jwt_filter = next(f for f in hcm_of(yaml.safe_load(JWT_CONFIG.read_text()))["http_filters"]
+                      if f["name"] == "envoy.filters.http.jwt_authn")
+    provider = jwt_filter["typed_config"]["providers"]["issuer"]
+    assert (provider["issuer"], provider["audiences"]) == (ISSUER, [AUDIENCE])
+    provider["local_jwks"] = {"inline_string": jwks}
+    provider["forward_payload_header"] = "x-jwt-payload"
+    config = yaml.safe_load((ROOT / "envoy" / "envoy-http.yaml").read_text())
+    filters = hcm_of(config)["http_filters"]
+    assert filters[0]["name"] == "extauthz.strip-route-tier"
+    filters.insert(1, jwt_filter)
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def test_jwt_payload_forwarded_by_jwt_authn_names_the_user(tmp_path: Path) -> None:
+    from .test_identity_e2e import Issuer
+
+    issuer = Issuer()
+    (tmp_path / "policy.yaml").write_text(yaml.safe_dump(JWT_POLICY))
+    base = http_config_with_jwt(issuer.jwks(), tmp_path / "envoy-http-jwt.yaml")
+    with Stack([tmp_path / "policy.yaml"], protocol="http", base=base, tracing_enabled=False) as s, \
+            HttpClient() as c:
+        def send(headers: dict[str, str]) -> int:
+            return c.send(s.url + "/v1/things", headers=headers).status
+
+        alice = {"authorization": f"Bearer {issuer.token('alice')}"}
+        bob = {"authorization": f"Bearer {issuer.token('bob')}"}
+        # the subject names the user: alice's bucket (burst 2) is hers alone
+        assert [send(alice) for _ in range(3)] == [200, 200, 429]
+        assert send(bob) == 200
+        # a fresh token for alice is still alice
+        assert send({"authorization": f"Bearer {issuer.token('alice')}"}) == 429
+        # a client-sent payload header without a token is stripped: it names nobody, the
+        # next rule (x-api-key) does
+        import base64
+        forged = base64.urlsafe_b64encode(json.dumps({"sub": "bob"}).encode()).decode()
+        assert [send({"x-jwt-payload": forged, "x-api-key": "sk_live_carol"}) for _ in range(3)] == [200, 200, 429]
+        assert send(bob) == 200  # bob's bucket was not touched by the forgery
+        # a token Envoy cannot verify never reaches the server
+        other = Issuer(kid="test")
+        assert send({"authorization": f"Bearer {other.token('alice')}"}) == 401
