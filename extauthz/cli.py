@@ -19,6 +19,11 @@ def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(f"EXTAUTHZ_{name}", default)
 
 
+def _env_flag(name: str) -> bool:
+    """A boolean ``EXTAUTHZ_*`` variable: 1, true or yes."""
+    return (_env(name, "") or "").lower() in ("1", "true", "yes")
+
+
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="run the ext_authz gRPC server",
                        description="Run the Envoy ext_authz gRPC server. Every option also "
@@ -32,7 +37,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="HTTP authorization port for Envoy's http_service (and other forward-auth "
                    "proxies), e.g. 0.0.0.0:9003; off unless given (docs/http.md) [EXTAUTHZ_HTTP_LISTEN]")
     p.add_argument("--http-forward-auth", action="store_true",
-                   default=(_env("HTTP_FORWARD_AUTH", "") or "").lower() in ("1", "true", "yes"),
+                   default=_env_flag("HTTP_FORWARD_AUTH"),
                    help="on the HTTP port, take the client's method, path and host from "
                    "X-Forwarded-Method/-Uri/-Host (Traefik ForwardAuth); never with Envoy "
                    "[EXTAUTHZ_HTTP_FORWARD_AUTH]")
@@ -78,7 +83,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    "needs --redis-url and an Envoy with as many worker threads [EXTAUTHZ_WORKERS; "
                    "default 1]")
     p.add_argument("--reuse-port", action="store_true",
-                   default=(_env("REUSE_PORT", "") or "").lower() in ("1", "true", "yes"),
+                   default=_env_flag("REUSE_PORT"),
                    help="let another process bind the same --listen port (SO_REUSEPORT): a new "
                    "version starts beside this one, then this one gets SIGTERM and drains "
                    "[EXTAUTHZ_REUSE_PORT]")
