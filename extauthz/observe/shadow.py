@@ -14,6 +14,7 @@ prints and ``GET /shadow`` returns.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Iterable
@@ -54,6 +55,10 @@ class ShadowRecorder:
         self.dropped = 0
         self.flushed = 0
         self._failing = False
+        #: one flush at a time: a flush called while another is writing (``GET /shadow``,
+        #: stop, a test) waits for that write, so what was noted before it is in the store
+        #: when it returns.
+        self._flushing = asyncio.Lock()
 
     # -- Observer ---------------------------------------------------------------------------
     def decided(self, ctx: RequestContext, decision: Decision, policy: Policy) -> None:
@@ -80,7 +85,14 @@ class ShadowRecorder:
         return len(self._pending)
 
     async def flush(self) -> int:
-        """Write what was noted since the last flush; returns the number of events written."""
+        """Write what was noted since the last flush; returns the number of events written.
+
+        When it returns, everything noted before the call is in the store (or counted as
+        dropped), including what a concurrent flush had taken and was still writing."""
+        async with self._flushing:
+            return await self._flush()
+
+    async def _flush(self) -> int:
         if not self._pending:
             return 0
         pending, self._pending = self._pending, {}

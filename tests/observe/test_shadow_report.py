@@ -145,3 +145,44 @@ async def test_report_over_redis_from_two_replicas(tmp_path: Path, redis_single_
         (dark,) = report["limiters"]
         assert dark["would_deny"] == 3
         assert [i["identity"] for i in dark["top_identities"]] == [identity_of("sk_live_dave")]
+
+
+async def test_a_flush_waits_for_the_flush_already_writing(clock: ManualClock) -> None:
+    """``flush()`` called while the background flush is writing (``GET /shadow``, stop, a
+    test) returns only once what was noted before it is in the store: it must not find the
+    buffer already swapped out and return at once, leaving the report to miss those events."""
+    from extauthz.context import RequestContext
+    from extauthz.observe.shadow import ShadowRecorder
+    from extauthz.tiers import Tier
+    from extauthz.verdict import Decision, Kind, Outcome, Verdict
+
+    class GatedStore(MemoryStore):
+        def __init__(self) -> None:
+            super().__init__(clock)
+            self.entered = asyncio.Event()
+            self.gate = asyncio.Event()
+
+        async def append_events(self, key: str, events: Sequence[str], maxlen: int, ttl: float) -> None:
+            self.entered.set()
+            await self.gate.wait()
+            await super().append_events(key, events, maxlen, ttl)
+
+    store = GatedStore()
+    recorder = ShadowRecorder(store, "shadow", clock=clock)
+    tier = next(iter(Tier))
+    ctx = RequestContext(tier=tier, identity="i1", identity_source="header:x-api-key", test_mode=False,
+                         method="GET", path="/x", host="h", tier_source="default")
+    verdict = Verdict("dark", Kind.RATE_LIMITER, Outcome.SHADOW_DENIED, limit=1, remaining=0,
+                      reason="rate_exceeded")
+    recorder.decided(ctx, Decision(allowed=True, tier=tier, verdicts=(verdict,)), None)  # type: ignore[arg-type]
+    background = asyncio.create_task(recorder.flush())
+    await store.entered.wait()  # the background flush took the buffer and is writing
+    explicit = asyncio.create_task(recorder.flush())
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not explicit.done(), "flush() returned while the noted events were still being written"
+    store.gate.set()
+    assert await background == 1
+    assert await explicit == 0
+    (event,) = await store.read_events("shadow", since=0)
+    assert json.loads(event)["limiter"] == "dark"
