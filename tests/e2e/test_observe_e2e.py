@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -89,15 +90,27 @@ def test_envoy_and_server_spans_share_one_trace(client: HttpClient, traced_stack
 
 
 def slow_burst(stack: Stack, key: str, n: int = 30, headers: dict[str, str] | None = None) -> list[int]:
-    """``n`` slow requests in flight at once from one user (the concurrency limit is 20)."""
+    """``n`` slow requests in flight at once from one user (the concurrency limit is 20); returns
+    once the access log has released every lease they held, so the next burst starts empty."""
+    start = threading.Barrier(n)
+
     def one(_: int) -> int:
         with HttpClient() as c:
+            start.wait(timeout=30)  # all at once: a loaded machine must not spread them past 1 s
             return c.send(stack.url + "/v1/slow?delay=1.0", headers=headers or {"x-api-key": key}).status
 
     with ThreadPoolExecutor(max_workers=n) as pool:
         codes = list(pool.map(one, range(n)))
-    time.sleep(0.3)  # the access log releases the leases as the responses finish
+    wait_for(lambda: live_leases(stack) == {})
     return codes
+
+
+def live_leases(stack: Stack) -> dict[str, int]:
+    assert stack.server is not None
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+            f"http://127.0.0.1:{stack.server.admin_port}/status", timeout=5) as resp:
+        leases: dict[str, int] = json.load(resp)["store"]["live_leases"]
+    return leases
 
 
 def test_rollout_shadow_report_enforce_through_envoy(traced_stack: Stack) -> None:
@@ -128,15 +141,20 @@ def test_rollout_shadow_report_enforce_through_envoy(traced_stack: Stack) -> Non
 
 
 def test_server_logs_are_json_and_spans_carry_no_secret(traced_stack: Stack, otlp: OtlpReceiver) -> None:
-    headers = {"authorization": f"Bearer {SECRET_TOKEN}", "x-request-id": "e2e-secret-check"}
+    # No client-chosen x-request-id: Envoy only samples a trace for a request id it can mark
+    # (a UUID), so one like "e2e-check" leaves this test's spans unsampled, and the test would
+    # pass only on the denied spans an earlier test happened to leave in the receiver.
+    identity = hash_identity(SECRET_TOKEN, "header:authorization")
+    headers = {"authorization": f"Bearer {SECRET_TOKEN}"}
     assert slow_burst(traced_stack, "", headers=headers).count(429) == 10  # denials are logged
     assert traced_stack.server is not None
-    wait_for(lambda: '"request_id":"e2e-secret-check"' in traced_stack.server.log(), timeout=5)
+    wait_for(lambda: f'"identity":"{identity}"' in traced_stack.server.log(), timeout=5)
     lines = [x for x in traced_stack.server.log().splitlines() if x.strip()]
     records = [json.loads(x) for x in lines]  # every line is one JSON object
-    decisions = [r for r in records if r.get("event") == "decision" and r["request_id"] == "e2e-secret-check"]
-    assert decisions and decisions[0]["identity"] == hash_identity(SECRET_TOKEN, "header:authorization")
-    wait_for(lambda: any(s.attributes.get("extauthz.decision") == "denied" for s in otlp.spans))
+    decisions = [r for r in records if r.get("event") == "decision" and r.get("identity") == identity]
+    assert decisions and all(r["request_id"] for r in decisions)
+    wait_for(lambda: any(s.attributes.get("extauthz.decision") == "denied"
+                         and s.attributes.get("extauthz.identity") == identity for s in otlp.spans))
     texts = lines + [json.dumps([s.name, s.attributes, s.events], default=str) for s in otlp.spans]
     for text in texts:
         assert "SECRET" not in text, text
