@@ -136,7 +136,18 @@ async def test_forged_entries_change_nothing_and_are_counted(server: Server, red
             await asyncio.sleep(0.01)
         assert server.engine.releaser.leases_released == len(a_keys)
         assert evalsha_calls(redis) == calls + 1
-        assert (await auth.Check(check_request("alice"))).HasField("ok_response")
+        assert (await auth.Check(check_request("alice"))).HasField("ok_response")  # holds the slot again
+        # The genuine entry replayed (a recorded access-log message sent again) carries a valid
+        # ticket but names the old lease id: it must not free alice's new lease.
+        released = server.engine.releaser.leases_released
+        await send(alice)
+        for _ in range(100):
+            if server.engine.releaser.count("access_log", "none"):
+                break
+            await asyncio.sleep(0.01)
+        assert server.engine.releaser.count("access_log", "none") == 1
+        assert server.engine.releaser.leases_released == released
+        assert (await auth.Check(check_request("alice"))).HasField("denied_response")  # still held
         await send(bob)
         for _ in range(100):
             if server.engine.releaser.leases_released > len(a_keys):

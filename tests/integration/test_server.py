@@ -173,3 +173,33 @@ async def test_access_log_releases_with_or_without_our_metadata(tmp_path: Path) 
             assert (await auth.Check(check_request())).HasField("denied_response")
     finally:
         await srv.stop(grace=0)
+
+
+async def test_the_health_listen_port_serves_health_only(tmp_path: Path) -> None:
+    """``--health-listen`` is plaintext for the kubelet's probes: it must not become a way
+    around the main port's TLS, so Check and the access log are not served there."""
+    from extauthz.proto import accesslog_pb2, accesslog_pb2_grpc
+
+    policy = tmp_path / "p.yaml"
+    policy.write_text("version: 1\nidentity: [{header: x-api-key}]\nlimiters:\n"
+                      "  - {name: user-rate, type: request_rate, rate: 1, burst: 2}\n")
+    srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0", admin_listen="off",
+                              health_listen="127.0.0.1:0"))
+    await srv.start()
+    try:
+        assert srv.health_port and srv.health_port != srv.port
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.health_port}") as ch:
+            health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""))
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await auth_pb2_grpc.AuthorizationStub(ch).Check(check_request())
+            assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+            async def entries():  # type: ignore[no-untyped-def]
+                yield accesslog_pb2.StreamAccessLogsMessage()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await accesslog_pb2_grpc.AccessLogServiceStub(ch).StreamAccessLogs(entries())
+            assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert srv.accesslog.entries == 0
+    finally:
+        await srv.stop(grace=0)
