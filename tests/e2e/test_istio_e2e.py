@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -201,10 +202,14 @@ def test_concurrency_limit_holds_under_parallel_load(stack: IstioStack) -> None:
     limit = int(limiter.limit)
     stack.upstream.reset()
     n = limit * 2
+    start = threading.Barrier(n)
+
+    def one(_: int) -> Any:  # all at once: a loaded machine must not spread them past 1 s
+        start.wait(timeout=30)
+        return client.send(stack.url + "/v1/slow?delay=1", headers={"x-api-key": "sk_live_parallel"})
+
     with ThreadPoolExecutor(n) as pool, HttpClient() as client:
-        results = list(pool.map(
-            lambda _: client.send(stack.url + "/v1/slow?delay=1", headers={"x-api-key": "sk_live_parallel"}),
-            range(n)))
+        results = list(pool.map(one, range(n)))
     assert sorted(r.status for r in results) == [200] * limit + [429] * (n - limit)
     assert {r.limiter for r in results if r.status == 429} == {limiter.name}
     assert stack.upstream.max_inflight == limit
