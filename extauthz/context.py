@@ -24,7 +24,9 @@ class RawRequest:
     method: str
     path: str
     host: str = ""
-    headers: Mapping[str, str] = field(default_factory=dict)
+    #: raw header values (API keys, Authorization): kept out of repr, so that a log line or an
+    #: exception message that formats a request never carries a secret.
+    headers: Mapping[str, str] = field(default_factory=dict, repr=False)
     source_ip: str = ""
     #: ``route_metadata_context.filter_metadata[namespace]["tier"]`` if present.
     route_tier: str | None = None
@@ -34,9 +36,9 @@ class RawRequest:
     request_id: str = ""
     #: authenticated metadata by namespace (``metadata_context.filter_metadata[ns]`` as plain
     #: nested dicts of str/float/bool), only the namespaces and paths the policy names.
-    metadata: Mapping[str, Any] = field(default_factory=dict)
+    metadata: Mapping[str, Any] = field(default_factory=dict, repr=False)
     #: the authenticated peer principal (mTLS: URI SAN, e.g. a SPIFFE id), if any.
-    principal: str = ""
+    principal: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +57,8 @@ class RequestContext:
     #: ``rule[N]`` or ``default``.
     tier_source: str
     request_id: str = ""
-    headers: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
+    #: the raw headers the policy's matchers read (may hold the identity header): not in repr.
+    headers: Mapping[str, str] = field(default_factory=lambda: _EMPTY, repr=False)
     #: the customer's plan (policy ``plan``): a name the policy knows, or ``""`` without a
     #: ``plan`` section (every limiter's own numbers).
     plan: str = ""

@@ -101,3 +101,15 @@ def test_rules_on_host_and_headers(tmp_path: Path) -> None:
     assert c.context(req("POST", headers={"x-priority": "low"})).tier is Tier.GET
     assert c.context(req("POST", headers={"x-priority": "high"})).tier is Tier.POST
     assert c.needed_headers == {"x-user", "x-priority"}
+
+
+def test_raw_values_stay_out_of_repr(classifier: Classifier) -> None:
+    """A log line or exception message that formats a request must not carry the API key,
+    the Authorization value or a JWT claim: those fields are left out of repr."""
+    raw = req(headers={"x-api-key": "sk_live_SECRETrepr", "authorization": "Bearer SECRETtoken"},
+              metadata={"envoy.filters.http.jwt_authn": {"payload": {"sub": "SECRETsub"}}},
+              principal="spiffe://SECRETpeer")
+    ctx = classifier.context(raw)
+    assert ctx.identity == hash_identity("sk_live_SECRETrepr", "header:x-api-key")
+    for text in (repr(raw), repr(ctx), str(ctx), f"{raw!r} {ctx}"):
+        assert "SECRET" not in text, text
