@@ -144,11 +144,11 @@ class CertificateReloader:
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.exception("TLS certificate rotation failed, keeping the last good certificate")
             return None
+        self.last_error = None  # the files on disk are a good set again
         if loaded == self._loaded:
             return None
         self._loaded = loaded
         self.reloads += 1
-        self.last_error = None
         log.info("TLS certificate rotated on disk: serving the new one",
                  extra={"fields": {"event": "tls_reloaded"}})
         return _configuration(loaded)

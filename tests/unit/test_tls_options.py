@@ -60,3 +60,17 @@ def test_bad_files_fail_the_start_and_bad_rotations_keep_the_last_good(tmp_path:
     assert reloader.fetch() is not None  # a good set: a new configuration for new handshakes
     assert (reloader.reloads, reloader.last_error) == (1, None)
     assert reloader.status()["reload_failures"] == 1
+
+
+def test_a_bad_rotation_undone_clears_the_error(tmp_path: Path) -> None:
+    """A bad set written over the good one and then the good one put back: the error no
+    longer describes the files, so /status must not keep reporting it."""
+    ca = CA()
+    good = ca.issue("extauthz", dns=("extauthz",))
+    cert, key = good.write(tmp_path, "tls")
+    reloader = CertificateReloader(TlsFiles(cert, key))
+    cert.write_text("half-written")
+    assert reloader.fetch() is None and reloader.failures == 1 and reloader.last_error
+    good.write(tmp_path, "tls")
+    assert reloader.fetch() is None  # the same certificate as served: nothing new to hand out
+    assert (reloader.reloads, reloader.failures, reloader.last_error) == (0, 1, None)
