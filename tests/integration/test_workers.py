@@ -63,8 +63,11 @@ def test_two_workers_share_one_port_and_one_budget(tmp_path: Path, redis_single_
     policy.write_text(POLICY)
     # worker i serves admin on the given port + i: a block of free ports below the ephemeral range
     admin = f"127.0.0.1:{free_port_block(2)}"
+    # A generous store deadline: a Check that misses the 5 ms default (a fresh worker's first
+    # Redis connection on a loaded machine) fails open and is admitted past the shared budget.
     server = ServerProcess([policy], args=["--workers", "2", "--redis-url", redis_single_clean.url,
-                                           "--admin-listen", admin], workdir=tmp_path)
+                                           "--admin-listen", admin, "--store-deadline-ms", "2000"],
+                           workdir=tmp_path)
     server.start(timeout=60)
     try:
         assert server.proc is not None
