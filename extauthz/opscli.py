@@ -66,8 +66,9 @@ def _add_override_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
                        help=f"a server's admin URL (embedded store) [EXTAUTHZ_ADMIN_URL; default {DEFAULT_ADMIN}]")
         q.add_argument("--listen", default=None, metavar="HOST:PORT",
                        help="reach the server on this host started with this --listen (its admin URL file)")
-        q.add_argument("--redis-url", default=os.environ.get("EXTAUTHZ_REDIS_URL"),
-                       help="the fleet's Redis, as for serve [EXTAUTHZ_REDIS_URL]")
+        q.add_argument("--redis-url", default=None,
+                       help="the fleet's Redis, as for serve [EXTAUTHZ_REDIS_URL, unless "
+                       "--admin or --listen is given]")
         q.add_argument("--key-prefix", default=os.environ.get("EXTAUTHZ_KEY_PREFIX", "extauthz"),
                        help="the servers' --key-prefix [EXTAUTHZ_KEY_PREFIX; default extauthz]")
         q.add_argument("--policies", nargs="+", default=None,
@@ -381,6 +382,10 @@ def cmd_override(args: argparse.Namespace) -> int:
     from .store.keys import Keys
 
     try:
+        if args.redis_url and (args.admin or args.listen):
+            raise CliError("give either --redis-url or --admin/--listen, not both")
+        if args.redis_url is None and not (args.admin or args.listen):
+            args.redis_url = os.environ.get("EXTAUTHZ_REDIS_URL")
         keys = Keys(args.key_prefix)
         policy = _load_policy(args.policies)
         limiters = build_limiters(policy, Keys()) if policy is not None else None
