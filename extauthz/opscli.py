@@ -332,6 +332,12 @@ def _hashed_identity(args: argparse.Namespace, source: str) -> str:
     return hash_identity(raw, source, args.identity_salt.encode())
 
 
+def _not_found(limiter: str, source: str) -> str:
+    return (f"no override for limiter {limiter!r} and that identity (hashed for the identity "
+            f"rule {source}; another --source or --identity-salt gives another hash: compare "
+            "with `extauthz override list`)")
+
+
 def _fmt_time(ts: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
 
@@ -418,7 +424,7 @@ def cmd_override(args: argparse.Namespace) -> int:
 
                     entries = await change_stored(store, keys, clear, now)
                     if not found:
-                        raise CliError(f"no override for limiter {args.limiter!r} and that identity")
+                        raise CliError(_not_found(args.limiter, source))
                 else:
                     entries = parse_overrides(await store.get_value(keys.overrides))
                 not_applied = (compile_overrides(entries, limiters, now, labels)[1]
@@ -437,7 +443,10 @@ def cmd_override(args: argparse.Namespace) -> int:
                         "numbers": dict(new.numbers), "ttl": new.expires_at - new.set_at,
                         "reason": new.reason, "by": new.by, "source": new.source}))
                 else:
-                    data = _http("DELETE", url)
+                    try:
+                        data = _http("DELETE", url)
+                    except CliError as exc:
+                        raise CliError(_not_found(args.limiter, source) if ": 404 " in str(exc) else str(exc)) from None
     except (CliError, OverrideError) as exc:
         print(f"extauthz override: {exc}", file=sys.stderr)
         return 1
@@ -448,8 +457,10 @@ def cmd_override(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
         return 0
     if args.action == "set":
+        where = ("every replica applies it within about two seconds" if args.redis_url
+                 else "applied by that server now")
         print(f"ok: {args.limiter} {_fmt_numbers(dict(new.numbers))} for identity {identity} "
-              f"until {_fmt_time(new.expires_at)} (every replica applies it within about two seconds)")
+              f"({source}) until {_fmt_time(new.expires_at)} ({where})")
     elif args.action == "clear":
         print(f"ok: cleared {args.limiter} for identity {identity}")
     print(format_overrides(data))

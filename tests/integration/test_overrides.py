@@ -124,6 +124,7 @@ def test_an_override_reaches_two_replicas_on_one_redis(tmp_path: Path, redis_sin
         wait_until(lambda: all(policy_header(s, VIP) == plan_numbers for s in stubs), WITHIN)
         r = cli("override", "clear", "user-rate", "--identity", VIP, env=env)
         assert r.returncode == 1 and "no override for limiter 'user-rate'" in r.stderr
+        assert "hashed for the identity rule header:x-api-key" in r.stderr
 
         # With the policy at hand the CLI refuses what would not apply.
         r = cli("override", "set", "fleet", "--identity", VIP, "limit=5", "--policies", str(policy), env=env)
@@ -179,8 +180,15 @@ async def test_the_admin_port_refuses_an_override_hashed_for_a_rule_its_policy_l
         r = await asyncio.to_thread(cli, "override", "set", "user-rate", "--identity", VIP, "burst=70",
                                     "--source", "header:authorization", "--admin", url, env=env)
         assert r.returncode == 0, r.stderr
+        assert "(header:authorization)" in r.stdout and "applied by that server now" in r.stdout
         raw = RawRequest(method="GET", path="/", headers={"authorization": f"Bearer {VIP}"})
         assert server.engine.context(raw).overrides["user-rate"][""].burst == 70  # the server's hash
+        # clearing with the wrong rule finds nothing, and says what the hash was made for
+        r = await asyncio.to_thread(cli, "override", "clear", "user-rate", "--identity", VIP,
+                                    "--admin", url, env=env)
+        assert r.returncode == 1 and VIP not in r.stdout + r.stderr
+        assert "no override for limiter 'user-rate' and that identity (hashed for the identity rule " \
+               "header:x-api-key; another --source or --identity-salt gives another hash" in r.stderr, r.stderr
 
 
 async def test_overrides_through_the_admin_port_with_the_embedded_store(tmp_path: Path) -> None:
