@@ -323,12 +323,15 @@ def _source(args: argparse.Namespace, policy: Any) -> str:
     return str(given)
 
 
-def _hashed_identity(args: argparse.Namespace, source: str) -> str:
-    from .classify import hash_identity
+def _hashed_identity(args: argparse.Namespace, source: str, policy: Any) -> str:
+    from .classify import hash_identity, header_value
 
     raw = sys.stdin.readline().rstrip("\r\n") if args.identity == "-" else args.identity
     if not raw:
         raise CliError("--identity is empty")
+    rule = next((s for s in policy.identity if s.label == source), None) if policy is not None else None
+    if rule is not None and rule.strip_prefix is not None and header_value(rule, raw):
+        raw = header_value(rule, raw)  # the whole header value given: hash what the server hashes
     return hash_identity(raw, source, args.identity_salt.encode())
 
 
@@ -402,7 +405,7 @@ def cmd_override(args: argparse.Namespace) -> int:
             # the admin port checks the source against its policy; Redis has no policy to ask
             source = (_source(args, policy) if args.redis_url or policy is not None or args.source
                       else DEFAULT_SOURCE)
-        identity = _hashed_identity(args, source) if args.action != "list" else ""
+        identity = _hashed_identity(args, source, policy) if args.action != "list" else ""
         if args.action == "set":
             new = make_override(args.limiter, identity, parse_numbers(args.numbers), ttl=args.ttl,
                                 reason=args.reason, by=args.by, source=source, now=now)

@@ -158,6 +158,10 @@ def test_the_identity_rule_comes_from_the_policy_or_a_warning_says_it_was_guesse
     # With the policy the rule is the policy's, no warning; an explicit one must be in it.
     r = cli("override", "set", "user-rate", "--identity", VIP, "burst=70", "--policies", str(policy), env=env)
     assert r.returncode == 0 and right in r.stdout and "warning" not in r.stderr, r.stderr
+    r = cli("override", "set", "user-rate", "--identity", f"Bearer {VIP}", "burst=70", "--policies", str(policy),
+            env=env)  # the whole header value: the rule's strip_prefix is taken off, as the server does
+    assert r.returncode == 0 and f"for identity {right} (header:authorization)" in r.stdout, r.stdout
+    assert VIP not in r.stdout + r.stderr
     r = cli("override", "set", "user-rate", "--identity", VIP, "burst=70", "--source", "Header:Authorization",
             env=env)
     assert r.returncode == 0 and right in r.stdout and "warning" not in r.stderr, r.stderr
