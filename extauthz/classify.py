@@ -89,18 +89,22 @@ def first_value(sources: Sequence[IdentitySource], raw: RawRequest) -> tuple[str
             if text:
                 return text, src.label
             continue
-        value = raw.headers.get(src.header or "")
+        value = header_value(src, raw.headers.get(src.header or ""))
         if not value:
             continue
-        if src.strip_prefix is not None:
-            prefix = src.strip_prefix
-            if value[: len(prefix)].lower() != prefix.lower():
-                continue
-            value = value[len(prefix):].strip()
-            if not value:
-                continue
         return value, src.label
     return "", "none"
+
+
+def header_value(src: IdentitySource, value: str | None) -> str:
+    """A header rule's value: with ``strip_prefix``, the rest after that prefix (any case),
+    trimmed; a value without the prefix yields nothing (``""``)."""
+    if not value or src.strip_prefix is None:
+        return value or ""
+    prefix = src.strip_prefix
+    if value[: len(prefix)].lower() != prefix.lower():
+        return ""
+    return value[len(prefix):].strip()
 
 
 class Classifier:

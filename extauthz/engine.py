@@ -122,7 +122,8 @@ class Engine:
             for lim in limiters
             if (mode := switches.effective(lim.name, modes[lim.name])) is not Mode.OFF
         )
-        table, not_applied = compile_overrides(self.overrides, limiters, self.clock.wall())
+        table, not_applied = compile_overrides(self.overrides, limiters, self.clock.wall(),
+                                               policy.identity_labels)
         classifier = Classifier(policy, self._salt, table)
         if old is not None:  # counts, exported: carried over to the new snapshot
             classifier.unknown_tiers = old.classifier.unknown_tiers

@@ -25,6 +25,8 @@ from .switches import dump_switches, parse_switches, valid_name, with_switch
 from .verdict import Mode
 
 DEFAULT_ADMIN = "http://127.0.0.1:9002"
+#: the identity rule an override is hashed for when neither --source nor --policies says.
+DEFAULT_SOURCE = "header:x-api-key"
 CLEAR = "clear"
 
 
@@ -64,22 +66,27 @@ def _add_override_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
                        help=f"a server's admin URL (embedded store) [EXTAUTHZ_ADMIN_URL; default {DEFAULT_ADMIN}]")
         q.add_argument("--listen", default=None, metavar="HOST:PORT",
                        help="reach the server on this host started with this --listen (its admin URL file)")
-        q.add_argument("--redis-url", default=os.environ.get("EXTAUTHZ_REDIS_URL"),
-                       help="the fleet's Redis, as for serve [EXTAUTHZ_REDIS_URL]")
+        q.add_argument("--redis-url", default=None,
+                       help="the fleet's Redis, as for serve [EXTAUTHZ_REDIS_URL, unless "
+                       "--admin or --listen is given]")
         q.add_argument("--key-prefix", default=os.environ.get("EXTAUTHZ_KEY_PREFIX", "extauthz"),
                        help="the servers' --key-prefix [EXTAUTHZ_KEY_PREFIX; default extauthz]")
         q.add_argument("--policies", nargs="+", default=None,
-                       help="with --redis-url: the fleet's policy, to refuse an override that "
-                       "would not apply and to show which apply")
+                       help="the fleet's policy: the identity rule (--source) is taken from "
+                       "it and checked, an override that would not apply is refused, and "
+                       "(with --redis-url) list shows which apply")
         if identity:
             q.add_argument("--identity", required=True,
                            help="the customer's raw identity value (an API key); '-' reads it "
                            "from stdin. Hashed here, never shown")
             q.add_argument("--identity-salt", default=os.environ.get("EXTAUTHZ_IDENTITY_SALT", ""),
                            help="the fleet's --identity-salt [EXTAUTHZ_IDENTITY_SALT]")
-            q.add_argument("--source", default="header:x-api-key",
+            q.add_argument("--source", default=None,
                            help="the identity rule that names this customer, as the policy "
-                           "labels it: header:NAME or source_ip (default header:x-api-key)")
+                           "labels it: header:NAME, source_ip, principal or "
+                           "metadata:NAMESPACE:PATH (default: with --policies the policy's "
+                           f"first identity rule, which is checked; else {DEFAULT_SOURCE}, "
+                           "with a warning)")
 
     q = actions.add_parser("set", help="set (or replace) one customer's numbers for a limiter")
     common(q, True)
@@ -286,13 +293,52 @@ def cmd_status(args: argparse.Namespace) -> int:
 # -- override -----------------------------------------------------------------------------
 
 
-def _hashed_identity(args: argparse.Namespace) -> str:
-    from .classify import hash_identity
+def _source(args: argparse.Namespace, policy: Any) -> str:
+    """The identity rule label the override is hashed for (the hash covers it): --source
+    (checked against the policy when given), else the policy's first identity rule, else
+    DEFAULT_SOURCE with a warning (a policy naming customers otherwise never matches it)."""
+    from .overrides import source_problem
+
+    given = args.source
+    if given is not None and given.lower().startswith("header:"):
+        given = given.lower()  # the policy's labels carry header names in lower case
+    labels: tuple[str, ...] | None = policy.identity_labels if policy is not None else None
+    if labels is None:
+        if given is not None:
+            return str(given)
+        print(f"extauthz override: warning: hashing the identity for the rule {DEFAULT_SOURCE} "
+              "(the default --source); if the policy names customers by another rule (e.g. "
+              "header:authorization for a Bearer token) this override never matches: pass "
+              "--source, or --policies to take it from the policy", file=sys.stderr)
+        return DEFAULT_SOURCE
+    if given is None:
+        if len(labels) > 1:
+            print(f"extauthz override: hashing the identity for the rule {labels[0]}, the "
+                  f"policy's first identity rule (--source for another: {', '.join(labels[1:])})",
+                  file=sys.stderr)
+        return labels[0]
+    if source_problem(given, labels) is not None:
+        raise CliError(f"--source {given}: the policy has no such identity rule (its identity "
+                       f"rules: {', '.join(labels)}), so the override would never match")
+    return str(given)
+
+
+def _hashed_identity(args: argparse.Namespace, source: str, policy: Any) -> str:
+    from .classify import hash_identity, header_value
 
     raw = sys.stdin.readline().rstrip("\r\n") if args.identity == "-" else args.identity
     if not raw:
         raise CliError("--identity is empty")
-    return hash_identity(raw, args.source, args.identity_salt.encode())
+    rule = next((s for s in policy.identity if s.label == source), None) if policy is not None else None
+    if rule is not None and rule.strip_prefix is not None and header_value(rule, raw):
+        raw = header_value(rule, raw)  # the whole header value given: hash what the server hashes
+    return hash_identity(raw, source, args.identity_salt.encode())
+
+
+def _not_found(limiter: str, source: str) -> str:
+    return (f"no override for limiter {limiter!r} and that identity (hashed for the identity "
+            f"rule {source}; another --source or --identity-salt gives another hash: compare "
+            "with `extauthz override list`)")
 
 
 def _fmt_time(ts: float) -> str:
@@ -320,17 +366,16 @@ def format_overrides(data: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def _policy_limiters(paths: list[str] | None) -> tuple[object, ...] | None:
+def _load_policy(paths: list[str] | None) -> Any:
     if not paths:
         return None
-    from .limiters import build_limiters
     from .policy import load_policy
-    from .store.keys import Keys
 
-    return build_limiters(load_policy(paths), Keys())
+    return load_policy(paths)
 
 
 def cmd_override(args: argparse.Namespace) -> int:
+    from .limiters import build_limiters
     from .overrides import (
         MAX_OVERRIDES,
         OverrideError,
@@ -346,15 +391,26 @@ def cmd_override(args: argparse.Namespace) -> int:
     from .store.keys import Keys
 
     try:
+        if args.redis_url and (args.admin or args.listen):
+            raise CliError("give either --redis-url or --admin/--listen, not both")
+        if args.redis_url is None and not (args.admin or args.listen):
+            args.redis_url = os.environ.get("EXTAUTHZ_REDIS_URL")
         keys = Keys(args.key_prefix)
-        limiters = _policy_limiters(args.policies) if args.redis_url else None
+        policy = _load_policy(args.policies)
+        limiters = build_limiters(policy, Keys()) if policy is not None else None
+        labels = policy.identity_labels if policy is not None else None
         now = time.time()
-        identity = _hashed_identity(args) if args.action != "list" else ""
+        source = ""
+        if args.action != "list":
+            # the admin port checks the source against its policy; Redis has no policy to ask
+            source = (_source(args, policy) if args.redis_url or policy is not None or args.source
+                      else DEFAULT_SOURCE)
+        identity = _hashed_identity(args, source, policy) if args.action != "list" else ""
         if args.action == "set":
             new = make_override(args.limiter, identity, parse_numbers(args.numbers), ttl=args.ttl,
-                                reason=args.reason, by=args.by, source=args.source, now=now)
+                                reason=args.reason, by=args.by, source=source, now=now)
             if limiters is not None:
-                _, refused = compile_overrides([new], limiters, now)
+                _, refused = compile_overrides([new], limiters, now, labels)
                 if refused:
                     raise OverrideError(next(iter(refused.values())))
         if args.redis_url:
@@ -371,10 +427,10 @@ def cmd_override(args: argparse.Namespace) -> int:
 
                     entries = await change_stored(store, keys, clear, now)
                     if not found:
-                        raise CliError(f"no override for limiter {args.limiter!r} and that identity")
+                        raise CliError(_not_found(args.limiter, source))
                 else:
                     entries = parse_overrides(await store.get_value(keys.overrides))
-                not_applied = (compile_overrides(entries, limiters, now)[1]
+                not_applied = (compile_overrides(entries, limiters, now, labels)[1]
                                if limiters is not None else None)
                 return {"overrides": describe(entries, not_applied, now), "max": MAX_OVERRIDES}
 
@@ -390,7 +446,10 @@ def cmd_override(args: argparse.Namespace) -> int:
                         "numbers": dict(new.numbers), "ttl": new.expires_at - new.set_at,
                         "reason": new.reason, "by": new.by, "source": new.source}))
                 else:
-                    data = _http("DELETE", url)
+                    try:
+                        data = _http("DELETE", url)
+                    except CliError as exc:
+                        raise CliError(_not_found(args.limiter, source) if ": 404 " in str(exc) else str(exc)) from None
     except (CliError, OverrideError) as exc:
         print(f"extauthz override: {exc}", file=sys.stderr)
         return 1
@@ -401,8 +460,10 @@ def cmd_override(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
         return 0
     if args.action == "set":
+        where = ("every replica applies it within about two seconds" if args.redis_url
+                 else "applied by that server now")
         print(f"ok: {args.limiter} {_fmt_numbers(dict(new.numbers))} for identity {identity} "
-              f"until {_fmt_time(new.expires_at)} (every replica applies it within about two seconds)")
+              f"({source}) until {_fmt_time(new.expires_at)} ({where})")
     elif args.action == "clear":
         print(f"ok: cleared {args.limiter} for identity {identity}")
     print(format_overrides(data))

@@ -21,8 +21,9 @@ shows the result.
 Bounds: at most :data:`MAX_OVERRIDES` live overrides (a new one beyond that is refused
 with :class:`OverrideError`; changing or clearing an existing one still works) and a TTL
 of at most :data:`MAX_TTL`. An override for a limiter the policy does not have (or whose
-kind does not take those numbers) is kept, reported (``list``, ``/status``) and not applied;
-it applies again if a reload brings the limiter back before it expires.
+kind does not take those numbers, or hashed for an identity rule the policy does not have)
+is kept, reported (``list``, ``/status``) and not applied; it applies again if a reload
+brings the limiter (or the rule) back before it expires.
 """
 
 from __future__ import annotations
@@ -243,10 +244,23 @@ class Overridable(Protocol):
 Table = dict[str, dict[str, Mapping[str, Limits]]]
 
 
+def source_problem(source: str, labels: Sequence[str]) -> str | None:
+    """Why an identity hashed for rule ``source`` can never match under a policy whose
+    identity rules are ``labels`` (the hash covers the rule's label), or None when it can
+    (or the source is not recorded)."""
+    if not source or source in labels:
+        return None
+    return (f"hashed for the identity rule {source}, which the policy does not have (its "
+            f"identity rules: {', '.join(labels)}): set it again with --source {labels[0]}")
+
+
 def compile_overrides(entries: Sequence[Override], limiters: Sequence[object],
-                      now: float) -> tuple[Table, dict[tuple[str, str], str]]:
+                      now: float, sources: Sequence[str] | None = None,
+                      ) -> tuple[Table, dict[tuple[str, str], str]]:
     """The table of live overrides that fit the limiters, and why the others do not apply
-    (``(limiter, identity) -> reason``). Built at change, expiry and reload, never per request."""
+    (``(limiter, identity) -> reason``). ``sources``: the policy's identity rule labels (an
+    override hashed for another rule matches no request and is reported). Built at change,
+    expiry and reload, never per request."""
     by_name = {getattr(lim, "name", ""): lim for lim in limiters}
     table: Table = {}
     not_applied: dict[tuple[str, str], str] = {}
@@ -264,6 +278,10 @@ def compile_overrides(entries: Sequence[Override], limiters: Sequence[object],
             by_plan = override(e.numbers)
         except ValueError as exc:
             not_applied[(e.limiter, e.identity)] = str(exc)
+            continue
+        why = source_problem(e.source, sources) if sources else None
+        if why is not None:
+            not_applied[(e.limiter, e.identity)] = why
             continue
         table.setdefault(e.identity, {})[e.limiter] = by_plan
     return table, not_applied

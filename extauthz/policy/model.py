@@ -132,6 +132,12 @@ class Policy:
                 paths.append(path)
         return {ns: tuple(paths) for ns, paths in wanted.items()}
 
+    @property
+    def identity_labels(self) -> tuple[str, ...]:
+        """The labels of the identity rules (``header:x-api-key``, ``source_ip``), in order:
+        the sources an identity hash can be made for."""
+        return tuple(s.label for s in self.identity)
+
     def limiter(self, name: str) -> LimiterSpec | None:
         for spec in self.limiters:
             if spec.name == name:

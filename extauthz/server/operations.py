@@ -246,7 +246,8 @@ class Operations:
         new = make_override(limiter, identity, numbers, ttl=body.get("ttl", DEFAULT_TTL),
                             reason=str(body.get("reason", "")), by=str(body.get("by", "")),
                             source=str(body.get("source", "")), now=now)
-        _, not_applied = compile_overrides([new], self.engine.snapshot.limiters, now)
+        snap = self.engine.snapshot
+        _, not_applied = compile_overrides([new], snap.limiters, now, snap.policy.identity_labels)
         if not_applied:
             raise OverrideError(next(iter(not_applied.values())))
         await self.overrides.change(lambda entries: with_override(entries, new, now))

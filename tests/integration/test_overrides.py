@@ -124,11 +124,76 @@ def test_an_override_reaches_two_replicas_on_one_redis(tmp_path: Path, redis_sin
         wait_until(lambda: all(policy_header(s, VIP) == plan_numbers for s in stubs), WITHIN)
         r = cli("override", "clear", "user-rate", "--identity", VIP, env=env)
         assert r.returncode == 1 and "no override for limiter 'user-rate'" in r.stderr
+        assert "hashed for the identity rule header:x-api-key" in r.stderr
 
         # With the policy at hand the CLI refuses what would not apply.
         r = cli("override", "set", "fleet", "--identity", VIP, "limit=5", "--policies", str(policy), env=env)
         assert r.returncode == 1
         assert "limiter 'fleet' limits the whole fleet and takes no per-customer override" in r.stderr
+
+#: the policy naming customers by a Bearer token instead of x-api-key.
+BEARER = POLICY.replace("  - header: x-api-key\n", '  - header: authorization\n    strip_prefix: "Bearer "\n')
+
+
+@pytest.mark.redis
+def test_the_identity_rule_comes_from_the_policy_or_a_warning_says_it_was_guessed(
+        tmp_path: Path, redis_single_clean: RedisSingle) -> None:
+    # The hash covers the identity rule's label: an override hashed for x-api-key never
+    # matches a customer the policy names by its Bearer token. That must not pass silently.
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(BEARER)
+    env = {"EXTAUTHZ_REDIS_URL": redis_single_clean.url, "EXTAUTHZ_IDENTITY_SALT": SALT}
+    wrong = hash_identity(VIP, "header:x-api-key", SALT.encode())
+    right = hash_identity(VIP, "header:authorization", SALT.encode())
+
+    r = cli("override", "set", "user-rate", "--identity", VIP, "burst=70", env=env)
+    assert r.returncode == 0 and wrong in r.stdout, r.stderr
+    assert "warning: hashing the identity for the rule header:x-api-key" in r.stderr
+    r = cli("override", "list", "--policies", str(policy), env=env)
+    row = next(line for line in r.stdout.splitlines() if line.startswith("user-rate"))
+    assert wrong in row and " NO " in row, r.stdout
+    assert ("not applied: hashed for the identity rule header:x-api-key, which the policy does "
+            "not have (its identity rules: header:authorization)") in r.stdout
+
+    # With the policy the rule is the policy's, no warning; an explicit one must be in it.
+    r = cli("override", "set", "user-rate", "--identity", VIP, "burst=70", "--policies", str(policy), env=env)
+    assert r.returncode == 0 and right in r.stdout and "warning" not in r.stderr, r.stderr
+    r = cli("override", "set", "user-rate", "--identity", f"Bearer {VIP}", "burst=70", "--policies", str(policy),
+            env=env)  # the whole header value: the rule's strip_prefix is taken off, as the server does
+    assert r.returncode == 0 and f"for identity {right} (header:authorization)" in r.stdout, r.stdout
+    assert VIP not in r.stdout + r.stderr
+    r = cli("override", "set", "user-rate", "--identity", VIP, "burst=70", "--source", "Header:Authorization",
+            env=env)
+    assert r.returncode == 0 and right in r.stdout and "warning" not in r.stderr, r.stderr
+    r = cli("override", "set", "user-rate", "--identity", VIP, "burst=70", "--source", "header:x-api-key",
+            "--policies", str(policy), env=env)
+    assert r.returncode == 1 and VIP not in r.stdout + r.stderr
+    assert ("--source header:x-api-key: the policy has no such identity rule (its identity rules: "
+            "header:authorization)") in r.stderr
+
+
+async def test_the_admin_port_refuses_an_override_hashed_for_a_rule_its_policy_lacks(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(BEARER)
+    async with running([policy]) as (server, _):
+        url = f"http://127.0.0.1:{server.ops.admin_port}"
+        env = {"EXTAUTHZ_REDIS_URL": "", "EXTAUTHZ_IDENTITY_SALT": SALT}
+        r = await asyncio.to_thread(cli, "override", "set", "user-rate", "--identity", VIP, "burst=70",
+                                    "--admin", url, env=env)
+        assert r.returncode == 1 and "set it again with --source header:authorization" in r.stderr, r.stderr
+        r = await asyncio.to_thread(cli, "override", "set", "user-rate", "--identity", VIP, "burst=70",
+                                    "--source", "header:authorization", "--admin", url, env=env)
+        assert r.returncode == 0, r.stderr
+        assert "(header:authorization)" in r.stdout and "applied by that server now" in r.stdout
+        raw = RawRequest(method="GET", path="/", headers={"authorization": f"Bearer {VIP}"})
+        assert server.engine.context(raw).overrides["user-rate"][""].burst == 70  # the server's hash
+        # clearing with the wrong rule finds nothing, and says what the hash was made for
+        r = await asyncio.to_thread(cli, "override", "clear", "user-rate", "--identity", VIP,
+                                    "--admin", url, env=env)
+        assert r.returncode == 1 and VIP not in r.stdout + r.stderr
+        assert "no override for limiter 'user-rate' and that identity (hashed for the identity rule " \
+               "header:x-api-key; another --source or --identity-salt gives another hash" in r.stderr, r.stderr
+
 
 async def test_overrides_through_the_admin_port_with_the_embedded_store(tmp_path: Path) -> None:
     policy = tmp_path / "policy.yaml"

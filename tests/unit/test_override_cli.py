@@ -41,3 +41,14 @@ def test_bad_ttl(capsys: pytest.CaptureFixture[str]) -> None:
 def test_an_unreachable_admin_port_is_an_error_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "list", "--admin", "http://127.0.0.1:9", "--redis-url", "")
     assert code == 1 and "cannot reach the admin port" in err and "Traceback" not in err
+
+
+def test_an_explicit_admin_port_wins_over_the_redis_url_of_the_environment(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # docs/operations.md exports EXTAUTHZ_REDIS_URL, then shows a set with --admin for the
+    # embedded store: that must go to the admin port, not silently to the Redis.
+    monkeypatch.setenv("EXTAUTHZ_REDIS_URL", "redis://127.0.0.1:9/0")
+    code, _, err = run(capsys, "list", "--admin", "http://127.0.0.1:9")
+    assert code == 1 and "cannot reach the admin port" in err, err
+    code, _, err = run(capsys, "list", "--admin", "http://127.0.0.1:9", "--redis-url", "redis://127.0.0.1:9/0")
+    assert code == 1 and "give either --redis-url or --admin/--listen, not both" in err, err

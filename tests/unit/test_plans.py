@@ -219,6 +219,24 @@ def test_an_override_for_a_missing_limiter_is_reported_not_applied(tmp_path: Pat
     assert engine.context(on_plan("free")).overrides == {}
 
 
+async def test_an_override_hashed_for_an_identity_rule_the_policy_lacks_is_reported_not_applied(
+        tmp_path: Path) -> None:
+    # the policy names customers by a Bearer token; the override was hashed for x-api-key
+    # (the CLI's default --source): it could never match a request, so it must not say "applied"
+    bearer = {**PLANS, "identity": [{"header": "Authorization", "strip_prefix": "Bearer "}]}
+    clock = ManualClock()
+    engine, _ = engine_for(policy_from(tmp_path, bearer), clock, salt=SALT)
+    wrong = override(now=clock.wall())
+    right = make_override("user-rate", hash_identity("sk_live_bob", "header:authorization", SALT),
+                          {"burst": 70}, ttl=60.0, source="header:authorization", now=clock.wall())
+    engine.set_overrides([wrong, right])
+    assert engine.snapshot.overrides_not_applied == {("user-rate", wrong.identity): (
+        "hashed for the identity rule header:x-api-key, which the policy does not have (its "
+        "identity rules: header:authorization): set it again with --source header:authorization")}
+    _, d = await engine.check(get(key="", headers={"authorization": "Bearer sk_live_bob"}))
+    assert headers(d)["ratelimit-policy"].startswith('"user-rate";q=70;')
+
+
 @pytest.mark.parametrize(("pairs", "message"), [
     (["rate=10", "burst=5", "cost=6"], "cost (6) is larger than burst (5): no request could ever pass"),
     (["limit=0"], "limit: Input should be greater than or equal to 1"),
