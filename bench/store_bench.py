@@ -10,6 +10,8 @@ in interleaved rounds (the machine is noisy: the table shows medians per configu
   memory        the embedded store
   redis         the Redis store, one EVALSHA per check (batching off)
   redis+batch   the Redis store, checks of one event-loop iteration pipelined together
+  redis-py+batch  the same over redis-py's own connections instead of the lean client path
+                (``extauthz/store/redis/conn.py``): the before/after of that path in one run
 
 each at 1 and at ``--concurrency`` concurrent callers, every check through
 ``Engine.check`` with the policy below (the default policy's three store-backed limiters:
@@ -139,7 +141,8 @@ async def one_run(config: str, concurrency: int, seconds: float, url: str | None
     if config == "memory":
         store = MemoryStore()
     else:
-        store = RedisStore.from_url(url or "", deadline=deadline, batching=config == "redis+batch")
+        store = RedisStore.from_url(url or "", deadline=deadline, batching=config.endswith("+batch"),
+                                    lean=not config.startswith("redis-py"))
     engine = Engine(store, policy, deadline=deadline)
     run = Run(config, concurrency)
     try:
@@ -284,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
     try:
         runs: list[Run] = []
-        configs = ["memory", "redis", "redis+batch"]
+        configs = ["memory", "redis", "redis+batch", "redis-py+batch"]
         for rnd in range(args.rounds):
             for concurrency in (1, args.concurrency):
                 for config in configs:
@@ -293,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                     run = runner(one_run(config, concurrency, args.seconds, handle.url, clients,
                                          policy_path, args.deadline_ms / 1000))
                     runs.append(run)
-                    print(f"round {rnd + 1}: {config:12} x{concurrency:<3} {run.rate:9,.0f} checks/s "
+                    print(f"round {rnd + 1}: {config:14} x{concurrency:<3} {run.rate:9,.0f} checks/s "
                           f"p50 {run.pct(0.5):.3f} ms p99 {run.pct(0.99):.3f} ms", flush=True)
         print()
         print(f"Redis {args.topology} ({'uvloop' if runner is not asyncio.run else 'asyncio'}), "

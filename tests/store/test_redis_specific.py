@@ -598,3 +598,42 @@ def test_every_script_states_its_contract() -> None:
         for word in ("KEYS", "ARGV", "Returns"):
             assert word in header, (name, word)
         assert "now" in header, name
+
+
+# --------------------------------------------------------------------------- lean client path
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("use_uvloop", [False, True], ids=["asyncio", "uvloop"])
+def test_lean_connection_pipelines_reconnects_and_recovers_scripts(
+    redis_single_clean: RedisSingle, use_uvloop: bool
+) -> None:
+    """The lean path (store/redis/conn.py) on both event loops the server runs on: one
+    connection carries concurrent batches in order, a Redis restart (scripts gone) is
+    survived by one reconnect and the NOSCRIPT path, and nothing else opens a connection."""
+    import uvloop
+
+    async def scenario() -> None:
+        store = make_redis_store(redis_single_clean)
+        assert store.lean
+        try:
+            checks = await asyncio.gather(*(
+                store.check([BucketOp(K.bucket("lean", f"u{i % 7}"), 0.001, 10, 1)], f"l{i}")
+                for i in range(70)))
+            assert sorted(c.results[0].remaining for c in checks) == pytest.approx(sorted(
+                float(n) for _ in range(7) for n in range(10)), abs=0.01)
+            assert store._nodes[""].connects == 1
+            loads = store.stats.script_loads
+            redis_single_clean.restart()
+            await asyncio.sleep(0.05)  # the old connection's loss is seen (or the call fails)
+            try:
+                result = await store.check([BucketOp(K.bucket("lean", "after"), 1, 10, 1)], "y")
+            except StoreUnavailable:  # the loss was seen by this call: the next one reconnects
+                result = await store.check([BucketOp(K.bucket("lean", "after"), 1, 10, 1)], "y")
+            assert result.admitted and result.results[0].remaining == pytest.approx(9.0, abs=0.01)
+            assert store._nodes[""].connects == 2
+            assert store.stats.script_loads == loads + 1  # NOSCRIPT: check.lua loaded again
+        finally:
+            await store.close()
+
+    (uvloop.run if use_uvloop else asyncio.run)(scenario())

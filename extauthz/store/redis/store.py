@@ -24,6 +24,7 @@ from typing import Any, Final
 from redis import exceptions as rx
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.sentinel import Sentinel
 
 from ...errors import StoreUnavailable
@@ -31,6 +32,7 @@ from .. import algorithms, redis_events
 from ..base import CheckResult, Op, ShedParams
 from . import cluster
 from .batcher import Batcher, Call
+from .conn import NodeConnection
 from .url import Client, connect
 from .wire import (
     CLIENT_ERRORS,
@@ -42,6 +44,7 @@ from .wire import (
     load_script,
     num,
     op_args,
+    pack_command,
     pack_evalsha,
     send_reloading,
     wrap,
@@ -65,6 +68,7 @@ class RedisStore:
         now: Callable[[], float] | None = None,
         batching: bool = True,
         sentinel: Sentinel | None = None,
+        lean: bool = True,
     ) -> None:
         self.name = name
         self.client = client
@@ -77,6 +81,10 @@ class RedisStore:
         #: see _ensure_ready
         self._ready = False
         self._init_task: asyncio.Task[None] | None = None
+        #: the lean client path (:mod:`.conn`), one connection per node (key: node name);
+        #: off (``lean=False``) only to measure it against redis-py's own path
+        self.lean = lean
+        self._nodes: dict[str, NodeConnection] = {}
 
     @property
     def batching(self) -> bool:
@@ -90,17 +98,20 @@ class RedisStore:
         deadline: float = 0.005,
         now: Callable[[], float] | None = None,
         batching: bool | None = None,
+        lean: bool = True,
         **kw: Any,
     ) -> RedisStore:
         """A store for ``url`` (see :func:`.url.connect` and ``docs/redis.md``).
 
         ``deadline`` is the engine's per-call deadline (socket timeouts derive from it);
         ``batching`` (default on; also the URL query option ``batching=false``) pipelines
-        the checks of one event-loop iteration. ``kw`` goes to the redis-py client.
+        the checks of one event-loop iteration; ``lean`` (default on) sends script calls
+        over :mod:`.conn` instead of redis-py's connections (off only to compare them).
+        ``kw`` goes to the redis-py client.
         """
         conn = connect(url, deadline=deadline, batching=batching, **kw)
         return cls(conn.client, name=conn.name, now=now, batching=conn.batching,
-                   sentinel=conn.sentinel)
+                   sentinel=conn.sentinel, lean=lean)
 
     # -- sending ------------------------------------------------------------------------
     def _now_arg(self) -> str:
@@ -131,6 +142,13 @@ class RedisStore:
             # must still serve (NOSCRIPT loads a script where it is missing).
             await asyncio.gather(*(self.client.script_load(s.source) for s in scripts),
                                  return_exceptions=True)
+        elif self.lean:
+            # The lean connection opened here, with the scripts: the first checks need
+            # no connect of their own.
+            data = b"".join(pack_command("SCRIPT", "LOAD", s.source) for s in scripts)
+            for reply in await self._single_node().call(data, len(scripts)):
+                if isinstance(reply, BaseException):
+                    raise reply
         else:
             pipe = self.client.pipeline(transaction=False)
             for script in scripts:
@@ -154,26 +172,35 @@ class RedisStore:
         dead master cannot keep scripts off the others."""
         self.stats.script_loads += 1
         self.stats.round_trips += 1
-        if node is None:
+        if node is None and self.lean:
+            reply, = await self._single_node().call(pack_command("SCRIPT", "LOAD", script.source), 1)
+            if isinstance(reply, BaseException):
+                raise reply
+        elif node is None:
             await self.client.script_load(script.source)
         else:
             await self.client.execute_command("SCRIPT LOAD", script.source, target_nodes=node)
 
     async def _raw_pipeline(self, batch: Sequence[Call]) -> list[Any]:
-        """Single Redis and Sentinel: the batch's EVALSHAs packed here and written at once on
-        one pooled connection, then one reply read per call (a pipeline without redis-py's
-        per-command overhead). Error replies are returned in place, like a pipeline's
-        ``raise_on_error=False``."""
+        """Single Redis and Sentinel: the batch's EVALSHAs packed here and written at once,
+        one reply per call (error replies in place, like a pipeline's
+        ``raise_on_error=False``): over the lean connection (:mod:`.conn`), or with
+        ``lean=False`` on one pooled redis-py connection."""
         assert isinstance(self.client, Redis)
         pool = self.client.connection_pool
 
-        async def send(todo: list[int]) -> list[Any]:
-            data = b"".join(pack_evalsha(batch[i].script.sha.encode(), batch[i].keys,
+        def packed(todo: list[int]) -> bytes:
+            return b"".join(pack_evalsha(batch[i].script.sha.encode(), batch[i].keys,
                                          batch[i].args) for i in todo)
+
+        async def send_lean(todo: list[int]) -> list[Any]:
+            return await self._single_node().call(packed(todo), len(todo))
+
+        async def send(todo: list[int]) -> list[Any]:
             conn = await pool.get_connection()  # type: ignore[no-untyped-call]
             answers: list[Any] = []
             try:
-                await conn.send_packed_command(data)
+                await conn.send_packed_command(packed(todo))
                 for _ in todo:
                     try:
                         answers.append(await conn.read_response())
@@ -188,14 +215,45 @@ class RedisStore:
                 await pool.release(conn)
             return answers
 
-        return await send_reloading([call.script for call in batch], send,
+        return await send_reloading([call.script for call in batch],
+                                    send_lean if self.lean else send,
                                     lambda script: self._script_load(script, None), self.stats)
+
+    def _single_node(self) -> NodeConnection:
+        """Single Redis and Sentinel: the one lean connection (to the current master)."""
+        assert isinstance(self.client, Redis)
+        return self._node("", self.client.connection_pool.make_connection)
+
+    def _node(self, name: str, make: Callable[[], AbstractConnection]) -> NodeConnection:
+        node = self._nodes.get(name)
+        if node is None:
+            node = self._nodes[name] = NodeConnection(make)
+        return node
 
     async def _pipeline_on(self, batch: Sequence[Call], node: ClusterNode | None) -> list[Any]:
         """Redis Cluster, one master: the calls as one pipeline of EVALSHAs
         (``transaction=False``), or one plain call (cheaper than a one-command pipeline)."""
         assert isinstance(self.client, RedisCluster)
         client = self.client
+
+        async def send_lean(todo: list[int]) -> list[Any]:
+            assert node is not None
+            data = b"".join(pack_evalsha(batch[i].script.sha.encode(), batch[i].keys,
+                                         batch[i].args) for i in todo)
+            answers = await self._node(
+                node.name, lambda: node.connection_class(**node.connection_kwargs),
+            ).call(data, len(todo))
+            # MOVED/ASK (slots moved since the map was read): that call once more through
+            # redis-py, which follows the redirection and refreshes its slot map.
+            for j, answer in enumerate(answers):
+                if isinstance(answer, rx.ResponseError) and str(answer).startswith(("MOVED", "ASK")):
+                    call = batch[todo[j]]
+                    try:
+                        answers[j] = await client.execute_command(
+                            "EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
+                    except rx.ResponseError as exc:
+                        answers[j] = exc
+            return list(answers)
 
         async def send(todo: list[int]) -> list[Any]:
             if len(batch) == 1:
@@ -214,7 +272,8 @@ class RedisStore:
                                      *call.args)
             return list(await pipe.execute(raise_on_error=False))
 
-        return await send_reloading([call.script for call in batch], send,
+        return await send_reloading([call.script for call in batch],
+                                    send_lean if self.lean and node is not None else send,
                                     lambda script: self._script_load(script, node), self.stats)
 
     async def _run(self, script: str, keys: Sequence[str], args: Sequence[str | bytes]) -> Reply:
@@ -341,6 +400,8 @@ class RedisStore:
         if self._batcher.closed:
             return
         await self._batcher.close()
+        for node in self._nodes.values():
+            await node.close()
         await self.client.aclose()
         if self._sentinel is not None:
             for sentinel in self._sentinel.sentinels:

@@ -19,7 +19,7 @@ from ..base import BucketOp, Op, OpResult
 
 __all__ = [
     "CLIENT_ERRORS", "NOSCRIPT_ATTEMPTS", "SCRIPT_NAMES", "Reply", "Script", "StoreStats",
-    "check_results", "load_script", "num", "op_args", "pack_evalsha", "send_reloading", "wrap",
+    "check_results", "load_script", "num", "op_args", "pack_command", "pack_evalsha", "send_reloading", "wrap",
 ]
 
 SCRIPT_NAMES: Final = ("check", "release", "inflight", "shed_state", "compensate")
@@ -101,6 +101,11 @@ def _lease_args(enforce: bool, limit: int, ttl: float) -> tuple[bytes, ...]:
 def _bulk(arg: str | bytes) -> bytes:
     data = arg if isinstance(arg, bytes) else arg.encode()
     return b"$%d\r\n%b\r\n" % (len(data), data)
+
+
+def pack_command(*args: str | bytes) -> bytes:
+    """Any command in RESP (off the hot path: SCRIPT LOAD over the lean connection)."""
+    return b"*%d\r\n" % len(args) + b"".join(_bulk(a) for a in args)
 
 
 def pack_evalsha(sha: bytes, keys: Sequence[str], args: Sequence[str | bytes]) -> bytes:

@@ -1,0 +1,193 @@
+"""The lean client path: one connection per Redis node, a small asyncio protocol with
+hiredis parsing and a FIFO of futures.
+
+A profile of the redis-py path showed most of the client CPU per check in redis-py's
+per-call machinery (connection checkout and release, ``read_response`` one reply at a
+time through a StreamReader, timeouts per read), not in Redis or in the parse itself.
+Here a batch's commands are written with one ``transport.write`` and every reply is parsed
+by ``hiredis.Reader`` straight from ``data_received`` into the future waiting at the head of
+the FIFO: concurrent batches pipeline on the one connection without waiting for each other.
+
+redis-py stays for everything off the hot path: the connection is opened by redis-py's own
+connection class (URL options, TLS for ``rediss://``, AUTH/ACL, SELECT, Sentinel's master
+discovery, Cluster node addresses), then its transport is taken over by this protocol.
+A lost connection fails every waiting call (the engine fails open within its deadline) and
+the next call opens a new one (after a Redis restart, or to the new master after a Sentinel
+failover: Sentinel disconnects the clients of a demoted master).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Final
+
+import hiredis
+from redis import exceptions as rx
+from redis.asyncio.connection import AbstractConnection
+
+__all__ = ["NodeConnection", "RespProtocol"]
+
+#: Error replies after which the connection is dropped (the next call reconnects, through
+#: Sentinel to the current master): the node is no longer the writable master.
+_RECONNECT_ON: Final = (b"READONLY", b"MASTERDOWN", b"LOADING")
+
+
+class RespProtocol(asyncio.Protocol):
+    """RESP replies parsed by hiredis and handed, in order, to a FIFO of futures."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.lost: BaseException | None = None
+        self._reader = hiredis.Reader(protocolError=rx.InvalidResponse,
+                                      replyError=rx.ResponseError)
+        self._waiters: deque[asyncio.Future[Any]] = deque()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
+
+    def data_received(self, data: bytes) -> None:
+        reader = self._reader
+        reader.feed(data)
+        try:
+            reply = reader.gets()
+        except rx.InvalidResponse as exc:
+            self.abort(exc)
+            return
+        while reply is not False:
+            drop = False
+            if isinstance(reply, rx.ResponseError):
+                reply, drop = _error(reply)
+            if self._waiters:
+                future = self._waiters.popleft()
+                if not future.done():  # its caller may have gone: the reply is dropped
+                    future.set_result(reply)
+            if drop:
+                self.abort(rx.ConnectionError(f"redis: {reply}"))
+                return
+            try:
+                reply = reader.gets()
+            except rx.InvalidResponse as exc:
+                self.abort(exc)
+                return
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(exc or rx.ConnectionError("redis: connection closed by the server"))
+
+    def send(self, data: bytes, count: int) -> list[asyncio.Future[Any]]:
+        """Write ``data`` (``count`` commands); one future per reply, in order."""
+        if self.lost is not None or self.transport is None or self.transport.is_closing():
+            raise rx.ConnectionError(f"redis: connection lost ({self.lost})")
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in range(count)]
+        self._waiters.extend(futures)
+        self.transport.write(data)
+        return futures
+
+    def abort(self, exc: BaseException) -> None:
+        """Drop the connection: every waiting call gets ``exc``."""
+        self._fail(exc)
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.lost is None:
+            self.lost = exc
+        while self._waiters:
+            future = self._waiters.popleft()
+            if not future.done():
+                future.set_exception(exc)
+                future.exception()  # retrieved: its caller may have gone
+
+
+def _error(reply: rx.ResponseError) -> tuple[rx.ResponseError, bool]:
+    """An error reply as redis-py's class for it (NOSCRIPT drives the reload path), and
+    whether the connection must be dropped."""
+    message = str(reply)
+    if message.startswith("NOSCRIPT"):
+        return rx.NoScriptError(message), False
+    return reply, message.encode()[:16].startswith(_RECONNECT_ON)
+
+
+class NodeConnection:
+    """One connection to one Redis node, opened on first use and again after a loss.
+
+    ``make()`` builds an unconnected redis-py connection (``pool.make_connection()``, or a
+    cluster node's connection class); its ``connect()`` does TLS, AUTH, SELECT and
+    Sentinel discovery, and its socket timeout bounds how long a call waits for replies
+    (the engine's deadline is the real one; this only frees a dead connection).
+    """
+
+    def __init__(self, make: Callable[[], AbstractConnection]) -> None:
+        self._make = make
+        self._protocol: RespProtocol | None = None
+        self._opening: asyncio.Task[RespProtocol] | None = None
+        self._timeout: float | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self.connects = 0
+
+    async def call(self, data: bytes, count: int) -> list[Any]:
+        """Send ``count`` packed commands and return their replies (error replies in place)."""
+        protocol = self._protocol
+        if protocol is None or protocol.lost is not None:
+            protocol = await self._connected()
+        futures = protocol.send(data, count)
+        try:
+            async with asyncio.timeout(self._timeout):
+                return [await future for future in futures]
+        except TimeoutError:
+            error = rx.TimeoutError(f"redis: no reply within {self._timeout} s")
+            protocol.abort(error)
+            raise error from None
+
+    async def _connected(self) -> RespProtocol:
+        """Concurrent callers share one connect attempt; a failed attempt is not kept."""
+        task = self._opening
+        if task is None or task.done():
+            task = self._opening = asyncio.get_running_loop().create_task(self._open())
+            task.add_done_callback(_retrieve)
+        return await asyncio.shield(task)
+
+    async def _open(self) -> RespProtocol:
+        conn = self._make()
+        try:
+            await conn.connect()  # type: ignore[no-untyped-call]
+        except BaseException:
+            await conn.disconnect()
+            raise
+        writer = getattr(conn, "_writer", None)
+        transport: Any = writer.transport if writer is not None else None
+        if transport is None or not hasattr(transport, "set_protocol"):  # uvloop's: no subclass
+            await conn.disconnect()
+            raise rx.ConnectionError("redis: the connection has no transport to take over")
+        self._timeout = getattr(conn, "socket_timeout", None)
+        # The transport is ours now: redis-py's connection lets go of it (its __del__ would
+        # warn about an unclosed connection); its StreamWriter is kept until the transport
+        # is replaced (a StreamWriter collected while its transport is open warns too).
+        conn._writer = conn._reader = None
+        self._writer = writer
+        protocol = RespProtocol()
+        transport.set_protocol(protocol)
+        protocol.connection_made(transport)
+        old = self._protocol
+        self._protocol = protocol
+        self.connects += 1
+        if old is not None and old.lost is None:
+            old.abort(rx.ConnectionError("redis: replaced"))
+        return protocol
+
+    async def close(self) -> None:
+        if self._opening is not None and not self._opening.done():
+            self._opening.cancel()
+            await asyncio.gather(self._opening, return_exceptions=True)
+        if self._protocol is not None:
+            self._protocol.abort(rx.ConnectionError("redis: store closed"))
+            self._protocol = None
+            self._writer = None
+            await asyncio.sleep(0)  # the transport's connection_lost runs: the socket is closed
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
