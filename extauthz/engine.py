@@ -110,7 +110,7 @@ class Engine:
     def _build(self, policy: Policy, switches: Switches, old: Snapshot | None,
                limiters: tuple[Limiter, ...] | None = None) -> Snapshot:
         if limiters is None:
-            limiters = build_limiters(policy, self.keys, self._rng)
+            limiters = build_limiters(policy, self.keys, self._rng, self.clock)
             if old is not None:  # a reload keeps each shedder's level
                 levels = {w.name: w.level for w in old.workers}
                 for lim in limiters:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from ..clock import SYSTEM_CLOCK, Clock
 from ..policy.model import Policy
 from ..policy.schema import (
     ConcurrentRequestsSpec,
@@ -28,8 +29,10 @@ __all__ = [
 ]
 
 
-def build_limiters(policy: Policy, keys: Keys, rng: random.Random | None = None) -> tuple[Limiter, ...]:
-    """One limiter object per policy entry, in policy order."""
+def build_limiters(policy: Policy, keys: Keys, rng: random.Random | None = None,
+                   clock: Clock = SYSTEM_CLOCK) -> tuple[Limiter, ...]:
+    """One limiter object per policy entry, in policy order (``clock``: the refusal
+    cache's, :mod:`.refusals`)."""
     fleet_keys: tuple[str, ...] = ()
     for spec in policy.limiters:
         if isinstance(spec, FleetUsageSpec) and spec.mode != "off":
@@ -38,7 +41,7 @@ def build_limiters(policy: Policy, keys: Keys, rng: random.Random | None = None)
     out: list[Limiter] = []
     for spec in policy.limiters:
         if isinstance(spec, RequestRateSpec):
-            out.append(RequestRateLimiter(spec, keys))
+            out.append(RequestRateLimiter(spec, keys, clock))
         elif isinstance(spec, ConcurrentRequestsSpec):
             out.append(ConcurrentRequestsLimiter(spec, keys))
         elif isinstance(spec, FleetUsageSpec):

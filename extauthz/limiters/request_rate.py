@@ -8,6 +8,9 @@ override's, all resolved before the request (:meth:`RequestRateLimiter.limits` i
 lookups). The bucket key does not depend on the plan, so a customer whose plan changes keeps
 its tokens, capped at the new ``burst`` on its next request (both stores refill with the
 request's numbers and cap at its burst).
+
+A user the store refused is refused locally until its bucket would admit again
+(:mod:`.refusals`): a flood costs no store calls.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from ..clock import SYSTEM_CLOCK, Clock
 from ..context import RequestContext
 from ..policy.model import compile_match
 from ..policy.schema import RequestRateSpec, cost_message
@@ -22,6 +26,7 @@ from ..store.base import BucketOp, OpResult
 from ..store.keys import Keys
 from ..verdict import Kind, Limits, Outcome, Quota, Verdict
 from .base import customer_limits, denied_outcome
+from .refusals import RefusalCache
 
 #: the numbers an override (or a plan entry) of this kind may set.
 NUMBERS = ("rate", "burst", "cost")
@@ -46,7 +51,7 @@ def _merged(base: Limits, numbers: Mapping[str, float | None]) -> Limits:
 class RequestRateLimiter:
     kind = Kind.RATE_LIMITER
 
-    def __init__(self, spec: RequestRateSpec, keys: Keys) -> None:
+    def __init__(self, spec: RequestRateSpec, keys: Keys, clock: Clock = SYSTEM_CLOCK) -> None:
         self.name = spec.name
         self.failure_mode = spec.failure_mode
         self.applies_to = compile_match(spec.applies_to)
@@ -61,6 +66,8 @@ class RequestRateLimiter:
             name: _merged(self.own, {"rate": p.rate, "burst": p.burst, "cost": p.cost})
             for name, p in (spec.plans or {}).items()
         }
+        #: enforced refusals remembered until the bucket would admit again (None: off)
+        self.refusals: RefusalCache | None = RefusalCache(clock)
 
     def override(self, numbers: Mapping[str, float]) -> dict[str, Limits]:
         """An override's numbers for each plan (``""``: a plan this limiter does not list);
@@ -81,7 +88,11 @@ class RequestRateLimiter:
         return customer_limits(self.name, ctx, self.plans, self.own)
 
     def local(self, ctx: RequestContext, enforce: bool) -> Verdict | None:
-        return None
+        if not enforce or self.refusals is None:
+            return None  # a shadow limiter never blocks
+        n = self.limits(ctx)
+        return self.refusals.refusal(self._keys.bucket(self.name, ctx.identity),
+                                     n.rate, n.burst, n.cost)
 
     def op(self, ctx: RequestContext, enforce: bool) -> BucketOp:
         n = self.limits(ctx)
@@ -93,9 +104,14 @@ class RequestRateLimiter:
             return Verdict(self.name, self.kind, Outcome.ALLOWED, limit=n.burst,
                            remaining=result.remaining, reset=result.extra, quota=n.quota)
         plan = f" (plan {ctx.plan})" if ctx.plan else ""
-        return Verdict(self.name, self.kind, denied_outcome(enforce), limit=n.burst,
-                       remaining=result.remaining, retry_after=result.retry_after,
-                       reset=result.extra, reason="rate_exceeded", quota=n.quota,
-                       detail=(f"Request rate limit '{self.name}' exceeded{plan}: bursts of up to "
-                               f"{n.burst:g} requests, refilled at {n.rate:g} per second. "
-                               f"Slow down and retry after the Retry-After delay."))
+        refused = Verdict(
+            self.name, self.kind, denied_outcome(enforce), limit=n.burst,
+            remaining=result.remaining, retry_after=result.retry_after,
+            reset=result.extra, reason="rate_exceeded", quota=n.quota,
+            detail=(f"Request rate limit '{self.name}' exceeded{plan}: bursts of up to "
+                    f"{n.burst:g} requests, refilled at {n.rate:g} per second. "
+                    f"Slow down and retry after the Retry-After delay."))
+        if enforce and self.refusals is not None:
+            self.refusals.remember(self._keys.bucket(self.name, ctx.identity), refused,
+                                   n.rate, n.burst, n.cost)
+        return refused

@@ -637,3 +637,39 @@ def test_lean_connection_pipelines_reconnects_and_recovers_scripts(
             await store.close()
 
     (uvloop.run if use_uvloop else asyncio.run)(scenario())
+
+
+# --------------------------------------------------------------------------- floods
+
+
+@pytest.mark.redis
+async def test_a_refused_flood_sends_no_evalsha_while_its_refusal_runs(
+    redis_single_clean: RedisSingle, tmp_path: Path
+) -> None:
+    """Counted by Redis itself (INFO commandstats): after the first refusal a flooding key
+    is answered locally, with the store's own numbers, until its bucket admits again."""
+    (tmp_path / "p.yaml").write_text(
+        "version: 1\nidentity:\n  - header: x-api-key\nlimiters:\n"
+        "  - name: user-rate\n    type: request_rate\n    rate: 0.1\n    burst: 2\n")
+    store = make_redis_store(redis_single_clean)
+    engine = Engine(store, load_policy([tmp_path / "p.yaml"]), deadline=5.0)
+
+    def evalsha_calls() -> int:
+        with redis_single_clean.client() as c:
+            return int(c.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+    try:
+        flood = RawRequest("GET", "/", headers={"x-api-key": "flood"})
+        assert [(await engine.check(flood))[1].allowed for _ in range(3)] == [True, True, False]
+        before = evalsha_calls()
+        answers = [(await engine.check(flood))[1] for _ in range(50)]
+        assert evalsha_calls() == before  # 50 refusals, no script call
+        assert all(not d.allowed and d.denied_by is not None for d in answers)
+        retry = [d.denied_by.retry_after for d in answers if d.denied_by is not None]
+        assert all(r is not None and 0 < r <= 10.0 for r in retry)
+        assert retry == sorted(retry, reverse=True)  # counting down, as the bucket refills
+        # Another key still goes to the store.
+        _, other = await engine.check(RawRequest("GET", "/", headers={"x-api-key": "calm"}))
+        assert other.allowed and evalsha_calls() == before + 1
+    finally:
+        await store.close()
