@@ -10,8 +10,9 @@ in interleaved rounds (the machine is noisy: the table shows medians per configu
   memory        the embedded store
   redis         the Redis store, one EVALSHA per check (batching off)
   redis+batch   the Redis store, checks of one event-loop iteration pipelined together
-  redis-py+batch  the same over redis-py's own connections instead of the lean client path
-                (``extauthz/store/redis/conn.py``): the before/after of that path in one run
+  redis-py+batch  the same as before this round: redis-py's own connections instead of the
+                lean client path (``extauthz/store/redis/conn.py``), releases sent on their
+                own instead of riding with the next check: before/after in one run
 
 each at 1 and at ``--concurrency`` concurrent callers, every check through
 ``Engine.check`` with the policy below (the default policy's three store-backed limiters:
@@ -114,8 +115,12 @@ def redis_counters(clients: list[redis.Redis]) -> tuple[int, int, float]:
 
 
 async def drive(engine: Engine, run: Run, seconds: float) -> None:
+    """``run.concurrency`` callers checking in a loop; every admitted request's leases are
+    released right after its answer, in the background (as the access log does), so that
+    round trips and commands per check include the releases."""
     counter = 0
     stop = time.perf_counter() + seconds
+    releases: set[asyncio.Task[Any]] = set()
 
     async def caller() -> None:
         nonlocal counter
@@ -126,9 +131,14 @@ async def drive(engine: Engine, run: Run, seconds: float) -> None:
             _, decision = await engine.check(raw)
             run.latencies.append(time.perf_counter() - t0)
             run.failures += bool(decision.failures)
+            if decision.leases:
+                task = asyncio.ensure_future(engine.store.release(decision.leases, decision.lease_id))
+                releases.add(task)
+                task.add_done_callback(releases.discard)
 
     started, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(caller() for _ in range(run.concurrency)))
+    await asyncio.gather(*releases, return_exceptions=True)
     run.seconds = time.perf_counter() - started
     run.cpu = time.process_time() - cpu
     run.checks = len(run.latencies)
@@ -142,7 +152,8 @@ async def one_run(config: str, concurrency: int, seconds: float, url: str | None
         store = MemoryStore()
     else:
         store = RedisStore.from_url(url or "", deadline=deadline, batching=config.endswith("+batch"),
-                                    lean=not config.startswith("redis-py"))
+                                    lean=not config.startswith("redis-py"),
+                                    releases_ride=not config.startswith("redis-py"))
     engine = Engine(store, policy, deadline=deadline)
     run = Run(config, concurrency)
     try:

@@ -673,3 +673,31 @@ async def test_a_refused_flood_sends_no_evalsha_while_its_refusal_runs(
         assert other.allowed and evalsha_calls() == before + 1
     finally:
         await store.close()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("topology_fixture", ["redis_single_clean", "redis_cluster_clean"])
+async def test_releases_ride_with_the_next_check(
+    request: pytest.FixtureRequest, topology_fixture: str
+) -> None:
+    """A release waits for the next check and goes out in its round trip (one pipeline
+    write); alone, it is flushed by the ride timer. Counted by the store's round trips."""
+    topology: Topology = request.getfixturevalue(topology_fixture)
+    store = make_redis_store(topology)
+    users = [K.user_leases("ride", f"user{i}") for i in range(3)]
+    try:
+        for i, key in enumerate(users):
+            assert (await store.check([LeaseOp(key, 5, 30)], f"l{i}")).admitted
+        trips = store.stats.round_trips
+        release = asyncio.ensure_future(store.release([users[0]], "l0"))
+        await asyncio.sleep(0)  # the release is queued, waiting for a check
+        result = await store.check([LeaseOp(users[0], 5, 30)], "n0")
+        assert await release == 1
+        assert result.admitted and result.results[0].extra == 1.0  # released before the check ran
+        assert store.stats.round_trips == trips + 1  # one round trip for both
+        # No check comes: the timer sends the release on its own.
+        assert await store.release([users[1]], "l1") == 1
+        assert store.stats.round_trips == trips + 2
+        assert await store.inflight(users) == [1, 0, 1]
+    finally:
+        await store.close()

@@ -1,18 +1,26 @@
 """The auto-batcher: script calls queued in one event-loop iteration go out together in
 the next (one round trip for all of them), sent by batcher-owned tasks, so that a caller
-cancelled by the engine's deadline never interrupts a read on a pooled connection."""
+cancelled by the engine's deadline never interrupts a read on a pooled connection.
+
+Riders (lease releases) do not start a round trip of their own: they wait for the next
+check and go out in its pipeline write, or after :data:`RIDE_FLUSH_DELAY` when no check
+comes (so that an idle server still releases promptly)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from ...errors import StoreUnavailable
 from .wire import CLIENT_ERRORS, Reply, Script, wrap
 
-__all__ = ["Batcher", "Call"]
+__all__ = ["RIDE_FLUSH_DELAY", "Batcher", "Call"]
+
+#: Seconds a release waits for a check to ride with before it is sent on its own. A few
+#: milliseconds: far below any lease TTL, and under load a check comes much sooner.
+RIDE_FLUSH_DELAY: Final = 0.003
 
 
 @dataclass(slots=True)
@@ -36,15 +44,24 @@ class Batcher:
         self._transmit = transmit
         self._pending: list[Call] = []
         self._sender: asyncio.Task[None] | None = None
+        #: releases waiting for a check to ride with, and their flush timer
+        self._riders: list[Call] = []
+        self._flush: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def submit(self, script: Script, keys: Sequence[str], args: Sequence[str | bytes], *,
-               droppable: bool = False) -> asyncio.Future[Reply]:
-        """Queue one script call; its future resolves to the raw reply (or a StoreError)."""
+               droppable: bool = False, ride: bool = False) -> asyncio.Future[Reply]:
+        """Queue one script call; its future resolves to the raw reply (or a StoreError).
+        ``ride``: wait for the next check's round trip (at most :data:`RIDE_FLUSH_DELAY`)."""
         if self.closed:
             raise StoreUnavailable("redis store is closed")
         loop = asyncio.get_running_loop()
         call = Call(script, keys, args, loop.create_future(), droppable)
+        if ride and self.batching:
+            self._riders.append(call)
+            if self._flush is None and self._sender is None:
+                self._flush = loop.call_later(RIDE_FLUSH_DELAY, self._flush_riders)
+            return call.future
         if not self.batching:
             self.spawn(self._send([call]))
         else:
@@ -67,8 +84,19 @@ class Batcher:
         if not task.cancelled():
             task.exception()  # retrieved: its awaiters may all have been cancelled
 
+    def _flush_riders(self) -> None:
+        self._flush = None
+        if self._riders and self._sender is None and not self.closed:
+            self._sender = self.spawn(self._send_pending())
+
     async def _send_pending(self) -> None:
         batch, self._pending, self._sender = self._pending, [], None
+        if self._riders:  # first: a released slot is free for the checks behind it
+            batch[:0] = self._riders
+            self._riders = []
+            if self._flush is not None:
+                self._flush.cancel()
+                self._flush = None
         await self._send(batch)
 
     async def _send(self, batch: list[Call]) -> None:
@@ -102,6 +130,10 @@ class Batcher:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self._tasks.difference_update(tasks)
-        for call in self._pending:
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        for call in [*self._pending, *self._riders]:
             call.future.cancel()
         self._pending.clear()
+        self._riders.clear()

@@ -69,6 +69,7 @@ class RedisStore:
         batching: bool = True,
         sentinel: Sentinel | None = None,
         lean: bool = True,
+        releases_ride: bool = True,
     ) -> None:
         self.name = name
         self.client = client
@@ -84,6 +85,8 @@ class RedisStore:
         #: the lean client path (:mod:`.conn`), one connection per node (key: node name);
         #: off (``lean=False``) only to measure it against redis-py's own path
         self.lean = lean
+        #: releases wait (a few ms) for the next check's round trip (batcher riders)
+        self.releases_ride = releases_ride
         self._nodes: dict[str, NodeConnection] = {}
 
     @property
@@ -99,6 +102,7 @@ class RedisStore:
         now: Callable[[], float] | None = None,
         batching: bool | None = None,
         lean: bool = True,
+        releases_ride: bool = True,
         **kw: Any,
     ) -> RedisStore:
         """A store for ``url`` (see :func:`.url.connect` and ``docs/redis.md``).
@@ -106,20 +110,22 @@ class RedisStore:
         ``deadline`` is the engine's per-call deadline (socket timeouts derive from it);
         ``batching`` (default on; also the URL query option ``batching=false``) pipelines
         the checks of one event-loop iteration; ``lean`` (default on) sends script calls
-        over :mod:`.conn` instead of redis-py's connections (off only to compare them).
+        over :mod:`.conn` instead of redis-py's connections, ``releases_ride`` (default on)
+        sends releases with the next check (both off only to measure them).
         ``kw`` goes to the redis-py client.
         """
         conn = connect(url, deadline=deadline, batching=batching, **kw)
         return cls(conn.client, name=conn.name, now=now, batching=conn.batching,
-                   sentinel=conn.sentinel, lean=lean)
+                   sentinel=conn.sentinel, lean=lean, releases_ride=releases_ride)
 
     # -- sending ------------------------------------------------------------------------
     def _now_arg(self) -> str:
         return "" if self._now is None else repr(float(self._now()))
 
     def _submit(self, script: str, keys: Sequence[str], args: Sequence[str | bytes],
-                *, droppable: bool = False) -> asyncio.Future[Reply]:
-        return self._batcher.submit(self._scripts[script], keys, args, droppable=droppable)
+                *, droppable: bool = False, ride: bool = False) -> asyncio.Future[Reply]:
+        return self._batcher.submit(self._scripts[script], keys, args, droppable=droppable,
+                                    ride=ride)
 
     async def _ensure_ready(self) -> None:
         """Once per store, before the first command: a cluster client initialized alone
@@ -140,8 +146,14 @@ class RedisStore:
             await self.client.initialize()
             # Best effort: with a master down the load fails there, and the healthy masters
             # must still serve (NOSCRIPT loads a script where it is missing).
-            await asyncio.gather(*(self.client.script_load(s.source) for s in scripts),
-                                 return_exceptions=True)
+            if self.lean:  # over the lean connections, opened here: one per master
+                data = b"".join(pack_command("SCRIPT", "LOAD", s.source) for s in scripts)
+                await asyncio.gather(*(self._cluster_node(node).call(data, len(scripts))
+                                       for node in self.client.get_primaries()),
+                                     return_exceptions=True)
+            else:
+                await asyncio.gather(*(self.client.script_load(s.source) for s in scripts),
+                                     return_exceptions=True)
         elif self.lean:
             # The lean connection opened here, with the scripts: the first checks need
             # no connect of their own.
@@ -172,7 +184,11 @@ class RedisStore:
         dead master cannot keep scripts off the others."""
         self.stats.script_loads += 1
         self.stats.round_trips += 1
-        if node is None and self.lean:
+        if node is not None and self.lean:
+            reply, = await self._cluster_node(node).call(pack_command("SCRIPT", "LOAD", script.source), 1)
+            if isinstance(reply, BaseException):
+                raise reply
+        elif node is None and self.lean:
             reply, = await self._single_node().call(pack_command("SCRIPT", "LOAD", script.source), 1)
             if isinstance(reply, BaseException):
                 raise reply
@@ -224,6 +240,10 @@ class RedisStore:
         assert isinstance(self.client, Redis)
         return self._node("", self.client.connection_pool.make_connection)
 
+    def _cluster_node(self, node: ClusterNode) -> NodeConnection:
+        """Redis Cluster: the lean connection to one master."""
+        return self._node(node.name, lambda: node.connection_class(**node.connection_kwargs))
+
     def _node(self, name: str, make: Callable[[], AbstractConnection]) -> NodeConnection:
         node = self._nodes.get(name)
         if node is None:
@@ -240,9 +260,7 @@ class RedisStore:
             assert node is not None
             data = b"".join(pack_evalsha(batch[i].script.sha.encode(), batch[i].keys,
                                          batch[i].args) for i in todo)
-            answers = await self._node(
-                node.name, lambda: node.connection_class(**node.connection_kwargs),
-            ).call(data, len(todo))
+            answers = await self._cluster_node(node).call(data, len(todo))
             # MOVED/ASK (slots moved since the map was read): that call once more through
             # redis-py, which follows the redirection and refreshes its slot map.
             for j, answer in enumerate(answers):
@@ -308,13 +326,15 @@ class RedisStore:
         return result
 
     async def release(self, keys: Sequence[str], lease_id: str) -> int:
+        """Releases ride with checks (:data:`.batcher.RIDE_FLUSH_DELAY`): no round trip of
+        their own under load; on a cluster one call per slot group."""
         if not keys:
             return 0
         if not self._cluster:
-            return int(await self._run("release", keys, [lease_id]))
+            return int(await self._submit("release", keys, [lease_id], ride=self.releases_ride))
         groups = cluster.group_by_tag(keys)
         counts = await asyncio.gather(
-            *(self._run("release", [keys[i] for i in g], [lease_id]) for g in groups)
+            *(self._submit("release", [keys[i] for i in g], [lease_id], ride=self.releases_ride) for g in groups)
         )
         return sum(int(c) for c in counts)
 
