@@ -56,17 +56,27 @@ SETUPS: dict[str, Setup] = {s.key: s for s in [
           envoy_config="envoy-http.yaml"),
     Setup("hd", "4 limiters, Redis, HTTP", policy="all-on", redis=True, protocol="http",
           envoy_config="envoy-http.yaml"),
+    # Issue 16 (r): one request_rate limiter on Redis, beside the Go peer's figures, on each
+    # front door.
+    Setup("r", "1 request_rate limiter, Redis", policy="rate-only", redis=True),
+    Setup("rh", "1 request_rate limiter, Redis, HTTP", policy="rate-only", redis=True,
+          protocol="http", envoy_config="envoy-http.yaml"),
+    # Access-log batching by measurement: the shipped per-entry flush (d) vs 5 and 20 ms.
+    Setup("d-buf20", "(d), access log buffered 20 ms", policy="all-on", redis=True,
+          accesslog_flush_ms=20),
 ]}
-DEFAULT_SETUPS = ("a", "b", "c", "d", "e", "d1", "d2", "b-aio", "d-aio", "b-buf", "d-buf", "h", "hc", "hd")
+DEFAULT_SETUPS = ("a", "b", "c", "d", "e", "d1", "d2", "b-aio", "d-aio", "b-buf", "d-buf", "h", "hc",
+                  "hd", "r", "rh", "d-buf20")
 SMOKE_SETUPS = ("a", "b", "c")
 
 #: Throughput ratios ``<k>/<base>`` reported besides every ``<k>/a`` (report order).
 RATIOS: tuple[tuple[str, str], ...] = (
     ("c", "b"), ("d", "b"), ("d2", "d1"), ("b-aio", "b"), ("d-aio", "d"), ("d-buf", "b-buf"),
     ("b-buf", "b"), ("d-buf", "d"), ("h", "b"), ("hc", "c"), ("hd", "d"), ("hc", "h"), ("hd", "h"),
+    ("d-buf20", "d"), ("r", "b"), ("rh", "h"), ("rh", "a"),
 )
 #: ``cpu <k>/<base>``: server CPU per check of k over base, per round.
-CPU_RATIOS: tuple[tuple[str, str], ...] = (("h", "b"), ("hc", "c"), ("hd", "d"))
+CPU_RATIOS: tuple[tuple[str, str], ...] = (("h", "b"), ("hc", "c"), ("hd", "d"), ("rh", "r"))
 #: ``p99 added <k>/<base>``: (p99(k) - p99(a)) / (p99(base) - p99(a)) at the paced rate.
 P99_ADDED: tuple[tuple[str, str], ...] = (("d", "b"), ("c", "b"))
 

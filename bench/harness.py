@@ -17,6 +17,11 @@ Envoy in front of a trivial upstream, the extauthz server as a process, and driv
   h   (b) on Envoy's HTTP authorization protocol (envoy-http.yaml, ``serve --http-listen``)
   hc  (c) over HTTP: all four limiters, embedded store
   hd  (d) over HTTP: all four limiters, Redis store
+  d-buf20  (d) with the access log buffered 20 ms
+  r   Envoy + the server, one request_rate limiter, Redis store (issue 16's shape, beside
+      the Go envoyproxy/ratelimit figures quoted in docs/benchmarks.md); rh: the same over HTTP
+
+A named subset: ``--only r,d,b`` (same as ``--configs``), ``--rounds N``.
 
 (The table of configurations is ``bench/configs.py``.) This module runs the rounds, the Redis
 outage runs and the CLI; ``bench/stack.py`` starts one configuration's stack and reads its
@@ -239,7 +244,7 @@ class Harness:
 def parse_args(argv: Sequence[str] | None) -> tuple[Options, str]:
     p = argparse.ArgumentParser(prog="python -m bench.harness", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default=None,
+    p.add_argument("--configs", "--only", default=None,
                    help=f"comma-separated configurations (default {','.join(DEFAULT_SETUPS)}; "
                    f"smoke: {','.join(SMOKE_SETUPS)})")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3)")

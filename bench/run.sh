@@ -5,6 +5,7 @@
 #
 #   bench/run.sh                 # full run: every configuration, 3 interleaved rounds
 #   bench/run.sh --smoke         # a few seconds per configuration (what CI runs)
+#   bench/run.sh --only r,d,b --rounds 5   # a named subset, N interleaved rounds
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
