@@ -25,6 +25,12 @@ calls from ``INFO commandstats``, and the store's own counter (``RedisStore.stat
 batching a check must be exactly 1 round trip and 1 EVALSHA (the script reloads after the
 first NOSCRIPT are excluded by a warm-up).
 
+``--flood`` measures instead a flood through the engine on Redis (one ``request_rate``
+limiter, rate 50/s): one key sends half of all checks (about 50x its rate at the
+throughput here), the other half rotates over 1,000 well-behaved keys; against the same
+run without the flooding key, and with the refusal cache off (every refusal asks Redis).
+It prints throughput, EVALSHA per check and the well-behaved keys' p99.
+
 ``--memory`` also measures the memory per active user (``MEMORY USAGE`` and ``used_memory``
 over 10,000 users with the rate and concurrency limiters).
 """
@@ -179,6 +185,96 @@ async def one_run(config: str, concurrency: int, seconds: float, url: str | None
     return run
 
 
+FLOOD_POLICY = """\
+version: 1
+identity:
+  - header: x-api-key
+limiters:
+  - name: user-rate
+    type: request_rate
+    rate: 50
+    burst: 50
+"""
+FLOOD_RATE = 50.0
+
+
+async def flood_run(mode: str, url: str, clients: list[redis.Redis], policy_path: Path,
+                    seconds: float, concurrency: int) -> dict[str, float]:
+    """``mode``: ``flood`` (cache on), ``flood-nocache``, or ``calm`` (no flooding key)."""
+    from extauthz.limiters import RequestRateLimiter
+
+    store = RedisStore.from_url(url, deadline=1.0)
+    engine = Engine(store, load_policy([policy_path]), deadline=1.0)
+    if mode == "flood-nocache":
+        for lim in engine.snapshot.limiters:
+            if isinstance(lim, RequestRateLimiter):
+                lim.refusals = None
+    calm: list[float] = []
+    counts = {"checks": 0, "flood": 0, "refused": 0}
+    try:
+        await engine.check(RawRequest("GET", "/", headers={"x-api-key": "warm"}))
+        before = redis_counters(clients)
+        stop = time.perf_counter() + seconds
+        n = 0
+
+        async def caller() -> None:
+            nonlocal n
+            while time.perf_counter() < stop:
+                n += 1
+                flood = mode != "calm" and n % 2 == 0
+                key = "flood" if flood else f"k{n % 1000}"
+                t0 = time.perf_counter()
+                _, d = await engine.check(RawRequest("GET", "/", headers={"x-api-key": key}))
+                if not flood:
+                    calm.append(time.perf_counter() - t0)
+                counts["checks"] += 1
+                counts["flood"] += flood
+                counts["refused"] += not d.allowed
+
+        started, cpu = time.perf_counter(), time.process_time()
+        await asyncio.gather(*(caller() for _ in range(concurrency)))
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+        after = redis_counters(clients)
+    finally:
+        await store.close()
+    calm.sort()
+    return {"rate": counts["checks"] / elapsed, "evalsha": (after[0] - before[0]) / counts["checks"],
+            "p99": calm[int(0.99 * (len(calm) - 1))] * 1e3, "cpu": cpu / counts["checks"] * 1e6,
+            "factor": counts["flood"] / elapsed / FLOOD_RATE, "refused": counts["refused"] / counts["checks"]}
+
+
+def flood_main(args: argparse.Namespace, runner: Callable[[Any], Any]) -> int:
+    tmp = Path(tempfile.mkdtemp(prefix="store-bench-flood-"))
+    policy_path = tmp / "policy.yaml"
+    policy_path.write_text(FLOOD_POLICY)
+    handle = start_single(tmp)
+    clients = [handle.client(decode_responses=False)]
+    rows: dict[str, list[dict[str, float]]] = {}
+    try:
+        for rnd in range(args.rounds):
+            for mode in ("calm", "flood", "flood-nocache"):
+                clients[0].flushall()
+                fig = runner(flood_run(mode, handle.url, clients, policy_path, args.seconds,
+                                       args.concurrency))
+                rows.setdefault(mode, []).append(fig)
+                print(f"round {rnd + 1}: {mode:14} {fig['rate']:9,.0f} checks/s, EVALSHA/check "
+                      f"{fig['evalsha']:.3f}, well-behaved p99 {fig['p99']:.3f} ms", flush=True)
+    finally:
+        clients[0].close()
+        handle.stop()
+    print()
+    print(f"Flood, {args.concurrency} callers, {args.rounds} round(s) of {args.seconds:g} s, medians:")
+    print("| run | checks/s | vs calm | EVALSHA/check | refused | flood x its rate | "
+          "client CPU us/check | well-behaved p99 ms | p99 vs calm |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in rows.items()}
+    for mode, f in med.items():
+        print(f"| {mode} | {f['rate']:,.0f} | {f['rate'] / med['calm']['rate']:.2f}x | "
+              f"{f['evalsha']:.3f} | {f['refused']:.1%} | {f['factor']:.0f} | {f['cpu']:.1f} | "
+              f"{f['p99']:.3f} | {f['p99'] / med['calm']['p99']:.2f}x |")
+    return 0
+
+
 def per_node(handle: Any, clients: list[redis.Redis]) -> str:
     """Redis Cluster: script calls and Redis CPU per master over the whole benchmark."""
     fleet_slot = key_slot(b"{fleet}")
@@ -277,17 +373,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory", action="store_true", help="also measure memory per user")
     parser.add_argument("--quick", action="store_true", help="one round of 1 s")
     parser.add_argument("--no-uvloop", action="store_true")
+    parser.add_argument("--flood", action="store_true", help="the flood measurement (see above)")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.seconds = 1, 1.0
 
-    tmp = Path(tempfile.mkdtemp(prefix="store-bench-"))
-    policy_path = tmp / "policy.yaml"
-    policy_path.write_text(POLICY)
-    handle: Any = start_single(tmp) if args.topology == "single" else start_cluster(tmp)
-    clients: list[redis.Redis] = (
-        [handle.client(decode_responses=False)] if args.topology == "single"
-        else [handle.node_client(i, decode_responses=False) for i in range(len(handle.nodes))])
     runner: Callable[[Any], Any] = asyncio.run
     if not args.no_uvloop:
         try:
@@ -296,6 +386,15 @@ def main(argv: list[str] | None = None) -> int:
             runner = uvloop.run
         except ImportError:
             pass
+    if args.flood:
+        return flood_main(args, runner)
+    tmp = Path(tempfile.mkdtemp(prefix="store-bench-"))
+    policy_path = tmp / "policy.yaml"
+    policy_path.write_text(POLICY)
+    handle: Any = start_single(tmp) if args.topology == "single" else start_cluster(tmp)
+    clients: list[redis.Redis] = (
+        [handle.client(decode_responses=False)] if args.topology == "single"
+        else [handle.node_client(i, decode_responses=False) for i in range(len(handle.nodes))])
     try:
         runs: list[Run] = []
         configs = ["memory", "redis", "redis+batch", "redis-py+batch"]
