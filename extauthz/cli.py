@@ -82,6 +82,11 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="server processes sharing the --listen port (SO_REUSEPORT); above 1 "
                    "needs --redis-url and an Envoy with as many worker threads [EXTAUTHZ_WORKERS; "
                    "default 1]")
+    p.add_argument("--worker-ports", action="store_true",
+                   default=(_env("WORKER_PORTS", "") or "").lower() in ("1", "true", "yes"),
+                   help="with --workers N: worker i listens on the --listen port + i (N ports, "
+                   "listed as N endpoints of Envoy's extauthz cluster) instead of all sharing "
+                   "one port [EXTAUTHZ_WORKER_PORTS]")
     p.add_argument("--reuse-port", action="store_true",
                    default=_env_flag("REUSE_PORT"),
                    help="let another process bind the same --listen port (SO_REUSEPORT): a new "
@@ -126,7 +131,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
             try:
                 return serve_workers(config, workers, log_level=args.log_level,
-                                     log_format=args.log_format)
+                                     log_format=args.log_format,
+                                     own_ports=getattr(args, "worker_ports", False))
             except WorkersError as exc:
                 print(f"extauthz: {exc}", file=sys.stderr)
                 return 2

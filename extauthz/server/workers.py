@@ -16,6 +16,11 @@ What to know:
   half the time with N = 2). More Envoy threads (or several Envoys) even it out.
 * The embedded store is per process: N workers would each enforce the whole limit. So
   ``--workers`` above 1 needs ``--redis-url`` (refused otherwise).
+* ``--worker-ports``: child ``i`` listens on the ``--listen`` port plus ``i`` instead (no
+  SO_REUSEPORT): N processes on N ports, listed as N endpoints of Envoy's extauthz cluster,
+  so that Envoy itself spreads its connections and requests over them (see
+  docs/operations.md, "Several processes"). The ranges of Check, admin and metrics ports
+  must not overlap (refused otherwise).
 * Each child gets its own admin and metrics port: child ``i`` listens on the configured
   port plus ``i`` (a configured port 0 stays 0), and writes its admin URL to
   ``admin-PORT-i.url`` (worker 0: ``admin-PORT.url``). The Check port itself must not be 0.
@@ -69,9 +74,14 @@ def _offset(listen: str | None, i: int) -> str | None:
     return f"{host}:{int(port) + i}"
 
 
-def child_config(config: ServerConfig, i: int) -> ServerConfig:
-    """The configuration of worker ``i``: shared Check port, own admin/metrics ports."""
+def child_config(config: ServerConfig, i: int, *, own_ports: bool = False) -> ServerConfig:
+    """The configuration of worker ``i``: shared Check (and HTTP) port (or, ``own_ports``,
+    those ports plus ``i``), own admin/metrics ports."""
     changes: dict[str, object] = {"reuse_port": True}
+    if own_ports:
+        changes = {"listen": _offset(config.listen, i)}
+        if config.http_listen and not is_off(config.http_listen):
+            changes["http_listen"] = _offset(config.http_listen, i)
     for name in ("admin_listen", "metrics_listen"):
         if hasattr(config, name):
             changes[name] = _offset(getattr(config, name), i)
@@ -82,7 +92,7 @@ def child_config(config: ServerConfig, i: int) -> ServerConfig:
     return dataclasses.replace(config, **changes)  # type: ignore[arg-type]
 
 
-def check_workers(config: ServerConfig, workers: int) -> None:
+def check_workers(config: ServerConfig, workers: int, *, own_ports: bool = False) -> None:
     if workers < 1:
         raise WorkersError("--workers must be at least 1")
     if workers == 1:
@@ -95,14 +105,26 @@ def check_workers(config: ServerConfig, workers: int) -> None:
     for flag, listen in (("--listen", config.listen), ("--http-listen", config.http_listen)):
         if listen and not is_off(listen) and _port_of(listen) == 0:
             raise WorkersError(f"--workers above 1 needs a fixed {flag} port (not 0) to share")
+    if own_ports:
+        ranges = [(name, _port_of(listen)) for name, listen in (
+            ("--listen", config.listen), ("--http-listen", config.http_listen),
+            ("--admin-listen", getattr(config, "admin_listen", None)),
+            ("--metrics-listen", getattr(config, "metrics_listen", None)))
+            if listen and not is_off(listen)]
+        for n, (name, port) in enumerate(ranges):
+            for other, port2 in ranges[n + 1:]:
+                if port and port2 and abs(port - port2) < workers:
+                    raise WorkersError(
+                        f"--worker-ports: {name} and {other} ports {port} and {port2} are less "
+                        f"than {workers} apart (worker i listens on each port + i)")
 
 
-def _start_child(config: ServerConfig, i: int, log_level: str,
-                 log_format: str = "json") -> tuple[subprocess.Popen[bytes], int]:
+def _start_child(config: ServerConfig, i: int, log_level: str, log_format: str = "json",
+                 own_ports: bool = False) -> tuple[subprocess.Popen[bytes], int]:
     read_fd, write_fd = os.pipe()
     env = {
         **os.environ,
-        CONFIG_ENV: json.dumps(dataclasses.asdict(child_config(config, i))),
+        CONFIG_ENV: json.dumps(dataclasses.asdict(child_config(config, i, own_ports=own_ports))),
         READY_FD_ENV: str(write_fd),
         INDEX_ENV: str(i),
         LOG_LEVEL_ENV: log_level,
@@ -131,9 +153,11 @@ def _stop_all(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
 
 
 def serve_workers(config: ServerConfig, workers: int, *, log_level: str = "info",
-                  log_format: str = "json", startup_timeout: float = 60.0) -> int:
-    """Run ``workers`` server processes on one port until SIGTERM/SIGINT; return the exit code."""
-    check_workers(config, workers)
+                  log_format: str = "json", startup_timeout: float = 60.0,
+                  own_ports: bool = False) -> int:
+    """Run ``workers`` server processes on one port (``own_ports``: on ports ``--listen``
+    + i) until SIGTERM/SIGINT; return the exit code."""
+    check_workers(config, workers, own_ports=own_ports)
     from ..policy import load_policy
 
     load_policy(config.policies)  # a bad policy fails here, once, with the usual message
@@ -150,7 +174,7 @@ def serve_workers(config: ServerConfig, workers: int, *, log_level: str = "info"
     pending: dict[int, int] = {}  # ready pipe fd -> worker index
     try:
         for i in range(workers):
-            proc, fd = _start_child(config, i, log_level, log_format)
+            proc, fd = _start_child(config, i, log_level, log_format, own_ports)
             procs.append(proc)
             pending[fd] = i
         deadline = time.monotonic() + startup_timeout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -100,5 +101,48 @@ def test_two_workers_share_one_port_and_one_budget(tmp_path: Path, redis_single_
         assert len(serving) == 2, server.log()
         for pid in pids:
             assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    finally:
+        server.stop()
+
+
+def test_worker_ports_give_each_worker_its_own_check_port() -> None:
+    config = ServerConfig(listen="0.0.0.0:9001", admin_listen="127.0.0.1:9101",
+                          metrics_listen="0.0.0.0:0")
+    c1 = child_config(config, 1, own_ports=True)
+    assert not c1.reuse_port and c1.listen == "0.0.0.0:9002" and c1.admin_listen == "127.0.0.1:9102"
+    assert child_config(config, 0, own_ports=True).listen == "0.0.0.0:9001"
+    check_workers(dataclasses.replace(config, redis_url="redis://x"), 4, own_ports=True)
+    # Check ports 9001..9004 would run into admin ports 9002..9005.
+    crowded = ServerConfig(listen="0.0.0.0:9001", admin_listen="127.0.0.1:9002", redis_url="redis://x")
+    with pytest.raises(WorkersError, match="less than 4 apart"):
+        check_workers(crowded, 4, own_ports=True)
+    check_workers(crowded, 4)  # one shared Check port: no overlap
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_two_workers_on_two_ports(tmp_path: Path, redis_single_clean: RedisSingle) -> None:
+    """--workers 2 --worker-ports: each worker answers Checks on its own port (N endpoints
+    of Envoy's cluster), one budget on Redis."""
+    policy = tmp_path / "p.yaml"
+    policy.write_text(POLICY)
+    base = free_port_block(2)
+    admin = f"127.0.0.1:{free_port_block(2)}"
+    server = ServerProcess([policy], port=base, workdir=tmp_path, args=[
+        "--workers", "2", "--worker-ports", "--redis-url", redis_single_clean.url,
+        "--admin-listen", admin])
+    server.start(timeout=60)
+    try:
+        assert server.proc is not None
+        deadline = time.monotonic() + 30
+        while "2 workers serving" not in server.log():
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.1)
+        allowed = 0
+        for port in (base, base + 1, base, base + 1, base, base + 1):
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                resp = auth_pb2_grpc.AuthorizationStub(ch).Check(check_request("sk_live_shared"), timeout=5)
+                allowed += resp.HasField("ok_response")
+        assert allowed == 4  # burst 4 shared through Redis by both ports
     finally:
         server.stop()
