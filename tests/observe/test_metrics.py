@@ -55,7 +55,9 @@ async def test_metrics_after_known_traffic(tmp_path: Path) -> None:
                      outcome="denied") == 0
 
         # 5 GETs from one user: the bucket (3) admits 3 and refuses 2; the shadow bucket (1)
-        # admits the first and would refuse the other 4 (they pass).
+        # admits the first and would refuse the next 3 (they pass). The 5th is refused from
+        # the refusal cache (limiters/refusals.py): no store call, so the other limiters
+        # (the shadow bucket, the fleet) are not evaluated for it.
         assert [await client.check("sk_live_alice") for _ in range(5)] == [200, 200, 200, 429, 429]
         # The store fails once: every store-backed limiter fails open.
         store.fail = True
@@ -81,18 +83,19 @@ async def test_metrics_after_known_traffic(tmp_path: Path) -> None:
         assert decisions("user-rate", "denied") == 2
         assert decisions("user-rate", "failed_open") == 1
         assert decisions("dark", "allowed") == 1
-        assert decisions("dark", "shadow_denied") == 4
+        assert decisions("dark", "shadow_denied") == 3
         assert decisions("dark", "denied") == 0
-        assert decisions("fleet", "allowed") == 5
+        assert decisions("fleet", "allowed") == 4
         assert decisions("workers", "allowed") == 6
         assert decisions("workers", "denied", tier="test") == 1
         assert value(m, "extauthz_requests_total", tier="get", result="allowed") == 4
         assert value(m, "extauthz_requests_total", tier="get", result="rate_limited") == 2
         assert value(m, "extauthz_requests_total", tier="test", result="shed") == 1
         assert value(m, "extauthz_fail_open_total", reason="unavailable") == 1
-        # 6 store calls (5 + the failed one); the shed request never reached the store.
-        assert value(m, "extauthz_store_call_seconds_count") == 6
-        assert value(m, "extauthz_store_call_seconds_bucket", le="+Inf") == 6
+        # 5 store calls (4 + the failed one): the cached refusal and the shed request never
+        # reached the store.
+        assert value(m, "extauthz_store_call_seconds_count") == 5
+        assert value(m, "extauthz_store_call_seconds_bucket", le="+Inf") == 5
         assert value(m, "extauthz_shed_controller_level", limiter="workers") == 0.5
         assert value(m, "extauthz_shed_level", limiter="workers", tier="test") == 1.0
         assert value(m, "extauthz_shed_level", limiter="workers", tier="get") == 0.5
