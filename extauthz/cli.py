@@ -13,6 +13,8 @@ from . import __version__
 from .errors import PolicyError
 from .opscli import add_parsers as add_ops_parsers
 from .opscli import cmd_override, cmd_report, cmd_status, cmd_switch
+from .simulate.cli import add_parser as add_simulate_parser
+from .simulate.cli import cmd_simulate
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -214,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "HTTP protocol needs for a policy (docs/http.md)")
     p.add_argument("policies", nargs="+", help="policy file(s) or directory")
     add_ops_parsers(sub)
+    add_simulate_parser(sub)
     p = sub.add_parser("demo", help="quick start: Envoy + server + upstream on this machine, "
                        "a burst of traffic per tier, and a summary")
     p.add_argument("--policies", nargs="+", default=None, help="policy to demo (default: the packaged demo policy)")
@@ -235,6 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "report": cmd_report,
         "status": cmd_status,
         "override": cmd_override,
+        "simulate": cmd_simulate,
     }[args.command]
     return handler(args)
 

@@ -60,11 +60,14 @@ async def read_utilization(engine: Engine, shedder: WorkerUtilizationShedder) ->
     return min(1.0, max(0.0, value))
 
 
-async def sample_once(engine: Engine, shedder: WorkerUtilizationShedder) -> float:
+async def sample_once(engine: Engine, shedder: WorkerUtilizationShedder,
+                      utilization: float | None = None) -> float:
     """One sample: read, advance the shared controller, install the level, return it.
     Raises when the signal or the store failed (the level is then held; the background
-    runner counts it as an error of the job ``sampler:<limiter>``)."""
-    utilization = await read_utilization(engine, shedder)
+    runner counts it as an error of the job ``sampler:<limiter>``). ``utilization``
+    replaces reading the signal (``extauthz simulate --signal``)."""
+    if utilization is None:
+        utilization = await read_utilization(engine, shedder)
     level = await engine.store.shed_update(shedder.state_key, utilization, shedder.params)
     # The snapshot may have been replaced by a reload: update the live shedder by name.
     for live in engine.snapshot.workers:
