@@ -178,6 +178,10 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.pictures:
+        from .pictures import main as pictures_main
+
+        return pictures_main(args.pictures, time_scale=args.time_scale)
     from .demo import main as demo_main
 
     return demo_main(policies=args.policies, protocol=args.protocol)
@@ -223,6 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--protocol", choices=("grpc", "http"), default="grpc",
                    help="Envoy's authorization protocol: gRPC (envoy/envoy.yaml) or HTTP "
                    "(envoy/envoy-http.yaml, serve --http-listen); default grpc")
+    p.add_argument("--pictures", metavar="DIR", default=None,
+                   help="instead, run the four scenarios of Stripe's post (request rate, concurrency, "
+                   "fleet usage, worker utilization) and write a PNG + summary for each into DIR "
+                   "(needs the tune extra: matplotlib)")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="with --pictures: stretch (>1) or shrink (<1) every duration (default 1: ~40 s)")
     return parser
 
 
