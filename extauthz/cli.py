@@ -26,6 +26,19 @@ def _env_flag(name: str) -> bool:
     return (_env(name, "") or "").lower() in ("1", "true", "yes")
 
 
+def _size(text: str) -> int:
+    """Bytes, with an optional K/M/G suffix (powers of 1024)."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().removesuffix("b") or "0"
+    try:
+        value = float(t[:-1]) * units[t[-1]] if t[-1] in units else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: use bytes or e.g. 500M, 2G") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: must be positive")
+    return int(value)
+
+
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="run the ext_authz gRPC server",
                        description="Run the Envoy ext_authz gRPC server. Every option also "
@@ -94,6 +107,15 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="let another process bind the same --listen port (SO_REUSEPORT): a new "
                    "version starts beside this one, then this one gets SIGTERM and drains "
                    "[EXTAUTHZ_REUSE_PORT]")
+    p.add_argument("--record", metavar="DIR", default=_env("RECORD"),
+                   help="record one JSON line per finished request (hashed identity, tier, decision, "
+                   "duration) into rotating gzip files in DIR, for `extauthz simulate` [EXTAUTHZ_RECORD; off]")
+    p.add_argument("--record-max-bytes", type=_size, default=_size(_env("RECORD_MAX_BYTES", "1G") or "1G"),
+                   help="bound on all recording files together; the oldest go first (e.g. 500M, 2G) "
+                   "[EXTAUTHZ_RECORD_MAX_BYTES; default 1G]")
+    p.add_argument("--record-sample", type=float, default=float(_env("RECORD_SAMPLE", "1") or 1),
+                   help="fraction of identities recorded, every request of each (0-1] "
+                   "[EXTAUTHZ_RECORD_SAMPLE; default 1]")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "info"),
                    help="log level [EXTAUTHZ_LOG_LEVEL; default info]")
     p.add_argument("--log-format", choices=("json", "text"), default=_env("LOG_FORMAT", "json"),
@@ -105,6 +127,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server.app import ServerConfig, serve
     from .server.portfile import admin_url_path
 
+    if not 0.0 < args.record_sample <= 1.0:
+        print(f"extauthz: --record-sample must be in (0, 1], not {args.record_sample}", file=sys.stderr)
+        return 2
     listener = configure_logging(args.log_level, args.log_format)
     url_file = args.admin_url_file
     if url_file is None:
@@ -125,6 +150,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         lease_secret=args.lease_secret or "",
         tls_cert=args.tls_cert or None, tls_key=args.tls_key or None,
         tls_client_ca=args.tls_client_ca or None, health_listen=args.health_listen or None,
+        record_dir=args.record or None, record_max_bytes=args.record_max_bytes,
+        record_sample=args.record_sample,
     )
     workers = getattr(args, "workers", 1)
     try:

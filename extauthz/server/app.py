@@ -20,11 +20,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..engine import Engine
+from ..observe import compose
 from ..observe.setup import Observability
 from ..policy import Policy, load_policy
 from ..proto import accesslog_pb2_grpc, auth_pb2_grpc
 from ..runner import Runner
 from ..sampler import sampler_job
+from ..simulate.record import Recorder, pending_ttl
 from ..store.base import Store
 from ..store.keys import Keys
 from ..store.memory import MemoryStore
@@ -81,6 +83,10 @@ class ServerConfig:
     lease_secret: str = ""
     #: a plaintext port serving only grpc.health.v1 (the kubelet's gRPC probes speak no TLS).
     health_listen: str | None = None
+    #: ``--record DIR``: one JSON line per finished request (extauthz/simulate/record.py).
+    record_dir: str | None = None
+    record_max_bytes: int = 1 << 30
+    record_sample: float = 1.0
 
 
 def is_off(listen: str | None) -> bool:
@@ -123,15 +129,24 @@ class Server:
             store=self.store, keys=keys, clock=clock, policy=self.policy,
             metrics=off(config.metrics_listen) is not None,
             decision_log_per_second=config.decision_log_per_second, tracer_provider=tracer_provider)
+        observer = self.observe.observer
+        self.recorder: Recorder | None = None
+        if config.record_dir:  # serve --record: one more observer, fed durations by the access log
+            self.recorder = Recorder(config.record_dir, max_bytes=config.record_max_bytes,
+                                     sample=config.record_sample, clock=clock,
+                                     pending_ttl=pending_ttl(self.policy))
+            observer = compose([observer, self.recorder])
         self.engine = Engine(
             self.store, self.policy, keys=keys, deadline=config.store_deadline_ms / 1000.0,
-            clock=clock, salt=config.identity_salt.encode(), observer=self.observe.observer,
+            clock=clock, salt=config.identity_salt.encode(), observer=observer,
             store_check=self.observe.store_check,
         )
         #: every background loop (switch poll, reload, shadow flush, samplers)
         self.runner = Runner()
         self.health = health.aio.HealthServicer()
-        self.accesslog = AccessLogService(self.engine, tickets=LeaseTickets(keys, config.lease_secret))
+        self.accesslog = AccessLogService(
+            self.engine, tickets=LeaseTickets(keys, config.lease_secret),
+            on_finished=self.recorder.finished if self.recorder is not None else None)
         if not config.lease_secret and config.redis_url:
             log.warning("no --lease-secret: lease tickets use a random per-process key, so with several "
                         "replicas an access-log entry reaching another replica releases nothing (its "
@@ -201,6 +216,8 @@ class Server:
         for name in ("", AUTH_SERVICE, ACCESSLOG_SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.sync_samplers()
+        if self.recorder is not None:
+            self.runner.every("recorder", self.recorder.flush_interval, self.recorder.flush)
         self._write_admin_url()
         log.info("serving on port %s (%s) with policy %s (%s store); HTTP authorization on port %s",
                  self.port or "off", "plaintext" if self.tls is None else ("mTLS" if self.tls.mtls else "TLS"),
@@ -244,6 +261,8 @@ class Server:
         await self.ops.stop()
         if self.config.admin_url_file and self.admin_url is not None:
             remove_admin_url(Path(self.config.admin_url_file), self.admin_url)
+        if self.recorder is not None:  # what finished, and what still waits (no duration)
+            await self.recorder.close()
         # Releases still on their way (access log, cancelled Checks, late store answers)
         # finish before the store closes.
         await self.engine.releaser.drain(self.config.grace_seconds if grace is None else max(grace, 1.0))

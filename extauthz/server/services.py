@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
 from ..context import RequestContext
 from ..engine import Engine
-from ..proto import accesslog_pb2, accesslog_pb2_grpc, auth_pb2, auth_pb2_grpc
+from ..proto import accesslog_data_pb2, accesslog_pb2, accesslog_pb2_grpc, auth_pb2, auth_pb2_grpc
 from ..throttle import LogThrottle
 from ..tickets import LeaseTickets
 from ..verdict import Decision
@@ -121,12 +121,21 @@ class AuthorizationService(auth_pb2_grpc.AuthorizationServicer):  # type: ignore
         self.engine.releaser.release(decision.leases, decision.lease_id, "cancelled_check")
 
 
+def finished_after(common: accesslog_data_pb2.AccessLogCommon) -> float | None:
+    """Seconds from the request's start to the last byte sent downstream, if Envoy says."""
+    if not common.HasField("time_to_last_downstream_tx_byte"):
+        return None
+    d = common.time_to_last_downstream_tx_byte
+    return float(d.seconds + d.nanos / 1e9)
+
+
 class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
     """Releases (through the engine's :class:`~extauthz.release.Releaser`) the leases of
     every finished request that Envoy's access log reports."""
 
     def __init__(self, engine: Engine, index: LeaseIndex | None = None,
-                 tickets: LeaseTickets | None = None) -> None:
+                 tickets: LeaseTickets | None = None, *,
+                 on_finished: Callable[[str, float | None], None] | None = None) -> None:
         self.engine = engine
         self.index = index if index is not None else LeaseIndex()
         #: checks every lease an entry names before any store call (shared with Check).
@@ -134,6 +143,8 @@ class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ig
         #: entries refused before any store call, by reason (tickets.REASONS).
         self.rejected: dict[str, int] = {}
         self.entries = 0
+        #: ``serve --record``: told (request id, duration in seconds or None) per finished request.
+        self.on_finished = on_finished
 
     async def StreamAccessLogs(  # noqa: N802 - gRPC method name
         self,
@@ -152,6 +163,8 @@ class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ig
                     common = entry.common_properties
                     if common.intermediate_log_entry:
                         continue
+                    if self.on_finished is not None and entry.request.request_id:
+                        self.on_finished(entry.request.request_id, finished_after(common))
                     fm = common.metadata.filter_metadata
                     lease = None
                     if EXT_AUTHZ_NAMESPACE in fm:

@@ -13,8 +13,8 @@ Two hooks feed it, both cheap and on the event loop:
   ``pending_ttl`` (the longest lease TTL): the replay then holds their leases for the TTL,
   as the server did.
 
-:meth:`Recorder.run` (a background task) hands the queue to a worker thread every
-``flush_interval``: JSON encoding, gzip and the file write never run on the event loop's
+:meth:`Recorder.flush` (the server's background runner calls it every ``flush_interval``)
+hands the queue to a worker thread: JSON encoding, gzip and the file write never run on the event loop's
 turn. Files (``record-<UTC time>-<pid>-<n>.jsonl.gz``, gzip members appended per flush, so
 a file is readable while it grows) rotate at ``file_bytes``; the oldest are deleted while
 all files together exceed ``max_bytes``.
@@ -199,11 +199,6 @@ class Recorder:
         lines = self.take()
         if lines:
             await asyncio.to_thread(self._write, lines)
-
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.flush_interval)
-            await self.flush()
 
     async def close(self) -> None:
         """Write everything, the requests still waiting for their end included (no duration)."""
