@@ -188,7 +188,7 @@ def plot(sc: Scenario, out: Path, scale: float) -> Path:
     from .simulate.report import require_matplotlib
 
     plt = require_matplotlib()
-    width = 0.25 * scale
+    width = 0.5 * scale
     bins = max(1, int(sc.duration / width) + 1)
     xs = [i * width for i in range(bins)]
     series: dict[tuple[str, int], list[float]] = {}
