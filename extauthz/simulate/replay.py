@@ -173,6 +173,9 @@ class Lane:
         self._next_sample = float("inf")
         self.unsignalled: list[str] = []
         self.samples = 0
+        #: classification is a pure function of the request's fields: the same shape of
+        #: request (user, method, path, host, tier) is classified once.
+        self._contexts: dict[tuple[Any, ...], RequestContext] = {}
 
     def start(self, t0: float) -> None:
         self.clock.set(t0)
@@ -185,6 +188,15 @@ class Lane:
             self.series.start = t0
 
     def context(self, req: Request) -> RequestContext:
+        key = (req.identity, req.method, req.path, req.host, req.tier, *req.headers.items())
+        ctx = self._contexts.get(key)
+        if ctx is None:
+            if len(self._contexts) >= 1_000_000:
+                self._contexts.clear()
+            ctx = self._contexts[key] = self._classify(req)
+        return ctx
+
+    def _classify(self, req: Request) -> RequestContext:
         classifier = self.engine.snapshot.classifier
         if req.identity is None:
             return classifier.context(RawRequest(req.method, req.path, req.host, req.headers,

@@ -15,7 +15,7 @@ from ..conftest import FIXTURES, ROOT
 
 def test_help_lists_the_subcommands() -> None:
     out = subprocess.run([sys.executable, "-m", "extauthz", "--help"], capture_output=True, text=True, check=True)
-    for command in ("serve", "check-policies", "schema", "switch", "report", "override", "demo"):
+    for command in ("serve", "check-policies", "schema", "switch", "report", "override", "demo", "simulate"):
         assert command in out.stdout
 
 
