@@ -38,8 +38,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+try:  # the tune extra: about 5x faster than the standard library on these lines
+    from orjson import loads
+except ImportError:  # pragma: no cover - exercised where orjson is not installed
+    from json import loads  # type: ignore[assignment]
+
 _EMPTY: Mapping[str, str] = {}
 _ABSENT = (None, "-", "")
+_FLOAT = (float, int)
 
 
 class TrafficError(ValueError):
@@ -103,48 +109,59 @@ def _text(value: Any) -> str | None:
 
 def parse_line(obj: Any, where: str) -> Request | str:
     """One decoded line -> :class:`Request`, or an error message."""
-    if not isinstance(obj, dict):
+    if type(obj) is not dict:
         return "not a JSON object"
-    t = _number(obj.get("time"))
+    get = obj.get
+    raw_t = get("time")
+    t = float(raw_t) if isinstance(raw_t, _FLOAT) and raw_t is not True and raw_t is not False else _number(raw_t)
     if t is None:
-        return "missing 'time'" if obj.get("time") in _ABSENT else f"bad 'time' {obj.get('time')!r}"
-    method = _text(obj.get("method"))
-    path = _text(obj.get("path"))
-    if method is None or path is None:
-        return f"missing '{'method' if method is None else 'path'}'"
-    q = path.find("?")
-    if q >= 0:
-        path = path[:q]
+        return "missing 'time'" if raw_t in _ABSENT else f"bad 'time' {raw_t!r}"
+    method = get("method")
+    path = get("path")
+    if type(method) is not str or method in _ABSENT or type(path) is not str or path in _ABSENT:
+        method, path = _text(method), _text(path)
+        if method is None or path is None:
+            return f"missing '{'method' if method is None else 'path'}'"
+    if "?" in path:
+        path = path[: path.index("?")]
     if "duration" in obj:
         raw = obj["duration"]
-        duration = None if raw is None else _number(raw)
-        if raw is not None and (duration is None or duration < 0):
-            return f"bad 'duration' {raw!r}"
+        if type(raw) is float and raw >= 0:
+            duration: float | None = raw
+        else:
+            duration = None if raw is None else _number(raw)
+            if raw is not None and (duration is None or duration < 0):
+                return f"bad 'duration' {raw!r}"
     elif "duration_ms" in obj:
         ms = _number(obj["duration_ms"])
         duration = None if ms is None else ms / 1000.0
     else:
         duration = 0.0
     headers: Mapping[str, str] = _EMPTY
-    hdrs = obj.get("headers")
-    if isinstance(hdrs, dict) and hdrs:
-        headers = {str(k).lower(): v for k, v in hdrs.items() if isinstance(v, str) and v not in _ABSENT}
+    hdrs = get("headers")
+    if hdrs:
+        if type(hdrs) is not dict:
+            return "'headers' is not an object"
+        headers = {k.lower(): v for k, v in hdrs.items() if type(v) is str and v not in _ABSENT}
     elif hdrs not in (None, {}):
         return "'headers' is not an object"
-    identity = obj.get("identity")
+    tier = get("tier")
+    if tier is not None and (type(tier) is not str or tier in _ABSENT):
+        tier = _text(tier)
+    host = get("host")
+    if type(host) is not str:
+        host = _text(host) or ""
+    identity = get("identity")
+    if identity is None:
+        return Request(t, method.upper(), path, host, headers, duration, tier, where=where)
+    decision = get("decision")
     recorded = None
-    if identity is not None:
-        decision = obj.get("decision")
-        if decision == "allowed":
-            recorded = "allowed"
-        elif decision == "refused":
-            recorded = _text(obj.get("limiter")) or "refused"
-    return Request(
-        time=t, method=method.upper(), path=path, host=_text(obj.get("host")) or "",
-        headers=headers, duration=duration, tier=_text(obj.get("tier")),
-        identity=_text(identity), identity_source=_text(obj.get("identity_source")) or "recorded",
-        recorded=recorded, where=where,
-    )
+    if decision == "allowed":
+        recorded = "allowed"
+    elif decision == "refused":
+        recorded = _text(get("limiter")) or "refused"
+    return Request(t, method.upper(), path, host, headers, duration, tier, _text(identity),
+                   _text(get("identity_source")) or "recorded", recorded, where)
 
 
 class TrafficFile:
@@ -172,7 +189,7 @@ class TrafficFile:
                     continue
                 where = f"{name}:{lineno}"
                 try:
-                    obj = json.loads(line)
+                    obj = loads(line)
                 except ValueError as exc:
                     bad.bad(where, "not_json", f"not JSON ({getattr(exc, 'msg', exc)})")
                     continue

@@ -110,3 +110,19 @@ def test_rotation_bounds_the_total(tmp_path: Path) -> None:
     assert len(files) >= 2 and writer.files_deleted > 0
     assert sum(p.stat().st_size for p in files) <= 40_000 + 8_000
     assert writer.current in files
+
+
+def test_serve_record_options_parse() -> None:
+    import argparse
+
+    import pytest
+
+    from extauthz.cli import _size, build_parser, main
+
+    assert _size("500M") == 500 << 20 and _size("2G") == 2 << 30 and _size("4096") == 4096
+    with pytest.raises(argparse.ArgumentTypeError):
+        _size("lots")
+    args = build_parser().parse_args(["serve", "--record", "/tmp/r", "--record-max-bytes", "1M",
+                                      "--record-sample", "0.25"])
+    assert (args.record, args.record_max_bytes, args.record_sample) == ("/tmp/r", 1 << 20, 0.25)
+    assert main(["serve", "--record", "/tmp/r", "--record-sample", "0"]) == 2
