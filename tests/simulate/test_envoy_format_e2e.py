@@ -11,18 +11,17 @@ import yaml
 
 from extauthz.cli import main
 from extauthz.devtools.client import HttpClient
-from extauthz.devtools.envoy import EnvoyProcess, render_config
+from extauthz.devtools.envoy_config import config_path, render_config
+from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.upstream import start_upstream
 from extauthz.simulate.traffic import parse_line
-
-from ..conftest import ROOT
 
 pytestmark = pytest.mark.e2e
 
 
 def test_envoy_json_access_log_replays(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     log_path = tmp_path / "traffic.jsonl"
-    item = yaml.safe_load((ROOT / "envoy" / "access-log-json.yaml").read_text())
+    item = yaml.safe_load(config_path("access-log-json.yaml").read_text())  # shipped: envoy/
     assert isinstance(item, list) and len(item) == 1
     item[0]["typed_config"]["path"] = str(log_path)
     with start_upstream() as upstream:
