@@ -259,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "fleet usage, worker utilization) and write a PNG + summary for each into DIR "
                    "(needs the tune extra: matplotlib)")
     p.add_argument("--time-scale", type=float, default=1.0,
-                   help="with --pictures: stretch (>1) or shrink (<1) every duration (default 1: ~40 s)")
+                   help="with --pictures: stretch (>1) or shrink (<1) every duration (default 1: about a minute)")
     return parser
 
 

@@ -7,7 +7,7 @@ generator sends is kept as (time, flow, status); each picture plots requests per
 flow and outcome, with a one-line caption and a summary table.
 
 ``time_scale`` stretches or shrinks every duration (traffic phases, slow requests, the
-worker shedder's controller constants): 1.0 takes about half a minute, the CI smoke test
+worker shedder's controller constants): 1.0 takes about a minute, the CI smoke test
 runs at 0.3 (request rates and the token bucket's rate scale with 1 / time_scale).
 """
 
