@@ -149,9 +149,6 @@ class Recorder:
             first = next(iter(self._pending))
             self._queue_line(self._pending.pop(first)[0], None)
 
-    def store_failed(self, reason: str) -> None:
-        return None
-
     def finished(self, request_id: str, duration: float | None) -> None:
         """The access log reported the request finished (``duration`` in seconds, or None
         when the entry does not say: then the time since its start)."""
