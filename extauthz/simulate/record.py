@@ -3,7 +3,7 @@
 Two hooks feed it, both cheap and on the event loop:
 
 * :meth:`Recorder.decided` (an engine observer) builds the line at the decision: start time
-  (wall clock), hashed identity (never the raw value), plan if the context has one, tier,
+  (wall clock), hashed identity (never the raw value), plan (when the policy has plans), tier,
   method, path (the edge already cut the query), host, the decision (``allowed`` or
   ``refused`` with the refusing ``limiter``, plus ``would_refuse``: shadow limiters that
   would have refused) and the HTTP status. The line waits for its request's end, keyed by
@@ -130,7 +130,7 @@ class Recorder:
         now = self.clock.wall()
         line: Line = {
             "time": round(now, 6), "identity": ctx.identity, "identity_source": ctx.identity_source,
-            "plan": getattr(ctx, "plan", None), "tier": ctx.tier.value, "method": ctx.method,
+            "plan": ctx.plan or None, "tier": ctx.tier.value, "method": ctx.method,
             "path": ctx.path, "host": ctx.host,
             "decision": "allowed" if decision.allowed else "refused",
             "limiter": denied.limiter if denied is not None else None,

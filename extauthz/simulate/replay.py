@@ -188,7 +188,7 @@ class Lane:
             self.series.start = t0
 
     def context(self, req: Request) -> RequestContext:
-        key = (req.identity, req.method, req.path, req.host, req.tier, *req.headers.items())
+        key = (req.identity, req.plan, req.method, req.path, req.host, req.tier, *req.headers.items())
         ctx = self._contexts.get(key)
         if ctx is None:
             if len(self._contexts) >= 1_000_000:
@@ -206,9 +206,17 @@ class Lane:
         if tier is None:  # a recording without a tier: classify like the server would
             ctx = classifier.context(RawRequest(req.method, req.path, req.host, req.headers))
             tier, why = ctx.tier, ctx.tier_source
+        plan, plan_source = "", ""
+        policy = self.policy
+        if policy.plan_sources:  # the recorded plan if the candidate knows it, else its default
+            if req.plan and req.plan in policy.plan_names:
+                plan, plan_source = req.plan, "recorded"
+            else:
+                plan, plan_source = policy.plan_default, "unknown" if req.plan else "default"
         return RequestContext(tier=tier, identity=req.identity, identity_source=req.identity_source,
                               test_mode=tier is Tier.TEST, method=req.method, path=req.path,
-                              host=req.host, tier_source=why, headers=req.headers)
+                              host=req.host, tier_source=why, headers=req.headers, plan=plan,
+                              plan_source=plan_source)
 
     def _sample(self, name: str, t: float) -> None:
         self.clock.set(t)

@@ -67,6 +67,8 @@ class Request:
     identity_source: str = "recorded"
     #: recordings only: what the server decided (``allowed`` or the refusing limiter's name).
     recorded: str | None = None
+    #: recordings only: the plan the server gave the request (policy plans), if any.
+    plan: str | None = None
     #: where the line came from (``file:line``), for messages.
     where: str = ""
 
@@ -161,7 +163,7 @@ def parse_line(obj: Any, where: str) -> Request | str:
     elif decision == "refused":
         recorded = _text(get("limiter")) or "refused"
     return Request(t, method.upper(), path, host, headers, duration, tier, _text(identity),
-                   _text(get("identity_source")) or "recorded", recorded, where)
+                   _text(get("identity_source")) or "recorded", recorded, plan=_text(get("plan")), where=where)
 
 
 class TrafficFile:

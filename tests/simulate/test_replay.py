@@ -294,3 +294,25 @@ def test_report_writes_markdown_and_pngs(tmp_path: Path) -> None:
         data = (report / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
         assert f"]({png})" in md
+
+
+def test_plans_replay_from_recordings_and_from_headers(tmp_path: Path) -> None:
+    """A recording keeps the server's plan; plain lines get theirs from the candidate's rules."""
+    d = tmp_path / "plans"
+    d.mkdir()
+    (d / "p.yaml").write_text(yaml.safe_dump({
+        "version": 1, "identity": [{"header": "x-api-key"}],
+        "plan": {"from": [{"header": "x-plan"}], "default": "free"},
+        "limiters": [{**RATE, "rate": 1, "burst": 10, "plans": {"free": {"burst": 2}, "pro": {"burst": 4}}}]}))
+    rec = [{"time": T0, "identity": ident, "tier": "get", "method": "GET", "path": "/", "plan": plan,
+            "decision": "allowed", "duration": 0.0}
+           for ident, plan in (("aa", "free"), ("bb", "pro"), ("cc", "enterprise"), ("dd", None))
+           for _ in range(5)]
+    s = simulate(tmp_path, d, rec, name="rec.jsonl")
+    # free: 2 of 5 pass; pro: 4 of 5; a plan the candidate does not know, or none: the default (free)
+    assert {row["identity"]: row["refused"] for row in s["top_identities"]} == {"aa": 3, "bb": 1, "cc": 3,
+                                                                              "dd": 3}
+    plain = [{**line(T0, key="k1"), "headers": {"x-api-key": "k1", "x-plan": "pro"}} for _ in range(5)]
+    plain += [{**line(T0, key="k2"), "headers": {"x-api-key": "k2"}} for _ in range(5)]
+    s = simulate(tmp_path, d, plain, name="plain.jsonl")
+    assert s["refused"] == 1 + 3  # k1 on pro (burst 4), k2 on the default plan (free, burst 2)
