@@ -277,7 +277,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "override": cmd_override,
         "simulate": cmd_simulate,
     }[args.command]
-    return handler(args)
+    try:
+        return handler(args)
+    except BrokenPipeError:
+        # `extauthz schema | head`: the reader left; end quietly, as cat and grep do
+        # (stdout to /dev/null so that the interpreter's final flush cannot fail again).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -19,6 +19,18 @@ def test_help_lists_the_subcommands() -> None:
         assert command in out.stdout
 
 
+def test_output_into_a_closed_pipe_ends_without_a_traceback() -> None:
+    # `extauthz schema | head -1`: the reader closes the pipe after one line.
+    with subprocess.Popen([sys.executable, "-m", "extauthz", "schema"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout.readline() == b"{\n"
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=60) == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
 def test_check_policies_ok(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check-policies", str(ROOT / "policies")]) == 0
     out = capsys.readouterr().out
