@@ -40,9 +40,11 @@ def _size(text: str) -> int:
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("serve", help="run the ext_authz gRPC server",
-                       description="Run the Envoy ext_authz gRPC server. Every option also "
-                       "reads an EXTAUTHZ_* environment variable (shown in brackets).")
+    p = sub.add_parser("serve", help="run the ext_authz gRPC server (and, with --http-listen, "
+                       "the HTTP authorization port)",
+                       description="Run the Envoy ext_authz gRPC server (and, with --http-listen, "
+                       "the HTTP authorization port). Every option also reads an EXTAUTHZ_* "
+                       "environment variable (shown in brackets).")
     p.add_argument("--policies", nargs="+", default=(_env("POLICIES") or "policies").split(","),
                    help="policy file(s) or directory [EXTAUTHZ_POLICIES, comma-separated; default policies/]")
     p.add_argument("--listen", default=_env("LISTEN", "0.0.0.0:9001"),
@@ -240,16 +242,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"extauthz {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)
-    p = sub.add_parser("check-policies", help="validate policy files or directories (exit 1 on error)")
+    text = ("validate policy files or directories: errors name file, line and field; "
+            "exit 1 on error")
+    p = sub.add_parser("check-policies", help=text, description=text)
     p.add_argument("paths", nargs="+", help="a policy file or a directory (one policy per argument)")
-    sub.add_parser("schema", help="print the policy JSON Schema")
-    p = sub.add_parser("envoy-allowed-headers", help="print the ext_authz allowed_headers list the "
-                       "HTTP protocol needs for a policy (docs/http.md)")
+    text = "print the policy JSON Schema (also docs/policy.schema.json)"
+    sub.add_parser("schema", help=text, description=text)
+    text = ("print the ext_authz allowed_headers list the HTTP protocol needs for a policy "
+            "(docs/http.md)")
+    p = sub.add_parser("envoy-allowed-headers", help=text, description=text)
     p.add_argument("policies", nargs="+", help="policy file(s) or directory")
     add_ops_parsers(sub)
     add_simulate_parser(sub)
-    p = sub.add_parser("demo", help="quick start: Envoy + server + upstream on this machine, "
-                       "a burst of traffic per tier, and a summary")
+    text = ("quick start: Envoy + server + upstream on this machine, a burst of traffic per "
+            "tier, and a summary")
+    p = sub.add_parser("demo", help=text, description=text)
     p.add_argument("--policies", nargs="+", default=None, help="policy to demo (default: the packaged demo policy)")
     p.add_argument("--protocol", choices=("grpc", "http"), default="grpc",
                    help="Envoy's authorization protocol: gRPC (envoy/envoy.yaml) or HTTP "

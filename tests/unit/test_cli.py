@@ -31,6 +31,16 @@ def test_output_into_a_closed_pipe_ends_without_a_traceback() -> None:
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
 
 
+def test_every_subcommand_help_says_what_it_does() -> None:
+    # `extauthz COMMAND --help` opens with a description, not a bare usage line.
+    for command in ("serve", "check-policies", "schema", "envoy-allowed-headers", "demo",
+                    "switch", "report", "status", "override"):
+        out = subprocess.run([sys.executable, "-m", "extauthz", command, "--help"],
+                             capture_output=True, text=True, check=True).stdout
+        blocks = out.split("\n\n")
+        assert not blocks[1].startswith(("positional arguments", "options")), (command, out)
+
+
 def test_check_policies_ok(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check-policies", str(ROOT / "policies")]) == 0
     out = capsys.readouterr().out
