@@ -4,6 +4,7 @@ and both ports of one server sharing one engine."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -169,3 +170,29 @@ async def test_a_bug_of_ours_answers_500_and_the_server_goes_on(server: Server,
     monkeypatch.undo()
     assert statuses(await exchange(server.http_port, request(extra="connection: close\r\n"))) == [200]
     assert server.http is not None and server.http.rejected.get("internal") == 1
+
+
+async def test_a_connection_that_never_speaks_is_cut_off(server: Server) -> None:
+    raw = await exchange(server.http_port, b"", wait=5.0)
+    assert statuses(raw) == [408] and not raw.endswith(b"<timeout>")
+    assert server.http is not None and server.http.rejected.get("header_timeout") == 1
+
+
+async def test_an_idle_connection_flood_is_bounded(server: Server) -> None:
+    assert server.http is not None
+    server.http.limits = dataclasses.replace(server.http.limits, max_connections=3, header_timeout=30.0)
+    idle = [await asyncio.open_connection("127.0.0.1", server.http_port) for _ in range(3)]
+    for _ in range(50):  # the three are accepted (the count is taken when the server sees them)
+        if len(server.http.connections) == 3:
+            break
+        await asyncio.sleep(0.02)
+    assert len(server.http.connections) == 3
+    assert await exchange(server.http_port, request()) == b""  # closed at once, unanswered
+    assert server.http.rejected.get("too_many_connections") == 1
+    for _, writer in idle:
+        writer.close()
+    for _ in range(50):
+        if not server.http.connections:
+            break
+        await asyncio.sleep(0.02)
+    assert statuses(await exchange(server.http_port, request(extra="connection: close\r\n"))) == [200]
