@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import socket
+import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -196,3 +199,45 @@ async def test_an_idle_connection_flood_is_bounded(server: Server) -> None:
             break
         await asyncio.sleep(0.02)
     assert statuses(await exchange(server.http_port, request(extra="connection: close\r\n"))) == [200]
+
+
+async def test_a_chunked_body_is_skipped_and_the_connection_stays_in_sync(server: Server) -> None:
+    burst = (b"POST /v1/x HTTP/1.1\r\nhost: a\r\nx-api-key: sk_live_ch\r\ntransfer-encoding: chunked\r\n\r\n"
+             b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+             + request(key="sk_live_ch", extra="connection: close\r\n"))
+    raw = await exchange(server.http_port, burst)
+    assert statuses(raw) == [200, 200] and not raw.endswith(b"<timeout>")
+    assert b"ratelimit: \"user-rate\";r=1;" in raw  # both were read as the same user's requests
+
+
+async def test_non_ascii_header_bytes_and_duplicate_headers_are_answered(server: Server) -> None:
+    # obs-text in a header value is legal HTTP/1.1: read as latin-1; a repeated header is joined
+    raw = await exchange(server.http_port,
+                         b"GET /v1/x HTTP/1.1\r\nhost: a\r\nx-api-key: sk_live_\xff\xfe\r\n\r\n"
+                         + request(key="sk_live_d1", extra="x-api-key: sk_live_d2\r\nconnection: close\r\n"))
+    assert statuses(raw) == [200, 200] and not raw.endswith(b"<timeout>")
+    assert server.http is not None and server.http.rejected == {}
+    # raw non-ASCII in the request target is not (Envoy percent-encodes it): 400 and closed
+    raw = await exchange(server.http_port, b"GET /v1/\xc3\xa9 HTTP/1.1\r\nhost: a\r\n\r\n")
+    assert statuses(raw) == [400] and not raw.endswith(b"<timeout>")
+    assert statuses(await exchange(server.http_port, request(extra="connection: close\r\n"))) == [200]
+
+
+async def test_a_client_closing_mid_answer_leaves_the_server_serving(server: Server,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    for _ in range(5):
+        _, writer = await asyncio.open_connection("127.0.0.1", server.http_port)
+        writer.write(request(key="sk_live_gone") * 20)
+        await writer.drain()
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST
+        writer.close()
+    last = request(key="sk_live_next", extra="connection: close\r\n")
+    assert statuses(await exchange(server.http_port, last)) == [200]
+    assert server.http is not None
+    for _ in range(50):
+        if not server.http.connections:
+            break
+        await asyncio.sleep(0.02)
+    assert not server.http.connections
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
