@@ -350,6 +350,10 @@ class _Connection(asyncio.Protocol):
         self.header_started: float | None = None
         self.paused = False
         self.write_paused = False
+        #: a protocol error was met: the answers owed are sent, then the connection closed;
+        #: bytes arriving meanwhile are read and dropped unparsed (not left unread: closing
+        #: with unread bytes resets the connection, which can destroy the answers in flight)
+        self.failed = False
         self.closed = False
         # the request being parsed
         self._url = b""
@@ -384,7 +388,7 @@ class _Connection(asyncio.Protocol):
             self._resume()
 
     def data_received(self, data: bytes) -> None:
-        if self.closed:
+        if self.closed or self.failed:
             return
         self.last_active = self.loop.time()
         try:
@@ -513,11 +517,11 @@ class _Connection(asyncio.Protocol):
 
     def _fail(self, status: int, reason: str) -> None:
         """Answer a protocol error (status 0: none) after the answers already owed, then close."""
-        self.front.reject(reason)
         self.header_started = None
-        if self.transport is None or self.closed:
+        if self.transport is None or self.closed or self.failed:
             return
-        self._pause()
+        self.failed = True
+        self.front.reject(reason)
         if self.task is None:
             self._fail_now(status)
         else:  # answers owed first: queue the error behind them

@@ -10,6 +10,7 @@ import socket
 import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -241,3 +242,37 @@ async def test_a_client_closing_mid_answer_leaves_the_server_serving(server: Ser
         await asyncio.sleep(0.02)
     assert not server.http.connections
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_after_a_protocol_error_nothing_more_is_read(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The answers owed before a 400 are still sent; bytes arriving meanwhile are dropped,
+    neither parsed (a second error) nor answered, and the answers arrive intact."""
+    decide = server.engine.decide
+    gate = asyncio.Event()
+    calls = 0
+
+    async def gated(ctx: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            await gate.wait()
+        return await decide(ctx)
+
+    monkeypatch.setattr(server.engine, "decide", gated)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.http_port)
+    writer.write(request(key="sk_live_e1") + request(key="sk_live_e2") + b"NOT-HTTP\r\n\r\n")
+    await writer.drain()
+    for _ in range(100):
+        if calls == 2:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)  # the first answer written; the second decision waiting
+    writer.write(b"MORE-GARBAGE\r\n\r\n")
+    await writer.drain()
+    await asyncio.sleep(0.1)
+    gate.set()
+    async with asyncio.timeout(5):
+        raw = await reader.read(-1)
+    writer.close()
+    assert statuses(raw) == [200, 200, 400]
+    assert server.http is not None and server.http.rejected == {"bad_request": 1}
