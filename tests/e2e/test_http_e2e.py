@@ -166,9 +166,11 @@ def test_server_down_fails_open(tmp_path: Path) -> None:
     with Stack([write_policy(tmp_path / "p")], protocol="http") as s, HttpClient() as c:
         assert s.server is not None
         s.server.stop()
-        r = c.send(s.url + "/v1/rate/x", headers={"x-api-key": "sk_live_down"})
+        r = c.send(s.url + "/v1/rate/x", headers={"x-api-key": "sk_live_down", "x-extauthz-tier": "critical"})
         assert r.status == 200
         assert echoed(r).get("x-envoy-auth-failure-mode-allowed") == "true"
+        # failing open sets no tier, and a client's own copy never reaches the upstream
+        assert "x-extauthz-tier" not in echoed(r)
 
 
 # ---- identity from a JWT verified by Envoy (jwt_authn forward_payload_header) -----------
