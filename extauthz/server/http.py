@@ -11,7 +11,9 @@ The parser is httptools (llhttp). Chosen over uvicorn's httptools server by meas
 
 Bounds (a misbehaving client gets a 4xx or a closed connection, never a crash): request line
 plus headers at most ``max_header_bytes`` and ``max_headers`` (431), a request whose headers
-do not complete within ``header_timeout`` (408, closed), bad syntax (400, closed), an upgrade
+do not complete within ``header_timeout`` of their first byte, or a new connection's first
+request within ``header_timeout`` of the connection (408, closed), more than ``max_connections``
+open (the new one closed), bad syntax (400, closed), an upgrade
 (the check is answered, then the connection closed), at most ``max_pipelined`` requests
 waiting per connection (reading pauses), and reading pauses while the client does not read
 our answers. The request body is never kept.
@@ -84,6 +86,9 @@ class HttpLimits:
     idle_timeout: float = 3600.0
     #: requests read ahead of their answers on one connection before reading pauses.
     max_pipelined: int = 32
+    #: open connections at once; one more is closed at once, unanswered (Envoy keeps a few
+    #: per worker; an idle-connection flood must not hold sockets and memory without bound).
+    max_connections: int = 4096
 
 
 def allowed_headers(needed: Iterable[str]) -> list[str]:
@@ -345,6 +350,10 @@ class _Connection(asyncio.Protocol):
         self.header_started: float | None = None
         self.paused = False
         self.write_paused = False
+        #: a protocol error was met: the answers owed are sent, then the connection closed;
+        #: bytes arriving meanwhile are read and dropped unparsed (not left unread: closing
+        #: with unread bytes resets the connection, which can destroy the answers in flight)
+        self.failed = False
         self.closed = False
         # the request being parsed
         self._url = b""
@@ -355,7 +364,15 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if len(self.front.connections) >= self.limits.max_connections:
+            self.front.reject("too_many_connections")
+            self.closed = True
+            transport.close()
+            return
         self.front.connections.add(self)
+        # the first request's headers are due within header_timeout of the connection (a
+        # client that connects and never speaks would otherwise hold it for idle_timeout)
+        self.header_started = self.last_active
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -371,7 +388,7 @@ class _Connection(asyncio.Protocol):
             self._resume()
 
     def data_received(self, data: bytes) -> None:
-        if self.closed:
+        if self.closed or self.failed:
             return
         self.last_active = self.loop.time()
         try:
@@ -500,11 +517,11 @@ class _Connection(asyncio.Protocol):
 
     def _fail(self, status: int, reason: str) -> None:
         """Answer a protocol error (status 0: none) after the answers already owed, then close."""
-        self.front.reject(reason)
         self.header_started = None
-        if self.transport is None or self.closed:
+        if self.transport is None or self.closed or self.failed:
             return
-        self._pause()
+        self.failed = True
+        self.front.reject(reason)
         if self.task is None:
             self._fail_now(status)
         else:  # answers owed first: queue the error behind them

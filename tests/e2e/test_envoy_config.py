@@ -131,7 +131,7 @@ def test_shipped_http_config_states_fail_open_shed_mapper_and_lease_metadata() -
     names = [f["name"] for f in hcm["http_filters"]]
     assert names.index("extauthz.strip-route-tier") < names.index("extauthz.route-tier") < names.index(EXT_AUTHZ_FILTER)
     strip = hcm["http_filters"][0]["typed_config"]["mutations"]["request_mutations"]
-    assert strip == [{"remove": ROUTE_TIER_HEADER}, {"remove": "x-jwt-payload"}]
+    assert strip == [{"remove": ROUTE_TIER_HEADER}, {"remove": "x-jwt-payload"}, {"remove": "x-extauthz-tier"}]
 
 
 def test_shipped_config_states_fail_open_and_route_metadata() -> None:

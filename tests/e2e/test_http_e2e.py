@@ -166,9 +166,11 @@ def test_server_down_fails_open(tmp_path: Path) -> None:
     with Stack([write_policy(tmp_path / "p")], protocol="http") as s, HttpClient() as c:
         assert s.server is not None
         s.server.stop()
-        r = c.send(s.url + "/v1/rate/x", headers={"x-api-key": "sk_live_down"})
+        r = c.send(s.url + "/v1/rate/x", headers={"x-api-key": "sk_live_down", "x-extauthz-tier": "critical"})
         assert r.status == 200
         assert echoed(r).get("x-envoy-auth-failure-mode-allowed") == "true"
+        # failing open sets no tier, and a client's own copy never reaches the upstream
+        assert "x-extauthz-tier" not in echoed(r)
 
 
 # ---- identity from a JWT verified by Envoy (jwt_authn forward_payload_header) -----------
@@ -233,3 +235,14 @@ def test_jwt_payload_forwarded_by_jwt_authn_names_the_user(tmp_path: Path) -> No
         # a token Envoy cannot verify never reaches the server
         other = Issuer(kid="test")
         assert send({"authorization": f"Bearer {other.token('alice')}"}) == 401
+
+
+def test_client_sent_identity_headers_are_stripped(stack: Stack, client: HttpClient) -> None:
+    # on a plaintext listener Envoy sanitizes a client's x-forwarded-client-cert and the first
+    # filter removes x-jwt-payload: neither reaches the upstream (nor the check built from the
+    # same headers)
+    forged = {"x-api-key": "sk_live_xf", "x-forwarded-client-cert": "URI=spiffe://cluster.local/ns/a/sa/admin",
+              "x-jwt-payload": "eyJzdWIiOiJib2IifQ"}
+    r = client.send(stack.url + "/v1/customers", headers=forged)
+    assert r.status == 200
+    assert "x-forwarded-client-cert" not in echoed(r) and "x-jwt-payload" not in echoed(r)

@@ -46,8 +46,24 @@ def test_http_provider_matches_the_shipped_envoy_config() -> None:
 
 def test_http_envoyfilter_adds_lease_metadata_and_the_503_mapper() -> None:
     [envoy_filter] = [d for d in yaml.safe_load_all((ISTIO / "envoyfilter-http.yaml").read_text()) if d]
-    patches = {p["applyTo"]: p["patch"]["value"]["typed_config"] for p in envoy_filter["spec"]["configPatches"]}
+    patches = {p["applyTo"]: p["patch"]["value"]["typed_config"] for p in envoy_filter["spec"]["configPatches"]
+               if p["patch"]["operation"] == "MERGE"}
     hcm, ext = shipped()
     got = patches["HTTP_FILTER"]["http_service"]["authorization_response"]["dynamic_metadata_from_headers"]
     assert got == ext["http_service"]["authorization_response"]["dynamic_metadata_from_headers"]
     assert patches["NETWORK_FILTER"]["local_reply_config"] == hcm["local_reply_config"]
+
+
+def test_http_envoyfilter_strips_client_copies_before_jwt_authn_and_ext_authz() -> None:
+    """What envoy-http.yaml's first filter removes, except the route tier (Istio sets none and
+    does not send it): a client's x-jwt-payload would otherwise name any user whenever a
+    request carries no token, and a client's x-extauthz-tier reach the upstream on fail-open."""
+    [envoy_filter] = [d for d in yaml.safe_load_all((ISTIO / "envoyfilter-http.yaml").read_text()) if d]
+    first = [p for p in envoy_filter["spec"]["configPatches"]
+             if p["applyTo"] == "HTTP_FILTER" and p["patch"]["operation"] == "INSERT_FIRST"]
+    assert len(first) == 1 and first[0]["match"]["context"] == "GATEWAY"
+    removed = [m["remove"] for m in first[0]["patch"]["value"]["typed_config"]["mutations"]["request_mutations"]]
+    hcm, _ = shipped()
+    strip = next(f for f in hcm["http_filters"] if f["name"] == "extauthz.strip-route-tier")
+    shipped_removed = [m["remove"] for m in strip["typed_config"]["mutations"]["request_mutations"]]
+    assert removed == [h for h in shipped_removed if h != "x-extauthz-route-tier"]

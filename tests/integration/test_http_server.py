@@ -4,8 +4,13 @@ and both ports of one server sharing one engine."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
+import socket
+import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -169,3 +174,105 @@ async def test_a_bug_of_ours_answers_500_and_the_server_goes_on(server: Server,
     monkeypatch.undo()
     assert statuses(await exchange(server.http_port, request(extra="connection: close\r\n"))) == [200]
     assert server.http is not None and server.http.rejected.get("internal") == 1
+
+
+async def test_a_connection_that_never_speaks_is_cut_off(server: Server) -> None:
+    raw = await exchange(server.http_port, b"", wait=5.0)
+    assert statuses(raw) == [408] and not raw.endswith(b"<timeout>")
+    assert server.http is not None and server.http.rejected.get("header_timeout") == 1
+
+
+async def test_an_idle_connection_flood_is_bounded(server: Server) -> None:
+    assert server.http is not None
+    server.http.limits = dataclasses.replace(server.http.limits, max_connections=3, header_timeout=30.0)
+    idle = [await asyncio.open_connection("127.0.0.1", server.http_port) for _ in range(3)]
+    for _ in range(50):  # the three are accepted (the count is taken when the server sees them)
+        if len(server.http.connections) == 3:
+            break
+        await asyncio.sleep(0.02)
+    assert len(server.http.connections) == 3
+    assert await exchange(server.http_port, request()) == b""  # closed at once, unanswered
+    assert server.http.rejected.get("too_many_connections") == 1
+    for _, writer in idle:
+        writer.close()
+    for _ in range(50):
+        if not server.http.connections:
+            break
+        await asyncio.sleep(0.02)
+    assert statuses(await exchange(server.http_port, request(extra="connection: close\r\n"))) == [200]
+
+
+async def test_a_chunked_body_is_skipped_and_the_connection_stays_in_sync(server: Server) -> None:
+    burst = (b"POST /v1/x HTTP/1.1\r\nhost: a\r\nx-api-key: sk_live_ch\r\ntransfer-encoding: chunked\r\n\r\n"
+             b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+             + request(key="sk_live_ch", extra="connection: close\r\n"))
+    raw = await exchange(server.http_port, burst)
+    assert statuses(raw) == [200, 200] and not raw.endswith(b"<timeout>")
+    assert b"ratelimit: \"user-rate\";r=1;" in raw  # both were read as the same user's requests
+
+
+async def test_non_ascii_header_bytes_and_duplicate_headers_are_answered(server: Server) -> None:
+    # obs-text in a header value is legal HTTP/1.1: read as latin-1; a repeated header is joined
+    raw = await exchange(server.http_port,
+                         b"GET /v1/x HTTP/1.1\r\nhost: a\r\nx-api-key: sk_live_\xff\xfe\r\n\r\n"
+                         + request(key="sk_live_d1", extra="x-api-key: sk_live_d2\r\nconnection: close\r\n"))
+    assert statuses(raw) == [200, 200] and not raw.endswith(b"<timeout>")
+    assert server.http is not None and server.http.rejected == {}
+    # raw non-ASCII in the request target is not (Envoy percent-encodes it): 400 and closed
+    raw = await exchange(server.http_port, b"GET /v1/\xc3\xa9 HTTP/1.1\r\nhost: a\r\n\r\n")
+    assert statuses(raw) == [400] and not raw.endswith(b"<timeout>")
+    assert statuses(await exchange(server.http_port, request(extra="connection: close\r\n"))) == [200]
+
+
+async def test_a_client_closing_mid_answer_leaves_the_server_serving(server: Server,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    for _ in range(5):
+        _, writer = await asyncio.open_connection("127.0.0.1", server.http_port)
+        writer.write(request(key="sk_live_gone") * 20)
+        await writer.drain()
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST
+        writer.close()
+    last = request(key="sk_live_next", extra="connection: close\r\n")
+    assert statuses(await exchange(server.http_port, last)) == [200]
+    assert server.http is not None
+    for _ in range(50):
+        if not server.http.connections:
+            break
+        await asyncio.sleep(0.02)
+    assert not server.http.connections
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_after_a_protocol_error_nothing_more_is_read(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The answers owed before a 400 are still sent; bytes arriving meanwhile are dropped,
+    neither parsed (a second error) nor answered, and the answers arrive intact."""
+    decide = server.engine.decide
+    gate = asyncio.Event()
+    calls = 0
+
+    async def gated(ctx: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            await gate.wait()
+        return await decide(ctx)
+
+    monkeypatch.setattr(server.engine, "decide", gated)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.http_port)
+    writer.write(request(key="sk_live_e1") + request(key="sk_live_e2") + b"NOT-HTTP\r\n\r\n")
+    await writer.drain()
+    for _ in range(100):
+        if calls == 2:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)  # the first answer written; the second decision waiting
+    writer.write(b"MORE-GARBAGE\r\n\r\n")
+    await writer.drain()
+    await asyncio.sleep(0.1)
+    gate.set()
+    async with asyncio.timeout(5):
+        raw = await reader.read(-1)
+    writer.close()
+    assert statuses(raw) == [200, 200, 400]
+    assert server.http is not None and server.http.rejected == {"bad_request": 1}
