@@ -27,10 +27,14 @@ def _env(runtime: Path) -> dict[str, str]:
     return {**env, "XDG_RUNTIME_DIR": str(runtime), "EXTAUTHZ_LOG_FORMAT": "text"}
 
 
-def _serve(runtime: Path, *args: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "extauthz", "serve", "--policies", str(ROOT / "policies"),
-                             *args], env=_env(runtime), stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+def _serve(runtime: Path, *args: str, output: Path | None = None) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "extauthz", "serve", "--policies", str(ROOT / "policies"), *args]
+    if output is not None:
+        with output.open("wb") as out:
+            return subprocess.Popen(cmd, env=_env(runtime), stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, env=_env(runtime), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
 
 
 def _cli(runtime: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -66,12 +70,19 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
 
 def test_two_servers_with_only_listen_given_both_start_and_answer(
         tmp_path: Path, processes: list[subprocess.Popen[bytes]]) -> None:
-    ports = [free_port(), free_port()]
-    for port in ports:
-        processes.append(_serve(tmp_path, "--listen", f"127.0.0.1:{port}"))
-    for port, proc in zip(ports, processes, strict=True):
-        wait_for_health(port, 30, proc)
+    # One after the other: a port is picked only once the previous server holds its ports, so
+    # free_port() cannot hand out a port that the first server's OS-chosen admin port takes
+    # meanwhile. Each server's output goes to a file that a start failure shows.
+    ports: list[int] = []
+    for i in range(2):
+        port = free_port()
+        log = tmp_path / f"serve-{i}.log"
+        processes.append(_serve(tmp_path, "--listen", f"127.0.0.1:{port}", output=log))
+        wait_for_health(port, 30, processes[-1], log)
         assert _check(port, "sk_live_a").status.code == 0
+        ports.append(port)
+    for port in ports:  # both still answer
+        assert _check(port, "sk_live_b").status.code == 0
     urls = [(tmp_path / "extauthz" / f"admin-{p}.url").read_text().strip() for p in ports]
     assert urls[0] != urls[1] and all(u.startswith("http://127.0.0.1:") for u in urls)
     # the operator commands reach each server by the --listen it was started with
