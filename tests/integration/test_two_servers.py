@@ -4,6 +4,7 @@ taken still fails the start with a clear message."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -29,12 +30,10 @@ def _env(runtime: Path) -> dict[str, str]:
 
 def _serve(runtime: Path, *args: str, output: Path | None = None) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "extauthz", "serve", "--policies", str(ROOT / "policies"), *args]
-    if output is not None:
-        with output.open("wb") as out:
-            return subprocess.Popen(cmd, env=_env(runtime), stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT)
-    return subprocess.Popen(cmd, env=_env(runtime), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    with contextlib.ExitStack() as files:  # the child keeps its own copy of the log file
+        out = files.enter_context(output.open("wb")) if output is not None else subprocess.PIPE
+        return subprocess.Popen(cmd, env=_env(runtime), stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT)
 
 
 def _cli(runtime: Path, *args: str) -> subprocess.CompletedProcess[str]:
