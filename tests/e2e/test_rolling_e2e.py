@@ -157,13 +157,20 @@ def test_rolling_replacement_loses_no_request_and_leaks_no_lease(
             assert old.proc is not None
             old.proc.send_signal(signal.SIGTERM)     # NOT_SERVING, drain, exit
             assert old.proc.wait(30) == 0, old.log()[-2000:]
-            load.wait_for(600)                       # only the new server now
+            # only the new server now: long enough for two access-log flushes, so the leases
+            # taken in this phase are released through the new server and taken again
+            admitted_before = load.statuses[200]
+            since = time.monotonic()
+            load.wait_for(600)
+            while time.monotonic() - since < 2 * DEFAULT_FLUSH_INTERVAL + 0.5:
+                time.sleep(0.05)
+            admitted_after = load.statuses[200] - admitted_before
         stats = envoy.stats(r"ext_authz\.")
         fail_open = stats.get(STAT_PREFIX + "ext_authz.failure_mode_allowed", 0)
         errors = stats.get(STAT_PREFIX + "ext_authz.error", 0)
         print(f"\nrolling replacement: {load.sent} requests, statuses {dict(load.statuses)}, "
               f"refused by {dict(load.refused_by)}, ext_authz ok {stats.get(STAT_PREFIX + 'ext_authz.ok', 0)}, "
-              f"error {errors}, failure_mode_allowed {fail_open}")
+              f"error {errors}, failure_mode_allowed {fail_open}, admitted after the old server left {admitted_after}")
         # Check calls that failed (the one to three Envoy sends in the instant the old server's
         # gRPC stop begins: Envoy's debug log shows them answered trailers-only, an error status,
         # at the GOAWAY) were let through by failOpen, not refused (403/503)
@@ -171,7 +178,11 @@ def test_rolling_replacement_loses_no_request_and_leaks_no_lease(
         assert load.errors == [], load.errors[:5]
         assert load.unexpected == [], load.unexpected[:5]
         assert set(load.statuses) <= {200, 429}
-        assert load.statuses[200] > load.sent // 2
+        # Each user holds at most LIMIT leases until the next flush releases them, so how many
+        # requests are admitted depends on the machine's speed, not on correctness. What does not:
+        # with releases working, every user is admitted again after each flush of the last phase;
+        # with leaked leases (60 s TTL), no user gets more than LIMIT admissions in it.
+        assert admitted_after > USERS * LIMIT, (admitted_after, dict(load.statuses))
         assert "NOT_SERVING" in old.log()
         # the new server took the traffic after the old one left (its decision log has denials)
         assert '"status":429' in new.log()
