@@ -429,7 +429,9 @@ class _Connection(asyncio.Protocol):
         key = name.decode("latin-1").lower()
         text = value.decode("latin-1")
         prior = headers.get(key)
-        headers[key] = text if prior is None else f"{prior}, {text}"
+        # repeated headers joined with "," as Envoy joins them in a gRPC CheckRequest, so one
+        # client is one identity on either front door
+        headers[key] = text if prior is None else f"{prior},{text}"
 
     def on_headers_complete(self) -> None:
         self.header_started = None

@@ -86,6 +86,16 @@ async def test_a_body_is_skipped_and_the_next_request_still_parsed(server: Serve
     assert b"ratelimit: \"user-rate\";r=1;" in raw  # the same user's second token
 
 
+async def test_repeated_headers_are_joined_as_envoy_joins_them_for_grpc(server: Server) -> None:
+    # Envoy's gRPC CheckRequest merges a repeated header into one value joined with ",": the
+    # same client must be the same identity (the same bucket) on the HTTP port.
+    repeated = request(key="sk_live_j1", extra="x-api-key: sk_live_j2\r\n")
+    joined = request(key="sk_live_j1,sk_live_j2", extra="connection: close\r\n")
+    raw = await exchange(server.http_port, repeated + joined)
+    assert statuses(raw) == [200, 200]
+    assert b"ratelimit: \"user-rate\";r=1;" in raw  # the second request took the same bucket's token
+
+
 async def test_the_fourth_request_is_refused_with_problem_json(server: Server) -> None:
     last = request(key="sk_live_r", extra="connection: close\r\n")
     raw = await exchange(server.http_port, request(key="sk_live_r") * 3 + last)
