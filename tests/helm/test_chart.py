@@ -36,7 +36,7 @@ FULL_VALUES: dict[str, Any] = {
     "replicaCount": 3,
     "redis": {"existingSecret": "extauthz-redis", "existingSecretKey": "url"},
     "identitySalt": {"value": "s3cret-salt"},
-    "server": {"workers": 2, "logLevel": "debug"},
+    "server": {"workers": 2, "logLevel": "debug", "httpPort": 9005},
     "extraEnv": [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": "http://otel-collector:4317"}],
     "podDisruptionBudget": {"enabled": True},
     "autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 12},
@@ -45,6 +45,7 @@ FULL_VALUES: dict[str, Any] = {
         "enabled": True,
         "grpcFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "istio-system"}}}],
         "metricsFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+        "httpFrom": [{"podSelector": {"matchLabels": {"app": "front-envoy"}}}],
         "egress": [{"ports": [{"port": 6379, "protocol": "TCP"}]}, {"ports": [{"port": 53, "protocol": "UDP"}]}],
     },
     "service": {"headless": True},
@@ -182,17 +183,28 @@ def test_service_monitor_scrapes_the_metrics_port(full_objects: list[dict[str, A
     assert [(e["port"], e["path"]) for e in monitor["spec"]["endpoints"]] == [
         ("metrics", "/metrics"), ("metrics-w1", "/metrics")]
     service_ports = {p["name"]: p["port"] for p in by_kind(full_objects, "Service")["spec"]["ports"]}
-    assert service_ports == {"grpc": 9001, "metrics": 9464, "metrics-w1": 9465}
+    assert service_ports == {"grpc": 9001, "http": 9005, "metrics": 9464, "metrics-w1": 9465}
     container_ports = {p["name"]: p["containerPort"] for p in container(full_objects)["ports"]}
     assert container_ports == service_ports
 
 
-def test_network_policy_opens_only_grpc_and_metrics(full_objects: list[dict[str, Any]]) -> None:
+def test_network_policy_opens_only_grpc_http_and_metrics(full_objects: list[dict[str, Any]]) -> None:
     spec = by_kind(full_objects, "NetworkPolicy")["spec"]
     assert spec["policyTypes"] == ["Ingress", "Egress"]
     ports = [p["port"] for rule in spec["ingress"] for p in rule["ports"]]
-    assert ports == ["grpc", "metrics", "metrics-w1"]
+    assert ports == ["grpc", "http", "metrics", "metrics-w1"]
     assert spec["ingress"][0]["from"] == FULL_VALUES["networkPolicy"]["grpcFrom"]
+    assert spec["ingress"][1]["from"] == FULL_VALUES["networkPolicy"]["httpFrom"]
+
+
+def test_http_port_is_off_by_default_and_exposed_when_set(default_objects: Objects, full_objects: Objects) -> None:
+    assert "EXTAUTHZ_HTTP_LISTEN" not in env_of(container(default_objects))
+    assert "http" not in [p["name"] for p in by_kind(default_objects, "Service")["spec"]["ports"]]
+    main = container(full_objects)
+    assert env_of(main)["EXTAUTHZ_HTTP_LISTEN"]["value"] == "0.0.0.0:9005"
+    assert {"name": "http", "containerPort": 9005, "protocol": "TCP"} in main["ports"]
+    service = {p["name"]: p for p in by_kind(full_objects, "Service")["spec"]["ports"]}
+    assert (service["http"]["port"], service["http"]["targetPort"]) == (9005, "http")
 
 
 # -- the points that matter for this server -------------------------------------------------------
@@ -266,7 +278,7 @@ def test_admin_port_is_never_exposed(name: str, request: pytest.FixtureRequest) 
     admin_port = int(admin.rsplit(":", 1)[1])
     ports = by_kind(objects, "Service")["spec"]["ports"]
     assert {(p["name"], p["port"]) for p in ports} >= {("grpc", 9001), ("metrics", 9464)}
-    assert {p["name"] for p in ports} <= {"grpc", "metrics", "metrics-w1"}
+    assert {p["name"] for p in ports} <= {"grpc", "http", "metrics", "metrics-w1"}
     assert admin_port not in {p["port"] for p in ports}
     assert "admin" not in {p["name"] for p in ports}
     assert admin_port not in {p["containerPort"] for p in main["ports"]}
@@ -405,6 +417,9 @@ def test_metrics_can_be_turned_off(chart: Any) -> None:
     ({"policies": None}, "existingPolicyConfigMap"),
     ({"server": {"workers": 2}}, "shared store"),
     ({"redis": {"url": "redis://r:6379"}, "server": {"workers": 4, "grpcPort": 9466}}, "outside the metrics ports"),
+    ({"server": {"httpPort": 9005}, "tls": {"existingSecret": "t"}}, "httpPort is plaintext"),
+    ({"server": {"httpPort": 9001}}, "httpPort must differ"),
+    ({"server": {"httpPort": 9464}}, "httpPort must lie outside the metrics ports"),
 ])
 def test_impossible_combinations_fail_to_render(chart: Any, values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm.HelmError, match=message):

@@ -134,4 +134,16 @@ Metrics ports as a JSON list of {name, port}: worker i listens on metrics.port +
 {{- if and .Values.metrics.enabled (le $metrics $grpc) (lt $grpc (add $metrics (include "extauthz.workers" . | int))) }}
 {{- fail "server.grpcPort must lie outside the metrics ports (metrics.port .. metrics.port + workers - 1)" }}
 {{- end }}
+{{- with .Values.server.httpPort }}
+{{- $http := int . }}
+{{- if $.Values.tls.existingSecret }}
+{{- fail "server.httpPort is plaintext: with tls on (outside a mesh) it would carry API keys in the clear; use the grpc port" }}
+{{- end }}
+{{- if eq $http $grpc }}
+{{- fail "server.httpPort must differ from server.grpcPort" }}
+{{- end }}
+{{- if and $.Values.metrics.enabled (le $metrics $http) (lt $http (add $metrics (include "extauthz.workers" $ | int))) }}
+{{- fail "server.httpPort must lie outside the metrics ports (metrics.port .. metrics.port + workers - 1)" }}
+{{- end }}
+{{- end }}
 {{- end }}
