@@ -6,8 +6,10 @@ makes clients present a certificate signed by that CA (mTLS), checked in the han
 Rotation: gRPC's dynamic server credentials call :meth:`CertificateReloader.fetch` at every
 new handshake. It compares the files' (inode, size, mtime) with the last look (a stat per
 new connection; Envoy keeps its connections open) and, when they changed, loads and checks
-them: the key must match the certificate and every file must parse. A bad set (half-written,
-mismatched, unreadable) keeps the last good certificate, is logged once per change and
+them: the key must match the certificate, every file must parse and the certificate must not
+have expired (its notAfter; notBefore is not checked, so a node's clock a little behind the
+issuer's does not refuse a fresh certificate). A bad set (half-written, mismatched,
+unreadable, expired) keeps the last good certificate, is logged once per change and
 counted (``/status`` ``tls``, metric ``extauthz_tls_reload_failures``); the next change is
 tried again. Kubernetes' atomic Secret update (a ``..data`` symlink swap) changes the inode.
 Connections already open keep the certificate they were made with.
@@ -15,6 +17,7 @@ Connections already open keep the certificate they were made with.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import ssl
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from cryptography import x509
 
 log = logging.getLogger("extauthz.server")
 
@@ -71,14 +75,26 @@ def _read(files: TlsFiles) -> _Loaded:
         raise TlsConfigError(f"cannot read {exc.filename}: {exc.strerror}") from None
 
 
-def load(files: TlsFiles) -> _Loaded:
-    """Read and check the files (the key matches the certificate; the CA parses)."""
+def _check_not_expired(path: Path, pem: bytes, now: datetime.datetime) -> None:
+    """The served (first) certificate of ``pem`` must not be past its notAfter."""
+    try:
+        leaf = x509.load_pem_x509_certificates(pem)[0]
+    except ValueError as exc:
+        raise TlsConfigError(f"{path}: not a PEM certificate ({exc})") from None
+    if leaf.not_valid_after_utc <= now:
+        raise TlsConfigError(f"{path}: the certificate expired at {leaf.not_valid_after_utc:%Y-%m-%dT%H:%M:%SZ}")
+
+
+def load(files: TlsFiles, now: datetime.datetime | None = None) -> _Loaded:
+    """Read and check the files (the key matches the certificate, which has not expired at
+    ``now``, default the wall clock; the CA parses)."""
     first = _read(files)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
         ctx.load_cert_chain(files.cert, files.key)
     except (ssl.SSLError, ValueError) as exc:
         raise TlsConfigError(f"{files.cert} / {files.key}: not a matching PEM certificate and key ({exc})") from None
+    _check_not_expired(files.cert, first.cert, now or datetime.datetime.now(datetime.UTC))
     if first.client_ca is not None:
         try:
             ctx.load_verify_locations(cadata=first.client_ca.decode("ascii"))

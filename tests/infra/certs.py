@@ -74,7 +74,9 @@ class CA:
         return path
 
     def issue(self, cn: str, *, dns: tuple[str, ...] = (), ips: tuple[str, ...] = (),
-              uris: tuple[str, ...] = (), server: bool = True, client: bool = True) -> Leaf:
+              uris: tuple[str, ...] = (), server: bool = True, client: bool = True,
+              valid_for: datetime.timedelta = datetime.timedelta(days=1)) -> Leaf:
+        """A leaf valid from 5 minutes ago for ``valid_for`` (negative: already expired)."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns]
@@ -85,8 +87,8 @@ class CA:
         builder = (
             x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(self.cert.subject)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
+            .not_valid_before(now - datetime.timedelta(minutes=5) + min(valid_for, datetime.timedelta(0)))
+            .not_valid_after(now + valid_for)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         )

@@ -3,6 +3,7 @@ is loaded only when it is a matching, readable set."""
 
 from __future__ import annotations
 
+import datetime
 import subprocess
 import sys
 from pathlib import Path
@@ -74,3 +75,19 @@ def test_a_bad_rotation_undone_clears_the_error(tmp_path: Path) -> None:
     good.write(tmp_path, "tls")
     assert reloader.fetch() is None  # the same certificate as served: nothing new to hand out
     assert (reloader.reloads, reloader.failures, reloader.last_error) == (0, 1, None)
+
+
+def test_an_expired_certificate_fails_the_start_and_its_rotation_is_refused(tmp_path: Path) -> None:
+    ca = CA()
+    expired = ca.issue("extauthz", dns=("extauthz",), valid_for=-datetime.timedelta(hours=1))
+    cert, key = expired.write(tmp_path, "tls")
+    with pytest.raises(TlsConfigError, match=r"tls\.crt: the certificate expired at "):
+        CertificateReloader(TlsFiles(cert, key))
+    good = ca.issue("extauthz", dns=("extauthz",))
+    good.write(tmp_path, "tls")
+    reloader = CertificateReloader(TlsFiles(cert, key))
+    expired.write(tmp_path, "tls")                      # a rotation to an expired certificate
+    assert reloader.fetch() is None                    # keeps serving the good one
+    assert reloader.failures == 1 and "expired" in (reloader.last_error or "")
+    ca.issue("extauthz", dns=("extauthz",)).write(tmp_path, "tls")
+    assert reloader.fetch() is not None and reloader.last_error is None
