@@ -21,7 +21,8 @@ import urllib.request
 from typing import Any
 
 from .policy.schema import parse_duration
-from .switches import dump_switches, parse_switches, valid_name, with_switch
+from .switches import change_stored as change_stored_switches
+from .switches import parse_switches, valid_name
 from .verdict import Mode
 
 DEFAULT_ADMIN = "http://127.0.0.1:9002"
@@ -214,10 +215,10 @@ def cmd_switch(args: argparse.Namespace) -> int:
             key = Keys(args.key_prefix).switches
 
             async def go(store: Any) -> dict[str, Any]:
-                current = parse_switches(await store.get_value(key))
-                if not args.list:
-                    current = with_switch(current, args.name, mode)
-                    await store.set_value(key, dump_switches(current))
+                if args.list:
+                    current = parse_switches(await store.get_value(key))
+                else:
+                    current = await change_stored_switches(store, key, args.name, mode)
                 return {"switches": current.to_dict()}
 
             data = asyncio.run(_with_redis(args.redis_url, go))

@@ -42,7 +42,7 @@ from pydantic import ValidationError
 
 from .errors import StoreError
 from .policy.schema import ConcurrentRequestsPlan, RequestRatePlan, parse_duration
-from .store.base import Store
+from .store.base import Store, update_value
 from .store.keys import Keys
 from .verdict import Limits
 
@@ -213,22 +213,32 @@ async def change_stored(store: Store, keys: Keys,
                         change: Callable[[list[Override]], list[Override]],
                         now: float | None = None) -> list[Override]:
     """Read, change and write the stored overrides, then bump the version key. Both keys
-    expire a minute after the latest override. The one writer (admin port and CLI)."""
+    expire a minute after the latest override. The one writer (admin port and CLI).
+
+    The write goes through :func:`~extauthz.store.base.update_value` (a compare-and-set):
+    when another operator changed the overrides in between, ``change`` is applied again on
+    top of theirs, so neither is lost. A stored value that does not parse (written by hand)
+    is replaced, as the servers already ignore it (logged there as ``overrides_malformed``)."""
     now = time.time() if now is None else now
-    try:
-        current = parse_overrides(await store.get_value(keys.overrides))
-    except ValueError:
-        current = []  # overwrite a malformed value
-    new = change(current)
-    if new:
-        ttl = max(e.expires_at for e in new) - now + KEY_SLACK
-        await store.set_value(keys.overrides,
-                              json.dumps({"overrides": [e.to_dict() for e in new]}, sort_keys=True), ttl)
-        await store.set_value(keys.overrides_version, f"{time.time_ns()}-{os.urandom(4).hex()}", ttl)
-    else:
-        await store.set_value(keys.overrides, None)
-        await store.set_value(keys.overrides_version, None)
-    return new
+    result: list[Override] = []
+
+    def apply(stored: str | None) -> tuple[str | None, float | None]:
+        nonlocal result
+        try:
+            current = parse_overrides(stored)
+        except ValueError:
+            current = []  # overwrite a malformed value
+        result = change(current)
+        if not result:
+            return None, None
+        ttl = max(e.expires_at for e in result) - now + KEY_SLACK
+        return json.dumps({"overrides": [e.to_dict() for e in result]}, sort_keys=True), ttl
+
+    await update_value(store, keys.overrides, apply)
+    ttl = max(e.expires_at for e in result) - now + KEY_SLACK if result else None
+    await store.set_value(keys.overrides_version,
+                          f"{time.time_ns()}-{os.urandom(4).hex()}" if result else None, ttl)
+    return result
 
 
 # -- compiling against the limiters -------------------------------------------------------

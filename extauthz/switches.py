@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from .errors import StoreError
-from .store.base import Store
+from .store.base import Store, update_value
 from .verdict import Mode
 
 log = logging.getLogger("extauthz.switches")
@@ -81,6 +81,28 @@ def parse_switches(text: str | None) -> Switches:
 def dump_switches(switches: Switches) -> str | None:
     data = switches.to_dict()
     return json.dumps(data, sort_keys=True) if data else None
+
+
+async def change_stored(store: Store, key: str, name: str, mode: Mode | None) -> Switches:
+    """Set (or with None clear) one switch in the store: the one writer (admin port and
+    CLI), a compare-and-set (:func:`~extauthz.store.base.update_value`) so two operators
+    flipping switches at once both land. A malformed stored value is overwritten. The key
+    has no TTL: a switch holds until cleared. Raises StoreError, ValueError (bad name)."""
+    if not valid_name(name):
+        raise ValueError(f"bad switch name {name!r}")
+    new = Switches()
+
+    def apply(stored: str | None) -> tuple[str | None, float | None]:
+        nonlocal new
+        try:
+            current = parse_switches(stored)
+        except ValueError:
+            current = Switches()  # overwrite a malformed value
+        new = with_switch(current, name, mode)
+        return dump_switches(new), None
+
+    await update_value(store, key, apply)
+    return new
 
 
 def with_switch(switches: Switches, name: str, mode: Mode | None) -> Switches:
@@ -151,13 +173,6 @@ class SwitchBoard:
     async def change(self, name: str, mode: Mode | None) -> Switches:
         """Set (or with None clear) one switch in the store and apply it here at once.
         Raises StoreError when the store cannot be read or written."""
-        if not valid_name(name):
-            raise ValueError(f"bad switch name {name!r}")
-        try:
-            stored = parse_switches(await self.store.get_value(self.key))
-        except ValueError:
-            stored = Switches()  # overwrite a malformed value
-        new = with_switch(stored, name, mode)
-        await self.store.set_value(self.key, dump_switches(new))
+        new = await change_stored(self.store, self.key, name, mode)
         self._set(new, "admin")
         return new

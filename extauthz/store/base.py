@@ -18,9 +18,14 @@ defined once, in :mod:`extauthz.store.algorithms`, and every store follows them 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+from ..errors import StoreUnavailable
+
+#: compare-and-set attempts of one :func:`update_value` while other writers keep changing it
+SWAP_ATTEMPTS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +95,12 @@ class Store(Protocol):
     async def set_value(self, key: str, value: str | None, ttl: float | None = None) -> None:
         """Set or (``None``) delete a plain value."""
 
+    async def swap_value(self, key: str, expected: str | None, value: str | None,
+                         ttl: float | None = None) -> bool:
+        """Set (``None``: delete) ``key`` to ``value`` (``ttl`` seconds to live; None: kept)
+        only while it still holds ``expected`` (``None``: no value): a compare-and-set. False
+        when another writer changed it first (nothing written)."""
+
     async def shed_update(self, key: str, utilization: float, params: ShedParams) -> float:
         """Advance the shared shed controller with a new utilization sample; return the level."""
 
@@ -120,3 +131,19 @@ class ShedParams:
     def resting(self) -> float:
         """Where the level rests: ``delay_before_shedding`` of ramp below zero (float math)."""
         return -self.delay_before_shedding / self.time_to_shed_all
+
+
+async def update_value(store: Store, key: str,
+                       change: Callable[[str | None], tuple[str | None, float | None]]) -> str | None:
+    """The one read-modify-write of a plain value (kill switches, overrides): ``change`` maps
+    the stored text to the new text (None: delete) and its TTL, and the write is a
+    compare-and-set (:meth:`Store.swap_value`). When another writer (an operator on another
+    replica or the CLI) changed the value in between, it is read again and ``change`` applied
+    on top, so no change is lost. Returns the value written; raises
+    :class:`~extauthz.errors.StoreUnavailable` after :data:`SWAP_ATTEMPTS` lost races."""
+    for _ in range(SWAP_ATTEMPTS):
+        stored = await store.get_value(key)
+        value, ttl = change(stored)
+        if await store.swap_value(key, stored, value, ttl):
+            return value
+    raise StoreUnavailable(f"{key} changed under {SWAP_ATTEMPTS} attempts in a row (other writers): try again")

@@ -131,6 +131,13 @@ class MemoryStore:
         else:
             self._values[key] = (value, None if ttl is None else self._clock.monotonic() + ttl)
 
+    async def swap_value(self, key: str, expected: str | None, value: str | None,
+                         ttl: float | None = None) -> bool:
+        if await self.get_value(key) != expected:
+            return False
+        await self.set_value(key, value, ttl)
+        return True
+
     async def shed_update(self, key: str, utilization: float, params: ShedParams) -> float:
         now = self._clock.monotonic()
         level, last = self._shed.get(key, (None, None))

@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import math
+from typing import Any
 
 import pytest
 
+from extauthz.overrides import change_stored, make_override, parse_overrides, with_override
 from extauthz.store import algorithms
 from extauthz.store.base import BucketOp, CheckResult, LeaseOp, Op, ShedParams, Store
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
+from extauthz.switches import change_stored as change_switches
+from extauthz.switches import parse_switches
+from extauthz.verdict import Mode
 from tests.store.conftest import StoreCase, key_ttls
 
 K = Keys("t")
@@ -260,6 +265,62 @@ async def test_values(store_case: StoreCase) -> None:
     assert await store.get_value(key) is None
     await store.set_value(K.switches, '{"*": "shadow"}')
     assert await store.get_value(K.switches) == '{"*": "shadow"}'
+
+
+async def test_swap_value_is_a_compare_and_set(store_case: StoreCase) -> None:
+    store, key = store_case.store, K.overrides
+    assert await store.swap_value(key, None, "a", 60)
+    assert not await store.swap_value(key, None, "b", 60)  # another writer set it first
+    assert not await store.swap_value(key, "x", "b", 60)
+    assert await store.get_value(key) == "a"
+    assert await store.swap_value(key, "a", "b", 60) and await store.get_value(key) == "b"
+    ttl = store_case.value_ttl(key)
+    assert ttl is not None and 59 < ttl <= 60  # every key expires
+    assert not await store.swap_value(key, "a", None, 60)
+    assert await store.swap_value(key, "b", None, 60) and await store.get_value(key) is None
+
+
+async def test_two_operators_changing_the_overrides_at_once_lose_nothing(store_case: StoreCase) -> None:
+    """Operator B's change lands between operator A's read and write: A's compare-and-set
+    fails, A reads again and applies its change on top of B's."""
+    now = store_case.wall()
+    a = make_override("user-rate", "a" * 24, {"rate": 5}, ttl=600, now=now)
+    b = make_override("user-rate", "b" * 24, {"rate": 7}, ttl=600, now=now)
+
+    class BRacesA:
+        def __init__(self, inner: Store) -> None:
+            self.inner, self.raced = inner, False
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+        async def swap_value(self, key: str, expected: str | None, value: str | None,
+                             ttl: float | None = None) -> bool:
+            if not self.raced:
+                self.raced = True
+                await change_stored(self.inner, K, lambda e: with_override(e, b, now), now)
+            return await self.inner.swap_value(key, expected, value, ttl)
+
+    racing = BRacesA(store_case.store)
+    result = await change_stored(racing, K, lambda e: with_override(e, a, now), now)  # type: ignore[arg-type]
+    assert racing.raced and result == [a, b]
+    assert parse_overrides(await store_case.store.get_value(K.overrides)) == [a, b]
+    assert await store_case.store.get_value(K.overrides_version) is not None
+
+    # the kill switches go through the same compare-and-set: B flips "fleet" while A flips "*"
+    class BFlipsToo(BRacesA):
+        async def swap_value(self, key: str, expected: str | None, value: str | None,
+                             ttl: float | None = None) -> bool:
+            if not self.raced:
+                self.raced = True
+                await change_switches(self.inner, K.switches, "fleet", Mode.OFF)
+            return await self.inner.swap_value(key, expected, value, ttl)
+
+    flipping = BFlipsToo(store_case.store)
+    both = await change_switches(flipping, K.switches, "*", Mode.SHADOW)  # type: ignore[arg-type]
+    assert flipping.raced and both.to_dict() == {"*": "shadow", "fleet": "off"}
+    assert parse_switches(await store_case.store.get_value(K.switches)).to_dict() == both.to_dict()
+    assert store_case.value_ttl(K.switches) is None  # a switch holds until cleared
 
 
 async def test_value_expires(store_case: StoreCase) -> None:

@@ -376,6 +376,14 @@ class RedisStore:
         except CLIENT_ERRORS as exc:
             raise wrap(exc) from exc
 
+    async def swap_value(self, key: str, expected: str | None, value: str | None,
+                         ttl: float | None = None) -> bool:
+        """``swap_value.lua``: operator changes (switches, overrides), not the check path."""
+        reply = await self._run("swap_value", [key], [
+            "0" if expected is None else "1", expected or "", "0" if value is None else "1",
+            value or "", "0" if ttl is None else str(max(1, math.ceil(ttl * 1000)))])
+        return int(reply) == 1
+
     async def shed_update(self, key: str, utilization: float, params: ShedParams) -> float:
         """One step of the controller (:func:`~extauthz.store.algorithms.shed_advance`, the
         embedded store's code) from the fleet's state, swapped in with a compare-and-set

@@ -22,7 +22,7 @@ __all__ = [
     "check_results", "load_script", "num", "op_args", "pack_command", "pack_evalsha", "send_reloading", "wrap",
 ]
 
-SCRIPT_NAMES: Final = ("check", "release", "inflight", "shed_state", "compensate")
+SCRIPT_NAMES: Final = ("check", "release", "inflight", "shed_state", "compensate", "swap_value")
 
 #: EVALSHA attempts while Redis answers NOSCRIPT (each after a SCRIPT LOAD): a flush that
 #: lands between the load and the resend, or one per cluster node, is survived.
