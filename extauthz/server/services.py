@@ -8,11 +8,12 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
+from ..answers import LEASE_ID_FIELD, LEASES_FIELD
 from ..context import RequestContext
 from ..engine import Engine
 from ..proto import accesslog_data_pb2, accesslog_pb2, accesslog_pb2_grpc, auth_pb2, auth_pb2_grpc
 from ..throttle import LogThrottle
-from ..tickets import LeaseTickets
+from ..tickets import MALFORMED, LeaseTickets
 from ..verdict import Decision
 from .edge import EXT_AUTHZ_NAMESPACE, check_response, lease_release, lease_ticket, raw_request
 
@@ -170,6 +171,11 @@ class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ig
                     if EXT_AUTHZ_NAMESPACE in fm:
                         md = fm[EXT_AUTHZ_NAMESPACE]
                         lease = lease_release(md)
+                        if lease is None and (LEASE_ID_FIELD in md.fields or LEASES_FIELD in md.fields):
+                            # our fields, but not as a check wrote them: not from Envoy,
+                            # so nothing (not even the request-id index) acts on the entry
+                            self.rejected[MALFORMED] = self.rejected.get(MALFORMED, 0) + 1
+                            continue
                         if lease is not None:
                             refused = self.tickets.check(lease[1], lease[0], lease_ticket(md))
                             if refused is not None:  # forged, altered or foreign: touch nothing

@@ -157,6 +157,45 @@ async def test_forged_entries_change_nothing_and_are_counted(server: Server, red
     assert set(server.accesslog.rejected) <= {"malformed", "foreign_key", "no_ticket", "bad_ticket"}
 
 
+async def test_a_malformed_lease_entry_never_reaches_the_request_id_index(server: Server) -> None:
+    """An entry carrying our lease fields in a shape no check writes (here a number) is not
+    Envoy's: it is refused as malformed, and its request id does not free the lease the
+    index holds for that id (which a genuine entry without metadata still frees)."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        auth = auth_pb2_grpc.AuthorizationStub(ch)
+        logs = accesslog_pb2_grpc.AccessLogServiceStub(ch)
+
+        async def send(md: struct_pb2.Struct | None) -> None:
+            msg = accesslog_pb2.StreamAccessLogsMessage()
+            entry = msg.http_logs.log_entry.add()
+            entry.request.request_id = "rid-carol"
+            if md is not None:
+                entry.common_properties.metadata.filter_metadata[EXT_AUTHZ_NAMESPACE].CopyFrom(md)
+
+            async def stream():  # type: ignore[no-untyped-def]
+                yield msg
+            await logs.StreamAccessLogs(stream())
+
+        req = check_request("carol")
+        req.attributes.request.http.headers["x-request-id"] = "rid-carol"
+        assert (await auth.Check(req)).HasField("ok_response")
+        assert (await auth.Check(check_request("carol"))).HasField("denied_response")  # limit 1 held
+        forged = struct_pb2.Struct()
+        forged.update({LEASE_ID_FIELD: 7, LEASES_FIELD: "x"})
+        await send(forged)
+        assert server.accesslog.rejected == {"malformed": 1}
+        assert server.engine.releaser.count("request_id_index") == 0
+        assert (await auth.Check(check_request("carol"))).HasField("denied_response")  # still held
+
+        await send(None)  # Envoy dropped our metadata: the index frees the lease
+        for _ in range(100):
+            if server.engine.releaser.leases_released:
+                break
+            await asyncio.sleep(0.01)
+        assert server.engine.releaser.count("request_id_index") == 1
+        assert (await auth.Check(check_request("carol"))).HasField("ok_response")
+
+
 async def test_replicas_sharing_a_secret_accept_each_others_tickets(tmp_path: Path,
                                                                      redis_single_clean: RedisSingle) -> None:
     policy = tmp_path / "p.yaml"
