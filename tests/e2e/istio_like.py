@@ -39,10 +39,12 @@ def envoyfilter_access_logger() -> dict[str, Any]:
     return found
 
 
-def render(extauthz: list[int], upstream: int, *, envoyfilter_als: bool = False) -> str:
+def render(extauthz: list[int], upstream: int, *, envoyfilter_als: bool = False,
+           als_flush_interval: str | None = None) -> str:
     """The config with the extauthz cluster on ``extauthz`` ports (several: one endpoint each)
     and the API cluster on ``upstream``; ``envoyfilter_als`` swaps Istio's access logger for the
-    EnvoyFilter alternative's. Validated with ``envoy --mode validate`` before it is returned."""
+    EnvoyFilter alternative's, with its ``buffer_flush_interval`` set to ``als_flush_interval``
+    when given. Validated with ``envoy --mode validate`` before it is returned."""
     config: dict[str, Any] = yaml.safe_load(CONFIG.read_text())
     for cluster in config["static_resources"]["clusters"]:
         ports = {EXTAUTHZ_CLUSTER: extauthz, API_CLUSTER: [upstream]}[cluster["name"]]
@@ -52,7 +54,10 @@ def render(extauthz: list[int], upstream: int, *, envoyfilter_als: bool = False)
     if envoyfilter_als:
         manager = hcm(config)
         manager["access_log"] = [a for a in manager["access_log"] if a["name"] != GRPC_ACCESS_LOGGER]
-        manager["access_log"].append(envoyfilter_access_logger())
+        logger = envoyfilter_access_logger()
+        if als_flush_interval is not None:
+            logger["typed_config"]["common_config"]["buffer_flush_interval"] = als_flush_interval
+        manager["access_log"].append(logger)
     text = yaml.safe_dump(config, sort_keys=False)
     validate(text)
     return text
