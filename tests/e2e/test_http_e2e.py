@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import http.server
 import json
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -170,6 +172,42 @@ def test_server_down_fails_open(tmp_path: Path) -> None:
         assert r.status == 200
         assert echoed(r).get("x-envoy-auth-failure-mode-allowed") == "true"
         # failing open sets no tier, and a client's own copy never reaches the upstream
+        assert "x-extauthz-tier" not in echoed(r)
+
+
+def test_a_5xx_from_the_server_fails_open(tmp_path: Path) -> None:
+    """Envoy's HTTP client treats a 5xx answer (a bug of ours answers 500) as an error, not a
+    denial: with the shipped failure_mode_allow the request goes through, and the tier the
+    broken answer carried does not reach the upstream."""
+    with Stack([write_policy(tmp_path / "p")], protocol="http") as s, HttpClient() as c:
+        assert s.server is not None
+        s.server.stop()
+
+        asked: list[str] = []
+
+        class Broken(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                asked.append(self.path)
+                body = b"internal error"
+                self.send_response(500)
+                self.send_header("x-extauthz-tier", "critical")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        broken = http.server.ThreadingHTTPServer(("127.0.0.1", s.http_port), Broken)
+        threading.Thread(target=broken.serve_forever, daemon=True).start()
+        try:
+            r = c.send(s.url + "/v1/rate/x", headers={"x-api-key": "sk_live_5xx", "x-extauthz-tier": "critical"})
+        finally:
+            broken.shutdown()
+            broken.server_close()
+        assert asked == ["/v1/rate/x"]  # Envoy asked the broken server, which answered 500
+        assert r.status == 200
+        assert echoed(r).get("x-envoy-auth-failure-mode-allowed") == "true"
         assert "x-extauthz-tier" not in echoed(r)
 
 
