@@ -1,0 +1,164 @@
+"""A lost Redis connection on the lean path (store/redis/conn.py): no check waits for a
+reconnect, reconnects are few (one attempt at a time, with backoff), and the store comes
+back by itself once Redis does.
+
+The regression this guards: with Redis killed, every check opened a connection of its own
+(each costing ~1.5 ms of client CPU), which saturated the server until the breaker opened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from extauthz.breaker import Breaker
+from extauthz.clock import SYSTEM_CLOCK
+from extauthz.context import RawRequest
+from extauthz.engine import Engine
+from extauthz.policy import Policy, load_policy
+from extauthz.store.redis import RedisStore
+from tests.infra.redis_servers import RedisSingle
+
+POLICY = """\
+version: 1
+identity:
+  - header: x-api-key
+limiters:
+  - name: user-rate
+    type: request_rate
+    rate: 1000
+    burst: 100000
+  - name: user-concurrency
+    type: concurrent_requests
+    limit: 1000
+"""
+
+#: Client socket timeouts: a connect attempt to a stopped Redis (the kernel accepts the TCP
+#: connection, nobody answers the handshake) hangs this long.
+CLIENT_TIMEOUT = 2.0
+#: The engine's deadline here: far below CLIENT_TIMEOUT (a check that waited for a connect
+#: would be cut by it and counted as ``timeout``), far above a noisy machine's stalls.
+DEADLINE = 0.1
+
+
+@pytest.fixture
+def policy(tmp_path: Path) -> Policy:
+    path = tmp_path / "policy.yaml"
+    path.write_text(POLICY)
+    return load_policy([path])
+
+
+async def wait_until(predicate: Callable[[], Awaitable[bool]], within: float, what: str) -> None:
+    end = time.monotonic() + within
+    while not await predicate():
+        assert time.monotonic() < end, f"timed out after {within}s waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def run_checks(engine: Engine, seconds: float, tasks: int = 3) -> list[tuple[bool, tuple[str, ...]]]:
+    """Checks from ``tasks`` concurrent callers for ``seconds``: (allowed, failure reasons)."""
+    out: list[tuple[bool, tuple[str, ...]]] = []
+    stop = time.monotonic() + seconds
+
+    async def one(t: int) -> None:
+        i = 0
+        while time.monotonic() < stop:
+            i += 1
+            raw = RawRequest("GET", "/v1/things", headers={"x-api-key": f"user{t}-{i % 20}"})
+            _, decision = await engine.check(raw)
+            out.append((decision.allowed, decision.failures))
+            await asyncio.sleep(0.002)
+
+    await asyncio.gather(*(one(t) for t in range(tasks)))
+    return out
+
+
+def new_failures(engine: Engine, before: dict[str, int]) -> dict[str, int]:
+    return {k: v - before.get(k, 0) for k, v in engine.failures.items() if v - before.get(k, 0)}
+
+
+@pytest.mark.redis
+async def test_killed_or_unanswering_redis_fails_open_without_waiting_for_connects(
+    redis_single_clean: RedisSingle, policy: Policy
+) -> None:
+    store = RedisStore.from_url(redis_single_clean.url, deadline=DEADLINE,
+                                socket_timeout=CLIENT_TIMEOUT, socket_connect_timeout=CLIENT_TIMEOUT)
+    # No breaker (it never opens): every check reaches the store, which is what could storm.
+    engine = Engine(store, policy, deadline=DEADLINE, breaker=Breaker(SYSTEM_CLOCK, threshold=10**9))
+
+    async def recovered() -> bool:
+        _, decision = await engine.check(RawRequest("GET", "/", headers={"x-api-key": "probe"}))
+        return decision.allowed and not decision.failures
+
+    try:
+        await wait_until(recovered, 5, "a first store-backed check")
+        node = store._nodes[""]
+        assert (node.connects, node.attempts) == (1, 1)
+
+        # 1. Redis killed: connects are refused at once. Every check fails open as
+        # ``unavailable`` (none waits for its deadline), and the connect attempts follow the
+        # backoff (2.5 ms doubling: at most ~10 in 0.8 s), not the checks (hundreds).
+        before = dict(engine.failures)
+        redis_single_clean.kill()
+        down = await run_checks(engine, 0.8)
+        assert down and all(allowed for allowed, _ in down)  # every check answered
+        assert all(failures == ("unavailable",) for _, failures in down[5:]), set(down)
+        assert set(new_failures(engine, before)) == {"unavailable"}, new_failures(engine, before)
+        assert len(down) >= 50
+        assert 1 <= node.attempts - 1 <= 12, (node.attempts, len(down))
+
+        redis_single_clean.restart()
+        await wait_until(recovered, 5, "recovery after Redis came back")
+        assert node.connects == 2
+
+        # 2. The connection lost while Redis cannot answer (stopped: the kernel still
+        # accepts connections, the handshake hangs for CLIENT_TIMEOUT): the reconnect hangs
+        # in the background while every check fails open at once, never as ``timeout``.
+        with redis_single_clean.client() as admin:
+            admin.client_kill_filter(_type="normal", skipme=True)
+        redis_single_clean.pause()
+        try:
+            await asyncio.sleep(0.05)  # the loss is seen
+            attempts = node.attempts
+            before = dict(engine.failures)
+            hung = await run_checks(engine, 0.8)
+            assert hung and all(allowed for allowed, _ in hung)
+            assert set(new_failures(engine, before)) == {"unavailable"}, new_failures(engine, before)
+            assert node.attempts == attempts + 1  # one attempt, still waiting for Redis
+        finally:
+            redis_single_clean.resume()
+        await wait_until(recovered, 5, "recovery after Redis answered again")
+        assert node.connects == 3
+    finally:
+        redis_single_clean.resume()
+        await store.close()
+
+
+@pytest.mark.redis
+async def test_the_breaker_opens_on_refused_connects(redis_single_clean: RedisSingle,
+                                                     policy: Policy) -> None:
+    store = RedisStore.from_url(redis_single_clean.url, deadline=DEADLINE,
+                                socket_timeout=CLIENT_TIMEOUT, socket_connect_timeout=CLIENT_TIMEOUT)
+    engine = Engine(store, policy, deadline=DEADLINE, breaker=Breaker(SYSTEM_CLOCK, threshold=5, open_for=0.2))
+
+    async def recovered() -> bool:
+        _, decision = await engine.check(RawRequest("GET", "/", headers={"x-api-key": "probe"}))
+        return decision.allowed and not decision.failures
+
+    try:
+        await wait_until(recovered, 5, "a first store-backed check")
+        before = dict(engine.failures)
+        redis_single_clean.kill()
+        down = await run_checks(engine, 0.6)
+        assert all(allowed for allowed, _ in down)
+        new = new_failures(engine, before)
+        assert set(new) == {"unavailable", "circuit_open"}, new
+        redis_single_clean.restart()
+        await wait_until(recovered, 5, "recovery after Redis came back")
+        assert engine.breaker.state == "closed"
+    finally:
+        await store.close()
