@@ -35,6 +35,12 @@ class Setup:
     #: Envoy's authorization protocol: "grpc", or "http" (the server also gets ``--http-listen``
     #: on a free port, and Envoy's ``extauthz_http`` cluster points at it)
     protocol: str = "grpc"
+    #: the load: "users" (wrk rotating 1,000 keys, h2load one key), or the flood mix (issue 16
+    #: item 3): "flood" (one key, ``load.FLOOD_KEY``, sends every other request), "calm" (the
+    #: same load without the flooding key: 1,000 other well-behaved keys in its place). Their
+    #: paced run is two wrk processes at half the rate each, the well-behaved keys' latency
+    #: read from the first alone (bench/load.py ``run_wrk_pair``).
+    load: str = "users"
 
 
 SETUPS: dict[str, Setup] = {s.key: s for s in [
@@ -64,21 +70,27 @@ SETUPS: dict[str, Setup] = {s.key: s for s in [
     # Access-log batching by measurement: the shipped per-entry flush (d) vs 5 and 20 ms.
     Setup("d-buf20", "(d), access log buffered 20 ms", policy="all-on", redis=True,
           accesslog_flush_ms=20),
+    # Floods (issue 16 item 3): (d) with a rate of 10/s per key (bench/policies/flood.yaml);
+    # one key sends half of all requests (f), or 1,000 other well-behaved keys do (fc).
+    Setup("f", "(d) under a flood: 1 key sends half", policy="flood", redis=True, load="flood"),
+    Setup("fc", "(f) without the flooding key", policy="flood", redis=True, load="calm"),
 ]}
 DEFAULT_SETUPS = ("a", "b", "c", "d", "e", "d1", "d2", "b-aio", "d-aio", "b-buf", "d-buf", "h", "hc",
-                  "hd", "r", "rh", "d-buf20")
+                  "hd", "r", "rh", "d-buf20", "f", "fc")
 SMOKE_SETUPS = ("a", "b", "c")
 
 #: Throughput ratios ``<k>/<base>`` reported besides every ``<k>/a`` (report order).
 RATIOS: tuple[tuple[str, str], ...] = (
     ("c", "b"), ("d", "b"), ("d2", "d1"), ("b-aio", "b"), ("d-aio", "d"), ("d-buf", "b-buf"),
     ("b-buf", "b"), ("d-buf", "d"), ("h", "b"), ("hc", "c"), ("hd", "d"), ("hc", "h"), ("hd", "h"),
-    ("d-buf20", "d"), ("r", "b"), ("rh", "h"), ("rh", "a"),
+    ("d-buf20", "d"), ("r", "b"), ("rh", "h"), ("rh", "a"), ("f", "c"), ("f", "fc"),
 )
 #: ``cpu <k>/<base>``: server CPU per check of k over base, per round.
 CPU_RATIOS: tuple[tuple[str, str], ...] = (("h", "b"), ("hc", "c"), ("hd", "d"), ("rh", "r"))
 #: ``p99 added <k>/<base>``: (p99(k) - p99(a)) / (p99(base) - p99(a)) at the paced rate.
 P99_ADDED: tuple[tuple[str, str], ...] = (("d", "b"), ("c", "b"))
+#: ``p99 <k>/<base>``: p99(k) / p99(base) at the paced rate (the flood: well-behaved keys).
+P99_RATIOS: tuple[tuple[str, str], ...] = (("f", "fc"),)
 
 
 @dataclass

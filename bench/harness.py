@@ -20,6 +20,11 @@ Envoy in front of a trivial upstream, the extauthz server as a process, and driv
   d-buf20  (d) with the access log buffered 20 ms
   r   Envoy + the server, one request_rate limiter, Redis store (issue 16's shape, beside
       the Go envoyproxy/ratelimit figures quoted in docs/benchmarks.md); rh: the same over HTTP
+  f   (d) under a flood, 10 requests/s per key: one key sends half of all requests (refused),
+      the other half rotates over 1,000 well-behaved keys; fc: the same load without the
+      flooding key (1,000 other well-behaved keys in its place). Their latency run is two
+      paced wrk processes at half the rate each (HTTP/1.1, 16 connections each); the p99 is
+      the well-behaved keys' alone (h2load cannot vary the key per request)
 
 A named subset: ``--only r,d,b`` (same as ``--configs``), ``--rounds N``.
 
@@ -59,11 +64,23 @@ from typing import Any
 from extauthz.devtools.stack import free_port
 
 from .configs import DEFAULT_SETUPS, SETUPS, SMOKE_SETUPS, Options, Setup
-from .load import h2load_cmd, read_h2load_log, require_tools, run_wrk, wrk_script
+from .load import (
+    CALM_PREFIX,
+    FLOOD_KEY,
+    h2load_cmd,
+    read_h2load_log,
+    require_tools,
+    run_wrk,
+    run_wrk_pair,
+    wrk_script,
+)
 from .procs import RedisServer, find_redis_server
 from .report import DOCS, PLOT, ROOT, environment, fmt, markdown, plot, write_docs
-from .stack import Running, fill_counters, stat_value
+from .stack import POLICIES, Running, fill_counters, stat_value
 from .stats import Phase, latency_summary, summarize, targets
+
+#: wrk connections of each of the two paced loads of the flood configurations
+FLOOD_CONNECTIONS = 16
 
 
 def log(msg: str) -> None:
@@ -77,6 +94,7 @@ class Harness:
         self.opts = opts
         self.workdir = Path(tempfile.mkdtemp(prefix="extauthz-bench-"))
         self.script = wrk_script(self.workdir)
+        self.flood_script = wrk_script(self.workdir, name="flood.lua", flood_key=FLOOD_KEY)
         self.redis: RedisServer | None = None
         self.phases: list[Phase] = []
         self.outages: list[dict[str, Any]] = []
@@ -128,7 +146,9 @@ class Harness:
         try:
             def warm() -> None:
                 if kind == "saturated":
-                    self._wrk(running.url, opts.warmup)
+                    self._wrk(running.url, opts.warmup, setup)
+                elif setup.load != "users":
+                    self._paced_pair(running.url, opts.warmup, setup)
                 else:
                     self._h2load(running.url, opts.warmup, "warm")
 
@@ -140,9 +160,20 @@ class Harness:
                 warm()
             before = running.snapshot()
             if kind == "saturated":
-                res = self._wrk(running.url, opts.duration)
+                res = self._wrk(running.url, opts.duration, setup)
                 phase.requests, phase.seconds = int(res["requests"]), res["seconds"]
                 phase.rps, phase.non_2xx, phase.errors = res["rps"], int(res["non_2xx"]), int(res["errors"])
+                if setup.load == "flood":
+                    phase.flood_rps = phase.rps / 2  # every other request
+            elif setup.load != "users":
+                calm, second = self._paced_pair(running.url, opts.duration, setup)
+                phase.requests = int(calm["requests"] + second["requests"])
+                phase.seconds = max(calm["seconds"], second["seconds"])
+                phase.rps = calm["rps"] + second["rps"]
+                phase.non_2xx = int(calm["non_2xx"] + second["non_2xx"])
+                phase.errors = int(calm["errors"] + second["errors"])
+                phase.p50_ms, phase.p99_ms, phase.p999_ms = calm["p50_ms"], calm["p99_ms"], calm["p999_ms"]
+                phase.flood_rps = second["rps"]
             else:
                 rows = self._h2load(running.url, opts.duration, f"{setup.key}-{r}")
                 phase.requests = len(rows)
@@ -152,6 +183,8 @@ class Harness:
                 for k, v in latency_summary(rows).items():
                     setattr(phase, k, v)
             after = running.snapshot()
+            if setup.load == "flood" and phase.flood_rps is not None:
+                phase.flood_factor = phase.flood_rps / flood_key_rate(setup)
             fill_counters(phase, before, after, setup)
         finally:
             running.stop()
@@ -163,11 +196,25 @@ class Harness:
             if phase.worker_connections else ""
         bad = f"  PROBLEMS: {'; '.join(phase.problems)}" if phase.problems else ""
         fo = f", fail-open {phase.fail_open}" if phase.fail_open else ""
+        if phase.flood_factor is not None:
+            fo += f", flooding key at {phase.flood_factor:.0f}x its rate"
         log(f"round {r + 1} {kind:9} {setup.key:5} {setup.label:36} {figure}{cpu}{extra}{fo}{bad}")
         return phase
 
-    def _wrk(self, url: str, seconds: float) -> dict[str, float]:
-        return run_wrk(url, seconds, self.script, threads=self.opts.threads, connections=self.opts.connections)
+    def _wrk(self, url: str, seconds: float, setup: Setup | None = None) -> dict[str, float]:
+        script = self.flood_script if setup is not None and setup.load == "flood" else self.script
+        return run_wrk(url, seconds, script, threads=self.opts.threads, connections=self.opts.connections)
+
+    def _paced_pair(self, url: str, seconds: float,
+                    setup: Setup) -> tuple[dict[str, float], dict[str, float]]:
+        """The flood configurations' paced run: the well-behaved keys at half the rate, and
+        at the other half the flooding key ("flood") or 1,000 other well-behaved keys ("calm")."""
+        half = self.opts.rate / 2
+        calm = wrk_script(self.workdir, name="paced-users.lua", rate=half)
+        second = (wrk_script(self.workdir, 0, name="paced-flood.lua", flood_key=FLOOD_KEY, rate=half)
+                  if setup.load == "flood" else
+                  wrk_script(self.workdir, name="paced-calm.lua", prefix=CALM_PREFIX, rate=half))
+        return run_wrk_pair(url, seconds, (calm, second), connections=FLOOD_CONNECTIONS)
 
     def targets(self, summary: dict[str, Any]) -> list[dict[str, Any]]:
         return targets(summary, limits=self.limits, outages=self.outages, deadline_ms=self.opts.deadline_ms)
@@ -239,6 +286,14 @@ class Harness:
             log(f"outage ({mode}) {kind}: up {fig['up_rps']:,.0f}/s p99 {fig['up']['p99_ms']:.2f} ms; "
                 f"down {fig['down_rps']:,.0f}/s p99 {fig['down']['p99_ms']:.2f} ms; fail-open {fig['fail_open']}")
         return result
+
+
+def flood_key_rate(setup: Setup) -> float:
+    """The flooding key's limit: the ``rate`` of the policy's request_rate limiter."""
+    from extauthz.policy import load_policy
+
+    policy = load_policy([POLICIES / f"{setup.policy}.yaml"])
+    return min(float(lim.rate) for lim in policy.limiters if lim.type == "request_rate")
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[Options, str]:

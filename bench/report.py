@@ -124,6 +124,7 @@ def markdown(o: Options, summary: dict[str, Any], env: dict[str, str], command: 
     for name, r in summary["ratios"].items():
         lines.append(f"- {name}: {fmt(r['median'], '{:.3f}')} {r['rounds']}")
     lines.append("")
+    lines += flood_section(o, summary)
     if outages:
         lines += ["### Redis stopped mid-run, configuration (d)", "",
                   f"One continuous h2load run of {2 * o.outage_duration:g} s; Redis is stopped after "
@@ -167,6 +168,42 @@ def markdown(o: Options, summary: dict[str, Any], env: dict[str, str], command: 
         lines += ["![throughput and latency per configuration](benchmarks.png)", ""]
     lines.append(END)
     return "\n".join(lines)
+
+
+def flood_section(o: Options, summary: dict[str, Any]) -> list[str]:
+    """Floods (issue 16 item 3): (f) and (fc) beside (c), and the two targets' ratios."""
+    rows = {r["key"]: r for r in summary["rows"]}
+    if "f" not in rows:
+        return []
+    ratios = summary["ratios"]
+    lines = ["### Floods, configurations (f) and (fc)", "",
+             "bench/policies/flood.yaml: (d)'s four limiters on Redis, 10 requests/s per key. (f): one "
+             "key sends every other request (refused once over its rate; the server answers it from "
+             "its refusal cache, with no store call), the rest rotate over 1,000 well-behaved keys; "
+             "(fc): the same load with 1,000 other well-behaved keys in place of the flooding key. "
+             f"Saturated: the wrk run above. Paced: two `wrk -t1 -c16` processes at {o.rate // 2:,} req/s "
+             "each (a monotonic-clock schedule in the wrk script), the p99 read from the well-behaved "
+             "keys' process alone (wrk's histogram: from a request's write to its response).", "",
+             "| | saturated req/s | x (c) | flooding key x its rate (saturated / paced) | refused "
+             "| well-behaved p50 / p99 / p99.9 ms at the paced rate | paced req/s (both loads) |",
+             "|---|---:|---:|---|---:|---|---:|"]
+    for k in ("f", "fc", "c"):
+        r = rows.get(k)
+        if r is None:
+            continue
+        xc = (ratios.get(f"{k}/c") or {}).get("median") if k != "c" else 1.0
+        factor = (f"{fmt(r.get('flood_factor'))} / {fmt(r.get('flood_factor_latency'))}"
+                  if k == "f" else "")
+        lines.append(f"| {k} | {fmt(r['rps'])} | {fmt(xc, '{:.2f}')} | {factor} "
+                     f"| {fmt(r.get('refused_share'), '{:.1%}')} "
+                     f"| {fmt(r['p50_ms'], '{:.2f}')} / {fmt(r['p99_ms'], '{:.2f}')} / {fmt(r['p999_ms'], '{:.2f}')} "
+                     f"| {fmt(r['rate'])} |")
+    fc = (ratios.get("f/c") or {}).get("median")
+    p99 = (ratios.get("p99 f/fc") or {}).get("median")
+    lines += ["", f"- throughput under the flood / (c): **{fmt(fc, '{:.2f}')}** (goal >= 1.0)",
+              f"- well-behaved keys' p99 at {o.rate:,} req/s, (f) / (fc): **{fmt(p99, '{:.2f}')}** "
+              "(goal <= 1.2)", ""]
+    return lines
 
 
 def _steady(fig: dict[str, Any]) -> str:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .configs import CPU_RATIOS, P99_ADDED, RATIOS, SETUPS, Setup
+from .configs import CPU_RATIOS, P99_ADDED, P99_RATIOS, RATIOS, SETUPS, Setup
 
 
 @dataclass
@@ -38,6 +38,12 @@ class Phase:
     worker_connections: list[int] = field(default_factory=list)
     worker_cpu_share: list[float] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    #: the flood configurations (``Setup.load``): requests/s of the second load (the flooding
+    #: key's, or the well-behaved keys' in its place) and, for the flooding key, that rate
+    #: over its limit (the policy's ``rate``); in the paced run the latency figures above are
+    #: the first load's, the well-behaved keys' alone
+    flood_rps: float | None = None
+    flood_factor: float | None = None
 
     @property
     def consulted(self) -> bool:
@@ -110,6 +116,10 @@ def summarize(setups: Sequence[Setup], phases: Sequence[Phase]) -> dict[str, Any
             },
             "problems": sorted({x for p in sat + lat for x in p.problems if "failed open" not in x}),
             "worker_cpu_share": [p.worker_cpu_share for p in sat if p.worker_cpu_share],
+            "flood_factor": med([p.flood_factor for p in sat]),
+            "flood_factor_latency": med([p.flood_factor for p in lat]),
+            "refused_share": med([p.non_2xx / p.requests for p in sat if p.requests])
+            if setup.load != "users" else None,
         })
 
     def thr(t: dict[str, Phase], k: str) -> float:
@@ -132,6 +142,9 @@ def summarize(setups: Sequence[Setup], phases: Sequence[Phase]) -> dict[str, Any
     for k, base in P99_ADDED:
         if {"a", k, base} <= keys:
             ratios[f"p99 added {k}/{base}"] = round_ratio(phases, _p99_added_fn(p99, k, base))
+    for k, base in P99_RATIOS:
+        if {k, base} <= keys:
+            ratios[f"p99 {k}/{base}"] = round_ratio(phases, _ratio_fn(p99, k, base))
     for k, base in CPU_RATIOS:
         if {k, base} <= keys:
             ratios[f"cpu {k}/{base}"] = round_ratio(phases, _cpu_ratio_fn(k, base))
@@ -188,6 +201,9 @@ def targets(summary: dict[str, Any], *, limits: dict[str, Any] | None, outages: 
     add("(d) 2 workers / 1 worker (Envoy x2)", (ratios.get("d2/d1") or {}).get("median"), 1.5)
     add("p99 added by (d) / p99 added by (b), at 1,000 req/s",
         (ratios.get("p99 added d/b") or {}).get("median"), 1.3, higher=False)
+    add("Flood: (f) throughput / (c)", (ratios.get("f/c") or {}).get("median"), 1.0)
+    add("Flood: well-behaved keys' p99 at 1,000 req/s, (f) / (fc)",
+        (ratios.get("p99 f/fc") or {}).get("median"), 1.2, higher=False)
     if limits:
         add("Redis store checks/s / limits hits/s", limits.get("ratio"), 2.0)
     for o in outages:
