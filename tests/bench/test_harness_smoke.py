@@ -48,3 +48,34 @@ def test_smoke_run_produces_figures(tmp_path: Path) -> None:
     rows = {r["key"]: r for r in result["summary"]["rows"]}
     assert rows["b"]["consulted"] and rows["c"]["consulted"] and rows["h"]["consulted"]
     assert rows["a"]["rps"] > 0
+
+
+@pytest.mark.skipif(shutil.which("wrk") is None or shutil.which("redis-server") is None,
+                    reason="wrk/redis-server not installed (scripts/install-system-deps.sh)")
+def test_flood_configurations_produce_figures(tmp_path: Path) -> None:
+    """(f) the flood and (fc) the same load without the flooding key: the flooding key is
+    refused (Envoy counts denials), every other request is a full Check, and the summary
+    carries the two flood ratios."""
+    out = tmp_path / "flood.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.harness", "--smoke", "--configs", "f,fc", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=200,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    phases = {(p["setup"], p["kind"]): p for p in result["phases"]}
+    assert set(phases) == {(s, k) for s in ("f", "fc") for k in ("saturated", "latency")}
+    for (setup, kind), p in phases.items():
+        # (not asserted: Envoy's failure_mode_allowed, Checks past Envoy's timeout on a
+        # loaded machine: a speed, shown in the report)
+        assert p["requests"] > 0, p
+        if setup == "f":
+            assert p["ext_authz_denied"] > 0 and p["flood_factor"] > 1, p  # refused, over its rate
+        else:
+            assert p["ext_authz_denied"] == 0, p
+        checked = p["ext_authz_ok"] + p["ext_authz_denied"] + p["ext_authz_failure_mode_allowed"]
+        assert checked >= 0.99 * p["requests"], p  # every request went through ext_authz
+        if kind == "latency":
+            assert p["flood_rps"] > 0 and p["p99_ms"] >= p["p50_ms"] > 0, p
+    assert {"f/fc", "p99 f/fc"} <= set(result["summary"]["ratios"])
+    assert any(t["target"].startswith("Flood: well-behaved") for t in result["targets"])

@@ -39,3 +39,20 @@ def test_percentile_is_nearest_rank() -> None:
     assert percentile(values, 99) == 99.0
     assert percentile(values, 99.9) == 100.0
     assert percentile([], 50) != percentile([], 50)  # nan
+
+
+def test_flood_ratios_and_targets() -> None:
+    """(f) against (c) on throughput, (f) against (fc) on the well-behaved keys' p99."""
+    from bench.stats import targets
+
+    rps = {"c": [1000.0, 1000.0, 1000.0], "f": [1200.0, 900.0, 1100.0], "fc": [1000.0, 1000.0, 1000.0]}
+    p99 = {"c": [5.0, 5.0, 5.0], "f": [6.0, 7.0, 5.0], "fc": [5.0, 5.0, 5.0]}
+    summary = summarize([SETUPS[k] for k in ("c", "f", "fc")], phases(rps, p99))
+    ratios = summary["ratios"]
+    assert ratios["f/c"]["rounds"] == [1.2, 0.9, 1.1]
+    assert ratios["p99 f/fc"]["rounds"] == [1.2, 1.4, 1.0]
+    found = {t["target"]: t for t in targets(summary, limits=None, outages=[], deadline_ms=5.0)}
+    assert found["Flood: (f) throughput / (c)"]["value"] == pytest.approx(1.1)
+    assert found["Flood: (f) throughput / (c)"]["met"]
+    p99_target = found["Flood: well-behaved keys' p99 at 1,000 req/s, (f) / (fc)"]
+    assert p99_target["value"] == pytest.approx(1.2) and p99_target["met"] and not p99_target["higher"]
