@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,16 +21,22 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
-@pytest.mark.skipif(shutil.which("wrk") is None or shutil.which("h2load") is None,
-                    reason="wrk/h2load not installed (scripts/install-system-deps.sh)")
-def test_smoke_run_produces_figures(tmp_path: Path) -> None:
+def smoke_run(tmp_path: Path, configs: str) -> dict[str, Any]:
+    """``bench.harness --smoke`` for ``configs``: its JSON result."""
     out = tmp_path / "smoke.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.harness", "--smoke", "--configs", "a,b,c,h", "--json", str(out)],
+        [sys.executable, "-m", "bench.harness", "--smoke", "--configs", configs, "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=200,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+@pytest.mark.skipif(shutil.which("wrk") is None or shutil.which("h2load") is None,
+                    reason="wrk/h2load not installed (scripts/install-system-deps.sh)")
+def test_smoke_run_produces_figures(tmp_path: Path) -> None:
+    result = smoke_run(tmp_path, "a,b,c,h")
     phases = result["phases"]
     assert {(p["setup"], p["kind"]) for p in phases} == {
         (s, k) for s in "abch" for k in ("saturated", "latency")}
@@ -56,13 +63,7 @@ def test_flood_configurations_produce_figures(tmp_path: Path) -> None:
     """(f) the flood and (fc) the same load without the flooding key: the flooding key is
     refused (Envoy counts denials), every other request is a full Check, and the summary
     carries the two flood ratios."""
-    out = tmp_path / "flood.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.harness", "--smoke", "--configs", "f,fc", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=200,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = smoke_run(tmp_path, "f,fc")
     phases = {(p["setup"], p["kind"]): p for p in result["phases"]}
     assert set(phases) == {(s, k) for s in ("f", "fc") for k in ("saturated", "latency")}
     for (setup, kind), p in phases.items():

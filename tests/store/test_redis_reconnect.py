@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from extauthz.engine import Engine
 from extauthz.policy import Policy, load_policy
 from extauthz.store.redis import RedisStore
 from tests.infra.redis_servers import RedisSingle
+from tests.store.test_redis_specific import wait_until
 
 POLICY = """\
 version: 1
@@ -50,13 +50,6 @@ def policy(tmp_path: Path) -> Policy:
     path = tmp_path / "policy.yaml"
     path.write_text(POLICY)
     return load_policy([path])
-
-
-async def wait_until(predicate: Callable[[], Awaitable[bool]], within: float, what: str) -> None:
-    end = time.monotonic() + within
-    while not await predicate():
-        assert time.monotonic() < end, f"timed out after {within}s waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 async def run_checks(engine: Engine, seconds: float, tasks: int = 3) -> list[tuple[bool, tuple[str, ...]]]:
