@@ -83,7 +83,7 @@ SMOKE_SETUPS = ("a", "b", "c")
 RATIOS: tuple[tuple[str, str], ...] = (
     ("c", "b"), ("d", "b"), ("d2", "d1"), ("b-aio", "b"), ("d-aio", "d"), ("d-buf", "b-buf"),
     ("b-buf", "b"), ("d-buf", "d"), ("h", "b"), ("hc", "c"), ("hd", "d"), ("hc", "h"), ("hd", "h"),
-    ("d-buf20", "d"), ("r", "b"), ("rh", "h"), ("rh", "a"), ("f", "c"), ("f", "fc"),
+    ("d-buf20", "d"), ("r", "b"), ("rh", "h"), ("rh", "a"), ("f", "c"), ("fc", "c"), ("f", "fc"),
 )
 #: ``cpu <k>/<base>``: server CPU per check of k over base, per round.
 CPU_RATIOS: tuple[tuple[str, str], ...] = (("h", "b"), ("hc", "c"), ("hd", "d"), ("rh", "r"))

@@ -183,10 +183,12 @@ def flood_section(o: Options, summary: dict[str, Any]) -> list[str]:
              "(fc): the same load with 1,000 other well-behaved keys in place of the flooding key. "
              f"Saturated: the wrk run above. Paced: two `wrk -t1 -c16` processes at {o.rate // 2:,} req/s "
              "each (a monotonic-clock schedule in the wrk script), the p99 read from the well-behaved "
-             "keys' process alone (wrk's histogram: from a request's write to its response).", "",
+             "keys' process alone (wrk's histogram: from a request's write to its response); "
+             "(c)'s latency is its h2load run (one key, HTTP/2), not comparable with those.", "",
              "| | saturated req/s | x (c) | flooding key x its rate (saturated / paced) | refused "
-             "| well-behaved p50 / p99 / p99.9 ms at the paced rate | paced req/s (both loads) |",
-             "|---|---:|---:|---|---:|---|---:|"]
+             "| CPU us/req server / Redis | well-behaved p50 / p99 / p99.9 ms at the paced rate "
+             "| paced req/s (both loads) |",
+             "|---|---:|---:|---|---:|---|---|---:|"]
     for k in ("f", "fc", "c"):
         r = rows.get(k)
         if r is None:
@@ -196,6 +198,7 @@ def flood_section(o: Options, summary: dict[str, Any]) -> list[str]:
                   if k == "f" else "")
         lines.append(f"| {k} | {fmt(r['rps'])} | {fmt(xc, '{:.2f}')} | {factor} "
                      f"| {fmt(r.get('refused_share'), '{:.1%}')} "
+                     f"| {fmt(r['server_cpu_us'])} / {fmt(r['redis_cpu_us'])} "
                      f"| {fmt(r['p50_ms'], '{:.2f}')} / {fmt(r['p99_ms'], '{:.2f}')} / {fmt(r['p999_ms'], '{:.2f}')} "
                      f"| {fmt(r['rate'])} |")
     fc = (ratios.get("f/c") or {}).get("median")
