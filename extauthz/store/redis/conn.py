@@ -40,7 +40,7 @@ __all__ = ["RECONNECT_BACKOFF", "NodeConnection", "RespProtocol"]
 #: the first, doubling to 0.5-1 s (the first attempt after a loss starts at once).
 RECONNECT_BACKOFF: Final = EqualJitterBackoff(cap=1.0, base=0.0025)
 
-#: Error replies after which the connection is dropped (the next call reconnects, through
+#: Error replies after which the connection is dropped (a reconnect follows, through
 #: Sentinel to the current master): the node is no longer the writable master.
 _RECONNECT_ON: Final = (b"READONLY", b"MASTERDOWN", b"LOADING")
 
