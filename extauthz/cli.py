@@ -226,9 +226,10 @@ def cmd_envoy_allowed_headers(args: argparse.Namespace) -> int:
         for issue in exc.issues:
             print(f"error: {issue}", file=sys.stderr)
         return 1
-    print("# ext_authz (http_service): the request headers the policy and the HTTP edge read")
+    service = "http_service" if args.protocol == "http" else "grpc_service"
+    print(f"# ext_authz ({service}): the request headers the policy and the {args.protocol} edge read")
     print("allowed_headers:\n  patterns:")
-    for name in allowed_headers(policy.needed_headers):
+    for name in allowed_headers(policy.needed_headers, args.protocol):
         print(f"  - {{exact: {name}}}")
     return 0
 
@@ -248,10 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+", help="a policy file or a directory (one policy per argument)")
     text = "print the policy JSON Schema (also docs/policy.schema.json)"
     sub.add_parser("schema", help=text, description=text)
-    text = ("print the ext_authz allowed_headers list the HTTP protocol needs for a policy "
-            "(docs/http.md)")
+    text = ("print the ext_authz allowed_headers list Envoy's authorization protocol needs for a "
+            "policy (docs/http.md)")
     p = sub.add_parser("envoy-allowed-headers", help=text, description=text)
     p.add_argument("policies", nargs="+", help="policy file(s) or directory")
+    p.add_argument("--protocol", choices=("grpc", "http"), default="http",
+                   help="the filter's grpc_service (envoy.yaml and its variants) or http_service "
+                   "(envoy-http.yaml); default http")
     add_ops_parsers(sub)
     add_simulate_parser(sub)
     text = ("quick start: Envoy + server + upstream on this machine, a burst of traffic per "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ipaddress
 import subprocess
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,9 @@ import yaml
 from .envoy_process import EnvoyError, find_envoy
 
 __all__ = [
+    "ACCESS_LOG_BYTES_PER_MS",
     "EXT_AUTHZ_FILTER",
+    "GRPC_CONFIGS",
     "HTTP_CONFIG",
     "LOCAL_RATELIMIT_FILTER",
     "EnvoyConfigError",
@@ -41,9 +43,16 @@ UPSTREAM_CLUSTER = "upstream"
 DEFAULT_CONFIG = "envoy.yaml"
 #: the same proxy on Envoy's HTTP authorization protocol (``extauthz demo --protocol http``).
 HTTP_CONFIG = "envoy-http.yaml"
+#: the shipped configs on the gRPC protocol (their ``allowed_headers`` come from
+#: ``extauthz envoy-allowed-headers --protocol grpc``). ``istio-like.yaml`` is not one of
+#: them: it is what istiod generates, and istiod sets no ``allowed_headers`` for a gRPC provider.
+GRPC_CONFIGS = (DEFAULT_CONFIG, "envoy-tls.yaml", "envoy-jwt.yaml")
 
 _TYPE_PREFIX = "type.googleapis.com/"
-_ACCESS_LOG_BUFFER_BYTES = 16384
+#: ``buffer_size_bytes`` per ms of ``buffer_flush_interval`` (16 KiB for 20 ms): about what
+#: 2,000 finished requests a second write in that time, so below that rate the interval
+#: decides when a batch goes and above it the size does (docs/limiters.md).
+ACCESS_LOG_BYTES_PER_MS = 16384 / 20
 _LOCAL_RATELIMIT_KEYS = frozenset({"max_tokens", "tokens_per_fill", "fill_interval"})
 
 Config = dict[str, Any]
@@ -93,6 +102,9 @@ def render_config(
     local_ratelimit: Mapping[str, Any] | None = None,
     direct_response_upstream: bool = False,
     access_log_flush_ms: float | None = None,
+    extauthz_endpoints: int = 1,
+    allowed_headers: Sequence[str] | None = None,
+    send_all_headers: bool = False,
 ) -> str:
     """Return the config in ``base`` (default: the shipped one) with ports and endpoints set.
 
@@ -112,13 +124,26 @@ def render_config(
       ``direct_response_upstream``  answer ``200 ok`` from Envoy instead of routing to the
                                     ``upstream`` cluster.
       ``access_log_flush_ms``       buffer the gRPC access log: Envoy sends a batch of entries
-                                    per message (when 16 KiB fill or every this many ms) instead
-                                    of one per request.
+                                    per message every this many ms (or when
+                                    ``ACCESS_LOG_BYTES_PER_MS`` times as many bytes fill) instead
+                                    of one per request; 0 sends each entry at once (as shipped).
+      ``extauthz_endpoints``        list N endpoints in the ``extauthz`` cluster: ports
+                                    ``extauthz[1]`` to ``extauthz[1] + N - 1`` on the same host,
+                                    the ports of ``extauthz serve --workers N --worker-ports``
+                                    (Envoy then spreads its connections and Checks over them).
+      ``allowed_headers``           the request headers the ext_authz filter sends the server
+                                    (replaces the list in ``base``; see
+                                    ``extauthz envoy-allowed-headers``).
+      ``send_all_headers``          drop the gRPC filter's ``allowed_headers``: every request
+                                    header goes into each CheckRequest (benchmarks compare).
     """
     config: Config = yaml.safe_load(load_config_text(base))
     _set_port(config["admin"]["address"], admin_port)
     _set_port(_single_listener(config)["address"], listen_port)
-    _set_cluster_endpoint(config, "extauthz", extauthz)
+    if extauthz_endpoints < 1:
+        raise ValueError(f"extauthz_endpoints must be at least 1, not {extauthz_endpoints}")
+    host, port = extauthz
+    _set_cluster_endpoints(config, "extauthz", [(host, port + i) for i in range(extauthz_endpoints)])
     _set_cluster_endpoint(config, UPSTREAM_CLUSTER, upstream)
     if otel is not None:
         _set_cluster_endpoint(config, "otel_collector", otel)
@@ -142,11 +167,9 @@ def render_config(
             if not per_filter:
                 del holder["typed_per_filter_config"]
     if access_log_flush_ms is not None:
-        for log_config in hcm.get("access_log", []):
-            common = log_config.get("typed_config", {}).get("common_config")
-            if common is not None:
-                common["buffer_size_bytes"] = _ACCESS_LOG_BUFFER_BYTES
-                common["buffer_flush_interval"] = f"{access_log_flush_ms / 1000:.3f}s"
+        _set_access_log_flush(hcm, access_log_flush_ms)
+    if allowed_headers is not None or send_all_headers:
+        _set_allowed_headers(hcm, allowed_headers, send_all_headers)
     if not tracing_enabled:
         hcm.pop("tracing", None)
     if local_ratelimit is not None:
@@ -162,9 +185,13 @@ def render_config(
     return yaml.safe_dump(config, sort_keys=False)
 
 
-def _set_port(address: Config, port: int) -> None:
+def _check_port(port: int) -> None:
     if not 0 <= port <= 65535:
         raise ValueError(f"port out of range: {port}")
+
+
+def _set_port(address: Config, port: int) -> None:
+    _check_port(port)
     address["socket_address"]["port_value"] = port
 
 
@@ -183,21 +210,58 @@ def _cluster(config: Config, name: str) -> Config:
 
 
 def _set_cluster_endpoint(config: Config, name: str, endpoint: tuple[str, int]) -> None:
-    host, port = endpoint
+    _set_cluster_endpoints(config, name, [endpoint])
+
+
+def _set_cluster_endpoints(config: Config, name: str, endpoints: Sequence[tuple[str, int]]) -> None:
+    """Cluster ``name`` lists ``endpoints`` (all host names or all IP addresses)."""
     cluster = _cluster(config, name)
     try:
-        ipaddress.ip_address(host)
+        for host, _ in endpoints:
+            ipaddress.ip_address(host)
     except ValueError:  # a host name: let Envoy resolve it
         cluster["type"] = "STRICT_DNS"
         cluster["dns_lookup_family"] = "V4_PREFERRED"
     else:
         cluster["type"] = "STATIC"
         cluster.pop("dns_lookup_family", None)
-    address = {"socket_address": {"address": host, "port_value": port}}
-    cluster["load_assignment"] = {
-        "cluster_name": name,
-        "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}],
-    }
+    lb_endpoints = []
+    for host, port in endpoints:
+        _check_port(port)
+        address = {"socket_address": {"address": host, "port_value": port}}
+        lb_endpoints.append({"endpoint": {"address": address}})
+    cluster["load_assignment"] = {"cluster_name": name, "endpoints": [{"lb_endpoints": lb_endpoints}]}
+
+
+def _set_access_log_flush(hcm: Config, flush_ms: float) -> None:
+    if flush_ms < 0:
+        raise ValueError(f"access_log_flush_ms must not be negative, not {flush_ms}")
+    for log_config in hcm.get("access_log", []):
+        common = log_config.get("typed_config", {}).get("common_config")
+        if common is None:
+            continue
+        if flush_ms == 0:  # every entry at once; the interval (Envoy needs one) never waits
+            common["buffer_size_bytes"] = 0
+            common["buffer_flush_interval"] = "0.1s"
+        else:
+            common["buffer_size_bytes"] = round(flush_ms * ACCESS_LOG_BYTES_PER_MS)
+            common["buffer_flush_interval"] = f"{flush_ms / 1000:.3f}s"
+
+
+def _set_allowed_headers(hcm: Config, names: Sequence[str] | None, send_all: bool) -> None:
+    if names is not None and send_all:
+        raise ValueError("allowed_headers and send_all_headers exclude each other")
+    for ext_authz in [f["typed_config"] for f in hcm["http_filters"] if f.get("name") == EXT_AUTHZ_FILTER]:
+        _set_filter_allowed_headers(ext_authz, names, send_all)
+
+
+def _set_filter_allowed_headers(ext_authz: Config, names: Sequence[str] | None, send_all: bool) -> None:
+    if send_all:
+        if "grpc_service" not in ext_authz:
+            raise ValueError("send_all_headers: only the gRPC protocol sends unlisted headers")
+        ext_authz.pop("allowed_headers", None)
+        return
+    ext_authz["allowed_headers"] = {"patterns": [{"exact": name} for name in names or ()]}
 
 
 def _http_connection_manager(config: Config) -> Config:

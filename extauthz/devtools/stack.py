@@ -110,6 +110,21 @@ class ServerProcess:
 PROTOCOLS = ("grpc", "http")
 
 
+def policy_allowed_headers(policies: Sequence[str | Path], protocol: str) -> list[str] | None:
+    """The ext_authz ``allowed_headers`` that the policy in ``policies`` needs on ``protocol``
+    (``extauthz envoy-allowed-headers``), or None when it does not load (the config's own list
+    then stays; the server reports the policy error)."""
+    from ..errors import PolicyError
+    from ..policy import load_policy
+    from ..server.http import allowed_headers
+
+    try:
+        policy = load_policy(list(policies))
+    except PolicyError:
+        return None
+    return allowed_headers(policy.needed_headers, protocol)
+
+
 class Stack:
     """Upstream + extauthz server process + Envoy, on free loopback ports.
 
@@ -144,6 +159,8 @@ class Stack:
                 args += ["--http-listen", f"127.0.0.1:{self.http_port}"]
                 render.setdefault("base", config_path(HTTP_CONFIG))
                 render["extauthz_http"] = ("127.0.0.1", self.http_port)
+            if "send_all_headers" not in render:
+                render.setdefault("allowed_headers", policy_allowed_headers(self.policies, self.protocol))
             self.server = ServerProcess(self.policies, args=args, env=self.server_env).start()
             config = render_config(
                 listen_port=0, admin_port=0, extauthz=("127.0.0.1", self.server.port),

@@ -91,12 +91,27 @@ class HttpLimits:
     max_connections: int = 4096
 
 
-def allowed_headers(needed: Iterable[str]) -> list[str]:
-    """What Envoy's ``allowed_headers`` must list for a policy that reads ``needed``
-    (``Policy.needed_headers``): those, then the ones this edge reads, without the headers
-    Envoy always sends (``extauthz envoy-allowed-headers``)."""
-    out = [h for h in sorted({h.lower() for h in needed}) if h not in ALWAYS_SENT]
-    return out + [h for h in EDGE_HEADERS if h not in out]
+#: headers the gRPC edge reads whatever the policy says (``server/edge.py``: the request id
+#: that pairs a Check with its access-log entry). The trace parent arrives in the Check call's
+#: gRPC metadata, the client address, the route's tier and the JWT payload in attributes.
+GRPC_EDGE_HEADERS = (REQUEST_ID_HEADER,)
+
+#: the authorization protocols of Envoy's ext_authz filter (``envoy-allowed-headers --protocol``).
+PROTOCOLS = ("grpc", "http")
+
+
+def allowed_headers(needed: Iterable[str], protocol: str = "http") -> list[str]:
+    """What the ext_authz filter's ``allowed_headers`` must list for a policy that reads
+    ``needed`` (``Policy.needed_headers``): those, then the ones the edge of ``protocol``
+    reads (``extauthz envoy-allowed-headers``). The HTTP protocol leaves out the headers Envoy
+    always sends an HTTP service; the gRPC protocol sends nothing it does not list (an unset
+    list sends every header), so Authorization stays in its list."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, not {protocol!r}")
+    implied = ALWAYS_SENT if protocol == "http" else frozenset()
+    edge = EDGE_HEADERS if protocol == "http" else GRPC_EDGE_HEADERS
+    out = [h for h in sorted({h.lower() for h in needed}) if h not in implied]
+    return out + [h for h in edge if h not in out]
 
 
 # ---- the request: HTTP -> RawRequest ----------------------------------------------------

@@ -19,7 +19,9 @@ import pytest
 import yaml
 
 from extauthz.devtools.envoy_config import (
+    ACCESS_LOG_BYTES_PER_MS,
     EXT_AUTHZ_FILTER,
+    GRPC_CONFIGS,
     LOCAL_RATELIMIT_FILTER,
     EnvoyConfigError,
     config_path,
@@ -114,6 +116,66 @@ def test_shipped_http_config_allows_what_the_policy_reads() -> None:
     )
 
 
+@pytest.mark.parametrize("name", GRPC_CONFIGS)
+def test_shipped_grpc_configs_allow_what_the_policy_reads_and_strip_the_tier(name: str) -> None:
+    from extauthz.answers import TIER_HEADER
+    from extauthz.policy import load_policy
+    from extauthz.server.http import allowed_headers
+
+    config = yaml.safe_load(config_path(name).read_text(encoding="utf-8"))
+    ext = _filters(config)[EXT_AUTHZ_FILTER]
+    listed = [p["exact"] for p in ext["allowed_headers"]["patterns"]]
+    assert listed == allowed_headers(load_policy([REPO / "policies"]).needed_headers, "grpc"), (
+        "regenerate with `extauthz envoy-allowed-headers --protocol grpc policies/`"
+    )
+    # a client's tier header is removed before anything else runs (the check may fail open)
+    first = _hcm(config)["http_filters"][0]
+    assert first["name"] == "extauthz.strip-tier"
+    assert first["typed_config"]["mutations"]["request_mutations"] == [{"remove": TIER_HEADER}]
+
+
+def test_every_shipped_grpc_config_is_checked() -> None:
+    # A new gRPC config in envoy/ must join GRPC_CONFIGS (and so the header checks above);
+    # istio-like.yaml is istiod's output, which has no allowed_headers for a gRPC provider.
+    found = set()
+    for path in (REPO / "envoy").glob("*.yaml"):
+        config = yaml.safe_load(path.read_text(encoding="utf-8"))
+        if "static_resources" not in config:
+            continue  # access-log-json.yaml: an access-log item, not a config
+        ext = _filters(config).get(EXT_AUTHZ_FILTER, {})
+        if "grpc_service" in ext:
+            found.add(path.name)
+    assert found == {*GRPC_CONFIGS, "istio-like.yaml"}
+    istio = yaml.safe_load((REPO / "envoy" / "istio-like.yaml").read_text(encoding="utf-8"))
+    assert "allowed_headers" not in _filters(istio)[EXT_AUTHZ_FILTER]
+
+
+def test_render_sets_or_drops_allowed_headers() -> None:
+    listed = _filters(yaml.safe_load(render(allowed_headers=["x-plan", "x-request-id"])))[EXT_AUTHZ_FILTER]
+    assert listed["allowed_headers"] == {"patterns": [{"exact": "x-plan"}, {"exact": "x-request-id"}]}
+    every = render(send_all_headers=True)
+    validate(every)
+    assert "allowed_headers" not in _filters(yaml.safe_load(every))[EXT_AUTHZ_FILTER]
+    with pytest.raises(ValueError, match="only the gRPC protocol"):
+        render(base=HTTP_CONFIG, extauthz_http=("127.0.0.1", free_port()), send_all_headers=True)
+    with pytest.raises(ValueError, match="exclude each other"):
+        render(allowed_headers=["x-api-key"], send_all_headers=True)
+    # without the filter there is nothing to set
+    assert EXT_AUTHZ_FILTER not in _filters(yaml.safe_load(render(ext_authz_enabled=False, allowed_headers=[])))
+
+
+def test_render_lists_n_endpoints_of_the_extauthz_cluster() -> None:
+    text = render(extauthz=("127.0.0.1", 9101), extauthz_endpoints=3)
+    validate(text)
+    (group,) = _cluster(yaml.safe_load(text), "extauthz")["load_assignment"]["endpoints"]
+    ports = [e["endpoint"]["address"]["socket_address"]["port_value"] for e in group["lb_endpoints"]]
+    assert ports == [9101, 9102, 9103]
+    with pytest.raises(ValueError, match="at least 1"):
+        render(extauthz_endpoints=0)
+    with pytest.raises(ValueError, match="out of range"):
+        render(extauthz=("127.0.0.1", 65535), extauthz_endpoints=2)
+
+
 def test_shipped_http_config_states_fail_open_shed_mapper_and_lease_metadata() -> None:
     from extauthz.answers import LEASE_FIELDS
     from extauthz.server.http import ROUTE_TIER_HEADER, SHED_STATUS
@@ -196,7 +258,13 @@ def test_render_with_buffered_access_log_validates() -> None:
     ]
     common = grpc_log["typed_config"]["common_config"]
     assert common["buffer_flush_interval"] == "0.005s"
-    assert common["buffer_size_bytes"] == 16384
+    assert common["buffer_size_bytes"] == 5 * ACCESS_LOG_BYTES_PER_MS  # the size to match 5 ms
+    twenty = _hcm(yaml.safe_load(render(access_log_flush_ms=20)))["access_log"][0]["typed_config"]["common_config"]
+    assert (twenty["buffer_size_bytes"], twenty["buffer_flush_interval"]) == (16384, "0.020s")
+    zero = _hcm(yaml.safe_load(render(access_log_flush_ms=0)))["access_log"][0]["typed_config"]["common_config"]
+    assert zero["buffer_size_bytes"] == 0  # every entry at once
+    with pytest.raises(ValueError, match="negative"):
+        render(access_log_flush_ms=-1)
     (plain,) = [a for a in _hcm(yaml.safe_load(render()))["access_log"] if a["name"] == grpc_log["name"]]
     assert plain["typed_config"]["common_config"]["buffer_size_bytes"] == 0  # as shipped: every entry
 
@@ -239,8 +307,9 @@ def test_cluster_reference_check_catches_undefined_grpc_cluster() -> None:
 
     problems = grpc_cluster_problems(broken)
     assert len(problems) == 1
+    index = [f["name"] for f in _hcm(config)["http_filters"]].index(EXT_AUTHZ_FILTER)
     assert (
-        "http_filters[0].typed_config.grpc_service.envoy_grpc.cluster_name"
+        f"http_filters[{index}].typed_config.grpc_service.envoy_grpc.cluster_name"
         in problems[0]
     )
     assert "'ext-authz-typo'" in problems[0]
@@ -399,6 +468,9 @@ def _check_summary(request: bytes) -> dict[str, Any]:
             }
     return {
         "path": http_request[4][0].decode(),
+        "method": http_request[2][0].decode(),
+        "host": http_request[5][0].decode(),
+        "headers": {k: v.decode() for k, v in _string_map(http_request.get(3, [])).items()},
         "context_extensions": {
             k: v.decode() for k, v in _string_map(attributes.get(10, [])).items()
         },
@@ -500,6 +572,54 @@ def test_allowed_request_carries_tier_headers_and_metadata(
         assert b"envoy.filters.http.ext_authz" in seen
         assert b"/healthz" in seen
         assert fake_ext_authz.checks.empty()  # /healthz skipped ext_authz
+
+
+_CLIENT_HEADERS = {"x-api-key": "sk_live_1", "Authorization": "Bearer t", "x-test-mode": "true",
+                   "User-Agent": "probe/1", "x-unread": "noise", "x-extauthz-tier": "critical"}
+
+
+def test_check_carries_only_the_allowed_headers(upstream: Upstream, fake_ext_authz: FakeExtAuthz) -> None:
+    for send_all in (False, True):
+        text = render(extauthz=("127.0.0.1", fake_ext_authz.port), upstream=("127.0.0.1", upstream.port),
+                      send_all_headers=send_all)
+        with EnvoyProcess(text) as envoy:
+            status, _, body = http(envoy.url + "/v1/items?page=2", headers=_CLIENT_HEADERS)
+        assert status == 200
+        assert json.loads(body)["tier"] == "gold"  # the answer's tier, not the client's
+        check, _ = fake_ext_authz.checks.get(timeout=1)
+        # method, path and host travel in their own fields either way
+        assert (check["method"], check["path"]) == ("GET", "/v1/items?page=2")
+        assert check["host"].startswith("127.0.0.1:")
+        sent = set(check["headers"])
+        assert "x-extauthz-tier" not in sent  # stripped before the check
+        if send_all:
+            assert {"x-unread", "user-agent", "authorization", "x-api-key", ":path"} <= sent
+        else:
+            # exactly the list (Authorization too: the gRPC protocol adds nothing by itself)
+            assert sent == {"authorization", "x-api-key", "x-test-mode", "x-request-id"}
+            assert check["headers"]["authorization"] == "Bearer t"
+
+
+@pytest.mark.parametrize("name", GRPC_CONFIGS)
+def test_fail_open_strips_a_client_tier_header(name: str, upstream: Upstream, tmp_path: Path) -> None:
+    text = render(base=config_path(name), extauthz=("127.0.0.1", free_port()),
+                  upstream=("127.0.0.1", upstream.port))
+    if "/etc/envoy/extauthz-tls/" in text:  # envoy-tls.yaml: real files for Envoy to load
+        from ..infra.certs import CA
+
+        ca = CA()
+        ca.write(tmp_path / "ca.crt")
+        ca.issue("envoy").write(tmp_path, "tls")
+        text = text.replace("/etc/envoy/extauthz-tls/", f"{tmp_path}/")
+    with EnvoyProcess(text) as envoy:
+        status, _, body = http(envoy.url + "/v1/reports/daily",
+                               headers={"x-api-key": "sk_live_1", "x-extauthz-tier": "critical",
+                                        "x-extauthz-note": "kept"})
+    assert status == 200
+    echo = json.loads(body)
+    assert echo["headers"]["x-envoy-auth-failure-mode-allowed"] == "true"
+    assert echo["tier"] is None  # the client's x-extauthz-tier did not reach the upstream
+    assert echo["headers"]["x-extauthz-note"] == "kept"  # other headers do
 
 
 def test_benchmark_variant_local_ratelimit_with_direct_response() -> None:

@@ -74,6 +74,16 @@ def test_envoy_allowed_headers_lists_policy_and_edge_headers(capsys: pytest.Capt
             "x-forwarded-client-cert"} <= set(listed)
 
 
+def test_envoy_allowed_headers_for_the_grpc_protocol(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["envoy-allowed-headers", "--protocol", "grpc", str(ROOT / "policies")]) == 0
+    out = capsys.readouterr().out
+    assert "grpc_service" in out
+    listed = [line.split("exact: ")[1].rstrip("}") for line in out.splitlines() if "exact:" in line]
+    # the policy's headers, Authorization included (gRPC sends only what is listed), and the
+    # request id the access log pairs leases with; nothing the HTTP edge alone reads
+    assert listed == ["authorization", "x-api-key", "x-test-mode", "x-request-id"]
+
+
 def test_envoy_allowed_headers_bad_policy_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     bad = FIXTURES / "policies" / "bad" / "unknown_key.yaml"
     assert main(["envoy-allowed-headers", str(bad)]) == 1

@@ -6,6 +6,8 @@ import base64
 import json
 from pathlib import Path
 
+import pytest
+
 from extauthz.answers import LEASE_ID_FIELD, LEASES_FIELD, lease_fields, read_lease_fields
 from extauthz.clock import ManualClock
 from extauthz.server.http import (
@@ -60,6 +62,13 @@ def test_allowed_headers_drops_what_envoy_always_sends() -> None:
     out = allowed_headers({"Authorization", "x-api-key", "host"})
     assert out[0] == "x-api-key" and "authorization" not in out and "host" not in out
     assert len(out) == len(set(out))
+
+
+def test_allowed_headers_for_grpc_lists_authorization_and_the_request_id() -> None:
+    assert allowed_headers({"Authorization", "x-plan", "X-Request-Id"}, "grpc") == [
+        "authorization", "x-plan", "x-request-id"]
+    with pytest.raises(ValueError, match="protocol"):
+        allowed_headers({"x-api-key"}, "grpcs")
 
 
 def test_lease_fields_round_trip() -> None:
