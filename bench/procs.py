@@ -13,6 +13,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+from extauthz.devtools.stack import free_port_block as free_port_block  # one copy, re-exported
+
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -63,29 +65,6 @@ def established_by_pid(port: int, pids: list[int]) -> dict[int, int]:
                 count += 1
         out[pid] = count
     return out
-
-
-def free_port_block(n: int, low: int = 20000, high: int = 32000) -> int:
-    """A port P with P..P+n-1 all free, below the usual ephemeral range (so that outgoing
-    connections do not take them between this check and the bind)."""
-    import random
-    import socket
-
-    for _ in range(200):
-        base = random.randrange(low, high - n)
-        try:
-            socks = []
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-        return base
-    raise RuntimeError(f"no block of {n} free ports")
 
 
 def find_redis_server() -> str | None:

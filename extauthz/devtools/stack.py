@@ -28,6 +28,28 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_block(n: int, low: int = 20000, high: int = 32000) -> int:
+    """A port P with P..P+n-1 all free, below the usual ephemeral range (so that outgoing
+    connections do not take them between this check and the bind)."""
+    import random
+
+    for _ in range(200):
+        base = random.randrange(low, high - n)
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        return base
+    raise RuntimeError(f"no block of {n} free ports")
+
+
 def wait_for_health(port: int, timeout: float = 15.0, proc: subprocess.Popen[bytes] | None = None,
                     log: Path | None = None) -> None:
     """Block until the gRPC health service on ``port`` answers SERVING."""
@@ -54,13 +76,19 @@ def wait_for_health(port: int, timeout: float = 15.0, proc: subprocess.Popen[byt
 
 
 class ServerProcess:
-    """``python -m extauthz serve`` on a free port, with its log in a file."""
+    """``python -m extauthz serve`` on a free port, with its log in a file.
+
+    ``workers=N`` (N > 1): ``serve --workers N --worker-ports``, N processes on the ports
+    ``port`` to ``port + N - 1`` (admin ports likewise from ``admin_port``); ``start`` returns
+    once all N serve. They share limits through the store, so ``args`` must name a
+    ``--redis-url``."""
 
     def __init__(self, policies: Sequence[str | Path], *, args: Sequence[str] = (),
                  env: dict[str, str] | None = None, port: int | None = None,
-                 workdir: Path | None = None) -> None:
-        self.port = port or free_port()
-        self.admin_port = free_port()
+                 workdir: Path | None = None, workers: int = 1) -> None:
+        self.workers = workers
+        self.port = port or (free_port() if workers == 1 else free_port_block(workers))
+        self.admin_port = free_port() if workers == 1 else free_port_block(workers)
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="extauthz-server-"))
         self.log_path = self.workdir / f"server-{self.port}.log"
         self.cmd = [
@@ -68,6 +96,7 @@ class ServerProcess:
             "--policies", *map(str, policies),
             "--listen", f"127.0.0.1:{self.port}",
             "--admin-listen", f"127.0.0.1:{self.admin_port}",
+            *(["--workers", str(workers), "--worker-ports"] if workers > 1 else []),
             *args,
         ]
         self.env = {**os.environ, **(env or {})}
@@ -79,7 +108,8 @@ class ServerProcess:
                                      stdin=subprocess.DEVNULL, env=self.env)
         log.close()
         try:
-            wait_for_health(self.port, timeout, self.proc, self.log_path)
+            for i in range(self.workers):
+                wait_for_health(self.port + i, timeout, self.proc, self.log_path)
         except BaseException:
             self.stop()
             raise
@@ -130,13 +160,20 @@ class Stack:
 
     ``protocol="http"`` runs Envoy's HTTP authorization protocol (envoy/envoy-http.yaml and
     ``serve --http-listen``) instead of gRPC; the access log still streams to the gRPC port.
+    ``server_workers=N`` runs ``serve --workers N --worker-ports`` (``server_args`` must name
+    a ``--redis-url``) and lists the N ports as N endpoints of Envoy's ``extauthz`` cluster.
+    Envoy's ext_authz ``allowed_headers`` are rendered from the policy (``render`` arguments
+    ``allowed_headers`` or ``send_all_headers`` override that).
     """
 
     def __init__(self, policies: Sequence[str | Path], *, server_args: Sequence[str] = (),
                  server_env: dict[str, str] | None = None, envoy_concurrency: int = 1,
-                 otel: tuple[str, int] | None = None, protocol: str = "grpc", **render: Any) -> None:
+                 otel: tuple[str, int] | None = None, protocol: str = "grpc",
+                 server_workers: int = 1, **render: Any) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, not {protocol!r}")
+        if server_workers > 1 and protocol != "grpc":
+            raise ValueError("server_workers: only on the gRPC protocol")
         self.protocol = protocol
         self.http_port = 0
         self.policies = policies
@@ -144,6 +181,7 @@ class Stack:
         self.server_env = server_env
         self.envoy_concurrency = envoy_concurrency
         self.otel = otel
+        self.server_workers = server_workers
         self.render = render
         self.upstream: Upstream | None = None
         self.server: ServerProcess | None = None
@@ -161,7 +199,10 @@ class Stack:
                 render["extauthz_http"] = ("127.0.0.1", self.http_port)
             if "send_all_headers" not in render:
                 render.setdefault("allowed_headers", policy_allowed_headers(self.policies, self.protocol))
-            self.server = ServerProcess(self.policies, args=args, env=self.server_env).start()
+            self.server = ServerProcess(self.policies, args=args, env=self.server_env,
+                                        workers=self.server_workers).start()
+            if self.server_workers > 1:
+                render["extauthz_endpoints"] = self.server_workers
             config = render_config(
                 listen_port=0, admin_port=0, extauthz=("127.0.0.1", self.server.port),
                 upstream=("127.0.0.1", self.upstream.port),
