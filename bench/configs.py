@@ -41,6 +41,9 @@ class Setup:
     #: paced run is two wrk processes at half the rate each, the well-behaved keys' latency
     #: read from the first alone (bench/load.py ``run_wrk_pair``).
     load: str = "users"
+    #: gRPC only: no ext_authz ``allowed_headers`` (every request header in each CheckRequest)
+    #: instead of the list the policy needs (``extauthz envoy-allowed-headers``)
+    send_all_headers: bool = False
 
 
 SETUPS: dict[str, Setup] = {s.key: s for s in [
@@ -74,6 +77,10 @@ SETUPS: dict[str, Setup] = {s.key: s for s in [
     # one key sends half of all requests (f), or 1,000 other well-behaved keys do (fc).
     Setup("f", "(d) under a flood: 1 key sends half", policy="flood", redis=True, load="flood"),
     Setup("fc", "(f) without the flooding key", policy="flood", redis=True, load="calm"),
+    # Envoy sends less (issue 16 item 4): the same without allowed_headers, every header sent.
+    Setup("b-all", "(b), every header to the server", policy="noop", send_all_headers=True),
+    Setup("r-all", "(r), every header to the server", policy="rate-only", redis=True,
+          send_all_headers=True),
 ]}
 DEFAULT_SETUPS = ("a", "b", "c", "d", "e", "d1", "d2", "b-aio", "d-aio", "b-buf", "d-buf", "h", "hc",
                   "hd", "r", "rh", "d-buf20", "f", "fc")

@@ -12,7 +12,7 @@ from typing import Any
 
 from extauthz.devtools.envoy_config import config_path, render_config
 from extauthz.devtools.envoy_process import EnvoyProcess
-from extauthz.devtools.stack import ServerProcess, free_port
+from extauthz.devtools.stack import ServerProcess, free_port, policy_allowed_headers
 
 from .configs import Options, Setup
 from .procs import RedisServer, children, cpu_seconds, established_by_pid, free_port_block
@@ -75,6 +75,10 @@ class Running:
             local_ratelimit={"max_tokens": 1_000_000_000} if s.local_ratelimit else None,
             access_log_flush_ms=s.accesslog_flush_ms,
             extauthz_http=("127.0.0.1", self.http_port) if s.protocol == "http" else None,
+            # what the policy reads, or (send_all_headers) every header, as Envoy does unlisted
+            allowed_headers=None if s.send_all_headers or not s.ext_authz else
+            policy_allowed_headers([POLICIES / f"{s.policy}.yaml"], s.protocol),
+            send_all_headers=s.send_all_headers,
         )
         self.envoy = EnvoyProcess(config, concurrency=s.envoy_concurrency).start()
 
