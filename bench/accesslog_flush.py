@@ -2,8 +2,8 @@
 
 Envoy's gRPC access log is the server's "request finished" signal: a concurrency slot (lease)
 stays held until the request's entry reaches the server and the release reaches the store.
-Envoy can send each entry at once (``buffer_size_bytes: 0``, as shipped: "0 ms") or batch them
-for ``buffer_flush_interval`` (5 or 20 ms here, with ``buffer_size_bytes`` to match:
+Envoy can send each entry at once (``buffer_size_bytes: 0``: "0 ms") or batch them for
+``buffer_flush_interval`` (5 ms, as shipped, or 20 ms, with ``buffer_size_bytes`` to match:
 ``ACCESS_LOG_BYTES_PER_MS``). For each setting, on configuration (d) (all four limiters, Redis):
 
 * throughput: ``wrk``, saturated (as the harness), with server and Envoy CPU per request;
@@ -53,8 +53,8 @@ from .procs import RedisServer, find_redis_server
 from .stack import Running, fill_counters
 from .stats import Phase, latency_summary, percentile
 
-#: the flush interval (ms) -> the harness row that runs it (0: each entry at once, as shipped).
-ROWS = {0.0: "d", 5.0: "d-buf", 20.0: "d-buf20"}
+#: the flush interval (ms) -> the harness row that runs it (0: each entry at once; 5: as shipped).
+ROWS = {0.0: "d-buf0", 5.0: "d-buf", 20.0: "d-buf20"}
 #: the concurrency limiter of bench/policies/all-on.yaml and how it names users.
 LIMITER = "user-concurrency"
 IDENTITY_SOURCE = "header:x-api-key"

@@ -27,6 +27,7 @@ __all__ = [
     "GRPC_CONFIGS",
     "HTTP_CONFIG",
     "LOCAL_RATELIMIT_FILTER",
+    "SHIPPED_ACCESS_LOG_FLUSH_MS",
     "EnvoyConfigError",
     "config_path",
     "grpc_cluster_problems",
@@ -53,6 +54,9 @@ _TYPE_PREFIX = "type.googleapis.com/"
 #: 2,000 finished requests a second write in that time, so below that rate the interval
 #: decides when a batch goes and above it the size does (docs/limiters.md).
 ACCESS_LOG_BYTES_PER_MS = 16384 / 20
+#: the shipped configs' ``buffer_flush_interval`` in ms (and ``buffer_size_bytes`` to match),
+#: chosen by measurement (``python -m bench.accesslog_flush``; docs/limiters.md).
+SHIPPED_ACCESS_LOG_FLUSH_MS = 5
 _LOCAL_RATELIMIT_KEYS = frozenset({"max_tokens", "tokens_per_fill", "fill_interval"})
 
 Config = dict[str, Any]
@@ -126,7 +130,8 @@ def render_config(
       ``access_log_flush_ms``       buffer the gRPC access log: Envoy sends a batch of entries
                                     per message every this many ms (or when
                                     ``ACCESS_LOG_BYTES_PER_MS`` times as many bytes fill) instead
-                                    of one per request; 0 sends each entry at once (as shipped).
+                                    of one per request; 0 sends each entry at once (shipped:
+                                    ``SHIPPED_ACCESS_LOG_FLUSH_MS``).
       ``extauthz_endpoints``        list N endpoints in the ``extauthz`` cluster: ports
                                     ``extauthz[1]`` to ``extauthz[1] + N - 1`` on the same host,
                                     the ports of ``extauthz serve --workers N --worker-ports``

@@ -23,6 +23,7 @@ from extauthz.devtools.envoy_config import (
     EXT_AUTHZ_FILTER,
     GRPC_CONFIGS,
     LOCAL_RATELIMIT_FILTER,
+    SHIPPED_ACCESS_LOG_FLUSH_MS,
     EnvoyConfigError,
     config_path,
     grpc_cluster_problems,
@@ -265,8 +266,15 @@ def test_render_with_buffered_access_log_validates() -> None:
     assert zero["buffer_size_bytes"] == 0  # every entry at once
     with pytest.raises(ValueError, match="negative"):
         render(access_log_flush_ms=-1)
-    (plain,) = [a for a in _hcm(yaml.safe_load(render()))["access_log"] if a["name"] == grpc_log["name"]]
-    assert plain["typed_config"]["common_config"]["buffer_size_bytes"] == 0  # as shipped: every entry
+
+
+@pytest.mark.parametrize("name", [*GRPC_CONFIGS, HTTP_CONFIG.name])
+def test_shipped_configs_batch_the_access_log_as_chosen(name: str) -> None:
+    config = yaml.safe_load(config_path(name).read_text(encoding="utf-8"))
+    (grpc_log,) = [a for a in _hcm(config)["access_log"] if a["name"] == "envoy.access_loggers.http_grpc"]
+    common = grpc_log["typed_config"]["common_config"]
+    assert common["buffer_flush_interval"] == f"{SHIPPED_ACCESS_LOG_FLUSH_MS / 1000:.3f}s"
+    assert common["buffer_size_bytes"] == round(SHIPPED_ACCESS_LOG_FLUSH_MS * ACCESS_LOG_BYTES_PER_MS)
 
 
 def test_render_sets_ports_and_endpoints_by_cluster_name() -> None:
