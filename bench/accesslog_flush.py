@@ -81,6 +81,9 @@ class SlotProbe:
         self.poll_ms: list[float] = []
         self.unlimited = 0   # answered without RateLimit headers: the server did not limit it
         self.timed_out = 0   # still held after ``timeout``
+        #: samples whose lease the first poll still found: none at all would mean the probe reads
+        #: the wrong key (its figures would be the poll time, not the hold)
+        self.seen_held = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
         self._error: BaseException | None = None
@@ -121,11 +124,15 @@ class SlotProbe:
         if response.status != 200 or response.getheader("ratelimit") is None:
             self.unlimited += 1
             return
+        first = True
         while True:
             t0 = time.perf_counter()
             (held,) = await store.inflight([lease_key])
             now = time.perf_counter()
             self.poll_ms.append((now - t0) * 1000)
+            if first and held:
+                self.seen_held += 1
+            first = False
             if held == 0:
                 self.held_ms.append((now - ended) * 1000)
                 return
@@ -141,7 +148,7 @@ class SlotProbe:
             "held_p99_ms": percentile(held, 99), "held_max_ms": max(held) if held else float("nan"),
             "held_mean_ms": statistics.fmean(held) if held else float("nan"),
             "poll_ms": statistics.median(self.poll_ms) if self.poll_ms else float("nan"),
-            "unlimited": self.unlimited, "timed_out": self.timed_out,
+            "unlimited": self.unlimited, "timed_out": self.timed_out, "seen_held": self.seen_held,
         }
 
 
@@ -229,6 +236,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 setup = setup_for(flush)
                 saturated = h.measure(setup, "saturated", r)
                 paced, probe = paced_with_probe(h, setup, r)
+                if probe["samples"] and not probe["seen_held"]:
+                    paced.problems.append("the probe never saw a lease held: does it read the lease key?")
                 row = {"flush_ms": flush, "round": r, "rps": saturated.rps,
                        "server_cpu_us": saturated.server_cpu_us, "envoy_cpu_us": saturated.envoy_cpu_us,
                        "p50_ms": paced.p50_ms, "p99_ms": paced.p99_ms, "paced_rps": paced.rps,
