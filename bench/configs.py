@@ -41,6 +41,9 @@ class Setup:
     #: paced run is two wrk processes at half the rate each, the well-behaved keys' latency
     #: read from the first alone (bench/load.py ``run_wrk_pair``).
     load: str = "users"
+    #: with ``workers`` > 1: ``--worker-ports`` (N ports, listed as N endpoints of Envoy's
+    #: extauthz cluster) instead of one SO_REUSEPORT port
+    worker_ports: bool = False
     #: gRPC only: no ext_authz ``allowed_headers`` (every request header in each CheckRequest)
     #: instead of the list the policy needs (``extauthz envoy-allowed-headers``)
     send_all_headers: bool = False
@@ -77,6 +80,9 @@ SETUPS: dict[str, Setup] = {s.key: s for s in [
     # one key sends half of all requests (f), or 1,000 other well-behaved keys do (fc).
     Setup("f", "(d) under a flood: 1 key sends half", policy="flood", redis=True, load="flood"),
     Setup("fc", "(f) without the flooding key", policy="flood", redis=True, load="calm"),
+    # Several processes (issue 16 item 6): N ports as N endpoints, Envoy spreads the Checks.
+    Setup("d2p", "(d), Envoy x2 threads, --workers 2 --worker-ports", policy="all-on", redis=True,
+          envoy_concurrency=2, workers=2, worker_ports=True),
     # The shipped configs batch the access log every 5 ms (b, d, b-buf and d-buf alike now);
     # these send each entry at once, the previous shipped setting.
     Setup("b-buf0", "(b), access log entry by entry", policy="noop", accesslog_flush_ms=0),

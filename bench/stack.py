@@ -46,7 +46,7 @@ class Running:
                     assert self.redis is not None
                     args += ["--redis-url", self.redis.url]
                 if s.workers > 1:
-                    args += ["--workers", str(s.workers)]
+                    args += ["--workers", str(s.workers), *(["--worker-ports"] if s.worker_ports else [])]
                 # worker i serves admin on base + i: take a block of free ports
                 self.admin_base = free_port_block(s.workers)
                 args += ["--admin-listen", f"127.0.0.1:{self.admin_base}"]
@@ -56,7 +56,8 @@ class Running:
                     args += ["--http-listen", f"127.0.0.1:{self.http_port}"]
                 env = {"EXTAUTHZ_EVENT_LOOP": s.loop, "PYTHONPATH": str(ROOT)}
                 self.server = ServerProcess([POLICIES / f"{s.policy}.yaml"], args=args, env=env,
-                                            workdir=self.workdir).start()
+                                            workdir=self.workdir,
+                                            port=free_port_block(s.workers) if s.worker_ports else None).start()
                 if s.workers > 1:
                     self._wait_workers()
                 extauthz_port = self.server.port
@@ -71,6 +72,7 @@ class Running:
         config = render_config(
             config_path(s.envoy_config), listen_port=0, admin_port=0, extauthz=("127.0.0.1", extauthz_port),
             upstream=("127.0.0.1", free_port()), otel=("127.0.0.1", free_port()),
+            extauthz_endpoints=s.workers if s.worker_ports else 1,
             ext_authz_enabled=s.ext_authz, tracing_enabled=False, direct_response_upstream=True,
             local_ratelimit={"max_tokens": 1_000_000_000} if s.local_ratelimit else None,
             access_log_flush_ms=s.accesslog_flush_ms,
@@ -100,7 +102,8 @@ class Running:
         counts: list[int] = []
         for _ in range(attempts):
             warm()
-            by_pid = established_by_pid(self.server.port, pids)
+            ports = range(self.server.port, self.server.port + (self.setup.workers if self.setup.worker_ports else 1))
+            by_pid = {pid: sum(established_by_pid(port, pids).get(pid, 0) for port in ports) for pid in pids}
             counts = [by_pid.get(p, 0) for p in pids]
             if counts and min(counts) > 0:
                 return counts
