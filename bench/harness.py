@@ -75,7 +75,7 @@ from .load import (
     wrk_script,
 )
 from .procs import RedisServer, find_redis_server
-from .report import DOCS, PLOT, ROOT, environment, fmt, markdown, plot, write_docs
+from .report import DOCS, PLOT, ROOT, environment, fmt, markdown, phase_redis_calls, plot, write_docs
 from .stack import POLICIES, Running, fill_counters, stat_value
 from .stats import Phase, latency_summary, summarize, targets
 
@@ -198,7 +198,8 @@ class Harness:
         fo = f", fail-open {phase.fail_open}" if phase.fail_open else ""
         if phase.flood_factor is not None:
             fo += f", flooding key at {phase.flood_factor:.0f}x its rate"
-        log(f"round {r + 1} {kind:9} {setup.key:5} {setup.label:36} {figure}{cpu}{extra}{fo}{bad}")
+        log(f"round {r + 1} {kind:9} {setup.key:5} {setup.label:36} {figure}{cpu}{extra}{fo}"
+            f"{phase_redis_calls(phase)}{bad}")
         return phase
 
     def _wrk(self, url: str, seconds: float, setup: Setup | None = None) -> dict[str, float]:

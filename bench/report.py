@@ -125,6 +125,7 @@ def markdown(o: Options, summary: dict[str, Any], env: dict[str, str], command: 
         lines.append(f"- {name}: {fmt(r['median'], '{:.3f}')} {r['rounds']}")
     lines.append("")
     lines += flood_section(o, summary)
+    lines += redis_calls_table(summary["rows"])
     if outages:
         lines += ["### Redis stopped mid-run, configuration (d)", "",
                   f"One continuous h2load run of {2 * o.outage_duration:g} s; Redis is stopped after "
@@ -207,6 +208,35 @@ def flood_section(o: Options, summary: dict[str, Any]) -> list[str]:
               f"- well-behaved keys' p99 at {o.rate:,} req/s, (f) / (fc): **{fmt(p99, '{:.2f}')}** "
               "(goal <= 1.2)", ""]
     return lines
+def redis_calls_table(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Redis commands (``INFO commandstats``, diffed around each measured run) and the
+    store's round trips and script calls (the server's ``/metrics``), per request."""
+    body = []
+    for row in rows:
+        for kind, calls in (row.get("redis_calls") or {}).items():
+            if calls["commands"] is None:
+                continue
+            by_command = ", ".join(f"{c} {fmt(v, '{:.2f}')}" for c, v in calls["by_command"].items())
+            body.append(f"| {row['key']} | {kind} | {fmt(calls['commands'], '{:.2f}')} | {by_command} "
+                        f"| {fmt(calls['round_trips'], '{:.3f}')} | {fmt(calls['script_calls'], '{:.3f}')} |")
+    if not body:
+        return []
+    return ["### Redis commands and store round trips per request", "",
+            "Redis `INFO commandstats` calls during each measured run (before/after diff, the "
+            "harness's own `INFO` left out; commands inside scripts count), and the server's "
+            "`extauthz_store_round_trips_total` / `extauthz_store_script_calls_total`, divided "
+            "by the requests of the run; medians over rounds.", "",
+            "| | load | Redis commands/req | by command | store round trips/req | script calls/req |",
+            "|---|---|---:|---|---:|---:|", *body, ""]
+
+
+def phase_redis_calls(phase: Any) -> str:
+    """One measured run's Redis figures per request, for the harness's log line."""
+    if not phase.redis_commands:
+        return ""
+    by_command = " ".join(f"{c} {v:.2f}" for c, v in phase.redis_commands.items())
+    return (f", Redis {sum(phase.redis_commands.values()):.2f} cmds/req ({by_command}), "
+            f"round trips/req {fmt(phase.store_round_trips, '{:.3f}')}")
 
 
 def _steady(fig: dict[str, Any]) -> str:

@@ -20,6 +20,8 @@ from .stats import Phase
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = Path(__file__).resolve().parent / "policies"
+#: the server's store counters read around a run (extauthz.observe.metrics)
+STORE_COUNTERS = ("extauthz_store_round_trips_total", "extauthz_store_script_calls_total")
 
 
 class Running:
@@ -33,6 +35,7 @@ class Running:
         self.server: ServerProcess | None = None
         self.envoy: EnvoyProcess | None = None
         self.admin_base = 0
+        self.metrics_base = 0
         self.http_port = 0
 
     # -- lifecycle
@@ -50,6 +53,9 @@ class Running:
                 # worker i serves admin on base + i: take a block of free ports
                 self.admin_base = free_port_block(s.workers)
                 args += ["--admin-listen", f"127.0.0.1:{self.admin_base}"]
+                if s.redis:  # the store's round trips (worker i: base + i, as admin)
+                    self.metrics_base = free_port_block(s.workers)
+                    args += ["--metrics-listen", f"127.0.0.1:{self.metrics_base}"]
                 args += s.server_args
                 if s.protocol == "http":
                     self.http_port = free_port()
@@ -139,8 +145,37 @@ class Running:
             "server_cpu": {pid: cpu_seconds(pid) for pid in self.server_pids()},
             "redis_cpu": cpu_seconds(self.redis.pid) if self.redis is not None and self.setup.redis else 0.0,
             "fail_open": self.fail_open(),
+            "redis_commands": self.redis_commands(),
+            "store": self.store_counters(),
         }
         return snap
+
+    def redis_commands(self) -> dict[str, int]:
+        """Redis ``INFO commandstats``: calls by command (lowercase, ``cmdstat_`` dropped)."""
+        if self.redis is None or not self.setup.redis:
+            return {}
+        import redis
+
+        with redis.Redis(port=self.redis.port, socket_timeout=5) as client:
+            stats = client.info("commandstats")
+        return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
+
+    def store_counters(self) -> dict[str, float]:
+        """The server's store counters (``/metrics``), summed over its processes."""
+        if self.server is None or not self.metrics_base:
+            return {}
+        from prometheus_client.parser import text_string_to_metric_families
+
+        total: dict[str, float] = {}
+        for i in range(self.setup.workers):
+            with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+                    f"http://127.0.0.1:{self.metrics_base + i}/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name in STORE_COUNTERS:
+                        total[sample.name] = total.get(sample.name, 0.0) + sample.value
+        return total
 
     def fail_open(self) -> dict[str, int]:
         """Fail-open counts by reason, summed over the server processes (admin /status)."""
@@ -213,6 +248,14 @@ def fill_counters(phase: Phase, before: dict[str, Any], after: dict[str, Any], s
     phase.envoy_cpu_us = (after["envoy_cpu"] - before["envoy_cpu"]) / n * 1e6
     if setup.redis:
         phase.redis_cpu_us = (after["redis_cpu"] - before["redis_cpu"]) / n * 1e6
+        # the snapshots' own INFO calls are not the server's
+        cmds = {c: after["redis_commands"][c] - before["redis_commands"].get(c, 0)
+                for c in after["redis_commands"] if c != "info"}
+        phase.redis_commands = {c: k / n for c, k in sorted(cmds.items(), key=lambda kv: -kv[1]) if k}
+        store_after, store_before = after["store"], before["store"]
+        if STORE_COUNTERS[0] in store_after and STORE_COUNTERS[0] in store_before:
+            phase.store_round_trips = (store_after[STORE_COUNTERS[0]] - store_before[STORE_COUNTERS[0]]) / n
+            phase.store_script_calls = (store_after[STORE_COUNTERS[1]] - store_before[STORE_COUNTERS[1]]) / n
     # the flooding key's refusals are expected (429s; Envoy's and wrk's counts may differ by
     # the requests in flight at either end)
     unexpected = phase.non_2xx - ((phase.ext_authz_denied or 0) if flood else 0)

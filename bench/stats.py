@@ -35,6 +35,13 @@ class Phase:
     server_cpu_us: float | None = None     # per request
     envoy_cpu_us: float | None = None
     redis_cpu_us: float | None = None
+    #: Redis ``INFO commandstats`` calls per request over the run, by command (``evalsha``,
+    #: ``time``, ``get``...; the harness's own ``info`` left out); empty without Redis
+    redis_commands: dict[str, float] = field(default_factory=dict)
+    #: the server's store round trips and script calls per request (``/metrics``:
+    #: ``extauthz_store_round_trips_total``, ``extauthz_store_script_calls_total``)
+    store_round_trips: float | None = None
+    store_script_calls: float | None = None
     worker_connections: list[int] = field(default_factory=list)
     worker_cpu_share: list[float] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -87,6 +94,19 @@ def round_ratio(phases: Sequence[Phase], fn: Callable[[dict[str, Phase]], float 
     return out
 
 
+def redis_calls(phases: Sequence[Phase]) -> dict[str, Any]:
+    """Per request, medians over the runs: Redis commands (total and by command) and the
+    store's round trips and script calls."""
+    names = sorted({c for p in phases for c in p.redis_commands})
+    by_command = {c: med([p.redis_commands.get(c, 0.0) for p in phases if p.redis_commands]) for c in names}
+    return {
+        "commands": med([sum(p.redis_commands.values()) for p in phases if p.redis_commands]),
+        "by_command": dict(sorted(by_command.items(), key=lambda kv: -(kv[1] or 0.0))),
+        "round_trips": med([p.store_round_trips for p in phases]),
+        "script_calls": med([p.store_script_calls for p in phases]),
+    }
+
+
 def summarize(setups: Sequence[Setup], phases: Sequence[Phase]) -> dict[str, Any]:
     """Per configuration (in ``setups`` order) the medians over rounds; the ratios."""
     rows = []
@@ -120,6 +140,7 @@ def summarize(setups: Sequence[Setup], phases: Sequence[Phase]) -> dict[str, Any
             "flood_factor_latency": med([p.flood_factor for p in lat]),
             "refused_share": med([p.non_2xx / p.requests for p in sat if p.requests])
             if setup.load != "users" else None,
+            "redis_calls": {"saturated": redis_calls(sat), "latency": redis_calls(lat)} if setup.redis else None,
         })
 
     def thr(t: dict[str, Phase], k: str) -> float:

@@ -25,10 +25,14 @@
 --   lease:      ARGV[j+2] limit (live leases; 0 = count only, never refuses),
 --               ARGV[j+3] lease ttl (s, float), ARGV[j+4] unused
 --
--- State:
---   bucket  HASH {t = tokens after the last commit, ts = now of that commit};
---           EXPIRE max(1, ceil(2*burst/rate)) s on commit (twice the fill time: a bucket
---           idle that long is full again, so deleting it changes nothing)
+-- State (one key per op; a bucket costs GET + SET, a lease ZREMRANGEBYSCORE + ZCARD + ZADD +
+-- PEXPIRE, and the call one TIME when no clock is injected):
+--   bucket  STRING "<tokens> <ts>": tokens after the last commit and the now of that commit,
+--           both "%.17g" (exact for a double), written with one SET ... EX
+--           max(1, ceil(2*burst/rate)) s on commit (twice the fill time: a bucket idle that
+--           long is full again, so deleting it changes nothing). The key names differ from
+--           the old HASH layout's (extauthz.store.keys: rr2 vs rr), so servers of both
+--           versions never read each other's keys (a GET on a hash is WRONGTYPE).
 --   lease   ZSET member = lease id, score = expiry time (now + ttl, s); members with
 --           score <= now are swept (ZREMRANGEBYSCORE -inf now) before counting;
 --           PEXPIRE max(1000, ceil(ttl*1000)) ms on commit (the newest lease's lifetime)
@@ -63,10 +67,11 @@ for i = 1, n do
   local key = KEYS[i]
   if ARGV[j] == 'b' then
     local rate, burst, cost = tonumber(ARGV[j + 2]), tonumber(ARGV[j + 3]), tonumber(ARGV[j + 4])
-    local state = redis.call('HMGET', key, 't', 'ts')
+    local state = redis.call('GET', key)
     local tokens = burst
-    if state[1] then
-      tokens = math.min(burst, tonumber(state[1]) + math.max(0, now - tonumber(state[2])) * rate)
+    if state then
+      local t, ts = string.match(state, '^(%S+) (%S+)$')
+      tokens = math.min(burst, tonumber(t) + math.max(0, now - tonumber(ts)) * rate)
     end
     ok[i] = tokens + TOKEN_EPSILON >= cost
     value[i] = tokens
@@ -89,8 +94,8 @@ for i = 1, n do
   if admitted and ok[i] then
     if ARGV[j] == 'b' then
       local rate, burst, cost = tonumber(ARGV[j + 2]), tonumber(ARGV[j + 3]), tonumber(ARGV[j + 4])
-      redis.call('HSET', key, 't', fmt(math.max(0, value[i] - cost)), 'ts', fmt(now))
-      redis.call('EXPIRE', key, math.max(1, math.ceil(2 * burst / rate)))
+      redis.call('SET', key, fmt(math.max(0, value[i] - cost)) .. ' ' .. fmt(now),
+                 'EX', math.max(1, math.ceil(2 * burst / rate)))
     else
       local ttl = tonumber(ARGV[j + 3])
       redis.call('ZADD', key, fmt(now + ttl), lease_id)

@@ -9,7 +9,8 @@
 --   lease:      ARGV[j+1], ARGV[j+2] unused
 -- "now"     not used: a refund adds the cost to the stored token count and keeps the stored
 --           timestamp (refill later is computed from it as usual), capped at burst; the
---           key's TTL is kept. (check.lua took max(0, tokens - cost): a refund of a request
+--           key's TTL is kept (SET ... KEEPTTL). Bucket state: check.lua's STRING
+--           "<tokens> <ts>". (check.lua took max(0, tokens - cost): a refund of a request
 --           admitted within TOKEN_EPSILON gives back at most that epsilon more than it took.)
 --
 -- Returns an integer: how many ops were given back (a bucket or lease gone already, e.g.
@@ -24,10 +25,11 @@ for i = 1, #KEYS do
   local j = 2 + 3 * (i - 1)
   local key = KEYS[i]
   if ARGV[j] == 'b' then
-    local tokens = redis.call('HGET', key, 't')
-    if tokens then
+    local state = redis.call('GET', key)
+    if state then
+      local tokens, ts = string.match(state, '^(%S+) (%S+)$')
       local burst, cost = tonumber(ARGV[j + 1]), tonumber(ARGV[j + 2])
-      redis.call('HSET', key, 't', fmt(math.min(burst, tonumber(tokens) + cost)))
+      redis.call('SET', key, fmt(math.min(burst, tonumber(tokens) + cost)) .. ' ' .. ts, 'KEEPTTL')
       done = done + 1
     end
   else

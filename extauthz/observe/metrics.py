@@ -8,7 +8,8 @@ Two kinds of metric, chosen by cost:
   dict lookup and an ``inc()`` per limiter.
 * **Read at scrape time** (:class:`StateCollector`): everything the server already counts or
   holds (fail-opens by reason, shed levels, policy version, reload failures, leases in
-  flight from :class:`LeaseSampler`, access-log counters, switches). Nothing per request.
+  flight from :class:`LeaseSampler`, access-log counters, switches, the Redis store's round
+  trips and script calls). Nothing per request.
 
 Scrapes are served on the event loop (see :mod:`extauthz.server.ports`), so the collector
 reads engine state from the thread that writes it.
@@ -29,6 +30,7 @@ from ..errors import CircuitOpen, StoreError, StoreInternalError, StoreTimeout, 
 from ..limiters import FleetUsageShedder, WorkerUtilizationShedder
 from ..policy.model import Policy
 from ..store.base import CheckResult, Op
+from ..store.redis.wire import StoreStats
 from ..tiers import Tier
 from ..verdict import Decision, Kind, Mode, Outcome
 
@@ -237,6 +239,15 @@ class StateCollector:
                                   "tier applied).", value=snap.classifier.unknown_tiers)
         yield CounterMetricFamily("extauthz_plan_unknown", "Requests naming a plan the policy does "
                                   "not know (the default plan applied).", value=snap.classifier.unknown_plans)
+
+        stats = getattr(engine.store, "stats", None)
+        if isinstance(stats, StoreStats):  # the Redis store's own counters
+            yield CounterMetricFamily("extauthz_store_round_trips", "Round trips to Redis: one per "
+                                      "pipeline write (per master on a cluster) or single call, "
+                                      "script loads included.", value=stats.round_trips)
+            yield CounterMetricFamily("extauthz_store_script_calls", "Lua script calls sent to Redis "
+                                      "(EVALSHA; releases merged into one call count once).",
+                                      value=stats.commands)
 
         breaker = GaugeMetricFamily("extauthz_store_breaker_open", "1 while the store circuit "
                                     "breaker skips the store (open or half-open).")

@@ -34,7 +34,10 @@ class Keys:
         return "{fleet}"
 
     def bucket(self, limiter: str, identity: str) -> str:
-        return f"{self.prefix}:{self.user_tag(identity)}:rr:{limiter}"
+        """A token bucket: one STRING ``"<tokens> <ts>"`` (``lua/check.lua``). ``rr2``: the
+        second layout; the first (``rr``, a HASH) is never read, so that old and new servers
+        keep separate buckets during a rolling upgrade instead of meeting a WRONGTYPE."""
+        return f"{self.prefix}:{self.user_tag(identity)}:rr2:{limiter}"
 
     def user_leases(self, limiter: str, identity: str) -> str:
         return f"{self.prefix}:{self.user_tag(identity)}:cc:{limiter}"

@@ -1,6 +1,7 @@
 """The benchmark harness runs end to end (``--smoke``): real Envoy, the server process, wrk and
 h2load, for (a) Envoy alone, (b) the no-op server, (c) all limiters on the embedded store and
-(h) the no-op server on Envoy's HTTP authorization protocol.
+(h) the no-op server on Envoy's HTTP authorization protocol, and (r) one request_rate limiter on
+Redis, whose Redis commands and store round trips per request are counted.
 
 Asserts only that figures were produced and that ext_authz was really consulted: no timing
 assertions (the machine's speed is not under test)."""
@@ -39,20 +40,28 @@ def test_smoke_run_produces_figures(tmp_path: Path) -> None:
     result = smoke_run(tmp_path, "a,b,c,h")
     phases = result["phases"]
     assert {(p["setup"], p["kind"]) for p in phases} == {
-        (s, k) for s in "abch" for k in ("saturated", "latency")}
+        (s, k) for s in "abchr" for k in ("saturated", "latency")}
     for p in phases:
         assert p["requests"] > 0, p
         assert p["rps"] > 0, p
         if p["kind"] == "latency":
             assert p["p50_ms"] > 0 and p["p99_ms"] >= p["p50_ms"] and p["p999_ms"] >= p["p99_ms"], p
-        if p["setup"] in ("b", "c", "h"):
+        if p["setup"] in ("b", "c", "h", "r"):
             # ext_authz was consulted for (nearly) every request and never failed open in Envoy
             assert p["ext_authz_ok"] >= 0.99 * p["requests"], p
             assert p["ext_authz_failure_mode_allowed"] == 0, p
             assert p["server_cpu_us"] > 0, p
         else:
             assert p["ext_authz_ok"] is None
+        if p["setup"] == "r":
+            # counted on both sides: Redis's commandstats (the script and the commands inside
+            # it) and the server's own round-trip counter (never more than one per request)
+            assert p["redis_commands"]["evalsha"] > 0 and p["redis_commands"]["get"] > 0, p
+            assert 0 < p["store_round_trips"] <= 1.0, p
+        else:
+            assert p["redis_commands"] == {} and p["store_round_trips"] is None, p
     rows = {r["key"]: r for r in result["summary"]["rows"]}
+    assert rows["r"]["redis_calls"]["saturated"]["commands"] > 0
     assert rows["b"]["consulted"] and rows["c"]["consulted"] and rows["h"]["consulted"]
     assert rows["a"]["rps"] > 0
 

@@ -56,3 +56,24 @@ def test_flood_ratios_and_targets() -> None:
     assert found["Flood: (f) throughput / (c)"]["met"]
     p99_target = found["Flood: well-behaved keys' p99 at 1,000 req/s, (f) / (fc)"]
     assert p99_target["value"] == pytest.approx(1.2) and p99_target["met"] and not p99_target["higher"]
+
+
+def test_redis_calls_per_request_are_medians_by_command_and_reported() -> None:
+    from bench.report import redis_calls_table
+
+    out = []
+    for r, (evalsha, trips) in enumerate(((1.0, 0.5), (1.0, 0.25), (1.0, 0.75))):
+        out.append(Phase("r", "saturated", r, requests=100, rps=100.0,
+                         redis_commands={"evalsha": evalsha, "time": 1.0, "get": 1.0, "set": 1.0 - r / 4},
+                         store_round_trips=trips, store_script_calls=evalsha))
+        out.append(Phase("r", "latency", r, p50_ms=1.0, p99_ms=2.0, p999_ms=2.0))
+    row = summarize([SETUPS["r"]], out)["rows"][0]
+    sat = row["redis_calls"]["saturated"]
+    assert sat["commands"] == 3.75  # median of 4, 3.75, 3.5
+    assert list(sat["by_command"].items()) == [("evalsha", 1.0), ("get", 1.0), ("time", 1.0), ("set", 0.75)]
+    assert (sat["round_trips"], sat["script_calls"]) == (0.5, 1.0)
+    assert row["redis_calls"]["latency"]["commands"] is None  # not measured: no line for it
+    table = redis_calls_table([row])
+    assert "| r | saturated | 3.75 | evalsha 1.00, get 1.00, time 1.00, set 0.75 | 0.500 | 1.000 |" in table
+    assert not any("| r | latency |" in line for line in table)
+    assert summarize([SETUPS["c"]], [])["rows"][0]["redis_calls"] is None  # no Redis in (c)

@@ -55,5 +55,5 @@ def test_two_replicas_share_one_budget(tmp_path: Path, redis_single_clean: Redis
         # Another user has a budget of its own.
         assert stubs[1].Check(check_request("sk_live_other"), timeout=10).status.code == 0
     with redis_single_clean.client() as raw:
-        buckets = [k for k in raw.scan_iter("extauthz:*:rr:user-rate")]
+        buckets = [k for k in raw.scan_iter("extauthz:*:rr2:user-rate")]
         assert len(buckets) == 2  # the two users' buckets live in the shared Redis

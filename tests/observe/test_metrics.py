@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from extauthz.clock import ManualClock
@@ -16,8 +17,10 @@ from extauthz.limiters import WorkerUtilizationShedder
 from extauthz.sampler import sample_once
 from extauthz.store.base import CheckResult, Op
 from extauthz.store.memory import MemoryStore
+from extauthz.store.redis import RedisStore
 from extauthz.verdict import Mode
 from tests.conftest import ROOT
+from tests.infra.redis_servers import RedisSingle
 
 from .helpers import rate, running, samples, scrape, value, write_policy
 
@@ -117,6 +120,24 @@ async def test_metrics_after_known_traffic(tmp_path: Path) -> None:
         m = samples(await scrape(server))
         assert value(m, "extauthz_switches_set", switch="*", mode="off") == 1
         assert value(m, "extauthz_limiter_mode", limiter="user-rate", mode="off") == 1
+
+
+
+@pytest.mark.redis
+async def test_redis_store_round_trips_and_script_calls_are_exported(
+        tmp_path: Path, redis_single_clean: RedisSingle) -> None:
+    store = RedisStore.from_url(redis_single_clean.url, deadline=2.0)
+    policy = write_policy(tmp_path / "p" / "api.yaml", [rate("user-rate", burst=10)])
+    async with running([policy.parent], store=store, store_deadline_ms=2000) as (server, client):
+        before = samples(await scrape(server))
+        assert [await client.check(f"sk_live_{i}") for i in range(3)] == [200] * 3
+        m = samples(await scrape(server))
+        trips = value(m, "extauthz_store_round_trips_total")
+        calls = value(m, "extauthz_store_script_calls_total")
+        # the store's own counters, and one script call (and round trip) per check
+        assert (trips, calls) == (store.stats.round_trips, store.stats.commands)
+        assert calls - value(before, "extauthz_store_script_calls_total") == 3
+        assert trips - value(before, "extauthz_store_round_trips_total") == 3
 
 
 def alert_rules() -> list[dict[str, Any]]:

@@ -4,7 +4,10 @@ cancelled by the engine's deadline never interrupts a read on a pooled connectio
 
 Riders (lease releases) do not start a round trip of their own: they wait for the next
 check and go out in its pipeline write, or after :data:`RIDE_FLUSH_DELAY` when no check
-comes (so that an idle server still releases promptly)."""
+comes (so that an idle server still releases promptly). Riders of one script submitted with
+the same ``merge`` group go out as ONE script call: their KEYS and ARGV concatenated, which
+needs a script taking one ARGV per key and answering one value per key (``release.lua``);
+each rider gets its own slice of the reply."""
 
 from __future__ import annotations
 
@@ -31,6 +34,11 @@ class Call:
     future: asyncio.Future[Reply]
     #: not sent when its caller has gone before it was (a check: nothing gets committed)
     droppable: bool = False
+    #: riders of one script with the same group are sent as one call (see the module doc;
+    #: on Redis Cluster the group is the hash tag: one call must stay in one slot)
+    merge: str | None = None
+    #: a merged call: the calls it carries, in KEYS order
+    parts: list[Call] | None = None
 
 
 class Batcher:
@@ -50,13 +58,15 @@ class Batcher:
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def submit(self, script: Script, keys: Sequence[str], args: Sequence[str | bytes], *,
-               droppable: bool = False, ride: bool = False) -> asyncio.Future[Reply]:
+               droppable: bool = False, ride: bool = False,
+               merge: str | None = None) -> asyncio.Future[Reply]:
         """Queue one script call; its future resolves to the raw reply (or a StoreError).
-        ``ride``: wait for the next check's round trip (at most :data:`RIDE_FLUSH_DELAY`)."""
+        ``ride``: wait for the next check's round trip (at most :data:`RIDE_FLUSH_DELAY`);
+        ``merge``: a rider that may share one call with the riders of its group."""
         if self.closed:
             raise StoreUnavailable("redis store is closed")
         loop = asyncio.get_running_loop()
-        call = Call(script, keys, args, loop.create_future(), droppable)
+        call = Call(script, keys, args, loop.create_future(), droppable, merge)
         if ride and self.batching:
             self._riders.append(call)
             if self._flush is None and self._sender is None:
@@ -92,7 +102,7 @@ class Batcher:
     async def _send_pending(self) -> None:
         batch, self._pending, self._sender = self._pending, [], None
         if self._riders:  # first: a released slot is free for the checks behind it
-            batch[:0] = self._riders
+            batch[:0] = _merged(self._riders)
             self._riders = []
             if self._flush is not None:
                 self._flush.cancel()
@@ -109,17 +119,20 @@ class Batcher:
             replies = await self._transmit(batch)
         except asyncio.CancelledError:
             for call in batch:
-                call.future.cancel()
+                for part in call.parts or (call,):
+                    part.future.cancel()
             raise
         except BaseException as exc:  # every caller gets the error (wrapped below)
             replies = [exc] * len(batch)
         for call, reply in zip(batch, replies, strict=True):
-            if call.future.cancelled():
-                continue  # the caller has gone (the engine never cancels its store calls)
-            if isinstance(reply, BaseException):
-                call.future.set_exception(wrap(reply) if isinstance(reply, CLIENT_ERRORS) else reply)
-            else:
-                call.future.set_result(reply)
+            if call.parts is None:
+                _deliver(call, reply)
+                continue
+            start = 0
+            for part in call.parts:  # a merged call: each rider its slice of the reply
+                end = start + len(part.keys)
+                _deliver(part, reply if isinstance(reply, BaseException) else reply[start:end])
+                start = end
 
     async def close(self) -> None:
         """Cancel every task and every queued call."""
@@ -137,3 +150,38 @@ class Batcher:
             call.future.cancel()
         self._pending.clear()
         self._riders.clear()
+
+
+def _deliver(call: Call, reply: Reply) -> None:
+    if call.future.cancelled():
+        return  # the caller has gone (the engine never cancels its store calls)
+    if isinstance(reply, BaseException):
+        call.future.set_exception(wrap(reply) if isinstance(reply, CLIENT_ERRORS) else reply)
+    else:
+        call.future.set_result(reply)
+
+
+def _merged(riders: list[Call]) -> list[Call]:
+    """``riders`` with those of one script and one ``merge`` group joined into one call, at
+    the place of the group's first rider."""
+    out: list[Call | list[Call]] = []
+    groups: dict[tuple[str, str], list[Call]] = {}
+    for call in riders:
+        if call.merge is None:
+            out.append(call)
+            continue
+        group = groups.get((call.script.sha, call.merge))
+        if group is None:
+            group = groups[(call.script.sha, call.merge)] = []
+            out.append(group)
+        group.append(call)
+    return [item if isinstance(item, Call) else _joined(item) for item in out]
+
+
+def _joined(parts: list[Call]) -> Call:
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    return Call(first.script, [k for part in parts for k in part.keys],
+                [a for part in parts for a in part.args], first.future.get_loop().create_future(),
+                merge=first.merge, parts=parts)

@@ -30,6 +30,7 @@ from redis.asyncio.sentinel import Sentinel
 from ...errors import StoreUnavailable
 from .. import algorithms, redis_events
 from ..base import CheckResult, Op, ShedParams
+from ..keys import Keys
 from . import cluster
 from .batcher import Batcher, Call
 from .conn import NodeConnection
@@ -123,9 +124,10 @@ class RedisStore:
         return "" if self._now is None else repr(float(self._now()))
 
     def _submit(self, script: str, keys: Sequence[str], args: Sequence[str | bytes],
-                *, droppable: bool = False, ride: bool = False) -> asyncio.Future[Reply]:
+                *, droppable: bool = False, ride: bool = False,
+                merge: str | None = None) -> asyncio.Future[Reply]:
         return self._batcher.submit(self._scripts[script], keys, args, droppable=droppable,
-                                    ride=ride)
+                                    ride=ride, merge=merge)
 
     async def _ensure_ready(self) -> None:
         """Once per store, before the first command: a cluster client initialized alone
@@ -327,16 +329,17 @@ class RedisStore:
 
     async def release(self, keys: Sequence[str], lease_id: str) -> int:
         """Releases ride with checks (:data:`.batcher.RIDE_FLUSH_DELAY`): no round trip of
-        their own under load; on a cluster one call per slot group."""
+        their own under load, and the releases waiting for one check go out as one
+        ``release.lua`` call (per slot group on a cluster: the merge group is the hash tag)."""
         if not keys:
             return 0
-        if not self._cluster:
-            return int(await self._submit("release", keys, [lease_id], ride=self.releases_ride))
-        groups = cluster.group_by_tag(keys)
-        counts = await asyncio.gather(
-            *(self._submit("release", [keys[i] for i in g], [lease_id], ride=self.releases_ride) for g in groups)
-        )
-        return sum(int(c) for c in counts)
+        groups = cluster.group_by_tag(keys) if self._cluster else [list(range(len(keys)))]
+        replies = await asyncio.gather(*(
+            self._submit("release", [keys[i] for i in g], [lease_id] * len(g),
+                         ride=self.releases_ride,
+                         merge=Keys.tag_of(keys[g[0]]) if self._cluster else "")
+            for g in groups))
+        return sum(int(held) for reply in replies for held in reply)
 
     async def inflight(self, keys: Sequence[str]) -> list[int]:
         if not keys:
