@@ -21,7 +21,8 @@ token bucket, per-user concurrency lease, fleet lease), users rotating over 10,0
 Round trips are counted per store-backed check (fail-opens excluded), on both sides:
 Redis's ``total_reads_processed`` (``INFO stats``; one socket read per request or
 pipeline, the INFO calls themselves subtracted), EVALSHA
-calls from ``INFO commandstats``, and the store's own counter (``RedisStore.stats``). Without
+calls from ``INFO commandstats``, and the store's own counter (``RedisStore.stats``); so are
+Redis commands of every kind (``INFO commandstats``, the commands inside scripts included). Without
 batching a check must be exactly 1 round trip and 1 EVALSHA (the script reloads after the
 first NOSCRIPT are excluded by a warm-up).
 
@@ -96,6 +97,7 @@ class Run:
     cpu: float = 0.0
     redis_cpu: float | None = None
     evalsha: int | None = None
+    commands: int | None = None
     reads: int | None = None
     client_round_trips: int | None = None
 
@@ -108,16 +110,18 @@ class Run:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3
 
 
-def redis_counters(clients: list[redis.Redis]) -> tuple[int, int, float]:
-    """(EVALSHA calls, socket reads, CPU seconds) summed over masters."""
-    evalsha = reads = 0
+def redis_counters(clients: list[redis.Redis]) -> tuple[int, int, float, int]:
+    """(EVALSHA calls, socket reads, CPU seconds, commands but INFO) summed over masters."""
+    evalsha = reads = commands = 0
     cpu = 0.0
     for c in clients:
-        evalsha += int(c.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+        stats = c.info("commandstats")
+        evalsha += int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+        commands += sum(int(v["calls"]) for k, v in stats.items() if k != "cmdstat_info")
         reads += int(c.info("stats")["total_reads_processed"])
         info = c.info("cpu")
         cpu += float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
-    return evalsha, reads, cpu
+    return evalsha, reads, cpu, commands
 
 
 async def drive(engine: Engine, run: Run, seconds: float) -> None:
@@ -176,6 +180,7 @@ async def one_run(config: str, concurrency: int, seconds: float, url: str | None
         if isinstance(store, RedisStore):
             after = redis_counters(clients)
             run.evalsha = after[0] - before[0]
+            run.commands = after[3] - before[3]
             # each INFO call is one read of its own: 3 per master per counter sample
             run.reads = after[1] - before[1] - 3 * len(clients)
             run.redis_cpu = after[2] - before[2]
@@ -301,9 +306,9 @@ def table(runs: list[Run]) -> str:
                    for (cfg, c), rs in groups.items() if cfg == "memory"}
     lines = [
         "| store | callers | checks/s | vs memory | p50 ms | p99 ms | client CPU us/check | "
-        "Redis CPU us/check | fail-open | EVALSHA/check | round trips/check (Redis reads) | "
-        "(client count) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "Redis CPU us/check | fail-open | EVALSHA/check | Redis commands/check | "
+        "round trips/check (Redis reads) | (client count) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (cfg, c), rs in groups.items():
         rate = statistics.median(r.rate for r in rs)
@@ -311,10 +316,11 @@ def table(runs: list[Run]) -> str:
         p99 = statistics.median(r.pct(0.99) for r in rs)
         fails = sum(r.failures for r in rs) / max(1, sum(r.checks for r in rs))
         if rs[0].evalsha is None:
-            per = "-", "-", "-"
+            per = "-", "-", "-", "-"
         else:
             n = sum(r.checks - r.failures for r in rs)  # store-backed checks
             per = (f"{sum(r.evalsha or 0 for r in rs) / n:.3f}",
+                   f"{sum(r.commands or 0 for r in rs) / n:.2f}",
                    f"{sum(r.reads or 0 for r in rs) / n:.3f}",
                    f"{sum(r.client_round_trips or 0 for r in rs) / n:.3f}")
         ratio = f"{rate / memory_rate[c]:.2f}x" if c in memory_rate else "-"
@@ -322,7 +328,7 @@ def table(runs: list[Run]) -> str:
         rcpu = ("-" if rs[0].redis_cpu is None else
                 f"{statistics.median((r.redis_cpu or 0) / r.checks * 1e6 for r in rs):.1f}")
         lines.append(f"| {cfg} | {c} | {rate:,.0f} | {ratio} | {p50:.3f} | {p99:.3f} | {cpu:.1f} | "
-                     f"{rcpu} | {fails:.1%} | {per[0]} | {per[1]} | {per[2]} |")
+                     f"{rcpu} | {fails:.1%} | {per[0]} | {per[1]} | {per[2]} | {per[3]} |")
     return "\n".join(lines)
 
 

@@ -707,3 +707,66 @@ async def test_releases_ride_with_the_next_check(
         assert await store.inflight(users) == [1, 0, 1]
     finally:
         await store.close()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("topology_fixture", ["redis_single_clean", "redis_cluster_clean"])
+async def test_releases_waiting_together_go_out_as_one_script_call(
+    request: pytest.FixtureRequest, topology_fixture: str
+) -> None:
+    """The releases queued for one check are one release.lua call (per slot group on a
+    cluster), and each caller still gets its own count (0: not held)."""
+    topology: Topology = request.getfixturevalue(topology_fixture)
+    store = make_redis_store(topology)
+    users = [K.user_leases("ride", f"user{i}") for i in range(3)]
+    try:
+        for i, key in enumerate(users):
+            assert (await store.check([LeaseOp(key, 5, 30), LeaseOp(FLEET, 0, 30)], f"l{i}")).admitted
+        calls = store.stats.commands
+        releases = [asyncio.ensure_future(store.release([key, FLEET], f"l{i}"))
+                    for i, key in enumerate(users)]
+        gone = asyncio.ensure_future(store.release([users[0], FLEET], "never-held"))
+        assert await asyncio.gather(*releases, gone) == [2, 2, 2, 0]
+        if isinstance(topology, RedisCluster):
+            # the fleet releases share the {fleet} slot: one call; each user is a slot of its own
+            assert store.stats.commands == calls + 1 + 3
+        else:
+            assert store.stats.commands == calls + 1
+        assert await store.inflight([*users, FLEET]) == [0, 0, 0, 0]
+    finally:
+        await store.close()
+
+
+@pytest.mark.redis
+async def test_commands_inside_a_check_are_counted_by_redis(redis_single_clean: RedisSingle) -> None:
+    """A token bucket costs GET + SET (one STRING with its TTL), a lease ZREMRANGEBYSCORE +
+    ZCARD + ZADD + PEXPIRE, and the call one TIME (no clock injected): Redis's own count."""
+    store = make_redis_store(redis_single_clean)
+    try:
+        await store.ping()
+        with redis_single_clean.client() as c:
+            c.config_resetstat()
+            assert (await store.check([BucketOp(BUCKET, 1, 10, 1), LeaseOp(USER_LEASES, 5, 30)], "a")).admitted
+            calls = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in c.info("commandstats").items()}
+            assert calls == {"evalsha": 1, "time": 1, "get": 1, "set": 1, "zremrangebyscore": 1,
+                             "zcard": 1, "zadd": 1, "pexpire": 1, "config|resetstat": 1}
+            assert c.type(BUCKET) == "string" and 0 < c.ttl(BUCKET) <= 20  # ceil(2 * 10 / 1)
+    finally:
+        await store.close()
+
+
+@pytest.mark.redis
+async def test_old_hash_buckets_are_left_to_old_servers(redis_single_clean: RedisSingle) -> None:
+    """A rolling upgrade: the previous layout's HASH bucket (``...:rr:<limiter>``) is neither
+    read nor written (no WRONGTYPE): old and new servers keep separate buckets meanwhile."""
+    old = BUCKET.replace(":rr2:", ":rr:")
+    assert old != BUCKET
+    store = make_redis_store(redis_single_clean)
+    try:
+        with redis_single_clean.client() as c:
+            c.hset(old, mapping={"t": "0", "ts": "1e18"})  # empty, and refilling far in the future
+            c.expire(old, 60)
+            assert (await store.check([BucketOp(BUCKET, 1, 2, 1)], "a")).admitted
+            assert c.hgetall(old) == {"t": "0", "ts": "1e18"} and c.type(BUCKET) == "string"
+    finally:
+        await store.close()
