@@ -1,4 +1,7 @@
 -- check.lua: evaluate every store-backed limiter of one request atomically; commit iff admitted.
+-- One call may carry several requests (the store's batcher merges the checks of one batch,
+-- per slot group on a cluster): they are decided one after the other, each on its own and
+-- atomically, exactly as the same checks sent as separate calls in one pipeline.
 --
 -- Semantics (extauthz/store/base.py): every op is evaluated; the request is admitted iff
 -- every op with enforce=1 allows; only then is every op that allows committed. A shadow op
@@ -14,16 +17,20 @@
 -- Only the raw state is returned: the caller derives remaining, retry-after and reset with
 -- extauthz.store.algorithms.op_result, as the embedded store does.
 --
--- KEYS[i]       the key of op i, i = 1..#KEYS (on Redis Cluster all in one hash slot)
+-- KEYS          the keys of every op of every request, in order (on Redis Cluster all in
+--               one hash slot): request r's n_r ops take the next n_r keys
 -- ARGV[1]       now, in seconds (float), from the caller's injected clock; "" = Redis TIME
---               (seconds + microseconds/1e6 of the Redis server: one clock for every replica)
--- ARGV[2]       lease id: the ZSET member added for each committed lease op
--- then 5 ARGV per op i, starting at j = 3 + 5*(i-1):
---   ARGV[j]     "b" token bucket | "l" lease
---   ARGV[j+1]   "1" enforce | "0" shadow
---   bucket:     ARGV[j+2] rate (tokens/s), ARGV[j+3] burst (tokens), ARGV[j+4] cost (tokens)
---   lease:      ARGV[j+2] limit (live leases; 0 = count only, never refuses),
---               ARGV[j+3] lease ttl (s, float), ARGV[j+4] unused
+--               (seconds + microseconds/1e6 of the Redis server: one clock for every replica),
+--               read once per call, shared by its requests
+-- then per request, starting at j = 2:
+--   ARGV[j]     lease id: the ZSET member added for each committed lease op
+--   ARGV[j+1]   n, the number of ops of this request
+--   then 5 ARGV per op i, starting at a = j + 2 + 5*(i-1):
+--   ARGV[a]     "b" token bucket | "l" lease
+--   ARGV[a+1]   "1" enforce | "0" shadow
+--   bucket:     ARGV[a+2] rate (tokens/s), ARGV[a+3] burst (tokens), ARGV[a+4] cost (tokens)
+--   lease:      ARGV[a+2] limit (live leases; 0 = count only, never refuses),
+--               ARGV[a+3] lease ttl (s, float), ARGV[a+4] unused
 --
 -- State (one key per op; a bucket costs GET + SET, a lease ZREMRANGEBYSCORE + ZCARD + ZADD +
 -- PEXPIRE, and the call one TIME when no clock is injected):
@@ -37,7 +44,7 @@
 --           score <= now are swept (ZREMRANGEBYSCORE -inf now) before counting;
 --           PEXPIRE max(1000, ceil(ttl*1000)) ms on commit (the newest lease's lifetime)
 --
--- Returns a flat array: {admitted, ok_1, value_1, ..., ok_n, value_n}
+-- Returns a flat array, per request in order: {admitted, ok_1, value_1, ..., ok_n, value_n}
 --   admitted, ok_i  integers 1/0 (ok_i: op i allows, on its own)
 --   value_i         state BEFORE this request's commit, as seen at "now":
 --                   bucket: tokens available (refilled to now, at most burst);
@@ -56,53 +63,64 @@ if now == nil then
   local t = redis.call('TIME')
   now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
-local lease_id = ARGV[2]
-local n = #KEYS
 
-local ok = {}
-local value = {}
-local admitted = true
-for i = 1, n do
-  local j = 3 + 5 * (i - 1)
-  local key = KEYS[i]
-  if ARGV[j] == 'b' then
-    local rate, burst, cost = tonumber(ARGV[j + 2]), tonumber(ARGV[j + 3]), tonumber(ARGV[j + 4])
-    local state = redis.call('GET', key)
-    local tokens = burst
-    if state then
-      local t, ts = string.match(state, '^(%S+) (%S+)$')
-      tokens = math.min(burst, tonumber(t) + math.max(0, now - tonumber(ts)) * rate)
+local out = {}
+
+-- One request: its n ops use KEYS[k + 1 .. k + n] and the ARGV from j on.
+local function check(k, j)
+  local lease_id = ARGV[j]
+  local n = tonumber(ARGV[j + 1])
+  local ok = {}
+  local value = {}
+  local admitted = true
+  for i = 1, n do
+    local a = j + 2 + 5 * (i - 1)
+    local key = KEYS[k + i]
+    if ARGV[a] == 'b' then
+      local rate, burst, cost = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+      local state = redis.call('GET', key)
+      local tokens = burst
+      if state then
+        local t, ts = string.match(state, '^(%S+) (%S+)$')
+        tokens = math.min(burst, tonumber(t) + math.max(0, now - tonumber(ts)) * rate)
+      end
+      ok[i] = tokens + TOKEN_EPSILON >= cost
+      value[i] = tokens
+    else
+      local limit = tonumber(ARGV[a + 2])
+      redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+      local count = redis.call('ZCARD', key)
+      ok[i] = limit <= 0 or count < limit
+      value[i] = count
     end
-    ok[i] = tokens + TOKEN_EPSILON >= cost
-    value[i] = tokens
-  else
-    local limit = tonumber(ARGV[j + 2])
-    redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-    local count = redis.call('ZCARD', key)
-    ok[i] = limit <= 0 or count < limit
-    value[i] = count
+    if not ok[i] and ARGV[a + 1] == '1' then
+      admitted = false
+    end
   end
-  if not ok[i] and ARGV[j + 1] == '1' then
-    admitted = false
+
+  out[#out + 1] = admitted and 1 or 0
+  for i = 1, n do
+    local a = j + 2 + 5 * (i - 1)
+    local key = KEYS[k + i]
+    if admitted and ok[i] then
+      if ARGV[a] == 'b' then
+        local rate, burst, cost = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+        redis.call('SET', key, fmt(math.max(0, value[i] - cost)) .. ' ' .. fmt(now),
+                   'EX', math.max(1, math.ceil(2 * burst / rate)))
+      else
+        local ttl = tonumber(ARGV[a + 3])
+        redis.call('ZADD', key, fmt(now + ttl), lease_id)
+        redis.call('PEXPIRE', key, math.max(1000, math.ceil(ttl * 1000)))
+      end
+    end
+    out[#out + 1] = ok[i] and 1 or 0
+    out[#out + 1] = fmt(value[i])
   end
+  return k + n, j + 2 + 5 * n
 end
 
-local out = {admitted and 1 or 0}
-for i = 1, n do
-  local j = 3 + 5 * (i - 1)
-  local key = KEYS[i]
-  if admitted and ok[i] then
-    if ARGV[j] == 'b' then
-      local rate, burst, cost = tonumber(ARGV[j + 2]), tonumber(ARGV[j + 3]), tonumber(ARGV[j + 4])
-      redis.call('SET', key, fmt(math.max(0, value[i] - cost)) .. ' ' .. fmt(now),
-                 'EX', math.max(1, math.ceil(2 * burst / rate)))
-    else
-      local ttl = tonumber(ARGV[j + 3])
-      redis.call('ZADD', key, fmt(now + ttl), lease_id)
-      redis.call('PEXPIRE', key, math.max(1000, math.ceil(ttl * 1000)))
-    end
-  end
-  out[2 * i] = ok[i] and 1 or 0
-  out[2 * i + 1] = fmt(value[i])
+local k, j = 0, 2
+while j <= #ARGV do
+  k, j = check(k, j)
 end
 return out

@@ -770,3 +770,58 @@ async def test_old_hash_buckets_are_left_to_old_servers(redis_single_clean: Redi
             assert c.hgetall(old) == {"t": "0", "ts": "1e18"} and c.type(BUCKET) == "string"
     finally:
         await store.close()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("topology_fixture", ["redis_single_clean", "redis_cluster_clean"])
+async def test_checks_of_one_batch_are_one_script_call_with_one_time(
+    request: pytest.FixtureRequest, topology_fixture: str
+) -> None:
+    """Concurrent checks go out as one check.lua call (per hash tag on a cluster): one
+    EVALSHA and one Redis TIME for all of them, each answered as if alone, in order."""
+    topology: Topology = request.getfixturevalue(topology_fixture)
+    store = make_redis_store(topology)
+    bob, alice = K.bucket("merge", "bob"), K.bucket("merge", "alice")
+    try:
+        await store.ping()
+        for c in masters(topology):
+            with c:
+                c.config_resetstat()
+        calls = store.stats.commands
+        checks = [store.check([BucketOp(bob, 0.001, 3, 1)], f"b{i}") for i in range(5)]
+        checks.append(store.check([BucketOp(alice, 0.001, 3, 1), LeaseOp(USER_LEASES.replace("bob", "alice"), 5, 30)],
+                                  "a0"))
+        results = await asyncio.gather(*checks)
+        assert [r.admitted for r in results] == [True, True, True, False, False, True]
+        assert [r.results[0].remaining for r in results[:5]] == [2.0, 1.0, 0.0, 0.0, 0.0]
+        assert results[5].results[1].extra == 1.0  # alice's lease, in the same call or not
+        stats: dict[str, int] = {}
+        for c in masters(topology):
+            with c:
+                for name, v in c.info("commandstats").items():
+                    stats[name] = stats.get(name, 0) + int(v["calls"])
+        # bob's five checks share one call; alice's is another slot on a cluster
+        calls_sent = 2 if isinstance(topology, RedisCluster) else 1
+        assert store.stats.commands == calls + calls_sent
+        assert stats["cmdstat_evalsha"] == stats["cmdstat_time"] == calls_sent
+        assert stats["cmdstat_get"] == 6 and stats["cmdstat_set"] == 4  # 3 + alice's 1 committed
+    finally:
+        await store.close()
+
+
+@pytest.mark.redis
+async def test_checks_with_different_injected_clocks_are_not_merged(redis_single_clean: RedisSingle) -> None:
+    """"now" is shared by a merged call: checks reading different injected times go out as
+    separate calls, each with its own time."""
+    times = iter([100.0, 101.0])
+    store = RedisStore.from_url(redis_single_clean.url, now=lambda: next(times))
+    try:
+        await store.ping()
+        calls = store.stats.commands
+        # submitted in one loop iteration (one batch), reading 100 and 101: one token a second
+        first = store.check([BucketOp(BUCKET, 1, 1, 1)], "a")
+        second = store.check([BucketOp(BUCKET, 1, 1, 1)], "b")
+        assert [r.admitted for r in await asyncio.gather(first, second)] == [True, True]
+        assert store.stats.commands == calls + 2
+    finally:
+        await store.close()

@@ -4,10 +4,12 @@ cancelled by the engine's deadline never interrupts a read on a pooled connectio
 
 Riders (lease releases) do not start a round trip of their own: they wait for the next
 check and go out in its pipeline write, or after :data:`RIDE_FLUSH_DELAY` when no check
-comes (so that an idle server still releases promptly). Riders of one script submitted with
-the same ``merge`` group go out as ONE script call: their KEYS and ARGV concatenated, which
-needs a script taking one ARGV per key and answering one value per key (``release.lua``);
-each rider gets its own slice of the reply."""
+comes (so that an idle server still releases promptly).
+
+Calls of one script that merges (:class:`.wire.Merge`: ``check.lua``, ``release.lua``)
+submitted with the same ``merge`` group (and the same shared ARGV) go out in one batch as ONE
+script call; each caller gets its own slice of the reply. Under load a batch's checks then
+cost one EVALSHA and one Redis TIME, and its releases one more EVALSHA."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ class Call:
     future: asyncio.Future[Reply]
     #: not sent when its caller has gone before it was (a check: nothing gets committed)
     droppable: bool = False
-    #: riders of one script with the same group are sent as one call (see the module doc;
+    #: calls of one script with the same group are sent as one call (see the module doc;
     #: on Redis Cluster the group is the hash tag: one call must stay in one slot)
     merge: str | None = None
     #: a merged call: the calls it carries, in KEYS order
@@ -62,7 +64,7 @@ class Batcher:
                merge: str | None = None) -> asyncio.Future[Reply]:
         """Queue one script call; its future resolves to the raw reply (or a StoreError).
         ``ride``: wait for the next check's round trip (at most :data:`RIDE_FLUSH_DELAY`);
-        ``merge``: a rider that may share one call with the riders of its group."""
+        ``merge``: the group of calls this one may share one script call with."""
         if self.closed:
             raise StoreUnavailable("redis store is closed")
         loop = asyncio.get_running_loop()
@@ -102,7 +104,7 @@ class Batcher:
     async def _send_pending(self) -> None:
         batch, self._pending, self._sender = self._pending, [], None
         if self._riders:  # first: a released slot is free for the checks behind it
-            batch[:0] = _merged(self._riders)
+            batch[:0] = self._riders
             self._riders = []
             if self._flush is not None:
                 self._flush.cancel()
@@ -112,7 +114,7 @@ class Batcher:
     async def _send(self, batch: list[Call]) -> None:
         # A check whose caller gave up before it was even sent is not sent: nothing is
         # committed for it. (Other calls, releases in particular, go out regardless.)
-        batch = [call for call in batch if not (call.droppable and call.future.cancelled())]
+        batch = _merged([call for call in batch if not (call.droppable and call.future.cancelled())])
         if not batch:
             return
         try:
@@ -129,8 +131,9 @@ class Batcher:
                 _deliver(call, reply)
                 continue
             start = 0
-            for part in call.parts:  # a merged call: each rider its slice of the reply
-                end = start + len(part.keys)
+            assert call.script.merge is not None
+            for part in call.parts:  # a merged call: each caller its slice of the reply
+                end = start + call.script.merge.reply_length(len(part.keys))
                 _deliver(part, reply if isinstance(reply, BaseException) else reply[start:end])
                 start = end
 
@@ -161,18 +164,20 @@ def _deliver(call: Call, reply: Reply) -> None:
         call.future.set_result(reply)
 
 
-def _merged(riders: list[Call]) -> list[Call]:
-    """``riders`` with those of one script and one ``merge`` group joined into one call, at
-    the place of the group's first rider."""
+def _merged(batch: list[Call]) -> list[Call]:
+    """``batch`` with the calls of one merging script, one ``merge`` group and the same
+    shared ARGV joined into one call, at the place of the group's first call."""
     out: list[Call | list[Call]] = []
-    groups: dict[tuple[str, str], list[Call]] = {}
-    for call in riders:
-        if call.merge is None:
+    groups: dict[tuple[str, str, tuple[str | bytes, ...]], list[Call]] = {}
+    for call in batch:
+        spec = call.script.merge
+        if call.merge is None or spec is None:
             out.append(call)
             continue
-        group = groups.get((call.script.sha, call.merge))
+        key = (call.script.sha, call.merge, tuple(call.args[:spec.shared]))
+        group = groups.get(key)
         if group is None:
-            group = groups[(call.script.sha, call.merge)] = []
+            group = groups[key] = []
             out.append(group)
         group.append(call)
     return [item if isinstance(item, Call) else _joined(item) for item in out]
@@ -182,6 +187,8 @@ def _joined(parts: list[Call]) -> Call:
     first = parts[0]
     if len(parts) == 1:
         return first
+    assert first.script.merge is not None
+    shared = first.script.merge.shared
     return Call(first.script, [k for part in parts for k in part.keys],
-                [a for part in parts for a in part.args], first.future.get_loop().create_future(),
-                merge=first.merge, parts=parts)
+                [*first.args[:shared], *(a for part in parts for a in part.args[shared:])],
+                first.future.get_loop().create_future(), merge=first.merge, parts=parts)

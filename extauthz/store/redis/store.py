@@ -41,10 +41,10 @@ from .wire import (
     Reply,
     Script,
     StoreStats,
+    check_args,
     check_results,
     load_script,
     num,
-    op_args,
     pack_command,
     pack_evalsha,
     send_reloading,
@@ -124,10 +124,13 @@ class RedisStore:
         return "" if self._now is None else repr(float(self._now()))
 
     def _submit(self, script: str, keys: Sequence[str], args: Sequence[str | bytes],
-                *, droppable: bool = False, ride: bool = False,
-                merge: str | None = None) -> asyncio.Future[Reply]:
-        return self._batcher.submit(self._scripts[script], keys, args, droppable=droppable,
-                                    ride=ride, merge=merge)
+                *, droppable: bool = False, ride: bool = False) -> asyncio.Future[Reply]:
+        """Queue a script call. Calls of a script that merges (``wire.MERGES``: check,
+        release) share one call with the others of their batch, per hash tag on a cluster
+        (one script call must stay in one slot)."""
+        s = self._scripts[script]
+        merge = None if s.merge is None else Keys.tag_of(keys[0]) if self._cluster else ""
+        return self._batcher.submit(s, keys, args, droppable=droppable, ride=ride, merge=merge)
 
     async def _ensure_ready(self) -> None:
         """Once per store, before the first command: a cluster client initialized alone
@@ -311,10 +314,7 @@ class RedisStore:
         return CheckResult(admitted, tuple(check_results(ops, reply, admitted)))
 
     def _check_args(self, ops: Sequence[Op], lease_id: str) -> tuple[list[str], list[str | bytes]]:
-        args: list[str | bytes] = [self._now_arg(), lease_id]
-        for op in ops:
-            args.extend(op_args(op))
-        return [op.key for op in ops], args
+        return check_args(self._now_arg(), ops, lease_id)
 
     async def _check_groups(self, ops: Sequence[Op], groups: list[list[int]],
                             lease_id: str) -> CheckResult:
@@ -335,9 +335,7 @@ class RedisStore:
             return 0
         groups = cluster.group_by_tag(keys) if self._cluster else [list(range(len(keys)))]
         replies = await asyncio.gather(*(
-            self._submit("release", [keys[i] for i in g], [lease_id] * len(g),
-                         ride=self.releases_ride,
-                         merge=Keys.tag_of(keys[g[0]]) if self._cluster else "")
+            self._submit("release", [keys[i] for i in g], [lease_id] * len(g), ride=self.releases_ride)
             for g in groups))
         return sum(int(held) for reply in replies for held in reply)
 

@@ -18,8 +18,9 @@ from .. import algorithms
 from ..base import BucketOp, Op, OpResult
 
 __all__ = [
-    "CLIENT_ERRORS", "NOSCRIPT_ATTEMPTS", "SCRIPT_NAMES", "Reply", "Script", "StoreStats",
-    "check_results", "load_script", "num", "op_args", "pack_command", "pack_evalsha", "send_reloading", "wrap",
+    "CLIENT_ERRORS", "MERGES", "NOSCRIPT_ATTEMPTS", "SCRIPT_NAMES", "Merge", "Reply", "Script", "StoreStats",
+    "check_args", "check_results", "load_script", "num", "op_args", "pack_command", "pack_evalsha",
+    "send_reloading", "wrap",
 ]
 
 SCRIPT_NAMES: Final = ("check", "release", "inflight", "shed_state", "compensate", "swap_value")
@@ -35,22 +36,45 @@ Reply = Any
 
 
 @dataclass(frozen=True, slots=True)
+class Merge:
+    """How several calls of one script become one call (the batcher does it, per group):
+    the first ``shared`` ARGV are the same in every call and sent once, then every call's
+    other ARGV in order; KEYS concatenated; the reply is the calls' replies concatenated,
+    ``head + per_key * len(keys)`` values each."""
+
+    shared: int
+    head: int
+    per_key: int
+
+    def reply_length(self, keys: int) -> int:
+        return self.head + self.per_key * keys
+
+
+#: the scripts whose calls merge (see their headers): check.lua shares "now"
+#: ({admitted, then ok and value per key} per request); release.lua one ARGV and one reply
+#: value per key.
+MERGES: Final = {"check": Merge(shared=1, head=1, per_key=2), "release": Merge(shared=0, head=0, per_key=1)}
+
+
+@dataclass(frozen=True, slots=True)
 class Script:
-    """One Lua script: its source and SHA1 (what EVALSHA names it by)."""
+    """One Lua script: its source and SHA1 (what EVALSHA names it by), and how its calls
+    merge (None: they do not)."""
 
     name: str
     source: bytes
     sha: str
+    merge: Merge | None = None
 
     @classmethod
-    def of(cls, name: str, source: bytes) -> Script:
-        return cls(name, source, hashlib.sha1(source, usedforsecurity=False).hexdigest())
+    def of(cls, name: str, source: bytes, merge: Merge | None = None) -> Script:
+        return cls(name, source, hashlib.sha1(source, usedforsecurity=False).hexdigest(), merge)
 
 
 def load_script(name: str) -> Script:
     """Read ``<name>.lua`` from the ``extauthz.lua`` package data."""
     source = importlib.resources.files("extauthz.lua").joinpath(f"{name}.lua").read_bytes()
-    return Script.of(name, source)
+    return Script.of(name, source, MERGES.get(name))
 
 
 @dataclass(slots=True)
@@ -78,6 +102,15 @@ def wrap(exc: BaseException) -> StoreError:
 
 def num(x: float) -> str:
     return repr(float(x))
+
+
+def check_args(now: str, ops: Sequence[Op], lease_id: str) -> tuple[list[str], list[str | bytes]]:
+    """KEYS and ARGV of one request's check.lua call: now, then the request's lease id, its
+    number of ops and 5 ARGV per op (see its header)."""
+    args: list[str | bytes] = [now, lease_id, str(len(ops))]
+    for op in ops:
+        args.extend(op_args(op))
+    return [op.key for op in ops], args
 
 
 def op_args(op: Op) -> tuple[bytes, ...]:
