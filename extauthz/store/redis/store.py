@@ -4,7 +4,8 @@ every replica, so that one budget holds across the fleet.
 * Every operation is one Lua script (``lua/*.lua``, shipped as ``extauthz.lua``), called
   by SHA and loaded again when Redis answers NOSCRIPT (``SCRIPT FLUSH``, failover,
   restart): :mod:`.wire`. A check evaluates every op of the request in one ``check.lua``
-  call.
+  call, which the batcher shares with the other checks of its batch (and the releases of
+  a batch share one ``release.lua`` call).
 * "now" is Redis ``TIME`` inside the script (one clock for every replica) unless a clock
   is injected (``now=``, tests): its value is then passed as ``ARGV[1]``.
 * Redis Cluster: :mod:`.cluster` (groups by hash tag, compensation).
