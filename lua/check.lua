@@ -1,7 +1,9 @@
 -- check.lua: evaluate every store-backed limiter of one request atomically; commit iff admitted.
 -- One call may carry several requests (the store's batcher merges the checks of one batch,
 -- per slot group on a cluster): they are decided one after the other, each on its own and
--- atomically, exactly as the same checks sent as separate calls in one pipeline.
+-- atomically, exactly as the same checks sent as separate calls in one pipeline. It also
+-- releases leases: a finished request's release is an entry whose ops are all "r" (the
+-- releases waiting for a check ride in the same call, ahead of the checks).
 --
 -- Semantics (extauthz/store/base.py): every op is evaluated; the request is admitted iff
 -- every op with enforce=1 allows; only then is every op that allows committed. A shadow op
@@ -26,11 +28,13 @@
 --   ARGV[j]     lease id: the ZSET member added for each committed lease op
 --   ARGV[j+1]   n, the number of ops of this request
 --   then 5 ARGV per op i, starting at a = j + 2 + 5*(i-1):
---   ARGV[a]     "b" token bucket | "l" lease
---   ARGV[a+1]   "1" enforce | "0" shadow
+--   ARGV[a]     "b" token bucket | "l" lease | "r" release
+--   ARGV[a+1]   "1" enforce | "0" shadow (a release: "0")
 --   bucket:     ARGV[a+2] rate (tokens/s), ARGV[a+3] burst (tokens), ARGV[a+4] cost (tokens)
 --   lease:      ARGV[a+2] limit (live leases; 0 = count only, never refuses),
 --               ARGV[a+3] lease ttl (s, float), ARGV[a+4] unused
+--   release:    ZREM the entry's lease id from the key (a ZSET of leases); ARGV[a+2..a+4]
+--               unused; ok = the key held it (releasing twice is harmless); nothing to commit
 --
 -- State (one key per op; a bucket costs GET + SET, a lease ZREMRANGEBYSCORE + ZCARD + ZADD +
 -- PEXPIRE, and the call one TIME when no clock is injected):
@@ -45,10 +49,11 @@
 --           PEXPIRE max(1000, ceil(ttl*1000)) ms on commit (the newest lease's lifetime)
 --
 -- Returns a flat array, per request in order: {admitted, ok_1, value_1, ..., ok_n, value_n}
---   admitted, ok_i  integers 1/0 (ok_i: op i allows, on its own)
+--   admitted, ok_i  integers 1/0 (ok_i: op i allows, on its own); admitted -1: a command
+--                   failed for this request (each value_i is then the error message)
 --   value_i         state BEFORE this request's commit, as seen at "now":
 --                   bucket: tokens available (refilled to now, at most burst);
---                   lease: live leases (after the sweep);
+--                   lease: live leases (after the sweep); release: 0;
 --                   as a "%.17g" string (Redis truncates Lua numbers in replies to integers).
 --   The caller derives the rest from its own op parameters (algorithms.op_result).
 
@@ -66,10 +71,10 @@ end
 
 local out = {}
 
--- One request: its n ops use KEYS[k + 1 .. k + n] and the ARGV from j on.
-local function check(k, j)
+-- One request: its n ops use KEYS[k + 1 .. k + n] and the ARGV from j on; its answer is
+-- appended to res.
+local function check(k, j, n, res)
   local lease_id = ARGV[j]
-  local n = tonumber(ARGV[j + 1])
   local ok = {}
   local value = {}
   local admitted = true
@@ -86,19 +91,22 @@ local function check(k, j)
       end
       ok[i] = tokens + TOKEN_EPSILON >= cost
       value[i] = tokens
-    else
+    elseif ARGV[a] == 'l' then
       local limit = tonumber(ARGV[a + 2])
       redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
       local count = redis.call('ZCARD', key)
       ok[i] = limit <= 0 or count < limit
       value[i] = count
+    else
+      ok[i] = redis.call('ZREM', key, lease_id) == 1
+      value[i] = 0
     end
     if not ok[i] and ARGV[a + 1] == '1' then
       admitted = false
     end
   end
 
-  out[#out + 1] = admitted and 1 or 0
+  res[#res + 1] = admitted and 1 or 0
   for i = 1, n do
     local a = j + 2 + 5 * (i - 1)
     local key = KEYS[k + i]
@@ -107,20 +115,37 @@ local function check(k, j)
         local rate, burst, cost = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
         redis.call('SET', key, fmt(math.max(0, value[i] - cost)) .. ' ' .. fmt(now),
                    'EX', math.max(1, math.ceil(2 * burst / rate)))
-      else
+      elseif ARGV[a] == 'l' then
         local ttl = tonumber(ARGV[a + 3])
         redis.call('ZADD', key, fmt(now + ttl), lease_id)
         redis.call('PEXPIRE', key, math.max(1000, math.ceil(ttl * 1000)))
       end
     end
-    out[#out + 1] = ok[i] and 1 or 0
-    out[#out + 1] = fmt(value[i])
+    res[#res + 1] = ok[i] and 1 or 0
+    res[#res + 1] = fmt(value[i])
   end
-  return k + n, j + 2 + 5 * n
 end
 
+-- Each request on its own: a command error in one (a key of another type, say) answers
+-- that request {-1, 0, message, ...} (the caller raises it for that request alone) and the
+-- others of the call go on, as separate calls in a pipeline would. Its evaluation writes
+-- nothing but the sweep; its commit runs only once every op was read.
 local k, j = 0, 2
 while j <= #ARGV do
-  k, j = check(k, j)
+  local n = tonumber(ARGV[j + 1])
+  local res = {}
+  local done, err = pcall(check, k, j, n, res)
+  if not done then
+    local message = type(err) == 'table' and err.err or tostring(err)
+    res = {-1}
+    for _ = 1, n do
+      res[#res + 1] = 0
+      res[#res + 1] = message
+    end
+  end
+  for _, v in ipairs(res) do
+    out[#out + 1] = v
+  end
+  k, j = k + n, j + 2 + 5 * n
 end
 return out

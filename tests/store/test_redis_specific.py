@@ -714,7 +714,7 @@ async def test_releases_ride_with_the_next_check(
 async def test_releases_waiting_together_go_out_as_one_script_call(
     request: pytest.FixtureRequest, topology_fixture: str
 ) -> None:
-    """The releases queued for one check are one release.lua call (per slot group on a
+    """The releases queued for one check are one script call (per slot group on a
     cluster), and each caller still gets its own count (0: not held)."""
     topology: Topology = request.getfixturevalue(topology_fixture)
     store = make_redis_store(topology)
@@ -823,5 +823,39 @@ async def test_checks_with_different_injected_clocks_are_not_merged(redis_single
         second = store.check([BucketOp(BUCKET, 1, 1, 1)], "b")
         assert [r.admitted for r in await asyncio.gather(first, second)] == [True, True]
         assert store.stats.commands == calls + 2
+    finally:
+        await store.close()
+
+
+@pytest.mark.redis
+async def test_a_release_rides_in_the_check_call_and_a_failing_entry_fails_alone(
+    redis_single_clean: RedisSingle,
+) -> None:
+    """A waiting release is an entry of the next check's script call (one EVALSHA for
+    both); a request whose key holds another type fails on its own (WRONGTYPE, raised for
+    that caller) while the others of the same call are answered."""
+    store = make_redis_store(redis_single_clean)
+    broken = K.bucket("rate", "mallory")
+    try:
+        assert (await store.check([LeaseOp(USER_LEASES, 5, 30)], "held")).admitted
+        with redis_single_clean.client() as c:
+            c.hset(broken, "t", "1")  # a hash where a bucket string belongs
+            c.config_resetstat()
+        calls = store.stats.commands
+        release = asyncio.ensure_future(store.release([USER_LEASES], "held"))
+        await asyncio.sleep(0)  # queued, waiting for a check
+        good = store.check([BucketOp(BUCKET, 1, 10, 1), LeaseOp(USER_LEASES, 5, 30)], "next")
+        bad = store.check([BucketOp(broken, 1, 10, 1)], "x")
+        lease = store.check([LeaseOp(FLEET, 0, 30)], "y")
+        outcomes = await asyncio.gather(release, good, bad, lease, return_exceptions=True)
+        assert outcomes[0] == 1
+        assert isinstance(outcomes[1], CheckResult) and outcomes[1].admitted
+        assert outcomes[1].results[1].extra == 1.0  # the release ran first: only "next" holds
+        assert isinstance(outcomes[2], StoreUnavailable) and "WRONGTYPE" in str(outcomes[2])
+        assert isinstance(outcomes[3], CheckResult) and outcomes[3].admitted
+        assert store.stats.commands == calls + 1  # one script call for all four
+        with redis_single_clean.client() as c:
+            assert c.info("commandstats")["cmdstat_evalsha"]["calls"] == 1
+            assert c.hgetall(broken) == {"t": "1"}  # nothing written for the failed request
     finally:
         await store.close()

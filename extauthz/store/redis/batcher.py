@@ -6,10 +6,10 @@ Riders (lease releases) do not start a round trip of their own: they wait for th
 check and go out in its pipeline write, or after :data:`RIDE_FLUSH_DELAY` when no check
 comes (so that an idle server still releases promptly).
 
-Calls of one script that merges (:class:`.wire.Merge`: ``check.lua``, ``release.lua``)
-submitted with the same ``merge`` group (and the same shared ARGV) go out in one batch as ONE
-script call; each caller gets its own slice of the reply. Under load a batch's checks then
-cost one EVALSHA and one Redis TIME, and its releases one more EVALSHA."""
+Calls of one script that merges (:class:`.wire.Merge`: ``check.lua``) submitted with the
+same ``merge`` group (and the same shared ARGV) go out in one batch as ONE script call, the
+riders first; each caller gets its own slice of the reply. Under load a batch's checks and
+releases then cost one EVALSHA and one Redis TIME together."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import asyncio
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
+
+from redis import exceptions as rx
 
 from ...errors import StoreUnavailable
 from .wire import CLIENT_ERRORS, Reply, Script, wrap
@@ -158,6 +160,8 @@ class Batcher:
 def _deliver(call: Call, reply: Reply) -> None:
     if call.future.cancelled():
         return  # the caller has gone (the engine never cancels its store calls)
+    if call.script.merge is not None and (message := call.script.merge.failure(reply)) is not None:
+        reply = rx.ResponseError(message)  # this call failed alone inside a merged script call
     if isinstance(reply, BaseException):
         call.future.set_exception(wrap(reply) if isinstance(reply, CLIENT_ERRORS) else reply)
     else:

@@ -4,8 +4,8 @@ every replica, so that one budget holds across the fleet.
 * Every operation is one Lua script (``lua/*.lua``, shipped as ``extauthz.lua``), called
   by SHA and loaded again when Redis answers NOSCRIPT (``SCRIPT FLUSH``, failover,
   restart): :mod:`.wire`. A check evaluates every op of the request in one ``check.lua``
-  call, which the batcher shares with the other checks of its batch (and the releases of
-  a batch share one ``release.lua`` call).
+  call, which the batcher shares with the other checks of its batch and with the releases
+  waiting for them (a release is a ``check.lua`` entry too).
 * "now" is Redis ``TIME`` inside the script (one clock for every replica) unless a clock
   is injected (``now=``, tests): its value is then passed as ``ARGV[1]``.
 * Redis Cluster: :mod:`.cluster` (groups by hash tag, compensation).
@@ -48,6 +48,8 @@ from .wire import (
     num,
     pack_command,
     pack_evalsha,
+    release_args,
+    released,
     send_reloading,
     wrap,
 )
@@ -329,16 +331,17 @@ class RedisStore:
         return result
 
     async def release(self, keys: Sequence[str], lease_id: str) -> int:
-        """Releases ride with checks (:data:`.batcher.RIDE_FLUSH_DELAY`): no round trip of
-        their own under load, and the releases waiting for one check go out as one
-        ``release.lua`` call (per slot group on a cluster: the merge group is the hash tag)."""
+        """Releases ride with checks (:data:`.batcher.RIDE_FLUSH_DELAY`): a release is a
+        ``check.lua`` entry (ops ``r``), so it goes out in the same script call as the next
+        check of its slot group, with no round trip and no EVALSHA of its own under load."""
         if not keys:
             return 0
         groups = cluster.group_by_tag(keys) if self._cluster else [list(range(len(keys)))]
         replies = await asyncio.gather(*(
-            self._submit("release", [keys[i] for i in g], [lease_id] * len(g), ride=self.releases_ride)
+            self._submit("check", *release_args(self._now_arg(), [keys[i] for i in g], lease_id),
+                         ride=self.releases_ride)
             for g in groups))
-        return sum(int(held) for reply in replies for held in reply)
+        return sum(released(reply) for reply in replies)
 
     async def inflight(self, keys: Sequence[str]) -> list[int]:
         if not keys:

@@ -20,10 +20,10 @@ from ..base import BucketOp, Op, OpResult
 __all__ = [
     "CLIENT_ERRORS", "MERGES", "NOSCRIPT_ATTEMPTS", "SCRIPT_NAMES", "Merge", "Reply", "Script", "StoreStats",
     "check_args", "check_results", "load_script", "num", "op_args", "pack_command", "pack_evalsha",
-    "send_reloading", "wrap",
+    "release_args", "released", "send_reloading", "wrap",
 ]
 
-SCRIPT_NAMES: Final = ("check", "release", "inflight", "shed_state", "compensate", "swap_value")
+SCRIPT_NAMES: Final = ("check", "inflight", "shed_state", "compensate", "swap_value")
 
 #: EVALSHA attempts while Redis answers NOSCRIPT (each after a SCRIPT LOAD): a flush that
 #: lands between the load and the resend, or one per cluster node, is survived.
@@ -49,11 +49,19 @@ class Merge:
     def reply_length(self, keys: int) -> int:
         return self.head + self.per_key * keys
 
+    @staticmethod
+    def failure(reply: Sequence[Any]) -> str | None:
+        """The error of one call's answer when the script failed it alone (its first value
+        is -1, its next ones the message: check.lua), else None."""
+        if not isinstance(reply, list | tuple) or not reply or reply[0] != -1:
+            return None
+        message = reply[2] if len(reply) > 2 else b"script error"
+        return message.decode(errors="replace") if isinstance(message, bytes) else str(message)
 
-#: the scripts whose calls merge (see their headers): check.lua shares "now"
-#: ({admitted, then ok and value per key} per request); release.lua one ARGV and one reply
-#: value per key.
-MERGES: Final = {"check": Merge(shared=1, head=1, per_key=2), "release": Merge(shared=0, head=0, per_key=1)}
+
+#: the scripts whose calls merge (see their headers): check.lua's calls share "now" and answer
+#: {admitted, then ok and value per key} per request (a release is a check.lua entry too).
+MERGES: Final = {"check": Merge(shared=1, head=1, per_key=2)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,13 +112,32 @@ def num(x: float) -> str:
     return repr(float(x))
 
 
+#: the 5 ARGV of a release op in check.lua (ZREM the entry's lease id from the key)
+_RELEASE_ARGS: Final = (b"r", b"0", b"", b"", b"")
+
+
 def check_args(now: str, ops: Sequence[Op], lease_id: str) -> tuple[list[str], list[str | bytes]]:
     """KEYS and ARGV of one request's check.lua call: now, then the request's lease id, its
     number of ops and 5 ARGV per op (see its header)."""
-    args: list[str | bytes] = [now, lease_id, str(len(ops))]
-    for op in ops:
-        args.extend(op_args(op))
-    return [op.key for op in ops], args
+    return _entry(now, [op.key for op in ops], lease_id, [op_args(op) for op in ops])
+
+
+def release_args(now: str, keys: Sequence[str], lease_id: str) -> tuple[list[str], list[str | bytes]]:
+    """KEYS and ARGV of a check.lua call that releases ``lease_id`` from each of ``keys``."""
+    return _entry(now, list(keys), lease_id, [_RELEASE_ARGS] * len(keys))
+
+
+def released(reply: Sequence[Any]) -> int:
+    """How many keys held the lease, from a release entry's reply (its ops' ok flags)."""
+    return sum(int(reply[i]) for i in range(1, len(reply), 2))
+
+
+def _entry(now: str, keys: list[str], lease_id: str,
+           per_op: Sequence[Sequence[bytes]]) -> tuple[list[str], list[str | bytes]]:
+    args: list[str | bytes] = [now, lease_id, str(len(keys))]
+    for op in per_op:
+        args.extend(op)
+    return keys, args
 
 
 def op_args(op: Op) -> tuple[bytes, ...]:
