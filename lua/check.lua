@@ -37,7 +37,8 @@
 --               unused; ok = the key held it (releasing twice is harmless); nothing to commit
 --
 -- State (one key per op; a bucket costs GET + SET, a lease ZREMRANGEBYSCORE + ZCARD + ZADD +
--- PEXPIRE, and the call one TIME when no clock is injected):
+-- PEXPIRE, a release ZREM, and the call one TIME when no clock is injected; a key met again
+-- in the same call is not read, swept, counted or given its TTL again, see below):
 --   bucket  STRING "<tokens> <ts>": tokens after the last commit and the now of that commit,
 --           both "%.17g" (exact for a double), written with one SET ... EX
 --           max(1, ceil(2*burst/rate)) s on commit (twice the fill time: a bucket idle that
@@ -71,6 +72,14 @@ end
 
 local out = {}
 
+-- Every request of a call reads the same "now" and no other client runs meanwhile, so what
+-- one request read or wrote of a key is still true for the next: each key is read (GET;
+-- sweep + ZCARD) and given its TTL once per call, and kept up to date here as the
+-- requests commit and release. Exact: the same answers as separate calls.
+local buckets = {}  -- bucket key -> {tokens, ts} as stored now (false: no state)
+local live = {}     -- lease key -> live leases (swept at now)
+local expiry = {}   -- lease key -> the PEXPIRE (ms) this call set, while still in force
+
 -- One request: its n ops use KEYS[k + 1 .. k + n] and the ARGV from j on; its answer is
 -- appended to res.
 local function check(k, j, n, res)
@@ -83,23 +92,41 @@ local function check(k, j, n, res)
     local key = KEYS[k + i]
     if ARGV[a] == 'b' then
       local rate, burst, cost = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
-      local state = redis.call('GET', key)
+      local state = buckets[key]
+      if state == nil then
+        local stored = redis.call('GET', key)
+        state = false
+        if stored then
+          local t, ts = string.match(stored, '^(%S+) (%S+)$')
+          state = {tonumber(t), tonumber(ts)}
+        end
+        buckets[key] = state
+      end
       local tokens = burst
       if state then
-        local t, ts = string.match(state, '^(%S+) (%S+)$')
-        tokens = math.min(burst, tonumber(t) + math.max(0, now - tonumber(ts)) * rate)
+        tokens = math.min(burst, state[1] + math.max(0, now - state[2]) * rate)
       end
       ok[i] = tokens + TOKEN_EPSILON >= cost
       value[i] = tokens
     elseif ARGV[a] == 'l' then
       local limit = tonumber(ARGV[a + 2])
-      redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-      local count = redis.call('ZCARD', key)
+      local count = live[key]
+      if count == nil then
+        redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+        count = redis.call('ZCARD', key)
+        live[key] = count
+      end
       ok[i] = limit <= 0 or count < limit
       value[i] = count
     else
       ok[i] = redis.call('ZREM', key, lease_id) == 1
       value[i] = 0
+      if ok[i] then
+        if live[key] then
+          live[key] = live[key] - 1  -- swept at now: what it held was live
+        end
+        expiry[key] = nil  -- the last member gone takes the key and its TTL with it
+      end
     end
     if not ok[i] and ARGV[a + 1] == '1' then
       admitted = false
@@ -113,12 +140,22 @@ local function check(k, j, n, res)
     if admitted and ok[i] then
       if ARGV[a] == 'b' then
         local rate, burst, cost = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
-        redis.call('SET', key, fmt(math.max(0, value[i] - cost)) .. ' ' .. fmt(now),
-                   'EX', math.max(1, math.ceil(2 * burst / rate)))
+        local left = math.max(0, value[i] - cost)
+        redis.call('SET', key, fmt(left) .. ' ' .. fmt(now), 'EX', math.max(1, math.ceil(2 * burst / rate)))
+        buckets[key] = {left, now}
       elseif ARGV[a] == 'l' then
         local ttl = tonumber(ARGV[a + 3])
-        redis.call('ZADD', key, fmt(now + ttl), lease_id)
-        redis.call('PEXPIRE', key, math.max(1000, math.ceil(ttl * 1000)))
+        local added = redis.call('ZADD', key, fmt(now + ttl), lease_id)
+        if now + ttl <= now then
+          live[key] = nil  -- expired at once: the next request sweeps and counts again
+        elseif live[key] then
+          live[key] = live[key] + added
+        end
+        local ms = math.max(1000, math.ceil(ttl * 1000))
+        if expiry[key] ~= ms then
+          redis.call('PEXPIRE', key, ms)
+          expiry[key] = ms
+        end
       end
     end
     res[#res + 1] = ok[i] and 1 or 0

@@ -297,6 +297,56 @@ def test_stores_agree_on_random_timelines(redis_up: RedisSingle,
     _both(redis_up, body)
 
 
+
+async def _run_batched(memory: Store, remote: Store, clock: ManualClock, keys: Keys,
+                       limiters: Sequence[Limiter], steps: Sequence[Step]) -> None:
+    """The timeline in batches: the checks and releases between two clock moves are sent to
+    Redis at once (one merged ``check.lua`` call: the releases first, then the checks in
+    order) and to the memory store one after the other in that order."""
+    admitted: list[tuple[list[str], str]] = []
+    log: list[str] = []
+    segment: list[Step] = []
+
+    async def flush() -> None:
+        releases = [admitted[r.pick % len(admitted)] for r in segment if isinstance(r, Release) and admitted]
+        checks = [(f"r{len(log)}.{i}", _ops(keys, limiters, c))
+                  for i, c in enumerate(x for x in segment if isinstance(x, Check))]
+        segment.clear()
+        expected_released = [await memory.release(held, lease_id) for held, lease_id in releases]
+        expected = [await memory.check(ops, lease_id) for lease_id, ops in checks]
+        answers = await asyncio.gather(*(remote.release(held, lease_id) for held, lease_id in releases),
+                                       *(remote.check(ops, lease_id) for lease_id, ops in checks))
+        log.append(f"t={clock.now!r} releases {releases} checks {checks} -> {expected_released} {expected}")
+        assert list(answers) == [*expected_released, *expected], "\n".join([*log, repr(answers)])
+        admitted.extend(([op.key for op in ops if isinstance(op, LeaseOp)], lease_id)
+                        for (lease_id, ops), res in zip(checks, expected, strict=True) if res.admitted)
+
+    for step in steps:
+        if isinstance(step, Check | Release):
+            segment.append(step)
+            continue
+        await flush()
+        if isinstance(step, Advance):
+            gap = _gap(step.gap, limiters, 0.1) if step.gap != "expiry" else 0.5
+            clock.advance(gap)
+            log.append(f"advance {gap!r}")
+    await flush()
+
+
+@pytest.mark.redis
+@DIFFERENTIAL
+@given(timeline=timelines())
+def test_stores_agree_when_checks_and_releases_share_script_calls(
+        redis_up: RedisSingle, timeline: tuple[tuple[Limiter, ...], list[Step]]) -> None:
+    """A merged call keeps each key's state in the script after its first read (see
+    check.lua): its requests must still get exactly the answers of one call each."""
+    limiters, steps = timeline
+
+    async def body(memory: Store, remote: Store, clock: ManualClock, keys: Keys) -> None:
+        await _run_batched(memory, remote, clock, keys, limiters, steps)
+
+    _both(redis_up, body)
+
 SHED_PARAMS = (
     ShedParams(good_below=0.7, bad_above=0.8, delay_before_shedding=28, time_to_shed_all=120, ttl=300),
     ShedParams(good_below=0.6, bad_above=0.9, delay_before_shedding=7, time_to_shed_all=13, ttl=60),
