@@ -23,7 +23,8 @@
 --               one hash slot): request r's n_r ops take the next n_r keys
 -- ARGV[1]       now, in seconds (float), from the caller's injected clock; "" = Redis TIME
 --               (seconds + microseconds/1e6 of the Redis server: one clock for every replica),
---               read once per call, shared by its requests
+--               read once per call (not at all for a call of releases only), shared by its
+--               requests
 -- then per request, starting at j = 2:
 --   ARGV[j]     lease id: the ZSET member added for each committed lease op
 --   ARGV[j+1]   n, the number of ops of this request
@@ -64,11 +65,8 @@ local function fmt(x)
   return string.format('%.17g', x)
 end
 
+-- Redis TIME is read at the first op that needs "now" (a call of releases only needs none).
 local now = tonumber(ARGV[1])
-if now == nil then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-end
 
 local out = {}
 
@@ -90,6 +88,10 @@ local function check(k, j, n, res)
   for i = 1, n do
     local a = j + 2 + 5 * (i - 1)
     local key = KEYS[k + i]
+    if now == nil and ARGV[a] ~= 'r' then
+      local t = redis.call('TIME')
+      now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+    end
     if ARGV[a] == 'b' then
       local rate, burst, cost = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
       local state = buckets[key]

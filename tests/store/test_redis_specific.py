@@ -740,7 +740,8 @@ async def test_releases_waiting_together_go_out_as_one_script_call(
 @pytest.mark.redis
 async def test_commands_inside_a_check_are_counted_by_redis(redis_single_clean: RedisSingle) -> None:
     """A token bucket costs GET + SET (one STRING with its TTL), a lease ZREMRANGEBYSCORE +
-    ZCARD + ZADD + PEXPIRE, and the call one TIME (no clock injected): Redis's own count."""
+    ZCARD + ZADD + PEXPIRE, a release ZREM, and the call one TIME (no clock injected) when
+    it needs one: Redis's own count."""
     store = make_redis_store(redis_single_clean)
     try:
         await store.ping()
@@ -751,6 +752,11 @@ async def test_commands_inside_a_check_are_counted_by_redis(redis_single_clean: 
             assert calls == {"evalsha": 1, "time": 1, "get": 1, "set": 1, "zremrangebyscore": 1,
                              "zcard": 1, "zadd": 1, "pexpire": 1, "config|resetstat": 1}
             assert c.type(BUCKET) == "string" and 0 < c.ttl(BUCKET) <= 20  # ceil(2 * 10 / 1)
+            # a release alone: its ZREM, and no TIME (nothing in it needs "now")
+            c.config_resetstat()
+            assert await store.release([USER_LEASES], "a") == 1
+            calls = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in c.info("commandstats").items()}
+            assert calls == {"evalsha": 1, "zrem": 1, "config|resetstat": 1}
     finally:
         await store.close()
 
