@@ -3,7 +3,7 @@ the next (one round trip for all of them), sent by batcher-owned tasks, so that 
 cancelled by the engine's deadline never interrupts a read on a pooled connection.
 
 Riders (lease releases) do not start a round trip of their own: they wait for the next
-check and go out in its pipeline write, or after :data:`RIDE_FLUSH_DELAY` when no check
+check and go out in its pipeline write (its script call, merged below), or after :data:`RIDE_FLUSH_DELAY` when no check
 comes (so that an idle server still releases promptly).
 
 Calls of one script that merges (:class:`.wire.Merge`: ``check.lua``) submitted with the

@@ -128,9 +128,9 @@ class RedisStore:
 
     def _submit(self, script: str, keys: Sequence[str], args: Sequence[str | bytes],
                 *, droppable: bool = False, ride: bool = False) -> asyncio.Future[Reply]:
-        """Queue a script call. Calls of a script that merges (``wire.MERGES``: check,
-        release) share one call with the others of their batch, per hash tag on a cluster
-        (one script call must stay in one slot)."""
+        """Queue a script call. Calls of a script that merges (``wire.MERGES``: check.lua,
+        whose entries are checks and releases) share one call with the others of their
+        batch, per hash tag on a cluster (one script call must stay in one slot)."""
         s = self._scripts[script]
         merge = None if s.merge is None else Keys.tag_of(keys[0]) if self._cluster else ""
         return self._batcher.submit(s, keys, args, droppable=droppable, ride=ride, merge=merge)
