@@ -27,7 +27,7 @@ def smoke_run(tmp_path: Path, configs: str) -> dict[str, Any]:
     out = tmp_path / "smoke.json"
     proc = subprocess.run(
         [sys.executable, "-m", "bench.harness", "--smoke", "--configs", configs, "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=200,
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result: dict[str, Any] = json.loads(out.read_text())
@@ -37,7 +37,7 @@ def smoke_run(tmp_path: Path, configs: str) -> dict[str, Any]:
 @pytest.mark.skipif(shutil.which("wrk") is None or shutil.which("h2load") is None,
                     reason="wrk/h2load not installed (scripts/install-system-deps.sh)")
 def test_smoke_run_produces_figures(tmp_path: Path) -> None:
-    result = smoke_run(tmp_path, "a,b,c,h")
+    result = smoke_run(tmp_path, "a,b,c,h,r")
     phases = result["phases"]
     assert {(p["setup"], p["kind"]) for p in phases} == {
         (s, k) for s in "abchr" for k in ("saturated", "latency")}
