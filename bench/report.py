@@ -216,7 +216,8 @@ def redis_calls_table(rows: Sequence[dict[str, Any]]) -> list[str]:
         for kind, calls in (row.get("redis_calls") or {}).items():
             if calls["commands"] is None:
                 continue
-            by_command = ", ".join(f"{c} {fmt(v, '{:.2f}')}" for c, v in calls["by_command"].items())
+            by_command = ", ".join(f"{c} {fmt(v, '{:.2f}')}" for c, v in calls["by_command"].items()
+                                   if v is not None and v >= 0.005)  # not the connection's HELLO
             body.append(f"| {row['key']} | {kind} | {fmt(calls['commands'], '{:.2f}')} | {by_command} "
                         f"| {fmt(calls['round_trips'], '{:.3f}')} | {fmt(calls['script_calls'], '{:.3f}')} |")
     if not body:
@@ -234,7 +235,7 @@ def phase_redis_calls(phase: Any) -> str:
     """One measured run's Redis figures per request, for the harness's log line."""
     if not phase.redis_commands:
         return ""
-    by_command = " ".join(f"{c} {v:.2f}" for c, v in phase.redis_commands.items())
+    by_command = " ".join(f"{c} {v:.2f}" for c, v in phase.redis_commands.items() if v >= 0.005)
     return (f", Redis {sum(phase.redis_commands.values()):.2f} cmds/req ({by_command}), "
             f"round trips/req {fmt(phase.store_round_trips, '{:.3f}')}")
 
