@@ -10,10 +10,13 @@ Envoy in front of a trivial upstream, the extauthz server as a process, and driv
   d   Envoy + the server, all four limiters, Redis store
   e   Envoy's own local_ratelimit filter (the in-proxy reference)
   d1  (d) with Envoy --concurrency 2, one server process
-  d2  (d) with Envoy --concurrency 2, ``extauthz serve --workers 2``
+  d2  (d) with Envoy --concurrency 2, ``extauthz serve --workers 2`` (one SO_REUSEPORT port)
+  d2p (d2) with ``--worker-ports``: two ports listed as two endpoints of Envoy's cluster
   b-aio, d-aio  (b), (d) on the plain asyncio event loop instead of uvloop
-  b-buf, d-buf  (b), (d) with Envoy's gRPC access log buffered (a batch of entries every
-                5 ms or 16 KiB instead of one message per request)
+  b-all, r-all  (b), (r) without ext_authz ``allowed_headers``: every request header sent
+  b-buf0, d-buf0  (b), (d) with the access log sent entry by entry (the shipped configs
+                batch it every 5 ms / 4 KiB; b-buf, d-buf = b, d now: ``--only`` and
+                ``bench.accesslog_flush`` only)
   h   (b) on Envoy's HTTP authorization protocol (envoy-http.yaml, ``serve --http-listen``)
   hc  (c) over HTTP: all four limiters, embedded store
   hd  (d) over HTTP: all four limiters, Redis store
