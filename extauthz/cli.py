@@ -39,6 +39,16 @@ def _size(text: str) -> int:
     return int(value)
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad count {text!r}: a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"bad count {text!r}: must be at least 1")
+    return value
+
+
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="run the ext_authz gRPC server (and, with --http-listen, "
                        "the HTTP authorization port)",
@@ -53,6 +63,11 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--http-listen", default=_env("HTTP_LISTEN"),
                    help="HTTP authorization port for Envoy's http_service (and other forward-auth "
                    "proxies), e.g. 0.0.0.0:9003; off unless given (docs/http.md) [EXTAUTHZ_HTTP_LISTEN]")
+    p.add_argument("--http-max-active-checks", type=_positive,
+                   default=_env("HTTP_MAX_ACTIVE_CHECKS"),
+                   help="checks decided at once on the HTTP port; more wait before they start, "
+                   "so at saturation the store deadline measures the store, not the queue "
+                   "(docs/http.md) [EXTAUTHZ_HTTP_MAX_ACTIVE_CHECKS; default 8]")
     p.add_argument("--http-forward-auth", action="store_true",
                    default=_env_flag("HTTP_FORWARD_AUTH"),
                    help="on the HTTP port, take the client's method, path and host from "
@@ -142,6 +157,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         policies=list(args.policies), listen=args.listen, http_listen=args.http_listen or None,
         http_forward_auth=args.http_forward_auth,
+        **({"http_max_active_checks": args.http_max_active_checks} if args.http_max_active_checks else {}),
         redis_url=args.redis_url or None,
         store_deadline_ms=args.store_deadline_ms, key_prefix=args.key_prefix,
         identity_salt=args.identity_salt,

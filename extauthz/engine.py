@@ -276,6 +276,10 @@ class Engine:
             async with asyncio.timeout(self.deadline):
                 result = await asyncio.shield(call)
         except TimeoutError:
+            if call.done() and not call.cancelled() and call.exception() is None:
+                # the answer landed in the same loop turn as the deadline: it is in time
+                self.breaker.success()
+                return call.result()
             call.add_done_callback(self.releaser.abandoned(ops, lease_id))
             self.breaker.failure()
             self._failed(StoreTimeout.reason)

@@ -31,7 +31,7 @@ from ..store.base import Store
 from ..store.keys import Keys
 from ..store.memory import MemoryStore
 from ..tickets import LeaseTickets
-from .http import HttpAuthorization, HttpLimits
+from .http import DEFAULT_MAX_ACTIVE_CHECKS, HttpAuthorization, HttpLimits
 from .operations import Operations
 from .portfile import remove_admin_url, write_admin_url
 from .ports import off, parse_listen
@@ -53,6 +53,8 @@ class ServerConfig:
     http_listen: str | None = None
     #: seconds a client may take to send a request's headers on the HTTP port.
     http_header_timeout: float = 10.0
+    #: checks decided at once on the HTTP port (``HttpLimits.max_active_checks``).
+    http_max_active_checks: int = DEFAULT_MAX_ACTIVE_CHECKS
     #: read the client's request from X-Forwarded-Method/-Uri/-Host (Traefik ForwardAuth).
     http_forward_auth: bool = False
     redis_url: str | None = None
@@ -186,7 +188,8 @@ class Server:
                 assert self.config.http_listen is not None
                 tracing = self.observe.tracing
                 self.http = HttpAuthorization(
-                    service, HttpLimits(header_timeout=self.config.http_header_timeout),
+                    service, HttpLimits(header_timeout=self.config.http_header_timeout,
+                               max_active_checks=self.config.http_max_active_checks),
                     tracer=tracing.tracer if tracing is not None else None,
                     forward_auth=self.config.http_forward_auth)
                 self.http_port = await self.http.start(self.config.http_listen,

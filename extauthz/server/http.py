@@ -74,6 +74,10 @@ _REASONS = {200: b"OK", 400: b"Bad Request", 408: b"Request Timeout", 420: b"She
             500: b"Internal Server Error"}
 
 
+#: :attr:`HttpLimits.max_active_checks` unless set (``serve --http-max-active-checks``).
+DEFAULT_MAX_ACTIVE_CHECKS = 8
+
+
 @dataclass(frozen=True, slots=True)
 class HttpLimits:
     #: request line + header names and values, in bytes.
@@ -89,6 +93,15 @@ class HttpLimits:
     #: open connections at once; one more is closed at once, unanswered (Envoy keeps a few
     #: per worker; an idle-connection flood must not hold sockets and memory without bound).
     max_connections: int = 4096
+    #: checks being decided at once, over all connections; more wait their turn before they
+    #: start (read, not yet classified). At saturation every active check shares the event
+    #: loop, so a loop turn costs about this many checks' CPU: unbounded (Envoy's 32 or more
+    #: connections), a store call's answer waits behind them past the store deadline, every
+    #: check fails open and the breaker opens, i.e. the limiters switch off exactly when the
+    #: server is overloaded. Bounded, the wait moves before the check (Envoy's ext_authz
+    #: timeout bounds it) and the store deadline measures the store. Chosen by measurement
+    #: (docs/http.md).
+    max_active_checks: int = DEFAULT_MAX_ACTIVE_CHECKS
 
 
 #: headers the gRPC edge reads whatever the policy says (``server/edge.py``: the request id
@@ -307,6 +320,8 @@ class HttpAuthorization:
         #: answered with a 4xx or closed for a protocol reason, by reason.
         self.rejected: dict[str, int] = {}
         self._sweeper: asyncio.Task[None] | None = None
+        #: bounds the checks decided at once (:attr:`HttpLimits.max_active_checks`)
+        self.active = asyncio.Semaphore(self.limits.max_active_checks)
 
     def status(self) -> dict[str, Any]:
         """The ``http`` section of the admin ``/status``."""
@@ -468,7 +483,8 @@ class _Connection(asyncio.Protocol):
             while queue and not self.closed:
                 method, target, headers, keep_alive = queue[0]
                 try:
-                    answer = await self._answer(service, method, target, headers, keep_alive)
+                    async with front.active:
+                        answer = await self._answer(service, method, target, headers, keep_alive)
                 except Exception:  # a bug of ours: Envoy fails open on a 5xx; the server goes on
                     log.exception("HTTP authorization failed")
                     front.reject("internal")

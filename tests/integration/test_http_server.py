@@ -96,6 +96,33 @@ async def test_repeated_headers_are_joined_as_envoy_joins_them_for_grpc(server: 
     assert b"ratelimit: \"user-rate\";r=1;" in raw  # the second request took the same bucket's token
 
 
+async def test_checks_decided_at_once_are_bounded(server: Server) -> None:
+    """More connections than max_active_checks, each with a request: they all get answered,
+    and no more checks than the bound are ever being decided at once (the rest wait before
+    their check starts, so the store deadline never counts the wait)."""
+    engine = server.engine
+    decide = engine.decide
+    active, most = 0, 0
+
+    async def counted(ctx: Any) -> Any:
+        nonlocal active, most
+        active += 1
+        most = max(most, active)
+        try:
+            await asyncio.sleep(0.01)  # a store call in flight
+            return await decide(ctx)
+        finally:
+            active -= 1
+
+    engine.decide = counted  # type: ignore[method-assign]
+    bound = HttpLimits().max_active_checks
+    answers = await asyncio.gather(*(exchange(server.http_port, request(key=f"sk_live_cap{i}",
+                                                                        extra="connection: close\r\n"))
+                                     for i in range(3 * bound)))
+    assert [statuses(a) for a in answers] == [[200]] * (3 * bound)
+    assert most == bound
+
+
 async def test_the_fourth_request_is_refused_with_problem_json(server: Server) -> None:
     last = request(key="sk_live_r", extra="connection: close\r\n")
     raw = await exchange(server.http_port, request(key="sk_live_r") * 3 + last)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,31 @@ async def test_abandoned_store_answer_is_released_through_the_releaser(tmp_path:
             break
     assert engine.releaser.counts[("abandoned_answer", "released")] == 1
     assert inner.live_leases() == {}
+
+
+async def test_an_answer_read_in_the_deadlines_loop_turn_is_used(tmp_path: Path) -> None:
+    """The store's answer is read in the same event-loop turn as the deadline fires (a busy
+    loop): asyncio wakes the Check with TimeoutError, but the answer is there: it is used,
+    not failed open."""
+    clock = ManualClock()
+    policy = policy_from(tmp_path, {"limiters": [{"name": "conc", "type": "concurrent_requests",
+                                                  "limit": 5}]})
+    inner = MemoryStore(clock)
+    deadline = 0.02
+
+    class AnswersJustInTime(FaultyStore):
+        async def check(self, ops: Any, lease_id: str) -> Any:
+            loop = asyncio.get_running_loop()
+            landed = loop.create_future()
+            loop.call_later(deadline / 2, landed.set_result, None)       # the reply is read...
+            loop.call_soon(time.sleep, 2 * deadline)                      # ...by a loop busy past both
+            await landed
+            return await self.inner.check(ops, lease_id)
+
+    engine = Engine(AnswersJustInTime(inner), policy, clock=clock, deadline=deadline)
+    _, decision = await engine.check(get())
+    assert decision.allowed and decision.failures == ()
+    assert len(inner.live_leases()) == 1 and engine.releaser.count("abandoned_answer") == 0
 
 
 async def test_server_stop_waits_for_pending_releases_before_closing_the_store(tmp_path: Path) -> None:
