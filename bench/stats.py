@@ -232,6 +232,8 @@ def targets(summary: dict[str, Any], *, limits: dict[str, Any] | None, outages: 
         if sat:
             add(f"Redis {o['mode']}: throughput down / up", sat["down_rps"] / sat["up_rps"], 0.9)
         if lat:
-            add(f"Redis {o['mode']}: p99 growth at 1,000 req/s (ms, <= deadline)",
-                lat["down"]["p99_ms"] - lat["up"]["p99_ms"], deadline_ms, higher=False, unit="ms")
+            # issue 16: "p99 grows by no more than the store deadline after the first second"
+            # (the first second is the breaker's window: it opens once half its calls failed)
+            add(f"Redis {o['mode']}: p99 growth at 1,000 req/s after the first second (ms, <= deadline)",
+                lat["down_steady"]["p99_ms"] - lat["up"]["p99_ms"], deadline_ms, higher=False, unit="ms")
     return out
