@@ -8,15 +8,17 @@ kind's numbers (``rate``/``burst``/``cost`` for ``request_rate``, ``limit`` for
 the plan, and it expires at its TTL.
 
 Storage: every override lives in one JSON value at ``Keys.overrides``, and
-``Keys.overrides_version`` changes with every change. Both keys carry a TTL (the latest
-expiry plus a minute), so nothing outlives the last override. Each replica polls the
+``Keys.overrides_version`` changes with every change. The value's TTL is the latest expiry
+plus a minute, so no override outlives its TTL; the version (a few bytes) expires the
+longest override TTL plus a minute after the last change, and is never deleted by a change,
+so a writer that lost a race cannot take it away while overrides exist. Each replica polls the
 version key in the same one-second loop that reads the kill switches
 (:class:`OverrideBoard.poll_once`, called by the server's fleet-state poll) and reads the
 overrides only when it changed: with Redis every replica applies a change within about a
 second; with the embedded store the admin port writes the same value and applies it at once.
-A change is a read-modify-write of that value (like the kill switches): two operators
-changing overrides in the same instant can lose one change; ``extauthz override list``
-shows the result.
+A change is a compare-and-set of that value (like the kill switches,
+:func:`~extauthz.store.base.update_value`): two operators changing overrides in the same
+instant both land; ``extauthz override list`` shows the result.
 
 Bounds: at most :data:`MAX_OVERRIDES` live overrides (a new one beyond that is refused
 with :class:`OverrideError`; changing or clearing an existing one still works) and a TTL
@@ -235,9 +237,11 @@ async def change_stored(store: Store, keys: Keys,
         return json.dumps({"overrides": [e.to_dict() for e in result]}, sort_keys=True), ttl
 
     await update_value(store, keys.overrides, apply)
-    ttl = max(e.expires_at for e in result) - now + KEY_SLACK if result else None
-    await store.set_value(keys.overrides_version,
-                          f"{time.time_ns()}-{os.urandom(4).hex()}" if result else None, ttl)
+    # A fresh version on every change, never deleted and outliving any override: a writer
+    # that lost the race above (and wrote after the winner) cannot take the version away
+    # while overrides exist, so no replica misses a change.
+    await store.set_value(keys.overrides_version, f"{time.time_ns()}-{os.urandom(4).hex()}",
+                          MAX_TTL + KEY_SLACK)
     return result
 
 

@@ -7,10 +7,9 @@ writes the same value in-process and applies it at once. ``*`` is the global swi
 switch overrides the policy file's ``mode`` until it is cleared (precedence:
 :meth:`Switches.effective`).
 
-A change is a read-modify-write of that one value: two operators changing different
-switches in the same instant can lose one change (``extauthz switch --list`` shows the
-result). Kill switches are rare, deliberate operations; that trade keeps them on the plain
-store contract.
+A change is a compare-and-set of that one value (:func:`change_stored`, through
+:func:`~extauthz.store.base.update_value`): two operators changing different switches in the
+same instant both land (``extauthz switch --list`` shows the result).
 """
 
 from __future__ import annotations

@@ -150,6 +150,7 @@ local function check(k, j, n, res)
         local added = redis.call('ZADD', key, fmt(now + ttl), lease_id)
         if now + ttl <= now then
           live[key] = nil  -- expired at once: the next request sweeps and counts again
+          expiry[key] = nil  -- and its sweep may take the key and its TTL with it
         elseif live[key] then
           live[key] = live[key] + added
         end
@@ -176,6 +177,15 @@ while j <= #ARGV do
   local done, err = pcall(check, k, j, n, res)
   if not done then
     local message = type(err) == 'table' and err.err or tostring(err)
+    -- A node that cannot take writes fails the whole call, as a top-level error: the
+    -- client drops the connection on it (conn.py) and reconnects, e.g. to the new master
+    -- behind a DNS name after a failover. Isolating it per request would keep the
+    -- connection to a demoted master forever.
+    for _, prefix in ipairs({'READONLY', 'MASTERDOWN', 'LOADING'}) do
+      if string.sub(message, 1, #prefix) == prefix then
+        return redis.error_reply(message)
+      end
+    end
     res = {-1}
     for _ = 1, n do
       res[#res + 1] = 0

@@ -17,7 +17,7 @@ import pytest
 
 from extauthz.classify import hash_identity
 from extauthz.context import RawRequest
-from extauthz.overrides import MAX_OVERRIDES
+from extauthz.overrides import KEY_SLACK, MAX_OVERRIDES, MAX_TTL
 from extauthz.policy import Policy, load_policy
 from extauthz.proto import auth_pb2_grpc
 from tests.infra.redis_servers import RedisSingle
@@ -98,7 +98,7 @@ def test_an_override_reaches_two_replicas_on_one_redis(tmp_path: Path, redis_sin
             stored = raw.get("extauthz:overrides")
             assert stored is not None and VIP not in stored and hashed in stored
             assert 0 < raw.pttl("extauthz:overrides") <= (6 + 60) * 1000
-            assert 0 < raw.pttl("extauthz:overrides:version") <= (6 + 60) * 1000
+            assert 0 < raw.pttl("extauthz:overrides:version") <= (MAX_TTL + KEY_SLACK) * 1000
 
         r = cli("override", "list", "--policies", str(policy), env=env)
         assert r.returncode == 0, r.stderr

@@ -20,6 +20,7 @@ from extauthz.context import RawRequest
 from extauthz.engine import Engine
 from extauthz.policy import Policy, load_policy
 from extauthz.store.redis import RedisStore
+from extauthz.store.redis.conn import RECONNECT_BACKOFF_CAP
 from tests.infra.redis_servers import RedisSingle
 from tests.store.test_redis_specific import wait_until
 
@@ -111,23 +112,86 @@ async def test_killed_or_unanswering_redis_fails_open_without_waiting_for_connec
         # 2. The connection lost while Redis cannot answer (stopped: the kernel still
         # accepts connections, the handshake hangs for CLIENT_TIMEOUT): the reconnect hangs
         # in the background while every check fails open at once, never as ``timeout``.
+        attempts = node.attempts
         with redis_single_clean.client() as admin:
             admin.client_kill_filter(_type="normal", skipme=True)
         redis_single_clean.pause()
         try:
-            await asyncio.sleep(0.05)  # the loss is seen
-            attempts = node.attempts
+            await asyncio.sleep(0.05)  # the loss is seen: it starts the reconnect attempt
             before = dict(engine.failures)
             hung = await run_checks(engine, 0.8)
             assert hung and all(allowed for allowed, _ in hung)
             assert set(new_failures(engine, before)) == {"unavailable"}, new_failures(engine, before)
-            assert node.attempts == attempts + 1  # one attempt, still waiting for Redis
+            assert node.attempts == attempts + 1  # one attempt (started by the loss), still waiting
         finally:
             redis_single_clean.resume()
         await wait_until(recovered, 5, "recovery after Redis answered again")
         assert node.connects == 3
     finally:
         redis_single_clean.resume()
+        await store.close()
+
+
+@pytest.mark.redis
+async def test_the_first_check_after_an_outage_finds_the_connection_open(
+    redis_single_clean: RedisSingle, policy: Policy
+) -> None:
+    """Reconnect attempts go on in the background until one opens, whether or not checks
+    come: the breaker's first probe after an outage is served by Redis, not failed (which
+    would keep the breaker open for another open_for)."""
+    store = RedisStore.from_url(redis_single_clean.url, deadline=DEADLINE,
+                                socket_timeout=CLIENT_TIMEOUT, socket_connect_timeout=CLIENT_TIMEOUT)
+    engine = Engine(store, policy, deadline=DEADLINE, breaker=Breaker(SYSTEM_CLOCK, threshold=10**9))
+    probe = RawRequest("GET", "/", headers={"x-api-key": "probe"})
+    try:
+        _, decision = await engine.check(probe)
+        assert decision.allowed and not decision.failures
+        node = store._nodes[""]
+        redis_single_clean.kill()
+        _, decision = await engine.check(probe)   # sees the loss: the attempts start
+        assert decision.failures == ("unavailable",)
+        await asyncio.sleep(0.3)                  # attempts refused, backing off
+        redis_single_clean.restart()
+        await asyncio.sleep(2 * RECONNECT_BACKOFF_CAP)  # no check in the meantime
+        assert node.connects == 2                 # opened by the background attempts
+        _, decision = await engine.check(probe)
+        assert decision.allowed and not decision.failures
+    finally:
+        await store.close()
+    assert node._retry is None and node._closed
+
+
+@pytest.mark.redis
+async def test_a_demoted_master_is_left_for_a_new_connection(
+    redis_single_clean: RedisSingle, policy: Policy
+) -> None:
+    """A node that turned read-only (a failover behind a DNS name or a VIP) answers a merged
+    check.lua call with READONLY: the whole call fails, the connection is dropped and opened
+    again (to whatever the address names now), with backoff, not kept for every check."""
+    store = RedisStore.from_url(redis_single_clean.url, deadline=DEADLINE,
+                                socket_timeout=CLIENT_TIMEOUT, socket_connect_timeout=CLIENT_TIMEOUT)
+    engine = Engine(store, policy, deadline=DEADLINE, breaker=Breaker(SYSTEM_CLOCK, threshold=10**9))
+    probe = RawRequest("GET", "/", headers={"x-api-key": "probe"})
+    try:
+        _, decision = await engine.check(probe)
+        assert decision.allowed and not decision.failures
+        node = store._nodes[""]
+        with redis_single_clean.client() as admin:
+            admin.execute_command("REPLICAOF", "127.0.0.1", "1")  # read-only, its master unreachable
+        try:
+            down = await run_checks(engine, 0.5, tasks=1)
+            assert down and all(allowed for allowed, _ in down)       # failed open
+            assert 2 <= node.connects <= 12, (node.connects, len(down))  # dropped, reopened, backing off
+        finally:
+            with redis_single_clean.client() as admin:
+                admin.execute_command("REPLICAOF", "NO", "ONE")
+
+        async def recovered() -> bool:
+            _, decision = await engine.check(probe)
+            return decision.allowed and not decision.failures
+
+        await wait_until(recovered, 5, "store-backed checks on the writable node again")
+    finally:
         await store.close()
 
 

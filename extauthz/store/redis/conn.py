@@ -38,7 +38,8 @@ __all__ = ["RECONNECT_BACKOFF", "NodeConnection", "RespProtocol"]
 
 #: Delay before the next connect attempt after ``n`` failed ones in a row: 2.5-5 ms after
 #: the first, doubling to 0.5-1 s (the first attempt after a loss starts at once).
-RECONNECT_BACKOFF: Final = EqualJitterBackoff(cap=1.0, base=0.0025)
+RECONNECT_BACKOFF_CAP: Final = 1.0
+RECONNECT_BACKOFF: Final = EqualJitterBackoff(cap=RECONNECT_BACKOFF_CAP, base=0.0025)
 
 #: Error replies after which the connection is dropped (a reconnect follows, through
 #: Sentinel to the current master): the node is no longer the writable master.
@@ -54,6 +55,8 @@ class RespProtocol(asyncio.Protocol):
         self._reader = hiredis.Reader(protocolError=rx.InvalidResponse,
                                       replyError=rx.ResponseError)
         self._waiters: deque[asyncio.Future[Any]] = deque()
+        #: called once when the connection is lost (the owner starts reconnecting)
+        self.on_lost: Callable[[], None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
@@ -105,6 +108,8 @@ class RespProtocol(asyncio.Protocol):
     def _fail(self, exc: BaseException) -> None:
         if self.lost is None:
             self.lost = exc
+            if self.on_lost is not None:
+                self.on_lost()
         while self._waiters:
             future = self._waiters.popleft()
             if not future.done():
@@ -139,8 +144,11 @@ class NodeConnection:
         #: connections opened, connect attempts, failed attempts in a row
         self.connects = 0
         self.attempts = 0
+        #: failed attempts, and connections dropped before a good reply, in a row
         self._failures = 0
         self._next_attempt = 0.0
+        self._retry: asyncio.TimerHandle | None = None
+        self._closed = False
 
     async def call(self, data: bytes, count: int) -> list[Any]:
         """Send ``count`` packed commands and return their replies (error replies in place).
@@ -151,11 +159,14 @@ class NodeConnection:
         futures = protocol.send(data, count)
         try:
             async with asyncio.timeout(self._timeout):
-                return [await future for future in futures]
+                replies = [await future for future in futures]
         except TimeoutError:
             error = rx.TimeoutError(f"redis: no reply within {self._timeout} s")
             protocol.abort(error)
             raise error from None
+        if protocol.lost is None:
+            self._failures = 0  # a good connection: the next loss reconnects at once
+        return replies
 
     async def connect(self, *, wait: bool = True) -> RespProtocol:
         """The open connection; else a connect attempt is started in the background (unless
@@ -164,6 +175,8 @@ class NodeConnection:
         protocol = self._protocol
         if protocol is not None and protocol.lost is None:
             return protocol
+        if self._closed:
+            raise rx.ConnectionError("redis: store closed")
         task = self._opening
         if task is None or task.done():
             if asyncio.get_running_loop().time() < self._next_attempt:
@@ -175,16 +188,51 @@ class NodeConnection:
         return await asyncio.shield(task)
 
     async def _attempt(self) -> RespProtocol:
+        """One connect attempt. A failed one schedules the next after the backoff delay, and
+        so on until one opens (a lost connection starts them: :meth:`_lost`): no call has to
+        come, so the breaker's first probe after an outage finds the connection open. The
+        backoff is reset only by a good reply, not by a connect (a node that accepts
+        connections and then answers READONLY or LOADING is not reconnected to at once
+        again and again)."""
         self.attempts += 1
+        loop = asyncio.get_running_loop()
         try:
             protocol = await self._open()
         except Exception:
             self._failures += 1
-            self._next_attempt = (asyncio.get_running_loop().time()
-                                  + RECONNECT_BACKOFF.compute(self._failures))
+            delay = RECONNECT_BACKOFF.compute(self._failures)
+            self._next_attempt = loop.time() + delay
+            if not self._closed:
+                self._retry = loop.call_later(delay, self._try_again)
             raise
-        self._failures = 0
         return protocol
+
+    def _lost(self, protocol: RespProtocol) -> None:
+        """The connection ``protocol`` was lost: reconnect in the background, at once after
+        a good connection, after the backoff delay after one dropped before a good reply
+        (a node answering READONLY or LOADING)."""
+        if self._closed or protocol is not self._protocol:
+            return
+        self._failures += 1
+        delay = 0.0 if self._failures == 1 else RECONNECT_BACKOFF.compute(self._failures - 1)
+        loop = asyncio.get_running_loop()
+        self._next_attempt = loop.time() + delay
+        if self._retry is not None:
+            self._retry.cancel()
+        self._retry = loop.call_later(delay, self._try_again)
+
+    def _try_again(self) -> None:
+        self._retry = None
+        protocol = self._protocol
+        if self._closed or (protocol is not None and protocol.lost is None):
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._next_attempt:
+            self._retry = loop.call_later(self._next_attempt - loop.time(), self._try_again)
+            return
+        if self._opening is None or self._opening.done():
+            self._opening = asyncio.get_running_loop().create_task(self._attempt())
+            self._opening.add_done_callback(_retrieve)
 
     async def _open(self) -> RespProtocol:
         conn = self._make()
@@ -205,6 +253,7 @@ class NodeConnection:
         conn._writer = conn._reader = None
         self._writer = writer
         protocol = RespProtocol()
+        protocol.on_lost = lambda: self._lost(protocol)
         transport.set_protocol(protocol)
         protocol.connection_made(transport)
         old = self._protocol
@@ -215,6 +264,10 @@ class NodeConnection:
         return protocol
 
     async def close(self) -> None:
+        self._closed = True
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
         if self._opening is not None and not self._opening.done():
             self._opening.cancel()
             await asyncio.gather(self._opening, return_exceptions=True)
