@@ -71,6 +71,16 @@ async def run_checks(engine: Engine, seconds: float, tasks: int = 3) -> list[tup
     return out
 
 
+def store_and_engine(redis: RedisSingle, policy: Policy,
+                     breaker: Breaker | None = None) -> tuple[RedisStore, Engine]:
+    """A store with CLIENT_TIMEOUT sockets and an engine at DEADLINE; by default a breaker
+    that never opens, so every check reaches the store."""
+    store = RedisStore.from_url(redis.url, deadline=DEADLINE,
+                                socket_timeout=CLIENT_TIMEOUT, socket_connect_timeout=CLIENT_TIMEOUT)
+    return store, Engine(store, policy, deadline=DEADLINE,
+                         breaker=breaker or Breaker(SYSTEM_CLOCK, threshold=10**9))
+
+
 def new_failures(engine: Engine, before: dict[str, int]) -> dict[str, int]:
     return {k: v - before.get(k, 0) for k, v in engine.failures.items() if v - before.get(k, 0)}
 
@@ -79,10 +89,8 @@ def new_failures(engine: Engine, before: dict[str, int]) -> dict[str, int]:
 async def test_killed_or_unanswering_redis_fails_open_without_waiting_for_connects(
     redis_single_clean: RedisSingle, policy: Policy
 ) -> None:
-    store = RedisStore.from_url(redis_single_clean.url, deadline=DEADLINE,
-                                socket_timeout=CLIENT_TIMEOUT, socket_connect_timeout=CLIENT_TIMEOUT)
     # No breaker (it never opens): every check reaches the store, which is what could storm.
-    engine = Engine(store, policy, deadline=DEADLINE, breaker=Breaker(SYSTEM_CLOCK, threshold=10**9))
+    store, engine = store_and_engine(redis_single_clean, policy)
 
     async def recovered() -> bool:
         _, decision = await engine.check(RawRequest("GET", "/", headers={"x-api-key": "probe"}))
@@ -139,9 +147,7 @@ async def test_the_first_check_after_an_outage_finds_the_connection_open(
     """Reconnect attempts go on in the background until one opens, whether or not checks
     come: the breaker's first probe after an outage is served by Redis, not failed (which
     would keep the breaker open for another open_for)."""
-    store = RedisStore.from_url(redis_single_clean.url, deadline=DEADLINE,
-                                socket_timeout=CLIENT_TIMEOUT, socket_connect_timeout=CLIENT_TIMEOUT)
-    engine = Engine(store, policy, deadline=DEADLINE, breaker=Breaker(SYSTEM_CLOCK, threshold=10**9))
+    store, engine = store_and_engine(redis_single_clean, policy)
     probe = RawRequest("GET", "/", headers={"x-api-key": "probe"})
     try:
         _, decision = await engine.check(probe)
@@ -168,9 +174,7 @@ async def test_a_demoted_master_is_left_for_a_new_connection(
     """A node that turned read-only (a failover behind a DNS name or a VIP) answers a merged
     check.lua call with READONLY: the whole call fails, the connection is dropped and opened
     again (to whatever the address names now), with backoff, not kept for every check."""
-    store = RedisStore.from_url(redis_single_clean.url, deadline=DEADLINE,
-                                socket_timeout=CLIENT_TIMEOUT, socket_connect_timeout=CLIENT_TIMEOUT)
-    engine = Engine(store, policy, deadline=DEADLINE, breaker=Breaker(SYSTEM_CLOCK, threshold=10**9))
+    store, engine = store_and_engine(redis_single_clean, policy)
     probe = RawRequest("GET", "/", headers={"x-api-key": "probe"})
     try:
         _, decision = await engine.check(probe)
@@ -198,9 +202,8 @@ async def test_a_demoted_master_is_left_for_a_new_connection(
 @pytest.mark.redis
 async def test_the_breaker_opens_on_refused_connects(redis_single_clean: RedisSingle,
                                                      policy: Policy) -> None:
-    store = RedisStore.from_url(redis_single_clean.url, deadline=DEADLINE,
-                                socket_timeout=CLIENT_TIMEOUT, socket_connect_timeout=CLIENT_TIMEOUT)
-    engine = Engine(store, policy, deadline=DEADLINE, breaker=Breaker(SYSTEM_CLOCK, threshold=5, open_for=0.2))
+    store, engine = store_and_engine(redis_single_clean, policy,
+                                     Breaker(SYSTEM_CLOCK, threshold=5, open_for=0.2))
 
     async def recovered() -> bool:
         _, decision = await engine.check(RawRequest("GET", "/", headers={"x-api-key": "probe"}))
