@@ -115,7 +115,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    "needs --redis-url and an Envoy with as many worker threads [EXTAUTHZ_WORKERS; "
                    "default 1]")
     p.add_argument("--worker-ports", action="store_true",
-                   default=(_env("WORKER_PORTS", "") or "").lower() in ("1", "true", "yes"),
+                   default=_env_flag("WORKER_PORTS"),
                    help="with --workers N: worker i listens on the --listen port + i (N ports, "
                    "listed as N endpoints of Envoy's extauthz cluster) instead of all sharing "
                    "one port [EXTAUTHZ_WORKER_PORTS]")

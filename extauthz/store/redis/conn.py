@@ -177,12 +177,10 @@ class NodeConnection:
             return protocol
         if self._closed:
             raise rx.ConnectionError("redis: store closed")
-        task = self._opening
-        if task is None or task.done():
-            if asyncio.get_running_loop().time() < self._next_attempt:
-                raise rx.ConnectionError("redis: not connected (the next connect attempt is backing off)")
-            task = self._opening = asyncio.get_running_loop().create_task(self._attempt())
-            task.add_done_callback(_retrieve)
+        under_way = self._opening is not None and not self._opening.done()
+        if not under_way and asyncio.get_running_loop().time() < self._next_attempt:
+            raise rx.ConnectionError("redis: not connected (the next connect attempt is backing off)")
+        task = self._start_attempt()
         if not wait:
             raise rx.ConnectionError("redis: connection lost (reconnecting in the background)")
         return await asyncio.shield(task)
@@ -195,17 +193,29 @@ class NodeConnection:
         connections and then answers READONLY or LOADING is not reconnected to at once
         again and again)."""
         self.attempts += 1
-        loop = asyncio.get_running_loop()
         try:
             protocol = await self._open()
         except Exception:
             self._failures += 1
-            delay = RECONNECT_BACKOFF.compute(self._failures)
-            self._next_attempt = loop.time() + delay
-            if not self._closed:
-                self._retry = loop.call_later(delay, self._try_again)
+            self._schedule(RECONNECT_BACKOFF.compute(self._failures))
             raise
         return protocol
+
+    def _start_attempt(self) -> asyncio.Task[RespProtocol]:
+        """The connect attempt under way, or a new one (one at a time)."""
+        task = self._opening
+        if task is None or task.done():
+            task = self._opening = asyncio.get_running_loop().create_task(self._attempt())
+            task.add_done_callback(_retrieve)
+        return task
+
+    def _schedule(self, delay: float) -> None:
+        """The next attempt in ``delay`` seconds (none once closed), replacing one planned."""
+        loop = asyncio.get_running_loop()
+        self._next_attempt = loop.time() + delay
+        if self._retry is not None:
+            self._retry.cancel()
+        self._retry = None if self._closed else loop.call_later(delay, self._try_again)
 
     def _lost(self, protocol: RespProtocol) -> None:
         """The connection ``protocol`` was lost: reconnect in the background, at once after
@@ -214,25 +224,14 @@ class NodeConnection:
         if self._closed or protocol is not self._protocol:
             return
         self._failures += 1
-        delay = 0.0 if self._failures == 1 else RECONNECT_BACKOFF.compute(self._failures - 1)
-        loop = asyncio.get_running_loop()
-        self._next_attempt = loop.time() + delay
-        if self._retry is not None:
-            self._retry.cancel()
-        self._retry = loop.call_later(delay, self._try_again)
+        self._schedule(0.0 if self._failures == 1 else RECONNECT_BACKOFF.compute(self._failures - 1))
 
     def _try_again(self) -> None:
         self._retry = None
         protocol = self._protocol
         if self._closed or (protocol is not None and protocol.lost is None):
             return
-        loop = asyncio.get_running_loop()
-        if loop.time() < self._next_attempt:
-            self._retry = loop.call_later(self._next_attempt - loop.time(), self._try_again)
-            return
-        if self._opening is None or self._opening.done():
-            self._opening = asyncio.get_running_loop().create_task(self._attempt())
-            self._opening.add_done_callback(_retrieve)
+        self._start_attempt()
 
     async def _open(self) -> RespProtocol:
         conn = self._make()

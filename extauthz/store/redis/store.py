@@ -149,13 +149,13 @@ class RedisStore:
 
     async def _initialize(self) -> None:
         scripts = list(self._scripts.values())
+        data = b"".join(pack_command("SCRIPT", "LOAD", s.source) for s in scripts)
         if isinstance(self.client, RedisCluster):
             self.stats.round_trips += 1
             await self.client.initialize()
             # Best effort: with a master down the load fails there, and the healthy masters
             # must still serve (NOSCRIPT loads a script where it is missing).
             if self.lean:  # over the lean connections, opened here: one per master
-                data = b"".join(pack_command("SCRIPT", "LOAD", s.source) for s in scripts)
                 await asyncio.gather(*(self._cluster_node(node).call(data, len(scripts))
                                        for node in self.client.get_primaries()),
                                      return_exceptions=True)
@@ -165,7 +165,6 @@ class RedisStore:
         elif self.lean:
             # The lean connection opened here, with the scripts: the first checks need
             # no connect of their own.
-            data = b"".join(pack_command("SCRIPT", "LOAD", s.source) for s in scripts)
             for reply in await self._single_node().call(data, len(scripts)):
                 if isinstance(reply, BaseException):
                     raise reply
@@ -192,12 +191,9 @@ class RedisStore:
         dead master cannot keep scripts off the others."""
         self.stats.script_loads += 1
         self.stats.round_trips += 1
-        if node is not None and self.lean:
-            reply, = await self._cluster_node(node).call(pack_command("SCRIPT", "LOAD", script.source), 1)
-            if isinstance(reply, BaseException):
-                raise reply
-        elif node is None and self.lean:
-            reply, = await self._single_node().call(pack_command("SCRIPT", "LOAD", script.source), 1)
+        if self.lean:
+            target = self._single_node() if node is None else self._cluster_node(node)
+            reply, = await target.call(pack_command("SCRIPT", "LOAD", script.source), 1)
             if isinstance(reply, BaseException):
                 raise reply
         elif node is None:
@@ -213,18 +209,14 @@ class RedisStore:
         assert isinstance(self.client, Redis)
         pool = self.client.connection_pool
 
-        def packed(todo: list[int]) -> bytes:
-            return b"".join(pack_evalsha(batch[i].script.sha.encode(), batch[i].keys,
-                                         batch[i].args) for i in todo)
-
         async def send_lean(todo: list[int]) -> list[Any]:
-            return await self._single_node().call(packed(todo), len(todo))
+            return await self._single_node().call(_packed_calls(batch, todo), len(todo))
 
         async def send(todo: list[int]) -> list[Any]:
             conn = await pool.get_connection()  # type: ignore[no-untyped-call]
             answers: list[Any] = []
             try:
-                await conn.send_packed_command(packed(todo))
+                await conn.send_packed_command(_packed_calls(batch, todo))
                 for _ in todo:
                     try:
                         answers.append(await conn.read_response())
@@ -266,9 +258,7 @@ class RedisStore:
 
         async def send_lean(todo: list[int]) -> list[Any]:
             assert node is not None
-            data = b"".join(pack_evalsha(batch[i].script.sha.encode(), batch[i].keys,
-                                         batch[i].args) for i in todo)
-            answers = await self._cluster_node(node).call(data, len(todo))
+            answers = await self._cluster_node(node).call(_packed_calls(batch, todo), len(todo))
             # MOVED/ASK (slots moved since the map was read): that call once more through
             # redis-py, which follows the redirection and refreshes its slot map.
             for j, answer in enumerate(answers):
@@ -439,3 +429,9 @@ class RedisStore:
         if self._sentinel is not None:
             for sentinel in self._sentinel.sentinels:
                 await sentinel.aclose()
+
+
+def _packed_calls(batch: Sequence[Call], todo: Sequence[int]) -> bytes:
+    """The EVALSHAs of ``batch[i]`` for ``i`` in ``todo``, packed for one write."""
+    return b"".join(pack_evalsha(batch[i].script.sha.encode(), batch[i].keys, batch[i].args)
+                    for i in todo)
