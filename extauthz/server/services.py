@@ -171,16 +171,15 @@ class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ig
                     if EXT_AUTHZ_NAMESPACE in fm:
                         md = fm[EXT_AUTHZ_NAMESPACE]
                         lease = lease_release(md)
-                        if lease is None and (LEASE_ID_FIELD in md.fields or LEASES_FIELD in md.fields):
-                            # our fields, but not as a check wrote them: not from Envoy,
-                            # so nothing (not even the request-id index) acts on the entry
-                            self.rejected[MALFORMED] = self.rejected.get(MALFORMED, 0) + 1
-                            continue
+                        refused = None
                         if lease is not None:
                             refused = self.tickets.check(lease[1], lease[0], lease_ticket(md))
-                            if refused is not None:  # forged, altered or foreign: touch nothing
-                                self.rejected[refused] = self.rejected.get(refused, 0) + 1
-                                continue
+                        elif LEASE_ID_FIELD in md.fields or LEASES_FIELD in md.fields:
+                            refused = MALFORMED  # our fields, not as a check writes them: not Envoy's
+                        if refused is not None:  # forged, altered, foreign or malformed: nothing
+                            # acts on the entry, not even the request-id index
+                            self.rejected[refused] = self.rejected.get(refused, 0) + 1
+                            continue
                     path = "access_log"
                     rid = entry.request.request_id
                     # A request we refused holds nothing: never let its entry (no metadata,
