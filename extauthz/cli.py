@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from . import __version__
+from .answers import PROTOCOLS
 from .errors import PolicyError
 from .opscli import add_parsers as add_ops_parsers
 from .opscli import cmd_override, cmd_report, cmd_status, cmd_switch
@@ -269,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
             "policy (docs/http.md)")
     p = sub.add_parser("envoy-allowed-headers", help=text, description=text)
     p.add_argument("policies", nargs="+", help="policy file(s) or directory")
-    p.add_argument("--protocol", choices=("grpc", "http"), default="http",
+    p.add_argument("--protocol", choices=PROTOCOLS, default="http",
                    help="the filter's grpc_service (envoy.yaml and its variants) or http_service "
                    "(envoy-http.yaml); default http")
     add_ops_parsers(sub)
@@ -278,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
             "tier, and a summary")
     p = sub.add_parser("demo", help=text, description=text)
     p.add_argument("--policies", nargs="+", default=None, help="policy to demo (default: the packaged demo policy)")
-    p.add_argument("--protocol", choices=("grpc", "http"), default="grpc",
+    p.add_argument("--protocol", choices=PROTOCOLS, default="grpc",
                    help="Envoy's authorization protocol: gRPC (envoy/envoy.yaml) or HTTP "
                    "(envoy/envoy-http.yaml, serve --http-listen); default grpc")
     p.add_argument("--pictures", metavar="DIR", default=None,

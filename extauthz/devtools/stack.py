@@ -17,6 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+from ..answers import PROTOCOLS
 from .envoy_config import HTTP_CONFIG, config_path, render_config
 from .envoy_process import EnvoyProcess
 from .upstream import Upstream, start_upstream
@@ -135,9 +136,6 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-PROTOCOLS = ("grpc", "http")
 
 
 def policy_allowed_headers(policies: Sequence[str | Path], protocol: str) -> list[str] | None:

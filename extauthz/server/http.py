@@ -33,7 +33,7 @@ from typing import Any
 
 import httptools
 
-from ..answers import TIER_HEADER, denial, lease_fields, ratelimit_headers
+from ..answers import PROTOCOLS, TIER_HEADER, denial, lease_fields, ratelimit_headers
 from ..context import RawRequest, RequestContext
 from ..verdict import Decision
 from .ports import parse_listen
@@ -108,9 +108,6 @@ class HttpLimits:
 #: that pairs a Check with its access-log entry). The trace parent arrives in the Check call's
 #: gRPC metadata, the client address, the route's tier and the JWT payload in attributes.
 GRPC_EDGE_HEADERS = (REQUEST_ID_HEADER,)
-
-#: the authorization protocols of Envoy's ext_authz filter (``envoy-allowed-headers --protocol``).
-PROTOCOLS = ("grpc", "http")
 
 
 def allowed_headers(needed: Iterable[str], protocol: str = "http") -> list[str]:
