@@ -58,6 +58,10 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        "environment variable (shown in brackets).")
     p.add_argument("--policies", nargs="+", default=(_env("POLICIES") or "policies").split(","),
                    help="policy file(s) or directory [EXTAUTHZ_POLICIES, comma-separated; default policies/]")
+    p.add_argument("--policy-max-bytes", type=_size, default=_size(_env("POLICY_MAX_BYTES", "1M") or "1M"),
+                   help="bound on one policy file's size, checked before parsing; a larger file "
+                   "fails the start or the reload (the last good policy keeps serving) "
+                   "[EXTAUTHZ_POLICY_MAX_BYTES; default 1M, a ConfigMap's limit]")
     p.add_argument("--listen", default=_env("LISTEN", "0.0.0.0:9001"),
                    help="gRPC Check + AccessLog + health port; 'off' (or '') turns it off "
                    "[EXTAUTHZ_LISTEN; default 0.0.0.0:9001]")
@@ -156,7 +160,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except ValueError:
             url_file = None
     config = ServerConfig(
-        policies=list(args.policies), listen=args.listen, http_listen=args.http_listen or None,
+        policies=list(args.policies), policy_max_bytes=args.policy_max_bytes,
+        listen=args.listen, http_listen=args.http_listen or None,
         http_forward_auth=args.http_forward_auth,
         **({"http_max_active_checks": args.http_max_active_checks} if args.http_max_active_checks else {}),
         redis_url=args.redis_url or None,

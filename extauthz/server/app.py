@@ -23,6 +23,7 @@ from ..engine import Engine
 from ..observe import compose
 from ..observe.setup import Observability
 from ..policy import Policy, load_policy
+from ..policy.loader import MAX_FILE_BYTES
 from ..proto import accesslog_pb2_grpc, auth_pb2_grpc
 from ..runner import Runner
 from ..sampler import sampler_job
@@ -47,6 +48,8 @@ ACCESSLOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
 @dataclass
 class ServerConfig:
     policies: list[str] = field(default_factory=lambda: ["policies"])
+    #: bound on one policy file's size, checked before parsing (start and reload).
+    policy_max_bytes: int = MAX_FILE_BYTES
     #: the gRPC port (Check, AccessLog, health); ``""`` or ``off`` turns it off.
     listen: str = "0.0.0.0:9001"
     #: the HTTP authorization port (Envoy's ``http_service``; server/http.py); off when unset.
@@ -122,7 +125,7 @@ class Server:
                  tracer_provider: Any = None) -> None:
         self.config = config
         self.clock = clock
-        self.policy = policy if policy is not None else load_policy(config.policies)
+        self.policy = policy if policy is not None else load_policy(config.policies, max_bytes=config.policy_max_bytes)
         self.store = store if store is not None else make_store(config, clock)
         keys = Keys(config.key_prefix)
         # The engine's observers and store-call wrapper first: the engine gets them at
@@ -162,6 +165,7 @@ class Server:
             admin_listen=config.admin_listen, metrics_listen=config.metrics_listen,
             watch=config.policies if policy is None else None,
             reload_interval=config.reload_interval, switch_poll_interval=config.switch_poll_interval,
+            policy_max_bytes=config.policy_max_bytes,
             after_reload=self.sync_samplers, admin_optional=config.admin_listen_optional,
         )
         files = TlsFiles.from_options(config.tls_cert, config.tls_key, config.tls_client_ca)
