@@ -73,6 +73,12 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="checks decided at once on the HTTP port; more wait before they start, "
                    "so at saturation the store deadline measures the store, not the queue "
                    "(docs/http.md) [EXTAUTHZ_HTTP_MAX_ACTIVE_CHECKS; default 8]")
+    p.add_argument("--http-max-connections", type=_positive,
+                   default=_env("HTTP_MAX_CONNECTIONS"),
+                   help="open connections on the HTTP port at once; one more is closed unanswered "
+                   "(docs/http.md) [EXTAUTHZ_HTTP_MAX_CONNECTIONS; default: the file limit "
+                   "(ulimit -n) less a quarter (at least 128) for the other ports, Redis and "
+                   "files, at most 4096]")
     p.add_argument("--http-forward-auth", action="store_true",
                    default=_env_flag("HTTP_FORWARD_AUTH"),
                    help="on the HTTP port, take the client's method, path and host from "
@@ -164,6 +170,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         listen=args.listen, http_listen=args.http_listen or None,
         http_forward_auth=args.http_forward_auth,
         **({"http_max_active_checks": args.http_max_active_checks} if args.http_max_active_checks else {}),
+        http_max_connections=args.http_max_connections,
         redis_url=args.redis_url or None,
         store_deadline_ms=args.store_deadline_ms, key_prefix=args.key_prefix,
         identity_salt=args.identity_salt,

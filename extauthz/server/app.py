@@ -32,7 +32,7 @@ from ..store.base import Store
 from ..store.keys import Keys
 from ..store.memory import MemoryStore
 from ..tickets import LeaseTickets
-from .http import DEFAULT_MAX_ACTIVE_CHECKS, HttpAuthorization, HttpLimits
+from .http import DEFAULT_MAX_ACTIVE_CHECKS, HttpAuthorization, HttpLimits, max_connections_for
 from .operations import Operations
 from .portfile import remove_admin_url, write_admin_url
 from .ports import off, parse_listen
@@ -58,6 +58,9 @@ class ServerConfig:
     http_header_timeout: float = 10.0
     #: checks decided at once on the HTTP port (``HttpLimits.max_active_checks``).
     http_max_active_checks: int = DEFAULT_MAX_ACTIVE_CHECKS
+    #: open connections on the HTTP port at once; None: derived from the file limit
+    #: (``http.max_connections_for``).
+    http_max_connections: int | None = None
     #: read the client's request from X-Forwarded-Method/-Uri/-Host (Traefik ForwardAuth).
     http_forward_auth: bool = False
     redis_url: str | None = None
@@ -182,6 +185,19 @@ class Server:
         self.http_port = 0
         self.health_port = 0
 
+    def _http_max_connections(self) -> int:
+        derived = max_connections_for()
+        asked = self.config.http_max_connections
+        if asked is None:
+            return derived
+        if asked > derived:
+            log.warning("--http-max-connections %d is above what the file limit leaves (%d): idle "
+                        "connections can exhaust descriptors the admin port, Redis and policy "
+                        "reloads need; raise the limit (ulimit -n)", asked, derived,
+                        extra={"fields": {"event": "http_max_connections_above_file_limit",
+                                          "asked": asked, "derived": derived}})
+        return asked
+
     async def start(self) -> int:
         await self.ops.start()
         # one servicer for both edges: one request-id index, one ticket key, one bad-request count
@@ -193,7 +209,8 @@ class Server:
                 tracing = self.observe.tracing
                 self.http = HttpAuthorization(
                     service, HttpLimits(header_timeout=self.config.http_header_timeout,
-                               max_active_checks=self.config.http_max_active_checks),
+                                        max_active_checks=self.config.http_max_active_checks,
+                                        max_connections=self._http_max_connections()),
                     tracer=tracing.tracer if tracing is not None else None,
                     forward_auth=self.config.http_forward_auth)
                 self.http_port = await self.http.start(self.config.http_listen,
