@@ -144,6 +144,10 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--record-sample", type=float, default=float(_env("RECORD_SAMPLE", "1") or 1),
                    help="fraction of identities recorded, every request of each (0-1] "
                    "[EXTAUTHZ_RECORD_SAMPLE; default 1]")
+    p.add_argument("--record-paths", choices=("redacted", "raw"), default=_env("RECORD_PATHS", "redacted"),
+                   help="recorded paths: 'redacted' drops path parameters (;...) and writes id-like "
+                   "segments (numbers, tokens, sk_live_... keys) as {id}; 'raw' keeps them verbatim "
+                   "(docs/tuning.md) [EXTAUTHZ_RECORD_PATHS; default redacted]")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "info"),
                    help="log level [EXTAUTHZ_LOG_LEVEL; default info]")
     p.add_argument("--log-format", choices=("json", "text"), default=_env("LOG_FORMAT", "json"),
@@ -182,7 +186,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert or None, tls_key=args.tls_key or None,
         tls_client_ca=args.tls_client_ca or None, health_listen=args.health_listen or None,
         record_dir=args.record or None, record_max_bytes=args.record_max_bytes,
-        record_sample=args.record_sample,
+        record_sample=args.record_sample, record_paths=args.record_paths,
     )
     workers = getattr(args, "workers", 1)
     try:

@@ -95,6 +95,8 @@ class ServerConfig:
     record_dir: str | None = None
     record_max_bytes: int = 1 << 30
     record_sample: float = 1.0
+    #: recorded paths: "redacted" (path parameters dropped, id-like segments -> {id}) or "raw".
+    record_paths: str = "redacted"
 
 
 def is_off(listen: str | None) -> bool:
@@ -142,6 +144,7 @@ class Server:
         if config.record_dir:  # serve --record: one more observer, fed durations by the access log
             self.recorder = Recorder(config.record_dir, max_bytes=config.record_max_bytes,
                                      sample=config.record_sample, clock=clock,
+                                     redact_paths=config.record_paths != "raw",
                                      pending_ttl=pending_ttl(self.policy))
             observer = compose([observer, self.recorder])
         self.engine = Engine(
