@@ -58,6 +58,10 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        "environment variable (shown in brackets).")
     p.add_argument("--policies", nargs="+", default=(_env("POLICIES") or "policies").split(","),
                    help="policy file(s) or directory [EXTAUTHZ_POLICIES, comma-separated; default policies/]")
+    p.add_argument("--policy-max-bytes", type=_size, default=_size(_env("POLICY_MAX_BYTES", "1M") or "1M"),
+                   help="bound on one policy file's size, checked before parsing; a larger file "
+                   "fails the start or the reload (the last good policy keeps serving) "
+                   "[EXTAUTHZ_POLICY_MAX_BYTES; default 1M, a ConfigMap's limit]")
     p.add_argument("--listen", default=_env("LISTEN", "0.0.0.0:9001"),
                    help="gRPC Check + AccessLog + health port; 'off' (or '') turns it off "
                    "[EXTAUTHZ_LISTEN; default 0.0.0.0:9001]")
@@ -69,6 +73,12 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="checks decided at once on the HTTP port; more wait before they start, "
                    "so at saturation the store deadline measures the store, not the queue "
                    "(docs/http.md) [EXTAUTHZ_HTTP_MAX_ACTIVE_CHECKS; default 8]")
+    p.add_argument("--http-max-connections", type=_positive,
+                   default=_env("HTTP_MAX_CONNECTIONS"),
+                   help="open connections on the HTTP port at once; one more is closed unanswered "
+                   "(docs/http.md) [EXTAUTHZ_HTTP_MAX_CONNECTIONS; default: the file limit "
+                   "(ulimit -n) less a quarter (at least 128) for the other ports, Redis and "
+                   "files, at most 4096]")
     p.add_argument("--http-forward-auth", action="store_true",
                    default=_env_flag("HTTP_FORWARD_AUTH"),
                    help="on the HTTP port, take the client's method, path and host from "
@@ -134,6 +144,10 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--record-sample", type=float, default=float(_env("RECORD_SAMPLE", "1") or 1),
                    help="fraction of identities recorded, every request of each (0-1] "
                    "[EXTAUTHZ_RECORD_SAMPLE; default 1]")
+    p.add_argument("--record-paths", choices=("redacted", "raw"), default=_env("RECORD_PATHS", "redacted"),
+                   help="recorded paths: 'redacted' drops path parameters (;...) and writes id-like "
+                   "segments (numbers, tokens, sk_live_... keys) as {id}; 'raw' keeps them verbatim "
+                   "(docs/tuning.md) [EXTAUTHZ_RECORD_PATHS; default redacted]")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "info"),
                    help="log level [EXTAUTHZ_LOG_LEVEL; default info]")
     p.add_argument("--log-format", choices=("json", "text"), default=_env("LOG_FORMAT", "json"),
@@ -156,9 +170,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except ValueError:
             url_file = None
     config = ServerConfig(
-        policies=list(args.policies), listen=args.listen, http_listen=args.http_listen or None,
+        policies=list(args.policies), policy_max_bytes=args.policy_max_bytes,
+        listen=args.listen, http_listen=args.http_listen or None,
         http_forward_auth=args.http_forward_auth,
         **({"http_max_active_checks": args.http_max_active_checks} if args.http_max_active_checks else {}),
+        http_max_connections=args.http_max_connections,
         redis_url=args.redis_url or None,
         store_deadline_ms=args.store_deadline_ms, key_prefix=args.key_prefix,
         identity_salt=args.identity_salt,
@@ -170,7 +186,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert or None, tls_key=args.tls_key or None,
         tls_client_ca=args.tls_client_ca or None, health_listen=args.health_listen or None,
         record_dir=args.record or None, record_max_bytes=args.record_max_bytes,
-        record_sample=args.record_sample,
+        record_sample=args.record_sample, record_paths=args.record_paths,
     )
     workers = getattr(args, "workers", 1)
     try:

@@ -33,6 +33,7 @@ from ..overrides import (
     without_override,
 )
 from ..policy import Policy
+from ..policy.loader import MAX_FILE_BYTES
 from ..release import releases_status
 from ..reload import PolicyWatcher
 from ..runner import Runner
@@ -55,6 +56,7 @@ class Operations:
                  observe: Observability, accesslog: AccessLogService, runner: Runner,
                  listen: str | Sequence[str], admin_listen: str | None, metrics_listen: str | None,
                  watch: Sequence[str | Path] | None, reload_interval: float = 1.0,
+                 policy_max_bytes: int = MAX_FILE_BYTES,
                  switch_poll_interval: float = 1.0, shadow_flush_interval: float = 1.0,
                  leases_sample_interval: float = 2.0,
                  after_reload: Callable[[], None] | None = None,
@@ -82,7 +84,8 @@ class Operations:
         self.switches = SwitchBoard(store, keys.switches, engine.set_switches, interval=switch_poll_interval)
         self.overrides = OverrideBoard(store, keys, engine.set_overrides, wall=clock.wall)
         self.watcher = (PolicyWatcher(watch, self._apply_policy, current=engine.snapshot.policy,
-                                      interval=reload_interval, clock=clock)
+                                      interval=reload_interval, clock=clock,
+                                      max_bytes=policy_max_bytes)
                         if watch and reload_interval > 0 else None)
         #: the Check servicer (its bad-request count is exported)
         self.auth = self._auth_service()
@@ -142,7 +145,7 @@ class Operations:
         run("switch_poll", self.switches.interval, self._poll_fleet_state)
         run("shadow_flush", self.shadow_flush_interval, self.observe.housekeeping)
         if self.watcher is not None:
-            run("policy_reload", self.watcher.interval, self.watcher.poll_once)
+            run("policy_reload", self.watcher.interval, self.watcher.poll)
         if self.leases is not None:
             run("lease_sampler", self.leases.interval, self.leases.sample_once, first=True)
         log.info("admin on port %s, metrics on port %s, tracing %s", self.admin_port or "off",

@@ -107,3 +107,19 @@ def test_http_listen_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("EXTAUTHZ_LISTEN", "off")
     args = build_parser().parse_args(["serve"])
     assert (args.http_listen, args.listen) == ("0.0.0.0:9003", "off")
+
+
+def test_the_bound_options_from_flags_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from extauthz.cli import build_parser
+
+    args = build_parser().parse_args(["serve"])
+    assert args.http_max_connections is None  # derived from the file limit at start
+    assert args.policy_max_bytes == 1 << 20
+    monkeypatch.setenv("EXTAUTHZ_HTTP_MAX_CONNECTIONS", "500")
+    monkeypatch.setenv("EXTAUTHZ_POLICY_MAX_BYTES", "64K")
+    args = build_parser().parse_args(["serve"])
+    assert (args.http_max_connections, args.policy_max_bytes) == (500, 64 << 10)
+    args = build_parser().parse_args(["serve", "--http-max-connections", "9", "--policy-max-bytes", "2M"])
+    assert (args.http_max_connections, args.policy_max_bytes) == (9, 2 << 20)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--http-max-connections", "0"])
