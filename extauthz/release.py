@@ -11,15 +11,22 @@ Four paths lead here (the ``path`` label of ``extauthz_lease_releases_total``):
 
 The embedded store releases within the call (no task). Any other store releases in a
 tracked background task: its outcome is counted (``released``, ``none`` when the store
-held nothing, e.g. expired, ``error``; an error is logged, rate-limited, never left
-unretrieved in a task), and :meth:`Releaser.drain` waits for the pending ones on a
-graceful stop, before the store closes. The lease TTL stays the backstop for failures.
+held nothing, e.g. expired, ``error`` when it failed for good; an error is logged,
+rate-limited, never left unretrieved in a task), and :meth:`Releaser.drain` waits for the
+pending ones on a graceful stop, before the store closes.
+
+A failed call (Redis down, a failover, a timeout) is tried again, each retry counted
+(``retried``), after a backoff that doubles from :data:`RETRY_FIRST` to :data:`RETRY_CAP`
+seconds (with jitter), until it succeeds or ``retry_for()`` seconds (the policy's longest
+lease TTL: by then the store has dropped the lease) have passed since the release was
+asked; then it counts as ``error`` and the TTL was the backstop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Callable, Sequence
 from typing import Final
 
@@ -31,15 +38,22 @@ __all__ = ["OUTCOMES", "PATHS", "Releaser", "releases_status"]
 log = logging.getLogger("extauthz.release")
 
 PATHS: Final = ("access_log", "request_id_index", "cancelled_check", "abandoned_answer")
-OUTCOMES: Final = ("released", "none", "error")
+OUTCOMES: Final = ("released", "none", "error", "retried")
+#: seconds before the first retry of a failed release; each next one waits twice as long
+RETRY_FIRST: Final = 0.05
+#: the longest wait between two tries of one release
+RETRY_CAP: Final = 2.0
 
 
 class Releaser:
     def __init__(self, store: Store, *, timeout: float = 0.05,
-                 throttle: LogThrottle | None = None) -> None:
+                 throttle: LogThrottle | None = None,
+                 retry_for: Callable[[], float] | None = None) -> None:
         self.store = store
-        #: a background release gives up after this long (the TTL is the backstop)
+        #: one try of a background release gives up after this long
         self.timeout = timeout
+        #: seconds after it was asked that a failing release is still tried again (None: never)
+        self.retry_for = retry_for
         self._now: Callable[[Sequence[str], str], int] | None = getattr(store, "release_now", None)
         #: (path, outcome) -> release calls
         self.counts: dict[tuple[str, str], int] = {(p, o): 0 for p in PATHS for o in OUTCOMES}
@@ -86,14 +100,28 @@ class Releaser:
         return released
 
     async def _release(self, keys: list[str], lease_id: str, path: str) -> int:
-        try:
-            async with asyncio.timeout(self.timeout):
-                released = await self.store.release(keys, lease_id)
-        except Exception as exc:  # counted and logged; the TTL is the backstop
-            self._failed(path, exc)
-            return 0
-        self._done(path, released)
-        return released
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + (self.retry_for() if self.retry_for is not None else 0.0)
+        backoff = RETRY_FIRST
+        while True:
+            try:
+                async with asyncio.timeout(self.timeout):
+                    released = await self.store.release(keys, lease_id)
+            except Exception as exc:
+                wait = backoff * (0.5 + random.random() / 2)  # jitter: replicas do not retry in step
+                if loop.time() + wait >= give_up:  # the lease has expired by then: the TTL did it
+                    self._failed(path, exc)
+                    return 0
+                self.counts[(path, "retried")] += 1
+                try:
+                    await asyncio.sleep(wait)
+                except asyncio.CancelledError:  # drain() gave up on it: counted as failed
+                    self._failed(path, exc)
+                    raise
+                backoff = min(backoff * 2, RETRY_CAP)
+                continue
+            self._done(path, released)
+            return released
 
     def _done(self, path: str, released: int) -> None:
         self.leases_released += released
