@@ -19,7 +19,8 @@ A failed call (Redis down, a failover, a timeout) is tried again, each retry cou
 (``retried``), after a backoff that doubles from :data:`RETRY_FIRST` to :data:`RETRY_CAP`
 seconds (with jitter), until it succeeds or ``retry_for()`` seconds (the policy's longest
 lease TTL: by then the store has dropped the lease) have passed since the release was
-asked; then it counts as ``error`` and the TTL was the backstop.
+asked; then it counts as ``error`` and the TTL was the backstop. At most
+:data:`MAX_RETRYING` releases wait for a retry at once.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ OUTCOMES: Final = ("released", "none", "error", "retried")
 RETRY_FIRST: Final = 0.05
 #: the longest wait between two tries of one release
 RETRY_CAP: Final = 2.0
+#: most releases waiting to be tried again at once (a long store outage under load would
+#: otherwise hold a task per finished request for a whole lease TTL); beyond it a failure
+#: is not retried (``error``; the TTL is the backstop)
+MAX_RETRYING: Final = 10_000
 
 
 class Releaser:
@@ -60,6 +65,8 @@ class Releaser:
         #: leases the store reported given back (a call may free several)
         self.leases_released = 0
         self.pending: set[asyncio.Task[int]] = set()
+        #: releases waiting for their next try now
+        self.retrying = 0
         self._throttle = throttle or LogThrottle(log)
 
     def count(self, path: str, outcome: str | None = None) -> int:
@@ -109,15 +116,19 @@ class Releaser:
                     released = await self.store.release(keys, lease_id)
             except Exception as exc:
                 wait = backoff * (0.5 + random.random() / 2)  # jitter: replicas do not retry in step
-                if loop.time() + wait >= give_up:  # the lease has expired by then: the TTL did it
+                # the lease has expired by then (the TTL did it), or too many wait already
+                if loop.time() + wait >= give_up or self.retrying >= MAX_RETRYING:
                     self._failed(path, exc)
                     return 0
                 self.counts[(path, "retried")] += 1
+                self.retrying += 1
                 try:
                     await asyncio.sleep(wait)
                 except asyncio.CancelledError:  # drain() gave up on it: counted as failed
                     self._failed(path, exc)
                     raise
+                finally:
+                    self.retrying -= 1
                 backoff = min(backoff * 2, RETRY_CAP)
                 continue
             self._done(path, released)
@@ -167,4 +178,4 @@ def releases_status(releaser: Releaser) -> dict[str, object]:
     """The admin ``/status`` view: calls by path and outcome, leases freed, pending."""
     by_path = {p: {o: releaser.counts[(p, o)] for o in OUTCOMES} for p in PATHS}
     return {"by_path": by_path, "leases_released": releaser.leases_released,
-            "pending": len(releaser.pending)}
+            "pending": len(releaser.pending), "retrying": releaser.retrying}

@@ -190,3 +190,17 @@ async def test_the_engine_retries_releases_for_the_longest_lease_ttl(tmp_path: P
                                                   "limit": 5, "lease_ttl": "45s"}]})
     engine = Engine(FaultyStore(MemoryStore(ManualClock())), policy)
     assert engine.releaser.retry_for is not None and engine.releaser.retry_for() == 45.0
+
+
+async def test_at_most_max_retrying_releases_wait_for_a_retry(monkeypatch: pytest.MonkeyPatch) -> None:
+    import extauthz.release
+
+    monkeypatch.setattr(extauthz.release, "MAX_RETRYING", 3)
+    store = FaultyStore(MemoryStore(ManualClock()), release_error=ConnectionError("down"))
+    releaser = Releaser(store, retry_for=lambda: 60.0)
+    tasks = [releaser.release(["k"], f"lease-{i}", "access_log") for i in range(5)]
+    await wait_for_count(releaser, ("access_log", "error"), 2)  # the two beyond the bound
+    assert releaser.retrying == 3 and len(releaser.pending) == 3
+    await releaser.drain(within=0.05)
+    assert releaser.retrying == 0 and releaser.counts[("access_log", "error")] == 5
+    del tasks
