@@ -86,10 +86,12 @@ def answered(sock: socket.socket) -> bool:
     return bool(select.select([sock], [], [], 0)[0])
 
 
-@pytest.fixture(params=["shipped", "client_ids_kept"])
+@pytest.fixture(params=["shipped", "client_ids_kept", "shipped_http"])
 def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Stack]:
-    render: dict[str, Any] = {} if request.param == "shipped" else {"base": keeping_client_ids(tmp_path)}
-    with Stack([write_policy(tmp_path / "p")], **render) as s:
+    """envoy.yaml, envoy.yaml keeping client ids (before the fix), envoy-http.yaml."""
+    render: dict[str, Any] = {"base": keeping_client_ids(tmp_path)} if request.param == "client_ids_kept" else {}
+    protocol = "http" if request.param == "shipped_http" else "grpc"
+    with Stack([write_policy(tmp_path / "p")], protocol=protocol, **render) as s:
         yield s
 
 
@@ -119,8 +121,10 @@ def test_a_chosen_request_id_on_an_unchecked_route_frees_no_slot(client: HttpCli
                      "the /healthz entry")
         assert (admitted, refused) == (LIMIT, LIMIT)
         assert upstream.max_inflight == LIMIT
-        releases = status(stack)["lease_releases"]["by_path"]["request_id_index"]
-        assert sum(releases.values()) == 0
+        after = status(stack)
+        assert sum(after["lease_releases"]["by_path"]["request_id_index"].values()) == 0
+        # the admitted ones await their entries in the index (/status counts entries)
+        assert after["access_log"]["request_id_index"]["entries"] == after["access_log"]["awaiting_log"] == LIMIT
     finally:
         for sock in socks:
             sock.close()
