@@ -91,7 +91,8 @@ class Engine:
         #: the embedded store answers within the call: no task, no deadline needed.
         self.store_immediate = bool(getattr(store, "immediate", False))
         #: the one release path (access log, request-id index, cancelled Checks, abandoned answers)
-        self.releaser = releaser or Releaser(store, timeout=max(deadline * 10, 0.05))
+        self.releaser = releaser or Releaser(store, timeout=max(deadline * 10, 0.05),
+                                             retry_for=lambda: self.snapshot.policy.longest_lease_ttl)
         self.keys = keys or Keys()
         self.deadline = deadline
         self.clock = clock

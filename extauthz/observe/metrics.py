@@ -229,7 +229,8 @@ class StateCollector:
         releases = CounterMetricFamily(
             "extauthz_lease_releases", "Lease release calls by path (access_log, request_id_index, "
             "cancelled_check, abandoned_answer) and outcome (released; none: nothing was held, "
-            "e.g. expired; error: the lease TTL is the backstop).", labels=["path", "outcome"])
+            "e.g. expired; retried: a failed try, tried again; error: failed until the longest "
+            "lease TTL, which was the backstop).", labels=["path", "outcome"])
         for (path, outcome), n in engine.releaser.counts.items():
             releases.add_metric([path, outcome], n)
         yield releases

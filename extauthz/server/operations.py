@@ -223,6 +223,7 @@ class Operations:
             "leases_in_flight": dict(self.leases.values) if self.leases is not None else None,
             "access_log": {"entries": self.accesslog.entries,
                            "awaiting_log": len(self.accesslog.index),
+                           "request_id_index": self.accesslog.index.status(),
                            "rejected": dict(sorted(self.accesslog.rejected.items()))},
             "lease_releases": releases_status(engine.releaser),
             "shadow": {"recorded": shadow.recorded, "flushed_events": shadow.flushed,
