@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from extauthz.devtools.stack import free_port
+from extauthz.changelog import HISTORY_MAXLEN, HISTORY_TTL, Change, append_change, read_history
+from extauthz.devtools.stack import ServerProcess, free_port
+from tests.infra.redis_servers import RedisSingle
 from tests.observe.helpers import admin, http, running
 
 from ..conftest import ROOT
@@ -182,3 +184,57 @@ async def test_host_values_that_are_not_loopback_are_refused(header: str) -> Non
     async with running([ROOT / "policies"]) as (server, _):
         status, _ = await admin(server, "GET", "/switches", headers={"Host": header})
         assert status == 403, header
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_history_shows_a_change_made_on_one_replica_from_another(
+        tmp_path: Path, redis_single_clean: RedisSingle) -> None:
+    tokens = tmp_path / "admin-tokens"
+    tokens.write_text(f"alice:{TOKEN_A}\n")
+    env = {"EXTAUTHZ_REDIS_URL": redis_single_clean.url, "EXTAUTHZ_ADMIN_TOKEN_FILE": str(tokens)}
+    procs = [ServerProcess([ROOT / "policies"], env=env, workdir=tmp_path) for _ in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        one, two = (f"http://127.0.0.1:{p.admin_port}" for p in procs)
+        r = cli("switch", "user-rate", "off", "--reason", "incident 7", "--admin", one, env=env)
+        assert r.returncode == 0, r.stderr
+        r = cli("history", "--json", "--admin", two, env=env)  # the other replica
+        assert r.returncode == 0, r.stderr
+        assert f"extauthz: admin port {two}" in r.stderr
+        (change,) = json.loads(r.stdout)["changes"]
+        assert (change["target"], change["value"], change["reason"], change["by"]) == (
+            "user-rate", "off", "incident 7", "alice")
+        # a change straight on Redis goes to the same log; history reads it from Redis too
+        r = cli("switch", "user-rate", "clear", "--reason", "over", "--by", "bob",
+                "--redis-url", redis_single_clean.url, env=env)
+        assert r.returncode == 0, r.stderr
+        for argv in (("--admin", two), ("--redis-url", redis_single_clean.url)):
+            r = cli("history", *argv, env=env)
+            assert r.returncode == 0, r.stderr
+            rows = r.stdout.splitlines()[1:]
+            assert len(rows) == 2 and "incident 7" in rows[0] and "alice" in rows[0]
+            assert "clear" in rows[1] and "bob" in rows[1] and "(redis)" in rows[1]
+        assert [line for line in procs[0].log().splitlines() if "switch user-rate set to off by alice" in line]
+    finally:
+        for p in procs:
+            p.stop()
+    with redis_single_clean.client() as raw:  # bounded: a TTL (and MAXLEN on every append)
+        assert 0 < raw.pttl("extauthz:history") <= HISTORY_TTL * 1000
+
+
+@pytest.mark.redis
+async def test_the_change_log_in_redis_is_bounded(redis_single_clean: RedisSingle) -> None:
+    from extauthz.store.redis import RedisStore
+
+    store = RedisStore.from_url(redis_single_clean.url, deadline=1.0)
+    try:
+        for i in range(HISTORY_MAXLEN + 300):
+            await append_change(store, "extauthz:history", Change(kind="switch", action="set",
+                                                                  target="*", value=str(i), at=float(i)))
+        changes = await read_history(store, "extauthz:history")
+    finally:
+        await store.close()
+    assert HISTORY_MAXLEN <= len(changes) < HISTORY_MAXLEN + 300  # MAXLEN ~ trims whole nodes
+    assert changes[-1].value == str(HISTORY_MAXLEN + 299)
