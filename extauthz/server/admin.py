@@ -94,7 +94,8 @@ def _error(status: int, message: str, **extra: Any) -> web.Response:
 
 
 def admin_app(ops: AdminBackend, guard: AdminGuard | None = None) -> web.Application:
-    async def record(request: web.Request, kind: str, action: str, target: str, value: Any) -> None:
+    async def record(kind: str, action: str, target: str, value: Any) -> None:
+        """Record a change that landed, with the reason and who (AdminGuard's Actor)."""
         actor = ACTOR.get() or Actor(token=None, user="", reason="")
         await ops.changes.record(Change(kind=kind, action=action, target=target, value=value,
                                         reason=actor.reason, by=actor.by, user=actor.user))
@@ -112,12 +113,12 @@ def admin_app(ops: AdminBackend, guard: AdminGuard | None = None) -> web.Applica
             mode = Mode(body)
         except ValueError:
             return _error(400, f"mode must be enforce, shadow or off (got {body[:20]!r})")
-        return await _change(request, name, mode)
+        return await _change(name, mode)
 
     async def delete_switch(request: web.Request) -> web.Response:
-        return await _change(request, request.match_info["name"], None)
+        return await _change(request.match_info["name"], None)
 
-    async def _change(request: web.Request, name: str, mode: Mode | None) -> web.Response:
+    async def _change(name: str, mode: Mode | None) -> web.Response:
         known = ops.limiter_names()
         if not valid_name(name) or (name != GLOBAL and name not in known):
             return _error(404, f"no limiter named {name!r} in the policy", limiters=sorted(known))
@@ -125,7 +126,7 @@ def admin_app(ops: AdminBackend, guard: AdminGuard | None = None) -> web.Applica
             await ops.switches.change(name, mode)
         except StoreError as exc:
             return _error(503, f"the store did not take the change: {exc}")
-        await record(request, "switch", "clear" if mode is None else "set", name,
+        await record("switch", "clear" if mode is None else "set", name,
                      None if mode is None else mode.value)
         return _json(ops.switch_status())
 
@@ -159,7 +160,7 @@ def admin_app(ops: AdminBackend, guard: AdminGuard | None = None) -> web.Applica
             return _error(400, str(exc))
         except StoreError as exc:
             return _error(503, f"the store did not take the change: {exc}")
-        await record(request, "override", "set", f"{limiter} {identity}", body.get("numbers"))
+        await record("override", "set", f"{limiter} {identity}", body.get("numbers"))
         return _json(rows)
 
     async def delete_override(request: web.Request) -> web.Response:
@@ -170,7 +171,7 @@ def admin_app(ops: AdminBackend, guard: AdminGuard | None = None) -> web.Applica
             return _error(503, f"the store did not take the change: {exc}")
         if not found:
             return _error(404, f"no override for limiter {limiter!r} and that identity")
-        await record(request, "override", "clear", f"{limiter} {request.match_info['identity']}", None)
+        await record("override", "clear", f"{limiter} {request.match_info['identity']}", None)
         return _json(ops.override_rows())
 
     async def history(request: web.Request) -> web.Response:
