@@ -16,7 +16,8 @@ from ..conftest import FIXTURES, ROOT
 
 def test_help_lists_the_subcommands() -> None:
     out = subprocess.run([sys.executable, "-m", "extauthz", "--help"], capture_output=True, text=True, check=True)
-    for command in ("serve", "check-policies", "schema", "switch", "report", "override", "demo", "simulate"):
+    for command in ("serve", "check-policies", "schema", "switch", "report", "override", "history", "demo",
+                    "simulate"):
         assert command in out.stdout
 
 
@@ -37,7 +38,7 @@ def test_output_into_a_closed_pipe_ends_without_a_traceback() -> None:
 def test_every_subcommand_help_says_what_it_does() -> None:
     # `extauthz COMMAND --help` opens with a description, not a bare usage line.
     for command in ("serve", "check-policies", "schema", "envoy-allowed-headers", "demo",
-                    "switch", "report", "status", "override"):
+                    "switch", "report", "status", "override", "history"):
         out = subprocess.run([sys.executable, "-m", "extauthz", command, "--help"],
                              capture_output=True, text=True, check=True).stdout
         blocks = out.split("\n\n")
