@@ -73,10 +73,7 @@ def parse_window(value: str) -> float:
     try:
         seconds = float(value)
     except ValueError:
-        try:
-            seconds = float(parse_duration(value))
-        except ValueError:
-            seconds = math.nan
+        seconds = float(parse_duration(value))  # "bad duration 'soon': use ..."
     if not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"window must be a positive number of seconds or a duration like 15m, "
                          f"1h or 24h (got {value[:40]!r})")
