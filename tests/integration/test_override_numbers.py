@@ -15,8 +15,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +25,9 @@ from extauthz.classify import hash_identity
 from extauthz.devtools.stack import ServerProcess
 from extauthz.proto import auth_pb2_grpc
 from tests.infra.redis_servers import RedisSingle
-from tests.observe.helpers import SALT, admin, check_request, running
+from tests.observe.helpers import SALT, _open, admin, check_request, running
+
+from .test_overrides import wait_until
 
 POLICY = """\
 version: 1
@@ -56,29 +56,10 @@ def cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
                           env={**os.environ, "EXTAUTHZ_IDENTITY_SALT": SALT, **(env or {})})
 
 
-def wait_until(predicate: Callable[[], Any], within: float = 10.0) -> Any:
-    deadline = time.monotonic() + within
-    while not (result := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not true within {within} s")
-        time.sleep(0.05)
-    return result
-
-
 def get(port: int, path: str) -> Any:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
-        return json.loads(resp.read())
-
-
-def put(port: int, path: str, body: str) -> tuple[int, Any]:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body.encode(), method="PUT")
-    try:
-        with opener.open(req, timeout=10) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    status, text = _open("GET", f"http://127.0.0.1:{port}{path}")
+    assert status == 200, text
+    return json.loads(text)
 
 
 def stored_entry(numbers: str, limiter: str = "user-rate", identity: str = HASHED) -> dict[str, Any]:
@@ -177,7 +158,7 @@ def test_a_poisoned_stored_override_is_reported_and_the_fleet_stays_operable(
 
             # A policy reload applies (it was dropped silently before) and is not a failure.
             policy.write_text(POLICY.replace("burst: 1000", "burst: 900"))
-            wait_until(lambda: answer().startswith('"user-rate";q=900;'))
+            wait_until(lambda: answer().startswith('"user-rate";q=900;'), 10.0)
             reload = get(server.admin_port, "/status")["reload"]
             assert reload["failures"] == 0 and reload["last_error"] is None and reload["reloads"] == 1
 
@@ -185,7 +166,7 @@ def test_a_poisoned_stored_override_is_reported_and_the_fleet_stays_operable(
             r = cli("override", "set", "user-rate", "--identity", KEY, "burst=50", "--redis-url",
                     redis_single_clean.url, "--policies", str(policy))
             assert r.returncode == 0, r.stderr
-            wait_until(lambda: answer().startswith('"user-rate";q=50;'))
+            wait_until(lambda: answer().startswith('"user-rate";q=50;'), 10.0)
             with redis_single_clean.client() as raw:
                 stored = json.loads(raw.get("extauthz:overrides"))
             assert sorted(e["identity"] for e in stored["overrides"]) == ["0" * 24, HASHED]
