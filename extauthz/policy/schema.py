@@ -33,8 +33,8 @@ MAX_TOKENS = 1e9
 #: ``burst / rate``: a bucket refills from empty within 30 days (so a Retry-After, and a
 #: bucket key's TTL of twice that, stay bounded).
 MAX_REFILL = 30 * 86400.0
-#: in-flight counts: ``limit``, ``capacity``, ``signal.capacity``.
-MAX_COUNT = 10_000_000
+#: in-flight counts: ``limit``, ``capacity``, ``signal.capacity`` (a billion: "unlimited" fits).
+MAX_COUNT = 1_000_000_000
 #: every duration of a policy (``lease_ttl``, ``sample_interval``, ...): at most a day.
 MAX_DURATION = 86400.0
 

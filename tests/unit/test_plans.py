@@ -353,7 +353,7 @@ def test_stored_overrides_with_numbers_out_of_bounds_are_kept_listed_and_never_a
     ({"rate": 1e-310}, None, "rate: Input should be greater than or equal to 0.000001"),
     ({"rate": 2e9}, None, "rate: Input should be less than or equal to 1000000000"),
     ({"rate": 1e-5, "burst": 1000}, None, "burst (1000) / rate (1e-05/s): the bucket would take 1e+08 s"),
-    ({"limit": 10**8}, None, "limit: Input should be less than or equal to 10000000"),
+    ({"limit": 2 * 10**9}, None, "limit: Input should be less than or equal to 1000000000"),
 ])
 def test_override_numbers_are_finite_bounded_and_of_the_limiters_kind(
         numbers: dict[str, Any], kind: str | None, message: str) -> None:
