@@ -570,8 +570,10 @@ def cmd_override(args: argparse.Namespace) -> int:
                       else DEFAULT_SOURCE)
         identity = _hashed_identity(args, source, policy) if args.action != "list" else ""
         if args.action == "set":
+            kind = (next((s.type for s in policy.limiters if s.name == args.limiter), None)
+                    if policy is not None else None)
             new = make_override(args.limiter, identity, parse_numbers(args.numbers), ttl=args.ttl,
-                                reason=args.reason, by=args.by, source=source, now=now)
+                                reason=args.reason, by=args.by, source=source, now=now, kind=kind)
             if limiters is not None:
                 _, refused = compile_overrides([new], limiters, now, labels)
                 if refused:

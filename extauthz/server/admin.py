@@ -43,6 +43,7 @@ from ..changelog import Change, ChangeLog, read_history
 from ..errors import StoreError
 from ..overrides import OverrideError
 from ..policy.schema import parse_duration
+from ..store.base import load_json
 from ..switches import GLOBAL, SwitchBoard, valid_name
 from ..verdict import Mode
 from .adminauth import ACTOR, HEALTH_PATH, Actor, AdminGuard
@@ -73,15 +74,29 @@ class AdminBackend(Protocol):
 MAX_WINDOW = 7 * 24 * 3600.0
 
 
+MAX_TOP = 1000
+#: the largest admin request body read (an override is a few hundred bytes).
+MAX_BODY = 64 * 1024
+
+
 def parse_window(value: str) -> float:
-    """Seconds (``3600``) or a duration (``1h``, ``15m``)."""
+    """Seconds (``3600``) or a duration (``1h``, ``15m``); at most :data:`MAX_WINDOW`."""
     try:
         seconds = float(value)
     except ValueError:
-        seconds = float(parse_duration(value))
+        seconds = float(parse_duration(value))  # "bad duration 'soon': use ..."
     if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError("window must be positive")
+        raise ValueError(f"window must be a positive number of seconds or a duration like 15m, "
+                         f"1h or 24h (got {value[:40]!r})")
     return min(seconds, MAX_WINDOW)
+
+
+def parse_top(value: str) -> int:
+    """A whole number of rows; at most :data:`MAX_TOP`."""
+    rows = int(value) if value.isascii() and value.isdigit() and len(value) <= 9 else 0
+    if rows < 1:  # 0, 1e9, 2.5, -3, a 5,000-digit number
+        raise ValueError(f"top must be a whole number of rows from 1 to {MAX_TOP} (got {value[:40]!r})")
+    return min(rows, MAX_TOP)
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -133,11 +148,11 @@ def admin_app(ops: AdminBackend, guard: AdminGuard | None = None) -> web.Applica
     async def shadow(request: web.Request) -> web.Response:
         try:
             window = parse_window(request.query.get("window", "3600"))
-            top = int(request.query.get("top", "10"))
+            top = parse_top(request.query.get("top", "10"))
         except ValueError as exc:
             return _error(400, str(exc))
         try:
-            report = await ops.shadow_report(window, top=max(1, min(top, 1000)))
+            report = await ops.shadow_report(window, top=top)
         except StoreError as exc:
             return _error(503, f"cannot read the shadow log: {exc}")
         return _json(report)
@@ -147,7 +162,9 @@ def admin_app(ops: AdminBackend, guard: AdminGuard | None = None) -> web.Applica
 
     async def put_override(request: web.Request) -> web.Response:
         try:
-            body = json.loads(await request.text())
+            if request.content_length is not None and request.content_length > MAX_BODY:
+                raise OverrideError(f"the body is larger than {MAX_BODY} bytes")
+            body = load_json(await request.text())
             if not isinstance(body, dict):
                 raise OverrideError('the body is a JSON object {"numbers": {...}, "ttl": seconds, ...}')
             limiter, identity = request.match_info["limiter"], request.match_info["identity"]

@@ -257,10 +257,11 @@ class Operations:
         if not isinstance(numbers, dict):
             raise OverrideError('"numbers" is an object like {"rate": 1000, "burst": 5000}')
         now = self.clock.wall()
+        snap = self.engine.snapshot
+        kind = next((spec.type for spec in snap.policy.limiters if spec.name == limiter), None)
         new = make_override(limiter, identity, numbers, ttl=body.get("ttl", DEFAULT_TTL),
                             reason=str(body.get("reason", "")), by=str(body.get("by", "")),
-                            source=str(body.get("source", "")), now=now)
-        snap = self.engine.snapshot
+                            source=str(body.get("source", "")), now=now, kind=kind)
         _, not_applied = compile_overrides([new], snap.limiters, now, snap.policy.identity_labels)
         if not_applied:
             raise OverrideError(next(iter(not_applied.values())))
