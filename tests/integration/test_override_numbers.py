@@ -264,7 +264,7 @@ async def test_override_set_through_the_admin_port_for_each_limiter_kind(tmp_pat
         # concurrent_requests: limit is an integer, and stays one on the way
         r = await run("user-concurrency", "--identity", KEY, "limit=2")
         assert r.returncode == 0, r.stderr
-        assert "user-concurrency limit=2 for identity" in r.stdout and "applied by that server now" in r.stdout
+        assert "user-concurrency limit=2 for identity" in r.stdout and f"applied by the server at {url} now" in r.stdout
         status, data = await admin(server, "GET", "/overrides")
         (row,) = data["overrides"]
         assert row["numbers"] == {"limit": 2} and row["applied"] is True
