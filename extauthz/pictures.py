@@ -13,6 +13,7 @@ runs at 0.3 (request rates and the token bucket's rate scale with 1 / time_scale
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import textwrap
 import threading
@@ -221,9 +222,9 @@ def main(out: str | Path, time_scale: float = 1.0, only: Sequence[str] = ()) -> 
     from .simulate.report import require_matplotlib
 
     try:
-        require_matplotlib()
+        require_matplotlib("--pictures", "demo,tune")
     except ImportError as exc:
-        print(f"extauthz demo --pictures: {exc}")
+        print(f"extauthz demo: {exc}", file=sys.stderr)
         return 2
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

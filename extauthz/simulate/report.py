@@ -10,16 +10,15 @@ from typing import Any
 from .replay import Lane, Replay
 from .traffic import BadLines
 
-MATPLOTLIB_MISSING = ("the report needs matplotlib: pip install 'extauthz[tune]' "
-                      "(or leave out --report)")
 
-
-def require_matplotlib() -> Any:
-    """Import matplotlib with a file-only backend, or raise ImportError with what to do."""
+def require_matplotlib(flag: str = "--report", extras: str = "tune") -> Any:
+    """Import matplotlib with a file-only backend, or raise ImportError saying which flag
+    needs it and what to install (``demo --pictures`` also needs Envoy: ``demo,tune``)."""
     try:
         import matplotlib
     except ImportError:
-        raise ImportError(MATPLOTLIB_MISSING) from None
+        raise ImportError(f"{flag} needs matplotlib: pip install 'extauthz[{extras}]' "
+                          f"(or leave out {flag})") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
