@@ -67,7 +67,7 @@ def peak_load(replay: Replay) -> dict[str, Any] | None:
             "compared_with": "baseline" if base is not None else "offered"}
 
 
-def _legend(ax: Any) -> None:
+def legend_outside(ax: Any) -> None:
     """The legend outside the plotting area, on the right, so it never covers data."""
     if ax.lines or ax.patches:
         ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
@@ -98,7 +98,7 @@ def write_report(out: Path, replay: Replay, summary: dict[str, Any], *, bad_line
                     color=colors[names.index(name) % len(colors)], label=f"{name} ({lane.name})")
     ax.set(xlabel="seconds from the first request", ylabel="refused requests / s",
            title="Refusals (and shadow would-refusals) per limiter")
-    _legend(ax)
+    legend_outside(ax)
     save(fig, "refusals_by_limiter.png", "Refusals per limiter over time (solid: candidate, dashed: baseline).")
 
     fig, ax = plt.subplots(figsize=(11, 4))
@@ -113,7 +113,7 @@ def write_report(out: Path, replay: Replay, summary: dict[str, Any], *, bad_line
             ax.plot(xs, _binned(counts, width, n), LANE_STYLE[lane.name], linewidth=1.8,
                     color=TIER_COLORS.get(tier, "black"), label=f"{tier} refused ({lane.name})")
     ax.set(xlabel="seconds from the first request", ylabel="requests / s", title="Traffic and refusals per tier")
-    _legend(ax)
+    legend_outside(ax)
     save(fig, "refusals_by_tier.png", "Requests sent (dotted) and refused per tier (solid: candidate, "
          "dashed: baseline); each tier has its own colour.")
 
@@ -144,8 +144,8 @@ def write_report(out: Path, replay: Replay, summary: dict[str, Any], *, bad_line
                 title="Worker utilization shedder: its input (top) and its shed level (bottom)")
         bottom.set(xlabel="seconds from the first request", ylabel="shed level",
                    ylim=(min(-0.05, bottom.get_ylim()[0]), 1.02))
-        _legend(top)
-        _legend(bottom)
+        legend_outside(top)
+        legend_outside(bottom)
         save(fig, "shedder_level.png", "Worker shedder: utilization on its own axis (top); the shed "
              "level (bottom) sheds test above 0, get above 1/3, post above 2/3, critical never.")
 
@@ -161,7 +161,7 @@ def write_report(out: Path, replay: Replay, summary: dict[str, Any], *, bad_line
                     height=0.4, color="#7f7f7f", label="refused (baseline)")
         ax.set_yticks(ys, labels)
         ax.set(xlabel="requests refused", title="Customers whose outcome changes most")
-        _legend(ax)
+        legend_outside(ax)
         save(fig, "top_identities.png", "The customers whose refusals change most from the baseline "
              "to the candidate (without a baseline: the most refused).")
 
