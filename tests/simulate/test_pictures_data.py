@@ -5,6 +5,7 @@ checks on freshly made data."""
 from __future__ import annotations
 
 import csv
+import itertools
 import statistics
 from pathlib import Path
 
@@ -62,7 +63,7 @@ def check_fleet(d: Path) -> None:
     critical = sorted((float(r["sent"]), float(r["answered"])) for r in rows if r["tier"] == "critical")
     took = statistics.median(b - a for a, b in critical)
     answers = sorted(b for _, b in critical)
-    assert max(b - a for a, b in zip(answers, answers[1:], strict=False)) < 2 * took
+    assert max(b - a for a, b in itertools.pairwise(answers)) < 2 * took
 
 
 def check_workers(d: Path) -> None:
