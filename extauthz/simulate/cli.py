@@ -147,6 +147,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         for issue in exc.issues:
             print(f"error: {issue}", file=sys.stderr)
         return 2
+    if args.json_out not in (None, "-") and not Path(args.json_out).parent.is_dir():
+        print(f"extauthz simulate: --json {args.json_out}: no directory {Path(args.json_out).parent}",
+              file=sys.stderr)
+        return 2
     if args.report:  # fail before a long replay, not after it
         from .report import require_matplotlib
 

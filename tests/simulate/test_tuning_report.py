@@ -108,3 +108,10 @@ def test_a_bad_fail_on_expression_is_a_usage_error(case: dict[str, str], expr: s
     out = run("--policies", case["candidate"], "--traffic", case["traffic"], "--fail-on", expr)
     assert out.returncode == 2
     assert "argument --fail-on" in out.stderr and says in out.stderr, out.stderr
+
+
+def test_json_into_a_missing_directory_is_refused_before_the_replay(case: dict[str, str], tmp_path: Path) -> None:
+    out = run("--policies", case["candidate"], "--traffic", case["traffic"], "--json",
+              str(tmp_path / "nowhere" / "s.json"))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"--json {tmp_path / 'nowhere' / 's.json'}: no directory {tmp_path / 'nowhere'}" in out.stderr
