@@ -166,9 +166,12 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     _add_override_parser(sub)
 
     p = sub.add_parser(
-        "status", help="print a running server's /status (policy, store, counters) as JSON",
+        "status", help="print a running server's /status: policy, store, checks allowed and refused, "
+        "shedding (--json: all of it)",
         description="GET /status from a server's admin port: --admin URL, or --listen HOST:PORT for "
-        "the server on this host started with that --listen.")
+        "the server on this host started with that --listen. Prints a summary; --json prints the "
+        "whole document.")
+    p.add_argument("--json", action="store_true", help="print the whole /status document as JSON")
     p.add_argument("--admin", default=None,
                    help=f"a server's admin URL [EXTAUTHZ_ADMIN_URL; default {DEFAULT_ADMIN}]")
     p.add_argument("--listen", default=None, metavar="HOST:PORT",
@@ -415,7 +418,10 @@ def cmd_report(args: argparse.Namespace) -> int:
         try:
             window = float(args.window)
         except ValueError:
-            window = float(parse_duration(args.window))
+            try:
+                window = float(parse_duration(args.window))
+            except ValueError as exc:
+                raise CliError(f"--window: {exc}") from None
         if args.redis_url:
             from .store.keys import Keys
             from .store.redis_events import read_events
@@ -449,8 +455,58 @@ def cmd_status(args: argparse.Namespace) -> int:
     except CliError as exc:
         print(f"extauthz status: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(data, indent=2))
+    print(json.dumps(data, indent=2) if args.json else format_status(data))
     return 0
+
+
+def _shed_state(level: float) -> str:
+    """What a worker shedder's level means (extauthz.shed: thirds of the positive part)."""
+    if level <= 0:
+        return ("not shedding (the level rises above 0 after sustained overload; below 0 it is "
+                "still waiting out delay_before_shedding)")
+    return "shedding test traffic" + (", then get" if level > 1 / 3 else "") + (
+        ", then post" if level > 2 / 3 else "") + "; critical never"
+
+
+def format_status(data: dict[str, Any]) -> str:
+    """``extauthz status`` for people: the figures an operator looks at first."""
+    policy = data.get("policy", {})
+    store = data.get("store", {})
+    lines = [f"extauthz {data.get('extauthz', '?')}: policy version {policy.get('version', '?')} "
+             f"from {', '.join(policy.get('sources', [])) or '?'}",
+             f"store: {store.get('name', '?')} (breaker {store.get('breaker', '?')})"]
+    checks = data.get("checks")
+    if isinstance(checks, dict):
+        refused = checks.get("rate_limited", 0) + checks.get("shed", 0) + checks.get("failed_closed", 0)
+        lines.append(f"checks since start: {checks.get('allowed', 0):,} allowed, {refused:,} denied "
+                     f"({checks.get('rate_limited', 0):,} rate limited, {checks.get('shed', 0):,} shed, "
+                     f"{checks.get('failed_closed', 0):,} failed closed)")
+        for tier, row in checks.get("by_tier", {}).items():
+            if any(row.values()):
+                denied = sum(n for result, n in row.items() if result != "allowed")
+                lines.append(f"  {tier:<9} {row.get('allowed', 0):>10,} allowed {denied:>10,} denied")
+    else:
+        lines.append("checks since start: not counted (the server runs without a metrics port)")
+    fail_open = data.get("fail_open") or {}
+    if any(fail_open.values()):
+        lines.append("failed open: " + ", ".join(f"{k} {v:,}" for k, v in fail_open.items() if v))
+    for shed in data.get("shedding", []):
+        level = float(shed.get("level", 0.0))
+        util = shed.get("utilization")
+        drops = ", ".join(f"{tier} {p:.0%}" for tier, p in shed.get("probabilities", {}).items())
+        lines.append(f"shedder {shed['limiter']}: utilization "
+                     f"{'-' if util is None else f'{util:.0%}'}, shed level {level:.2f} of 1: "
+                     f"{_shed_state(level)}; dropping {drops}")
+    switches = data.get("switches") or {}
+    lines.append("switches: " + (", ".join(f"{k}={v}" for k, v in sorted(switches.items())) or "none"))
+    overrides = data.get("overrides") or {}
+    lines.append(f"overrides: {overrides.get('live', 0)} live"
+                 + (f", {len(overrides['not_applied'])} not applied" if overrides.get("not_applied") else ""))
+    reload = data.get("reload") or {}
+    if reload.get("last_error"):
+        lines.append(f"policy reload failing: {reload['last_error']}")
+    lines.append("(extauthz status --json: the whole document)")
+    return "\n".join(lines)
 
 
 # -- override -----------------------------------------------------------------------------

@@ -105,6 +105,16 @@ class Metrics:
             child.inc()
         self._requests[(tier, request_result(decision))].inc()
 
+    def request_counts(self) -> dict[str, Any]:
+        """Checks since start by result, and by tier and result (``/status``'s ``checks``)."""
+        by_tier: dict[str, dict[str, int]] = {}
+        for metric in self.requests.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    by_tier.setdefault(sample.labels["tier"], {})[sample.labels["result"]] = int(sample.value)
+        totals = {result: sum(row.get(result, 0) for row in by_tier.values()) for result in RESULTS}
+        return {**totals, "by_tier": by_tier}
+
 
 class AccessLogCounters(Protocol):
     entries: int

@@ -216,6 +216,7 @@ class Operations:
                       "window_failures": engine.breaker.failures,
                       **({"live_leases": self.store.live_leases()}
                          if isinstance(self.store, MemoryStore) else {})},
+            "checks": self.observe.metrics.request_counts() if self.observe.metrics is not None else None,
             "fail_open": dict(sorted(engine.failures.items())),
             "bad_requests": self.auth.bad_requests,
             "background_errors": dict(sorted(self.runner.errors.items())),

@@ -87,7 +87,7 @@ def test_two_servers_with_only_listen_given_both_start_and_answer(
     assert urls[0] != urls[1] and all(u.startswith("http://127.0.0.1:") for u in urls)
     # the operator commands reach each server by the --listen it was started with
     for port in ports:
-        status = _cli(tmp_path, "status", "--listen", f"127.0.0.1:{port}")
+        status = _cli(tmp_path, "status", "--json", "--listen", f"127.0.0.1:{port}")
         assert status.returncode == 0, status.stderr
         assert json.loads(status.stdout)["policy"]["version"]
         switches = _cli(tmp_path, "switch", "--listen", f"127.0.0.1:{port}", "--list")
