@@ -225,7 +225,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logging.getLogger("extauthz.server").error("the policy has errors, not starting:\n%s", exc, extra={
             "fields": {"event": "policy_invalid", "issues": [str(i) for i in exc.issues]}})
         return 2
-    except (OSError, ValueError, AdminConfigError) as exc:  # a port taken or malformed, a certificate unreadable, ...
+    except (OSError, ValueError) as exc:  # a port taken or malformed, a certificate unreadable, ...
         logging.getLogger("extauthz.server").error("not starting: %s", exc, extra={
             "fields": {"event": "start_failed"}})
         print(f"extauthz serve: {exc}", file=sys.stderr)
