@@ -285,6 +285,9 @@ class Engine:
             self._failed(StoreTimeout.reason)
             raise StoreTimeout(f"store did not answer within {self.deadline * 1000:.0f} ms") from None
         except Exception as exc:
+            if isinstance(exc, StoreError) and exc.late is not None:
+                # sent but unanswered: a stalled store may still commit it
+                call.add_done_callback(self.releaser.abandoned(ops, lease_id))
             if (failure := self._store_failed(exc)) is exc:
                 raise
             raise failure from exc

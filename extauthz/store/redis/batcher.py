@@ -14,6 +14,8 @@ releases then cost one EVALSHA and one Redis TIME together."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import operator
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -21,7 +23,7 @@ from typing import Any, Final
 from redis import exceptions as rx
 
 from ...errors import StoreUnavailable
-from .wire import CLIENT_ERRORS, Reply, Script, wrap
+from .wire import CLIENT_ERRORS, Reply, Script, Unanswered, wrap
 
 __all__ = ["RIDE_FLUSH_DELAY", "Batcher", "Call"]
 
@@ -126,6 +128,8 @@ class Batcher:
                 for part in call.parts or (call,):
                     part.future.cancel()
             raise
+        except Unanswered as exc:  # sent, unanswered: each caller its late reply
+            replies = [exc.part(operator.itemgetter(k)) for k in range(len(batch))]
         except BaseException as exc:  # every caller gets the error (wrapped below)
             replies = [exc] * len(batch)
         for call, reply in zip(batch, replies, strict=True):
@@ -136,7 +140,9 @@ class Batcher:
             assert call.script.merge is not None
             for part in call.parts:  # a merged call: each caller its slice of the reply
                 end = start + call.script.merge.reply_length(len(part.keys))
-                _deliver(part, reply if isinstance(reply, BaseException) else reply[start:end])
+                _deliver(part, reply.part(functools.partial(_sliced, start, end))
+                         if isinstance(reply, Unanswered)
+                         else reply if isinstance(reply, BaseException) else reply[start:end])
                 start = end
 
     async def close(self) -> None:
@@ -155,6 +161,11 @@ class Batcher:
             call.future.cancel()
         self._pending.clear()
         self._riders.clear()
+
+
+def _sliced(start: int, end: int, reply: Reply) -> Reply:
+    """One part's slice of a merged call's reply (an error reply: the whole error)."""
+    return reply if isinstance(reply, BaseException) else reply[start:end]
 
 
 def _deliver(call: Call, reply: Reply) -> None:

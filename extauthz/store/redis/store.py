@@ -18,6 +18,7 @@ every replica, so that one budget holds across the fleet.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -28,7 +29,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.sentinel import Sentinel
 
-from ...errors import StoreUnavailable
+from ...errors import StoreError, StoreUnavailable
 from .. import algorithms, redis_events
 from ..base import CheckResult, Op, ShedParams
 from ..keys import Keys
@@ -43,7 +44,7 @@ from .wire import (
     Script,
     StoreStats,
     check_args,
-    check_results,
+    check_result,
     load_script,
     num,
     pack_command,
@@ -302,9 +303,13 @@ class RedisStore:
         if self._cluster and len(groups := cluster.group_by_tag([op.key for op in ops])) > 1:
             return await self._check_groups(ops, groups, lease_id)
         keys, args = self._check_args(ops, lease_id)
-        reply = await self._submit("check", keys, args, droppable=True)
-        admitted = int(reply[0]) == 1
-        return CheckResult(admitted, tuple(check_results(ops, reply, admitted)))
+        try:
+            reply = await self._submit("check", keys, args, droppable=True)
+        except StoreError as exc:
+            if exc.late is not None:  # sent, unanswered: its answer may still come
+                exc.late = self._settled(exc.late, keys[0], functools.partial(check_result, ops))
+            raise
+        return check_result(ops, reply)
 
     def _check_args(self, ops: Sequence[Op], lease_id: str) -> tuple[list[str], list[str | bytes]]:
         return check_args(self._now_arg(), ops, lease_id)
@@ -316,9 +321,41 @@ class RedisStore:
         engine's release path gives back what an abandoned answer committed.)"""
         task = self._batcher.spawn(
             cluster.check_groups(self._submit, self._check_args, self.stats, ops, groups,
-                                 lease_id))
+                                 lease_id, self._settled))
         result: CheckResult = await asyncio.shield(task)
         return result
+
+    def _settled(self, late: asyncio.Future[Reply], key: str,
+                 then: Callable[[Reply], Any]) -> asyncio.Future[Any]:
+        """``then(the late answer)`` once it came *and* the store answers again (a connection
+        to the node of ``key`` is open), so that what follows from it (a release) is sent,
+        not refused as "not connected"; in a store-owned task (which also runs ``then``'s
+        coroutine when it returns one)."""
+        out: asyncio.Future[Any] = late.get_loop().create_future()
+
+        async def settle() -> None:
+            try:
+                reply = await late
+                node = self._node_of(key)
+                if node is not None:
+                    await node.opened()
+                value = then(reply)
+                if asyncio.iscoroutine(value):  # work to do with it (a compensation)
+                    value = await value
+                out.set_result(value)
+            except Exception as exc:
+                out.set_exception(exc)
+                out.exception()  # retrieved: nobody may wait for it
+
+        self._batcher.spawn(settle())
+        return out
+
+    def _node_of(self, key: str) -> NodeConnection | None:
+        """The lean connection serving ``key`` (None: not opened yet, or not lean)."""
+        if not self._cluster:
+            return self._nodes.get("")
+        node = cluster.node_of(self.client, key)
+        return None if node is None else self._nodes.get(node.name)
 
     async def release(self, keys: Sequence[str], lease_id: str) -> int:
         """Releases ride with checks (:data:`.batcher.RIDE_FLUSH_DELAY`): a release is a
