@@ -38,10 +38,13 @@ class StoreError(ExtauthzError):
     """The store could not answer. ``reason`` is a stable metrics label.
 
     ``late``: the call was sent but not answered in time, so its outcome is unknown; this
-    future resolves to the answer if it comes after all (None: nothing can come)."""
+    future resolves to the answer if it comes after all (None: nothing can come).
+    ``keys``: a key of each part that failed when only some did (Redis Cluster: their
+    masters are the ones to blame); empty: the whole call."""
 
     reason = "error"
     late: asyncio.Future[Any] | None = None
+    keys: tuple[str, ...] = ()
 
 
 class StoreTimeout(StoreError):

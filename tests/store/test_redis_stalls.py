@@ -22,7 +22,8 @@ from extauthz.context import RawRequest
 from extauthz.engine import Engine
 from extauthz.policy import Policy, load_policy
 from extauthz.store.redis import RedisStore
-from tests.infra.redis_servers import RedisSingle
+from extauthz.store.redis.cluster import node_of as cluster_node_of
+from tests.infra.redis_servers import RedisCluster, RedisSingle
 from tests.store.conftest import Topology, masters
 from tests.store.test_redis_specific import wait_until
 
@@ -48,6 +49,10 @@ SOCKET_TIMEOUT = 0.25
 STALL = 1.0
 #: The engine's deadline: far above a noisy machine's stalls (the stall must be what fails).
 DEADLINE = 0.05
+#: The cluster test's deadline and pause (shorter than the fixture's cluster-node-timeout,
+#: 2 s: no master is marked failed, the healthy ones keep serving their slots).
+CLUSTER_DEADLINE = 0.2
+CLUSTER_STALL = 1.5
 
 
 @pytest.fixture
@@ -140,5 +145,75 @@ async def test_a_stall_past_the_socket_timeout_leaves_no_lease_held(
         assert engine.releaser.count("abandoned_answer", "released") >= 1
     finally:
         redis_single_clean.resume()
+        await engine.releaser.drain()
+        await store.close()
+
+
+def master_of(store: RedisStore, key: str) -> str:
+    node = cluster_node_of(store.client, key)
+    assert node is not None
+    return str(node.name)
+
+
+def user_key(engine: Engine, user: str) -> str:
+    """The key of ``user``'s concurrency lease (its hash tag decides its master)."""
+    ctx = engine.context(RawRequest("GET", "/v1/things", headers={"x-api-key": user}))
+    lim = engine.snapshot.limiters[0]
+    op = lim.op(ctx, True)
+    assert op is not None and lim.name == "user-concurrency"
+    return op.key
+
+
+@pytest.mark.redis
+async def test_one_paused_cluster_master_fails_open_only_its_own_users(
+    redis_cluster_clean: RedisCluster, policy: Policy
+) -> None:
+    cluster = redis_cluster_clean
+    # A deadline far above this shared machine's event-loop stalls (tens of ms under load):
+    # what fails must be the paused master, not the machine.
+    store = RedisStore.from_url(cluster.url, deadline=CLUSTER_DEADLINE, socket_timeout=1.0,
+                                socket_connect_timeout=1.0)
+    engine = Engine(store, policy, deadline=CLUSTER_DEADLINE)
+    try:
+        await store.ping()
+        fleet_op = engine.snapshot.limiters[1].op(
+            engine.context(RawRequest("GET", "/", headers={"x-api-key": "x"})), True)
+        assert fleet_op is not None
+        fleet_master = master_of(store, fleet_op.key)
+        names = [f"{cluster.host}:{port}" for port in cluster.ports]
+        paused = next(i for i, name in enumerate(names) if name != fleet_master)
+        users = [f"user{i}" for i in range(60)]
+        on_paused = {u for u in users if master_of(store, user_key(engine, u)) == names[paused]}
+        healthy = [u for u in users if u not in on_paused]
+        assert on_paused and healthy
+        load = Load(engine, users)
+        await load.run(0.3)  # warm: connections and scripts on every master
+
+        load.reset()
+        load.running = True
+        cluster.pause(paused)  # shorter than cluster-node-timeout (2 s): nobody fails over
+        try:
+            await load.run(CLUSTER_STALL)
+        finally:
+            cluster.resume(paused)
+        healthy_checks = [d for u in healthy for d in load.decided[u]]
+        paused_checks = [d for u in on_paused for d in load.decided[u]]
+        failed_healthy = sum(1 for _, failures in healthy_checks if failures)
+        # The paused master's users fail open (the store cannot decide them) ...
+        assert paused_checks and all(failures for _, failures in paused_checks)
+        # ... and the others keep being decided by the store: only the checks caught in the
+        # first moments (before the paused master's breaker opened) may fail.
+        assert len(healthy_checks) >= 100, len(healthy_checks)
+        assert failed_healthy <= len(healthy_checks) // 10, (failed_healthy, len(healthy_checks),
+                                                             engine.failures)
+        assert engine.node_breakers[names[paused]].state != "closed"
+        assert engine.node_breakers[fleet_master].state == "closed"
+
+        async def none_held() -> bool:
+            return leases_held(cluster) == 0
+
+        await wait_until(none_held, 10, "no lease left held after the pause")
+    finally:
+        cluster.resume()
         await engine.releaser.drain()
         await store.close()

@@ -52,10 +52,13 @@ class Batcher:
     place); owns every task it starts (cancelled by :meth:`close`)."""
 
     def __init__(self, transmit: Callable[[list[Call]], Awaitable[list[Reply]]], *,
-                 batching: bool) -> None:
+                 batching: bool, split: Callable[[list[Call]], list[list[Call]]] | None = None) -> None:
         self.batching = batching
         self.closed = False
         self._transmit = transmit
+        #: Redis Cluster: a batch split per master, each part sent and its replies delivered
+        #: on its own (a slow master delays only its own calls)
+        self._split = split
         self._pending: list[Call] = []
         self._sender: asyncio.Task[None] | None = None
         #: releases waiting for a check to ride with, and their flush timer
@@ -121,6 +124,14 @@ class Batcher:
         batch = _merged([call for call in batch if not (call.droppable and call.future.cancelled())])
         if not batch:
             return
+        parts = self._split(batch) if self._split is not None else [batch]
+        if len(parts) > 1:
+            await asyncio.gather(*(self._send_part(part) for part in parts))
+        else:
+            await self._send_part(batch)
+
+    async def _send_part(self, batch: list[Call]) -> None:
+        """One round trip for ``batch`` (merged calls), each caller given its reply."""
         try:
             replies = await self._transmit(batch)
         except asyncio.CancelledError:

@@ -100,7 +100,10 @@ async def check_groups(submit: Submit, check_args: CheckArgs, stats: StoreStats,
         if committed:
             await _compensate(submit, stats, committed, lease_id)
     if failed is not None:
-        raise wrap(failed) from failed
+        error = wrap(failed)
+        error.keys = tuple(subset[0].key for subset, outcome in zip(subsets, outcomes, strict=True)
+                           if isinstance(outcome, BaseException))
+        raise error from failed
     results: list[OpResult | None] = [None] * len(ops)
     for group, subset, reply in zip(groups, subsets, replies, strict=True):
         for i, res in zip(group, check_results(subset, reply, admitted), strict=True):

@@ -80,10 +80,13 @@ class RedisStore:
         self.client = client
         self.stats = StoreStats()
         self._cluster = isinstance(client, RedisCluster)
+        #: several masters (Redis Cluster): the engine keeps a breaker per master (node_of)
+        self.per_master = self._cluster
         self._now = now
         self._sentinel = sentinel
         self._scripts = {name: load_script(name) for name in SCRIPT_NAMES}
-        self._batcher = Batcher(self._transmit, batching=batching)
+        self._batcher = Batcher(self._transmit, batching=batching,
+                                split=self._by_master if self._cluster else None)
         #: see _ensure_ready
         self._ready = False
         self._init_task: asyncio.Task[None] | None = None
@@ -93,6 +96,9 @@ class RedisStore:
         #: releases wait (a few ms) for the next check's round trip (batcher riders)
         self.releases_ride = releases_ride
         self._nodes: dict[str, NodeConnection] = {}
+        #: Redis Cluster: the parts (a key, its reply) of each check under way in several
+        #: slot groups, by lease id (see :meth:`unanswered`)
+        self._parts: dict[str, list[tuple[str, asyncio.Future[Reply]]]] = {}
 
     @property
     def batching(self) -> bool:
@@ -186,6 +192,28 @@ class RedisStore:
                 self.client, [call.keys for call in batch],
                 lambda idx, node: self._pipeline_on([batch[i] for i in idx], node))
         return await self._raw_pipeline(batch)
+
+    def _by_master(self, batch: list[Call]) -> list[list[Call]]:
+        """Redis Cluster: a batch's calls per master (the batcher sends and delivers each
+        part on its own, so that a slow master delays only its own calls)."""
+        parts: dict[str, list[Call]] = {}
+        for call in batch:
+            parts.setdefault(self.node_of(call.keys[0]), []).append(call)
+        return list(parts.values())
+
+    def node_of(self, key: str) -> str:
+        """The name (``host:port``) of the master serving ``key``; "" on a single Redis or
+        Sentinel (one master), or when no master covers the key's slot."""
+        if not self._cluster:
+            return ""
+        node = cluster.node_of(self.client, key)
+        return "" if node is None else str(node.name)
+
+    def unanswered(self, lease_id: str) -> list[str]:
+        """Redis Cluster: the masters (:meth:`node_of`) whose part of the check ``lease_id``
+        (one in several slot groups, under way) has not answered yet: the engine blames a
+        missed deadline on them, not on the masters that answered."""
+        return [self.node_of(key) for key, part in self._parts.get(lease_id, ()) if not part.done()]
 
     async def _script_load(self, script: Script, node: ClusterNode | None) -> None:
         """SCRIPT LOAD where NOSCRIPT came from: on a cluster that node only, so that one
@@ -319,9 +347,17 @@ class RedisStore:
         """Redis Cluster, ops in several slots: run in a task the caller cannot cancel, so
         that a compensation always completes. (A caller that gives up loses the answer: the
         engine's release path gives back what an abandoned answer committed.)"""
+        parts = self._parts[lease_id] = []
+
+        def submit(script: str, keys: Sequence[str], args: Sequence[str | bytes]) -> asyncio.Future[Reply]:
+            part = self._submit(script, keys, args)
+            parts.append((keys[0], part))
+            return part
+
         task = self._batcher.spawn(
-            cluster.check_groups(self._submit, self._check_args, self.stats, ops, groups,
+            cluster.check_groups(submit, self._check_args, self.stats, ops, groups,
                                  lease_id, self._settled))
+        task.add_done_callback(lambda _: self._parts.pop(lease_id, None))
         result: CheckResult = await asyncio.shield(task)
         return result
 
