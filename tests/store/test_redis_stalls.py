@@ -199,6 +199,8 @@ async def test_one_paused_cluster_master_fails_open_only_its_own_users(
         healthy_checks = [d for u in healthy for d in load.decided[u]]
         paused_checks = [d for u in on_paused for d in load.decided[u]]
         failed_healthy = sum(1 for _, failures in healthy_checks if failures)
+        print(f"paused master's users: {len(paused_checks)} checks; others: {len(healthy_checks)} "
+              f"checks, {failed_healthy} failed open")
         # The paused master's users fail open (the store cannot decide them) ...
         assert paused_checks and all(failures for _, failures in paused_checks)
         # ... and the others keep being decided by the store: only the checks caught in the
