@@ -149,6 +149,50 @@ async def test_a_stall_past_the_socket_timeout_leaves_no_lease_held(
         await store.close()
 
 
+@pytest.mark.redis
+async def test_a_connection_lost_after_the_write_leaves_no_lease_held(
+    redis_single_clean: RedisSingle, policy: Policy
+) -> None:
+    # Long socket timeouts: here the connection is lost (reset on the client's side while
+    # Redis is paused, as a middlebox would) before any timeout, with checks written on it.
+    store = RedisStore.from_url(redis_single_clean.url, deadline=DEADLINE, socket_timeout=5,
+                                socket_connect_timeout=5)
+    engine = Engine(store, policy, deadline=DEADLINE)
+    load = Load(engine, [f"user{i}" for i in range(40)])
+    try:
+        await store.ping()
+
+        async def reset_while_paused() -> None:
+            await asyncio.sleep(0.3)
+            redis_single_clean.pause()
+            try:
+                await asyncio.sleep(0.2)  # checks are written and wait for their replies
+                node = store._nodes[""]
+                assert node._protocol is not None
+                node._protocol.abort(ConnectionResetError("connection reset"))
+                await asyncio.sleep(0.3)
+            finally:
+                redis_single_clean.resume()
+
+        reset = asyncio.ensure_future(reset_while_paused())
+        await load.run(1.3)
+        await reset
+        decided = [d for ds in load.decided.values() for d in ds]
+        assert any(failures for _, failures in decided), "the reset was not felt"
+
+        async def none_held() -> bool:
+            return leases_held(redis_single_clean) == 0
+
+        # The checks written before the reset ran when Redis resumed: nobody heard their
+        # answers, so their leases are released once Redis answers again.
+        await wait_until(none_held, 10, "no lease left held after the reset")
+        assert engine.releaser.count("abandoned_answer") >= 1
+    finally:
+        redis_single_clean.resume()
+        await engine.releaser.drain()
+        await store.close()
+
+
 def master_of(store: RedisStore, key: str) -> str:
     node = cluster_node_of(store.client, key)
     assert node is not None

@@ -23,7 +23,7 @@ from typing import Any, Final
 from redis import exceptions as rx
 
 from ...errors import StoreUnavailable
-from .wire import CLIENT_ERRORS, Reply, Script, Unanswered, wrap
+from .wire import CLIENT_ERRORS, UNKNOWN, Reply, Script, Unanswered, wrap
 
 __all__ = ["RIDE_FLUSH_DELAY", "Batcher", "Call"]
 
@@ -176,7 +176,7 @@ class Batcher:
 
 def _sliced(start: int, end: int, reply: Reply) -> Reply:
     """One part's slice of a merged call's reply (an error reply: the whole error)."""
-    return reply if isinstance(reply, BaseException) else reply[start:end]
+    return reply if isinstance(reply, BaseException) or reply is UNKNOWN else reply[start:end]
 
 
 def _deliver(call: Call, reply: Reply) -> None:

@@ -17,7 +17,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from ...errors import StoreError
 from ..base import BucketOp, CheckResult, Op, OpResult
 from ..keys import Keys
-from .wire import Merge, Reply, StoreStats, Unanswered, check_results, num, wrap
+from .wire import UNKNOWN, Merge, Reply, StoreStats, Unanswered, check_results, num, unknown_reply, wrap
 
 __all__ = ["check_groups", "group_by_tag", "node_of", "pipeline_by_node"]
 
@@ -113,7 +113,10 @@ async def check_groups(submit: Submit, check_args: CheckArgs, stats: StoreStats,
 
 def _late_group(submit: Submit, stats: StoreStats, subset: list[Op], lease_id: str,
                 reply: Reply) -> Coroutine[Any, Any, None] | None:
-    """The late answer of a group of a refused request: given back if it committed."""
+    """The late answer of a group of a refused request: given back if it committed (its
+    leases, when the answer is :data:`.wire.UNKNOWN`: the call may have run)."""
+    if reply is UNKNOWN:
+        reply = unknown_reply(subset)
     if isinstance(reply, BaseException) or Merge.failure(reply) is not None or int(reply[0]) != 1:
         return None
     return _compensate(submit, stats, [(subset, reply)], lease_id)

@@ -38,7 +38,7 @@ from redis import exceptions as rx
 from redis.asyncio.connection import AbstractConnection
 from redis.backoff import EqualJitterBackoff
 
-from .wire import Unanswered
+from .wire import UNKNOWN, Unanswered
 
 __all__ = ["RECONNECT_BACKOFF", "RETIRED_LIMIT", "RETIRED_READ_FOR", "NodeConnection", "RespProtocol"]
 
@@ -192,9 +192,12 @@ class NodeConnection:
         #: set while a connection is open (and once closed: waiters then find it closed)
         self._open_now = asyncio.Event()
 
-    async def call(self, data: bytes, count: int) -> list[Any]:
+    async def call(self, data: bytes, count: int, *, late: bool = False) -> list[Any]:
         """Send ``count`` packed commands and return their replies (error replies in place).
-        Without a connection it raises at once (after a loss) or waits for the first one."""
+        Without a connection it raises at once (after a loss) or waits for the first one.
+        Commands written and not answered (socket timeout, connection lost) raise
+        :class:`.wire.Unanswered` with ``late`` (their replies if they come after all), else
+        ``redis.TimeoutError`` or the connection's error."""
         protocol = self._protocol
         if protocol is None or protocol.lost is not None:
             protocol = await self.connect(wait=protocol is None)
@@ -204,15 +207,23 @@ class NodeConnection:
         if futures and not futures[-1].done():
             done, _ = await asyncio.wait((futures[-1],), timeout=self._timeout)
             if not done:
-                error = Unanswered(f"redis: no reply within {self._timeout} s", _gathered(futures))
-                self._retire(protocol, error)
-                raise error
-        replies = [await future for future in futures]
+                message = f"redis: no reply within {self._timeout} s"
+                self._retire(protocol, rx.TimeoutError(message))
+                if late:
+                    raise Unanswered(message, _gathered(futures), timed_out=True)
+                raise rx.TimeoutError(message)
+        lost = next((error for f in futures if not f.cancelled() and (error := f.exception()) is not None),
+                    None)
+        if lost is not None:  # written, then the connection was lost: they may have run
+            if late:
+                raise Unanswered(f"redis: {lost}", _gathered(futures), timed_out=False) from lost
+            raise lost
+        replies = [f.result() for f in futures]
         if protocol.lost is None:
             self._failures = 0  # a good connection: the next loss reconnects at once
         return replies
 
-    def _retire(self, protocol: RespProtocol, error: Unanswered) -> None:
+    def _retire(self, protocol: RespProtocol, error: BaseException) -> None:
         """``protocol`` did not answer in time: retired (:meth:`RespProtocol.retire`), kept
         reading while a new connection serves the calls; at most :data:`RETIRED_LIMIT` per
         node (the oldest is dropped: what it still waits for stays unknown)."""
@@ -348,23 +359,18 @@ class NodeConnection:
 
 
 def _gathered(futures: list[asyncio.Future[Any]]) -> asyncio.Future[list[Any]]:
-    """One future for the replies of ``futures`` (in order; they complete in order, the last
-    one last): their values, or the error that failed them (the connection was lost)."""
+    """One future for the replies of ``futures`` (they complete in order, the last one last;
+    a loss fails every one left), :data:`.wire.UNKNOWN` for each the connection lost."""
     out: asyncio.Future[list[Any]] = futures[-1].get_loop().create_future()
 
     def last_done(_: asyncio.Future[Any]) -> None:
-        error: BaseException | None = None
-        for f in futures:
-            error = rx.ConnectionError("redis: reply dropped") if f.cancelled() else f.exception()
-            if error is not None:
-                break
-        if error is None:
-            out.set_result([f.result() for f in futures])
-        else:
-            out.set_exception(error)
-            out.exception()  # retrieved: nobody may wait for it
+        out.set_result([UNKNOWN if f.cancelled() or f.exception() is not None else f.result()
+                        for f in futures])
 
-    futures[-1].add_done_callback(last_done)
+    if futures[-1].done():
+        last_done(futures[-1])
+    else:
+        futures[-1].add_done_callback(last_done)
     return out
 
 

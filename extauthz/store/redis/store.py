@@ -239,7 +239,7 @@ class RedisStore:
         pool = self.client.connection_pool
 
         async def send_lean(todo: list[int]) -> list[Any]:
-            return await self._single_node().call(_packed_calls(batch, todo), len(todo))
+            return await self._single_node().call(_packed_calls(batch, todo), len(todo), late=True)
 
         async def send(todo: list[int]) -> list[Any]:
             conn = await pool.get_connection()  # type: ignore[no-untyped-call]
@@ -287,7 +287,8 @@ class RedisStore:
 
         async def send_lean(todo: list[int]) -> list[Any]:
             assert node is not None
-            answers = await self._cluster_node(node).call(_packed_calls(batch, todo), len(todo))
+            answers = await self._cluster_node(node).call(_packed_calls(batch, todo), len(todo),
+                                                          late=True)
             # MOVED/ASK (slots moved since the map was read): that call once more through
             # redis-py, which follows the redirection and refreshes its slot map.
             for j, answer in enumerate(answers):

@@ -19,9 +19,9 @@ from .. import algorithms
 from ..base import BucketOp, CheckResult, Op, OpResult
 
 __all__ = [
-    "CLIENT_ERRORS", "MERGES", "NOSCRIPT_ATTEMPTS", "SCRIPT_NAMES", "Merge", "Reply", "Script", "StoreStats",
-    "Unanswered", "check_args", "check_result", "check_results", "later", "load_script", "num", "op_args",
-    "pack_command", "pack_evalsha", "release_args", "released", "send_reloading", "wrap",
+    "CLIENT_ERRORS", "MERGES", "NOSCRIPT_ATTEMPTS", "SCRIPT_NAMES", "UNKNOWN", "Merge", "Reply", "Script",
+    "StoreStats", "Unanswered", "check_args", "check_result", "check_results", "later", "load_script", "num",
+    "op_args", "pack_command", "pack_evalsha", "release_args", "released", "send_reloading", "unknown_reply", "wrap",
 ]
 
 SCRIPT_NAMES: Final = ("check", "inflight", "shed_state", "compensate", "swap_value")
@@ -100,19 +100,32 @@ class StoreStats:
     compensation_errors: int = 0
 
 
-class Unanswered(rx.TimeoutError):
-    """Commands were written and their replies did not come within the socket timeout: their
-    outcome is unknown (a stalled Redis runs them when it resumes). ``late`` resolves to the
-    replies when they come after all (the connection keeps reading them: :mod:`.conn`), or
-    fails when the connection is lost first."""
+class _Unknown:
+    """The reply of a command whose connection was lost before it answered: it may have run."""
 
-    def __init__(self, message: str, late: asyncio.Future[Any]) -> None:
+    def __repr__(self) -> str:
+        return "UNKNOWN"
+
+
+#: a late reply that never came (the connection was lost first): the command may have run
+UNKNOWN: Final = _Unknown()
+
+
+class Unanswered(rx.RedisError):
+    """Commands were written and their replies did not come: within the socket timeout
+    (``timed_out``; a stalled Redis runs them when it resumes) or before the connection was
+    lost. Their outcome is unknown now; ``late`` resolves to the replies when they come after
+    all (a retired connection keeps reading them: :mod:`.conn`), :data:`UNKNOWN` for each one
+    whose connection was lost first."""
+
+    def __init__(self, message: str, late: asyncio.Future[Any], *, timed_out: bool) -> None:
         super().__init__(message)
         self.late = late
+        self.timed_out = timed_out
 
     def part(self, pick: Callable[[Any], Any]) -> Unanswered:
         """The same failure for a part of the replies: ``late`` mapped through ``pick``."""
-        return Unanswered(str(self), later(self.late, pick))
+        return Unanswered(str(self), later(self.late, pick), timed_out=self.timed_out)
 
 
 def later(late: asyncio.Future[Any], then: Callable[[Any], Any]) -> asyncio.Future[Any]:
@@ -141,7 +154,8 @@ def wrap(exc: BaseException) -> StoreError:
     if isinstance(exc, StoreError):
         return exc
     if isinstance(exc, Unanswered):
-        error = StoreTimeout(f"redis: {exc}")
+        error: StoreError = (StoreTimeout(f"redis: {exc}") if exc.timed_out
+                             else StoreUnavailable(f"redis: {exc}"))
         error.late = exc.late
         return error
     if isinstance(exc, rx.TimeoutError):
@@ -219,9 +233,22 @@ def pack_evalsha(sha: bytes, keys: Sequence[str], args: Sequence[str | bytes]) -
     return b"".join(parts)
 
 
+def unknown_reply(ops: Sequence[Op]) -> list[Any]:
+    """check.lua's reply taken for a call that may have run (:data:`UNKNOWN`): admitted, every
+    lease op held (releasing a lease id that is not there is harmless), no bucket op taken
+    (refunding tokens that were not taken would not be)."""
+    reply: list[Any] = [1]
+    for op in ops:
+        reply.extend((0 if isinstance(op, BucketOp) else 1, b"0"))
+    return reply
+
+
 def check_result(ops: Sequence[Op], reply: Reply) -> CheckResult:
     """One request's check.lua answer as the store's result (an error reply raised, wrapped;
-    an entry that failed alone inside a merged call raised too)."""
+    an entry that failed alone inside a merged call raised too; :data:`UNKNOWN` taken as
+    :func:`unknown_reply`)."""
+    if reply is UNKNOWN:
+        reply = unknown_reply(ops)
     if isinstance(reply, BaseException):
         raise wrap(reply)
     if (message := Merge.failure(reply)) is not None:
