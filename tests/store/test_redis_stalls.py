@@ -2,7 +2,9 @@
 
 * A stall longer than the client's socket timeout: the checks written before it still run
   when Redis resumes. Their outcome is unknown to the server when it gives up, so it keeps
-  reading their replies and gives back what they committed (no lease left held).
+  reading their replies and gives back what they committed (no lease left held); a
+  connection lost with checks written on it has their lease ids released once Redis
+  answers again.
 * Redis Cluster, one master paused: the users whose keys live on the healthy masters keep
   being decided (a breaker per master, each master's replies delivered as they come).
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -73,6 +76,22 @@ def leases_held(topology: Topology) -> int:
     return held
 
 
+async def no_lease_left(topology: Topology, after: str) -> None:
+    """Wait (a few seconds at most) until no lease is held on any master."""
+    async def none_held() -> bool:
+        return leases_held(topology) == 0
+
+    await wait_until(none_held, 10, f"no lease left held after {after}")
+
+
+def single(redis: RedisSingle, policy: Policy, timeout: float, **kw: Any) -> tuple[RedisStore, Engine]:
+    """A store on ``redis`` with ``timeout`` s sockets and an engine at DEADLINE (the default
+    breaker)."""
+    store = RedisStore.from_url(redis.url, deadline=DEADLINE, socket_timeout=timeout,
+                                socket_connect_timeout=timeout, **kw)
+    return store, Engine(store, policy, deadline=DEADLINE)
+
+
 class Load:
     """Concurrent callers through the engine; each admitted request holds its leases for a
     moment, then they go back through the engine's release path (as the access log's would)."""
@@ -113,9 +132,7 @@ class Load:
 async def test_a_stall_past_the_socket_timeout_leaves_no_lease_held(
     redis_single_clean: RedisSingle, policy: Policy, batching: bool
 ) -> None:
-    store = RedisStore.from_url(redis_single_clean.url, deadline=DEADLINE, batching=batching,
-                                socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=SOCKET_TIMEOUT)
-    engine = Engine(store, policy, deadline=DEADLINE)
+    store, engine = single(redis_single_clean, policy, SOCKET_TIMEOUT, batching=batching)
     load = Load(engine, [f"user{i}" for i in range(40)])
     try:
         await store.ping()
@@ -136,12 +153,9 @@ async def test_a_stall_past_the_socket_timeout_leaves_no_lease_held(
         assert any(failures for _, failures in decided), "the stall was not felt"
         assert any(not failures for _, failures in decided)
 
-        async def none_held() -> bool:
-            return leases_held(redis_single_clean) == 0
-
         # Every request finished and its release was sent; what the stalled checks
         # committed once Redis resumed must be given back too (not held for lease_ttl).
-        await wait_until(none_held, 10, "no lease left held after the stall")
+        await no_lease_left(redis_single_clean, "the stall")
         assert engine.releaser.count("abandoned_answer", "released") >= 1
     finally:
         redis_single_clean.resume()
@@ -155,9 +169,7 @@ async def test_a_connection_lost_after_the_write_leaves_no_lease_held(
 ) -> None:
     # Long socket timeouts: here the connection is lost (reset on the client's side while
     # Redis is paused, as a middlebox would) before any timeout, with checks written on it.
-    store = RedisStore.from_url(redis_single_clean.url, deadline=DEADLINE, socket_timeout=5,
-                                socket_connect_timeout=5)
-    engine = Engine(store, policy, deadline=DEADLINE)
+    store, engine = single(redis_single_clean, policy, 5.0)
     load = Load(engine, [f"user{i}" for i in range(40)])
     try:
         await store.ping()
@@ -180,12 +192,9 @@ async def test_a_connection_lost_after_the_write_leaves_no_lease_held(
         decided = [d for ds in load.decided.values() for d in ds]
         assert any(failures for _, failures in decided), "the reset was not felt"
 
-        async def none_held() -> bool:
-            return leases_held(redis_single_clean) == 0
-
         # The checks written before the reset ran when Redis resumed: nobody heard their
         # answers, so their leases are released once Redis answers again.
-        await wait_until(none_held, 10, "no lease left held after the reset")
+        await no_lease_left(redis_single_clean, "the reset")
         assert engine.releaser.count("abandoned_answer") >= 1
     finally:
         redis_single_clean.resume()
@@ -255,10 +264,7 @@ async def test_one_paused_cluster_master_fails_open_only_its_own_users(
         assert engine.node_breakers[names[paused]].state != "closed"
         assert engine.node_breakers[fleet_master].state == "closed"
 
-        async def none_held() -> bool:
-            return leases_held(cluster) == 0
-
-        await wait_until(none_held, 10, "no lease left held after the pause")
+        await no_lease_left(cluster, "the pause")
     finally:
         cluster.resume()
         await engine.releaser.drain()
