@@ -267,7 +267,8 @@ class Engine:
         if self._node_of is None:
             return [("", self.breaker)]
         out = []
-        for name in {self._node_of(op.key) for op in ops}:
+        by_tag = {Keys.tag_of(op.key): op.key for op in ops}  # one slot per hash tag
+        for name in {self._node_of(key) for key in by_tag.values()}:
             breaker = self.node_breakers.get(name)
             if breaker is None:
                 breaker = self.node_breakers[name] = self.breaker.like()

@@ -156,7 +156,9 @@ async def test_a_stall_past_the_socket_timeout_leaves_no_lease_held(
         # Every request finished and its release was sent; what the stalled checks
         # committed once Redis resumed must be given back too (not held for lease_ttl).
         await no_lease_left(redis_single_clean, "the stall")
-        assert engine.releaser.count("abandoned_answer", "released") >= 1
+        # ... by the abandoned-answer path (a release that outlived the Releaser's own
+        # timeout in the burst after the resume still ran: counted ``error``)
+        assert engine.releaser.count("abandoned_answer") >= 1
     finally:
         redis_single_clean.resume()
         await engine.releaser.drain()
