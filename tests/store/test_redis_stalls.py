@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from extauthz.breaker import Breaker
+from extauthz.clock import SYSTEM_CLOCK
 from extauthz.context import RawRequest
 from extauthz.engine import Engine
 from extauthz.policy import Policy, load_policy
@@ -85,11 +87,13 @@ async def no_lease_left(topology: Topology, after: str) -> None:
 
 
 def single(redis: RedisSingle, policy: Policy, timeout: float, **kw: Any) -> tuple[RedisStore, Engine]:
-    """A store on ``redis`` with ``timeout`` s sockets and an engine at DEADLINE (the default
-    breaker)."""
+    """A store on ``redis`` with ``timeout`` s sockets and an engine at DEADLINE whose breaker
+    never opens: every check reaches the store (an open breaker on a loaded machine would
+    keep the checks off the stalled connection, and the test from its point)."""
     store = RedisStore.from_url(redis.url, deadline=DEADLINE, socket_timeout=timeout,
                                 socket_connect_timeout=timeout, **kw)
-    return store, Engine(store, policy, deadline=DEADLINE)
+    return store, Engine(store, policy, deadline=DEADLINE,
+                         breaker=Breaker(SYSTEM_CLOCK, threshold=10**9))
 
 
 class Load:
