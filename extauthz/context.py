@@ -72,3 +72,7 @@ class RequestContext:
     #: live overrides for this identity, by limiter name (``extauthz.overrides``): each a
     #: mapping plan -> that limiter's numbers. Empty for nearly every request.
     overrides: Mapping[str, Mapping[str, Limits]] = field(default_factory=lambda: _NO_OVERRIDES)
+    #: the values of the policy's limiter keys (``Policy.keys``, same order), each a keyed
+    #: hash like ``identity`` and whether a part yielded nothing (then the hash is the
+    #: key's shared bucket, for ``on_missing_key: shared``).
+    keys: tuple[tuple[str, bool], ...] = ()

@@ -12,7 +12,7 @@ from typing import Any
 from redis import exceptions as rx
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 
-from ..base import BucketOp, CheckResult, Op, OpResult
+from ..base import BucketOp, CheckResult, CountOp, Op, OpResult
 from ..keys import Keys
 from .wire import Reply, StoreStats, check_results, num, wrap
 
@@ -106,6 +106,8 @@ async def _compensate(submit: Submit, stats: StoreStats,
             keys.append(op.key)
             if isinstance(op, BucketOp):
                 args.extend(("b", num(op.burst), num(op.cost)))
+            elif isinstance(op, CountOp):
+                args.extend(("q", str(op.cost), ""))
             else:
                 args.extend(("l", "", ""))
         if keys:
