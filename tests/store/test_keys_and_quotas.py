@@ -164,3 +164,21 @@ async def test_a_keyed_quota_per_route(store_case: StoreCase, tmp_path: Path) ->
     assert not await allowed(e, on("search"))
     store_case.clock.advance(10 * 60)  # 11:00
     assert await allowed(e, on("search"))
+
+
+async def test_a_request_refused_elsewhere_takes_nothing_from_the_quota(store_case: StoreCase,
+                                                                        tmp_path: Path) -> None:
+    """The quota's count and a per-IP bucket live under different hash tags (two slots on a
+    cluster): when the bucket refuses, the count the quota took is given back."""
+    store_case.clock.set(utc("2026-03-04T10:00:00"))
+    e = engine(store_case, tmp_path, [
+        {"name": "daily", "type": "quota", "limit": 2, "period": "day"},
+        {"name": "per-ip", "type": "request_rate", "rate": 0.001, "burst": 1, "key": [{"source_ip": True}]},
+    ])
+    assert await allowed(e, req("sk_a", "10.0.0.1"))
+    for _ in range(3):
+        _, d = await e.check(req("sk_a", "10.0.0.1"))
+        assert d.denied_by is not None and d.denied_by.limiter == "per-ip"
+    assert await allowed(e, req("sk_a", "10.0.0.2"))  # the quota's second request
+    _, d = await e.check(req("sk_a", "10.0.0.3"))
+    assert d.denied_by is not None and d.denied_by.limiter == "daily"
