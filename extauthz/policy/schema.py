@@ -7,6 +7,7 @@ request path only reads numbers. See ``docs/policy.md`` for the field reference.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -215,17 +216,6 @@ Key = Annotated[list[KeyPart], Field(min_length=1, max_length=8)]
 OnMissingKey = Literal["skip", "shared"]
 
 
-def _no_key(value: Any) -> Any:
-    if value is not None:
-        raise ValueError("a key is per customer; this limiter protects the whole fleet and "
-                         "takes none (only request_rate, concurrent_requests and quota do)")
-    return value
-
-
-NoKey = Annotated[
-    None, BeforeValidator(_no_key),
-    Field(description="Not allowed: fleet-wide limiters count the whole fleet."),
-]
 
 
 class PlanSpec(_Strict):
@@ -279,16 +269,23 @@ def cost_message(cost: float, burst: float) -> str:
     return f"cost ({cost:g}) is larger than burst ({burst:g}): no request could ever pass"
 
 
-def _no_plans(value: Any) -> Any:
-    if value is not None:
-        raise ValueError("plans are per customer; this limiter protects the whole fleet and "
-                         "takes none (only request_rate, concurrent_requests and quota do)")
-    return value
+def _fleet_takes_none(what: str) -> Callable[[Any], Any]:
+    """The validator of a per-customer field on a fleet-wide limiter: refused when set."""
+    def check(value: Any) -> Any:
+        if value is not None:
+            raise ValueError(f"{what} per customer; this limiter protects the whole fleet and "
+                             "takes none (only request_rate, concurrent_requests and quota do)")
+        return value
+    return check
 
 
 NoPlans = Annotated[
-    None, BeforeValidator(_no_plans),
+    None, BeforeValidator(_fleet_takes_none("plans are")),
     Field(description="Not allowed: fleet-wide limiters have no per-customer plans."),
+]
+NoKey = Annotated[
+    None, BeforeValidator(_fleet_takes_none("a key is")),
+    Field(description="Not allowed: fleet-wide limiters count the whole fleet."),
 ]
 
 
