@@ -90,8 +90,16 @@ MetadataPath = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_le
 
 #: a path in route metadata: keys through nested structs and indexes into lists
 #: (Envoy Gateway files a route's resources as a list: ``[resources, 0, annotations, x]``).
+def _path_item(value: Any) -> Any:
+    if (isinstance(value, str) and value) or (type(value) is int and value >= 0):
+        return value
+    raise ValueError("a path item is a key (a non-empty string) or a list index (an integer >= 0)")
+
+
 RouteMetadataPath = Annotated[
-    list[Annotated[str, Field(min_length=1)] | Annotated[int, Field(ge=0)]],
+    list[Annotated[str | int, BeforeValidator(_path_item),
+                   WithJsonSchema({"anyOf": [{"type": "string", "minLength": 1},
+                                             {"type": "integer", "minimum": 0}]})]],
     Field(min_length=1, max_length=16),
 ]
 
