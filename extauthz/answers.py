@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from .context import RequestContext
 from .policy.schema import MAX_REFILL
@@ -164,6 +165,8 @@ def denial(ctx: RequestContext, decision: Decision) -> Denial:
     if v.limit is not None and v.kind is Kind.RATE_LIMITER:
         body["limit"] = min(v.limit, MAX_HEADER_COUNT)
         body["remaining"] = _bounded(v.remaining or 0, MAX_HEADER_COUNT)
+    if v.resets_at is not None:
+        body["reset"] = datetime.fromtimestamp(v.resets_at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     if ctx.request_id:
         body["request_id"] = ctx.request_id
     headers = [

@@ -191,8 +191,12 @@ class Engine:
         # decided locally) and the index of its store op (or -1).
         slots: list[tuple[Limiter, bool, Verdict | None, int]] = []
         ops: list[Op] = []
+        skipped: list[str] = []
         for lim, enforce in snap.active:
             if not applies(lim.applies_to, ctx):
+                continue
+            if lim.key_missing(ctx):
+                skipped.append(lim.name)
                 continue
             local = lim.local(ctx, enforce)
             if local is not None and refused is None and local.refused:
@@ -253,6 +257,7 @@ class Engine:
             leases=lease_keys,
             lease_id=lease_id,
             failures=failures,
+            skipped=tuple(skipped),
         )
 
     def _internal_error(self, ctx: RequestContext, snap: Snapshot, exc: Exception) -> Decision:
@@ -266,7 +271,7 @@ class Engine:
         refused: Verdict | None = None
         for lim, _ in snap.active:
             try:
-                applicable = applies(lim.applies_to, ctx)
+                applicable = applies(lim.applies_to, ctx) and not lim.key_missing(ctx)
             except Exception:
                 applicable = True
             if applicable:

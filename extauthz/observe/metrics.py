@@ -74,6 +74,12 @@ class Metrics:
             "extauthz_store_call_seconds", "Latency of the one store call a check makes.",
             buckets=STORE_BUCKETS, registry=self.registry,
         )
+        self.skipped = Counter(
+            "extauthz_limiter_skipped", "Requests a limiter did not apply to, by limiter and "
+            "reason (key_missing: a part of its key yielded nothing).",
+            ["limiter", "reason"], registry=self.registry,
+        )
+        self._skipped: dict[str, Any] = {}
         self._decisions: dict[tuple[str, Tier, str, Outcome], Any] = {}
         self._requests: dict[tuple[Tier, str], Any] = {
             (tier, result): self.requests.labels(tier.value, result) for tier in Tier for result in RESULTS
@@ -84,6 +90,8 @@ class Metrics:
         ``policy`` (plans: the names the policy knows, so the label stays bounded)."""
         plans = sorted(policy.plan_names) or [""]
         for spec in policy.limiters:
+            if getattr(spec, "key", None) and spec.name not in self._skipped:
+                self._skipped[spec.name] = self.skipped.labels(spec.name, "key_missing")
             for tier in Tier:
                 for plan in plans:
                     for outcome in Outcome:
@@ -103,6 +111,11 @@ class Metrics:
                 child = children[(v.limiter, tier, plan, v.outcome)] = self.decisions.labels(
                     v.limiter, tier.value, plan, v.outcome.value)
             child.inc()
+        for name in decision.skipped:
+            skipped = self._skipped.get(name)
+            if skipped is None:
+                skipped = self._skipped[name] = self.skipped.labels(name, "key_missing")
+            skipped.inc()
         self._requests[(tier, request_result(decision))].inc()
 
     def request_counts(self) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from redis import exceptions as rx
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 
 from ...errors import StoreError
-from ..base import BucketOp, CheckResult, Op, OpResult
+from ..base import BucketOp, CheckResult, CountOp, Op, OpResult
 from ..keys import Keys
 from .wire import UNKNOWN, Merge, Reply, StoreStats, Unanswered, check_results, num, unknown_reply, wrap
 
@@ -134,6 +134,8 @@ async def _compensate(submit: Submit, stats: StoreStats,
             keys.append(op.key)
             if isinstance(op, BucketOp):
                 args.extend(("b", num(op.burst), num(op.cost)))
+            elif isinstance(op, CountOp):
+                args.extend(("q", str(op.cost), ""))
             else:
                 args.extend(("l", "", ""))
         if keys:

@@ -16,7 +16,7 @@ from redis import exceptions as rx
 
 from ...errors import StoreError, StoreTimeout, StoreUnavailable
 from .. import algorithms
-from ..base import BucketOp, CheckResult, Op, OpResult
+from ..base import BucketOp, CheckResult, CountOp, Op, OpResult
 
 __all__ = [
     "CLIENT_ERRORS", "MERGES", "NOSCRIPT_ATTEMPTS", "SCRIPT_NAMES", "UNKNOWN", "Merge", "Reply", "Script",
@@ -199,6 +199,8 @@ def op_args(op: Op) -> tuple[bytes, ...]:
     """The 5 ARGV check.lua reads per op (see its header)."""
     if isinstance(op, BucketOp):
         return _bucket_args(op.enforce, op.rate, op.burst, op.cost)
+    if isinstance(op, CountOp):
+        return _count_args(op.enforce, op.limit, op.cost, op.ttl)
     return _lease_args(op.enforce, op.limit, op.ttl)
 
 
@@ -206,6 +208,12 @@ def op_args(op: Op) -> tuple[bytes, ...]:
 def _bucket_args(enforce: bool, rate: float, burst: float, cost: float) -> tuple[bytes, ...]:
     return (b"b", b"1" if enforce else b"0", num(rate).encode(), num(burst).encode(),
             num(cost).encode())
+
+
+@functools.lru_cache(maxsize=4096)
+def _count_args(enforce: bool, limit: int, cost: int, ttl: int) -> tuple[bytes, ...]:
+    return (b"q", b"1" if enforce else b"0", str(int(limit)).encode(), str(int(cost)).encode(),
+            str(int(ttl)).encode())
 
 
 @functools.lru_cache(maxsize=4096)
