@@ -269,6 +269,22 @@ def test_existing_policy_configmap(chart: Any) -> None:
     assert volume["configMap"]["name"] == "my-policies"
 
 
+
+def test_dashboard_configmap_is_off_by_default_and_carries_the_dashboard(chart: Any) -> None:
+    assert "dashboards" not in json.dumps([o["metadata"]["name"] for o in render(chart)])
+    values = {"dashboards": {"enabled": True, "namespace": "monitoring",
+                             "annotations": {"grafana_folder": "Edge"}}}
+    report = helm.lint(CHART, values, strict=True, kube_version=f"v{KUBE_VERSION}")
+    assert report["errors"] == []
+    objects = render(chart, values)
+    [dashboards] = [o for o in objects if o["kind"] == "ConfigMap" and "extauthz.json" in o.get("data", {})]
+    kubernetes_validate.validate(dashboards, KUBE_VERSION, strict=True)
+    assert dashboards["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboards["metadata"]["namespace"] == "monitoring"
+    assert dashboards["metadata"]["annotations"] == {"grafana_folder": "Edge"}
+    shipped = json.loads((CHART / "dashboards" / "extauthz.json").read_text())
+    assert json.loads(dashboards["data"]["extauthz.json"]) == shipped
+
 @pytest.mark.parametrize("name", ["default", "full"])
 def test_admin_port_is_never_exposed(name: str, request: pytest.FixtureRequest) -> None:
     objects = request.getfixturevalue(name + "_objects")

@@ -8,7 +8,7 @@ import json
 import logging
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
@@ -18,14 +18,28 @@ import yaml
 
 from extauthz.classify import hash_identity
 from extauthz.clock import Clock, ManualClock
+from extauthz.errors import StoreUnavailable
 from extauthz.observe.logs import JsonFormatter
 from extauthz.proto import auth_pb2, auth_pb2_grpc
 from extauthz.server.app import Server, ServerConfig
-from extauthz.store.base import Store
+from extauthz.store.base import CheckResult, Op, Store
+from extauthz.store.memory import MemoryStore
 
 SALT = "test-salt"
 IDENTITY = [{"header": "x-api-key"}, {"header": "authorization", "strip_prefix": "Bearer "},
             {"source_ip": True}]
+
+
+class FlakyStore(MemoryStore):
+    """The embedded store, except that it can fail (so it goes through the deadline path)."""
+
+    immediate = False
+    fail = False
+
+    async def check(self, ops: Sequence[Op], lease_id: str) -> CheckResult:
+        if self.fail:
+            raise StoreUnavailable("down for the test")
+        return await super().check(ops, lease_id)
 
 
 def write_policy(path: Path, limiters: list[dict[str, Any]], **extra: Any) -> Path:

@@ -4,7 +4,6 @@ shipped alert rules parse and name only metrics the server exports."""
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,29 +11,14 @@ import pytest
 import yaml
 
 from extauthz.clock import ManualClock
-from extauthz.errors import StoreUnavailable
 from extauthz.limiters import WorkerUtilizationShedder
 from extauthz.sampler import sample_once
-from extauthz.store.base import CheckResult, Op
-from extauthz.store.memory import MemoryStore
 from extauthz.store.redis import RedisStore
 from extauthz.verdict import Mode
 from tests.conftest import ROOT
 from tests.infra.redis_servers import RedisSingle
 
-from .helpers import rate, running, samples, scrape, value, write_policy
-
-
-class FlakyStore(MemoryStore):
-    """The embedded store, except that it can fail (so it goes through the deadline path)."""
-
-    immediate = False
-    fail = False
-
-    async def check(self, ops: Sequence[Op], lease_id: str) -> CheckResult:
-        if self.fail:
-            raise StoreUnavailable("down for the test")
-        return await super().check(ops, lease_id)
+from .helpers import FlakyStore, rate, running, samples, scrape, value, write_policy
 
 
 def metrics_policy(tmp_path: Path) -> Path:
@@ -105,6 +89,8 @@ async def test_metrics_after_known_traffic(tmp_path: Path) -> None:
         assert value(m, "extauthz_shed_level", limiter="workers", tier="post") == 0.0
         assert value(m, "extauthz_shed_level", limiter="workers", tier="critical") == 0.0
         assert value(m, "extauthz_leases_in_flight", limiter="fleet") == 3  # 3 admitted, none released
+        assert value(m, "extauthz_fleet_capacity", limiter="fleet") == 100
+        assert value(m, "extauthz_shed_utilization", limiter="workers") == 1.0  # the signal read
         assert value(m, "extauthz_policy_info", version=version) == 1
         assert value(m, "extauthz_policy_reload_failures_total") == 0
         assert value(m, "extauthz_policy_reload_error") == 0
