@@ -285,6 +285,40 @@ def test_dashboard_configmap_is_off_by_default_and_carries_the_dashboard(chart: 
     shipped = json.loads((CHART / "dashboards" / "extauthz.json").read_text())
     assert json.loads(dashboards["data"]["extauthz.json"]) == shipped
 
+TEAMS = ["team-payments-policy", "team-search-policy"]
+
+
+@pytest.mark.parametrize("values, sources", [
+    ({"policies": {"configMaps": TEAMS}}, [f"{RELEASE}-policies", *TEAMS]),
+    ({"policies": {"api.yaml": None, "configMaps": TEAMS}}, TEAMS),
+    ({"existingPolicyConfigMap": "platform-policy", "policies": {"configMaps": TEAMS}}, ["platform-policy", *TEAMS]),
+], ids=["with-the-chart-file", "teams-only", "with-existing"])
+def test_several_policy_configmaps_are_one_projected_directory(
+        chart: Any, values: dict[str, Any], sources: list[str]) -> None:
+    assert helm.lint(CHART, values, strict=True, kube_version=f"v{KUBE_VERSION}")["errors"] == []
+    objects = render(chart, values)
+    for obj in objects:
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+    pod = by_kind(objects, "Deployment")["spec"]["template"]["spec"]
+    [volume] = [v for v in pod["volumes"] if v["name"] == "policies"]
+    assert "configMap" not in volume
+    # no items: every key of every ConfigMap is a file of the one directory, which the kubelet
+    # updates with the same atomic ..data swap as a ConfigMap volume
+    assert volume["projected"] == {"sources": [{"configMap": {"name": n}} for n in sources]}
+    main = container(objects)
+    [mount] = [m for m in main["volumeMounts"] if m["name"] == "policies"]
+    assert mount == {"name": "policies", "mountPath": "/etc/extauthz/policies", "readOnly": True}
+    chart_maps = [o for o in objects if o["kind"] == "ConfigMap"]
+    assert [o["metadata"]["name"] for o in chart_maps] == [n for n in sources if n == f"{RELEASE}-policies"]
+    for o in chart_maps:
+        assert set(o["data"]) == {"api.yaml"}  # the configMaps key is not a file
+
+
+def test_a_team_configmap_edit_leaves_the_pod_template_unchanged(chart: Any) -> None:
+    values = {"policies": {"configMaps": TEAMS}}
+    edited = {"policies": {"configMaps": TEAMS, "api.yaml": "version: 1\nlimiters: []\n"}}
+    assert by_kind(render(chart, values), "Deployment") == by_kind(render(chart, edited), "Deployment")
+
 @pytest.mark.parametrize("name", ["default", "full"])
 def test_admin_port_is_never_exposed(name: str, request: pytest.FixtureRequest) -> None:
     objects = request.getfixturevalue(name + "_objects")
@@ -431,6 +465,7 @@ def test_metrics_can_be_turned_off(chart: Any) -> None:
     ({"redis": {"url": "redis://r:6379", "existingSecret": "r"}}, "only one of redis"),
     ({"metrics": {"enabled": False, "serviceMonitor": {"enabled": True}}}, "needs metrics.enabled"),
     ({"policies": None}, "existingPolicyConfigMap"),
+    ({"policies": {"api.yaml": None, "configMaps": []}}, "policies.configMaps or existingPolicyConfigMap"),
     ({"server": {"workers": 2}}, "shared store"),
     ({"redis": {"url": "redis://r:6379"}, "server": {"workers": 4, "grpcPort": 9466}}, "outside the metrics ports"),
     ({"server": {"httpPort": 9005}, "tls": {"existingSecret": "t"}}, "httpPort is plaintext"),
@@ -462,6 +497,9 @@ BAD_VALUES = [
     {"redis": {"url": "http://redis:6379"}},
     {"policies": {"api.json": "{}"}},
     {"policies": {"api.yaml": 42}},
+    {"policies": {"configMaps": "team-a-policy"}},  # a list
+    {"policies": {"configMaps": ["Team_A"]}},  # not a ConfigMap name
+    {"policies": {"configMaps": ["team-a", "team-a"]}},
     {"service": {"type": "ExternalName"}},
     {"lifecycle": {"preStopMode": "later"}},
     {"image": {"pullPolicy": "Sometimes"}},
