@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .context import RawRequest, RequestContext
-from .policy.model import IdentitySource, MetadataTest, Policy
+from .policy.model import IdentitySource, MetadataTest, Policy, RouteRef
 from .tiers import READ_METHODS, Tier
 from .verdict import Limits
 
@@ -33,14 +33,39 @@ def hash_identity(value: str, source: str, salt: bytes = b"") -> str:
     return h.hexdigest()
 
 
-def metadata_value(metadata: Mapping[str, Any], namespace: str, path: Sequence[str]) -> Any:
-    """The value at ``path`` in ``metadata[namespace]`` (nested mappings), or None."""
-    node = metadata.get(namespace)
+def path_value(node: Any, path: Sequence[str | int]) -> Any:
+    """The value at ``path`` in ``node``, or None: the ONE walk through metadata (filter or
+    route metadata; plain dicts and lists, or protobuf Structs and ListValues, which are
+    Mappings and Sequences). A string follows a mapping's key, an integer a list's index
+    (``[resources, 0, annotations, extauthz-tier]``); anything else on the way yields None."""
     for key in path:
-        if not isinstance(node, Mapping):
+        if isinstance(key, int):
+            if isinstance(node, (str, bytes)) or not isinstance(node, Sequence) or not 0 <= key < len(node):
+                return None
+            node = node[key]
+        elif isinstance(node, Mapping) and key in node:
+            node = node[key]
+        else:
             return None
-        node = node.get(key)
     return node
+
+
+def metadata_value(metadata: Mapping[str, Any], namespace: str, path: Sequence[str | int]) -> Any:
+    """The value at ``path`` in ``metadata[namespace]``, or None (:func:`path_value`)."""
+    return path_value(metadata.get(namespace), path)
+
+
+def route_metadata_values(metadata: Mapping[str, Any], refs: Sequence[RouteRef]) -> dict[RouteRef, Any]:
+    """The scalars (string, number, boolean) at ``refs`` in a route's filter metadata
+    (namespace -> struct): what the edge copies into ``RawRequest.route_metadata``."""
+    out: dict[RouteRef, Any] = {}
+    for ref in refs:
+        namespace, path = ref
+        if namespace in metadata:
+            value = path_value(metadata[namespace], path)
+            if isinstance(value, (str, int, float)):  # bool is an int
+                out[ref] = value
+    return out
 
 
 def identity_text(value: Any) -> str:

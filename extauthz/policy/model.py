@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..tiers import Tier
-from .schema import AppliesTo, IdentityRule, LimiterSpec, Match, PolicyFile
+from .schema import AppliesTo, Classification, IdentityRule, LimiterSpec, Match, PolicyFile
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +50,12 @@ def compile_match(m: Match | AppliesTo) -> Matcher:
 
 
 MetadataPath = tuple[str, ...]
+#: a path in route metadata: keys and list indexes (``classify.path_value`` follows it).
+RoutePath = tuple[str | int, ...]
+#: (namespace, path) of a value in the route's filter metadata.
+RouteRef = tuple[str, RoutePath]
+#: where the route names its tier when the policy does not say.
+DEFAULT_ROUTE_TIER: RouteRef = ("extauthz", ("tier",))
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +103,8 @@ class Policy:
     identity: tuple[IdentitySource, ...]
     test_key_prefix: str | None
     test_header: str | None
-    route_metadata_namespace: str
+    #: where the route's metadata names the tier (``classification.route_metadata``).
+    route_metadata: RouteRef
     context_extension_key: str
     rules: tuple[Rule, ...]
     limiters: tuple[LimiterSpec, ...]
@@ -118,6 +125,17 @@ class Policy:
         for rule in self.rules:
             names |= rule.matcher.header_names
         return frozenset(n.lower() for n in names)
+
+    @property
+    def route_metadata_namespace(self) -> str:
+        """The route metadata namespace the classifier reads (the tier's)."""
+        return self.route_metadata[0]
+
+    @property
+    def needed_route_metadata(self) -> tuple[RouteRef, ...]:
+        """The route-metadata values the engine reads, the tier's first; the edge extracts
+        only these."""
+        return (self.route_metadata,)
 
     @property
     def needed_metadata(self) -> Mapping[str, tuple[MetadataPath, ...]]:
@@ -155,6 +173,19 @@ def compile_sources(rules: Sequence[IdentityRule]) -> tuple[IdentitySource, ...]
     )
 
 
+def route_tier_ref(classification: Classification | None) -> RouteRef:
+    """Where the tier is read: ``route_metadata``, or its short form
+    ``route_metadata_namespace: NS`` (``{namespace: NS, path: [tier]}``), or the default."""
+    if classification is None:
+        return DEFAULT_ROUTE_TIER
+    if classification.route_metadata is not None:
+        ref = classification.route_metadata
+        return ref.namespace, tuple(ref.path)
+    if classification.route_metadata_namespace is not None:
+        return classification.route_metadata_namespace, DEFAULT_ROUTE_TIER[1]
+    return DEFAULT_ROUTE_TIER
+
+
 def compile_policy(files: Sequence[PolicyFile], *, version: str,
                    sources: tuple[str, ...] = ()) -> Policy:
     identity = next((f.identity for f in files if f.identity is not None), None)
@@ -168,7 +199,7 @@ def compile_policy(files: Sequence[PolicyFile], *, version: str,
         identity=compile_sources(identity) if identity else DEFAULT_IDENTITY,
         test_key_prefix=test_mode.key_prefix if test_mode else None,
         test_header=test_mode.header.lower() if test_mode and test_mode.header else None,
-        route_metadata_namespace=classification.route_metadata_namespace if classification else "extauthz",
+        route_metadata=route_tier_ref(classification),
         context_extension_key=classification.context_extension_key if classification else "tier",
         rules=tuple(
             Rule(compile_match(r.match), Tier(r.tier)) for r in classification.rules

@@ -87,6 +87,28 @@ class _Strict(BaseModel):
 MetadataPath = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=16)]
 
 
+#: a path in route metadata: keys through nested structs and indexes into lists
+#: (Envoy Gateway files a route's resources as a list: ``[resources, 0, annotations, x]``).
+RouteMetadataPath = Annotated[
+    list[Annotated[str, Field(min_length=1)] | Annotated[int, Field(ge=0)]],
+    Field(min_length=1, max_length=16),
+]
+
+
+class RouteMetadataRef(_Strict):
+    """A value in the route's ``metadata.filter_metadata`` (the CheckRequest's
+    ``route_metadata_context``)."""
+
+    namespace: str = Field(
+        min_length=1, description="filter_metadata namespace of the route, e.g. 'envoy-gateway' "
+        "(the ext_authz filter must list it in 'route_metadata_context_namespaces')."
+    )
+    path: RouteMetadataPath = Field(
+        description="Keys followed through nested structs and indexes into lists, e.g. "
+        "[resources, 0, annotations, extauthz-tier]."
+    )
+
+
 class MetadataRef(_Strict):
     """A value in the CheckRequest's ``metadata_context.filter_metadata``."""
 
@@ -233,11 +255,22 @@ class ClassificationRule(_Strict):
 
 
 class Classification(_Strict):
-    route_metadata_namespace: str = Field(
-        "extauthz", description="filter_metadata namespace of the route holding 'tier'."
+    route_metadata: RouteMetadataRef | None = Field(
+        None, description="Where the route's metadata names its tier (default: namespace "
+        "'extauthz', path [tier])."
+    )
+    route_metadata_namespace: str | None = Field(
+        None, min_length=1, description="Short form of route_metadata: {namespace: NS, path: [tier]}."
     )
     context_extension_key: str = Field("tier", description="context_extensions key naming the tier.")
     rules: list[ClassificationRule] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _one_route_metadata(self) -> Classification:
+        if self.route_metadata is not None and self.route_metadata_namespace is not None:
+            raise ValueError("set 'route_metadata' or its short form 'route_metadata_namespace', "
+                             "not both")
+        return self
 
 
 class AppliesTo(_Strict):
