@@ -74,6 +74,11 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="on the HTTP port, take the client's method, path and host from "
                    "X-Forwarded-Method/-Uri/-Host (Traefik ForwardAuth); never with Envoy "
                    "[EXTAUTHZ_HTTP_FORWARD_AUTH]")
+    p.add_argument("--http-path-prefix", default=_env("HTTP_PATH_PREFIX", ""),
+                   help="on the HTTP port, the path prefix Envoy puts before the client's path "
+                   "(http_service.path_prefix; Envoy Gateway's SecurityPolicy extAuth.http.path), "
+                   "removed before classifying; paths without it are taken as they are "
+                   "[EXTAUTHZ_HTTP_PATH_PREFIX; default none]")
     p.add_argument("--redis-url", default=_env("REDIS_URL"),
                    help="Redis store URL; without it the embedded store serves one replica "
                    "[EXTAUTHZ_REDIS_URL]")
@@ -143,10 +148,16 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def cmd_serve(args: argparse.Namespace) -> int:
     from .observe.logs import configure_logging
     from .server.app import ServerConfig, serve
+    from .server.http import path_prefix
     from .server.portfile import admin_url_path
 
     if not 0.0 < args.record_sample <= 1.0:
         print(f"extauthz: --record-sample must be in (0, 1], not {args.record_sample}", file=sys.stderr)
+        return 2
+    try:
+        path_prefix(args.http_path_prefix)
+    except ValueError as exc:
+        print(f"extauthz: --http-path-prefix: {exc}", file=sys.stderr)
         return 2
     listener = configure_logging(args.log_level, args.log_format)
     url_file = args.admin_url_file
@@ -158,6 +169,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         policies=list(args.policies), listen=args.listen, http_listen=args.http_listen or None,
         http_forward_auth=args.http_forward_auth,
+        http_path_prefix=args.http_path_prefix,
         **({"http_max_active_checks": args.http_max_active_checks} if args.http_max_active_checks else {}),
         redis_url=args.redis_url or None,
         store_deadline_ms=args.store_deadline_ms, key_prefix=args.key_prefix,
