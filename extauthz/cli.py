@@ -263,6 +263,42 @@ def cmd_envoy_allowed_headers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _host_port(flag: str, value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{flag}: HOST:PORT with a port in 1-65535, not {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def cmd_envoy_config(args: argparse.Namespace) -> int:
+    from .envoy_bootstrap import TlsFiles, render
+    from .policy import load_policy
+
+    try:
+        policy = load_policy(list(args.policies))
+    except PolicyError as exc:
+        for issue in exc.issues:
+            print(f"error: {issue}", file=sys.stderr)
+        return 1
+    tls_files = (args.tls_client_cert, args.tls_client_key, args.tls_ca)
+    try:
+        if any(tls_files) and not all(tls_files):
+            raise ValueError("--tls-client-cert, --tls-client-key and --tls-ca go together")
+        if not 0 < args.listen_port < 65536:
+            raise ValueError(f"--listen-port: 1-65535, not {args.listen_port}")
+        text = render(
+            policy, protocol=args.protocol, upstream=_host_port("--upstream", args.upstream),
+            authz=_host_port("--authz", args.authz) if args.authz else None,
+            access_log_to=_host_port("--access-log-to", args.access_log_to) if args.access_log_to else None,
+            listen_port=args.listen_port, access_log=args.access_log,
+            tls=TlsFiles(*tls_files) if all(tls_files) else None)
+    except ValueError as exc:
+        print(f"extauthz envoy-config: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="extauthz",
@@ -285,6 +321,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--protocol", choices=PROTOCOLS, default="http",
                    help="the filter's grpc_service (envoy.yaml and its variants) or http_service "
                    "(envoy-http.yaml); default http")
+    text = ("print a complete Envoy bootstrap for a policy: ext_authz with the headers it reads, "
+            "the filters stripping client copies of trusted headers, the 503 mapping (HTTP), "
+            "the access log when the policy holds leases (docs/envoy.md)")
+    p = sub.add_parser("envoy-config", help=text, description=text)
+    p.add_argument("--policies", nargs="+", required=True, metavar="DIR", help="policy file(s) or directory")
+    p.add_argument("--protocol", choices=PROTOCOLS, required=True,
+                   help="the ext_authz filter's grpc_service (Check) or http_service (serve --http-listen)")
+    p.add_argument("--upstream", required=True, metavar="HOST:PORT", help="the protected application")
+    p.add_argument("--authz", metavar="HOST:PORT", default=None,
+                   help="where Envoy reaches the server: its gRPC port (grpc) or HTTP authorization "
+                   "port (http); default 127.0.0.1:9001 / 127.0.0.1:9003")
+    p.add_argument("--access-log-to", metavar="HOST:PORT", default=None,
+                   help="the gRPC port that receives the access log (default: --authz on grpc, "
+                   "port 9001 of the --authz host on http)")
+    p.add_argument("--listen-port", type=int, default=10000, metavar="N",
+                   help="Envoy's listener port on 127.0.0.1 (default 10000)")
+    p.add_argument("--tls-client-cert", default=None, help="Envoy's client certificate (mTLS to the gRPC port)")
+    p.add_argument("--tls-client-key", default=None, help="its private key")
+    p.add_argument("--tls-ca", default=None, help="the CA that signed the server's certificate")
+    p.add_argument("--access-log", choices=("auto", "always", "never"), default="auto",
+                   help="the gRPC access log that releases leases: auto = only when the policy "
+                   "holds a lease limiter (concurrent_requests, fleet_usage, an inflight signal)")
     add_ops_parsers(sub)
     add_simulate_parser(sub)
     text = ("quick start: Envoy + server + upstream on this machine, a burst of traffic per "
@@ -310,6 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "check-policies": cmd_check_policies,
         "schema": cmd_schema,
         "envoy-allowed-headers": cmd_envoy_allowed_headers,
+        "envoy-config": cmd_envoy_config,
         "demo": cmd_demo,
         "switch": cmd_switch,
         "report": cmd_report,
