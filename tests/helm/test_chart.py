@@ -571,6 +571,17 @@ def test_istio_example_is_consistent(default_objects: list[dict[str, Any]], tmp_
     assert load_policy([str(tmp_path)]).limiters
 
 
+def test_envoy_gateway_values_render_and_validate(chart: Any) -> None:
+    values = yaml.safe_load((CHART / "examples" / "envoy-gateway" / "values-envoy-gateway.yaml").read_text())
+    jsonschema.validate(merged(values), schema())
+    objects = render(chart, values)
+    for obj in objects:
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+    env = env_of(container(objects))
+    assert env["EXTAUTHZ_HTTP_PATH_PREFIX"]["value"] == "/authz"
+    assert env["EXTAUTHZ_HTTP_LISTEN"]["value"] == "0.0.0.0:9003"
+
+
 def test_istio_values_render_and_validate(chart: Any) -> None:
     values = yaml.safe_load((ISTIO / "values-istio.yaml").read_text())
     for obj in render(chart, values):
