@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from . import __version__
 from .answers import PROTOCOLS
@@ -16,6 +17,9 @@ from .opscli import add_parsers as add_ops_parsers
 from .opscli import cmd_override, cmd_report, cmd_status, cmd_switch
 from .simulate.cli import add_parser as add_simulate_parser
 from .simulate.cli import cmd_simulate
+
+if TYPE_CHECKING:
+    from .policy.model import Policy
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -245,15 +249,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo_main(policies=args.policies, protocol=args.protocol)
 
 
-def cmd_envoy_allowed_headers(args: argparse.Namespace) -> int:
+def _policy_or_errors(paths: list[str]) -> Policy | None:
+    """The policy, or None after printing each of its problems."""
     from .policy import load_policy
-    from .server.http import allowed_headers
 
     try:
-        policy = load_policy(list(args.policies))
+        return load_policy(paths)
     except PolicyError as exc:
         for issue in exc.issues:
             print(f"error: {issue}", file=sys.stderr)
+        return None
+
+
+def cmd_envoy_allowed_headers(args: argparse.Namespace) -> int:
+    from .server.http import allowed_headers
+
+    policy = _policy_or_errors(list(args.policies))
+    if policy is None:
         return 1
     service = "http_service" if args.protocol == "http" else "grpc_service"
     print(f"# ext_authz ({service}): the request headers the policy and the {args.protocol} edge read")
@@ -272,13 +284,9 @@ def _host_port(flag: str, value: str) -> tuple[str, int]:
 
 def cmd_envoy_config(args: argparse.Namespace) -> int:
     from .envoy_bootstrap import TlsFiles, render
-    from .policy import load_policy
 
-    try:
-        policy = load_policy(list(args.policies))
-    except PolicyError as exc:
-        for issue in exc.issues:
-            print(f"error: {issue}", file=sys.stderr)
+    policy = _policy_or_errors(list(args.policies))
+    if policy is None:
         return 1
     tls_files = (args.tls_client_cert, args.tls_client_key, args.tls_ca)
     try:

@@ -13,11 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
-import threading
-import time
-import urllib.request
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +29,7 @@ from extauthz.devtools.upstream import Upstream, start_upstream
 from extauthz.policy import load_policy
 
 from ..conftest import ROOT
+from .waits import GATEWAY_LIMITERS, held_request, live_leases, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -42,7 +39,6 @@ EXT_AUTHZ = "envoy.filters.http.ext_authz"
 EG_NAMESPACE = "envoy-gateway"
 EG_PREFIX = "gateway.envoyproxy.io/"
 GRPC_HOST, HTTP_HOST = "grpc.example.com", "http.example.com"
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def docs(name: str) -> list[dict[str, Any]]:
@@ -230,10 +226,7 @@ classification:
   rules:
     - match: {methods: [POST], path_prefix: /v1/charges}
       tier: critical
-limiters:
-  - {name: user-rate, type: request_rate, rate: 0.001, burst: 3, applies_to: {path_prefix: /rate}}
-  - {name: fleet, type: fleet_usage, capacity: 2, reserved_for_critical: 0.5, applies_to: {path_prefix: /v1/}}
-"""
+""" + GATEWAY_LIMITERS
 
 
 @dataclass
@@ -243,9 +236,7 @@ class EgStack:
     envoy: EnvoyProcess
 
     def live_leases(self) -> dict[str, int]:
-        with _OPENER.open(f"http://127.0.0.1:{self.server.admin_port}/status", timeout=5) as resp:
-            leases: dict[str, int] = json.load(resp)["store"]["live_leases"]
-        return leases
+        return live_leases(self.server)
 
     def send(self, host: str, path: str, key: str, method: str = "GET", *, settle: bool = False) -> Result:
         """One request; ``settle``: first wait until the access log has released every lease
@@ -254,17 +245,6 @@ class EgStack:
             wait_for(lambda: self.live_leases() == {})
         with HttpClient() as c:
             return c.send(self.envoy.url + path, method=method, headers={"host": host, "x-api-key": key})
-
-
-def wait_for(predicate, timeout: float = 15.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -323,18 +303,8 @@ def test_503_for_non_critical_at_capacity_and_release_through_the_access_log(
     """fleet: capacity 2, half reserved for critical: one non-critical request in flight fills
     the non-critical share. The slow one's lease comes back through the access log."""
     wait_for(lambda: stack.live_leases() == {})
-    started = threading.Event()
-
-    def slow() -> int:
-        with HttpClient(timeout=30) as c:
-            started.set()
-            headers = {"host": host, "x-api-key": "sk_live_slow"}
-            return c.send(stack.envoy.url + "/v1/slow?delay=2", headers=headers).status
-
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        held = pool.submit(slow)
-        started.wait(5)
-        wait_for(lambda: sum(stack.live_leases().values()) >= 1)
+    with held_request(stack.envoy.url + "/v1/slow?delay=2", {"host": host, "x-api-key": "sk_live_slow"},
+                      stack.server) as held:
         shed = stack.send(host, "/v1/customers", "sk_live_other")
         assert shed.status == 503 and shed.limiter == "fleet"  # HTTP: 420 mapped by the EnvoyPatchPolicy
         assert "retry-after" in shed.headers

@@ -9,12 +9,7 @@ held lease released through the access log long before its TTL."""
 
 from __future__ import annotations
 
-import json
-import threading
-import time
-import urllib.request
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -27,6 +22,8 @@ from extauthz.devtools.stack import ServerProcess
 from extauthz.devtools.upstream import Upstream, start_upstream
 
 from ..conftest import ROOT
+from .istio_like import hcm
+from .waits import GATEWAY_LIMITERS, held_request, live_leases, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -34,20 +31,11 @@ CONFIG = config_path("istio-waypoint.yaml")
 AMBIENT = ROOT / "helm" / "extauthz" / "examples" / "istio-ambient"
 ISTIO = ROOT / "helm" / "extauthz" / "examples" / "istio"
 API_CLUSTER = "inbound-vip|8080|http|api.default.svc.cluster.local"
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def doc(directory: Any, name: str, kind: str) -> dict[str, Any]:
     [found] = [d for d in yaml.safe_load_all((directory / name).read_text()) if d and d["kind"] == kind]
     return found  # type: ignore[no-any-return]
-
-
-def hcm(config: dict[str, Any]) -> dict[str, Any]:
-    [listener] = config["static_resources"]["listeners"]
-    [chain] = listener["filter_chains"]
-    [manager] = chain["filters"]
-    typed: dict[str, Any] = manager["typed_config"]
-    return typed
 
 
 def test_config_is_the_waypoint_chain_istiod_generates() -> None:
@@ -110,10 +98,7 @@ classification:
   rules:
     - match: {methods: [POST], path_prefix: /v1/charges}
       tier: critical
-limiters:
-  - {name: user-rate, type: request_rate, rate: 0.001, burst: 3, applies_to: {path_prefix: /rate}}
-  - {name: fleet, type: fleet_usage, capacity: 2, reserved_for_critical: 0.5, applies_to: {path_prefix: /v1/}}
-"""
+""" + GATEWAY_LIMITERS
 
 
 class Waypoint:
@@ -121,9 +106,7 @@ class Waypoint:
         self.upstream, self.server, self.envoy = upstream, server, envoy
 
     def live_leases(self) -> dict[str, int]:
-        with _OPENER.open(f"http://127.0.0.1:{self.server.admin_port}/status", timeout=5) as resp:
-            leases: dict[str, int] = json.load(resp)["store"]["live_leases"]
-        return leases
+        return live_leases(self.server)
 
     def send(self, path: str, key: str, method: str = "GET") -> Result:
         with HttpClient() as c:
@@ -131,17 +114,6 @@ class Waypoint:
 
     def checks(self) -> int:
         return sum(self.envoy.stats(r"ext_authz\.ok$|ext_authz\.denied$").values())
-
-
-def wait_for(predicate, timeout: float = 15.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -182,17 +154,8 @@ def test_allowed_429_and_health_checks_unchecked(waypoint: Waypoint) -> None:
 
 def test_503_at_fleet_capacity_and_release_through_the_access_log(waypoint: Waypoint) -> None:
     wait_for(lambda: waypoint.live_leases() == {})
-    started = threading.Event()
-
-    def slow() -> int:
-        with HttpClient(timeout=30) as c:
-            started.set()
-            return c.send(waypoint.envoy.url + "/v1/slow?delay=2", headers={"x-api-key": "sk_live_slow"}).status
-
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        held = pool.submit(slow)
-        started.wait(5)
-        wait_for(lambda: sum(waypoint.live_leases().values()) >= 1)
+    with held_request(waypoint.envoy.url + "/v1/slow?delay=2", {"x-api-key": "sk_live_slow"},
+                      waypoint.server) as held:
         shed = waypoint.send("/v1/customers", "sk_live_other")
         assert shed.status == 503 and shed.limiter == "fleet" and "retry-after" in shed.headers
         critical = waypoint.send("/v1/charges", "sk_live_crit", method="POST")

@@ -42,6 +42,34 @@ class FlakyStore(MemoryStore):
         return await super().check(ops, lease_id)
 
 
+def metrics_policy(tmp_path: Path, *extra: dict[str, Any]) -> Path:
+    """A bucket, a shadow bucket, a fleet shedder and a worker shedder on a redis signal (and
+    ``extra`` limiters): the policy of the metrics tests."""
+    return write_policy(tmp_path / "p" / "api.yaml", [
+        rate("user-rate", burst=3),
+        rate("dark", burst=1, mode="shadow"),
+        *extra,
+        {"name": "fleet", "type": "fleet_usage", "capacity": 100, "reserved_for_critical": 0.2},
+        {"name": "workers", "type": "worker_utilization", "signal": {"source": "redis"},
+         "sample_interval": "60s", "good_below": 0.5, "bad_above": 0.6,
+         "delay_before_shedding": "10s", "time_to_shed_all": "10s"},
+    ], test_mode={"key_prefix": "sk_test_"})
+
+
+async def shed_half(server: Server, store: MemoryStore, clock: ManualClock) -> None:
+    """Drive the ``workers`` shedder of :func:`metrics_policy` to level 0.5: its signal reads
+    1.0 for its 10 s delay and half of its 10 s ramp (the test tier is then shed entirely)."""
+    from extauthz.limiters import WorkerUtilizationShedder
+    from extauthz.sampler import sample_once
+
+    workers = next(w for w in server.engine.snapshot.workers if w.name == "workers")
+    assert isinstance(workers, WorkerUtilizationShedder)
+    await store.set_value(workers.signal_key, "1.0")
+    for step in (0, 10, 5):
+        clock.advance(step)
+        await sample_once(server.engine, workers)
+
+
 def write_policy(path: Path, limiters: list[dict[str, Any]], **extra: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump({"version": 1, "identity": IDENTITY, "limiters": limiters, **extra},

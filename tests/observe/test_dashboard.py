@@ -13,13 +13,11 @@ from typing import Any
 import grpc
 
 from extauthz.clock import ManualClock
-from extauthz.limiters import WorkerUtilizationShedder
 from extauthz.proto import accesslog_pb2, accesslog_pb2_grpc, auth_pb2_grpc
-from extauthz.sampler import sample_once
 from extauthz.server.edge import EXT_AUTHZ_NAMESPACE
 from tests.conftest import ROOT
 
-from .helpers import FlakyStore, check_request, rate, running, samples, scrape, write_policy
+from .helpers import FlakyStore, check_request, metrics_policy, running, samples, scrape, shed_half
 
 DASHBOARD = ROOT / "helm" / "extauthz" / "dashboards" / "extauthz.json"
 #: The classic model's schemaVersion that Grafana 12 writes and migrates older dashboards to
@@ -83,22 +81,11 @@ def test_dashboard_is_a_grafana_dashboard_at_the_current_schema_version() -> Non
     assert {p["title"] for p in dash["panels"] if p["type"] != "row"} == PANELS
 
 
-def policy(tmp_path: Path) -> Path:
-    return write_policy(tmp_path / "p" / "api.yaml", [
-        rate("user-rate", burst=3),
-        rate("dark", burst=1, mode="shadow"),
-        {"name": "conc", "type": "concurrent_requests", "limit": 1},
-        {"name": "fleet", "type": "fleet_usage", "capacity": 100, "reserved_for_critical": 0.2},
-        {"name": "workers", "type": "worker_utilization", "signal": {"source": "redis"},
-         "sample_interval": "60s", "good_below": 0.5, "bad_above": 0.6,
-         "delay_before_shedding": "10s", "time_to_shed_all": "10s"},
-    ], test_mode={"key_prefix": "sk_test_"})
-
-
 async def test_every_metric_a_panel_queries_is_exported_after_traffic(tmp_path: Path) -> None:
     clock = ManualClock()
     store = FlakyStore(clock)
-    async with running([policy(tmp_path).parent], store=store, clock=clock) as (server, client):
+    policy = metrics_policy(tmp_path, {"name": "conc", "type": "concurrent_requests", "limit": 1})
+    async with running([policy.parent], store=store, clock=clock) as (server, client):
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             auth = auth_pb2_grpc.AuthorizationStub(channel)
             req = check_request(headers={"x-api-key": "sk_live_alice"}, request_id="req-1")
@@ -121,12 +108,7 @@ async def test_every_metric_a_panel_queries_is_exported_after_traffic(tmp_path: 
         store.fail = True  # every store-backed limiter fails open
         assert await client.check("sk_live_bob") == 200
         store.fail = False
-        workers = next(w for w in server.engine.snapshot.workers if w.name == "workers")
-        assert isinstance(workers, WorkerUtilizationShedder)
-        await store.set_value(workers.signal_key, "1.0")
-        for step in (0, 10, 5):
-            clock.advance(step)
-            await sample_once(server.engine, workers)
+        await shed_half(server, store, clock)
         assert await client.check("sk_test_carol") == 503  # the test tier is shed
         assert server.ops.leases is not None
         await server.ops.leases.sample_once()
