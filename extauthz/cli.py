@@ -14,7 +14,7 @@ from . import __version__
 from .answers import PROTOCOLS
 from .errors import PolicyError
 from .opscli import add_parsers as add_ops_parsers
-from .opscli import cmd_override, cmd_report, cmd_status, cmd_switch
+from .opscli import cmd_history, cmd_override, cmd_report, cmd_status, cmd_switch
 from .simulate.cli import add_parser as add_simulate_parser
 from .simulate.cli import cmd_simulate
 
@@ -62,6 +62,10 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        "environment variable (shown in brackets).")
     p.add_argument("--policies", nargs="+", default=(_env("POLICIES") or "policies").split(","),
                    help="policy file(s) or directory [EXTAUTHZ_POLICIES, comma-separated; default policies/]")
+    p.add_argument("--policy-max-bytes", type=_size, default=_size(_env("POLICY_MAX_BYTES", "1M") or "1M"),
+                   help="bound on one policy file's size, checked before parsing; a larger file "
+                   "fails the start or the reload (the last good policy keeps serving) "
+                   "[EXTAUTHZ_POLICY_MAX_BYTES; default 1M, a ConfigMap's limit]")
     p.add_argument("--listen", default=_env("LISTEN", "0.0.0.0:9001"),
                    help="gRPC Check + AccessLog + health port; 'off' (or '') turns it off "
                    "[EXTAUTHZ_LISTEN; default 0.0.0.0:9001]")
@@ -73,6 +77,12 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="checks decided at once on the HTTP port; more wait before they start, "
                    "so at saturation the store deadline measures the store, not the queue "
                    "(docs/http.md) [EXTAUTHZ_HTTP_MAX_ACTIVE_CHECKS; default 8]")
+    p.add_argument("--http-max-connections", type=_positive,
+                   default=_env("HTTP_MAX_CONNECTIONS"),
+                   help="open connections on the HTTP port at once; one more is closed unanswered "
+                   "(docs/http.md) [EXTAUTHZ_HTTP_MAX_CONNECTIONS; default: the file limit "
+                   "(ulimit -n) less a quarter (at least 128) for the other ports, Redis and "
+                   "files, at most 4096]")
     p.add_argument("--http-forward-auth", action="store_true",
                    default=_env_flag("HTTP_FORWARD_AUTH"),
                    help="on the HTTP port, take the client's method, path and host from "
@@ -102,6 +112,15 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    "--listen HOST:PORT` reach it [EXTAUTHZ_ADMIN_URL_FILE; default "
                    "$XDG_RUNTIME_DIR/extauthz/admin-PORT.url or /tmp/extauthz-UID/admin-PORT.url, "
                    "PORT the --listen port; 'off' disables]")
+    p.add_argument("--admin-token-file", default=_env("ADMIN_TOKEN_FILE"),
+                   help="file holding the admin port's bearer token (or NAME:TOKEN lines, one per "
+                   "operator); every admin request but /healthz then needs Authorization: Bearer "
+                   "TOKEN and a change needs a reason. Read again when the file changes. Required "
+                   "when --admin-listen is not loopback [EXTAUTHZ_ADMIN_TOKEN_FILE]")
+    p.add_argument("--admin-hosts", default=_env("ADMIN_HOSTS"),
+                   help="Host header values the admin port answers besides loopback and its own "
+                   "--admin-listen address, comma-separated (e.g. a name you reach it by) "
+                   "[EXTAUTHZ_ADMIN_HOSTS]")
     p.add_argument("--metrics-listen", default=_env("METRICS_LISTEN"),
                    help="Prometheus metrics port, e.g. 0.0.0.0:9464 [EXTAUTHZ_METRICS_LISTEN]")
     p.add_argument("--lease-secret", default=_env("LEASE_SECRET", ""),
@@ -143,6 +162,10 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--record-sample", type=float, default=float(_env("RECORD_SAMPLE", "1") or 1),
                    help="fraction of identities recorded, every request of each (0-1] "
                    "[EXTAUTHZ_RECORD_SAMPLE; default 1]")
+    p.add_argument("--record-paths", choices=("redacted", "raw"), default=_env("RECORD_PATHS", "redacted"),
+                   help="recorded paths: 'redacted' drops path parameters (;...) and writes id-like "
+                   "segments (numbers, tokens, sk_live_... keys) as {id}; 'raw' keeps them verbatim "
+                   "(docs/tuning.md) [EXTAUTHZ_RECORD_PATHS; default redacted]")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "info"),
                    help="log level [EXTAUTHZ_LOG_LEVEL; default info]")
     p.add_argument("--log-format", choices=("json", "text"), default=_env("LOG_FORMAT", "json"),
@@ -151,9 +174,11 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .observe.logs import configure_logging
+    from .server.adminauth import AdminConfigError, TokenFile, parse_hosts, require_token_when_exposed
     from .server.app import ServerConfig, serve
     from .server.http import path_prefix
     from .server.portfile import admin_url_path
+    from .server.ports import off
 
     if not 0.0 < args.record_sample <= 1.0:
         print(f"extauthz: --record-sample must be in (0, 1], not {args.record_sample}", file=sys.stderr)
@@ -163,6 +188,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"extauthz: --http-path-prefix: {exc}", file=sys.stderr)
         return 2
+    admin_listen = args.admin_listen if args.admin_listen is not None else ServerConfig.admin_listen
+    try:  # before any process starts: the admin port's lock (server/adminauth.py)
+        admin_hosts = parse_hosts(args.admin_hosts)
+        require_token_when_exposed(off(admin_listen), args.admin_token_file or None)
+        if args.admin_token_file:
+            TokenFile(args.admin_token_file)
+    except AdminConfigError as exc:
+        print(f"extauthz serve: {exc}", file=sys.stderr)
+        return 2
     listener = configure_logging(args.log_level, args.log_format)
     url_file = args.admin_url_file
     if url_file is None:
@@ -171,22 +205,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except ValueError:
             url_file = None
     config = ServerConfig(
-        policies=list(args.policies), listen=args.listen, http_listen=args.http_listen or None,
+        policies=list(args.policies), policy_max_bytes=args.policy_max_bytes,
+        listen=args.listen, http_listen=args.http_listen or None,
         http_forward_auth=args.http_forward_auth,
         http_path_prefix=args.http_path_prefix,
         **({"http_max_active_checks": args.http_max_active_checks} if args.http_max_active_checks else {}),
+        http_max_connections=args.http_max_connections,
         redis_url=args.redis_url or None,
         store_deadline_ms=args.store_deadline_ms, key_prefix=args.key_prefix,
         identity_salt=args.identity_salt,
-        admin_listen=args.admin_listen if args.admin_listen is not None else ServerConfig.admin_listen,
-        admin_listen_optional=args.admin_listen is None,
+        admin_listen=admin_listen, admin_listen_optional=args.admin_listen is None,
+        admin_token_file=args.admin_token_file or None, admin_hosts=admin_hosts,
         admin_url_file=None if (url_file or "off").lower() in ("off", "none") else url_file,
         metrics_listen=args.metrics_listen, reuse_port=args.reuse_port,
         lease_secret=args.lease_secret or "",
         tls_cert=args.tls_cert or None, tls_key=args.tls_key or None,
         tls_client_ca=args.tls_client_ca or None, health_listen=args.health_listen or None,
         record_dir=args.record or None, record_max_bytes=args.record_max_bytes,
-        record_sample=args.record_sample,
+        record_sample=args.record_sample, record_paths=args.record_paths,
     )
     workers = getattr(args, "workers", 1)
     try:
@@ -205,7 +241,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logging.getLogger("extauthz.server").error("the policy has errors, not starting:\n%s", exc, extra={
             "fields": {"event": "policy_invalid", "issues": [str(i) for i in exc.issues]}})
         return 2
-    except OSError as exc:  # a port asked for is taken, a certificate cannot be read, ...
+    except (OSError, ValueError) as exc:  # a port taken or malformed, a certificate unreadable, ...
         logging.getLogger("extauthz.server").error("not starting: %s", exc, extra={
             "fields": {"event": "start_failed"}})
         print(f"extauthz serve: {exc}", file=sys.stderr)
@@ -382,6 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "report": cmd_report,
         "status": cmd_status,
         "override": cmd_override,
+        "history": cmd_history,
         "simulate": cmd_simulate,
     }[args.command]
     try:

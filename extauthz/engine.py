@@ -15,7 +15,7 @@ import logging
 import os
 import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .breaker import Breaker
 from .classify import Classifier
@@ -46,6 +46,17 @@ def failed_verdict(lim: Limiter, reason: str) -> Verdict:
     if lim.failure_mode == "closed":
         return Verdict(lim.name, lim.kind, Outcome.FAILED_CLOSED, retry_after=1.0, reason=reason)
     return Verdict(lim.name, lim.kind, Outcome.FAILED_OPEN, reason=reason)
+
+
+def _active(policy: Policy, limiters: Sequence[Limiter],
+            switches: Switches) -> tuple[tuple[Limiter, bool], ...]:
+    """(limiter, enforce) for every limiter whose effective mode is not ``off``."""
+    modes = {spec.name: Mode(spec.mode) for spec in policy.limiters}
+    return tuple(
+        (lim, mode is Mode.ENFORCE)
+        for lim in limiters
+        if (mode := switches.effective(lim.name, modes[lim.name])) is not Mode.OFF
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +102,8 @@ class Engine:
         #: the embedded store answers within the call: no task, no deadline needed.
         self.store_immediate = bool(getattr(store, "immediate", False))
         #: the one release path (access log, request-id index, cancelled Checks, abandoned answers)
-        self.releaser = releaser or Releaser(store, timeout=max(deadline * 10, 0.05))
+        self.releaser = releaser or Releaser(store, timeout=max(deadline * 10, 0.05),
+                                             retry_for=lambda: self.snapshot.policy.longest_lease_ttl)
         self.keys = keys or Keys()
         self.deadline = deadline
         self.clock = clock
@@ -116,27 +128,31 @@ class Engine:
                 for lim in limiters:
                     if isinstance(lim, WorkerUtilizationShedder) and lim.name in levels:
                         lim.set_level(levels[lim.name])
-        modes = {spec.name: Mode(spec.mode) for spec in policy.limiters}
-        active = tuple(
-            (lim, mode is Mode.ENFORCE)
-            for lim in limiters
-            if (mode := switches.effective(lim.name, modes[lim.name])) is not Mode.OFF
-        )
         table, not_applied = compile_overrides(self.overrides, limiters, self.clock.wall(),
                                                policy.identity_labels)
+        if not_applied and not_applied != (old.overrides_not_applied if old is not None else {}):
+            log.warning("%d live overrides not applied", len(not_applied), extra={"fields": {
+                "event": "overrides_not_applied", "count": len(not_applied),
+                "not_applied": [f"{lim}/{ident}: {why}" for (lim, ident), why in
+                                sorted(not_applied.items())][:50]}})
         classifier = Classifier(policy, self._salt, table)
         if old is not None:  # counts, exported: carried over to the new snapshot
             classifier.unknown_tiers = old.classifier.unknown_tiers
             classifier.unknown_plans = old.classifier.unknown_plans
-        return Snapshot(policy, classifier, limiters, active, switches, not_applied)
+        return Snapshot(policy, classifier, limiters, _active(policy, limiters, switches),
+                        switches, not_applied)
 
     def set_policy(self, policy: Policy) -> None:
         self.snapshot = self._build(policy, self.snapshot.switches, self.snapshot)
 
     def set_switches(self, switches: Switches) -> None:
+        """Apply the kill switches. They never depend on overrides: the new snapshot keeps
+        the current one's classifier (with its compiled overrides) and changes only the
+        effective modes, so a switch applies whatever the overrides hold."""
         old = self.snapshot
         if switches != old.switches:
-            self.snapshot = self._build(old.policy, switches, old, old.limiters)
+            self.snapshot = replace(old, switches=switches,
+                                    active=_active(old.policy, old.limiters, switches))
 
     def set_overrides(self, overrides: Sequence[Override]) -> None:
         """Apply the live overrides (expired ones are dropped); a reload keeps them."""

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from ..context import RequestContext
 from ..policy.model import compile_match
-from ..policy.schema import ConcurrentRequestsSpec
+from ..policy.schema import PLAN_NUMBERS, ConcurrentRequestsSpec, not_fields
 from ..store.base import LeaseOp, OpResult
 from ..store.keys import Keys
 from ..verdict import Kind, Limits, Outcome, Quota, Verdict
@@ -21,7 +21,7 @@ from .base import customer_limits, denied_outcome
 #: seconds a client is told to wait after a concurrency refusal.
 RETRY_AFTER = 1.0
 #: the numbers an override (or a plan entry) of this kind may set.
-NUMBERS = ("limit",)
+NUMBERS = PLAN_NUMBERS["concurrent_requests"]
 
 
 def lease_limits(limit: int) -> Limits:
@@ -47,9 +47,10 @@ class ConcurrentRequestsLimiter:
     def override(self, numbers: Mapping[str, float]) -> dict[str, Limits]:
         """An override's numbers, the same for every plan. ValueError when they do not fit."""
         unknown = sorted(set(numbers) - set(NUMBERS))
-        if unknown or "limit" not in numbers:
-            raise ValueError("a concurrent_requests override sets 'limit' only"
-                             + (f", not {', '.join(unknown)}" if unknown else ""))
+        if unknown:
+            raise ValueError(not_fields(unknown, "concurrent_requests"))
+        if "limit" not in numbers:
+            raise ValueError("a concurrent_requests override sets 'limit'")
         return {"": lease_limits(int(numbers["limit"]))}
 
     def limits(self, ctx: RequestContext) -> Limits:

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from ..clock import SYSTEM_CLOCK, Clock
 from ..context import RequestContext
 from ..policy.model import compile_match
-from ..policy.schema import RequestRateSpec, cost_message
+from ..policy.schema import PLAN_NUMBERS, RequestRateSpec, bucket_problem, not_fields
 from ..store.base import BucketOp, OpResult
 from ..store.keys import Keys
 from ..verdict import Kind, Limits, Outcome, Quota, Verdict
@@ -29,7 +29,7 @@ from .base import customer_limits, denied_outcome
 from .refusals import RefusalCache
 
 #: the numbers an override (or a plan entry) of this kind may set.
-NUMBERS = ("rate", "burst", "cost")
+NUMBERS = PLAN_NUMBERS["request_rate"]
 
 
 def bucket_limits(rate: float, burst: float, cost: float) -> Limits:
@@ -43,8 +43,9 @@ def _merged(base: Limits, numbers: Mapping[str, float | None]) -> Limits:
         return own if value is None else float(value)
 
     rate, burst, cost = pick("rate", base.rate), pick("burst", base.burst), pick("cost", base.cost)
-    if cost > burst:
-        raise ValueError(cost_message(cost, burst))
+    problem = bucket_problem(rate, burst, cost)
+    if problem is not None:
+        raise ValueError(problem)
     return bucket_limits(rate, burst, cost)
 
 
@@ -74,7 +75,7 @@ class RequestRateLimiter:
         numbers the override does not set are the plan's. ValueError when they do not fit."""
         unknown = sorted(set(numbers) - set(NUMBERS))
         if unknown:
-            raise ValueError(f"a request_rate override sets {', '.join(NUMBERS)}, not {', '.join(unknown)}")
+            raise ValueError(not_fields(unknown, "request_rate"))
         out = {"": _merged(self.own, numbers)}
         for name, limits in self.plans.items():
             try:

@@ -105,6 +105,16 @@ class Metrics:
             child.inc()
         self._requests[(tier, request_result(decision))].inc()
 
+    def request_counts(self) -> dict[str, Any]:
+        """Checks since start by result, and by tier and result (``/status``'s ``checks``)."""
+        by_tier: dict[str, dict[str, int]] = {}
+        for metric in self.requests.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    by_tier.setdefault(sample.labels["tier"], {})[sample.labels["result"]] = int(sample.value)
+        totals = {result: sum(row.get(result, 0) for row in by_tier.values()) for result in RESULTS}
+        return {**totals, "by_tier": by_tier}
+
 
 class AccessLogCounters(Protocol):
     entries: int
@@ -243,7 +253,8 @@ class StateCollector:
         releases = CounterMetricFamily(
             "extauthz_lease_releases", "Lease release calls by path (access_log, request_id_index, "
             "cancelled_check, abandoned_answer) and outcome (released; none: nothing was held, "
-            "e.g. expired; error: the lease TTL is the backstop).", labels=["path", "outcome"])
+            "e.g. expired; retried: a failed try, tried again; error: failed until the longest "
+            "lease TTL, which was the backstop).", labels=["path", "outcome"])
         for (path, outcome), n in engine.releaser.counts.items():
             releases.add_metric([path, outcome], n)
         yield releases

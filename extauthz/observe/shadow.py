@@ -184,9 +184,11 @@ def _pct(h: float | None) -> str:
 def format_report(report: dict[str, Any]) -> str:
     """The report as text for people (``extauthz report``)."""
     window = report.get("window")
-    lines = [f"shadow would-denials in the last {window:g} s: {report.get('events', 0)} records"
-             if isinstance(window, (int, float)) else "shadow would-denials"]
     limiters = report.get("limiters") or []
+    total = sum(int(lim["would_deny"]) for lim in limiters)
+    lines = [f"shadow would-denials in the last {window:g} s: {total:,} by {len(limiters)} "
+             f"limiter{'s' if len(limiters) != 1 else ''}"
+             if isinstance(window, (int, float)) else "shadow would-denials"]
     if not limiters:
         lines.append("none: no shadow limiter would have refused anything in this window.")
     for lim in limiters:

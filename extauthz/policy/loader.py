@@ -3,23 +3,35 @@
 This is the one validator. The server, ``extauthz check-policies`` and the tests all call
 :func:`load_policy`; every problem is reported with the file, the dotted field path and
 the line.
+
+Files are parsed with libyaml (``yaml.CSafeLoader``) where PyYAML has it: the nodes carry
+the same marks, so every issue keeps its line. A file libyaml finds broken is parsed again
+with the pure-Python loader, whose messages are the ones documented (and richer); only
+broken files pay for it. A file larger than ``max_bytes`` is refused before it is parsed.
 """
 
 from __future__ import annotations
 
+import difflib
 import hashlib
+import typing
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from ..errors import PolicyError, PolicyIssue
 from .model import Policy, compile_policy
 from .schema import LIMITER_TYPES, PolicyFile
 
 YAML_SUFFIXES = (".yaml", ".yml")
+#: the default bound on one policy file's size (``serve --policy-max-bytes``): a Kubernetes
+#: ConfigMap holds at most 1 MiB, and real policies are a few KiB.
+MAX_FILE_BYTES = 1 << 20
+#: the parser: libyaml where PyYAML was built with it (several times faster)
+FAST_LOADER: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _PathKey = tuple[str | int, ...]
 
 
@@ -75,21 +87,25 @@ def _first_line(exc: Exception) -> str:
 class _Document:
     """A parsed YAML document: plain data plus the line of every key and item."""
 
-    def __init__(self, file: str, text: str) -> None:
+    def __init__(self, file: str, text: str, loader_class: type[yaml.SafeLoader] = yaml.SafeLoader) -> None:
         self.file = file
         self.lines: dict[_PathKey, int] = {}
         self.issues: list[PolicyIssue] = []
+        #: the YAML itself is broken (not its structure)
+        self.syntax_error = False
         self._nodes = 0
         self.data: Any = None
         try:
-            loader = yaml.SafeLoader(text)
+            loader = loader_class(text)
         except yaml.YAMLError as exc:  # e.g. a character YAML does not allow
+            self.syntax_error = True
             self.issues.append(PolicyIssue(file, "", _reader_line(text, exc), f"YAML syntax error: {_first_line(exc)}"))
             return
         try:
             node = loader.get_single_node()
             self.data = None if node is None else self._build(loader, node, ())
         except yaml.MarkedYAMLError as exc:
+            self.syntax_error = True
             mark = exc.problem_mark or exc.context_mark
             line = mark.line + 1 if mark is not None else None
             problem = exc.problem or str(exc)
@@ -97,6 +113,7 @@ class _Document:
                 problem += f" ({exc.context} started on line {exc.context_mark.line + 1})"
             self.issues.append(PolicyIssue(file, "", line, f"YAML syntax error: {problem}"))
         except yaml.YAMLError as exc:  # ReaderError: a character YAML does not allow
+            self.syntax_error = True
             self.issues.append(PolicyIssue(file, "", _reader_line(text, exc), f"YAML syntax error: {_first_line(exc)}"))
         except _TooBig as exc:
             self.issues.append(PolicyIssue(file, "", exc.line, str(exc)))
@@ -150,10 +167,35 @@ class _Document:
         return 1
 
 
+def _models(annotation: Any) -> list[type[BaseModel]]:
+    """The models a field's annotation holds (through Optional, lists, dicts, unions)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models(arg)]
+
+
+def _field_names(loc: Sequence[str | int]) -> list[str]:
+    """The field names the model at pydantic's raw ``loc`` (before :func:`_clean_loc`) accepts."""
+    models: list[type[BaseModel]] = [PolicyFile]
+    for part in loc:
+        if isinstance(part, int):
+            continue  # a list item or a dict value: the models stay
+        fields = [m.model_fields[part] for m in models if part in m.model_fields]
+        if fields:
+            models = [m for f in fields for m in _models(f.annotation)]
+        else:  # a discriminator tag (limiters[i].request_rate) or a dict key (plans.free)
+            tagged = [m for m in models if part in typing.get_args(
+                m.model_fields["type"].annotation if "type" in m.model_fields else None)]
+            models = tagged or models
+    return sorted({f.alias or name for m in models for name, f in m.model_fields.items()})
+
+
 def _message(err: dict[str, Any]) -> str:
     kind = err["type"]
     if kind == "extra_forbidden":
-        return "unknown field"
+        loc = err["loc"]
+        close = difflib.get_close_matches(str(loc[-1]), _field_names(loc[:-1]), n=1)
+        return f"unknown field (did you mean '{close[0]}'?)" if close else "unknown field"
     if kind == "missing":
         return "required field is missing"
     if kind == "union_tag_invalid":
@@ -183,7 +225,9 @@ def _clean_loc(loc: Sequence[str | int]) -> _PathKey:
 
 
 def parse_file(file: str, text: str) -> tuple[PolicyFile | None, _Document, list[PolicyIssue]]:
-    doc = _Document(file, text)
+    doc = _Document(file, text, FAST_LOADER)
+    if doc.syntax_error and FAST_LOADER is not yaml.SafeLoader:
+        doc = _Document(file, text)  # the documented messages (libyaml words them differently)
     issues = list(doc.issues)
     if issues:
         return None, doc, issues
@@ -201,8 +245,24 @@ def parse_file(file: str, text: str) -> tuple[PolicyFile | None, _Document, list
 _SINGLETONS = ("identity", "plan", "test_mode", "classification")
 
 
-def load_policy(paths: Sequence[Path | str]) -> Policy:
-    """Load, validate, merge and compile a policy. Raises :class:`PolicyError`."""
+class _Oversized(Exception):
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(f"the file is larger than {max_bytes} bytes (--policy-max-bytes); not parsed")
+
+
+def read_bounded(path: Path, max_bytes: int) -> bytes:
+    """The file's bytes, or :class:`_Oversized` past ``max_bytes`` (read no further)."""
+    with path.open("rb") as f:
+        raw = f.read(max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise _Oversized(max_bytes)
+    return raw
+
+
+def load_policy(paths: Sequence[Path | str], *, max_bytes: int = MAX_FILE_BYTES) -> Policy:
+    """Load, validate, merge and compile a policy. Raises :class:`PolicyError`.
+
+    A file larger than ``max_bytes`` is an issue of its own, found before any parsing."""
     resolved = [Path(p) for p in paths]
     issues: list[PolicyIssue] = []
     for p in resolved:
@@ -215,9 +275,12 @@ def load_policy(paths: Sequence[Path | str]) -> Policy:
     parsed: list[tuple[str, PolicyFile, _Document]] = []
     for f in files:
         try:
-            raw = f.read_bytes()
+            raw = read_bounded(f, max_bytes)
         except OSError as exc:
             issues.append(PolicyIssue(str(f), "", None, f"cannot read: {exc.strerror}"))
+            continue
+        except _Oversized as exc:
+            issues.append(PolicyIssue(str(f), "", None, str(exc)))
             continue
         digest.update(f.name.encode() + b"\0" + raw + b"\0")
         try:

@@ -117,6 +117,12 @@ class Policy:
     plan_names: frozenset[str] = frozenset()
 
     @property
+    def longest_lease_ttl(self) -> float:
+        """The longest ``lease_ttl`` of the policy's limiters (0 without lease limiters): no
+        lease the policy takes outlives it."""
+        return max((float(getattr(spec, "lease_ttl", 0.0)) for spec in self.limiters), default=0.0)
+
+    @property
     def needed_headers(self) -> frozenset[str]:
         """The request headers the engine reads; the edge copies only these."""
         names = {s.header for s in (*self.identity, *self.plan_sources) if s.header}

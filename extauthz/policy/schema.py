@@ -19,6 +19,25 @@ from pydantic import (
     model_validator,
 )
 
+# -- number bounds ------------------------------------------------------------------------
+# Every number that enters (a policy file, an override from the CLI or the admin port, an
+# override read back from the store) is finite and within these bounds, so nothing derived
+# from it (a bucket's refill time, a key's TTL, a Retry-After header) can overflow or grow
+# absurd. docs/policy.md and docs/security.md list them.
+
+#: tokens per second: at least one per ~11.6 days, at most a billion.
+MIN_RATE = 1e-6
+MAX_RATE = 1e9
+#: ``burst`` and ``cost`` (tokens).
+MAX_TOKENS = 1e9
+#: ``burst / rate``: a bucket refills from empty within 30 days (so a Retry-After, and a
+#: bucket key's TTL of twice that, stay bounded).
+MAX_REFILL = 30 * 86400.0
+#: in-flight counts: ``limit``, ``capacity``, ``signal.capacity`` (a billion: "unlimited" fits).
+MAX_COUNT = 1_000_000_000
+#: every duration of a policy (``lease_ttl``, ``sample_interval``, ...): at most a day.
+MAX_DURATION = 86400.0
+
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(s|m|h)\s*$")
@@ -62,17 +81,19 @@ def _upper_methods(value: Any) -> Any:
 
 
 Duration = Annotated[
-    float, BeforeValidator(parse_duration), Field(ge=0),
-    WithJsonSchema({"anyOf": [{"type": "number", "minimum": 0},
+    float, BeforeValidator(parse_duration), Field(ge=0, le=MAX_DURATION),
+    WithJsonSchema({"anyOf": [{"type": "number", "minimum": 0, "maximum": MAX_DURATION},
                               {"type": "string", "pattern": _DURATION.pattern}],
                     "description": "seconds, or a string like '500ms', '60s', '2m', '1h'"}),
 ]
 Rate = Annotated[
-    float, BeforeValidator(parse_rate), Field(gt=0),
-    WithJsonSchema({"anyOf": [{"type": "number", "exclusiveMinimum": 0},
+    float, BeforeValidator(parse_rate), Field(ge=MIN_RATE, le=MAX_RATE),
+    WithJsonSchema({"anyOf": [{"type": "number", "minimum": MIN_RATE, "maximum": MAX_RATE},
                               {"type": "string", "pattern": _RATE.pattern}],
                     "description": "per second, or a string like '100/s', '6000/m'"}),
 ]
+Tokens = Annotated[float, Field(gt=0, le=MAX_TOKENS)]
+Count = Annotated[int, Field(ge=1, le=MAX_COUNT)]
 Methods = Annotated[list[str], BeforeValidator(_upper_methods)]
 Name = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_.-]{0,62}$")]
 # Literals rather than enums: strict validation of Python input accepts no strings for enums.
@@ -81,7 +102,8 @@ ModeName = Literal["enforce", "shadow", "off"]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    # allow_inf_nan=False: `.inf`, `.nan` (YAML) and `Infinity` (JSON) are refused everywhere.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 MetadataPath = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=16)]
@@ -190,8 +212,8 @@ class RequestRatePlan(_Strict):
     """A ``request_rate`` limiter's numbers for one plan; unset numbers are the limiter's."""
 
     rate: Rate | None = None
-    burst: Annotated[float, Field(gt=0)] | None = None
-    cost: Annotated[float, Field(gt=0)] | None = None
+    burst: Tokens | None = None
+    cost: Tokens | None = None
 
     @model_validator(mode="after")
     def _some(self) -> RequestRatePlan:
@@ -199,17 +221,53 @@ class RequestRatePlan(_Strict):
             raise ValueError("a request_rate plan sets at least one of 'rate', 'burst', 'cost'")
         if self.cost is not None and self.burst is not None and self.cost > self.burst:
             raise ValueError(cost_message(self.cost, self.burst))
+        if self.rate is not None and self.burst is not None:
+            refill = refill_problem(self.rate, self.burst)
+            if refill is not None:
+                raise ValueError(refill)
         return self
 
 
 class ConcurrentRequestsPlan(_Strict):
     """A ``concurrent_requests`` limiter's number for one plan."""
 
-    limit: Annotated[int, Field(ge=1)]
+    limit: Count
+
+
+#: the numbers a plan entry (and a live override) of each per-customer limiter kind sets.
+PLAN_NUMBERS: dict[str, tuple[str, ...]] = {"request_rate": ("rate", "burst", "cost"),
+                                            "concurrent_requests": ("limit",)}
+
+
+def not_fields(names: list[str], kind: str) -> str:
+    """``limit is not a request_rate field (request_rate: rate, burst, cost)``."""
+    fields = f"{kind}: {', '.join(PLAN_NUMBERS[kind])}"
+    if len(names) == 1:
+        return f"{names[0]} is not a {kind} field ({fields})"
+    return f"{', '.join(names)} are not {kind} fields ({fields})"
 
 
 def cost_message(cost: float, burst: float) -> str:
     return f"cost ({cost:g}) is larger than burst ({burst:g}): no request could ever pass"
+
+
+def refill_problem(rate: float, burst: float) -> str | None:
+    """Why a bucket of ``burst`` tokens refilled at ``rate`` per second is refused (it would
+    take longer than :data:`MAX_REFILL` to refill), or None."""
+    if burst <= MAX_REFILL * rate:
+        return None
+    return (f"burst ({burst:g}) / rate ({rate:g}/s): the bucket would take {burst / rate:.3g} s "
+            f"to refill, more than {MAX_REFILL / 86400:g} days ({MAX_REFILL:g} s): raise the "
+            "rate or lower the burst")
+
+
+def bucket_problem(rate: float, burst: float, cost: float) -> str | None:
+    """Why a token bucket's numbers cannot work together (``cost > burst``, or a refill
+    longer than :data:`MAX_REFILL`), or None: the one check for a limiter's own numbers, a
+    plan's and an override's (filled in from the plan)."""
+    if cost > burst:
+        return cost_message(cost, burst)
+    return refill_problem(rate, burst)
 
 
 def _no_plans(value: Any) -> Any:
@@ -292,21 +350,23 @@ class RequestRateSpec(_LimiterBase):
 
     type: Literal["request_rate"]
     rate: Rate
-    burst: Annotated[float, Field(gt=0)]
-    cost: Annotated[float, Field(gt=0)] = 1.0
+    burst: Tokens
+    cost: Tokens = 1.0
     plans: dict[Name, RequestRatePlan] | None = Field(
         None, description="Numbers per plan (rate, burst, cost); a plan not listed uses the "
         "limiter's own.")
 
     @model_validator(mode="after")
     def _cost_fits(self) -> RequestRateSpec:
-        if self.cost > self.burst:
-            raise ValueError(cost_message(self.cost, self.burst))
+        problem = bucket_problem(self.rate, self.burst, self.cost)
+        if problem is not None:
+            raise ValueError(problem)
         for name, plan in (self.plans or {}).items():
-            cost = self.cost if plan.cost is None else plan.cost
-            burst = self.burst if plan.burst is None else plan.burst
-            if cost > burst:
-                raise ValueError(f"plan '{name}': {cost_message(cost, burst)}")
+            problem = bucket_problem(self.rate if plan.rate is None else plan.rate,
+                                     self.burst if plan.burst is None else plan.burst,
+                                     self.cost if plan.cost is None else plan.cost)
+            if problem is not None:
+                raise ValueError(f"plan '{name}': {problem}")
         return self
 
 
@@ -314,7 +374,7 @@ class ConcurrentRequestsSpec(_LimiterBase):
     """At most ``limit`` requests in flight per user."""
 
     type: Literal["concurrent_requests"]
-    limit: Annotated[int, Field(ge=1)]
+    limit: Count
     lease_ttl: Annotated[Duration, Field(ge=1)] = 60.0
     plans: dict[Name, ConcurrentRequestsPlan] | None = Field(
         None, description="The limit per plan; a plan not listed uses the limiter's own.")
@@ -324,7 +384,7 @@ class FleetUsageSpec(_LimiterBase):
     """Fleet-wide in-flight cap keeping ``reserved_for_critical`` for critical traffic."""
 
     type: Literal["fleet_usage"]
-    capacity: Annotated[int, Field(ge=1)]
+    capacity: Count
     reserved_for_critical: Annotated[float, Field(ge=0, lt=1)] = 0.2
     lease_ttl: Annotated[Duration, Field(ge=1)] = 60.0
     plans: NoPlans = None
@@ -332,7 +392,7 @@ class FleetUsageSpec(_LimiterBase):
 
 class Signal(_Strict):
     source: Literal["inflight", "redis", "envoy_admin"]
-    capacity: Annotated[int, Field(ge=1)] | None = Field(
+    capacity: Count | None = Field(
         None, description="Upstream workers (inflight, envoy_admin)."
     )
     key: str | None = Field(None, description="Store key the services publish into (redis).")

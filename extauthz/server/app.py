@@ -23,6 +23,7 @@ from ..engine import Engine
 from ..observe import compose
 from ..observe.setup import Observability
 from ..policy import Policy, load_policy
+from ..policy.loader import MAX_FILE_BYTES
 from ..proto import accesslog_pb2_grpc, auth_pb2_grpc
 from ..runner import Runner
 from ..sampler import sampler_job
@@ -31,7 +32,7 @@ from ..store.base import Store
 from ..store.keys import Keys
 from ..store.memory import MemoryStore
 from ..tickets import LeaseTickets
-from .http import DEFAULT_MAX_ACTIVE_CHECKS, HttpAuthorization, HttpLimits
+from .http import DEFAULT_MAX_ACTIVE_CHECKS, HttpAuthorization, HttpLimits, max_connections_for
 from .operations import Operations
 from .portfile import remove_admin_url, write_admin_url
 from .ports import off, parse_listen
@@ -47,6 +48,8 @@ ACCESSLOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
 @dataclass
 class ServerConfig:
     policies: list[str] = field(default_factory=lambda: ["policies"])
+    #: bound on one policy file's size, checked before parsing (start and reload).
+    policy_max_bytes: int = MAX_FILE_BYTES
     #: the gRPC port (Check, AccessLog, health); ``""`` or ``off`` turns it off.
     listen: str = "0.0.0.0:9001"
     #: the HTTP authorization port (Envoy's ``http_service``; server/http.py); off when unset.
@@ -55,6 +58,9 @@ class ServerConfig:
     http_header_timeout: float = 10.0
     #: checks decided at once on the HTTP port (``HttpLimits.max_active_checks``).
     http_max_active_checks: int = DEFAULT_MAX_ACTIVE_CHECKS
+    #: open connections on the HTTP port at once; None: derived from the file limit
+    #: (``http.max_connections_for``).
+    http_max_connections: int | None = None
     #: read the client's request from X-Forwarded-Method/-Uri/-Host (Traefik ForwardAuth).
     http_forward_auth: bool = False
     #: the ``path_prefix`` Envoy puts before the client's path on the HTTP port (Envoy Gateway's
@@ -70,6 +76,10 @@ class ServerConfig:
     admin_listen_optional: bool = False
     #: where to write the admin URL for ``extauthz switch|report|status --listen`` (server/portfile.py).
     admin_url_file: str | None = None
+    #: the admin port's bearer tokens (a bare token or NAME:TOKEN lines; server/adminauth.py).
+    admin_token_file: str | None = None
+    #: Host values the admin port answers besides loopback and its own address.
+    admin_hosts: tuple[str, ...] = ()
     metrics_listen: str | None = None
     grace_seconds: float = 5.0
     #: policy file poll (hot reload; 0 turns it off), kill switch poll, in seconds.
@@ -92,6 +102,8 @@ class ServerConfig:
     record_dir: str | None = None
     record_max_bytes: int = 1 << 30
     record_sample: float = 1.0
+    #: recorded paths: "redacted" (path parameters dropped, id-like segments -> {id}) or "raw".
+    record_paths: str = "redacted"
 
 
 def is_off(listen: str | None) -> bool:
@@ -125,7 +137,7 @@ class Server:
                  tracer_provider: Any = None) -> None:
         self.config = config
         self.clock = clock
-        self.policy = policy if policy is not None else load_policy(config.policies)
+        self.policy = policy if policy is not None else load_policy(config.policies, max_bytes=config.policy_max_bytes)
         self.store = store if store is not None else make_store(config, clock)
         keys = Keys(config.key_prefix)
         # The engine's observers and store-call wrapper first: the engine gets them at
@@ -139,6 +151,7 @@ class Server:
         if config.record_dir:  # serve --record: one more observer, fed durations by the access log
             self.recorder = Recorder(config.record_dir, max_bytes=config.record_max_bytes,
                                      sample=config.record_sample, clock=clock,
+                                     redact_paths=config.record_paths != "raw",
                                      pending_ttl=pending_ttl(self.policy))
             observer = compose([observer, self.recorder])
         self.engine = Engine(
@@ -165,7 +178,9 @@ class Server:
             admin_listen=config.admin_listen, metrics_listen=config.metrics_listen,
             watch=config.policies if policy is None else None,
             reload_interval=config.reload_interval, switch_poll_interval=config.switch_poll_interval,
+            policy_max_bytes=config.policy_max_bytes,
             after_reload=self.sync_samplers, admin_optional=config.admin_listen_optional,
+            admin_token_file=config.admin_token_file, admin_hosts=config.admin_hosts,
         )
         files = TlsFiles.from_options(config.tls_cert, config.tls_key, config.tls_client_ca)
         self.tls = CertificateReloader(files) if files is not None else None
@@ -181,6 +196,19 @@ class Server:
         self.http_port = 0
         self.health_port = 0
 
+    def _http_max_connections(self) -> int:
+        derived = max_connections_for()
+        asked = self.config.http_max_connections
+        if asked is None:
+            return derived
+        if asked > derived:
+            log.warning("--http-max-connections %d is above what the file limit leaves (%d): idle "
+                        "connections can exhaust descriptors the admin port, Redis and policy "
+                        "reloads need; raise the limit (ulimit -n)", asked, derived,
+                        extra={"fields": {"event": "http_max_connections_above_file_limit",
+                                          "asked": asked, "derived": derived}})
+        return asked
+
     async def start(self) -> int:
         await self.ops.start()
         # one servicer for both edges: one request-id index, one ticket key, one bad-request count
@@ -192,7 +220,8 @@ class Server:
                 tracing = self.observe.tracing
                 self.http = HttpAuthorization(
                     service, HttpLimits(header_timeout=self.config.http_header_timeout,
-                               max_active_checks=self.config.http_max_active_checks),
+                                        max_active_checks=self.config.http_max_active_checks,
+                                        max_connections=self._http_max_connections()),
                     tracer=tracing.tracer if tracing is not None else None,
                     forward_auth=self.config.http_forward_auth, prefix=self.config.http_path_prefix)
                 self.http_port = await self.http.start(self.config.http_listen,

@@ -13,7 +13,9 @@ Bounds (a misbehaving client gets a 4xx or a closed connection, never a crash): 
 plus headers at most ``max_header_bytes`` and ``max_headers`` (431), a request whose headers
 do not complete within ``header_timeout`` of their first byte, or a new connection's first
 request within ``header_timeout`` of the connection (408, closed), more than ``max_connections``
-open (the new one closed), bad syntax (400, closed), an upgrade
+open (the new one closed; the bound follows the file limit, :func:`max_connections_for`, so
+that idle connections cannot take the descriptors the admin port, Redis and a policy reload
+need), bad syntax (400, closed), an upgrade
 (the check is answered, then the connection closed), at most ``max_pipelined`` requests
 waiting per connection (reading pauses), and reading pauses while the client does not read
 our answers. The request body is never kept.
@@ -26,6 +28,7 @@ import base64
 import binascii
 import json
 import logging
+import resource
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -78,6 +81,25 @@ _REASONS = {200: b"OK", 400: b"Bad Request", 408: b"Request Timeout", 420: b"She
 DEFAULT_MAX_ACTIVE_CHECKS = 8
 
 
+#: the bound on open connections where the file limit allows it.
+MAX_CONNECTIONS = 4096
+#: descriptors never given to the HTTP port's connections (a quarter of the file limit, at
+#: least this many): the process's own (~25: the event loops, gRPC, logs), the gRPC, admin
+#: and metrics ports and their connections, Redis connections, policy and recording files.
+MIN_FD_RESERVE = 128
+
+
+def max_connections_for(nofile: int | None = None) -> int:
+    """The HTTP port's default bound on open connections (``--http-max-connections``): the
+    soft ``RLIMIT_NOFILE`` (``nofile``) less a reserve, at most :data:`MAX_CONNECTIONS`.
+    1,024 descriptors (common in containers) give 768 connections."""
+    if nofile is None:
+        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if nofile == resource.RLIM_INFINITY or nofile < 0:
+        return MAX_CONNECTIONS
+    return max(1, min(MAX_CONNECTIONS, nofile - max(MIN_FD_RESERVE, nofile // 4)))
+
+
 @dataclass(frozen=True, slots=True)
 class HttpLimits:
     #: request line + header names and values, in bytes.
@@ -92,7 +114,8 @@ class HttpLimits:
     max_pipelined: int = 32
     #: open connections at once; one more is closed at once, unanswered (Envoy keeps a few
     #: per worker; an idle-connection flood must not hold sockets and memory without bound).
-    max_connections: int = 4096
+    #: The server sets it from the file limit (:func:`max_connections_for`) unless given.
+    max_connections: int = MAX_CONNECTIONS
     #: checks being decided at once, over all connections; more wait their turn before they
     #: start (read, not yet classified). At saturation every active check shares the event
     #: loop, so a loop turn costs about this many checks' CPU: unbounded (Envoy's 32 or more
@@ -347,6 +370,7 @@ class HttpAuthorization:
     def status(self) -> dict[str, Any]:
         """The ``http`` section of the admin ``/status``."""
         return {"port": self.port, "connections": len(self.connections),
+                "max_connections": self.limits.max_connections,
                 "rejected": dict(sorted(self.rejected.items()))}
 
     def reject(self, reason: str) -> None:

@@ -74,10 +74,14 @@ def _offset(listen: str | None, i: int) -> str | None:
     return f"{host}:{int(port) + i}"
 
 
-def child_config(config: ServerConfig, i: int, *, own_ports: bool = False) -> ServerConfig:
-    """The configuration of worker ``i``: shared Check (and HTTP) port (or, ``own_ports``,
-    those ports plus ``i``), own admin/metrics ports."""
+def child_config(config: ServerConfig, i: int, *, own_ports: bool = False, workers: int = 1) -> ServerConfig:
+    """The configuration of worker ``i`` of ``workers``: shared Check (and HTTP) port (or,
+    ``own_ports``, those ports plus ``i``), own admin/metrics ports, own recording directory
+    (``DIR/worker-<i>``, an equal share of ``--record-max-bytes``) when there are several."""
     changes: dict[str, object] = {"reuse_port": True}
+    if config.record_dir and workers > 1:  # a worker deletes only its own oldest files
+        changes["record_dir"] = os.path.join(config.record_dir, f"worker-{i}")
+        changes["record_max_bytes"] = max(1, config.record_max_bytes // workers)
     if own_ports:
         changes = {"listen": _offset(config.listen, i)}
         if config.http_listen and not is_off(config.http_listen):
@@ -120,11 +124,11 @@ def check_workers(config: ServerConfig, workers: int, *, own_ports: bool = False
 
 
 def _start_child(config: ServerConfig, i: int, log_level: str, log_format: str = "json",
-                 own_ports: bool = False) -> tuple[subprocess.Popen[bytes], int]:
+                 own_ports: bool = False, workers: int = 1) -> tuple[subprocess.Popen[bytes], int]:
     read_fd, write_fd = os.pipe()
     env = {
         **os.environ,
-        CONFIG_ENV: json.dumps(dataclasses.asdict(child_config(config, i, own_ports=own_ports))),
+        CONFIG_ENV: json.dumps(dataclasses.asdict(child_config(config, i, own_ports=own_ports, workers=workers))),
         READY_FD_ENV: str(write_fd),
         INDEX_ENV: str(i),
         LOG_LEVEL_ENV: log_level,
@@ -160,7 +164,7 @@ def serve_workers(config: ServerConfig, workers: int, *, log_level: str = "info"
     check_workers(config, workers, own_ports=own_ports)
     from ..policy import load_policy
 
-    load_policy(config.policies)  # a bad policy fails here, once, with the usual message
+    load_policy(config.policies, max_bytes=config.policy_max_bytes)  # a bad policy fails here, once
     if not getattr(config, "lease_secret", True):
         # one lease-ticket key for all workers: an access-log entry may reach any of them
         config = dataclasses.replace(config, lease_secret=secrets.token_hex(32))
@@ -174,7 +178,7 @@ def serve_workers(config: ServerConfig, workers: int, *, log_level: str = "info"
     pending: dict[int, int] = {}  # ready pipe fd -> worker index
     try:
         for i in range(workers):
-            proc, fd = _start_child(config, i, log_level, log_format, own_ports)
+            proc, fd = _start_child(config, i, log_level, log_format, own_ports, workers)
             procs.append(proc)
             pending[fd] = i
         deadline = time.monotonic() + startup_timeout

@@ -16,8 +16,16 @@ Two hooks feed it, both cheap and on the event loop:
 :meth:`Recorder.flush` (the server's background runner calls it every ``flush_interval``)
 hands the queue to a worker thread: JSON encoding, gzip and the file write never run on the event loop's
 turn. Files (``record-<UTC time>-<pid>-<n>.jsonl.gz``, gzip members appended per flush, so
-a file is readable while it grows) rotate at ``file_bytes``; the oldest are deleted while
-all files together exceed ``max_bytes``.
+a file is readable while it grows) rotate before a write would take the current file past
+``file_bytes``, and before each write the oldest are deleted until the files, the current one
+included, plus the write fit ``max_bytes``: the directory never holds more. A flush larger
+than a file is written in pieces. With ``--workers N`` each worker has its own directory
+(``DIR/worker-<i>``, ``max_bytes / N`` each), so no worker deletes another's files.
+
+Paths are recorded redacted by default (:func:`redact_path`): path parameters (``;...``)
+are dropped and id-like segments (numbers, tokens with digits, ``prefix_XXXX`` keys, long
+or email-like segments) become ``{id}``. A recording leaves the server (it is copied to
+where ``extauthz simulate`` runs) and limits match path prefixes, not ids.
 
 ``sample`` < 1 keeps a fraction of *identities* (by their hash), every request of each,
 so per-user limits replay as they were.
@@ -31,8 +39,9 @@ import gzip
 import json
 import logging
 import os
+import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +54,26 @@ log = logging.getLogger("extauthz.record")
 
 Line = dict[str, Any]
 
+#: what an id-like path segment becomes in a recording
+ID_PLACEHOLDER = "{id}"
+_ID_SEGMENT = re.compile(r"""
+    \d+                                      # a number
+  | (?=[^/]*\d)[^/]{8,}                      # 8 characters or more with a digit: ids, UUIDs, dates
+  | [^/]{24,}                                # a long token
+  | [^/]*@[^/]*                              # an email address
+  | [A-Za-z]+(?:_[A-Za-z]+)*_(?=[^/_]*[A-Z0-9])[^/_]{4,}   # prefixed ids and keys: sk_live_XXXX
+""", re.VERBOSE)
+
+
+def redact_path(path: str) -> str:
+    """``path`` without path parameters (``;...`` of every segment) and with id-like segments
+    replaced by ``{id}``: ``/v1/keys/sk_live_SECRET;session=1`` -> ``/v1/keys/{id}``."""
+    out = []
+    for segment in path.split("/"):
+        segment = segment.split(";", 1)[0]
+        out.append(ID_PLACEHOLDER if _ID_SEGMENT.fullmatch(segment) else segment)
+    return "/".join(out)
+
 
 class RotatingWriter:
     """Appends gzip members to ``record-*.jsonl.gz`` files; rotates and bounds the total."""
@@ -53,11 +82,13 @@ class RotatingWriter:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
-        self.file_bytes = file_bytes or max(4096, min(64 << 20, max_bytes // 8))
+        self.file_bytes = min(max_bytes, file_bytes or max(4096, min(64 << 20, max_bytes // 8)))
         self.current: Path | None = None
         self._n = 0
         self.bytes_written = 0
         self.files_deleted = 0
+        #: lines larger than a whole file, compressed (not written)
+        self.lines_dropped = 0
 
     def _next_file(self) -> Path:
         self._n += 1
@@ -68,23 +99,46 @@ class RotatingWriter:
         return sorted(self.directory.glob("record-*.jsonl.gz"), key=lambda p: (p.stat().st_mtime, p.name))
 
     def write(self, lines: Sequence[Line]) -> None:
+        for data in self._members(lines):
+            self._append(data)
+
+    def _members(self, lines: Sequence[Line]) -> Iterator[bytes]:
+        """Gzip members of at most ``file_bytes`` each (a batch too big is split in halves)."""
         if not lines:
             return
         data = gzip.compress("".join(json.dumps(x, separators=(",", ":")) + "\n" for x in lines).encode(),
                              compresslevel=6)
-        if self.current is None or (self.current.exists() and self.current.stat().st_size >= self.file_bytes):
-            self.current = self._next_file()
-        with open(self.current, "ab") as f:
+        if len(data) <= self.file_bytes:
+            yield data
+        elif len(lines) == 1:
+            self.lines_dropped += 1
+            log.warning("recording: a line of %d bytes compressed is larger than a file (%d); "
+                        "not written", len(data), self.file_bytes)
+        else:
+            half = len(lines) // 2
+            yield from self._members(lines[:half])
+            yield from self._members(lines[half:])
+
+    def _append(self, data: bytes) -> None:
+        current = self.current
+        size = current.stat().st_size if current is not None and current.exists() else None
+        if current is None or size is None or size + len(data) > self.file_bytes:
+            current = self.current = self._next_file()
+        self._make_room(len(data))
+        with open(current, "ab") as f:
             f.write(data)
         self.bytes_written += len(data)
-        self._bound()
 
-    def _bound(self) -> None:
+    def _make_room(self, incoming: int) -> None:
+        """Delete the oldest files until all of them (the current one counts) plus
+        ``incoming`` bytes fit ``max_bytes``."""
         files = self.files()
         total = sum(p.stat().st_size for p in files)
         for old in files:
-            if total <= self.max_bytes or old == self.current:
+            if total + incoming <= self.max_bytes:
                 break
+            if old == self.current:
+                continue
             total -= old.stat().st_size
             old.unlink(missing_ok=True)
             self.files_deleted += 1
@@ -93,13 +147,15 @@ class RotatingWriter:
 class Recorder:
     def __init__(self, directory: str | Path, *, max_bytes: int = 1 << 30, sample: float = 1.0,
                  pending_ttl: float = 60.0, flush_interval: float = 1.0, clock: Clock = SYSTEM_CLOCK,
-                 max_pending: int = 200_000, file_bytes: int | None = None) -> None:
+                 max_pending: int = 200_000, file_bytes: int | None = None,
+                 redact_paths: bool = True) -> None:
         if not 0.0 < sample <= 1.0:
             raise ValueError(f"--record-sample must be in (0, 1], not {sample}")
         if max_bytes <= 0:
             raise ValueError(f"--record-max-bytes must be positive, not {max_bytes}")
         self.writer = RotatingWriter(directory, max_bytes, file_bytes)
         self.sample = sample
+        self.redact_paths = redact_paths
         self._threshold = int(sample * 0xFFFFFFFF)
         self.pending_ttl = pending_ttl
         self.flush_interval = flush_interval
@@ -131,7 +187,7 @@ class Recorder:
         line: Line = {
             "time": round(now, 6), "identity": ctx.identity, "identity_source": ctx.identity_source,
             "plan": ctx.plan or None, "tier": ctx.tier.value, "method": ctx.method,
-            "path": ctx.path, "host": ctx.host,
+            "path": redact_path(ctx.path) if self.redact_paths else ctx.path, "host": ctx.host,
             "decision": "allowed" if decision.allowed else "refused",
             "limiter": denied.limiter if denied is not None else None,
             "would_refuse": [v.limiter for v in decision.verdicts if v.outcome is Outcome.SHADOW_DENIED],
@@ -209,10 +265,10 @@ class Recorder:
         return {"directory": str(self.writer.directory), "recorded": self.recorded,
                 "pending": len(self._pending), "unsampled": self.unsampled,
                 "without_duration": self.without_duration, "bytes_written": self.writer.bytes_written,
-                "files_deleted": self.writer.files_deleted, "write_errors": self.write_errors}
+                "files_deleted": self.writer.files_deleted, "lines_dropped": self.writer.lines_dropped,
+                "write_errors": self.write_errors}
 
 
 def pending_ttl(policy: Policy) -> float:
     """The longest lease TTL of the policy: how long a request's end is waited for."""
-    ttls = [float(getattr(spec, "lease_ttl", 0.0)) for spec in policy.limiters]
-    return max([60.0, *ttls])
+    return max(60.0, policy.longest_lease_ttl)

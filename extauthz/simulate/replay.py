@@ -97,6 +97,8 @@ class Series:
     refused_by_limiter: dict[str, Counter[int]] = field(default_factory=dict)
     requests_by_tier: dict[str, Counter[int]] = field(default_factory=dict)
     refused_by_tier: dict[str, Counter[int]] = field(default_factory=dict)
+    #: second -> requests allowed (the load that reaches the upstream)
+    allowed: Counter[int] = field(default_factory=Counter)
     #: shedder -> [(time, level, utilization)]
     levels: dict[str, list[tuple[float, float, float]]] = field(default_factory=dict)
     start: float | None = None
@@ -116,6 +118,9 @@ class Tally:
         self.tier_refused: Counter[str] = Counter()
         self.identity_requests: Counter[str] = Counter()
         self.identity_refused: Counter[str] = Counter()
+        #: (identity, limiter) and (identity, tier) -> refusals: the per-customer table
+        self.identity_limiter_refused: Counter[tuple[str, str]] = Counter()
+        self.identity_tier_refused: Counter[tuple[str, str]] = Counter()
 
     def add(self, ctx: RequestContext, decision: Decision) -> None:
         self.requests += 1
@@ -129,18 +134,34 @@ class Tally:
             self.refused += 1
             self.tier_refused[tier] += 1
             self.identity_refused[ident] += 1
+            self.identity_tier_refused[(ident, tier)] += 1
         for v in decision.verdicts:
             if v.outcome not in _NOT_REFUSING:
                 self.limiter_refused[v.limiter] += 1
                 self.limiter_identities.setdefault(v.limiter, set()).add(ident)
+                self.identity_limiter_refused[(ident, v.limiter)] += 1
+
+    def customer(self, ident: str) -> dict[str, Any]:
+        """One identity's refusals, by limiter and by tier (``customers`` rows)."""
+        return {"refused": self.identity_refused[ident],
+                "by_limiter": {lim: n for (i, lim), n in sorted(self.identity_limiter_refused.items())
+                               if i == ident},
+                "by_tier": {tier: n for (i, tier), n in sorted(self.identity_tier_refused.items())
+                            if i == ident}}
 
     def summary(self, policy: Policy, top: int = 10) -> dict[str, Any]:
         names = [spec.name for spec in policy.limiters]
         names += sorted(set(self.limiter_refused) - set(names))
+        shares = [n / self.identity_requests[i] for i, n in self.identity_refused.items()]
         return {
             "requests": self.requests,
             "allowed": self.allowed,
             "refused": self.refused,
+            # the figures --fail-on compares (FIGURES)
+            "critical_refused": self.tier_refused[Tier.CRITICAL.value],
+            "refused_share": self.refused / self.requests if self.requests else 0.0,
+            "customers_refused": len(self.identity_refused),
+            "max_customer_refused_share": max(shares, default=0.0),
             "by_limiter": {name: {"refused": self.limiter_refused[name],
                                   "identities": len(self.limiter_identities.get(name, ()))}
                            for name in names},
@@ -270,7 +291,9 @@ class Lane:
             second = int(t - (series.start or 0.0))
             tier = ctx.tier.value
             series.requests_by_tier.setdefault(tier, Counter())[second] += 1
-            if not decision.allowed:
+            if decision.allowed:
+                series.allowed[second] += 1
+            else:
                 series.refused_by_tier.setdefault(tier, Counter())[second] += 1
             for v in decision.verdicts:
                 if v.outcome not in _NOT_REFUSING:
@@ -342,8 +365,36 @@ class Replay:
     def requests_per_second(self) -> float:
         return self.candidate.tally.requests / self.elapsed if self.elapsed > 0 else 0.0
 
-    def summary(self, top: int = 10) -> dict[str, Any]:
+    def customers(self, top: int = 10, labels: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+        """The ``top`` customers whose outcome changes most from the baseline to the candidate
+        (without a baseline: the most refused), with their share of the traffic and their
+        refusals by limiter and tier in each policy; ``labels`` (hash -> name, from
+        ``--identities``) names them."""
+        cand = self.candidate.tally
+        base = self.baseline.tally if self.baseline is not None else None
+        idents = set(cand.identity_refused) | (set(base.identity_refused) if base is not None else set())
+
+        def change(i: str) -> int:
+            return cand.identity_refused[i] - (base.identity_refused[i] if base is not None else 0)
+
+        ranked = sorted(idents, key=lambda i: (-abs(change(i)), -cand.identity_refused[i], i))[:top]
+        rows = []
+        for ident in ranked:
+            row: dict[str, Any] = {"identity": ident}
+            if labels and ident in labels:
+                row["label"] = labels[ident]
+            row |= {"requests": cand.identity_requests[ident],
+                    "share_of_traffic": cand.identity_requests[ident] / cand.requests if cand.requests else 0.0,
+                    "candidate": cand.customer(ident)}
+            if base is not None:
+                row["baseline"] = base.customer(ident)
+                row["change"] = change(ident)
+            rows.append(row)
+        return rows
+
+    def summary(self, top: int = 10, labels: Mapping[str, str] | None = None) -> dict[str, Any]:
         out = self.candidate.tally.summary(self.candidate.policy, top)
+        out["customers"] = self.customers(top, labels)
         if self.baseline is not None:
             out["baseline"] = self.baseline.tally.summary(self.baseline.policy, top)
             out["difference"] = {
@@ -356,4 +407,10 @@ class Replay:
                 "top_identities_spared": [{"identity": i, "requests": n}
                                           for i, n in self.baseline_only.most_common(top)],
             }
+        if labels:  # --identities: name every row whose hash it knows
+            rows = [*out["top_identities"], *out.get("difference", {}).get("top_identities_hurt", []),
+                    *out.get("difference", {}).get("top_identities_spared", [])]
+            for row in rows:
+                if row["identity"] in labels:
+                    row["label"] = labels[row["identity"]]
         return out

@@ -17,6 +17,7 @@ defined once, in :mod:`extauthz.store.algorithms`, and every store follows them 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -131,6 +132,18 @@ class ShedParams:
     def resting(self) -> float:
         """Where the level rests: ``delay_before_shedding`` of ramp below zero (float math)."""
         return -self.delay_before_shedding / self.time_to_shed_all
+
+
+def load_json(text: str | bytes) -> object:
+    """JSON written by an operator (a stored kill-switch or override value, an admin request
+    body). Anything that does not parse is a ValueError with a short message, including a
+    document nested too deeply for the parser (a RecursionError otherwise)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("the JSON is nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"not JSON: {exc}") from None
 
 
 async def update_value(store: Store, key: str,

@@ -70,6 +70,12 @@ class Keys:
     def shadow_log(self) -> str:
         return f"{self.prefix}:shadow"
 
+    @property
+    def history(self) -> str:
+        """Who changed a kill switch or an override, and why: a bounded event log
+        (``extauthz.changelog``; ``Store.append_events``)."""
+        return f"{self.prefix}:history"
+
     def is_lease_key(self, key: str) -> bool:
         """True for a key :meth:`user_leases` or :meth:`fleet_leases` can build, with this
         prefix: the only keys a lease release may touch."""

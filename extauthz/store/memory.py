@@ -5,10 +5,19 @@ respect to every other check in the process. The rules (refill, admit, sweep, th
 numbers, the shed controller) are :mod:`extauthz.store.algorithms`, the same as Redis's.
 Leases of one key all have the same TTL (one limiter owns a key), so insertion order is
 expiry order and sweeping pops from the front.
+
+Expiry is time-ordered and incremental: every bucket and lease key has one entry in a heap
+keyed by the time it may next expire, and each check looks at no more than
+``SWEEP_BATCH`` due entries (deleting the expired key, or putting a key that was used since
+back at its new expiry). Work per check is bounded whatever the number of live keys (a walk
+over all keys every 4,096 checks stalled a check 163 ms at 300,000 identities). Expiry
+changes no answer: a check reads only live leases, and a bucket idle past its TTL refills to
+its burst anyway; the sweep only frees memory.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Sequence
 
@@ -17,7 +26,10 @@ from . import algorithms
 from .algorithms import admits, bucket_result, lease_admits, lease_result, refill, take
 from .base import BucketOp, CheckResult, Op, ShedParams
 
-_SWEEP_EVERY = 4096
+#: due heap entries a check looks at, at most (a check creates at most a few keys, so the
+#: sweep keeps up; a backlog after an idle spell drains over the next checks)
+SWEEP_BATCH = 32
+_BUCKET, _LEASES = 0, 1
 
 
 class MemoryStore:
@@ -35,7 +47,11 @@ class MemoryStore:
         self._shed: dict[str, tuple[float, float]] = {}
         #: event log key -> (ring buffer of (wall time, event), expires at)
         self._events: dict[str, tuple[deque[tuple[float, str]], float]] = {}
-        self._ops = 0
+        #: (time the key may expire, kind, key): one entry per bucket key and lease key
+        self._due: list[tuple[float, int, str]] = []
+        self._scheduled: tuple[set[str], set[str]] = (set(), set())
+        #: due entries looked at, in total (tests bound the work per check with it)
+        self.swept = 0
 
     # -- helpers ---------------------------------------------------------------------
     def _live_leases(self, key: str, now: float) -> dict[str, float]:
@@ -51,11 +67,33 @@ class MemoryStore:
             del self._leases[key]
         return leases
 
-    def _sweep(self, now: float) -> None:
-        for key in [k for k, v in self._buckets.items() if v[2] <= now]:
-            del self._buckets[key]
-        for key in list(self._leases):
-            self._live_leases(key, now)
+    def _schedule(self, kind: int, key: str, at: float) -> None:
+        scheduled = self._scheduled[kind]
+        if key not in scheduled:  # an entry is there already: it is moved when it comes due
+            scheduled.add(key)
+            heapq.heappush(self._due, (at, kind, key))
+
+    def _sweep(self, now: float, budget: int | None = None) -> None:
+        """Expire the keys whose heap entries are due: ``budget`` entries at most (a check's
+        share), or all that are due."""
+        due = self._due
+        looked = 0
+        while due and due[0][0] <= now and (budget is None or looked < budget):
+            _, kind, key = heapq.heappop(due)
+            looked += 1
+            if kind == _BUCKET:
+                state = self._buckets.get(key)
+                if state is not None and state[2] > now:  # used since: due again later
+                    heapq.heappush(due, (state[2], kind, key))
+                    continue
+                self._buckets.pop(key, None)
+            else:
+                leases = self._live_leases(key, now)
+                if leases:
+                    heapq.heappush(due, (next(iter(leases.values())), kind, key))
+                    continue
+            self._scheduled[kind].discard(key)
+        self.swept += looked
 
     # -- contract --------------------------------------------------------------------
     async def check(self, ops: Sequence[Op], lease_id: str) -> CheckResult:
@@ -63,9 +101,7 @@ class MemoryStore:
 
     def check_now(self, ops: Sequence[Op], lease_id: str) -> CheckResult:
         now = self._clock.monotonic()
-        self._ops += 1
-        if self._ops % _SWEEP_EVERY == 0:
-            self._sweep(now)
+        self._sweep(now, SWEEP_BATCH)
         # State before the request, then the same rules and answers as every store.
         values: list[float] = []
         allowed: list[bool] = []
@@ -88,12 +124,14 @@ class MemoryStore:
             if isinstance(op, BucketOp):
                 if commit:
                     self._buckets[op.key] = [take(value, op.cost), now, now + op.ttl]
+                    self._schedule(_BUCKET, op.key, now + op.ttl)
                 results.append(bucket_result(op, ok, value, commit))
             else:
                 if commit:
                     leases = self._leases.setdefault(op.key, {})
                     leases.pop(lease_id, None)  # a renewed lease moves to the end (expiry order)
                     leases[lease_id] = now + op.ttl
+                    self._schedule(_LEASES, op.key, now + op.ttl)
                 results.append(lease_result(op, ok, int(value), commit))
         return CheckResult(admitted, tuple(results))
 

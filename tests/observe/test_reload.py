@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from extauthz import reload as reload_module
 from extauthz.clock import ManualClock
 from extauthz.policy import load_policy
 from extauthz.reload import PolicyWatcher
@@ -112,6 +115,37 @@ def configmap(directory: Path, stamp: str, files: dict[str, str]) -> None:
         (directory / old).rmdir()
 
 
+async def test_a_policy_whose_swap_fails_is_counted_shown_and_retried(
+        tmp_path: Path, clock: ManualClock, caplog: pytest.LogCaptureFixture) -> None:
+    # A valid policy whose new snapshot cannot be built (it was an override that made the
+    # build raise) was dropped silently: the digest was marked seen, nothing was counted.
+    f = write_policy(tmp_path / "p" / "api.yaml", [rate("user-rate", burst=2)])
+    engine, watcher = watcher_for(tmp_path / "p", clock)
+    good = engine.snapshot.policy.version
+    calls = 0
+
+    def flaky(policy):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        if calls <= 2:
+            raise OverflowError("cannot convert float infinity to integer")
+        engine.set_policy(policy)
+
+    watcher.apply = flaky
+    write_policy(f, [rate("user-rate", burst=5)])
+    with caplog.at_level(logging.ERROR, logger="extauthz.reload"):
+        assert watcher.poll_once() is False
+        assert watcher.poll_once() is False  # retried, not counted or logged again
+    assert engine.snapshot.policy.version == good and watcher.version == good
+    assert watcher.failures == 1 and watcher.reloads == 0
+    assert watcher.status()["last_error"]["issues"] == [  # type: ignore[index]
+        "applying the policy failed: OverflowError: cannot convert float infinity to integer"]
+    assert len([r for r in caplog.records if r.name == "extauthz.reload"]) == 1
+    assert watcher.poll_once() is True  # the third try applies
+    assert watcher.reloads == 1 and watcher.last_error is None
+    assert engine.snapshot.policy.version != good and await allowed_in_a_row(engine) == 5
+
+
 async def test_a_configmap_symlink_swap_is_picked_up(tmp_path: Path, clock: ManualClock) -> None:
     source = tmp_path / "src.yaml"
     write_policy(source, [rate("user-rate", burst=2)])
@@ -197,3 +231,52 @@ async def test_several_teams_configmaps_projected_into_one_directory(tmp_path: P
     configmap(cm, "2026_01_01_00_04_00.5", files)  # team B reverts: the policy being served
     assert watcher.poll_once() is False and watcher.last_error is None
     assert engine.snapshot.policy.version == good
+
+
+async def test_checks_are_answered_while_a_new_policy_is_parsed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reload job parses off the event loop: a parse that does not end until the test
+    says so must not hold a Check (it held them for seconds when it ran on the loop)."""
+    f = write_policy(tmp_path / "p" / "api.yaml", [rate("user-rate", burst=1)])
+    parsing, proceed, parsed = threading.Event(), threading.Event(), threading.Event()
+
+    def slow_load(paths, **kwargs):  # type: ignore[no-untyped-def]
+        parsing.set()
+        proceed.wait(timeout=5)  # only an escape: on the event loop this would wait forever
+        parsed.set()
+        return load_policy(paths, **kwargs)
+
+    monkeypatch.setattr(reload_module, "load_policy", slow_load)
+    async with running([tmp_path / "p"], reload_interval=0.05) as (server, client):
+        first = server.engine.snapshot.policy.version
+        write_policy(f, [rate("user-rate", burst=1, mode="shadow")])
+        await eventually(parsing.is_set)
+        answers = [await client.check("sk_live_x") for _ in range(2)]
+        answered_while_parsing = not parsed.is_set()
+        proceed.set()
+        assert answered_while_parsing, "a Check waited for the policy parse"
+        assert answers == [200, 429]  # the old policy serves until the new one is built
+        await eventually(lambda: server.engine.snapshot.policy.version != first)
+        assert await client.check("sk_live_x") == 200  # shadow now
+
+
+async def test_an_oversized_policy_file_is_refused_and_counted(tmp_path: Path) -> None:
+    """A file above --policy-max-bytes is not parsed: the last good policy keeps serving and
+    the failure is counted and shown, naming the file."""
+    f = write_policy(tmp_path / "p" / "api.yaml", [rate("user-rate", burst=1)])
+    async with running([tmp_path / "p"], reload_interval=0.05, policy_max_bytes=4096) as (server, client):
+        first = server.engine.snapshot.policy.version
+        assert [await client.check("sk_live_x") for _ in range(2)] == [200, 429]
+        write_policy(f, [rate("user-rate", burst=1, mode="shadow")])
+        f.write_text(f.read_text() + "#" * 5000 + "\n")  # valid YAML, too big
+
+        async def failed() -> Any:
+            _, s = await admin(server, "GET", "/status")
+            return s["reload"] if s["reload"]["last_error"] is not None else None
+
+        status = await eventually(failed)
+        assert status["failures"] == 1
+        assert status["last_error"]["issues"] == [
+            f"{f}: the file is larger than 4096 bytes (--policy-max-bytes); not parsed"]
+        assert server.engine.snapshot.policy.version == first
+        assert await client.check("sk_live_x") == 429  # still the old policy, enforcing

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,9 @@ from extauthz.clock import ManualClock
 from extauthz.context import RawRequest
 from extauthz.engine import Engine
 from extauthz.policy import load_policy
-from extauthz.simulate.record import Recorder, RotatingWriter, pending_ttl
+from extauthz.server.app import ServerConfig
+from extauthz.server.workers import child_config
+from extauthz.simulate.record import Recorder, RotatingWriter, pending_ttl, redact_path
 from extauthz.simulate.replay import run_now
 from extauthz.simulate.traffic import BadLines, TrafficFile, read_traffic
 from extauthz.store.memory import MemoryStore
@@ -126,3 +129,75 @@ def test_serve_record_options_parse() -> None:
                                       "--record-sample", "0.25"])
     assert (args.record, args.record_max_bytes, args.record_sample) == ("/tmp/r", 1 << 20, 0.25)
     assert main(["serve", "--record", "/tmp/r", "--record-sample", "0"]) == 2
+
+
+def _noise(rng: random.Random, n: int) -> list[dict[str, Any]]:
+    """Lines that do not compress: a file's size follows the lines written."""
+    return [{"n": i, "pad": rng.randbytes(48).hex()} for i in range(n)]
+
+
+def test_no_write_takes_the_directory_past_the_bound(tmp_path: Path) -> None:
+    """The current file counts, and a write that would pass the bound rotates first; a flush
+    bigger than a file is written in pieces (a 200 KiB bound once held a 429 KB file)."""
+    rng = random.Random(20)
+    writer = RotatingWriter(tmp_path / "rec", max_bytes=200 << 10)
+    for n in (10, 400, 40, 4000, 3, 2500, 100, 100, 100):  # 4,000 lines: ~430 KB compressed
+        writer.write(_noise(rng, n))
+        sizes = [p.stat().st_size for p in writer.files()]
+        assert sum(sizes) <= 200 << 10, sizes
+        assert max(sizes) <= writer.file_bytes, sizes
+        assert writer.current in writer.files()
+    assert writer.files_deleted > 0 and writer.lines_dropped == 0
+    kept = read_all(tmp_path / "rec")
+    assert kept[-300:] == [{"n": i % 100, "pad": x["pad"]} for i, x in enumerate(kept[-300:])]  # newest whole
+
+
+def test_a_line_larger_than_a_file_is_dropped_and_counted(tmp_path: Path) -> None:
+    writer = RotatingWriter(tmp_path / "rec", max_bytes=4096)
+    writer.write([{"pad": random.Random(1).randbytes(4096).hex()}, {"n": 1}])
+    assert writer.lines_dropped == 1
+    assert read_all(tmp_path / "rec") == [{"n": 1}]
+
+
+async def test_recorded_paths_are_redacted_by_default(tmp_path: Path) -> None:
+    engine, rec, _ = setup(tmp_path)
+    check(engine, "sk_live_a", "r1", path="/v1/keys/sk_live_SECRET;session=s3cr3t")
+    check(engine, "sk_live_a", "r2", path="/v1/customers/cus_NffrFeUfNV2Hib/sources")
+    check(engine, "sk_live_b", "r3", path="/v1/payment_methods/42")
+    await rec.close()
+    raw = b"".join(gzip.decompress(f.read_bytes()) for f in (tmp_path / "rec").iterdir())
+    assert [x["path"] for x in read_all(tmp_path / "rec")] == [
+        "/v1/keys/{id}", "/v1/customers/{id}/sources", "/v1/payment_methods/{id}"]
+    assert b"SECRET" not in raw and b"s3cr3t" not in raw and b"NffrFeUfNV2Hib" not in raw
+
+
+async def test_raw_paths_when_asked(tmp_path: Path) -> None:
+    engine, rec, _ = setup(tmp_path, redact_paths=False)
+    check(engine, "sk_live_a", "r1", path="/v1/keys/sk_live_SECRET;session=s3cr3t")
+    await rec.close()
+    assert [x["path"] for x in read_all(tmp_path / "rec")] == ["/v1/keys/sk_live_SECRET;session=s3cr3t"]
+
+
+def test_redact_path_keeps_route_names() -> None:
+    assert [redact_path(p) for p in (
+        "/v1/charges", "/v1/payment_methods", "/v1/oauth2/token", "/healthz", "/", "",
+        "/v1/x;a=1/y;b=2", "/v1/users/a@b.example", "/v1/items/550e8400-e29b-41d4-a716-446655440000",
+        "/v1/charges/ch_3MmlLrLkdIwHu7ix0snN0B15/refund",
+    )] == ["/v1/charges", "/v1/payment_methods", "/v1/oauth2/token", "/healthz", "/", "",
+           "/v1/x/y", "/v1/users/{id}", "/v1/items/{id}", "/v1/charges/{id}/refund"]
+
+
+def test_workers_never_delete_each_others_files(tmp_path: Path) -> None:
+    """--workers 2 --record DIR: each worker writes and bounds its own directory, so one
+    worker's rotation never deletes the file another is writing; together they keep the bound."""
+    config = ServerConfig(record_dir=str(tmp_path / "rec"), record_max_bytes=40_000)
+    children = [child_config(config, i, workers=2) for i in range(2)]
+    assert [c.record_dir for c in children] == [str(tmp_path / "rec" / f"worker-{i}") for i in range(2)]
+    writers = [RotatingWriter(c.record_dir, c.record_max_bytes) for c in children]
+    rng = random.Random(2)
+    for _ in range(20):
+        for w in writers:
+            w.write(_noise(rng, 40))
+            assert all(x.current is not None and x.current.exists() for x in writers if x.bytes_written)
+    assert sum(p.stat().st_size for p in (tmp_path / "rec").rglob("record-*")) <= 40_000
+    assert child_config(config, 0).record_dir == str(tmp_path / "rec")  # one worker: DIR itself

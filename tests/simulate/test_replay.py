@@ -16,7 +16,8 @@ from extauthz.simulate.replay import Replay, ReplayedRequest
 from extauthz.simulate.traffic import BadLines, Request, TrafficFile, read_traffic, write_lines
 
 T0 = 1_732_420_000.0
-REQUIRED = {"requests", "allowed", "refused", "by_limiter", "by_tier", "top_identities"}
+REQUIRED = {"requests", "allowed", "refused", "by_limiter", "by_tier", "top_identities", "customers",
+            "critical_refused", "refused_share", "customers_refused", "max_customer_refused_share"}
 
 
 def policy_dir(tmp_path: Path, limiters: list[dict[str, Any]], name: str = "policy") -> Path:

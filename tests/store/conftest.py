@@ -55,6 +55,27 @@ def key_ttls(topology: Topology) -> dict[str, int]:
     return out
 
 
+def key_expiry_times(topology: Topology) -> dict[str, int]:
+    """Every key on every master with its absolute expiry (PEXPIRETIME, Unix ms).
+
+    Unlike a PTTL it does not shrink while the test runs, so a loaded machine cannot move it.
+    """
+    out: dict[str, int] = {}
+    for client in masters(topology):
+        with client:
+            for key in client.scan_iter(count=1000):
+                out[key] = int(client.pexpiretime(key))
+    return out
+
+
+def redis_time_ms(topology: Topology) -> int:
+    """Redis's own clock (TIME) in Unix ms, floored: the clock key expiries are set from."""
+    client = masters(topology)[0]
+    with client:
+        seconds, micros = client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
 @dataclass
 class StoreCase:
     kind: str

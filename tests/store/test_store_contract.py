@@ -22,7 +22,7 @@ from extauthz.store.memory import MemoryStore
 from extauthz.switches import change_stored as change_switches
 from extauthz.switches import parse_switches
 from extauthz.verdict import Mode
-from tests.store.conftest import StoreCase, key_ttls
+from tests.store.conftest import StoreCase, key_expiry_times, key_ttls, redis_time_ms
 
 K = Keys("t")
 BUCKET = K.bucket("rate", "alice")
@@ -377,6 +377,7 @@ async def test_every_key_has_a_ttl(store_case: StoreCase) -> None:
     """Idle users cost nothing: every key a run leaves behind expires on its own."""
     store = store_case.store
     p = ShedParams(0.7, 0.8, 28, 120, 60)
+    before = None if store_case.topology is None else redis_time_ms(store_case.topology)
     await many(store, [bucket(rate=1000, burst=1), lease(USER_LEASES), lease(FLEET, limit=0)], 3)
     await store.check([bucket(OTHER_BUCKET, rate=1, burst=5)], "x")
     await store.check([lease(FLEET_ALL, limit=0, ttl=0.2)], "y")
@@ -396,7 +397,18 @@ async def test_every_key_has_a_ttl(store_case: StoreCase) -> None:
     assert set(ttls) == {BUCKET, OTHER_BUCKET, USER_LEASES, FLEET, FLEET_ALL,
                          K.shed_state("w"), K.signal("w"), K.shadow_log}
     assert all(ms > 0 for ms in ttls.values()), ttls
-    assert 900 < ttls[BUCKET] <= 1000  # max(1, ceil(2 * 1 / 1000)) s: never 0
-    assert 900 < ttls[FLEET_ALL] <= 1000  # a lease TTL under 1 s is stored as 1 s
-    assert 9000 < ttls[OTHER_BUCKET] <= 10000  # twice the fill time: 2 * 5 / 1 s
-    assert 29000 < ttls[USER_LEASES] <= 30000  # the lease TTL
+    # Each expiry was set from Redis's clock while the checks ran (between ``before`` and
+    # ``after``): absolute expiry times bound it exactly, whatever the machine's speed.
+    assert before is not None
+    after = redis_time_ms(store_case.topology)
+    expiry = key_expiry_times(store_case.topology)
+    def set_with(key: str) -> tuple[int, int]:
+        return expiry[key] - after, expiry[key] - before
+    lo, hi = set_with(BUCKET)
+    assert lo <= 1000 <= hi  # max(1, ceil(2 * 1 / 1000)) s: never 0
+    lo, hi = set_with(FLEET_ALL)
+    assert lo <= 1000 <= hi  # a lease TTL under 1 s is stored as 1 s
+    lo, hi = set_with(OTHER_BUCKET)
+    assert lo <= 10000 <= hi  # twice the fill time: 2 * 5 / 1 s
+    lo, hi = set_with(USER_LEASES)
+    assert lo <= 30000 <= hi  # the lease TTL

@@ -16,7 +16,8 @@ from ..conftest import FIXTURES, ROOT
 
 def test_help_lists_the_subcommands() -> None:
     out = subprocess.run([sys.executable, "-m", "extauthz", "--help"], capture_output=True, text=True, check=True)
-    for command in ("serve", "check-policies", "schema", "switch", "report", "override", "demo", "simulate"):
+    for command in ("serve", "check-policies", "schema", "switch", "report", "override", "history", "demo",
+                    "simulate"):
         assert command in out.stdout
 
 
@@ -37,7 +38,7 @@ def test_output_into_a_closed_pipe_ends_without_a_traceback() -> None:
 def test_every_subcommand_help_says_what_it_does() -> None:
     # `extauthz COMMAND --help` opens with a description, not a bare usage line.
     for command in ("serve", "check-policies", "schema", "envoy-allowed-headers", "demo",
-                    "switch", "report", "status", "override"):
+                    "switch", "report", "status", "override", "history"):
         out = subprocess.run([sys.executable, "-m", "extauthz", command, "--help"],
                              capture_output=True, text=True, check=True).stdout
         blocks = out.split("\n\n")
@@ -107,3 +108,19 @@ def test_http_listen_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("EXTAUTHZ_LISTEN", "off")
     args = build_parser().parse_args(["serve"])
     assert (args.http_listen, args.listen) == ("0.0.0.0:9003", "off")
+
+
+def test_the_bound_options_from_flags_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from extauthz.cli import build_parser
+
+    args = build_parser().parse_args(["serve"])
+    assert args.http_max_connections is None  # derived from the file limit at start
+    assert args.policy_max_bytes == 1 << 20
+    monkeypatch.setenv("EXTAUTHZ_HTTP_MAX_CONNECTIONS", "500")
+    monkeypatch.setenv("EXTAUTHZ_POLICY_MAX_BYTES", "64K")
+    args = build_parser().parse_args(["serve"])
+    assert (args.http_max_connections, args.policy_max_bytes) == (500, 64 << 10)
+    args = build_parser().parse_args(["serve", "--http-max-connections", "9", "--policy-max-bytes", "2M"])
+    assert (args.http_max_connections, args.policy_max_bytes) == (9, 2 << 20)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--http-max-connections", "0"])

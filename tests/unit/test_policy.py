@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from extauthz.errors import PolicyError
-from extauthz.policy import load_policy
+from extauthz.policy import load_policy, loader
 from extauthz.policy.jsonschema import policy_json_schema
 from extauthz.policy.schema import (
     ConcurrentRequestsSpec,
@@ -40,6 +40,19 @@ def _expectation(path: Path) -> tuple[Path, str]:
 BAD_CASES = sorted(p for p in BAD.iterdir() if p.suffix == ".yaml" or p.is_dir())
 
 
+LOADERS = {"libyaml": getattr(yaml, "CSafeLoader", None), "python": yaml.SafeLoader}
+
+
+@pytest.fixture(params=sorted(LOADERS))
+def yaml_loader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every message is the same with libyaml (the server's parser) and without it."""
+    cls = LOADERS[request.param]
+    if cls is None:
+        pytest.skip("PyYAML without libyaml")
+    monkeypatch.setattr(loader, "FAST_LOADER", cls)
+
+
+@pytest.mark.usefixtures("yaml_loader")
 @pytest.mark.parametrize("case", BAD_CASES, ids=[p.stem for p in BAD_CASES])
 def test_bad_policy_reports_file_path_and_line(case: Path) -> None:
     _, expected = _expectation(case)
@@ -117,3 +130,20 @@ def test_published_json_schema_is_current_and_accepts_the_example() -> None:
     bad = dict(example, limiters=[{"name": "x", "type": "request_rate", "rate": 1, "burst": 1, "oops": 1}])
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, committed)
+
+
+def test_an_oversized_file_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
+    (tmp_path / "small.yaml").write_text("version: 1\n")
+    big = tmp_path / "big.yaml"
+    big.write_text("version: 1\nlimiters: [\n" + "#" * 200 + "\n")  # broken too: never parsed
+    with pytest.raises(PolicyError) as err:
+        load_policy([tmp_path], max_bytes=100)
+    assert [str(i) for i in err.value.issues] == [
+        f"{big}: the file is larger than 100 bytes (--policy-max-bytes); not parsed"]
+    load_policy([tmp_path / "small.yaml"], max_bytes=11)  # exactly at the bound: accepted
+
+
+def test_the_fast_yaml_parser_is_used_where_present() -> None:
+    if not yaml.__with_libyaml__:
+        pytest.skip("PyYAML without libyaml")
+    assert loader.FAST_LOADER is yaml.CSafeLoader
