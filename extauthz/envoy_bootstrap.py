@@ -199,9 +199,16 @@ def bootstrap(policy: Policy, *, protocol: str, upstream: tuple[str, int],
     log_cluster = "extauthz" if protocol == "http" or log_to == authz else "extauthz_access_log"
 
     vhost: Config = {"name": "api", "domains": ["*"], "routes": _routes()}
-    hcm: Config = {"@type": _HCM, "stat_prefix": "ingress_http", "codec_type": "AUTO"}
+    hcm: Config = {
+        "@type": _HCM, "stat_prefix": "ingress_http", "codec_type": "AUTO",
+        # client-facing: Envoy generates every x-request-id and appends the client's address
+        # to x-forwarded-for (docs/security.md "Request ids and paths")
+        "use_remote_address": True,
+        # one normalized path for routes, ext_authz and the upstream (policy path rules)
+        "normalize_path": True, "merge_slashes": True,
+        "path_with_escaped_slashes_action": "UNESCAPE_AND_REDIRECT",
+    }
     if protocol == "http":
-        hcm["use_remote_address"] = True
         hcm["local_reply_config"] = {"mappers": [{
             "filter": {"status_code_filter": {"comparison": {"op": "EQ", "value": {
                 "default_value": SHED_STATUS, "runtime_key": "extauthz.shed_status"}}}},

@@ -61,6 +61,7 @@ def test_config_is_the_waypoint_chain_istiod_generates() -> None:
     assert (rbac["name"], ext_authz["name"], router["name"]) == (
         "envoy.filters.http.rbac", EXT_AUTHZ_FILTER, "envoy.filters.http.router")
     assert manager["use_remote_address"] is False
+    assert manager["normalize_path"] is True and "merge_slashes" not in manager
     meta = policy["metadata"]
     [(name, generated)] = rbac["typed_config"]["shadow_rules"]["policies"].items()
     assert name == f"istio-ext-authz-{provider}-ns[{meta['namespace']}]-policy[{meta['name']}]-rule[0]"
