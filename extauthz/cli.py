@@ -174,7 +174,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .observe.logs import configure_logging
-    from .server.adminauth import AdminConfigError, TokenFile, parse_hosts, require_token_when_exposed
+    from .server.adminauth import TokenFile, parse_hosts, require_token_when_exposed
     from .server.app import ServerConfig, serve
     from .server.http import path_prefix
     from .server.portfile import admin_url_path
@@ -194,7 +194,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         require_token_when_exposed(off(admin_listen), args.admin_token_file or None)
         if args.admin_token_file:
             TokenFile(args.admin_token_file)
-    except AdminConfigError as exc:
+    except ValueError as exc:  # AdminConfigError, or a malformed --admin-listen
         print(f"extauthz serve: {exc}", file=sys.stderr)
         return 2
     listener = configure_logging(args.log_level, args.log_format)

@@ -276,7 +276,7 @@ class StateCollector:
 
         breaker = GaugeMetricFamily("extauthz_store_breaker_open", "1 while the store circuit "
                                     "breaker skips the store (open or half-open).")
-        breaker.add_metric([], 0 if engine.breaker.state == "closed" else 1)
+        breaker.add_metric([], 0 if engine.breaker_state == "closed" else 1)
         yield breaker
 
         if self.reload is not None:
