@@ -79,9 +79,14 @@ class Change:
         return f"{self.kind} {self.target} {what}"
 
 
+def format_number(v: float) -> str:
+    """5000000, not 5e+06: whole numbers whole, others to six significant digits."""
+    return str(int(v)) if float(v).is_integer() else f"{v:.6g}"
+
+
 def _value(value: Any) -> str:
     if isinstance(value, dict):
-        return " ".join(f"{k}={v:g}" if isinstance(v, (int, float)) else f"{k}={v}"
+        return " ".join(f"{k}={format_number(v)}" if isinstance(v, (int, float)) else f"{k}={v}"
                         for k, v in sorted(value.items()))
     return "-" if value is None else str(value)
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import __version__
+from .changelog import format_number
 from .policy.schema import parse_duration
 from .switches import change_stored as change_stored_switches
 from .switches import parse_switches, valid_name
@@ -126,7 +127,7 @@ def _add_override_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
     common(q, True)
     q.add_argument("limiter", help="the limiter's name")
     q.add_argument("numbers", nargs="+", metavar="NAME=VALUE",
-                   help="rate=1000 burst=5000 cost=1 (request_rate) or limit=200 (concurrent_requests)")
+                   help="rate=1000 burst=5000 cost=1 (request_rate) or limit=200 (concurrent_requests, quota)")
     q.add_argument("--ttl", default="24h", help="expiry, a duration like 30m, 24h or 720h "
                    "(at most 30 days; default 24h)")
     _add_change(q)
@@ -565,7 +566,7 @@ def _fmt_time(ts: float) -> str:
 
 
 def _fmt_numbers(numbers: dict[str, float]) -> str:
-    return " ".join(f"{k}={v:g}" for k, v in sorted(numbers.items()))
+    return " ".join(f"{k}={format_number(v)}" for k, v in sorted(numbers.items()))
 
 
 def format_overrides(data: dict[str, Any]) -> str:
