@@ -146,6 +146,39 @@ async def test_a_policy_whose_swap_fails_is_counted_shown_and_retried(
     assert engine.snapshot.policy.version != good and await allowed_in_a_row(engine) == 5
 
 
+def test_a_failed_swap_is_retried_without_parsing_the_policy_again(
+        tmp_path: Path, clock: ManualClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The retry of a failed swap runs every poll: parsing the same (up to 1 MiB) content
+    # again each time kept a worker thread busy (and the GIL taken) for as long as it failed.
+    f = write_policy(tmp_path / "p" / "api.yaml", [rate("user-rate", burst=2)])
+    engine, watcher = watcher_for(tmp_path / "p", clock)
+    parses = 0
+
+    def counting_load(paths, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal parses
+        parses += 1
+        return load_policy(paths, **kwargs)
+
+    monkeypatch.setattr(reload_module, "load_policy", counting_load)
+    calls = 0
+
+    def flaky(policy):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        if calls <= 3:
+            raise OverflowError("cannot convert float infinity to integer")
+        engine.set_policy(policy)
+
+    watcher.apply = flaky
+    write_policy(f, [rate("user-rate", burst=5)])
+    for _ in range(3):
+        assert watcher.poll_once() is False
+    assert calls == 3 and parses == 1
+    assert watcher.poll_once() is True and parses == 1
+    write_policy(f, [rate("user-rate", burst=6)])  # new content is parsed, of course
+    assert watcher.poll_once() is True and parses == 2
+
+
 async def test_a_configmap_symlink_swap_is_picked_up(tmp_path: Path, clock: ManualClock) -> None:
     source = tmp_path / "src.yaml"
     write_policy(source, [rate("user-rate", burst=2)])
