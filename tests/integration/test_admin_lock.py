@@ -238,3 +238,21 @@ async def test_the_change_log_in_redis_is_bounded(redis_single_clean: RedisSingl
         await store.close()
     assert HISTORY_MAXLEN <= len(changes) < HISTORY_MAXLEN + 300  # MAXLEN ~ trims whole nodes
     assert changes[-1].value == str(HISTORY_MAXLEN + 299)
+
+
+@pytest.mark.redis
+async def test_a_malformed_event_in_the_change_log_is_skipped(redis_single_clean: RedisSingle) -> None:
+    # Anyone who can write Redis can put an event in the log; one nested too deeply for the
+    # JSON parser raised RecursionError out of `extauthz history` and GET /history (500).
+    from extauthz.store.redis import RedisStore
+
+    store = RedisStore.from_url(redis_single_clean.url, deadline=1.0)
+    try:
+        await store.append_events("extauthz:history", ["[" * 100_000, "{not json", "[1]"],
+                                  HISTORY_MAXLEN, HISTORY_TTL)
+        await append_change(store, "extauthz:history", Change(kind="switch", action="set",
+                                                              target="*", value="off", at=1.0))
+        changes = await read_history(store, "extauthz:history")
+    finally:
+        await store.close()
+    assert [(c.target, c.value) for c in changes] == [("*", "off")]
