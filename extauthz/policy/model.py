@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..tiers import Tier
 from .schema import AppliesTo, IdentityRule, LimiterSpec, Match, PolicyFile
@@ -108,12 +108,13 @@ class Policy:
     plan_default: str = ""
     #: the plans the policy names (the default and every limiter's ``plans`` keys).
     plan_names: frozenset[str] = frozenset()
+    #: the longest ``lease_ttl`` of the policy's limiters (0 without lease limiters): no lease
+    #: the policy takes outlives it. Computed once: the request-id index reads it per check.
+    longest_lease_ttl: float = field(init=False)
 
-    @property
-    def longest_lease_ttl(self) -> float:
-        """The longest ``lease_ttl`` of the policy's limiters (0 without lease limiters): no
-        lease the policy takes outlives it."""
-        return max((float(getattr(spec, "lease_ttl", 0.0)) for spec in self.limiters), default=0.0)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "longest_lease_ttl", max(
+            (float(getattr(spec, "lease_ttl", 0.0)) for spec in self.limiters), default=0.0))
 
     @property
     def needed_headers(self) -> frozenset[str]:
