@@ -57,6 +57,18 @@ async def test_a_foreign_host_cannot_change_a_switch_and_a_change_needs_the_clie
         assert server.ops.status()["admin"]["refused"] == {"client_header": 2, "host": 2}
 
 
+async def test_a_reason_given_in_an_override_body_is_the_change_logs_reason() -> None:
+    # Without a token the reason may come in the JSON body (the documented admin API): the
+    # override row kept it, the change log recorded "(no reason)".
+    async with running([ROOT / "policies"]) as (server, _):
+        status, _ = await admin(server, "PUT", "/overrides/user-rate/" + "ab" * 12,
+                                json.dumps({"numbers": {"rate": 50}, "reason": "launch day"}))
+        assert status == 200
+        row = server.ops.override_rows()["overrides"][0]
+        assert row["reason"] == "launch day"
+        assert server.ops.status()["changes"][-1]["reason"] == "launch day"
+
+
 async def test_configured_admin_hosts_are_answered() -> None:
     async with running([ROOT / "policies"], admin_hosts=("extauthz-admin.internal",)) as (server, _):
         base = f"http://127.0.0.1:{server.ops.admin_port}"
