@@ -11,8 +11,9 @@ A failed reload keeps the last good policy serving. It is logged once per distin
 content (every issue with file, field and line), counted, and shown in ``/status``
 (``reload.last_error``) until a good reload clears it. A valid policy whose swap fails (the
 new snapshot cannot be built) is a failed reload too, and is retried on every poll until it
-applies. A load that fails while the files are
-still changing (the digest moved under it) is not reported: the next poll retries.
+applies (the built policy is kept for the retries: the same content is not parsed again). A
+load that fails while the files are still changing (the digest moved under it) is not
+reported: the next poll retries.
 
 The server's job (:meth:`PolicyWatcher.poll`) reads, hashes, parses and validates in a worker
 thread and only swaps the built policy in on the event loop, so checks keep being answered
