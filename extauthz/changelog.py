@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import StoreError
-from .store.base import Store
+from .store.base import Store, load_json
 
 log = logging.getLogger("extauthz.changes")
 
@@ -96,7 +96,7 @@ def parse_history(events: Iterable[str]) -> list[Change]:
     out: list[Change] = []
     for raw in events:
         try:
-            data = json.loads(raw)
+            data = load_json(raw)  # a ValueError for anything malformed, nesting too
             if isinstance(data, dict):
                 out.append(Change.from_dict(data))
         except (ValueError, TypeError, KeyError):

@@ -28,7 +28,6 @@ from typing import Any
 
 from . import __version__
 from .changelog import format_number
-from .policy.schema import parse_duration
 from .switches import change_stored as change_stored_switches
 from .switches import parse_switches, valid_name
 from .verdict import Mode
@@ -414,15 +413,17 @@ def cmd_history(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from .observe.shadow import format_report, report_from_events
+    from .server.admin import parse_top, parse_window  # the admin port's own rules
 
     try:
         try:
-            window = float(args.window)
-        except ValueError:
-            try:
-                window = float(parse_duration(args.window))
-            except ValueError as exc:
-                raise CliError(f"--window: {exc}") from None
+            window = parse_window(args.window)
+        except ValueError as exc:
+            raise CliError(f"--window: {exc}") from None
+        try:
+            top = parse_top(str(args.top))
+        except ValueError as exc:
+            raise CliError(f"--top: {exc}") from None
         if args.redis_url:
             from .store.keys import Keys
             from .store.redis_events import read_events
@@ -434,9 +435,9 @@ def cmd_report(args: argparse.Namespace) -> int:
                 return await read_events(store.client, key, since)
 
             events = asyncio.run(_with_redis(args.redis_url, go))
-            data = report_from_events(events, window=window, since=since, top=args.top)
+            data = report_from_events(events, window=window, since=since, top=top)
         else:
-            data = _http(admin_target(args), "GET", f"/shadow?window={window:g}&top={args.top}")
+            data = _http(admin_target(args), "GET", f"/shadow?window={window:g}&top={top}")
     except CliError as exc:
         print(f"extauthz report: {exc}", file=sys.stderr)
         return 1
