@@ -319,7 +319,7 @@ def _host_port(flag: str, value: str) -> tuple[str, int]:
 
 
 def cmd_envoy_config(args: argparse.Namespace) -> int:
-    from .envoy_bootstrap import TlsFiles, render
+    from .envoy_bootstrap import JwtProvider, TlsFiles, jwks_from_file, render
 
     policy = _policy_or_errors(list(args.policies))
     if policy is None:
@@ -330,12 +330,18 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
             raise ValueError("--tls-client-cert, --tls-client-key and --tls-ca go together")
         if not 0 < args.listen_port < 65536:
             raise ValueError(f"--listen-port: 1-65535, not {args.listen_port}")
+        if bool(args.jwt_issuer) != bool(args.jwt_jwks_file) or (args.jwt_audience and not args.jwt_issuer):
+            raise ValueError("--jwt-issuer and --jwt-jwks-file go together (--jwt-audience needs them)")
+        jwt = (JwtProvider(args.jwt_issuer, tuple(args.jwt_audience or ()), jwks_from_file(args.jwt_jwks_file))
+               if args.jwt_issuer else None)
         text = render(
             policy, protocol=args.protocol, upstream=_host_port("--upstream", args.upstream),
             authz=_host_port("--authz", args.authz) if args.authz else None,
             access_log_to=_host_port("--access-log-to", args.access_log_to) if args.access_log_to else None,
             listen_port=args.listen_port, access_log=args.access_log,
-            tls=TlsFiles(*tls_files) if all(tls_files) else None)
+            tls=TlsFiles(*tls_files) if all(tls_files) else None,
+            tracing=_host_port("--tracing", args.tracing) if args.tracing else None,
+            quickstart_routes=args.quickstart_routes, jwt=jwt)
     except ValueError as exc:
         print(f"extauthz envoy-config: {exc}", file=sys.stderr)
         return 2
@@ -387,6 +393,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--access-log", choices=("auto", "always", "never"), default="auto",
                    help="the gRPC access log that releases leases: auto = only when the policy "
                    "holds a lease limiter (concurrent_requests, fleet_usage, an inflight signal)")
+    p.add_argument("--tracing", metavar="HOST:PORT", default=None,
+                   help="OpenTelemetry tracing (100%% sampled) to this OTLP/gRPC collector (default: none)")
+    p.add_argument("--quickstart-routes", action="store_true",
+                   help="add the quick start's demo routes: /v1/charges (POST) and /v1/refunds critical, "
+                   "/v1/reports get by route, /v1/ext/ post by context extension (gRPC) or route (HTTP)")
+    p.add_argument("--jwt-issuer", metavar="ISSUER", default=None,
+                   help="verify JWTs from this issuer (jwt_authn before ext_authz; a request without a "
+                   "token passes) and hand their payload to the server for identity rules")
+    p.add_argument("--jwt-audience", metavar="AUD", action="append", default=None,
+                   help="an accepted audience (repeat for several; default: any)")
+    p.add_argument("--jwt-jwks-file", metavar="PATH", default=None,
+                   help="the issuer's JWKS (JSON), inlined into the config")
     add_ops_parsers(sub)
     add_simulate_parser(sub)
     text = ("quick start: Envoy + server + upstream on this machine, a burst of traffic per "

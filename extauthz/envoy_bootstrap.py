@@ -10,15 +10,20 @@ One listener in front of one upstream, with the ext_authz filter on the gRPC pro
   upstream; on HTTP also the route tier and the JWT payload header);
 * on HTTP, the local-reply mapper that turns the server's 420 (a shed request) into 503;
 * the gRPC access log that releases leases, only when the policy holds a lease limiter
-  (``access_log="auto"``; ``always``/``never`` force it).
+  (``access_log="auto"``; ``always``/``never`` force it);
 
-The shipped ``envoy/envoy.yaml``, ``envoy-http.yaml`` and ``envoy-tls.yaml`` are this output plus
-the quick start's demo routes and tracing (tests/e2e/test_envoy_bootstrap.py). docs/envoy.md.
+and on request: OpenTelemetry tracing to a collector (``tracing``), the quick start's demo
+routes (``quickstart_routes``), and a ``jwt_authn`` filter in front of ext_authz (``jwt``).
+
+Each shipped ``envoy/envoy.yaml``, ``envoy-http.yaml``, ``envoy-tls.yaml`` and ``envoy-jwt.yaml``
+is exactly this output for the command line in its header (tests/e2e/test_envoy_bootstrap.py).
+docs/envoy.md.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +34,8 @@ from .policy.model import Policy
 from .policy.schema import ConcurrentRequestsSpec, FleetUsageSpec, WorkerUtilizationSpec
 from .server.http import JWT_PAYLOAD_HEADER, ROUTE_TIER_HEADER, SHED_STATUS, allowed_headers
 
-__all__ = ["ACCESS_LOG_MODES", "DEFAULT_AUTHZ", "TlsFiles", "bootstrap", "holds_leases", "render"]
+__all__ = ["ACCESS_LOG_MODES", "DEFAULT_AUTHZ", "JwtProvider", "TlsFiles", "bootstrap", "holds_leases",
+           "jwks_from_file", "render"]
 
 Config = dict[str, Any]
 
@@ -50,6 +56,16 @@ _EXT_AUTHZ = "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.Ext
 _PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthzPerRoute"
 _MUTATION = "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation"
 _PROTOCOL_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+_ROUTE_MUTATION = ("type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3."
+                   "HeaderMutationPerRoute")
+_JWT_AUTHN = "type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication"
+#: the filter whose dynamic metadata (namespace) holds the verified JWT payload
+JWT_AUTHN_FILTER = "envoy.filters.http.jwt_authn"
+#: the quick start's demo routes: (name, path prefix, POST only, tier); policies/ classifies the rest
+QUICKSTART_TIERS = (("charges_post", "/v1/charges", True, "critical"), ("refunds", "/v1/refunds", False, "critical"),
+                    ("reports", "/v1/reports", False, "get"))
+#: the demo route whose tier travels in the Check call's context_extensions (gRPC)
+QUICKSTART_EXT = ("ext", "/v1/ext/", "post")
 
 
 @dataclass(frozen=True)
@@ -59,6 +75,32 @@ class TlsFiles:
     cert: str
     key: str
     ca: str
+
+
+@dataclass(frozen=True)
+class JwtProvider:
+    """The token issuer ``jwt_authn`` verifies against: its ``iss``, the accepted ``aud``
+    values (none: any), and its JWKS as JSON text (inlined: ``local_jwks``)."""
+
+    issuer: str
+    audiences: tuple[str, ...]
+    jwks: str
+
+
+def jwks_from_file(path: str) -> str:
+    """A JWKS file's text, checked to be a JSON object with a non-empty ``keys`` list."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ValueError(f"--jwt-jwks-file: cannot read {path}: {exc.strerror}") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--jwt-jwks-file: {path} is not JSON: {exc.msg} (line {exc.lineno})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("keys"), list) or not doc["keys"]:
+        raise ValueError(f"--jwt-jwks-file: {path} is not a JWKS (a JSON object with a non-empty \"keys\" list)")
+    return text.strip()
 
 
 def holds_leases(policy: Policy) -> bool:
@@ -135,18 +177,44 @@ def _patterns(names: list[str]) -> Config:
     return {"patterns": [{"exact": n} for n in names]}
 
 
-def _grpc_ext_authz(policy: Policy) -> Config:
-    return {"name": "envoy.filters.http.ext_authz", "typed_config": {
+def _grpc_ext_authz(policy: Policy, jwt: bool) -> Config:
+    config: Config = {
         "@type": _EXT_AUTHZ,
         "grpc_service": {"envoy_grpc": {"cluster_name": "extauthz"}, "timeout": AUTHZ_TIMEOUT},
         "transport_api_version": "V3",
         "failure_mode_allow": True,
         "failure_mode_allow_header_add": True,
         "route_metadata_context_namespaces": [policy.route_metadata_namespace],
-        "include_peer_certificate": False,
-        "emit_filter_state_stats": True,
-        "allowed_headers": _patterns(allowed_headers(policy.needed_headers, "grpc")),
-    }}
+    }
+    if jwt:  # the verified payload, for policy rules `metadata: {namespace: envoy.filters.http.jwt_authn}`
+        config["metadata_context_namespaces"] = [JWT_AUTHN_FILTER]
+    config.update({"include_peer_certificate": False, "emit_filter_state_stats": True,
+                   "allowed_headers": _patterns(allowed_headers(policy.needed_headers, "grpc"))})
+    return {"name": "envoy.filters.http.ext_authz", "typed_config": config}
+
+
+def _jwt_authn(provider: JwtProvider, protocol: str) -> Config:
+    """Verify a token when there is one (a bad one: 401 from Envoy); without one, pass on."""
+    verified: Config = {"issuer": provider.issuer}
+    if provider.audiences:
+        verified["audiences"] = list(provider.audiences)
+    verified.update({"local_jwks": {"inline_string": provider.jwks},
+                     "forward": True,  # the Authorization header still reaches the upstream
+                     "payload_in_metadata": "payload"})
+    if protocol == "http":  # the HTTP protocol carries no metadata: the payload travels in a header
+        verified["forward_payload_header"] = JWT_PAYLOAD_HEADER
+    return {"name": JWT_AUTHN_FILTER, "typed_config": {
+        "@type": _JWT_AUTHN, "providers": {"issuer": verified},
+        "rules": [{"match": {"prefix": "/"}, "requires": {"requires_any": {"requirements": [
+            {"provider_name": "issuer"}, {"allow_missing": {}}]}}}]}}
+
+
+def _tracing(cluster: str) -> Config:
+    return {"random_sampling": {"value": 100}, "provider": {
+        "name": "envoy.tracers.opentelemetry", "typed_config": {
+            "@type": "type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig",
+            "grpc_service": {"envoy_grpc": {"cluster_name": cluster}, "timeout": AUTHZ_TIMEOUT},
+            "service_name": "envoy"}}}
 
 
 def _http_ext_authz(policy: Policy, authz: tuple[str, int]) -> Config:
@@ -171,11 +239,51 @@ def _http_ext_authz(policy: Policy, authz: tuple[str, int]) -> Config:
     }}
 
 
-def _routes() -> list[Config]:
+def _route_tier(policy: Policy, protocol: str, tier: str) -> Config:
+    """What names a route's tier: route metadata where the policy reads it (gRPC), or the
+    route-tier header set by the ``extauthz.route-tier`` filter's per-route config (HTTP)."""
+    if protocol == "http":
+        return {"typed_per_filter_config": {"extauthz.route-tier": {"@type": _ROUTE_MUTATION, "mutations": {
+            "request_mutations": [{"append": {"header": {"key": ROUTE_TIER_HEADER, "value": tier},
+                                              "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}}]}}}}
+    namespace, path = policy.route_metadata
+    value: Any = tier
+    for step in reversed(path):
+        if not isinstance(step, str):
+            raise ValueError(f"--quickstart-routes: the policy reads the tier at a list index "
+                             f"({namespace}: {list(path)}); tag your own routes")
+        value = {step: value}
+    return {"metadata": {"filter_metadata": {namespace: value}}}
+
+
+def _quickstart_routes(policy: Policy, protocol: str) -> list[Config]:
+    """The quick start's demo routes: tiers by route (metadata on gRPC, the route-tier header
+    on HTTP) and by context extension (gRPC), then the untagged /v1/."""
+    routes: list[Config] = []
+    for name, prefix, post_only, tier in QUICKSTART_TIERS:
+        match: Config = {"prefix": prefix}
+        if post_only:
+            match["headers"] = [{"name": ":method", "string_match": {"exact": "POST"}}]
+        routes.append({"name": name, "match": match, "route": {"cluster": "upstream"},
+                       **_route_tier(policy, protocol, tier)})
+    name, prefix, tier = QUICKSTART_EXT
+    route: Config = {"name": name, "match": {"prefix": prefix}, "route": {"cluster": "upstream"}}
+    if protocol == "http":
+        route.update(_route_tier(policy, protocol, tier))
+    else:
+        route["typed_per_filter_config"] = {"envoy.filters.http.ext_authz": {
+            "@type": _PER_ROUTE, "check_settings": {"context_extensions": {"tier": tier}}}}
+    routes.append(route)
+    routes.append({"name": "v1", "match": {"prefix": "/v1/"}, "route": {"cluster": "upstream"}})
+    return routes
+
+
+def _routes(extra: list[Config]) -> list[Config]:
     return [
         {"name": "healthz", "match": {"path": "/healthz"},
          "direct_response": {"status": 200, "body": {"inline_string": "ok\n"}},
          "typed_per_filter_config": {"envoy.filters.http.ext_authz": {"@type": _PER_ROUTE, "disabled": True}}},
+        *extra,
         {"name": "default", "match": {"prefix": "/"}, "route": {"cluster": "upstream"}},
     ]
 
@@ -183,7 +291,8 @@ def _routes() -> list[Config]:
 def bootstrap(policy: Policy, *, protocol: str, upstream: tuple[str, int],
               authz: tuple[str, int] | None = None, access_log_to: tuple[str, int] | None = None,
               listen_port: int = 10000, tls: TlsFiles | None = None, access_log: str = "auto",
-              admin_port: int = 9901) -> Config:
+              admin_port: int = 9901, tracing: tuple[str, int] | None = None,
+              quickstart_routes: bool = False, jwt: JwtProvider | None = None) -> Config:
     """The bootstrap as a mapping (see the module docstring)."""
     if protocol not in DEFAULT_AUTHZ:
         raise ValueError(f"protocol must be one of {', '.join(DEFAULT_AUTHZ)}, not {protocol!r}")
@@ -198,7 +307,8 @@ def bootstrap(policy: Policy, *, protocol: str, upstream: tuple[str, int],
     # one "extauthz" cluster for Check and the access log when they share a port
     log_cluster = "extauthz" if protocol == "http" or log_to == authz else "extauthz_access_log"
 
-    vhost: Config = {"name": "api", "domains": ["*"], "routes": _routes()}
+    extra_routes = _quickstart_routes(policy, protocol) if quickstart_routes else []
+    vhost: Config = {"name": "api", "domains": ["*"], "routes": _routes(extra_routes)}
     hcm: Config = {
         "@type": _HCM, "stat_prefix": "ingress_http", "codec_type": "AUTO",
         # client-facing: Envoy generates every x-request-id and appends the client's address
@@ -208,6 +318,8 @@ def bootstrap(policy: Policy, *, protocol: str, upstream: tuple[str, int],
         "normalize_path": True, "merge_slashes": True,
         "path_with_escaped_slashes_action": "UNESCAPE_AND_REDIRECT",
     }
+    if tracing is not None:
+        hcm["tracing"] = _tracing("otel_collector")
     if protocol == "http":
         hcm["local_reply_config"] = {"mappers": [{
             "filter": {"status_code_filter": {"comparison": {"op": "EQ", "value": {
@@ -218,7 +330,9 @@ def bootstrap(policy: Policy, *, protocol: str, upstream: tuple[str, int],
                    {"name": "extauthz.route-tier", "typed_config": {"@type": _MUTATION}},
                    _http_ext_authz(policy, authz)]
     else:
-        filters = [_strip("extauthz.strip-tier", [TIER_HEADER]), _grpc_ext_authz(policy)]
+        filters = [_strip("extauthz.strip-tier", [TIER_HEADER]), _grpc_ext_authz(policy, jwt is not None)]
+    if jwt is not None:  # right after the strip filter: what it verifies, nobody else can set
+        filters.insert(1, _jwt_authn(jwt, protocol))
     if log:
         hcm["access_log"] = [_access_log(log_cluster)]
     hcm["route_config"] = {"name": "local_route", "virtual_hosts": [vhost]}
@@ -236,6 +350,8 @@ def bootstrap(policy: Policy, *, protocol: str, upstream: tuple[str, int],
     if log and not (protocol == "grpc" and log_cluster == "extauthz"):
         clusters.append(_grpc_cluster(log_cluster, log_to, tls))
     clusters.append(_cluster("upstream", upstream, "1s"))
+    if tracing is not None:
+        clusters.append(_cluster("otel_collector", tracing, AUTHZ_TIMEOUT, typed_extension_protocol_options=_http2()))
     return {
         "admin": {"address": _address("127.0.0.1", admin_port)},
         "static_resources": {

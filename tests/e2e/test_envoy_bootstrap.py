@@ -1,11 +1,11 @@
-"""``extauthz envoy-config`` (extauthz/envoy_bootstrap.py): the shipped configs are its output
-(plus the quick start's demo routes and tracing, and nothing else), every variant passes
+"""``extauthz envoy-config`` (extauthz/envoy_bootstrap.py): each shipped config is exactly the
+output of the command line in its header (parsed YAML equal), every variant passes
 ``envoy --mode validate``, the access log appears only for a policy holding leases, and a
 rendered config runs in front of the server with real decisions."""
 
 from __future__ import annotations
 
-import copy
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -14,12 +14,13 @@ from typing import Any
 import pytest
 import yaml
 
+from extauthz.cli import main
 from extauthz.devtools.client import HttpClient
 from extauthz.devtools.envoy_config import validate
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import ServerProcess, free_port
 from extauthz.devtools.upstream import start_upstream
-from extauthz.envoy_bootstrap import TlsFiles, bootstrap, holds_leases, render
+from extauthz.envoy_bootstrap import JwtProvider, TlsFiles, bootstrap, holds_leases, jwks_from_file, render
 from extauthz.policy import load_policy
 
 from ..conftest import ROOT
@@ -28,14 +29,9 @@ pytestmark = pytest.mark.e2e
 
 TLS_DIR = "/etc/envoy/extauthz-tls"
 TLS = TlsFiles(f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key", f"{TLS_DIR}/ca.crt")
-#: shipped file -> the envoy-config flags that render it
-SHIPPED: dict[str, dict[str, Any]] = {
-    "envoy.yaml": {"protocol": "grpc"},
-    "envoy-http.yaml": {"protocol": "http"},
-    "envoy-tls.yaml": {"protocol": "grpc", "tls": TLS},
-}
-#: the routes every rendered config has; the shipped files add the quick start's demo routes
-RENDERED_ROUTES = ("healthz", "default")
+#: every shipped config the generator renders (the others reproduce control planes: istio-like,
+#: envoy-gateway, istio-waypoint)
+SHIPPED = ("envoy.yaml", "envoy-http.yaml", "envoy-tls.yaml", "envoy-jwt.yaml")
 RATE_ONLY = ("version: 1\nidentity: [{header: x-api-key}]\n"
              "limiters:\n  - {name: r, type: request_rate, rate: 0.001, burst: 2}\n")
 
@@ -45,28 +41,43 @@ def hcm(config: dict[str, Any]) -> dict[str, Any]:
     return manager["typed_config"]  # type: ignore[no-any-return]
 
 
-def without_quickstart_extras(config: dict[str, Any]) -> dict[str, Any]:
-    """The shipped file minus what only the quick start has: HCM tracing with its collector
-    cluster, and the demo routes (route-metadata and context-extension tiers, per-route tier
-    headers on HTTP) between /healthz and the catch-all."""
-    out = copy.deepcopy(config)
-    manager = hcm(out)
-    assert manager.pop("tracing")["provider"]["name"] == "envoy.tracers.opentelemetry"
-    clusters = out["static_resources"]["clusters"]
-    assert [c["name"] for c in clusters][-1] == "otel_collector"
-    out["static_resources"]["clusters"] = clusters[:-1]
-    [vhost] = manager["route_config"]["virtual_hosts"]
-    names = [r["name"] for r in vhost["routes"]]
-    assert names[0] == "healthz" and names[-1] == "default"
-    vhost["routes"] = [r for r in vhost["routes"] if r["name"] in RENDERED_ROUTES]
-    return out
+def command_line(text: str) -> list[str]:
+    """The ``extauthz envoy-config`` command line in a shipped file's header comment
+    (``\\``-continued over several comment lines), without ``extauthz envoy-config``."""
+    lines = [line.removeprefix("#").strip() for line in text.splitlines() if line.startswith("#")]
+    start = next(i for i, line in enumerate(lines) if line.startswith("extauthz envoy-config "))
+    words: list[str] = []
+    for line in lines[start:]:
+        words += shlex.split(line.removesuffix("\\"))
+        if not line.endswith("\\"):
+            break
+    assert words[:2] == ["extauthz", "envoy-config"]
+    return words[2:]
 
 
-@pytest.mark.parametrize("name", list(SHIPPED))
-def test_shipped_config_is_the_rendered_one_plus_the_quickstart_routes_and_tracing(name: str) -> None:
-    shipped = yaml.safe_load((ROOT / "envoy" / name).read_text())
-    rendered = bootstrap(load_policy([ROOT / "policies"]), upstream=("127.0.0.1", 8080), **SHIPPED[name])
-    assert without_quickstart_extras(shipped) == rendered
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> Any:
+    assert main(["envoy-config", *argv]) == 0, capsys.readouterr().err
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_config_is_exactly_the_output_of_its_command_line(
+        name: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    text = (ROOT / "envoy" / name).read_text()
+    monkeypatch.chdir(ROOT)  # the command lines name policies/ and envoy/ from the repository root
+    assert run_cli(command_line(text), capsys) == yaml.safe_load(text)
+
+
+def test_docs_give_each_shipped_command_line() -> None:
+    commands, current = [], ""
+    for line in (ROOT / "docs" / "envoy.md").read_text().splitlines():
+        if current or line.startswith("extauthz envoy-config "):
+            current += line.removesuffix("\\")
+            if not line.endswith("\\"):
+                commands.append(shlex.split(current)[2:])
+                current = ""
+    for name in SHIPPED:
+        assert command_line((ROOT / "envoy" / name).read_text()) in commands, name
 
 
 def variants() -> list[tuple[str, dict[str, Any]]]:
@@ -79,6 +90,11 @@ def variants() -> list[tuple[str, dict[str, Any]]]:
     out.append(("grpc-separate-log", {"protocol": "grpc", "access_log_to": ("127.0.0.1", 9101)}))
     out.append(("http-names", {"protocol": "http", "authz": ("extauthz.extauthz", 9003),
                                "access_log_to": ("extauthz.extauthz", 9001), "listen_port": 8000}))
+    jwt = JwtProvider("https://issuer.example", ("a", "b"), jwks_from_file(str(ROOT / "envoy" / "jwt-demo-jwks.json")))
+    for protocol in ("grpc", "http"):
+        out.append((f"{protocol}-quickstart", {"protocol": protocol, "tracing": ("otel.observe", 4317),
+                                               "quickstart_routes": True}))
+        out.append((f"{protocol}-jwt", {"protocol": protocol, "jwt": jwt}))
     return out
 
 
@@ -137,9 +153,60 @@ def test_cli_prints_the_rendered_config_and_refuses_bad_flags() -> None:
     ]:
         bad = cli("--policies", str(ROOT / "policies"), "--protocol", "grpc", *argv)
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+    jwks = ROOT / "envoy" / "jwt-demo-jwks.json"
+    for argv, message in [
+        (("--jwt-issuer", "https://i"), "--jwt-issuer and --jwt-jwks-file go together"),
+        (("--jwt-jwks-file", str(jwks)), "--jwt-issuer and --jwt-jwks-file go together"),
+        (("--jwt-audience", "a"), "--jwt-audience needs them"),
+        (("--jwt-issuer", "https://i", "--jwt-jwks-file", "/nonexistent/jwks.json"), "cannot read /nonexistent"),
+        (("--jwt-issuer", "https://i", "--jwt-jwks-file", str(ROOT / "policies" / "api.yaml")), "is not JSON"),
+        (("--jwt-issuer", "https://i", "--jwt-jwks-file", str(ROOT / "pyproject.toml")), "is not JSON"),
+        (("--tracing", "collector"), "--tracing: HOST:PORT"),
+    ]:
+        bad = cli("--policies", str(ROOT / "policies"), "--protocol", "grpc", "--upstream", "a:1", *argv)
+        assert bad.returncode == 2 and message in bad.stderr, (argv, bad.stderr)
     http_tls = cli("--policies", str(ROOT / "policies"), "--protocol", "http", "--upstream", "a:1",
                    "--tls-client-cert", "c", "--tls-client-key", "k", "--tls-ca", "ca")
     assert http_tls.returncode == 2 and "gRPC protocol only" in http_tls.stderr
+
+
+def test_quickstart_routes_put_the_tier_where_the_policy_reads_it(tmp_path: Path) -> None:
+    def routes(classification: str) -> dict[str, Any]:
+        (tmp_path / "api.yaml").write_text(RATE_ONLY + classification)
+        config = bootstrap(load_policy([tmp_path]), protocol="grpc", upstream=("127.0.0.1", 8080),
+                           quickstart_routes=True)
+        return {r["name"]: r for r in hcm(config)["route_config"]["virtual_hosts"][0]["routes"]}
+
+    nested = routes("classification: {route_metadata: {namespace: team, path: [limits, tier]}}\n")
+    assert nested["reports"]["metadata"] == {"filter_metadata": {"team": {"limits": {"tier": "get"}}}}
+    with pytest.raises(ValueError, match="list index"):
+        routes("classification: {route_metadata: {namespace: envoy-gateway, "
+               "path: [resources, 0, annotations, extauthz-tier]}}\n")
+
+
+def test_jwks_file_must_hold_keys(tmp_path: Path) -> None:
+    for text in ('{"keys": []}', '[1]', '{"key": [{}]}'):
+        (tmp_path / "jwks.json").write_text(text)
+        with pytest.raises(ValueError, match="is not a JWKS"):
+            jwks_from_file(str(tmp_path / "jwks.json"))
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_jwt_payload_reaches_the_server_the_protocol_s_way(protocol: str) -> None:
+    jwt = JwtProvider("https://issuer.example", (), '{"keys": [{"kty": "oct"}]}')
+    filters = hcm(bootstrap(load_policy([ROOT / "policies"]), protocol=protocol, upstream=("127.0.0.1", 8080),
+                            jwt=jwt))["http_filters"]
+    names = [f["name"] for f in filters]
+    # after the filter stripping client copies, before ext_authz (and the route tier, on HTTP)
+    assert names[1] == "envoy.filters.http.jwt_authn" and names[-2] == "envoy.filters.http.ext_authz"
+    provider = filters[1]["typed_config"]["providers"]["issuer"]
+    assert "audiences" not in provider and provider["payload_in_metadata"] == "payload"
+    ext = filters[-2]["typed_config"]
+    if protocol == "grpc":
+        assert ext["metadata_context_namespaces"] == ["envoy.filters.http.jwt_authn"]
+    else:  # no metadata on the HTTP protocol: the header the strip filter removed from the client
+        assert provider["forward_payload_header"] == "x-jwt-payload"
+        assert "x-jwt-payload" in [r["remove"] for r in filters[0]["typed_config"]["mutations"]["request_mutations"]]
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])

@@ -5,9 +5,10 @@ helm/extauthz/examples/envoy-gateway/) in front of one server serving both proto
 First that the file is what the examples make Envoy Gateway generate (field by field, from its
 translator: see the file's header), then real decisions through it: allowed, 429, 503 (gRPC:
 as answered; HTTP: 420 mapped by the EnvoyPatchPolicy), a tier from an HTTPRoute annotation,
-a tier from a SecurityPolicy's contextExtensions, the HTTP front door classifying on the
-client's path under Envoy Gateway's `path` prefix, and leases released through the access log
-(gRPC: the answer's metadata; HTTP: the request-id index)."""
+a tier from a SecurityPolicy's contextExtensions, a limiter bucket per contextExtensions value,
+the HTTP front door classifying on the client's path under Envoy Gateway's `path` prefix, and
+leases released through the access log (gRPC: the answer's metadata; HTTP: the request-id
+index)."""
 
 from __future__ import annotations
 
@@ -315,3 +316,44 @@ def test_503_for_non_critical_at_capacity_and_release_through_the_access_log(
     assert stack.send(host, "/v1/customers", "sk_live_other").status == 200
     wait_for(lambda: stack.live_leases() == {})
 
+
+
+#: a bucket per team, the team named by the SecurityPolicy's contextExtensions
+TEAM_POLICY = """\
+version: 1
+identity:
+  - header: x-api-key
+limiters:
+  - {name: team-rate, type: request_rate, rate: 0.001, burst: 2, key: [{context_extension: team}]}
+"""
+
+
+def test_context_extensions_key_a_bucket_per_team(tmp_path: Path) -> None:
+    """extauthz-grpc (routes charges, api) says team payments, extauthz-grpc-batch (route batch)
+    team batch: one user's requests fill each team's bucket on its own."""
+    per_route = {r["name"].split("/")[2]: r["typed_per_filter_config"]
+                 for vh in hcm(yaml.safe_load(CONFIG.read_text()))["route_config"]["virtual_hosts"]
+                 for r in vh["routes"]}
+    teams = {route: next(iter(c.values()))["check_settings"].get("context_extensions", {}).get("team")
+             for route, c in per_route.items()}
+    assert teams == {"charges": "payments", "api": "payments", "batch": "batch", "api-http": None}
+    (tmp_path / "api.yaml").write_text(TEAM_POLICY)
+    upstream = start_upstream()
+    server = ServerProcess([tmp_path])
+    try:
+        server.start()
+        with EnvoyProcess(render(server.port, free_port(), upstream.port, patch_503=False), concurrency=1) as envoy, \
+                HttpClient() as c:
+            def send(path: str, key: str = "sk_live_team") -> Result:
+                return c.send(envoy.url + path, headers={"host": GRPC_HOST, "x-api-key": key})
+
+            # payments: two routes, one bucket (whoever sends)
+            assert [send("/v1/customers").status, send("/v1/charges/ch_1", "sk_live_other").status] == [200, 200]
+            refused = send("/v1/customers")
+            assert refused.status == 429 and refused.limiter == "team-rate"
+            # batch: its own bucket, untouched by payments' requests, then full on its own
+            assert [send("/v1/batch/jobs").status for _ in range(3)] == [200, 200, 429]
+            assert send("/v1/charges/ch_2").status == 429  # payments' bucket is still empty
+    finally:
+        server.stop()
+        upstream.stop()
