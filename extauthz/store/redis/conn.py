@@ -4,7 +4,8 @@ hiredis parsing and a FIFO of futures.
 A profile of the redis-py path showed most of the client CPU per check in redis-py's
 per-call machinery (connection checkout and release, ``read_response`` one reply at a
 time through a StreamReader, timeouts per read), not in Redis or in the parse itself.
-Here a batch's commands are written with one ``transport.write`` and every reply is parsed
+Here the commands sent in one loop turn (a batch's, and any other call's of that turn) are
+corked into one ``transport.write`` (:class:`~extauthz.cork.Cork`) and every reply is parsed
 by ``hiredis.Reader`` straight from ``data_received`` into the future waiting at the head of
 the FIFO: concurrent batches pipeline on the one connection without waiting for each other.
 
@@ -34,6 +35,8 @@ from redis import exceptions as rx
 from redis.asyncio.connection import AbstractConnection
 from redis.backoff import EqualJitterBackoff
 
+from ...cork import Cork
+
 __all__ = ["RECONNECT_BACKOFF", "NodeConnection", "RespProtocol"]
 
 #: Delay before the next connect attempt after ``n`` failed ones in a row: 2.5-5 ms after
@@ -51,6 +54,8 @@ class RespProtocol(asyncio.Protocol):
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
+        #: the commands of this loop turn, written together at the start of the next
+        self._out: Cork | None = None
         self.lost: BaseException | None = None
         self._reader = hiredis.Reader(protocolError=rx.InvalidResponse,
                                       replyError=rx.ResponseError)
@@ -60,6 +65,7 @@ class RespProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
+        self._out = Cork(transport, asyncio.get_running_loop())
 
     def data_received(self, data: bytes) -> None:
         reader = self._reader
@@ -87,21 +93,26 @@ class RespProtocol(asyncio.Protocol):
                 return
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._out is not None:
+            self._out.drop()
         self._fail(exc or rx.ConnectionError("redis: connection closed by the server"))
 
     def send(self, data: bytes, count: int) -> list[asyncio.Future[Any]]:
-        """Write ``data`` (``count`` commands); one future per reply, in order."""
-        if self.lost is not None or self.transport is None or self.transport.is_closing():
+        """Write ``data`` (``count`` commands), corked with the other commands of this loop
+        turn; one future per reply, in order."""
+        if self.lost is not None or self._out is None or self.transport is None or self.transport.is_closing():
             raise rx.ConnectionError(f"redis: connection lost ({self.lost})")
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in range(count)]
         self._waiters.extend(futures)
-        self.transport.write(data)
+        self._out.write(data)
         return futures
 
     def abort(self, exc: BaseException) -> None:
         """Drop the connection: every waiting call gets ``exc``."""
         self._fail(exc)
+        if self._out is not None:
+            self._out.drop()
         if self.transport is not None:
             self.transport.abort()
 
