@@ -27,7 +27,17 @@ class Cork:
         self._parts: list[bytes] = []
         self._handle: asyncio.Handle | None = None
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes, *, last: bool = False) -> None:
+        """Hold ``data`` for this turn's write; ``last``: the writer knows nothing more
+        follows in this turn, so it is written now with what is held (no flush scheduled:
+        a lone answer costs what an uncorked write does)."""
+        if last:
+            if self._parts:
+                self._parts.append(data)
+                self.flush()
+            elif not self._transport.is_closing():
+                self._transport.write(data)
+            return
         if not self._parts:
             self._handle = self._loop.call_soon(self.flush)
         self._parts.append(data)

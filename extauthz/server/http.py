@@ -21,8 +21,9 @@ waiting per connection (reading pauses), and reading pauses while the client doe
 our answers. The request body is never kept.
 
 Answers are corked (:class:`~extauthz.cork.Cork`): the answers one loop turn produces on a
-connection (pipelined requests) go out in one socket write, in order, at the start of the next
-turn; closing a connection writes what is held first.
+connection (pipelined requests) go out in one socket write, in order: at once when no request
+waits behind the last of them, else at the start of the next turn; closing a connection writes
+what is held first.
 """
 
 from __future__ import annotations
@@ -524,7 +525,8 @@ class _Connection(asyncio.Protocol):
                 out = self.out
                 if out is None or self.closed:
                     break
-                out.write(answer)  # corked: one write for the answers of this turn
+                # corked: the answers of this turn in one write, now if no request waits
+                out.write(answer, last=not queue)
                 if not keep_alive:
                     self.close()
                     break
