@@ -160,7 +160,7 @@ def markdown(o: Options, summary: dict[str, Any], env: dict[str, str], command: 
                   f"- ratio: **{lim['ratio']:.2f}x**", ""]
     tg = targets(summary, limits=limits, outages=outages, deadline_ms=o.deadline_ms)
     if tg:
-        lines += ["### Targets (issues 7 and 16)", "", "| target | measured | goal | met |", "|---|---:|---:|---|"]
+        lines += ["### Targets", "", "| target | measured | goal | met |", "|---|---:|---:|---|"]
         for t in tg:
             goal = f"{'>=' if t['higher'] else '<='} {t['goal']}{' ms' if t['unit'] == 'ms' else ''}"
             lines.append(f"| {t['target']} | {t['value']} | {goal} | {'yes' if t['met'] else '**no**'} |")

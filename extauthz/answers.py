@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from .context import RequestContext
+from .policy.schema import MAX_REFILL
 from .verdict import Decision, Kind, Outcome, Quota, Verdict
 
 PROBLEM_TYPE = "urn:extauthz:problem:"
@@ -59,8 +61,30 @@ def read_lease_fields(lease_id: object, leases: object) -> tuple[list[str], str]
     return (keys, lease_id) if keys else None
 
 
+#: the largest count (``q``, ``r``, the body's ``limit``/``remaining``) and the longest time
+#: in seconds (``Retry-After``, ``t``, ``w``) a header carries, whatever a limiter computed:
+#: the policy's bounds keep them below (extauthz.policy.schema), these make sure.
+MAX_HEADER_COUNT = 10**9
+MAX_HEADER_SECONDS = int(MAX_REFILL)
+
+
+def _bounded(value: float, high: int) -> int:
+    """``floor(value)`` within ``[0, high]``; NaN is 0 (never an OverflowError)."""
+    if not value > 0:
+        return 0
+    return high if value >= high else math.floor(value)
+
+
+def _seconds(value: float, low: int = 1) -> int:
+    """Whole seconds, rounded up (a float just above a whole number is that number), at
+    least ``low`` and at most :data:`MAX_HEADER_SECONDS`."""
+    if not value < MAX_HEADER_SECONDS:  # also NaN
+        return MAX_HEADER_SECONDS
+    return max(low, math.ceil(value - 1e-9))
+
+
 def _num(value: float) -> str:
-    return str(max(0, math.floor(value)))
+    return str(_bounded(value, MAX_HEADER_COUNT))
 
 
 def policy_item(v: Verdict) -> str | None:
@@ -69,7 +93,7 @@ def policy_item(v: Verdict) -> str | None:
         return None
     item = f'"{v.limiter}";q={_num(q.limit)}'
     if q.window is not None:
-        item += f";w={max(1, math.ceil(q.window))}"
+        item += f";w={_seconds(q.window)}"
     if q.unit != "requests":
         item += f';qu="{q.unit}"'
     return item
@@ -78,8 +102,9 @@ def policy_item(v: Verdict) -> str | None:
 def limit_item(v: Verdict) -> str | None:
     if v.quota is None or v.remaining is None:
         return None
-    t = (v.retry_after or 1.0) if v.outcome is Outcome.DENIED else (v.reset or 0.0)
-    return f'"{v.limiter}";r={_num(v.remaining)};t={math.ceil(t - 1e-9)}'
+    t = (_seconds(v.retry_after or 1.0) if v.outcome is Outcome.DENIED
+         else _seconds(v.reset or 0.0, low=0))
+    return f'"{v.limiter}";r={_num(v.remaining)};t={t}'
 
 
 #: ``RateLimit-Policy`` values by the (limiter, quota) pairs they list: constant per policy.
@@ -113,7 +138,7 @@ class Denial:
 
 
 def retry_after_seconds(v: Verdict) -> int:
-    return max(1, math.ceil((v.retry_after or 1.0) - 1e-9))
+    return _seconds(v.retry_after or 1.0)
 
 
 def denial(ctx: RequestContext, decision: Decision) -> Denial:
@@ -138,8 +163,10 @@ def denial(ctx: RequestContext, decision: Decision) -> Denial:
         "retry_after": retry,
     }
     if v.limit is not None and v.kind is Kind.RATE_LIMITER:
-        body["limit"] = v.limit
-        body["remaining"] = max(0, math.floor(v.remaining or 0))
+        body["limit"] = min(v.limit, MAX_HEADER_COUNT)
+        body["remaining"] = _bounded(v.remaining or 0, MAX_HEADER_COUNT)
+    if v.resets_at is not None:
+        body["reset"] = datetime.fromtimestamp(v.resets_at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     if ctx.request_id:
         body["request_id"] = ctx.request_id
     headers = [

@@ -13,7 +13,7 @@ from . import __version__
 from .answers import PROTOCOLS
 from .errors import PolicyError
 from .opscli import add_parsers as add_ops_parsers
-from .opscli import cmd_override, cmd_report, cmd_status, cmd_switch
+from .opscli import cmd_history, cmd_override, cmd_report, cmd_status, cmd_switch
 from .simulate.cli import add_parser as add_simulate_parser
 from .simulate.cli import cmd_simulate
 
@@ -103,6 +103,15 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    "--listen HOST:PORT` reach it [EXTAUTHZ_ADMIN_URL_FILE; default "
                    "$XDG_RUNTIME_DIR/extauthz/admin-PORT.url or /tmp/extauthz-UID/admin-PORT.url, "
                    "PORT the --listen port; 'off' disables]")
+    p.add_argument("--admin-token-file", default=_env("ADMIN_TOKEN_FILE"),
+                   help="file holding the admin port's bearer token (or NAME:TOKEN lines, one per "
+                   "operator); every admin request but /healthz then needs Authorization: Bearer "
+                   "TOKEN and a change needs a reason. Read again when the file changes. Required "
+                   "when --admin-listen is not loopback [EXTAUTHZ_ADMIN_TOKEN_FILE]")
+    p.add_argument("--admin-hosts", default=_env("ADMIN_HOSTS"),
+                   help="Host header values the admin port answers besides loopback and its own "
+                   "--admin-listen address, comma-separated (e.g. a name you reach it by) "
+                   "[EXTAUTHZ_ADMIN_HOSTS]")
     p.add_argument("--metrics-listen", default=_env("METRICS_LISTEN"),
                    help="Prometheus metrics port, e.g. 0.0.0.0:9464 [EXTAUTHZ_METRICS_LISTEN]")
     p.add_argument("--lease-secret", default=_env("LEASE_SECRET", ""),
@@ -156,11 +165,22 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .observe.logs import configure_logging
+    from .server.adminauth import TokenFile, parse_hosts, require_token_when_exposed
     from .server.app import ServerConfig, serve
     from .server.portfile import admin_url_path
+    from .server.ports import off
 
     if not 0.0 < args.record_sample <= 1.0:
         print(f"extauthz: --record-sample must be in (0, 1], not {args.record_sample}", file=sys.stderr)
+        return 2
+    admin_listen = args.admin_listen if args.admin_listen is not None else ServerConfig.admin_listen
+    try:  # before any process starts: the admin port's lock (server/adminauth.py)
+        admin_hosts = parse_hosts(args.admin_hosts)
+        require_token_when_exposed(off(admin_listen), args.admin_token_file or None)
+        if args.admin_token_file:
+            TokenFile(args.admin_token_file)
+    except ValueError as exc:  # AdminConfigError, or a malformed --admin-listen
+        print(f"extauthz serve: {exc}", file=sys.stderr)
         return 2
     listener = configure_logging(args.log_level, args.log_format)
     url_file = args.admin_url_file
@@ -178,8 +198,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         redis_url=args.redis_url or None,
         store_deadline_ms=args.store_deadline_ms, key_prefix=args.key_prefix,
         identity_salt=args.identity_salt,
-        admin_listen=args.admin_listen if args.admin_listen is not None else ServerConfig.admin_listen,
-        admin_listen_optional=args.admin_listen is None,
+        admin_listen=admin_listen, admin_listen_optional=args.admin_listen is None,
+        admin_token_file=args.admin_token_file or None, admin_hosts=admin_hosts,
         admin_url_file=None if (url_file or "off").lower() in ("off", "none") else url_file,
         metrics_listen=args.metrics_listen, reuse_port=args.reuse_port,
         lease_secret=args.lease_secret or "",
@@ -205,7 +225,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logging.getLogger("extauthz.server").error("the policy has errors, not starting:\n%s", exc, extra={
             "fields": {"event": "policy_invalid", "issues": [str(i) for i in exc.issues]}})
         return 2
-    except OSError as exc:  # a port asked for is taken, a certificate cannot be read, ...
+    except (OSError, ValueError) as exc:  # a port taken or malformed, a certificate unreadable, ...
         logging.getLogger("extauthz.server").error("not starting: %s", exc, extra={
             "fields": {"event": "start_failed"}})
         print(f"extauthz serve: {exc}", file=sys.stderr)
@@ -319,6 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "report": cmd_report,
         "status": cmd_status,
         "override": cmd_override,
+        "history": cmd_history,
         "simulate": cmd_simulate,
     }[args.command]
     try:

@@ -1,10 +1,15 @@
-"""``extauthz switch``, ``report``, ``status`` and ``override``: the operator's side of safe rollout.
+"""``extauthz switch``, ``report``, ``status``, ``override`` and ``history``: the operator's
+side of safe rollout.
 
-They talk to a running server's admin port (``--admin``, default ``http://127.0.0.1:9002``;
-or ``--listen HOST:PORT``, the server's gRPC port, whose admin URL the server wrote to a file
-on this host: see ``extauthz.server.portfile``) or, with ``--redis-url`` (switch, report,
-override), straight to the Redis every replica reads (the same key and JSON the servers use),
-which also works when no admin port is reachable.
+They talk to a running server's admin port (``--admin URL``; or ``--listen HOST:PORT``, the
+server's gRPC port, whose admin URL the server wrote to a file on this host: see
+``extauthz.server.portfile``; by default the URL the server on the default ``--listen`` (or
+``EXTAUTHZ_LISTEN``) wrote, then ``http://127.0.0.1:9002``) or, with ``--redis-url`` (switch,
+report, override, history), straight to the Redis every replica reads (the same key and JSON
+the servers use), which also works when no admin port is reachable. Each says on stderr which
+admin URL it talked to. With ``--admin-token-file`` (``EXTAUTHZ_ADMIN_TOKEN_FILE``) they send
+the token; a change then needs ``--reason``. Every change is recorded with its reason and
+who made it (``extauthz.changelog``).
 """
 
 from __future__ import annotations
@@ -18,14 +23,18 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass, field
 from typing import Any
 
+from . import __version__
 from .policy.schema import parse_duration
 from .switches import change_stored as change_stored_switches
 from .switches import parse_switches, valid_name
 from .verdict import Mode
 
 DEFAULT_ADMIN = "http://127.0.0.1:9002"
+#: the server's default --listen: by default the CLI first tries the admin URL it wrote.
+DEFAULT_LISTEN = "0.0.0.0:9001"
 #: the identity rule an override is hashed for when neither --source nor --policies says.
 DEFAULT_SOURCE = "header:x-api-key"
 CLEAR = "clear"
@@ -47,6 +56,29 @@ def _add_target(p: argparse.ArgumentParser) -> None:
                    help="talk to the fleet's Redis directly instead of an admin port")
     p.add_argument("--key-prefix", default=os.environ.get("EXTAUTHZ_KEY_PREFIX", "extauthz"),
                    help="with --redis-url: the servers' --key-prefix [EXTAUTHZ_KEY_PREFIX; default extauthz]")
+    _add_token(p)
+
+
+def _add_token(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--admin-token-file", default=os.environ.get("EXTAUTHZ_ADMIN_TOKEN_FILE") or None,
+                   help="file holding the admin port's token (a bare token or a NAME:TOKEN line; "
+                   "the first is sent) [EXTAUTHZ_ADMIN_TOKEN_FILE]")
+
+
+def _add_change(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reason", default="",
+                   help="why (recorded in the change log; required when the admin port has a token)")
+    p.add_argument("--by", default=_os_user(),
+                   help="who, as recorded beside the token's name (default: the OS user)")
+
+
+def _os_user() -> str:
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a container)
+        return str(os.getuid())
 
 
 def _add_override_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -72,6 +104,7 @@ def _add_override_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
                        "--admin or --listen is given]")
         q.add_argument("--key-prefix", default=os.environ.get("EXTAUTHZ_KEY_PREFIX", "extauthz"),
                        help="the servers' --key-prefix [EXTAUTHZ_KEY_PREFIX; default extauthz]")
+        _add_token(q)
         q.add_argument("--policies", nargs="+", default=None,
                        help="the fleet's policy: the identity rule (--source) is taken from "
                        "it and checked, an override that would not apply is refused, and "
@@ -96,8 +129,7 @@ def _add_override_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
                    help="rate=1000 burst=5000 cost=1 (request_rate) or limit=200 (concurrent_requests)")
     q.add_argument("--ttl", default="24h", help="expiry, a duration like 30m, 24h or 720h "
                    "(at most 30 days; default 24h)")
-    q.add_argument("--reason", default="", help="why (shown by list)")
-    q.add_argument("--by", default=os.environ.get("USER", ""), help="who (default $USER)")
+    _add_change(q)
     q = actions.add_parser("list", help="live overrides: limiter, hashed identity, numbers, "
                            "reason, who/when, expiry, applied")
     common(q, False)
@@ -105,6 +137,7 @@ def _add_override_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
     q = actions.add_parser("clear", help="remove one customer's override for a limiter")
     common(q, True)
     q.add_argument("limiter", help="the limiter's name")
+    _add_change(q)
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -120,6 +153,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("name", nargs="?", help="a limiter name, or '*' for the global switch")
     p.add_argument("mode", nargs="?", choices=[*(m.value for m in Mode), CLEAR],
                    help="enforce | shadow | off | clear")
+    _add_change(p)
 
     p = sub.add_parser(
         "report", help="dark-launch report: who shadow limiters would have refused",
@@ -132,47 +166,126 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     _add_override_parser(sub)
 
     p = sub.add_parser(
-        "status", help="print a running server's /status (policy, store, counters) as JSON",
+        "status", help="print a running server's /status: policy, store, checks allowed and refused, "
+        "shedding (--json: all of it)",
         description="GET /status from a server's admin port: --admin URL, or --listen HOST:PORT for "
-        "the server on this host started with that --listen.")
+        "the server on this host started with that --listen. Prints a summary; --json prints the "
+        "whole document.")
+    p.add_argument("--json", action="store_true", help="print the whole /status document as JSON")
     p.add_argument("--admin", default=None,
                    help=f"a server's admin URL [EXTAUTHZ_ADMIN_URL; default {DEFAULT_ADMIN}]")
     p.add_argument("--listen", default=None, metavar="HOST:PORT",
                    help="the server on this host started with this --listen (its admin URL file)")
+    _add_token(p)
+
+    p = sub.add_parser(
+        "history", help="who changed kill switches and overrides, when and why",
+        description="The change log: every change of a kill switch or an override with its "
+        "reason, who made it (the admin token's name, the user) and which server took it. "
+        "With Redis the whole fleet shares one log (bounded, expiring); with the embedded "
+        "store, the server's.")
+    _add_target(p)
+    p.add_argument("--last", type=int, default=100, help="the last N changes (default 100)")
+    p.add_argument("--json", action="store_true", help="print JSON")
 
 
 # -- transports ---------------------------------------------------------------------------
 
 
-def admin_base(args: argparse.Namespace) -> str:
-    """--admin, else the URL the server on --listen wrote, else EXTAUTHZ_ADMIN_URL, else the default."""
-    if args.admin:
-        return str(args.admin).rstrip("/")
-    if args.listen:
-        from .server.portfile import read_admin_url
+@dataclass
+class AdminTarget:
+    """Where the admin requests go: candidate base URLs, tried in order while the connection
+    is refused (a default that a restart moved; nothing was sent then), and the token."""
 
+    bases: list[str]
+    token: str | None = None
+    reason: str = ""
+    user: str = ""
+    #: the base URL that answered
+    used: str | None = field(default=None)
+
+
+def admin_base(args: argparse.Namespace) -> list[str]:
+    """--admin; else the URL the server on --listen wrote; else EXTAUTHZ_ADMIN_URL; else the
+    URL the server on the default --listen (EXTAUTHZ_LISTEN, or 0.0.0.0:9001) wrote, then
+    the default URL. A server started beside an old one during its drain gets an OS-chosen
+    admin port and rewrites that file, so the defaults find it after the old one exits."""
+    from .server.portfile import read_admin_url
+
+    if args.admin:
+        return [str(args.admin).rstrip("/")]
+    if args.listen:
         try:
-            return read_admin_url(args.listen).rstrip("/")
+            return [read_admin_url(args.listen).rstrip("/")]
         except (OSError, ValueError) as exc:
             raise CliError(str(exc)) from None
-    return os.environ.get("EXTAUTHZ_ADMIN_URL", DEFAULT_ADMIN).rstrip("/")
-
-
-def _http(method: str, url: str, body: str | None = None) -> Any:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    req = urllib.request.Request(url, method=method, data=body.encode() if body is not None else None,
-                                 headers={"content-type": "text/plain"})
+    if os.environ.get("EXTAUTHZ_ADMIN_URL"):
+        return [os.environ["EXTAUTHZ_ADMIN_URL"].rstrip("/")]
+    bases: list[str] = []
     try:
-        with opener.open(req, timeout=10) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
+        bases.append(read_admin_url(os.environ.get("EXTAUTHZ_LISTEN") or DEFAULT_LISTEN).rstrip("/"))
+    except (OSError, ValueError):
+        pass
+    return [*bases, *([DEFAULT_ADMIN] if DEFAULT_ADMIN not in bases else [])]
+
+
+def admin_target(args: argparse.Namespace, *, change: bool = False) -> AdminTarget:
+    """The admin port of ``args``, with the token and (``change``) the reason it sends."""
+    from .server.adminauth import AdminConfigError, client_token
+
+    try:
+        token = client_token(args.admin_token_file) if getattr(args, "admin_token_file", None) else None
+    except AdminConfigError as exc:
+        raise CliError(str(exc)) from None
+    reason = str(getattr(args, "reason", "") or "").strip()
+    if change and token is not None and not reason:
+        raise CliError("--reason is required for a change when the admin port has a token "
+                       "(--admin-token-file): it is recorded with the change")
+    return AdminTarget(admin_base(args), token=token, reason=reason,
+                       user=str(getattr(args, "by", "") or _os_user()))
+
+
+def _http(target: AdminTarget, method: str, path: str, body: str | None = None) -> Any:
+    from .server.adminauth import CLIENT_HEADER, REASON_HEADER, USER_HEADER
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    headers = {"content-type": "text/plain", CLIENT_HEADER: f"extauthz/{__version__}",
+               USER_HEADER: urllib.parse.quote(target.user)}
+    if target.reason:
+        headers[REASON_HEADER] = urllib.parse.quote(target.reason)
+    if target.token is not None:
+        headers["Authorization"] = f"Bearer {target.token}"
+    bases = [target.used] if target.used else target.bases
+    for n, base in enumerate(bases):
+        url = f"{base}{path}"
+        req = urllib.request.Request(url, method=method, data=body.encode() if body is not None else None,
+                                     headers=headers)
         try:
-            message = json.loads(exc.read()).get("error", exc.reason)
-        except ValueError:
-            message = exc.reason
-        raise CliError(f"{method} {url}: {exc.code} {message}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise CliError(f"cannot reach the admin port at {url}: {exc}") from None
+            with opener.open(req, timeout=10) as resp:
+                data = json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            _said(target, base)
+            try:
+                message = json.loads(exc.read()).get("error", exc.reason)
+            except ValueError:
+                message = exc.reason
+            raise CliError(f"{method} {url}: {exc.code} {message}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            refused = isinstance(getattr(exc, "reason", exc), ConnectionRefusedError)
+            if refused and n + 1 < len(bases):
+                continue  # nothing was sent: try the next candidate
+            tried = f" (tried {', '.join(bases)})" if len(bases) > 1 else ""
+            raise CliError(f"cannot reach the admin port at {url}: {exc}{tried}") from None
+        _said(target, base)
+        return data
+    raise CliError("no admin URL to try")
+
+
+def _said(target: AdminTarget, base: str) -> None:
+    """Say once which server (admin URL) this command talked to."""
+    if target.used is None:
+        target.used = base
+        print(f"extauthz: admin port {base}", file=sys.stderr)
 
 
 async def _with_redis(url: str, fn: Any) -> Any:
@@ -209,27 +322,32 @@ def cmd_switch(args: argparse.Namespace) -> int:
         elif not valid_name(args.name):
             raise CliError(f"bad switch name {args.name!r}")
         mode = None if args.mode in (None, CLEAR) else Mode(args.mode)
+        where = "redis"
         if args.redis_url:
             from .store.keys import Keys
 
-            key = Keys(args.key_prefix).switches
+            keys = Keys(args.key_prefix)
 
             async def go(store: Any) -> dict[str, Any]:
                 if args.list:
-                    current = parse_switches(await store.get_value(key))
+                    current = parse_switches(await store.get_value(keys.switches))
                 else:
-                    current = await change_stored_switches(store, key, args.name, mode)
+                    current = await change_stored_switches(store, keys.switches, args.name, mode)
+                    await _record(store, keys, args, "switch", "clear" if mode is None else "set",
+                                  args.name, None if mode is None else mode.value)
                 return {"switches": current.to_dict()}
 
             data = asyncio.run(_with_redis(args.redis_url, go))
         else:
-            base = admin_base(args)
+            target = admin_target(args, change=not args.list)
+            path = f"/switches/{urllib.parse.quote(args.name or '', safe='')}"
             if args.list:
-                data = _http("GET", f"{base}/switches")
+                data = _http(target, "GET", "/switches")
             elif mode is None:
-                data = _http("DELETE", f"{base}/switches/{urllib.parse.quote(args.name, safe='')}")
+                data = _http(target, "DELETE", path)
             else:
-                data = _http("PUT", f"{base}/switches/{urllib.parse.quote(args.name, safe='')}", mode.value)
+                data = _http(target, "PUT", path, mode.value)
+            where = str(target.used)
     except CliError as exc:
         print(f"extauthz switch: {exc}", file=sys.stderr)
         return 1
@@ -238,8 +356,55 @@ def cmd_switch(args: argparse.Namespace) -> int:
         return 1
     if not args.list:
         what = f"cleared {args.name}" if mode is None else f"{args.name} -> {mode.value}"
-        print(f"ok: {what} (every replica sharing the store applies it within about a second)")
+        print(f"ok: {what} on {where} (every replica sharing the store applies it within about a second)")
     _print_switches(data)
+    return 0
+
+
+async def _record(store: Any, keys: Any, args: argparse.Namespace, kind: str, action: str,
+                  target: str, value: Any) -> None:
+    """A change made straight on Redis goes to the fleet's change log too (no token: ``by``
+    is empty, ``user`` the OS user or --by)."""
+    from .changelog import Change, append_change
+    from .server.adminauth import TEXT_MAX
+
+    await append_change(store, keys.history, Change(
+        kind=kind, action=action, target=target, value=value, reason=args.reason[:TEXT_MAX],
+        user=str(args.by)[:TEXT_MAX], at=time.time(), via="redis"))
+
+
+# -- history ------------------------------------------------------------------------------
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    from .changelog import Change, format_history, parse_history, read_history
+
+    try:
+        if args.last < 1:
+            raise CliError("--last must be at least 1")
+        if args.redis_url:
+            from .store.keys import Keys
+
+            key = Keys(args.key_prefix).history
+
+            async def go(store: Any) -> list[Change]:
+                return await read_history(store, key)
+
+            changes = asyncio.run(_with_redis(args.redis_url, go))
+        else:
+            data = _http(admin_target(args), "GET", "/history")
+            changes = parse_history(json.dumps(c) for c in data.get("changes", []))
+    except CliError as exc:
+        print(f"extauthz history: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # the store's errors: say what failed, no traceback
+        print(f"extauthz history: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    changes = changes[-args.last:]
+    if args.json:
+        print(json.dumps({"changes": [c.to_dict() for c in changes]}, indent=2))
+    else:
+        print(format_history(changes))
     return 0
 
 
@@ -253,7 +418,10 @@ def cmd_report(args: argparse.Namespace) -> int:
         try:
             window = float(args.window)
         except ValueError:
-            window = float(parse_duration(args.window))
+            try:
+                window = float(parse_duration(args.window))
+            except ValueError as exc:
+                raise CliError(f"--window: {exc}") from None
         if args.redis_url:
             from .store.keys import Keys
             from .store.redis_events import read_events
@@ -267,7 +435,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             events = asyncio.run(_with_redis(args.redis_url, go))
             data = report_from_events(events, window=window, since=since, top=args.top)
         else:
-            data = _http("GET", f"{admin_base(args)}/shadow?window={window:g}&top={args.top}")
+            data = _http(admin_target(args), "GET", f"/shadow?window={window:g}&top={args.top}")
     except CliError as exc:
         print(f"extauthz report: {exc}", file=sys.stderr)
         return 1
@@ -283,12 +451,62 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     try:
-        data = _http("GET", f"{admin_base(args)}/status")
+        data = _http(admin_target(args), "GET", "/status")
     except CliError as exc:
         print(f"extauthz status: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(data, indent=2))
+    print(json.dumps(data, indent=2) if args.json else format_status(data))
     return 0
+
+
+def _shed_state(level: float) -> str:
+    """What a worker shedder's level means (extauthz.shed: thirds of the positive part)."""
+    if level <= 0:
+        return ("not shedding (the level rises above 0 after sustained overload; below 0 it is "
+                "still waiting out delay_before_shedding)")
+    return "shedding test traffic" + (", then get" if level > 1 / 3 else "") + (
+        ", then post" if level > 2 / 3 else "") + "; critical never"
+
+
+def format_status(data: dict[str, Any]) -> str:
+    """``extauthz status`` for people: the figures an operator looks at first."""
+    policy = data.get("policy", {})
+    store = data.get("store", {})
+    lines = [f"extauthz {data.get('extauthz', '?')}: policy version {policy.get('version', '?')} "
+             f"from {', '.join(policy.get('sources', [])) or '?'}",
+             f"store: {store.get('name', '?')} (breaker {store.get('breaker', '?')})"]
+    checks = data.get("checks")
+    if isinstance(checks, dict):
+        refused = checks.get("rate_limited", 0) + checks.get("shed", 0) + checks.get("failed_closed", 0)
+        lines.append(f"checks since start: {checks.get('allowed', 0):,} allowed, {refused:,} denied "
+                     f"({checks.get('rate_limited', 0):,} rate limited, {checks.get('shed', 0):,} shed, "
+                     f"{checks.get('failed_closed', 0):,} failed closed)")
+        for tier, row in checks.get("by_tier", {}).items():
+            if any(row.values()):
+                denied = sum(n for result, n in row.items() if result != "allowed")
+                lines.append(f"  {tier:<9} {row.get('allowed', 0):>10,} allowed {denied:>10,} denied")
+    else:
+        lines.append("checks since start: not counted (the server runs without a metrics port)")
+    fail_open = data.get("fail_open") or {}
+    if any(fail_open.values()):
+        lines.append("failed open: " + ", ".join(f"{k} {v:,}" for k, v in fail_open.items() if v))
+    for shed in data.get("shedding", []):
+        level = float(shed.get("level", 0.0))
+        util = shed.get("utilization")
+        drops = ", ".join(f"{tier} {p:.0%}" for tier, p in shed.get("probabilities", {}).items())
+        lines.append(f"shedder {shed['limiter']}: utilization "
+                     f"{'-' if util is None else f'{util:.0%}'}, shed level {level:.2f} of 1: "
+                     f"{_shed_state(level)}; dropping {drops}")
+    switches = data.get("switches") or {}
+    lines.append("switches: " + (", ".join(f"{k}={v}" for k, v in sorted(switches.items())) or "none"))
+    overrides = data.get("overrides") or {}
+    lines.append(f"overrides: {overrides.get('live', 0)} live"
+                 + (f", {len(overrides['not_applied'])} not applied" if overrides.get("not_applied") else ""))
+    reload = data.get("reload") or {}
+    if reload.get("last_error"):
+        lines.append(f"policy reload failing: {reload['last_error']}")
+    lines.append("(extauthz status --json: the whole document)")
+    return "\n".join(lines)
 
 
 # -- override -----------------------------------------------------------------------------
@@ -408,16 +626,21 @@ def cmd_override(args: argparse.Namespace) -> int:
                       else DEFAULT_SOURCE)
         identity = _hashed_identity(args, source, policy) if args.action != "list" else ""
         if args.action == "set":
+            kind = (next((s.type for s in policy.limiters if s.name == args.limiter), None)
+                    if policy is not None else None)
             new = make_override(args.limiter, identity, parse_numbers(args.numbers), ttl=args.ttl,
-                                reason=args.reason, by=args.by, source=source, now=now)
+                                reason=args.reason, by=args.by, source=source, now=now, kind=kind)
             if limiters is not None:
                 _, refused = compile_overrides([new], limiters, now, labels)
                 if refused:
                     raise OverrideError(next(iter(refused.values())))
+        target = None if args.redis_url else admin_target(args, change=args.action != "list")
         if args.redis_url:
             async def go(store: Any) -> dict[str, Any]:
                 if args.action == "set":
                     entries = await change_stored(store, keys, lambda e: with_override(e, new, now), now)
+                    await _record(store, keys, args, "override", "set", f"{args.limiter} {identity}",
+                                  dict(new.numbers))
                 elif args.action == "clear":
                     found = False
 
@@ -429,6 +652,7 @@ def cmd_override(args: argparse.Namespace) -> int:
                     entries = await change_stored(store, keys, clear, now)
                     if not found:
                         raise CliError(_not_found(args.limiter, source))
+                    await _record(store, keys, args, "override", "clear", f"{args.limiter} {identity}", None)
                 else:
                     entries = parse_overrides(await store.get_value(keys.overrides))
                 not_applied = (compile_overrides(entries, limiters, now, labels)[1]
@@ -437,18 +661,19 @@ def cmd_override(args: argparse.Namespace) -> int:
 
             data = asyncio.run(_with_redis(args.redis_url, go))
         else:
-            base = f"{admin_base(args)}/overrides"
+            assert target is not None
+            base = "/overrides"
             if args.action == "list":
-                data = _http("GET", base)
+                data = _http(target, "GET", base)
             else:
                 url = f"{base}/{urllib.parse.quote(args.limiter, safe='')}/{identity}"
                 if args.action == "set":
-                    data = _http("PUT", url, json.dumps({
+                    data = _http(target, "PUT", url, json.dumps({
                         "numbers": dict(new.numbers), "ttl": new.expires_at - new.set_at,
                         "reason": new.reason, "by": new.by, "source": new.source}))
                 else:
                     try:
-                        data = _http("DELETE", url)
+                        data = _http(target, "DELETE", url)
                     except CliError as exc:
                         raise CliError(_not_found(args.limiter, source) if ": 404 " in str(exc) else str(exc)) from None
     except (CliError, OverrideError) as exc:
@@ -462,10 +687,11 @@ def cmd_override(args: argparse.Namespace) -> int:
         return 0
     if args.action == "set":
         where = ("every replica applies it within about two seconds" if args.redis_url
-                 else "applied by that server now")
+                 else f"applied by the server at {target.used if target else '?'} now")
         print(f"ok: {args.limiter} {_fmt_numbers(dict(new.numbers))} for identity {identity} "
               f"({source}) until {_fmt_time(new.expires_at)} ({where})")
     elif args.action == "clear":
-        print(f"ok: cleared {args.limiter} for identity {identity}")
+        print(f"ok: cleared {args.limiter} for identity {identity} on "
+              f"{'redis' if target is None else target.used}")
     print(format_overrides(data))
     return 0

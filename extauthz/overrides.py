@@ -43,8 +43,14 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from .errors import StoreError
-from .policy.schema import ConcurrentRequestsPlan, RequestRatePlan, parse_duration
-from .store.base import Store, update_value
+from .policy.schema import (
+    PLAN_NUMBERS,
+    ConcurrentRequestsPlan,
+    RequestRatePlan,
+    not_fields,
+    parse_duration,
+)
+from .store.base import Store, load_json, update_value
 from .store.keys import Keys
 from .verdict import Limits
 
@@ -81,22 +87,41 @@ class Override:
     by: str
     set_at: float
     expires_at: float
+    #: why the stored numbers are refused (read back from the store: written by hand or by an
+    #: older version, e.g. ``burst: Infinity``): the entry is listed and never applied, and
+    #: the next change of the overrides drops it. Empty for a valid override.
+    refused: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["numbers"] = dict(self.numbers)
+        if not self.refused:
+            del out["refused"]
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Override:
+        """An entry of the stored value. Its numbers are checked like a new override's: when
+        they are refused the entry is kept with :attr:`refused` set (and only its finite
+        numbers, so that it can still be shown as JSON). ValueError when the entry itself is
+        malformed (fields missing, times not finite)."""
         numbers = data["numbers"]
         if not isinstance(numbers, dict):
             raise ValueError("numbers must be an object")
+        set_at, expires_at = float(data["set_at"]), float(data["expires_at"])
+        if not (math.isfinite(set_at) and math.isfinite(expires_at)):
+            raise ValueError("set_at and expires_at must be finite")
+        refused = ""
+        try:
+            checked = validate_numbers(numbers)
+        except OverrideError as exc:
+            refused = f"stored numbers refused: {exc}"
+            checked = {str(k): float(v) for k, v in numbers.items()
+                       if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
         return cls(limiter=str(data["limiter"]), identity=str(data["identity"]),
-                   source=str(data.get("source", "")),
-                   numbers={str(k): float(v) for k, v in numbers.items()},
+                   source=str(data.get("source", "")), numbers=checked,
                    reason=str(data.get("reason", "")), by=str(data.get("by", "")),
-                   set_at=float(data["set_at"]), expires_at=float(data["expires_at"]))
+                   set_at=set_at, expires_at=expires_at, refused=refused)
 
 
 # -- validation (the policy's rules) ------------------------------------------------------
@@ -127,16 +152,32 @@ def parse_numbers(pairs: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def validate_numbers(numbers: Mapping[str, Any]) -> dict[str, float]:
+def validate_numbers(numbers: Mapping[str, Any], kind: str | None = None) -> dict[str, float]:
     """Check an override's numbers with the policy's own rules (a plan entry's: the same
-    names, units, bounds and ``cost <= burst``). Returns them as plain numbers."""
+    names, units, bounds and ``cost <= burst``): finite, within the policy's bounds
+    (:mod:`extauthz.policy.schema`), integers where the policy takes integers. ``kind``: the
+    limiter's type when known (the admin port, the CLI with ``--policies``): a name that kind
+    does not take is refused as such; else the kind is guessed from the names. Returns them
+    as plain numbers (``limit`` stays an integer)."""
     if not numbers:
         raise OverrideError("an override sets rate/burst/cost (request_rate) or limit "
-                            "(concurrent_requests)")
+                            "(concurrent_requests, quota)")
+    if kind not in PLAN_NUMBERS:  # unknown, or a fleet-wide kind (compiling says so)
+        kind = "concurrent_requests" if "limit" in numbers else "request_rate"
+    else:
+        unknown = sorted(set(numbers) - set(PLAN_NUMBERS[kind]))
+        if unknown:
+            raise OverrideError(not_fields(unknown, kind))
     model: type[RequestRatePlan] | type[ConcurrentRequestsPlan] = (
-        ConcurrentRequestsPlan if "limit" in numbers else RequestRatePlan)
+        ConcurrentRequestsPlan if kind in ("concurrent_requests", "quota") else RequestRatePlan)
+    # a whole number written as 2.0 (JSON, an older CLI) is the integer 2
+    given = {k: int(v) if k == "limit" and isinstance(v, float) and v.is_integer() and abs(v) < 2**63
+             else v for k, v in numbers.items()}
+    infinite = [k for k, v in given.items() if isinstance(v, float) and not math.isfinite(v)]
+    if infinite:  # the schema's own words, for an integer field too
+        raise OverrideError("; ".join(f"{k}: Input should be a finite number" for k in infinite))
     try:
-        parsed = model.model_validate(dict(numbers))
+        parsed = model.model_validate(given)
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
@@ -144,10 +185,11 @@ def validate_numbers(numbers: Mapping[str, Any]) -> dict[str, float]:
             msg = str(err["msg"]).removeprefix("Value error, ")
             if err["type"] == "extra_forbidden":
                 msg = ("not a number of this limiter kind (request_rate: rate, burst, cost; "
-                       "concurrent_requests: limit)")
+                       "concurrent_requests, quota: limit)")
             problems.append(f"{where}: {msg}" if where else msg)
         raise OverrideError("; ".join(problems)) from None
-    return {k: float(v) for k, v in parsed.model_dump(exclude_none=True).items()}
+    out: dict[str, float] = parsed.model_dump(exclude_none=True)
+    return out
 
 
 def parse_ttl(value: str | float) -> float:
@@ -155,7 +197,9 @@ def parse_ttl(value: str | float) -> float:
         seconds = float(parse_duration(value))
     except ValueError as exc:
         raise OverrideError(str(exc)) from None
-    if not math.isfinite(seconds) or seconds <= 0:
+    if not math.isfinite(seconds):
+        raise OverrideError(f"the TTL must be a finite number of seconds (got {value!r})")
+    if seconds <= 0:
         raise OverrideError("the TTL must be positive")
     if seconds > MAX_TTL:
         raise OverrideError(f"the TTL is at most {MAX_TTL / 86400:g} days (got {seconds / 86400:g})")
@@ -163,14 +207,16 @@ def parse_ttl(value: str | float) -> float:
 
 
 def make_override(limiter: str, identity: str, numbers: Mapping[str, Any], *, ttl: str | float,
-                  reason: str = "", by: str = "", source: str = "", now: float) -> Override:
-    """A validated override (raises :class:`OverrideError`)."""
+                  reason: str = "", by: str = "", source: str = "", now: float,
+                  kind: str | None = None) -> Override:
+    """A validated override (raises :class:`OverrideError`). ``kind``: the limiter's type
+    when the caller knows the policy."""
     if not _LIMITER.match(limiter):
         raise OverrideError(f"bad limiter name {limiter!r}")
     if not IDENTITY_HASH.match(identity):
         raise OverrideError("the identity must be a hashed identity (24 hex digits)")
     return Override(limiter=limiter, identity=identity, source=source[:_TEXT_MAX],
-                    numbers=validate_numbers(numbers), reason=reason[:_TEXT_MAX], by=by[:_TEXT_MAX],
+                    numbers=validate_numbers(numbers, kind), reason=reason[:_TEXT_MAX], by=by[:_TEXT_MAX],
                     set_at=now, expires_at=now + parse_ttl(ttl))
 
 
@@ -181,7 +227,7 @@ def parse_overrides(text: str | None) -> list[Override]:
     """The stored JSON (None: no overrides). Raises ValueError when malformed."""
     if not text:
         return []
-    data = json.loads(text)
+    data = load_json(text)
     if not isinstance(data, dict) or not isinstance(data.get("overrides"), list):
         raise ValueError("overrides must be a JSON object {\"overrides\": [...]}")
     try:
@@ -220,14 +266,15 @@ async def change_stored(store: Store, keys: Keys,
     The write goes through :func:`~extauthz.store.base.update_value` (a compare-and-set):
     when another operator changed the overrides in between, ``change`` is applied again on
     top of theirs, so neither is lost. A stored value that does not parse (written by hand)
-    is replaced, as the servers already ignore it (logged there as ``overrides_malformed``)."""
+    is replaced, as the servers already ignore it (logged there as ``overrides_malformed``), and
+    an entry whose stored numbers are refused (:attr:`Override.refused`) is dropped."""
     now = time.time() if now is None else now
     result: list[Override] = []
 
     def apply(stored: str | None) -> tuple[str | None, float | None]:
         nonlocal result
         try:
-            current = parse_overrides(stored)
+            current = [e for e in parse_overrides(stored) if not e.refused]  # refused: dropped
         except ValueError:
             current = []  # overwrite a malformed value
         result = change(current)
@@ -274,11 +321,16 @@ def compile_overrides(entries: Sequence[Override], limiters: Sequence[object],
     """The table of live overrides that fit the limiters, and why the others do not apply
     (``(limiter, identity) -> reason``). ``sources``: the policy's identity rule labels (an
     override hashed for another rule matches no request and is reported). Built at change,
-    expiry and reload, never per request."""
+    expiry and reload, never per request. Never raises: an entry that cannot be compiled
+    (refused numbers, numbers that do not fit the limiter's plans, a bug) is left out and
+    reported, so that one override never stops a snapshot from being built."""
     by_name = {getattr(lim, "name", ""): lim for lim in limiters}
     table: Table = {}
     not_applied: dict[tuple[str, str], str] = {}
     for e in live(entries, now):
+        if e.refused:
+            not_applied[(e.limiter, e.identity)] = e.refused
+            continue
         lim = by_name.get(e.limiter)
         if lim is None:
             not_applied[(e.limiter, e.identity)] = f"the policy has no limiter named '{e.limiter}'"
@@ -290,8 +342,11 @@ def compile_overrides(entries: Sequence[Override], limiters: Sequence[object],
             continue
         try:
             by_plan = override(e.numbers)
-        except ValueError as exc:
-            not_applied[(e.limiter, e.identity)] = str(exc)
+        except Exception as exc:  # one override never fails the snapshot build
+            # ValueError: the numbers do not fit this limiter's plans; anything else is a bug,
+            # and still only this entry is left out (reported, and logged by the engine).
+            not_applied[(e.limiter, e.identity)] = (
+                str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}")
             continue
         why = source_problem(e.source, sources) if sources else None
         if why is not None:

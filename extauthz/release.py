@@ -7,19 +7,28 @@ Four paths lead here (the ``path`` label of ``extauthz_lease_releases_total``):
   request id found the leases (:class:`~extauthz.server.services.LeaseIndex`);
 * ``cancelled_check``: Envoy reset a Check after we answered (client gone);
 * ``abandoned_answer``: a store call the engine stopped waiting for (deadline, or the
-  Check cancelled) landed admitted: what it committed is given back at once.
+  Check cancelled, or the store gave up on it after sending it: a stalled Redis runs it
+  when it resumes) landed admitted: what it committed is given back at once.
 
 The embedded store releases within the call (no task). Any other store releases in a
 tracked background task: its outcome is counted (``released``, ``none`` when the store
-held nothing, e.g. expired, ``error``; an error is logged, rate-limited, never left
-unretrieved in a task), and :meth:`Releaser.drain` waits for the pending ones on a
-graceful stop, before the store closes. The lease TTL stays the backstop for failures.
+held nothing, e.g. expired, ``error`` when it failed for good; an error is logged,
+rate-limited, never left unretrieved in a task), and :meth:`Releaser.drain` waits for the
+pending ones on a graceful stop, before the store closes.
+
+A failed call (Redis down, a failover, a timeout) is tried again, each retry counted
+(``retried``), after a backoff that doubles from :data:`RETRY_FIRST` to :data:`RETRY_CAP`
+seconds (with jitter), until it succeeds or ``retry_for()`` seconds (the policy's longest
+lease TTL: by then the store has dropped the lease) have passed since the release was
+asked; then it counts as ``error`` and the TTL was the backstop. At most
+:data:`MAX_RETRYING` releases wait for a retry at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Callable, Sequence
 from typing import Final
 
@@ -31,21 +40,34 @@ __all__ = ["OUTCOMES", "PATHS", "Releaser", "releases_status"]
 log = logging.getLogger("extauthz.release")
 
 PATHS: Final = ("access_log", "request_id_index", "cancelled_check", "abandoned_answer")
-OUTCOMES: Final = ("released", "none", "error")
+OUTCOMES: Final = ("released", "none", "error", "retried")
+#: seconds before the first retry of a failed release; each next one waits twice as long
+RETRY_FIRST: Final = 0.05
+#: the longest wait between two tries of one release
+RETRY_CAP: Final = 2.0
+#: most releases waiting to be tried again at once (a long store outage under load would
+#: otherwise hold a task per finished request for a whole lease TTL); beyond it a failure
+#: is not retried (``error``; the TTL is the backstop)
+MAX_RETRYING: Final = 10_000
 
 
 class Releaser:
     def __init__(self, store: Store, *, timeout: float = 0.05,
-                 throttle: LogThrottle | None = None) -> None:
+                 throttle: LogThrottle | None = None,
+                 retry_for: Callable[[], float] | None = None) -> None:
         self.store = store
-        #: a background release gives up after this long (the TTL is the backstop)
+        #: one try of a background release gives up after this long
         self.timeout = timeout
+        #: seconds after it was asked that a failing release is still tried again (None: never)
+        self.retry_for = retry_for
         self._now: Callable[[Sequence[str], str], int] | None = getattr(store, "release_now", None)
         #: (path, outcome) -> release calls
         self.counts: dict[tuple[str, str], int] = {(p, o): 0 for p in PATHS for o in OUTCOMES}
         #: leases the store reported given back (a call may free several)
         self.leases_released = 0
         self.pending: set[asyncio.Task[int]] = set()
+        #: releases waiting for their next try now
+        self.retrying = 0
         self._throttle = throttle or LogThrottle(log)
 
     def count(self, path: str, outcome: str | None = None) -> int:
@@ -86,14 +108,32 @@ class Releaser:
         return released
 
     async def _release(self, keys: list[str], lease_id: str, path: str) -> int:
-        try:
-            async with asyncio.timeout(self.timeout):
-                released = await self.store.release(keys, lease_id)
-        except Exception as exc:  # counted and logged; the TTL is the backstop
-            self._failed(path, exc)
-            return 0
-        self._done(path, released)
-        return released
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + (self.retry_for() if self.retry_for is not None else 0.0)
+        backoff = RETRY_FIRST
+        while True:
+            try:
+                async with asyncio.timeout(self.timeout):
+                    released = await self.store.release(keys, lease_id)
+            except Exception as exc:
+                wait = backoff * (0.5 + random.random() / 2)  # jitter: replicas do not retry in step
+                # the lease has expired by then (the TTL did it), or too many wait already
+                if loop.time() + wait >= give_up or self.retrying >= MAX_RETRYING:
+                    self._failed(path, exc)
+                    return 0
+                self.counts[(path, "retried")] += 1
+                self.retrying += 1
+                try:
+                    await asyncio.sleep(wait)
+                except asyncio.CancelledError:  # drain() gave up on it: counted as failed
+                    self._failed(path, exc)
+                    raise
+                finally:
+                    self.retrying -= 1
+                backoff = min(backoff * 2, RETRY_CAP)
+                continue
+            self._done(path, released)
+            return released
 
     def _done(self, path: str, released: int) -> None:
         self.leases_released += released
@@ -107,9 +147,16 @@ class Releaser:
 
     def abandoned(self, ops: Sequence[Op], lease_id: str) -> Callable[[asyncio.Future[CheckResult]], None]:
         """A done callback for a store call nobody waits for any more: when it lands
-        admitted, the leases it committed are given back (path ``abandoned_answer``)."""
+        admitted, the leases it committed are given back (path ``abandoned_answer``). A
+        call that failed after it was sent (its outcome unknown: the error's ``late``) is
+        followed to the answer that comes after all."""
         def landed(call: asyncio.Future[CheckResult]) -> None:
-            if call.cancelled() or call.exception() is not None:
+            if call.cancelled():
+                return
+            if (error := call.exception()) is not None:
+                late = getattr(error, "late", None)
+                if late is not None:  # sent, unanswered: its answer may still come
+                    late.add_done_callback(landed)
                 return  # nothing committed (or nothing known): the failure was counted
             result = call.result()
             if not result.admitted:
@@ -139,4 +186,4 @@ def releases_status(releaser: Releaser) -> dict[str, object]:
     """The admin ``/status`` view: calls by path and outcome, leases freed, pending."""
     by_path = {p: {o: releaser.counts[(p, o)] for o in OUTCOMES} for p in PATHS}
     return {"by_path": by_path, "leases_released": releaser.leases_released,
-            "pending": len(releaser.pending)}
+            "pending": len(releaser.pending), "retrying": releaser.retrying}

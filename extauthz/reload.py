@@ -9,7 +9,9 @@ validator, :func:`extauthz.policy.load_policy`, and only then swapped in as a wh
 
 A failed reload keeps the last good policy serving. It is logged once per distinct broken
 content (every issue with file, field and line), counted, and shown in ``/status``
-(``reload.last_error``) until a good reload clears it. A load that fails while the files are
+(``reload.last_error``) until a good reload clears it. A valid policy whose swap fails (the
+new snapshot cannot be built) is a failed reload too, and is retried on every poll until it
+applies. A load that fails while the files are
 still changing (the digest moved under it) is not reported: the next poll retries.
 
 The server's job (:meth:`PolicyWatcher.poll`) reads, hashes, parses and validates in a worker
@@ -140,12 +142,21 @@ class PolicyWatcher:
             self._failed(digest, [str(i) for i in outcome.issues])
             return False
         policy = outcome
-        self._seen = digest
         if policy.version == self.version:
+            self._seen = digest
             self.last_error = None  # back to the content being served
             return False
         previous = self.version
-        self.apply(policy)
+        try:
+            self.apply(policy)
+        except Exception as exc:
+            # Building the new snapshot failed (a bug: nothing a policy or an override holds
+            # should make it fail). Counted and shown like a refused policy, once per content,
+            # and retried on the next poll (the digest is not marked seen).
+            if self.last_error is None or self.last_error.digest != digest:
+                self._failed(digest, [f"applying the policy failed: {type(exc).__name__}: {exc}"])
+            return False
+        self._seen = digest
         self.version, self.sources = policy.version, policy.sources
         self.loaded_at = self._clock.wall()
         self.reloads += 1

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from .errors import StoreError
-from .store.base import Store, update_value
+from .store.base import Store, load_json, update_value
 from .verdict import Mode
 
 log = logging.getLogger("extauthz.switches")
@@ -70,7 +70,7 @@ def parse_switches(text: str | None) -> Switches:
     """The stored JSON (None or empty: no switches). Raises ValueError when malformed."""
     if not text:
         return Switches()
-    data = json.loads(text)
+    data = load_json(text)
     if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                              for k, v in data.items()):
         raise ValueError("switches must be a JSON object of name -> 'enforce' | 'shadow' | 'off'")

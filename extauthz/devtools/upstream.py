@@ -23,6 +23,9 @@ from urllib.parse import parse_qs, urlsplit
 __all__ = ["ECHOED_HEADERS", "TIER_HEADER", "Upstream", "start_upstream"]
 
 TIER_HEADER = "x-extauthz-tier"
+#: a request header naming the request, for :attr:`Upstream.held` (``demo --pictures``)
+SEQ_HEADER = "x-demo-seq"
+HELD_MAX = 200_000
 ECHOED_HEADERS = frozenset(
     {
         "host",
@@ -44,6 +47,10 @@ class Upstream:
         self._inflight = 0
         self._served = 0
         self._max_inflight = 0
+        #: ``x-demo-seq`` request header -> (monotonic time the handler began, time it answered):
+        #: what ``demo --pictures`` counts as in flight. Only requests carrying the header, at
+        #: most HELD_MAX of them (bounded).
+        self.held: dict[str, tuple[float, float]] = {}
         self._server = _Server((host, port), _Handler, self)
         self.host = host
         self.port: int = self._server.server_address[1]
@@ -160,6 +167,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _handle(self) -> None:
         upstream = self.server.upstream
         upstream._enter()
+        began = time.monotonic()
         served = False
         try:
             self._drain_body()
@@ -174,6 +182,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self._reply(200, self._echo())
             served = True
         finally:
+            seq = self.headers.get(SEQ_HEADER)
+            if seq is not None and len(upstream.held) < HELD_MAX:
+                upstream.held[seq] = (began, time.monotonic())
             upstream._leave(served)
 
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = do_OPTIONS = _handle

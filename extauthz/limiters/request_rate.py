@@ -21,15 +21,15 @@ from collections.abc import Mapping
 from ..clock import SYSTEM_CLOCK, Clock
 from ..context import RequestContext
 from ..policy.model import compile_match
-from ..policy.schema import RequestRateSpec, cost_message
+from ..policy.schema import PLAN_NUMBERS, RequestRateSpec, bucket_problem, not_fields
 from ..store.base import BucketOp, OpResult
 from ..store.keys import Keys
 from ..verdict import Kind, Limits, Outcome, Quota, Verdict
-from .base import customer_limits, denied_outcome
+from .base import BY_IDENTITY, KeyOf, customer_limits, denied_outcome
 from .refusals import RefusalCache
 
 #: the numbers an override (or a plan entry) of this kind may set.
-NUMBERS = ("rate", "burst", "cost")
+NUMBERS = PLAN_NUMBERS["request_rate"]
 
 
 def bucket_limits(rate: float, burst: float, cost: float) -> Limits:
@@ -43,16 +43,19 @@ def _merged(base: Limits, numbers: Mapping[str, float | None]) -> Limits:
         return own if value is None else float(value)
 
     rate, burst, cost = pick("rate", base.rate), pick("burst", base.burst), pick("cost", base.cost)
-    if cost > burst:
-        raise ValueError(cost_message(cost, burst))
+    problem = bucket_problem(rate, burst, cost)
+    if problem is not None:
+        raise ValueError(problem)
     return bucket_limits(rate, burst, cost)
 
 
 class RequestRateLimiter:
     kind = Kind.RATE_LIMITER
 
-    def __init__(self, spec: RequestRateSpec, keys: Keys, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(self, spec: RequestRateSpec, keys: Keys, clock: Clock = SYSTEM_CLOCK,
+                 key: KeyOf = BY_IDENTITY) -> None:
         self.name = spec.name
+        self.key = key
         self.failure_mode = spec.failure_mode
         self.applies_to = compile_match(spec.applies_to)
         self.rate = spec.rate
@@ -74,7 +77,7 @@ class RequestRateLimiter:
         numbers the override does not set are the plan's. ValueError when they do not fit."""
         unknown = sorted(set(numbers) - set(NUMBERS))
         if unknown:
-            raise ValueError(f"a request_rate override sets {', '.join(NUMBERS)}, not {', '.join(unknown)}")
+            raise ValueError(not_fields(unknown, "request_rate"))
         out = {"": _merged(self.own, numbers)}
         for name, limits in self.plans.items():
             try:
@@ -87,16 +90,21 @@ class RequestRateLimiter:
         """This customer's numbers: an override, else its plan's, else the limiter's own."""
         return customer_limits(self.name, ctx, self.plans, self.own)
 
+    def key_missing(self, ctx: RequestContext) -> bool:
+        return self.key.of(ctx) is None
+
+    def _bucket(self, ctx: RequestContext) -> str:
+        return self._keys.bucket(self.name, self.key.of(ctx) or ctx.identity)
+
     def local(self, ctx: RequestContext, enforce: bool) -> Verdict | None:
         if not enforce or self.refusals is None:
             return None  # a shadow limiter never blocks
         n = self.limits(ctx)
-        return self.refusals.refusal(self._keys.bucket(self.name, ctx.identity),
-                                     n.rate, n.burst, n.cost)
+        return self.refusals.refusal(self._bucket(ctx), n.rate, n.burst, n.cost)
 
     def op(self, ctx: RequestContext, enforce: bool) -> BucketOp:
         n = self.limits(ctx)
-        return BucketOp(self._keys.bucket(self.name, ctx.identity), n.rate, n.burst, n.cost, enforce)
+        return BucketOp(self._bucket(ctx), n.rate, n.burst, n.cost, enforce)
 
     def verdict(self, ctx: RequestContext, result: OpResult, enforce: bool) -> Verdict:
         n = self.limits(ctx)
@@ -112,6 +120,6 @@ class RequestRateLimiter:
                     f"{n.burst:g} requests, refilled at {n.rate:g} per second. "
                     f"Slow down and retry after the Retry-After delay."))
         if enforce and self.refusals is not None:
-            self.refusals.remember(self._keys.bucket(self.name, ctx.identity), refused,
+            self.refusals.remember(self._bucket(ctx), refused,
                                    n.rate, n.burst, n.cost)
         return refused

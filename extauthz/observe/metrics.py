@@ -74,6 +74,12 @@ class Metrics:
             "extauthz_store_call_seconds", "Latency of the one store call a check makes.",
             buckets=STORE_BUCKETS, registry=self.registry,
         )
+        self.skipped = Counter(
+            "extauthz_limiter_skipped", "Requests a limiter did not apply to, by limiter and "
+            "reason (key_missing: a part of its key yielded nothing).",
+            ["limiter", "reason"], registry=self.registry,
+        )
+        self._skipped: dict[str, Any] = {}
         self._decisions: dict[tuple[str, Tier, str, Outcome], Any] = {}
         self._requests: dict[tuple[Tier, str], Any] = {
             (tier, result): self.requests.labels(tier.value, result) for tier in Tier for result in RESULTS
@@ -84,6 +90,8 @@ class Metrics:
         ``policy`` (plans: the names the policy knows, so the label stays bounded)."""
         plans = sorted(policy.plan_names) or [""]
         for spec in policy.limiters:
+            if getattr(spec, "key", None) and spec.name not in self._skipped:
+                self._skipped[spec.name] = self.skipped.labels(spec.name, "key_missing")
             for tier in Tier:
                 for plan in plans:
                     for outcome in Outcome:
@@ -103,7 +111,22 @@ class Metrics:
                 child = children[(v.limiter, tier, plan, v.outcome)] = self.decisions.labels(
                     v.limiter, tier.value, plan, v.outcome.value)
             child.inc()
+        for name in decision.skipped:
+            skipped = self._skipped.get(name)
+            if skipped is None:
+                skipped = self._skipped[name] = self.skipped.labels(name, "key_missing")
+            skipped.inc()
         self._requests[(tier, request_result(decision))].inc()
+
+    def request_counts(self) -> dict[str, Any]:
+        """Checks since start by result, and by tier and result (``/status``'s ``checks``)."""
+        by_tier: dict[str, dict[str, int]] = {}
+        for metric in self.requests.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    by_tier.setdefault(sample.labels["tier"], {})[sample.labels["result"]] = int(sample.value)
+        totals = {result: sum(row.get(result, 0) for row in by_tier.values()) for result in RESULTS}
+        return {**totals, "by_tier": by_tier}
 
 
 class AccessLogCounters(Protocol):
@@ -229,7 +252,8 @@ class StateCollector:
         releases = CounterMetricFamily(
             "extauthz_lease_releases", "Lease release calls by path (access_log, request_id_index, "
             "cancelled_check, abandoned_answer) and outcome (released; none: nothing was held, "
-            "e.g. expired; error: the lease TTL is the backstop).", labels=["path", "outcome"])
+            "e.g. expired; retried: a failed try, tried again; error: failed until the longest "
+            "lease TTL, which was the backstop).", labels=["path", "outcome"])
         for (path, outcome), n in engine.releaser.counts.items():
             releases.add_metric([path, outcome], n)
         yield releases
@@ -251,7 +275,7 @@ class StateCollector:
 
         breaker = GaugeMetricFamily("extauthz_store_breaker_open", "1 while the store circuit "
                                     "breaker skips the store (open or half-open).")
-        breaker.add_metric([], 0 if engine.breaker.state == "closed" else 1)
+        breaker.add_metric([], 0 if engine.breaker_state == "closed" else 1)
         yield breaker
 
         if self.reload is not None:

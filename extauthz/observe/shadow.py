@@ -67,7 +67,11 @@ class ShadowRecorder:
                 continue
             self.recorded += 1
             headroom = v.remaining / v.limit if v.remaining is not None and v.limit else None
-            group = (v.limiter, ctx.tier.value, ctx.plan, route_of(ctx), ctx.identity, ctx.identity_source)
+            who, source = ctx.identity, ctx.identity_source
+            index = policy.key_index.get(v.limiter) if ctx.keys else None
+            if index is not None and index < len(ctx.keys):  # a keyed limiter: who it counts
+                who, source = ctx.keys[index][0], policy.keys[index].label
+            group = (v.limiter, ctx.tier.value, ctx.plan, route_of(ctx), who, source)
             entry = self._pending.get(group)
             if entry is None:
                 if len(self._pending) >= self.max_pending:
@@ -184,9 +188,11 @@ def _pct(h: float | None) -> str:
 def format_report(report: dict[str, Any]) -> str:
     """The report as text for people (``extauthz report``)."""
     window = report.get("window")
-    lines = [f"shadow would-denials in the last {window:g} s: {report.get('events', 0)} records"
-             if isinstance(window, (int, float)) else "shadow would-denials"]
     limiters = report.get("limiters") or []
+    total = sum(int(lim["would_deny"]) for lim in limiters)
+    lines = [f"shadow would-denials in the last {window:g} s: {total:,} by {len(limiters)} "
+             f"limiter{'s' if len(limiters) != 1 else ''}"
+             if isinstance(window, (int, float)) else "shadow would-denials"]
     if not limiters:
         lines.append("none: no shadow limiter would have refused anything in this window.")
     for lim in limiters:

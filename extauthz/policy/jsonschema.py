@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from .schema import PolicyFile
@@ -14,3 +16,37 @@ def policy_json_schema() -> dict[str, Any]:
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "extauthz policy file"
     return schema
+
+
+#: where the Helm chart's values.schema.json holds the policy schema (its ``$defs``)
+CHART_DEF = "policy"
+
+
+def chart_policy_schema() -> dict[str, Any]:
+    """The policy schema as the chart's ``values.schema.json`` carries it under
+    ``$defs.policy`` (draft-07 there): its references point into that place, so ``helm
+    install``/``template`` refuse an inline policy (a mapping under ``policies``) that the
+    server would refuse."""
+    schema = policy_json_schema()
+    del schema["$schema"]
+    text = json.dumps(schema).replace('"#/$defs/', f'"#/$defs/{CHART_DEF}/$defs/')
+    embedded: dict[str, Any] = json.loads(text)
+    return embedded
+
+
+def sync_chart_schema(path: str | Path) -> bool:
+    """Write :func:`chart_policy_schema` into the chart's values.schema.json; True when it changed."""
+    path = Path(path)
+    values = json.loads(path.read_text())
+    if values.get("$defs", {}).get(CHART_DEF) == chart_policy_schema():
+        return False
+    values.setdefault("$defs", {})[CHART_DEF] = chart_policy_schema()
+    path.write_text(json.dumps(values, indent=2) + "\n")
+    return True
+
+
+if __name__ == "__main__":  # python -m extauthz.policy.jsonschema helm/extauthz/values.schema.json
+    import sys
+
+    for name in sys.argv[1:]:
+        print(f"{name}: {'updated' if sync_chart_schema(name) else 'in sync'}")

@@ -12,13 +12,15 @@ broken files pay for it. A file larger than ``max_bytes`` is refused before it i
 
 from __future__ import annotations
 
+import difflib
 import hashlib
+import typing
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from ..errors import PolicyError, PolicyIssue
 from .model import Policy, compile_policy
@@ -165,10 +167,35 @@ class _Document:
         return 1
 
 
+def _models(annotation: Any) -> list[type[BaseModel]]:
+    """The models a field's annotation holds (through Optional, lists, dicts, unions)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models(arg)]
+
+
+def _field_names(loc: Sequence[str | int]) -> list[str]:
+    """The field names the model at pydantic's raw ``loc`` (before :func:`_clean_loc`) accepts."""
+    models: list[type[BaseModel]] = [PolicyFile]
+    for part in loc:
+        if isinstance(part, int):
+            continue  # a list item or a dict value: the models stay
+        fields = [m.model_fields[part] for m in models if part in m.model_fields]
+        if fields:
+            models = [m for f in fields for m in _models(f.annotation)]
+        else:  # a discriminator tag (limiters[i].request_rate) or a dict key (plans.free)
+            tagged = [m for m in models if part in typing.get_args(
+                m.model_fields["type"].annotation if "type" in m.model_fields else None)]
+            models = tagged or models
+    return sorted({f.alias or name for m in models for name, f in m.model_fields.items()})
+
+
 def _message(err: dict[str, Any]) -> str:
     kind = err["type"]
     if kind == "extra_forbidden":
-        return "unknown field"
+        loc = err["loc"]
+        close = difflib.get_close_matches(str(loc[-1]), _field_names(loc[:-1]), n=1)
+        return f"unknown field (did you mean '{close[0]}'?)" if close else "unknown field"
     if kind == "missing":
         return "required field is missing"
     if kind == "union_tag_invalid":

@@ -1,7 +1,9 @@
 """The admin and metrics HTTP ports (aiohttp, on the server's event loop).
 
-Admin (``--admin-listen``, loopback by default; never the public Check port; no auth, so
-keep it private):
+Admin (``--admin-listen``, loopback by default; never the public Check port). Every request
+but ``/healthz`` passes :class:`~extauthz.server.adminauth.AdminGuard` first: a loopback or
+configured ``Host``, the bearer token when ``--admin-token-file`` is set, and on changes the
+``X-Extauthz-Client`` header (or the token) and, with a token, a reason:
 
 =========================  ==========================================================
 ``GET /status``            policy version and sources, reload error, store, breaker,
@@ -15,7 +17,13 @@ keep it private):
 ``PUT /overrides/{limiter}/{identity}``  JSON ``{"numbers": {...}, "ttl": 86400, "reason",
                            "by", "source"}``; ``identity`` is the hashed identity
 ``DELETE /overrides/{limiter}/{identity}``  clear one override
+``GET /history``           who changed switches and overrides, when and why (the
+                           store's change log: the fleet's on Redis)
+``GET /healthz``           ``{"ok": true}``; no token, no Host check
 =========================  ==========================================================
+
+Every change of a switch or an override is recorded (:mod:`extauthz.changelog`) with the
+reason (``X-Extauthz-Reason``) and who: the token's name and the user the client names.
 
 The port itself (and the metrics port) is started by :mod:`extauthz.server.ports`; what
 the routes read and change is an :class:`AdminBackend` (the server's
@@ -31,17 +39,21 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from ..changelog import Change, ChangeLog, read_history
 from ..errors import StoreError
 from ..overrides import OverrideError
 from ..policy.schema import parse_duration
+from ..store.base import load_json
 from ..switches import GLOBAL, SwitchBoard, valid_name
 from ..verdict import Mode
+from .adminauth import ACTOR, HEALTH_PATH, Actor, AdminGuard
 
 
 class AdminBackend(Protocol):
     """What the admin routes read and change."""
 
     switches: SwitchBoard
+    changes: ChangeLog
 
     def status(self) -> dict[str, Any]: ...
 
@@ -62,15 +74,29 @@ class AdminBackend(Protocol):
 MAX_WINDOW = 7 * 24 * 3600.0
 
 
+MAX_TOP = 1000
+#: the largest admin request body read (an override is a few hundred bytes).
+MAX_BODY = 64 * 1024
+
+
 def parse_window(value: str) -> float:
-    """Seconds (``3600``) or a duration (``1h``, ``15m``)."""
+    """Seconds (``3600``) or a duration (``1h``, ``15m``); at most :data:`MAX_WINDOW`."""
     try:
         seconds = float(value)
     except ValueError:
-        seconds = float(parse_duration(value))
+        seconds = float(parse_duration(value))  # "bad duration 'soon': use ..."
     if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError("window must be positive")
+        raise ValueError(f"window must be a positive number of seconds or a duration like 15m, "
+                         f"1h or 24h (got {value[:40]!r})")
     return min(seconds, MAX_WINDOW)
+
+
+def parse_top(value: str) -> int:
+    """A whole number of rows; at most :data:`MAX_TOP`."""
+    rows = int(value) if value.isascii() and value.isdigit() and len(value) <= 9 else 0
+    if rows < 1:  # 0, 1e9, 2.5, -3, a 5,000-digit number
+        raise ValueError(f"top must be a whole number of rows from 1 to {MAX_TOP} (got {value[:40]!r})")
+    return min(rows, MAX_TOP)
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -82,7 +108,13 @@ def _error(status: int, message: str, **extra: Any) -> web.Response:
     return _json({"error": message, **extra}, status)
 
 
-def admin_app(ops: AdminBackend) -> web.Application:
+def admin_app(ops: AdminBackend, guard: AdminGuard | None = None) -> web.Application:
+    async def record(kind: str, action: str, target: str, value: Any) -> None:
+        """Record a change that landed, with the reason and who (AdminGuard's Actor)."""
+        actor = ACTOR.get() or Actor(token=None, user="", reason="")
+        await ops.changes.record(Change(kind=kind, action=action, target=target, value=value,
+                                        reason=actor.reason, by=actor.by, user=actor.user))
+
     async def status(request: web.Request) -> web.Response:
         return _json(ops.status())
 
@@ -109,16 +141,18 @@ def admin_app(ops: AdminBackend) -> web.Application:
             await ops.switches.change(name, mode)
         except StoreError as exc:
             return _error(503, f"the store did not take the change: {exc}")
+        await record("switch", "clear" if mode is None else "set", name,
+                     None if mode is None else mode.value)
         return _json(ops.switch_status())
 
     async def shadow(request: web.Request) -> web.Response:
         try:
             window = parse_window(request.query.get("window", "3600"))
-            top = int(request.query.get("top", "10"))
+            top = parse_top(request.query.get("top", "10"))
         except ValueError as exc:
             return _error(400, str(exc))
         try:
-            report = await ops.shadow_report(window, top=max(1, min(top, 1000)))
+            report = await ops.shadow_report(window, top=top)
         except StoreError as exc:
             return _error(503, f"cannot read the shadow log: {exc}")
         return _json(report)
@@ -128,15 +162,23 @@ def admin_app(ops: AdminBackend) -> web.Application:
 
     async def put_override(request: web.Request) -> web.Response:
         try:
-            body = json.loads(await request.text())
+            if request.content_length is not None and request.content_length > MAX_BODY:
+                raise OverrideError(f"the body is larger than {MAX_BODY} bytes")
+            body = load_json(await request.text())
             if not isinstance(body, dict):
                 raise OverrideError('the body is a JSON object {"numbers": {...}, "ttl": seconds, ...}')
-            return _json(await ops.set_override(request.match_info["limiter"],
-                                                request.match_info["identity"], body))
+            limiter, identity = request.match_info["limiter"], request.match_info["identity"]
+            actor = ACTOR.get()
+            if actor is not None:  # the override row says what the change log says
+                body = {**body, **({"reason": actor.reason} if actor.reason else {}),
+                        **({"by": actor.by} if actor.by else {})}
+            rows = await ops.set_override(limiter, identity, body)
         except (ValueError, TypeError) as exc:  # OverrideError, JSON errors
             return _error(400, str(exc))
         except StoreError as exc:
             return _error(503, f"the store did not take the change: {exc}")
+        await record("override", "set", f"{limiter} {identity}", body.get("numbers"))
+        return _json(rows)
 
     async def delete_override(request: web.Request) -> web.Response:
         limiter = request.match_info["limiter"]
@@ -146,9 +188,22 @@ def admin_app(ops: AdminBackend) -> web.Application:
             return _error(503, f"the store did not take the change: {exc}")
         if not found:
             return _error(404, f"no override for limiter {limiter!r} and that identity")
+        await record("override", "clear", f"{limiter} {request.match_info['identity']}", None)
         return _json(ops.override_rows())
 
-    app = web.Application()
+    async def history(request: web.Request) -> web.Response:
+        try:
+            changes = await read_history(ops.changes.store, ops.changes.key)
+        except StoreError as exc:
+            return _error(503, f"cannot read the change log: {exc}")
+        return _json({"changes": [c.to_dict() for c in changes]})
+
+    async def healthz(request: web.Request) -> web.Response:
+        return _json({"ok": True})
+
+    app = web.Application(middlewares=[guard.middleware] if guard is not None else [])
+    app.router.add_get(HEALTH_PATH, healthz)
+    app.router.add_get("/history", history)
     app.router.add_get("/status", status)
     app.router.add_get("/overrides", overrides)
     app.router.add_put("/overrides/{limiter}/{identity}", put_override)

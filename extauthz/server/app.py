@@ -73,6 +73,10 @@ class ServerConfig:
     admin_listen_optional: bool = False
     #: where to write the admin URL for ``extauthz switch|report|status --listen`` (server/portfile.py).
     admin_url_file: str | None = None
+    #: the admin port's bearer tokens (a bare token or NAME:TOKEN lines; server/adminauth.py).
+    admin_token_file: str | None = None
+    #: Host values the admin port answers besides loopback and its own address.
+    admin_hosts: tuple[str, ...] = ()
     metrics_listen: str | None = None
     grace_seconds: float = 5.0
     #: policy file poll (hot reload; 0 turns it off), kill switch poll, in seconds.
@@ -173,6 +177,7 @@ class Server:
             reload_interval=config.reload_interval, switch_poll_interval=config.switch_poll_interval,
             policy_max_bytes=config.policy_max_bytes,
             after_reload=self.sync_samplers, admin_optional=config.admin_listen_optional,
+            admin_token_file=config.admin_token_file, admin_hosts=config.admin_hosts,
         )
         files = TlsFiles.from_options(config.tls_cert, config.tls_key, config.tls_client_ca)
         self.tls = CertificateReloader(files) if files is not None else None

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
+from ..changelog import ChangeLog
 from ..clock import Clock
 from ..engine import Engine
 from ..observe.edge_metrics import EdgeCollector
@@ -44,7 +45,8 @@ from ..switches import SwitchBoard
 from ..tickets import REASONS as REJECT_REASONS
 from ..verdict import Mode
 from .admin import admin_app
-from .ports import LOOPBACK, HttpPorts, metrics_app, off, parse_listen
+from .adminauth import AdminGuard, TokenFile, require_token_when_exposed
+from .ports import HttpPorts, metrics_app, off, parse_listen
 from .services import AccessLogService, AuthorizationService
 from .tls import CertificateReloader
 
@@ -60,7 +62,8 @@ class Operations:
                  switch_poll_interval: float = 1.0, shadow_flush_interval: float = 1.0,
                  leases_sample_interval: float = 2.0,
                  after_reload: Callable[[], None] | None = None,
-                 admin_optional: bool = False) -> None:
+                 admin_optional: bool = False, admin_token_file: str | None = None,
+                 admin_hosts: Sequence[str] = ()) -> None:
         self.engine = engine
         self.store = store
         self.keys = keys
@@ -74,6 +77,14 @@ class Operations:
         self.metrics_listen = off(metrics_listen)
         self.ports.check("admin", self.admin_listen)
         self.ports.check("metrics", self.metrics_listen)
+        # the admin port's lock (server/adminauth.py): no token on a non-loopback address
+        # refuses the start; an unreadable token file too
+        require_token_when_exposed(self.admin_listen, admin_token_file)
+        self.guard = (AdminGuard(self.admin_listen, hosts=admin_hosts,
+                                 tokens=TokenFile(admin_token_file) if admin_token_file else None)
+                      if self.admin_listen is not None else None)
+        #: who changed switches and overrides, and why (the last ones; the store's log)
+        self.changes = ChangeLog(store, keys.history, wall=clock.wall)
         #: the admin port was not asked for: when taken, take an OS-chosen one (two servers
         #: on one host) instead of failing the start.
         self.admin_optional = admin_optional
@@ -133,10 +144,6 @@ class Operations:
                                                            self.metrics_listen, "--metrics-listen")
             if self.admin_listen is not None:
                 self.admin_port = await self._start_admin(self.admin_listen)
-                if parse_listen(self.admin_listen)[0] not in LOOPBACK:
-                    log.warning("the admin port listens on %s: it changes kill switches without "
-                                "authentication; keep it private", self.admin_listen,
-                                extra={"fields": {"event": "admin_not_loopback"}})
         except BaseException:
             await self.stop()
             raise
@@ -157,12 +164,12 @@ class Operations:
 
     async def _start_admin(self, listen: str) -> int:
         try:
-            return await self.ports.start(admin_app(self), listen, "--admin-listen")
+            return await self.ports.start(admin_app(self, self.guard), listen, "--admin-listen")
         except OSError as exc:
             if not self.admin_optional:
                 raise
             host = parse_listen(listen)[0]
-            port = await self.ports.start(admin_app(self), f"[{host}]:0" if ":" in host else f"{host}:0",
+            port = await self.ports.start(admin_app(self, self.guard), f"[{host}]:0" if ":" in host else f"{host}:0",
                                           "--admin-listen")
             log.warning("%s; the admin port is %d instead (not asked for with --admin-listen, so "
                         "not fatal; `extauthz switch --listen HOST:PORT` finds it)", exc, port,
@@ -205,10 +212,13 @@ class Operations:
             "extauthz": __version__,
             "policy": {"version": policy.version, "sources": list(policy.sources)},
             "reload": reload,
-            "store": {"name": self.store.name, "breaker": engine.breaker.state,
+            "store": {"name": self.store.name, "breaker": engine.breaker_state,
                       "window_failures": engine.breaker.failures,
+                      **({"masters": {name: b.state for name, b in sorted(engine.node_breakers.items())}}
+                         if engine.node_breakers else {}),
                       **({"live_leases": self.store.live_leases()}
                          if isinstance(self.store, MemoryStore) else {})},
+            "checks": self.observe.metrics.request_counts() if self.observe.metrics is not None else None,
             "fail_open": dict(sorted(engine.failures.items())),
             "bad_requests": self.auth.bad_requests,
             "background_errors": dict(sorted(self.runner.errors.items())),
@@ -223,6 +233,7 @@ class Operations:
             "leases_in_flight": dict(self.leases.values) if self.leases is not None else None,
             "access_log": {"entries": self.accesslog.entries,
                            "awaiting_log": len(self.accesslog.index),
+                           "request_id_index": self.accesslog.index.status(),
                            "rejected": dict(sorted(self.accesslog.rejected.items()))},
             "lease_releases": releases_status(engine.releaser),
             "shadow": {"recorded": shadow.recorded, "flushed_events": shadow.flushed,
@@ -232,6 +243,9 @@ class Operations:
             "observer_errors": getattr(self.observe.observer, "errors", 0),
             "tracing": self.observe.tracing is not None,
             "tls": self.tls.status() if self.tls is not None else {"enabled": False},
+            "admin": self.guard.status() if self.guard is not None else None,
+            "changes": self.changes.status(),
+            "change_log_errors": self.changes.errors,
             **{name: section() for name, section in self.status_sections.items()},
         }
 
@@ -246,10 +260,11 @@ class Operations:
         if not isinstance(numbers, dict):
             raise OverrideError('"numbers" is an object like {"rate": 1000, "burst": 5000}')
         now = self.clock.wall()
+        snap = self.engine.snapshot
+        kind = next((spec.type for spec in snap.policy.limiters if spec.name == limiter), None)
         new = make_override(limiter, identity, numbers, ttl=body.get("ttl", DEFAULT_TTL),
                             reason=str(body.get("reason", "")), by=str(body.get("by", "")),
-                            source=str(body.get("source", "")), now=now)
-        snap = self.engine.snapshot
+                            source=str(body.get("source", "")), now=now, kind=kind)
         _, not_applied = compile_overrides([new], snap.limiters, now, snap.policy.identity_labels)
         if not_applied:
             raise OverrideError(next(iter(not_applied.values())))

@@ -20,7 +20,6 @@ log = logging.getLogger("extauthz.server")
 
 #: ``--admin-listen`` / ``--metrics-listen`` values that turn a port off
 OFF = ("", "off", "none")
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def off(listen: str | None) -> str | None:

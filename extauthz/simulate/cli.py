@@ -4,12 +4,76 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import operator
+import re
 import sys
 import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from ..errors import PolicyError
+
+#: the summary's figures ``--fail-on`` compares, and its operators
+FIGURES = ("critical_refused", "refused", "refused_share", "customers_refused",
+           "max_customer_refused_share")
+OPERATORS: dict[str, Callable[[float, float], bool]] = {
+    ">=": operator.ge, "<=": operator.le, "==": operator.eq, ">": operator.gt, "<": operator.lt}
+_CONDITION = re.compile(r"\s*([a-z_]+)\s*(>=|<=|==|>|<)\s*([-+0-9.eE]+)\s*")
+#: the exit status when a --fail-on condition holds (2 is a usage error)
+FAIL_ON_STATUS = 3
+
+
+@dataclass(frozen=True)
+class Condition:
+    """``--fail-on 'critical_refused > 0'``: a figure of the candidate's summary, an operator
+    and a number."""
+
+    figure: str
+    op: str
+    number: float
+
+    @classmethod
+    def parse(cls, text: str) -> Condition:
+        m = _CONDITION.fullmatch(text)
+        if m is None:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: expected FIGURE OP NUMBER, e.g. 'critical_refused > 0' "
+                f"(OP one of {', '.join(OPERATORS)})")
+        figure, op, number = m.groups()
+        if figure not in FIGURES:
+            raise argparse.ArgumentTypeError(f"{text!r}: unknown figure {figure!r} (one of {', '.join(FIGURES)})")
+        try:
+            value = float(number)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r}: {number!r} is not a finite number")
+        return cls(figure, op, value)
+
+    def holds(self, summary: Mapping[str, Any]) -> bool:
+        return OPERATORS[self.op](float(summary[self.figure]), self.number)
+
+    def __str__(self) -> str:
+        return f"{self.figure} {self.op} {self.number:g}"
+
+
+def identity_labels(path: str, policy: Any, salt: bytes) -> dict[str, str]:
+    """``--identities FILE``: raw keys or names, one a line, hashed for each of the policy's
+    identity rules with the salt, as the server hashes them: hash -> the line."""
+    from ..classify import hash_identity, header_value
+
+    labels: dict[str, str] = {}
+    for raw in Path(path).read_text().splitlines():
+        raw = raw.strip()
+        if not raw or raw.startswith("#"):
+            continue
+        for rule in policy.identity:
+            value = header_value(rule, raw) if rule.strip_prefix is not None else raw
+            labels[hash_identity(value or raw, rule.label, salt)] = raw
+    return labels
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -35,7 +99,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    "logs are written when requests finish)")
     p.add_argument("--skip-bad-lines", action="store_true",
                    help="skip bad lines and count them (default: stop at the first, naming file:line)")
-    p.add_argument("--top", type=int, default=10, help="identities listed in top_identities (default 10)")
+    p.add_argument("--top", type=int, default=10,
+                   help="identities listed in top_identities and customers (default 10)")
+    p.add_argument("--identities", metavar="FILE", default=None,
+                   help="raw API keys or customer names, one a line: hashed with --identity-salt "
+                   "for the policy's identity rules to name the rows of the report and the JSON "
+                   "(without it only hashes are written)")
+    p.add_argument("--fail-on", metavar="EXPR", action="append", type=Condition.parse, default=[],
+                   help="exit 3 when a figure of the candidate's summary compares true, e.g. "
+                   f"'critical_refused > 0' (repeatable; figures: {', '.join(FIGURES)}; "
+                   "operators: > >= < <= ==)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it is off when stderr is not a TTY)")
 
 
@@ -74,6 +147,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         for issue in exc.issues:
             print(f"error: {issue}", file=sys.stderr)
         return 2
+    if args.json_out not in (None, "-") and not Path(args.json_out).parent.is_dir():
+        print(f"extauthz simulate: --json {args.json_out}: no directory {Path(args.json_out).parent}",
+              file=sys.stderr)
+        return 2
     if args.report:  # fail before a long replay, not after it
         from .report import require_matplotlib
 
@@ -85,6 +162,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     try:
         files = [TrafficFile(path) for path in args.traffic]
         signal = SignalSeries.load(args.signal) if args.signal else None
+        labels = (identity_labels(args.identities, candidate, args.identity_salt.encode())
+                  if args.identities else None)
     except (OSError, TrafficError) as exc:
         print(f"extauthz simulate: {exc}", file=sys.stderr)
         return 2
@@ -110,7 +189,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         for name in lane.unsignalled:
             print(f"warning: {lane.name} shedder '{name}' reads a redis/envoy_admin signal and no "
                   "--signal was given: its utilization replays as 0 (it never sheds)", file=sys.stderr)
-    summary = replay.summary(args.top)
+    summary = replay.summary(args.top, labels)
     text = json.dumps(summary, indent=2)
     if args.json_out == "-":
         print(text)
@@ -123,16 +202,24 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         out = write_report(Path(args.report), replay, summary, bad_lines=bad,
                            traffic=[str(p) for p in args.traffic])
         print(f"report: {out}", file=sys.stderr if args.json_out == "-" else sys.stdout)
-    return 0
+    held = [c for c in args.fail_on if c.holds(summary)]
+    for c in held:
+        print(f"extauthz simulate: --fail-on '{c}' holds: {c.figure} = {summary[c.figure]:g}",
+              file=sys.stderr)
+    return FAIL_ON_STATUS if held else 0
 
 
 def _text_summary(summary: dict[str, object], replay: object) -> str:
     from .replay import Replay
 
     assert isinstance(replay, Replay)
-    lines = [f"replayed {summary['requests']:,} requests in {replay.elapsed:.2f} s "
-             f"({replay.requests_per_second:,.0f} requests/s): {summary['allowed']:,} allowed, "
-             f"{summary['refused']:,} refused"]
+    lines = []
+    if summary["critical_refused"]:
+        lines.append(f"CRITICAL TRAFFIC REFUSED: the candidate refuses {summary['critical_refused']:,} "
+                     "critical requests")
+    lines.append(f"replayed {summary['requests']:,} requests in {replay.elapsed:.2f} s "
+                 f"({replay.requests_per_second:,.0f} requests/s): {summary['allowed']:,} allowed, "
+                 f"{summary['refused']:,} refused")
     by_limiter = summary["by_limiter"]
     assert isinstance(by_limiter, dict)
     for name, row in by_limiter.items():

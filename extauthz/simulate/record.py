@@ -271,5 +271,4 @@ class Recorder:
 
 def pending_ttl(policy: Policy) -> float:
     """The longest lease TTL of the policy: how long a request's end is waited for."""
-    ttls = [float(getattr(spec, "lease_ttl", 0.0)) for spec in policy.limiters]
-    return max([60.0, *ttls])
+    return max(60.0, policy.longest_lease_ttl)

@@ -97,6 +97,8 @@ class Series:
     refused_by_limiter: dict[str, Counter[int]] = field(default_factory=dict)
     requests_by_tier: dict[str, Counter[int]] = field(default_factory=dict)
     refused_by_tier: dict[str, Counter[int]] = field(default_factory=dict)
+    #: second -> requests allowed (the load that reaches the upstream)
+    allowed: Counter[int] = field(default_factory=Counter)
     #: shedder -> [(time, level, utilization)]
     levels: dict[str, list[tuple[float, float, float]]] = field(default_factory=dict)
     start: float | None = None
@@ -111,11 +113,16 @@ class Tally:
         self.refused = 0
         #: limiter -> requests it refused or would have refused (shadow)
         self.limiter_refused: Counter[str] = Counter()
+        #: limiter -> requests it skipped (a part of its key yielded nothing)
+        self.limiter_skipped: Counter[str] = Counter()
         self.limiter_identities: dict[str, set[str]] = {}
         self.tier_requests: Counter[str] = Counter()
         self.tier_refused: Counter[str] = Counter()
         self.identity_requests: Counter[str] = Counter()
         self.identity_refused: Counter[str] = Counter()
+        #: (identity, limiter) and (identity, tier) -> refusals: the per-customer table
+        self.identity_limiter_refused: Counter[tuple[str, str]] = Counter()
+        self.identity_tier_refused: Counter[tuple[str, str]] = Counter()
 
     def add(self, ctx: RequestContext, decision: Decision) -> None:
         self.requests += 1
@@ -129,20 +136,41 @@ class Tally:
             self.refused += 1
             self.tier_refused[tier] += 1
             self.identity_refused[ident] += 1
+            self.identity_tier_refused[(ident, tier)] += 1
         for v in decision.verdicts:
             if v.outcome not in _NOT_REFUSING:
                 self.limiter_refused[v.limiter] += 1
                 self.limiter_identities.setdefault(v.limiter, set()).add(ident)
+                self.identity_limiter_refused[(ident, v.limiter)] += 1
+        for name in decision.skipped:
+            self.limiter_skipped[name] += 1
+
+    def customer(self, ident: str) -> dict[str, Any]:
+        """One identity's refusals, by limiter and by tier (``customers`` rows)."""
+        return {"refused": self.identity_refused[ident],
+                "by_limiter": {lim: n for (i, lim), n in sorted(self.identity_limiter_refused.items())
+                               if i == ident},
+                "by_tier": {tier: n for (i, tier), n in sorted(self.identity_tier_refused.items())
+                            if i == ident}}
 
     def summary(self, policy: Policy, top: int = 10) -> dict[str, Any]:
         names = [spec.name for spec in policy.limiters]
         names += sorted(set(self.limiter_refused) - set(names))
+        shares = [n / self.identity_requests[i] for i, n in self.identity_refused.items()]
         return {
             "requests": self.requests,
             "allowed": self.allowed,
             "refused": self.refused,
+            # the figures --fail-on compares (FIGURES)
+            "critical_refused": self.tier_refused[Tier.CRITICAL.value],
+            "refused_share": self.refused / self.requests if self.requests else 0.0,
+            "customers_refused": len(self.identity_refused),
+            "max_customer_refused_share": max(shares, default=0.0),
             "by_limiter": {name: {"refused": self.limiter_refused[name],
-                                  "identities": len(self.limiter_identities.get(name, ()))}
+                                  "identities": len(self.limiter_identities.get(name, ())),
+                                  # keyed limiters: requests whose key was missing
+                                  **({"skipped_key_missing": self.limiter_skipped[name]}
+                                     if name in policy.key_index else {})}
                            for name in names},
             "by_tier": {tier: {"requests": n, "refused": self.tier_refused[tier]}
                         for tier, n in sorted(self.tier_requests.items())},
@@ -188,7 +216,8 @@ class Lane:
             self.series.start = t0
 
     def context(self, req: Request) -> RequestContext:
-        key = (req.identity, req.plan, req.method, req.path, req.host, req.tier, *req.headers.items())
+        key = (req.identity, req.plan, req.method, req.path, req.host, req.tier, req.source_ip,
+               *req.headers.items())
         ctx = self._contexts.get(key)
         if ctx is None:
             if len(self._contexts) >= 1_000_000:
@@ -200,11 +229,12 @@ class Lane:
         classifier = self.engine.snapshot.classifier
         if req.identity is None:
             return classifier.context(RawRequest(req.method, req.path, req.host, req.headers,
-                                                 route_tier=req.tier))
+                                                 source_ip=req.source_ip, route_tier=req.tier))
         tier = _TIERS.get(req.tier or "")
         why = "recorded"
         if tier is None:  # a recording without a tier: classify like the server would
-            ctx = classifier.context(RawRequest(req.method, req.path, req.host, req.headers))
+            ctx = classifier.context(RawRequest(req.method, req.path, req.host, req.headers,
+                                                source_ip=req.source_ip))
             tier, why = ctx.tier, ctx.tier_source
         plan, plan_source = "", ""
         policy = self.policy
@@ -213,10 +243,13 @@ class Lane:
                 plan, plan_source = req.plan, "recorded"
             else:
                 plan, plan_source = policy.plan_default, "unknown" if req.plan else "default"
+        method = req.method.upper()
+        keys = (classifier.keys(RawRequest(method, req.path, req.host, req.headers, source_ip=req.source_ip),
+                                req.identity, method, plan) if policy.keys else ())
         return RequestContext(tier=tier, identity=req.identity, identity_source=req.identity_source,
                               test_mode=tier is Tier.TEST, method=req.method, path=req.path,
                               host=req.host, tier_source=why, headers=req.headers, plan=plan,
-                              plan_source=plan_source)
+                              plan_source=plan_source, keys=keys)
 
     def _sample(self, name: str, t: float) -> None:
         self.clock.set(t)
@@ -270,7 +303,9 @@ class Lane:
             second = int(t - (series.start or 0.0))
             tier = ctx.tier.value
             series.requests_by_tier.setdefault(tier, Counter())[second] += 1
-            if not decision.allowed:
+            if decision.allowed:
+                series.allowed[second] += 1
+            else:
                 series.refused_by_tier.setdefault(tier, Counter())[second] += 1
             for v in decision.verdicts:
                 if v.outcome not in _NOT_REFUSING:
@@ -342,8 +377,36 @@ class Replay:
     def requests_per_second(self) -> float:
         return self.candidate.tally.requests / self.elapsed if self.elapsed > 0 else 0.0
 
-    def summary(self, top: int = 10) -> dict[str, Any]:
+    def customers(self, top: int = 10, labels: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+        """The ``top`` customers whose outcome changes most from the baseline to the candidate
+        (without a baseline: the most refused), with their share of the traffic and their
+        refusals by limiter and tier in each policy; ``labels`` (hash -> name, from
+        ``--identities``) names them."""
+        cand = self.candidate.tally
+        base = self.baseline.tally if self.baseline is not None else None
+        idents = set(cand.identity_refused) | (set(base.identity_refused) if base is not None else set())
+
+        def change(i: str) -> int:
+            return cand.identity_refused[i] - (base.identity_refused[i] if base is not None else 0)
+
+        ranked = sorted(idents, key=lambda i: (-abs(change(i)), -cand.identity_refused[i], i))[:top]
+        rows = []
+        for ident in ranked:
+            row: dict[str, Any] = {"identity": ident}
+            if labels and ident in labels:
+                row["label"] = labels[ident]
+            row |= {"requests": cand.identity_requests[ident],
+                    "share_of_traffic": cand.identity_requests[ident] / cand.requests if cand.requests else 0.0,
+                    "candidate": cand.customer(ident)}
+            if base is not None:
+                row["baseline"] = base.customer(ident)
+                row["change"] = change(ident)
+            rows.append(row)
+        return rows
+
+    def summary(self, top: int = 10, labels: Mapping[str, str] | None = None) -> dict[str, Any]:
         out = self.candidate.tally.summary(self.candidate.policy, top)
+        out["customers"] = self.customers(top, labels)
         if self.baseline is not None:
             out["baseline"] = self.baseline.tally.summary(self.baseline.policy, top)
             out["difference"] = {
@@ -356,4 +419,10 @@ class Replay:
                 "top_identities_spared": [{"identity": i, "requests": n}
                                           for i, n in self.baseline_only.most_common(top)],
             }
+        if labels:  # --identities: name every row whose hash it knows
+            rows = [*out["top_identities"], *out.get("difference", {}).get("top_identities_hurt", []),
+                    *out.get("difference", {}).get("top_identities_spared", [])]
+            for row in rows:
+                if row["identity"] in labels:
+                    row["label"] = labels[row["identity"]]
         return out

@@ -17,6 +17,7 @@ defined once, in :mod:`extauthz.store.algorithms`, and every store follows them 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,17 +57,35 @@ class LeaseOp:
     enforce: bool = True
 
 
-Op = BucketOp | LeaseOp
+@dataclass(frozen=True, slots=True)
+class CountOp:
+    """A quota window's count: add ``cost`` while the count stays within ``limit``. ``key``
+    names one window (its start is part of the key); a new count expires ``ttl`` seconds
+    later (the window's end plus a margin). ``reset``: seconds from now to the window's end,
+    what the answer reports (not sent to the store)."""
+
+    key: str
+    limit: int
+    cost: int
+    ttl: int
+    reset: float
+    enforce: bool = True
+
+
+Op = BucketOp | LeaseOp | CountOp
 
 
 @dataclass(frozen=True, slots=True)
 class OpResult:
     allowed: bool
-    #: tokens left (bucket) or free slots (lease), after this request if it was admitted.
+    #: tokens left (bucket), free slots (lease) or requests left in the window (count),
+    #: after this request if it was admitted.
     remaining: float
-    #: bucket: seconds until ``cost`` tokens are there (0 when allowed); lease: 0.
+    #: bucket: seconds until ``cost`` tokens are there (0 when allowed); lease: 0; count:
+    #: seconds to the window's end when refused (0 when allowed).
     retry_after: float
-    #: bucket: seconds until the bucket is full again; lease: live leases after the call.
+    #: bucket: seconds until the bucket is full again; lease: live leases after the call;
+    #: count: seconds to the window's end.
     extra: float
 
 
@@ -131,6 +150,18 @@ class ShedParams:
     def resting(self) -> float:
         """Where the level rests: ``delay_before_shedding`` of ramp below zero (float math)."""
         return -self.delay_before_shedding / self.time_to_shed_all
+
+
+def load_json(text: str | bytes) -> object:
+    """JSON written by an operator (a stored kill-switch or override value, an admin request
+    body). Anything that does not parse is a ValueError with a short message, including a
+    document nested too deeply for the parser (a RecursionError otherwise)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("the JSON is nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"not JSON: {exc}") from None
 
 
 async def update_value(store: Store, key: str,

@@ -39,6 +39,11 @@ class Keys:
         keep separate buckets during a rolling upgrade instead of meeting a WRONGTYPE."""
         return f"{self.prefix}:{self.user_tag(identity)}:rr2:{limiter}"
 
+    def quota(self, limiter: str, identity: str, window_start: int) -> str:
+        """A quota window's count (a STRING integer): one key per window, named by the
+        window's start (Unix seconds, UTC), so a new window starts from nothing."""
+        return f"{self.prefix}:{self.user_tag(identity)}:q:{limiter}:{window_start}"
+
     def user_leases(self, limiter: str, identity: str) -> str:
         return f"{self.prefix}:{self.user_tag(identity)}:cc:{limiter}"
 
@@ -69,6 +74,12 @@ class Keys:
     @property
     def shadow_log(self) -> str:
         return f"{self.prefix}:shadow"
+
+    @property
+    def history(self) -> str:
+        """Who changed a kill switch or an override, and why: a bounded event log
+        (``extauthz.changelog``; ``Store.append_events``)."""
+        return f"{self.prefix}:history"
 
     def is_lease_key(self, key: str) -> bool:
         """True for a key :meth:`user_leases` or :meth:`fleet_leases` can build, with this

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 
 from ..clock import SYSTEM_CLOCK, Clock
 from . import algorithms
-from .algorithms import admits, bucket_result, lease_admits, lease_result, refill, take
-from .base import BucketOp, CheckResult, Op, ShedParams
+from .algorithms import admits, bucket_result, count_admits, count_result, lease_admits, lease_result, refill, take
+from .base import BucketOp, CheckResult, CountOp, Op, ShedParams
 
 #: due heap entries a check looks at, at most (a check creates at most a few keys, so the
 #: sweep keeps up; a backlog after an idle spell drains over the next checks)
@@ -95,6 +95,13 @@ class MemoryStore:
             self._scheduled[kind].discard(key)
         self.swept += looked
 
+    def _count(self, key: str, now: float) -> float:
+        """A quota window's count. Counts live in the bucket table as ``[count, created,
+        expires at]``, so the one sweep forgets them after their window (their keys differ
+        from buckets': ``store.keys``)."""
+        state = self._buckets.get(key)
+        return 0.0 if state is None or state[2] <= now else state[0]
+
     # -- contract --------------------------------------------------------------------
     async def check(self, ops: Sequence[Op], lease_id: str) -> CheckResult:
         return self.check_now(ops, lease_id)
@@ -111,6 +118,9 @@ class MemoryStore:
                 state = self._buckets.get(op.key)
                 value = op.burst if state is None else refill(state[0], state[1], now, op.rate, op.burst)
                 ok = admits(value, op.cost)
+            elif isinstance(op, CountOp):
+                value = self._count(op.key, now)
+                ok = count_admits(int(value), op.cost, op.limit)
             else:
                 value = float(len(self._live_leases(op.key, now)))
                 ok = lease_admits(int(value), op.limit)
@@ -126,6 +136,14 @@ class MemoryStore:
                     self._buckets[op.key] = [take(value, op.cost), now, now + op.ttl]
                     self._schedule(_BUCKET, op.key, now + op.ttl)
                 results.append(bucket_result(op, ok, value, commit))
+            elif isinstance(op, CountOp):
+                if commit:
+                    state = self._buckets.get(op.key)
+                    if state is not None and state[2] > now:
+                        state[0] += op.cost  # the window's expiry stays
+                    else:
+                        self._buckets[op.key] = [float(op.cost), now, now + op.ttl]
+                results.append(count_result(op, ok, int(value), commit))
             else:
                 if commit:
                     leases = self._leases.setdefault(op.key, {})

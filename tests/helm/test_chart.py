@@ -55,6 +55,7 @@ FULL_VALUES: dict[str, Any] = {
         "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "extauthz"}},
     }],
     "lifecycle": {"preStopMode": "exec"},
+    "adminToken": {"existingSecret": "extauthz-admin"},
 }
 Objects = list[dict[str, Any]]
 # Kinds kubernetes-validate has no schema for (CRDs); checked by hand below.
@@ -290,6 +291,24 @@ def test_public_admin_listen_is_refused(chart: Any) -> None:
         chart.render(bad, name=RELEASE, namespace=NAMESPACE)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(merged(bad), schema())
+
+
+def test_admin_token_secret_is_mounted_as_a_directory_and_named_by_the_variable(
+        chart: Any, default_objects: Objects) -> None:
+    objects = render(chart, {"adminToken": {"existingSecret": "ops-admin", "existingSecretKey": "tokens"}})
+    kubernetes_validate.validate(by_kind(objects, "Deployment"), KUBE_VERSION, strict=True)
+    main = container(objects)
+    assert env_of(main)["EXTAUTHZ_ADMIN_TOKEN_FILE"]["value"] == "/etc/extauthz/admin/tokens"
+    pod = by_kind(objects, "Deployment")["spec"]["template"]["spec"]
+    assert {"name": "admin-token", "secret": {"secretName": "ops-admin", "defaultMode": 0o440,
+                                              "items": [{"key": "tokens", "path": "tokens"}]}} in pod["volumes"]
+    mount = next(m for m in main["volumeMounts"] if m["name"] == "admin-token")
+    assert mount == {"name": "admin-token", "mountPath": "/etc/extauthz/admin", "readOnly": True}  # no subPath
+    # off by default: no variable, no volume
+    assert "EXTAUTHZ_ADMIN_TOKEN_FILE" not in env_of(container(default_objects))
+    assert "admin-token" not in {m["name"] for m in container(default_objects)["volumeMounts"]}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(merged({"adminToken": {"existingSecret": "Not_A_Name"}}), schema())
 
 
 @pytest.mark.parametrize("name", ["default", "full"])

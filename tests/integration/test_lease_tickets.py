@@ -13,7 +13,7 @@ import pytest
 from google.protobuf import struct_pb2
 
 from extauthz.answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD
-from extauthz.proto import accesslog_pb2, accesslog_pb2_grpc, auth_pb2, auth_pb2_grpc
+from extauthz.proto import accesslog_pb2, accesslog_pb2_grpc, auth_pb2, auth_pb2_grpc, core_pb2
 from extauthz.server.app import Server, ServerConfig
 from extauthz.server.edge import EXT_AUTHZ_NAMESPACE
 from extauthz.store.keys import Keys
@@ -169,6 +169,7 @@ async def test_a_malformed_lease_entry_never_reaches_the_request_id_index(server
             msg = accesslog_pb2.StreamAccessLogsMessage()
             entry = msg.http_logs.log_entry.add()
             entry.request.request_id = "rid-carol"
+            entry.request.request_method, entry.request.path = core_pb2.GET, "/v1/x?page=2"  # as checked
             if md is not None:
                 entry.common_properties.metadata.filter_metadata[EXT_AUTHZ_NAMESPACE].CopyFrom(md)
 

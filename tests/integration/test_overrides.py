@@ -184,7 +184,7 @@ async def test_the_admin_port_refuses_an_override_hashed_for_a_rule_its_policy_l
         r = await asyncio.to_thread(cli, "override", "set", "user-rate", "--identity", VIP, "burst=70",
                                     "--source", "header:authorization", "--admin", url, env=env)
         assert r.returncode == 0, r.stderr
-        assert "(header:authorization)" in r.stdout and "applied by that server now" in r.stdout
+        assert "(header:authorization)" in r.stdout and f"applied by the server at {url} now" in r.stdout
         raw = RawRequest(method="GET", path="/", headers={"authorization": f"Bearer {VIP}"})
         assert server.engine.context(raw).overrides["user-rate"][""].burst == 70  # the server's hash
         # clearing with the wrong rule finds nothing, and says what the hash was made for

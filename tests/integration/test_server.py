@@ -106,15 +106,17 @@ def test_lease_index_by_request_id() -> None:
     from extauthz.server.services import LeaseIndex
 
     idx = LeaseIndex(limit=2)
-    idx.put("r1", ("k1",), "a")
-    idx.put("r1", ("k1",), "b")  # a client reusing its x-request-id
+    idx.put("r1", ("k1",), "a", "t:1")
+    idx.put("r1", ("k1",), "b", "t:2")  # a client reusing its x-request-id
     assert idx.take("r1", "b") == (("k1",), "b")
     assert idx.take("r1", "zz") is None  # not ours
-    assert idx.take("r1", None) == (("k1",), "a")
-    assert idx.take("r1", None) is None and len(idx) == 0
+    # two checks saw r1: an entry without our metadata identifies neither (never "the oldest")
+    assert idx.take("r1", None, ("t:1",)) is None
+    assert idx.take("r1", "a") == (("k1",), "a") and len(idx) == 0
     for rid in ("x", "y", "z"):
-        idx.put(rid, ("k",), rid)
-    assert len(idx) == 2 and idx.take("x", None) is None  # the oldest was forgotten
+        idx.put(rid, ("k",), rid, "t:1")
+    assert len(idx) == 2 and idx.take("x", None, ("t:1",)) is None  # the oldest was forgotten
+    assert idx.take("y", None, ("t:1",)) == (("k",), "y")
 
 
 async def test_access_log_releases_with_or_without_our_metadata(tmp_path: Path) -> None:
@@ -135,6 +137,7 @@ async def test_access_log_releases_with_or_without_our_metadata(tmp_path: Path) 
             for rid in ("req-a", "req-b"):
                 req = check_request()
                 req.attributes.request.http.headers["x-request-id"] = rid
+                req.attributes.request.time.FromMicroseconds(1_795_000_000_123_456)  # stream start
                 answers.append(await auth.Check(req))
             assert (await auth.Check(check_request())).HasField("denied_response")  # limit 2 held
 
@@ -145,6 +148,7 @@ async def test_access_log_releases_with_or_without_our_metadata(tmp_path: Path) 
                 answers[0].dynamic_metadata)
             without = msg.http_logs.log_entry.add()  # Envoy dropped our answer: no metadata
             without.request.request_id = "req-b"
+            without.common_properties.start_time.FromMicroseconds(1_795_000_000_123_456)  # the same stream
             stub = accesslog_pb2_grpc.AccessLogServiceStub(ch)
 
             async def stream():  # type: ignore[no-untyped-def]

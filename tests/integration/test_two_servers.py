@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -86,7 +87,7 @@ def test_two_servers_with_only_listen_given_both_start_and_answer(
     assert urls[0] != urls[1] and all(u.startswith("http://127.0.0.1:") for u in urls)
     # the operator commands reach each server by the --listen it was started with
     for port in ports:
-        status = _cli(tmp_path, "status", "--listen", f"127.0.0.1:{port}")
+        status = _cli(tmp_path, "status", "--json", "--listen", f"127.0.0.1:{port}")
         assert status.returncode == 0, status.stderr
         assert json.loads(status.stdout)["policy"]["version"]
         switches = _cli(tmp_path, "switch", "--listen", f"127.0.0.1:{port}", "--list")
@@ -111,3 +112,41 @@ def test_two_servers_with_only_listen_given_both_start_and_answer(
     processes[1].terminate()
     processes[1].wait(10)
     assert not (tmp_path / "extauthz" / f"admin-{ports[1]}.url").exists()
+
+
+def test_the_operator_commands_find_a_restarted_server_with_their_defaults(
+        tmp_path: Path, processes: list[subprocess.Popen[bytes]]) -> None:
+    # A rolling restart on one host: the new server starts beside the old one (--reuse-port)
+    # while it still holds its admin port, so the new one gets an OS-chosen admin port; then
+    # the old one drains and exits. The commands with no --admin/--listen (EXTAUTHZ_LISTEN
+    # names the servers' --listen, as it does for serve) must reach the new one.
+    port = free_port()
+    listen = f"127.0.0.1:{port}"
+    old = _serve(tmp_path, "--listen", listen, "--reuse-port", output=tmp_path / "old.log")
+    processes.append(old)
+    wait_for_health(port, 30, old, tmp_path / "old.log")
+    url_file = tmp_path / "extauthz" / f"admin-{port}.url"
+    old_url = url_file.read_text().strip()
+    new = _serve(tmp_path, "--listen", listen, "--reuse-port", output=tmp_path / "new.log")
+    processes.append(new)
+    # the old one answers health on the shared port too: the new one is up once it wrote the file
+    deadline = time.monotonic() + 30
+    while url_file.read_text().strip() == old_url:
+        assert new.poll() is None and time.monotonic() < deadline, (tmp_path / "new.log").read_text()
+        time.sleep(0.05)
+    new_url = url_file.read_text().strip()
+    old.terminate()
+    assert old.wait(30) == 0
+    assert url_file.read_text().strip() == new_url  # the old one left the new one's file alone
+
+    env_listen = {"EXTAUTHZ_LISTEN": listen}
+    status = subprocess.run([sys.executable, "-m", "extauthz", "status"], text=True, capture_output=True,
+                            timeout=30, check=False, env={**_env(tmp_path), **env_listen})
+    assert status.returncode == 0, status.stderr
+    assert f"extauthz: admin port {new_url}" in status.stderr
+    assert json.loads(status.stdout)["policy"]["version"]
+    switch = subprocess.run([sys.executable, "-m", "extauthz", "switch", "user-rate", "shadow", "--reason",
+                             "restart test"], text=True, capture_output=True, timeout=30, check=False,
+                            env={**_env(tmp_path), **env_listen})
+    assert switch.returncode == 0, switch.stderr
+    assert f"ok: user-rate -> shadow on {new_url}" in switch.stdout

@@ -101,9 +101,11 @@ async def running(policies: list[Path] | None = None, *, store: Store | None = N
         await server.stop(grace=0)
 
 
-def _open(method: str, url: str, body: str | None = None) -> tuple[int, str]:
+def _open(method: str, url: str, body: str | None = None,
+          headers: dict[str, str] | None = None) -> tuple[int, str]:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    req = urllib.request.Request(url, method=method, data=None if body is None else body.encode())
+    req = urllib.request.Request(url, method=method, data=None if body is None else body.encode(),
+                                 headers=headers or {})
     try:
         with opener.open(req, timeout=5) as resp:
             return resp.status, resp.read().decode()
@@ -111,13 +113,17 @@ def _open(method: str, url: str, body: str | None = None) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
-async def http(method: str, url: str, body: str | None = None) -> tuple[int, str]:
+async def http(method: str, url: str, body: str | None = None,
+               headers: dict[str, str] | None = None) -> tuple[int, str]:
     """An HTTP call from a thread (the servers under test run on this loop)."""
-    return await asyncio.to_thread(_open, method, url, body)
+    return await asyncio.to_thread(_open, method, url, body, headers)
 
 
-async def admin(server: Server, method: str, path: str, body: str | None = None) -> tuple[int, Any]:
-    status, text = await http(method, f"http://127.0.0.1:{server.ops.admin_port}{path}", body)
+async def admin(server: Server, method: str, path: str, body: str | None = None,
+                headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    """An admin call as the extauthz commands make it (with the X-Extauthz-Client header)."""
+    status, text = await http(method, f"http://127.0.0.1:{server.ops.admin_port}{path}", body,
+                              {"X-Extauthz-Client": "tests", **(headers or {})})
     return status, json.loads(text)
 
 

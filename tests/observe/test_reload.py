@@ -115,6 +115,37 @@ def configmap(directory: Path, stamp: str, files: dict[str, str]) -> None:
         (directory / old).rmdir()
 
 
+async def test_a_policy_whose_swap_fails_is_counted_shown_and_retried(
+        tmp_path: Path, clock: ManualClock, caplog: pytest.LogCaptureFixture) -> None:
+    # A valid policy whose new snapshot cannot be built (it was an override that made the
+    # build raise) was dropped silently: the digest was marked seen, nothing was counted.
+    f = write_policy(tmp_path / "p" / "api.yaml", [rate("user-rate", burst=2)])
+    engine, watcher = watcher_for(tmp_path / "p", clock)
+    good = engine.snapshot.policy.version
+    calls = 0
+
+    def flaky(policy):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        if calls <= 2:
+            raise OverflowError("cannot convert float infinity to integer")
+        engine.set_policy(policy)
+
+    watcher.apply = flaky
+    write_policy(f, [rate("user-rate", burst=5)])
+    with caplog.at_level(logging.ERROR, logger="extauthz.reload"):
+        assert watcher.poll_once() is False
+        assert watcher.poll_once() is False  # retried, not counted or logged again
+    assert engine.snapshot.policy.version == good and watcher.version == good
+    assert watcher.failures == 1 and watcher.reloads == 0
+    assert watcher.status()["last_error"]["issues"] == [  # type: ignore[index]
+        "applying the policy failed: OverflowError: cannot convert float infinity to integer"]
+    assert len([r for r in caplog.records if r.name == "extauthz.reload"]) == 1
+    assert watcher.poll_once() is True  # the third try applies
+    assert watcher.reloads == 1 and watcher.last_error is None
+    assert engine.snapshot.policy.version != good and await allowed_in_a_row(engine) == 5
+
+
 async def test_a_configmap_symlink_swap_is_picked_up(tmp_path: Path, clock: ManualClock) -> None:
     source = tmp_path / "src.yaml"
     write_policy(source, [rate("user-rate", burst=2)])

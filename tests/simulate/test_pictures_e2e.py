@@ -1,4 +1,5 @@
-"""``extauthz demo --pictures``: four non-empty PNGs through the real stack (short time scale)."""
+"""``extauthz demo --pictures``: four non-empty PNGs and their data through the real stack (short
+time scale); the data shows what each caption claims (the checks of test_pictures_data.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from extauthz.cli import main
+
+from .test_pictures_data import CHECKS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -31,3 +34,5 @@ def test_demo_pictures_writes_four_pngs(tmp_path: Path, capsys: pytest.CaptureFi
         if cells[0] == "alice burst":
             assert int(cells[3]) > 0, row  # 429s
     assert md.count("![") == 4
+    for check in CHECKS:
+        check(tmp_path)

@@ -109,3 +109,24 @@ def test_lease_release_ignores_malformed_metadata() -> None:
     md = struct_pb2.Struct()
     md.update({"x-extauthz-lease-id": "x", "x-extauthz-leases": ",k,"})
     assert lease_release(md) == (["k"], "x")
+
+
+def test_header_numbers_are_bounded_whatever_a_limiter_computed() -> None:
+    # burst=1e308,cost=1e308 once answered 429 with a 309-digit Retry-After; inf and NaN
+    # raised in math.floor/ceil. The policy's bounds keep such numbers out; these are the
+    # last line: every header number is an integer of at most 10 digits.
+    from extauthz.answers import MAX_HEADER_COUNT, MAX_HEADER_SECONDS
+    from extauthz.verdict import Kind, Outcome, Quota, Tier, Verdict
+
+    ctx = RequestContext(tier=Tier.GET, identity="a" * 24, identity_source="header:x-api-key",
+                         test_mode=False, method="GET", path="/", host="h", tier_source="default")
+    for huge in (1e308, float("inf"), float("nan")):
+        v = Verdict("user-rate", Kind.RATE_LIMITER, Outcome.DENIED, limit=1e308, remaining=huge,
+                    retry_after=huge, reset=huge, quota=Quota(limit=huge, window=huge))
+        d = denial(ctx, Decision(False, ctx.tier, (v,), denied_by=v))
+        headers = dict(d.headers)
+        assert headers["retry-after"] == str(MAX_HEADER_SECONDS) == "2592000"
+        q = "0" if huge != huge else str(MAX_HEADER_COUNT)
+        assert headers["ratelimit-policy"] == f'"user-rate";q={q};w={MAX_HEADER_SECONDS}'
+        assert headers["ratelimit"] == f'"user-rate";r={q};t={MAX_HEADER_SECONDS}'
+        assert '"retry_after":2592000' in d.body and '"limit":1000000000' in d.body

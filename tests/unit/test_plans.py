@@ -215,7 +215,7 @@ def test_an_override_for_a_missing_limiter_is_reported_not_applied(tmp_path: Pat
     report = engine.snapshot.overrides_not_applied
     assert report[("old-rate", gone.identity)] == "the policy has no limiter named 'old-rate'"
     assert report[("user-concurrency", wrong.identity)] == (
-        "a concurrent_requests override sets 'limit' only, not burst, rate")
+        "burst, rate are not concurrent_requests fields (concurrent_requests: limit)")
     assert engine.context(on_plan("free")).overrides == {}
 
 
@@ -242,7 +242,7 @@ async def test_an_override_hashed_for_an_identity_rule_the_policy_lacks_is_repor
     (["limit=0"], "limit: Input should be greater than or equal to 1"),
     (["rate=fast"], "rate: bad rate 'fast': use a number per second or '100/s', '6000/m'"),
     (["limit=5", "rate=1"], "rate: not a number of this limiter kind (request_rate: rate, burst, cost; "
-                            "concurrent_requests: limit)"),
+                            "concurrent_requests, quota: limit)"),
     (["burst=-1"], "burst: Input should be greater than 0"),
 ])
 def test_override_numbers_follow_the_policy_rules(pairs: list[str], message: str) -> None:
@@ -298,3 +298,70 @@ def test_the_json_schema_knows_plans() -> None:
     fleet = {**doc, "limiters": [{"name": "f", "type": "fleet_usage", "capacity": 9, "plans": {"x": {}}}]}
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(fleet, schema)
+
+
+async def test_an_override_that_cannot_be_compiled_never_stops_a_snapshot_or_a_switch(tmp_path: Path) -> None:
+    # An entry that bypassed validation (read from a store written by an older version, or a
+    # bug): compiling it raised OverflowError, so the override change, every later kill
+    # switch change and every reload failed. It must be left out, reported, and nothing else.
+    clock = ManualClock()
+    engine, _ = engine_for(policy_from(tmp_path, PLANS), clock, salt=SALT)
+    good = override(now=clock.wall())
+    bad = Override(limiter="user-concurrency", identity=good.identity, source="header:x-api-key",
+                   numbers={"limit": float("inf")}, reason="", by="", set_at=0.0, expires_at=3600.0)
+    engine.set_overrides([good, bad])
+    assert engine.snapshot.overrides_not_applied == {
+        ("user-concurrency", good.identity): "OverflowError: cannot convert float infinity to integer"}
+    _, d = await engine.check(on_plan("enterprise"))
+    assert headers(d)["ratelimit-policy"].startswith('"user-rate";q=3000;')  # the good one applies
+
+    engine.set_switches(Switches(global_mode=Mode.OFF))
+    _, d = await engine.check(on_plan("enterprise"))
+    assert d.verdicts == ()  # the switch applied
+    engine.set_switches(Switches())
+    engine.set_policy(policy_from(tmp_path, PLANS, name="again.yaml"))  # and a reload
+    assert ("user-concurrency", good.identity) in engine.snapshot.overrides_not_applied
+
+
+def test_stored_overrides_with_numbers_out_of_bounds_are_kept_listed_and_never_applied() -> None:
+    now = 1000.0
+    entry = {"limiter": "user-rate", "identity": "a" * 24, "source": "header:x-api-key", "reason": "",
+             "by": "", "set_at": now, "expires_at": now + 60}
+    text = ('{"overrides": [' + json.dumps({**entry, "numbers": {"rate": 5}})[:-1]
+            + ', "ignored": 1}, ' + json.dumps({**entry, "identity": "b" * 24, "numbers": "@"})
+            .replace('"@"', '{"burst": Infinity, "rate": 5}') + "]}")
+    good, bad = parse_overrides(text)
+    assert good.refused == "" and good.numbers == {"rate": 5}
+    assert bad.refused == "stored numbers refused: burst: Input should be a finite number"
+    assert bad.numbers == {"rate": 5.0}  # what can be shown as JSON
+    assert "refused" not in good.to_dict() and bad.to_dict()["refused"] == bad.refused
+    json.dumps([good.to_dict(), bad.to_dict()], allow_nan=False)  # JSON, no Infinity
+    _, not_applied = compile_overrides([good, bad], [], now)
+    assert not_applied[("user-rate", "b" * 24)] == bad.refused
+    for broken in ('{"overrides": [' + json.dumps({**entry, "expires_at": "@"}).replace('"@"', "Infinity") + "]}",
+                   '{"overrides": ' + "[" * 50_000 + "]" * 50_000 + "}"):
+        with pytest.raises(ValueError):  # the whole value is malformed: the poll keeps what it has
+            parse_overrides(broken)
+
+
+@pytest.mark.parametrize(("numbers", "kind", "message"), [
+    ({"limit": 5}, "request_rate", "limit is not a request_rate field (request_rate: rate, burst, cost)"),
+    ({"rate": 5, "speed": 1}, "concurrent_requests",
+     "rate, speed are not concurrent_requests fields (concurrent_requests: limit)"),
+    ({"limit": float("inf")}, None, "limit: Input should be a finite number"),
+    ({"burst": float("nan")}, None, "burst: Input should be a finite number"),
+    ({"rate": 1e-310}, None, "rate: Input should be greater than or equal to 0.000001"),
+    ({"rate": 2e9}, None, "rate: Input should be less than or equal to 1000000000"),
+    ({"rate": 1e-5, "burst": 1000}, None, "burst (1000) / rate (1e-05/s): the bucket would take 1e+08 s"),
+    ({"limit": 2 * 10**9}, None, "limit: Input should be less than or equal to 1000000000"),
+])
+def test_override_numbers_are_finite_bounded_and_of_the_limiters_kind(
+        numbers: dict[str, Any], kind: str | None, message: str) -> None:
+    with pytest.raises(OverrideError) as err:
+        validate_numbers(numbers, kind)
+    assert message in str(err.value)
+
+
+def test_a_whole_limit_stays_an_integer() -> None:
+    assert validate_numbers({"limit": 2}) == {"limit": 2}
+    assert type(validate_numbers({"limit": 2.0}, "concurrent_requests")["limit"]) is int

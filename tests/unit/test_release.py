@@ -139,3 +139,68 @@ async def test_server_stop_waits_for_pending_releases_before_closing_the_store(t
     assert store.closed and store.releases == 1
     assert srv.engine.releaser.counts[("cancelled_check", "released")] == 1
     assert inner.live_leases() == {}
+
+
+async def wait_for_count(releaser: Releaser, key: tuple[str, str], n: int) -> None:
+    for _ in range(2000):
+        if releaser.counts[key] >= n:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"{key} never reached {n}: {releaser.counts}")
+
+
+async def test_a_failed_release_is_retried_until_it_succeeds(loop_errors: list[dict[str, Any]]) -> None:
+    """Issue 20 defect 9: before, one failure left the slot held until the lease TTL."""
+    inner = MemoryStore(ManualClock())
+    assert (await inner.check([LeaseOp("k", 1, 60)], "lease-1")).admitted
+    store = FaultyStore(inner, release_error=ConnectionError("failover"))
+    releaser = Releaser(store, retry_for=lambda: 60.0)
+    task = releaser.release(["k"], "lease-1", "access_log")
+    assert task is not None
+    await wait_for_count(releaser, ("access_log", "retried"), 2)
+    assert await inner.inflight(["k"]) == [1]
+    store.release_error = None  # the store is back
+    assert await task == 1
+    assert await inner.inflight(["k"]) == [0]
+    assert releaser.counts[("access_log", "released")] == 1
+    assert releaser.counts[("access_log", "error")] == 0 and not releaser.pending
+    assert loop_errors == []
+
+
+async def test_a_release_failing_past_the_lease_ttl_gives_up_once() -> None:
+    store = FaultyStore(MemoryStore(ManualClock()), release_error=ConnectionError("down"))
+    releaser = Releaser(store, retry_for=lambda: 0.3)
+    task = releaser.release(["k"], "lease-1", "cancelled_check")
+    assert task is not None and await task == 0
+    assert releaser.counts[("cancelled_check", "error")] == 1
+    assert releaser.counts[("cancelled_check", "retried")] >= 1
+
+
+async def test_drain_cancels_a_retrying_release_and_counts_it_failed() -> None:
+    store = FaultyStore(MemoryStore(ManualClock()), release_error=ConnectionError("down"))
+    releaser = Releaser(store, retry_for=lambda: 60.0)
+    releaser.release(["k"], "lease-1", "access_log")
+    await wait_for_count(releaser, ("access_log", "retried"), 1)
+    await releaser.drain(within=0.1)
+    assert not releaser.pending and releaser.counts[("access_log", "error")] == 1
+
+
+async def test_the_engine_retries_releases_for_the_longest_lease_ttl(tmp_path: Path) -> None:
+    policy = policy_from(tmp_path, {"limiters": [{"name": "conc", "type": "concurrent_requests",
+                                                  "limit": 5, "lease_ttl": "45s"}]})
+    engine = Engine(FaultyStore(MemoryStore(ManualClock())), policy)
+    assert engine.releaser.retry_for is not None and engine.releaser.retry_for() == 45.0
+
+
+async def test_at_most_max_retrying_releases_wait_for_a_retry(monkeypatch: pytest.MonkeyPatch) -> None:
+    import extauthz.release
+
+    monkeypatch.setattr(extauthz.release, "MAX_RETRYING", 3)
+    store = FaultyStore(MemoryStore(ManualClock()), release_error=ConnectionError("down"))
+    releaser = Releaser(store, retry_for=lambda: 60.0)
+    tasks = [releaser.release(["k"], f"lease-{i}", "access_log") for i in range(5)]
+    await wait_for_count(releaser, ("access_log", "error"), 2)  # the two beyond the bound
+    assert releaser.retrying == 3 and len(releaser.pending) == 3
+    await releaser.drain(within=0.05)
+    assert releaser.retrying == 0 and releaser.counts[("access_log", "error")] == 5
+    del tasks

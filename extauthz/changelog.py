@@ -1,0 +1,149 @@
+"""Who changed a kill switch or an override, when and why: the change log.
+
+Every change (through the admin port or ``extauthz switch|override --redis-url``) becomes one
+:class:`Change`: kind (``switch`` or ``override``), action (``set`` or ``clear``), target (a
+limiter name or ``*``; for an override ``LIMITER IDENTITY``, the identity hashed), the new
+value, the reason, who (``by``: the name of the admin token that authenticated it, from a
+``NAME:TOKEN`` line of ``--admin-token-file``; ``user``: the OS user the client names, which
+the server cannot check), when, and which host took it (``server``, ``via`` admin or redis).
+
+A change is written three ways: a log line (``event: admin_change``), the server's
+``/status`` (``changes``: the last :data:`RECENT` made through that server), and the store's
+bounded event log at ``Keys.history`` (``Store.append_events``: on Redis one stream the whole
+fleet shares, at most about :data:`HISTORY_MAXLEN` entries, expiring :data:`HISTORY_TTL`
+after the last change). ``extauthz history`` prints that log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import socket
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .errors import StoreError
+from .store.base import Store
+
+log = logging.getLogger("extauthz.changes")
+
+#: changes kept in a server's /status.
+RECENT = 100
+#: entries kept in the store's log (about: Redis trims approximately), and its TTL.
+HISTORY_MAXLEN = 1000
+HISTORY_TTL = 90 * 24 * 3600.0
+KINDS = ("switch", "override")
+ACTIONS = ("set", "clear")
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    kind: str
+    action: str
+    target: str
+    value: Any = None
+    reason: str = ""
+    by: str | None = None
+    user: str = ""
+    at: float = 0.0
+    server: str = field(default_factory=socket.gethostname)
+    via: str = "admin"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Change:
+        kind, action = str(data["kind"]), str(data["action"])
+        if kind not in KINDS or action not in ACTIONS:
+            raise ValueError(f"unknown change {kind}/{action}")
+        at = float(data.get("at", 0.0))
+        by = data.get("by")
+        return cls(kind=kind, action=action, target=str(data["target"]), value=data.get("value"),
+                   reason=str(data.get("reason", "")), by=None if by is None else str(by),
+                   user=str(data.get("user", "")), at=at if math.isfinite(at) else 0.0,
+                   server=str(data.get("server", "")), via=str(data.get("via", "")))
+
+    @property
+    def who(self) -> str:
+        if self.by and self.user:
+            return f"{self.by} ({self.user})"
+        return self.by or self.user or "-"
+
+    def describe(self) -> str:
+        what = "cleared" if self.action == "clear" else f"set to {_value(self.value)}"
+        return f"{self.kind} {self.target} {what}"
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, dict):
+        return " ".join(f"{k}={v:g}" if isinstance(v, (int, float)) else f"{k}={v}"
+                        for k, v in sorted(value.items()))
+    return "-" if value is None else str(value)
+
+
+def parse_history(events: Iterable[str]) -> list[Change]:
+    """The stored events, oldest first; a malformed one is skipped."""
+    out: list[Change] = []
+    for raw in events:
+        try:
+            data = json.loads(raw)
+            if isinstance(data, dict):
+                out.append(Change.from_dict(data))
+        except (ValueError, TypeError, KeyError):
+            continue
+    return out
+
+
+async def append_change(store: Store, key: str, change: Change) -> None:
+    """Add one change to the fleet's log. Raises StoreError."""
+    await store.append_events(key, [json.dumps(change.to_dict(), sort_keys=True)],
+                              HISTORY_MAXLEN, HISTORY_TTL)
+
+
+async def read_history(store: Store, key: str, since: float = 0.0) -> list[Change]:
+    return parse_history(await store.read_events(key, since))
+
+
+class ChangeLog:
+    """A server's side: log, keep the last :data:`RECENT`, append to the store's log."""
+
+    def __init__(self, store: Store, key: str, *, wall: Any = time.time) -> None:
+        self.store = store
+        self.key = key
+        self.wall = wall
+        self.recent: deque[Change] = deque(maxlen=RECENT)
+        #: changes that could not be added to the store's log (the change itself landed)
+        self.errors = 0
+
+    async def record(self, change: Change) -> Change:
+        change = Change(**{**change.to_dict(), "at": change.at or self.wall()})
+        self.recent.append(change)
+        log.warning("%s by %s: %s", change.describe(), change.who, change.reason or "(no reason)",
+                    extra={"fields": {"event": "admin_change", **change.to_dict()}})
+        try:
+            await append_change(self.store, self.key, change)
+        except StoreError as exc:
+            self.errors += 1
+            log.error("the change log in the store did not take %s: %s", change.describe(), exc,
+                      extra={"fields": {"event": "change_log_failed", "error": str(exc)}})
+        return change
+
+    def status(self) -> list[dict[str, Any]]:
+        return [c.to_dict() for c in self.recent]
+
+
+def format_history(changes: list[Change]) -> str:
+    if not changes:
+        return "no changes recorded"
+    out = [f"{'when (UTC)':<20} {'kind':<8} {'action':<6} {'target':<40} {'value':<24} "
+           f"{'who':<24} {'server':<20} reason"]
+    for c in changes:
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(c.at))
+        out.append(f"{when:<20} {c.kind:<8} {c.action:<6} {c.target:<40} {_value(c.value):<24} "
+                   f"{c.who:<24} {c.server + ' (' + c.via + ')':<20} {c.reason}")
+    return "\n".join(out)

@@ -1,0 +1,290 @@
+"""The admin port's lock: which ``Host`` values it answers, the bearer token, the custom header.
+
+What holds on every admin request (:class:`AdminGuard`, an aiohttp middleware), except
+``GET /healthz``:
+
+* **Host.** The ``Host`` header must name a loopback host (``localhost``, ``127.x.y.z``,
+  ``::1``), the address ``--admin-listen`` binds when that is a specific one, or a name given
+  with ``--admin-hosts``; any other is refused (403). A web page that re-points its own DNS
+  name at 127.0.0.1 (DNS rebinding) sends its own name as ``Host``, so it cannot reach the
+  port through a browser.
+* **Token** (``--admin-token-file``). When set, every request carries
+  ``Authorization: Bearer TOKEN`` (401 otherwise), compared in constant time. The file holds
+  one bare token, or ``NAME:TOKEN`` lines (one per operator or tool: the change log then
+  names who made a change); blank lines and ``#`` comments are skipped; a token has at least
+  :data:`MIN_TOKEN` characters. The file is read again when it changes (size, mtime or inode:
+  a rotated Kubernetes Secret), at the next request; a rewrite that leaves no valid token keeps
+  the previous tokens and logs why.
+* **Mutating routes** (PUT, POST, DELETE) need something a browser cannot send cross-origin
+  without a CORS preflight (which this port never grants): the token, or without one the
+  :data:`CLIENT_HEADER` header. With a token, a change also needs a reason
+  (:data:`REASON_HEADER`, 400 without).
+
+The server refuses to start with the admin port on a non-loopback address and no token
+(:func:`require_token_when_exposed`). The metrics port has none of this: it is read-only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import logging
+import os
+import re
+import urllib.parse
+from collections.abc import Awaitable, Callable, Iterable
+from contextvars import ContextVar
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from .ports import parse_listen
+
+log = logging.getLogger("extauthz.server")
+
+#: a mutating request without a token must carry this header (any non-empty value); the CLI
+#: sends ``extauthz/VERSION``.
+CLIENT_HEADER = "X-Extauthz-Client"
+#: why a change is made (percent-encoded UTF-8); required when a token is set.
+REASON_HEADER = "X-Extauthz-Reason"
+#: who the client says it is (the CLI's OS user; percent-encoded UTF-8).
+USER_HEADER = "X-Extauthz-User"
+#: the shortest token accepted (a token from ``openssl rand -hex 32`` has 64).
+MIN_TOKEN = 16
+#: the route that answers without token or Host check (probes).
+HEALTH_PATH = "/healthz"
+#: longest reason and user kept (characters).
+TEXT_MAX = 200
+_MUTATING = frozenset({"PUT", "POST", "DELETE", "PATCH"})
+_NAMED = re.compile(r"^([A-Za-z0-9_.@-]{1,64}):(\S+)$")
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.", "::1"})
+
+
+class AdminConfigError(ValueError):
+    """The admin port's token or host options are unusable; the server does not start."""
+
+
+def parse_tokens(text: str, where: str) -> dict[str, str]:
+    """``{token: name}`` from a token file's text (name ``""`` for a bare token). Raises
+    AdminConfigError naming ``where`` when no token is there or one is too short."""
+    tokens: dict[str, str] = {}
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = _NAMED.match(line)
+        name, token = (match.group(1), match.group(2)) if match else ("", line)
+        if len(token) < MIN_TOKEN or any(c.isspace() for c in token):
+            raise AdminConfigError(f"{where}:{n}: a token has at least {MIN_TOKEN} characters "
+                                   "and no spaces (e.g. `openssl rand -hex 32`)")
+        tokens[token] = name
+    if not tokens:
+        raise AdminConfigError(f"{where}: no token in the file (a bare token, or NAME:TOKEN lines)")
+    return tokens
+
+
+def client_token(path: str) -> str:
+    """The token the CLI sends from ``path`` (the first one, without its ``NAME:``)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise AdminConfigError(f"cannot read the admin token file {path}: {exc.strerror or exc}") from None
+    return next(iter(parse_tokens(text, path)))
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+class TokenFile:
+    """The tokens of ``--admin-token-file``, read again when the file changes."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._stamp: tuple[int, int, int] | None = None
+        self._tokens: list[tuple[bytes, str]] = []
+        self.reloads = 0
+        self.errors = 0
+        self._load(first=True)
+
+    def _read(self) -> tuple[tuple[int, int, int], dict[str, str]]:
+        try:
+            st = os.stat(self.path)
+            text = self.path.read_text()
+        except OSError as exc:
+            raise AdminConfigError(f"cannot read the admin token file {self.path} "
+                                   f"(--admin-token-file): {exc.strerror or exc}") from None
+        return (st.st_ino, st.st_size, st.st_mtime_ns), parse_tokens(text, str(self.path))
+
+    def _load(self, first: bool = False) -> None:
+        try:
+            stamp, tokens = self._read()
+        except AdminConfigError as exc:
+            if first:
+                raise
+            self.errors += 1
+            log.error("%s; keeping the previous admin tokens", exc,
+                      extra={"fields": {"event": "admin_tokens_unreadable", "error": str(exc)}})
+            self._stamp = None  # try again at the next request
+            return
+        self._stamp = stamp
+        self._tokens = [(_digest(t), name) for t, name in tokens.items()]
+        if not first:
+            self.reloads += 1
+            log.info("admin tokens read again from %s (%d)", self.path, len(self._tokens),
+                     extra={"fields": {"event": "admin_tokens_reloaded", "tokens": len(self._tokens)}})
+
+    def _fresh(self) -> None:
+        try:
+            st = os.stat(self.path)
+            stamp: tuple[int, int, int] | None = (st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError:
+            stamp = None
+        if stamp is None or stamp != self._stamp:
+            self._load()
+
+    def lookup(self, presented: str) -> str | None:
+        """The token's name (``""`` for a bare token), or None when no token matches. Every
+        token is compared (constant time each), whichever matches."""
+        self._fresh()
+        digest = _digest(presented)
+        found: str | None = None
+        for token, name in self._tokens:
+            if hmac.compare_digest(digest, token):
+                found = name
+        return found
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]").lower()
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def require_token_when_exposed(admin_listen: str | None, token_file: str | None) -> None:
+    """Refuse an admin port on a non-loopback address without a token."""
+    if admin_listen is None or token_file or is_loopback(parse_listen(admin_listen)[0]):
+        return
+    raise AdminConfigError(
+        f"the admin port would listen on {admin_listen}, not a loopback address, without a "
+        "token: anyone reaching it could change kill switches and customers' limits. Give "
+        "--admin-token-file (EXTAUTHZ_ADMIN_TOKEN_FILE), or listen on 127.0.0.1")
+
+
+def parse_hosts(text: str | None) -> tuple[str, ...]:
+    """``--admin-hosts``: comma-separated host names (no port), lower-cased."""
+    hosts = tuple(h.strip().lower().strip("[]") for h in (text or "").split(",") if h.strip())
+    for h in hosts:
+        if not re.fullmatch(r"[a-z0-9_.:-]{1,253}", h):
+            raise AdminConfigError(f"--admin-hosts: {h!r} is not a host name or address")
+    return hosts
+
+
+def _header_host(value: str | None) -> str | None:
+    """The host part of a ``Host`` header, lower-cased, or None when malformed."""
+    if not value:
+        return None
+    value = value.strip().lower()
+    if value.startswith("["):
+        end = value.find("]")
+        rest = value[end + 1:] if end > 0 else "!"
+        if end < 0 or (rest and not (rest.startswith(":") and rest[1:].isdigit())):
+            return None
+        return value[1:end]
+    host, sep, port = value.rpartition(":")
+    if sep and port.isdigit() and ":" not in host:
+        return host
+    return value if ":" not in value else None
+
+
+@dataclass(frozen=True, slots=True)
+class Actor:
+    """Who made an admin request: the token's name (None without a token; ``""`` for a
+    bare token), the user the client names, and the reason given."""
+
+    token: str | None
+    user: str
+    reason: str
+
+    @property
+    def by(self) -> str | None:
+        return self.token or None
+
+
+#: the :class:`Actor` of the admin request being handled (set by :class:`AdminGuard` in the
+#: request's task, so the handler sees it; aiohttp's typed request keys need 3.12).
+ACTOR: ContextVar[Actor | None] = ContextVar("extauthz_admin_actor", default=None)
+
+
+def _text(request: web.Request, header: str) -> str:
+    return urllib.parse.unquote(request.headers.get(header, "")).strip()[:TEXT_MAX]
+
+
+def _refuse(status: int, message: str, **headers: str) -> web.Response:
+    return web.json_response({"error": message}, status=status, headers=headers or None)
+
+
+class AdminGuard:
+    """The admin port's middleware (module docstring)."""
+
+    def __init__(self, admin_listen: str, *, tokens: TokenFile | None = None,
+                 hosts: Iterable[str] = ()) -> None:
+        self.tokens = tokens
+        own = parse_listen(admin_listen)[0].lower()
+        self.hosts = frozenset(hosts) | ({own} if own not in ("0.0.0.0", "::") else set())
+        #: refusals by reason (shown in /status)
+        self.refused: dict[str, int] = {}
+
+    def host_allowed(self, header: str | None) -> bool:
+        host = _header_host(header)
+        return host is not None and (is_loopback(host) or host in self.hosts)
+
+    def _count(self, reason: str) -> None:
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+
+    @web.middleware
+    async def middleware(self, request: web.Request,
+                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        if request.path == HEALTH_PATH and request.method in ("GET", "HEAD"):
+            return await handler(request)
+        host = request.headers.get("Host")
+        if not self.host_allowed(host):
+            self._count("host")
+            return _refuse(403, f"Host {str(host)[:80]!r} is not allowed on the admin port "
+                           "(loopback, the --admin-listen address or --admin-hosts)")
+        token: str | None = None
+        if self.tokens is not None:
+            scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+            token = self.tokens.lookup(presented.strip()) if scheme.lower() == "bearer" else None
+            if token is None:
+                self._count("token")
+                return _refuse(401, "the admin port needs Authorization: Bearer TOKEN "
+                               "(extauthz commands: --admin-token-file or EXTAUTHZ_ADMIN_TOKEN_FILE)",
+                               **{"WWW-Authenticate": 'Bearer realm="extauthz-admin"'})
+        actor = Actor(token=token, user=_text(request, USER_HEADER), reason=_text(request, REASON_HEADER))
+        if request.method in _MUTATING:
+            if self.tokens is None and not request.headers.get(CLIENT_HEADER):
+                self._count("client_header")
+                return _refuse(403, f"a change on the admin port needs the {CLIENT_HEADER} header "
+                               "(the extauthz commands send it) or the admin token")
+            if self.tokens is not None and not actor.reason:
+                self._count("reason")
+                return _refuse(400, f"a change needs a reason ({REASON_HEADER}; extauthz "
+                               "commands: --reason) when the admin port has a token")
+        reset = ACTOR.set(actor)
+        try:
+            return await handler(request)
+        finally:
+            ACTOR.reset(reset)
+
+    def status(self) -> dict[str, object]:
+        return {"token": self.tokens is not None, "hosts": sorted(self.hosts),
+                "refused": dict(sorted(self.refused.items())),
+                **({"token_reloads": self.tokens.reloads, "token_errors": self.tokens.errors}
+                   if self.tokens is not None else {})}
