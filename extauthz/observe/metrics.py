@@ -216,8 +216,22 @@ class StateCollector:
             ctl.add_metric([w.name], w.level)
             for tier, p in w.probabilities.items():
                 level.add_metric([w.name, tier.value], p)
+        util = GaugeMetricFamily("extauthz_shed_utilization", "The utilization signal each "
+                                 "worker_utilization shedder read last (absent before its first "
+                                 "sample).", labels=["limiter"])
+        for w in snap.workers:
+            if w.utilization is not None:
+                util.add_metric([w.name], w.utilization)
         yield level
         yield ctl
+        yield util
+        capacity = GaugeMetricFamily("extauthz_fleet_capacity", "In-flight requests each "
+                                     "fleet_usage shedder allows the whole fleet (all tiers), "
+                                     "to set against extauthz_leases_in_flight.", labels=["limiter"])
+        for lim in snap.limiters:
+            if isinstance(lim, FleetUsageShedder):
+                capacity.add_metric([lim.name], lim.capacity)
+        yield capacity
 
         info = GaugeMetricFamily("extauthz_policy_info", "The policy version being served (1).",
                                  labels=["version"])

@@ -37,8 +37,11 @@ class MemoryStore:
     #: every call completes without waiting: the engine needs no deadline around it.
     immediate = True
 
-    def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(self, clock: Clock = SYSTEM_CLOCK, *, sweep_batch: int = SWEEP_BATCH) -> None:
         self._clock = clock
+        #: due heap entries a check looks at (0: none; expiry then happens only when a key is
+        #: read, as on Redis while its key TTL has not passed)
+        self._sweep_batch = sweep_batch
         #: bucket key -> [tokens, last refill time, expires at]
         self._buckets: dict[str, list[float]] = {}
         #: lease key -> {lease id: expires at}, in expiry order
@@ -108,7 +111,8 @@ class MemoryStore:
 
     def check_now(self, ops: Sequence[Op], lease_id: str) -> CheckResult:
         now = self._clock.monotonic()
-        self._sweep(now, SWEEP_BATCH)
+        if self._sweep_batch:
+            self._sweep(now, self._sweep_batch)
         # State before the request, then the same rules and answers as every store.
         values: list[float] = []
         allowed: list[bool] = []
