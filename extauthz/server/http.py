@@ -19,6 +19,11 @@ need), bad syntax (400, closed), an upgrade
 (the check is answered, then the connection closed), at most ``max_pipelined`` requests
 waiting per connection (reading pauses), and reading pauses while the client does not read
 our answers. The request body is never kept.
+
+Answers are corked (:class:`~extauthz.cork.Cork`): the answers one loop turn produces on a
+connection (pipelined requests) go out in one socket write, in order: at once when no request
+waits behind the last of them, else at the start of the next turn; closing a connection writes
+what is held first.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import httptools
 
 from ..answers import PROTOCOLS, TIER_HEADER, denial, lease_fields, ratelimit_headers
 from ..context import RawRequest, RequestContext
+from ..cork import Cork
 from ..verdict import Decision
 from .ports import parse_listen
 from .services import AuthorizationService
@@ -419,6 +425,8 @@ class _Connection(asyncio.Protocol):
         self.loop = asyncio.get_running_loop()
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
+        #: the answers of this loop turn, written together at the start of the next
+        self.out: Cork | None = None
         self.queue: deque[tuple[str, str, dict[str, str], bool]] = deque()
         self.task: asyncio.Task[None] | None = None
         self.last_active = self.loop.time()
@@ -439,6 +447,7 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.out = Cork(transport, self.loop)
         if len(self.front.connections) >= self.limits.max_connections:
             self.front.reject("too_many_connections")
             self.closed = True
@@ -451,6 +460,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.out is not None:
+            self.out.drop()
         self.front.connections.discard(self)
 
     def pause_writing(self) -> None:  # the client is not reading our answers
@@ -535,10 +546,11 @@ class _Connection(asyncio.Protocol):
                     front.reject("internal")
                     answer, keep_alive = _error_answer(500), False
                 queue.popleft()
-                transport = self.transport
-                if transport is None or self.closed:
+                out = self.out
+                if out is None or self.closed:
                     break
-                transport.write(answer)
+                # corked: the answers of this turn in one write, now if no request waits
+                out.write(answer, last=not queue)
                 if not keep_alive:
                     self.close()
                     break
@@ -607,8 +619,8 @@ class _Connection(asyncio.Protocol):
             self.task.add_done_callback(lambda _: self._fail_now(status))
 
     def _fail_now(self, status: int) -> None:
-        if status and self.transport is not None and not self.closed:
-            self.transport.write(_error_answer(status))
+        if status and self.out is not None and not self.closed:
+            self.out.write(_error_answer(status))
         self.close()
 
     def expire(self, now: float, limits: HttpLimits) -> None:
@@ -620,6 +632,8 @@ class _Connection(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None and not self.closed:
             self.closed = True
+            if self.out is not None:
+                self.out.flush()  # the answers owed go first; close() sends them, then FIN
             self.transport.close()
 
 
