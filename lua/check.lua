@@ -16,6 +16,9 @@
 --   admits  tokens + TOKEN_EPSILON >= cost
 --   take    t = max(0, tokens - cost)
 --   sweep   a lease with expiry <= now is gone; lease_admits: limit <= 0 or live < limit
+--   grant   (batched grants) admits as a bucket for cost; grant_size = min(want, tokens);
+--           t = max(0, tokens - grant)
+--   return  give_back: t = min(burst, tokens + amount); always allows
 -- Only the raw state is returned: the caller derives remaining, retry-after and reset with
 -- extauthz.store.algorithms.op_result, as the embedded store does.
 --
@@ -29,13 +32,16 @@
 --   ARGV[j]     lease id: the ZSET member added for each committed lease op
 --   ARGV[j+1]   n, the number of ops of this request
 --   then 5 ARGV per op i, starting at a = j + 2 + 5*(i-1):
---   ARGV[a]     "b" token bucket | "l" lease | "r" release
+--   ARGV[a]     "b" token bucket | "l" lease | "r" release | "g" grant | "u" return (unspent grant)
 --   ARGV[a+1]   "1" enforce | "0" shadow (a release: "0")
 --   bucket:     ARGV[a+2] rate (tokens/s), ARGV[a+3] burst (tokens), ARGV[a+4] cost (tokens)
 --   lease:      ARGV[a+2] limit (live leases; 0 = count only, never refuses),
 --               ARGV[a+3] lease ttl (s, float), ARGV[a+4] unused
 --   release:    ZREM the entry's lease id from the key (a ZSET of leases); ARGV[a+2..a+4]
 --               unused; ok = the key held it (releasing twice is harmless); nothing to commit
+--   grant:      ARGV[a+2] rate, ARGV[a+3] burst, ARGV[a+4] "<cost> <want>" (two %.17g numbers:
+--               the asking request's cost, the grant wanted); the bucket's state and TTL
+--   return:     ARGV[a+2] rate, ARGV[a+3] burst, ARGV[a+4] amount (tokens given back); "0"
 --
 -- State (one key per op; a bucket costs GET + SET, a lease ZREMRANGEBYSCORE + ZCARD + ZADD +
 -- PEXPIRE, a release ZREM, and the call one TIME when no clock is injected; a key met again
@@ -54,7 +60,7 @@
 --   admitted, ok_i  integers 1/0 (ok_i: op i allows, on its own); admitted -1: a command
 --                   failed for this request (each value_i is then the error message)
 --   value_i         state BEFORE this request's commit, as seen at "now":
---                   bucket: tokens available (refilled to now, at most burst);
+--                   bucket, grant, return: tokens available (refilled to now, at most burst);
 --                   lease: live leases (after the sweep); release: 0;
 --                   as a "%.17g" string (Redis truncates Lua numbers in replies to integers).
 --   The caller derives the rest from its own op parameters (algorithms.op_result).
@@ -92,8 +98,9 @@ local function check(k, j, n, res)
       local t = redis.call('TIME')
       now = tonumber(t[1]) + tonumber(t[2]) / 1000000
     end
-    if ARGV[a] == 'b' then
-      local rate, burst, cost = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+    local kind = ARGV[a]
+    if kind == 'b' or kind == 'g' or kind == 'u' then
+      local rate, burst = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
       local state = buckets[key]
       if state == nil then
         local stored = redis.call('GET', key)
@@ -108,9 +115,17 @@ local function check(k, j, n, res)
       if state then
         tokens = math.min(burst, state[1] + math.max(0, now - state[2]) * rate)
       end
-      ok[i] = tokens + TOKEN_EPSILON >= cost
+      if kind == 'u' then
+        ok[i] = true  -- a return always allows
+      else
+        local cost = tonumber(ARGV[a + 4])  -- 'g': "<cost> <want>": tonumber of the first
+        if kind == 'g' then
+          cost = tonumber(string.match(ARGV[a + 4], '^(%S+) '))
+        end
+        ok[i] = tokens + TOKEN_EPSILON >= cost
+      end
       value[i] = tokens
-    elseif ARGV[a] == 'l' then
+    elseif kind == 'l' then
       local limit = tonumber(ARGV[a + 2])
       local count = live[key]
       if count == nil then
@@ -140,12 +155,21 @@ local function check(k, j, n, res)
     local a = j + 2 + 5 * (i - 1)
     local key = KEYS[k + i]
     if admitted and ok[i] then
-      if ARGV[a] == 'b' then
-        local rate, burst, cost = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
-        local left = math.max(0, value[i] - cost)
+      local kind = ARGV[a]
+      if kind == 'b' or kind == 'g' or kind == 'u' then
+        local rate, burst = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+        local left
+        if kind == 'b' then
+          left = math.max(0, value[i] - tonumber(ARGV[a + 4]))
+        elseif kind == 'g' then
+          local want = tonumber(string.match(ARGV[a + 4], ' (%S+)$'))
+          left = math.max(0, value[i] - math.min(want, value[i]))
+        else
+          left = math.min(burst, value[i] + tonumber(ARGV[a + 4]))
+        end
         redis.call('SET', key, fmt(left) .. ' ' .. fmt(now), 'EX', math.max(1, math.ceil(2 * burst / rate)))
         buckets[key] = {left, now}
-      elseif ARGV[a] == 'l' then
+      elseif kind == 'l' then
         local ttl = tonumber(ARGV[a + 3])
         local added = redis.call('ZADD', key, fmt(now + ttl), lease_id)
         if now + ttl <= now then

@@ -6,8 +6,9 @@ requires identical decisions, remaining, retry-after and levels):
 
 * the memory store calls every function here;
 * the Redis store must change its state atomically inside Redis, so ``lua/check.lua``
-  runs the minimal part of the rule, :func:`refill`, :func:`admits`, :func:`take` and the
-  lease sweep (:func:`lease_live`), with the same float operations in the same order and
+  runs the minimal part of the rule, :func:`refill`, :func:`admits`, :func:`take`,
+  the batched grants' :func:`grant_size` and :func:`give_back`, and the lease sweep
+  (:func:`lease_live`), with the same float operations in the same order and
   the same :data:`TOKEN_EPSILON` (its header says so; a test pins the constant). The script
   returns raw state (tokens or live leases before the commit, and whether each op allows),
   and Python derives every reported number from it with :func:`op_result`, as the memory
@@ -22,7 +23,7 @@ a double, so Lua and Python compute on bit-identical inputs.
 
 from __future__ import annotations
 
-from .base import BucketOp, LeaseOp, Op, OpResult, ShedParams
+from .base import BucketOp, GrantOp, LeaseOp, Op, OpResult, ReturnOp, ShedParams
 
 #: A bucket holding ``cost - TOKEN_EPSILON`` tokens admits the request: float time arithmetic
 #: must not refuse a request that arrives exactly on time (rate 7/s, burst 1: the next token
@@ -57,6 +58,41 @@ def bucket_result(op: BucketOp, allowed: bool, tokens: float, committed: bool) -
     return OpResult(allowed, left, retry, (op.burst - left) / op.rate)
 
 
+# --------------------------------------------------------------------------- batched grants
+# ``consistency: batched`` (extauthz.limiters.grants): a replica takes tokens from the shared
+# bucket in grants and spends them locally. A grant is admitted by the bucket's own rule
+# (:func:`admits` for the asking request's cost) and taken at once (:func:`take` of the
+# whole grant), so the bucket never yields more than it would to exact requests; unspent
+# tokens go back with :func:`give_back`.
+
+
+def grant_size(tokens: float, want: float) -> float:
+    """Tokens a grant takes from a bucket holding ``tokens`` that admits it: ``want``, or
+    all there is when less (at least the asking request's cost, within TOKEN_EPSILON)."""
+    return min(want, tokens)
+
+
+def give_back(tokens: float, amount: float, burst: float) -> float:
+    """Tokens after ``amount`` unspent granted tokens come back to a bucket holding
+    ``tokens`` (refilled to now): never above ``burst`` (what refilled meanwhile while the
+    grant was out is not added twice)."""
+    return min(burst, tokens + amount)
+
+
+def grant_result(op: GrantOp, allowed: bool, tokens: float, committed: bool) -> OpResult:
+    """The answer for a grant from the bucket's tokens before it: ``remaining`` is what the
+    shared bucket holds after it, ``extra`` the tokens granted (0: nothing committed)."""
+    granted = grant_size(tokens, op.want) if committed else 0.0
+    left = take(tokens, granted) if committed else tokens
+    retry = 0.0 if allowed else (op.cost - tokens) / op.rate
+    return OpResult(allowed, left, retry, granted)
+
+
+def return_result(op: ReturnOp, tokens: float) -> OpResult:
+    """The answer for a return: the shared bucket's tokens after it."""
+    return OpResult(True, give_back(tokens, op.amount, op.burst), 0.0, 0.0)
+
+
 # --------------------------------------------------------------------------- leases
 
 
@@ -87,6 +123,10 @@ def op_result(op: Op, allowed: bool, value: float, admitted: bool) -> OpResult:
     committed = admitted and allowed
     if isinstance(op, BucketOp):
         return bucket_result(op, allowed, value, committed)
+    if isinstance(op, GrantOp):
+        return grant_result(op, allowed, value, committed)
+    if isinstance(op, ReturnOp):
+        return return_result(op, value)
     return lease_result(op, allowed, int(value), committed)
 
 

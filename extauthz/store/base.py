@@ -57,7 +57,45 @@ class LeaseOp:
     enforce: bool = True
 
 
-Op = BucketOp | LeaseOp
+@dataclass(frozen=True, slots=True)
+class GrantOp:
+    """Batched grants (``consistency: batched``): take up to ``want`` tokens from the
+    shared bucket ``key`` for a replica to spend locally, when the bucket admits ``cost``
+    (the request that asked). Refill, admit and TTL are :class:`BucketOp`'s; the grant is
+    ``min(want, tokens)``, taken atomically before any of it is spent
+    (:func:`~extauthz.store.algorithms.grant_size`)."""
+
+    key: str
+    rate: float
+    burst: float
+    cost: float
+    want: float
+    enforce: bool = True
+
+    @property
+    def ttl(self) -> int:
+        return max(1, math.ceil(2 * self.burst / self.rate))
+
+
+@dataclass(frozen=True, slots=True)
+class ReturnOp:
+    """Give ``amount`` unspent granted tokens back to the shared bucket ``key`` (capped at
+    ``burst``; :func:`~extauthz.store.algorithms.give_back`). Always allowed."""
+
+    key: str
+    rate: float
+    burst: float
+    amount: float
+    enforce: bool = False
+
+    @property
+    def ttl(self) -> int:
+        return max(1, math.ceil(2 * self.burst / self.rate))
+
+
+Op = BucketOp | LeaseOp | GrantOp | ReturnOp
+#: the ops that read and write a token bucket's state (the same key layout and TTL)
+TokenOp = BucketOp | GrantOp | ReturnOp
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +105,8 @@ class OpResult:
     remaining: float
     #: bucket: seconds until ``cost`` tokens are there (0 when allowed); lease: 0.
     retry_after: float
-    #: bucket: seconds until the bucket is full again; lease: live leases after the call.
+    #: bucket: seconds until the bucket is full again; lease: live leases after the call;
+    #: grant: the tokens granted (0 when nothing was committed); return: 0.
     extra: float
 
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from ..clock import SYSTEM_CLOCK, Clock
 from . import algorithms
 from .algorithms import admits, bucket_result, lease_admits, lease_result, refill, take
-from .base import BucketOp, CheckResult, Op, ShedParams
+from .base import BucketOp, CheckResult, GrantOp, Op, ReturnOp, ShedParams
 
 #: due heap entries a check looks at, at most (a check creates at most a few keys, so the
 #: sweep keeps up; a backlog after an idle spell drains over the next checks)
@@ -107,10 +107,10 @@ class MemoryStore:
         allowed: list[bool] = []
         admitted = True
         for op in ops:
-            if isinstance(op, BucketOp):
+            if isinstance(op, BucketOp | GrantOp | ReturnOp):
                 state = self._buckets.get(op.key)
                 value = op.burst if state is None else refill(state[0], state[1], now, op.rate, op.burst)
-                ok = admits(value, op.cost)
+                ok = True if isinstance(op, ReturnOp) else admits(value, op.cost)
             else:
                 value = float(len(self._live_leases(op.key, now)))
                 ok = lease_admits(int(value), op.limit)
@@ -126,6 +126,13 @@ class MemoryStore:
                     self._buckets[op.key] = [take(value, op.cost), now, now + op.ttl]
                     self._schedule(_BUCKET, op.key, now + op.ttl)
                 results.append(bucket_result(op, ok, value, commit))
+            elif isinstance(op, GrantOp | ReturnOp):
+                if commit:
+                    left = (take(value, algorithms.grant_size(value, op.want)) if isinstance(op, GrantOp)
+                            else algorithms.give_back(value, op.amount, op.burst))
+                    self._buckets[op.key] = [left, now, now + op.ttl]
+                    self._schedule(_BUCKET, op.key, now + op.ttl)
+                results.append(algorithms.op_result(op, ok, value, admitted))
             else:
                 if commit:
                     leases = self._leases.setdefault(op.key, {})

@@ -12,7 +12,8 @@ from typing import Any
 from redis import exceptions as rx
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 
-from ..base import BucketOp, CheckResult, Op, OpResult
+from .. import algorithms
+from ..base import BucketOp, CheckResult, GrantOp, Op, OpResult
 from ..keys import Keys
 from .wire import Reply, StoreStats, check_results, num, wrap
 
@@ -106,6 +107,9 @@ async def _compensate(submit: Submit, stats: StoreStats,
             keys.append(op.key)
             if isinstance(op, BucketOp):
                 args.extend(("b", num(op.burst), num(op.cost)))
+            elif isinstance(op, GrantOp):  # the grant taken goes back as a refund
+                granted = algorithms.grant_size(float(reply[2 + 2 * i]), op.want)
+                args.extend(("b", num(op.burst), num(granted)))
             else:
                 args.extend(("l", "", ""))
         if keys:

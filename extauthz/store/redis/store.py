@@ -30,7 +30,7 @@ from redis.asyncio.sentinel import Sentinel
 
 from ...errors import StoreUnavailable
 from .. import algorithms, redis_events
-from ..base import CheckResult, Op, ShedParams
+from ..base import CheckResult, Op, ReturnOp, ShedParams
 from ..keys import Keys
 from . import cluster
 from .batcher import Batcher, Call
@@ -302,7 +302,11 @@ class RedisStore:
         if self._cluster and len(groups := cluster.group_by_tag([op.key for op in ops])) > 1:
             return await self._check_groups(ops, groups, lease_id)
         keys, args = self._check_args(ops, lease_id)
-        reply = await self._submit("check", keys, args, droppable=True)
+        if all(isinstance(op, ReturnOp) for op in ops):
+            # batched grants given back: they ride with the next check, as releases do
+            reply = await self._submit("check", keys, args, ride=self.releases_ride)
+        else:
+            reply = await self._submit("check", keys, args, droppable=True)
         admitted = int(reply[0]) == 1
         return CheckResult(admitted, tuple(check_results(ops, reply, admitted)))
 

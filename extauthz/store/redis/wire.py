@@ -15,7 +15,7 @@ from redis import exceptions as rx
 
 from ...errors import StoreError, StoreTimeout, StoreUnavailable
 from .. import algorithms
-from ..base import BucketOp, Op, OpResult
+from ..base import BucketOp, GrantOp, Op, OpResult, ReturnOp
 
 __all__ = [
     "CLIENT_ERRORS", "MERGES", "NOSCRIPT_ATTEMPTS", "SCRIPT_NAMES", "Merge", "Reply", "Script", "StoreStats",
@@ -144,6 +144,11 @@ def op_args(op: Op) -> tuple[bytes, ...]:
     """The 5 ARGV check.lua reads per op (see its header)."""
     if isinstance(op, BucketOp):
         return _bucket_args(op.enforce, op.rate, op.burst, op.cost)
+    if isinstance(op, GrantOp):
+        return (b"g", b"1" if op.enforce else b"0", num(op.rate).encode(), num(op.burst).encode(),
+                f"{num(op.cost)} {num(op.want)}".encode())
+    if isinstance(op, ReturnOp):
+        return (b"u", b"0", num(op.rate).encode(), num(op.burst).encode(), num(op.amount).encode())
     return _lease_args(op.enforce, op.limit, op.ttl)
 
 
