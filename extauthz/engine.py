@@ -24,6 +24,7 @@ from .context import RawRequest, RequestContext
 from .errors import INTERNAL_ERROR, CircuitOpen, StoreError, StoreInternalError, StoreTimeout
 from .limiters import Limiter, WorkerUtilizationShedder, build_limiters
 from .limiters.base import applies
+from .limiters.grants import bind_store
 from .observe.base import NullObserver, Observer
 from .overrides import Override, compile_overrides
 from .policy.model import Policy
@@ -123,6 +124,7 @@ class Engine:
                limiters: tuple[Limiter, ...] | None = None) -> Snapshot:
         if limiters is None:
             limiters = build_limiters(policy, self.keys, self._rng, self.clock)
+            bind_store(limiters, self.store)  # batched grants go back to this store
             if old is not None:  # a reload keeps each shedder's level
                 levels = {w.name: w.level for w in old.workers}
                 for lim in limiters:

@@ -16,8 +16,8 @@
 --   admits  tokens + TOKEN_EPSILON >= cost
 --   take    t = max(0, tokens - cost)
 --   sweep   a lease with expiry <= now is gone; lease_admits: limit <= 0 or live < limit
---   grant   (batched grants) admits as a bucket for cost; grant_size = min(want, tokens);
---           t = max(0, tokens - grant)
+--   grant   (batched grants) grant_pool = min(burst, tokens + held); admits: pool +
+--           TOKEN_EPSILON >= cost; grant_size = min(want, pool); t = max(0, pool - grant)
 --   return  give_back: t = min(burst, tokens + amount); always allows
 -- Only the raw state is returned: the caller derives remaining, retry-after and reset with
 -- extauthz.store.algorithms.op_result, as the embedded store does.
@@ -39,8 +39,9 @@
 --               ARGV[a+3] lease ttl (s, float), ARGV[a+4] unused
 --   release:    ZREM the entry's lease id from the key (a ZSET of leases); ARGV[a+2..a+4]
 --               unused; ok = the key held it (releasing twice is harmless); nothing to commit
---   grant:      ARGV[a+2] rate, ARGV[a+3] burst, ARGV[a+4] "<cost> <want>" (two %.17g numbers:
---               the asking request's cost, the grant wanted); the bucket's state and TTL
+--   grant:      ARGV[a+2] rate, ARGV[a+3] burst, ARGV[a+4] "<cost> <want> <held>" (%.17g
+--               numbers: the asking request's cost, the grant wanted, the replica's remainder
+--               given back with it); the bucket's state and TTL
 --   return:     ARGV[a+2] rate, ARGV[a+3] burst, ARGV[a+4] amount (tokens given back); "0"
 --
 -- State (one key per op; a bucket costs GET + SET, a lease ZREMRANGEBYSCORE + ZCARD + ZADD +
@@ -117,12 +118,12 @@ local function check(k, j, n, res)
       end
       if kind == 'u' then
         ok[i] = true  -- a return always allows
+      elseif kind == 'g' then  -- "<cost> <want> <held>": admits from the pool
+        local cost, _, held = string.match(ARGV[a + 4], '^(%S+) (%S+) (%S+)$')
+        local pool = math.min(burst, tokens + tonumber(held))
+        ok[i] = pool + TOKEN_EPSILON >= tonumber(cost)
       else
-        local cost = tonumber(ARGV[a + 4])  -- 'g': "<cost> <want>": tonumber of the first
-        if kind == 'g' then
-          cost = tonumber(string.match(ARGV[a + 4], '^(%S+) '))
-        end
-        ok[i] = tokens + TOKEN_EPSILON >= cost
+        ok[i] = tokens + TOKEN_EPSILON >= tonumber(ARGV[a + 4])
       end
       value[i] = tokens
     elseif kind == 'l' then
@@ -162,8 +163,9 @@ local function check(k, j, n, res)
         if kind == 'b' then
           left = math.max(0, value[i] - tonumber(ARGV[a + 4]))
         elseif kind == 'g' then
-          local want = tonumber(string.match(ARGV[a + 4], ' (%S+)$'))
-          left = math.max(0, value[i] - math.min(want, value[i]))
+          local _, want, held = string.match(ARGV[a + 4], '^(%S+) (%S+) (%S+)$')
+          local pool = math.min(burst, value[i] + tonumber(held))
+          left = math.max(0, pool - math.min(tonumber(want), pool))
         else
           left = math.min(burst, value[i] + tonumber(ARGV[a + 4]))
         end

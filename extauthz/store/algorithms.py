@@ -7,7 +7,7 @@ requires identical decisions, remaining, retry-after and levels):
 * the memory store calls every function here;
 * the Redis store must change its state atomically inside Redis, so ``lua/check.lua``
   runs the minimal part of the rule, :func:`refill`, :func:`admits`, :func:`take`,
-  the batched grants' :func:`grant_size` and :func:`give_back`, and the lease sweep
+  the batched grants' :func:`grant_pool`, :func:`grant_size` and :func:`give_back`, and the lease sweep
   (:func:`lease_live`), with the same float operations in the same order and
   the same :data:`TOKEN_EPSILON` (its header says so; a test pins the constant). The script
   returns raw state (tokens or live leases before the commit, and whether each op allows),
@@ -66,10 +66,17 @@ def bucket_result(op: BucketOp, allowed: bool, tokens: float, committed: bool) -
 # tokens go back with :func:`give_back`.
 
 
-def grant_size(tokens: float, want: float) -> float:
-    """Tokens a grant takes from a bucket holding ``tokens`` that admits it: ``want``, or
-    all there is when less (at least the asking request's cost, within TOKEN_EPSILON)."""
-    return min(want, tokens)
+def grant_pool(tokens: float, held: float, burst: float) -> float:
+    """What a grant is taken from: the bucket's ``tokens`` with the asking replica's
+    ``held`` remainder given back (:func:`give_back`), so that a remainder too small for
+    one request still counts."""
+    return give_back(tokens, held, burst)
+
+
+def grant_size(pool: float, want: float) -> float:
+    """Tokens a grant takes from a ``pool`` that admits it: ``want``, or all there is when
+    less (at least the asking request's cost, within TOKEN_EPSILON)."""
+    return min(want, pool)
 
 
 def give_back(tokens: float, amount: float, burst: float) -> float:
@@ -81,11 +88,14 @@ def give_back(tokens: float, amount: float, burst: float) -> float:
 
 def grant_result(op: GrantOp, allowed: bool, tokens: float, committed: bool) -> OpResult:
     """The answer for a grant from the bucket's tokens before it: ``remaining`` is what the
-    shared bucket holds after it, ``extra`` the tokens granted (0: nothing committed)."""
-    granted = grant_size(tokens, op.want) if committed else 0.0
-    left = take(tokens, granted) if committed else tokens
-    retry = 0.0 if allowed else (op.cost - tokens) / op.rate
-    return OpResult(allowed, left, retry, granted)
+    shared bucket holds after it; ``extra`` the tokens granted (> 0), or minus the ``held``
+    tokens that stay with the replica when nothing was committed (<= 0)."""
+    pool = grant_pool(tokens, op.held, op.burst)
+    retry = 0.0 if allowed else (op.cost - pool) / op.rate
+    if not committed:
+        return OpResult(allowed, pool, retry, -op.held)
+    granted = grant_size(pool, op.want)
+    return OpResult(allowed, take(pool, granted), retry, granted)
 
 
 def return_result(op: ReturnOp, tokens: float) -> OpResult:

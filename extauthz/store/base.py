@@ -59,11 +59,12 @@ class LeaseOp:
 
 @dataclass(frozen=True, slots=True)
 class GrantOp:
-    """Batched grants (``consistency: batched``): take up to ``want`` tokens from the
-    shared bucket ``key`` for a replica to spend locally, when the bucket admits ``cost``
-    (the request that asked). Refill, admit and TTL are :class:`BucketOp`'s; the grant is
-    ``min(want, tokens)``, taken atomically before any of it is spent
-    (:func:`~extauthz.store.algorithms.grant_size`)."""
+    """Batched grants (``consistency: batched``): the replica gives back the ``held``
+    tokens left of its last grant (less than one request's cost) and takes up to ``want``
+    tokens from the shared bucket ``key``, when the bucket with them admits ``cost`` (the
+    request that asked). Refill, admit and TTL are :class:`BucketOp`'s; the grant is
+    :func:`~extauthz.store.algorithms.grant_size`, taken atomically before any of it is
+    spent."""
 
     key: str
     rate: float
@@ -71,6 +72,7 @@ class GrantOp:
     cost: float
     want: float
     enforce: bool = True
+    held: float = 0.0
 
     @property
     def ttl(self) -> int:
@@ -106,7 +108,8 @@ class OpResult:
     #: bucket: seconds until ``cost`` tokens are there (0 when allowed); lease: 0.
     retry_after: float
     #: bucket: seconds until the bucket is full again; lease: live leases after the call;
-    #: grant: the tokens granted (0 when nothing was committed); return: 0.
+    #: grant: the tokens granted (> 0), or, when nothing was committed, minus the ``held``
+    #: tokens the replica keeps (<= 0); return: 0.
     extra: float
 
 

@@ -110,7 +110,10 @@ class MemoryStore:
             if isinstance(op, BucketOp | GrantOp | ReturnOp):
                 state = self._buckets.get(op.key)
                 value = op.burst if state is None else refill(state[0], state[1], now, op.rate, op.burst)
-                ok = True if isinstance(op, ReturnOp) else admits(value, op.cost)
+                if isinstance(op, GrantOp):
+                    ok = admits(algorithms.grant_pool(value, op.held, op.burst), op.cost)
+                else:
+                    ok = True if isinstance(op, ReturnOp) else admits(value, op.cost)
             else:
                 value = float(len(self._live_leases(op.key, now)))
                 ok = lease_admits(int(value), op.limit)
@@ -128,8 +131,11 @@ class MemoryStore:
                 results.append(bucket_result(op, ok, value, commit))
             elif isinstance(op, GrantOp | ReturnOp):
                 if commit:
-                    left = (take(value, algorithms.grant_size(value, op.want)) if isinstance(op, GrantOp)
-                            else algorithms.give_back(value, op.amount, op.burst))
+                    if isinstance(op, GrantOp):
+                        pool = algorithms.grant_pool(value, op.held, op.burst)
+                        left = take(pool, algorithms.grant_size(pool, op.want))
+                    else:
+                        left = algorithms.give_back(value, op.amount, op.burst)
                     self._buckets[op.key] = [left, now, now + op.ttl]
                     self._schedule(_BUCKET, op.key, now + op.ttl)
                 results.append(algorithms.op_result(op, ok, value, admitted))

@@ -52,6 +52,8 @@ COSTS = (1.0, 0.3, 0.7, 2.5)
 LEASE_TTLS = (1.0, 10 / 7, 2.5)
 #: batched grants: tokens one grant wants (below, at and above the bursts)
 WANTS = (1.0, 0.7, 2.3, 3.1, 9.0)
+#: a replica's remainder given back with a grant (less than a cost, or not)
+HELD = (0.0, 0.0, 0.3, 0.7, 1 / 7)
 #: tokens given back (a return is capped at burst)
 AMOUNTS = (0.3, 1.0, 2.5, 1 / 7)
 GAPS = (0.0, 1 / 7, 1 / 3, 0.1, 0.3, 1.0, 10 / 7, 2.5)
@@ -84,6 +86,8 @@ class Grants:
     rate: float
     burst: float
     want: float
+    #: the remainder the replica gives back with each grant it asks
+    held: float
 
 
 Limiter = Bucket | Leases | Grants
@@ -130,19 +134,23 @@ class GiveBack:
 Step = Check | Advance | Release | Inflight | GiveBack
 
 
-def _limiter(i: int) -> st.SearchStrategy[Limiter]:
+def _limiter(i: int, grants: bool) -> st.SearchStrategy[Limiter]:
     buckets = st.builds(Bucket, st.just(f"b{i}"), st.sampled_from(RATES), st.sampled_from(BURSTS))
     leases = st.builds(Leases, st.just(f"l{i}"), st.integers(0, 3), st.sampled_from(LEASE_TTLS),
                        st.booleans())
-    grants = st.builds(Grants, st.just(f"g{i}"), st.sampled_from(RATES), st.sampled_from(BURSTS),
-                       st.sampled_from(WANTS))
-    return st.one_of(buckets, leases, grants)
+    if not grants:
+        return st.one_of(buckets, leases)
+    granted = st.builds(Grants, st.just(f"g{i}"), st.sampled_from(RATES), st.sampled_from(BURSTS),
+                        st.sampled_from(WANTS), st.sampled_from(HELD))
+    return st.one_of(buckets, leases, granted)
 
 
 @st.composite
-def timelines(draw: st.DrawFn) -> tuple[tuple[Limiter, ...], list[Step]]:
+def timelines(draw: st.DrawFn, grants: bool = False) -> tuple[tuple[Limiter, ...], list[Step]]:
+    """Random timelines; ``grants``: with batched grants and give-backs too (and no lease
+    releases: those timelines are the other tests')."""
     n = draw(st.integers(1, 4))
-    limiters = tuple(draw(_limiter(i)) for i in range(n))
+    limiters = tuple(draw(_limiter(i, grants)) for i in range(n))
     op = st.tuples(st.integers(0, n - 1), st.sampled_from((True, True, True, False)),
                    st.sampled_from(COSTS))
     check = st.builds(Check, st.integers(0, 1),
@@ -159,9 +167,11 @@ def timelines(draw: st.DrawFn) -> tuple[tuple[Limiter, ...], list[Step]]:
     )
     steps = {"check": check, "gap": st.builds(Advance, gap), "boundary": st.builds(Advance, boundary),
              "expiry": st.just(Advance("expiry")), "release": st.builds(Release, st.integers(0, 50)),
-             "inflight": st.just(Inflight()),
-             "give_back": st.builds(GiveBack, st.integers(0, 3), st.integers(0, 1),
-                                    st.sampled_from(AMOUNTS))}
+             "inflight": st.just(Inflight())}
+    if grants:
+        del steps["release"]
+        steps["give_back"] = st.builds(GiveBack, st.integers(0, 3), st.integers(0, 1),
+                                       st.sampled_from(AMOUNTS))
     kinds = draw(st.lists(st.sampled_from(("check",) * 4 + tuple(steps)), min_size=8, max_size=30))
     return limiters, [draw(steps[kind]) for kind in kinds]
 
@@ -175,7 +185,7 @@ def _ops(keys: Keys, limiters: Sequence[Limiter], check: Check) -> list[Op]:
             ops.append(BucketOp(keys.bucket(lim.name, user), lim.rate, lim.burst, cost, enforce))
         elif isinstance(lim, Grants):
             ops.append(GrantOp(keys.bucket(lim.name, user), lim.rate, lim.burst, min(cost, lim.burst),
-                               max(lim.want, cost), enforce))
+                               max(lim.want, cost), enforce, lim.held))
         else:
             key = keys.fleet_leases(lim.name, "other") if lim.fleet else keys.user_leases(lim.name, user)
             ops.append(LeaseOp(key, lim.limit, lim.ttl, enforce))
@@ -388,6 +398,35 @@ async def _run_batched(memory: Store, remote: Store, clock: ManualClock, keys: K
             clock.advance(gap)
             log.append(f"advance {gap!r}")
     await flush()
+
+
+@pytest.mark.redis
+@DIFFERENTIAL
+@given(timeline=timelines(grants=True))
+def test_stores_agree_on_batched_grants(redis_up: RedisSingle,
+                                        timeline: tuple[tuple[Limiter, ...], list[Step]]) -> None:
+    """Grants (``GrantOp``, with a remainder given back) and give-backs (``ReturnOp``) beside
+    buckets and leases: the same answers from ``check.lua`` and the embedded store."""
+    limiters, steps = timeline
+
+    async def body(memory: Store, remote: Store, clock: ManualClock, keys: Keys) -> None:
+        await _run([memory, remote], clock, keys, limiters, steps)
+
+    _both(redis_up, body)
+
+
+@pytest.mark.redis
+@DIFFERENTIAL
+@given(timeline=timelines(grants=True))
+def test_stores_agree_when_grants_and_give_backs_share_script_calls(
+        redis_up: RedisSingle, timeline: tuple[tuple[Limiter, ...], list[Step]]) -> None:
+    """Give-backs ride with the checks of their batch (one merged ``check.lua`` call)."""
+    limiters, steps = timeline
+
+    async def body(memory: Store, remote: Store, clock: ManualClock, keys: Keys) -> None:
+        await _run_batched(memory, remote, clock, keys, limiters, steps)
+
+    _both(redis_up, body)
 
 
 @pytest.mark.redis

@@ -107,9 +107,12 @@ async def _compensate(submit: Submit, stats: StoreStats,
             keys.append(op.key)
             if isinstance(op, BucketOp):
                 args.extend(("b", num(op.burst), num(op.cost)))
-            elif isinstance(op, GrantOp):  # the grant taken goes back as a refund
-                granted = algorithms.grant_size(float(reply[2 + 2 * i]), op.want)
-                args.extend(("b", num(op.burst), num(granted)))
+            elif isinstance(op, GrantOp):
+                # the grant taken goes back, less the remainder it brought (the replica
+                # keeps that: the answer is "not committed"); granted >= cost > held
+                pool = algorithms.grant_pool(float(reply[2 + 2 * i]), op.held, op.burst)
+                granted = algorithms.grant_size(pool, op.want)
+                args.extend(("b", num(op.burst), num(max(0.0, granted - op.held))))
             else:
                 args.extend(("l", "", ""))
         if keys:

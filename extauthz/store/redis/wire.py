@@ -146,7 +146,7 @@ def op_args(op: Op) -> tuple[bytes, ...]:
         return _bucket_args(op.enforce, op.rate, op.burst, op.cost)
     if isinstance(op, GrantOp):
         return (b"g", b"1" if op.enforce else b"0", num(op.rate).encode(), num(op.burst).encode(),
-                f"{num(op.cost)} {num(op.want)}".encode())
+                f"{num(op.cost)} {num(op.want)} {num(op.held)}".encode())
     if isinstance(op, ReturnOp):
         return (b"u", b"0", num(op.rate).encode(), num(op.burst).encode(), num(op.amount).encode())
     return _lease_args(op.enforce, op.limit, op.ttl)
