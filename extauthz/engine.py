@@ -24,7 +24,7 @@ from .context import RawRequest, RequestContext
 from .errors import INTERNAL_ERROR, CircuitOpen, StoreError, StoreInternalError, StoreTimeout
 from .limiters import Limiter, WorkerUtilizationShedder, build_limiters
 from .limiters.base import applies
-from .limiters.grants import bind_store
+from .limiters.grants import bind_store, refund_grants
 from .observe.base import NullObserver, Observer
 from .overrides import Override, compile_overrides
 from .policy.model import Policy
@@ -239,6 +239,8 @@ class Engine:
                              if result.admitted and res.allowed and isinstance(op, LeaseOp)]
                     self.releaser.release(taken, lease_id, "abandoned_answer")
                     raise
+        if refused is not None:
+            refund_grants(ctx, slots)
         lease_keys = tuple(held)
         if not lease_keys:
             lease_id = ""

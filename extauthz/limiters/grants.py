@@ -34,10 +34,12 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol, runtime_checkable
 
 from ..clock import SYSTEM_CLOCK, Clock
+from ..context import RequestContext
 from ..store.algorithms import admits, take
 from ..store.base import ReturnOp, Store
+from ..verdict import Verdict
 
-__all__ = ["GrantTable", "Grantee", "bind_store", "default_batch"]
+__all__ = ["GrantTable", "Grantee", "bind_store", "default_batch", "refund_grants"]
 
 #: timer ticks per sync_interval: a grant goes back at the first tick at least half an
 #: interval after it was taken, so within one interval
@@ -225,6 +227,18 @@ class Grantee(Protocol):
     """A limiter that may take its budget in batched grants (``grants`` is None in exact mode)."""
 
     grants: GrantTable | None
+
+    def refund(self, ctx: RequestContext) -> None:
+        """Give back, to this replica's grant, what :meth:`Limiter.local` spent for ``ctx``."""
+
+
+def refund_grants(ctx: RequestContext, slots: Iterable[tuple[object, bool, Verdict | None, int]]) -> None:
+    """A refused request takes nothing (as in exact mode, where only an admitted request
+    commits): what batched limiters spent for it from their grants goes back to them."""
+    for lim, _, local, _ in slots:
+        if (local is not None and not local.refused and isinstance(lim, Grantee)
+                and lim.grants is not None):
+            lim.refund(ctx)
 
 
 def bind_store(limiters: Iterable[object], store: Store) -> None:

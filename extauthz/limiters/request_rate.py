@@ -136,6 +136,13 @@ class RequestRateLimiter:
         return Verdict(self.name, self.kind, Outcome.ALLOWED, limit=n.burst,
                        remaining=remaining, reset=reset, quota=n.quota)
 
+    def refund(self, ctx: RequestContext) -> None:
+        """The request :meth:`local` admitted from a grant was refused by another limiter:
+        its cost goes back to the grant (batched grants only)."""
+        if self.grants is not None:
+            n = self.limits(ctx)
+            self.grants.restore(self._keys.bucket(self.name, ctx.identity), n.cost, n.rate, n.burst)
+
     def op(self, ctx: RequestContext, enforce: bool) -> BucketOp | GrantOp | None:
         if self._spent is not None:
             spent, self._spent = self._spent, None

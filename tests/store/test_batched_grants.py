@@ -271,3 +271,23 @@ async def test_a_grant_is_taken_atomically_under_concurrent_replicas(
         for s in stores:
             await s.close()
         raw.close()
+
+
+async def test_a_request_refused_by_another_limiter_spends_no_grant(tmp_path: Path) -> None:
+    """As in exact mode (only an admitted request commits), a request the grant covered but
+    another limiter refused gives its cost back to the grant."""
+    clock = ManualClock(START)
+    conc = {"name": "user-conc", "type": "concurrent_requests", "limit": 1}
+    engine = Engine(MemoryStore(clock), policy_from(tmp_path, {"limiters": [batched(tmp_path), conc]}),
+                    clock=clock)
+    grants = table(engine)
+    first = (await engine.check(get()))[1]
+    assert first.allowed  # holds the one lease (not released)
+    key = next(iter(grants._held))
+    assert grants.held(key) == BATCH - 1
+    for _ in range(3):
+        second = (await engine.check(get()))[1]
+        assert not second.allowed and second.denied_by is not None
+        assert second.denied_by.limiter == "user-conc"
+        assert grants.held(key) == BATCH - 1  # spent locally, then given back to the grant
+    grants.close()
