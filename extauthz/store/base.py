@@ -41,10 +41,15 @@ class BucketOp:
 
     @property
     def ttl(self) -> int:
-        """Seconds an idle bucket is kept: twice the fill time, at least 1 (Redis refuses 0).
-        A bucket idle that long is full again, so forgetting it changes no answer.
-        ``lua/check.lua`` computes the same ``max(1, ceil(2 * burst / rate))``."""
-        return max(1, math.ceil(2 * self.burst / self.rate))
+        return bucket_ttl(self.rate, self.burst)
+
+
+def bucket_ttl(rate: float, burst: float) -> int:
+    """Seconds an idle bucket is kept: twice the fill time, at least 1 (Redis refuses 0).
+    A bucket idle that long is full again, so forgetting it changes no answer.
+    ``lua/check.lua`` computes the same ``max(1, ceil(2 * burst / rate))``; grants and
+    give-backs keep their bucket the same way."""
+    return max(1, math.ceil(2 * burst / rate))
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,10 +79,6 @@ class GrantOp:
     enforce: bool = True
     held: float = 0.0
 
-    @property
-    def ttl(self) -> int:
-        return max(1, math.ceil(2 * self.burst / self.rate))
-
 
 @dataclass(frozen=True, slots=True)
 class ReturnOp:
@@ -90,14 +91,8 @@ class ReturnOp:
     amount: float
     enforce: bool = False
 
-    @property
-    def ttl(self) -> int:
-        return max(1, math.ceil(2 * self.burst / self.rate))
-
 
 Op = BucketOp | LeaseOp | GrantOp | ReturnOp
-#: the ops that read and write a token bucket's state (the same key layout and TTL)
-TokenOp = BucketOp | GrantOp | ReturnOp
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from ..clock import SYSTEM_CLOCK, Clock
 from . import algorithms
 from .algorithms import admits, bucket_result, lease_admits, lease_result, refill, take
-from .base import BucketOp, CheckResult, GrantOp, Op, ReturnOp, ShedParams
+from .base import BucketOp, CheckResult, GrantOp, Op, ReturnOp, ShedParams, bucket_ttl
 
 #: due heap entries a check looks at, at most (a check creates at most a few keys, so the
 #: sweep keeps up; a backlog after an idle spell drains over the next checks)
@@ -136,8 +136,9 @@ class MemoryStore:
                         left = take(pool, algorithms.grant_size(pool, op.want))
                     else:
                         left = algorithms.give_back(value, op.amount, op.burst)
-                    self._buckets[op.key] = [left, now, now + op.ttl]
-                    self._schedule(_BUCKET, op.key, now + op.ttl)
+                    ttl = bucket_ttl(op.rate, op.burst)
+                    self._buckets[op.key] = [left, now, now + ttl]
+                    self._schedule(_BUCKET, op.key, now + ttl)
                 results.append(algorithms.op_result(op, ok, value, admitted))
             else:
                 if commit:

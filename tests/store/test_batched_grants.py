@@ -28,7 +28,7 @@ from extauthz.limiters.request_rate import RequestRateLimiter
 from extauthz.store import algorithms
 from extauthz.store.base import GrantOp, Op, Store
 from extauthz.store.memory import MemoryStore
-from extauthz.verdict import Decision, Outcome
+from extauthz.verdict import Decision, Kind, Outcome, Verdict
 from tests.infra.redis_servers import RedisSingle
 from tests.store.conftest import make_redis_store
 from tests.unit.helpers import get, policy_from
@@ -291,3 +291,17 @@ async def test_a_request_refused_by_another_limiter_spends_no_grant(tmp_path: Pa
         assert second.denied_by.limiter == "user-conc"
         assert grants.held(key) == BATCH - 1  # spent locally, then given back to the grant
     grants.close()
+
+
+def test_batched_refusals_are_remembered_at_most_one_sync_interval() -> None:
+    """Other replicas' give-backs can refill the bucket sooner than ``rate``: a remembered
+    refusal ends within one ``sync_interval`` (and the store is asked again)."""
+    clock = ManualClock(START)
+    cache = RefusalCache(clock, max_window=SYNC)
+    refused = Verdict("user-rate", Kind.RATE_LIMITER, Outcome.DENIED, limit=1.0, remaining=0.0,
+                      retry_after=2.0, reset=2.0)
+    cache.remember("k", refused, 0.5, 1.0, 1.0)
+    clock.advance(SYNC / 2)
+    assert cache.refusal("k", 0.5, 1.0, 1.0) is not None
+    clock.advance(SYNC / 2)
+    assert cache.refusal("k", 0.5, 1.0, 1.0) is None
