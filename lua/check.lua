@@ -19,6 +19,7 @@
 --   grant   (batched grants) grant_pool = min(burst, tokens + held); admits: pool +
 --           TOKEN_EPSILON >= cost; grant_size = min(want, pool); t = max(0, pool - grant)
 --   return  give_back: t = min(burst, tokens + amount); always allows
+--   stamp   grant_stamp: a grant or return stores max(now, stored ts), never back in time
 -- Only the raw state is returned: the caller derives remaining, retry-after and reset with
 -- extauthz.store.algorithms.op_result, as the embedded store does.
 --
@@ -160,6 +161,10 @@ local function check(k, j, n, res)
       if kind == 'b' or kind == 'g' or kind == 'u' then
         local rate, burst = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
         local left
+        local stamp = now
+        if kind ~= 'b' and buckets[key] then
+          stamp = math.max(now, buckets[key][2])  -- grant_stamp: never back in time
+        end
         if kind == 'b' then
           left = math.max(0, value[i] - tonumber(ARGV[a + 4]))
         elseif kind == 'g' then
@@ -169,8 +174,8 @@ local function check(k, j, n, res)
         else
           left = math.min(burst, value[i] + tonumber(ARGV[a + 4]))
         end
-        redis.call('SET', key, fmt(left) .. ' ' .. fmt(now), 'EX', math.max(1, math.ceil(2 * burst / rate)))
-        buckets[key] = {left, now}
+        redis.call('SET', key, fmt(left) .. ' ' .. fmt(stamp), 'EX', math.max(1, math.ceil(2 * burst / rate)))
+        buckets[key] = {left, stamp}
       elseif kind == 'l' then
         local ttl = tonumber(ARGV[a + 3])
         local added = redis.call('ZADD', key, fmt(now + ttl), lease_id)

@@ -86,6 +86,14 @@ def give_back(tokens: float, amount: float, burst: float) -> float:
     return min(burst, tokens + amount)
 
 
+def grant_stamp(now: float, last: float | None) -> float:
+    """The time a grant or give-back stores with its bucket: ``now``, but never before the
+    stored one. A give-back rides with a later check and carries the clock of its own loop
+    turn (an injected clock; Redis TIME is read when it runs): stored back in time, the
+    next refill would count the same seconds twice."""
+    return now if last is None else max(now, last)
+
+
 def grant_result(op: GrantOp, allowed: bool, tokens: float, committed: bool) -> OpResult:
     """The answer for a grant from the bucket's tokens before it: ``remaining`` is what the
     shared bucket holds after it; ``extra`` the tokens granted (> 0), or minus the ``held``

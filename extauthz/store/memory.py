@@ -137,7 +137,9 @@ class MemoryStore:
                     else:
                         left = algorithms.give_back(value, op.amount, op.burst)
                     ttl = bucket_ttl(op.rate, op.burst)
-                    self._buckets[op.key] = [left, now, now + ttl]
+                    state = self._buckets.get(op.key)
+                    stamp = algorithms.grant_stamp(now, None if state is None else state[1])
+                    self._buckets[op.key] = [left, stamp, now + ttl]
                     self._schedule(_BUCKET, op.key, now + ttl)
                 results.append(algorithms.op_result(op, ok, value, admitted))
             else:

@@ -26,7 +26,7 @@ from extauthz.limiters.grants import GrantTable, default_batch
 from extauthz.limiters.refusals import RefusalCache
 from extauthz.limiters.request_rate import RequestRateLimiter
 from extauthz.store import algorithms
-from extauthz.store.base import GrantOp, Op, Store
+from extauthz.store.base import GrantOp, Op, ReturnOp, Store
 from extauthz.store.memory import MemoryStore
 from extauthz.verdict import Decision, Kind, Outcome, Verdict
 from tests.infra.redis_servers import RedisSingle
@@ -305,3 +305,25 @@ def test_batched_refusals_are_remembered_at_most_one_sync_interval() -> None:
     assert cache.refusal("k", 0.5, 1.0, 1.0) is not None
     clock.advance(SYNC / 2)
     assert cache.refusal("k", 0.5, 1.0, 1.0) is None
+
+
+@pytest.mark.parametrize("kind", ["memory", pytest.param("redis", marks=pytest.mark.redis)])
+async def test_a_late_give_back_does_not_refill_the_same_seconds_twice(
+        kind: str, request: pytest.FixtureRequest) -> None:
+    """A give-back rides with a later check but carries its own loop turn's clock: it adds
+    its tokens without moving the bucket's clock back (which would count the seconds in
+    between twice: an over-admission found by the several-replica test)."""
+    clock = ManualClock(START)
+    store: Store = (MemoryStore(clock) if kind == "memory"
+                    else make_redis_store(request.getfixturevalue("redis_single_clean"), clock))
+    try:
+        take = GrantOp("k", RATE, BURST, 1.0, BURST)  # empties the bucket
+        assert (await store.check([take], "")).results[0].extra == BURST
+        clock.advance(1.0)  # +10 tokens
+        assert (await store.check([GrantOp("k", RATE, BURST, 1.0, 10.0)], "")).results[0].extra == 10.0
+        clock.set(START + 0.5)  # a give-back of 3 sent half a second earlier
+        await store.check([ReturnOp("k", RATE, BURST, 3.0)], "")
+        clock.set(START + 1.0)
+        assert (await store.check([GrantOp("k", RATE, BURST, 1.0, BURST)], "")).results[0].extra == 3.0
+    finally:
+        await store.close()

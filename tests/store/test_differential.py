@@ -129,6 +129,8 @@ class GiveBack:
     pick: int
     user: int
     amount: float
+    #: seconds the give-back's clock is behind (it rode with a later check: grant_stamp)
+    late: float = 0.0
 
 
 Step = Check | Advance | Release | Inflight | GiveBack
@@ -171,7 +173,7 @@ def timelines(draw: st.DrawFn, grants: bool = False) -> tuple[tuple[Limiter, ...
     if grants:
         del steps["release"]
         steps["give_back"] = st.builds(GiveBack, st.integers(0, 3), st.integers(0, 1),
-                                       st.sampled_from(AMOUNTS))
+                                       st.sampled_from(AMOUNTS), st.sampled_from((0.0, 1 / 7, 0.5, 0.5)))
     kinds = draw(st.lists(st.sampled_from(("check",) * 4 + tuple(steps)), min_size=8, max_size=30))
     return limiters, [draw(steps[kind]) for kind in kinds]
 
@@ -258,7 +260,10 @@ async def _run(stores: Sequence[Store], clock: ManualClock, keys: Keys,
         elif isinstance(step, GiveBack):
             back = _give_back(keys, limiters, step)
             if back is not None:
+                now = clock.now
+                clock.set(now - step.late)
                 answers = [await s.check([back], "") for s in stores]
+                clock.set(now)
                 log.append(f"t={clock.now!r} give back {back} -> {answers[0]}")
                 assert all(a == answers[0] for a in answers), "\n".join([*log, repr(answers)])
                 assert answers[0].admitted and answers[0].results[0].remaining <= back.burst
