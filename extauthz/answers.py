@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from .context import RequestContext
 from .policy.schema import MAX_REFILL
@@ -62,9 +63,10 @@ def read_lease_fields(lease_id: object, leases: object) -> tuple[list[str], str]
 
 #: the largest count (``q``, ``r``, the body's ``limit``/``remaining``) and the longest time
 #: in seconds (``Retry-After``, ``t``, ``w``) a header carries, whatever a limiter computed:
-#: the policy's bounds keep them below (extauthz.policy.schema), these make sure.
+#: the policy's bounds keep them below (extauthz.policy.schema), these make sure. Seconds:
+#: the longer of a bucket's longest refill and a quota's longest window (a 31-day month).
 MAX_HEADER_COUNT = 10**9
-MAX_HEADER_SECONDS = int(MAX_REFILL)
+MAX_HEADER_SECONDS = int(max(MAX_REFILL, 31 * 86400))
 
 
 def _bounded(value: float, high: int) -> int:
@@ -164,6 +166,8 @@ def denial(ctx: RequestContext, decision: Decision) -> Denial:
     if v.limit is not None and v.kind is Kind.RATE_LIMITER:
         body["limit"] = min(v.limit, MAX_HEADER_COUNT)
         body["remaining"] = _bounded(v.remaining or 0, MAX_HEADER_COUNT)
+    if v.resets_at is not None:
+        body["reset"] = datetime.fromtimestamp(v.resets_at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     if ctx.request_id:
         body["request_id"] = ctx.request_id
     headers = [

@@ -39,6 +39,14 @@ class Breaker:
             return "closed"
         return "half_open" if self._clock.monotonic() >= self.open_until else "open"
 
+    def like(self) -> Breaker:
+        """A new closed breaker with this one's clock and settings (one per Cluster master)."""
+        return Breaker(self._clock, self.threshold, self.ratio, self.window, self.open_for)
+
+    def would_allow(self) -> bool:
+        """What :meth:`allow` would answer, without taking the half-open probe."""
+        return self.open_until is None or (not self._probing and self._clock.monotonic() >= self.open_until)
+
     def allow(self) -> bool:
         if self.open_until is None:
             return True

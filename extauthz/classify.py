@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .context import RawRequest, RequestContext
-from .policy.model import IdentitySource, MetadataTest, Policy
+from .policy.model import IdentitySource, KeySource, MetadataTest, Policy, RouteRef
 from .tiers import READ_METHODS, Tier
 from .verdict import Limits
 
@@ -33,14 +33,39 @@ def hash_identity(value: str, source: str, salt: bytes = b"") -> str:
     return h.hexdigest()
 
 
-def metadata_value(metadata: Mapping[str, Any], namespace: str, path: Sequence[str]) -> Any:
-    """The value at ``path`` in ``metadata[namespace]`` (nested mappings), or None."""
-    node = metadata.get(namespace)
+def path_value(node: Any, path: Sequence[str | int]) -> Any:
+    """The value at ``path`` in ``node``, or None: the ONE walk through metadata (filter or
+    route metadata; plain dicts and lists, or protobuf Structs and ListValues, which are
+    Mappings and Sequences). A string follows a mapping's key, an integer a list's index
+    (``[resources, 0, annotations, extauthz-tier]``); anything else on the way yields None."""
     for key in path:
-        if not isinstance(node, Mapping):
+        if isinstance(key, int):
+            if isinstance(node, (str, bytes)) or not isinstance(node, Sequence) or not 0 <= key < len(node):
+                return None
+            node = node[key]
+        elif isinstance(node, Mapping) and key in node:
+            node = node[key]
+        else:
             return None
-        node = node.get(key)
     return node
+
+
+def metadata_value(metadata: Mapping[str, Any], namespace: str, path: Sequence[str | int]) -> Any:
+    """The value at ``path`` in ``metadata[namespace]``, or None (:func:`path_value`)."""
+    return path_value(metadata.get(namespace), path)
+
+
+def route_metadata_values(metadata: Mapping[str, Any], refs: Sequence[RouteRef]) -> dict[RouteRef, Any]:
+    """The scalars (string, number, boolean) at ``refs`` in a route's filter metadata
+    (namespace -> struct): what the edge copies into ``RawRequest.route_metadata``."""
+    out: dict[RouteRef, Any] = {}
+    for ref in refs:
+        namespace, path = ref
+        if namespace in metadata:
+            value = path_value(metadata[namespace], path)
+            if isinstance(value, (str, int, float)):  # bool is an int
+                out[ref] = value
+    return out
 
 
 def identity_text(value: Any) -> str:
@@ -107,9 +132,36 @@ def header_value(src: IdentitySource, value: str | None) -> str:
     return value[len(prefix):].strip()
 
 
+def key_part_value(part: KeySource, raw: RawRequest, identity: str, method: str, plan: str) -> str:
+    """One key part's value for a request ("" when it yields none); ``identity`` is the
+    hashed identity, ``method`` upper case, ``plan`` the request's plan."""
+    kind = part.kind
+    if part.source is not None:
+        return first_value((part.source,), raw)[0]
+    if kind == "identity":
+        return identity
+    if kind == "method":
+        return method
+    if kind == "host":
+        return raw.host.split(":", 1)[0].lower()
+    if kind == "plan":
+        return plan
+    if kind == "context_extension":
+        return raw.context_extensions.get(part.name, "")
+    value = identity_text(raw.route_metadata.get(part.route)) if part.route is not None else ""
+    if not value and kind == "route":
+        return raw.context_extensions.get("route", "")
+    return value
+
+
+def _key_text(values: Sequence[str]) -> str:
+    """The parts' values as one unambiguous string (each length-prefixed)."""
+    return "".join(f"{len(v)}:{v}" for v in values)
+
+
 class Classifier:
-    __slots__ = ("_needed", "_needed_metadata", "_overrides", "_policy", "_salt", "unknown_plans",
-                 "unknown_tiers")
+    __slots__ = ("_keys", "_needed", "_needed_metadata", "_overrides", "_policy", "_salt", "_shared",
+                 "unknown_plans", "unknown_tiers")
 
     def __init__(self, policy: Policy, salt: bytes = b"", overrides: OverrideTable = _NO_OVERRIDES) -> None:
         self._policy = policy
@@ -117,6 +169,9 @@ class Classifier:
         self._needed = policy.needed_headers
         self._needed_metadata = policy.needed_metadata
         self._overrides = overrides
+        self._keys = policy.keys
+        #: each key's shared bucket (``on_missing_key: shared``), hashed once.
+        self._shared = tuple(hash_identity("", spec.label + ":missing", salt) for spec in policy.keys)
         #: count of tier names in metadata/extensions that were not a known tier.
         self.unknown_tiers = 0
         #: count of plan values the policy does not name (the default plan was used).
@@ -148,6 +203,18 @@ class Classifier:
             return name, label
         self.unknown_plans += 1
         return policy.plan_default, "unknown"
+
+    def keys(self, raw: RawRequest, identity: str, method: str, plan: str) -> tuple[tuple[str, bool], ...]:
+        """The values of the policy's limiter keys for a request (``RequestContext.keys``):
+        a keyed hash of the parts' values, or the key's shared bucket when a part yields none."""
+        out: list[tuple[str, bool]] = []
+        for i, spec in enumerate(self._keys):
+            values = [key_part_value(part, raw, identity, method, plan) for part in spec.parts]
+            if all(values):
+                out.append((hash_identity(_key_text(values), spec.label, self._salt), False))
+            else:
+                out.append((self._shared[i], True))
+        return tuple(out)
 
     def _known(self, name: object) -> Tier | None:
         if not isinstance(name, str) or not name:
@@ -198,4 +265,5 @@ class Classifier:
             plan=plan,
             plan_source=plan_source,
             overrides=self._overrides.get(identity, _NO_LIMITS) if self._overrides else _NO_LIMITS,
+            keys=self.keys(raw, identity, method, plan) if self._keys else (),
         )

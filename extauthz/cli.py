@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from . import __version__
 from .answers import PROTOCOLS
@@ -16,6 +17,9 @@ from .opscli import add_parsers as add_ops_parsers
 from .opscli import cmd_history, cmd_override, cmd_report, cmd_status, cmd_switch
 from .simulate.cli import add_parser as add_simulate_parser
 from .simulate.cli import cmd_simulate
+
+if TYPE_CHECKING:
+    from .policy.model import Policy
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -84,6 +88,11 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="on the HTTP port, take the client's method, path and host from "
                    "X-Forwarded-Method/-Uri/-Host (Traefik ForwardAuth); never with Envoy "
                    "[EXTAUTHZ_HTTP_FORWARD_AUTH]")
+    p.add_argument("--http-path-prefix", default=_env("HTTP_PATH_PREFIX", ""),
+                   help="on the HTTP port, the path prefix Envoy puts before the client's path "
+                   "(http_service.path_prefix; Envoy Gateway's SecurityPolicy extAuth.http.path), "
+                   "removed before classifying; paths without it are taken as they are "
+                   "[EXTAUTHZ_HTTP_PATH_PREFIX; default none]")
     p.add_argument("--redis-url", default=_env("REDIS_URL"),
                    help="Redis store URL; without it the embedded store serves one replica "
                    "[EXTAUTHZ_REDIS_URL]")
@@ -165,13 +174,19 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .observe.logs import configure_logging
-    from .server.adminauth import AdminConfigError, TokenFile, parse_hosts, require_token_when_exposed
+    from .server.adminauth import TokenFile, parse_hosts, require_token_when_exposed
     from .server.app import ServerConfig, serve
+    from .server.http import path_prefix
     from .server.portfile import admin_url_path
     from .server.ports import off
 
     if not 0.0 < args.record_sample <= 1.0:
         print(f"extauthz: --record-sample must be in (0, 1], not {args.record_sample}", file=sys.stderr)
+        return 2
+    try:
+        path_prefix(args.http_path_prefix)
+    except ValueError as exc:
+        print(f"extauthz: --http-path-prefix: {exc}", file=sys.stderr)
         return 2
     admin_listen = args.admin_listen if args.admin_listen is not None else ServerConfig.admin_listen
     try:  # before any process starts: the admin port's lock (server/adminauth.py)
@@ -179,7 +194,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         require_token_when_exposed(off(admin_listen), args.admin_token_file or None)
         if args.admin_token_file:
             TokenFile(args.admin_token_file)
-    except AdminConfigError as exc:
+    except ValueError as exc:  # AdminConfigError, or a malformed --admin-listen
         print(f"extauthz serve: {exc}", file=sys.stderr)
         return 2
     listener = configure_logging(args.log_level, args.log_format)
@@ -193,6 +208,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         policies=list(args.policies), policy_max_bytes=args.policy_max_bytes,
         listen=args.listen, http_listen=args.http_listen or None,
         http_forward_auth=args.http_forward_auth,
+        http_path_prefix=args.http_path_prefix,
         **({"http_max_active_checks": args.http_max_active_checks} if args.http_max_active_checks else {}),
         http_max_connections=args.http_max_connections,
         redis_url=args.redis_url or None,
@@ -269,21 +285,61 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo_main(policies=args.policies, protocol=args.protocol)
 
 
-def cmd_envoy_allowed_headers(args: argparse.Namespace) -> int:
+def _policy_or_errors(paths: list[str]) -> Policy | None:
+    """The policy, or None after printing each of its problems."""
     from .policy import load_policy
-    from .server.http import allowed_headers
 
     try:
-        policy = load_policy(list(args.policies))
+        return load_policy(paths)
     except PolicyError as exc:
         for issue in exc.issues:
             print(f"error: {issue}", file=sys.stderr)
+        return None
+
+
+def cmd_envoy_allowed_headers(args: argparse.Namespace) -> int:
+    from .server.http import allowed_headers
+
+    policy = _policy_or_errors(list(args.policies))
+    if policy is None:
         return 1
     service = "http_service" if args.protocol == "http" else "grpc_service"
     print(f"# ext_authz ({service}): the request headers the policy and the {args.protocol} edge read")
     print("allowed_headers:\n  patterns:")
     for name in allowed_headers(policy.needed_headers, args.protocol):
         print(f"  - {{exact: {name}}}")
+    return 0
+
+
+def _host_port(flag: str, value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{flag}: HOST:PORT with a port in 1-65535, not {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def cmd_envoy_config(args: argparse.Namespace) -> int:
+    from .envoy_bootstrap import TlsFiles, render
+
+    policy = _policy_or_errors(list(args.policies))
+    if policy is None:
+        return 1
+    tls_files = (args.tls_client_cert, args.tls_client_key, args.tls_ca)
+    try:
+        if any(tls_files) and not all(tls_files):
+            raise ValueError("--tls-client-cert, --tls-client-key and --tls-ca go together")
+        if not 0 < args.listen_port < 65536:
+            raise ValueError(f"--listen-port: 1-65535, not {args.listen_port}")
+        text = render(
+            policy, protocol=args.protocol, upstream=_host_port("--upstream", args.upstream),
+            authz=_host_port("--authz", args.authz) if args.authz else None,
+            access_log_to=_host_port("--access-log-to", args.access_log_to) if args.access_log_to else None,
+            listen_port=args.listen_port, access_log=args.access_log,
+            tls=TlsFiles(*tls_files) if all(tls_files) else None)
+    except ValueError as exc:
+        print(f"extauthz envoy-config: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(text)
     return 0
 
 
@@ -309,6 +365,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--protocol", choices=PROTOCOLS, default="http",
                    help="the filter's grpc_service (envoy.yaml and its variants) or http_service "
                    "(envoy-http.yaml); default http")
+    text = ("print a complete Envoy bootstrap for a policy: ext_authz with the headers it reads, "
+            "the filters stripping client copies of trusted headers, the 503 mapping (HTTP), "
+            "the access log when the policy holds leases (docs/envoy.md)")
+    p = sub.add_parser("envoy-config", help=text, description=text)
+    p.add_argument("--policies", nargs="+", required=True, metavar="DIR", help="policy file(s) or directory")
+    p.add_argument("--protocol", choices=PROTOCOLS, required=True,
+                   help="the ext_authz filter's grpc_service (Check) or http_service (serve --http-listen)")
+    p.add_argument("--upstream", required=True, metavar="HOST:PORT", help="the protected application")
+    p.add_argument("--authz", metavar="HOST:PORT", default=None,
+                   help="where Envoy reaches the server: its gRPC port (grpc) or HTTP authorization "
+                   "port (http); default 127.0.0.1:9001 / 127.0.0.1:9003")
+    p.add_argument("--access-log-to", metavar="HOST:PORT", default=None,
+                   help="the gRPC port that receives the access log (default: --authz on grpc, "
+                   "port 9001 of the --authz host on http)")
+    p.add_argument("--listen-port", type=int, default=10000, metavar="N",
+                   help="Envoy's listener port on 127.0.0.1 (default 10000)")
+    p.add_argument("--tls-client-cert", default=None, help="Envoy's client certificate (mTLS to the gRPC port)")
+    p.add_argument("--tls-client-key", default=None, help="its private key")
+    p.add_argument("--tls-ca", default=None, help="the CA that signed the server's certificate")
+    p.add_argument("--access-log", choices=("auto", "always", "never"), default="auto",
+                   help="the gRPC access log that releases leases: auto = only when the policy "
+                   "holds a lease limiter (concurrent_requests, fleet_usage, an inflight signal)")
     add_ops_parsers(sub)
     add_simulate_parser(sub)
     text = ("quick start: Envoy + server + upstream on this machine, a burst of traffic per "
@@ -334,6 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "check-policies": cmd_check_policies,
         "schema": cmd_schema,
         "envoy-allowed-headers": cmd_envoy_allowed_headers,
+        "envoy-config": cmd_envoy_config,
         "demo": cmd_demo,
         "switch": cmd_switch,
         "report": cmd_report,

@@ -28,8 +28,11 @@ class RawRequest:
     #: exception message that formats a request never carries a secret.
     headers: Mapping[str, str] = field(default_factory=dict, repr=False)
     source_ip: str = ""
-    #: ``route_metadata_context.filter_metadata[namespace]["tier"]`` if present.
+    #: the route's tier (where ``classification.route_metadata`` points), if present.
     route_tier: str | None = None
+    #: the route-metadata values the policy reads (``Policy.needed_route_metadata``):
+    #: (namespace, path) -> string, number or boolean; only those found.
+    route_metadata: Mapping[tuple[str, tuple[str | int, ...]], Any] = field(default_factory=dict)
     #: ``context_extensions`` (per-route check settings).
     context_extensions: Mapping[str, str] = field(default_factory=dict)
     #: the ``x-request-id`` header (Envoy's own stream id is not useful to people).
@@ -69,3 +72,7 @@ class RequestContext:
     #: live overrides for this identity, by limiter name (``extauthz.overrides``): each a
     #: mapping plan -> that limiter's numbers. Empty for nearly every request.
     overrides: Mapping[str, Mapping[str, Limits]] = field(default_factory=lambda: _NO_OVERRIDES)
+    #: the values of the policy's limiter keys (``Policy.keys``, same order), each a keyed
+    #: hash like ``identity`` and whether a part yielded nothing (then the hash is the
+    #: key's shared bucket, for ``on_missing_key: shared``).
+    keys: tuple[tuple[str, bool], ...] = ()

@@ -112,6 +112,11 @@ class Engine:
         self.observer: Observer = observer or NullObserver()
         self._salt = salt
         self.breaker = breaker or Breaker(clock)
+        #: Redis Cluster: one breaker per master (``breaker`` is their template), so that one
+        #: slow master fails open only the checks that need it (names: ``store.node_of``)
+        self.node_breakers: dict[str, Breaker] = {}
+        self._node_of: Callable[[str], str] | None = (
+            getattr(store, "node_of", None) if getattr(store, "per_master", False) else None)
         #: fail-opens/closes by reason (timeout, unavailable, circuit_open, internal_error)
         self.failures: dict[str, int] = {}
         self._bug_log = LogThrottle(log, clock=clock)
@@ -188,8 +193,12 @@ class Engine:
         # decided locally) and the index of its store op (or -1).
         slots: list[tuple[Limiter, bool, Verdict | None, int]] = []
         ops: list[Op] = []
+        skipped: list[str] = []
         for lim, enforce in snap.active:
             if not applies(lim.applies_to, ctx):
+                continue
+            if lim.key_missing(ctx):
+                skipped.append(lim.name)
                 continue
             local = lim.local(ctx, enforce)
             if local is not None and refused is None and local.refused:
@@ -252,6 +261,7 @@ class Engine:
             leases=lease_keys,
             lease_id=lease_id,
             failures=failures,
+            skipped=tuple(skipped),
         )
 
     def _internal_error(self, ctx: RequestContext, snap: Snapshot, exc: Exception) -> Decision:
@@ -265,7 +275,7 @@ class Engine:
         refused: Verdict | None = None
         for lim, _ in snap.active:
             try:
-                applicable = applies(lim.applies_to, ctx)
+                applicable = applies(lim.applies_to, ctx) and not lim.key_missing(ctx)
             except Exception:
                 applicable = True
             if applicable:
@@ -276,15 +286,48 @@ class Engine:
         return Decision(allowed=refused is None, tier=ctx.tier, verdicts=tuple(verdicts),
                         denied_by=refused, failures=(INTERNAL_ERROR,))
 
+    def _breakers(self, ops: Sequence[Op]) -> list[tuple[str, Breaker]]:
+        """The breakers a check of ``ops`` goes through: the store's, or on Redis Cluster the
+        breaker of each master holding one of the keys."""
+        if self._node_of is None:
+            return [("", self.breaker)]
+        out = []
+        by_tag = {Keys.tag_of(op.key): op.key for op in ops}  # one slot per hash tag
+        for name in {self._node_of(key) for key in by_tag.values()}:
+            breaker = self.node_breakers.get(name)
+            if breaker is None:
+                breaker = self.node_breakers[name] = self.breaker.like()
+            out.append((name, breaker))
+        return out
+
+    @property
+    def breaker_state(self) -> str:
+        """``open`` when any breaker skips the store (a Cluster master's counts), else the
+        state of the most open one."""
+        states = {b.state for b in (self.breaker, *self.node_breakers.values())}
+        return next((s for s in ("open", "half_open") if s in states), "closed")
+
+    def _blame(self, breakers: list[tuple[str, Breaker]], blamed: set[str]) -> None:
+        """A failed store call: a failure on the breakers of the ``blamed`` masters (all of
+        them when none is named); the others answered (or are answering in time)."""
+        for name, breaker in breakers:
+            if not blamed or name in blamed:
+                breaker.failure()
+            else:
+                breaker.success()
+
     async def _store_check(self, ops: Sequence[Op], lease_id: str) -> CheckResult:
-        if not self.breaker.allow():
+        breakers = self._breakers(ops)
+        if not all(breaker.would_allow() for _, breaker in breakers):
             self._failed(CircuitOpen.reason)
             raise CircuitOpen("circuit open")
+        for _, breaker in breakers:
+            breaker.allow()  # takes the half-open probe where there is one
         if self.store_immediate:  # the embedded store answers synchronously: no deadline
             try:
                 return await self.store_check(ops, lease_id)
             except Exception as exc:
-                if (failure := self._store_failed(exc)) is exc:
+                if (failure := self._store_failed(exc, breakers)) is exc:
                     raise
                 raise failure from exc
         # The store call runs as its own task, shielded: when the deadline passes (or
@@ -298,26 +341,36 @@ class Engine:
         except TimeoutError:
             if call.done() and not call.cancelled() and call.exception() is None:
                 # the answer landed in the same loop turn as the deadline: it is in time
-                self.breaker.success()
+                for _, breaker in breakers:
+                    breaker.success()
                 return call.result()
             call.add_done_callback(self.releaser.abandoned(ops, lease_id))
-            self.breaker.failure()
+            # On a cluster the masters whose part has not answered are the slow ones.
+            unanswered = getattr(self.store, "unanswered", None)
+            self._blame(breakers, set() if unanswered is None or len(breakers) == 1
+                        else set(unanswered(lease_id)))
             self._failed(StoreTimeout.reason)
             raise StoreTimeout(f"store did not answer within {self.deadline * 1000:.0f} ms") from None
         except Exception as exc:
-            if (failure := self._store_failed(exc)) is exc:
+            if isinstance(exc, StoreError) and exc.late is not None:
+                # sent but unanswered: a stalled store may still commit it
+                call.add_done_callback(self.releaser.abandoned(ops, lease_id))
+            if (failure := self._store_failed(exc, breakers)) is exc:
                 raise
             raise failure from exc
         except asyncio.CancelledError:
             call.add_done_callback(self.releaser.abandoned(ops, lease_id))
             raise
-        self.breaker.success()
+        for _, breaker in breakers:
+            breaker.success()
         return result
 
-    def _store_failed(self, exc: Exception) -> StoreError:
-        """A failed store call: counted (by reason) on the breaker and here. A client
-        library bug (not a StoreError) is an ``internal_error``, logged rate-limited."""
-        self.breaker.failure()
+    def _store_failed(self, exc: Exception, breakers: list[tuple[str, Breaker]]) -> StoreError:
+        """A failed store call: counted (by reason) on the breakers (of the masters whose
+        part failed, when the store names them) and here. A client library bug (not a
+        StoreError) is an ``internal_error``, logged rate-limited."""
+        keys = exc.keys if isinstance(exc, StoreError) and self._node_of is not None else ()
+        self._blame(breakers, {self._node_of(key) for key in keys} if self._node_of else set())
         if isinstance(exc, StoreError):
             self._failed(exc.reason)
             return exc

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 
 class ExtauthzError(Exception):
@@ -33,9 +35,16 @@ class PolicyError(ExtauthzError):
 
 
 class StoreError(ExtauthzError):
-    """The store could not answer. ``reason`` is a stable metrics label."""
+    """The store could not answer. ``reason`` is a stable metrics label.
+
+    ``late``: the call was sent but not answered in time, so its outcome is unknown; this
+    future resolves to the answer if it comes after all (None: nothing can come).
+    ``keys``: a key of each part that failed when only some did (Redis Cluster: their
+    masters are the ones to blame); empty: the whole call."""
 
     reason = "error"
+    late: asyncio.Future[Any] | None = None
+    keys: tuple[str, ...] = ()
 
 
 class StoreTimeout(StoreError):

@@ -161,7 +161,7 @@ def validate_numbers(numbers: Mapping[str, Any], kind: str | None = None) -> dic
     as plain numbers (``limit`` stays an integer)."""
     if not numbers:
         raise OverrideError("an override sets rate/burst/cost (request_rate) or limit "
-                            "(concurrent_requests)")
+                            "(concurrent_requests, quota)")
     if kind not in PLAN_NUMBERS:  # unknown, or a fleet-wide kind (compiling says so)
         kind = "concurrent_requests" if "limit" in numbers else "request_rate"
     else:
@@ -169,7 +169,7 @@ def validate_numbers(numbers: Mapping[str, Any], kind: str | None = None) -> dic
         if unknown:
             raise OverrideError(not_fields(unknown, kind))
     model: type[RequestRatePlan] | type[ConcurrentRequestsPlan] = (
-        ConcurrentRequestsPlan if kind == "concurrent_requests" else RequestRatePlan)
+        ConcurrentRequestsPlan if kind in ("concurrent_requests", "quota") else RequestRatePlan)
     # a whole number written as 2.0 (JSON, an older CLI) is the integer 2
     given = {k: int(v) if k == "limit" and isinstance(v, float) and v.is_integer() and abs(v) < 2**63
              else v for k, v in numbers.items()}
@@ -185,7 +185,7 @@ def validate_numbers(numbers: Mapping[str, Any], kind: str | None = None) -> dic
             msg = str(err["msg"]).removeprefix("Value error, ")
             if err["type"] == "extra_forbidden":
                 msg = ("not a number of this limiter kind (request_rate: rate, burst, cost; "
-                       "concurrent_requests: limit)")
+                       "concurrent_requests, quota: limit)")
             problems.append(f"{where}: {msg}" if where else msg)
         raise OverrideError("; ".join(problems)) from None
     out: dict[str, float] = parsed.model_dump(exclude_none=True)

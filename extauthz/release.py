@@ -7,7 +7,8 @@ Four paths lead here (the ``path`` label of ``extauthz_lease_releases_total``):
   request id found the leases (:class:`~extauthz.server.services.LeaseIndex`);
 * ``cancelled_check``: Envoy reset a Check after we answered (client gone);
 * ``abandoned_answer``: a store call the engine stopped waiting for (deadline, or the
-  Check cancelled) landed admitted: what it committed is given back at once.
+  Check cancelled, or the store gave up on it after sending it: a stalled Redis runs it
+  when it resumes) landed admitted: what it committed is given back at once.
 
 The embedded store releases within the call (no task). Any other store releases in a
 tracked background task: its outcome is counted (``released``, ``none`` when the store
@@ -146,9 +147,16 @@ class Releaser:
 
     def abandoned(self, ops: Sequence[Op], lease_id: str) -> Callable[[asyncio.Future[CheckResult]], None]:
         """A done callback for a store call nobody waits for any more: when it lands
-        admitted, the leases it committed are given back (path ``abandoned_answer``)."""
+        admitted, the leases it committed are given back (path ``abandoned_answer``). A
+        call that failed after it was sent (its outcome unknown: the error's ``late``) is
+        followed to the answer that comes after all."""
         def landed(call: asyncio.Future[CheckResult]) -> None:
-            if call.cancelled() or call.exception() is not None:
+            if call.cancelled():
+                return
+            if (error := call.exception()) is not None:
+                late = getattr(error, "late", None)
+                if late is not None:  # sent, unanswered: its answer may still come
+                    late.add_done_callback(landed)
                 return  # nothing committed (or nothing known): the failure was counted
             result = call.result()
             if not result.admitted:

@@ -76,6 +76,8 @@ class Verdict:
     quota: Quota | None = None
     #: a sentence for people: what was exceeded and what to do (denials only).
     detail: str = ""
+    #: quota: when its window ends (Unix seconds), named in the refusal's body.
+    resets_at: float | None = None
 
     @property
     def refused(self) -> bool:
@@ -99,6 +101,9 @@ class Decision:
     lease_id: str = ""
     #: fail-open reasons met while deciding (``timeout``, ``circuit_open``, ...).
     failures: tuple[str, ...] = field(default_factory=tuple)
+    #: limiters that did not apply because a part of their key yielded nothing
+    #: (``extauthz_limiter_skipped_total{limiter,reason="key_missing"}``).
+    skipped: tuple[str, ...] = ()
 
     @property
     def http_status(self) -> int:

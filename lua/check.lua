@@ -16,6 +16,7 @@
 --   admits  tokens + TOKEN_EPSILON >= cost
 --   take    t = max(0, tokens - cost)
 --   sweep   a lease with expiry <= now is gone; lease_admits: limit <= 0 or live < limit
+--   count   count_admits: count + cost <= limit (integers)
 --   grant   (batched grants) grant_pool = min(burst, tokens + held); admits: pool +
 --           TOKEN_EPSILON >= cost; grant_size = min(want, pool); t = max(0, pool - grant)
 --   return  give_back: t = min(burst, tokens + amount); always allows
@@ -33,11 +34,14 @@
 --   ARGV[j]     lease id: the ZSET member added for each committed lease op
 --   ARGV[j+1]   n, the number of ops of this request
 --   then 5 ARGV per op i, starting at a = j + 2 + 5*(i-1):
---   ARGV[a]     "b" token bucket | "l" lease | "r" release | "g" grant | "u" return (unspent grant)
+--   ARGV[a]     "b" token bucket | "l" lease | "q" quota count | "r" release | "g" grant |
+--               "u" return (unspent grant)
 --   ARGV[a+1]   "1" enforce | "0" shadow (a release: "0")
 --   bucket:     ARGV[a+2] rate (tokens/s), ARGV[a+3] burst (tokens), ARGV[a+4] cost (tokens)
 --   lease:      ARGV[a+2] limit (live leases; 0 = count only, never refuses),
 --               ARGV[a+3] lease ttl (s, float), ARGV[a+4] unused
+--   count:      ARGV[a+2] limit (requests per window), ARGV[a+3] cost, ARGV[a+4] ttl (s,
+--               integer: the window's end plus a margin, given to a new count)
 --   release:    ZREM the entry's lease id from the key (a ZSET of leases); ARGV[a+2..a+4]
 --               unused; ok = the key held it (releasing twice is harmless); nothing to commit
 --   grant:      ARGV[a+2] rate, ARGV[a+3] burst, ARGV[a+4] "<cost> <want> <held>" (%.17g
@@ -54,6 +58,9 @@
 --           long is full again, so deleting it changes nothing). The key names differ from
 --           the old HASH layout's (extauthz.store.keys: rr2 vs rr), so servers of both
 --           versions never read each other's keys (a GET on a hash is WRONGTYPE).
+--   count   STRING: the window's count (an integer); the key names the window (its start),
+--           so a new window is a new key. Created with SET ... EX ttl on the window's first
+--           commit, then INCRBY (the TTL stays): the count expires after its window.
 --   lease   ZSET member = lease id, score = expiry time (now + ttl, s); members with
 --           score <= now are swept (ZREMRANGEBYSCORE -inf now) before counting;
 --           PEXPIRE max(1000, ceil(ttl*1000)) ms on commit (the newest lease's lifetime)
@@ -63,7 +70,8 @@
 --                   failed for this request (each value_i is then the error message)
 --   value_i         state BEFORE this request's commit, as seen at "now":
 --                   bucket, grant, return: tokens available (refilled to now, at most burst);
---                   lease: live leases (after the sweep); release: 0;
+--                   lease: live leases (after the sweep); count: the window's count;
+--                   release: 0;
 --                   as a "%.17g" string (Redis truncates Lua numbers in replies to integers).
 --   The caller derives the rest from its own op parameters (algorithms.op_result).
 
@@ -85,6 +93,7 @@ local out = {}
 local buckets = {}  -- bucket key -> {tokens, ts} as stored now (false: no state)
 local live = {}     -- lease key -> live leases (swept at now)
 local expiry = {}   -- lease key -> the PEXPIRE (ms) this call set, while still in force
+local counts = {}   -- count key -> the window's count now (false: no key yet)
 
 -- One request: its n ops use KEYS[k + 1 .. k + n] and the ARGV from j on; its answer is
 -- appended to res.
@@ -127,6 +136,16 @@ local function check(k, j, n, res)
         ok[i] = tokens + TOKEN_EPSILON >= tonumber(ARGV[a + 4])
       end
       value[i] = tokens
+    elseif kind == 'q' then
+      local limit, cost = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+      local count = counts[key]
+      if count == nil then
+        local stored = redis.call('GET', key)
+        count = stored and tonumber(stored) or false
+        counts[key] = count
+      end
+      value[i] = count or 0
+      ok[i] = value[i] + cost <= limit
     elseif kind == 'l' then
       local limit = tonumber(ARGV[a + 2])
       local count = live[key]
@@ -176,6 +195,14 @@ local function check(k, j, n, res)
         end
         redis.call('SET', key, fmt(left) .. ' ' .. fmt(stamp), 'EX', math.max(1, math.ceil(2 * burst / rate)))
         buckets[key] = {left, stamp}
+      elseif kind == 'q' then
+        local cost = tonumber(ARGV[a + 3])
+        if counts[key] then
+          redis.call('INCRBY', key, cost)
+        else
+          redis.call('SET', key, cost, 'EX', tonumber(ARGV[a + 4]))
+        end
+        counts[key] = value[i] + cost
       elseif kind == 'l' then
         local ttl = tonumber(ARGV[a + 3])
         local added = redis.call('ZADD', key, fmt(now + ttl), lease_id)

@@ -9,13 +9,15 @@ from ..policy.model import Policy
 from ..policy.schema import (
     ConcurrentRequestsSpec,
     FleetUsageSpec,
+    QuotaSpec,
     RequestRateSpec,
     WorkerUtilizationSpec,
 )
 from ..store.keys import Keys
-from .base import Limiter
+from .base import KeyOf, Limiter
 from .concurrent import ConcurrentRequestsLimiter
 from .fleet import FleetUsageShedder
+from .quota import QuotaLimiter
 from .request_rate import RequestRateLimiter
 from .worker import WorkerUtilizationShedder
 
@@ -23,6 +25,7 @@ __all__ = [
     "ConcurrentRequestsLimiter",
     "FleetUsageShedder",
     "Limiter",
+    "QuotaLimiter",
     "RequestRateLimiter",
     "WorkerUtilizationShedder",
     "build_limiters",
@@ -40,10 +43,14 @@ def build_limiters(policy: Policy, keys: Keys, rng: random.Random | None = None,
             break
     out: list[Limiter] = []
     for spec in policy.limiters:
+        if isinstance(spec, (RequestRateSpec, ConcurrentRequestsSpec, QuotaSpec)):
+            key = KeyOf(policy.key_index.get(spec.name), spec.on_missing_key == "shared")
         if isinstance(spec, RequestRateSpec):
-            out.append(RequestRateLimiter(spec, keys, clock))
+            out.append(RequestRateLimiter(spec, keys, clock, key))
         elif isinstance(spec, ConcurrentRequestsSpec):
-            out.append(ConcurrentRequestsLimiter(spec, keys))
+            out.append(ConcurrentRequestsLimiter(spec, keys, key))
+        elif isinstance(spec, QuotaSpec):
+            out.append(QuotaLimiter(spec, keys, clock, key))
         elif isinstance(spec, FleetUsageSpec):
             out.append(FleetUsageShedder(spec, keys))
         elif isinstance(spec, WorkerUtilizationSpec):

@@ -31,6 +31,10 @@ class Limiter(Protocol):
     @property
     def applies_to(self) -> Matcher: ...
 
+    def key_missing(self, ctx: RequestContext) -> bool:
+        """True when a part of this limiter's key yields nothing for ``ctx`` (and the
+        limiter skips such requests): it does not apply (``key_missing``)."""
+
     def local(self, ctx: RequestContext, enforce: bool) -> Verdict | None:
         """A verdict reached without the store, or None."""
 
@@ -58,3 +62,29 @@ def denied_outcome(enforce: bool) -> Outcome:
 
 def applies(matcher: Matcher, ctx: RequestContext) -> bool:
     return matcher.matches(ctx.method, ctx.path, ctx.host, ctx.headers, ctx.tier)
+
+
+class KeyOf:
+    """What a limiter counts per: the identity (no ``key``, or ``[{identity: true}]``), or
+    its key's value in ``RequestContext.keys`` (``Policy.key_index``). ``shared``
+    (``on_missing_key: shared``): a request whose key is missing counts in the key's one
+    shared bucket instead of skipping the limiter."""
+
+    __slots__ = ("index", "shared")
+
+    def __init__(self, index: int | None = None, shared: bool = False) -> None:
+        self.index = index
+        self.shared = shared
+
+    def of(self, ctx: RequestContext) -> str | None:
+        """The hashed key of ``ctx`` (a store-key identity), or None: the limiter skips it."""
+        if self.index is None:
+            return ctx.identity
+        if self.index >= len(ctx.keys):  # a context classified for another policy
+            return None
+        value, missing = ctx.keys[self.index]
+        return None if missing and not self.shared else value
+
+
+#: counts per identity (today's behaviour without ``key``)
+BY_IDENTITY = KeyOf()

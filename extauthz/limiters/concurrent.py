@@ -16,7 +16,7 @@ from ..policy.schema import PLAN_NUMBERS, ConcurrentRequestsSpec, not_fields
 from ..store.base import LeaseOp, OpResult
 from ..store.keys import Keys
 from ..verdict import Kind, Limits, Outcome, Quota, Verdict
-from .base import customer_limits, denied_outcome
+from .base import BY_IDENTITY, KeyOf, customer_limits, denied_outcome
 
 #: seconds a client is told to wait after a concurrency refusal.
 RETRY_AFTER = 1.0
@@ -31,8 +31,9 @@ def lease_limits(limit: int) -> Limits:
 class ConcurrentRequestsLimiter:
     kind = Kind.RATE_LIMITER
 
-    def __init__(self, spec: ConcurrentRequestsSpec, keys: Keys) -> None:
+    def __init__(self, spec: ConcurrentRequestsSpec, keys: Keys, key: KeyOf = BY_IDENTITY) -> None:
         self.name = spec.name
+        self.key = key
         self.failure_mode = spec.failure_mode
         self.applies_to = compile_match(spec.applies_to)
         self.limit = spec.limit
@@ -57,12 +58,15 @@ class ConcurrentRequestsLimiter:
         """This customer's numbers: an override, else its plan's, else the limiter's own."""
         return customer_limits(self.name, ctx, self.plans, self.own)
 
+    def key_missing(self, ctx: RequestContext) -> bool:
+        return self.key.of(ctx) is None
+
     def local(self, ctx: RequestContext, enforce: bool) -> Verdict | None:
         return None
 
     def op(self, ctx: RequestContext, enforce: bool) -> LeaseOp:
-        return LeaseOp(self._keys.user_leases(self.name, ctx.identity), self.limits(ctx).limit, self.ttl,
-                       enforce)
+        return LeaseOp(self._keys.user_leases(self.name, self.key.of(ctx) or ctx.identity),
+                       self.limits(ctx).limit, self.ttl, enforce)
 
     def verdict(self, ctx: RequestContext, result: OpResult, enforce: bool) -> Verdict:
         n = self.limits(ctx)

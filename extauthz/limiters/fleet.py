@@ -39,6 +39,9 @@ class FleetUsageShedder:
     def lease_keys(self) -> tuple[str, str]:
         return self.critical_key, self.other_key
 
+    def key_missing(self, ctx: RequestContext) -> bool:
+        return False  # fleet-wide: no key
+
     def local(self, ctx: RequestContext, enforce: bool) -> Verdict | None:
         return None
 

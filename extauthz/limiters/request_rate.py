@@ -34,7 +34,7 @@ from ..policy.schema import (
 from ..store.base import BucketOp, GrantOp, OpResult
 from ..store.keys import Keys
 from ..verdict import Kind, Limits, Outcome, Quota, Verdict
-from .base import customer_limits, denied_outcome
+from .base import BY_IDENTITY, KeyOf, customer_limits, denied_outcome
 from .grants import GrantTable, default_batch
 from .refusals import RefusalCache
 
@@ -62,8 +62,10 @@ def _merged(base: Limits, numbers: Mapping[str, float | None]) -> Limits:
 class RequestRateLimiter:
     kind = Kind.RATE_LIMITER
 
-    def __init__(self, spec: RequestRateSpec, keys: Keys, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(self, spec: RequestRateSpec, keys: Keys, clock: Clock = SYSTEM_CLOCK,
+                 key: KeyOf = BY_IDENTITY) -> None:
         self.name = spec.name
+        self.key = key
         self.failure_mode = spec.failure_mode
         self.applies_to = compile_match(spec.applies_to)
         self.rate = spec.rate
@@ -107,6 +109,12 @@ class RequestRateLimiter:
         """This customer's numbers: an override, else its plan's, else the limiter's own."""
         return customer_limits(self.name, ctx, self.plans, self.own)
 
+    def key_missing(self, ctx: RequestContext) -> bool:
+        return self.key.of(ctx) is None
+
+    def _bucket(self, ctx: RequestContext) -> str:
+        return self._keys.bucket(self.name, self.key.of(ctx) or ctx.identity)
+
     def want(self, n: Limits) -> float:
         """Tokens one grant takes for a customer with numbers ``n`` (``batch``, default
         :func:`.grants.default_batch`), at least one request's cost."""
@@ -117,14 +125,14 @@ class RequestRateLimiter:
     def local(self, ctx: RequestContext, enforce: bool) -> Verdict | None:
         if enforce and self.refusals is not None:  # a shadow limiter never blocks
             n = self.limits(ctx)
-            refused = self.refusals.refusal(self._keys.bucket(self.name, ctx.identity),
+            refused = self.refusals.refusal(self._bucket(ctx),
                                             n.rate, n.burst, n.cost)
             if refused is not None:
                 return refused
         if self.grants is None:
             return None
         n = self.limits(ctx)
-        remaining = self.grants.spend(self._keys.bucket(self.name, ctx.identity), n.cost,
+        remaining = self.grants.spend(self._bucket(ctx), n.cost,
                                       n.rate, n.burst)
         if remaining is None:
             return None
@@ -141,7 +149,7 @@ class RequestRateLimiter:
         its cost goes back to the grant (batched grants only)."""
         if self.grants is not None:
             n = self.limits(ctx)
-            self.grants.restore(self._keys.bucket(self.name, ctx.identity), n.cost, n.rate, n.burst)
+            self.grants.restore(self._bucket(ctx), n.cost, n.rate, n.burst)
 
     def op(self, ctx: RequestContext, enforce: bool) -> BucketOp | GrantOp | None:
         if self._spent is not None:
@@ -149,7 +157,7 @@ class RequestRateLimiter:
             if spent is ctx:
                 return None
         n = self.limits(ctx)
-        key = self._keys.bucket(self.name, ctx.identity)
+        key = self._bucket(ctx)
         if self.grants is not None:
             return GrantOp(key, n.rate, n.burst, n.cost, self.want(n), enforce,
                            self.grants.lend(key, n.rate, n.burst))
@@ -158,7 +166,7 @@ class RequestRateLimiter:
     def verdict(self, ctx: RequestContext, result: OpResult, enforce: bool) -> Verdict:
         n = self.limits(ctx)
         if self.grants is not None:
-            key = self._keys.bucket(self.name, ctx.identity)
+            key = self._bucket(ctx)
             if result.extra <= 0.0:  # nothing committed: the remainder lent stays here
                 self.grants.restore(key, -result.extra, n.rate, n.burst)
             if result.allowed:
@@ -179,6 +187,6 @@ class RequestRateLimiter:
                     f"{n.burst:g} requests, refilled at {n.rate:g} per second. "
                     f"Slow down and retry after the Retry-After delay."))
         if enforce and self.refusals is not None:
-            self.refusals.remember(self._keys.bucket(self.name, ctx.identity), refused,
+            self.refusals.remember(self._bucket(ctx), refused,
                                    n.rate, n.burst, n.cost)
         return refused

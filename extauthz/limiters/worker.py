@@ -60,6 +60,9 @@ class WorkerUtilizationShedder:
         self.utilization = utilization
         self.probabilities = drop_probabilities(level)
 
+    def key_missing(self, ctx: RequestContext) -> bool:
+        return False  # fleet-wide: no key
+
     def local(self, ctx: RequestContext, enforce: bool) -> Verdict:
         p = self.probabilities[ctx.tier]
         if p > 0.0 and self._rng.random() < p:

@@ -104,17 +104,36 @@ class DecisionLog:
         for v in decision.verdicts:
             if v.outcome in _LOGGED:
                 self._record(ctx, decision, v)
+        for name in decision.skipped:
+            self._skipped(ctx, decision, name)
 
-    def _record(self, ctx: RequestContext, decision: Decision, v: Verdict) -> None:
+    def _admit(self) -> bool:
+        """Whether one more record fits this second's budget (else counted as suppressed)."""
         window = int(self._clock.monotonic())
         if window != self._window:
             self._window, self._count = window, 0
         if self._count >= self.max_per_second:
             self.suppressed += 1
             self.suppressed_total += 1
-            return
+            return False
         self._count += 1
         self.written += 1
+        return True
+
+    def _skipped(self, ctx: RequestContext, decision: Decision, limiter: str) -> None:
+        """A limiter that did not apply: a part of its key yielded nothing."""
+        if not self._admit():
+            return
+        fields: dict[str, Any] = {
+            "event": "decision", "outcome": "skipped", "limiter": limiter, "reason": "key_missing",
+            "tier": ctx.tier.value, "identity": ctx.identity, "identity_source": ctx.identity_source,
+            "route": route_of(ctx), "request_id": ctx.request_id, "status": decision.http_status,
+        }
+        self.log.info("skipped by %s (key_missing)", limiter, extra={"fields": fields})
+
+    def _record(self, ctx: RequestContext, decision: Decision, v: Verdict) -> None:
+        if not self._admit():
+            return
         fields: dict[str, Any] = {
             "event": "decision",
             "outcome": v.outcome.value,

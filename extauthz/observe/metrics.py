@@ -74,6 +74,12 @@ class Metrics:
             "extauthz_store_call_seconds", "Latency of the one store call a check makes.",
             buckets=STORE_BUCKETS, registry=self.registry,
         )
+        self.skipped = Counter(
+            "extauthz_limiter_skipped", "Requests a limiter did not apply to, by limiter and "
+            "reason (key_missing: a part of its key yielded nothing).",
+            ["limiter", "reason"], registry=self.registry,
+        )
+        self._skipped: dict[str, Any] = {}
         self._decisions: dict[tuple[str, Tier, str, Outcome], Any] = {}
         self._requests: dict[tuple[Tier, str], Any] = {
             (tier, result): self.requests.labels(tier.value, result) for tier in Tier for result in RESULTS
@@ -84,6 +90,8 @@ class Metrics:
         ``policy`` (plans: the names the policy knows, so the label stays bounded)."""
         plans = sorted(policy.plan_names) or [""]
         for spec in policy.limiters:
+            if getattr(spec, "key", None) and spec.name not in self._skipped:
+                self._skipped[spec.name] = self.skipped.labels(spec.name, "key_missing")
             for tier in Tier:
                 for plan in plans:
                     for outcome in Outcome:
@@ -103,6 +111,11 @@ class Metrics:
                 child = children[(v.limiter, tier, plan, v.outcome)] = self.decisions.labels(
                     v.limiter, tier.value, plan, v.outcome.value)
             child.inc()
+        for name in decision.skipped:
+            skipped = self._skipped.get(name)
+            if skipped is None:
+                skipped = self._skipped[name] = self.skipped.labels(name, "key_missing")
+            skipped.inc()
         self._requests[(tier, request_result(decision))].inc()
 
     def request_counts(self) -> dict[str, Any]:
@@ -203,8 +216,22 @@ class StateCollector:
             ctl.add_metric([w.name], w.level)
             for tier, p in w.probabilities.items():
                 level.add_metric([w.name, tier.value], p)
+        util = GaugeMetricFamily("extauthz_shed_utilization", "The utilization signal each "
+                                 "worker_utilization shedder read last (absent before its first "
+                                 "sample).", labels=["limiter"])
+        for w in snap.workers:
+            if w.utilization is not None:
+                util.add_metric([w.name], w.utilization)
         yield level
         yield ctl
+        yield util
+        capacity = GaugeMetricFamily("extauthz_fleet_capacity", "In-flight requests each "
+                                     "fleet_usage shedder allows the whole fleet (all tiers), "
+                                     "to set against extauthz_leases_in_flight.", labels=["limiter"])
+        for lim in snap.limiters:
+            if isinstance(lim, FleetUsageShedder):
+                capacity.add_metric([lim.name], lim.capacity)
+        yield capacity
 
         info = GaugeMetricFamily("extauthz_policy_info", "The policy version being served (1).",
                                  labels=["version"])
@@ -262,7 +289,7 @@ class StateCollector:
 
         breaker = GaugeMetricFamily("extauthz_store_breaker_open", "1 while the store circuit "
                                     "breaker skips the store (open or half-open).")
-        breaker.add_metric([], 0 if engine.breaker.state == "closed" else 1)
+        breaker.add_metric([], 0 if engine.breaker_state == "closed" else 1)
         yield breaker
 
         if self.reload is not None:

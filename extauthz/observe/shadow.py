@@ -67,7 +67,11 @@ class ShadowRecorder:
                 continue
             self.recorded += 1
             headroom = v.remaining / v.limit if v.remaining is not None and v.limit else None
-            group = (v.limiter, ctx.tier.value, ctx.plan, route_of(ctx), ctx.identity, ctx.identity_source)
+            who, source = ctx.identity, ctx.identity_source
+            index = policy.key_index.get(v.limiter) if ctx.keys else None
+            if index is not None and index < len(ctx.keys):  # a keyed limiter: who it counts
+                who, source = ctx.keys[index][0], policy.keys[index].label
+            group = (v.limiter, ctx.tier.value, ctx.plan, route_of(ctx), who, source)
             entry = self._pending.get(group)
             if entry is None:
                 if len(self._pending) >= self.max_pending:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..tiers import Tier
-from .schema import AppliesTo, IdentityRule, LimiterSpec, Match, PolicyFile
+from .schema import AppliesTo, Classification, IdentityRule, KeyPart, LimiterSpec, Match, PolicyFile
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +50,12 @@ def compile_match(m: Match | AppliesTo) -> Matcher:
 
 
 MetadataPath = tuple[str, ...]
+#: a path in route metadata: keys and list indexes (``classify.path_value`` follows it).
+RoutePath = tuple[str | int, ...]
+#: (namespace, path) of a value in the route's filter metadata.
+RouteRef = tuple[str, RoutePath]
+#: where the route names its tier when the policy does not say.
+DEFAULT_ROUTE_TIER: RouteRef = ("extauthz", ("tier",))
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +76,41 @@ class IdentitySource:
         if self.metadata is not None:
             return f"metadata:{self.metadata[0]}:{'.'.join(self.metadata[1])}"
         return f"header:{self.header}"
+
+
+@dataclass(frozen=True, slots=True)
+class KeySource:
+    """One compiled key part (``schema.KeyPart``): ``kind`` is its field name."""
+
+    kind: str
+    #: header, source_ip, principal, metadata: the same extraction as an identity rule.
+    source: IdentitySource | None = None
+    #: context_extension: its name.
+    name: str = ""
+    #: route, route_metadata: where in the route's metadata.
+    route: RouteRef | None = None
+
+    @property
+    def label(self) -> str:
+        if self.source is not None:
+            return self.source.label
+        if self.name:
+            return f"context_extension:{self.name}"
+        if self.kind == "route_metadata" and self.route is not None:
+            return f"route_metadata:{self.route[0]}:{'.'.join(map(str, self.route[1]))}"
+        return self.kind
+
+
+@dataclass(frozen=True, slots=True)
+class KeySpec:
+    """A limiter's key: the parts' values, in order, hashed into one store-key identity."""
+
+    parts: tuple[KeySource, ...]
+
+    @property
+    def label(self) -> str:
+        """What the key is made of (``key:header:x-api-key+method``): the hash's domain."""
+        return "key:" + "+".join(p.label for p in self.parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +138,8 @@ class Policy:
     identity: tuple[IdentitySource, ...]
     test_key_prefix: str | None
     test_header: str | None
-    route_metadata_namespace: str
+    #: where the route's metadata names the tier (``classification.route_metadata``).
+    route_metadata: RouteRef
     context_extension_key: str
     rules: tuple[Rule, ...]
     limiters: tuple[LimiterSpec, ...]
@@ -108,6 +150,10 @@ class Policy:
     plan_default: str = ""
     #: the plans the policy names (the default and every limiter's ``plans`` keys).
     plan_names: frozenset[str] = frozenset()
+    #: the distinct keys of keyed limiters (a key other than ``[{identity: true}]``), and
+    #: each keyed limiter's index into them (``RequestContext.keys`` holds their values).
+    keys: tuple[KeySpec, ...] = ()
+    key_index: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def longest_lease_ttl(self) -> float:
@@ -118,7 +164,7 @@ class Policy:
     @property
     def needed_headers(self) -> frozenset[str]:
         """The request headers the engine reads; the edge copies only these."""
-        names = {s.header for s in (*self.identity, *self.plan_sources) if s.header}
+        names = {s.header for s in (*self.identity, *self.plan_sources, *self._key_sources) if s.header}
         if self.test_header:
             names.add(self.test_header)
         for rule in self.rules:
@@ -126,10 +172,31 @@ class Policy:
         return frozenset(n.lower() for n in names)
 
     @property
+    def route_metadata_namespace(self) -> str:
+        """The route metadata namespace the classifier reads (the tier's)."""
+        return self.route_metadata[0]
+
+    @property
+    def needed_route_metadata(self) -> tuple[RouteRef, ...]:
+        """The route-metadata values the engine reads, the tier's first; the edge extracts
+        only these."""
+        refs = [self.route_metadata]
+        for spec in self.keys:
+            for part in spec.parts:
+                if part.route is not None and part.route not in refs:
+                    refs.append(part.route)
+        return tuple(refs)
+
+    @property
+    def _key_sources(self) -> tuple[IdentitySource, ...]:
+        return tuple(p.source for spec in self.keys for p in spec.parts if p.source is not None)
+
+    @property
     def needed_metadata(self) -> Mapping[str, tuple[MetadataPath, ...]]:
         """Filter-metadata namespace -> the paths the engine reads; the edge extracts only these."""
         wanted: dict[str, list[MetadataPath]] = {}
-        refs = [s.metadata for s in (*self.identity, *self.plan_sources) if s.metadata is not None]
+        refs = [s.metadata for s in (*self.identity, *self.plan_sources, *self._key_sources)
+                if s.metadata is not None]
         if self.test_metadata is not None:
             refs.append((self.test_metadata.namespace, self.test_metadata.path))
         for namespace, path in refs:
@@ -161,6 +228,58 @@ def compile_sources(rules: Sequence[IdentityRule]) -> tuple[IdentitySource, ...]
     )
 
 
+def compile_key(parts: Sequence[KeyPart], route_namespace: str) -> KeySpec:
+    out: list[KeySource] = []
+    for part in parts:
+        if part.header is not None or part.source_ip or part.principal or part.metadata is not None:
+            out.append(KeySource("source", compile_sources([IdentityRule(
+                header=part.header, strip_prefix=part.strip_prefix, source_ip=bool(part.source_ip),
+                metadata=part.metadata, principal=bool(part.principal))])[0]))
+        elif part.context_extension is not None:
+            out.append(KeySource("context_extension", name=part.context_extension))
+        elif part.route:
+            out.append(KeySource("route", route=(route_namespace, ("route",))))
+        elif part.route_metadata is not None:
+            out.append(KeySource("route_metadata", route=(part.route_metadata.namespace,
+                                                          tuple(part.route_metadata.path))))
+        else:
+            out.append(KeySource(next(f for f in ("identity", "method", "host", "plan")
+                                      if getattr(part, f))))
+    return KeySpec(tuple(out))
+
+
+def compile_keys(limiters: Sequence[LimiterSpec], route_namespace: str
+                 ) -> tuple[tuple[KeySpec, ...], dict[str, int]]:
+    """The distinct keys of the keyed limiters and each one's index; a limiter without
+    ``key`` or with ``[{identity: true}]`` counts per identity (no entry)."""
+    specs: list[KeySpec] = []
+    index: dict[str, int] = {}
+    for spec in limiters:
+        parts = getattr(spec, "key", None)
+        if not parts:
+            continue
+        key = compile_key(parts, route_namespace)
+        if key.parts == (KeySource("identity"),):
+            continue
+        if key not in specs:
+            specs.append(key)
+        index[spec.name] = specs.index(key)
+    return tuple(specs), index
+
+
+def route_tier_ref(classification: Classification | None) -> RouteRef:
+    """Where the tier is read: ``route_metadata``, or its short form
+    ``route_metadata_namespace: NS`` (``{namespace: NS, path: [tier]}``), or the default."""
+    if classification is None:
+        return DEFAULT_ROUTE_TIER
+    if classification.route_metadata is not None:
+        ref = classification.route_metadata
+        return ref.namespace, tuple(ref.path)
+    if classification.route_metadata_namespace is not None:
+        return classification.route_metadata_namespace, DEFAULT_ROUTE_TIER[1]
+    return DEFAULT_ROUTE_TIER
+
+
 def compile_policy(files: Sequence[PolicyFile], *, version: str,
                    sources: tuple[str, ...] = ()) -> Policy:
     identity = next((f.identity for f in files if f.identity is not None), None)
@@ -168,13 +287,15 @@ def compile_policy(files: Sequence[PolicyFile], *, version: str,
     test_mode = next((f.test_mode for f in files if f.test_mode is not None), None)
     classification = next((f.classification for f in files if f.classification is not None), None)
     limiters = tuple(spec for f in files for spec in f.limiters)
+    route_metadata = route_tier_ref(classification)
+    keys, key_index = compile_keys(limiters, route_metadata[0])
     return Policy(
         version=version,
         sources=sources,
         identity=compile_sources(identity) if identity else DEFAULT_IDENTITY,
         test_key_prefix=test_mode.key_prefix if test_mode else None,
         test_header=test_mode.header.lower() if test_mode and test_mode.header else None,
-        route_metadata_namespace=classification.route_metadata_namespace if classification else "extauthz",
+        route_metadata=route_metadata,
         context_extension_key=classification.context_extension_key if classification else "tier",
         rules=tuple(
             Rule(compile_match(r.match), Tier(r.tier)) for r in classification.rules
@@ -188,4 +309,6 @@ def compile_policy(files: Sequence[PolicyFile], *, version: str,
         plan_names=frozenset(
             [plan.default, *(name for spec in limiters for name in (getattr(spec, "plans", None) or {}))]
         ) if plan else frozenset(),
+        keys=keys,
+        key_index=key_index,
     )

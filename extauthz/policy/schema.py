@@ -7,6 +7,7 @@ request path only reads numbers. See ``docs/policy.md`` for the field reference.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -109,6 +110,36 @@ class _Strict(BaseModel):
 MetadataPath = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=16)]
 
 
+#: a path in route metadata: keys through nested structs and indexes into lists
+#: (Envoy Gateway files a route's resources as a list: ``[resources, 0, annotations, x]``).
+def _path_item(value: Any) -> Any:
+    if (isinstance(value, str) and value) or (type(value) is int and value >= 0):
+        return value
+    raise ValueError("a path item is a key (a non-empty string) or a list index (an integer >= 0)")
+
+
+RouteMetadataPath = Annotated[
+    list[Annotated[str | int, BeforeValidator(_path_item),
+                   WithJsonSchema({"anyOf": [{"type": "string", "minLength": 1},
+                                             {"type": "integer", "minimum": 0}]})]],
+    Field(min_length=1, max_length=16),
+]
+
+
+class RouteMetadataRef(_Strict):
+    """A value in the route's ``metadata.filter_metadata`` (the CheckRequest's
+    ``route_metadata_context``)."""
+
+    namespace: str = Field(
+        min_length=1, description="filter_metadata namespace of the route, e.g. 'envoy-gateway' "
+        "(the ext_authz filter must list it in 'route_metadata_context_namespaces')."
+    )
+    path: RouteMetadataPath = Field(
+        description="Keys followed through nested structs and indexes into lists, e.g. "
+        "[resources, 0, annotations, extauthz-tier]."
+    )
+
+
 class MetadataRef(_Strict):
     """A value in the CheckRequest's ``metadata_context.filter_metadata``."""
 
@@ -164,6 +195,59 @@ class TestModeMetadata(MetadataRef):
         description="The value meaning test mode; strings compare exactly, numbers by value, "
         "booleans only with booleans."
     )
+def _true_only(value: Any) -> Any:
+    if value is not True:
+        raise ValueError("a key part's flag is 'true' (leave the part out otherwise)")
+    return value
+
+
+TrueFlag = Annotated[bool, BeforeValidator(_true_only)]
+
+
+class KeyPart(_Strict):
+    """One part of a limiter's key: exactly one field. A part that yields no value means
+    the limiter does not apply to the request (or, with ``on_missing_key: shared``, that
+    the request counts in one shared bucket)."""
+
+    identity: TrueFlag | None = Field(None, description="The policy's identity (always yields).")
+    header: str | None = Field(None, min_length=1, description="A request header's value.")
+    strip_prefix: str | None = Field(
+        None, description="With 'header': the prefix removed (e.g. 'Bearer '); a value "
+        "without it yields nothing.")
+    source_ip: TrueFlag | None = Field(None, description="The downstream peer address.")
+    principal: TrueFlag | None = Field(None, description="The mTLS peer principal.")
+    metadata: MetadataRef | None = Field(
+        None, description="A string or number in the request's filter metadata (e.g. a "
+        "verified JWT claim).")
+    method: TrueFlag | None = Field(None, description="The request method (upper case).")
+    host: TrueFlag | None = Field(None, description="The host, without port, lower case.")
+    route: TrueFlag | None = Field(
+        None, description="The route's name: 'route' in the classifier's route metadata "
+        "namespace, else the context extension 'route'.")
+    route_metadata: RouteMetadataRef | None = Field(
+        None, description="A string or number in the route's metadata.")
+    context_extension: str | None = Field(
+        None, min_length=1, description="A per-route context extension, by name.")
+    plan: TrueFlag | None = Field(None, description="The request's plan.")
+
+    @model_validator(mode="after")
+    def _one_part(self) -> KeyPart:
+        if self.strip_prefix is not None and self.header is None:
+            raise ValueError("'strip_prefix' needs 'header'")
+        named = [f for f in KEY_PARTS if getattr(self, f) is not None]
+        if len(named) != 1:
+            raise ValueError("a key part names exactly one of " + ", ".join(f"'{f}'" for f in KEY_PARTS))
+        return self
+
+
+KEY_PARTS = ("identity", "header", "source_ip", "principal", "metadata", "method", "host", "route",
+             "route_metadata", "context_extension", "plan")
+Key = Annotated[list[KeyPart], Field(min_length=1, max_length=8)]
+OnMissingKey = Literal["skip", "shared"]
+
+
+
+
 class PlanSpec(_Strict):
     """Where a request's plan comes from (the same rule shapes as ``identity``; the first
     rule that yields a value wins), and the plan of every other request."""
@@ -207,14 +291,15 @@ class RequestRatePlan(_Strict):
 
 
 class ConcurrentRequestsPlan(_Strict):
-    """A ``concurrent_requests`` limiter's number for one plan."""
+    """A ``concurrent_requests`` (or ``quota``) limiter's number for one plan."""
 
     limit: Count
 
 
 #: the numbers a plan entry (and a live override) of each per-customer limiter kind sets.
 PLAN_NUMBERS: dict[str, tuple[str, ...]] = {"request_rate": ("rate", "burst", "cost"),
-                                            "concurrent_requests": ("limit",)}
+                                            "concurrent_requests": ("limit",),
+                                            "quota": ("limit",)}
 
 
 def not_fields(names: list[str], kind: str) -> str:
@@ -223,6 +308,9 @@ def not_fields(names: list[str], kind: str) -> str:
     if len(names) == 1:
         return f"{names[0]} is not a {kind} field ({fields})"
     return f"{', '.join(names)} are not {kind} fields ({fields})"
+
+
+QuotaPlan = ConcurrentRequestsPlan
 
 
 def cost_message(cost: float, burst: float) -> str:
@@ -248,16 +336,23 @@ def bucket_problem(rate: float, burst: float, cost: float) -> str | None:
     return refill_problem(rate, burst)
 
 
-def _no_plans(value: Any) -> Any:
-    if value is not None:
-        raise ValueError("plans are per customer; this limiter protects the whole fleet and "
-                         "takes none (only request_rate and concurrent_requests do)")
-    return value
+def _fleet_takes_none(what: str) -> Callable[[Any], Any]:
+    """The validator of a per-customer field on a fleet-wide limiter: refused when set."""
+    def check(value: Any) -> Any:
+        if value is not None:
+            raise ValueError(f"{what} per customer; this limiter protects the whole fleet and "
+                             "takes none (only request_rate, concurrent_requests and quota do)")
+        return value
+    return check
 
 
 NoPlans = Annotated[
-    None, BeforeValidator(_no_plans),
+    None, BeforeValidator(_fleet_takes_none("plans are")),
     Field(description="Not allowed: fleet-wide limiters have no per-customer plans."),
+]
+NoKey = Annotated[
+    None, BeforeValidator(_fleet_takes_none("a key is")),
+    Field(description="Not allowed: fleet-wide limiters count the whole fleet."),
 ]
 
 
@@ -291,11 +386,22 @@ class ClassificationRule(_Strict):
 
 
 class Classification(_Strict):
-    route_metadata_namespace: str = Field(
-        "extauthz", description="filter_metadata namespace of the route holding 'tier'."
+    route_metadata: RouteMetadataRef | None = Field(
+        None, description="Where the route's metadata names its tier (default: namespace "
+        "'extauthz', path [tier])."
+    )
+    route_metadata_namespace: str | None = Field(
+        None, min_length=1, description="Short form of route_metadata: {namespace: NS, path: [tier]}."
     )
     context_extension_key: str = Field("tier", description="context_extensions key naming the tier.")
     rules: list[ClassificationRule] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _one_route_metadata(self) -> Classification:
+        if self.route_metadata is not None and self.route_metadata_namespace is not None:
+            raise ValueError("set 'route_metadata' or its short form 'route_metadata_namespace', "
+                             "not both")
+        return self
 
 
 class AppliesTo(_Strict):
@@ -310,6 +416,15 @@ class _LimiterBase(_Strict):
     mode: ModeName = "enforce"
     applies_to: AppliesTo = Field(default_factory=AppliesTo)
     failure_mode: Literal["open", "closed"] = "open"
+
+
+class _KeyedBase(_LimiterBase):
+    key: Key | None = Field(
+        None, description="What the limiter counts per: the values of all parts, in order "
+        "(default: [{identity: true}]).")
+    on_missing_key: OnMissingKey = Field(
+        "skip", description="A request for which a key part yields nothing: 'skip' (the "
+        "limiter does not apply; counted) or 'shared' (one bucket for all such requests).")
 
 
 # -- batched grants (consistency: batched; extauthz.limiters.grants) -----------------------
@@ -345,7 +460,7 @@ class _BatchedGrants(_Strict):
         return self
 
 
-class RequestRateSpec(_BatchedGrants, _LimiterBase):
+class RequestRateSpec(_BatchedGrants, _KeyedBase):
     """Token bucket per user: ``rate`` tokens per second up to ``burst``."""
 
     type: Literal["request_rate"]
@@ -370,7 +485,7 @@ class RequestRateSpec(_BatchedGrants, _LimiterBase):
         return self
 
 
-class ConcurrentRequestsSpec(_LimiterBase):
+class ConcurrentRequestsSpec(_KeyedBase):
     """At most ``limit`` requests in flight per user."""
 
     type: Literal["concurrent_requests"]
@@ -378,6 +493,29 @@ class ConcurrentRequestsSpec(_LimiterBase):
     lease_ttl: Annotated[Duration, Field(ge=1)] = 60.0
     plans: dict[Name, ConcurrentRequestsPlan] | None = Field(
         None, description="The limit per plan; a plan not listed uses the limiter's own.")
+
+
+QuotaPeriod = Literal["minute", "hour", "day", "week", "month"]
+
+
+class QuotaSpec(_KeyedBase):
+    """At most ``limit`` requests per calendar ``period`` (UTC; weeks start on Monday)."""
+
+    type: Literal["quota"]
+    limit: Count
+    period: QuotaPeriod
+    cost: Count = 1
+    plans: dict[Name, QuotaPlan] | None = Field(
+        None, description="The limit per plan; a plan not listed uses the limiter's own.")
+
+    @model_validator(mode="after")
+    def _cost_fits(self) -> QuotaSpec:
+        for name, limit in [("", self.limit), *((n, p.limit) for n, p in (self.plans or {}).items())]:
+            if self.cost > limit:
+                where = f"plan '{name}': " if name else ""
+                raise ValueError(f"{where}cost ({self.cost}) is larger than limit ({limit}): "
+                                 "no request could ever pass")
+        return self
 
 
 class FleetUsageSpec(_LimiterBase):
@@ -388,6 +526,7 @@ class FleetUsageSpec(_LimiterBase):
     reserved_for_critical: Annotated[float, Field(ge=0, lt=1)] = 0.2
     lease_ttl: Annotated[Duration, Field(ge=1)] = 60.0
     plans: NoPlans = None
+    key: NoKey = None
 
 
 class Signal(_Strict):
@@ -420,6 +559,7 @@ class WorkerUtilizationSpec(_LimiterBase):
     time_to_shed_all: Annotated[Duration, Field(gt=0)] = 120.0
     lease_ttl: Annotated[Duration, Field(ge=1)] = 60.0
     plans: NoPlans = None
+    key: NoKey = None
 
     @model_validator(mode="after")
     def _dead_zone(self) -> WorkerUtilizationSpec:
@@ -429,10 +569,10 @@ class WorkerUtilizationSpec(_LimiterBase):
 
 
 LimiterSpec = Annotated[
-    RequestRateSpec | ConcurrentRequestsSpec | FleetUsageSpec | WorkerUtilizationSpec,
+    RequestRateSpec | ConcurrentRequestsSpec | QuotaSpec | FleetUsageSpec | WorkerUtilizationSpec,
     Field(discriminator="type"),
 ]
-LIMITER_TYPES = ("request_rate", "concurrent_requests", "fleet_usage", "worker_utilization")
+LIMITER_TYPES = ("request_rate", "concurrent_requests", "quota", "fleet_usage", "worker_utilization")
 
 
 class PolicyFile(_Strict):

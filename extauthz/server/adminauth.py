@@ -40,6 +40,8 @@ from pathlib import Path
 
 from aiohttp import web
 
+from .ports import parse_listen
+
 log = logging.getLogger("extauthz.server")
 
 #: a mutating request without a token must carry this header (any non-empty value); the CLI
@@ -155,11 +157,6 @@ class TokenFile:
         return found
 
 
-def host_of(listen: str) -> str:
-    host = listen.rpartition(":")[0].strip("[]")
-    return host or "0.0.0.0"
-
-
 def is_loopback(host: str) -> bool:
     host = host.strip("[]").lower()
     if host in LOOPBACK_NAMES:
@@ -172,7 +169,7 @@ def is_loopback(host: str) -> bool:
 
 def require_token_when_exposed(admin_listen: str | None, token_file: str | None) -> None:
     """Refuse an admin port on a non-loopback address without a token."""
-    if admin_listen is None or token_file or is_loopback(host_of(admin_listen)):
+    if admin_listen is None or token_file or is_loopback(parse_listen(admin_listen)[0]):
         return
     raise AdminConfigError(
         f"the admin port would listen on {admin_listen}, not a loopback address, without a "
@@ -239,7 +236,7 @@ class AdminGuard:
     def __init__(self, admin_listen: str, *, tokens: TokenFile | None = None,
                  hosts: Iterable[str] = ()) -> None:
         self.tokens = tokens
-        own = host_of(admin_listen).lower()
+        own = parse_listen(admin_listen)[0].lower()
         self.hosts = frozenset(hosts) | ({own} if own not in ("0.0.0.0", "::") else set())
         #: refusals by reason (shown in /status)
         self.refused: dict[str, int] = {}

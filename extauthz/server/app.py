@@ -63,6 +63,9 @@ class ServerConfig:
     http_max_connections: int | None = None
     #: read the client's request from X-Forwarded-Method/-Uri/-Host (Traefik ForwardAuth).
     http_forward_auth: bool = False
+    #: the ``path_prefix`` Envoy puts before the client's path on the HTTP port (Envoy Gateway's
+    #: ``extAuth.http.path``); removed before classifying. ``""``: none.
+    http_path_prefix: str = ""
     redis_url: str | None = None
     store_deadline_ms: float = 5.0
     key_prefix: str = "extauthz"
@@ -220,7 +223,7 @@ class Server:
                                         max_active_checks=self.config.http_max_active_checks,
                                         max_connections=self._http_max_connections()),
                     tracer=tracing.tracer if tracing is not None else None,
-                    forward_auth=self.config.http_forward_auth)
+                    forward_auth=self.config.http_forward_auth, prefix=self.config.http_path_prefix)
                 self.http_port = await self.http.start(self.config.http_listen,
                                                        reuse_port=self.config.reuse_port)
                 self.ops.status_sections["http"] = self.http.status

@@ -20,7 +20,9 @@ from ..answers import (
     ratelimit_headers,
     read_lease_fields,
 )
+from ..classify import route_metadata_values
 from ..context import RawRequest, RequestContext
+from ..policy.model import RouteRef
 from ..proto import auth_pb2, core_pb2, http_status_pb2, status_pb2
 from ..tiers import Tier
 from ..verdict import Decision
@@ -69,10 +71,11 @@ def struct_paths(struct: struct_pb2.Struct, paths: Sequence[Sequence[str]]) -> d
     return out
 
 
-def raw_request(req: auth_pb2.CheckRequest, needed: frozenset[str], namespace: str,
+def raw_request(req: auth_pb2.CheckRequest, needed: frozenset[str], route: Sequence[RouteRef],
                 metadata: Mapping[str, Sequence[Sequence[str]]] = _NO_METADATA) -> RawRequest:
-    """``metadata``: the filter-metadata namespaces and paths to extract (only those: the
-    request path pays for what the policy reads)."""
+    """``route``: the route-metadata values to extract (``Policy.needed_route_metadata``), the
+    tier's first; ``metadata``: the filter-metadata namespaces and paths to extract (only
+    those: the request path pays for what the policy reads)."""
     attrs = req.attributes
     http = attrs.request.http
     headers = http.headers
@@ -80,12 +83,9 @@ def raw_request(req: auth_pb2.CheckRequest, needed: frozenset[str], namespace: s
     q = path.find("?")
     if q >= 0:
         path = path[:q]
-    route_tier: str | None = None
-    fm = attrs.route_metadata_context.filter_metadata
-    if namespace in fm:
-        value = fm[namespace].fields.get("tier")
-        if value is not None and value.WhichOneof("kind") == "string_value":
-            route_tier = value.string_value
+    route_values = route_metadata_values(attrs.route_metadata_context.filter_metadata, route)
+    tier = route_values.get(route[0]) if route else None
+    route_tier = tier if isinstance(tier, str) else None
     ext = attrs.context_extensions
     found: Mapping[str, Any] = _EMPTY
     if metadata:
@@ -98,6 +98,7 @@ def raw_request(req: auth_pb2.CheckRequest, needed: frozenset[str], namespace: s
         headers={h: headers[h] for h in needed if h in headers},
         source_ip=attrs.source.address.socket_address.address,
         route_tier=route_tier,
+        route_metadata=route_values,
         context_extensions=dict(ext) if ext else _EMPTY,
         request_id=headers.get("x-request-id", ""),
         metadata=found,

@@ -252,13 +252,33 @@ def http_metadata(headers: Mapping[str, str],
     return {JWT_NAMESPACE: dict_paths({JWT_PAYLOAD_KEY: payload}, paths)}
 
 
+def path_prefix(value: str) -> str:
+    """``--http-path-prefix``: ``""`` (none) or ``/seg[/seg...]`` without a trailing slash."""
+    prefix = value.rstrip("/")
+    if prefix and (not prefix.startswith("/") or any(c in prefix for c in "?#") or " " in prefix):
+        raise ValueError(f"an HTTP path prefix is a path such as /auth, not {value!r}")
+    return prefix
+
+
+def client_path(path: str, prefix: str) -> str:
+    """The client's path from the one Envoy sent: ``http_service.path_prefix`` (Envoy Gateway's
+    SecurityPolicy ``extAuth.http.path``) + the client's path. A path without the prefix (or
+    where it is only the start of a longer segment, ``/authors`` for ``/auth``) is the client's."""
+    if prefix and path.startswith(prefix):
+        rest = path[len(prefix):]
+        if not rest or rest[0] == "/":
+            return rest or "/"
+    return path
+
+
 def raw_request(method: str, target: str, headers: Mapping[str, str],
-                needed: Iterable[str], *, forward_auth: bool = False,
+                needed: Iterable[str], *, forward_auth: bool = False, prefix: str = "",
                 metadata: Mapping[str, Sequence[Sequence[str]]] = _NO_METADATA) -> RawRequest:
     """The HTTP authorization request as the engine sees it (the one conversion).
 
     ``metadata``: the namespaces and paths the policy reads (``Classifier.needed_metadata``):
     only the forwarded JWT payload is decoded, and only when the policy reads it.
+    ``prefix``: the ``path_prefix`` Envoy puts before the client's path (:func:`client_path`).
     ``forward_auth``: the proxy sends every check as ``GET <its address>`` and the client's
     request in ``X-Forwarded-Method`` / ``X-Forwarded-Uri`` / ``X-Forwarded-Host`` (Traefik's
     ForwardAuth); only for proxies that set those themselves (never for Envoy, which sends the
@@ -272,6 +292,8 @@ def raw_request(method: str, target: str, headers: Mapping[str, str],
             headers = {**headers, "host": host}
     q = target.find("?")
     path = target[:q] if q >= 0 else target
+    if prefix:
+        path = client_path(path, prefix)
     return RawRequest(
         method=method,
         path=path,
@@ -329,9 +351,11 @@ class HttpAuthorization:
     index and lease bookkeeping (:class:`AuthorizationService`)."""
 
     def __init__(self, service: AuthorizationService, limits: HttpLimits | None = None,
-                 tracer: Any = None, *, forward_auth: bool = False) -> None:
+                 tracer: Any = None, *, forward_auth: bool = False, prefix: str = "") -> None:
         self.service = service
         self.forward_auth = forward_auth
+        #: ``--http-path-prefix`` (normalized by :func:`path_prefix`)
+        self.prefix = path_prefix(prefix)
         self.limits = limits if limits is not None else HttpLimits()
         self.tracer = tracer
         self.server: asyncio.Server | None = None
@@ -530,7 +554,8 @@ class _Connection(asyncio.Protocol):
         snap = engine.snapshot
         try:
             raw = raw_request(method, target, headers, snap.classifier.needed_headers,
-                              forward_auth=self.front.forward_auth, metadata=snap.classifier.needed_metadata)
+                              forward_auth=self.front.forward_auth, prefix=self.front.prefix,
+                              metadata=snap.classifier.needed_metadata)
             ctx = snap.classifier.context(raw)
         except Exception as exc:  # decided safely: allowed, counted (as the gRPC edge does)
             service.bad_request("an HTTP authorization request", exc)

@@ -212,8 +212,10 @@ class Operations:
             "extauthz": __version__,
             "policy": {"version": policy.version, "sources": list(policy.sources)},
             "reload": reload,
-            "store": {"name": self.store.name, "breaker": engine.breaker.state,
+            "store": {"name": self.store.name, "breaker": engine.breaker_state,
                       "window_failures": engine.breaker.failures,
+                      **({"masters": {name: b.state for name, b in sorted(engine.node_breakers.items())}}
+                         if engine.node_breakers else {}),
                       **({"live_leases": self.store.live_leases()}
                          if isinstance(self.store, MemoryStore) else {})},
             "checks": self.observe.metrics.request_counts() if self.observe.metrics is not None else None,

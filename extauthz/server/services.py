@@ -178,7 +178,7 @@ class AuthorizationService(auth_pb2_grpc.AuthorizationServicer):  # type: ignore
         snap = engine.snapshot
         try:
             raw = raw_request(request, snap.classifier.needed_headers,
-                              snap.policy.route_metadata_namespace, snap.classifier.needed_metadata)
+                              snap.policy.needed_route_metadata, snap.classifier.needed_metadata)
             ctx = snap.classifier.context(raw)
         except Exception as exc:  # a request the edge cannot read: allowed, counted here
             self.bad_request("a CheckRequest", exc)

@@ -113,6 +113,8 @@ class Tally:
         self.refused = 0
         #: limiter -> requests it refused or would have refused (shadow)
         self.limiter_refused: Counter[str] = Counter()
+        #: limiter -> requests it skipped (a part of its key yielded nothing)
+        self.limiter_skipped: Counter[str] = Counter()
         self.limiter_identities: dict[str, set[str]] = {}
         self.tier_requests: Counter[str] = Counter()
         self.tier_refused: Counter[str] = Counter()
@@ -140,6 +142,8 @@ class Tally:
                 self.limiter_refused[v.limiter] += 1
                 self.limiter_identities.setdefault(v.limiter, set()).add(ident)
                 self.identity_limiter_refused[(ident, v.limiter)] += 1
+        for name in decision.skipped:
+            self.limiter_skipped[name] += 1
 
     def customer(self, ident: str) -> dict[str, Any]:
         """One identity's refusals, by limiter and by tier (``customers`` rows)."""
@@ -163,7 +167,10 @@ class Tally:
             "customers_refused": len(self.identity_refused),
             "max_customer_refused_share": max(shares, default=0.0),
             "by_limiter": {name: {"refused": self.limiter_refused[name],
-                                  "identities": len(self.limiter_identities.get(name, ()))}
+                                  "identities": len(self.limiter_identities.get(name, ())),
+                                  # keyed limiters: requests whose key was missing
+                                  **({"skipped_key_missing": self.limiter_skipped[name]}
+                                     if name in policy.key_index else {})}
                            for name in names},
             "by_tier": {tier: {"requests": n, "refused": self.tier_refused[tier]}
                         for tier, n in sorted(self.tier_requests.items())},
@@ -209,7 +216,8 @@ class Lane:
             self.series.start = t0
 
     def context(self, req: Request) -> RequestContext:
-        key = (req.identity, req.plan, req.method, req.path, req.host, req.tier, *req.headers.items())
+        key = (req.identity, req.plan, req.method, req.path, req.host, req.tier, req.source_ip,
+               *req.headers.items())
         ctx = self._contexts.get(key)
         if ctx is None:
             if len(self._contexts) >= 1_000_000:
@@ -221,11 +229,12 @@ class Lane:
         classifier = self.engine.snapshot.classifier
         if req.identity is None:
             return classifier.context(RawRequest(req.method, req.path, req.host, req.headers,
-                                                 route_tier=req.tier))
+                                                 source_ip=req.source_ip, route_tier=req.tier))
         tier = _TIERS.get(req.tier or "")
         why = "recorded"
         if tier is None:  # a recording without a tier: classify like the server would
-            ctx = classifier.context(RawRequest(req.method, req.path, req.host, req.headers))
+            ctx = classifier.context(RawRequest(req.method, req.path, req.host, req.headers,
+                                                source_ip=req.source_ip))
             tier, why = ctx.tier, ctx.tier_source
         plan, plan_source = "", ""
         policy = self.policy
@@ -234,10 +243,13 @@ class Lane:
                 plan, plan_source = req.plan, "recorded"
             else:
                 plan, plan_source = policy.plan_default, "unknown" if req.plan else "default"
+        method = req.method.upper()
+        keys = (classifier.keys(RawRequest(method, req.path, req.host, req.headers, source_ip=req.source_ip),
+                                req.identity, method, plan) if policy.keys else ())
         return RequestContext(tier=tier, identity=req.identity, identity_source=req.identity_source,
                               test_mode=tier is Tier.TEST, method=req.method, path=req.path,
                               host=req.host, tier_source=why, headers=req.headers, plan=plan,
-                              plan_source=plan_source)
+                              plan_source=plan_source, keys=keys)
 
     def _sample(self, name: str, t: float) -> None:
         self.clock.set(t)

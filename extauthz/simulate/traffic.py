@@ -71,6 +71,8 @@ class Request:
     plan: str | None = None
     #: where the line came from (``file:line``), for messages.
     where: str = ""
+    #: the client's address (``source_ip``), for identity rules and key parts that read it.
+    source_ip: str = ""
 
 
 @dataclass
@@ -153,9 +155,12 @@ def parse_line(obj: Any, where: str) -> Request | str:
     host = get("host")
     if type(host) is not str:
         host = _text(host) or ""
+    source_ip = get("source_ip")
+    if type(source_ip) is not str:
+        source_ip = _text(source_ip) or ""
     identity = get("identity")
     if identity is None:
-        return Request(t, method.upper(), path, host, headers, duration, tier, where=where)
+        return Request(t, method.upper(), path, host, headers, duration, tier, where=where, source_ip=source_ip)
     decision = get("decision")
     recorded = None
     if decision == "allowed":
@@ -163,7 +168,8 @@ def parse_line(obj: Any, where: str) -> Request | str:
     elif decision == "refused":
         recorded = _text(get("limiter")) or "refused"
     return Request(t, method.upper(), path, host, headers, duration, tier, _text(identity),
-                   _text(get("identity_source")) or "recorded", recorded, plan=_text(get("plan")), where=where)
+                   _text(get("identity_source")) or "recorded", recorded, plan=_text(get("plan")), where=where,
+                   source_ip=source_ip)
 
 
 class TrafficFile:

@@ -6,10 +6,11 @@ requires identical decisions, remaining, retry-after and levels):
 
 * the memory store calls every function here;
 * the Redis store must change its state atomically inside Redis, so ``lua/check.lua``
-  runs the minimal part of the rule, :func:`refill`, :func:`admits`, :func:`take`,
-  the batched grants' :func:`grant_pool`, :func:`grant_size` and :func:`give_back`, and the lease sweep
-  (:func:`lease_live`), with the same float operations in the same order and
-  the same :data:`TOKEN_EPSILON` (its header says so; a test pins the constant). The script
+  runs the minimal part of the rule, :func:`refill`, :func:`admits`, :func:`take`, the
+  batched grants' :func:`grant_pool`, :func:`grant_size`, :func:`give_back` and
+  :func:`grant_stamp`, the lease sweep (:func:`lease_live`) and the quota count
+  (:func:`count_admits`), with the same float operations in the same order and the same
+  :data:`TOKEN_EPSILON` (its header says so; a test pins the constant). The script
   returns raw state (tokens or live leases before the commit, and whether each op allows),
   and Python derives every reported number from it with :func:`op_result`, as the memory
   store does;
@@ -23,7 +24,7 @@ a double, so Lua and Python compute on bit-identical inputs.
 
 from __future__ import annotations
 
-from .base import BucketOp, GrantOp, LeaseOp, Op, OpResult, ReturnOp, ShedParams
+from .base import BucketOp, CountOp, GrantOp, LeaseOp, Op, OpResult, ReturnOp, ShedParams
 
 #: A bucket holding ``cost - TOKEN_EPSILON`` tokens admits the request: float time arithmetic
 #: must not refuse a request that arrives exactly on time (rate 7/s, burst 1: the next token
@@ -132,6 +133,20 @@ def lease_result(op: LeaseOp, allowed: bool, live: int, committed: bool) -> OpRe
     return OpResult(allowed, max(0.0, free), 0.0, float(count))
 
 
+# --------------------------------------------------------------------------- quota counts
+
+
+def count_admits(count: int, cost: int, limit: int) -> bool:
+    """Whether a window holding ``count`` requests takes ``cost`` more: integers, exact."""
+    return count + cost <= limit
+
+
+def count_result(op: CountOp, allowed: bool, count: int, committed: bool) -> OpResult:
+    """The answer for ``op`` from the window's count before the request."""
+    after = count + op.cost if committed else count
+    return OpResult(allowed, float(max(0, op.limit - after)), 0.0 if allowed else op.reset, op.reset)
+
+
 # --------------------------------------------------------------------------- one request
 
 
@@ -141,6 +156,8 @@ def op_result(op: Op, allowed: bool, value: float, admitted: bool) -> OpResult:
     committed = admitted and allowed
     if isinstance(op, BucketOp):
         return bucket_result(op, allowed, value, committed)
+    if isinstance(op, CountOp):
+        return count_result(op, allowed, int(value), committed)
     if isinstance(op, GrantOp):
         return grant_result(op, allowed, value, committed)
     if isinstance(op, ReturnOp):

@@ -63,6 +63,21 @@ class LeaseOp:
 
 
 @dataclass(frozen=True, slots=True)
+class CountOp:
+    """A quota window's count: add ``cost`` while the count stays within ``limit``. ``key``
+    names one window (its start is part of the key); a new count expires ``ttl`` seconds
+    later (the window's end plus a margin). ``reset``: seconds from now to the window's end,
+    what the answer reports (not sent to the store)."""
+
+    key: str
+    limit: int
+    cost: int
+    ttl: int
+    reset: float
+    enforce: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class GrantOp:
     """Batched grants (``consistency: batched``): the replica gives back the ``held``
     tokens left of its last grant (less than one request's cost) and takes up to ``want``
@@ -92,19 +107,21 @@ class ReturnOp:
     enforce: bool = False
 
 
-Op = BucketOp | LeaseOp | GrantOp | ReturnOp
+Op = BucketOp | LeaseOp | CountOp | GrantOp | ReturnOp
 
 
 @dataclass(frozen=True, slots=True)
 class OpResult:
     allowed: bool
-    #: tokens left (bucket) or free slots (lease), after this request if it was admitted.
+    #: tokens left (bucket), free slots (lease) or requests left in the window (count),
+    #: after this request if it was admitted.
     remaining: float
-    #: bucket: seconds until ``cost`` tokens are there (0 when allowed); lease: 0.
+    #: bucket: seconds until ``cost`` tokens are there (0 when allowed); lease: 0; count:
+    #: seconds to the window's end when refused (0 when allowed).
     retry_after: float
     #: bucket: seconds until the bucket is full again; lease: live leases after the call;
-    #: grant: the tokens granted (> 0), or, when nothing was committed, minus the ``held``
-    #: tokens the replica keeps (<= 0); return: 0.
+    #: count: seconds to the window's end; grant: the tokens granted (> 0), or, when
+    #: nothing was committed, minus the ``held`` tokens the replica keeps (<= 0); return: 0.
     extra: float
 
 

@@ -39,6 +39,11 @@ class Keys:
         keep separate buckets during a rolling upgrade instead of meeting a WRONGTYPE."""
         return f"{self.prefix}:{self.user_tag(identity)}:rr2:{limiter}"
 
+    def quota(self, limiter: str, identity: str, window_start: int) -> str:
+        """A quota window's count (a STRING integer): one key per window, named by the
+        window's start (Unix seconds, UTC), so a new window starts from nothing."""
+        return f"{self.prefix}:{self.user_tag(identity)}:q:{limiter}:{window_start}"
+
     def user_leases(self, limiter: str, identity: str) -> str:
         return f"{self.prefix}:{self.user_tag(identity)}:cc:{limiter}"
 

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 
 from ..clock import SYSTEM_CLOCK, Clock
 from . import algorithms
-from .algorithms import admits, bucket_result, lease_admits, lease_result, refill, take
-from .base import BucketOp, CheckResult, GrantOp, Op, ReturnOp, ShedParams, bucket_ttl
+from .algorithms import admits, bucket_result, count_admits, count_result, lease_admits, lease_result, refill, take
+from .base import BucketOp, CheckResult, CountOp, GrantOp, Op, ReturnOp, ShedParams, bucket_ttl
 
 #: due heap entries a check looks at, at most (a check creates at most a few keys, so the
 #: sweep keeps up; a backlog after an idle spell drains over the next checks)
@@ -37,8 +37,11 @@ class MemoryStore:
     #: every call completes without waiting: the engine needs no deadline around it.
     immediate = True
 
-    def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(self, clock: Clock = SYSTEM_CLOCK, *, sweep_batch: int = SWEEP_BATCH) -> None:
         self._clock = clock
+        #: due heap entries a check looks at (0: none; expiry then happens only when a key is
+        #: read, as on Redis while its key TTL has not passed)
+        self._sweep_batch = sweep_batch
         #: bucket key -> [tokens, last refill time, expires at]
         self._buckets: dict[str, list[float]] = {}
         #: lease key -> {lease id: expires at}, in expiry order
@@ -95,13 +98,21 @@ class MemoryStore:
             self._scheduled[kind].discard(key)
         self.swept += looked
 
+    def _count(self, key: str, now: float) -> float:
+        """A quota window's count. Counts live in the bucket table as ``[count, created,
+        expires at]``, so the one sweep forgets them after their window (their keys differ
+        from buckets': ``store.keys``)."""
+        state = self._buckets.get(key)
+        return 0.0 if state is None or state[2] <= now else state[0]
+
     # -- contract --------------------------------------------------------------------
     async def check(self, ops: Sequence[Op], lease_id: str) -> CheckResult:
         return self.check_now(ops, lease_id)
 
     def check_now(self, ops: Sequence[Op], lease_id: str) -> CheckResult:
         now = self._clock.monotonic()
-        self._sweep(now, SWEEP_BATCH)
+        if self._sweep_batch:
+            self._sweep(now, self._sweep_batch)
         # State before the request, then the same rules and answers as every store.
         values: list[float] = []
         allowed: list[bool] = []
@@ -114,6 +125,9 @@ class MemoryStore:
                     ok = admits(algorithms.grant_pool(value, op.held, op.burst), op.cost)
                 else:
                     ok = True if isinstance(op, ReturnOp) else admits(value, op.cost)
+            elif isinstance(op, CountOp):
+                value = self._count(op.key, now)
+                ok = count_admits(int(value), op.cost, op.limit)
             else:
                 value = float(len(self._live_leases(op.key, now)))
                 ok = lease_admits(int(value), op.limit)
@@ -142,6 +156,14 @@ class MemoryStore:
                     self._buckets[op.key] = [left, stamp, now + ttl]
                     self._schedule(_BUCKET, op.key, now + ttl)
                 results.append(algorithms.op_result(op, ok, value, admitted))
+            elif isinstance(op, CountOp):
+                if commit:
+                    state = self._buckets.get(op.key)
+                    if state is not None and state[2] > now:
+                        state[0] += op.cost  # the window's expiry stays
+                    else:
+                        self._buckets[op.key] = [float(op.cost), now, now + op.ttl]
+                results.append(count_result(op, ok, int(value), commit))
             else:
                 if commit:
                     leases = self._leases.setdefault(op.key, {})

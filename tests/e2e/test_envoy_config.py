@@ -137,7 +137,10 @@ def test_shipped_grpc_configs_allow_what_the_policy_reads_and_strip_the_tier(nam
 
 def test_every_shipped_grpc_config_is_checked() -> None:
     # A new gRPC config in envoy/ must join GRPC_CONFIGS (and so the header checks above);
-    # istio-like.yaml is istiod's output, which has no allowed_headers for a gRPC provider.
+    # istio-like.yaml and istio-waypoint.yaml are istiod's output, which has no allowed_headers
+    # for a gRPC provider;
+    # envoy-gateway.yaml is Envoy Gateway's (one ext_authz filter per SecurityPolicy, each named
+    # after it, their headers checked against the examples in test_envoy_gateway_e2e.py).
     found = set()
     for path in (REPO / "envoy").glob("*.yaml"):
         config = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -146,9 +149,10 @@ def test_every_shipped_grpc_config_is_checked() -> None:
         ext = _filters(config).get(EXT_AUTHZ_FILTER, {})
         if "grpc_service" in ext:
             found.add(path.name)
-    assert found == {*GRPC_CONFIGS, "istio-like.yaml"}
-    istio = yaml.safe_load((REPO / "envoy" / "istio-like.yaml").read_text(encoding="utf-8"))
-    assert "allowed_headers" not in _filters(istio)[EXT_AUTHZ_FILTER]
+    assert found == {*GRPC_CONFIGS, "istio-like.yaml", "istio-waypoint.yaml"}
+    for name in ("istio-like.yaml", "istio-waypoint.yaml"):
+        istio = yaml.safe_load((REPO / "envoy" / name).read_text(encoding="utf-8"))
+        assert "allowed_headers" not in _filters(istio)[EXT_AUTHZ_FILTER]
 
 
 def test_render_sets_or_drops_allowed_headers() -> None:
@@ -337,7 +341,9 @@ def test_local_ratelimit_rejects_unknown_keys() -> None:
 
 
 def _hcm(config: dict[str, Any]) -> dict[str, Any]:
-    chain = config["static_resources"]["listeners"][0]["filter_chains"][0]
+    listener = config["static_resources"]["listeners"][0]
+    # envoy-gateway.yaml: Envoy Gateway's default_filter_chain
+    chain = listener["filter_chains"][0] if "filter_chains" in listener else listener["default_filter_chain"]
     return chain["filters"][0]["typed_config"]  # type: ignore[no-any-return]
 
 

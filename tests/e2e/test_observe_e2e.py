@@ -8,7 +8,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +20,7 @@ from extauthz.devtools.stack import Stack, free_port
 from tests.observe.otlp import OtlpReceiver, ReceivedSpan
 
 from ..conftest import ROOT
+from .waits import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -47,17 +47,6 @@ def traced_stack(otlp: OtlpReceiver) -> Iterator[Stack]:
                server_args=["--metrics-listen", f"127.0.0.1:{metrics_port}"]) as stack:
         stack.metrics_port = metrics_port  # type: ignore[attr-defined]
         yield stack
-
-
-def wait_for(predicate, timeout: float = 15.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s")
-        time.sleep(0.1)
 
 
 def cli(*argv: str) -> subprocess.CompletedProcess[str]:

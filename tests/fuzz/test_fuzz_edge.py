@@ -109,7 +109,7 @@ def test_random_check_requests_always_get_an_answer(services: tuple[Authorizatio
     auth, _ = services
     snap = auth.engine.snapshot
     # the edge itself never raises (the servicer's catch-all is for the unforeseen only)
-    raw = raw_request(req, snap.classifier.needed_headers, snap.policy.route_metadata_namespace,
+    raw = raw_request(req, snap.classifier.needed_headers, snap.policy.needed_route_metadata,
                       snap.classifier.needed_metadata)
     ctx = snap.classifier.context(raw)
     assert len(ctx.identity) == 24

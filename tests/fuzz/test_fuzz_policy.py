@@ -25,8 +25,11 @@ KEYS = ["version", "identity", "header", "strip_prefix", "source_ip", "metadata"
         "path_prefix", "hosts", "headers", "tier", "limiters", "name", "type", "mode", "rate", "burst",
         "cost", "limit", "lease_ttl", "capacity", "reserved_for_critical", "signal", "source",
         "applies_to", "tiers", "failure_mode", "good_below", "bad_above", "delay_before_shedding",
-        "time_to_shed_all", "sample_interval", "route_metadata_namespace", "context_extension_key"]
-WORDS = ["request_rate", "concurrent_requests", "fleet_usage", "worker_utilization", "enforce", "shadow",
+        "time_to_shed_all", "sample_interval", "route_metadata_namespace", "route_metadata",
+        "context_extension_key", "key", "on_missing_key", "period", "host", "route", "context_extension",
+        "plan", "identity"]
+WORDS = ["request_rate", "concurrent_requests", "quota", "month", "week", "shared", "skip", "fleet_usage",
+         "worker_utilization", "enforce", "shadow",
          "off", "critical", "post", "get", "test", "inflight", "redis", "60s", "100/s", "2m", "x-api-key",
          "GET", "/v1/", "open", "closed", "envoy.filters.http.jwt_authn", "payload", "sub"]
 scalars = st.one_of(

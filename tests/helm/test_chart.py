@@ -270,6 +270,56 @@ def test_existing_policy_configmap(chart: Any) -> None:
     assert volume["configMap"]["name"] == "my-policies"
 
 
+
+def test_dashboard_configmap_is_off_by_default_and_carries_the_dashboard(chart: Any) -> None:
+    assert "dashboards" not in json.dumps([o["metadata"]["name"] for o in render(chart)])
+    values = {"dashboards": {"enabled": True, "namespace": "monitoring",
+                             "annotations": {"grafana_folder": "Edge"}}}
+    report = helm.lint(CHART, values, strict=True, kube_version=f"v{KUBE_VERSION}")
+    assert report["errors"] == []
+    objects = render(chart, values)
+    [dashboards] = [o for o in objects if o["kind"] == "ConfigMap" and "extauthz.json" in o.get("data", {})]
+    kubernetes_validate.validate(dashboards, KUBE_VERSION, strict=True)
+    assert dashboards["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboards["metadata"]["namespace"] == "monitoring"
+    assert dashboards["metadata"]["annotations"] == {"grafana_folder": "Edge"}
+    shipped = json.loads((CHART / "dashboards" / "extauthz.json").read_text())
+    assert json.loads(dashboards["data"]["extauthz.json"]) == shipped
+
+TEAMS = ["team-payments-policy", "team-search-policy"]
+
+
+@pytest.mark.parametrize("values, sources", [
+    ({"policies": {"configMaps": TEAMS}}, [f"{RELEASE}-policies", *TEAMS]),
+    ({"policies": {"api.yaml": None, "configMaps": TEAMS}}, TEAMS),
+    ({"existingPolicyConfigMap": "platform-policy", "policies": {"configMaps": TEAMS}}, ["platform-policy", *TEAMS]),
+], ids=["with-the-chart-file", "teams-only", "with-existing"])
+def test_several_policy_configmaps_are_one_projected_directory(
+        chart: Any, values: dict[str, Any], sources: list[str]) -> None:
+    assert helm.lint(CHART, values, strict=True, kube_version=f"v{KUBE_VERSION}")["errors"] == []
+    objects = render(chart, values)
+    for obj in objects:
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+    pod = by_kind(objects, "Deployment")["spec"]["template"]["spec"]
+    [volume] = [v for v in pod["volumes"] if v["name"] == "policies"]
+    assert "configMap" not in volume
+    # no items: every key of every ConfigMap is a file of the one directory, which the kubelet
+    # updates with the same atomic ..data swap as a ConfigMap volume
+    assert volume["projected"] == {"sources": [{"configMap": {"name": n}} for n in sources]}
+    main = container(objects)
+    [mount] = [m for m in main["volumeMounts"] if m["name"] == "policies"]
+    assert mount == {"name": "policies", "mountPath": "/etc/extauthz/policies", "readOnly": True}
+    chart_maps = [o for o in objects if o["kind"] == "ConfigMap"]
+    assert [o["metadata"]["name"] for o in chart_maps] == [n for n in sources if n == f"{RELEASE}-policies"]
+    for o in chart_maps:
+        assert set(o["data"]) == {"api.yaml"}  # the configMaps key is not a file
+
+
+def test_a_team_configmap_edit_leaves_the_pod_template_unchanged(chart: Any) -> None:
+    values = {"policies": {"configMaps": TEAMS}}
+    edited = {"policies": {"configMaps": TEAMS, "api.yaml": "version: 1\nlimiters: []\n"}}
+    assert by_kind(render(chart, values), "Deployment") == by_kind(render(chart, edited), "Deployment")
+
 @pytest.mark.parametrize("name", ["default", "full"])
 def test_admin_port_is_never_exposed(name: str, request: pytest.FixtureRequest) -> None:
     objects = request.getfixturevalue(name + "_objects")
@@ -434,6 +484,7 @@ def test_metrics_can_be_turned_off(chart: Any) -> None:
     ({"redis": {"url": "redis://r:6379", "existingSecret": "r"}}, "only one of redis"),
     ({"metrics": {"enabled": False, "serviceMonitor": {"enabled": True}}}, "needs metrics.enabled"),
     ({"policies": None}, "existingPolicyConfigMap"),
+    ({"policies": {"api.yaml": None, "configMaps": []}}, "policies.configMaps or existingPolicyConfigMap"),
     ({"server": {"workers": 2}}, "shared store"),
     ({"redis": {"url": "redis://r:6379"}, "server": {"workers": 4, "grpcPort": 9466}}, "outside the metrics ports"),
     ({"server": {"httpPort": 9005}, "tls": {"existingSecret": "t"}}, "httpPort is plaintext"),
@@ -465,6 +516,9 @@ BAD_VALUES = [
     {"redis": {"url": "http://redis:6379"}},
     {"policies": {"api.json": "{}"}},
     {"policies": {"api.yaml": 42}},
+    {"policies": {"configMaps": "team-a-policy"}},  # a list
+    {"policies": {"configMaps": ["Team_A"]}},  # not a ConfigMap name
+    {"policies": {"configMaps": ["team-a", "team-a"]}},
     {"service": {"type": "ExternalName"}},
     {"lifecycle": {"preStopMode": "later"}},
     {"image": {"pullPolicy": "Sometimes"}},
@@ -534,6 +588,17 @@ def test_istio_example_is_consistent(default_objects: list[dict[str, Any]], tmp_
     for name, text in values["policies"].items():
         (tmp_path / name).write_text(text)
     assert load_policy([str(tmp_path)]).limiters
+
+
+def test_envoy_gateway_values_render_and_validate(chart: Any) -> None:
+    values = yaml.safe_load((CHART / "examples" / "envoy-gateway" / "values-envoy-gateway.yaml").read_text())
+    jsonschema.validate(merged(values), schema())
+    objects = render(chart, values)
+    for obj in objects:
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+    env = env_of(container(objects))
+    assert env["EXTAUTHZ_HTTP_PATH_PREFIX"]["value"] == "/authz"
+    assert env["EXTAUTHZ_HTTP_LISTEN"]["value"] == "0.0.0.0:9003"
 
 
 def test_istio_values_render_and_validate(chart: Any) -> None:

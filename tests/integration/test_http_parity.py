@@ -37,6 +37,13 @@ POLICY = POLICY_HEAD + """\
     type: worker_utilization
     signal: {source: inflight, capacity: 100}
     applies_to: {path_prefix: /shed}
+  - {name: per-ip, type: request_rate, rate: 0.001, burst: 2, key: [{source_ip: true}],
+     applies_to: {path_prefix: /ip}}
+  - {name: per-method, type: request_rate, rate: 0.001, burst: 1, key: [{identity: true}, {method: true}],
+     applies_to: {path_prefix: /method}}
+  - {name: per-key, type: request_rate, rate: 0.001, burst: 1, key: [{header: x-api-key}],
+     applies_to: {path_prefix: /keyed}}
+  - {name: monthly, type: quota, limit: 2, period: month, applies_to: {path_prefix: /quota}}
 """
 
 # (method, path, api key, expected client status): every limiter kind, allowed and refused
@@ -55,6 +62,19 @@ TABLE = [
     ("GET", "/fleet/a", "sk_live_u7", 503),      # fleet: refused (shedder)
     ("GET", "/shed/a", "sk_live_u8", 503),       # worker_utilization at full level: shed
     ("POST", "/v1/charges", "", 200),            # no identity: source ip
+    ("GET", "/ip/a", "sk_live_k1", 200),         # key: [source_ip], whatever the API key
+    ("GET", "/ip/a", "sk_live_k2", 200),
+    ("GET", "/ip/a", "sk_live_k3", 429),
+    ("GET", "/method/a", "sk_live_m1", 200),     # key: [identity, method]
+    ("GET", "/method/a", "sk_live_m1", 429),
+    ("POST", "/method/a", "sk_live_m1", 200),    # another method, another bucket
+    ("GET", "/keyed/a", "", 200),                # no x-api-key: the limiter is skipped
+    ("GET", "/keyed/a", "", 200),
+    ("GET", "/keyed/a", "sk_live_h1", 200),
+    ("GET", "/keyed/a", "sk_live_h1", 429),
+    ("GET", "/quota/a", "sk_live_q1", 200),      # quota: 2 a month
+    ("GET", "/quota/a", "sk_live_q1", 200),
+    ("GET", "/quota/a", "sk_live_q1", 429),      # Retry-After: the month's end
 ]
 
 
@@ -144,3 +164,5 @@ async def test_same_decisions_and_headers_over_both_protocols(servers: tuple[Ser
     assert any("ratelimit" in h for s, h, _ in seen if s == 200)
     assert all(h.get("content-type") == "application/problem+json" and b for s, h, b in seen if s != 200)
     assert {s for s, _, _ in seen} == {200, 429, 503}
+    assert any('"monthly";q=2;w=' in h.get("ratelimit-policy", "") and "reset" in b
+               for s, h, b in seen if s == 429)

@@ -8,7 +8,7 @@ import json
 import logging
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
@@ -18,14 +18,56 @@ import yaml
 
 from extauthz.classify import hash_identity
 from extauthz.clock import Clock, ManualClock
+from extauthz.errors import StoreUnavailable
 from extauthz.observe.logs import JsonFormatter
 from extauthz.proto import auth_pb2, auth_pb2_grpc
 from extauthz.server.app import Server, ServerConfig
-from extauthz.store.base import Store
+from extauthz.store.base import CheckResult, Op, Store
+from extauthz.store.memory import MemoryStore
 
 SALT = "test-salt"
 IDENTITY = [{"header": "x-api-key"}, {"header": "authorization", "strip_prefix": "Bearer "},
             {"source_ip": True}]
+
+
+class FlakyStore(MemoryStore):
+    """The embedded store, except that it can fail (so it goes through the deadline path)."""
+
+    immediate = False
+    fail = False
+
+    async def check(self, ops: Sequence[Op], lease_id: str) -> CheckResult:
+        if self.fail:
+            raise StoreUnavailable("down for the test")
+        return await super().check(ops, lease_id)
+
+
+def metrics_policy(tmp_path: Path, *extra: dict[str, Any]) -> Path:
+    """A bucket, a shadow bucket, a fleet shedder and a worker shedder on a redis signal (and
+    ``extra`` limiters): the policy of the metrics tests."""
+    return write_policy(tmp_path / "p" / "api.yaml", [
+        rate("user-rate", burst=3),
+        rate("dark", burst=1, mode="shadow"),
+        *extra,
+        {"name": "fleet", "type": "fleet_usage", "capacity": 100, "reserved_for_critical": 0.2},
+        {"name": "workers", "type": "worker_utilization", "signal": {"source": "redis"},
+         "sample_interval": "60s", "good_below": 0.5, "bad_above": 0.6,
+         "delay_before_shedding": "10s", "time_to_shed_all": "10s"},
+    ], test_mode={"key_prefix": "sk_test_"})
+
+
+async def shed_half(server: Server, store: MemoryStore, clock: ManualClock) -> None:
+    """Drive the ``workers`` shedder of :func:`metrics_policy` to level 0.5: its signal reads
+    1.0 for its 10 s delay and half of its 10 s ramp (the test tier is then shed entirely)."""
+    from extauthz.limiters import WorkerUtilizationShedder
+    from extauthz.sampler import sample_once
+
+    workers = next(w for w in server.engine.snapshot.workers if w.name == "workers")
+    assert isinstance(workers, WorkerUtilizationShedder)
+    await store.set_value(workers.signal_key, "1.0")
+    for step in (0, 10, 5):
+        clock.advance(step)
+        await sample_once(server.engine, workers)
 
 
 def write_policy(path: Path, limiters: list[dict[str, Any]], **extra: Any) -> Path:

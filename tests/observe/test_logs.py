@@ -133,3 +133,30 @@ async def test_no_raw_secret_in_any_log_line_or_span(tmp_path: Path) -> None:
     for text in texts:
         for secret in SECRETS:
             assert secret not in text, text
+
+
+async def test_key_values_are_hashed_and_a_missing_key_is_logged_and_counted(tmp_path: Path) -> None:
+    """A keyed limiter's values (here a secret in a header) reach no log line, span or
+    metric; a request without the keyed header is a ``skipped`` decision record and a
+    count in ``extauthz_limiter_skipped_total``."""
+    from .helpers import samples, scrape, value
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    policy = write_policy(tmp_path / "p.yaml", [{"name": "per-org", "type": "request_rate", "rate": 0.001,
+                                                  "burst": 1, "key": [{"header": "x-org"}]}])
+    with json_logs() as lines:
+        async with running([policy], tracer_provider=provider) as (server, client):
+            assert await client.check(SECRET_KEY, request_id="r-1") == 200  # no x-org: skipped
+            assert await client.check(SECRET_KEY, headers={"x-org": SECRET_TOKEN}) == 200
+            assert await client.check(SECRET_KEY, headers={"x-org": SECRET_TOKEN}) == 429
+            metrics = await scrape(server)
+    assert value(samples(metrics), "extauthz_limiter_skipped_total", limiter="per-org", reason="key_missing") == 1
+    records = decision_records(lines)
+    assert [(r["limiter"], r["outcome"], r["reason"]) for r in records] == [
+        ("per-org", "skipped", "key_missing"), ("per-org", "denied", "rate_exceeded")]
+    assert records[0]["request_id"] == "r-1" and records[0]["identity"] == identity_of(SECRET_KEY)
+    for text in [*lines, *span_texts(exporter), metrics]:
+        for secret in SECRETS:
+            assert secret not in text, text

@@ -4,7 +4,6 @@ shipped alert rules parse and name only metrics the server exports."""
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,40 +11,22 @@ import pytest
 import yaml
 
 from extauthz.clock import ManualClock
-from extauthz.errors import StoreUnavailable
-from extauthz.limiters import WorkerUtilizationShedder
-from extauthz.sampler import sample_once
-from extauthz.store.base import CheckResult, Op
-from extauthz.store.memory import MemoryStore
 from extauthz.store.redis import RedisStore
 from extauthz.verdict import Mode
 from tests.conftest import ROOT
 from tests.infra.redis_servers import RedisSingle
 
-from .helpers import rate, running, samples, scrape, value, write_policy
-
-
-class FlakyStore(MemoryStore):
-    """The embedded store, except that it can fail (so it goes through the deadline path)."""
-
-    immediate = False
-    fail = False
-
-    async def check(self, ops: Sequence[Op], lease_id: str) -> CheckResult:
-        if self.fail:
-            raise StoreUnavailable("down for the test")
-        return await super().check(ops, lease_id)
-
-
-def metrics_policy(tmp_path: Path) -> Path:
-    return write_policy(tmp_path / "p" / "api.yaml", [
-        rate("user-rate", burst=3),
-        rate("dark", burst=1, mode="shadow"),
-        {"name": "fleet", "type": "fleet_usage", "capacity": 100, "reserved_for_critical": 0.2},
-        {"name": "workers", "type": "worker_utilization", "signal": {"source": "redis"},
-         "sample_interval": "60s", "good_below": 0.5, "bad_above": 0.6,
-         "delay_before_shedding": "10s", "time_to_shed_all": "10s"},
-    ], test_mode={"key_prefix": "sk_test_"})
+from .helpers import (
+    FlakyStore,
+    metrics_policy,
+    rate,
+    running,
+    samples,
+    scrape,
+    shed_half,
+    value,
+    write_policy,
+)
 
 
 async def test_metrics_after_known_traffic(tmp_path: Path) -> None:
@@ -67,12 +48,7 @@ async def test_metrics_after_known_traffic(tmp_path: Path) -> None:
         assert await client.check("sk_live_bob") == 200
         store.fail = False
         # Shedding: the utilization signal reads 1.0: 10 s of delay, then 5 s of a 10 s ramp.
-        workers = next(w for w in server.engine.snapshot.workers if w.name == "workers")
-        assert isinstance(workers, WorkerUtilizationShedder)
-        await store.set_value(workers.signal_key, "1.0")
-        for step in (0, 10, 5):
-            clock.advance(step)
-            await sample_once(server.engine, workers)
+        await shed_half(server, store, clock)
         assert await client.check("sk_test_carol") == 503  # the test tier is shed first (p = 1)
         assert server.ops.leases is not None
         await server.ops.leases.sample_once()
@@ -105,6 +81,8 @@ async def test_metrics_after_known_traffic(tmp_path: Path) -> None:
         assert value(m, "extauthz_shed_level", limiter="workers", tier="post") == 0.0
         assert value(m, "extauthz_shed_level", limiter="workers", tier="critical") == 0.0
         assert value(m, "extauthz_leases_in_flight", limiter="fleet") == 3  # 3 admitted, none released
+        assert value(m, "extauthz_fleet_capacity", limiter="fleet") == 100
+        assert value(m, "extauthz_shed_utilization", limiter="workers") == 1.0  # the signal read
         assert value(m, "extauthz_policy_info", version=version) == 1
         assert value(m, "extauthz_policy_reload_failures_total") == 0
         assert value(m, "extauthz_policy_reload_error") == 0

@@ -193,6 +193,46 @@ async def test_the_server_reloads_in_the_background_and_status_shows_errors(tmp_
         assert await client.check("sk_live_x") == 200  # shadow now: would-deny, allowed
 
 
+async def test_several_teams_configmaps_projected_into_one_directory(tmp_path: Path, clock: ManualClock) -> None:
+    """The chart's ``policies.configMaps``: a projected volume writes every ConfigMap's files into
+    one ``..data`` directory with the same atomic swap. Each team's edit takes effect; a limiter
+    name or an ``identity`` that another team's file already defines fails, naming both files,
+    while the last good policy keeps serving."""
+    platform = "version: 1\nidentity: [{header: x-api-key}]\n"
+
+    def team(name: str, burst: int, extra: str = "") -> str:
+        return (f"version: 1\n{extra}limiters:\n"
+                f"  - {{name: {name}, type: request_rate, rate: 0.001, burst: {burst}}}\n")
+
+    cm = tmp_path / "policies"
+    files = {"api.yaml": platform, "team-a.yaml": team("team-a-rate", 5), "team-b.yaml": team("team-b-rate", 3)}
+    configmap(cm, "2026_01_01_00_00_00.1", files)
+    engine, watcher = watcher_for(cm, clock)
+    assert [s.name for s in engine.snapshot.policy.limiters] == ["team-a-rate", "team-b-rate"]
+    assert await allowed_in_a_row(engine, "sk_live_a") == 3
+
+    files["team-b.yaml"] = team("team-b-rate", 4)  # team B edits its own ConfigMap
+    configmap(cm, "2026_01_01_00_01_00.2", files)
+    assert watcher.poll_once() is True
+    assert await allowed_in_a_row(engine, "sk_live_b") == 4
+    good = engine.snapshot.policy.version
+
+    for stamp, bad, expected in [
+        ("2026_01_01_00_02_00.3", team("team-a-rate", 9),
+         f"{cm}/team-b.yaml:3: limiters[0].name: duplicate limiter name 'team-a-rate' (first in {cm}/team-a.yaml:3)"),
+        ("2026_01_01_00_03_00.4", team("team-b-rate", 4, "identity: [{source_ip: true}]\n"),
+         f"{cm}/team-b.yaml:2: identity: 'identity' is already set in {cm}/api.yaml; it may appear in one file only"),
+    ]:
+        configmap(cm, stamp, {**files, "team-b.yaml": bad})
+        assert watcher.poll_once() is False
+        err = watcher.status()["last_error"]
+        assert isinstance(err, dict) and expected in err["issues"], err
+        assert engine.snapshot.policy.version == good
+    configmap(cm, "2026_01_01_00_04_00.5", files)  # team B reverts: the policy being served
+    assert watcher.poll_once() is False and watcher.last_error is None
+    assert engine.snapshot.policy.version == good
+
+
 async def test_checks_are_answered_while_a_new_policy_is_parsed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The reload job parses off the event loop: a parse that does not end until the test

@@ -186,3 +186,34 @@ async def test_a_flush_waits_for_the_flush_already_writing(clock: ManualClock) -
     assert await explicit == 0
     (event,) = await store.read_events("shadow", since=0)
     assert json.loads(event)["limiter"] == "dark"
+
+
+async def test_the_dark_launch_report_names_the_key_a_keyed_shadow_limiter_counts(tmp_path: Path) -> None:
+    """A shadow per-IP limit and a shadow quota: their would-refusals are grouped by what
+    each counts (the hashed client IP for the keyed one, the identity for the quota)."""
+    from extauthz.context import RawRequest
+    from extauthz.engine import Engine
+    from extauthz.observe.shadow import ShadowRecorder
+    from extauthz.policy import load_policy
+
+    (tmp_path / "p.yaml").write_text(
+        "version: 1\nidentity: [{header: x-api-key}]\nlimiters:\n"
+        "  - {name: per-ip, type: request_rate, rate: 0.001, burst: 1, mode: shadow, key: [{source_ip: true}]}\n"
+        "  - {name: daily, type: quota, limit: 1, period: day, mode: shadow}\n")
+    clock = ManualClock()
+    store = MemoryStore(clock)
+    recorder = ShadowRecorder(store, "shadow", clock=clock)
+    engine = Engine(store, load_policy([tmp_path / "p.yaml"]), clock=clock, observer=recorder)
+    for key in ("sk_a", "sk_b", "sk_a"):
+        _, d = await engine.check(RawRequest("GET", "/x", headers={"x-api-key": key}, source_ip="10.0.0.9"))
+        assert d.allowed
+    await recorder.flush()
+    report = {r["limiter"]: r for r in build_report(await store.read_events("shadow", since=0))}
+    ip = report["per-ip"]
+    assert (ip["would_deny"], ip["identities"]) == (2, 1)
+    assert ip["top_identities"][0]["identity_source"] == "key:source_ip"
+    assert ip["top_identities"][0]["identity"] == engine.context(
+        RawRequest("GET", "/x", source_ip="10.0.0.9")).keys[0][0]
+    daily = report["daily"]
+    assert (daily["would_deny"], daily["reasons"]) == (1, {"quota_exceeded": 1})
+    assert daily["top_identities"][0]["identity_source"] == "header:x-api-key"

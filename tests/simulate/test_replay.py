@@ -317,3 +317,26 @@ def test_plans_replay_from_recordings_and_from_headers(tmp_path: Path) -> None:
     plain += [{**line(T0, key="k2"), "headers": {"x-api-key": "k2"}} for _ in range(5)]
     s = simulate(tmp_path, d, plain, name="plain.jsonl")
     assert s["refused"] == 1 + 3  # k1 on pro (burst 4), k2 on the default plan (free, burst 2)
+
+
+def test_keyed_limiters_and_a_quota_across_a_month_boundary(tmp_path: Path) -> None:
+    """A per-IP limit beside a per-key one, a skipped key, and a monthly quota whose window
+    ends at 2026-02-01T00:00:00Z on the virtual clock."""
+    end_of_january = 1_769_904_000.0  # 2026-02-01T00:00:00Z
+    policy = policy_dir(tmp_path, [
+        {"name": "per-ip", "type": "request_rate", "rate": 0.001, "burst": 3, "key": [{"source_ip": True}]},
+        {"name": "per-org", "type": "request_rate", "rate": 0.001, "burst": 100, "key": [{"header": "x-org"}]},
+        {"name": "monthly", "type": "quota", "limit": 2, "period": "month", "key": [{"identity": True}]},
+    ])
+    lines = []
+    for i, key in enumerate(["a", "b", "c", "d"]):  # one IP, four API keys: the 4th is over per-ip
+        lines.append({**line(end_of_january - 100 + i, key), "source_ip": "10.0.0.1"})
+    lines += [{**line(end_of_january - 50 + i, "e"), "source_ip": f"10.0.1.{i}"} for i in range(3)]
+    lines += [{**line(end_of_january + 1, "e"), "source_ip": "10.0.2.1"}]  # February: a new month
+    s = simulate(tmp_path, policy, lines)
+    assert s["by_limiter"]["per-ip"] == {"refused": 1, "identities": 1, "skipped_key_missing": 0}
+    # no x-org on any request: skipped every time, never refusing
+    assert s["by_limiter"]["per-org"] == {"refused": 0, "identities": 0, "skipped_key_missing": 8}
+    # e's third request in January is over the quota; February starts again
+    assert s["by_limiter"]["monthly"] == {"refused": 1, "identities": 1}
+    assert (s["requests"], s["allowed"], s["refused"]) == (8, 6, 2)

@@ -1,7 +1,7 @@
 """The embedded store and Redis give the same answers.
 
-Hypothesis generates timelines (limiters with non-binary rates, bursts and costs; several
-users and a fleet key; enforce/shadow mixes; random gaps and gaps that land exactly on a
+Hypothesis generates timelines (limiters with non-binary rates, bursts and costs; quota
+counts over windows; several users and a fleet key; enforce/shadow mixes; random gaps and gaps that land exactly on a
 refill boundary, on a lease's expiry or on the retry-after just answered; releases in
 between) and runs each one against a :class:`MemoryStore` and a :class:`RedisStore` on a
 real Redis (``lua/check.lua`` runs), both reading one :class:`ManualClock`. Every answer must
@@ -22,8 +22,10 @@ time moved as far, so each example runs in well under that second of real time.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.resources
 import itertools
+import math
 import os
 import re
 from collections.abc import Awaitable, Callable, Sequence
@@ -34,12 +36,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from extauthz.clock import ManualClock
+from extauthz.context import RawRequest
+from extauthz.engine import Engine
 from extauthz.store import algorithms
-from extauthz.store.base import BucketOp, CheckResult, GrantOp, LeaseOp, Op, ReturnOp, ShedParams, Store
+from extauthz.store.base import BucketOp, CheckResult, CountOp, GrantOp, LeaseOp, Op, ReturnOp, ShedParams, Store
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
 from tests.infra.redis_servers import RedisSingle
 from tests.store.conftest import StoreCase, make_redis_store
+from tests.unit.helpers import policy_from
 
 EXAMPLES = int(os.environ.get("EXTAUTHZ_DIFFERENTIAL_EXAMPLES", "60"))
 DIFFERENTIAL = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
@@ -79,6 +84,20 @@ class Leases:
 
 
 @dataclass(frozen=True)
+class Count:
+    """A quota: windows of :data:`QUOTA_WINDOW` virtual seconds, one key per window."""
+
+    name: str
+    limit: int
+
+
+#: a quota window in virtual seconds (the key names the window, as QuotaLimiter's does)
+QUOTA_WINDOW = 2.0
+#: a count's TTL: far beyond any timeline (Redis expires it on its own clock)
+QUOTA_TTL = 3600
+
+
+@dataclass(frozen=True)
 class Grants:
     """A bucket asked in batched grants (``GrantOp``) of ``want`` tokens."""
 
@@ -90,7 +109,7 @@ class Grants:
     held: float
 
 
-Limiter = Bucket | Leases | Grants
+Limiter = Bucket | Leases | Count | Grants
 
 
 @dataclass(frozen=True)
@@ -140,11 +159,12 @@ def _limiter(i: int, grants: bool) -> st.SearchStrategy[Limiter]:
     buckets = st.builds(Bucket, st.just(f"b{i}"), st.sampled_from(RATES), st.sampled_from(BURSTS))
     leases = st.builds(Leases, st.just(f"l{i}"), st.integers(0, 3), st.sampled_from(LEASE_TTLS),
                        st.booleans())
+    counts = st.builds(Count, st.just(f"q{i}"), st.integers(1, 4))
     if not grants:
-        return st.one_of(buckets, leases)
+        return st.one_of(buckets, leases, counts)
     granted = st.builds(Grants, st.just(f"g{i}"), st.sampled_from(RATES), st.sampled_from(BURSTS),
                         st.sampled_from(WANTS), st.sampled_from(HELD))
-    return st.one_of(buckets, leases, granted)
+    return st.one_of(buckets, leases, counts, granted)
 
 
 @st.composite
@@ -178,12 +198,16 @@ def timelines(draw: st.DrawFn, grants: bool = False) -> tuple[tuple[Limiter, ...
     return limiters, [draw(steps[kind]) for kind in kinds]
 
 
-def _ops(keys: Keys, limiters: Sequence[Limiter], check: Check) -> list[Op]:
+def _ops(keys: Keys, limiters: Sequence[Limiter], check: Check, now: float) -> list[Op]:
     ops: list[Op] = []
     user = f"user{check.user}"
     for index, enforce, cost in check.ops:
         lim = limiters[index]
-        if isinstance(lim, Bucket):
+        if isinstance(lim, Count):
+            window = math.floor(now / QUOTA_WINDOW)
+            ops.append(CountOp(keys.quota(lim.name, user, window), lim.limit, math.ceil(cost), QUOTA_TTL,
+                               (window + 1) * QUOTA_WINDOW - now, enforce))
+        elif isinstance(lim, Bucket):
             ops.append(BucketOp(keys.bucket(lim.name, user), lim.rate, lim.burst, cost, enforce))
         elif isinstance(lim, Grants):
             ops.append(GrantOp(keys.bucket(lim.name, user), lim.rate, lim.burst, min(cost, lim.burst),
@@ -196,7 +220,7 @@ def _ops(keys: Keys, limiters: Sequence[Limiter], check: Check) -> list[Op]:
 
 def _give_back(keys: Keys, limiters: Sequence[Limiter], step: GiveBack) -> ReturnOp | None:
     lim = limiters[step.pick % len(limiters)]
-    if isinstance(lim, Leases):
+    if isinstance(lim, Leases | Count):
         return None
     return ReturnOp(keys.bucket(lim.name, f"user{step.user}"), lim.rate, lim.burst, step.amount)
 
@@ -213,6 +237,8 @@ def _gap(gap: float | str | tuple[int, int] | tuple[str, int], limiters: Sequenc
     if what == "ttl":
         return lim.ttl if isinstance(lim, Leases) else 1.0
     assert isinstance(what, int)
+    if isinstance(lim, Count):
+        return QUOTA_WINDOW * what / 2  # on a window's end, or half-way
     return what / lim.rate if isinstance(lim, Bucket | Grants) else what * 0.5
 
 
@@ -220,14 +246,14 @@ async def _run(stores: Sequence[Store], clock: ManualClock, keys: Keys,
                limiters: Sequence[Limiter], steps: Sequence[Step]) -> None:
     admitted: list[tuple[list[str], str]] = []
     lease_keys = sorted({op.key for check in steps if isinstance(check, Check)
-                         for op in _ops(keys, limiters, check) if isinstance(op, LeaseOp)})
+                         for op in _ops(keys, limiters, check, 0.0) if isinstance(op, LeaseOp)})
     last_retry = 0.0
     expiry = 0.0  # of the newest lease: ``now + ttl``, the float both stores store
     log: list[str] = []
     for n, step in enumerate(steps):
         if isinstance(step, Check):
-            ops = _ops(keys, limiters, step)
             for attempt in range(2 if step.obey else 1):
+                ops = _ops(keys, limiters, step, clock.now)
                 lease_id = f"r{n}.{attempt}"
                 results: list[CheckResult] = [await s.check(ops, lease_id) for s in stores]
                 log.append(f"t={clock.now!r} check {ops} -> {results[0]}")
@@ -282,7 +308,11 @@ def _both(redis: RedisSingle, body: Body) -> None:
     """Run ``body(memory, redis_store, clock, keys)`` on a fresh pair of stores."""
     async def main() -> None:
         clock = ManualClock(START)
-        memory = MemoryStore(clock)
+        # No background expiry on the embedded side: Redis's key TTLs run on its real clock,
+        # not on this injected one, so an untouched lease key outlives its leases there (a
+        # late release still finds the member). Both stores expire leases when their key is
+        # read, which is what answers depend on; the sweep itself: test_memory_sweep.py.
+        memory = MemoryStore(clock, sweep_batch=0)
         remote = make_redis_store(redis, clock)
         keys = Keys(f"d{next(_example)}")  # every example on keys of its own
         try:
@@ -375,7 +405,7 @@ async def _run_batched(memory: Store, remote: Store, clock: ManualClock, keys: K
                 riders.append(admitted[r.pick % len(admitted)])
             elif isinstance(r, GiveBack) and (back := _give_back(keys, limiters, r)) is not None:
                 riders.append(back)
-        checks = [(f"r{len(log)}.{i}", _ops(keys, limiters, c))
+        checks = [(f"r{len(log)}.{i}", _ops(keys, limiters, c, clock.now))
                   for i, c in enumerate(x for x in segment if isinstance(x, Check))]
         segment.clear()
 
@@ -476,5 +506,61 @@ def test_stores_agree_on_the_shed_controller(redis_up: RedisSingle, params: Shed
             levels.append(pair)
             assert pair[0] == pair[1], levels
             assert params.resting <= pair[0] <= 1.0
+
+    _both(redis_up, body)
+
+
+# --------------------------------------------------------------------------- keyed limiters
+
+
+KEYED_POLICY = {
+    "identity": [{"header": "x-api-key"}, {"source_ip": True}],
+    "plan": {"from": [{"header": "x-plan"}], "default": "free"},
+    "limiters": [
+        {"name": "per-ip", "type": "request_rate", "rate": 0.7, "burst": 2.3, "key": [{"source_ip": True}]},
+        {"name": "per-org", "type": "request_rate", "rate": 1 / 3, "burst": 1.7, "cost": 0.7,
+         "key": [{"header": "x-org"}], "on_missing_key": "shared"},
+        {"name": "per-user-method", "type": "concurrent_requests", "limit": 2,
+         "key": [{"identity": True}, {"method": True}], "mode": "shadow"},
+        {"name": "per-org-quota", "type": "quota", "limit": 3, "period": "minute",
+         "key": [{"header": "x-org"}, {"plan": True}], "plans": {"pro": {"limit": 5}}},
+    ],
+}
+
+
+@st.composite
+def keyed_requests(draw: st.DrawFn) -> list[tuple[float, RawRequest]]:
+    out = []
+    for _ in range(draw(st.integers(5, 40))):
+        gap = draw(st.sampled_from((0.0, 0.0, 1 / 7, 1.0, 10 / 7, 30.0)))
+        headers = {"x-api-key": draw(st.sampled_from(("sk_a", "sk_b", "sk_c")))}
+        org = draw(st.sampled_from(("", "acme", "initech")))
+        if org:
+            headers["x-org"] = org
+        if draw(st.booleans()):
+            headers["x-plan"] = "pro"
+        out.append((gap, RawRequest(draw(st.sampled_from(("GET", "POST"))), "/v1/x", headers=headers,
+                                    source_ip=draw(st.sampled_from(("10.0.0.1", "10.0.0.2"))))))
+    return out
+
+
+@pytest.mark.redis
+@DIFFERENTIAL
+@given(requests=keyed_requests())
+def test_engines_agree_on_keyed_limiters_and_quotas(redis_up: RedisSingle, tmp_path_factory: pytest.TempPathFactory,
+                                                    requests: list[tuple[float, RawRequest]]) -> None:
+    """The engine's decisions for keyed limiters (a missing key skipped or shared) and a
+    quota with plans are the same on the embedded store and Redis."""
+    policy = policy_from(tmp_path_factory.mktemp("keyed"), KEYED_POLICY)
+
+    async def body(memory: Store, remote: Store, clock: ManualClock, keys: Keys) -> None:
+        engines = [Engine(s, policy, keys=keys, clock=clock, deadline=5.0) for s in (memory, remote)]
+        log: list[str] = []
+        for gap, raw in requests:
+            clock.advance(gap)
+            answers = [(await e.check(raw))[1] for e in engines]
+            log.append(f"t={clock.now!r} {raw.method} {dict(raw.headers)} {raw.source_ip} -> {answers[0]}")
+            strip = [dataclasses.replace(d, lease_id="") for d in answers]
+            assert strip[0] == strip[1], "\n".join(log)
 
     _both(redis_up, body)

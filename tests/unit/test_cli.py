@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -83,6 +84,18 @@ def test_envoy_allowed_headers_for_the_grpc_protocol(capsys: pytest.CaptureFixtu
     # the policy's headers, Authorization included (gRPC sends only what is listed), and the
     # request id the access log pairs leases with; nothing the HTTP edge alone reads
     assert listed == ["authorization", "x-api-key", "x-test-mode", "x-request-id"]
+
+
+def test_envoy_allowed_headers_adds_the_headers_key_parts_read(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    policy = tmp_path / "p.yaml"
+    policy.write_text("version: 1\nidentity: [{header: x-api-key}]\nlimiters:\n"
+                      "  - {name: per-org, type: quota, limit: 5, period: day,\n"
+                      "     key: [{header: X-Org}, {header: x-team, strip_prefix: 't-'}, {method: true}]}\n")
+    assert main(["envoy-allowed-headers", "--protocol", "grpc", str(policy)]) == 0
+    out = capsys.readouterr().out
+    listed = [line.split("exact: ")[1].rstrip("}") for line in out.splitlines() if "exact:" in line]
+    assert listed == ["x-api-key", "x-org", "x-team", "x-request-id"]
 
 
 def test_envoy_allowed_headers_bad_policy_exits_1(capsys: pytest.CaptureFixture[str]) -> None:

@@ -38,3 +38,16 @@ def test_a_policy_example_loads(tmp_path: Path, body: str) -> None:
     f = tmp_path / "example.yaml"
     f.write_text(body if re.search(r"^version:", body, re.M) else "version: 1\n" + body)
     load_policy([f])
+
+
+def test_the_commented_key_and_quota_examples_load_uncommented(tmp_path: Path) -> None:
+    """policies/keys-and-quotas.yaml: inactive as shipped, valid once uncommented."""
+    text = (ROOT / "policies" / "keys-and-quotas.yaml").read_text()
+    shipped = load_policy([ROOT / "policies"])
+    assert [s.name for s in shipped.limiters] == ["user-rate", "user-concurrency", "fleet", "workers"]
+    uncommented = re.sub(r"^#(  .*)$", r"\1", text.replace("limiters: []", "limiters:"), flags=re.M)
+    (tmp_path / "api.yaml").write_text((ROOT / "policies" / "api.yaml").read_text())
+    (tmp_path / "keys-and-quotas.yaml").write_text(uncommented)
+    policy = load_policy([tmp_path])
+    assert [s.name for s in policy.limiters][-2:] == ["login-per-ip", "monthly"]
+    assert policy.key_index == {"login-per-ip": 0} and policy.keys[0].label == "key:source_ip"

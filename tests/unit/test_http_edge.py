@@ -15,6 +15,7 @@ from extauthz.server.http import (
     allowed_headers,
     http_answer,
     jwt_payload,
+    path_prefix,
     raw_request,
     source_ip,
     xfcc_principal,
@@ -128,3 +129,29 @@ def test_forward_auth_reads_the_forwarded_request_only_when_asked() -> None:
     assert (plain.method, plain.path, plain.host) == ("GET", "/", "authz:9003")
     fwd = raw_request("GET", "/", headers, frozenset(), forward_auth=True)
     assert (fwd.method, fwd.path, fwd.host) == ("POST", "/v1/charges", "api.example.com")
+
+
+@pytest.mark.parametrize(("target", "path"), [
+    ("/auth/v1/charges?a=1", "/v1/charges"),  # Envoy Gateway: extAuth.http.path + the client's path
+    ("/auth", "/"),
+    ("/auth/", "/"),
+    ("/auth/auth/x", "/auth/x"),  # the client's own /auth/x, prefixed once
+    ("/v1/charges", "/v1/charges"),  # without the prefix: taken as it is
+    ("/authors/1", "/authors/1"),  # the prefix is only the start of a segment: not it
+])
+def test_http_path_prefix_is_removed_before_classifying(target: str, path: str) -> None:
+    for method in ("GET", "POST", "DELETE", "PATCH", "OPTIONS"):
+        raw = raw_request(method, target, {"host": "api.example.com"}, frozenset(), prefix="/auth")
+        assert (raw.method, raw.path) == (method, path)
+    assert raw_request("GET", target, {}, frozenset()).path == target.split("?")[0]  # no prefix set
+
+
+@pytest.mark.parametrize(("value", "normalized"), [("", ""), ("/", ""), ("/auth/", "/auth"), ("/a/b", "/a/b")])
+def test_http_path_prefix_values(value: str, normalized: str) -> None:
+    assert path_prefix(value) == normalized
+
+
+@pytest.mark.parametrize("value", ["auth", "/auth?x=1", "/a#b", "/a b"])
+def test_bad_http_path_prefix_is_refused(value: str) -> None:
+    with pytest.raises(ValueError, match="path such as /auth"):
+        path_prefix(value)

@@ -11,6 +11,7 @@ from google.protobuf import struct_pb2
 from extauthz.classify import Classifier, identity_text
 from extauthz.context import RawRequest
 from extauthz.policy import load_policy
+from extauthz.policy.model import DEFAULT_ROUTE_TIER
 from extauthz.proto import auth_pb2
 from extauthz.server.edge import raw_request, struct_paths
 from extauthz.tiers import Tier
@@ -44,7 +45,7 @@ def classifier(tmp_path: Path) -> Classifier:
 
 
 def context(classifier: Classifier, req: auth_pb2.CheckRequest):  # type: ignore[no-untyped-def]
-    raw = raw_request(req, classifier.needed_headers, "extauthz", classifier.needed_metadata)
+    raw = raw_request(req, classifier.needed_headers, (DEFAULT_ROUTE_TIER,), classifier.needed_metadata)
     return raw, classifier.context(raw)
 
 

@@ -242,7 +242,7 @@ async def test_an_override_hashed_for_an_identity_rule_the_policy_lacks_is_repor
     (["limit=0"], "limit: Input should be greater than or equal to 1"),
     (["rate=fast"], "rate: bad rate 'fast': use a number per second or '100/s', '6000/m'"),
     (["limit=5", "rate=1"], "rate: not a number of this limiter kind (request_rate: rate, burst, cost; "
-                            "concurrent_requests: limit)"),
+                            "concurrent_requests, quota: limit)"),
     (["burst=-1"], "burst: Input should be greater than 0"),
 ])
 def test_override_numbers_follow_the_policy_rules(pairs: list[str], message: str) -> None:

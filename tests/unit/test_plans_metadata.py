@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from extauthz.classify import Classifier
+from extauthz.policy.model import DEFAULT_ROUTE_TIER
 from extauthz.proto import auth_pb2
 from extauthz.server.edge import raw_request
 
@@ -35,7 +36,7 @@ def test_plan_from_metadata_then_header(tmp_path: Path) -> None:
 
     def plan(claims: dict[str, object] | None, headers: dict[str, str]) -> tuple[str, str]:
         raw = raw_request(check_request(claims, {"x-api-key": "sk_live_a", **headers}),
-                          classifier.needed_headers, "extauthz", classifier.needed_metadata)
+                          classifier.needed_headers, (DEFAULT_ROUTE_TIER,), classifier.needed_metadata)
         ctx = classifier.context(raw)
         return ctx.plan, ctx.plan_source
 

@@ -14,6 +14,8 @@ releases then cost one EVALSHA and one Redis TIME together."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import operator
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -21,7 +23,7 @@ from typing import Any, Final
 from redis import exceptions as rx
 
 from ...errors import StoreUnavailable
-from .wire import CLIENT_ERRORS, Reply, Script, wrap
+from .wire import CLIENT_ERRORS, UNKNOWN, Reply, Script, Unanswered, wrap
 
 __all__ = ["RIDE_FLUSH_DELAY", "Batcher", "Call"]
 
@@ -50,10 +52,13 @@ class Batcher:
     place); owns every task it starts (cancelled by :meth:`close`)."""
 
     def __init__(self, transmit: Callable[[list[Call]], Awaitable[list[Reply]]], *,
-                 batching: bool) -> None:
+                 batching: bool, split: Callable[[list[Call]], list[list[Call]]] | None = None) -> None:
         self.batching = batching
         self.closed = False
         self._transmit = transmit
+        #: Redis Cluster: a batch split per master, each part sent and its replies delivered
+        #: on its own (a slow master delays only its own calls)
+        self._split = split
         self._pending: list[Call] = []
         self._sender: asyncio.Task[None] | None = None
         #: releases waiting for a check to ride with, and their flush timer
@@ -119,6 +124,14 @@ class Batcher:
         batch = _merged([call for call in batch if not (call.droppable and call.future.cancelled())])
         if not batch:
             return
+        parts = self._split(batch) if self._split is not None else [batch]
+        if len(parts) > 1:
+            await asyncio.gather(*(self._send_part(part) for part in parts))
+        else:
+            await self._send_part(batch)
+
+    async def _send_part(self, batch: list[Call]) -> None:
+        """One round trip for ``batch`` (merged calls), each caller given its reply."""
         try:
             replies = await self._transmit(batch)
         except asyncio.CancelledError:
@@ -126,6 +139,8 @@ class Batcher:
                 for part in call.parts or (call,):
                     part.future.cancel()
             raise
+        except Unanswered as exc:  # sent, unanswered: each caller its late reply
+            replies = [exc.part(operator.itemgetter(k)) for k in range(len(batch))]
         except BaseException as exc:  # every caller gets the error (wrapped below)
             replies = [exc] * len(batch)
         for call, reply in zip(batch, replies, strict=True):
@@ -136,7 +151,9 @@ class Batcher:
             assert call.script.merge is not None
             for part in call.parts:  # a merged call: each caller its slice of the reply
                 end = start + call.script.merge.reply_length(len(part.keys))
-                _deliver(part, reply if isinstance(reply, BaseException) else reply[start:end])
+                _deliver(part, reply.part(functools.partial(_sliced, start, end))
+                         if isinstance(reply, Unanswered)
+                         else reply if isinstance(reply, BaseException) else reply[start:end])
                 start = end
 
     async def close(self) -> None:
@@ -155,6 +172,11 @@ class Batcher:
             call.future.cancel()
         self._pending.clear()
         self._riders.clear()
+
+
+def _sliced(start: int, end: int, reply: Reply) -> Reply:
+    """One part's slice of a merged call's reply (an error reply: the whole error)."""
+    return reply if isinstance(reply, BaseException) or reply is UNKNOWN else reply[start:end]
 
 
 def _deliver(call: Call, reply: Reply) -> None:

@@ -6,21 +6,26 @@ Pipelines go one per master, so that a dead master fails only its own calls."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+import functools
+import operator
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from redis import exceptions as rx
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 
+from ...errors import StoreError
 from .. import algorithms
-from ..base import BucketOp, CheckResult, GrantOp, Op, OpResult
+from ..base import BucketOp, CheckResult, CountOp, GrantOp, Op, OpResult
 from ..keys import Keys
-from .wire import Reply, StoreStats, check_results, num, wrap
+from .wire import UNKNOWN, Merge, Reply, StoreStats, Unanswered, check_results, num, unknown_reply, wrap
 
 __all__ = ["check_groups", "group_by_tag", "node_of", "pipeline_by_node"]
 
 #: submit(script name, keys, args) -> the reply's future
 Submit = Callable[[str, Sequence[str], Sequence[str | bytes]], Awaitable[Reply]]
+#: settled(late, key, then): ``then(late answer)`` once it came and the key's master answers again
+Settled = Callable[[Any, str, Callable[[Reply], Any]], Any]
 #: the ARGV of one check.lua call for ``ops``
 CheckArgs = Callable[[Sequence[Op], str], tuple[list[str], list[str | bytes]]]
 
@@ -61,20 +66,29 @@ async def pipeline_by_node(
     replies: list[Any] = [None] * len(keys)
     for (_, idx), part in zip(by_node.values(), parts, strict=True):
         for j, i in enumerate(idx):
-            replies[i] = part if isinstance(part, BaseException) else part[j]
+            replies[i] = (part.part(operator.itemgetter(j)) if isinstance(part, Unanswered)
+                          else part if isinstance(part, BaseException) else part[j])
     return replies
 
 
 async def check_groups(submit: Submit, check_args: CheckArgs, stats: StoreStats,
-                       ops: Sequence[Op], groups: list[list[int]], lease_id: str) -> CheckResult:
+                       ops: Sequence[Op], groups: list[list[int]], lease_id: str,
+                       settled: Settled) -> CheckResult:
     """One check.lua call per hash tag group; a group that committed for a request that is
-    not admitted is given back (compensated) before this returns."""
+    not admitted is given back (compensated) before this returns, and a group sent but not
+    answered in time (``late``) is given back if its answer comes committed after all
+    (``settled``: once it came and its master answers again)."""
     subsets = [[ops[i] for i in group] for group in groups]
     futures = []
     for subset in subsets:
         keys, args = check_args(subset, lease_id)
         futures.append(submit("check", keys, args))
     outcomes = await asyncio.gather(*futures, return_exceptions=True)
+    for subset, outcome in zip(subsets, outcomes, strict=True):
+        if isinstance(outcome, StoreError) and outcome.late is not None:
+            settled(outcome.late, subset[0].key, functools.partial(
+                _late_group, submit, stats, subset, lease_id))
+            outcome.late = None  # handled here: the request is refused, nothing else acts on it
     failed = next((r for r in outcomes if isinstance(r, BaseException)), None)
     replies: list[Reply] = [None if isinstance(r, BaseException) else r for r in outcomes]
     admitted = failed is None and all(int(r[0]) == 1 for r in replies)
@@ -87,12 +101,26 @@ async def check_groups(submit: Submit, check_args: CheckArgs, stats: StoreStats,
         if committed:
             await _compensate(submit, stats, committed, lease_id)
     if failed is not None:
-        raise wrap(failed) from failed
+        error = wrap(failed)
+        error.keys = tuple(subset[0].key for subset, outcome in zip(subsets, outcomes, strict=True)
+                           if isinstance(outcome, BaseException))
+        raise error from failed
     results: list[OpResult | None] = [None] * len(ops)
     for group, subset, reply in zip(groups, subsets, replies, strict=True):
         for i, res in zip(group, check_results(subset, reply, admitted), strict=True):
             results[i] = res
     return CheckResult(admitted, tuple(r for r in results if r is not None))
+
+
+def _late_group(submit: Submit, stats: StoreStats, subset: list[Op], lease_id: str,
+                reply: Reply) -> Coroutine[Any, Any, None] | None:
+    """The late answer of a group of a refused request: given back if it committed (its
+    leases, when the answer is :data:`.wire.UNKNOWN`: the call may have run)."""
+    if reply is UNKNOWN:
+        reply = unknown_reply(subset)
+    if isinstance(reply, BaseException) or Merge.failure(reply) is not None or int(reply[0]) != 1:
+        return None
+    return _compensate(submit, stats, [(subset, reply)], lease_id)
 
 
 async def _compensate(submit: Submit, stats: StoreStats,
@@ -113,6 +141,8 @@ async def _compensate(submit: Submit, stats: StoreStats,
                 pool = algorithms.grant_pool(float(reply[2 + 2 * i]), op.held, op.burst)
                 granted = algorithms.grant_size(pool, op.want)
                 args.extend(("b", num(op.burst), num(max(0.0, granted - op.held))))
+            elif isinstance(op, CountOp):
+                args.extend(("q", str(op.cost), ""))
             else:
                 args.extend(("l", "", ""))
         if keys:

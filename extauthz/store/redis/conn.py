@@ -12,7 +12,11 @@ redis-py stays for everything off the hot path: the connection is opened by redi
 connection class (URL options, TLS for ``rediss://``, AUTH/ACL, SELECT, Sentinel's master
 discovery, Cluster node addresses), then its transport is taken over by this protocol.
 A lost connection fails every waiting call (the engine fails open within its deadline), and
-so does every call until a new one is open: no call waits for a reconnect. Reconnects run
+so does every call until a new one is open: no call waits for a reconnect. A connection that
+does not answer within the socket timeout is *retired*, not dropped: no call is sent on it
+any more (a new one is opened), but it keeps reading the replies of what was already written,
+because those commands run when Redis resumes (:class:`.wire.Unanswered`: their outcome
+arrives late, and the engine gives back what they committed). Reconnects run
 in the background, one attempt at a time, started by the calls that find no connection, at
 most one per :data:`RECONNECT_BACKOFF` delay after a failed attempt (after a Redis restart,
 or to the new master after a Sentinel failover: Sentinel disconnects the clients of a
@@ -34,7 +38,9 @@ from redis import exceptions as rx
 from redis.asyncio.connection import AbstractConnection
 from redis.backoff import EqualJitterBackoff
 
-__all__ = ["RECONNECT_BACKOFF", "NodeConnection", "RespProtocol"]
+from .wire import UNKNOWN, Unanswered
+
+__all__ = ["RECONNECT_BACKOFF", "RETIRED_LIMIT", "RETIRED_READ_FOR", "NodeConnection", "RespProtocol"]
 
 #: Delay before the next connect attempt after ``n`` failed ones in a row: 2.5-5 ms after
 #: the first, doubling to 0.5-1 s (the first attempt after a loss starts at once).
@@ -44,6 +50,13 @@ RECONNECT_BACKOFF: Final = EqualJitterBackoff(cap=RECONNECT_BACKOFF_CAP, base=0.
 #: Error replies after which the connection is dropped (a reconnect follows, through
 #: Sentinel to the current master): the node is no longer the writable master.
 _RECONNECT_ON: Final = (b"READONLY", b"MASTERDOWN", b"LOADING")
+
+#: Seconds a retired connection (no reply within the socket timeout) keeps reading the
+#: replies of the commands written on it before it is dropped: as long as the default lease
+#: TTL, since a stalled check that runs later than that holds its lease that long anyway.
+RETIRED_READ_FOR: Final = 60.0
+#: Retired connections kept reading per node; a further retirement drops the oldest.
+RETIRED_LIMIT: Final = 4
 
 
 class RespProtocol(asyncio.Protocol):
@@ -57,6 +70,9 @@ class RespProtocol(asyncio.Protocol):
         self._waiters: deque[asyncio.Future[Any]] = deque()
         #: called once when the connection is lost (the owner starts reconnecting)
         self.on_lost: Callable[[], None] | None = None
+        #: retired (see :meth:`retire`): nothing is sent, replies are still read
+        self.retired = False
+        self._give_up: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
@@ -85,6 +101,8 @@ class RespProtocol(asyncio.Protocol):
             except rx.InvalidResponse as exc:
                 self.abort(exc)
                 return
+        if self.retired and not self._waiters:  # every late reply came: done with it
+            self.abort(rx.ConnectionError("redis: retired connection closed"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail(exc or rx.ConnectionError("redis: connection closed by the server"))
@@ -99,17 +117,37 @@ class RespProtocol(asyncio.Protocol):
         self.transport.write(data)
         return futures
 
+    def retire(self, exc: BaseException, read_for: float) -> None:
+        """Send nothing more (the owner reconnects, as after a loss) but keep reading: the
+        commands written may still run (Redis stalled, not gone), and their replies are
+        what tells whether they committed. Closed once every reply came, or after
+        ``read_for`` seconds (the calls still waiting then get ``exc``)."""
+        if self.lost is not None:
+            return
+        self.retired = True
+        self._note_lost(exc)
+        if not self._waiters:
+            self.abort(exc)
+        else:
+            self._give_up = asyncio.get_running_loop().call_later(read_for, self.abort, exc)
+
     def abort(self, exc: BaseException) -> None:
         """Drop the connection: every waiting call gets ``exc``."""
         self._fail(exc)
         if self.transport is not None:
             self.transport.abort()
 
-    def _fail(self, exc: BaseException) -> None:
+    def _note_lost(self, exc: BaseException) -> None:
         if self.lost is None:
             self.lost = exc
             if self.on_lost is not None:
                 self.on_lost()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._give_up is not None:
+            self._give_up.cancel()
+            self._give_up = None
+        self._note_lost(exc)
         while self._waiters:
             future = self._waiters.popleft()
             if not future.done():
@@ -149,24 +187,54 @@ class NodeConnection:
         self._next_attempt = 0.0
         self._retry: asyncio.TimerHandle | None = None
         self._closed = False
+        #: retired connections still reading late replies (see :meth:`_retire`)
+        self._retired: list[RespProtocol] = []
+        #: set while a connection is open (and once closed: waiters then find it closed)
+        self._open_now = asyncio.Event()
 
-    async def call(self, data: bytes, count: int) -> list[Any]:
+    async def call(self, data: bytes, count: int, *, late: bool = False) -> list[Any]:
         """Send ``count`` packed commands and return their replies (error replies in place).
-        Without a connection it raises at once (after a loss) or waits for the first one."""
+        Without a connection it raises at once (after a loss) or waits for the first one.
+        Commands written and not answered (socket timeout, connection lost) raise
+        :class:`.wire.Unanswered` with ``late`` (their replies if they come after all), else
+        ``redis.TimeoutError`` or the connection's error."""
         protocol = self._protocol
         if protocol is None or protocol.lost is not None:
             protocol = await self.connect(wait=protocol is None)
         futures = protocol.send(data, count)
-        try:
-            async with asyncio.timeout(self._timeout):
-                replies = [await future for future in futures]
-        except TimeoutError:
-            error = rx.TimeoutError(f"redis: no reply within {self._timeout} s")
-            protocol.abort(error)
-            raise error from None
+        # Replies come in order and a loss fails every one left: the last one done means
+        # all are. Waited for without cancelling it: a late reply is still read.
+        if futures and not futures[-1].done():
+            done, _ = await asyncio.wait((futures[-1],), timeout=self._timeout)
+            if not done:
+                message = f"redis: no reply within {self._timeout} s"
+                self._retire(protocol, rx.TimeoutError(message))
+                if late:
+                    raise Unanswered(message, _gathered(futures), timed_out=True)
+                raise rx.TimeoutError(message)
+        lost = next((error for f in futures if not f.cancelled() and (error := f.exception()) is not None),
+                    None)
+        if lost is not None:  # written, then the connection was lost: they may have run
+            if late:
+                raise Unanswered(f"redis: {lost}", _gathered(futures), timed_out=False) from lost
+            raise lost
+        replies = [f.result() for f in futures]
         if protocol.lost is None:
             self._failures = 0  # a good connection: the next loss reconnects at once
         return replies
+
+    def _retire(self, protocol: RespProtocol, error: BaseException) -> None:
+        """``protocol`` did not answer in time: retired (:meth:`RespProtocol.retire`), kept
+        reading while a new connection serves the calls; at most :data:`RETIRED_LIMIT` per
+        node (the oldest is dropped: what it still waits for stays unknown)."""
+        if protocol.retired or protocol.lost is not None:
+            return  # already retired (by an earlier call on it) or lost
+        self._retired = [p for p in self._retired if p.transport is not None
+                         and not p.transport.is_closing()]
+        if len(self._retired) >= RETIRED_LIMIT:
+            self._retired.pop(0).abort(rx.ConnectionError("redis: too many retired connections"))
+        protocol.retire(error, RETIRED_READ_FOR)
+        self._retired.append(protocol)
 
     async def connect(self, *, wait: bool = True) -> RespProtocol:
         """The open connection; else a connect attempt is started in the background (unless
@@ -223,6 +291,7 @@ class NodeConnection:
         (a node answering READONLY or LOADING)."""
         if self._closed or protocol is not self._protocol:
             return
+        self._open_now.clear()
         self._failures += 1
         self._schedule(0.0 if self._failures == 1 else RECONNECT_BACKOFF.compute(self._failures - 1))
 
@@ -258,23 +327,51 @@ class NodeConnection:
         old = self._protocol
         self._protocol = protocol
         self.connects += 1
+        self._open_now.set()
         if old is not None and old.lost is None:
             old.abort(rx.ConnectionError("redis: replaced"))
         return protocol
 
+    async def opened(self) -> None:
+        """Wait until a connection is open (after a loss the attempts go on in the
+        background until one opens); raises once the store is closed."""
+        await self._open_now.wait()
+        if self._closed:
+            raise rx.ConnectionError("redis: store closed")
+
     async def close(self) -> None:
         self._closed = True
+        self._open_now.set()  # whoever waits for a connection learns it is closed
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
         if self._opening is not None and not self._opening.done():
             self._opening.cancel()
             await asyncio.gather(self._opening, return_exceptions=True)
+        for retired in self._retired:
+            retired.abort(rx.ConnectionError("redis: store closed"))
+        self._retired = []
         if self._protocol is not None:
             self._protocol.abort(rx.ConnectionError("redis: store closed"))
             self._protocol = None
             self._writer = None
             await asyncio.sleep(0)  # the transport's connection_lost runs: the socket is closed
+
+
+def _gathered(futures: list[asyncio.Future[Any]]) -> asyncio.Future[list[Any]]:
+    """One future for the replies of ``futures`` (they complete in order, the last one last;
+    a loss fails every one left), :data:`.wire.UNKNOWN` for each the connection lost."""
+    out: asyncio.Future[list[Any]] = futures[-1].get_loop().create_future()
+
+    def last_done(_: asyncio.Future[Any]) -> None:
+        out.set_result([UNKNOWN if f.cancelled() or f.exception() is not None else f.result()
+                        for f in futures])
+
+    if futures[-1].done():
+        last_done(futures[-1])
+    else:
+        futures[-1].add_done_callback(last_done)
+    return out
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:

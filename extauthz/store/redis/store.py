@@ -18,6 +18,7 @@ every replica, so that one budget holds across the fleet.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -28,7 +29,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.sentinel import Sentinel
 
-from ...errors import StoreUnavailable
+from ...errors import StoreError, StoreUnavailable
 from .. import algorithms, redis_events
 from ..base import CheckResult, Op, ReturnOp, ShedParams
 from ..keys import Keys
@@ -43,7 +44,7 @@ from .wire import (
     Script,
     StoreStats,
     check_args,
-    check_results,
+    check_result,
     load_script,
     num,
     pack_command,
@@ -79,10 +80,13 @@ class RedisStore:
         self.client = client
         self.stats = StoreStats()
         self._cluster = isinstance(client, RedisCluster)
+        #: several masters (Redis Cluster): the engine keeps a breaker per master (node_of)
+        self.per_master = self._cluster
         self._now = now
         self._sentinel = sentinel
         self._scripts = {name: load_script(name) for name in SCRIPT_NAMES}
-        self._batcher = Batcher(self._transmit, batching=batching)
+        self._batcher = Batcher(self._transmit, batching=batching,
+                                split=self._by_master if self._cluster else None)
         #: see _ensure_ready
         self._ready = False
         self._init_task: asyncio.Task[None] | None = None
@@ -92,6 +96,9 @@ class RedisStore:
         #: releases wait (a few ms) for the next check's round trip (batcher riders)
         self.releases_ride = releases_ride
         self._nodes: dict[str, NodeConnection] = {}
+        #: Redis Cluster: the parts (a key, its reply) of each check under way in several
+        #: slot groups, by lease id (see :meth:`unanswered`)
+        self._parts: dict[str, list[tuple[str, asyncio.Future[Reply]]]] = {}
 
     @property
     def batching(self) -> bool:
@@ -186,6 +193,28 @@ class RedisStore:
                 lambda idx, node: self._pipeline_on([batch[i] for i in idx], node))
         return await self._raw_pipeline(batch)
 
+    def _by_master(self, batch: list[Call]) -> list[list[Call]]:
+        """Redis Cluster: a batch's calls per master (the batcher sends and delivers each
+        part on its own, so that a slow master delays only its own calls)."""
+        parts: dict[str, list[Call]] = {}
+        for call in batch:
+            parts.setdefault(self.node_of(call.keys[0]), []).append(call)
+        return list(parts.values())
+
+    def node_of(self, key: str) -> str:
+        """The name (``host:port``) of the master serving ``key``; "" on a single Redis or
+        Sentinel (one master), or when no master covers the key's slot."""
+        if not self._cluster:
+            return ""
+        node = cluster.node_of(self.client, key)
+        return "" if node is None else str(node.name)
+
+    def unanswered(self, lease_id: str) -> list[str]:
+        """Redis Cluster: the masters (:meth:`node_of`) whose part of the check ``lease_id``
+        (one in several slot groups, under way) has not answered yet: the engine blames a
+        missed deadline on them, not on the masters that answered."""
+        return [self.node_of(key) for key, part in self._parts.get(lease_id, ()) if not part.done()]
+
     async def _script_load(self, script: Script, node: ClusterNode | None) -> None:
         """SCRIPT LOAD where NOSCRIPT came from: on a cluster that node only, so that one
         dead master cannot keep scripts off the others."""
@@ -210,7 +239,7 @@ class RedisStore:
         pool = self.client.connection_pool
 
         async def send_lean(todo: list[int]) -> list[Any]:
-            return await self._single_node().call(_packed_calls(batch, todo), len(todo))
+            return await self._single_node().call(_packed_calls(batch, todo), len(todo), late=True)
 
         async def send(todo: list[int]) -> list[Any]:
             conn = await pool.get_connection()  # type: ignore[no-untyped-call]
@@ -258,7 +287,8 @@ class RedisStore:
 
         async def send_lean(todo: list[int]) -> list[Any]:
             assert node is not None
-            answers = await self._cluster_node(node).call(_packed_calls(batch, todo), len(todo))
+            answers = await self._cluster_node(node).call(_packed_calls(batch, todo), len(todo),
+                                                          late=True)
             # MOVED/ASK (slots moved since the map was read): that call once more through
             # redis-py, which follows the redirection and refreshes its slot map.
             for j, answer in enumerate(answers):
@@ -302,13 +332,17 @@ class RedisStore:
         if self._cluster and len(groups := cluster.group_by_tag([op.key for op in ops])) > 1:
             return await self._check_groups(ops, groups, lease_id)
         keys, args = self._check_args(ops, lease_id)
-        if all(isinstance(op, ReturnOp) for op in ops):
-            # batched grants given back: they ride with the next check, as releases do
-            reply = await self._submit("check", keys, args, ride=self.releases_ride)
-        else:
-            reply = await self._submit("check", keys, args, droppable=True)
-        admitted = int(reply[0]) == 1
-        return CheckResult(admitted, tuple(check_results(ops, reply, admitted)))
+        try:
+            if all(isinstance(op, ReturnOp) for op in ops):
+                # batched grants given back: they ride with the next check, as releases do
+                reply = await self._submit("check", keys, args, ride=self.releases_ride)
+            else:
+                reply = await self._submit("check", keys, args, droppable=True)
+        except StoreError as exc:
+            if exc.late is not None:  # sent, unanswered: its answer may still come
+                exc.late = self._settled(exc.late, keys[0], functools.partial(check_result, ops))
+            raise
+        return check_result(ops, reply)
 
     def _check_args(self, ops: Sequence[Op], lease_id: str) -> tuple[list[str], list[str | bytes]]:
         return check_args(self._now_arg(), ops, lease_id)
@@ -318,11 +352,51 @@ class RedisStore:
         """Redis Cluster, ops in several slots: run in a task the caller cannot cancel, so
         that a compensation always completes. (A caller that gives up loses the answer: the
         engine's release path gives back what an abandoned answer committed.)"""
+        parts = self._parts[lease_id] = []
+
+        def submit(script: str, keys: Sequence[str], args: Sequence[str | bytes]) -> asyncio.Future[Reply]:
+            part = self._submit(script, keys, args)
+            parts.append((keys[0], part))
+            return part
+
         task = self._batcher.spawn(
-            cluster.check_groups(self._submit, self._check_args, self.stats, ops, groups,
-                                 lease_id))
+            cluster.check_groups(submit, self._check_args, self.stats, ops, groups,
+                                 lease_id, self._settled))
+        task.add_done_callback(lambda _: self._parts.pop(lease_id, None))
         result: CheckResult = await asyncio.shield(task)
         return result
+
+    def _settled(self, late: asyncio.Future[Reply], key: str,
+                 then: Callable[[Reply], Any]) -> asyncio.Future[Any]:
+        """``then(the late answer)`` once it came *and* the store answers again (a connection
+        to the node of ``key`` is open), so that what follows from it (a release) is sent,
+        not refused as "not connected"; in a store-owned task (which also runs ``then``'s
+        coroutine when it returns one)."""
+        out: asyncio.Future[Any] = late.get_loop().create_future()
+
+        async def settle() -> None:
+            try:
+                reply = await late
+                node = self._node_of(key)
+                if node is not None:
+                    await node.opened()
+                value = then(reply)
+                if asyncio.iscoroutine(value):  # work to do with it (a compensation)
+                    value = await value
+                out.set_result(value)
+            except Exception as exc:
+                out.set_exception(exc)
+                out.exception()  # retrieved: nobody may wait for it
+
+        self._batcher.spawn(settle())
+        return out
+
+    def _node_of(self, key: str) -> NodeConnection | None:
+        """The lean connection serving ``key`` (None: not opened yet, or not lean)."""
+        if not self._cluster:
+            return self._nodes.get("")
+        node = cluster.node_of(self.client, key)
+        return None if node is None else self._nodes.get(node.name)
 
     async def release(self, keys: Sequence[str], lease_id: str) -> int:
         """Releases ride with checks (:data:`.batcher.RIDE_FLUSH_DELAY`): a release is a

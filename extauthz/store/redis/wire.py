@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import importlib.resources
@@ -15,12 +16,12 @@ from redis import exceptions as rx
 
 from ...errors import StoreError, StoreTimeout, StoreUnavailable
 from .. import algorithms
-from ..base import BucketOp, GrantOp, Op, OpResult, ReturnOp
+from ..base import BucketOp, CheckResult, CountOp, GrantOp, Op, OpResult, ReturnOp
 
 __all__ = [
-    "CLIENT_ERRORS", "MERGES", "NOSCRIPT_ATTEMPTS", "SCRIPT_NAMES", "Merge", "Reply", "Script", "StoreStats",
-    "check_args", "check_results", "load_script", "num", "op_args", "pack_command", "pack_evalsha",
-    "release_args", "released", "send_reloading", "wrap",
+    "CLIENT_ERRORS", "MERGES", "NOSCRIPT_ATTEMPTS", "SCRIPT_NAMES", "UNKNOWN", "Merge", "Reply", "Script",
+    "StoreStats", "Unanswered", "check_args", "check_result", "check_results", "later", "load_script", "num",
+    "op_args", "pack_command", "pack_evalsha", "release_args", "released", "send_reloading", "unknown_reply", "wrap",
 ]
 
 SCRIPT_NAMES: Final = ("check", "inflight", "shed_state", "compensate", "swap_value")
@@ -99,10 +100,64 @@ class StoreStats:
     compensation_errors: int = 0
 
 
+class _Unknown:
+    """The reply of a command whose connection was lost before it answered: it may have run."""
+
+    def __repr__(self) -> str:
+        return "UNKNOWN"
+
+
+#: a late reply that never came (the connection was lost first): the command may have run
+UNKNOWN: Final = _Unknown()
+
+
+class Unanswered(rx.RedisError):
+    """Commands were written and their replies did not come: within the socket timeout
+    (``timed_out``; a stalled Redis runs them when it resumes) or before the connection was
+    lost. Their outcome is unknown now; ``late`` resolves to the replies when they come after
+    all (a retired connection keeps reading them: :mod:`.conn`), :data:`UNKNOWN` for each one
+    whose connection was lost first."""
+
+    def __init__(self, message: str, late: asyncio.Future[Any], *, timed_out: bool) -> None:
+        super().__init__(message)
+        self.late = late
+        self.timed_out = timed_out
+
+    def part(self, pick: Callable[[Any], Any]) -> Unanswered:
+        """The same failure for a part of the replies: ``late`` mapped through ``pick``."""
+        return Unanswered(str(self), later(self.late, pick), timed_out=self.timed_out)
+
+
+def later(late: asyncio.Future[Any], then: Callable[[Any], Any]) -> asyncio.Future[Any]:
+    """A future of ``then(late's result)``; failing (retrieved) when ``late`` or ``then`` fails."""
+    out: asyncio.Future[Any] = late.get_loop().create_future()
+
+    def done(_: asyncio.Future[Any]) -> None:
+        try:
+            if late.cancelled():
+                raise rx.ConnectionError("redis: late reply dropped")
+            error = late.exception()
+            if error is not None:
+                raise error
+            out.set_result(then(late.result()))
+        except Exception as exc:
+            out.set_exception(exc)
+            out.exception()  # retrieved: nobody may wait for it
+
+    late.add_done_callback(done)
+    return out
+
+
 def wrap(exc: BaseException) -> StoreError:
-    """A client exception as the store's own error (timeouts kept apart)."""
+    """A client exception as the store's own error (timeouts kept apart; an unanswered
+    call's ``late`` replies carried over)."""
     if isinstance(exc, StoreError):
         return exc
+    if isinstance(exc, Unanswered):
+        error: StoreError = (StoreTimeout(f"redis: {exc}") if exc.timed_out
+                             else StoreUnavailable(f"redis: {exc}"))
+        error.late = exc.late
+        return error
     if isinstance(exc, rx.TimeoutError):
         return StoreTimeout(f"redis: {exc}")
     return StoreUnavailable(f"redis: {type(exc).__name__}: {exc}")
@@ -149,6 +204,8 @@ def op_args(op: Op) -> tuple[bytes, ...]:
                 f"{num(op.cost)} {num(op.want)} {num(op.held)}".encode())
     if isinstance(op, ReturnOp):
         return (b"u", b"0", num(op.rate).encode(), num(op.burst).encode(), num(op.amount).encode())
+    if isinstance(op, CountOp):
+        return _count_args(op.enforce, op.limit, op.cost, op.ttl)
     return _lease_args(op.enforce, op.limit, op.ttl)
 
 
@@ -156,6 +213,12 @@ def op_args(op: Op) -> tuple[bytes, ...]:
 def _bucket_args(enforce: bool, rate: float, burst: float, cost: float) -> tuple[bytes, ...]:
     return (b"b", b"1" if enforce else b"0", num(rate).encode(), num(burst).encode(),
             num(cost).encode())
+
+
+@functools.lru_cache(maxsize=4096)
+def _count_args(enforce: bool, limit: int, cost: int, ttl: int) -> tuple[bytes, ...]:
+    return (b"q", b"1" if enforce else b"0", str(int(limit)).encode(), str(int(cost)).encode(),
+            str(int(ttl)).encode())
 
 
 @functools.lru_cache(maxsize=4096)
@@ -183,6 +246,30 @@ def pack_evalsha(sha: bytes, keys: Sequence[str], args: Sequence[str | bytes]) -
     return b"".join(parts)
 
 
+def unknown_reply(ops: Sequence[Op]) -> list[Any]:
+    """check.lua's reply taken for a call that may have run (:data:`UNKNOWN`): admitted, every
+    lease op held (releasing a lease id that is not there is harmless), no bucket op taken
+    (refunding tokens that were not taken would not be; a grant or give-back neither)."""
+    reply: list[Any] = [1]
+    for op in ops:
+        reply.extend((0 if isinstance(op, BucketOp | GrantOp | ReturnOp) else 1, b"0"))
+    return reply
+
+
+def check_result(ops: Sequence[Op], reply: Reply) -> CheckResult:
+    """One request's check.lua answer as the store's result (an error reply raised, wrapped;
+    an entry that failed alone inside a merged call raised too; :data:`UNKNOWN` taken as
+    :func:`unknown_reply`)."""
+    if reply is UNKNOWN:
+        reply = unknown_reply(ops)
+    if isinstance(reply, BaseException):
+        raise wrap(reply)
+    if (message := Merge.failure(reply)) is not None:
+        raise StoreUnavailable(f"redis: {message}")
+    admitted = int(reply[0]) == 1
+    return CheckResult(admitted, tuple(check_results(ops, reply, admitted)))
+
+
 def check_results(ops: Sequence[Op], reply: Sequence[Any], admitted: bool) -> list[OpResult]:
     """check.lua's reply (each op's allowed flag and its state before the commit) -> the
     results, derived by :func:`~extauthz.store.algorithms.op_result` as on the memory store."""
@@ -205,7 +292,10 @@ async def send_reloading(
     for attempt in range(NOSCRIPT_ATTEMPTS):
         stats.commands += len(todo)
         stats.round_trips += 1
-        answers = await send(todo)
+        try:
+            answers = await send(todo)
+        except Unanswered as exc:  # the late replies, in place among those already known
+            raise exc.part(functools.partial(_filled, list(replies), list(todo))) from None
         missing: list[int] = []
         for i, answer in zip(todo, answers, strict=True):
             replies[i] = answer
@@ -217,3 +307,10 @@ async def send_reloading(
             await load(script)
         todo = missing
     return replies
+
+
+def _filled(known: list[Reply], indexes: list[int], answers: Sequence[Reply]) -> list[Reply]:
+    out = list(known)
+    for i, answer in zip(indexes, answers, strict=True):
+        out[i] = answer
+    return out

@@ -50,6 +50,32 @@ app.kubernetes.io/component: ext-authz
 {{- end }}
 {{- end }}
 
+{{/* The chart's own policy files: `policies` without its `configMaps` key (nor null values). */}}
+{{- define "extauthz.policyFiles" -}}
+{{- $files := dict }}
+{{- range $file, $body := .Values.policies }}
+{{- if and (ne $file "configMaps") $body }}
+{{- $_ := set $files $file $body }}
+{{- end }}
+{{- end }}
+{{- toJson $files }}
+{{- end }}
+
+{{/* The ConfigMaps that make up the policy directory, in order: the chart's (or
+existingPolicyConfigMap), then each of policies.configMaps (owned by other teams). */}}
+{{- define "extauthz.policySources" -}}
+{{- $sources := list }}
+{{- if .Values.existingPolicyConfigMap }}
+{{- $sources = append $sources .Values.existingPolicyConfigMap }}
+{{- else if (include "extauthz.policyFiles" . | fromJson) }}
+{{- $sources = append $sources (include "extauthz.policyConfigMapName" .) }}
+{{- end }}
+{{- range (.Values.policies | default dict).configMaps }}
+{{- $sources = append $sources . }}
+{{- end }}
+{{- toJson $sources }}
+{{- end }}
+
 {{/* The Secret the chart creates for identitySalt.value (none when an existing one is named). */}}
 {{- define "extauthz.secretName" -}}
 {{- printf "%s-secrets" (include "extauthz.fullname" .) | trunc 63 | trimSuffix "-" }}
@@ -117,8 +143,8 @@ Metrics ports as a JSON list of {name, port}: worker i listens on metrics.port +
 {{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.enabled) }}
 {{- fail "metrics.serviceMonitor.enabled needs metrics.enabled" }}
 {{- end }}
-{{- if and (not .Values.existingPolicyConfigMap) (not .Values.policies) }}
-{{- fail "set policies (file name -> YAML) or existingPolicyConfigMap" }}
+{{- if not (include "extauthz.policySources" . | fromJsonArray) }}
+{{- fail "set policies (file name -> YAML), policies.configMaps or existingPolicyConfigMap" }}
 {{- end }}
 {{- if and .Values.tls.requireClientCertificate (not .Values.tls.existingSecret) }}
 {{- fail "tls.requireClientCertificate needs tls.existingSecret (mTLS is TLS plus client certificates)" }}
