@@ -24,7 +24,7 @@ from .context import RawRequest, RequestContext
 from .errors import INTERNAL_ERROR, CircuitOpen, StoreError, StoreInternalError, StoreTimeout
 from .limiters import Limiter, WorkerUtilizationShedder, build_limiters
 from .limiters.base import applies
-from .limiters.grants import bind_store, refund_grants
+from .limiters.grants import bind_store, refund_grants, settle_grants
 from .observe.base import NullObserver, Observer
 from .overrides import Override, compile_overrides
 from .policy.model import Policy
@@ -166,6 +166,10 @@ class Engine:
         self.overrides = tuple(overrides)
         old = self.snapshot
         self.snapshot = self._build(old.policy, old.switches, old, old.limiters)
+
+    async def settle_grants(self) -> None:
+        """A graceful stop: batched grants still held go back to the store at once."""
+        await settle_grants(self.snapshot.limiters)
 
     # -- the request path -----------------------------------------------------------------
     def context(self, raw: RawRequest) -> RequestContext:

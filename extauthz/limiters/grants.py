@@ -39,7 +39,7 @@ from ..store.algorithms import admits, take
 from ..store.base import ReturnOp, Store
 from ..verdict import Verdict
 
-__all__ = ["GrantTable", "Grantee", "bind_store", "default_batch", "refund_grants"]
+__all__ = ["GrantTable", "Grantee", "bind_store", "default_batch", "refund_grants", "settle_grants"]
 
 #: timer ticks per sync_interval: a grant goes back at the first tick at least half an
 #: interval after it was taken, so within one interval
@@ -208,6 +208,18 @@ class GrantTable:
         if self._held:
             self._arm()
 
+    async def settle(self) -> None:
+        """Give back everything held now and stop (a graceful stop: the fleet gets this
+        replica's unspent grants at once instead of losing them)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        returns = [ReturnOp(key, h.rate, h.burst, h.tokens) for key, h in self._held.items() if h.tokens > 0.0]
+        self._held.clear()
+        if self.store is not None:
+            await asyncio.gather(*(self._send(op) for op in returns))
+        await self.drain()
+
     async def drain(self) -> None:
         """Wait for the returns already sent (tests, shutdown)."""
         while self._tasks:
@@ -239,6 +251,13 @@ def refund_grants(ctx: RequestContext, slots: Iterable[tuple[object, bool, Verdi
         if (local is not None and not local.refused and isinstance(lim, Grantee)
                 and lim.grants is not None):
             lim.refund(ctx)
+
+
+async def settle_grants(limiters: Iterable[object]) -> None:
+    """Every batched limiter gives back what it holds (:meth:`GrantTable.settle`)."""
+    for lim in limiters:
+        if isinstance(lim, Grantee) and lim.grants is not None:
+            await lim.grants.settle()
 
 
 def bind_store(limiters: Iterable[object], store: Store) -> None:

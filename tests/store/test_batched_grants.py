@@ -327,3 +327,14 @@ async def test_a_late_give_back_does_not_refill_the_same_seconds_twice(
         assert (await store.check([GrantOp("k", RATE, BURST, 1.0, BURST)], "")).results[0].extra == 3.0
     finally:
         await store.close()
+
+
+async def test_a_graceful_stop_gives_back_every_grant_held(tmp_path: Path) -> None:
+    clock = ManualClock(START)
+    store = MemoryStore(clock)
+    engine = Engine(store, policy_from(tmp_path, {"limiters": [batched(tmp_path)]}), clock=clock)
+    await engine.check(get())
+    key = next(iter(table(engine)._held))
+    assert store.tokens(key) == BURST - BATCH
+    await engine.settle_grants()  # what Server.stop does before the store closes
+    assert store.tokens(key) == BURST - 1 and table(engine).total() == 0.0
