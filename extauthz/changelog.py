@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import StoreError
-from .store.base import Store
+from .store.base import Store, load_json
 
 log = logging.getLogger("extauthz.changes")
 
@@ -79,9 +79,14 @@ class Change:
         return f"{self.kind} {self.target} {what}"
 
 
+def format_number(v: float) -> str:
+    """5000000, not 5e+06: whole numbers whole, others to six significant digits."""
+    return str(int(v)) if float(v).is_integer() else f"{v:.6g}"
+
+
 def _value(value: Any) -> str:
     if isinstance(value, dict):
-        return " ".join(f"{k}={v:g}" if isinstance(v, (int, float)) else f"{k}={v}"
+        return " ".join(f"{k}={format_number(v)}" if isinstance(v, (int, float)) else f"{k}={v}"
                         for k, v in sorted(value.items()))
     return "-" if value is None else str(value)
 
@@ -91,7 +96,7 @@ def parse_history(events: Iterable[str]) -> list[Change]:
     out: list[Change] = []
     for raw in events:
         try:
-            data = json.loads(raw)
+            data = load_json(raw)  # a ValueError for anything malformed, nesting too
             if isinstance(data, dict):
                 out.append(Change.from_dict(data))
         except (ValueError, TypeError, KeyError):

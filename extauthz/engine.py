@@ -112,6 +112,8 @@ class Engine:
         self.observer: Observer = observer or NullObserver()
         self._salt = salt
         self.breaker = breaker or Breaker(clock)
+        #: the single-store path's breakers, built once (not per check)
+        self._one_breaker: list[tuple[str, Breaker]] = [("", self.breaker)]
         #: Redis Cluster: one breaker per master (``breaker`` is their template), so that one
         #: slow master fails open only the checks that need it (names: ``store.node_of``)
         self.node_breakers: dict[str, Breaker] = {}
@@ -294,7 +296,7 @@ class Engine:
         """The breakers a check of ``ops`` goes through: the store's, or on Redis Cluster the
         breaker of each master holding one of the keys."""
         if self._node_of is None:
-            return [("", self.breaker)]
+            return self._one_breaker
         out = []
         by_tag = {Keys.tag_of(op.key): op.key for op in ops}  # one slot per hash tag
         for name in {self._node_of(key) for key in by_tag.values()}:
@@ -322,11 +324,14 @@ class Engine:
 
     async def _store_check(self, ops: Sequence[Op], lease_id: str) -> CheckResult:
         breakers = self._breakers(ops)
-        if not all(breaker.would_allow() for _, breaker in breakers):
+        if len(breakers) == 1:  # one store (or one master): no list walk on the hot path
+            allowed = breakers[0][1].allow()
+        elif allowed := all(breaker.would_allow() for _, breaker in breakers):
+            for _, breaker in breakers:
+                breaker.allow()  # takes the half-open probe where there is one
+        if not allowed:
             self._failed(CircuitOpen.reason)
             raise CircuitOpen("circuit open")
-        for _, breaker in breakers:
-            breaker.allow()  # takes the half-open probe where there is one
         if self.store_immediate:  # the embedded store answers synchronously: no deadline
             try:
                 return await self.store_check(ops, lease_id)

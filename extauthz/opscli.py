@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import __version__
-from .policy.schema import parse_duration
+from .changelog import format_number
 from .switches import change_stored as change_stored_switches
 from .switches import parse_switches, valid_name
 from .verdict import Mode
@@ -126,7 +126,7 @@ def _add_override_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
     common(q, True)
     q.add_argument("limiter", help="the limiter's name")
     q.add_argument("numbers", nargs="+", metavar="NAME=VALUE",
-                   help="rate=1000 burst=5000 cost=1 (request_rate) or limit=200 (concurrent_requests)")
+                   help="rate=1000 burst=5000 cost=1 (request_rate) or limit=200 (concurrent_requests, quota)")
     q.add_argument("--ttl", default="24h", help="expiry, a duration like 30m, 24h or 720h "
                    "(at most 30 days; default 24h)")
     _add_change(q)
@@ -413,15 +413,17 @@ def cmd_history(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from .observe.shadow import format_report, report_from_events
+    from .server.admin import parse_top, parse_window  # the admin port's own rules
 
     try:
         try:
-            window = float(args.window)
-        except ValueError:
-            try:
-                window = float(parse_duration(args.window))
-            except ValueError as exc:
-                raise CliError(f"--window: {exc}") from None
+            window = parse_window(args.window)
+        except ValueError as exc:
+            raise CliError(f"--window: {exc}") from None
+        try:
+            top = parse_top(str(args.top))
+        except ValueError as exc:
+            raise CliError(f"--top: {exc}") from None
         if args.redis_url:
             from .store.keys import Keys
             from .store.redis_events import read_events
@@ -433,9 +435,9 @@ def cmd_report(args: argparse.Namespace) -> int:
                 return await read_events(store.client, key, since)
 
             events = asyncio.run(_with_redis(args.redis_url, go))
-            data = report_from_events(events, window=window, since=since, top=args.top)
+            data = report_from_events(events, window=window, since=since, top=top)
         else:
-            data = _http(admin_target(args), "GET", f"/shadow?window={window:g}&top={args.top}")
+            data = _http(admin_target(args), "GET", f"/shadow?window={window:g}&top={top}")
     except CliError as exc:
         print(f"extauthz report: {exc}", file=sys.stderr)
         return 1
@@ -565,7 +567,7 @@ def _fmt_time(ts: float) -> str:
 
 
 def _fmt_numbers(numbers: dict[str, float]) -> str:
-    return " ".join(f"{k}={v:g}" for k, v in sorted(numbers.items()))
+    return " ".join(f"{k}={format_number(v)}" for k, v in sorted(numbers.items()))
 
 
 def format_overrides(data: dict[str, Any]) -> str:

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections.abc import Callable, Sequence
 from typing import Final
 
+from .backoff import Backoff
 from .store.base import CheckResult, LeaseOp, Op, Store
 from .throttle import LogThrottle
 
@@ -49,6 +49,8 @@ RETRY_CAP: Final = 2.0
 #: otherwise hold a task per finished request for a whole lease TTL); beyond it a failure
 #: is not retried (``error``; the TTL is the backstop)
 MAX_RETRYING: Final = 10_000
+#: the wait before the n-th retry: RETRY_FIRST, doubling to RETRY_CAP (with jitter)
+RETRY_BACKOFF: Final = Backoff(first=RETRY_FIRST, cap=RETRY_CAP)
 
 
 class Releaser:
@@ -110,13 +112,14 @@ class Releaser:
     async def _release(self, keys: list[str], lease_id: str, path: str) -> int:
         loop = asyncio.get_running_loop()
         give_up = loop.time() + (self.retry_for() if self.retry_for is not None else 0.0)
-        backoff = RETRY_FIRST
+        failures = 0
         while True:
             try:
                 async with asyncio.timeout(self.timeout):
                     released = await self.store.release(keys, lease_id)
             except Exception as exc:
-                wait = backoff * (0.5 + random.random() / 2)  # jitter: replicas do not retry in step
+                failures += 1
+                wait = RETRY_BACKOFF.compute(failures)
                 # the lease has expired by then (the TTL did it), or too many wait already
                 if loop.time() + wait >= give_up or self.retrying >= MAX_RETRYING:
                     self._failed(path, exc)
@@ -130,7 +133,6 @@ class Releaser:
                     raise
                 finally:
                     self.retrying -= 1
-                backoff = min(backoff * 2, RETRY_CAP)
                 continue
             self._done(path, released)
             return released

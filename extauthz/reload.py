@@ -11,8 +11,9 @@ A failed reload keeps the last good policy serving. It is logged once per distin
 content (every issue with file, field and line), counted, and shown in ``/status``
 (``reload.last_error``) until a good reload clears it. A valid policy whose swap fails (the
 new snapshot cannot be built) is a failed reload too, and is retried on every poll until it
-applies. A load that fails while the files are
-still changing (the digest moved under it) is not reported: the next poll retries.
+applies (the built policy is kept for the retries: the same content is not parsed again). A
+load that fails while the files are still changing (the digest moved under it) is not
+reported: the next poll retries.
 
 The server's job (:meth:`PolicyWatcher.poll`) reads, hashes, parses and validates in a worker
 thread and only swaps the built policy in on the event loop, so checks keep being answered
@@ -106,6 +107,9 @@ class PolicyWatcher:
         self.failures = 0
         self.last_error: ReloadError | None = None
         self._seen = content_digest(self.paths, max_bytes)
+        #: a built policy whose swap failed, by digest: its retries swap it in again without
+        #: parsing the same content anew on every poll (written on the loop, read by the thread)
+        self._unapplied: tuple[str, Policy] | None = None
 
     @property
     def failing(self) -> bool:
@@ -122,10 +126,12 @@ class PolicyWatcher:
         return self._settle(*self._build())
 
     def _build(self) -> tuple[str, Policy | PolicyError | str]:
-        """Read and build (any thread; touches no state but reads ``_seen``)."""
+        """Read and build (any thread; touches no state but reads ``_seen`` and ``_unapplied``)."""
         digest = content_digest(self.paths, self.max_bytes)
         if digest == self._seen:
             return digest, _UNCHANGED
+        if (unapplied := self._unapplied) is not None and unapplied[0] == digest:
+            return unapplied
         try:
             return digest, load_policy(self.paths, max_bytes=self.max_bytes)
         except PolicyError as exc:
@@ -137,6 +143,8 @@ class PolicyWatcher:
         """Record what :meth:`_build` found and swap a new policy in (the loop's part)."""
         if isinstance(outcome, str):
             return False
+        if self._unapplied is not None and self._unapplied[0] != digest:
+            self._unapplied = None  # the files moved on
         if isinstance(outcome, PolicyError):
             self._seen = digest
             self._failed(digest, [str(i) for i in outcome.issues])
@@ -155,7 +163,9 @@ class PolicyWatcher:
             # and retried on the next poll (the digest is not marked seen).
             if self.last_error is None or self.last_error.digest != digest:
                 self._failed(digest, [f"applying the policy failed: {type(exc).__name__}: {exc}"])
+            self._unapplied = (digest, policy)
             return False
+        self._unapplied = None
         self._seen = digest
         self.version, self.sources = policy.version, policy.sources
         self.loaded_at = self._clock.wall()

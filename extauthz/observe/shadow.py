@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,7 +25,7 @@ from ..clock import SYSTEM_CLOCK, Clock
 from ..context import RequestContext
 from ..errors import StoreError
 from ..policy.model import Policy
-from ..store.base import Store
+from ..store.base import Store, load_json
 from ..verdict import Decision, Outcome
 from .logs import route_of
 
@@ -134,12 +135,14 @@ def build_report(events: Iterable[str], *, top: int = 10) -> list[dict[str, Any]
     limiters: dict[str, dict[str, Any]] = {}
     for raw in events:
         try:
-            e = json.loads(raw)
+            e: Any = load_json(raw)  # a ValueError for anything malformed, nesting too
             name = str(e["limiter"])
             count = int(e.get("count", 1))
-        except (ValueError, KeyError, TypeError):
-            continue
+        except (ValueError, KeyError, TypeError, OverflowError):
+            continue  # one bad event (Infinity: OverflowError; NaN: ValueError) is skipped
         headroom = e.get("min_headroom")
+        if not isinstance(headroom, (int, float)) or isinstance(headroom, bool) or not math.isfinite(headroom):
+            headroom = None  # not a finite number: no headroom known
         lim = limiters.setdefault(name, {"limiter": name, "would_deny": 0, "first": e.get("ts"),
                                          "last": e.get("ts"), "tiers": {}, "plans": {}, "reasons": {},
                                          "_ids": {}, "_routes": {}})

@@ -154,12 +154,13 @@ class Policy:
     #: each keyed limiter's index into them (``RequestContext.keys`` holds their values).
     keys: tuple[KeySpec, ...] = ()
     key_index: Mapping[str, int] = field(default_factory=dict)
+    #: the longest ``lease_ttl`` of the policy's limiters (0 without lease limiters): no lease
+    #: the policy takes outlives it. Computed once: the request-id index reads it per check.
+    longest_lease_ttl: float = field(init=False)
 
-    @property
-    def longest_lease_ttl(self) -> float:
-        """The longest ``lease_ttl`` of the policy's limiters (0 without lease limiters): no
-        lease the policy takes outlives it."""
-        return max((float(getattr(spec, "lease_ttl", 0.0)) for spec in self.limiters), default=0.0)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "longest_lease_ttl", max(
+            (float(getattr(spec, "lease_ttl", 0.0)) for spec in self.limiters), default=0.0))
 
     @property
     def needed_headers(self) -> frozenset[str]:

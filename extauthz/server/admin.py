@@ -46,7 +46,7 @@ from ..policy.schema import parse_duration
 from ..store.base import load_json
 from ..switches import GLOBAL, SwitchBoard, valid_name
 from ..verdict import Mode
-from .adminauth import ACTOR, HEALTH_PATH, Actor, AdminGuard
+from .adminauth import ACTOR, HEALTH_PATH, TEXT_MAX, Actor, AdminGuard
 
 
 class AdminBackend(Protocol):
@@ -109,11 +109,13 @@ def _error(status: int, message: str, **extra: Any) -> web.Response:
 
 
 def admin_app(ops: AdminBackend, guard: AdminGuard | None = None) -> web.Application:
-    async def record(kind: str, action: str, target: str, value: Any) -> None:
-        """Record a change that landed, with the reason and who (AdminGuard's Actor)."""
+    async def record(kind: str, action: str, target: str, value: Any, reason: str = "") -> None:
+        """Record a change that landed, with the reason and who (AdminGuard's Actor; ``reason``:
+        the one the request's body gave, when no header did)."""
         actor = ACTOR.get() or Actor(token=None, user="", reason="")
         await ops.changes.record(Change(kind=kind, action=action, target=target, value=value,
-                                        reason=actor.reason, by=actor.by, user=actor.user))
+                                        reason=actor.reason or reason[:TEXT_MAX], by=actor.by,
+                                        user=actor.user))
 
     async def status(request: web.Request) -> web.Response:
         return _json(ops.status())
@@ -177,7 +179,8 @@ def admin_app(ops: AdminBackend, guard: AdminGuard | None = None) -> web.Applica
             return _error(400, str(exc))
         except StoreError as exc:
             return _error(503, f"the store did not take the change: {exc}")
-        await record("override", "set", f"{limiter} {identity}", body.get("numbers"))
+        await record("override", "set", f"{limiter} {identity}", body.get("numbers"),
+                     str(body.get("reason", "")))
         return _json(rows)
 
     async def delete_override(request: web.Request) -> web.Response:

@@ -205,6 +205,7 @@ class Operations:
         shadow = self.observe.shadow
         snap = engine.snapshot
         policy = snap.policy
+        index = self.accesslog.index.status()  # expires first: awaiting_log is its entries
         reload = self.watcher.status() if self.watcher is not None else {
             "version": policy.version, "sources": list(policy.sources), "last_error": None,
             "failures": 0, "reloads": 0, "watching": []}
@@ -232,8 +233,8 @@ class Operations:
             ],
             "leases_in_flight": dict(self.leases.values) if self.leases is not None else None,
             "access_log": {"entries": self.accesslog.entries,
-                           "awaiting_log": len(self.accesslog.index),
-                           "request_id_index": self.accesslog.index.status(),
+                           "awaiting_log": index["entries"],
+                           "request_id_index": index,
                            "rejected": dict(sorted(self.accesslog.rejected.items()))},
             "lease_releases": releases_status(engine.releaser),
             "shadow": {"recorded": shadow.recorded, "flushed_events": shadow.flushed,

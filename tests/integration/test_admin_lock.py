@@ -57,6 +57,18 @@ async def test_a_foreign_host_cannot_change_a_switch_and_a_change_needs_the_clie
         assert server.ops.status()["admin"]["refused"] == {"client_header": 2, "host": 2}
 
 
+async def test_a_reason_given_in_an_override_body_is_the_change_logs_reason() -> None:
+    # Without a token the reason may come in the JSON body (the documented admin API): the
+    # override row kept it, the change log recorded "(no reason)".
+    async with running([ROOT / "policies"]) as (server, _):
+        status, _ = await admin(server, "PUT", "/overrides/user-rate/" + "ab" * 12,
+                                json.dumps({"numbers": {"rate": 50}, "reason": "launch day"}))
+        assert status == 200
+        row = server.ops.override_rows()["overrides"][0]
+        assert row["reason"] == "launch day"
+        assert server.ops.status()["changes"][-1]["reason"] == "launch day"
+
+
 async def test_configured_admin_hosts_are_answered() -> None:
     async with running([ROOT / "policies"], admin_hosts=("extauthz-admin.internal",)) as (server, _):
         base = f"http://127.0.0.1:{server.ops.admin_port}"
@@ -238,3 +250,21 @@ async def test_the_change_log_in_redis_is_bounded(redis_single_clean: RedisSingl
         await store.close()
     assert HISTORY_MAXLEN <= len(changes) < HISTORY_MAXLEN + 300  # MAXLEN ~ trims whole nodes
     assert changes[-1].value == str(HISTORY_MAXLEN + 299)
+
+
+@pytest.mark.redis
+async def test_a_malformed_event_in_the_change_log_is_skipped(redis_single_clean: RedisSingle) -> None:
+    # Anyone who can write Redis can put an event in the log; one nested too deeply for the
+    # JSON parser raised RecursionError out of `extauthz history` and GET /history (500).
+    from extauthz.store.redis import RedisStore
+
+    store = RedisStore.from_url(redis_single_clean.url, deadline=1.0)
+    try:
+        await store.append_events("extauthz:history", ["[" * 100_000, "{not json", "[1]"],
+                                  HISTORY_MAXLEN, HISTORY_TTL)
+        await append_change(store, "extauthz:history", Change(kind="switch", action="set",
+                                                              target="*", value="off", at=1.0))
+        changes = await read_history(store, "extauthz:history")
+    finally:
+        await store.close()
+    assert [(c.target, c.value) for c in changes] == [("*", "off")]

@@ -57,6 +57,21 @@ def test_a_bad_report_window_names_the_flag_not_the_exception(capsys: pytest.Cap
     assert "ValueError" not in err
 
 
+@pytest.mark.parametrize("window", ["inf", "nan", "-5", "0"])
+def test_a_report_window_that_is_not_a_positive_finite_duration_is_refused_on_both_paths(
+        window: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # The admin port refused these (400); with --redis-url the command read from a window of
+    # -inf (OverflowError), NaN (ValueError) or the future (an empty report, no error).
+    for where in (["--admin", "http://127.0.0.1:1"], ["--redis-url", "redis://127.0.0.1:1"]):
+        assert cli.main(["report", *where, "--window", window]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("extauthz report: --window: window must be a positive number of "
+                              f"seconds or a duration like 15m, 1h or 24h (got '{window}')"), err
+        assert cli.main(["report", *where, "--top", "0"]) == 1  # the Redis path printed no rows
+        assert capsys.readouterr().err.startswith(
+            "extauthz report: --top: top must be a whole number of rows from 1 to 1000 (got '0')")
+
+
 def test_serve_with_a_malformed_listen_address_says_so_without_a_traceback(tmp_path: Path) -> None:
     policy = write_policy(tmp_path / "p.yaml", [rate("user-rate", burst=2)])
     out = subprocess.run([sys.executable, "-m", "extauthz", "serve", "--policies", str(policy),

@@ -116,12 +116,23 @@ def configmap(directory: Path, stamp: str, files: dict[str, str]) -> None:
 
 
 async def test_a_policy_whose_swap_fails_is_counted_shown_and_retried(
-        tmp_path: Path, clock: ManualClock, caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, clock: ManualClock, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     # A valid policy whose new snapshot cannot be built (it was an override that made the
     # build raise) was dropped silently: the digest was marked seen, nothing was counted.
     f = write_policy(tmp_path / "p" / "api.yaml", [rate("user-rate", burst=2)])
     engine, watcher = watcher_for(tmp_path / "p", clock)
     good = engine.snapshot.policy.version
+    # The retries reuse the built policy: parsing the same (up to 1 MiB) content on every
+    # poll kept a worker thread busy (and the GIL taken) for as long as the swap failed.
+    parses = 0
+
+    def counting_load(paths, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal parses
+        parses += 1
+        return load_policy(paths, **kwargs)
+
+    monkeypatch.setattr(reload_module, "load_policy", counting_load)
     calls = 0
 
     def flaky(policy):  # type: ignore[no-untyped-def]
@@ -142,8 +153,11 @@ async def test_a_policy_whose_swap_fails_is_counted_shown_and_retried(
         "applying the policy failed: OverflowError: cannot convert float infinity to integer"]
     assert len([r for r in caplog.records if r.name == "extauthz.reload"]) == 1
     assert watcher.poll_once() is True  # the third try applies
+    assert parses == 1  # parsed once, tried three times
     assert watcher.reloads == 1 and watcher.last_error is None
     assert engine.snapshot.policy.version != good and await allowed_in_a_row(engine) == 5
+    write_policy(f, [rate("user-rate", burst=6)])  # new content is parsed, of course
+    assert watcher.poll_once() is True and parses == 2
 
 
 async def test_a_configmap_symlink_swap_is_picked_up(tmp_path: Path, clock: ManualClock) -> None:

@@ -56,6 +56,20 @@ def test_report_groups_sums_and_ranks() -> None:
     assert "plans: free 5" in text
 
 
+def test_malformed_events_in_the_shadow_log_are_skipped() -> None:
+    # The shadow log is a Redis stream anyone who can write Redis can add to: an event nested
+    # too deeply (RecursionError) or with an infinite count (OverflowError) made the report,
+    # and /shadow, fail (500) instead of skipping that one event.
+    good = json.dumps({"ts": 1, "limiter": "a", "identity": "i1", "count": 2})
+    report = build_report(["[" * 100_000, '{"limiter": "b", "count": Infinity}',
+                           '{"limiter": "c", "count": NaN}', good])
+    assert [(r["limiter"], r["would_deny"]) for r in report] == [("a", 2)]
+    # a headroom that is not a number is no headroom (it was compared with numbers: TypeError)
+    odd = json.dumps({"ts": 2, "limiter": "a", "identity": "i1", "min_headroom": "x"})
+    report = build_report([json.dumps({"ts": 1, "limiter": "a", "identity": "i1", "min_headroom": 0.5}), odd])
+    assert report[0]["would_deny"] == 2 and report[0]["top_identities"][0]["min_headroom"] == 0.5
+
+
 async def test_the_report_lists_who_a_shadow_limiter_would_have_refused(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     policy = write_policy(tmp_path / "p.yaml", [rate("user-rate", burst=100),

@@ -52,3 +52,16 @@ def test_an_explicit_admin_port_wins_over_the_redis_url_of_the_environment(
     assert code == 1 and "cannot reach the admin port" in err, err
     code, _, err = run(capsys, "list", "--admin", "http://127.0.0.1:9", "--redis-url", "redis://127.0.0.1:9/0")
     assert code == 1 and "give either --redis-url or --admin/--listen, not both" in err, err
+
+
+def test_numbers_print_whole_not_in_scientific_notation() -> None:
+    """`override set/list` and `history` said limit=5e+06 for a monthly quota of 5,000,000."""
+    from extauthz.changelog import Change
+    from extauthz.opscli import format_overrides
+
+    rows = {"overrides": [{"limiter": "monthly", "identity": "ab12", "numbers": {"limit": 5000000.0},
+                           "by": "ops", "set_at": 0, "expires_at": 60, "applied": True, "reason": "deal"}]}
+    assert "limit=5000000 " in format_overrides(rows)
+    assert "rate=0.0333333" in format_overrides(
+        {"overrides": [{**rows["overrides"][0], "numbers": {"rate": 1 / 30}}]})
+    assert "limit=5000000" in Change("override", "set", "monthly ab12", {"limit": 5000000.0}).describe()

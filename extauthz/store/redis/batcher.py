@@ -124,11 +124,10 @@ class Batcher:
         batch = _merged([call for call in batch if not (call.droppable and call.future.cancelled())])
         if not batch:
             return
-        parts = self._split(batch) if self._split is not None else [batch]
-        if len(parts) > 1:
-            await asyncio.gather(*(self._send_part(part) for part in parts))
+        if self._split is None or len(parts := self._split(batch)) == 1:
+            await self._send_part(batch)  # one master: no split list built per batch
         else:
-            await self._send_part(batch)
+            await asyncio.gather(*(self._send_part(part) for part in parts))
 
     async def _send_part(self, batch: list[Call]) -> None:
         """One round trip for ``batch`` (merged calls), each caller given its reply."""

@@ -36,8 +36,8 @@ from typing import Any, Final
 import hiredis
 from redis import exceptions as rx
 from redis.asyncio.connection import AbstractConnection
-from redis.backoff import EqualJitterBackoff
 
+from ...backoff import Backoff
 from .wire import UNKNOWN, Unanswered
 
 __all__ = ["RECONNECT_BACKOFF", "RETIRED_LIMIT", "RETIRED_READ_FOR", "NodeConnection", "RespProtocol"]
@@ -45,7 +45,7 @@ __all__ = ["RECONNECT_BACKOFF", "RETIRED_LIMIT", "RETIRED_READ_FOR", "NodeConnec
 #: Delay before the next connect attempt after ``n`` failed ones in a row: 2.5-5 ms after
 #: the first, doubling to 0.5-1 s (the first attempt after a loss starts at once).
 RECONNECT_BACKOFF_CAP: Final = 1.0
-RECONNECT_BACKOFF: Final = EqualJitterBackoff(cap=RECONNECT_BACKOFF_CAP, base=0.0025)
+RECONNECT_BACKOFF: Final = Backoff(first=0.005, cap=RECONNECT_BACKOFF_CAP)
 
 #: Error replies after which the connection is dropped (a reconnect follows, through
 #: Sentinel to the current master): the node is no longer the writable master.
