@@ -24,6 +24,7 @@ from .context import RawRequest, RequestContext
 from .errors import INTERNAL_ERROR, CircuitOpen, StoreError, StoreInternalError, StoreTimeout
 from .limiters import Limiter, WorkerUtilizationShedder, build_limiters
 from .limiters.base import applies
+from .limiters.grants import bind_store, refund_grants, settle_grants
 from .observe.base import NullObserver, Observer
 from .overrides import Override, compile_overrides
 from .policy.model import Policy
@@ -130,6 +131,7 @@ class Engine:
                limiters: tuple[Limiter, ...] | None = None) -> Snapshot:
         if limiters is None:
             limiters = build_limiters(policy, self.keys, self._rng, self.clock)
+            bind_store(limiters, self.store)  # batched grants go back to this store
             if old is not None:  # a reload keeps each shedder's level
                 levels = {w.name: w.level for w in old.workers}
                 for lim in limiters:
@@ -166,6 +168,10 @@ class Engine:
         self.overrides = tuple(overrides)
         old = self.snapshot
         self.snapshot = self._build(old.policy, old.switches, old, old.limiters)
+
+    async def settle_grants(self) -> None:
+        """A graceful stop: batched grants still held go back to the store at once."""
+        await settle_grants(self.snapshot.limiters)
 
     # -- the request path -----------------------------------------------------------------
     def context(self, raw: RawRequest) -> RequestContext:
@@ -248,6 +254,8 @@ class Engine:
                              if result.admitted and res.allowed and isinstance(op, LeaseOp)]
                     self.releaser.release(taken, lease_id, "abandoned_answer")
                     raise
+        if refused is not None:
+            refund_grants(ctx, slots)
         lease_keys = tuple(held)
         if not lease_keys:
             lease_id = ""

@@ -17,6 +17,10 @@
 --   take    t = max(0, tokens - cost)
 --   sweep   a lease with expiry <= now is gone; lease_admits: limit <= 0 or live < limit
 --   count   count_admits: count + cost <= limit (integers)
+--   grant   (batched grants) grant_pool = min(burst, tokens + held); admits: pool +
+--           TOKEN_EPSILON >= cost; grant_size = min(want, pool); t = max(0, pool - grant)
+--   return  give_back: t = min(burst, tokens + amount); always allows
+--   stamp   grant_stamp: a grant or return stores max(now, stored ts), never back in time
 -- Only the raw state is returned: the caller derives remaining, retry-after and reset with
 -- extauthz.store.algorithms.op_result, as the embedded store does.
 --
@@ -30,7 +34,8 @@
 --   ARGV[j]     lease id: the ZSET member added for each committed lease op
 --   ARGV[j+1]   n, the number of ops of this request
 --   then 5 ARGV per op i, starting at a = j + 2 + 5*(i-1):
---   ARGV[a]     "b" token bucket | "l" lease | "q" quota count | "r" release
+--   ARGV[a]     "b" token bucket | "l" lease | "q" quota count | "r" release | "g" grant |
+--               "u" return (unspent grant)
 --   ARGV[a+1]   "1" enforce | "0" shadow (a release: "0")
 --   bucket:     ARGV[a+2] rate (tokens/s), ARGV[a+3] burst (tokens), ARGV[a+4] cost (tokens)
 --   lease:      ARGV[a+2] limit (live leases; 0 = count only, never refuses),
@@ -39,6 +44,10 @@
 --               integer: the window's end plus a margin, given to a new count)
 --   release:    ZREM the entry's lease id from the key (a ZSET of leases); ARGV[a+2..a+4]
 --               unused; ok = the key held it (releasing twice is harmless); nothing to commit
+--   grant:      ARGV[a+2] rate, ARGV[a+3] burst, ARGV[a+4] "<cost> <want> <held>" (%.17g
+--               numbers: the asking request's cost, the grant wanted, the replica's remainder
+--               given back with it); the bucket's state and TTL
+--   return:     ARGV[a+2] rate, ARGV[a+3] burst, ARGV[a+4] amount (tokens given back); "0"
 --
 -- State (one key per op; a bucket costs GET + SET, a lease ZREMRANGEBYSCORE + ZCARD + ZADD +
 -- PEXPIRE, a release ZREM, and the call one TIME when no clock is injected; a key met again
@@ -60,7 +69,7 @@
 --   admitted, ok_i  integers 1/0 (ok_i: op i allows, on its own); admitted -1: a command
 --                   failed for this request (each value_i is then the error message)
 --   value_i         state BEFORE this request's commit, as seen at "now":
---                   bucket: tokens available (refilled to now, at most burst);
+--                   bucket, grant, return: tokens available (refilled to now, at most burst);
 --                   lease: live leases (after the sweep); count: the window's count;
 --                   release: 0;
 --                   as a "%.17g" string (Redis truncates Lua numbers in replies to integers).
@@ -100,8 +109,9 @@ local function check(k, j, n, res)
       local t = redis.call('TIME')
       now = tonumber(t[1]) + tonumber(t[2]) / 1000000
     end
-    if ARGV[a] == 'b' then
-      local rate, burst, cost = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+    local kind = ARGV[a]
+    if kind == 'b' or kind == 'g' or kind == 'u' then
+      local rate, burst = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
       local state = buckets[key]
       if state == nil then
         local stored = redis.call('GET', key)
@@ -116,9 +126,17 @@ local function check(k, j, n, res)
       if state then
         tokens = math.min(burst, state[1] + math.max(0, now - state[2]) * rate)
       end
-      ok[i] = tokens + TOKEN_EPSILON >= cost
+      if kind == 'u' then
+        ok[i] = true  -- a return always allows
+      elseif kind == 'g' then  -- "<cost> <want> <held>": admits from the pool
+        local cost, _, held = string.match(ARGV[a + 4], '^(%S+) (%S+) (%S+)$')
+        local pool = math.min(burst, tokens + tonumber(held))
+        ok[i] = pool + TOKEN_EPSILON >= tonumber(cost)
+      else
+        ok[i] = tokens + TOKEN_EPSILON >= tonumber(ARGV[a + 4])
+      end
       value[i] = tokens
-    elseif ARGV[a] == 'q' then
+    elseif kind == 'q' then
       local limit, cost = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
       local count = counts[key]
       if count == nil then
@@ -128,7 +146,7 @@ local function check(k, j, n, res)
       end
       value[i] = count or 0
       ok[i] = value[i] + cost <= limit
-    elseif ARGV[a] == 'l' then
+    elseif kind == 'l' then
       local limit = tonumber(ARGV[a + 2])
       local count = live[key]
       if count == nil then
@@ -158,12 +176,26 @@ local function check(k, j, n, res)
     local a = j + 2 + 5 * (i - 1)
     local key = KEYS[k + i]
     if admitted and ok[i] then
-      if ARGV[a] == 'b' then
-        local rate, burst, cost = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
-        local left = math.max(0, value[i] - cost)
-        redis.call('SET', key, fmt(left) .. ' ' .. fmt(now), 'EX', math.max(1, math.ceil(2 * burst / rate)))
-        buckets[key] = {left, now}
-      elseif ARGV[a] == 'q' then
+      local kind = ARGV[a]
+      if kind == 'b' or kind == 'g' or kind == 'u' then
+        local rate, burst = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+        local left
+        local stamp = now
+        if kind ~= 'b' and buckets[key] then
+          stamp = math.max(now, buckets[key][2])  -- grant_stamp: never back in time
+        end
+        if kind == 'b' then
+          left = math.max(0, value[i] - tonumber(ARGV[a + 4]))
+        elseif kind == 'g' then
+          local _, want, held = string.match(ARGV[a + 4], '^(%S+) (%S+) (%S+)$')
+          local pool = math.min(burst, value[i] + tonumber(held))
+          left = math.max(0, pool - math.min(tonumber(want), pool))
+        else
+          left = math.min(burst, value[i] + tonumber(ARGV[a + 4]))
+        end
+        redis.call('SET', key, fmt(left) .. ' ' .. fmt(stamp), 'EX', math.max(1, math.ceil(2 * burst / rate)))
+        buckets[key] = {left, stamp}
+      elseif kind == 'q' then
         local cost = tonumber(ARGV[a + 3])
         if counts[key] then
           redis.call('INCRBY', key, cost)
@@ -171,7 +203,7 @@ local function check(k, j, n, res)
           redis.call('SET', key, cost, 'EX', tonumber(ARGV[a + 4]))
         end
         counts[key] = value[i] + cost
-      elseif ARGV[a] == 'l' then
+      elseif kind == 'l' then
         local ttl = tonumber(ARGV[a + 3])
         local added = redis.call('ZADD', key, fmt(now + ttl), lease_id)
         if now + ttl <= now then

@@ -14,6 +14,9 @@ answers (same verdict, so the same 429, ``Retry-After`` and ``RateLimit`` header
   real bucket holds at most what the cached refusal assumes. The cached refusal can only
   end early (the store is asked again, and refuses again if the others took the tokens);
   it never admits anything, so it never lets more than the limit through.
+* Batched grants (``consistency: batched``): other replicas give unspent grants back, so
+  the bucket may refill faster than ``rate``; a refusal is remembered at most one
+  ``sync_interval`` (``max_window``), which keeps it inside the batched bound.
 * Only enforced refusals are remembered and only enforced limiters answer from the cache:
   a shadow limiter's refusals never block. A refusal is only used for the numbers (rate,
   burst, cost) it was given for; a policy reload starts a new cache.
@@ -54,9 +57,13 @@ class _Refusal:
 class RefusalCache:
     """Enforced refusals by bucket key, until the bucket would admit again."""
 
-    def __init__(self, clock: Clock = SYSTEM_CLOCK, max_entries: int = MAX_ENTRIES) -> None:
+    def __init__(self, clock: Clock = SYSTEM_CLOCK, max_entries: int = MAX_ENTRIES,
+                 max_window: float | None = None) -> None:
         self._clock = clock
         self.max_entries = max_entries
+        #: a refusal is remembered at most this long (batched grants: ``sync_interval``,
+        #: since tokens given back by other replicas can refill the bucket sooner)
+        self.max_window = max_window
         self._entries: dict[str, _Refusal] = {}
         #: requests answered from the cache (no store call)
         self.hits = 0
@@ -78,6 +85,8 @@ class RefusalCache:
             while len(entries) >= self.max_entries:
                 del entries[next(iter(entries))]  # the oldest refusal
         until = now + verdict.retry_after - max(EARLY, TOKEN_EPSILON / rate)
+        if self.max_window is not None:
+            until = min(until, now + self.max_window)
         entries[key] = _Refusal(now, until, (rate, burst, cost), verdict)
 
     def refusal(self, key: str, rate: float, burst: float, cost: float) -> Verdict | None:

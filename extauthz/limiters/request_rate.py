@@ -11,6 +11,9 @@ request's numbers and cap at its burst).
 
 A user the store refused is refused locally until its bucket would admit again
 (:mod:`.refusals`): a flood costs no store calls.
+
+``consistency: batched``: the bucket is asked in grants of ``batch`` tokens, spent locally
+(:mod:`.grants`); a request the grant covers needs no store call.
 """
 
 from __future__ import annotations
@@ -21,11 +24,18 @@ from collections.abc import Mapping
 from ..clock import SYSTEM_CLOCK, Clock
 from ..context import RequestContext
 from ..policy.model import compile_match
-from ..policy.schema import PLAN_NUMBERS, RequestRateSpec, bucket_problem, not_fields
-from ..store.base import BucketOp, OpResult
+from ..policy.schema import (
+    DEFAULT_SYNC_INTERVAL,
+    PLAN_NUMBERS,
+    RequestRateSpec,
+    bucket_problem,
+    not_fields,
+)
+from ..store.base import BucketOp, GrantOp, OpResult
 from ..store.keys import Keys
 from ..verdict import Kind, Limits, Outcome, Quota, Verdict
 from .base import BY_IDENTITY, KeyOf, customer_limits, denied_outcome
+from .grants import GrantTable, default_batch
 from .refusals import RefusalCache
 
 #: the numbers an override (or a plan entry) of this kind may set.
@@ -71,6 +81,15 @@ class RequestRateLimiter:
         }
         #: enforced refusals remembered until the bucket would admit again (None: off)
         self.refusals: RefusalCache | None = RefusalCache(clock)
+        #: batched grants (``consistency: batched``), else None
+        self.grants: GrantTable | None = None
+        self.sync_interval = spec.sync_interval or DEFAULT_SYNC_INTERVAL
+        self.batch = spec.batch
+        if spec.consistency == "batched":
+            self.grants = GrantTable(self.sync_interval, clock)
+            self.refusals = RefusalCache(clock, max_window=self.sync_interval)
+        #: the request whose cost :meth:`local` spent from a grant (its :meth:`op` is None)
+        self._spent: RequestContext | None = None
 
     def override(self, numbers: Mapping[str, float]) -> dict[str, Limits]:
         """An override's numbers for each plan (``""``: a plan this limiter does not list);
@@ -96,18 +115,66 @@ class RequestRateLimiter:
     def _bucket(self, ctx: RequestContext) -> str:
         return self._keys.bucket(self.name, self.key.of(ctx) or ctx.identity)
 
-    def local(self, ctx: RequestContext, enforce: bool) -> Verdict | None:
-        if not enforce or self.refusals is None:
-            return None  # a shadow limiter never blocks
-        n = self.limits(ctx)
-        return self.refusals.refusal(self._bucket(ctx), n.rate, n.burst, n.cost)
+    def want(self, n: Limits) -> float:
+        """Tokens one grant takes for a customer with numbers ``n`` (``batch``, default
+        :func:`.grants.default_batch`), at least one request's cost."""
+        if self.batch is None:
+            return default_batch(n.rate, self.sync_interval, n.cost)
+        return max(self.batch, n.cost)
 
-    def op(self, ctx: RequestContext, enforce: bool) -> BucketOp:
+    def local(self, ctx: RequestContext, enforce: bool) -> Verdict | None:
+        if enforce and self.refusals is not None:  # a shadow limiter never blocks
+            n = self.limits(ctx)
+            refused = self.refusals.refusal(self._bucket(ctx),
+                                            n.rate, n.burst, n.cost)
+            if refused is not None:
+                return refused
+        if self.grants is None:
+            return None
         n = self.limits(ctx)
-        return BucketOp(self._bucket(ctx), n.rate, n.burst, n.cost, enforce)
+        remaining = self.grants.spend(self._bucket(ctx), n.cost,
+                                      n.rate, n.burst)
+        if remaining is None:
+            return None
+        self._spent = ctx  # op() is called next, for the same request: nothing to ask
+        return self._allowed(n, remaining)
+
+    def _allowed(self, n: Limits, remaining: float) -> Verdict:
+        reset = max(0.0, (n.burst - remaining) / n.rate)
+        return Verdict(self.name, self.kind, Outcome.ALLOWED, limit=n.burst,
+                       remaining=remaining, reset=reset, quota=n.quota)
+
+    def refund(self, ctx: RequestContext) -> None:
+        """The request :meth:`local` admitted from a grant was refused by another limiter:
+        its cost goes back to the grant (batched grants only)."""
+        if self.grants is not None:
+            n = self.limits(ctx)
+            self.grants.restore(self._bucket(ctx), n.cost, n.rate, n.burst)
+
+    def op(self, ctx: RequestContext, enforce: bool) -> BucketOp | GrantOp | None:
+        if self._spent is not None:
+            spent, self._spent = self._spent, None
+            if spent is ctx:
+                return None
+        n = self.limits(ctx)
+        key = self._bucket(ctx)
+        if self.grants is not None:
+            return GrantOp(key, n.rate, n.burst, n.cost, self.want(n), enforce,
+                           self.grants.lend(key, n.rate, n.burst))
+        return BucketOp(key, n.rate, n.burst, n.cost, enforce)
 
     def verdict(self, ctx: RequestContext, result: OpResult, enforce: bool) -> Verdict:
         n = self.limits(ctx)
+        if self.grants is not None:
+            key = self._bucket(ctx)
+            if result.extra <= 0.0:  # nothing committed: the remainder lent stays here
+                self.grants.restore(key, -result.extra, n.rate, n.burst)
+            if result.allowed:
+                remaining = result.remaining + self.grants.held(key)
+                if result.extra > 0.0:  # a grant was taken: this request spends from it
+                    remaining = self.grants.granted(key, result.extra, n.cost, result.remaining,
+                                                    self.want(n), n.rate, n.burst)
+                return self._allowed(n, remaining)
         if result.allowed:
             return Verdict(self.name, self.kind, Outcome.ALLOWED, limit=n.burst,
                            remaining=result.remaining, reset=result.extra, quota=n.quota)

@@ -427,7 +427,40 @@ class _KeyedBase(_LimiterBase):
         "limiter does not apply; counted) or 'shared' (one bucket for all such requests).")
 
 
-class RequestRateSpec(_KeyedBase):
+# -- batched grants (consistency: batched; extauthz.limiters.grants) -----------------------
+
+#: ``sync_interval`` bounds: unspent grants go back (and idle keys are forgotten) within it.
+MIN_SYNC_INTERVAL = 0.01
+MAX_SYNC_INTERVAL = 10.0
+DEFAULT_SYNC_INTERVAL = 0.1
+
+
+class _BatchedGrants(_Strict):
+    """``consistency``, ``batch`` and ``sync_interval``: the fields of a limiter that may
+    take its budget from the store in batched grants (docs/limiters.md)."""
+
+    consistency: Literal["exact", "batched"] = Field(
+        "exact", description="exact: every request asks the store; batched: a replica takes "
+        "grants of 'batch' from the store and spends them locally (docs/limiters.md).")
+    batch: Annotated[float, Field(ge=1, le=MAX_TOKENS)] | None = Field(
+        None, description="batched: how much one store call takes (at least 1); default: what "
+        "one sync_interval refills, at least 1 and at least the cost.")
+    sync_interval: Annotated[Duration, Field(ge=MIN_SYNC_INTERVAL, le=MAX_SYNC_INTERVAL)] | None = Field(
+        None, description="batched: unspent grant goes back to the store within it, and a "
+        f"replica that held none of a key's grant for that long forgets it (default "
+        f"{DEFAULT_SYNC_INTERVAL * 1000:g}ms; {MIN_SYNC_INTERVAL * 1000:g}ms to {MAX_SYNC_INTERVAL:g}s).")
+
+    @model_validator(mode="after")
+    def _batched_only(self) -> _BatchedGrants:
+        if self.consistency == "exact":
+            extra = [name for name in ("batch", "sync_interval") if getattr(self, name) is not None]
+            if extra:
+                verb = "applies" if len(extra) == 1 else "apply"
+                raise ValueError(f"{' and '.join(extra)} only {verb} to consistency: batched")
+        return self
+
+
+class RequestRateSpec(_BatchedGrants, _KeyedBase):
     """Token bucket per user: ``rate`` tokens per second up to ``burst``."""
 
     type: Literal["request_rate"]

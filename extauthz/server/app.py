@@ -298,8 +298,9 @@ class Server:
             remove_admin_url(Path(self.config.admin_url_file), self.admin_url)
         if self.recorder is not None:  # what finished, and what still waits (no duration)
             await self.recorder.close()
-        # Releases still on their way (access log, cancelled Checks, late store answers)
-        # finish before the store closes.
+        # Batched grants still held go back; releases still on their way (access log,
+        # cancelled Checks, late store answers) finish before the store closes.
+        await self.engine.settle_grants()
         await self.engine.releaser.drain(self.config.grace_seconds if grace is None else max(grace, 1.0))
         await self.store.close()
 

@@ -7,9 +7,10 @@ requires identical decisions, remaining, retry-after and levels):
 * the memory store calls every function here;
 * the Redis store must change its state atomically inside Redis, so ``lua/check.lua``
   runs the minimal part of the rule, :func:`refill`, :func:`admits`, :func:`take`, the
-  lease sweep (:func:`lease_live`) and the quota count (:func:`count_admits`), with the
-  same float operations in the same order and the same :data:`TOKEN_EPSILON` (its header
-  says so; a test pins the constant). The script
+  batched grants' :func:`grant_pool`, :func:`grant_size`, :func:`give_back` and
+  :func:`grant_stamp`, the lease sweep (:func:`lease_live`) and the quota count
+  (:func:`count_admits`), with the same float operations in the same order and the same
+  :data:`TOKEN_EPSILON` (its header says so; a test pins the constant). The script
   returns raw state (tokens or live leases before the commit, and whether each op allows),
   and Python derives every reported number from it with :func:`op_result`, as the memory
   store does;
@@ -23,7 +24,7 @@ a double, so Lua and Python compute on bit-identical inputs.
 
 from __future__ import annotations
 
-from .base import BucketOp, CountOp, LeaseOp, Op, OpResult, ShedParams
+from .base import BucketOp, CountOp, GrantOp, LeaseOp, Op, OpResult, ReturnOp, ShedParams
 
 #: A bucket holding ``cost - TOKEN_EPSILON`` tokens admits the request: float time arithmetic
 #: must not refuse a request that arrives exactly on time (rate 7/s, burst 1: the next token
@@ -56,6 +57,59 @@ def bucket_result(op: BucketOp, allowed: bool, tokens: float, committed: bool) -
     left = take(tokens, op.cost) if committed else tokens
     retry = 0.0 if allowed else (op.cost - tokens) / op.rate
     return OpResult(allowed, left, retry, (op.burst - left) / op.rate)
+
+
+# --------------------------------------------------------------------------- batched grants
+# ``consistency: batched`` (extauthz.limiters.grants): a replica takes tokens from the shared
+# bucket in grants and spends them locally. A grant is admitted by the bucket's own rule
+# (:func:`admits` for the asking request's cost) and taken at once (:func:`take` of the
+# whole grant), so the bucket never yields more than it would to exact requests; unspent
+# tokens go back with :func:`give_back`.
+
+
+def grant_pool(tokens: float, held: float, burst: float) -> float:
+    """What a grant is taken from: the bucket's ``tokens`` with the asking replica's
+    ``held`` remainder given back (:func:`give_back`), so that a remainder too small for
+    one request still counts."""
+    return give_back(tokens, held, burst)
+
+
+def grant_size(pool: float, want: float) -> float:
+    """Tokens a grant takes from a ``pool`` that admits it: ``want``, or all there is when
+    less (at least the asking request's cost, within TOKEN_EPSILON)."""
+    return min(want, pool)
+
+
+def give_back(tokens: float, amount: float, burst: float) -> float:
+    """Tokens after ``amount`` unspent granted tokens come back to a bucket holding
+    ``tokens`` (refilled to now): never above ``burst`` (what refilled meanwhile while the
+    grant was out is not added twice)."""
+    return min(burst, tokens + amount)
+
+
+def grant_stamp(now: float, last: float | None) -> float:
+    """The time a grant or give-back stores with its bucket: ``now``, but never before the
+    stored one. A give-back rides with a later check and carries the clock of its own loop
+    turn (an injected clock; Redis TIME is read when it runs): stored back in time, the
+    next refill would count the same seconds twice."""
+    return now if last is None else max(now, last)
+
+
+def grant_result(op: GrantOp, allowed: bool, tokens: float, committed: bool) -> OpResult:
+    """The answer for a grant from the bucket's tokens before it: ``remaining`` is what the
+    shared bucket holds after it; ``extra`` the tokens granted (> 0), or minus the ``held``
+    tokens that stay with the replica when nothing was committed (<= 0)."""
+    pool = grant_pool(tokens, op.held, op.burst)
+    retry = 0.0 if allowed else (op.cost - pool) / op.rate
+    if not committed:
+        return OpResult(allowed, pool, retry, -op.held)
+    granted = grant_size(pool, op.want)
+    return OpResult(allowed, take(pool, granted), retry, granted)
+
+
+def return_result(op: ReturnOp, tokens: float) -> OpResult:
+    """The answer for a return: the shared bucket's tokens after it."""
+    return OpResult(True, give_back(tokens, op.amount, op.burst), 0.0, 0.0)
 
 
 # --------------------------------------------------------------------------- leases
@@ -104,6 +158,10 @@ def op_result(op: Op, allowed: bool, value: float, admitted: bool) -> OpResult:
         return bucket_result(op, allowed, value, committed)
     if isinstance(op, CountOp):
         return count_result(op, allowed, int(value), committed)
+    if isinstance(op, GrantOp):
+        return grant_result(op, allowed, value, committed)
+    if isinstance(op, ReturnOp):
+        return return_result(op, value)
     return lease_result(op, allowed, int(value), committed)
 
 

@@ -41,10 +41,15 @@ class BucketOp:
 
     @property
     def ttl(self) -> int:
-        """Seconds an idle bucket is kept: twice the fill time, at least 1 (Redis refuses 0).
-        A bucket idle that long is full again, so forgetting it changes no answer.
-        ``lua/check.lua`` computes the same ``max(1, ceil(2 * burst / rate))``."""
-        return max(1, math.ceil(2 * self.burst / self.rate))
+        return bucket_ttl(self.rate, self.burst)
+
+
+def bucket_ttl(rate: float, burst: float) -> int:
+    """Seconds an idle bucket is kept: twice the fill time, at least 1 (Redis refuses 0).
+    A bucket idle that long is full again, so forgetting it changes no answer.
+    ``lua/check.lua`` computes the same ``max(1, ceil(2 * burst / rate))``; grants and
+    give-backs keep their bucket the same way."""
+    return max(1, math.ceil(2 * burst / rate))
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +77,37 @@ class CountOp:
     enforce: bool = True
 
 
-Op = BucketOp | LeaseOp | CountOp
+@dataclass(frozen=True, slots=True)
+class GrantOp:
+    """Batched grants (``consistency: batched``): the replica gives back the ``held``
+    tokens left of its last grant (less than one request's cost) and takes up to ``want``
+    tokens from the shared bucket ``key``, when the bucket with them admits ``cost`` (the
+    request that asked). Refill, admit and TTL are :class:`BucketOp`'s; the grant is
+    :func:`~extauthz.store.algorithms.grant_size`, taken atomically before any of it is
+    spent."""
+
+    key: str
+    rate: float
+    burst: float
+    cost: float
+    want: float
+    enforce: bool = True
+    held: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReturnOp:
+    """Give ``amount`` unspent granted tokens back to the shared bucket ``key`` (capped at
+    ``burst``; :func:`~extauthz.store.algorithms.give_back`). Always allowed."""
+
+    key: str
+    rate: float
+    burst: float
+    amount: float
+    enforce: bool = False
+
+
+Op = BucketOp | LeaseOp | CountOp | GrantOp | ReturnOp
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +120,8 @@ class OpResult:
     #: seconds to the window's end when refused (0 when allowed).
     retry_after: float
     #: bucket: seconds until the bucket is full again; lease: live leases after the call;
-    #: count: seconds to the window's end.
+    #: count: seconds to the window's end; grant: the tokens granted (> 0), or, when
+    #: nothing was committed, minus the ``held`` tokens the replica keeps (<= 0); return: 0.
     extra: float
 
 

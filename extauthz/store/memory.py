@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from ..clock import SYSTEM_CLOCK, Clock
 from . import algorithms
 from .algorithms import admits, bucket_result, count_admits, count_result, lease_admits, lease_result, refill, take
-from .base import BucketOp, CheckResult, CountOp, Op, ShedParams
+from .base import BucketOp, CheckResult, CountOp, GrantOp, Op, ReturnOp, ShedParams, bucket_ttl
 
 #: due heap entries a check looks at, at most (a check creates at most a few keys, so the
 #: sweep keeps up; a backlog after an idle spell drains over the next checks)
@@ -118,10 +118,13 @@ class MemoryStore:
         allowed: list[bool] = []
         admitted = True
         for op in ops:
-            if isinstance(op, BucketOp):
+            if isinstance(op, BucketOp | GrantOp | ReturnOp):
                 state = self._buckets.get(op.key)
                 value = op.burst if state is None else refill(state[0], state[1], now, op.rate, op.burst)
-                ok = admits(value, op.cost)
+                if isinstance(op, GrantOp):
+                    ok = admits(algorithms.grant_pool(value, op.held, op.burst), op.cost)
+                else:
+                    ok = True if isinstance(op, ReturnOp) else admits(value, op.cost)
             elif isinstance(op, CountOp):
                 value = self._count(op.key, now)
                 ok = count_admits(int(value), op.cost, op.limit)
@@ -140,6 +143,19 @@ class MemoryStore:
                     self._buckets[op.key] = [take(value, op.cost), now, now + op.ttl]
                     self._schedule(_BUCKET, op.key, now + op.ttl)
                 results.append(bucket_result(op, ok, value, commit))
+            elif isinstance(op, GrantOp | ReturnOp):
+                if commit:
+                    if isinstance(op, GrantOp):
+                        pool = algorithms.grant_pool(value, op.held, op.burst)
+                        left = take(pool, algorithms.grant_size(pool, op.want))
+                    else:
+                        left = algorithms.give_back(value, op.amount, op.burst)
+                    ttl = bucket_ttl(op.rate, op.burst)
+                    state = self._buckets.get(op.key)
+                    stamp = algorithms.grant_stamp(now, None if state is None else state[1])
+                    self._buckets[op.key] = [left, stamp, now + ttl]
+                    self._schedule(_BUCKET, op.key, now + ttl)
+                results.append(algorithms.op_result(op, ok, value, admitted))
             elif isinstance(op, CountOp):
                 if commit:
                     state = self._buckets.get(op.key)

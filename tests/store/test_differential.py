@@ -39,7 +39,7 @@ from extauthz.clock import ManualClock
 from extauthz.context import RawRequest
 from extauthz.engine import Engine
 from extauthz.store import algorithms
-from extauthz.store.base import BucketOp, CheckResult, CountOp, LeaseOp, Op, ShedParams, Store
+from extauthz.store.base import BucketOp, CheckResult, CountOp, GrantOp, LeaseOp, Op, ReturnOp, ShedParams, Store
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
 from tests.infra.redis_servers import RedisSingle
@@ -55,6 +55,12 @@ RATES = (7.0, 3.0, 0.7, 13.3, 100 / 3)
 BURSTS = (1.0, 1.7, 2.3, 5.0)
 COSTS = (1.0, 0.3, 0.7, 2.5)
 LEASE_TTLS = (1.0, 10 / 7, 2.5)
+#: batched grants: tokens one grant wants (below, at and above the bursts)
+WANTS = (1.0, 0.7, 2.3, 3.1, 9.0)
+#: a replica's remainder given back with a grant (less than a cost, or not)
+HELD = (0.0, 0.0, 0.3, 0.7, 1 / 7)
+#: tokens given back (a return is capped at burst)
+AMOUNTS = (0.3, 1.0, 2.5, 1 / 7)
 GAPS = (0.0, 1 / 7, 1 / 3, 0.1, 0.3, 1.0, 10 / 7, 2.5)
 #: a start that is not a round number: ``now - last`` rounds the way it does in production
 START = 1_000_003.123456789
@@ -91,7 +97,19 @@ QUOTA_WINDOW = 2.0
 QUOTA_TTL = 3600
 
 
-Limiter = Bucket | Leases | Count
+@dataclass(frozen=True)
+class Grants:
+    """A bucket asked in batched grants (``GrantOp``) of ``want`` tokens."""
+
+    name: str
+    rate: float
+    burst: float
+    want: float
+    #: the remainder the replica gives back with each grant it asks
+    held: float
+
+
+Limiter = Bucket | Leases | Count | Grants
 
 
 @dataclass(frozen=True)
@@ -122,21 +140,39 @@ class Inflight:
     pass
 
 
-Step = Check | Advance | Release | Inflight
+@dataclass(frozen=True)
+class GiveBack:
+    """A replica gives unspent granted tokens back (``ReturnOp``) to limiter ``pick``'s
+    bucket of ``user`` (modulo the limiters; nothing when it is not a bucket)."""
+
+    pick: int
+    user: int
+    amount: float
+    #: seconds the give-back's clock is behind (it rode with a later check: grant_stamp)
+    late: float = 0.0
 
 
-def _limiter(i: int) -> st.SearchStrategy[Limiter]:
+Step = Check | Advance | Release | Inflight | GiveBack
+
+
+def _limiter(i: int, grants: bool) -> st.SearchStrategy[Limiter]:
     buckets = st.builds(Bucket, st.just(f"b{i}"), st.sampled_from(RATES), st.sampled_from(BURSTS))
     leases = st.builds(Leases, st.just(f"l{i}"), st.integers(0, 3), st.sampled_from(LEASE_TTLS),
                        st.booleans())
     counts = st.builds(Count, st.just(f"q{i}"), st.integers(1, 4))
-    return st.one_of(buckets, leases, counts)
+    if not grants:
+        return st.one_of(buckets, leases, counts)
+    granted = st.builds(Grants, st.just(f"g{i}"), st.sampled_from(RATES), st.sampled_from(BURSTS),
+                        st.sampled_from(WANTS), st.sampled_from(HELD))
+    return st.one_of(buckets, leases, counts, granted)
 
 
 @st.composite
-def timelines(draw: st.DrawFn) -> tuple[tuple[Limiter, ...], list[Step]]:
+def timelines(draw: st.DrawFn, grants: bool = False) -> tuple[tuple[Limiter, ...], list[Step]]:
+    """Random timelines; ``grants``: with batched grants and give-backs too (and no lease
+    releases: those timelines are the other tests')."""
     n = draw(st.integers(1, 4))
-    limiters = tuple(draw(_limiter(i)) for i in range(n))
+    limiters = tuple(draw(_limiter(i, grants)) for i in range(n))
     op = st.tuples(st.integers(0, n - 1), st.sampled_from((True, True, True, False)),
                    st.sampled_from(COSTS))
     check = st.builds(Check, st.integers(0, 1),
@@ -154,6 +190,10 @@ def timelines(draw: st.DrawFn) -> tuple[tuple[Limiter, ...], list[Step]]:
     steps = {"check": check, "gap": st.builds(Advance, gap), "boundary": st.builds(Advance, boundary),
              "expiry": st.just(Advance("expiry")), "release": st.builds(Release, st.integers(0, 50)),
              "inflight": st.just(Inflight())}
+    if grants:
+        del steps["release"]
+        steps["give_back"] = st.builds(GiveBack, st.integers(0, 3), st.integers(0, 1),
+                                       st.sampled_from(AMOUNTS), st.sampled_from((0.0, 1 / 7, 0.5, 0.5)))
     kinds = draw(st.lists(st.sampled_from(("check",) * 4 + tuple(steps)), min_size=8, max_size=30))
     return limiters, [draw(steps[kind]) for kind in kinds]
 
@@ -169,10 +209,20 @@ def _ops(keys: Keys, limiters: Sequence[Limiter], check: Check, now: float) -> l
                                (window + 1) * QUOTA_WINDOW - now, enforce))
         elif isinstance(lim, Bucket):
             ops.append(BucketOp(keys.bucket(lim.name, user), lim.rate, lim.burst, cost, enforce))
+        elif isinstance(lim, Grants):
+            ops.append(GrantOp(keys.bucket(lim.name, user), lim.rate, lim.burst, min(cost, lim.burst),
+                               max(lim.want, cost), enforce, lim.held))
         else:
             key = keys.fleet_leases(lim.name, "other") if lim.fleet else keys.user_leases(lim.name, user)
             ops.append(LeaseOp(key, lim.limit, lim.ttl, enforce))
     return ops
+
+
+def _give_back(keys: Keys, limiters: Sequence[Limiter], step: GiveBack) -> ReturnOp | None:
+    lim = limiters[step.pick % len(limiters)]
+    if isinstance(lim, Leases | Count):
+        return None
+    return ReturnOp(keys.bucket(lim.name, f"user{step.user}"), lim.rate, lim.burst, step.amount)
 
 
 def _gap(gap: float | str | tuple[int, int] | tuple[str, int], limiters: Sequence[Limiter],
@@ -189,7 +239,7 @@ def _gap(gap: float | str | tuple[int, int] | tuple[str, int], limiters: Sequenc
     assert isinstance(what, int)
     if isinstance(lim, Count):
         return QUOTA_WINDOW * what / 2  # on a window's end, or half-way
-    return what / lim.rate if isinstance(lim, Bucket) else what * 0.5
+    return what / lim.rate if isinstance(lim, Bucket | Grants) else what * 0.5
 
 
 async def _run(stores: Sequence[Store], clock: ManualClock, keys: Keys,
@@ -233,6 +283,16 @@ async def _run(stores: Sequence[Store], clock: ManualClock, keys: Keys,
                 counts = [await s.release(held, lease_id) for s in stores]
                 log.append(f"release {lease_id} -> {counts}")
                 assert len(set(counts)) == 1, "\n".join(log)
+        elif isinstance(step, GiveBack):
+            back = _give_back(keys, limiters, step)
+            if back is not None:
+                now = clock.now
+                clock.set(now - step.late)
+                answers = [await s.check([back], "") for s in stores]
+                clock.set(now)
+                log.append(f"t={clock.now!r} give back {back} -> {answers[0]}")
+                assert all(a == answers[0] for a in answers), "\n".join([*log, repr(answers)])
+                assert answers[0].admitted and answers[0].results[0].remaining <= back.burst
         else:
             counts_per_store = [await s.inflight(lease_keys) for s in stores]
             log.append(f"inflight -> {counts_per_store}")
@@ -338,21 +398,33 @@ async def _run_batched(memory: Store, remote: Store, clock: ManualClock, keys: K
     segment: list[Step] = []
 
     async def flush() -> None:
-        releases = [admitted[r.pick % len(admitted)] for r in segment if isinstance(r, Release) and admitted]
+        # riders (releases and batched grants given back) go first, in order
+        riders: list[tuple[list[str], str] | ReturnOp] = []
+        for r in segment:
+            if isinstance(r, Release) and admitted:
+                riders.append(admitted[r.pick % len(admitted)])
+            elif isinstance(r, GiveBack) and (back := _give_back(keys, limiters, r)) is not None:
+                riders.append(back)
         checks = [(f"r{len(log)}.{i}", _ops(keys, limiters, c, clock.now))
                   for i, c in enumerate(x for x in segment if isinstance(x, Check))]
         segment.clear()
-        expected_released = [await memory.release(held, lease_id) for held, lease_id in releases]
+
+        def ride(store: Store, rider: tuple[list[str], str] | ReturnOp) -> Awaitable[object]:
+            if isinstance(rider, ReturnOp):
+                return store.check([rider], "")
+            return store.release(*rider)
+
+        expected_released = [await ride(memory, r) for r in riders]
         expected = [await memory.check(ops, lease_id) for lease_id, ops in checks]
-        answers = await asyncio.gather(*(remote.release(held, lease_id) for held, lease_id in releases),
+        answers = await asyncio.gather(*(ride(remote, r) for r in riders),
                                        *(remote.check(ops, lease_id) for lease_id, ops in checks))
-        log.append(f"t={clock.now!r} releases {releases} checks {checks} -> {expected_released} {expected}")
+        log.append(f"t={clock.now!r} riders {riders} checks {checks} -> {expected_released} {expected}")
         assert list(answers) == [*expected_released, *expected], "\n".join([*log, repr(answers)])
         admitted.extend(([op.key for op in ops if isinstance(op, LeaseOp)], lease_id)
                         for (lease_id, ops), res in zip(checks, expected, strict=True) if res.admitted)
 
     for step in steps:
-        if isinstance(step, Check | Release):
+        if isinstance(step, Check | Release | GiveBack):
             segment.append(step)
             continue
         await flush()
@@ -361,6 +433,35 @@ async def _run_batched(memory: Store, remote: Store, clock: ManualClock, keys: K
             clock.advance(gap)
             log.append(f"advance {gap!r}")
     await flush()
+
+
+@pytest.mark.redis
+@DIFFERENTIAL
+@given(timeline=timelines(grants=True))
+def test_stores_agree_on_batched_grants(redis_up: RedisSingle,
+                                        timeline: tuple[tuple[Limiter, ...], list[Step]]) -> None:
+    """Grants (``GrantOp``, with a remainder given back) and give-backs (``ReturnOp``) beside
+    buckets and leases: the same answers from ``check.lua`` and the embedded store."""
+    limiters, steps = timeline
+
+    async def body(memory: Store, remote: Store, clock: ManualClock, keys: Keys) -> None:
+        await _run([memory, remote], clock, keys, limiters, steps)
+
+    _both(redis_up, body)
+
+
+@pytest.mark.redis
+@DIFFERENTIAL
+@given(timeline=timelines(grants=True))
+def test_stores_agree_when_grants_and_give_backs_share_script_calls(
+        redis_up: RedisSingle, timeline: tuple[tuple[Limiter, ...], list[Step]]) -> None:
+    """Give-backs ride with the checks of their batch (one merged ``check.lua`` call)."""
+    limiters, steps = timeline
+
+    async def body(memory: Store, remote: Store, clock: ManualClock, keys: Keys) -> None:
+        await _run_batched(memory, remote, clock, keys, limiters, steps)
+
+    _both(redis_up, body)
 
 
 @pytest.mark.redis

@@ -15,7 +15,8 @@ from redis import exceptions as rx
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 
 from ...errors import StoreError
-from ..base import BucketOp, CheckResult, CountOp, Op, OpResult
+from .. import algorithms
+from ..base import BucketOp, CheckResult, CountOp, GrantOp, Op, OpResult
 from ..keys import Keys
 from .wire import UNKNOWN, Merge, Reply, StoreStats, Unanswered, check_results, num, unknown_reply, wrap
 
@@ -134,6 +135,12 @@ async def _compensate(submit: Submit, stats: StoreStats,
             keys.append(op.key)
             if isinstance(op, BucketOp):
                 args.extend(("b", num(op.burst), num(op.cost)))
+            elif isinstance(op, GrantOp):
+                # the grant taken goes back, less the remainder it brought (the replica
+                # keeps that: the answer is "not committed"); granted >= cost > held
+                pool = algorithms.grant_pool(float(reply[2 + 2 * i]), op.held, op.burst)
+                granted = algorithms.grant_size(pool, op.want)
+                args.extend(("b", num(op.burst), num(max(0.0, granted - op.held))))
             elif isinstance(op, CountOp):
                 args.extend(("q", str(op.cost), ""))
             else:

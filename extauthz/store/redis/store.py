@@ -31,7 +31,7 @@ from redis.asyncio.sentinel import Sentinel
 
 from ...errors import StoreError, StoreUnavailable
 from .. import algorithms, redis_events
-from ..base import CheckResult, Op, ShedParams
+from ..base import CheckResult, Op, ReturnOp, ShedParams
 from ..keys import Keys
 from . import cluster
 from .batcher import Batcher, Call
@@ -333,7 +333,11 @@ class RedisStore:
             return await self._check_groups(ops, groups, lease_id)
         keys, args = self._check_args(ops, lease_id)
         try:
-            reply = await self._submit("check", keys, args, droppable=True)
+            if all(isinstance(op, ReturnOp) for op in ops):
+                # batched grants given back: they ride with the next check, as releases do
+                reply = await self._submit("check", keys, args, ride=self.releases_ride)
+            else:
+                reply = await self._submit("check", keys, args, droppable=True)
         except StoreError as exc:
             if exc.late is not None:  # sent, unanswered: its answer may still come
                 exc.late = self._settled(exc.late, keys[0], functools.partial(check_result, ops))

@@ -16,7 +16,7 @@ from redis import exceptions as rx
 
 from ...errors import StoreError, StoreTimeout, StoreUnavailable
 from .. import algorithms
-from ..base import BucketOp, CheckResult, CountOp, Op, OpResult
+from ..base import BucketOp, CheckResult, CountOp, GrantOp, Op, OpResult, ReturnOp
 
 __all__ = [
     "CLIENT_ERRORS", "MERGES", "NOSCRIPT_ATTEMPTS", "SCRIPT_NAMES", "UNKNOWN", "Merge", "Reply", "Script",
@@ -199,6 +199,11 @@ def op_args(op: Op) -> tuple[bytes, ...]:
     """The 5 ARGV check.lua reads per op (see its header)."""
     if isinstance(op, BucketOp):
         return _bucket_args(op.enforce, op.rate, op.burst, op.cost)
+    if isinstance(op, GrantOp):
+        return (b"g", b"1" if op.enforce else b"0", num(op.rate).encode(), num(op.burst).encode(),
+                f"{num(op.cost)} {num(op.want)} {num(op.held)}".encode())
+    if isinstance(op, ReturnOp):
+        return (b"u", b"0", num(op.rate).encode(), num(op.burst).encode(), num(op.amount).encode())
     if isinstance(op, CountOp):
         return _count_args(op.enforce, op.limit, op.cost, op.ttl)
     return _lease_args(op.enforce, op.limit, op.ttl)
@@ -244,10 +249,10 @@ def pack_evalsha(sha: bytes, keys: Sequence[str], args: Sequence[str | bytes]) -
 def unknown_reply(ops: Sequence[Op]) -> list[Any]:
     """check.lua's reply taken for a call that may have run (:data:`UNKNOWN`): admitted, every
     lease op held (releasing a lease id that is not there is harmless), no bucket op taken
-    (refunding tokens that were not taken would not be)."""
+    (refunding tokens that were not taken would not be; a grant or give-back neither)."""
     reply: list[Any] = [1]
     for op in ops:
-        reply.extend((0 if isinstance(op, BucketOp) else 1, b"0"))
+        reply.extend((0 if isinstance(op, BucketOp | GrantOp | ReturnOp) else 1, b"0"))
     return reply
 
 

@@ -1,0 +1,267 @@
+"""Batched grants (``consistency: batched``): a check that needs no store call.
+
+A replica takes tokens from the shared bucket in grants (:class:`~extauthz.store.base.GrantOp`,
+``batch`` tokens at a time) and spends them locally; it asks the store again only when its
+grant for a key runs out. The rule itself (what a grant takes, what a return gives back) is
+:mod:`extauthz.store.algorithms`, the same for both stores (``lua/check.lua`` mirrors it).
+
+The guarantee, across any number of replicas: a grant is taken from the shared bucket
+atomically, by the bucket's own admit rule, before any of it is spent, and a replica admits
+a request only from tokens it was granted; so the bucket never yields more than it would to
+the exact limiter over the same window, and no more is admitted. The cost: a replica may
+refuse while others hold unspent grant, at most ``batch x (replicas - 1)`` tokens early,
+and only until those grants go back:
+
+* unspent grant goes back (:class:`~extauthz.store.base.ReturnOp`) within ``sync_interval``
+  of being taken: a timer every half interval returns each grant at least half an interval
+  old, in the existing batched script call (returns ride with the next check, as lease
+  releases do);
+* a key whose replica holds none of its grant for ``sync_interval`` is forgotten;
+* grants that land together (several requests of one key asked in one loop turn) are kept
+  up to one grant (``want``); the rest goes back at once, so no replica holds more than
+  ``batch`` (or the cost of one request, if larger).
+
+A policy reload builds new limiters with new tables; the old table's timer still returns
+what it holds, then stops. Unspent grant lost to a crash only refuses early (the shared
+bucket refills it), never admits more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Final, Protocol, runtime_checkable
+
+from ..clock import SYSTEM_CLOCK, Clock
+from ..context import RequestContext
+from ..store.algorithms import admits, take
+from ..store.base import ReturnOp, Store
+from ..verdict import Verdict
+
+__all__ = ["GrantTable", "Grantee", "bind_store", "default_batch", "refund_grants", "settle_grants"]
+
+#: timer ticks per sync_interval: a grant goes back at the first tick at least half an
+#: interval after it was taken, so within one interval
+TICKS: Final = 2
+
+
+def default_batch(rate: float, sync_interval: float, cost: float) -> float:
+    """The documented default ``batch``: the tokens one ``sync_interval`` refills, at
+    least 1 and at least one request's ``cost``."""
+    return max(1.0, rate * sync_interval, cost)
+
+
+@dataclass(slots=True)
+class _Held:
+    #: unspent granted tokens held here
+    tokens: float
+    #: the shared bucket's tokens at the last store answer (for ``remaining``)
+    shared: float
+    #: when the oldest grant not yet given back was taken (clock.monotonic)
+    taken_at: float
+    #: when it last came to hold none (forgotten ``sync_interval`` later)
+    empty_since: float
+    #: the bucket's numbers the grant was taken with (a return carries them)
+    rate: float
+    burst: float
+
+
+class GrantTable:
+    """One limiter's grants, by bucket key, on this replica."""
+
+    def __init__(self, sync_interval: float, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.sync_interval = sync_interval
+        self._clock = clock
+        self._held: dict[str, _Held] = {}
+        #: where returns go (bound by the engine: :func:`bind_store`); None: nowhere yet
+        self.store: Store | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        #: counters (status, tests): requests answered from a grant, grants taken, tokens
+        #: given back, returns that failed (their tokens only refuse early: never admitted)
+        self.local = 0
+        self.grants = 0
+        self.returned = 0.0
+        self.return_errors = 0
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def held(self, key: str) -> float:
+        """Unspent granted tokens held for ``key`` (0 when none)."""
+        h = self._held.get(key)
+        return 0.0 if h is None else h.tokens
+
+    def total(self) -> float:
+        return sum(h.tokens for h in self._held.values())
+
+    def spend(self, key: str, cost: float, rate: float, burst: float) -> float | None:
+        """Spend ``cost`` from the grant held for ``key``: the ``remaining`` to answer
+        (grant left + the shared bucket's last known tokens), or None when the grant does
+        not cover it (or was taken for other numbers: a plan or override changed)."""
+        h = self._held.get(key)
+        if h is None or h.rate != rate or h.burst != burst or not admits(h.tokens, cost):
+            return None
+        h.tokens = take(h.tokens, cost)
+        if h.tokens <= 0.0:
+            h.empty_since = self._clock.monotonic()
+        self.local += 1
+        return h.tokens + h.shared
+
+    def lend(self, key: str, rate: float, burst: float) -> float:
+        """The remainder held for ``key`` (too small for the request that asks), taken out
+        to go back with the grant the request asks for (``GrantOp.held``): the store counts
+        it in the pool it grants from. :meth:`granted` or :meth:`restore` follows."""
+        h = self._held.get(key)
+        if h is None or h.rate != rate or h.burst != burst or h.tokens <= 0.0:
+            return 0.0
+        held, h.tokens = h.tokens, 0.0
+        h.empty_since = self._clock.monotonic()
+        return held
+
+    def restore(self, key: str, held: float, rate: float, burst: float) -> None:
+        """The grant asked with ``held`` was not committed: the remainder stays here."""
+        if held <= 0.0:
+            return
+        h = self._held.get(key)
+        if h is None or h.rate != rate or h.burst != burst:
+            self._give_back([ReturnOp(key, rate, burst, held)])
+            return
+        h.tokens += held
+        self._arm()
+
+    def granted(self, key: str, amount: float, cost: float, shared: float, want: float,
+                rate: float, burst: float) -> float:
+        """The store granted ``amount`` tokens for ``key`` (``shared`` left there) to a
+        request of ``cost``, which spends its cost from it at once. Returns ``remaining``."""
+        now = self._clock.monotonic()
+        self.grants += 1
+        h = self._held.get(key)
+        if h is None or h.rate != rate or h.burst != burst:
+            if h is not None and h.tokens > 0.0:  # taken with other numbers: give it back
+                self._give_back([ReturnOp(key, h.rate, h.burst, h.tokens)])
+            h = self._held[key] = _Held(0.0, shared, now, now, rate, burst)
+        if h.tokens <= 0.0:
+            h.taken_at = now
+        h.tokens = take(h.tokens + amount, cost)
+        h.shared = shared
+        if h.tokens > want:  # grants that landed together: keep one, the rest goes back now
+            self._give_back([ReturnOp(key, rate, burst, h.tokens - want)])
+            h.tokens = want
+        if h.tokens <= 0.0:
+            h.empty_since = now
+        self._arm()
+        return h.tokens + h.shared
+
+    def due(self) -> list[ReturnOp]:
+        """Take out what goes back now: every grant at least half a ``sync_interval`` old
+        (the timer runs every half interval); forget keys empty for a whole interval."""
+        now = self._clock.monotonic()
+        half = self.sync_interval / TICKS
+        out: list[ReturnOp] = []
+        for key, h in list(self._held.items()):
+            if h.tokens > 0.0 and now - h.taken_at >= half:
+                out.append(ReturnOp(key, h.rate, h.burst, h.tokens))
+                h.tokens = 0.0
+                h.empty_since = now
+            elif h.tokens <= 0.0 and now - h.empty_since >= self.sync_interval:
+                del self._held[key]
+        return out
+
+    async def sync(self) -> int:
+        """One sync turn: give back what is due (:meth:`due`), in one store round (each
+        return its own ``check.lua`` entry; the Redis store sends them with the next
+        check). Returns how many went back."""
+        returns = self.due()
+        if returns and self.store is not None:
+            await asyncio.gather(*(self._send(op) for op in returns))
+        return len(returns)
+
+    async def _send(self, op: ReturnOp) -> None:
+        assert self.store is not None
+        try:
+            await self.store.check([op], "")
+        except Exception:  # a lost return only refuses early: counted, never raised
+            self.return_errors += 1
+        else:
+            self.returned += op.amount
+
+    def _give_back(self, ops: Iterable[ReturnOp]) -> None:
+        if self.store is None:
+            return
+        for op in ops:
+            self._spawn(self._send(op))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _arm(self) -> None:
+        if self._timer is None and self.store is not None:
+            self._timer = asyncio.get_running_loop().call_later(self.sync_interval / TICKS, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        self._spawn(self.sync())
+        if self._held:
+            self._arm()
+
+    async def settle(self) -> None:
+        """Give back everything held now and stop (a graceful stop: the fleet gets this
+        replica's unspent grants at once instead of losing them)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        returns = [ReturnOp(key, h.rate, h.burst, h.tokens) for key, h in self._held.items() if h.tokens > 0.0]
+        self._held.clear()
+        if self.store is not None:
+            await asyncio.gather(*(self._send(op) for op in returns))
+        await self.drain()
+
+    async def drain(self) -> None:
+        """Wait for the returns already sent (tests, shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def close(self) -> None:
+        """Stop the timer (what is held is lost: it only refuses early)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for task in self._tasks:
+            task.cancel()
+
+
+@runtime_checkable
+class Grantee(Protocol):
+    """A limiter that may take its budget in batched grants (``grants`` is None in exact mode)."""
+
+    grants: GrantTable | None
+
+    def refund(self, ctx: RequestContext) -> None:
+        """Give back, to this replica's grant, what :meth:`Limiter.local` spent for ``ctx``."""
+
+
+def refund_grants(ctx: RequestContext, slots: Iterable[tuple[object, bool, Verdict | None, int]]) -> None:
+    """A refused request takes nothing (as in exact mode, where only an admitted request
+    commits): what batched limiters spent for it from their grants goes back to them."""
+    for lim, _, local, _ in slots:
+        if (local is not None and not local.refused and isinstance(lim, Grantee)
+                and lim.grants is not None):
+            lim.refund(ctx)
+
+
+async def settle_grants(limiters: Iterable[object]) -> None:
+    """Every batched limiter gives back what it holds (:meth:`GrantTable.settle`)."""
+    for lim in limiters:
+        if isinstance(lim, Grantee) and lim.grants is not None:
+            await lim.grants.settle()
+
+
+def bind_store(limiters: Iterable[object], store: Store) -> None:
+    """Give every batched limiter's table the store its grants go back to."""
+    for lim in limiters:
+        if isinstance(lim, Grantee) and lim.grants is not None:
+            lim.grants.store = store

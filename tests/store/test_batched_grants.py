@@ -1,0 +1,340 @@
+"""Batched grants (``consistency: batched``): several replicas on one shared bucket.
+
+Each replica is its own :class:`Engine` on its own store client (a :class:`RedisStore` on a
+real Redis, ``check.lua`` running; or the embedded store for the single-replica cases), all
+on one :class:`ManualClock` injected into the stores and engines, so the timelines are exact
+and nothing is timed. The sync turn that each replica's timer runs every half
+``sync_interval`` is run by the test (``GrantTable.sync``) when the virtual clock has moved.
+
+The guarantee (docs/limiters.md): no more admitted than the exact limiter over the run;
+every refusal early by at most ``batch x (replicas - 1)`` tokens held elsewhere; and one
+``sync_interval`` later, with every replica synced, nothing is held anywhere, so the
+answers are the exact limiter's again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+
+from extauthz.clock import ManualClock
+from extauthz.engine import Engine
+from extauthz.limiters.grants import GrantTable, default_batch
+from extauthz.limiters.refusals import RefusalCache
+from extauthz.limiters.request_rate import RequestRateLimiter
+from extauthz.store import algorithms
+from extauthz.store.base import GrantOp, Op, ReturnOp, Store
+from extauthz.store.memory import MemoryStore
+from extauthz.verdict import Decision, Kind, Outcome, Verdict
+from tests.infra.redis_servers import RedisSingle
+from tests.store.conftest import make_redis_store
+from tests.unit.helpers import get, policy_from
+
+RATE, BURST, BATCH, SYNC = 10.0, 20.0, 4.0, 0.1
+START = 5_000.123456789
+
+
+def batched(tmp_path: Path, **extra: object) -> dict[str, object]:
+    spec: dict[str, object] = {"name": "user-rate", "type": "request_rate", "rate": RATE, "burst": BURST,
+                               "consistency": "batched", "batch": BATCH, "sync_interval": "100ms"}
+    spec.update(extra)
+    return spec
+
+
+def table(engine: Engine) -> GrantTable:
+    lim = engine.snapshot.limiters[0]
+    assert isinstance(lim, RequestRateLimiter) and lim.grants is not None
+    return lim.grants
+
+
+class Counting:
+    """Counts the store calls an engine makes (the engine's ``store_check`` hook)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.calls: list[list[Op]] = []
+
+    async def __call__(self, ops: list[Op], lease_id: str) -> object:
+        self.calls.append(list(ops))
+        return await self.store.check(ops, lease_id)
+
+
+def refusals(engine: Engine) -> RefusalCache:
+    lim = engine.snapshot.limiters[0]
+    assert isinstance(lim, RequestRateLimiter) and lim.refusals is not None
+    return lim.refusals
+
+
+def rate_verdict(d: Decision) -> Outcome:
+    return d.verdicts[0].outcome
+
+
+# --------------------------------------------------------------------------- one replica
+
+
+async def test_one_store_call_per_grant_and_headers_count_the_grant(tmp_path: Path) -> None:
+    clock = ManualClock(START)
+    store = MemoryStore(clock)
+    count = Counting(store)
+    engine = Engine(store, policy_from(tmp_path, {"limiters": [batched(tmp_path)]}), clock=clock,
+                    store_check=count)  # type: ignore[arg-type]
+    decisions = [(await engine.check(get()))[1] for _ in range(8)]
+    assert all(d.allowed for d in decisions)
+    assert len(count.calls) == 2  # a grant of 4 tokens serves 4 requests
+    assert all(isinstance(op, GrantOp) and op.want == BATCH for ops in count.calls for op in ops)
+    # remaining = grant left here + the shared bucket's last known tokens: as exact would say
+    assert [d.verdicts[0].remaining for d in decisions] == [19.0 - i for i in range(8)]
+    assert decisions[0].verdicts[0].reset == pytest.approx(0.1)
+    table(engine).close()
+
+
+async def test_exact_mode_asks_the_store_every_time(tmp_path: Path) -> None:
+    clock = ManualClock(START)
+    store = MemoryStore(clock)
+    count = Counting(store)
+    spec = {"name": "user-rate", "type": "request_rate", "rate": RATE, "burst": BURST}
+    engine = Engine(store, policy_from(tmp_path, {"limiters": [spec]}), clock=clock,
+                    store_check=count)  # type: ignore[arg-type]
+    for _ in range(5):
+        await engine.check(get())
+    assert len(count.calls) == 5
+    lim = engine.snapshot.limiters[0]
+    assert isinstance(lim, RequestRateLimiter) and lim.grants is None
+
+
+async def test_unspent_grant_goes_back_within_sync_interval_then_the_key_is_forgotten(
+        tmp_path: Path) -> None:
+    clock = ManualClock(START)
+    store = MemoryStore(clock)
+    engine = Engine(store, policy_from(tmp_path, {"limiters": [batched(tmp_path)]}), clock=clock)
+    grants = table(engine)
+    await engine.check(get())
+    key = next(iter(grants._held))
+    assert grants.held(key) == BATCH - 1 and store.tokens(key) == BURST - BATCH
+    clock.advance(SYNC / 2 - 1e-6)
+    assert await grants.sync() == 0  # not due yet
+    clock.advance(1e-6)
+    assert await grants.sync() == 1  # half an interval old: back (the timer runs every half)
+    # back in the shared bucket: what was left, half an interval of refill, the unspent 3
+    assert grants.held(key) == 0.0
+    assert store.tokens(key) == pytest.approx(BURST - BATCH + RATE * SYNC / 2 + BATCH - 1)
+    assert len(grants) == 1
+    clock.advance(SYNC)
+    await grants.sync()
+    assert len(grants) == 0  # held none for a whole interval: forgotten
+    grants.close()
+
+
+async def test_grants_that_land_together_keep_one_and_give_the_rest_back() -> None:
+    """Requests of one key asked in one loop turn each take a grant; the replica keeps one
+    grant's worth (so the bound holds) and gives the rest back at once."""
+    clock = ManualClock(START)
+    store = MemoryStore(clock)
+    grants = GrantTable(SYNC, clock)
+    grants.store = store
+    op = GrantOp("k", RATE, BURST, 1.0, BATCH)
+    first, second = (await store.check([op], "")).results[0], (await store.check([op], "")).results[0]
+    assert (first.extra, second.extra) == (BATCH, BATCH)
+    grants.granted("k", first.extra, 1.0, first.remaining, BATCH, RATE, BURST)
+    remaining = grants.granted("k", second.extra, 1.0, second.remaining, BATCH, RATE, BURST)
+    assert grants.held("k") == BATCH and remaining == BATCH + BURST - 2 * BATCH
+    await grants.drain()
+    assert store.tokens("k") == BURST - 2 * BATCH + (2 * BATCH - 2 - BATCH)  # the surplus is back
+    assert grants.returned == BATCH - 2
+    grants.close()
+
+
+def test_default_batch_is_one_sync_interval_of_refill() -> None:
+    assert default_batch(1000.0, 0.1, 1.0) == 100.0
+    assert default_batch(2.0, 0.1, 1.0) == 1.0  # at least 1
+    assert default_batch(2.0, 0.1, 3.0) == 3.0  # at least one request's cost
+
+
+async def test_a_refusal_is_the_exact_refusal(tmp_path: Path) -> None:
+    clock = ManualClock(START)
+    engine = Engine(MemoryStore(clock), policy_from(tmp_path, {"limiters": [batched(tmp_path)]}),
+                    clock=clock)
+    decisions = [(await engine.check(get()))[1] for _ in range(21)]
+    assert [d.allowed for d in decisions] == [True] * 20 + [False]
+    refused = decisions[-1].denied_by
+    assert refused is not None and refused.reason == "rate_exceeded"
+    assert refused.retry_after == pytest.approx(0.1)
+    table(engine).close()
+
+
+# --------------------------------------------------------------------------- several replicas
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("replicas", [2, 3, 5])
+async def test_replicas_never_admit_more_than_exact_and_refuse_early_by_at_most_the_bound(
+        redis_single_clean: RedisSingle, tmp_path: Path, replicas: int) -> None:
+    clock = ManualClock(START)
+    policy = policy_from(tmp_path, {"limiters": [batched(tmp_path)]})
+    stores = [make_redis_store(redis_single_clean, clock) for _ in range(replicas)]
+    engines = [Engine(s, policy, clock=clock, deadline=5.0) for s in stores]
+    tables = [table(e) for e in engines]
+    raw = redis_single_clean.client()
+    key = engines[0].snapshot.limiters[0]._keys.bucket(  # type: ignore[attr-defined]
+        "user-rate", engines[0].context(get()).identity)
+    rng = random.Random(24)
+
+    def shared_tokens() -> float:
+        stored = raw.get(key)
+        if stored is None:
+            return BURST
+        tokens, ts = (float(x) for x in stored.split())
+        return algorithms.refill(tokens, ts, clock.now, RATE, BURST)
+
+    admitted = refused = refused_from_cache = 0
+    last_sync = clock.now
+    try:
+        for _ in range(400):
+            i = rng.randrange(replicas)
+            cache = refusals(engines[i])
+            hits = cache.hits
+            decision = (await engines[i].check(get()))[1]
+            if decision.allowed:
+                admitted += 1
+            else:
+                refused += 1
+                assert rate_verdict(decision) is Outcome.DENIED
+                others = sum(t.held(key) for j, t in enumerate(tables) if j != i)
+                # the bound: what the others hold, and so how early this refusal can be
+                assert others <= BATCH * (replicas - 1) + 1e-9
+                if cache.hits == hits:  # the store refused it: with this replica's remainder
+                    assert shared_tokens() + tables[i].held(key) < 1.0
+                else:  # a remembered refusal: at most one sync_interval old
+                    refused_from_cache += 1
+                # what the exact limiter's bucket would hold: every unspent token
+                assert shared_tokens() + sum(t.held(key) for t in tables) < 1.0 + BATCH * (replicas - 1)
+            # never more than the exact limiter over the run: burst + refill since the start
+            assert admitted <= BURST + RATE * (clock.now - START) + 1e-6
+            clock.advance(rng.choice((0.0, 0.0, 0.0, 0.01, 0.03, 0.05)))
+            if clock.now - last_sync >= SYNC / 2:  # each replica's timer turn
+                for t in tables:
+                    await t.sync()
+                last_sync = clock.now
+        assert refused > 0 and admitted > BURST  # the run reached the limit
+        # (at the limit the bucket is nearly empty when asked, so grants are small: the
+        # store calls saved are under the limit, test_one_store_call_per_grant...)
+        assert sum(t.local for t in tables) > 0
+
+        # One sync_interval later, every replica synced: nothing held anywhere, and the
+        # answer is the exact limiter's again (admitted iff the shared bucket admits).
+        clock.advance(SYNC)
+        for t in tables:
+            await t.sync()
+        for t in tables:
+            await t.drain()
+        assert sum(t.held(key) for t in tables) == 0.0
+        exact_admits = algorithms.admits(shared_tokens(), 1.0)
+        assert exact_admits  # a whole interval refilled one token at least
+        assert (await engines[0].check(get()))[1].allowed
+    finally:
+        for t in tables:
+            t.close()
+        for s in stores:
+            await s.close()
+        raw.close()
+
+
+@pytest.mark.redis
+async def test_a_grant_is_taken_atomically_under_concurrent_replicas(
+        redis_single_clean: RedisSingle, tmp_path: Path) -> None:
+    """Many replicas asking at once, in one loop turn each: the grants handed out never sum
+    to more than the bucket held (check.lua takes each grant atomically)."""
+
+    clock = ManualClock(START)
+    policy = policy_from(tmp_path, {"limiters": [batched(tmp_path, batch=7)]})
+    stores = [make_redis_store(redis_single_clean, clock) for _ in range(6)]
+    engines = [Engine(s, policy, clock=clock, deadline=5.0) for s in stores]
+    raw = redis_single_clean.client()
+    try:
+        results = await asyncio.gather(*(e.check(get()) for e in engines for _ in range(5)))
+        for e in engines:
+            await table(e).drain()
+        admitted = sum(d.allowed for _, d in results)
+        assert 0 < admitted <= BURST  # never more than the bucket held
+        key = next(k for e in engines for k in table(e)._held)
+        stored = raw.get(key)
+        shared = float(stored.split()[0]) if stored is not None else BURST
+        held = sum(table(e).total() for e in engines)
+        assert admitted + held + shared == BURST  # nothing made, nothing lost (no time passed)
+        assert all(table(e).held(key) <= 7 for e in engines)  # each holds one grant at most
+    finally:
+        for e in engines:
+            table(e).close()
+        for s in stores:
+            await s.close()
+        raw.close()
+
+
+async def test_a_request_refused_by_another_limiter_spends_no_grant(tmp_path: Path) -> None:
+    """As in exact mode (only an admitted request commits), a request the grant covered but
+    another limiter refused gives its cost back to the grant."""
+    clock = ManualClock(START)
+    conc = {"name": "user-conc", "type": "concurrent_requests", "limit": 1}
+    engine = Engine(MemoryStore(clock), policy_from(tmp_path, {"limiters": [batched(tmp_path), conc]}),
+                    clock=clock)
+    grants = table(engine)
+    first = (await engine.check(get()))[1]
+    assert first.allowed  # holds the one lease (not released)
+    key = next(iter(grants._held))
+    assert grants.held(key) == BATCH - 1
+    for _ in range(3):
+        second = (await engine.check(get()))[1]
+        assert not second.allowed and second.denied_by is not None
+        assert second.denied_by.limiter == "user-conc"
+        assert grants.held(key) == BATCH - 1  # spent locally, then given back to the grant
+    grants.close()
+
+
+def test_batched_refusals_are_remembered_at_most_one_sync_interval() -> None:
+    """Other replicas' give-backs can refill the bucket sooner than ``rate``: a remembered
+    refusal ends within one ``sync_interval`` (and the store is asked again)."""
+    clock = ManualClock(START)
+    cache = RefusalCache(clock, max_window=SYNC)
+    refused = Verdict("user-rate", Kind.RATE_LIMITER, Outcome.DENIED, limit=1.0, remaining=0.0,
+                      retry_after=2.0, reset=2.0)
+    cache.remember("k", refused, 0.5, 1.0, 1.0)
+    clock.advance(SYNC / 2)
+    assert cache.refusal("k", 0.5, 1.0, 1.0) is not None
+    clock.advance(SYNC / 2)
+    assert cache.refusal("k", 0.5, 1.0, 1.0) is None
+
+
+@pytest.mark.parametrize("kind", ["memory", pytest.param("redis", marks=pytest.mark.redis)])
+async def test_a_late_give_back_does_not_refill_the_same_seconds_twice(
+        kind: str, request: pytest.FixtureRequest) -> None:
+    """A give-back rides with a later check but carries its own loop turn's clock: it adds
+    its tokens without moving the bucket's clock back (which would count the seconds in
+    between twice: an over-admission found by the several-replica test)."""
+    clock = ManualClock(START)
+    store: Store = (MemoryStore(clock) if kind == "memory"
+                    else make_redis_store(request.getfixturevalue("redis_single_clean"), clock))
+    try:
+        take = GrantOp("k", RATE, BURST, 1.0, BURST)  # empties the bucket
+        assert (await store.check([take], "")).results[0].extra == BURST
+        clock.advance(1.0)  # +10 tokens
+        assert (await store.check([GrantOp("k", RATE, BURST, 1.0, 10.0)], "")).results[0].extra == 10.0
+        clock.set(START + 0.5)  # a give-back of 3 sent half a second earlier
+        await store.check([ReturnOp("k", RATE, BURST, 3.0)], "")
+        clock.set(START + 1.0)
+        assert (await store.check([GrantOp("k", RATE, BURST, 1.0, BURST)], "")).results[0].extra == 3.0
+    finally:
+        await store.close()
+
+
+async def test_a_graceful_stop_gives_back_every_grant_held(tmp_path: Path) -> None:
+    clock = ManualClock(START)
+    store = MemoryStore(clock)
+    engine = Engine(store, policy_from(tmp_path, {"limiters": [batched(tmp_path)]}), clock=clock)
+    await engine.check(get())
+    key = next(iter(table(engine)._held))
+    assert store.tokens(key) == BURST - BATCH
+    await engine.settle_grants()  # what Server.stop does before the store closes
+    assert store.tokens(key) == BURST - 1 and table(engine).total() == 0.0
