@@ -13,6 +13,7 @@ from typing import Protocol
 
 from ..context import RequestContext
 from ..policy.model import Matcher
+from ..policy.schema import PLAN_NUMBERS, not_fields
 from ..store.base import Op, OpResult
 from ..verdict import Kind, Limits, Outcome, Verdict
 
@@ -54,6 +55,17 @@ def customer_limits(name: str, ctx: RequestContext, plans: Mapping[str, Limits],
         if by_plan is not None:
             return by_plan.get(ctx.plan) or by_plan[""]
     return plans.get(ctx.plan, own)
+
+
+def override_limit(numbers: Mapping[str, float], kind: str) -> int:
+    """The ``limit`` an override of a ``limit`` kind (concurrent_requests, quota) sets;
+    ValueError naming the kind's fields for anything else."""
+    unknown = sorted(set(numbers) - set(PLAN_NUMBERS[kind]))
+    if unknown:
+        raise ValueError(not_fields(unknown, kind))
+    if "limit" not in numbers:
+        raise ValueError(f"a {kind} override sets 'limit'")
+    return int(numbers["limit"])
 
 
 def denied_outcome(enforce: bool) -> Outcome:

@@ -12,16 +12,14 @@ from collections.abc import Mapping
 
 from ..context import RequestContext
 from ..policy.model import compile_match
-from ..policy.schema import PLAN_NUMBERS, ConcurrentRequestsSpec, not_fields
+from ..policy.schema import ConcurrentRequestsSpec
 from ..store.base import LeaseOp, OpResult
 from ..store.keys import Keys
 from ..verdict import Kind, Limits, Outcome, Quota, Verdict
-from .base import BY_IDENTITY, KeyOf, customer_limits, denied_outcome
+from .base import BY_IDENTITY, KeyOf, customer_limits, denied_outcome, override_limit
 
 #: seconds a client is told to wait after a concurrency refusal.
 RETRY_AFTER = 1.0
-#: the numbers an override (or a plan entry) of this kind may set.
-NUMBERS = PLAN_NUMBERS["concurrent_requests"]
 
 
 def lease_limits(limit: int) -> Limits:
@@ -47,12 +45,7 @@ class ConcurrentRequestsLimiter:
 
     def override(self, numbers: Mapping[str, float]) -> dict[str, Limits]:
         """An override's numbers, the same for every plan. ValueError when they do not fit."""
-        unknown = sorted(set(numbers) - set(NUMBERS))
-        if unknown:
-            raise ValueError(not_fields(unknown, "concurrent_requests"))
-        if "limit" not in numbers:
-            raise ValueError("a concurrent_requests override sets 'limit'")
-        return {"": lease_limits(int(numbers["limit"]))}
+        return {"": lease_limits(override_limit(numbers, "concurrent_requests"))}
 
     def limits(self, ctx: RequestContext) -> Limits:
         """This customer's numbers: an override, else its plan's, else the limiter's own."""

@@ -20,14 +20,12 @@ from datetime import UTC, datetime
 from ..clock import SYSTEM_CLOCK, Clock
 from ..context import RequestContext
 from ..policy.model import compile_match
-from ..policy.schema import PLAN_NUMBERS, QuotaSpec, not_fields
+from ..policy.schema import QuotaSpec
 from ..store.base import CountOp, OpResult
 from ..store.keys import Keys
 from ..verdict import Kind, Limits, Outcome, Quota, Verdict
-from .base import BY_IDENTITY, KeyOf, customer_limits, denied_outcome
+from .base import BY_IDENTITY, KeyOf, customer_limits, denied_outcome, override_limit
 
-#: the numbers an override (or a plan entry) of this kind may set.
-NUMBERS = PLAN_NUMBERS["quota"]
 #: seconds a window's count outlives the window (clock skew between replicas, late answers).
 TTL_MARGIN = 3600
 _DAY = 86400
@@ -93,12 +91,7 @@ class QuotaLimiter:
 
     def override(self, numbers: Mapping[str, float]) -> dict[str, Limits]:
         """An override's numbers, the same for every plan. ValueError when they do not fit."""
-        unknown = sorted(set(numbers) - set(NUMBERS))
-        if unknown:
-            raise ValueError(not_fields(unknown, "quota"))
-        if "limit" not in numbers:
-            raise ValueError("a quota override sets limit")
-        limit = int(numbers["limit"])
+        limit = override_limit(numbers, "quota")
         if self.cost > limit:
             raise ValueError(f"cost ({self.cost}) is larger than limit ({limit}): no request could ever pass")
         return {"": quota_limits(limit)}
