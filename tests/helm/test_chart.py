@@ -305,6 +305,25 @@ def test_a_policy_given_as_text_is_rendered_unchecked(chart: Any, tmp_path: Path
         load_policy([tmp_path])
 
 
+def test_the_helm_docs_policy_examples_render_and_load(chart: Any, tmp_path: Path) -> None:
+    # docs/helm.md's values blocks (`policies:`) pass the chart's schema and render, and the
+    # team ConfigMaps shown beside them load together with the chart's files as one policy.
+    blocks = re.findall(r"^```yaml\n(.*?)^```", (ROOT / "docs" / "helm.md").read_text(), re.S | re.M)
+    values_blocks = [yaml.safe_load(b) for b in blocks if "\npolicies:" in f"\n{b}"]
+    team_files = [doc["data"] for b in blocks for doc in yaml.safe_load_all(b)
+                  if isinstance(doc, dict) and doc.get("kind") == "ConfigMap"]
+    assert len(values_blocks) >= 2 and team_files
+    for number, values in enumerate(values_blocks):
+        directory = tmp_path / str(number)
+        directory.mkdir()
+        files = by_kind(render(chart, values), "ConfigMap")["data"]
+        if values["policies"].get("configMaps"):
+            files = files | {name: text for data in team_files for name, text in data.items()}
+        for name, text in files.items():
+            (directory / name).write_text(text)
+        assert load_policy([directory]).limiters
+
+
 def test_structured_policy_values_are_rendered_as_yaml(chart: Any, tmp_path: Path) -> None:
     structured = {"version": 1, "limiters": [{"name": "r", "type": "request_rate", "rate": 5, "burst": 10}]}
     objects = render(chart, {"policies": {"api.yaml": None, "limits.yaml": structured}})
