@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from extauthz.devtools import envoy_config
+from extauthz.errors import PolicyError
 from extauthz.policy import load_policy
 from extauthz.server.app import ServerConfig
 
@@ -242,14 +243,85 @@ def test_policy_edit_leaves_the_pod_template_unchanged(chart: Any) -> None:
 
 
 def test_default_policy_is_the_repository_policy_and_loads(default_objects: Objects, tmp_path: Path) -> None:
-    repo_policy = (ROOT / "policies" / "api.yaml").read_text()
+    repo_path = ROOT / "policies" / "api.yaml"
+    repo_policy = yaml.safe_load(repo_path.read_text())
+    # A mapping (so values.schema.json checks it at install), equal to the repository's policy.
     assert default_values()["policies"] == {"api.yaml": repo_policy}
     data = by_kind(default_objects, "ConfigMap")["data"]
-    assert data == {"api.yaml": repo_policy}
-    for name, text in data.items():
-        (tmp_path / name).write_text(text)
-    policy = load_policy([str(tmp_path)])
-    assert [limiter.name for limiter in policy.limiters] == ["user-rate", "user-concurrency", "fleet", "workers"]
+    assert set(data) == {"api.yaml"}
+    assert yaml.safe_load(data["api.yaml"]) == repo_policy
+    (tmp_path / "api.yaml").write_text(data["api.yaml"])
+    rendered = load_policy([str(tmp_path)])
+    assert rendered.limiters == load_policy([repo_path]).limiters
+    assert [limiter.name for limiter in rendered.limiters] == ["user-rate", "user-concurrency", "fleet", "workers"]
+
+
+def _limiter(policy: dict[str, Any], name: str) -> dict[str, Any]:
+    [found] = [limiter for limiter in policy["limiters"] if limiter["name"] == name]
+    return found
+
+
+# Broken edits of the default policy (the mapping in values.yaml) and the schema's message for each.
+BROKEN_DEFAULT_EDITS = [
+    (lambda p: _limiter(p, "user-rate").update(burst=-1),
+     r"/policies/api.yaml/limiters/0/burst': exclusiveMinimum: got -1"),
+    (lambda p: _limiter(p, "user-rate").update(burts=500),
+     r"/policies/api.yaml/limiters/0': additional properties 'burts' not allowed"),
+    (lambda p: p["limiters"].append({"name": "monthly", "type": "quota", "limit": 10000}),
+     r"/policies/api.yaml/limiters/4': missing property 'period'"),
+    (lambda p: p["test_mode"].update(key_prefix=5),
+     r"/policies/api.yaml/test_mode/key_prefix': got number, want string"),
+]
+
+
+@pytest.mark.parametrize(("edit", "message"), BROKEN_DEFAULT_EDITS,
+                         ids=["burst-1", "unknown-field", "quota-no-period", "wrong-type"])
+def test_a_broken_default_shaped_policy_fails_rendering(chart: Any, edit: Any, message: str) -> None:
+    policy = copy.deepcopy(default_values()["policies"]["api.yaml"])
+    edit(policy)
+    with pytest.raises(helm.HelmValuesError, match=message):
+        chart.render({"policies": {"api.yaml": policy}}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    report = helm.lint(CHART, {"policies": {"api.yaml": policy}}, strict=True, kube_version=f"v{KUBE_VERSION}")
+    errors = report["errors"]
+    assert any(re.search(message, error) for error in errors), errors
+
+
+def test_a_mapping_given_for_api_yaml_is_merged_into_the_default(chart: Any) -> None:
+    # Helm merges maps key by key and replaces lists: what docs/helm.md and values.yaml say.
+    mine = {"name": "r", "type": "request_rate", "rate": 5, "burst": 10}
+    objects = render(chart, {"policies": {"api.yaml": {"test_mode": None, "limiters": [mine]}}})
+    rendered = yaml.safe_load(by_kind(objects, "ConfigMap")["data"]["api.yaml"])
+    default = default_values()["policies"]["api.yaml"]
+    assert rendered == {key: value for key, value in default.items() if key != "test_mode"} | {"limiters": [mine]}
+
+
+def test_a_policy_given_as_text_is_rendered_unchecked(chart: Any, tmp_path: Path) -> None:
+    # Text is still accepted (compatibility) and replaces the default whole; only the server checks it.
+    broken = "version: 1\nlimiters:\n  - {name: r, type: request_rate, rate: 5, burst: -1}\n"
+    data = by_kind(render(chart, {"policies": {"api.yaml": broken}}), "ConfigMap")["data"]
+    assert data == {"api.yaml": broken}
+    (tmp_path / "api.yaml").write_text(data["api.yaml"])
+    with pytest.raises(PolicyError, match="burst"):
+        load_policy([tmp_path])
+
+
+def test_the_helm_docs_policy_examples_render_and_load(chart: Any, tmp_path: Path) -> None:
+    # docs/helm.md's values blocks (`policies:`) pass the chart's schema and render, and the
+    # team ConfigMaps shown beside them load together with the chart's files as one policy.
+    blocks = re.findall(r"^```yaml\n(.*?)^```", (ROOT / "docs" / "helm.md").read_text(), re.S | re.M)
+    values_blocks = [yaml.safe_load(b) for b in blocks if "\npolicies:" in f"\n{b}"]
+    team_files = [doc["data"] for b in blocks for doc in yaml.safe_load_all(b)
+                  if isinstance(doc, dict) and doc.get("kind") == "ConfigMap"]
+    assert len(values_blocks) >= 2 and team_files
+    for number, values in enumerate(values_blocks):
+        directory = tmp_path / str(number)
+        directory.mkdir()
+        files = by_kind(render(chart, values), "ConfigMap")["data"]
+        if values["policies"].get("configMaps"):
+            files = files | {name: text for data in team_files for name, text in data.items()}
+        for name, text in files.items():
+            (directory / name).write_text(text)
+        assert load_policy([directory]).limiters
 
 
 def test_structured_policy_values_are_rendered_as_yaml(chart: Any, tmp_path: Path) -> None:
