@@ -140,7 +140,7 @@ def test_the_operator_commands_find_a_restarted_server_with_their_defaults(
     assert url_file.read_text().strip() == new_url  # the old one left the new one's file alone
 
     env_listen = {"EXTAUTHZ_LISTEN": listen}
-    status = subprocess.run([sys.executable, "-m", "extauthz", "status"], text=True, capture_output=True,
+    status = subprocess.run([sys.executable, "-m", "extauthz", "status", "--json"], text=True, capture_output=True,
                             timeout=30, check=False, env={**_env(tmp_path), **env_listen})
     assert status.returncode == 0, status.stderr
     assert f"extauthz: admin port {new_url}" in status.stderr

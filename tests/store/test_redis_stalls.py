@@ -120,6 +120,7 @@ class Load:
                 self.engine.releaser.release(decision.leases, decision.lease_id, "access_log")
 
     async def run(self, seconds: float) -> None:
+        self.running = True  # a second run() runs too (the last one's finally stopped it)
         callers = [asyncio.ensure_future(self.caller(n)) for n in range(self.callers)]
         try:
             await asyncio.sleep(seconds)
