@@ -25,7 +25,6 @@ from ..clock import SYSTEM_CLOCK, Clock
 from ..context import RequestContext
 from ..policy.model import compile_match
 from ..policy.schema import (
-    DEFAULT_SYNC_INTERVAL,
     PLAN_NUMBERS,
     RequestRateSpec,
     bucket_problem,
@@ -83,7 +82,7 @@ class RequestRateLimiter:
         self.refusals: RefusalCache | None = RefusalCache(clock)
         #: batched grants (``consistency: batched``), else None
         self.grants: GrantTable | None = None
-        self.sync_interval = spec.sync_interval or DEFAULT_SYNC_INTERVAL
+        self.sync_interval = spec.sync_interval
         self.batch = spec.batch
         if spec.consistency == "batched":
             self.grants = GrantTable(self.sync_interval, clock)

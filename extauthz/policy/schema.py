@@ -445,15 +445,15 @@ class _BatchedGrants(_Strict):
     batch: Annotated[float, Field(ge=1, le=MAX_TOKENS)] | None = Field(
         None, description="batched: how much one store call takes (at least 1); default: what "
         "one sync_interval refills, at least 1 and at least the cost.")
-    sync_interval: Annotated[Duration, Field(ge=MIN_SYNC_INTERVAL, le=MAX_SYNC_INTERVAL)] | None = Field(
-        None, description="batched: unspent grant goes back to the store within it, and a "
+    sync_interval: Annotated[Duration, Field(ge=MIN_SYNC_INTERVAL, le=MAX_SYNC_INTERVAL)] = Field(
+        DEFAULT_SYNC_INTERVAL, description="batched: unspent grant goes back to the store within it, and a "
         f"replica that held none of a key's grant for that long forgets it (default "
         f"{DEFAULT_SYNC_INTERVAL * 1000:g}ms; {MIN_SYNC_INTERVAL * 1000:g}ms to {MAX_SYNC_INTERVAL:g}s).")
 
     @model_validator(mode="after")
     def _batched_only(self) -> _BatchedGrants:
         if self.consistency == "exact":
-            extra = [name for name in ("batch", "sync_interval") if getattr(self, name) is not None]
+            extra = [name for name in ("batch", "sync_interval") if name in self.model_fields_set]
             if extra:
                 verb = "applies" if len(extra) == 1 else "apply"
                 raise ValueError(f"{' and '.join(extra)} only {verb} to consistency: batched")
