@@ -4,7 +4,7 @@
     .venv/bin/python -m bench.store_bench --quick         # one short round
     .venv/bin/python -m bench.store_bench --topology cluster --memory
 
-It starts its own throwaway ``redis-server`` (``tests/infra/redis_servers.py``), then runs,
+It starts its own throwaway ``redis-server`` (``testinfra/redis_servers.py``), then runs,
 in interleaved rounds (the machine is noisy: the table shows medians per configuration):
 
   memory        the embedded store
@@ -62,7 +62,7 @@ from extauthz.policy import load_policy  # noqa: E402
 from extauthz.store.base import Store  # noqa: E402
 from extauthz.store.memory import MemoryStore  # noqa: E402
 from extauthz.store.redis import RedisStore  # noqa: E402
-from tests.infra.redis_servers import start_cluster, start_single  # noqa: E402
+from testinfra.redis_servers import start_cluster, start_single  # noqa: E402
 
 POLICY = """\
 version: 1

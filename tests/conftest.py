@@ -1,4 +1,4 @@
-"""Shared test helpers. Real-Redis fixtures live in tests/infra (loaded via addopts)."""
+"""Shared test helpers. Real-Redis fixtures live in tests/infra (loaded via addopts) over testinfra/."""
 
 from __future__ import annotations
 

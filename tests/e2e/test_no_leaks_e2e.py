@@ -21,7 +21,7 @@ import yaml
 
 from extauthz.devtools.client import HttpClient
 from extauthz.devtools.stack import Stack
-from tests.infra.redis_servers import RedisSingle
+from testinfra.redis_servers import RedisSingle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

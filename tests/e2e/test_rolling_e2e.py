@@ -33,7 +33,7 @@ from extauthz.devtools.client import HttpClient
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import ServerProcess, free_port
 from extauthz.devtools.upstream import Upstream, start_upstream
-from tests.infra.redis_servers import RedisSingle
+from testinfra.redis_servers import RedisSingle
 
 from .istio_like import DEFAULT_FLUSH_INTERVAL, STAT_PREFIX, render
 from .test_no_leaks_e2e import live_leases_in_redis

@@ -13,7 +13,7 @@ import pytest
 
 from extauthz.devtools.client import HttpClient
 from extauthz.devtools.stack import Stack, free_port_block
-from tests.infra.redis_servers import RedisSingle
+from testinfra.redis_servers import RedisSingle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.slow]
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.infra.redis_servers import (
+from testinfra.redis_servers import (
     RedisCluster,
     RedisSentinel,
     RedisSingle,

@@ -16,7 +16,7 @@ import pytest
 
 from extauthz.changelog import HISTORY_MAXLEN, HISTORY_TTL, Change, append_change, read_history
 from extauthz.devtools.stack import ServerProcess, free_port
-from tests.infra.redis_servers import RedisSingle
+from testinfra.redis_servers import RedisSingle
 from tests.observe.helpers import admin, http, running
 
 from ..conftest import ROOT

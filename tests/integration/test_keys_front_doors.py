@@ -15,7 +15,7 @@ import pytest
 
 from extauthz.proto import auth_pb2, auth_pb2_grpc
 from extauthz.server.app import Server, ServerConfig
-from tests.infra.redis_servers import RedisSingle
+from testinfra.redis_servers import RedisSingle
 
 POLICY = """\
 version: 1

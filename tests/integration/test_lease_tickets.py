@@ -18,7 +18,7 @@ from extauthz.server.app import Server, ServerConfig
 from extauthz.server.edge import EXT_AUTHZ_NAMESPACE
 from extauthz.store.keys import Keys
 from extauthz.tickets import LeaseTickets
-from tests.infra.redis_servers import RedisSingle
+from testinfra.redis_servers import RedisSingle
 
 pytestmark = pytest.mark.redis
 

@@ -24,7 +24,7 @@ import pytest
 from extauthz.classify import hash_identity
 from extauthz.devtools.stack import ServerProcess
 from extauthz.proto import auth_pb2_grpc
-from tests.infra.redis_servers import RedisSingle
+from testinfra.redis_servers import RedisSingle
 from tests.observe.helpers import SALT, _open, admin, check_request, running
 
 from .test_overrides import wait_until

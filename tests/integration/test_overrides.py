@@ -20,7 +20,7 @@ from extauthz.context import RawRequest
 from extauthz.overrides import KEY_SLACK, MAX_OVERRIDES, MAX_TTL
 from extauthz.policy import Policy, load_policy
 from extauthz.proto import auth_pb2_grpc
-from tests.infra.redis_servers import RedisSingle
+from testinfra.redis_servers import RedisSingle
 from tests.observe.helpers import SALT, admin, check_request, running, scrape
 
 from .replicas import replicas

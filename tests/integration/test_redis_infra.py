@@ -19,7 +19,7 @@ from redis.crc import key_slot
 from redis.exceptions import ClusterCrossSlotError
 from redis.retry import Retry
 
-from tests.infra.redis_servers import (
+from testinfra.redis_servers import (
     SENTINEL_SERVICE,
     RedisCluster,
     RedisSentinel,

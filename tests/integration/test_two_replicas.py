@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from extauthz.proto import auth_pb2
-from tests.infra.redis_servers import RedisSingle
+from testinfra.redis_servers import RedisSingle
 
 from .replicas import replicas
 

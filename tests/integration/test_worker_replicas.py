@@ -16,7 +16,7 @@ from extauthz.engine import Engine
 from extauthz.sampler import sample_once
 from extauthz.store.base import ShedParams
 from extauthz.store.redis import RedisStore
-from tests.infra.redis_servers import RedisSingle
+from testinfra.redis_servers import RedisSingle
 
 from ..unit.helpers import policy_from
 

@@ -18,7 +18,7 @@ from extauthz.devtools.stack import ServerProcess, free_port
 from extauthz.proto import auth_pb2_grpc
 from extauthz.server.app import ServerConfig
 from extauthz.server.workers import WorkersError, check_workers, child_config
-from tests.infra.redis_servers import RedisSingle
+from testinfra.redis_servers import RedisSingle
 
 from .test_server import check_request
 

@@ -13,8 +13,8 @@ import yaml
 from extauthz.clock import ManualClock
 from extauthz.store.redis import RedisStore
 from extauthz.verdict import Mode
+from testinfra.redis_servers import RedisSingle
 from tests.conftest import ROOT
-from tests.infra.redis_servers import RedisSingle
 
 from .helpers import (
     FlakyStore,

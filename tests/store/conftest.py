@@ -21,7 +21,7 @@ from extauthz.clock import ManualClock
 from extauthz.store.base import Store
 from extauthz.store.memory import MemoryStore
 from extauthz.store.redis import RedisStore
-from tests.infra.redis_servers import RedisCluster, RedisSentinel, RedisSingle
+from testinfra.redis_servers import RedisCluster, RedisSentinel, RedisSingle
 
 Topology = RedisSingle | RedisCluster | RedisSentinel
 

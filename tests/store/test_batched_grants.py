@@ -29,7 +29,7 @@ from extauthz.store import algorithms
 from extauthz.store.base import GrantOp, Op, ReturnOp, Store
 from extauthz.store.memory import MemoryStore
 from extauthz.verdict import Decision, Kind, Outcome, Verdict
-from tests.infra.redis_servers import RedisSingle
+from testinfra.redis_servers import RedisSingle
 from tests.store.conftest import make_redis_store
 from tests.unit.helpers import get, policy_from
 

@@ -42,7 +42,7 @@ from extauthz.store import algorithms
 from extauthz.store.base import BucketOp, CheckResult, CountOp, GrantOp, LeaseOp, Op, ReturnOp, ShedParams, Store
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
-from tests.infra.redis_servers import RedisSingle
+from testinfra.redis_servers import RedisSingle
 from tests.store.conftest import StoreCase, make_redis_store
 from tests.unit.helpers import policy_from
 

@@ -21,7 +21,7 @@ from extauthz.engine import Engine
 from extauthz.policy import Policy, load_policy
 from extauthz.store.redis import RedisStore
 from extauthz.store.redis.conn import RECONNECT_BACKOFF_CAP
-from tests.infra.redis_servers import RedisSingle
+from testinfra.redis_servers import RedisSingle
 from tests.store.test_redis_specific import wait_until
 
 POLICY = """\

@@ -30,7 +30,7 @@ from extauthz.policy import Policy, load_policy
 from extauthz.store.base import BucketOp, CheckResult, LeaseOp, Op
 from extauthz.store.keys import Keys
 from extauthz.store.redis import SCRIPT_NAMES, RedisStore, load_script
-from tests.infra.redis_servers import (
+from testinfra.redis_servers import (
     RedisCluster,
     RedisSentinel,
     RedisSingle,

@@ -28,7 +28,7 @@ from extauthz.engine import Engine
 from extauthz.policy import Policy, load_policy
 from extauthz.store.redis import RedisStore
 from extauthz.store.redis.cluster import node_of as cluster_node_of
-from tests.infra.redis_servers import RedisCluster, RedisSingle
+from testinfra.redis_servers import RedisCluster, RedisSingle
 from tests.store.conftest import Topology, masters
 from tests.store.test_redis_specific import wait_until
 

@@ -16,7 +16,7 @@ from extauthz.engine import Engine
 from extauthz.errors import StoreUnavailable
 from extauthz.policy import load_policy
 from extauthz.store.redis import RedisStore
-from tests.infra.redis_servers import RedisSingle, start_single
+from testinfra.redis_servers import RedisSingle, start_single
 from tests.store.test_redis_specific import wait_until
 from tests.store.test_redis_stalls import Load, no_lease_left
 

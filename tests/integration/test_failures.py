@@ -22,9 +22,8 @@ from extauthz.store.base import Op
 from extauthz.store.memory import MemoryStore
 from extauthz.store.redis import RedisStore
 from extauthz.verdict import Outcome
-from tests.infra.redis_servers import RedisSingle
-
-from .helpers import eventually, rate, running, samples, scrape, value, write_policy
+from testinfra.redis_servers import RedisSingle
+from tests.observe.helpers import eventually, rate, running, samples, scrape, value, write_policy
 
 
 class OldClientRedisStore(RedisStore):

@@ -15,9 +15,8 @@ from extauthz import reload as reload_module
 from extauthz.clock import ManualClock
 from extauthz.policy import load_policy
 from extauthz.reload import PolicyWatcher
+from tests.observe.helpers import admin, eventually, rate, running, write_policy
 from tests.unit.helpers import engine_for, get
-
-from .helpers import admin, eventually, rate, running, write_policy
 
 
 async def allowed_in_a_row(engine, key: str = "sk_live_alice", limit: int = 50) -> int:  # type: ignore[no-untyped-def]

@@ -14,8 +14,7 @@ from extauthz.server.app import Server
 from extauthz.store.memory import MemoryStore
 from extauthz.switches import SwitchBoard, Switches, parse_switches, with_switch
 from extauthz.verdict import Mode
-
-from .helpers import Client, admin, eventually, rate, running, write_policy
+from tests.observe.helpers import Client, admin, eventually, rate, running, write_policy
 
 
 async def extauthz(*argv: str) -> int:
