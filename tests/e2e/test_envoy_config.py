@@ -84,7 +84,7 @@ def http(
 
 def test_default_config_is_the_one_in_envoy_dir() -> None:
     # One copy: a checkout reads envoy/ in place (the wheel ships the same files as
-    # extauthz/envoy/, checked by tests/store/test_redis_specific.py's wheel test).
+    # extauthz/envoy/, checked by tests/store/redis/test_lua.py's wheel test).
     assert config_path() == SOURCE_CONFIG
     assert load_config_text() == SOURCE_CONFIG.read_text(encoding="utf-8")
     assert not (REPO / "extauthz" / "envoy").exists()

@@ -22,7 +22,7 @@ from extauthz.policy import Policy, load_policy
 from extauthz.store.redis import RedisStore
 from extauthz.store.redis.conn import RECONNECT_BACKOFF_CAP
 from testinfra.redis_servers import RedisSingle
-from tests.store.test_redis_specific import wait_until
+from tests.store.redis.helpers import wait_until
 
 POLICY = """\
 version: 1

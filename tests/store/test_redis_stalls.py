@@ -30,7 +30,7 @@ from extauthz.store.redis import RedisStore
 from extauthz.store.redis.cluster import node_of as cluster_node_of
 from testinfra.redis_servers import RedisCluster, RedisSingle
 from tests.store.conftest import Topology, masters
-from tests.store.test_redis_specific import wait_until
+from tests.store.redis.helpers import wait_until
 
 POLICY = """\
 version: 1

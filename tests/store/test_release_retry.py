@@ -17,7 +17,7 @@ from extauthz.errors import StoreUnavailable
 from extauthz.policy import load_policy
 from extauthz.store.redis import RedisStore
 from testinfra.redis_servers import RedisSingle, start_single
-from tests.store.test_redis_specific import wait_until
+from tests.store.redis.helpers import wait_until
 from tests.store.test_redis_stalls import Load, no_lease_left
 
 pytestmark = pytest.mark.redis
