@@ -34,6 +34,18 @@ def get(path: str = "/v1/customers", key: str = "sk_live_alice", **kw: Any) -> R
     return RawRequest(method=kw.pop("method", "GET"), path=path, headers=headers, **kw)
 
 
+#: a request_rate limiter (the seed gist's numbers)
+RATE = {"name": "user-rate", "type": "request_rate", "rate": 100, "burst": 500}
+
+
+async def allowed_count(engine, n: int, **kw) -> int:  # type: ignore[no-untyped-def]
+    total = 0
+    for _ in range(n):
+        _, decision = await engine.check(get(**kw))
+        total += decision.allowed
+    return total
+
+
 class FaultyStore:
     """A real :class:`MemoryStore` behind the store contract, with injectable faults: a
     ``check`` or ``release`` that raises ``check_error`` / ``release_error``, and releases
