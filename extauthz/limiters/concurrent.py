@@ -16,7 +16,7 @@ from ..policy.schema import ConcurrentRequestsSpec
 from ..store.base import LeaseOp, OpResult
 from ..store.keys import Keys
 from ..verdict import Kind, Limits, Outcome, Quota, Verdict
-from .base import BY_IDENTITY, KeyOf, customer_limits, denied_outcome, override_limit
+from .base import BY_IDENTITY, KeyOf, PerCustomer, denied_outcome, override_limit
 
 #: seconds a client is told to wait after a concurrency refusal.
 RETRY_AFTER = 1.0
@@ -26,7 +26,7 @@ def lease_limits(limit: int) -> Limits:
     return Limits(limit=limit, quota=Quota(limit=limit, window=None, unit="concurrent-requests"))
 
 
-class ConcurrentRequestsLimiter:
+class ConcurrentRequestsLimiter(PerCustomer):
     kind = Kind.RATE_LIMITER
 
     def __init__(self, spec: ConcurrentRequestsSpec, keys: Keys, key: KeyOf = BY_IDENTITY) -> None:
@@ -46,16 +46,6 @@ class ConcurrentRequestsLimiter:
     def override(self, numbers: Mapping[str, float]) -> dict[str, Limits]:
         """An override's numbers, the same for every plan. ValueError when they do not fit."""
         return {"": lease_limits(override_limit(numbers, "concurrent_requests"))}
-
-    def limits(self, ctx: RequestContext) -> Limits:
-        """This customer's numbers: an override, else its plan's, else the limiter's own."""
-        return customer_limits(self.name, ctx, self.plans, self.own)
-
-    def key_missing(self, ctx: RequestContext) -> bool:
-        return self.key.of(ctx) is None
-
-    def local(self, ctx: RequestContext, enforce: bool) -> Verdict | None:
-        return None
 
     def op(self, ctx: RequestContext, enforce: bool) -> LeaseOp:
         return LeaseOp(self._keys.user_leases(self.name, self.key.of(ctx) or ctx.identity),

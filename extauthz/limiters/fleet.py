@@ -16,12 +16,12 @@ from ..store.base import LeaseOp, OpResult
 from ..store.keys import Keys
 from ..tiers import Tier
 from ..verdict import Kind, Outcome, Quota, Verdict
-from .base import denied_outcome
+from .base import FleetWide, denied_outcome
 
 RETRY_AFTER = 2.0
 
 
-class FleetUsageShedder:
+class FleetUsageShedder(FleetWide):
     kind = Kind.LOAD_SHEDDER
 
     def __init__(self, spec: FleetUsageSpec, keys: Keys) -> None:
@@ -38,9 +38,6 @@ class FleetUsageShedder:
     @property
     def lease_keys(self) -> tuple[str, str]:
         return self.critical_key, self.other_key
-
-    def key_missing(self, ctx: RequestContext) -> bool:
-        return False  # fleet-wide: no key
 
     def local(self, ctx: RequestContext, enforce: bool) -> Verdict | None:
         return None

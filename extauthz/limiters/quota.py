@@ -24,7 +24,7 @@ from ..policy.schema import QuotaSpec
 from ..store.base import CountOp, OpResult
 from ..store.keys import Keys
 from ..verdict import Kind, Limits, Outcome, Quota, Verdict
-from .base import BY_IDENTITY, KeyOf, customer_limits, denied_outcome, override_limit
+from .base import BY_IDENTITY, KeyOf, PerCustomer, denied_outcome, override_limit
 
 #: seconds a window's count outlives the window (clock skew between replicas, late answers).
 TTL_MARGIN = 3600
@@ -64,7 +64,7 @@ def _utc(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-class QuotaLimiter:
+class QuotaLimiter(PerCustomer):
     kind = Kind.RATE_LIMITER
 
     def __init__(self, spec: QuotaSpec, keys: Keys, clock: Clock = SYSTEM_CLOCK,
@@ -95,16 +95,6 @@ class QuotaLimiter:
         if self.cost > limit:
             raise ValueError(f"cost ({self.cost}) is larger than limit ({limit}): no request could ever pass")
         return {"": quota_limits(limit)}
-
-    def limits(self, ctx: RequestContext) -> Limits:
-        """This customer's numbers: an override, else its plan's, else the limiter's own."""
-        return customer_limits(self.name, ctx, self.plans, self.own)
-
-    def key_missing(self, ctx: RequestContext) -> bool:
-        return self.key.of(ctx) is None
-
-    def local(self, ctx: RequestContext, enforce: bool) -> Verdict | None:
-        return None
 
     def op(self, ctx: RequestContext, enforce: bool) -> CountOp:
         wall = self._clock.wall()

@@ -33,7 +33,7 @@ from ..policy.schema import (
 from ..store.base import BucketOp, GrantOp, OpResult
 from ..store.keys import Keys
 from ..verdict import Kind, Limits, Outcome, Quota, Verdict
-from .base import BY_IDENTITY, KeyOf, customer_limits, denied_outcome
+from .base import BY_IDENTITY, KeyOf, PerCustomer, denied_outcome
 from .grants import GrantTable, default_batch
 from .refusals import RefusalCache
 
@@ -58,7 +58,7 @@ def _merged(base: Limits, numbers: Mapping[str, float | None]) -> Limits:
     return bucket_limits(rate, burst, cost)
 
 
-class RequestRateLimiter:
+class RequestRateLimiter(PerCustomer):
     kind = Kind.RATE_LIMITER
 
     def __init__(self, spec: RequestRateSpec, keys: Keys, clock: Clock = SYSTEM_CLOCK,
@@ -103,13 +103,6 @@ class RequestRateLimiter:
             except ValueError as exc:
                 raise ValueError(f"with plan '{name}': {exc}") from None
         return out
-
-    def limits(self, ctx: RequestContext) -> Limits:
-        """This customer's numbers: an override, else its plan's, else the limiter's own."""
-        return customer_limits(self.name, ctx, self.plans, self.own)
-
-    def key_missing(self, ctx: RequestContext) -> bool:
-        return self.key.of(ctx) is None
 
     def _bucket(self, ctx: RequestContext) -> str:
         return self._keys.bucket(self.name, self.key.of(ctx) or ctx.identity)

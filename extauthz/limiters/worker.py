@@ -19,10 +19,10 @@ from ..shed import drop_probabilities
 from ..store.base import LeaseOp, OpResult, ShedParams
 from ..store.keys import Keys
 from ..verdict import Kind, Outcome, Verdict
-from .base import denied_outcome
+from .base import FleetWide, denied_outcome
 
 
-class WorkerUtilizationShedder:
+class WorkerUtilizationShedder(FleetWide):
     kind = Kind.LOAD_SHEDDER
 
     def __init__(self, spec: WorkerUtilizationSpec, keys: Keys, *,
@@ -59,9 +59,6 @@ class WorkerUtilizationShedder:
         self.level = level
         self.utilization = utilization
         self.probabilities = drop_probabilities(level)
-
-    def key_missing(self, ctx: RequestContext) -> bool:
-        return False  # fleet-wide: no key
 
     def local(self, ctx: RequestContext, enforce: bool) -> Verdict:
         p = self.probabilities[ctx.tier]
