@@ -25,6 +25,7 @@ from .errors import INTERNAL_ERROR, CircuitOpen, StoreError, StoreInternalError,
 from .limiters import Limiter, WorkerUtilizationShedder, build_limiters
 from .limiters.base import applies
 from .limiters.grants import bind_store, refund_grants, settle_grants
+from .limiters.worker import keep_levels, workers_of
 from .observe.base import NullObserver, Observer
 from .overrides import Override, compile_overrides
 from .policy.model import Policy
@@ -75,7 +76,7 @@ class Snapshot:
 
     @property
     def workers(self) -> tuple[WorkerUtilizationShedder, ...]:
-        return tuple([lim for lim in self.limiters if isinstance(lim, WorkerUtilizationShedder)])
+        return workers_of(self.limiters)
 
 
 class Engine:
@@ -132,10 +133,7 @@ class Engine:
             limiters = build_limiters(policy, self.keys, self._rng, self.clock)
             bind_store(limiters, self.store)  # batched grants go back to this store
             if old is not None:  # a reload keeps each shedder's level
-                levels = {w.name: w.level for w in old.workers}
-                for lim in limiters:
-                    if isinstance(lim, WorkerUtilizationShedder) and lim.name in levels:
-                        lim.set_level(levels[lim.name])
+                keep_levels(old.workers, limiters)
         table, not_applied = compile_overrides(self.overrides, limiters, self.clock.wall(),
                                                policy.identity_labels)
         if not_applied and not_applied != (old.overrides_not_applied if old is not None else {}):
