@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..context import RequestContext
-from ..policy.model import compile_match
 from ..policy.schema import ConcurrentRequestsSpec
 from ..store.base import LeaseOp, OpResult
 from ..store.keys import Keys
@@ -30,13 +29,9 @@ class ConcurrentRequestsLimiter(PerCustomer):
     kind = Kind.RATE_LIMITER
 
     def __init__(self, spec: ConcurrentRequestsSpec, keys: Keys, key: KeyOf = BY_IDENTITY) -> None:
-        self.name = spec.name
-        self.key = key
-        self.failure_mode = spec.failure_mode
-        self.applies_to = compile_match(spec.applies_to)
+        super().__init__(spec, keys, key)
         self.limit = spec.limit
         self.ttl = spec.lease_ttl
-        self._keys = keys
         self.own = lease_limits(spec.limit)
         self.quota = self.own.quota
         self.plans: dict[str, Limits] = {

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 from ..context import RequestContext
-from ..policy.model import compile_match
 from ..policy.schema import FleetUsageSpec
 from ..store.base import LeaseOp, OpResult
 from ..store.keys import Keys
@@ -25,9 +24,7 @@ class FleetUsageShedder(FleetWide):
     kind = Kind.LOAD_SHEDDER
 
     def __init__(self, spec: FleetUsageSpec, keys: Keys) -> None:
-        self.name = spec.name
-        self.failure_mode = spec.failure_mode
-        self.applies_to = compile_match(spec.applies_to)
+        super().__init__(spec)
         self.capacity = spec.capacity
         self.noncritical_limit = max(1, math.floor((1 - spec.reserved_for_critical) * spec.capacity + 1e-9))
         self.ttl = spec.lease_ttl

@@ -19,7 +19,6 @@ from datetime import UTC, datetime
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..context import RequestContext
-from ..policy.model import compile_match
 from ..policy.schema import QuotaSpec
 from ..store.base import CountOp, OpResult
 from ..store.keys import Keys
@@ -69,14 +68,10 @@ class QuotaLimiter(PerCustomer):
 
     def __init__(self, spec: QuotaSpec, keys: Keys, clock: Clock = SYSTEM_CLOCK,
                  key: KeyOf = BY_IDENTITY) -> None:
-        self.name = spec.name
-        self.failure_mode = spec.failure_mode
-        self.applies_to = compile_match(spec.applies_to)
-        self.key = key
+        super().__init__(spec, keys, key)
         self.limit = spec.limit
         self.period = spec.period
         self.cost = spec.cost
-        self._keys = keys
         self._clock = clock
         self.own = quota_limits(spec.limit)
         self.plans: dict[str, Limits] = {name: quota_limits(p.limit) for name, p in (spec.plans or {}).items()}

@@ -23,7 +23,6 @@ from collections.abc import Mapping
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..context import RequestContext
-from ..policy.model import compile_match
 from ..policy.schema import (
     PLAN_NUMBERS,
     RequestRateSpec,
@@ -63,14 +62,10 @@ class RequestRateLimiter(PerCustomer):
 
     def __init__(self, spec: RequestRateSpec, keys: Keys, clock: Clock = SYSTEM_CLOCK,
                  key: KeyOf = BY_IDENTITY) -> None:
-        self.name = spec.name
-        self.key = key
-        self.failure_mode = spec.failure_mode
-        self.applies_to = compile_match(spec.applies_to)
+        super().__init__(spec, keys, key)
         self.rate = spec.rate
         self.burst = spec.burst
         self.cost = spec.cost
-        self._keys = keys
         self.own = bucket_limits(spec.rate, spec.burst, spec.cost)
         self.quota = self.own.quota
         #: plan name -> numbers (unset numbers are the limiter's own); validated at load.

@@ -61,7 +61,6 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING
 
 from ..context import RequestContext
-from ..policy.model import compile_match
 from ..policy.schema import WorkerUtilizationSpec
 from ..runner import DONE
 from ..store.algorithms import clamp
@@ -84,9 +83,7 @@ class WorkerUtilizationShedder(FleetWide):
 
     def __init__(self, spec: WorkerUtilizationSpec, keys: Keys, *,
                  rng: random.Random | None = None, inflight_keys: tuple[str, ...] = ()) -> None:
-        self.name = spec.name
-        self.failure_mode = spec.failure_mode
-        self.applies_to = compile_match(spec.applies_to)
+        super().__init__(spec)
         self.spec = spec
         self.signal = spec.signal
         self.sample_interval = spec.sample_interval
