@@ -13,7 +13,7 @@ from typing import Protocol
 
 from ..context import RequestContext
 from ..policy.model import Matcher, compile_match
-from ..policy.schema import PLAN_NUMBERS, AppliesTo, not_fields
+from ..policy.schema import PLAN_NUMBERS, LimiterSpec, not_fields
 from ..store.base import Op, OpResult
 from ..store.keys import Keys
 from ..verdict import Kind, Limits, Outcome, Verdict
@@ -52,24 +52,11 @@ class Limiter(Protocol):
         when the limiter takes no override (a fleet-wide shedder)."""
 
 
-class Spec(Protocol):
-    """What every limiter kind's policy entry has (``policy.schema``)."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def failure_mode(self) -> str: ...
-
-    @property
-    def applies_to(self) -> AppliesTo: ...
-
-
 class LimiterBase:
     """What every limiter kind reads from its policy entry first: its name, its failure
     mode and what it applies to (compiled)."""
 
-    def __init__(self, spec: Spec) -> None:
+    def __init__(self, spec: LimiterSpec) -> None:
         self.name = spec.name
         self.failure_mode = spec.failure_mode
         self.applies_to = compile_match(spec.applies_to)
@@ -79,14 +66,15 @@ class PerCustomer(LimiterBase):
     """What the keyed, per-customer limiters (request_rate, concurrent_requests, quota)
     share: they count per :class:`KeyOf` (a request without the key skips them), with
     numbers per customer (:meth:`limits`), and decide in the store (no :meth:`local`
-    verdict). Each kind sets these attributes and writes ``op``, ``verdict`` and
+    verdict). Each kind sets ``own`` and ``plans`` and writes ``op``, ``verdict`` and
     ``override``."""
 
+    kind = Kind.RATE_LIMITER
     #: the limiter's own numbers, and each plan's (validated at load)
     own: Limits
     plans: dict[str, Limits]
 
-    def __init__(self, spec: Spec, keys: Keys, key: KeyOf) -> None:
+    def __init__(self, spec: LimiterSpec, keys: Keys, key: KeyOf) -> None:
         super().__init__(spec)
         self.key = key
         self._keys = keys
@@ -111,6 +99,8 @@ class PerCustomer(LimiterBase):
 class FleetWide(LimiterBase):
     """What the fleet-wide shedders (fleet_usage, worker_utilization) share: no key (every
     request they match applies) and no per-customer numbers."""
+
+    kind = Kind.LOAD_SHEDDER
 
     def key_missing(self, ctx: RequestContext) -> bool:
         return False

@@ -14,7 +14,7 @@ from ..context import RequestContext
 from ..policy.schema import ConcurrentRequestsSpec
 from ..store.base import LeaseOp, OpResult
 from ..store.keys import Keys
-from ..verdict import Kind, Limits, Outcome, Quota, Verdict
+from ..verdict import Limits, Outcome, Quota, Verdict
 from .base import BY_IDENTITY, KeyOf, PerCustomer, denied_outcome, override_limit
 
 #: seconds a client is told to wait after a concurrency refusal.
@@ -26,8 +26,6 @@ def lease_limits(limit: int) -> Limits:
 
 
 class ConcurrentRequestsLimiter(PerCustomer):
-    kind = Kind.RATE_LIMITER
-
     def __init__(self, spec: ConcurrentRequestsSpec, keys: Keys, key: KeyOf = BY_IDENTITY) -> None:
         super().__init__(spec, keys, key)
         self.limit = spec.limit

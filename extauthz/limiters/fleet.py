@@ -14,15 +14,13 @@ from ..policy.schema import FleetUsageSpec
 from ..store.base import LeaseOp, OpResult
 from ..store.keys import Keys
 from ..tiers import Tier
-from ..verdict import Kind, Outcome, Quota, Verdict
+from ..verdict import Outcome, Quota, Verdict
 from .base import FleetWide, denied_outcome
 
 RETRY_AFTER = 2.0
 
 
 class FleetUsageShedder(FleetWide):
-    kind = Kind.LOAD_SHEDDER
-
     def __init__(self, spec: FleetUsageSpec, keys: Keys) -> None:
         super().__init__(spec)
         self.capacity = spec.capacity

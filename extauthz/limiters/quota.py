@@ -22,7 +22,7 @@ from ..context import RequestContext
 from ..policy.schema import QuotaSpec
 from ..store.base import CountOp, OpResult
 from ..store.keys import Keys
-from ..verdict import Kind, Limits, Outcome, Quota, Verdict
+from ..verdict import Limits, Outcome, Quota, Verdict
 from .base import BY_IDENTITY, KeyOf, PerCustomer, denied_outcome, override_limit
 
 #: seconds a window's count outlives the window (clock skew between replicas, late answers).
@@ -64,8 +64,6 @@ def _utc(seconds: float) -> str:
 
 
 class QuotaLimiter(PerCustomer):
-    kind = Kind.RATE_LIMITER
-
     def __init__(self, spec: QuotaSpec, keys: Keys, clock: Clock = SYSTEM_CLOCK,
                  key: KeyOf = BY_IDENTITY) -> None:
         super().__init__(spec, keys, key)

@@ -31,7 +31,7 @@ from ..policy.schema import (
 )
 from ..store.base import BucketOp, GrantOp, OpResult
 from ..store.keys import Keys
-from ..verdict import Kind, Limits, Outcome, Quota, Verdict
+from ..verdict import Limits, Outcome, Quota, Verdict
 from .base import BY_IDENTITY, KeyOf, PerCustomer, denied_outcome
 from .grants import GrantTable, default_batch
 from .refusals import RefusalCache
@@ -58,8 +58,6 @@ def _merged(base: Limits, numbers: Mapping[str, float | None]) -> Limits:
 
 
 class RequestRateLimiter(PerCustomer):
-    kind = Kind.RATE_LIMITER
-
     def __init__(self, spec: RequestRateSpec, keys: Keys, clock: Clock = SYSTEM_CLOCK,
                  key: KeyOf = BY_IDENTITY) -> None:
         super().__init__(spec, keys, key)

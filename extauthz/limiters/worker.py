@@ -67,7 +67,7 @@ from ..store.algorithms import clamp
 from ..store.base import LeaseOp, OpResult, ShedParams
 from ..store.keys import Keys
 from ..tiers import Tier
-from ..verdict import Kind, Outcome, Verdict
+from ..verdict import Outcome, Verdict
 from .base import FleetWide, denied_outcome
 
 if TYPE_CHECKING:  # the engine holds the shedders: the sampler reads it, never imports it
@@ -79,8 +79,6 @@ if TYPE_CHECKING:  # the engine holds the shedders: the sampler reads it, never 
 
 
 class WorkerUtilizationShedder(FleetWide):
-    kind = Kind.LOAD_SHEDDER
-
     def __init__(self, spec: WorkerUtilizationSpec, keys: Keys, *,
                  rng: random.Random | None = None, inflight_keys: tuple[str, ...] = ()) -> None:
         super().__init__(spec)
