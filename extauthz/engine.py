@@ -25,6 +25,7 @@ from .errors import INTERNAL_ERROR, CircuitOpen, StoreError, StoreInternalError,
 from .limiters import Limiter, WorkerUtilizationShedder, build_limiters
 from .limiters.base import applies
 from .limiters.grants import bind_store, refund_grants, settle_grants
+from .limiters.worker import keep_levels, workers_of
 from .observe.base import NullObserver, Observer
 from .overrides import Override, compile_overrides
 from .policy.model import Policy
@@ -75,7 +76,7 @@ class Snapshot:
 
     @property
     def workers(self) -> tuple[WorkerUtilizationShedder, ...]:
-        return tuple([lim for lim in self.limiters if isinstance(lim, WorkerUtilizationShedder)])
+        return workers_of(self.limiters)
 
 
 class Engine:
@@ -101,7 +102,7 @@ class Engine:
         #: the store call of a check (``store.check``, or the server's wrapper around it)
         self.store_check: StoreCheck = store_check if store_check is not None else store.check
         #: the embedded store answers within the call: no task, no deadline needed.
-        self.store_immediate = bool(getattr(store, "immediate", False))
+        self.store_immediate = store.immediate
         #: the one release path (access log, request-id index, cancelled Checks, abandoned answers)
         self.releaser = releaser or Releaser(store, timeout=max(deadline * 10, 0.05),
                                              retry_for=lambda: self.snapshot.policy.longest_lease_ttl)
@@ -117,8 +118,7 @@ class Engine:
         #: Redis Cluster: one breaker per master (``breaker`` is their template), so that one
         #: slow master fails open only the checks that need it (names: ``store.node_of``)
         self.node_breakers: dict[str, Breaker] = {}
-        self._node_of: Callable[[str], str] | None = (
-            getattr(store, "node_of", None) if getattr(store, "per_master", False) else None)
+        self._node_of: Callable[[str], str] | None = store.node_of if store.per_master else None
         #: fail-opens/closes by reason (timeout, unavailable, circuit_open, internal_error)
         self.failures: dict[str, int] = {}
         self._bug_log = LogThrottle(log, clock=clock)
@@ -133,10 +133,7 @@ class Engine:
             limiters = build_limiters(policy, self.keys, self._rng, self.clock)
             bind_store(limiters, self.store)  # batched grants go back to this store
             if old is not None:  # a reload keeps each shedder's level
-                levels = {w.name: w.level for w in old.workers}
-                for lim in limiters:
-                    if isinstance(lim, WorkerUtilizationShedder) and lim.name in levels:
-                        lim.set_level(levels[lim.name])
+                keep_levels(old.workers, limiters)
         table, not_applied = compile_overrides(self.overrides, limiters, self.clock.wall(),
                                                policy.identity_labels)
         if not_applied and not_applied != (old.overrides_not_applied if old is not None else {}):
@@ -355,9 +352,8 @@ class Engine:
                 return call.result()
             call.add_done_callback(self.releaser.abandoned(ops, lease_id))
             # On a cluster the masters whose part has not answered are the slow ones.
-            unanswered = getattr(self.store, "unanswered", None)
-            self._blame(breakers, set() if unanswered is None or len(breakers) == 1
-                        else set(unanswered(lease_id)))
+            self._blame(breakers, set() if len(breakers) == 1
+                        else set(self.store.unanswered(lease_id)))
             self._failed(StoreTimeout.reason)
             raise StoreTimeout(f"store did not answer within {self.deadline * 1000:.0f} ms") from None
         except Exception as exc:

@@ -462,7 +462,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _shed_state(level: float) -> str:
-    """What a worker shedder's level means (extauthz.shed: thirds of the positive part)."""
+    """What a worker shedder's level means (extauthz.limiters.worker: thirds of the positive part)."""
     if level <= 0:
         return ("not shedding (the level rises above 0 after sustained overload; below 0 it is "
                 "still waiting out delay_before_shedding)")

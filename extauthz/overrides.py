@@ -38,11 +38,12 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from pydantic import ValidationError
 
 from .errors import StoreError
+from .limiters.base import Limiter
 from .policy.schema import (
     PLAN_NUMBERS,
     ConcurrentRequestsPlan,
@@ -295,12 +296,6 @@ async def change_stored(store: Store, keys: Keys,
 # -- compiling against the limiters -------------------------------------------------------
 
 
-class Overridable(Protocol):
-    name: str
-
-    def override(self, numbers: Mapping[str, float]) -> dict[str, Limits]: ...
-
-
 #: identity hash -> limiter -> plan -> numbers (what the classifier reads).
 Table = dict[str, dict[str, Mapping[str, Limits]]]
 
@@ -315,7 +310,7 @@ def source_problem(source: str, labels: Sequence[str]) -> str | None:
             f"identity rules: {', '.join(labels)}): set it again with --source {labels[0]}")
 
 
-def compile_overrides(entries: Sequence[Override], limiters: Sequence[object],
+def compile_overrides(entries: Sequence[Override], limiters: Sequence[Limiter],
                       now: float, sources: Sequence[str] | None = None,
                       ) -> tuple[Table, dict[tuple[str, str], str]]:
     """The table of live overrides that fit the limiters, and why the others do not apply
@@ -324,7 +319,7 @@ def compile_overrides(entries: Sequence[Override], limiters: Sequence[object],
     expiry and reload, never per request. Never raises: an entry that cannot be compiled
     (refused numbers, numbers that do not fit the limiter's plans, a bug) is left out and
     reported, so that one override never stops a snapshot from being built."""
-    by_name = {getattr(lim, "name", ""): lim for lim in limiters}
+    by_name = {lim.name: lim for lim in limiters}
     table: Table = {}
     not_applied: dict[tuple[str, str], str] = {}
     for e in live(entries, now):
@@ -335,15 +330,11 @@ def compile_overrides(entries: Sequence[Override], limiters: Sequence[object],
         if lim is None:
             not_applied[(e.limiter, e.identity)] = f"the policy has no limiter named '{e.limiter}'"
             continue
-        override = getattr(lim, "override", None)
-        if override is None:
-            not_applied[(e.limiter, e.identity)] = (f"limiter '{e.limiter}' limits the whole "
-                                                    "fleet and takes no per-customer override")
-            continue
         try:
-            by_plan = override(e.numbers)
+            by_plan = lim.override(e.numbers)
         except Exception as exc:  # one override never fails the snapshot build
-            # ValueError: the numbers do not fit this limiter's plans; anything else is a bug,
+            # ValueError: the numbers do not fit this limiter's plans, or the limiter takes
+            # none (a fleet-wide shedder: ``FleetWide.override``); anything else is a bug,
             # and still only this entry is left out (reported, and logged by the engine).
             not_applied[(e.limiter, e.identity)] = (
                 str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}")

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Final
 
 from .backoff import Backoff
+from .errors import StoreError
 from .store.base import CheckResult, LeaseOp, Op, Store
 from .throttle import LogThrottle
 
@@ -62,7 +63,8 @@ class Releaser:
         self.timeout = timeout
         #: seconds after it was asked that a failing release is still tried again (None: never)
         self.retry_for = retry_for
-        self._now: Callable[[Sequence[str], str], int] | None = getattr(store, "release_now", None)
+        self._now: Callable[[Sequence[str], str], int] | None = (
+            store.release_now if store.immediate else None)
         #: (path, outcome) -> release calls
         self.counts: dict[tuple[str, str], int] = {(p, o): 0 for p in PATHS for o in OUTCOMES}
         #: leases the store reported given back (a call may free several)
@@ -156,9 +158,8 @@ class Releaser:
             if call.cancelled():
                 return
             if (error := call.exception()) is not None:
-                late = getattr(error, "late", None)
-                if late is not None:  # sent, unanswered: its answer may still come
-                    late.add_done_callback(landed)
+                if isinstance(error, StoreError) and error.late is not None:
+                    error.late.add_done_callback(landed)  # sent, unanswered: its answer may still come
                 return  # nothing committed (or nothing known): the failure was counted
             result = call.result()
             if not result.admitted:

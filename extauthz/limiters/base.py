@@ -12,9 +12,10 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from ..context import RequestContext
-from ..policy.model import Matcher
-from ..policy.schema import PLAN_NUMBERS, not_fields
+from ..policy.model import Matcher, compile_match
+from ..policy.schema import PLAN_NUMBERS, LimiterSpec, not_fields
 from ..store.base import Op, OpResult
+from ..store.keys import Keys
 from ..verdict import Kind, Limits, Outcome, Verdict
 
 
@@ -45,16 +46,67 @@ class Limiter(Protocol):
     def verdict(self, ctx: RequestContext, result: OpResult, enforce: bool) -> Verdict:
         """Turn the store's answer to :meth:`op` into a verdict."""
 
+    def override(self, numbers: Mapping[str, float]) -> Mapping[str, Limits]:
+        """A live per-customer override's numbers, by plan (``""``: a plan the limiter does
+        not list). ValueError (the reason, for the operator) when the numbers do not fit, or
+        when the limiter takes no override (a fleet-wide shedder)."""
 
-def customer_limits(name: str, ctx: RequestContext, plans: Mapping[str, Limits], own: Limits) -> Limits:
-    """One customer's numbers for limiter ``name``: a live override (its numbers for the
-    customer's plan, or ``""`` for a plan the limiter does not list), else the plan's,
-    else the limiter's own. One or two dict lookups; everything was compiled before."""
-    if ctx.overrides:
-        by_plan = ctx.overrides.get(name)
-        if by_plan is not None:
-            return by_plan.get(ctx.plan) or by_plan[""]
-    return plans.get(ctx.plan, own)
+
+class LimiterBase:
+    """What every limiter kind reads from its policy entry first: its name, its failure
+    mode and what it applies to (compiled)."""
+
+    def __init__(self, spec: LimiterSpec) -> None:
+        self.name = spec.name
+        self.failure_mode = spec.failure_mode
+        self.applies_to = compile_match(spec.applies_to)
+
+
+class PerCustomer(LimiterBase):
+    """What the keyed, per-customer limiters (request_rate, concurrent_requests, quota)
+    share: they count per :class:`KeyOf` (a request without the key skips them), with
+    numbers per customer (:meth:`limits`), and decide in the store (no :meth:`local`
+    verdict). Each kind sets ``own`` and ``plans`` and writes ``op``, ``verdict`` and
+    ``override``."""
+
+    kind = Kind.RATE_LIMITER
+    #: the limiter's own numbers, and each plan's (validated at load)
+    own: Limits
+    plans: dict[str, Limits]
+
+    def __init__(self, spec: LimiterSpec, keys: Keys, key: KeyOf) -> None:
+        super().__init__(spec)
+        self.key = key
+        self._keys = keys
+
+    def limits(self, ctx: RequestContext) -> Limits:
+        """This customer's numbers: a live override (its numbers for the customer's plan, or
+        ``""`` for a plan the limiter does not list), else the plan's, else the limiter's own.
+        One or two dict lookups; everything was compiled before."""
+        if ctx.overrides:
+            by_plan = ctx.overrides.get(self.name)
+            if by_plan is not None:
+                return by_plan.get(ctx.plan) or by_plan[""]
+        return self.plans.get(ctx.plan, self.own)
+
+    def key_missing(self, ctx: RequestContext) -> bool:
+        return self.key.of(ctx) is None
+
+    def local(self, ctx: RequestContext, enforce: bool) -> Verdict | None:
+        return None
+
+
+class FleetWide(LimiterBase):
+    """What the fleet-wide shedders (fleet_usage, worker_utilization) share: no key (every
+    request they match applies) and no per-customer numbers."""
+
+    kind = Kind.LOAD_SHEDDER
+
+    def key_missing(self, ctx: RequestContext) -> bool:
+        return False
+
+    def override(self, numbers: Mapping[str, float]) -> dict[str, Limits]:
+        raise ValueError(f"limiter '{self.name}' limits the whole fleet and takes no per-customer override")
 
 
 def override_limit(numbers: Mapping[str, float], kind: str) -> int:

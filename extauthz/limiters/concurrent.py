@@ -11,12 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..context import RequestContext
-from ..policy.model import compile_match
 from ..policy.schema import ConcurrentRequestsSpec
 from ..store.base import LeaseOp, OpResult
 from ..store.keys import Keys
-from ..verdict import Kind, Limits, Outcome, Quota, Verdict
-from .base import BY_IDENTITY, KeyOf, customer_limits, denied_outcome, override_limit
+from ..verdict import Limits, Outcome, Quota, Verdict
+from .base import BY_IDENTITY, KeyOf, PerCustomer, denied_outcome, override_limit
 
 #: seconds a client is told to wait after a concurrency refusal.
 RETRY_AFTER = 1.0
@@ -26,17 +25,11 @@ def lease_limits(limit: int) -> Limits:
     return Limits(limit=limit, quota=Quota(limit=limit, window=None, unit="concurrent-requests"))
 
 
-class ConcurrentRequestsLimiter:
-    kind = Kind.RATE_LIMITER
-
+class ConcurrentRequestsLimiter(PerCustomer):
     def __init__(self, spec: ConcurrentRequestsSpec, keys: Keys, key: KeyOf = BY_IDENTITY) -> None:
-        self.name = spec.name
-        self.key = key
-        self.failure_mode = spec.failure_mode
-        self.applies_to = compile_match(spec.applies_to)
+        super().__init__(spec, keys, key)
         self.limit = spec.limit
         self.ttl = spec.lease_ttl
-        self._keys = keys
         self.own = lease_limits(spec.limit)
         self.quota = self.own.quota
         self.plans: dict[str, Limits] = {
@@ -46,16 +39,6 @@ class ConcurrentRequestsLimiter:
     def override(self, numbers: Mapping[str, float]) -> dict[str, Limits]:
         """An override's numbers, the same for every plan. ValueError when they do not fit."""
         return {"": lease_limits(override_limit(numbers, "concurrent_requests"))}
-
-    def limits(self, ctx: RequestContext) -> Limits:
-        """This customer's numbers: an override, else its plan's, else the limiter's own."""
-        return customer_limits(self.name, ctx, self.plans, self.own)
-
-    def key_missing(self, ctx: RequestContext) -> bool:
-        return self.key.of(ctx) is None
-
-    def local(self, ctx: RequestContext, enforce: bool) -> Verdict | None:
-        return None
 
     def op(self, ctx: RequestContext, enforce: bool) -> LeaseOp:
         return LeaseOp(self._keys.user_leases(self.name, self.key.of(ctx) or ctx.identity),

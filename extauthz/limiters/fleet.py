@@ -10,24 +10,19 @@ from __future__ import annotations
 import math
 
 from ..context import RequestContext
-from ..policy.model import compile_match
 from ..policy.schema import FleetUsageSpec
 from ..store.base import LeaseOp, OpResult
 from ..store.keys import Keys
 from ..tiers import Tier
-from ..verdict import Kind, Outcome, Quota, Verdict
-from .base import denied_outcome
+from ..verdict import Outcome, Quota, Verdict
+from .base import FleetWide, denied_outcome
 
 RETRY_AFTER = 2.0
 
 
-class FleetUsageShedder:
-    kind = Kind.LOAD_SHEDDER
-
+class FleetUsageShedder(FleetWide):
     def __init__(self, spec: FleetUsageSpec, keys: Keys) -> None:
-        self.name = spec.name
-        self.failure_mode = spec.failure_mode
-        self.applies_to = compile_match(spec.applies_to)
+        super().__init__(spec)
         self.capacity = spec.capacity
         self.noncritical_limit = max(1, math.floor((1 - spec.reserved_for_critical) * spec.capacity + 1e-9))
         self.ttl = spec.lease_ttl
@@ -38,9 +33,6 @@ class FleetUsageShedder:
     @property
     def lease_keys(self) -> tuple[str, str]:
         return self.critical_key, self.other_key
-
-    def key_missing(self, ctx: RequestContext) -> bool:
-        return False  # fleet-wide: no key
 
     def local(self, ctx: RequestContext, enforce: bool) -> Verdict | None:
         return None

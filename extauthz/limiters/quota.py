@@ -19,12 +19,11 @@ from datetime import UTC, datetime
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..context import RequestContext
-from ..policy.model import compile_match
 from ..policy.schema import QuotaSpec
 from ..store.base import CountOp, OpResult
 from ..store.keys import Keys
-from ..verdict import Kind, Limits, Outcome, Quota, Verdict
-from .base import BY_IDENTITY, KeyOf, customer_limits, denied_outcome, override_limit
+from ..verdict import Limits, Outcome, Quota, Verdict
+from .base import BY_IDENTITY, KeyOf, PerCustomer, denied_outcome, override_limit
 
 #: seconds a window's count outlives the window (clock skew between replicas, late answers).
 TTL_MARGIN = 3600
@@ -64,19 +63,13 @@ def _utc(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-class QuotaLimiter:
-    kind = Kind.RATE_LIMITER
-
+class QuotaLimiter(PerCustomer):
     def __init__(self, spec: QuotaSpec, keys: Keys, clock: Clock = SYSTEM_CLOCK,
                  key: KeyOf = BY_IDENTITY) -> None:
-        self.name = spec.name
-        self.failure_mode = spec.failure_mode
-        self.applies_to = compile_match(spec.applies_to)
-        self.key = key
+        super().__init__(spec, keys, key)
         self.limit = spec.limit
         self.period = spec.period
         self.cost = spec.cost
-        self._keys = keys
         self._clock = clock
         self.own = quota_limits(spec.limit)
         self.plans: dict[str, Limits] = {name: quota_limits(p.limit) for name, p in (spec.plans or {}).items()}
@@ -95,16 +88,6 @@ class QuotaLimiter:
         if self.cost > limit:
             raise ValueError(f"cost ({self.cost}) is larger than limit ({limit}): no request could ever pass")
         return {"": quota_limits(limit)}
-
-    def limits(self, ctx: RequestContext) -> Limits:
-        """This customer's numbers: an override, else its plan's, else the limiter's own."""
-        return customer_limits(self.name, ctx, self.plans, self.own)
-
-    def key_missing(self, ctx: RequestContext) -> bool:
-        return self.key.of(ctx) is None
-
-    def local(self, ctx: RequestContext, enforce: bool) -> Verdict | None:
-        return None
 
     def op(self, ctx: RequestContext, enforce: bool) -> CountOp:
         wall = self._clock.wall()

@@ -23,7 +23,6 @@ from collections.abc import Mapping
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..context import RequestContext
-from ..policy.model import compile_match
 from ..policy.schema import (
     PLAN_NUMBERS,
     RequestRateSpec,
@@ -32,8 +31,8 @@ from ..policy.schema import (
 )
 from ..store.base import BucketOp, GrantOp, OpResult
 from ..store.keys import Keys
-from ..verdict import Kind, Limits, Outcome, Quota, Verdict
-from .base import BY_IDENTITY, KeyOf, customer_limits, denied_outcome
+from ..verdict import Limits, Outcome, Quota, Verdict
+from .base import BY_IDENTITY, KeyOf, PerCustomer, denied_outcome
 from .grants import GrantTable, default_batch
 from .refusals import RefusalCache
 
@@ -58,19 +57,13 @@ def _merged(base: Limits, numbers: Mapping[str, float | None]) -> Limits:
     return bucket_limits(rate, burst, cost)
 
 
-class RequestRateLimiter:
-    kind = Kind.RATE_LIMITER
-
+class RequestRateLimiter(PerCustomer):
     def __init__(self, spec: RequestRateSpec, keys: Keys, clock: Clock = SYSTEM_CLOCK,
                  key: KeyOf = BY_IDENTITY) -> None:
-        self.name = spec.name
-        self.key = key
-        self.failure_mode = spec.failure_mode
-        self.applies_to = compile_match(spec.applies_to)
+        super().__init__(spec, keys, key)
         self.rate = spec.rate
         self.burst = spec.burst
         self.cost = spec.cost
-        self._keys = keys
         self.own = bucket_limits(spec.rate, spec.burst, spec.cost)
         self.quota = self.own.quota
         #: plan name -> numbers (unset numbers are the limiter's own); validated at load.
@@ -103,13 +96,6 @@ class RequestRateLimiter:
             except ValueError as exc:
                 raise ValueError(f"with plan '{name}': {exc}") from None
         return out
-
-    def limits(self, ctx: RequestContext) -> Limits:
-        """This customer's numbers: an override, else its plan's, else the limiter's own."""
-        return customer_limits(self.name, ctx, self.plans, self.own)
-
-    def key_missing(self, ctx: RequestContext) -> bool:
-        return self.key.of(ctx) is None
 
     def _bucket(self, ctx: RequestContext) -> str:
         return self._keys.bucket(self.name, self.key.of(ctx) or ctx.identity)

@@ -20,16 +20,15 @@ log = logging.getLogger("extauthz.observe")
 
 class Observers:
     """Several observers as one. An observer that raises is logged once and counted; the
-    request it was observing is decided all the same. Members that also define
-    ``store_failed(reason)`` hear of each failure in ``decision.failures``."""
+    request it was observing is decided all the same. Each member hears of each failure in
+    ``decision.failures`` (``store_failed``)."""
 
     __slots__ = ("_decided", "_failed", "errors", "members")
 
     def __init__(self, members: Sequence[Observer]) -> None:
         self.members = tuple(members)
         self._decided = tuple(m.decided for m in self.members)
-        self._failed = tuple(fn for m in self.members
-                             if (fn := getattr(m, "store_failed", None)) is not None)
+        self._failed = tuple(m.store_failed for m in self.members)
         self.errors = 0
 
     def decided(self, ctx: RequestContext, decision: Decision, policy: Policy) -> None:
@@ -39,11 +38,14 @@ class Observers:
             except Exception:
                 self._error()
         for reason in decision.failures:
-            for failed in self._failed:
-                try:
-                    failed(reason)
-                except Exception:
-                    self._error()
+            self.store_failed(reason)
+
+    def store_failed(self, reason: str) -> None:
+        for failed in self._failed:
+            try:
+                failed(reason)
+            except Exception:
+                self._error()
 
     def _error(self) -> None:
         self.errors += 1

@@ -9,7 +9,7 @@ from ..context import RequestContext
 from ..policy.model import Policy
 from ..verdict import Decision
 
-__all__ = ["NullObserver", "Observer"]
+__all__ = ["NullObserver", "Observer", "ObserverBase"]
 
 
 class Observer(Protocol):
@@ -17,7 +17,24 @@ class Observer(Protocol):
 
     def decided(self, ctx: RequestContext, decision: Decision, policy: Policy) -> None: ...
 
+    def store_failed(self, reason: str) -> None:
+        """Once per failure in ``decision.failures``, after :meth:`decided` (by
+        :class:`~extauthz.observe.Observers`)."""
 
-class NullObserver:
+
+class ObserverBase:
+    """What an observer that does not care about a call does: nothing."""
+
+    __slots__ = ()
+
     def decided(self, ctx: RequestContext, decision: Decision, policy: Policy) -> None:
         return None
+
+    def store_failed(self, reason: str) -> None:
+        return None
+
+
+class NullObserver(ObserverBase):
+    """No observer at all."""
+
+    __slots__ = ()

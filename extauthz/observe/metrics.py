@@ -30,9 +30,9 @@ from ..errors import CircuitOpen, StoreError, StoreInternalError, StoreTimeout, 
 from ..limiters import FleetUsageShedder, WorkerUtilizationShedder
 from ..policy.model import Policy
 from ..store.base import CheckResult, Op
-from ..store.redis.wire import StoreStats
 from ..tiers import Tier
 from ..verdict import Decision, Kind, Mode, Outcome
+from .base import ObserverBase
 
 log = logging.getLogger("extauthz.metrics")
 
@@ -57,7 +57,7 @@ def request_result(decision: Decision) -> str:
     return "rate_limited" if refused.kind is Kind.RATE_LIMITER else "shed"
 
 
-class Metrics:
+class Metrics(ObserverBase):
     """The per-decision metrics. Use as the engine's observer (or one of them)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -278,8 +278,8 @@ class StateCollector:
         yield CounterMetricFamily("extauthz_plan_unknown", "Requests naming a plan the policy does "
                                   "not know (the default plan applied).", value=snap.classifier.unknown_plans)
 
-        stats = getattr(engine.store, "stats", None)
-        if isinstance(stats, StoreStats):  # the Redis store's own counters
+        stats = engine.store.stats
+        if stats is not None:  # the Redis store's own counters
             yield CounterMetricFamily("extauthz_store_round_trips", "Round trips to Redis: one per "
                                       "pipeline write (per master on a cluster) or single call, "
                                       "script loads included.", value=stats.round_trips)

@@ -12,7 +12,7 @@ from ..clock import Clock
 from ..policy.model import Policy
 from ..store.base import Store
 from ..store.keys import Keys
-from . import compose
+from . import Observers
 from .base import Observer
 from .logs import DecisionLog
 from .metrics import CheckFn, Metrics, instrument_store_check
@@ -39,8 +39,10 @@ class Observability:
         observers += [self.decision_log, self.shadow]
         if self.tracing is not None:
             observers.append(TracingObserver())
+        #: the observers as one (``errors``: members that raised, on /status)
+        self.observers = Observers(observers)
         #: the engine's observer
-        self.observer = compose(observers)
+        self.observer: Observer = self.observers
         #: the engine's store call: latency histogram and/or a child span around ``store.check``
         self.store_check: CheckFn = instrument_store_check(
             store.check, histogram=self.metrics.store_call if self.metrics else None,

@@ -27,6 +27,7 @@ from ..errors import StoreError
 from ..policy.model import Policy
 from ..store.base import Store, load_json
 from ..verdict import Decision, Outcome
+from .base import ObserverBase
 from .logs import route_of
 
 log = logging.getLogger("extauthz.shadow")
@@ -41,7 +42,7 @@ MAX_PENDING = 10_000
 _Group = tuple[str, str, str, str, str, str]  # limiter, tier, plan, route, identity, identity source
 
 
-class ShadowRecorder:
+class ShadowRecorder(ObserverBase):
     def __init__(self, store: Store, key: str, *, clock: Clock = SYSTEM_CLOCK,
                  maxlen: int = LOG_MAXLEN, ttl: float = LOG_TTL, max_pending: int = MAX_PENDING) -> None:
         self.store = store

@@ -20,13 +20,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..engine import Engine
+from ..limiters.worker import sampler_job
 from ..observe import compose
 from ..observe.setup import Observability
 from ..policy import Policy, load_policy
 from ..policy.loader import MAX_FILE_BYTES
 from ..proto import accesslog_pb2_grpc, auth_pb2_grpc
 from ..runner import Runner
-from ..sampler import sampler_job
 from ..simulate.record import Recorder, pending_ttl
 from ..store.base import Store
 from ..store.keys import Keys

@@ -241,7 +241,7 @@ class Operations:
                        "pending": shadow.pending, "dropped": shadow.dropped},
             "decision_log": {"written": self.observe.decision_log.written,
                              "suppressed": self.observe.decision_log.suppressed_total},
-            "observer_errors": getattr(self.observe.observer, "errors", 0),
+            "observer_errors": self.observe.observers.errors,
             "tracing": self.observe.tracing is not None,
             "tls": self.tls.status() if self.tls is not None else {"enabled": False},
             "admin": self.guard.status() if self.guard is not None else None,

@@ -47,6 +47,7 @@ from typing import Any
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..context import RequestContext
+from ..observe.base import ObserverBase
 from ..policy.model import Policy
 from ..verdict import Decision, Outcome
 
@@ -144,7 +145,7 @@ class RotatingWriter:
             self.files_deleted += 1
 
 
-class Recorder:
+class Recorder(ObserverBase):
     def __init__(self, directory: str | Path, *, max_bytes: int = 1 << 30, sample: float = 1.0,
                  pending_ttl: float = 60.0, flush_interval: float = 1.0, clock: Clock = SYSTEM_CLOCK,
                  max_pending: int = 200_000, file_bytes: int | None = None,

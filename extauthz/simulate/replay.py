@@ -8,7 +8,7 @@ anything itself: no limiter, bucket or controller is reimplemented.
 
 For every request, in time order, a lane first plays the events due up to the request's
 start, in time order: lease releases (a heap of ``start + duration``) and worker shedder
-samples (``sampler.sample_once``, the server's own sampling code, every ``sample_interval``
+samples (``limiters.worker.sample_once``, the server's own sampling code, every ``sample_interval``
 of virtual time). Then it sets the clock to the start and asks the engine.
 
 The embedded store answers within the call, so ``await engine.decide(ctx)`` completes in
@@ -31,8 +31,8 @@ from typing import Any, TypeVar
 from ..clock import ManualClock
 from ..context import RawRequest, RequestContext
 from ..engine import Engine
+from ..limiters.worker import sample_once
 from ..policy.model import Policy
-from ..sampler import sample_once
 from ..store.memory import MemoryStore
 from ..tiers import Tier
 from ..verdict import Decision, Outcome

@@ -131,15 +131,57 @@ class CheckResult:
     results: tuple[OpResult, ...]
 
 
+@dataclass(slots=True)
+class StoreStats:
+    """A store's round-trip counters (the Redis store's; for benchmarks, status, metrics)."""
+
+    #: script calls sent (one EVALSHA each; NOSCRIPT retries included)
+    commands: int = 0
+    #: round trips: one per pipeline or single call (SCRIPT LOADs included)
+    round_trips: int = 0
+    script_loads: int = 0
+    #: Redis Cluster: groups given back because another group refused (or failed)
+    compensations: int = 0
+    compensation_errors: int = 0
+
+
 class Store(Protocol):
+    """The store contract. Its capabilities are declared here, not discovered: a store
+    without one states so (:class:`StoreBase` holds the answers of a store that has none)."""
+
     #: a short name for metrics and status: ``memory``, ``redis``, ``redis-cluster``...
     name: str
+
+    @property
+    def immediate(self) -> bool:
+        """True when :meth:`check` answers within the call (the embedded store): the engine
+        needs no task and no deadline, and :meth:`release_now` releases synchronously."""
+
+    @property
+    def per_master(self) -> bool:
+        """True when keys live on several masters (Redis Cluster): the engine keeps one
+        breaker per :meth:`node_of` name."""
+
+    @property
+    def stats(self) -> StoreStats | None:
+        """Round-trip counters (exported on metrics), or None when the store keeps none."""
 
     async def check(self, ops: Sequence[Op], lease_id: str) -> CheckResult:
         """Evaluate ``ops`` atomically; commit iff admitted (see the module docstring)."""
 
     async def release(self, keys: Sequence[str], lease_id: str) -> int:
         """Drop ``lease_id`` from each lease key. Idempotent; returns how many were held."""
+
+    def release_now(self, keys: Sequence[str], lease_id: str) -> int:
+        """:meth:`release` within the call; only an :attr:`immediate` store has it (the others
+        raise NotImplementedError)."""
+
+    def node_of(self, key: str) -> str:
+        """The name of the master holding ``key`` (``""`` unless :attr:`per_master`)."""
+
+    def unanswered(self, lease_id: str) -> list[str]:
+        """The masters whose part of the check ``lease_id`` has not answered yet (empty
+        unless :attr:`per_master`)."""
 
     async def inflight(self, keys: Sequence[str]) -> list[int]:
         """Live (unexpired) leases per key."""
@@ -170,6 +212,24 @@ class Store(Protocol):
         """Raise :class:`~extauthz.errors.StoreError` when the store cannot answer."""
 
     async def close(self) -> None: ...
+
+
+class StoreBase:
+    """The capabilities a store does not have, declared once: stores (and test doubles)
+    inherit it and override what they offer."""
+
+    immediate = False
+    per_master = False
+    stats: StoreStats | None = None
+
+    def release_now(self, keys: Sequence[str], lease_id: str) -> int:
+        raise NotImplementedError(f"{type(self).__name__} releases only through release()")
+
+    def node_of(self, key: str) -> str:
+        return ""
+
+    def unanswered(self, lease_id: str) -> list[str]:
+        return []
 
 
 @dataclass(frozen=True, slots=True)

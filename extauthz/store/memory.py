@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from ..clock import SYSTEM_CLOCK, Clock
 from . import algorithms
 from .algorithms import admits, bucket_result, count_admits, count_result, lease_admits, lease_result, refill, take
-from .base import BucketOp, CheckResult, CountOp, GrantOp, Op, ReturnOp, ShedParams, bucket_ttl
+from .base import BucketOp, CheckResult, CountOp, GrantOp, Op, ReturnOp, ShedParams, StoreBase, bucket_ttl
 
 #: due heap entries a check looks at, at most (a check creates at most a few keys, so the
 #: sweep keeps up; a backlog after an idle spell drains over the next checks)
@@ -32,7 +32,7 @@ SWEEP_BATCH = 32
 _BUCKET, _LEASES = 0, 1
 
 
-class MemoryStore:
+class MemoryStore(StoreBase):
     name = "memory"
     #: every call completes without waiting: the engine needs no deadline around it.
     immediate = True

@@ -8,7 +8,8 @@ time with ``XRANGE``: the fleet shares Redis's clock.
 
 Plain functions taking a ``redis.asyncio`` client (standalone, cluster or a Sentinel master)
 so :class:`extauthz.store.redis.RedisStore` delegates to them and the CLI can call them
-with a client of its own. Client errors are wrapped into :class:`~extauthz.errors.StoreError`.
+with a client of its own. Client errors are wrapped into :class:`~extauthz.errors.StoreError`
+by the Redis store's one wrapper (:func:`extauthz.store.redis.wire.wrap`).
 """
 
 from __future__ import annotations
@@ -17,19 +18,11 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from redis import exceptions as rx
-
-from ..errors import StoreError, StoreTimeout, StoreUnavailable
+from .redis.wire import CLIENT_ERRORS, wrap
 
 FIELD = "e"
 #: at most this many entries per read (the log is bounded anyway; this bounds one reply).
 READ_BATCH = 10_000
-
-
-def _wrap(exc: Exception) -> StoreError:
-    if isinstance(exc, rx.TimeoutError):
-        return StoreTimeout(f"redis: {exc}")
-    return StoreUnavailable(f"redis: {type(exc).__name__}: {exc}")
 
 
 def _text(value: Any) -> str:
@@ -46,8 +39,8 @@ async def append_events(client: Any, key: str, events: Sequence[str], maxlen: in
             pipe.xadd(key, {FIELD: event}, maxlen=maxlen, approximate=True)
         pipe.expire(key, max(1, math.ceil(ttl)))
         await pipe.execute()
-    except (rx.RedisError, OSError) as exc:
-        raise _wrap(exc) from exc
+    except CLIENT_ERRORS as exc:
+        raise wrap(exc) from exc
 
 
 async def read_events(client: Any, key: str, since: float) -> list[str]:
@@ -64,5 +57,5 @@ async def read_events(client: Any, key: str, since: float) -> list[str]:
             if len(entries) < READ_BATCH:
                 return out
             start = f"({_text(entries[-1][0])}"  # exclusive: after the last one read
-    except (rx.RedisError, OSError) as exc:
-        raise _wrap(exc) from exc
+    except CLIENT_ERRORS as exc:
+        raise wrap(exc) from exc

@@ -13,7 +13,7 @@ import pytest
 
 from extauthz.clock import ManualClock
 from extauthz.engine import Engine
-from extauthz.sampler import sample_once
+from extauthz.limiters.worker import sample_once
 from extauthz.store.base import ShedParams
 from extauthz.store.redis import RedisStore
 from testinfra.redis_servers import RedisSingle

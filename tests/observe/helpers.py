@@ -60,7 +60,7 @@ async def shed_half(server: Server, store: MemoryStore, clock: ManualClock) -> N
     """Drive the ``workers`` shedder of :func:`metrics_policy` to level 0.5: its signal reads
     1.0 for its 10 s delay and half of its 10 s ramp (the test tier is then shed entirely)."""
     from extauthz.limiters import WorkerUtilizationShedder
-    from extauthz.sampler import sample_once
+    from extauthz.limiters.worker import sample_once
 
     workers = next(w for w in server.engine.snapshot.workers if w.name == "workers")
     assert isinstance(workers, WorkerUtilizationShedder)

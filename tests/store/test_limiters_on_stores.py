@@ -10,8 +10,8 @@ import pytest
 
 from extauthz.context import RawRequest
 from extauthz.engine import Engine
+from extauthz.limiters.worker import sample_once
 from extauthz.overrides import make_override
-from extauthz.sampler import sample_once
 from extauthz.verdict import Decision
 
 from ..unit.helpers import get, policy_from

@@ -12,6 +12,7 @@ from extauthz.clock import ManualClock
 from extauthz.context import RawRequest
 from extauthz.engine import Engine
 from extauthz.policy import Policy, load_policy
+from extauthz.store.base import StoreBase
 from extauthz.store.memory import MemoryStore
 
 
@@ -46,10 +47,11 @@ async def allowed_count(engine, n: int, **kw) -> int:  # type: ignore[no-untyped
     return total
 
 
-class FaultyStore:
+class FaultyStore(StoreBase):
     """A real :class:`MemoryStore` behind the store contract, with injectable faults: a
     ``check`` or ``release`` that raises ``check_error`` / ``release_error``, and releases
-    that go through the event loop (``release_delay``), as on Redis (no ``release_now``)."""
+    that go through the event loop (``release_delay``), as on Redis (not ``immediate``: the
+    capabilities are :class:`StoreBase`'s, a store without any)."""
 
     name = "faulty"
 
@@ -79,6 +81,4 @@ class FaultyStore:
         self.closed = True
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("release_now", "immediate"):
-            raise AttributeError(name)
         return getattr(self.inner, name)

@@ -11,8 +11,7 @@ import pytest
 from extauthz.clock import ManualClock
 from extauthz.context import RawRequest
 from extauthz.engine import Engine
-from extauthz.limiters.worker import WorkerUtilizationShedder
-from extauthz.sampler import sample_once
+from extauthz.limiters.worker import WorkerUtilizationShedder, sample_once
 from extauthz.store import algorithms
 from extauthz.store.base import ShedParams
 from extauthz.store.memory import MemoryStore
@@ -186,7 +185,7 @@ async def test_inflight_signal_counts_leases(tmp_path: Path, clock: ManualClock)
                   delay_before_shedding="1s", time_to_shed_all="3s")
     decisions = [(await drill.engine.check(TIER_REQUESTS[Tier.GET]))[1] for _ in range(4)]
     assert all(len(d.leases) == 1 for d in decisions)  # count-only leases of its own
-    from extauthz.sampler import read_utilization
+    from extauthz.limiters.worker import read_utilization
 
     assert await read_utilization(drill.engine, drill.shedder) == 1.0
     await drill.engine.releaser.release_and_wait(decisions[0].leases, decisions[0].lease_id, "access_log")

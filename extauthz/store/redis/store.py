@@ -31,7 +31,7 @@ from redis.asyncio.sentinel import Sentinel
 
 from ...errors import StoreError, StoreUnavailable
 from .. import algorithms, redis_events
-from ..base import CheckResult, Op, ReturnOp, ShedParams
+from ..base import CheckResult, Op, ReturnOp, ShedParams, StoreBase, StoreStats
 from ..keys import Keys
 from . import cluster
 from .batcher import Batcher, Call
@@ -42,7 +42,6 @@ from .wire import (
     SCRIPT_NAMES,
     Reply,
     Script,
-    StoreStats,
     check_args,
     check_result,
     load_script,
@@ -62,7 +61,7 @@ __all__ = ["RedisStore"]
 _SHED_ATTEMPTS: Final = 8
 
 
-class RedisStore:
+class RedisStore(StoreBase):
     """The store contract on Redis, Redis Cluster or Sentinel. Build it with :meth:`from_url`."""
 
     def __init__(
@@ -78,7 +77,7 @@ class RedisStore:
     ) -> None:
         self.name = name
         self.client = client
-        self.stats = StoreStats()
+        self.stats: StoreStats = StoreStats()
         self._cluster = isinstance(client, RedisCluster)
         #: several masters (Redis Cluster): the engine keeps a breaker per master (node_of)
         self.per_master = self._cluster

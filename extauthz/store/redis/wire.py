@@ -16,7 +16,7 @@ from redis import exceptions as rx
 
 from ...errors import StoreError, StoreTimeout, StoreUnavailable
 from .. import algorithms
-from ..base import BucketOp, CheckResult, CountOp, GrantOp, Op, OpResult, ReturnOp
+from ..base import BucketOp, CheckResult, CountOp, GrantOp, Op, OpResult, ReturnOp, StoreStats
 
 __all__ = [
     "CLIENT_ERRORS", "MERGES", "NOSCRIPT_ATTEMPTS", "SCRIPT_NAMES", "UNKNOWN", "Merge", "Reply", "Script",
@@ -84,20 +84,6 @@ def load_script(name: str) -> Script:
     """Read ``<name>.lua`` from the ``extauthz.lua`` package data."""
     source = importlib.resources.files("extauthz.lua").joinpath(f"{name}.lua").read_bytes()
     return Script.of(name, source, MERGES.get(name))
-
-
-@dataclass(slots=True)
-class StoreStats:
-    """Counters for benchmarks, status and tests."""
-
-    #: script calls sent (one EVALSHA each; NOSCRIPT retries included)
-    commands: int = 0
-    #: round trips: one per pipeline or single call (SCRIPT LOADs included)
-    round_trips: int = 0
-    script_loads: int = 0
-    #: Redis Cluster: groups given back because another group refused (or failed)
-    compensations: int = 0
-    compensation_errors: int = 0
 
 
 class _Unknown:
