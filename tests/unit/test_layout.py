@@ -17,6 +17,7 @@ CROSS_MODULE = {
     "test_doc_examples": "the policy examples in docs/policy.md through the loader",
     "test_exported_members": "the public surface, extauthz/__init__.py's __all__",
     "test_identity_auth": "identity from authentication: the edge and the classifier",
+    "test_imports": "import hygiene: what a server on the embedded store loads (no redis-py)",
     "test_layout": "this file",
     "test_lease_index": "the request-id index (server/services.py, moving with issue 19's lease owner)",
     "test_plans": "plans and live overrides: policy, overrides and the engine",
