@@ -138,8 +138,8 @@ async def test_grants_that_land_together_keep_one_and_give_the_rest_back() -> No
     op = GrantOp("k", RATE, BURST, 1.0, BATCH)
     first, second = (await store.check([op], "")).results[0], (await store.check([op], "")).results[0]
     assert (first.extra, second.extra) == (BATCH, BATCH)
-    grants.granted("k", first.extra, 1.0, first.remaining, BATCH, RATE, BURST)
-    remaining = grants.granted("k", second.extra, 1.0, second.remaining, BATCH, RATE, BURST)
+    grants.granted("k", first.extra, 1.0, first.remaining, BATCH, (RATE, BURST))
+    remaining = grants.granted("k", second.extra, 1.0, second.remaining, BATCH, (RATE, BURST))
     assert grants.held("k") == BATCH and remaining == BATCH + BURST - 2 * BATCH
     await grants.drain()
     assert store.tokens("k") == BURST - 2 * BATCH + (2 * BATCH - 2 - BATCH)  # the surplus is back
