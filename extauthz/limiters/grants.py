@@ -240,26 +240,36 @@ class GrantTable:
         if self._held:
             self._arm()
 
-    async def settle(self) -> None:
-        """Give back everything held now and stop (a graceful stop: the fleet gets this
-        replica's unspent grants at once instead of losing them)."""
+    def _take_all(self) -> list[Op]:
+        """Stop the timer and take out everything held (to go back)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         returns = [self._op(key, h.numbers, h.tokens) for key, h in self._held.items() if h.tokens > 0.0]
         self._held.clear()
+        return returns
+
+    async def settle(self) -> None:
+        """Give back everything held now and stop (a graceful stop: the fleet gets this
+        replica's unspent grants at once instead of losing them)."""
+        returns = self._take_all()
         if self.store is not None:
             await asyncio.gather(*(self._send(op) for op in returns))
         await self.drain()
 
     def retire(self) -> None:
         """A reload replaced this table's limiter: give back everything held now, in the
-        background (:meth:`settle`); a request still answered by the old limiter that
-        takes a grant after it gives that back within ``sync_interval``, as any grant."""
+        background (:meth:`drain` waits for it); a request still answered by the old
+        limiter that takes a grant after it gives that back within ``sync_interval``, as
+        any grant."""
+        returns = self._take_all()
+        if self.store is None:
+            return
         try:
-            self._spawn(self.settle())
-        except RuntimeError:  # no event loop: nothing was ever taken or armed
-            self.close()
+            for op in returns:
+                self._spawn(self._send(op))
+        except RuntimeError:  # no event loop: nothing was ever taken
+            pass
 
     async def drain(self) -> None:
         """Wait for the returns already sent (tests, shutdown)."""
