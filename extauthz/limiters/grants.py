@@ -47,8 +47,8 @@ from ..store.algorithms import admits, take
 from ..store.base import Op, ReturnOp, Store
 from ..verdict import Verdict
 
-__all__ = ["GrantTable", "Grantee", "Numbers", "bind_store", "default_batch", "refund_grants",
-           "retire_grants", "settle_grants"]
+__all__ = ["GRANT_METRICS", "GrantTable", "Grantee", "Numbers", "bind_store", "default_batch",
+           "grant_status", "refund_grants", "retire_grants", "settle_grants"]
 
 #: the limiter's numbers a grant was taken with (a bucket: ``(rate, burst)``; a quota:
 #: ``(limit,)``): a grant is spent only for the same numbers, and goes back with them
@@ -309,6 +309,29 @@ async def settle_grants(limiters: Iterable[object]) -> None:
     for lim in limiters:
         if isinstance(lim, Grantee) and lim.grants is not None:
             await lim.grants.settle()
+
+
+#: :meth:`GrantTable.status` fields on /metrics: field -> (metric name, counter?, help);
+#: labelled by limiter. Counters count since the limiter was built (a reload starts anew).
+GRANT_METRICS: Final = {
+    "grants_taken": ("extauthz_grants_taken", True, "Batched grants taken from the store."),
+    "grants_expired": ("extauthz_grants_expired", True, "Batched grants given back unspent "
+                       "because sync_interval passed."),
+    "returned": ("extauthz_grant_returned", True, "Unspent granted tokens or quota units "
+                 "given back to the store (any reason)."),
+    "return_errors": ("extauthz_grant_return_errors", True, "Give-backs that failed (their "
+                      "amount only refuses early until the store refills it)."),
+    "store_calls_saved": ("extauthz_grant_store_calls_saved", True, "Requests answered from a "
+                          "batched grant held here: store calls saved."),
+    "held": ("extauthz_grants_held", False, "Granted tokens or quota units held here, unspent."),
+    "keys": ("extauthz_grant_keys", False, "Keys this replica holds or recently held grants for."),
+}
+
+
+def grant_status(limiters: Iterable[object]) -> dict[str, dict[str, float]]:
+    """Every batched limiter's :meth:`GrantTable.status`, by limiter name (/status, /metrics)."""
+    return {str(getattr(lim, "name", "")): lim.grants.status() for lim in limiters
+            if isinstance(lim, Grantee) and lim.grants is not None}
 
 
 def retire_grants(old: Iterable[object], new: Iterable[object]) -> None:
