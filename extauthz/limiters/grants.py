@@ -113,6 +113,9 @@ class GrantTable:
     def __len__(self) -> int:
         return len(self._held)
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._held
+
     def held(self, key: str) -> float:
         """Unspent granted tokens held for ``key`` (0 when none)."""
         h = self._held.get(key)

@@ -159,8 +159,10 @@ class QuotaLimiter:
         its cost goes back to the grant (batched grants only)."""
         if self.grants is not None:
             start, _ = self.window(self._clock.wall())
-            self.grants.restore(self._count_key(ctx, start), float(self.cost),
-                                (float(self.limits(ctx).limit),))
+            key = self._count_key(ctx, start)
+            if key in self.grants:  # else the window ended meanwhile: the unit is dropped
+                # (it only refuses early), never given to the new window's count
+                self.grants.restore(key, float(self.cost), (float(self.limits(ctx).limit),))
 
     def op(self, ctx: RequestContext, enforce: bool) -> CountOp | QuotaGrantOp | None:
         if self._spent is not None:
@@ -170,13 +172,12 @@ class QuotaLimiter:
         wall = self._clock.wall()
         start, end = self.window(wall)
         key = self._count_key(ctx, start)
-        limit = self.limits(ctx).limit
+        n = self.limits(ctx)
         ttl = math.ceil(end - wall) + TTL_MARGIN
         if self.grants is not None:
-            n = self.limits(ctx)
-            return QuotaGrantOp(key, int(limit), self.cost, self.want(n), ttl, end - wall, enforce,
-                                int(self.grants.lend(key, (float(limit),))))
-        return CountOp(key, limit, self.cost, ttl, end - wall, enforce)
+            return QuotaGrantOp(key, int(n.limit), self.cost, self.want(n), ttl, end - wall, enforce,
+                                int(self.grants.lend(key, (float(n.limit),))))
+        return CountOp(key, n.limit, self.cost, ttl, end - wall, enforce)
 
     def _granted(self, ctx: RequestContext, n: Limits, result: OpResult) -> OpResult:
         """A grant's answer kept in the table (``retry_after`` carries the seconds to its

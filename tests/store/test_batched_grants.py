@@ -546,3 +546,19 @@ async def test_grant_counters_are_the_tables_own_status(tmp_path: Path) -> None:
     status = grants.status()
     assert (status["grants_expired"], status["returned"], status["held"]) == (1, 2.0, 0.0)
     grants.close()
+
+
+async def test_a_request_refused_by_another_limiter_spends_no_quota_grant(tmp_path: Path) -> None:
+    clock = ManualClock(QSTART)
+    conc = {"name": "user-conc", "type": "concurrent_requests", "limit": 1}
+    store = MemoryStore(clock)
+    engine = Engine(store, policy_from(tmp_path, {"limiters": [batched_quota(), conc]}), clock=clock)
+    grants = quota_table(engine)
+    assert (await engine.check(get()))[1].allowed  # holds the one lease (not released)
+    key = quota_key(engine)
+    for _ in range(3):
+        second = (await engine.check(get()))[1]
+        assert second.denied_by is not None and second.denied_by.limiter == "user-conc"
+        assert grants.held(key) == QBATCH - 1  # spent locally, then given back to the grant
+    assert store.tokens(key) == QBATCH
+    grants.close()
