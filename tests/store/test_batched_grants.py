@@ -47,8 +47,9 @@ def batched(tmp_path: Path, **extra: object) -> dict[str, object]:
 
 
 def table(engine: Engine) -> GrantTable:
+    """The first limiter's grant table (a batched request_rate or quota)."""
     lim = engine.snapshot.limiters[0]
-    assert isinstance(lim, RequestRateLimiter) and lim.grants is not None
+    assert isinstance(lim, RequestRateLimiter | QuotaLimiter) and lim.grants is not None
     return lim.grants
 
 
@@ -350,16 +351,8 @@ QSTART = 60.0 * 100_000 + 1.0
 
 
 def batched_quota(**extra: object) -> dict[str, object]:
-    spec: dict[str, object] = {"name": "user-quota", "type": "quota", "limit": QLIMIT, "period": "minute",
-                               "consistency": "batched", "batch": QBATCH, "sync_interval": "100ms"}
-    spec.update(extra)
-    return spec
-
-
-def quota_table(engine: Engine) -> GrantTable:
-    lim = engine.snapshot.limiters[0]
-    assert isinstance(lim, QuotaLimiter) and lim.grants is not None
-    return lim.grants
+    return {"name": "user-quota", "type": "quota", "limit": QLIMIT, "period": "minute",
+            "consistency": "batched", "batch": QBATCH, "sync_interval": "100ms", **extra}
 
 
 def quota_key(engine: Engine, start: float = QSTART - 1.0) -> str:
@@ -368,12 +361,18 @@ def quota_key(engine: Engine, start: float = QSTART - 1.0) -> str:
     return lim._count_key(engine.context(get()), int(start))
 
 
-async def test_quota_one_store_call_per_grant_and_headers_count_the_grant(tmp_path: Path) -> None:
+def counted_quota(tmp_path: Path) -> tuple[ManualClock, MemoryStore, Counting, Engine]:
+    """An engine with one batched quota on the embedded store, its store calls counted."""
     clock = ManualClock(QSTART)
     store = MemoryStore(clock)
     count = Counting(store)
     engine = Engine(store, policy_from(tmp_path, {"limiters": [batched_quota()]}), clock=clock,
                     store_check=count)  # type: ignore[arg-type]
+    return clock, store, count, engine
+
+
+async def test_quota_one_store_call_per_grant_and_headers_count_the_grant(tmp_path: Path) -> None:
+    _, store, count, engine = counted_quota(tmp_path)
     decisions = [(await engine.check(get()))[1] for _ in range(10)]
     assert all(d.allowed for d in decisions)
     assert len(count.calls) == 3  # grants of 4 units serve 4 requests each
@@ -382,7 +381,7 @@ async def test_quota_one_store_call_per_grant_and_headers_count_the_grant(tmp_pa
     assert [d.verdicts[0].remaining for d in decisions] == [QLIMIT - 1.0 - i for i in range(10)]
     assert all(d.verdicts[0].reset == pytest.approx(59.0) for d in decisions)
     assert store.tokens(quota_key(engine)) == 12  # 10 spent, 2 held here
-    quota_table(engine).close()
+    table(engine).close()
 
 
 def test_quota_default_batch_is_one_percent_of_the_limit() -> None:
@@ -397,12 +396,8 @@ def test_a_quota_batch_is_whole_requests(tmp_path: Path) -> None:
 
 
 async def test_a_quota_grant_is_never_spent_in_the_next_window(tmp_path: Path) -> None:
-    clock = ManualClock(QSTART)
-    store = MemoryStore(clock)
-    count = Counting(store)
-    engine = Engine(store, policy_from(tmp_path, {"limiters": [batched_quota()]}), clock=clock,
-                    store_check=count)  # type: ignore[arg-type]
-    grants = quota_table(engine)
+    clock, store, count, engine = counted_quota(tmp_path)
+    grants = table(engine)
     assert (await engine.check(get()))[1].allowed
     assert grants.held(quota_key(engine)) == QBATCH - 1
     clock.advance(59.0)  # the next minute
@@ -424,7 +419,7 @@ async def test_quota_replicas_never_admit_more_than_the_limit_and_refuse_early_b
     policy = policy_from(tmp_path, {"limiters": [batched_quota()]})
     stores = [make_redis_store(redis_single_clean, clock) for _ in range(replicas)]
     engines = [Engine(s, policy, clock=clock, deadline=5.0) for s in stores]
-    tables = [quota_table(e) for e in engines]
+    tables = [table(e) for e in engines]
     raw = redis_single_clean.client()
     key = quota_key(engines[0])
     rng = random.Random(24)
@@ -486,7 +481,7 @@ async def test_a_reload_gives_the_old_quota_grants_back_and_admits_no_more_than_
     clock = ManualClock(QSTART)
     store = MemoryStore(clock)
     engine = Engine(store, policy_from(tmp_path, {"limiters": [batched_quota()]}), clock=clock)
-    old = quota_table(engine)
+    old = table(engine)
     for _ in range(3):
         assert (await engine.check(get()))[1].allowed
     key = quota_key(engine)
@@ -535,7 +530,7 @@ async def test_grant_counters_are_the_tables_own_status(tmp_path: Path) -> None:
     clock = ManualClock(QSTART)
     store = MemoryStore(clock)
     engine = Engine(store, policy_from(tmp_path, {"limiters": [batched_quota()]}), clock=clock)
-    grants = quota_table(engine)
+    grants = table(engine)
     for _ in range(6):
         await engine.check(get())
     assert grants.status() == {"keys": 1, "held": 2.0, "grants_taken": 2, "grants_expired": 0,
@@ -553,7 +548,7 @@ async def test_a_request_refused_by_another_limiter_spends_no_quota_grant(tmp_pa
     conc = {"name": "user-conc", "type": "concurrent_requests", "limit": 1}
     store = MemoryStore(clock)
     engine = Engine(store, policy_from(tmp_path, {"limiters": [batched_quota(), conc]}), clock=clock)
-    grants = quota_table(engine)
+    grants = table(engine)
     assert (await engine.check(get()))[1].allowed  # holds the one lease (not released)
     key = quota_key(engine)
     for _ in range(3):
