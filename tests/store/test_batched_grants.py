@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,6 +31,7 @@ from extauthz.limiters.request_rate import RequestRateLimiter
 from extauthz.store import algorithms
 from extauthz.store.base import GrantOp, Op, QuotaGrantOp, ReturnOp, Store
 from extauthz.store.memory import MemoryStore
+from extauthz.store.redis import RedisStore
 from extauthz.verdict import Decision, Kind, Outcome, Verdict
 from tests.infra.redis_servers import RedisSingle
 from tests.store.conftest import make_redis_store
@@ -69,6 +71,15 @@ def refusals(engine: Engine) -> RefusalCache:
     lim = engine.snapshot.limiters[0]
     assert isinstance(lim, RequestRateLimiter) and lim.refusals is not None
     return lim.refusals
+
+
+async def shut(tables: list[GrantTable], stores: list[RedisStore], raw: Any) -> None:
+    """Stop the replicas' timers and close their store clients and the test's own."""
+    for t in tables:
+        t.close()
+    for s in stores:
+        await s.close()
+    raw.close()
 
 
 def rate_verdict(d: Decision) -> Outcome:
@@ -238,11 +249,7 @@ async def test_replicas_never_admit_more_than_exact_and_refuse_early_by_at_most_
         assert exact_admits  # a whole interval refilled one token at least
         assert (await engines[0].check(get()))[1].allowed
     finally:
-        for t in tables:
-            t.close()
-        for s in stores:
-            await s.close()
-        raw.close()
+        await shut(tables, stores, raw)
 
 
 @pytest.mark.redis
@@ -465,11 +472,7 @@ async def test_quota_replicas_never_admit_more_than_the_limit_and_refuse_early_b
         expected = admitted < QLIMIT
         assert (await engines[0].check(get()))[1].allowed is expected
     finally:
-        for t in tables:
-            t.close()
-        for s in stores:
-            await s.close()
-        raw.close()
+        await shut(tables, stores, raw)
 
 
 # --------------------------------------------------------------------------- reload
