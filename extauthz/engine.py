@@ -24,7 +24,7 @@ from .context import RawRequest, RequestContext
 from .errors import INTERNAL_ERROR, CircuitOpen, StoreError, StoreInternalError, StoreTimeout
 from .limiters import Limiter, WorkerUtilizationShedder, build_limiters
 from .limiters.base import applies
-from .limiters.grants import bind_store, refund_grants, settle_grants
+from .limiters.grants import bind_store, refund_grants, retire_grants, settle_grants
 from .limiters.worker import keep_levels, workers_of
 from .observe.base import NullObserver, Observer
 from .overrides import Override, compile_overrides
@@ -149,7 +149,9 @@ class Engine:
                         switches, not_applied)
 
     def set_policy(self, policy: Policy) -> None:
-        self.snapshot = self._build(policy, self.snapshot.switches, self.snapshot)
+        old = self.snapshot
+        self.snapshot = self._build(policy, old.switches, old)
+        retire_grants(old.limiters, self.snapshot.limiters)  # old batched grants go back
 
     def set_switches(self, switches: Switches) -> None:
         """Apply the kill switches. They never depend on overrides: the new snapshot keeps

@@ -21,6 +21,9 @@
 --           TOKEN_EPSILON >= cost; grant_size = min(want, pool); t = max(0, pool - grant)
 --   return  give_back: t = min(burst, tokens + amount); always allows
 --   stamp   grant_stamp: a grant or return stores max(now, stored ts), never back in time
+--   quota grant  quota_pool = max(0, count - held); admits: pool + cost <= limit;
+--           quota_grant_size = max(0, min(want, limit - pool)); count = pool + grant
+--   quota return quota_give_back: count = max(0, count - amount), only while the count exists
 -- Only the raw state is returned: the caller derives remaining, retry-after and reset with
 -- extauthz.store.algorithms.op_result, as the embedded store does.
 --
@@ -35,7 +38,7 @@
 --   ARGV[j+1]   n, the number of ops of this request
 --   then 5 ARGV per op i, starting at a = j + 2 + 5*(i-1):
 --   ARGV[a]     "b" token bucket | "l" lease | "q" quota count | "r" release | "g" grant |
---               "u" return (unspent grant)
+--               "u" return (unspent grant) | "c" quota grant | "v" quota return
 --   ARGV[a+1]   "1" enforce | "0" shadow (a release: "0")
 --   bucket:     ARGV[a+2] rate (tokens/s), ARGV[a+3] burst (tokens), ARGV[a+4] cost (tokens)
 --   lease:      ARGV[a+2] limit (live leases; 0 = count only, never refuses),
@@ -48,6 +51,9 @@
 --               numbers: the asking request's cost, the grant wanted, the replica's remainder
 --               given back with it); the bucket's state and TTL
 --   return:     ARGV[a+2] rate, ARGV[a+3] burst, ARGV[a+4] amount (tokens given back); "0"
+--   quota grant: ARGV[a+2] limit, ARGV[a+3] "<cost> <want> <held>" (integers), ARGV[a+4]
+--               ttl (as count's); the count's state and TTL
+--   quota return: ARGV[a+2] amount (units given back); ARGV[a+3..a+4] unused; "0"
 --
 -- State (one key per op; a bucket costs GET + SET, a lease ZREMRANGEBYSCORE + ZCARD + ZADD +
 -- PEXPIRE, a release ZREM, and the call one TIME when no clock is injected; a key met again
@@ -70,7 +76,8 @@
 --                   failed for this request (each value_i is then the error message)
 --   value_i         state BEFORE this request's commit, as seen at "now":
 --                   bucket, grant, return: tokens available (refilled to now, at most burst);
---                   lease: live leases (after the sweep); count: the window's count;
+--                   lease: live leases (after the sweep); count, quota grant, quota
+--                   return: the window's count;
 --                   release: 0;
 --                   as a "%.17g" string (Redis truncates Lua numbers in replies to integers).
 --   The caller derives the rest from its own op parameters (algorithms.op_result).
@@ -136,8 +143,7 @@ local function check(k, j, n, res)
         ok[i] = tokens + TOKEN_EPSILON >= tonumber(ARGV[a + 4])
       end
       value[i] = tokens
-    elseif kind == 'q' then
-      local limit, cost = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+    elseif kind == 'q' or kind == 'c' or kind == 'v' then
       local count = counts[key]
       if count == nil then
         local stored = redis.call('GET', key)
@@ -145,7 +151,14 @@ local function check(k, j, n, res)
         counts[key] = count
       end
       value[i] = count or 0
-      ok[i] = value[i] + cost <= limit
+      if kind == 'q' then
+        ok[i] = value[i] + tonumber(ARGV[a + 3]) <= tonumber(ARGV[a + 2])
+      elseif kind == 'c' then  -- "<cost> <want> <held>": admits from the pool
+        local cost, _, held = string.match(ARGV[a + 3], '^(%S+) (%S+) (%S+)$')
+        ok[i] = math.max(0, value[i] - tonumber(held)) + tonumber(cost) <= tonumber(ARGV[a + 2])
+      else
+        ok[i] = true  -- a return always allows
+      end
     elseif kind == 'l' then
       local limit = tonumber(ARGV[a + 2])
       local count = live[key]
@@ -203,6 +216,23 @@ local function check(k, j, n, res)
           redis.call('SET', key, cost, 'EX', tonumber(ARGV[a + 4]))
         end
         counts[key] = value[i] + cost
+      elseif kind == 'c' then
+        local limit = tonumber(ARGV[a + 2])
+        local _, want, held = string.match(ARGV[a + 3], '^(%S+) (%S+) (%S+)$')
+        local pool = math.max(0, value[i] - tonumber(held))
+        local after = pool + math.max(0, math.min(tonumber(want), limit - pool))
+        if counts[key] then
+          redis.call('INCRBY', key, after - value[i])  -- the TTL stays
+        else
+          redis.call('SET', key, after, 'EX', tonumber(ARGV[a + 4]))
+        end
+        counts[key] = after
+      elseif kind == 'v' then
+        if counts[key] then  -- a window gone takes nothing back (no key without a TTL)
+          local after = math.max(0, value[i] - tonumber(ARGV[a + 2]))
+          redis.call('DECRBY', key, value[i] - after)
+          counts[key] = after
+        end
       elseif kind == 'l' then
         local ttl = tonumber(ARGV[a + 3])
         local added = redis.call('ZADD', key, fmt(now + ttl), lease_id)

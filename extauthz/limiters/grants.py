@@ -21,25 +21,46 @@ and only until those grants go back:
   up to one grant (``want``); the rest goes back at once, so no replica holds more than
   ``batch`` (or the cost of one request, if larger).
 
-A policy reload builds new limiters with new tables; the old table's timer still returns
-what it holds, then stops. Unspent grant lost to a crash only refuses early (the shared
-bucket refills it), never admits more.
+The same table serves every kind that takes grants: ``request_rate`` (tokens of a bucket,
+:class:`~extauthz.store.base.GrantOp`) and ``quota`` (units of a window's count,
+:class:`~extauthz.store.base.QuotaGrantOp`); the limiter names the numbers a grant is
+taken with and the op that gives it back (``give_back``).
+
+A policy reload builds new limiters with new tables; the old tables give back what they
+hold at once (:func:`retire_grants`), and a grant taken with other numbers (a plan or an
+override changed) is never spent for the new ones: it goes back. Unspent grant lost to a
+crash only refuses early (the shared bucket refills it, the quota window ends), never
+admits more. The counters (:meth:`GrantTable.status`) are the table's own: status and
+metrics read them.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, runtime_checkable
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..context import RequestContext
 from ..store.algorithms import admits, take
-from ..store.base import ReturnOp, Store
+from ..store.base import Op, ReturnOp, Store
 from ..verdict import Verdict
 
-__all__ = ["GrantTable", "Grantee", "bind_store", "default_batch", "refund_grants", "settle_grants"]
+__all__ = ["GRANT_METRICS", "GrantTable", "Grantee", "Numbers", "bind_store", "default_batch",
+           "grant_status", "refund_grants", "retire_grants", "settle_grants"]
+
+#: the limiter's numbers a grant was taken with (a bucket: ``(rate, burst)``; a quota:
+#: ``(limit,)``): a grant is spent only for the same numbers, and goes back with them
+Numbers = tuple[float, ...]
+#: the op that gives ``amount`` of a key's grant back, from the numbers it was taken with
+GiveBack = Callable[[str, Numbers, float], Op]
+
+
+def bucket_return(key: str, numbers: Numbers, amount: float) -> Op:
+    """A token bucket's give-back (``request_rate``)."""
+    rate, burst = numbers
+    return ReturnOp(key, rate, burst, amount)
 
 #: timer ticks per sync_interval: a grant goes back at the first tick at least half an
 #: interval after it was taken, so within one interval
@@ -62,31 +83,38 @@ class _Held:
     taken_at: float
     #: when it last came to hold none (forgotten ``sync_interval`` later)
     empty_since: float
-    #: the bucket's numbers the grant was taken with (a return carries them)
-    rate: float
-    burst: float
+    #: the limiter's numbers the grant was taken with (a return carries them)
+    numbers: Numbers
 
 
 class GrantTable:
     """One limiter's grants, by bucket key, on this replica."""
 
-    def __init__(self, sync_interval: float, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(self, sync_interval: float, clock: Clock = SYSTEM_CLOCK,
+                 give_back: GiveBack = bucket_return) -> None:
         self.sync_interval = sync_interval
         self._clock = clock
+        self._op = give_back
         self._held: dict[str, _Held] = {}
         #: where returns go (bound by the engine: :func:`bind_store`); None: nowhere yet
         self.store: Store | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
-        #: counters (status, tests): requests answered from a grant, grants taken, tokens
-        #: given back, returns that failed (their tokens only refuse early: never admitted)
+        #: counters (status(), /metrics): requests answered from a grant (each a store call
+        #: saved), grants taken, grants given back because ``sync_interval`` passed
+        #: (``expired``), the amount given back (any reason), returns that failed (their
+        #: amount only refuses early: never admitted)
         self.local = 0
         self.grants = 0
+        self.expired = 0
         self.returned = 0.0
         self.return_errors = 0
 
     def __len__(self) -> int:
         return len(self._held)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._held
 
     def held(self, key: str) -> float:
         """Unspent granted tokens held for ``key`` (0 when none)."""
@@ -96,12 +124,18 @@ class GrantTable:
     def total(self) -> float:
         return sum(h.tokens for h in self._held.values())
 
-    def spend(self, key: str, cost: float, rate: float, burst: float) -> float | None:
+    def status(self) -> dict[str, float]:
+        """The table's counters and what it holds now (/status, /metrics)."""
+        return {"keys": len(self._held), "held": self.total(), "grants_taken": self.grants,
+                "grants_expired": self.expired, "returned": self.returned,
+                "return_errors": self.return_errors, "store_calls_saved": self.local}
+
+    def spend(self, key: str, cost: float, numbers: Numbers) -> float | None:
         """Spend ``cost`` from the grant held for ``key``: the ``remaining`` to answer
         (grant left + the shared bucket's last known tokens), or None when the grant does
         not cover it (or was taken for other numbers: a plan or override changed)."""
         h = self._held.get(key)
-        if h is None or h.rate != rate or h.burst != burst or not admits(h.tokens, cost):
+        if h is None or h.numbers != numbers or not admits(h.tokens, cost):
             return None
         h.tokens = take(h.tokens, cost)
         if h.tokens <= 0.0:
@@ -109,60 +143,61 @@ class GrantTable:
         self.local += 1
         return h.tokens + h.shared
 
-    def lend(self, key: str, rate: float, burst: float) -> float:
+    def lend(self, key: str, numbers: Numbers) -> float:
         """The remainder held for ``key`` (too small for the request that asks), taken out
         to go back with the grant the request asks for (``GrantOp.held``): the store counts
         it in the pool it grants from. :meth:`granted` or :meth:`restore` follows."""
         h = self._held.get(key)
-        if h is None or h.rate != rate or h.burst != burst or h.tokens <= 0.0:
+        if h is None or h.numbers != numbers or h.tokens <= 0.0:
             return 0.0
         held, h.tokens = h.tokens, 0.0
         h.empty_since = self._clock.monotonic()
         return held
 
-    def restore(self, key: str, held: float, rate: float, burst: float) -> None:
+    def restore(self, key: str, held: float, numbers: Numbers) -> None:
         """The grant asked with ``held`` was not committed: the remainder stays here."""
         if held <= 0.0:
             return
         h = self._held.get(key)
-        if h is None or h.rate != rate or h.burst != burst:
-            self._give_back([ReturnOp(key, rate, burst, held)])
+        if h is None or h.numbers != numbers:
+            self._give_back([(key, numbers, held)])
             return
         h.tokens += held
         self._arm()
 
     def granted(self, key: str, amount: float, cost: float, shared: float, want: float,
-                rate: float, burst: float) -> float:
+                numbers: Numbers) -> float:
         """The store granted ``amount`` tokens for ``key`` (``shared`` left there) to a
         request of ``cost``, which spends its cost from it at once. Returns ``remaining``."""
         now = self._clock.monotonic()
         self.grants += 1
         h = self._held.get(key)
-        if h is None or h.rate != rate or h.burst != burst:
+        if h is None or h.numbers != numbers:
             if h is not None and h.tokens > 0.0:  # taken with other numbers: give it back
-                self._give_back([ReturnOp(key, h.rate, h.burst, h.tokens)])
-            h = self._held[key] = _Held(0.0, shared, now, now, rate, burst)
+                self._give_back([(key, h.numbers, h.tokens)])
+            h = self._held[key] = _Held(0.0, shared, now, now, numbers)
         if h.tokens <= 0.0:
             h.taken_at = now
         h.tokens = take(h.tokens + amount, cost)
         h.shared = shared
         if h.tokens > want:  # grants that landed together: keep one, the rest goes back now
-            self._give_back([ReturnOp(key, rate, burst, h.tokens - want)])
+            self._give_back([(key, numbers, h.tokens - want)])
             h.tokens = want
         if h.tokens <= 0.0:
             h.empty_since = now
         self._arm()
         return h.tokens + h.shared
 
-    def due(self) -> list[ReturnOp]:
+    def due(self) -> list[Op]:
         """Take out what goes back now: every grant at least half a ``sync_interval`` old
         (the timer runs every half interval); forget keys empty for a whole interval."""
         now = self._clock.monotonic()
         half = self.sync_interval / TICKS
-        out: list[ReturnOp] = []
+        out: list[Op] = []
         for key, h in list(self._held.items()):
             if h.tokens > 0.0 and now - h.taken_at >= half:
-                out.append(ReturnOp(key, h.rate, h.burst, h.tokens))
+                out.append(self._op(key, h.numbers, h.tokens))
+                self.expired += 1
                 h.tokens = 0.0
                 h.empty_since = now
             elif h.tokens <= 0.0 and now - h.empty_since >= self.sync_interval:
@@ -178,20 +213,20 @@ class GrantTable:
             await asyncio.gather(*(self._send(op) for op in returns))
         return len(returns)
 
-    async def _send(self, op: ReturnOp) -> None:
+    async def _send(self, op: Op) -> None:
         assert self.store is not None
         try:
             await self.store.check([op], "")
         except Exception:  # a lost return only refuses early: counted, never raised
             self.return_errors += 1
         else:
-            self.returned += op.amount
+            self.returned += getattr(op, "amount", 0.0)
 
-    def _give_back(self, ops: Iterable[ReturnOp]) -> None:
+    def _give_back(self, returns: Iterable[tuple[str, Numbers, float]]) -> None:
         if self.store is None:
             return
-        for op in ops:
-            self._spawn(self._send(op))
+        for key, numbers, amount in returns:
+            self._spawn(self._send(self._op(key, numbers, amount)))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -208,17 +243,36 @@ class GrantTable:
         if self._held:
             self._arm()
 
-    async def settle(self) -> None:
-        """Give back everything held now and stop (a graceful stop: the fleet gets this
-        replica's unspent grants at once instead of losing them)."""
+    def _take_all(self) -> list[Op]:
+        """Stop the timer and take out everything held (to go back)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        returns = [ReturnOp(key, h.rate, h.burst, h.tokens) for key, h in self._held.items() if h.tokens > 0.0]
+        returns = [self._op(key, h.numbers, h.tokens) for key, h in self._held.items() if h.tokens > 0.0]
         self._held.clear()
+        return returns
+
+    async def settle(self) -> None:
+        """Give back everything held now and stop (a graceful stop: the fleet gets this
+        replica's unspent grants at once instead of losing them)."""
+        returns = self._take_all()
         if self.store is not None:
             await asyncio.gather(*(self._send(op) for op in returns))
         await self.drain()
+
+    def retire(self) -> None:
+        """A reload replaced this table's limiter: give back everything held now, in the
+        background (:meth:`drain` waits for it); a request still answered by the old
+        limiter that takes a grant after it gives that back within ``sync_interval``, as
+        any grant."""
+        returns = self._take_all()
+        if self.store is None:
+            return
+        try:
+            for op in returns:
+                self._spawn(self._send(op))
+        except RuntimeError:  # no event loop: nothing was ever taken
+            pass
 
     async def drain(self) -> None:
         """Wait for the returns already sent (tests, shutdown)."""
@@ -258,6 +312,40 @@ async def settle_grants(limiters: Iterable[object]) -> None:
     for lim in limiters:
         if isinstance(lim, Grantee) and lim.grants is not None:
             await lim.grants.settle()
+
+
+#: :meth:`GrantTable.status` fields on /metrics: field -> (metric name, counter?, help);
+#: labelled by limiter. Counters count since the limiter was built (a reload starts anew).
+GRANT_METRICS: Final = {
+    "grants_taken": ("extauthz_grants_taken", True, "Batched grants taken from the store."),
+    "grants_expired": ("extauthz_grants_expired", True, "Batched grants given back unspent "
+                       "because sync_interval passed."),
+    "returned": ("extauthz_grant_returned", True, "Unspent granted tokens or quota units "
+                 "given back to the store (any reason)."),
+    "return_errors": ("extauthz_grant_return_errors", True, "Give-backs that failed (their "
+                      "amount only refuses early until the store refills it)."),
+    "store_calls_saved": ("extauthz_grant_store_calls_saved", True, "Requests answered from a "
+                          "batched grant held here: store calls saved."),
+    "held": ("extauthz_grants_held", False, "Granted tokens or quota units held here, unspent."),
+    "keys": ("extauthz_grant_keys", False, "Keys this replica holds or recently held grants for."),
+}
+
+
+def grant_status(limiters: Iterable[object]) -> dict[str, dict[str, float]]:
+    """Every batched limiter's :meth:`GrantTable.status`, by limiter name (/status, /metrics)."""
+    return {str(getattr(lim, "name", "")): lim.grants.status() for lim in limiters
+            if isinstance(lim, Grantee) and lim.grants is not None}
+
+
+def retire_grants(old: Iterable[object], new: Iterable[object]) -> None:
+    """A reload: every batched table of ``old`` that ``new`` does not keep gives back what
+    it holds at once (:meth:`GrantTable.retire`); the new limiters take their own grants,
+    with their own numbers. Nothing is admitted twice: a grant is spent only by the table
+    that took it, and what goes back only refills the shared count."""
+    kept = {id(lim) for lim in new}
+    for lim in old:
+        if id(lim) not in kept and isinstance(lim, Grantee) and lim.grants is not None:
+            lim.grants.retire()
 
 
 def bind_store(limiters: Iterable[object], store: Store) -> None:

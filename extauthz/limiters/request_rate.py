@@ -117,8 +117,7 @@ class RequestRateLimiter(PerCustomer):
         if self.grants is None:
             return None
         n = self.limits(ctx)
-        remaining = self.grants.spend(self._bucket(ctx), n.cost,
-                                      n.rate, n.burst)
+        remaining = self.grants.spend(self._bucket(ctx), n.cost, (n.rate, n.burst))
         if remaining is None:
             return None
         self._spent = ctx  # op() is called next, for the same request: nothing to ask
@@ -134,7 +133,7 @@ class RequestRateLimiter(PerCustomer):
         its cost goes back to the grant (batched grants only)."""
         if self.grants is not None:
             n = self.limits(ctx)
-            self.grants.restore(self._bucket(ctx), n.cost, n.rate, n.burst)
+            self.grants.restore(self._bucket(ctx), n.cost, (n.rate, n.burst))
 
     def op(self, ctx: RequestContext, enforce: bool) -> BucketOp | GrantOp | None:
         if self._spent is not None:
@@ -145,7 +144,7 @@ class RequestRateLimiter(PerCustomer):
         key = self._bucket(ctx)
         if self.grants is not None:
             return GrantOp(key, n.rate, n.burst, n.cost, self.want(n), enforce,
-                           self.grants.lend(key, n.rate, n.burst))
+                           self.grants.lend(key, (n.rate, n.burst)))
         return BucketOp(key, n.rate, n.burst, n.cost, enforce)
 
     def verdict(self, ctx: RequestContext, result: OpResult, enforce: bool) -> Verdict:
@@ -153,12 +152,12 @@ class RequestRateLimiter(PerCustomer):
         if self.grants is not None:
             key = self._bucket(ctx)
             if result.extra <= 0.0:  # nothing committed: the remainder lent stays here
-                self.grants.restore(key, -result.extra, n.rate, n.burst)
+                self.grants.restore(key, -result.extra, (n.rate, n.burst))
             if result.allowed:
                 remaining = result.remaining + self.grants.held(key)
                 if result.extra > 0.0:  # a grant was taken: this request spends from it
                     remaining = self.grants.granted(key, result.extra, n.cost, result.remaining,
-                                                    self.want(n), n.rate, n.burst)
+                                                    self.want(n), (n.rate, n.burst))
                 return self._allowed(n, remaining)
         if result.allowed:
             return Verdict(self.name, self.kind, Outcome.ALLOWED, limit=n.burst,

@@ -28,6 +28,7 @@ from ..context import RequestContext
 from ..engine import Engine
 from ..errors import CircuitOpen, StoreError, StoreInternalError, StoreTimeout, StoreUnavailable
 from ..limiters import FleetUsageShedder, WorkerUtilizationShedder
+from ..limiters.grants import GRANT_METRICS, grant_status
 from ..policy.model import Policy
 from ..store.base import CheckResult, Op
 from ..tiers import Tier
@@ -175,6 +176,15 @@ class LeaseSampler:
         self.values = {name: sum(next(it) for _ in keys) for name, keys in per_limiter.items()}
 
 
+def _grant_metrics(status: dict[str, dict[str, float]]) -> Iterator[Metric]:
+    """Batched grants' counters (:data:`~extauthz.limiters.grants.GRANT_METRICS`), by limiter."""
+    for field, (name, counter, text) in GRANT_METRICS.items():
+        family = (CounterMetricFamily if counter else GaugeMetricFamily)(name, text, labels=["limiter"])
+        for limiter, values in sorted(status.items()):
+            family.add_metric([limiter], values[field])
+        yield family
+
+
 class StateCollector:
     """Exports, at scrape time, what the server already holds. Register it on the
     :class:`Metrics` registry."""
@@ -232,6 +242,8 @@ class StateCollector:
             if isinstance(lim, FleetUsageShedder):
                 capacity.add_metric([lim.name], lim.capacity)
         yield capacity
+
+        yield from _grant_metrics(grant_status(snap.limiters))
 
         info = GaugeMetricFamily("extauthz_policy_info", "The policy version being served (1).",
                                  labels=["version"])

@@ -443,8 +443,9 @@ class _BatchedGrants(_Strict):
         "exact", description="exact: every request asks the store; batched: a replica takes "
         "grants of 'batch' from the store and spends them locally (docs/limiters.md).")
     batch: Annotated[float, Field(ge=1, le=MAX_TOKENS)] | None = Field(
-        None, description="batched: how much one store call takes (at least 1); default: what "
-        "one sync_interval refills, at least 1 and at least the cost.")
+        None, description="batched: how much one store call takes (at least 1; a quota: whole "
+        "requests); default: request_rate, what one sync_interval refills, at least 1 and at "
+        "least the cost; quota, 1% of the limit, at least the cost.")
     sync_interval: Annotated[Duration, Field(ge=MIN_SYNC_INTERVAL, le=MAX_SYNC_INTERVAL)] = Field(
         DEFAULT_SYNC_INTERVAL, description="batched: unspent grant goes back to the store within it, and a "
         f"replica that held none of a key's grant for that long forgets it (default "
@@ -498,7 +499,7 @@ class ConcurrentRequestsSpec(_KeyedBase):
 QuotaPeriod = Literal["minute", "hour", "day", "week", "month"]
 
 
-class QuotaSpec(_KeyedBase):
+class QuotaSpec(_BatchedGrants, _KeyedBase):
     """At most ``limit`` requests per calendar ``period`` (UTC; weeks start on Monday)."""
 
     type: Literal["quota"]
@@ -515,6 +516,12 @@ class QuotaSpec(_KeyedBase):
                 where = f"plan '{name}': " if name else ""
                 raise ValueError(f"{where}cost ({self.cost}) is larger than limit ({limit}): "
                                  "no request could ever pass")
+        return self
+
+    @model_validator(mode="after")
+    def _whole_batch(self) -> QuotaSpec:
+        if self.batch is not None and self.batch != int(self.batch):
+            raise ValueError(f"batch ({self.batch:g}) of a quota is whole requests")
         return self
 
 

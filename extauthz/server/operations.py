@@ -17,6 +17,7 @@ from .. import __version__
 from ..changelog import ChangeLog
 from ..clock import Clock
 from ..engine import Engine
+from ..limiters.grants import grant_status
 from ..observe.edge_metrics import EdgeCollector
 from ..observe.metrics import LeaseSampler, StateCollector
 from ..observe.setup import Observability
@@ -114,6 +115,7 @@ class Operations:
         self.metrics_port = 0
         #: more sections of /status, by name (e.g. "http": the HTTP authorization port)
         self.status_sections: dict[str, Callable[[], Any]] = {}
+        self.status_sections["grants"] = lambda: grant_status(self.engine.snapshot.limiters)
 
     def _apply_policy(self, policy: Policy) -> None:
         self.engine.set_policy(policy)

@@ -8,8 +8,9 @@ requires identical decisions, remaining, retry-after and levels):
 * the Redis store must change its state atomically inside Redis, so ``lua/check.lua``
   runs the minimal part of the rule, :func:`refill`, :func:`admits`, :func:`take`, the
   batched grants' :func:`grant_pool`, :func:`grant_size`, :func:`give_back` and
-  :func:`grant_stamp`, the lease sweep (:func:`lease_live`) and the quota count
-  (:func:`count_admits`), with the same float operations in the same order and the same
+  :func:`grant_stamp`, the lease sweep (:func:`lease_live`), the quota count
+  (:func:`count_admits`) and its batched grants (:func:`quota_pool`,
+  :func:`quota_grant_size`, :func:`quota_give_back`), with the same float operations in the same order and the same
   :data:`TOKEN_EPSILON` (its header says so; a test pins the constant). The script
   returns raw state (tokens or live leases before the commit, and whether each op allows),
   and Python derives every reported number from it with :func:`op_result`, as the memory
@@ -24,7 +25,18 @@ a double, so Lua and Python compute on bit-identical inputs.
 
 from __future__ import annotations
 
-from .base import BucketOp, CountOp, GrantOp, LeaseOp, Op, OpResult, ReturnOp, ShedParams
+from .base import (
+    BucketOp,
+    CountOp,
+    GrantOp,
+    LeaseOp,
+    Op,
+    OpResult,
+    QuotaGrantOp,
+    QuotaReturnOp,
+    ReturnOp,
+    ShedParams,
+)
 
 #: A bucket holding ``cost - TOKEN_EPSILON`` tokens admits the request: float time arithmetic
 #: must not refuse a request that arrives exactly on time (rate 7/s, burst 1: the next token
@@ -147,6 +159,47 @@ def count_result(op: CountOp, allowed: bool, count: int, committed: bool) -> OpR
     return OpResult(allowed, float(max(0, op.limit - after)), 0.0 if allowed else op.reset, op.reset)
 
 
+# --------------------------------------------------------------------------- quota grants
+# ``consistency: batched`` for a quota: a grant adds up to ``want`` units to the window's
+# count at once, when the count admits the asking request (:func:`count_admits` for its
+# cost), so the window never counts fewer than were admitted and no more than ``limit``
+# are admitted; unspent units go back with :func:`quota_give_back`. Integers, exact.
+
+
+def quota_pool(count: int, held: int) -> int:
+    """The window's count with the asking replica's ``held`` remainder given back."""
+    return quota_give_back(count, held)
+
+
+def quota_grant_size(pool: int, want: int, limit: int) -> int:
+    """Units a grant adds to a count of ``pool`` that admits it: ``want``, or what is left
+    of ``limit`` when less (at least the asking request's cost)."""
+    return max(0, min(want, limit - pool))
+
+
+def quota_give_back(count: int, amount: int) -> int:
+    """The window's count after ``amount`` unspent granted units come back: never below 0."""
+    return max(0, count - amount)
+
+
+def quota_grant_result(op: QuotaGrantOp, allowed: bool, count: int, committed: bool) -> OpResult:
+    """The answer for a quota grant from the window's count before it: ``remaining`` is
+    what the window has left after it; ``retry_after`` the seconds to the window's end
+    (allowed or not: the grant belongs to that window); ``extra`` the units granted (> 0),
+    or minus the ``held`` units that stay with the replica when nothing was committed (<= 0)."""
+    pool = quota_pool(count, op.held)
+    retry = op.reset  # allowed too: the window the grant belongs to (the limiter keys it)
+    if not committed:
+        return OpResult(allowed, float(max(0, op.limit - pool)), retry, float(-op.held))
+    granted = quota_grant_size(pool, op.want, op.limit)
+    return OpResult(allowed, float(max(0, op.limit - pool - granted)), retry, float(granted))
+
+
+def quota_return_result(op: QuotaReturnOp, count: int) -> OpResult:
+    """The answer for a quota give-back: ``remaining`` is the window's count after it."""
+    return OpResult(True, float(quota_give_back(count, op.amount)), 0.0, 0.0)
+
+
 # --------------------------------------------------------------------------- one request
 
 
@@ -162,6 +215,10 @@ def op_result(op: Op, allowed: bool, value: float, admitted: bool) -> OpResult:
         return grant_result(op, allowed, value, committed)
     if isinstance(op, ReturnOp):
         return return_result(op, value)
+    if isinstance(op, QuotaGrantOp):
+        return quota_grant_result(op, allowed, int(value), committed)
+    if isinstance(op, QuotaReturnOp):
+        return quota_return_result(op, int(value))
     return lease_result(op, allowed, int(value), committed)
 
 

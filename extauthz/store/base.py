@@ -107,7 +107,39 @@ class ReturnOp:
     enforce: bool = False
 
 
-Op = BucketOp | LeaseOp | CountOp | GrantOp | ReturnOp
+@dataclass(frozen=True, slots=True)
+class QuotaGrantOp:
+    """Batched grants of a quota (``consistency: batched``): the replica gives back the
+    ``held`` units left of its last grant (less than one request's cost) and takes up to
+    ``want`` units of the window's count ``key``, when the count without them admits
+    ``cost`` (the request that asked). Window, TTL and ``reset`` are :class:`CountOp`'s;
+    the grant is :func:`~extauthz.store.algorithms.quota_grant_size`, added to the count
+    atomically before any of it is spent."""
+
+    key: str
+    limit: int
+    cost: int
+    want: int
+    ttl: int
+    reset: float
+    enforce: bool = True
+    held: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaReturnOp:
+    """Give ``amount`` unspent granted quota units back to the window's count ``key``
+    (:func:`~extauthz.store.algorithms.quota_give_back`; nothing when the window's count is
+    gone). Always allowed."""
+
+    key: str
+    amount: int
+    enforce: bool = False
+
+
+Op = BucketOp | LeaseOp | CountOp | GrantOp | ReturnOp | QuotaGrantOp | QuotaReturnOp
+#: the ops that give unspent grants back (they ride with the next check)
+RETURN_OPS = (ReturnOp, QuotaReturnOp)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,11 +149,13 @@ class OpResult:
     #: after this request if it was admitted.
     remaining: float
     #: bucket: seconds until ``cost`` tokens are there (0 when allowed); lease: 0; count:
-    #: seconds to the window's end when refused (0 when allowed).
+    #: seconds to the window's end when refused (0 when allowed); quota grant: seconds to
+    #: the window's end (allowed or not).
     retry_after: float
     #: bucket: seconds until the bucket is full again; lease: live leases after the call;
-    #: count: seconds to the window's end; grant: the tokens granted (> 0), or, when
-    #: nothing was committed, minus the ``held`` tokens the replica keeps (<= 0); return: 0.
+    #: count: seconds to the window's end; grant (tokens or quota units): the amount
+    #: granted (> 0), or, when nothing was committed, minus the ``held`` amount the replica
+    #: keeps (<= 0); return: 0.
     extra: float
 
 

@@ -24,7 +24,19 @@ from collections.abc import Sequence
 from ..clock import SYSTEM_CLOCK, Clock
 from . import algorithms
 from .algorithms import admits, bucket_result, count_admits, count_result, lease_admits, lease_result, refill, take
-from .base import BucketOp, CheckResult, CountOp, GrantOp, Op, ReturnOp, ShedParams, StoreBase, bucket_ttl
+from .base import (
+    BucketOp,
+    CheckResult,
+    CountOp,
+    GrantOp,
+    Op,
+    QuotaGrantOp,
+    QuotaReturnOp,
+    ReturnOp,
+    ShedParams,
+    StoreBase,
+    bucket_ttl,
+)
 
 #: due heap entries a check looks at, at most (a check creates at most a few keys, so the
 #: sweep keeps up; a backlog after an idle spell drains over the next checks)
@@ -128,6 +140,10 @@ class MemoryStore(StoreBase):
             elif isinstance(op, CountOp):
                 value = self._count(op.key, now)
                 ok = count_admits(int(value), op.cost, op.limit)
+            elif isinstance(op, QuotaGrantOp | QuotaReturnOp):
+                value = self._count(op.key, now)
+                ok = (isinstance(op, QuotaReturnOp)
+                      or count_admits(algorithms.quota_pool(int(value), op.held), op.cost, op.limit))
             else:
                 value = float(len(self._live_leases(op.key, now)))
                 ok = lease_admits(int(value), op.limit)
@@ -164,6 +180,20 @@ class MemoryStore(StoreBase):
                     else:
                         self._buckets[op.key] = [float(op.cost), now, now + op.ttl]
                 results.append(count_result(op, ok, int(value), commit))
+            elif isinstance(op, QuotaGrantOp | QuotaReturnOp):
+                if commit:
+                    state = self._buckets.get(op.key)
+                    live = state is not None and state[2] > now
+                    if isinstance(op, QuotaGrantOp):
+                        pool = algorithms.quota_pool(int(value), op.held)
+                        after = pool + algorithms.quota_grant_size(pool, op.want, op.limit)
+                        if state is not None and live:
+                            state[0] = float(after)  # the window's expiry stays
+                        else:
+                            self._buckets[op.key] = [float(after), now, now + op.ttl]
+                    elif state is not None and live:  # a window gone takes nothing back
+                        state[0] = float(algorithms.quota_give_back(int(value), op.amount))
+                results.append(algorithms.op_result(op, ok, value, admitted))
             else:
                 if commit:
                     leases = self._leases.setdefault(op.key, {})

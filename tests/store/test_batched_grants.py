@@ -17,17 +17,21 @@ from __future__ import annotations
 import asyncio
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from extauthz.clock import ManualClock
 from extauthz.engine import Engine
+from extauthz.errors import PolicyError
 from extauthz.limiters.grants import GrantTable, default_batch
+from extauthz.limiters.quota import QuotaLimiter, default_quota_batch
 from extauthz.limiters.refusals import RefusalCache
 from extauthz.limiters.request_rate import RequestRateLimiter
 from extauthz.store import algorithms
-from extauthz.store.base import GrantOp, Op, ReturnOp, Store
+from extauthz.store.base import GrantOp, Op, QuotaGrantOp, ReturnOp, Store
 from extauthz.store.memory import MemoryStore
+from extauthz.store.redis import RedisStore
 from extauthz.verdict import Decision, Kind, Outcome, Verdict
 from testinfra.redis_servers import RedisSingle
 from tests.store.conftest import make_redis_store
@@ -45,8 +49,9 @@ def batched(tmp_path: Path, **extra: object) -> dict[str, object]:
 
 
 def table(engine: Engine) -> GrantTable:
+    """The first limiter's grant table (a batched request_rate or quota)."""
     lim = engine.snapshot.limiters[0]
-    assert isinstance(lim, RequestRateLimiter) and lim.grants is not None
+    assert isinstance(lim, RequestRateLimiter | QuotaLimiter) and lim.grants is not None
     return lim.grants
 
 
@@ -66,6 +71,15 @@ def refusals(engine: Engine) -> RefusalCache:
     lim = engine.snapshot.limiters[0]
     assert isinstance(lim, RequestRateLimiter) and lim.refusals is not None
     return lim.refusals
+
+
+async def shut(tables: list[GrantTable], stores: list[RedisStore], raw: Any) -> None:
+    """Stop the replicas' timers and close their store clients and the test's own."""
+    for t in tables:
+        t.close()
+    for s in stores:
+        await s.close()
+    raw.close()
 
 
 def rate_verdict(d: Decision) -> Outcome:
@@ -138,8 +152,8 @@ async def test_grants_that_land_together_keep_one_and_give_the_rest_back() -> No
     op = GrantOp("k", RATE, BURST, 1.0, BATCH)
     first, second = (await store.check([op], "")).results[0], (await store.check([op], "")).results[0]
     assert (first.extra, second.extra) == (BATCH, BATCH)
-    grants.granted("k", first.extra, 1.0, first.remaining, BATCH, RATE, BURST)
-    remaining = grants.granted("k", second.extra, 1.0, second.remaining, BATCH, RATE, BURST)
+    grants.granted("k", first.extra, 1.0, first.remaining, BATCH, (RATE, BURST))
+    remaining = grants.granted("k", second.extra, 1.0, second.remaining, BATCH, (RATE, BURST))
     assert grants.held("k") == BATCH and remaining == BATCH + BURST - 2 * BATCH
     await grants.drain()
     assert store.tokens("k") == BURST - 2 * BATCH + (2 * BATCH - 2 - BATCH)  # the surplus is back
@@ -235,11 +249,7 @@ async def test_replicas_never_admit_more_than_exact_and_refuse_early_by_at_most_
         assert exact_admits  # a whole interval refilled one token at least
         assert (await engines[0].check(get()))[1].allowed
     finally:
-        for t in tables:
-            t.close()
-        for s in stores:
-            await s.close()
-        raw.close()
+        await shut(tables, stores, raw)
 
 
 @pytest.mark.redis
@@ -338,3 +348,215 @@ async def test_a_graceful_stop_gives_back_every_grant_held(tmp_path: Path) -> No
     assert store.tokens(key) == BURST - BATCH
     await engine.settle_grants()  # what Server.stop does before the store closes
     assert store.tokens(key) == BURST - 1 and table(engine).total() == 0.0
+
+
+# --------------------------------------------------------------------------- quota
+
+QLIMIT, QBATCH = 40, 4
+#: one second into a minute: a run of under a minute stays in one quota window
+QSTART = 60.0 * 100_000 + 1.0
+
+
+def batched_quota(**extra: object) -> dict[str, object]:
+    return {"name": "user-quota", "type": "quota", "limit": QLIMIT, "period": "minute",
+            "consistency": "batched", "batch": QBATCH, "sync_interval": "100ms", **extra}
+
+
+def quota_key(engine: Engine, start: float = QSTART - 1.0) -> str:
+    lim = engine.snapshot.limiters[0]
+    assert isinstance(lim, QuotaLimiter)
+    return lim._count_key(engine.context(get()), int(start))
+
+
+def counted_quota(tmp_path: Path) -> tuple[ManualClock, MemoryStore, Counting, Engine]:
+    """An engine with one batched quota on the embedded store, its store calls counted."""
+    clock = ManualClock(QSTART)
+    store = MemoryStore(clock)
+    count = Counting(store)
+    engine = Engine(store, policy_from(tmp_path, {"limiters": [batched_quota()]}), clock=clock,
+                    store_check=count)  # type: ignore[arg-type]
+    return clock, store, count, engine
+
+
+async def test_quota_one_store_call_per_grant_and_headers_count_the_grant(tmp_path: Path) -> None:
+    _, store, count, engine = counted_quota(tmp_path)
+    decisions = [(await engine.check(get()))[1] for _ in range(10)]
+    assert all(d.allowed for d in decisions)
+    assert len(count.calls) == 3  # grants of 4 units serve 4 requests each
+    assert all(isinstance(op, QuotaGrantOp) and op.want == QBATCH for ops in count.calls for op in ops)
+    # remaining = grant left here + the window's last known remaining: as exact would say
+    assert [d.verdicts[0].remaining for d in decisions] == [QLIMIT - 1.0 - i for i in range(10)]
+    assert all(d.verdicts[0].reset == pytest.approx(59.0) for d in decisions)
+    assert store.tokens(quota_key(engine)) == 12  # 10 spent, 2 held here
+    table(engine).close()
+
+
+def test_quota_default_batch_is_one_percent_of_the_limit() -> None:
+    assert default_quota_batch(10_000, 1) == 100
+    assert default_quota_batch(40, 1) == 1  # at least one request
+    assert default_quota_batch(1000, 25) == 25  # at least one request's cost
+
+
+def test_a_quota_batch_is_whole_requests(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError, match=r"batch \(2.5\) of a quota is whole requests"):
+        policy_from(tmp_path, {"limiters": [batched_quota(batch=2.5)]})
+
+
+async def test_a_quota_grant_is_never_spent_in_the_next_window(tmp_path: Path) -> None:
+    clock, store, count, engine = counted_quota(tmp_path)
+    grants = table(engine)
+    assert (await engine.check(get()))[1].allowed
+    assert grants.held(quota_key(engine)) == QBATCH - 1
+    clock.advance(59.0)  # the next minute
+    decision = (await engine.check(get()))[1]
+    assert decision.allowed and len(count.calls) == 2  # a grant of its own window
+    assert decision.verdicts[0].remaining == QLIMIT - 1.0
+    assert store.tokens(quota_key(engine, QSTART + 59.0)) == QBATCH
+    await grants.sync()  # the old window's grant goes back to the old window's count
+    await grants.drain()
+    assert store.tokens(quota_key(engine)) == 1
+    grants.close()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("replicas", [2, 3, 5])
+async def test_quota_replicas_never_admit_more_than_the_limit_and_refuse_early_by_at_most_the_bound(
+        redis_single_clean: RedisSingle, tmp_path: Path, replicas: int) -> None:
+    clock = ManualClock(QSTART)
+    policy = policy_from(tmp_path, {"limiters": [batched_quota()]})
+    stores = [make_redis_store(redis_single_clean, clock) for _ in range(replicas)]
+    engines = [Engine(s, policy, clock=clock, deadline=5.0) for s in stores]
+    tables = [table(e) for e in engines]
+    raw = redis_single_clean.client()
+    key = quota_key(engines[0])
+    rng = random.Random(24)
+
+    def shared_count() -> int:
+        stored = raw.get(key)
+        return 0 if stored is None else int(stored)
+
+    admitted = refused = 0
+    last_sync = clock.now
+    try:
+        for _ in range(120):
+            i = rng.randrange(replicas)
+            decision = (await engines[i].check(get()))[1]
+            for t in tables:
+                await t.drain()
+            held = [t.held(key) for t in tables]
+            if decision.allowed:
+                admitted += 1
+            else:
+                refused += 1
+                assert decision.denied_by is not None and decision.denied_by.reason == "quota_exceeded"
+                others = sum(h for j, h in enumerate(held) if j != i)
+                assert others <= QBATCH * (replicas - 1)
+                # early by at most what the others hold: at most batch x (replicas - 1)
+                assert admitted >= QLIMIT - QBATCH * (replicas - 1)
+            # never more than the exact limiter, and the count is every unit admitted or held
+            assert admitted <= QLIMIT
+            assert shared_count() == admitted + sum(held)
+            clock.advance(rng.choice((0.0, 0.0, 0.01, 0.03)))
+            if clock.now - last_sync >= SYNC / 2:  # each replica's timer turn
+                for t in tables:
+                    await t.sync()
+                last_sync = clock.now
+        assert refused > 0 and sum(t.local for t in tables) > 0  # the run reached the limit
+        # One sync_interval later, every replica synced: nothing held anywhere, and the
+        # answers are the exact limiter's again (the window's count is what was admitted).
+        clock.advance(SYNC)
+        for t in tables:
+            await t.sync()
+            await t.drain()
+        assert sum(t.held(key) for t in tables) == 0.0 and shared_count() == admitted
+        expected = admitted < QLIMIT
+        assert (await engines[0].check(get()))[1].allowed is expected
+    finally:
+        await shut(tables, stores, raw)
+
+
+# --------------------------------------------------------------------------- reload
+
+
+@pytest.mark.parametrize("change", [{"limit": 10, "batch": 2}, {"batch": 8}, {"consistency": "exact"}])
+async def test_a_reload_gives_the_old_quota_grants_back_and_admits_no_more_than_the_new_limit(
+        tmp_path: Path, change: dict[str, object]) -> None:
+    clock = ManualClock(QSTART)
+    store = MemoryStore(clock)
+    engine = Engine(store, policy_from(tmp_path, {"limiters": [batched_quota()]}), clock=clock)
+    old = table(engine)
+    for _ in range(3):
+        assert (await engine.check(get()))[1].allowed
+    key = quota_key(engine)
+    assert store.tokens(key) == QBATCH and old.held(key) == 1
+    new_spec = batched_quota(**change)
+    if change.get("consistency") == "exact":
+        del new_spec["batch"], new_spec["sync_interval"]
+    engine.set_policy(policy_from(tmp_path, {"limiters": [new_spec]}, name="new.yaml"))
+    await old.drain()
+    assert old.total() == 0 and store.tokens(key) == 3  # the unspent unit went back at once
+    limit = int(new_spec["limit"])  # type: ignore[call-overload]
+    admitted = 3
+    while (await engine.check(get()))[1].allowed:
+        admitted += 1
+        assert admitted <= limit
+    assert admitted == limit  # one replica: never early, never over
+    lim = engine.snapshot.limiters[0]
+    assert isinstance(lim, QuotaLimiter)
+    if lim.grants is not None:
+        lim.grants.close()
+
+
+async def test_a_reload_gives_the_old_rate_grants_back(tmp_path: Path) -> None:
+    clock = ManualClock(START)
+    store = MemoryStore(clock)
+    engine = Engine(store, policy_from(tmp_path, {"limiters": [batched(tmp_path)]}), clock=clock)
+    old = table(engine)
+    await engine.check(get())
+    key = next(iter(old._held))
+    assert store.tokens(key) == BURST - BATCH
+    engine.set_policy(policy_from(tmp_path, {"limiters": [batched(tmp_path, burst=10.0, batch=2)]},
+                                   name="new.yaml"))
+    await old.drain()
+    assert old.total() == 0.0 and store.tokens(key) == BURST - 1  # given back (capped at the old burst)
+    admitted = 1
+    while (await engine.check(get()))[1].allowed:
+        admitted += 1
+    assert admitted == 1 + 10  # the new burst caps the refilled bucket: never more than exact
+    table(engine).close()
+
+
+# --------------------------------------------------------------------------- counters
+
+
+async def test_grant_counters_are_the_tables_own_status(tmp_path: Path) -> None:
+    clock = ManualClock(QSTART)
+    store = MemoryStore(clock)
+    engine = Engine(store, policy_from(tmp_path, {"limiters": [batched_quota()]}), clock=clock)
+    grants = table(engine)
+    for _ in range(6):
+        await engine.check(get())
+    assert grants.status() == {"keys": 1, "held": 2.0, "grants_taken": 2, "grants_expired": 0,
+                               "returned": 0.0, "return_errors": 0, "store_calls_saved": 4}
+    clock.advance(SYNC)
+    await grants.sync()
+    await grants.drain()
+    status = grants.status()
+    assert (status["grants_expired"], status["returned"], status["held"]) == (1, 2.0, 0.0)
+    grants.close()
+
+
+async def test_a_request_refused_by_another_limiter_spends_no_quota_grant(tmp_path: Path) -> None:
+    clock = ManualClock(QSTART)
+    conc = {"name": "user-conc", "type": "concurrent_requests", "limit": 1}
+    store = MemoryStore(clock)
+    engine = Engine(store, policy_from(tmp_path, {"limiters": [batched_quota(), conc]}), clock=clock)
+    grants = table(engine)
+    assert (await engine.check(get()))[1].allowed  # holds the one lease (not released)
+    key = quota_key(engine)
+    for _ in range(3):
+        second = (await engine.check(get()))[1]
+        assert second.denied_by is not None and second.denied_by.limiter == "user-conc"
+        assert grants.held(key) == QBATCH - 1  # spent locally, then given back to the grant
+    assert store.tokens(key) == QBATCH
+    grants.close()

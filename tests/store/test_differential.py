@@ -39,7 +39,19 @@ from extauthz.clock import ManualClock
 from extauthz.context import RawRequest
 from extauthz.engine import Engine
 from extauthz.store import algorithms
-from extauthz.store.base import BucketOp, CheckResult, CountOp, GrantOp, LeaseOp, Op, ReturnOp, ShedParams, Store
+from extauthz.store.base import (
+    BucketOp,
+    CheckResult,
+    CountOp,
+    GrantOp,
+    LeaseOp,
+    Op,
+    QuotaGrantOp,
+    QuotaReturnOp,
+    ReturnOp,
+    ShedParams,
+    Store,
+)
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
 from testinfra.redis_servers import RedisSingle
@@ -109,7 +121,19 @@ class Grants:
     held: float
 
 
-Limiter = Bucket | Leases | Count | Grants
+@dataclass(frozen=True)
+class CountGrants:
+    """A quota asked in batched grants (``QuotaGrantOp``) of ``want`` units; windows as
+    :class:`Count`'s."""
+
+    name: str
+    limit: int
+    want: int
+    #: the remainder the replica gives back with each grant it asks
+    held: int
+
+
+Limiter = Bucket | Leases | Count | Grants | CountGrants
 
 
 @dataclass(frozen=True)
@@ -164,7 +188,9 @@ def _limiter(i: int, grants: bool) -> st.SearchStrategy[Limiter]:
         return st.one_of(buckets, leases, counts)
     granted = st.builds(Grants, st.just(f"g{i}"), st.sampled_from(RATES), st.sampled_from(BURSTS),
                         st.sampled_from(WANTS), st.sampled_from(HELD))
-    return st.one_of(buckets, leases, counts, granted)
+    quota_granted = st.builds(CountGrants, st.just(f"c{i}"), st.integers(1, 6), st.integers(1, 4),
+                              st.integers(0, 2))
+    return st.one_of(buckets, leases, counts, granted, quota_granted)
 
 
 @st.composite
@@ -212,16 +238,26 @@ def _ops(keys: Keys, limiters: Sequence[Limiter], check: Check, now: float) -> l
         elif isinstance(lim, Grants):
             ops.append(GrantOp(keys.bucket(lim.name, user), lim.rate, lim.burst, min(cost, lim.burst),
                                max(lim.want, cost), enforce, lim.held))
+        elif isinstance(lim, CountGrants):
+            window = math.floor(now / QUOTA_WINDOW)
+            units = min(math.ceil(cost), lim.limit)
+            ops.append(QuotaGrantOp(keys.quota(lim.name, user, window), lim.limit, units,
+                                    max(lim.want, units), QUOTA_TTL, (window + 1) * QUOTA_WINDOW - now,
+                                    enforce, lim.held))
         else:
             key = keys.fleet_leases(lim.name, "other") if lim.fleet else keys.user_leases(lim.name, user)
             ops.append(LeaseOp(key, lim.limit, lim.ttl, enforce))
     return ops
 
 
-def _give_back(keys: Keys, limiters: Sequence[Limiter], step: GiveBack) -> ReturnOp | None:
+def _give_back(keys: Keys, limiters: Sequence[Limiter], step: GiveBack,
+               now: float) -> ReturnOp | QuotaReturnOp | None:
     lim = limiters[step.pick % len(limiters)]
     if isinstance(lim, Leases | Count):
         return None
+    if isinstance(lim, CountGrants):  # whole units, to the window of now
+        return QuotaReturnOp(keys.quota(lim.name, f"user{step.user}", math.floor(now / QUOTA_WINDOW)),
+                             math.ceil(step.amount))
     return ReturnOp(keys.bucket(lim.name, f"user{step.user}"), lim.rate, lim.burst, step.amount)
 
 
@@ -237,7 +273,7 @@ def _gap(gap: float | str | tuple[int, int] | tuple[str, int], limiters: Sequenc
     if what == "ttl":
         return lim.ttl if isinstance(lim, Leases) else 1.0
     assert isinstance(what, int)
-    if isinstance(lim, Count):
+    if isinstance(lim, Count | CountGrants):
         return QUOTA_WINDOW * what / 2  # on a window's end, or half-way
     return what / lim.rate if isinstance(lim, Bucket | Grants) else what * 0.5
 
@@ -284,7 +320,7 @@ async def _run(stores: Sequence[Store], clock: ManualClock, keys: Keys,
                 log.append(f"release {lease_id} -> {counts}")
                 assert len(set(counts)) == 1, "\n".join(log)
         elif isinstance(step, GiveBack):
-            back = _give_back(keys, limiters, step)
+            back = _give_back(keys, limiters, step, clock.now)
             if back is not None:
                 now = clock.now
                 clock.set(now - step.late)
@@ -292,7 +328,9 @@ async def _run(stores: Sequence[Store], clock: ManualClock, keys: Keys,
                 clock.set(now)
                 log.append(f"t={clock.now!r} give back {back} -> {answers[0]}")
                 assert all(a == answers[0] for a in answers), "\n".join([*log, repr(answers)])
-                assert answers[0].admitted and answers[0].results[0].remaining <= back.burst
+                assert answers[0].admitted
+                if isinstance(back, ReturnOp):
+                    assert answers[0].results[0].remaining <= back.burst
         else:
             counts_per_store = [await s.inflight(lease_keys) for s in stores]
             log.append(f"inflight -> {counts_per_store}")
@@ -399,18 +437,18 @@ async def _run_batched(memory: Store, remote: Store, clock: ManualClock, keys: K
 
     async def flush() -> None:
         # riders (releases and batched grants given back) go first, in order
-        riders: list[tuple[list[str], str] | ReturnOp] = []
+        riders: list[tuple[list[str], str] | ReturnOp | QuotaReturnOp] = []
         for r in segment:
             if isinstance(r, Release) and admitted:
                 riders.append(admitted[r.pick % len(admitted)])
-            elif isinstance(r, GiveBack) and (back := _give_back(keys, limiters, r)) is not None:
+            elif isinstance(r, GiveBack) and (back := _give_back(keys, limiters, r, clock.now)) is not None:
                 riders.append(back)
         checks = [(f"r{len(log)}.{i}", _ops(keys, limiters, c, clock.now))
                   for i, c in enumerate(x for x in segment if isinstance(x, Check))]
         segment.clear()
 
-        def ride(store: Store, rider: tuple[list[str], str] | ReturnOp) -> Awaitable[object]:
-            if isinstance(rider, ReturnOp):
+        def ride(store: Store, rider: tuple[list[str], str] | ReturnOp | QuotaReturnOp) -> Awaitable[object]:
+            if isinstance(rider, ReturnOp | QuotaReturnOp):
                 return store.check([rider], "")
             return store.release(*rider)
 
@@ -441,7 +479,9 @@ async def _run_batched(memory: Store, remote: Store, clock: ManualClock, keys: K
 def test_stores_agree_on_batched_grants(redis_up: RedisSingle,
                                         timeline: tuple[tuple[Limiter, ...], list[Step]]) -> None:
     """Grants (``GrantOp``, with a remainder given back) and give-backs (``ReturnOp``) beside
-    buckets and leases: the same answers from ``check.lua`` and the embedded store."""
+    buckets and leases, and a quota's grants (``QuotaGrantOp``) and give-backs
+    (``QuotaReturnOp``) beside exact counts: the same answers from ``check.lua`` and the
+    embedded store."""
     limiters, steps = timeline
 
     async def body(memory: Store, remote: Store, clock: ManualClock, keys: Keys) -> None:

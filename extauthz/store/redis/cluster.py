@@ -16,7 +16,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 
 from ...errors import StoreError
 from .. import algorithms
-from ..base import BucketOp, CheckResult, CountOp, GrantOp, Op, OpResult
+from ..base import BucketOp, CheckResult, CountOp, GrantOp, Op, OpResult, QuotaGrantOp
 from ..keys import Keys
 from .wire import UNKNOWN, Merge, Reply, StoreStats, Unanswered, check_results, num, unknown_reply, wrap
 
@@ -143,6 +143,11 @@ async def _compensate(submit: Submit, stats: StoreStats,
                 args.extend(("b", num(op.burst), num(max(0.0, granted - op.held))))
             elif isinstance(op, CountOp):
                 args.extend(("q", str(op.cost), ""))
+            elif isinstance(op, QuotaGrantOp):
+                # what the grant added to the count, less the remainder it brought back
+                pool = algorithms.quota_pool(int(float(reply[2 + 2 * i])), op.held)
+                added = algorithms.quota_grant_size(pool, op.want, op.limit) - op.held
+                args.extend(("q", str(max(0, added)), ""))
             else:
                 args.extend(("l", "", ""))
         if keys:

@@ -31,7 +31,7 @@ from redis.asyncio.sentinel import Sentinel
 
 from ...errors import StoreError, StoreUnavailable
 from .. import algorithms, redis_events
-from ..base import CheckResult, Op, ReturnOp, ShedParams, StoreBase, StoreStats
+from ..base import RETURN_OPS, CheckResult, Op, ShedParams, StoreBase, StoreStats
 from ..keys import Keys
 from . import cluster
 from .batcher import Batcher, Call
@@ -332,7 +332,7 @@ class RedisStore(StoreBase):
             return await self._check_groups(ops, groups, lease_id)
         keys, args = self._check_args(ops, lease_id)
         try:
-            if all(isinstance(op, ReturnOp) for op in ops):
+            if all(isinstance(op, RETURN_OPS) for op in ops):
                 # batched grants given back: they ride with the next check, as releases do
                 reply = await self._submit("check", keys, args, ride=self.releases_ride)
             else:

@@ -16,7 +16,18 @@ from redis import exceptions as rx
 
 from ...errors import StoreError, StoreTimeout, StoreUnavailable
 from .. import algorithms
-from ..base import BucketOp, CheckResult, CountOp, GrantOp, Op, OpResult, ReturnOp, StoreStats
+from ..base import (
+    BucketOp,
+    CheckResult,
+    CountOp,
+    GrantOp,
+    Op,
+    OpResult,
+    QuotaGrantOp,
+    QuotaReturnOp,
+    ReturnOp,
+    StoreStats,
+)
 
 __all__ = [
     "CLIENT_ERRORS", "MERGES", "NOSCRIPT_ATTEMPTS", "SCRIPT_NAMES", "UNKNOWN", "Merge", "Reply", "Script",
@@ -192,6 +203,11 @@ def op_args(op: Op) -> tuple[bytes, ...]:
         return (b"u", b"0", num(op.rate).encode(), num(op.burst).encode(), num(op.amount).encode())
     if isinstance(op, CountOp):
         return _count_args(op.enforce, op.limit, op.cost, op.ttl)
+    if isinstance(op, QuotaGrantOp):
+        return (b"c", b"1" if op.enforce else b"0", str(int(op.limit)).encode(),
+                f"{int(op.cost)} {int(op.want)} {int(op.held)}".encode(), str(int(op.ttl)).encode())
+    if isinstance(op, QuotaReturnOp):
+        return (b"v", b"0", str(int(op.amount)).encode(), b"", b"")
     return _lease_args(op.enforce, op.limit, op.ttl)
 
 
@@ -235,10 +251,12 @@ def pack_evalsha(sha: bytes, keys: Sequence[str], args: Sequence[str | bytes]) -
 def unknown_reply(ops: Sequence[Op]) -> list[Any]:
     """check.lua's reply taken for a call that may have run (:data:`UNKNOWN`): admitted, every
     lease op held (releasing a lease id that is not there is harmless), no bucket op taken
-    (refunding tokens that were not taken would not be; a grant or give-back neither)."""
+    (refunding tokens that were not taken would not be; a grant or give-back neither, of
+    tokens or of quota units)."""
     reply: list[Any] = [1]
     for op in ops:
-        reply.extend((0 if isinstance(op, BucketOp | GrantOp | ReturnOp) else 1, b"0"))
+        reply.extend((0 if isinstance(op, BucketOp | GrantOp | ReturnOp | QuotaGrantOp | QuotaReturnOp)
+                      else 1, b"0"))
     return reply
 
 
