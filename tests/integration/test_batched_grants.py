@@ -17,7 +17,7 @@ import pytest
 
 from extauthz.devtools.stack import ServerProcess, free_port
 from extauthz.proto import auth_pb2_grpc
-from tests.infra.redis_servers import RedisSingle
+from testinfra.redis_servers import RedisSingle
 
 from .test_two_replicas import check_request
 
