@@ -21,11 +21,17 @@ from ..answers import (
     read_lease_fields,
 )
 from ..classify import route_metadata_values
-from ..context import RawRequest, RequestContext
+from ..context import REQUEST_ID_HEADER, RawRequest, RequestContext, scalar_paths
 from ..policy.model import RouteRef
 from ..proto import auth_pb2, core_pb2, http_status_pb2, status_pb2
 from ..tiers import Tier
 from ..verdict import Decision
+
+#: headers the gRPC edge reads whatever the policy says (the request id that pairs a Check
+#: with its access-log entry; ``envoy-allowed-headers --protocol grpc`` lists them). The
+#: trace parent arrives in the Check call's gRPC metadata, the client address, the route's
+#: tier and the JWT payload in attributes.
+GRPC_EDGE_HEADERS = (REQUEST_ID_HEADER,)
 
 #: where Envoy files the CheckResponse's dynamic metadata (and the access log shows it).
 EXT_AUTHZ_NAMESPACE = "envoy.filters.http.ext_authz"
@@ -49,26 +55,19 @@ def _scalar(value: struct_pb2.Value) -> str | float | bool | None:
     return None
 
 
+def _struct_child(struct: struct_pb2.Struct, key: str) -> struct_pb2.Struct | None:
+    value = struct.fields.get(key)
+    return value.struct_value if value is not None and value.WhichOneof("kind") == "struct_value" else None
+
+
+def _struct_scalar(struct: struct_pb2.Struct, key: str) -> str | float | bool | None:
+    value = struct.fields.get(key)
+    return _scalar(value) if value is not None else None
+
+
 def struct_paths(struct: struct_pb2.Struct, paths: Sequence[Sequence[str]]) -> dict[str, Any]:
-    """Only the scalars at ``paths`` of a Struct, as nested dicts (e.g. ``{"payload": {"sub":
-    "alice"}}``): the cost follows the paths, not the size of the Struct."""
-    out: dict[str, Any] = {}
-    for path in paths:
-        node, into = struct, out
-        for key in path[:-1]:
-            value = node.fields.get(key)
-            if value is None or value.WhichOneof("kind") != "struct_value":
-                break
-            sub = into.setdefault(key, {})
-            if not isinstance(sub, dict):
-                break
-            node, into = value.struct_value, sub
-        else:
-            value = node.fields.get(path[-1])
-            scalar = _scalar(value) if value is not None else None
-            if scalar is not None:
-                into[path[-1]] = scalar
-    return out
+    """Only the scalars at ``paths`` of a Struct, as nested dicts (:func:`~extauthz.context.scalar_paths`)."""
+    return scalar_paths(struct, paths, _struct_child, _struct_scalar)
 
 
 def raw_request(req: auth_pb2.CheckRequest, needed: frozenset[str], route: Sequence[RouteRef],
@@ -100,7 +99,7 @@ def raw_request(req: auth_pb2.CheckRequest, needed: frozenset[str], route: Seque
         route_tier=route_tier,
         route_metadata=route_values,
         context_extensions=dict(ext) if ext else _EMPTY,
-        request_id=headers.get("x-request-id", ""),
+        request_id=headers.get(REQUEST_ID_HEADER, ""),
         metadata=found,
         principal=attrs.source.principal,
     )

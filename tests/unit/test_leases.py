@@ -10,7 +10,8 @@ import pytest
 
 from extauthz.clock import ManualClock
 from extauthz.proto import accesslog_data_pb2, core_pb2
-from extauthz.server.services import LeaseIndex, entry_seen, seen_as, seen_at
+from extauthz.server.leases import LeaseIndex, seen_as, seen_at
+from extauthz.server.services import entry_seen
 
 from .helpers import policy_from
 
