@@ -8,9 +8,9 @@ edge walks protobuf attribute chains.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from .tiers import Tier
 from .verdict import Limits
@@ -44,37 +44,6 @@ class RawRequest:
     metadata: Mapping[str, Any] = field(default_factory=dict, repr=False)
     #: the authenticated peer principal (mTLS: URI SAN, e.g. a SPIFFE id), if any.
     principal: str = field(default="", repr=False)
-
-
-N = TypeVar("N")
-Scalar = str | float | bool
-
-
-def scalar_paths(root: N, paths: Iterable[Sequence[str]], child: Callable[[N, str], N | None],
-                 scalar: Callable[[N, str], Scalar | None]) -> dict[str, Any]:
-    """Only the scalars at ``paths`` of a tree, as nested dicts (e.g. ``{"payload": {"sub":
-    "alice"}}``): :attr:`RawRequest.metadata`'s shape, whatever the wire carries. ``child``:
-    the subtree at a key (None when absent or not a tree); ``scalar``: the scalar at a key
-    (None when absent or not one): the gRPC edge walks a protobuf Struct, the HTTP edge the
-    JSON of a forwarded JWT payload. The cost follows the paths, not the size of the tree."""
-    out: dict[str, Any] = {}
-    for path in paths:
-        if not path:
-            continue
-        node, into = root, out
-        for key in path[:-1]:
-            below = child(node, key)
-            if below is None:
-                break
-            sub = into.setdefault(key, {})
-            if not isinstance(sub, dict):
-                break
-            node, into = below, sub
-        else:
-            value = scalar(node, path[-1])
-            if value is not None:
-                into[path[-1]] = value
-    return out
 
 
 @dataclass(frozen=True, slots=True)

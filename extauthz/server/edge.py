@@ -20,8 +20,8 @@ from ..answers import (
     ratelimit_headers,
     read_lease_fields,
 )
-from ..classify import route_metadata_values
-from ..context import REQUEST_ID_HEADER, RawRequest, RequestContext, scalar_paths
+from ..classify import route_metadata_values, scalars_at
+from ..context import REQUEST_ID_HEADER, RawRequest, RequestContext
 from ..policy.model import RouteRef
 from ..proto import auth_pb2, core_pb2, http_status_pb2, status_pb2
 from ..tiers import Tier
@@ -44,32 +44,6 @@ _EMPTY: Mapping[str, str] = {}
 _NO_METADATA: Mapping[str, tuple[tuple[str, ...], ...]] = {}
 
 
-def _scalar(value: struct_pb2.Value) -> str | float | bool | None:
-    kind = value.WhichOneof("kind")
-    if kind == "string_value":
-        return value.string_value
-    if kind == "number_value":
-        return value.number_value
-    if kind == "bool_value":
-        return value.bool_value
-    return None
-
-
-def _struct_child(struct: struct_pb2.Struct, key: str) -> struct_pb2.Struct | None:
-    value = struct.fields.get(key)
-    return value.struct_value if value is not None and value.WhichOneof("kind") == "struct_value" else None
-
-
-def _struct_scalar(struct: struct_pb2.Struct, key: str) -> str | float | bool | None:
-    value = struct.fields.get(key)
-    return _scalar(value) if value is not None else None
-
-
-def struct_paths(struct: struct_pb2.Struct, paths: Sequence[Sequence[str]]) -> dict[str, Any]:
-    """Only the scalars at ``paths`` of a Struct, as nested dicts (:func:`~extauthz.context.scalar_paths`)."""
-    return scalar_paths(struct, paths, _struct_child, _struct_scalar)
-
-
 def raw_request(req: auth_pb2.CheckRequest, needed: frozenset[str], route: Sequence[RouteRef],
                 metadata: Mapping[str, Sequence[Sequence[str]]] = _NO_METADATA) -> RawRequest:
     """``route``: the route-metadata values to extract (``Policy.needed_route_metadata``), the
@@ -89,7 +63,7 @@ def raw_request(req: auth_pb2.CheckRequest, needed: frozenset[str], route: Seque
     found: Mapping[str, Any] = _EMPTY
     if metadata:
         md = attrs.metadata_context.filter_metadata
-        found = {ns: struct_paths(md[ns], paths) for ns, paths in metadata.items() if ns in md}
+        found = {ns: scalars_at(md[ns], paths) for ns, paths in metadata.items() if ns in md}
     return RawRequest(
         method=http.method,
         path=path,

@@ -18,7 +18,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ..answers import PROTOCOLS, TIER_HEADER, denial, lease_fields, ratelimit_headers
-from ..context import REQUEST_ID_HEADER, RawRequest, RequestContext, scalar_paths
+from ..classify import scalars_at
+from ..context import REQUEST_ID_HEADER, RawRequest, RequestContext
 from ..verdict import Decision
 from .edge import GRPC_EDGE_HEADERS
 
@@ -128,23 +129,6 @@ def jwt_payload(value: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _scalar(value: object) -> str | float | bool | None:
-    if isinstance(value, bool | str):
-        return value
-    if isinstance(value, int | float):
-        return float(value)  # as a protobuf Struct (the gRPC protocol's metadata) holds numbers
-    return None
-
-
-def _json_child(node: Mapping[str, Any], key: str) -> Mapping[str, Any] | None:
-    value = node.get(key)
-    return value if isinstance(value, Mapping) else None
-
-
-def _json_scalar(node: Mapping[str, Any], key: str) -> str | float | bool | None:
-    return _scalar(node.get(key))
-
-
 def http_metadata(headers: Mapping[str, str],
                   needed: Mapping[str, Sequence[Sequence[str]]]) -> dict[str, Any]:
     """The authenticated metadata the HTTP protocol carries, keyed by namespace like the gRPC
@@ -156,8 +140,7 @@ def http_metadata(headers: Mapping[str, str],
     payload = jwt_payload(headers[JWT_PAYLOAD_HEADER])
     if payload is None:
         return {}
-    root: Mapping[str, Any] = {JWT_PAYLOAD_KEY: payload}
-    return {JWT_NAMESPACE: scalar_paths(root, paths, _json_child, _json_scalar)}
+    return {JWT_NAMESPACE: scalars_at({JWT_PAYLOAD_KEY: payload}, paths)}
 
 
 def path_prefix(value: str) -> str:
