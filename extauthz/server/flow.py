@@ -52,12 +52,12 @@ class Door(Protocol[M, C, A]):
     def read(self, message: M, snap: Snapshot) -> RawRequest:
         """The request as the engine sees it (may raise: the request is then allowed, counted)."""
 
-    def seen(self, message: M, ctx: RequestContext) -> str:
-        """What identifies the request to the request-id index (``leases.seen_at``/``seen_as``)."""
-
-    def keep(self, call: C, decision: Decision, leases: Leases) -> bool:
-        """Whether the answer can still reach Envoy; when it can and may yet be lost (Envoy
-        resets the call later), arrange for ``leases.abandoned(decision)`` then."""
+    def hold(self, message: M, call: C, ctx: RequestContext, decision: Decision,
+             leases: Leases) -> str | None:
+        """An answer with leases is on its way: None when it can no longer reach Envoy (the
+        call is gone); else what identifies the request to the request-id index
+        (``leases.seen_at``/``seen_as``), having arranged for ``leases.abandoned(decision)``
+        should Envoy drop the answer later (a reset call)."""
 
     def answer(self, message: M, ctx: RequestContext, decision: Decision, ticket: str) -> A:
         """The answer to a decided request (``ticket``: the lease ticket, "" when none)."""
@@ -92,9 +92,9 @@ class CheckFlow:
         decision = await self.engine.decide(ctx)
         if decision.leases:
             leases = self.leases
-            if door.keep(call, decision, leases):
-                return door.answer(message, ctx, decision,
-                                   leases.admitted(ctx, decision, door.seen(message, ctx)))
+            seen = door.hold(message, call, ctx, decision, leases)
+            if seen is not None:
+                return door.answer(message, ctx, decision, leases.admitted(ctx, decision, seen))
             leases.abandoned(decision)  # Envoy gave up on this check: the answer is lost
         return door.answer(message, ctx, decision, "")
 

@@ -139,11 +139,11 @@ class HttpAuthorization:
                            forward_auth=self.forward_auth, prefix=self.prefix,
                            metadata=snap.classifier.needed_metadata)
 
-    def seen(self, message: Request, ctx: RequestContext) -> str:
+    def hold(self, message: Request, call: _Connection, ctx: RequestContext, decision: Decision,
+             leases: Leases) -> str | None:
+        if call.closed:  # Envoy gave up on this check
+            return None
         return seen_as(ctx.method, ctx.path)  # the HTTP protocol carries no start time
-
-    def keep(self, call: _Connection, decision: Decision, leases: Leases) -> bool:
-        return not call.closed  # closed: Envoy gave up on this check
 
     def answer(self, message: Request, ctx: RequestContext, decision: Decision, ticket: str) -> bytes:
         return http_answer(ctx, decision, close=not message[3], ticket=ticket)

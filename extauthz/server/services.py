@@ -8,7 +8,6 @@ lease metadata and request and hands them to the lease owner (``server/leases.py
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from functools import partial
 from typing import Any
@@ -30,8 +29,6 @@ from ..verdict import Decision
 from .edge import EXT_AUTHZ_NAMESPACE, check_response, lease_release, lease_ticket, raw_request
 from .flow import CheckFlow
 from .leases import Leases, seen_as, seen_at
-
-log = logging.getLogger("extauthz.server")
 
 MAX_PENDING_RELEASES = 1024
 
@@ -57,16 +54,14 @@ class AuthorizationService(auth_pb2_grpc.AuthorizationServicer):  # type: ignore
         return raw_request(message, snap.classifier.needed_headers, snap.policy.needed_route_metadata,
                            snap.classifier.needed_metadata)
 
-    def seen(self, message: auth_pb2.CheckRequest, ctx: RequestContext) -> str:
-        when = message.attributes.request.time
-        return (seen_at(when.seconds * 1_000_000 + when.nanos // 1000) if when.seconds
-                else seen_as(ctx.method, ctx.path))
-
-    def keep(self, call: grpc.aio.ServicerContext, decision: Decision, leases: Leases) -> bool:
+    def hold(self, message: auth_pb2.CheckRequest, call: grpc.aio.ServicerContext,
+             ctx: RequestContext, decision: Decision, leases: Leases) -> str:
         # Envoy may reset the call after we answer (client abort, ext_authz timeout): then
         # the answer, and the leases in it, never reach the access log.
         call.add_done_callback(lambda c: leases.abandoned(decision) if c.cancelled() else None)
-        return True
+        when = message.attributes.request.time  # Envoy's start of the downstream stream
+        return (seen_at(when.seconds * 1_000_000 + when.nanos // 1000) if when.seconds
+                else seen_as(ctx.method, ctx.path))
 
     def answer(self, message: auth_pb2.CheckRequest, ctx: RequestContext, decision: Decision,
                ticket: str) -> auth_pb2.CheckResponse:
