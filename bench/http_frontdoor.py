@@ -120,19 +120,18 @@ def serve_protocol(port: int) -> None:
 
     import uvloop
 
-    from extauthz.server import http
+    from extauthz.server import http, httpmap
 
-    answer = http._head(200, [("x-extauthz-tier", "get")], 0, False)
+    answer = httpmap.head(200, [("x-extauthz-tier", "get")], 0, False)
 
-    class NoopConnection(http._Connection):
-        async def _answer(self, service: object, method: str, target: str, headers: object,
-                          keep_alive: bool) -> bytes:
+    class NoopFlow:  # the check flow's place, answering at once
+        async def check(self, door: object, message: object, call: object) -> bytes:
             return answer
 
     async def run() -> None:
-        front = http.HttpAuthorization(None)  # type: ignore[arg-type]
+        front = http.HttpAuthorization(NoopFlow())  # type: ignore[arg-type]
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: NoopConnection(front), "127.0.0.1", port)
+        server = await loop.create_server(lambda: http._Connection(front), "127.0.0.1", port)
         async with server:
             await server.serve_forever()
 

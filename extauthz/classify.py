@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .context import RawRequest, RequestContext
@@ -53,6 +53,32 @@ def path_value(node: Any, path: Sequence[str | int]) -> Any:
 def metadata_value(metadata: Mapping[str, Any], namespace: str, path: Sequence[str | int]) -> Any:
     """The value at ``path`` in ``metadata[namespace]``, or None (:func:`path_value`)."""
     return path_value(metadata.get(namespace), path)
+
+
+def scalars_at(root: Any, paths: Iterable[Sequence[str]]) -> dict[str, Any]:
+    """Only the scalars at ``paths`` of ``root`` (:func:`path_value`), as nested dicts (e.g.
+    ``{"payload": {"sub": "alice"}}``): what either edge copies into ``RawRequest.metadata``,
+    from a protobuf Struct (gRPC) or a forwarded JWT payload's JSON (HTTP). Numbers as floats,
+    as a Struct holds them, so that one value is one identity on either edge. The cost follows
+    the paths, not the size of ``root``."""
+    out: dict[str, Any] = {}
+    for path in paths:
+        value = path_value(root, path) if path else None
+        if isinstance(value, bool | str):
+            pass
+        elif isinstance(value, int | float):
+            value = float(value)
+        else:
+            continue
+        into = out
+        for key in path[:-1]:
+            sub = into.setdefault(key, {})
+            if not isinstance(sub, dict):
+                break
+            into = sub
+        else:
+            into[path[-1]] = value
+    return out
 
 
 def route_metadata_values(metadata: Mapping[str, Any], refs: Sequence[RouteRef]) -> dict[RouteRef, Any]:

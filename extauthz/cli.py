@@ -176,7 +176,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .observe.logs import configure_logging
     from .server.adminauth import TokenFile, parse_hosts, require_token_when_exposed
     from .server.app import ServerConfig, serve
-    from .server.http import path_prefix
+    from .server.httpmap import path_prefix
     from .server.portfile import admin_url_path
     from .server.ports import off
 
@@ -298,7 +298,7 @@ def _policy_or_errors(paths: list[str]) -> Policy | None:
 
 
 def cmd_envoy_allowed_headers(args: argparse.Namespace) -> int:
-    from .server.http import allowed_headers
+    from .server.httpmap import allowed_headers
 
     policy = _policy_or_errors(list(args.policies))
     if policy is None:

@@ -16,6 +16,8 @@ from .tiers import Tier
 from .verdict import Limits
 
 _EMPTY: Mapping[str, str] = {}
+#: the request id Envoy sets (or keeps): it pairs a check with the request's access-log entry
+REQUEST_ID_HEADER = "x-request-id"
 _NO_OVERRIDES: Mapping[str, Mapping[str, Limits]] = {}
 
 

@@ -4,7 +4,7 @@ One listener in front of one upstream, with the ext_authz filter on the gRPC pro
 (``grpc_service``, the Check call) or Envoy's HTTP authorization protocol (``http_service``,
 ``serve --http-listen``), and around it what the server relies on:
 
-* ``allowed_headers``: the request headers the policy reads (:func:`server.http.allowed_headers`,
+* ``allowed_headers``: the request headers the policy reads (:func:`server.httpmap.allowed_headers`,
   the list ``extauthz envoy-allowed-headers`` prints);
 * filters that remove a client's copies of the headers the server trusts (the tier for the
   upstream; on HTTP also the route tier and the JWT payload header);
@@ -32,7 +32,7 @@ import yaml
 from .answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD, TIER_HEADER
 from .policy.model import Policy
 from .policy.schema import ConcurrentRequestsSpec, FleetUsageSpec, WorkerUtilizationSpec
-from .server.http import JWT_PAYLOAD_HEADER, ROUTE_TIER_HEADER, SHED_STATUS, allowed_headers
+from .server.httpmap import JWT_PAYLOAD_HEADER, ROUTE_TIER_HEADER, SHED_STATUS, allowed_headers
 
 __all__ = ["ACCESS_LOG_MODES", "DEFAULT_AUTHZ", "JwtProvider", "TlsFiles", "bootstrap", "holds_leases",
            "jwks_from_file", "render"]

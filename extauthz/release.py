@@ -4,7 +4,7 @@ Four paths lead here (the ``path`` label of ``extauthz_lease_releases_total``):
 
 * ``access_log``: Envoy's access log reports a finished request with our lease metadata;
 * ``request_id_index``: the entry lacked the metadata (Envoy dropped our answer) and the
-  request id found the leases (:class:`~extauthz.server.services.LeaseIndex`);
+  request id found the leases (:class:`~extauthz.server.leases.LeaseIndex`);
 * ``cancelled_check``: Envoy reset a Check after we answered (client gone);
 * ``abandoned_answer``: a store call the engine stopped waiting for (deadline, or the
   Check cancelled, or the store gave up on it after sending it: a stalled Redis runs it

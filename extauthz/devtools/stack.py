@@ -144,7 +144,7 @@ def policy_allowed_headers(policies: Sequence[str | Path], protocol: str) -> lis
     then stays; the server reports the policy error)."""
     from ..errors import PolicyError
     from ..policy import load_policy
-    from ..server.http import allowed_headers
+    from ..server.httpmap import allowed_headers
 
     try:
         policy = load_policy(list(policies))

@@ -33,6 +33,7 @@ from ..store.keys import Keys
 from ..store.memory import MemoryStore
 from ..tickets import LeaseTickets
 from .http import DEFAULT_MAX_ACTIVE_CHECKS, HttpAuthorization, HttpLimits, max_connections_for
+from .leases import Leases
 from .operations import Operations
 from .portfile import remove_admin_url, write_admin_url
 from .ports import off, parse_listen
@@ -163,7 +164,7 @@ class Server:
         self.runner = Runner()
         self.health = health.aio.HealthServicer()
         self.accesslog = AccessLogService(
-            self.engine, tickets=LeaseTickets(keys, config.lease_secret),
+            Leases(self.engine, tickets=LeaseTickets(keys, config.lease_secret)),
             on_finished=self.recorder.finished if self.recorder is not None else None)
         if not config.lease_secret and config.redis_url:
             log.warning("no --lease-secret: lease tickets use a random per-process key, so with several "
@@ -211,18 +212,17 @@ class Server:
 
     async def start(self) -> int:
         await self.ops.start()
-        # one servicer for both edges: one request-id index, one ticket key, one bad-request count
+        # one check flow for both edges: one lease owner (request-id index, ticket key), one
+        # bad-request count
         service = self.ops.auth_service()
         server: grpc.aio.Server | None = None
         try:
             if not is_off(self.config.http_listen):
                 assert self.config.http_listen is not None
-                tracing = self.observe.tracing
                 self.http = HttpAuthorization(
-                    service, HttpLimits(header_timeout=self.config.http_header_timeout,
+                    service.flow, HttpLimits(header_timeout=self.config.http_header_timeout,
                                         max_active_checks=self.config.http_max_active_checks,
                                         max_connections=self._http_max_connections()),
-                    tracer=tracing.tracer if tracing is not None else None,
                     forward_auth=self.config.http_forward_auth, prefix=self.config.http_path_prefix)
                 self.http_port = await self.http.start(self.config.http_listen,
                                                        reuse_port=self.config.reuse_port)

@@ -20,12 +20,18 @@ from ..answers import (
     ratelimit_headers,
     read_lease_fields,
 )
-from ..classify import route_metadata_values
-from ..context import RawRequest, RequestContext
+from ..classify import route_metadata_values, scalars_at
+from ..context import REQUEST_ID_HEADER, RawRequest, RequestContext
 from ..policy.model import RouteRef
 from ..proto import auth_pb2, core_pb2, http_status_pb2, status_pb2
 from ..tiers import Tier
 from ..verdict import Decision
+
+#: headers the gRPC edge reads whatever the policy says (the request id that pairs a Check
+#: with its access-log entry; ``envoy-allowed-headers --protocol grpc`` lists them). The
+#: trace parent arrives in the Check call's gRPC metadata, the client address, the route's
+#: tier and the JWT payload in attributes.
+GRPC_EDGE_HEADERS = (REQUEST_ID_HEADER,)
 
 #: where Envoy files the CheckResponse's dynamic metadata (and the access log shows it).
 EXT_AUTHZ_NAMESPACE = "envoy.filters.http.ext_authz"
@@ -36,39 +42,6 @@ _GRPC_RESOURCE_EXHAUSTED = 8
 _GRPC_UNAVAILABLE = 14
 _EMPTY: Mapping[str, str] = {}
 _NO_METADATA: Mapping[str, tuple[tuple[str, ...], ...]] = {}
-
-
-def _scalar(value: struct_pb2.Value) -> str | float | bool | None:
-    kind = value.WhichOneof("kind")
-    if kind == "string_value":
-        return value.string_value
-    if kind == "number_value":
-        return value.number_value
-    if kind == "bool_value":
-        return value.bool_value
-    return None
-
-
-def struct_paths(struct: struct_pb2.Struct, paths: Sequence[Sequence[str]]) -> dict[str, Any]:
-    """Only the scalars at ``paths`` of a Struct, as nested dicts (e.g. ``{"payload": {"sub":
-    "alice"}}``): the cost follows the paths, not the size of the Struct."""
-    out: dict[str, Any] = {}
-    for path in paths:
-        node, into = struct, out
-        for key in path[:-1]:
-            value = node.fields.get(key)
-            if value is None or value.WhichOneof("kind") != "struct_value":
-                break
-            sub = into.setdefault(key, {})
-            if not isinstance(sub, dict):
-                break
-            node, into = value.struct_value, sub
-        else:
-            value = node.fields.get(path[-1])
-            scalar = _scalar(value) if value is not None else None
-            if scalar is not None:
-                into[path[-1]] = scalar
-    return out
 
 
 def raw_request(req: auth_pb2.CheckRequest, needed: frozenset[str], route: Sequence[RouteRef],
@@ -90,7 +63,7 @@ def raw_request(req: auth_pb2.CheckRequest, needed: frozenset[str], route: Seque
     found: Mapping[str, Any] = _EMPTY
     if metadata:
         md = attrs.metadata_context.filter_metadata
-        found = {ns: struct_paths(md[ns], paths) for ns, paths in metadata.items() if ns in md}
+        found = {ns: scalars_at(md[ns], paths) for ns, paths in metadata.items() if ns in md}
     return RawRequest(
         method=http.method,
         path=path,
@@ -100,7 +73,7 @@ def raw_request(req: auth_pb2.CheckRequest, needed: frozenset[str], route: Seque
         route_tier=route_tier,
         route_metadata=route_values,
         context_extensions=dict(ext) if ext else _EMPTY,
-        request_id=headers.get("x-request-id", ""),
+        request_id=headers.get(REQUEST_ID_HEADER, ""),
         metadata=found,
         principal=attrs.source.principal,
     )

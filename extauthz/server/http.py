@@ -1,10 +1,7 @@
-"""Envoy's HTTP authorization protocol (``http_service``) on a small asyncio protocol.
-
-Envoy sends the client's method, path and the headers its ``allowed_headers`` lists, without
-the body; a 200 admits the request, any other status is the client's answer (docs/http.md has
-the field-by-field mapping to the gRPC protocol). The request is converted once into the same
-:class:`~extauthz.context.RawRequest` the gRPC edge builds, decided by the same engine, and
-answered from the same pieces (:mod:`extauthz.answers`), on the server's own event loop.
+"""The HTTP authorization port (Envoy's ``http_service``): the protocol and its limits, on a
+small asyncio protocol. A thin front door of the check flow (``server/flow.py``): requests are
+read into ``server/httpmap.py``'s mapping and answered from it; this module only parses,
+queues, bounds and writes.
 
 The parser is httptools (llhttp). Chosen over uvicorn's httptools server by measurement
 (docs/design.md, "HTTP front door"): the same parser, without the ASGI layer per request.
@@ -29,58 +26,30 @@ what is held first.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import json
 import logging
 import resource
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import httptools
 
-from ..answers import PROTOCOLS, TIER_HEADER, denial, lease_fields, ratelimit_headers
 from ..context import RawRequest, RequestContext
 from ..cork import Cork
+from ..engine import Snapshot
 from ..verdict import Decision
+from .flow import CheckFlow
+from .httpmap import error_answer, head, http_answer, path_prefix, raw_request
+from .leases import Leases, seen_as
 from .ports import parse_listen
-from .services import AuthorizationService
 
 log = logging.getLogger("extauthz.server")
 
-#: the status that marks a load shedder's (or a fail-closed limiter's) refusal: Envoy does not
-#: forward a 5xx from an authorization service (it counts an error and fails open or closed),
-#: so the shipped configs map this status to 503 with ``local_reply_config``.
-SHED_STATUS = 420
-#: set by a per-route ``header_mutation`` filter from the route (client copies stripped
-#: first); the HTTP protocol's stand-in for route metadata.
-ROUTE_TIER_HEADER = "x-extauthz-route-tier"
-#: where ``jwt_authn``'s ``forward_payload_header`` puts the verified payload (base64url JSON).
-JWT_PAYLOAD_HEADER = "x-jwt-payload"
-#: the namespace and key the forwarded payload is filed under for ``metadata`` identity rules,
-#: as ``jwt_authn`` with ``payload_in_metadata: payload`` files it for the gRPC protocol.
-JWT_NAMESPACE = "envoy.filters.http.jwt_authn"
-JWT_PAYLOAD_KEY = "payload"
-#: Envoy's client-certificate header (``forward_client_cert_details``); ``URI=`` is the principal.
-XFCC_HEADER = "x-forwarded-client-cert"
-#: the client address: the LAST entry, the one Envoy appends (``use_remote_address: true``).
-FORWARDED_FOR_HEADER = "x-forwarded-for"
-REQUEST_ID_HEADER = "x-request-id"
-
-#: headers the HTTP edge reads whatever the policy says (``envoy-allowed-headers`` lists them).
-EDGE_HEADERS = (REQUEST_ID_HEADER, FORWARDED_FOR_HEADER, ROUTE_TIER_HEADER, JWT_PAYLOAD_HEADER,
-                XFCC_HEADER, "traceparent", "tracestate")
-
-#: headers Envoy sends an HTTP authorization service whatever ``allowed_headers`` says.
-ALWAYS_SENT = frozenset({"host", ":authority", "authorization", "content-length", ":method", ":path"})
-
-_EMPTY: Mapping[str, str] = {}
-_NO_METADATA: Mapping[str, Sequence[Sequence[str]]] = {}
-_REASONS = {200: b"OK", 400: b"Bad Request", 408: b"Request Timeout", 420: b"Shedding Load",
-            429: b"Too Many Requests", 431: b"Request Header Fields Too Large",
-            500: b"Internal Server Error"}
+#: a request as the connection queues it: method, target, headers, keep-alive
+Request = tuple[str, str, dict[str, str], bool]
+_HTTP_SPAN = {"network.protocol.name": "http", "extauthz.protocol": "http"}
+_TRACE_HEADERS = ("traceparent", "tracestate")
 
 
 #: :attr:`HttpLimits.max_active_checks` unless set (``serve --http-max-active-checks``).
@@ -133,217 +102,6 @@ class HttpLimits:
     max_active_checks: int = DEFAULT_MAX_ACTIVE_CHECKS
 
 
-#: headers the gRPC edge reads whatever the policy says (``server/edge.py``: the request id
-#: that pairs a Check with its access-log entry). The trace parent arrives in the Check call's
-#: gRPC metadata, the client address, the route's tier and the JWT payload in attributes.
-GRPC_EDGE_HEADERS = (REQUEST_ID_HEADER,)
-
-
-def allowed_headers(needed: Iterable[str], protocol: str = "http") -> list[str]:
-    """What the ext_authz filter's ``allowed_headers`` must list for a policy that reads
-    ``needed`` (``Policy.needed_headers``): those, then the ones the edge of ``protocol``
-    reads (``extauthz envoy-allowed-headers``). The HTTP protocol leaves out the headers Envoy
-    always sends an HTTP service; the gRPC protocol sends nothing it does not list (an unset
-    list sends every header), so Authorization stays in its list."""
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"protocol must be one of {PROTOCOLS}, not {protocol!r}")
-    implied = ALWAYS_SENT if protocol == "http" else frozenset()
-    edge = EDGE_HEADERS if protocol == "http" else GRPC_EDGE_HEADERS
-    out = [h for h in sorted({h.lower() for h in needed}) if h not in implied]
-    return out + [h for h in edge if h not in out]
-
-
-# ---- the request: HTTP -> RawRequest ----------------------------------------------------
-
-
-def source_ip(forwarded_for: str) -> str:
-    """The last ``x-forwarded-for`` entry: the address Envoy saw (Envoy appends it with
-    ``use_remote_address: true``; entries before it are the client's own claims)."""
-    if not forwarded_for:
-        return ""
-    return forwarded_for.rpartition(",")[2].strip()
-
-
-def _split_quoted(text: str, sep: str) -> list[str]:
-    out, cur, quoted, escaped = [], [], False, False
-    for ch in text:
-        if escaped:
-            cur.append(ch)
-            escaped = False
-        elif ch == "\\" and quoted:
-            cur.append(ch)
-            escaped = True
-        elif ch == '"':
-            quoted = not quoted
-            cur.append(ch)
-        elif ch == sep and not quoted:
-            out.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    out.append("".join(cur))
-    return out
-
-
-def xfcc_principal(value: str) -> str:
-    """The ``URI=`` of the last element of an ``x-forwarded-client-cert`` header: the peer
-    Envoy itself authenticated (with ``SANITIZE_SET`` it is the only element; with
-    ``APPEND_FORWARD`` earlier elements are what further proxies claimed). Empty if none."""
-    if not value:
-        return ""
-    last = _split_quoted(value, ",")[-1]
-    for pair in _split_quoted(last, ";"):
-        key, eq, val = pair.partition("=")
-        if eq and key.strip().lower() == "uri":
-            val = val.strip()
-            if len(val) >= 2 and val[0] == val[-1] == '"':
-                val = val[1:-1].replace('\\"', '"')
-            return val
-    return ""
-
-
-def jwt_payload(value: str) -> dict[str, Any] | None:
-    """The JSON object ``jwt_authn`` forwards (base64url, padding optional), or None."""
-    if not value or len(value) > 16 * 1024:
-        return None
-    try:
-        data = json.loads(base64.urlsafe_b64decode(value + "=" * (-len(value) % 4)))
-    except (ValueError, binascii.Error):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _scalar(value: object) -> str | float | bool | None:
-    if isinstance(value, bool | str):
-        return value
-    if isinstance(value, int | float):
-        return float(value)  # as a protobuf Struct (the gRPC protocol's metadata) holds numbers
-    return None
-
-
-def dict_paths(data: Mapping[str, Any], paths: Iterable[Sequence[str]]) -> dict[str, Any]:
-    """Only the scalars at ``paths`` of nested dicts, as nested dicts: the same shape the gRPC
-    edge extracts from a metadata Struct (``edge.struct_paths``)."""
-    out: dict[str, Any] = {}
-    for path in paths:
-        node: Any = data
-        into = out
-        for key in path[:-1]:
-            node = node.get(key) if isinstance(node, Mapping) else None
-            if not isinstance(node, Mapping):
-                break
-            sub = into.setdefault(key, {})
-            if not isinstance(sub, dict):
-                break
-            into = sub
-        else:
-            if path and isinstance(node, Mapping):
-                scalar = _scalar(node.get(path[-1]))
-                if scalar is not None:
-                    into[path[-1]] = scalar
-    return out
-
-
-def http_metadata(headers: Mapping[str, str],
-                  needed: Mapping[str, Sequence[Sequence[str]]]) -> dict[str, Any]:
-    """The authenticated metadata the HTTP protocol carries, keyed by namespace like the gRPC
-    protocol's ``metadata_context``: the JWT payload ``jwt_authn`` forwarded
-    (``forward_payload_header``), filed as ``payload_in_metadata: payload`` would file it."""
-    paths = needed.get(JWT_NAMESPACE)
-    if not paths or JWT_PAYLOAD_HEADER not in headers:
-        return {}
-    payload = jwt_payload(headers[JWT_PAYLOAD_HEADER])
-    if payload is None:
-        return {}
-    return {JWT_NAMESPACE: dict_paths({JWT_PAYLOAD_KEY: payload}, paths)}
-
-
-def path_prefix(value: str) -> str:
-    """``--http-path-prefix``: ``""`` (none) or ``/seg[/seg...]`` without a trailing slash."""
-    prefix = value.rstrip("/")
-    if prefix and (not prefix.startswith("/") or any(c in prefix for c in "?#") or " " in prefix):
-        raise ValueError(f"an HTTP path prefix is a path such as /auth, not {value!r}")
-    return prefix
-
-
-def client_path(path: str, prefix: str) -> str:
-    """The client's path from the one Envoy sent: ``http_service.path_prefix`` (Envoy Gateway's
-    SecurityPolicy ``extAuth.http.path``) + the client's path. A path without the prefix (or
-    where it is only the start of a longer segment, ``/authors`` for ``/auth``) is the client's."""
-    if prefix and path.startswith(prefix):
-        rest = path[len(prefix):]
-        if not rest or rest[0] == "/":
-            return rest or "/"
-    return path
-
-
-def raw_request(method: str, target: str, headers: Mapping[str, str],
-                needed: Iterable[str], *, forward_auth: bool = False, prefix: str = "",
-                metadata: Mapping[str, Sequence[Sequence[str]]] = _NO_METADATA) -> RawRequest:
-    """The HTTP authorization request as the engine sees it (the one conversion).
-
-    ``metadata``: the namespaces and paths the policy reads (``Classifier.needed_metadata``):
-    only the forwarded JWT payload is decoded, and only when the policy reads it.
-    ``prefix``: the ``path_prefix`` Envoy puts before the client's path (:func:`client_path`).
-    ``forward_auth``: the proxy sends every check as ``GET <its address>`` and the client's
-    request in ``X-Forwarded-Method`` / ``X-Forwarded-Uri`` / ``X-Forwarded-Host`` (Traefik's
-    ForwardAuth); only for proxies that set those themselves (never for Envoy, which sends the
-    client's method and path as they are).
-    """
-    if forward_auth:
-        method = headers.get("x-forwarded-method", method)
-        target = headers.get("x-forwarded-uri", target)
-        host = headers.get("x-forwarded-host")
-        if host is not None:
-            headers = {**headers, "host": host}
-    q = target.find("?")
-    path = target[:q] if q >= 0 else target
-    if prefix:
-        path = client_path(path, prefix)
-    return RawRequest(
-        method=method,
-        path=path,
-        host=headers.get("host", ""),
-        headers={h: headers[h] for h in needed if h in headers},
-        source_ip=source_ip(headers.get(FORWARDED_FOR_HEADER, "")),
-        route_tier=headers.get(ROUTE_TIER_HEADER),
-        context_extensions=_EMPTY,
-        request_id=headers.get(REQUEST_ID_HEADER, ""),
-        metadata=http_metadata(headers, metadata) if metadata else _EMPTY,
-        principal=xfcc_principal(headers.get(XFCC_HEADER, "")),
-    )
-
-
-# ---- the answer: Decision -> HTTP ------------------------------------------------------
-
-
-def _head(status: int, headers: Iterable[tuple[str, str]], length: int, close: bool) -> bytes:
-    lines = [b"HTTP/1.1 %d %s\r\ncontent-length: %d\r\n" % (status, _REASONS.get(status, b"Refused"), length)]
-    lines += [f"{k}: {v}\r\n".encode("latin-1") for k, v in headers]
-    if close:
-        lines.append(b"connection: close\r\n")
-    lines.append(b"\r\n")
-    return b"".join(lines)
-
-
-def http_answer(ctx: RequestContext, decision: Decision, *, close: bool = False, ticket: str = "") -> bytes:
-    """The whole HTTP/1.1 response for a decision, from the same pieces as the gRPC answer:
-    allowed -> 200 with the tier header (for the upstream), the RateLimit headers (for the
-    client) and the lease fields (for Envoy's dynamic metadata); refused -> the denial's
-    status (503 as :data:`SHED_STATUS`), headers and problem+json body."""
-    if decision.allowed:
-        headers = [(TIER_HEADER, ctx.tier.value), *ratelimit_headers(decision), *lease_fields(decision, ticket)]
-        return _head(200, headers, 0, close)
-    d = denial(ctx, decision)
-    body = d.body.encode()
-    status = SHED_STATUS if d.status == 503 else d.status
-    return _head(status, d.headers, len(body), close) + body
-
-
-def _error_answer(status: int) -> bytes:
-    return _head(status, (), 0, True)
-
-
 # ---- the server -------------------------------------------------------------------------
 
 
@@ -353,17 +111,19 @@ class _Refused(Exception):
 
 
 class HttpAuthorization:
-    """The HTTP front door: one per server, sharing the gRPC servicer's engine, request-id
-    index and lease bookkeeping (:class:`AuthorizationService`)."""
+    """The HTTP front door: one per server, a :class:`~extauthz.server.flow.Door` of the
+    server's check flow (the same flow, engine and lease owner as the gRPC servicer)."""
 
-    def __init__(self, service: AuthorizationService, limits: HttpLimits | None = None,
-                 tracer: Any = None, *, forward_auth: bool = False, prefix: str = "") -> None:
-        self.service = service
+    what = "an HTTP authorization request"
+    span = _HTTP_SPAN
+
+    def __init__(self, flow: CheckFlow, limits: HttpLimits | None = None, *,
+                 forward_auth: bool = False, prefix: str = "") -> None:
+        self.flow = flow
         self.forward_auth = forward_auth
-        #: ``--http-path-prefix`` (normalized by :func:`path_prefix`)
+        #: ``--http-path-prefix`` (normalized by :func:`~extauthz.server.httpmap.path_prefix`)
         self.prefix = path_prefix(prefix)
         self.limits = limits if limits is not None else HttpLimits()
-        self.tracer = tracer
         self.server: asyncio.Server | None = None
         self.port = 0
         self.connections: set[_Connection] = set()
@@ -372,6 +132,28 @@ class HttpAuthorization:
         self._sweeper: asyncio.Task[None] | None = None
         #: bounds the checks decided at once (:attr:`HttpLimits.max_active_checks`)
         self.active = asyncio.Semaphore(self.limits.max_active_checks)
+
+    # -- the Door: a queued request in, HTTP/1.1 bytes out
+    def read(self, message: Request, snap: Snapshot) -> RawRequest:
+        return raw_request(message[0], message[1], message[2], snap.classifier.needed_headers,
+                           forward_auth=self.forward_auth, prefix=self.prefix,
+                           metadata=snap.classifier.needed_metadata)
+
+    def hold(self, message: Request, call: _Connection, ctx: RequestContext, decision: Decision,
+             leases: Leases) -> str | None:
+        if call.closed:  # Envoy gave up on this check
+            return None
+        return seen_as(ctx.method, ctx.path)  # the HTTP protocol carries no start time
+
+    def answer(self, message: Request, ctx: RequestContext, decision: Decision, ticket: str) -> bytes:
+        return http_answer(ctx, decision, close=not message[3], ticket=ticket)
+
+    def unreadable(self, message: Request) -> bytes:
+        return head(200, (), 0, not message[3])
+
+    def carrier(self, message: Request, call: _Connection) -> Iterable[tuple[str, Any]]:
+        headers = message[2]
+        return [(k, headers[k]) for k in _TRACE_HEADERS if k in headers]
 
     def status(self) -> dict[str, Any]:
         """The ``http`` section of the admin ``/status``."""
@@ -427,7 +209,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         #: the answers of this loop turn, written together at the start of the next
         self.out: Cork | None = None
-        self.queue: deque[tuple[str, str, dict[str, str], bool]] = deque()
+        self.queue: deque[Request] = deque()
         self.task: asyncio.Task[None] | None = None
         self.last_active = self.loop.time()
         self.header_started: float | None = None
@@ -533,18 +315,19 @@ class _Connection(asyncio.Protocol):
     # -- answering, in arrival order
     async def _serve(self) -> None:
         front = self.front
-        service = front.service
+        check = front.flow.check
         queue = self.queue
         try:
             while queue and not self.closed:
-                method, target, headers, keep_alive = queue[0]
+                request = queue[0]
+                keep_alive = request[3]
                 try:
                     async with front.active:
-                        answer = await self._answer(service, method, target, headers, keep_alive)
+                        answer = await check(front, request, self)
                 except Exception:  # a bug of ours: Envoy fails open on a 5xx; the server goes on
                     log.exception("HTTP authorization failed")
                     front.reject("internal")
-                    answer, keep_alive = _error_answer(500), False
+                    answer, keep_alive = error_answer(500), False
                 queue.popleft()
                 out = self.out
                 if out is None or self.closed:
@@ -559,41 +342,6 @@ class _Connection(asyncio.Protocol):
         finally:
             self.task = None
             self.last_active = self.loop.time()
-
-    async def _answer(self, service: AuthorizationService, method: str, target: str,
-                      headers: dict[str, str], keep_alive: bool) -> bytes:
-        engine = service.engine
-        snap = engine.snapshot
-        try:
-            raw = raw_request(method, target, headers, snap.classifier.needed_headers,
-                              forward_auth=self.front.forward_auth, prefix=self.front.prefix,
-                              metadata=snap.classifier.needed_metadata)
-            ctx = snap.classifier.context(raw)
-        except Exception as exc:  # decided safely: allowed, counted (as the gRPC edge does)
-            service.bad_request("an HTTP authorization request", exc)
-            return _head(200, (), 0, not keep_alive)
-        tracer = self.front.tracer
-        if tracer is None:
-            decision = await engine.decide(ctx)
-        else:
-            decision = await self._traced(tracer, ctx, headers)
-        ticket = ""
-        if decision.leases:
-            if self.closed:  # Envoy gave up on this check: the answer, and its leases, are lost
-                service.abandoned(decision)
-            else:
-                ticket = service.admitted(ctx, decision)
-        return http_answer(ctx, decision, close=not keep_alive, ticket=ticket)
-
-    async def _traced(self, tracer: Any, ctx: RequestContext, headers: Mapping[str, str]) -> Decision:
-        from opentelemetry.trace import SpanKind
-
-        from ..observe.tracing import CHECK_SPAN, parent_context
-
-        carrier = [(k, headers[k]) for k in ("traceparent", "tracestate") if k in headers]
-        with tracer.start_as_current_span(CHECK_SPAN, context=parent_context(carrier),
-                                          kind=SpanKind.SERVER, attributes=_HTTP_SPAN):
-            return await self.front.service.engine.decide(ctx)
 
     # -- flow control and errors
     def _pause(self) -> None:
@@ -620,7 +368,7 @@ class _Connection(asyncio.Protocol):
 
     def _fail_now(self, status: int) -> None:
         if status and self.out is not None and not self.closed:
-            self.out.write(_error_answer(status))
+            self.out.write(error_answer(status))
         self.close()
 
     def expire(self, now: float, limits: HttpLimits) -> None:
@@ -635,6 +383,3 @@ class _Connection(asyncio.Protocol):
             if self.out is not None:
                 self.out.flush()  # the answers owed go first; close() sends them, then FIN
             self.transport.close()
-
-
-_HTTP_SPAN = {"network.protocol.name": "http", "extauthz.protocol": "http"}

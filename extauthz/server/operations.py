@@ -47,6 +47,7 @@ from ..tickets import REASONS as REJECT_REASONS
 from ..verdict import Mode
 from .admin import admin_app
 from .adminauth import AdminGuard, TokenFile, require_token_when_exposed
+from .flow import check_flow
 from .ports import HttpPorts, metrics_app, off, parse_listen
 from .services import AccessLogService, AuthorizationService
 from .tls import CertificateReloader
@@ -108,7 +109,7 @@ class Operations:
                 engine, accesslog=accesslog, reload=self.watcher, leases=self.leases,
                 shadow_dropped=lambda: observe.shadow.dropped,
                 background_errors=lambda: runner.errors,
-                bad_requests=lambda: self.auth.bad_requests))
+                bad_requests=lambda: self.auth.flow.bad_requests))
             observe.metrics.registry.register(EdgeCollector(
                 lambda: self.tls, lambda: accesslog.rejected, REJECT_REASONS))
         self.admin_port = 0
@@ -124,14 +125,10 @@ class Operations:
             self.after_reload()
 
     def _auth_service(self) -> AuthorizationService:
-        # shares the access log's request-id index (leases whose answer Envoy dropped)
+        # the check flow of both front doors shares the access log's lease owner
         tracing = self.observe.tracing
-        if tracing is None:
-            return AuthorizationService(self.engine, self.accesslog.index, self.accesslog.tickets)
-        from .traced import TracedAuthorizationService
-
-        return TracedAuthorizationService(self.engine, tracing.tracer, self.accesslog.index,
-                                          self.accesslog.tickets)
+        return AuthorizationService(check_flow(self.engine, self.accesslog.leases,
+                                               tracing.tracer if tracing is not None else None))
 
     def auth_service(self) -> AuthorizationService:
         return self.auth
@@ -207,7 +204,7 @@ class Operations:
         shadow = self.observe.shadow
         snap = engine.snapshot
         policy = snap.policy
-        index = self.accesslog.index.status()  # expires first: awaiting_log is its entries
+        index = self.accesslog.leases.index.status()  # expires first: awaiting_log is its entries
         reload = self.watcher.status() if self.watcher is not None else {
             "version": policy.version, "sources": list(policy.sources), "last_error": None,
             "failures": 0, "reloads": 0, "watching": []}
@@ -223,7 +220,7 @@ class Operations:
                          if isinstance(self.store, MemoryStore) else {})},
             "checks": self.observe.metrics.request_counts() if self.observe.metrics is not None else None,
             "fail_open": dict(sorted(engine.failures.items())),
-            "bad_requests": self.auth.bad_requests,
+            "bad_requests": self.auth.flow.bad_requests,
             "background_errors": dict(sorted(self.runner.errors.items())),
             **self.switch_status(),
             "switch_poll": {"errors": self.switches.errors, "updates": self.switches.updates},

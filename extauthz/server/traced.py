@@ -1,33 +1,27 @@
-"""The Check servicer inside a span: installed only when tracing is on."""
+"""The check flow inside a span: installed only when tracing is on."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import grpc
 from opentelemetry.trace import SpanKind
 
 from ..engine import Engine
 from ..observe.tracing import CHECK_SPAN, parent_context
-from ..proto import auth_pb2
-from ..tickets import LeaseTickets
-from .services import AuthorizationService, LeaseIndex
-
-_RPC = {"rpc.system": "grpc", "rpc.service": "envoy.service.auth.v3.Authorization", "rpc.method": "Check"}
+from .flow import A, C, CheckFlow, Door, M
+from .leases import Leases
 
 
-class TracedAuthorizationService(AuthorizationService):
-    """One ``extauthz.check`` span per Check, child of the ``traceparent`` in the call's
-    metadata; the engine's observers add the decision to it."""
+class TracedCheckFlow(CheckFlow):
+    """One ``extauthz.check`` span per check, on either front door, child of the
+    ``traceparent`` the request carries (the gRPC call's metadata, the HTTP request's
+    headers); the engine's observers add the decision to it."""
 
-    def __init__(self, engine: Engine, tracer: Any, index: LeaseIndex | None = None,
-                 tickets: LeaseTickets | None = None) -> None:
-        super().__init__(engine, index, tickets)
+    def __init__(self, engine: Engine, leases: Leases, tracer: Any) -> None:
+        super().__init__(engine, leases)
         self._start = tracer.start_as_current_span
 
-    async def Check(  # noqa: N802 - gRPC method name
-        self, request: auth_pb2.CheckRequest, context: grpc.aio.ServicerContext
-    ) -> auth_pb2.CheckResponse:
-        parent = parent_context(context.invocation_metadata())
-        with self._start(CHECK_SPAN, context=parent, kind=SpanKind.SERVER, attributes=_RPC):
-            return await super().Check(request, context)
+    async def check(self, door: Door[M, C, A], message: M, call: C) -> A:
+        with self._start(CHECK_SPAN, context=parent_context(door.carrier(message, call)),
+                         kind=SpanKind.SERVER, attributes=door.span):
+            return await super().check(door, message, call)

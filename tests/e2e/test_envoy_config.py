@@ -109,7 +109,7 @@ def _http_ext_authz() -> dict[str, Any]:
 
 def test_shipped_http_config_allows_what_the_policy_reads() -> None:
     from extauthz.policy import load_policy
-    from extauthz.server.http import allowed_headers
+    from extauthz.server.httpmap import allowed_headers
 
     listed = [p["exact"] for p in _http_ext_authz()["allowed_headers"]["patterns"]]
     assert listed == allowed_headers(load_policy([REPO / "policies"]).needed_headers), (
@@ -121,7 +121,7 @@ def test_shipped_http_config_allows_what_the_policy_reads() -> None:
 def test_shipped_grpc_configs_allow_what_the_policy_reads_and_strip_the_tier(name: str) -> None:
     from extauthz.answers import TIER_HEADER
     from extauthz.policy import load_policy
-    from extauthz.server.http import allowed_headers
+    from extauthz.server.httpmap import allowed_headers
 
     config = yaml.safe_load(config_path(name).read_text(encoding="utf-8"))
     ext = _filters(config)[EXT_AUTHZ_FILTER]
@@ -183,7 +183,7 @@ def test_render_lists_n_endpoints_of_the_extauthz_cluster() -> None:
 
 def test_shipped_http_config_states_fail_open_shed_mapper_and_lease_metadata() -> None:
     from extauthz.answers import LEASE_FIELDS
-    from extauthz.server.http import ROUTE_TIER_HEADER, SHED_STATUS
+    from extauthz.server.httpmap import ROUTE_TIER_HEADER, SHED_STATUS
 
     ext = _http_ext_authz()
     assert ext["failure_mode_allow"] is True

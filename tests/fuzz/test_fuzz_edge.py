@@ -20,7 +20,9 @@ from extauthz.engine import Engine
 from extauthz.policy import load_policy
 from extauthz.proto import accesslog_pb2, auth_pb2
 from extauthz.server.edge import EXT_AUTHZ_NAMESPACE, check_response, raw_request
-from extauthz.server.services import AccessLogService, AuthorizationService, LeaseIndex
+from extauthz.server.flow import CheckFlow
+from extauthz.server.leases import LeaseIndex, Leases
+from extauthz.server.services import AccessLogService, AuthorizationService
 from extauthz.store.memory import MemoryStore
 from extauthz.tickets import REASONS, LeaseTickets
 
@@ -99,7 +101,8 @@ def services(tmp_path: Path) -> Iterator[tuple[AuthorizationService, AccessLogSe
     f.write_text(POLICY)
     engine = Engine(MemoryStore(ManualClock()), load_policy([f]), clock=ManualClock())
     index, tickets = LeaseIndex(limit=64), LeaseTickets(engine.keys, "fuzz")
-    yield AuthorizationService(engine, index, tickets), AccessLogService(engine, index, tickets)
+    leases = Leases(engine, tickets=tickets, index=index)
+    yield AuthorizationService(CheckFlow(engine, leases)), AccessLogService(leases)
 
 
 @SETTINGS
@@ -107,7 +110,8 @@ def services(tmp_path: Path) -> Iterator[tuple[AuthorizationService, AccessLogSe
 def test_random_check_requests_always_get_an_answer(services: tuple[AuthorizationService, AccessLogService],
                                                      req: auth_pb2.CheckRequest) -> None:
     auth, _ = services
-    snap = auth.engine.snapshot
+    engine = auth.flow.engine
+    snap = engine.snapshot
     # the edge itself never raises (the servicer's catch-all is for the unforeseen only)
     raw = raw_request(req, snap.classifier.needed_headers, snap.policy.needed_route_metadata,
                       snap.classifier.needed_metadata)
@@ -115,9 +119,10 @@ def test_random_check_requests_always_get_an_answer(services: tuple[Authorizatio
     assert len(ctx.identity) == 24
     resp = asyncio.run(auth.Check(req, _Context()))
     assert resp.HasField("ok_response") or resp.HasField("denied_response")
-    assert auth.bad_requests == 0
-    check_response(ctx, asyncio.run(auth.engine.decide(ctx))).SerializeToString()
-    assert len(auth.index) <= auth.index.limit
+    assert auth.flow.bad_requests == 0
+    check_response(ctx, asyncio.run(engine.decide(ctx))).SerializeToString()
+    index = auth.flow.leases.index
+    assert len(index) <= index.limit
 
 
 def _struct(value: Any) -> struct_pb2.Struct:
@@ -164,7 +169,7 @@ def test_random_access_log_messages_never_break_the_stream(
 
     asyncio.run(logs.StreamAccessLogs(stream(), _Context()))
     assert set(logs.rejected) <= set(REASONS)
-    assert logs.engine.releaser.leases_released == 0  # nothing forged was ever released
+    assert logs.leases.releaser.leases_released == 0  # nothing forged was ever released
 
 
 def test_bookkeeping_stays_bounded_after_many_requests(services: tuple[AuthorizationService, AccessLogService]) -> None:
@@ -178,4 +183,5 @@ def test_bookkeeping_stays_bounded_after_many_requests(services: tuple[Authoriza
             assert (await auth.Check(req, _Context())).HasField("ok_response")
 
     asyncio.run(run())
-    assert len(auth.index) == auth.index.limit == 64  # the oldest request ids were forgotten
+    index = auth.flow.leases.index
+    assert len(index) == index.limit == 64  # the oldest request ids were forgotten

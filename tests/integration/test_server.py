@@ -103,7 +103,7 @@ def test_bad_policy_refuses_to_start_with_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_lease_index_by_request_id() -> None:
-    from extauthz.server.services import LeaseIndex
+    from extauthz.server.leases import LeaseIndex
 
     idx = LeaseIndex(limit=2)
     idx.put("r1", ("k1",), "a", "t:1")

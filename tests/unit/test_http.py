@@ -10,7 +10,7 @@ import pytest
 
 from extauthz.answers import LEASE_ID_FIELD, LEASES_FIELD, lease_fields, read_lease_fields
 from extauthz.clock import ManualClock
-from extauthz.server.http import (
+from extauthz.server.httpmap import (
     SHED_STATUS,
     allowed_headers,
     http_answer,
@@ -109,7 +109,7 @@ async def test_http_answer_allowed_and_refused(tmp_path: Path) -> None:
 
 
 def test_http_metadata_files_the_forwarded_jwt_payload_like_jwt_authn() -> None:
-    from extauthz.server.http import JWT_NAMESPACE, http_metadata
+    from extauthz.server.httpmap import JWT_NAMESPACE, http_metadata
 
     claims = {"sub": "alice", "n": 7, "livemode": False, "nested": {"team": "t1"}, "big": "x" * 100}
     header = {"x-jwt-payload": base64.urlsafe_b64encode(json.dumps(claims).encode()).decode()}

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 from google.protobuf import struct_pb2
 
-from extauthz.classify import Classifier, identity_text
+from extauthz.classify import Classifier, identity_text, scalars_at
 from extauthz.context import RawRequest
 from extauthz.policy import load_policy
 from extauthz.policy.model import DEFAULT_ROUTE_TIER
 from extauthz.proto import auth_pb2
-from extauthz.server.edge import raw_request, struct_paths
+from extauthz.server.edge import raw_request
 from extauthz.tiers import Tier
 
 from .helpers import policy_from
@@ -99,7 +99,7 @@ def test_edge_extracts_only_the_named_paths() -> None:
     struct = struct_pb2.Struct()
     struct.update({"payload": {"sub": "alice", "email": "a@example.com", "groups": ["x"],
                                "org": {"id": 7, "tier": True}}, "header": {"alg": "RS256"}})
-    got = struct_paths(struct, [("payload", "sub"), ("payload", "org", "id"), ("payload", "groups"),
+    got = scalars_at(struct, [("payload", "sub"), ("payload", "org", "id"), ("payload", "groups"),
                                 ("payload", "sub", "deeper"), ("missing", "x")])
     assert got == {"payload": {"sub": "alice", "org": {"id": 7.0}}}
 

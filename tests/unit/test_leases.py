@@ -1,18 +1,24 @@
-"""The request-id index (issue 20 defects 2 and 8): bounded per id and in all, entries expire
-after the longest lease TTL (injected clock), and an entry without our metadata releases only
-the request its check saw, never one of several under a reused id."""
+"""The server's side of the lease loop (server/leases.py). The request-id index (issue 20
+defects 2 and 8): bounded per id and in all, entries expire after the longest lease TTL
+(injected clock), and an entry without our metadata releases only the request its check saw,
+never one of several under a reused id. The lease owner: what it remembers of an admitted
+check, how it vets and matches an access-log entry, and what it hands to the releaser."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 
 from extauthz.clock import ManualClock
+from extauthz.context import RequestContext
 from extauthz.proto import accesslog_data_pb2, core_pb2
-from extauthz.server.services import LeaseIndex, entry_seen, seen_as, seen_at
+from extauthz.server.leases import LeaseIndex, Leases, seen_as, seen_at
+from extauthz.server.services import entry_seen
+from extauthz.tickets import BAD_TICKET, MALFORMED, NO_TICKET
 
-from .helpers import policy_from
+from .helpers import engine_for, get, policy_from
 
 
 def index(clock: ManualClock, *, retention: float = 60.0, **bounds: int) -> LeaseIndex:
@@ -92,3 +98,58 @@ def test_the_longest_lease_ttl_of_a_policy(tmp_path: Path) -> None:
     assert policy.longest_lease_ttl == 90.0
     assert policy_from(tmp_path, {"limiters": [
         {"name": "rate", "type": "request_rate", "rate": 1, "burst": 1}]}).longest_lease_ttl == 0.0
+
+
+def admitted(tmp_path: Path, request_id: str = "rid") -> tuple[Leases, RequestContext, tuple[str, ...], str, str]:
+    """A lease owner on the embedded store and one check it admitted with a lease."""
+    policy = policy_from(tmp_path, {"limiters": [
+        {"name": "conc", "type": "concurrent_requests", "limit": 2, "lease_ttl": "60s"}]})
+    engine, _ = engine_for(policy, ManualClock())
+    leases = Leases(engine)
+    ctx = engine.context(get(request_id=request_id))
+    decision = asyncio.run(engine.decide(ctx))
+    assert decision.leases
+    ticket = leases.admitted(ctx, decision, seen_as("GET", "/v1/customers"))
+    return leases, ctx, decision.leases, decision.lease_id, ticket
+
+
+def test_an_entry_with_our_metadata_releases_its_leases_and_forgets_the_index_entry(tmp_path: Path) -> None:
+    leases, _, keys, lease_id, ticket = admitted(tmp_path)
+    lease = (list(keys), lease_id)
+    assert leases.refused(lease, ticket, True) is None
+    found = leases.finished("rid", lease, unauthorized=False, seen=lambda: pytest.fail("not asked"))
+    assert found == (list(keys), lease_id, "access_log")
+    assert len(leases.index) == 0
+    assert leases.release(*found) is None  # the embedded store: released at once
+    assert leases.releaser.count("access_log", "released") == 1 and leases.releaser.leases_released == 1
+
+
+def test_an_entry_without_metadata_finds_only_the_request_its_check_saw(tmp_path: Path) -> None:
+    leases, _, keys, lease_id, _ = admitted(tmp_path)
+    assert leases.finished("rid", None, unauthorized=False, seen=lambda: (seen_as("GET", "/other"),)) is None
+    assert leases.finished("other", None, unauthorized=False, seen=lambda: (seen_as("GET", "/v1/customers"),)) is None
+    assert leases.finished("rid", None, unauthorized=False,
+                           seen=lambda: (seen_as("GET", "/v1/customers"),)) == (keys, lease_id, "request_id_index")
+
+
+def test_an_entry_of_a_refused_request_takes_nothing_from_the_index(tmp_path: Path) -> None:
+    leases, _, _, _, _ = admitted(tmp_path)
+    assert leases.finished("rid", None, unauthorized=True, seen=lambda: (seen_as("GET", "/v1/customers"),)) is None
+    assert len(leases.index) == 1
+
+
+def test_lease_metadata_is_vetted_before_anything_acts_on_it(tmp_path: Path) -> None:
+    leases, _, keys, lease_id, ticket = admitted(tmp_path)
+    lease = (list(keys), lease_id)
+    assert leases.refused(lease, "", True) == NO_TICKET
+    assert leases.refused(lease, ticket[:-2] + ("aa" if not ticket.endswith("aa") else "bb"), True) == BAD_TICKET
+    assert leases.refused(None, "", True) == MALFORMED  # our fields, not as a check writes them
+    assert leases.refused(None, "", False) is None  # not ours at all: only the request id may match
+
+
+def test_an_abandoned_answer_gives_its_leases_back_at_once(tmp_path: Path) -> None:
+    leases, ctx, _, _, _ = admitted(tmp_path, request_id="")
+    assert len(leases.index) == 0  # no request id: nothing to index
+    decision = asyncio.run(leases.engine.decide(ctx))
+    leases.abandoned(decision)
+    assert leases.releaser.count("cancelled_check", "released") == 1

@@ -1,0 +1,225 @@
+"""The server's side of the lease loop, in one owner.
+
+A check admitted with leases (concurrency slots held until the request finishes) is answered
+with the lease metadata (:func:`extauthz.answers.lease_fields`) and a lease ticket; Envoy's
+access log hands the metadata back when the request finishes and the leases are released.
+:class:`Leases` holds what the server keeps between the two, for both front doors (gRPC and
+HTTP, through :mod:`extauthz.server.flow`) and the AccessLogService:
+
+* :meth:`Leases.admitted`: remember an admitted check's leases by request id
+  (:class:`LeaseIndex`) and make the ticket its answer carries;
+* :meth:`Leases.abandoned`: give back the leases of an answer Envoy will never log;
+* :meth:`Leases.refused`: vet the lease metadata of an access-log entry (the ticket) before
+  anything acts on it;
+* :meth:`Leases.finished`: match a finished request's entry to its leases (its metadata, or
+  the request-id index when Envoy dropped our answer) and hand them to the releaser
+  (:class:`~extauthz.release.Releaser`, the one release path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Collection, Sequence
+
+from ..clock import SYSTEM_CLOCK, Clock
+from ..context import RequestContext
+from ..engine import Engine
+from ..tickets import MALFORMED, LeaseTickets
+from ..verdict import Decision
+
+__all__ = ["Lease", "LeaseIndex", "Leases", "engine_index", "seen_as", "seen_at"]
+
+Lease = tuple[tuple[str, ...], str]
+
+
+def seen_at(started_us: int) -> str:
+    """What a gRPC Check saw of its request, as the index keeps it: Envoy's start time of the
+    downstream stream (``attributes.request.time``; the access-log entry's ``start_time`` is
+    the same instant, to the microsecond)."""
+    return f"t:{started_us}"
+
+
+def seen_as(method: str, path: str) -> str:
+    """What an HTTP-protocol check saw (that protocol carries no start time): method and path
+    without the query."""
+    q = path.find("?")
+    return f"p:{method} {path if q < 0 else path[:q]}"
+
+
+class _Held:
+    """A request id's entries in the index: lease id -> (keys, what the check saw), and how
+    many checks saw the id."""
+
+    __slots__ = ("checks", "leases")
+
+    def __init__(self) -> None:
+        self.checks = 0
+        self.leases: dict[str, tuple[tuple[str, ...], str]] = {}
+
+
+class LeaseIndex:
+    """Request id (``x-request-id``) -> leases of the requests this replica admitted, until
+    their access-log entry arrives.
+
+    Envoy logs every finished request with its request id, but the CheckResponse's dynamic
+    metadata is missing from the entry when Envoy dropped our answer: the client went away
+    or the ext_authz timeout fired while the answer was on its way. The index still finds
+    those leases (on the replica that answered; elsewhere the lease TTL remains the
+    backstop), but only for an entry that is the request the check saw (:meth:`take`).
+
+    Bounded (docs/security.md "Request ids and paths"): ``per_id`` entries per request id
+    (a reused id's oldest entry is forgotten first), ``limit`` entries in all (the oldest
+    first), and an entry is forgotten ``retention()`` seconds after its check (the policy's
+    longest lease TTL: by then the store has dropped the lease). Every operation is O(1)
+    amortized: entries are found by (request id, lease id) and expire in insertion order.
+    """
+
+    def __init__(self, limit: int = 100_000, per_id: int = 8, *, clock: Clock = SYSTEM_CLOCK,
+                 retention: Callable[[], float] = lambda: 60.0) -> None:
+        if limit < 1 or per_id < 1:
+            raise ValueError(f"limit and per_id must be at least 1, not {limit} and {per_id}")
+        self.limit = limit
+        self.per_id = per_id
+        self.clock = clock
+        self.retention = retention
+        self._by_id: dict[str, _Held] = {}
+        #: (request id, lease id) -> when its check put it, oldest first
+        self._order: dict[tuple[str, str], float] = {}
+        #: entries forgotten before their access-log entry: ``expired`` (retention passed),
+        #: ``evicted`` (a bound)
+        self.expired = 0
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        """Entries (leases awaiting their access-log entry), not request ids."""
+        return len(self._order)
+
+    def status(self) -> dict[str, int]:
+        self.expire()
+        return {"entries": len(self._order), "request_ids": len(self._by_id),
+                "expired": self.expired, "evicted": self.evicted}
+
+    def put(self, request_id: str, leases: tuple[str, ...], lease_id: str, seen: str = "") -> None:
+        """Remember an admitted check's leases; ``seen``: :func:`seen_at` or :func:`seen_as`."""
+        self.expire()
+        held = self._by_id.get(request_id)
+        if held is None:
+            held = self._by_id[request_id] = _Held()
+        held.checks += 1
+        if len(held.leases) >= self.per_id:  # a reused id: its oldest entry goes
+            self._forget(request_id, next(iter(held.leases)))
+            self.evicted += 1
+        held.leases[lease_id] = (leases, seen)
+        self._order[(request_id, lease_id)] = self.clock.monotonic()
+        if len(self._order) > self.limit:
+            self._forget(*next(iter(self._order)))
+            self.evicted += 1
+
+    def take(self, request_id: str, lease_id: str | None, seen: Collection[str] = ()) -> Lease | None:
+        """Forget (and return) the entry for ``lease_id``. Without one (the access log lost
+        our answer), the request id's entry only when exactly one check saw that id and it
+        saw this request (``seen``: what the access-log entry says of it); never one of
+        several, never an entry for another request that shares a client-chosen id."""
+        held = self._by_id.get(request_id)
+        if held is None:
+            return None
+        if lease_id is None:
+            if held.checks != 1 or len(held.leases) != 1:
+                return None
+            lease_id, (_, saw) = next(iter(held.leases.items()))
+            if not saw or saw not in seen:
+                return None
+        entry = held.leases.get(lease_id)
+        if entry is None:
+            return None
+        self._forget(request_id, lease_id)
+        return entry[0], lease_id
+
+    def expire(self) -> None:
+        """Forget the entries older than ``retention()`` seconds (oldest first, so amortized O(1))."""
+        if not self._order:
+            return
+        horizon = self.clock.monotonic() - self.retention()
+        order = self._order
+        while order:
+            key = next(iter(order))
+            if order[key] > horizon:
+                break
+            self._forget(*key)
+            self.expired += 1
+
+    def _forget(self, request_id: str, lease_id: str) -> None:
+        self._order.pop((request_id, lease_id), None)
+        held = self._by_id.get(request_id)
+        if held is None:
+            return
+        held.leases.pop(lease_id, None)
+        if not held.leases:
+            del self._by_id[request_id]
+
+
+
+def engine_index(engine: Engine) -> LeaseIndex:
+    """The request-id index of a server around ``engine``: its clock, entries kept for the
+    current policy's longest lease TTL."""
+    return LeaseIndex(clock=engine.clock, retention=lambda: engine.snapshot.policy.longest_lease_ttl)
+
+
+class Leases:
+    """The owner of the server's side of the lease loop (module docstring): one per server,
+    shared by both front doors and the access log."""
+
+    def __init__(self, engine: Engine, *, tickets: LeaseTickets | None = None,
+                 index: LeaseIndex | None = None) -> None:
+        self.engine = engine
+        #: request id -> leases of admitted checks, until their access-log entry
+        self.index = index if index is not None else engine_index(engine)
+        #: makes the ticket each answer with leases carries, and checks it on the way back
+        self.tickets = tickets if tickets is not None else LeaseTickets(engine.keys)
+        self.releaser = engine.releaser
+
+    def admitted(self, ctx: RequestContext, decision: Decision, seen: str) -> str:
+        """Remember an admitted request's leases by request id until its access-log entry
+        (``seen``: what identifies the request, :func:`seen_at` or :func:`seen_as`); the
+        lease ticket its answer carries."""
+        if ctx.request_id:
+            self.index.put(ctx.request_id, decision.leases, decision.lease_id, seen)
+        return self.tickets.make(decision.lease_id, decision.leases)
+
+    def abandoned(self, decision: Decision) -> None:
+        """Give back the leases of an answer Envoy will never log (it gave up on the check)."""
+        self.releaser.release(decision.leases, decision.lease_id, "cancelled_check")
+
+    def refused(self, lease: tuple[list[str], str] | None, ticket: str, ours: bool) -> str | None:
+        """Why an access-log entry's lease metadata is refused (``tickets.REASONS``), or None.
+        ``lease``: the (keys, lease id) it names, if it names them as a check writes them;
+        ``ours``: it carries one of our fields at all (then a missing ``lease`` is malformed)."""
+        if lease is not None:
+            return self.tickets.check(lease[1], lease[0], ticket)
+        return MALFORMED if ours else None
+
+    def finished(self, request_id: str, lease: tuple[list[str], str] | None, *, unauthorized: bool,
+                 seen: Callable[[], Collection[str]]) -> tuple[Sequence[str], str, str] | None:
+        """The (keys, lease id, release path) a finished request's access-log entry gives back,
+        or None. ``lease``: what its (vetted) metadata names; ``unauthorized``: the request was
+        refused by the authorization filter; ``seen``: what the entry says of its request
+        (asked only when the metadata is missing)."""
+        path = "access_log"
+        # A request we refused holds nothing: never let its entry (no metadata, maybe a
+        # client-chosen request id shared with admitted requests) take another request's
+        # leases from the index; without metadata, only the request the check saw finds its
+        # entry (LeaseIndex.take).
+        if request_id and not unauthorized:
+            if lease is not None:
+                self.index.take(request_id, lease[1])
+            else:
+                known = self.index.take(request_id, None, seen())
+                if known is not None:
+                    return known[0], known[1], "request_id_index"
+        if lease is None:
+            return None
+        return lease[0], lease[1], path
+
+    def release(self, keys: Sequence[str], lease_id: str, path: str) -> asyncio.Task[int] | None:
+        """Hand leases to the releaser (None: released at once, the embedded store)."""
+        return self.releaser.release(keys, lease_id, path)
