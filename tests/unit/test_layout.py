@@ -19,7 +19,6 @@ CROSS_MODULE = {
     "test_identity_auth": "identity from authentication: the edge and the classifier",
     "test_imports": "import hygiene: what a server on the embedded store loads (no redis-py)",
     "test_layout": "this file",
-    "test_lease_index": "the request-id index (server/services.py, moving with issue 19's lease owner)",
     "test_plans": "plans and live overrides: policy, overrides and the engine",
     "test_plans_metadata": "a plan from a verified claim: the edge and the classifier",
     "test_route_metadata": "the tier from the route's metadata: the edge and the classifier",
