@@ -164,7 +164,7 @@ def denial(ctx: RequestContext, decision: Decision) -> Denial:
         "retry_after": retry,
     }
     if v.limit is not None and v.kind is Kind.RATE_LIMITER:
-        body["limit"] = min(v.limit, MAX_HEADER_COUNT)
+        body["limit"] = _bounded(v.limit, MAX_HEADER_COUNT)  # whole requests, as in RateLimit-Policy
         body["remaining"] = _bounded(v.remaining or 0, MAX_HEADER_COUNT)
     if v.resets_at is not None:
         body["reset"] = datetime.fromtimestamp(v.resets_at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

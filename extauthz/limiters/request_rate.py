@@ -168,7 +168,7 @@ class RequestRateLimiter(PerCustomer):
             remaining=result.remaining, retry_after=result.retry_after,
             reset=result.extra, reason="rate_exceeded", quota=n.quota,
             detail=(f"Request rate limit '{self.name}' exceeded{plan}: bursts of up to "
-                    f"{n.burst:g} requests, refilled at {n.rate:g} per second. "
+                    f"{n.burst:g} request{'' if n.burst == 1 else 's'}, refilled at {n.rate:g} per second. "
                     f"Slow down and retry after the Retry-After delay."))
         if enforce and self.refusals is not None:
             self.refusals.remember(self._bucket(ctx), refused,
