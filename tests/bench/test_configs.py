@@ -64,8 +64,7 @@ def test_access_log_follows_the_policy_where_asked(key: str, log: bool, tmp_path
 def test_batched_configurations_run_and_count_store_calls(tmp_path: Path) -> None:
     out = tmp_path / "run.json"
     # a generous store deadline (below Envoy's 250 ms): on a busy machine the 5 ms one opens
-    # the breaker, and
-    # checks that fail open make no store call (the counts below would mean nothing)
+    # the breaker, and checks that fail open make no store call (the counts would mean nothing)
     proc = subprocess.run(
         [sys.executable, "-m", "bench.harness", "--smoke", "--configs", "rh,rhb,hdb", "--deadline-ms", "200",
          "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
