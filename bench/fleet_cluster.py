@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from .configs import fleet_batching
-from .store_bench import Run, one_run, per_node, table
+from .store_bench import Run, one_run, per_node, start_cluster, table
 
 FLEET = """\
 version: 1
@@ -91,8 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.seconds = 1, 1.0
-    from tests.infra.redis_servers import start_cluster
-
     runner: Callable[[Any], Any] = asyncio.run
     try:
         import uvloop
