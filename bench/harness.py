@@ -22,7 +22,11 @@ Envoy in front of a trivial upstream, the extauthz server as a process, and driv
   hd  (d) over HTTP: all four limiters, Redis store
   d-buf20  (d) with the access log buffered 20 ms
   r   Envoy + the server, one request_rate limiter, Redis store (issue 16's shape, beside
-      the Go envoyproxy/ratelimit figures quoted in docs/benchmarks.md); rh: the same over HTTP
+      the Go envoyproxy/ratelimit figures quoted in docs/benchmarks.md); rh: the same over HTTP,
+      without the access log its policy does not need (``extauthz envoy-config --access-log auto``)
+  rhb (rh) with ``consistency: batched`` (bench/policies/rate-only-batched.yaml)
+  hdb (hd) with request_rate and fleet_usage batched (request_rate alone until fleet_usage
+      accepts ``consistency``: bench/configs.py ``FALLBACK_POLICIES``)
   f   (d) under a flood, 10 requests/s per key: one key sends half of all requests (refused),
       the other half rotates over 1,000 well-behaved keys; fc: the same load without the
       flooding key (1,000 other well-behaved keys in its place). Their latency run is two
@@ -39,9 +43,11 @@ and the medians, ratios and targets, ``bench/report.py`` writes docs/benchmarks.
 Envoy answers ``200 ok`` itself (``direct_response_upstream``): the upstream is never the
 bottleneck. Tracing is off. The policies in ``bench/policies`` never refuse the benchmark
 traffic (1,000 rotating API keys under wrk; one key under h2load), so every request is a full
-Check. Every figure is checked: Envoy's ``ext_authz.ok`` must count every request,
-``failure_mode_allowed`` and ``error`` must stay 0 (fail-open would hide a dead server), and
-the server's fail-open counters (admin ``/status``) are reported.
+Check. Each configuration's log lines and summary show its store script calls per request
+and its ``timeout`` fail-opens (store deadline misses). Every figure is checked: Envoy's
+``ext_authz.ok`` must count every request, ``failure_mode_allowed`` and ``error`` must stay 0
+(fail-open would hide a dead server), and the server's fail-open counters (admin ``/status``)
+are reported.
 
 The machine is noisy: rounds are interleaved (every configuration once per round) and the
 tables show medians; ratios are taken inside a round, then the median of the ratios.
@@ -66,7 +72,7 @@ from typing import Any
 
 from extauthz.devtools.stack import free_port
 
-from .configs import DEFAULT_SETUPS, SETUPS, SMOKE_SETUPS, Options, Setup
+from .configs import DEFAULT_SETUPS, SETUPS, SMOKE_SETUPS, Options, Setup, policy_file, policy_name
 from .load import (
     CALM_PREFIX,
     FLOOD_KEY,
@@ -78,8 +84,19 @@ from .load import (
     wrk_script,
 )
 from .procs import RedisServer, find_redis_server
-from .report import DOCS, PLOT, ROOT, environment, fmt, markdown, phase_redis_calls, plot, write_docs
-from .stack import POLICIES, Running, fill_counters, stat_value
+from .report import (
+    DOCS,
+    PLOT,
+    ROOT,
+    environment,
+    fmt,
+    markdown,
+    phase_redis_calls,
+    plot,
+    row_store_figures,
+    write_docs,
+)
+from .stack import Running, fill_counters, stat_value
 from .stats import Phase, latency_summary, summarize, targets
 
 #: wrk connections of each of the two paced loads of the flood configurations
@@ -296,7 +313,7 @@ def flood_key_rate(setup: Setup) -> float:
     """The flooding key's limit: the ``rate`` of the policy's request_rate limiter."""
     from extauthz.policy import load_policy
 
-    policy = load_policy([POLICIES / f"{setup.policy}.yaml"])
+    policy = load_policy([policy_file(setup)])
     return min(float(lim.rate) for lim in policy.limiters if lim.type == "request_rate")
 
 
@@ -316,6 +333,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str]:
                    help="Redis outage scenarios for (d): kill, pause, or none (default kill,pause)")
     p.add_argument("--outage-duration", type=float, default=10.0,
                    help="seconds before and after Redis stops in the outage runs (default 10)")
+    p.add_argument("--deadline-ms", type=float, default=None,
+                   help="the server's --store-deadline-ms (default 5, as shipped; a brief check on a busy "
+                   "machine may raise it so that the breaker does not hide the store calls)")
     p.add_argument("--no-limits", action="store_true", help="skip the limits library comparison")
     p.add_argument("--smoke", action="store_true",
                    help="CI check: 2 s runs, 1 round, (a)(b)(c), no outage, no plot, no docs")
@@ -340,6 +360,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str]:
         opts.duration = a.duration
     if a.warmup is not None:
         opts.warmup = a.warmup
+    if a.deadline_ms is not None:
+        opts.deadline_ms = a.deadline_ms
     if a.outage != "kill,pause" and not a.smoke:
         opts.outage = () if a.outage == "none" else tuple(a.outage.split(","))
     if a.no_limits:
@@ -385,6 +407,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     h = Harness(opts)
     log(f"configurations {', '.join(opts.setups)}; {opts.rounds} round(s) of {opts.duration:g} s runs; "
         f"work dir {h.workdir}")
+    for setup in h.setups():
+        if policy_name(setup) != setup.policy:
+            log(f"({setup.key}) runs bench/policies/{policy_name(setup)}.yaml: {setup.policy}.yaml needs "
+                "fleet_usage consistency: batched, not built yet")
     try:
         h.run()
     finally:
@@ -404,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for row in summary["rows"]:
         log(f"{row['key']:5} {row['label']:36} {fmt(row['rps']):>8} req/s  p50 {fmt(row['p50_ms'], '{:.2f}')} "
             f"p99 {fmt(row['p99_ms'], '{:.2f}')} p99.9 {fmt(row['p999_ms'], '{:.2f}')} ms  "
-            f"server {fmt(row['server_cpu_us'])} us/req")
+            f"server {fmt(row['server_cpu_us'])} us/req{row_store_figures(row)}")
     for name, r in summary["ratios"].items():
         log(f"ratio {name}: {fmt(r['median'], '{:.3f}')} {r['rounds']}")
     for t in result["targets"]:

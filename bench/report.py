@@ -237,7 +237,21 @@ def phase_redis_calls(phase: Any) -> str:
         return ""
     by_command = " ".join(f"{c} {v:.2f}" for c, v in phase.redis_commands.items() if v >= 0.005)
     return (f", Redis {sum(phase.redis_commands.values()):.2f} cmds/req ({by_command}), "
-            f"round trips/req {fmt(phase.store_round_trips, '{:.3f}')}")
+            f"round trips/req {fmt(phase.store_round_trips, '{:.3f}')}, "
+            f"script calls/req {fmt(phase.store_script_calls, '{:.3f}')}")
+
+
+def row_store_figures(row: dict[str, Any]) -> str:
+    """One configuration's store script calls per request (median, saturated / paced) and its
+    ``timeout`` fail-opens (store deadline misses) over all its runs, for the harness's summary."""
+    if row.get("consulted") is None:
+        return ""
+    calls = row.get("redis_calls") or {}
+    script = " / ".join(fmt((calls.get(kind) or {}).get("script_calls"), "{:.3f}")
+                        for kind in ("saturated", "latency"))
+    timeouts = (row.get("fail_open") or {}).get("timeout", 0)
+    share = timeouts / row["requests"] * 100 if row.get("requests") else 0.0
+    return f"  script calls/req {script}  timeout fail-opens {timeouts} ({share:.3f}% of checks)"
 
 
 def _steady(fig: dict[str, Any]) -> str:

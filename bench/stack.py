@@ -14,12 +14,11 @@ from extauthz.devtools.envoy_config import config_path, render_config
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import ServerProcess, free_port, policy_allowed_headers
 
-from .configs import Options, Setup
+from .configs import Options, Setup, policy_file
 from .procs import RedisServer, children, cpu_seconds, established_by_pid, free_port_block
 from .stats import Phase
 
 ROOT = Path(__file__).resolve().parents[1]
-POLICIES = Path(__file__).resolve().parent / "policies"
 #: the server's store counters read around a run (extauthz.observe.metrics)
 STORE_COUNTERS = ("extauthz_store_round_trips_total", "extauthz_store_script_calls_total")
 
@@ -61,7 +60,7 @@ class Running:
                     self.http_port = free_port()
                     args += ["--http-listen", f"127.0.0.1:{self.http_port}"]
                 env = {"EXTAUTHZ_EVENT_LOOP": s.loop, "PYTHONPATH": str(ROOT)}
-                self.server = ServerProcess([POLICIES / f"{s.policy}.yaml"], args=args, env=env,
+                self.server = ServerProcess([policy_file(s)], args=args, env=env,
                                             workdir=self.workdir,
                                             port=free_port_block(s.workers) if s.worker_ports else None).start()
                 if s.workers > 1:
@@ -85,10 +84,21 @@ class Running:
             extauthz_http=("127.0.0.1", self.http_port) if s.protocol == "http" else None,
             # what the policy reads, or (send_all_headers) every header, as Envoy does unlisted
             allowed_headers=None if s.send_all_headers or not s.ext_authz else
-            policy_allowed_headers([POLICIES / f"{s.policy}.yaml"], s.protocol),
+            policy_allowed_headers([policy_file(s)], s.protocol),
             send_all_headers=s.send_all_headers,
+            access_log_enabled=self.access_log(),
         )
         self.envoy = EnvoyProcess(config, concurrency=s.envoy_concurrency).start()
+
+    def access_log(self) -> bool:
+        """Whether Envoy sends the gRPC access log: always, or (``auto``) when the policy holds
+        a lease, as ``extauthz envoy-config --access-log auto`` decides."""
+        if self.setup.access_log == "always":
+            return True
+        from extauthz.envoy_bootstrap import holds_leases
+        from extauthz.policy import load_policy
+
+        return holds_leases(load_policy([policy_file(self.setup)]))
 
     def _wait_workers(self, timeout: float = 60.0) -> None:
         assert self.server is not None

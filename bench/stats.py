@@ -129,6 +129,7 @@ def summarize(setups: Sequence[Setup], phases: Sequence[Phase]) -> dict[str, Any
             "fail_open_saturated": _sum_dicts([p.fail_open for p in sat]),
             "fail_open_latency": _sum_dicts([p.fail_open for p in lat]),
             "requests": sum(p.requests for p in sat + lat),
+            "requests_saturated": sum(p.requests for p in sat),
             "cores": {
                 "server": med([(p.server_cpu_us or 0) * p.rps / 1e6 for p in sat]) if setup.ext_authz else None,
                 "envoy": med([(p.envoy_cpu_us or 0) * p.rps / 1e6 for p in sat]),
@@ -214,6 +215,29 @@ def targets(summary: dict[str, Any], *, limits: dict[str, Any] | None, outages: 
         out.append({"target": name, "value": round(value, 3), "goal": goal, "met": ok,
                     "unit": unit, "higher": higher})
 
+    # issue 24
+    rows = {row["key"]: row for row in summary["rows"]}
+
+    def row_value(key: str, name: str) -> float | None:
+        return (rows.get(key) or {}).get(name)
+
+    def script_calls(key: str) -> float | None:
+        return (((rows.get(key) or {}).get("redis_calls") or {}).get("saturated") or {}).get("script_calls")
+
+    add("(rh) server CPU per check (us)", row_value("rh", "server_cpu_us"), 80, higher=False, unit="us")
+    add("(rh) throughput / (a)", (ratios.get("rh/a") or {}).get("median"), 0.2)
+    add("(rhb) server CPU per check (us)", row_value("rhb", "server_cpu_us"), 60, higher=False, unit="us")
+    add("(rhb) store script calls per request", script_calls("rhb"), 0.05, higher=False, unit="")
+    add("(rhb) throughput / (h)", (ratios.get("rhb/h") or {}).get("median"), 0.85)
+    add("(hd) throughput / (h), issue 24", (ratios.get("hd/h") or {}).get("median"), 0.6)
+    add("(hdb) throughput / (h)", (ratios.get("hdb/h") or {}).get("median"), 0.8)
+    add("(d) throughput / (b), issue 24", (ratios.get("d/b") or {}).get("median"), 0.6)
+    shares = {k: row["fail_open_saturated"].get("timeout", 0) / row["requests_saturated"] * 100
+              for k, row in rows.items() if row.get("requests_saturated") and row.get("consulted") is not None}
+    if shares:
+        worst = max(shares, key=lambda k: shares[k])
+        add(f"timeout fail-opens, worst saturated configuration ({worst}), % of checks", shares[worst],
+            0.01, higher=False, unit="%")
     add("(d) throughput / (b)", (ratios.get("d/b") or {}).get("median"), 0.8)
     add("(c) throughput / (b)", (ratios.get("c/b") or {}).get("median"), 0.9)
     add("(hd) throughput / (h)", (ratios.get("hd/h") or {}).get("median"), 0.8)
