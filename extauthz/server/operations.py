@@ -27,9 +27,9 @@ from ..overrides import (
     Override,
     OverrideBoard,
     OverrideError,
-    compile_overrides,
     describe,
     make_override,
+    refuse_unapplied,
     with_override,
     without_override,
 )
@@ -266,9 +266,7 @@ class Operations:
         new = make_override(limiter, identity, numbers, ttl=body.get("ttl", DEFAULT_TTL),
                             reason=str(body.get("reason", "")), by=str(body.get("by", "")),
                             source=str(body.get("source", "")), now=now, kind=kind)
-        _, not_applied = compile_overrides([new], snap.limiters, now, snap.policy.identity_labels)
-        if not_applied:
-            raise OverrideError(next(iter(not_applied.values())))
+        refuse_unapplied(new, snap.limiters, snap.policy.identity_labels)
         await self.overrides.change(lambda entries: with_override(entries, new, now))
         return self.override_rows()
 
