@@ -18,16 +18,32 @@ from ..changelog import ChangeLog
 from ..clock import Clock
 from ..engine import Engine
 from ..observe.edge_metrics import EdgeCollector
-from ..observe.metrics import LeaseSampler, StateCollector
 from ..observe.setup import Observability
 from ..observe.shadow import read_report
+from ..observe.state import (
+    AccessLogPart,
+    FailOpenPart,
+    LeaseSampler,
+    ModesPart,
+    OverridesPart,
+    Panel,
+    PolicyPart,
+    ReleasesPart,
+    ReloadPart,
+    Section,
+    ShadowPart,
+    ShedPart,
+    StorePart,
+    by_label_part,
+    classifier_part,
+    count_part,
+)
 from ..overrides import (
     DEFAULT_TTL,
     MAX_OVERRIDES,
     Override,
     OverrideBoard,
     OverrideError,
-    describe,
     make_override,
     refuse_unapplied,
     with_override,
@@ -35,15 +51,12 @@ from ..overrides import (
 )
 from ..policy import Policy
 from ..policy.loader import MAX_FILE_BYTES
-from ..release import releases_status
 from ..reload import PolicyWatcher
 from ..runner import Runner
 from ..store.base import Store
 from ..store.keys import Keys
-from ..store.memory import MemoryStore
 from ..switches import SwitchBoard
 from ..tickets import REASONS as REJECT_REASONS
-from ..verdict import Mode
 from .admin import admin_app
 from .adminauth import AdminGuard, TokenFile, require_token_when_exposed
 from .ports import HttpPorts, metrics_app, off, parse_listen
@@ -100,20 +113,55 @@ class Operations:
                         if watch and reload_interval > 0 else None)
         #: the Check servicer (its bad-request count is exported)
         self.auth = self._auth_service()
-        self.leases: LeaseSampler | None = None
-        if observe.metrics is not None:
-            self.leases = LeaseSampler(engine, leases_sample_interval)
-            observe.metrics.registry.register(StateCollector(
-                engine, accesslog=accesslog, reload=self.watcher, leases=self.leases,
-                shadow_dropped=lambda: observe.shadow.dropped,
-                background_errors=lambda: runner.errors,
-                bad_requests=lambda: self.auth.bad_requests))
-            observe.metrics.registry.register(EdgeCollector(
-                lambda: self.tls, lambda: accesslog.rejected, REJECT_REASONS))
+        self.leases: LeaseSampler | None = (LeaseSampler(engine, leases_sample_interval)
+                                            if observe.metrics is not None else None)
         self.admin_port = 0
         self.metrics_port = 0
         #: more sections of /status, by name (e.g. "http": the HTTP authorization port)
         self.status_sections: dict[str, Callable[[], Any]] = {}
+        #: /status and the scrape-time metrics, one part per component
+        self.panel = self._panel()
+        if observe.metrics is not None:
+            observe.metrics.registry.register(self.panel)
+            observe.metrics.registry.register(EdgeCollector(
+                lambda: self.tls, lambda: accesslog.rejected, REJECT_REASONS))
+
+    def _panel(self) -> Panel:
+        """The parts of /status and /metrics, in /status order. A component with state of
+        its own adds its part here (or later with ``self.panel.add``)."""
+        engine, observe, runner = self.engine, self.observe, self.runner
+        metrics = observe.metrics
+        return Panel([
+            Section(lambda: {"extauthz": __version__}),
+            PolicyPart(engine),
+            ReloadPart(engine, self.watcher),
+            StorePart(engine),
+            Section(lambda: {"checks": metrics.request_counts() if metrics is not None else None}),
+            FailOpenPart(engine),
+            count_part("bad_requests", "extauthz_bad_requests", "CheckRequests the edge could not "
+                       "read (answered allowed).", lambda: self.auth.bad_requests),
+            by_label_part("background_errors", "extauthz_background_errors", "Background job runs "
+                          "that raised (the job keeps running), by job.", "job", lambda: runner.errors),
+            ModesPart(engine),
+            Section(lambda: {"switch_poll": self.switches.status()}),
+            OverridesPart(engine, self.overrides.status),
+            ShedPart(engine),
+            self.leases if self.leases is not None else Section(lambda: {"leases_in_flight": None}),
+            AccessLogPart(self.accesslog),
+            ReleasesPart(engine),
+            ShadowPart(observe.shadow),
+            Section(lambda: {
+                "decision_log": {"written": observe.decision_log.written,
+                                 "suppressed": observe.decision_log.suppressed_total},
+                "observer_errors": getattr(observe.observer, "errors", 0),
+                "tracing": observe.tracing is not None,
+                "tls": self.tls.status() if self.tls is not None else {"enabled": False},
+                "admin": self.guard.status() if self.guard is not None else None,
+                "changes": self.changes.status(),
+                "change_log_errors": self.changes.errors,
+                **{name: section() for name, section in self.status_sections.items()}}),
+            classifier_part(engine),
+        ])
 
     def _apply_policy(self, policy: Policy) -> None:
         self.engine.set_policy(policy)
@@ -190,69 +238,13 @@ class Operations:
         return {spec.name for spec in self.engine.snapshot.policy.limiters}
 
     def switch_status(self) -> dict[str, Any]:
-        snap = self.engine.snapshot
-        return {
-            "switches": snap.switches.to_dict(),
-            "limiters": {
-                spec.name: {"type": spec.type, "policy_mode": spec.mode,
-                            "mode": snap.switches.effective(spec.name, Mode(spec.mode)).value}
-                for spec in snap.policy.limiters
-            },
-        }
+        return dict(ModesPart(self.engine).status())
 
     def status(self) -> dict[str, Any]:
-        engine = self.engine
-        shadow = self.observe.shadow
-        snap = engine.snapshot
-        policy = snap.policy
-        index = self.accesslog.index.status()  # expires first: awaiting_log is its entries
-        reload = self.watcher.status() if self.watcher is not None else {
-            "version": policy.version, "sources": list(policy.sources), "last_error": None,
-            "failures": 0, "reloads": 0, "watching": []}
-        return {
-            "extauthz": __version__,
-            "policy": {"version": policy.version, "sources": list(policy.sources)},
-            "reload": reload,
-            "store": {"name": self.store.name, "breaker": engine.breaker_state,
-                      "window_failures": engine.breaker.failures,
-                      **({"masters": {name: b.state for name, b in sorted(engine.node_breakers.items())}}
-                         if engine.node_breakers else {}),
-                      **({"live_leases": self.store.live_leases()}
-                         if isinstance(self.store, MemoryStore) else {})},
-            "checks": self.observe.metrics.request_counts() if self.observe.metrics is not None else None,
-            "fail_open": dict(sorted(engine.failures.items())),
-            "bad_requests": self.auth.bad_requests,
-            "background_errors": dict(sorted(self.runner.errors.items())),
-            **self.switch_status(),
-            "switch_poll": {"errors": self.switches.errors, "updates": self.switches.updates},
-            "overrides": self.override_status(),
-            "shedding": [
-                {"limiter": w.name, "level": w.level, "utilization": w.utilization,
-                 "probabilities": {t.value: p for t, p in w.probabilities.items()}}
-                for w in snap.workers
-            ],
-            "leases_in_flight": dict(self.leases.values) if self.leases is not None else None,
-            "access_log": {"entries": self.accesslog.entries,
-                           "awaiting_log": index["entries"],
-                           "request_id_index": index,
-                           "rejected": dict(sorted(self.accesslog.rejected.items()))},
-            "lease_releases": releases_status(engine.releaser),
-            "shadow": {"recorded": shadow.recorded, "flushed_events": shadow.flushed,
-                       "pending": shadow.pending, "dropped": shadow.dropped},
-            "decision_log": {"written": self.observe.decision_log.written,
-                             "suppressed": self.observe.decision_log.suppressed_total},
-            "observer_errors": getattr(self.observe.observer, "errors", 0),
-            "tracing": self.observe.tracing is not None,
-            "tls": self.tls.status() if self.tls is not None else {"enabled": False},
-            "admin": self.guard.status() if self.guard is not None else None,
-            "changes": self.changes.status(),
-            "change_log_errors": self.changes.errors,
-            **{name: section() for name, section in self.status_sections.items()},
-        }
+        return self.panel.status()
 
     def override_rows(self) -> dict[str, Any]:
-        rows = describe(self.overrides.current, self.engine.snapshot.overrides_not_applied, self.clock.wall())
-        return {"overrides": rows, "max": MAX_OVERRIDES}
+        return {"overrides": OverridesPart(self.engine).rows(), "max": MAX_OVERRIDES}
 
     async def set_override(self, limiter: str, identity: str, body: Mapping[str, Any]) -> dict[str, Any]:
         """Set one override (the admin port). This replica knows the policy, so an override
@@ -280,13 +272,6 @@ class Operations:
 
         await self.overrides.change(clear)
         return found
-
-    def override_status(self) -> dict[str, Any]:
-        rows = describe(self.overrides.current, self.engine.snapshot.overrides_not_applied,
-                        self.clock.wall())
-        return {"live": len(rows), "max": MAX_OVERRIDES,
-                "not_applied": [r for r in rows if not r["applied"]],
-                "poll_errors": self.overrides.errors, "updates": self.overrides.updates}
 
     async def shadow_report(self, window: float, *, top: int = 10) -> dict[str, Any]:
         await self.observe.shadow.flush()  # include what this replica noted in the last second
