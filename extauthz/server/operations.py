@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..changelog import ChangeLog
 from ..clock import Clock
 from ..engine import Engine
 from ..observe.edge_metrics import EdgeCollector
@@ -25,7 +24,6 @@ from ..observe.state import (
     FailOpenPart,
     LeaseSampler,
     ModesPart,
-    OverridesPart,
     Panel,
     PolicyPart,
     ReleasesPart,
@@ -38,27 +36,16 @@ from ..observe.state import (
     classifier_part,
     count_part,
 )
-from ..overrides import (
-    DEFAULT_TTL,
-    MAX_OVERRIDES,
-    Override,
-    OverrideBoard,
-    OverrideError,
-    make_override,
-    refuse_unapplied,
-    with_override,
-    without_override,
-)
 from ..policy import Policy
 from ..policy.loader import MAX_FILE_BYTES
 from ..reload import PolicyWatcher
 from ..runner import Runner
 from ..store.base import Store
 from ..store.keys import Keys
-from ..switches import SwitchBoard
 from ..tickets import REASONS as REJECT_REASONS
 from .admin import admin_app
 from .adminauth import AdminGuard, TokenFile, require_token_when_exposed
+from .fleetstate import FleetState
 from .ports import HttpPorts, metrics_app, off, parse_listen
 from .services import AccessLogService, AuthorizationService
 from .tls import CertificateReloader
@@ -96,8 +83,6 @@ class Operations:
         self.guard = (AdminGuard(self.admin_listen, hosts=admin_hosts,
                                  tokens=TokenFile(admin_token_file) if admin_token_file else None)
                       if self.admin_listen is not None else None)
-        #: who changed switches and overrides, and why (the last ones; the store's log)
-        self.changes = ChangeLog(store, keys.history, wall=clock.wall)
         #: the admin port was not asked for: when taken, take an OS-chosen one (two servers
         #: on one host) instead of failing the start.
         self.admin_optional = admin_optional
@@ -105,8 +90,11 @@ class Operations:
         self.tls: CertificateReloader | None = None
 
         self.shadow_flush_interval = shadow_flush_interval
-        self.switches = SwitchBoard(store, keys.switches, engine.set_switches, interval=switch_poll_interval)
-        self.overrides = OverrideBoard(store, keys, engine.set_overrides, wall=clock.wall)
+        #: switches, overrides, their rules and the change log (server/fleetstate.py)
+        self.fleet = FleetState(engine, store, keys, clock, interval=switch_poll_interval)
+        self.switches = self.fleet.switches
+        self.overrides = self.fleet.overrides
+        self.changes = self.fleet.changes
         self.watcher = (PolicyWatcher(watch, self._apply_policy, current=engine.snapshot.policy,
                                       interval=reload_interval, clock=clock,
                                       max_bytes=policy_max_bytes)
@@ -143,8 +131,7 @@ class Operations:
             by_label_part("background_errors", "extauthz_background_errors", "Background job runs "
                           "that raised (the job keeps running), by job.", "job", lambda: runner.errors),
             ModesPart(engine),
-            Section(lambda: {"switch_poll": self.switches.status()}),
-            OverridesPart(engine, self.overrides.status),
+            self.fleet,
             ShedPart(engine),
             self.leases if self.leases is not None else Section(lambda: {"leases_in_flight": None}),
             AccessLogPart(self.accesslog),
@@ -185,7 +172,7 @@ class Operations:
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         # serve with the fleet's switches and overrides from the first check
-        await self._poll_fleet_state()
+        await self.fleet.poll()
         try:
             if self.observe.metrics is not None and self.metrics_listen is not None:
                 self.metrics_port = await self.ports.start(metrics_app(self.observe.metrics.registry),
@@ -197,7 +184,7 @@ class Operations:
             raise
         run = self.runner.every
         # one poll of what operators change at run time: kill switches and overrides
-        run("switch_poll", self.switches.interval, self._poll_fleet_state)
+        run("switch_poll", self.fleet.interval, self.fleet.poll)
         run("shadow_flush", self.shadow_flush_interval, self.observe.housekeeping)
         if self.watcher is not None:
             run("policy_reload", self.watcher.interval, self.watcher.poll)
@@ -223,55 +210,30 @@ class Operations:
                         "not fatal; `extauthz switch --listen HOST:PORT` finds it)", exc, port,
                         extra={"fields": {"event": "admin_port_fallback", "admin_port": port}})
             return port
-    async def _poll_fleet_state(self) -> None:
-        """The one poll of what operators change at run time: kill switches and overrides."""
-        await self.switches.poll_once()
-        await self.overrides.poll_once()
 
     async def stop(self) -> None:
         await self.runner.stop()
         await self.observe.stop()
         await self.ports.stop()
 
-    # -- status ---------------------------------------------------------------------------
-    def limiter_names(self) -> set[str]:
-        return {spec.name for spec in self.engine.snapshot.policy.limiters}
-
-    def switch_status(self) -> dict[str, Any]:
-        return dict(ModesPart(self.engine).status())
-
+    # -- what the admin port reads and changes (AdminBackend) -------------------------------
     def status(self) -> dict[str, Any]:
         return self.panel.status()
 
+    def limiter_names(self) -> set[str]:
+        return self.fleet.limiter_names()
+
+    def switch_status(self) -> dict[str, Any]:
+        return self.fleet.switch_status()
+
     def override_rows(self) -> dict[str, Any]:
-        return {"overrides": OverridesPart(self.engine).rows(), "max": MAX_OVERRIDES}
+        return self.fleet.override_rows()
 
     async def set_override(self, limiter: str, identity: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        """Set one override (the admin port). This replica knows the policy, so an override
-        that would not apply is refused. Raises OverrideError or StoreError."""
-        numbers = body.get("numbers")
-        if not isinstance(numbers, dict):
-            raise OverrideError('"numbers" is an object like {"rate": 1000, "burst": 5000}')
-        now = self.clock.wall()
-        snap = self.engine.snapshot
-        kind = next((spec.type for spec in snap.policy.limiters if spec.name == limiter), None)
-        new = make_override(limiter, identity, numbers, ttl=body.get("ttl", DEFAULT_TTL),
-                            reason=str(body.get("reason", "")), by=str(body.get("by", "")),
-                            source=str(body.get("source", "")), now=now, kind=kind)
-        refuse_unapplied(new, snap.limiters, snap.policy.identity_labels)
-        await self.overrides.change(lambda entries: with_override(entries, new, now))
-        return self.override_rows()
+        return await self.fleet.set_override(limiter, identity, body)
 
     async def clear_override(self, limiter: str, identity: str) -> bool:
-        found = False
-
-        def clear(entries: list[Override]) -> list[Override]:
-            nonlocal found
-            out, found = without_override(entries, limiter, identity, self.clock.wall())
-            return out
-
-        await self.overrides.change(clear)
-        return found
+        return await self.fleet.clear_override(limiter, identity)
 
     async def shadow_report(self, window: float, *, top: int = 10) -> dict[str, Any]:
         await self.observe.shadow.flush()  # include what this replica noted in the last second
