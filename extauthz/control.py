@@ -199,24 +199,24 @@ class AdminControl:
 # -- the store ----------------------------------------------------------------------------
 
 
+@dataclass
 class StoreControl:
     """:class:`Control` on the store every replica reads. ``limiters`` and ``labels`` (the
     policy's limiters and identity rule labels, when the caller has the policy): an override
     that would not apply is refused, and listings say which apply. Changes are recorded in
     the change log as made by ``user`` for ``reason``, ``via`` the store."""
 
-    def __init__(self, store: Store, keys: Keys, *, limiters: Sequence[object] | None = None,
-                 labels: Sequence[str] | None = None, user: str = "", reason: str = "",
-                 wall: Callable[[], float] = time.time) -> None:
-        self.store = store
-        self.keys = keys
-        self.limiters = limiters
-        self.labels = labels
-        self.user = user
-        self.reason = reason
-        self.wall = wall
-        self.switch_doc = SwitchDocument(keys.switches)
-        self.override_doc = OverrideDocument(keys)
+    store: Store
+    keys: Keys
+    limiters: Sequence[object] | None = None
+    labels: Sequence[str] | None = None
+    user: str = ""
+    reason: str = ""
+    wall: Callable[[], float] = time.time
+
+    def __post_init__(self) -> None:
+        self.switch_doc = SwitchDocument(self.keys.switches)
+        self.override_doc = OverrideDocument(self.keys)
 
     @property
     def where(self) -> str:
