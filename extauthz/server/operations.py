@@ -1,9 +1,11 @@
-"""Operations around the engine, built once for a :class:`~extauthz.server.app.Server`:
-the kill-switch board, the policy watcher and the lease sampler (background jobs on the
-server's :class:`~extauthz.runner.Runner`), the scrape-time metrics, the admin and
-metrics ports (:mod:`.ports`), and what ``/status`` shows. The engine's observers are
-built before the engine (:class:`~extauthz.observe.setup.Observability`); nothing here
-rewires the engine.
+"""Operations around the engine, built once for a :class:`~extauthz.server.app.Server`,
+as small owners wired together here: :class:`~.fleetstate.FleetState` (kill switches,
+overrides, their rules, the change log), :class:`~.opsports.OperatorPorts` (the admin and
+metrics ports), the policy watcher and the lease sampler (background jobs on the server's
+:class:`~extauthz.runner.Runner`), and the :class:`~extauthz.observe.state.Panel` that
+renders every component's state as ``/status`` and as scrape-time metrics. The engine's
+observers are built before the engine (:class:`~extauthz.observe.setup.Observability`);
+nothing here rewires the engine.
 """
 
 from __future__ import annotations
@@ -44,9 +46,8 @@ from ..store.base import Store
 from ..store.keys import Keys
 from ..tickets import REASONS as REJECT_REASONS
 from .admin import admin_app
-from .adminauth import AdminGuard, TokenFile, require_token_when_exposed
 from .fleetstate import FleetState
-from .ports import HttpPorts, metrics_app, off, parse_listen
+from .opsports import OperatorPorts
 from .services import AccessLogService, AuthorizationService
 from .tls import CertificateReloader
 
@@ -72,20 +73,10 @@ class Operations:
         self.accesslog = accesslog
         self.runner = runner
         self.after_reload = after_reload
-        self.ports = HttpPorts(listen)
-        self.admin_listen = off(admin_listen)
-        self.metrics_listen = off(metrics_listen)
-        self.ports.check("admin", self.admin_listen)
-        self.ports.check("metrics", self.metrics_listen)
-        # the admin port's lock (server/adminauth.py): no token on a non-loopback address
-        # refuses the start; an unreadable token file too
-        require_token_when_exposed(self.admin_listen, admin_token_file)
-        self.guard = (AdminGuard(self.admin_listen, hosts=admin_hosts,
-                                 tokens=TokenFile(admin_token_file) if admin_token_file else None)
-                      if self.admin_listen is not None else None)
-        #: the admin port was not asked for: when taken, take an OS-chosen one (two servers
-        #: on one host) instead of failing the start.
-        self.admin_optional = admin_optional
+        #: the admin and metrics ports, and the admin port's lock
+        self.ports = OperatorPorts(listen, admin_listen, metrics_listen, admin_optional=admin_optional,
+                                   admin_token_file=admin_token_file, admin_hosts=admin_hosts)
+        self.admin_listen = self.ports.admin_listen
         #: the gRPC port's certificate reloader when TLS is on (set by the server).
         self.tls: CertificateReloader | None = None
 
@@ -103,8 +94,6 @@ class Operations:
         self.auth = self._auth_service()
         self.leases: LeaseSampler | None = (LeaseSampler(engine, leases_sample_interval)
                                             if observe.metrics is not None else None)
-        self.admin_port = 0
-        self.metrics_port = 0
         #: more sections of /status, by name (e.g. "http": the HTTP authorization port)
         self.status_sections: dict[str, Callable[[], Any]] = {}
         #: /status and the scrape-time metrics, one part per component
@@ -143,7 +132,7 @@ class Operations:
                 "observer_errors": getattr(observe.observer, "errors", 0),
                 "tracing": observe.tracing is not None,
                 "tls": self.tls.status() if self.tls is not None else {"enabled": False},
-                "admin": self.guard.status() if self.guard is not None else None,
+                **self.ports.status(),
                 "changes": self.changes.status(),
                 "change_log_errors": self.changes.errors,
                 **{name: section() for name, section in self.status_sections.items()}}),
@@ -174,11 +163,8 @@ class Operations:
         # serve with the fleet's switches and overrides from the first check
         await self.fleet.poll()
         try:
-            if self.observe.metrics is not None and self.metrics_listen is not None:
-                self.metrics_port = await self.ports.start(metrics_app(self.observe.metrics.registry),
-                                                           self.metrics_listen, "--metrics-listen")
-            if self.admin_listen is not None:
-                self.admin_port = await self._start_admin(self.admin_listen)
+            await self.ports.start(lambda guard: admin_app(self, guard),
+                                   self.observe.metrics.registry if self.observe.metrics is not None else None)
         except BaseException:
             await self.stop()
             raise
@@ -197,19 +183,13 @@ class Operations:
                                    "tracing": self.observe.tracing is not None,
                                    "reload": self.watcher is not None}})
 
-    async def _start_admin(self, listen: str) -> int:
-        try:
-            return await self.ports.start(admin_app(self, self.guard), listen, "--admin-listen")
-        except OSError as exc:
-            if not self.admin_optional:
-                raise
-            host = parse_listen(listen)[0]
-            port = await self.ports.start(admin_app(self, self.guard), f"[{host}]:0" if ":" in host else f"{host}:0",
-                                          "--admin-listen")
-            log.warning("%s; the admin port is %d instead (not asked for with --admin-listen, so "
-                        "not fatal; `extauthz switch --listen HOST:PORT` finds it)", exc, port,
-                        extra={"fields": {"event": "admin_port_fallback", "admin_port": port}})
-            return port
+    @property
+    def admin_port(self) -> int:
+        return self.ports.admin_port
+
+    @property
+    def metrics_port(self) -> int:
+        return self.ports.metrics_port
 
     async def stop(self) -> None:
         await self.runner.stop()
