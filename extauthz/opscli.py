@@ -20,16 +20,13 @@ import json
 import os
 import sys
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
-from . import __version__
-from .changelog import format_number
-from .switches import change_stored as change_stored_switches
-from .switches import parse_switches, valid_name
+from .changelog import Change, format_number
+from .control import AdminControl, AdminTarget, Control, ControlError, StoreControl
+from .overrides import Override, OverrideError
+from .switches import valid_name
 from .verdict import Mode
 
 DEFAULT_ADMIN = "http://127.0.0.1:9002"
@@ -40,8 +37,9 @@ DEFAULT_SOURCE = "header:x-api-key"
 CLEAR = "clear"
 
 
-class CliError(Exception):
-    pass
+#: a refused command (the control interface's error: one handler, :func:`_guarded`)
+CliError = ControlError
+R = TypeVar("R")
 
 
 def _add_target(p: argparse.ArgumentParser) -> None:
@@ -189,20 +187,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
-# -- transports ---------------------------------------------------------------------------
-
-
-@dataclass
-class AdminTarget:
-    """Where the admin requests go: candidate base URLs, tried in order while the connection
-    is refused (a default that a restart moved; nothing was sent then), and the token."""
-
-    bases: list[str]
-    token: str | None = None
-    reason: str = ""
-    user: str = ""
-    #: the base URL that answered
-    used: str | None = field(default=None)
+# -- transports: the control interface (extauthz.control) ----------------------------------
 
 
 def admin_base(args: argparse.Namespace) -> list[str]:
@@ -244,58 +229,41 @@ def admin_target(args: argparse.Namespace, *, change: bool = False) -> AdminTarg
     return AdminTarget(admin_base(args), token=token, reason=reason,
                        user=str(getattr(args, "by", "") or _os_user()))
 
-
-def _http(target: AdminTarget, method: str, path: str, body: str | None = None) -> Any:
-    from .server.adminauth import CLIENT_HEADER, REASON_HEADER, USER_HEADER
-
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    headers = {"content-type": "text/plain", CLIENT_HEADER: f"extauthz/{__version__}",
-               USER_HEADER: urllib.parse.quote(target.user)}
-    if target.reason:
-        headers[REASON_HEADER] = urllib.parse.quote(target.reason)
-    if target.token is not None:
-        headers["Authorization"] = f"Bearer {target.token}"
-    bases = [target.used] if target.used else target.bases
-    for n, base in enumerate(bases):
-        url = f"{base}{path}"
-        req = urllib.request.Request(url, method=method, data=body.encode() if body is not None else None,
-                                     headers=headers)
-        try:
-            with opener.open(req, timeout=10) as resp:
-                data = json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            _said(target, base)
-            try:
-                message = json.loads(exc.read()).get("error", exc.reason)
-            except ValueError:
-                message = exc.reason
-            raise CliError(f"{method} {url}: {exc.code} {message}") from None
-        except (urllib.error.URLError, OSError) as exc:
-            refused = isinstance(getattr(exc, "reason", exc), ConnectionRefusedError)
-            if refused and n + 1 < len(bases):
-                continue  # nothing was sent: try the next candidate
-            tried = f" (tried {', '.join(bases)})" if len(bases) > 1 else ""
-            raise CliError(f"cannot reach the admin port at {url}: {exc}{tried}") from None
-        _said(target, base)
-        return data
-    raise CliError("no admin URL to try")
-
-
-def _said(target: AdminTarget, base: str) -> None:
-    """Say once which server (admin URL) this command talked to."""
-    if target.used is None:
-        target.used = base
-        print(f"extauthz: admin port {base}", file=sys.stderr)
-
-
-async def _with_redis(url: str, fn: Any) -> Any:
-    from .store.redis import RedisStore
-
-    store = RedisStore.from_url(url, deadline=0.2)
+def _guarded(command: str, body: Callable[[], int]) -> int:
+    """Run a command: the one place where a failure becomes a message on stderr (no
+    traceback) and exit status 1."""
     try:
-        return await fn(store)
-    finally:
-        await store.close()
+        return body()
+    except (ControlError, OverrideError) as exc:
+        print(f"extauthz {command}: {exc}", file=sys.stderr)
+    except Exception as exc:  # the store's and the policy's errors: say what failed
+        print(f"extauthz {command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return 1
+
+
+def _with_control(args: argparse.Namespace, go: Callable[[Control], Coroutine[Any, Any, R]], *,
+                  change: bool = False, limiters: Sequence[object] | None = None,
+                  labels: Sequence[str] | None = None) -> R:
+    """Run ``go`` on the control ``args`` name: the fleet's Redis (``--redis-url``), else a
+    server's admin port (``change``: with the reason a token requires)."""
+    redis_url = getattr(args, "redis_url", None)
+    if not redis_url:
+        control = AdminControl(admin_target(args, change=change))
+        return asyncio.run(go(control))
+
+    async def on_redis() -> R:
+        from .store.keys import Keys
+        from .store.redis import RedisStore
+
+        store = RedisStore.from_url(redis_url, deadline=0.2)
+        try:
+            return await go(StoreControl(store, Keys(args.key_prefix), limiters=limiters, labels=labels,
+                                         user=str(getattr(args, "by", "") or ""),
+                                         reason=str(getattr(args, "reason", "") or "")))
+        finally:
+            await store.close()
+
+    return asyncio.run(on_redis())
 
 
 # -- switch -------------------------------------------------------------------------------
@@ -313,47 +281,24 @@ def _print_switches(data: dict[str, Any]) -> None:
 
 
 def cmd_switch(args: argparse.Namespace) -> int:
-    try:
-        if args.list:
-            if args.name or args.mode:
-                raise CliError("--list takes no name or mode")
-        elif not args.name or not args.mode:
-            raise CliError("usage: extauthz switch NAME|'*' enforce|shadow|off|clear (or --list)")
-        elif not valid_name(args.name):
-            raise CliError(f"bad switch name {args.name!r}")
-        mode = None if args.mode in (None, CLEAR) else Mode(args.mode)
-        where = "redis"
-        if args.redis_url:
-            from .store.keys import Keys
+    return _guarded("switch", lambda: _switch(args))
 
-            keys = Keys(args.key_prefix)
 
-            async def go(store: Any) -> dict[str, Any]:
-                if args.list:
-                    current = parse_switches(await store.get_value(keys.switches))
-                else:
-                    current = await change_stored_switches(store, keys.switches, args.name, mode)
-                    await _record(store, keys, args, "switch", "clear" if mode is None else "set",
-                                  args.name, None if mode is None else mode.value)
-                return {"switches": current.to_dict()}
+def _switch(args: argparse.Namespace) -> int:
+    if args.list:
+        if args.name or args.mode:
+            raise CliError("--list takes no name or mode")
+    elif not args.name or not args.mode:
+        raise CliError("usage: extauthz switch NAME|'*' enforce|shadow|off|clear (or --list)")
+    elif not valid_name(args.name):
+        raise CliError(f"bad switch name {args.name!r}")
+    mode = None if args.mode in (None, CLEAR) else Mode(args.mode)
 
-            data = asyncio.run(_with_redis(args.redis_url, go))
-        else:
-            target = admin_target(args, change=not args.list)
-            path = f"/switches/{urllib.parse.quote(args.name or '', safe='')}"
-            if args.list:
-                data = _http(target, "GET", "/switches")
-            elif mode is None:
-                data = _http(target, "DELETE", path)
-            else:
-                data = _http(target, "PUT", path, mode.value)
-            where = str(target.used)
-    except CliError as exc:
-        print(f"extauthz switch: {exc}", file=sys.stderr)
-        return 1
-    except Exception as exc:  # the store's errors: say what failed, no traceback
-        print(f"extauthz switch: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+    async def go(control: Control) -> tuple[dict[str, Any], str]:
+        data = await (control.switches() if args.list else control.set_switch(args.name, mode))
+        return data, control.where
+
+    data, where = _with_control(args, go, change=not args.list)
     if not args.list:
         what = f"cleared {args.name}" if mode is None else f"{args.name} -> {mode.value}"
         print(f"ok: {what} on {where} (every replica sharing the store applies it within about a second)")
@@ -361,46 +306,23 @@ def cmd_switch(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _record(store: Any, keys: Any, args: argparse.Namespace, kind: str, action: str,
-                  target: str, value: Any) -> None:
-    """A change made straight on Redis goes to the fleet's change log too (no token: ``by``
-    is empty, ``user`` the OS user or --by)."""
-    from .changelog import Change, append_change
-    from .server.adminauth import TEXT_MAX
-
-    await append_change(store, keys.history, Change(
-        kind=kind, action=action, target=target, value=value, reason=args.reason[:TEXT_MAX],
-        user=str(args.by)[:TEXT_MAX], at=time.time(), via="redis"))
-
-
 # -- history ------------------------------------------------------------------------------
 
 
 def cmd_history(args: argparse.Namespace) -> int:
-    from .changelog import Change, format_history, parse_history, read_history
+    return _guarded("history", lambda: _history(args))
 
-    try:
-        if args.last < 1:
-            raise CliError("--last must be at least 1")
-        if args.redis_url:
-            from .store.keys import Keys
 
-            key = Keys(args.key_prefix).history
+def _history(args: argparse.Namespace) -> int:
+    from .changelog import format_history
 
-            async def go(store: Any) -> list[Change]:
-                return await read_history(store, key)
+    if args.last < 1:
+        raise CliError("--last must be at least 1")
 
-            changes = asyncio.run(_with_redis(args.redis_url, go))
-        else:
-            data = _http(admin_target(args), "GET", "/history")
-            changes = parse_history(json.dumps(c) for c in data.get("changes", []))
-    except CliError as exc:
-        print(f"extauthz history: {exc}", file=sys.stderr)
-        return 1
-    except Exception as exc:  # the store's errors: say what failed, no traceback
-        print(f"extauthz history: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    changes = changes[-args.last:]
+    async def go(control: Control) -> list[Change]:
+        return await control.history()
+
+    changes = _with_control(args, go)[-args.last:]
     if args.json:
         print(json.dumps({"changes": [c.to_dict() for c in changes]}, indent=2))
     else:
@@ -412,38 +334,26 @@ def cmd_history(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from .observe.shadow import format_report, report_from_events
+    return _guarded("report", lambda: _report(args))
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .observe.shadow import format_report
     from .server.admin import parse_top, parse_window  # the admin port's own rules
 
     try:
-        try:
-            window = parse_window(args.window)
-        except ValueError as exc:
-            raise CliError(f"--window: {exc}") from None
-        try:
-            top = parse_top(str(args.top))
-        except ValueError as exc:
-            raise CliError(f"--top: {exc}") from None
-        if args.redis_url:
-            from .store.keys import Keys
-            from .store.redis_events import read_events
+        window = parse_window(args.window)
+    except ValueError as exc:
+        raise CliError(f"--window: {exc}") from None
+    try:
+        top = parse_top(str(args.top))
+    except ValueError as exc:
+        raise CliError(f"--top: {exc}") from None
 
-            key = Keys(args.key_prefix).shadow_log
-            since = time.time() - window
+    async def go(control: Control) -> dict[str, Any]:
+        return await control.shadow_report(window, top)
 
-            async def go(store: Any) -> list[str]:
-                return await read_events(store.client, key, since)
-
-            events = asyncio.run(_with_redis(args.redis_url, go))
-            data = report_from_events(events, window=window, since=since, top=top)
-        else:
-            data = _http(admin_target(args), "GET", f"/shadow?window={window:g}&top={top}")
-    except CliError as exc:
-        print(f"extauthz report: {exc}", file=sys.stderr)
-        return 1
-    except Exception as exc:
-        print(f"extauthz report: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+    data = _with_control(args, go)
     print(json.dumps(data, indent=2) if args.json else format_report(data))
     return 0
 
@@ -452,11 +362,14 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    try:
-        data = _http(admin_target(args), "GET", "/status")
-    except CliError as exc:
-        print(f"extauthz status: {exc}", file=sys.stderr)
-        return 1
+    return _guarded("status", lambda: _status(args))
+
+
+def _status(args: argparse.Namespace) -> int:
+    async def go(control: Control) -> dict[str, Any]:
+        return await control.status()
+
+    data = _with_control(args, go)
     print(json.dumps(data, indent=2) if args.json else format_status(data))
     return 0
 
@@ -594,106 +507,60 @@ def _load_policy(paths: list[str] | None) -> Any:
 
     return load_policy(paths)
 
-
 def cmd_override(args: argparse.Namespace) -> int:
+    return _guarded("override", lambda: _override(args))
+
+
+def _override(args: argparse.Namespace) -> int:
     from .limiters import build_limiters
-    from .overrides import (
-        MAX_OVERRIDES,
-        OverrideError,
-        change_stored,
-        compile_overrides,
-        describe,
-        make_override,
-        parse_numbers,
-        parse_overrides,
-        with_override,
-        without_override,
-    )
+    from .overrides import make_override, parse_numbers, refuse_unapplied
     from .store.keys import Keys
 
-    try:
-        if args.redis_url and (args.admin or args.listen):
-            raise CliError("give either --redis-url or --admin/--listen, not both")
-        if args.redis_url is None and not (args.admin or args.listen):
-            args.redis_url = os.environ.get("EXTAUTHZ_REDIS_URL")
-        keys = Keys(args.key_prefix)
-        policy = _load_policy(args.policies)
-        limiters = build_limiters(policy, Keys()) if policy is not None else None
-        labels = policy.identity_labels if policy is not None else None
-        now = time.time()
-        source = ""
-        if args.action != "list":
-            # the admin port checks the source against its policy; Redis has no policy to ask
-            source = (_source(args, policy) if args.redis_url or policy is not None or args.source
-                      else DEFAULT_SOURCE)
-        identity = _hashed_identity(args, source, policy) if args.action != "list" else ""
-        if args.action == "set":
-            kind = (next((s.type for s in policy.limiters if s.name == args.limiter), None)
-                    if policy is not None else None)
-            new = make_override(args.limiter, identity, parse_numbers(args.numbers), ttl=args.ttl,
-                                reason=args.reason, by=args.by, source=source, now=now, kind=kind)
-            if limiters is not None:
-                _, refused = compile_overrides([new], limiters, now, labels)
-                if refused:
-                    raise OverrideError(next(iter(refused.values())))
-        target = None if args.redis_url else admin_target(args, change=args.action != "list")
-        if args.redis_url:
-            async def go(store: Any) -> dict[str, Any]:
-                if args.action == "set":
-                    entries = await change_stored(store, keys, lambda e: with_override(e, new, now), now)
-                    await _record(store, keys, args, "override", "set", f"{args.limiter} {identity}",
-                                  dict(new.numbers))
-                elif args.action == "clear":
-                    found = False
+    if args.redis_url and (args.admin or args.listen):
+        raise CliError("give either --redis-url or --admin/--listen, not both")
+    if args.redis_url is None and not (args.admin or args.listen):
+        args.redis_url = os.environ.get("EXTAUTHZ_REDIS_URL")
+    policy = _load_policy(args.policies)
+    limiters = build_limiters(policy, Keys()) if policy is not None else None
+    labels = policy.identity_labels if policy is not None else None
+    source = ""
+    identity = ""
+    new: Override | None = None
+    if args.action != "list":
+        # the admin port checks the source against its policy; Redis has no policy to ask
+        source = (_source(args, policy) if args.redis_url or policy is not None or args.source
+                  else DEFAULT_SOURCE)
+        identity = _hashed_identity(args, source, policy)
+    if args.action == "set":
+        kind = (next((s.type for s in policy.limiters if s.name == args.limiter), None)
+                if policy is not None else None)
+        new = make_override(args.limiter, identity, parse_numbers(args.numbers), ttl=args.ttl,
+                            reason=args.reason, by=args.by, source=source, now=time.time(), kind=kind)
+        if limiters is not None:  # refused here, before anything is sent
+            refuse_unapplied(new, limiters, labels)
 
-                    def clear(e: list[Any]) -> list[Any]:
-                        nonlocal found
-                        out, found = without_override(e, args.limiter, identity, now)
-                        return out
-
-                    entries = await change_stored(store, keys, clear, now)
-                    if not found:
-                        raise CliError(_not_found(args.limiter, source))
-                    await _record(store, keys, args, "override", "clear", f"{args.limiter} {identity}", None)
-                else:
-                    entries = parse_overrides(await store.get_value(keys.overrides))
-                not_applied = (compile_overrides(entries, limiters, now, labels)[1]
-                               if limiters is not None else None)
-                return {"overrides": describe(entries, not_applied, now), "max": MAX_OVERRIDES}
-
-            data = asyncio.run(_with_redis(args.redis_url, go))
+    async def go(control: Control) -> tuple[dict[str, Any] | None, str]:
+        data: dict[str, Any] | None
+        if new is not None:
+            data = await control.set_override(new)
+        elif args.action == "clear":
+            data = await control.clear_override(args.limiter, identity)
         else:
-            assert target is not None
-            base = "/overrides"
-            if args.action == "list":
-                data = _http(target, "GET", base)
-            else:
-                url = f"{base}/{urllib.parse.quote(args.limiter, safe='')}/{identity}"
-                if args.action == "set":
-                    data = _http(target, "PUT", url, json.dumps({
-                        "numbers": dict(new.numbers), "ttl": new.expires_at - new.set_at,
-                        "reason": new.reason, "by": new.by, "source": new.source}))
-                else:
-                    try:
-                        data = _http(target, "DELETE", url)
-                    except CliError as exc:
-                        raise CliError(_not_found(args.limiter, source) if ": 404 " in str(exc) else str(exc)) from None
-    except (CliError, OverrideError) as exc:
-        print(f"extauthz override: {exc}", file=sys.stderr)
-        return 1
-    except Exception as exc:  # the store's and the policy's errors: say what failed
-        print(f"extauthz override: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+            data = await control.overrides()
+        return data, control.where
+
+    data, where = _with_control(args, go, change=args.action != "list", limiters=limiters, labels=labels)
+    if data is None:
+        raise CliError(_not_found(args.limiter, source))
     if args.action == "list" and args.json:
         print(json.dumps(data, indent=2))
         return 0
-    if args.action == "set":
-        where = ("every replica applies it within about two seconds" if args.redis_url
-                 else f"applied by the server at {target.used if target else '?'} now")
+    if new is not None:
+        applies = ("every replica applies it within about two seconds" if args.redis_url
+                   else f"applied by the server at {where} now")
         print(f"ok: {args.limiter} {_fmt_numbers(dict(new.numbers))} for identity {identity} "
-              f"({source}) until {_fmt_time(new.expires_at)} ({where})")
+              f"({source}) until {_fmt_time(new.expires_at)} ({applies})")
     elif args.action == "clear":
-        print(f"ok: cleared {args.limiter} for identity {identity} on "
-              f"{'redis' if target is None else target.used}")
+        print(f"ok: cleared {args.limiter} for identity {identity} on {where}")
     print(format_overrides(data))
     return 0

@@ -16,8 +16,8 @@ version key in the same one-second loop that reads the kill switches
 (:class:`OverrideBoard.poll_once`, called by the server's fleet-state poll) and reads the
 overrides only when it changed: with Redis every replica applies a change within about a
 second; with the embedded store the admin port writes the same value and applies it at once.
-A change is a compare-and-set of that value (like the kill switches,
-:func:`~extauthz.store.base.update_value`): two operators changing overrides in the same
+A change is a compare-and-set of that value (a stored document like the kill switches,
+:mod:`extauthz.documents`): two operators changing overrides in the same
 instant both land; ``extauthz override list`` shows the result.
 
 Bounds: at most :data:`MAX_OVERRIDES` live overrides (a new one beyond that is refused
@@ -31,9 +31,7 @@ brings the limiter (or the rule) back before it expires.
 from __future__ import annotations
 
 import json
-import logging
 import math
-import os
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -42,7 +40,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .errors import StoreError
+from .documents import Board, Document
 from .limiters.base import Limiter
 from .policy.schema import (
     PLAN_NUMBERS,
@@ -51,11 +49,9 @@ from .policy.schema import (
     not_fields,
     parse_duration,
 )
-from .store.base import Store, load_json, update_value
+from .store.base import Store, load_json
 from .store.keys import Keys
 from .verdict import Limits
-
-log = logging.getLogger("extauthz.overrides")
 
 #: live overrides at most (the fleet's, all limiters); a new one beyond is refused.
 MAX_OVERRIDES = 1000
@@ -258,38 +254,53 @@ def without_override(entries: Sequence[Override], limiter: str, identity: str,
     return out, len(out) != len(kept)
 
 
+class OverrideDocument(Document[list[Override]]):
+    """The stored overrides (:mod:`extauthz.documents`) with their version key. The value
+    expires a minute after the latest override; the version outlives any override."""
+
+    name = "overrides"
+    version_ttl = MAX_TTL + KEY_SLACK
+
+    def __init__(self, keys: Keys) -> None:
+        super().__init__(keys.overrides, keys.overrides_version)
+
+    def empty(self) -> list[Override]:
+        return []
+
+    def parse(self, text: str | None) -> list[Override]:
+        return parse_overrides(text)
+
+    def dump(self, doc: list[Override], now: float) -> tuple[str | None, float | None]:
+        if not doc:
+            return None, None
+        ttl = max(e.expires_at for e in doc) - now + KEY_SLACK
+        return json.dumps({"overrides": [e.to_dict() for e in doc]}, sort_keys=True), ttl
+
+    def describe(self, doc: list[Override]) -> list[str]:
+        return [f"{e.limiter}/{e.identity}" for e in doc][:50]
+
+    def writable(self, doc: list[Override]) -> list[Override]:
+        return [e for e in doc if not e.refused]  # refused: dropped at the next change
+
+    def live(self, doc: list[Override], now: float) -> list[Override]:
+        return live(doc, now)
+
+    def expiry(self, doc: list[Override]) -> float:
+        return min((e.expires_at for e in doc), default=math.inf)
+
+
 async def change_stored(store: Store, keys: Keys,
                         change: Callable[[list[Override]], list[Override]],
                         now: float | None = None) -> list[Override]:
     """Read, change and write the stored overrides, then bump the version key. Both keys
     expire a minute after the latest override. The one writer (admin port and CLI).
 
-    The write goes through :func:`~extauthz.store.base.update_value` (a compare-and-set):
-    when another operator changed the overrides in between, ``change`` is applied again on
-    top of theirs, so neither is lost. A stored value that does not parse (written by hand)
-    is replaced, as the servers already ignore it (logged there as ``overrides_malformed``), and
+    The write is a compare-and-set (:meth:`~extauthz.documents.Document.change`): when
+    another operator changed the overrides in between, ``change`` is applied again on top of
+    theirs, so neither is lost. A stored value that does not parse (written by hand) is
+    replaced, as the servers already ignore it (logged there as ``overrides_malformed``), and
     an entry whose stored numbers are refused (:attr:`Override.refused`) is dropped."""
-    now = time.time() if now is None else now
-    result: list[Override] = []
-
-    def apply(stored: str | None) -> tuple[str | None, float | None]:
-        nonlocal result
-        try:
-            current = [e for e in parse_overrides(stored) if not e.refused]  # refused: dropped
-        except ValueError:
-            current = []  # overwrite a malformed value
-        result = change(current)
-        if not result:
-            return None, None
-        ttl = max(e.expires_at for e in result) - now + KEY_SLACK
-        return json.dumps({"overrides": [e.to_dict() for e in result]}, sort_keys=True), ttl
-
-    await update_value(store, keys.overrides, apply)
-    # A fresh version on every change, never deleted and outliving any override: a writer
-    # that lost the race above (and wrote after the winner) cannot take the version away
-    # while overrides exist, so no replica misses a change.
-    await store.set_value(keys.overrides_version, f"{time.time_ns()}-{os.urandom(4).hex()}",
-                          MAX_TTL + KEY_SLACK)
+    result, _ = await OverrideDocument(keys).change(store, change, time.time() if now is None else now)
     return result
 
 
@@ -347,6 +358,15 @@ def compile_overrides(entries: Sequence[Override], limiters: Sequence[Limiter],
     return table, not_applied
 
 
+def refuse_unapplied(new: Override, limiters: Sequence[Limiter], labels: Sequence[str] | None) -> None:
+    """Refuse (:class:`OverrideError`) an override that would not apply under a policy with
+    these limiters and identity rule labels: the rule of the admin port and of the CLI with
+    ``--policies``."""
+    _, refused = compile_overrides([new], limiters, new.set_at, labels)
+    if refused:
+        raise OverrideError(next(iter(refused.values())))
+
+
 def describe(entries: Sequence[Override], not_applied: Mapping[tuple[str, str], str] | None,
              now: float) -> list[dict[str, Any]]:
     """Rows for ``list`` and ``/status``: each live override, and whether it applies."""
@@ -366,71 +386,16 @@ def describe(entries: Sequence[Override], not_applied: Mapping[tuple[str, str], 
 # -- the replica's side -------------------------------------------------------------------
 
 
-class OverrideBoard:
-    """Keeps the engine's overrides in step with the store (polled with the switches)."""
+class OverrideBoard(Board[list[Override]]):
+    """Keeps the engine's overrides in step with the store (polled with the switches). An
+    expiry that has passed re-applies (the engine drops the expired)."""
 
     def __init__(self, store: Store, keys: Keys, apply: Callable[[Sequence[Override]], None],
                  *, wall: Callable[[], float] = time.time) -> None:
-        self.store = store
-        self.keys = keys
-        self.apply = apply
-        self.wall = wall
-        self.current: list[Override] = []
-        self.version: str | None = None
-        self.errors = 0
-        self.updates = 0
-        self._next_expiry = math.inf
-        self._failing = False
-
-    def _set(self, entries: list[Override], source: str) -> None:
-        now = self.wall()
-        entries = live(entries, now)
-        changed = entries != self.current
-        self.current = entries
-        self._next_expiry = min((e.expires_at for e in entries), default=math.inf)
-        self.apply(entries)
-        if changed:
-            self.updates += 1
-            log.warning("overrides now: %d live", len(entries), extra={"fields": {
-                "event": "overrides_changed", "count": len(entries), "source": source,
-                "overrides": [f"{e.limiter}/{e.identity}" for e in entries][:50]}})
-
-    async def poll_once(self) -> None:
-        """Read the version key; on a change read and apply the overrides. An expiry that
-        has passed re-applies (the engine drops the expired). On a store error or a
-        malformed value the current overrides stay (logged once per streak)."""
-        try:
-            version = await self.store.get_value(self.keys.overrides_version)
-            text = await self.store.get_value(self.keys.overrides) if version != self.version else None
-        except StoreError as exc:
-            self.errors += 1
-            if not self._failing:
-                log.warning("cannot read overrides (keeping %d): %s", len(self.current), exc,
-                            extra={"fields": {"event": "overrides_read_failed", "error": str(exc)}})
-            self._failing = True
-            return
-        self._failing = False
-        if version != self.version:
-            try:
-                entries = parse_overrides(text)
-            except ValueError as exc:
-                self.errors += 1
-                log.error("malformed overrides at %s (keeping %d): %s", self.keys.overrides,
-                          len(self.current), exc,
-                          extra={"fields": {"event": "overrides_malformed", "error": str(exc)}})
-                self.version = version
-                return
-            self.version = version
-            self._set(entries, "store")
-        elif self.wall() >= self._next_expiry:
-            self._set(self.current, "expiry")
+        super().__init__(store, OverrideDocument(keys), apply, wall=wall)
 
     async def change(self, change: Callable[[list[Override]], list[Override]]) -> list[Override]:
         """Change the stored overrides and apply them here at once (the admin port).
         Raises StoreError when the store cannot be read or written, OverrideError when
         the change is refused."""
-        entries = await change_stored(self.store, self.keys, change, self.wall())
-        self.version = await self.store.get_value(self.keys.overrides_version)
-        self._set(entries, "admin")
-        return entries
-
+        return await self.update(change)

@@ -7,24 +7,21 @@ writes the same value in-process and applies it at once. ``*`` is the global swi
 switch overrides the policy file's ``mode`` until it is cleared (precedence:
 :meth:`Switches.effective`).
 
-A change is a compare-and-set of that one value (:func:`change_stored`, through
-:func:`~extauthz.store.base.update_value`): two operators changing different switches in the
+A change is a compare-and-set of that one value (:func:`change_stored`, a
+:class:`~extauthz.documents.Document`): two operators changing different switches in the
 same instant both land (``extauthz switch --list`` shows the result).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from .errors import StoreError
-from .store.base import Store, load_json, update_value
+from .documents import Board, Document
+from .store.base import Store, load_json
 from .verdict import Mode
-
-log = logging.getLogger("extauthz.switches")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,25 +79,33 @@ def dump_switches(switches: Switches) -> str | None:
     return json.dumps(data, sort_keys=True) if data else None
 
 
+class SwitchDocument(Document[Switches]):
+    """The stored switches (:mod:`extauthz.documents`): their own version, no TTL (a switch
+    holds until cleared)."""
+
+    name = "switches"
+
+    def empty(self) -> Switches:
+        return Switches()
+
+    def parse(self, text: str | None) -> Switches:
+        return parse_switches(text)
+
+    def dump(self, doc: Switches, now: float) -> tuple[str | None, float | None]:
+        return dump_switches(doc), None
+
+    def describe(self, doc: Switches) -> dict[str, str]:
+        return doc.to_dict()
+
+
 async def change_stored(store: Store, key: str, name: str, mode: Mode | None) -> Switches:
     """Set (or with None clear) one switch in the store: the one writer (admin port and
-    CLI), a compare-and-set (:func:`~extauthz.store.base.update_value`) so two operators
+    CLI), a compare-and-set (:meth:`~extauthz.documents.Document.change`) so two operators
     flipping switches at once both land. A malformed stored value is overwritten. The key
     has no TTL: a switch holds until cleared. Raises StoreError, ValueError (bad name)."""
     if not valid_name(name):
         raise ValueError(f"bad switch name {name!r}")
-    new = Switches()
-
-    def apply(stored: str | None) -> tuple[str | None, float | None]:
-        nonlocal new
-        try:
-            current = parse_switches(stored)
-        except ValueError:
-            current = Switches()  # overwrite a malformed value
-        new = with_switch(current, name, mode)
-        return dump_switches(new), None
-
-    await update_value(store, key, apply)
+    new, _ = await SwitchDocument(key).change(store, lambda current: with_switch(current, name, mode), 0.0)
     return new
 
 
@@ -114,64 +119,16 @@ def with_switch(switches: Switches, name: str, mode: Mode | None) -> Switches:
     return Switches.from_dict(data)
 
 
-class SwitchBoard:
+class SwitchBoard(Board[Switches]):
     """Reads and writes the stored switches and keeps the engine's in step."""
 
     def __init__(self, store: Store, key: str, apply: Callable[[Switches], None], *,
                  interval: float = 1.0) -> None:
-        self.store = store
-        self.key = key
-        self.apply = apply
-        self.interval = interval
-        self.current = Switches()
-        self.errors = 0
-        self.updates = 0
-        self._failing: str | None = None
-        self._bad_value: str | None = None
-
-    def _set(self, switches: Switches, source: str) -> None:
-        if switches == self.current:
-            return
-        previous = self.current
-        self.apply(switches)
-        self.current = switches
-        self.updates += 1
-        log.warning("kill switches now %s (were %s)", switches.to_dict() or "{}", previous.to_dict() or "{}",
-                    extra={"fields": {"event": "switches_changed", "switches": switches.to_dict(),
-                                      "previous": previous.to_dict(), "source": source}})
-
-    async def poll_once(self) -> Switches:
-        """Read the stored switches and apply them. On a store error or a malformed value
-        the current switches stay (logged once per streak / per value)."""
-        try:
-            text = await self.store.get_value(self.key)
-        except StoreError as exc:
-            self.errors += 1
-            if self._failing is None:
-                log.warning("cannot read kill switches (keeping %s): %s", self.current.to_dict(), exc,
-                            extra={"fields": {"event": "switches_read_failed", "error": str(exc)}})
-            self._failing = str(exc)
-            return self.current
-        if self._failing is not None:
-            log.info("kill switches readable again", extra={"fields": {"event": "switches_read_ok"}})
-            self._failing = None
-        try:
-            switches = parse_switches(text)
-        except ValueError as exc:
-            if text != self._bad_value:
-                self.errors += 1
-                log.error("malformed kill switches at %s (keeping %s): %s", self.key,
-                          self.current.to_dict(), exc,
-                          extra={"fields": {"event": "switches_malformed", "error": str(exc)}})
-                self._bad_value = text
-            return self.current
-        self._bad_value = None
-        self._set(switches, "store")
-        return switches
+        super().__init__(store, SwitchDocument(key), apply, interval=interval)
 
     async def change(self, name: str, mode: Mode | None) -> Switches:
         """Set (or with None clear) one switch in the store and apply it here at once.
-        Raises StoreError when the store cannot be read or written."""
-        new = await change_stored(self.store, self.key, name, mode)
-        self._set(new, "admin")
-        return new
+        Raises StoreError when the store cannot be read or written, ValueError (bad name)."""
+        if not valid_name(name):
+            raise ValueError(f"bad switch name {name!r}")
+        return await self.update(lambda current: with_switch(current, name, mode))

@@ -1,9 +1,11 @@
-"""Operations around the engine, built once for a :class:`~extauthz.server.app.Server`:
-the kill-switch board, the policy watcher and the lease sampler (background jobs on the
-server's :class:`~extauthz.runner.Runner`), the scrape-time metrics, the admin and
-metrics ports (:mod:`.ports`), and what ``/status`` shows. The engine's observers are
-built before the engine (:class:`~extauthz.observe.setup.Observability`); nothing here
-rewires the engine.
+"""Operations around the engine, built once for a :class:`~extauthz.server.app.Server`,
+as small owners wired together here: :class:`~.fleetstate.FleetState` (kill switches,
+overrides, their rules, the change log), :class:`~.opsports.OperatorPorts` (the admin and
+metrics ports), the policy watcher and the lease sampler (background jobs on the server's
+:class:`~extauthz.runner.Runner`), and the :class:`~extauthz.observe.state.Panel` that
+renders every component's state as ``/status`` and as scrape-time metrics. The engine's
+observers are built before the engine (:class:`~extauthz.observe.setup.Observability`);
+nothing here rewires the engine.
 """
 
 from __future__ import annotations
@@ -14,41 +16,40 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..changelog import ChangeLog
 from ..clock import Clock
 from ..engine import Engine
-from ..limiters.grants import grant_status
 from ..observe.edge_metrics import EdgeCollector
-from ..observe.metrics import LeaseSampler, StateCollector
 from ..observe.setup import Observability
 from ..observe.shadow import read_report
-from ..overrides import (
-    DEFAULT_TTL,
-    MAX_OVERRIDES,
-    Override,
-    OverrideBoard,
-    OverrideError,
-    compile_overrides,
-    describe,
-    make_override,
-    with_override,
-    without_override,
+from ..observe.state import (
+    AccessLogPart,
+    FailOpenPart,
+    GrantsPart,
+    LeaseSampler,
+    ModesPart,
+    Panel,
+    PolicyPart,
+    ReleasesPart,
+    ReloadPart,
+    Section,
+    ShadowPart,
+    ShedPart,
+    StorePart,
+    by_label_part,
+    classifier_part,
+    count_part,
 )
 from ..policy import Policy
 from ..policy.loader import MAX_FILE_BYTES
-from ..release import releases_status
 from ..reload import PolicyWatcher
 from ..runner import Runner
 from ..store.base import Store
 from ..store.keys import Keys
-from ..store.memory import MemoryStore
-from ..switches import SwitchBoard
 from ..tickets import REASONS as REJECT_REASONS
-from ..verdict import Mode
 from .admin import admin_app
-from .adminauth import AdminGuard, TokenFile, require_token_when_exposed
+from .fleetstate import FleetState
 from .flow import check_flow
-from .ports import HttpPorts, metrics_app, off, parse_listen
+from .opsports import OperatorPorts
 from .services import AccessLogService, AuthorizationService
 from .tls import CertificateReloader
 
@@ -74,49 +75,72 @@ class Operations:
         self.accesslog = accesslog
         self.runner = runner
         self.after_reload = after_reload
-        self.ports = HttpPorts(listen)
-        self.admin_listen = off(admin_listen)
-        self.metrics_listen = off(metrics_listen)
-        self.ports.check("admin", self.admin_listen)
-        self.ports.check("metrics", self.metrics_listen)
-        # the admin port's lock (server/adminauth.py): no token on a non-loopback address
-        # refuses the start; an unreadable token file too
-        require_token_when_exposed(self.admin_listen, admin_token_file)
-        self.guard = (AdminGuard(self.admin_listen, hosts=admin_hosts,
-                                 tokens=TokenFile(admin_token_file) if admin_token_file else None)
-                      if self.admin_listen is not None else None)
-        #: who changed switches and overrides, and why (the last ones; the store's log)
-        self.changes = ChangeLog(store, keys.history, wall=clock.wall)
-        #: the admin port was not asked for: when taken, take an OS-chosen one (two servers
-        #: on one host) instead of failing the start.
-        self.admin_optional = admin_optional
+        #: the admin and metrics ports, and the admin port's lock
+        self.ports = OperatorPorts(listen, admin_listen, metrics_listen, admin_optional=admin_optional,
+                                   admin_token_file=admin_token_file, admin_hosts=admin_hosts)
+        self.admin_listen = self.ports.admin_listen
         #: the gRPC port's certificate reloader when TLS is on (set by the server).
         self.tls: CertificateReloader | None = None
 
         self.shadow_flush_interval = shadow_flush_interval
-        self.switches = SwitchBoard(store, keys.switches, engine.set_switches, interval=switch_poll_interval)
-        self.overrides = OverrideBoard(store, keys, engine.set_overrides, wall=clock.wall)
+        #: switches, overrides, their rules and the change log (server/fleetstate.py)
+        self.fleet = FleetState(engine, store, keys, clock, interval=switch_poll_interval)
+        self.switches = self.fleet.switches
+        self.overrides = self.fleet.overrides
+        self.changes = self.fleet.changes
         self.watcher = (PolicyWatcher(watch, self._apply_policy, current=engine.snapshot.policy,
                                       interval=reload_interval, clock=clock,
                                       max_bytes=policy_max_bytes)
                         if watch and reload_interval > 0 else None)
         #: the Check servicer (its bad-request count is exported)
         self.auth = self._auth_service()
-        self.leases: LeaseSampler | None = None
-        if observe.metrics is not None:
-            self.leases = LeaseSampler(engine, leases_sample_interval)
-            observe.metrics.registry.register(StateCollector(
-                engine, accesslog=accesslog, reload=self.watcher, leases=self.leases,
-                shadow_dropped=lambda: observe.shadow.dropped,
-                background_errors=lambda: runner.errors,
-                bad_requests=lambda: self.auth.flow.bad_requests))
-            observe.metrics.registry.register(EdgeCollector(
-                lambda: self.tls, lambda: accesslog.rejected, REJECT_REASONS))
-        self.admin_port = 0
-        self.metrics_port = 0
+        self.leases: LeaseSampler | None = (LeaseSampler(engine, leases_sample_interval)
+                                            if observe.metrics is not None else None)
         #: more sections of /status, by name (e.g. "http": the HTTP authorization port)
         self.status_sections: dict[str, Callable[[], Any]] = {}
-        self.status_sections["grants"] = lambda: grant_status(self.engine.snapshot.limiters)
+        #: /status and the scrape-time metrics, one part per component
+        self.panel = self._panel()
+        if observe.metrics is not None:
+            observe.metrics.registry.register(self.panel)
+            observe.metrics.registry.register(EdgeCollector(
+                lambda: self.tls, lambda: accesslog.rejected, REJECT_REASONS))
+
+    def _panel(self) -> Panel:
+        """The parts of /status and /metrics, in /status order. A component with state of
+        its own adds its part here (or later with ``self.panel.add``)."""
+        engine, observe, runner = self.engine, self.observe, self.runner
+        metrics = observe.metrics
+        return Panel([
+            Section(lambda: {"extauthz": __version__}),
+            PolicyPart(engine),
+            ReloadPart(engine, self.watcher),
+            StorePart(engine),
+            Section(lambda: {"checks": metrics.request_counts() if metrics is not None else None}),
+            FailOpenPart(engine),
+            count_part("bad_requests", "extauthz_bad_requests", "CheckRequests the edge could not "
+                       "read (answered allowed).", lambda: self.auth.flow.bad_requests),
+            by_label_part("background_errors", "extauthz_background_errors", "Background job runs "
+                          "that raised (the job keeps running), by job.", "job", lambda: runner.errors),
+            ModesPart(engine),
+            self.fleet,
+            ShedPart(engine),
+            self.leases if self.leases is not None else Section(lambda: {"leases_in_flight": None}),
+            AccessLogPart(self.accesslog),
+            ReleasesPart(engine),
+            GrantsPart(engine),
+            ShadowPart(observe.shadow),
+            Section(lambda: {
+                "decision_log": {"written": observe.decision_log.written,
+                                 "suppressed": observe.decision_log.suppressed_total},
+                "observer_errors": observe.observers.errors,
+                "tracing": observe.tracing is not None,
+                "tls": self.tls.status() if self.tls is not None else {"enabled": False},
+                **self.ports.status(),
+                "changes": self.changes.status(),
+                "change_log_errors": self.changes.errors,
+                **{name: section() for name, section in self.status_sections.items()}}),
+            classifier_part(engine),
+        ])
 
     def _apply_policy(self, policy: Policy) -> None:
         self.engine.set_policy(policy)
@@ -136,19 +160,16 @@ class Operations:
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         # serve with the fleet's switches and overrides from the first check
-        await self._poll_fleet_state()
+        await self.fleet.poll()
         try:
-            if self.observe.metrics is not None and self.metrics_listen is not None:
-                self.metrics_port = await self.ports.start(metrics_app(self.observe.metrics.registry),
-                                                           self.metrics_listen, "--metrics-listen")
-            if self.admin_listen is not None:
-                self.admin_port = await self._start_admin(self.admin_listen)
+            await self.ports.start(lambda guard: admin_app(self, guard),
+                                   self.observe.metrics.registry if self.observe.metrics is not None else None)
         except BaseException:
             await self.stop()
             raise
         run = self.runner.every
         # one poll of what operators change at run time: kill switches and overrides
-        run("switch_poll", self.switches.interval, self._poll_fleet_state)
+        run("switch_poll", self.fleet.interval, self.fleet.poll)
         run("shadow_flush", self.shadow_flush_interval, self.observe.housekeeping)
         if self.watcher is not None:
             run("policy_reload", self.watcher.interval, self.watcher.poll)
@@ -161,133 +182,37 @@ class Operations:
                                    "tracing": self.observe.tracing is not None,
                                    "reload": self.watcher is not None}})
 
-    async def _start_admin(self, listen: str) -> int:
-        try:
-            return await self.ports.start(admin_app(self, self.guard), listen, "--admin-listen")
-        except OSError as exc:
-            if not self.admin_optional:
-                raise
-            host = parse_listen(listen)[0]
-            port = await self.ports.start(admin_app(self, self.guard), f"[{host}]:0" if ":" in host else f"{host}:0",
-                                          "--admin-listen")
-            log.warning("%s; the admin port is %d instead (not asked for with --admin-listen, so "
-                        "not fatal; `extauthz switch --listen HOST:PORT` finds it)", exc, port,
-                        extra={"fields": {"event": "admin_port_fallback", "admin_port": port}})
-            return port
-    async def _poll_fleet_state(self) -> None:
-        """The one poll of what operators change at run time: kill switches and overrides."""
-        await self.switches.poll_once()
-        await self.overrides.poll_once()
+    @property
+    def admin_port(self) -> int:
+        return self.ports.admin_port
+
+    @property
+    def metrics_port(self) -> int:
+        return self.ports.metrics_port
 
     async def stop(self) -> None:
         await self.runner.stop()
         await self.observe.stop()
         await self.ports.stop()
 
-    # -- status ---------------------------------------------------------------------------
+    # -- what the admin port reads and changes (AdminBackend) -------------------------------
+    def status(self) -> dict[str, Any]:
+        return self.panel.status()
+
     def limiter_names(self) -> set[str]:
-        return {spec.name for spec in self.engine.snapshot.policy.limiters}
+        return self.fleet.limiter_names()
 
     def switch_status(self) -> dict[str, Any]:
-        snap = self.engine.snapshot
-        return {
-            "switches": snap.switches.to_dict(),
-            "limiters": {
-                spec.name: {"type": spec.type, "policy_mode": spec.mode,
-                            "mode": snap.switches.effective(spec.name, Mode(spec.mode)).value}
-                for spec in snap.policy.limiters
-            },
-        }
-
-    def status(self) -> dict[str, Any]:
-        engine = self.engine
-        shadow = self.observe.shadow
-        snap = engine.snapshot
-        policy = snap.policy
-        index = self.accesslog.leases.index.status()  # expires first: awaiting_log is its entries
-        reload = self.watcher.status() if self.watcher is not None else {
-            "version": policy.version, "sources": list(policy.sources), "last_error": None,
-            "failures": 0, "reloads": 0, "watching": []}
-        return {
-            "extauthz": __version__,
-            "policy": {"version": policy.version, "sources": list(policy.sources)},
-            "reload": reload,
-            "store": {"name": self.store.name, "breaker": engine.breaker_state,
-                      "window_failures": engine.breaker.failures,
-                      **({"masters": {name: b.state for name, b in sorted(engine.node_breakers.items())}}
-                         if engine.node_breakers else {}),
-                      **({"live_leases": self.store.live_leases()}
-                         if isinstance(self.store, MemoryStore) else {})},
-            "checks": self.observe.metrics.request_counts() if self.observe.metrics is not None else None,
-            "fail_open": dict(sorted(engine.failures.items())),
-            "bad_requests": self.auth.flow.bad_requests,
-            "background_errors": dict(sorted(self.runner.errors.items())),
-            **self.switch_status(),
-            "switch_poll": {"errors": self.switches.errors, "updates": self.switches.updates},
-            "overrides": self.override_status(),
-            "shedding": [
-                {"limiter": w.name, "level": w.level, "utilization": w.utilization,
-                 "probabilities": {t.value: p for t, p in w.probabilities.items()}}
-                for w in snap.workers
-            ],
-            "leases_in_flight": dict(self.leases.values) if self.leases is not None else None,
-            "access_log": {"entries": self.accesslog.entries,
-                           "awaiting_log": index["entries"],
-                           "request_id_index": index,
-                           "rejected": dict(sorted(self.accesslog.rejected.items()))},
-            "lease_releases": releases_status(engine.releaser),
-            "shadow": {"recorded": shadow.recorded, "flushed_events": shadow.flushed,
-                       "pending": shadow.pending, "dropped": shadow.dropped},
-            "decision_log": {"written": self.observe.decision_log.written,
-                             "suppressed": self.observe.decision_log.suppressed_total},
-            "observer_errors": self.observe.observers.errors,
-            "tracing": self.observe.tracing is not None,
-            "tls": self.tls.status() if self.tls is not None else {"enabled": False},
-            "admin": self.guard.status() if self.guard is not None else None,
-            "changes": self.changes.status(),
-            "change_log_errors": self.changes.errors,
-            **{name: section() for name, section in self.status_sections.items()},
-        }
+        return self.fleet.switch_status()
 
     def override_rows(self) -> dict[str, Any]:
-        rows = describe(self.overrides.current, self.engine.snapshot.overrides_not_applied, self.clock.wall())
-        return {"overrides": rows, "max": MAX_OVERRIDES}
+        return self.fleet.override_rows()
 
     async def set_override(self, limiter: str, identity: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        """Set one override (the admin port). This replica knows the policy, so an override
-        that would not apply is refused. Raises OverrideError or StoreError."""
-        numbers = body.get("numbers")
-        if not isinstance(numbers, dict):
-            raise OverrideError('"numbers" is an object like {"rate": 1000, "burst": 5000}')
-        now = self.clock.wall()
-        snap = self.engine.snapshot
-        kind = next((spec.type for spec in snap.policy.limiters if spec.name == limiter), None)
-        new = make_override(limiter, identity, numbers, ttl=body.get("ttl", DEFAULT_TTL),
-                            reason=str(body.get("reason", "")), by=str(body.get("by", "")),
-                            source=str(body.get("source", "")), now=now, kind=kind)
-        _, not_applied = compile_overrides([new], snap.limiters, now, snap.policy.identity_labels)
-        if not_applied:
-            raise OverrideError(next(iter(not_applied.values())))
-        await self.overrides.change(lambda entries: with_override(entries, new, now))
-        return self.override_rows()
+        return await self.fleet.set_override(limiter, identity, body)
 
     async def clear_override(self, limiter: str, identity: str) -> bool:
-        found = False
-
-        def clear(entries: list[Override]) -> list[Override]:
-            nonlocal found
-            out, found = without_override(entries, limiter, identity, self.clock.wall())
-            return out
-
-        await self.overrides.change(clear)
-        return found
-
-    def override_status(self) -> dict[str, Any]:
-        rows = describe(self.overrides.current, self.engine.snapshot.overrides_not_applied,
-                        self.clock.wall())
-        return {"live": len(rows), "max": MAX_OVERRIDES,
-                "not_applied": [r for r in rows if not r["applied"]],
-                "poll_errors": self.overrides.errors, "updates": self.overrides.updates}
+        return await self.fleet.clear_override(limiter, identity)
 
     async def shadow_report(self, window: float, *, top: int = 10) -> dict[str, Any]:
         await self.observe.shadow.flush()  # include what this replica noted in the last second

@@ -1,0 +1,469 @@
+"""The server's state, per component, rendered twice from one read: as JSON keys of the
+admin ``/status`` and as Prometheus families on ``/metrics``.
+
+Each :class:`Part` owns one component's figures (the engine's fail-opens, the shedders, the
+policy reload, the leases in flight, the access log, ...): :meth:`Part.status` gives its
+``/status`` keys and :meth:`Part.metrics` its metric families, both from the same fields, so
+a counter is never exported by hand twice. A :class:`Panel` holds the parts in ``/status``
+order; it is the Prometheus collector, and :meth:`Panel.status` is the document. A new
+component (e.g. batched limiters' grant counters) adds one part: :meth:`Panel.add`.
+
+The metric names, labels and ``/status`` keys are the ones operators and the Grafana
+dashboard rely on (tests/observe/test_metrics.py, test_dashboard.py).
+
+Scrapes are served on the event loop (see :mod:`extauthz.server.ports`), so the parts read
+engine state from the thread that writes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Protocol
+
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from ..engine import Engine
+from ..errors import CircuitOpen, StoreError, StoreInternalError, StoreTimeout, StoreUnavailable
+from ..limiters import FleetUsageShedder, WorkerUtilizationShedder
+from ..limiters.grants import GRANT_METRICS, grant_status
+from ..overrides import MAX_OVERRIDES, describe
+from ..release import releases_status
+from ..store.memory import MemoryStore
+from ..verdict import Mode
+
+#: fail-open reasons exported from the start (at 0), so rate() has a series to work on.
+FAIL_REASONS = tuple(cls.reason for cls in (StoreTimeout, StoreUnavailable, CircuitOpen, StoreInternalError))
+
+
+class Part(Protocol):
+    """One component's state: its ``/status`` keys and its metric families."""
+
+    def status(self) -> Mapping[str, Any]: ...
+
+    def metrics(self) -> Iterable[Metric]: ...
+
+
+class Panel:
+    """The server's parts in ``/status`` order; registered as a Prometheus collector."""
+
+    def __init__(self, parts: Iterable[Part] = ()) -> None:
+        self.parts: list[Part] = list(parts)
+
+    def add(self, part: Part) -> None:
+        self.parts.append(part)
+
+    def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for part in self.parts:
+            out.update(part.status())
+        return out
+
+    def describe(self) -> list[Metric]:
+        return []  # names are dynamic; do not collect at registration
+
+    def collect(self) -> Iterator[Metric]:
+        for part in self.parts:
+            yield from part.metrics()
+
+
+class Section:
+    """A part made of two functions (either may be absent): for a component that reports
+    in one form only (``tracing``, ``tls``; the classifier's counters)."""
+
+    def __init__(self, status: Callable[[], Mapping[str, Any]] | None = None,
+                 metrics: Callable[[], Iterable[Metric]] | None = None) -> None:
+        self._status = status
+        self._metrics = metrics
+
+    def status(self) -> Mapping[str, Any]:
+        return self._status() if self._status is not None else {}
+
+    def metrics(self) -> Iterable[Metric]:
+        return self._metrics() if self._metrics is not None else ()
+
+
+def counter(name: str, help: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, help, value=value)
+
+
+# -- the engine's parts -------------------------------------------------------------------
+
+
+class PolicyPart:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def status(self) -> Mapping[str, Any]:
+        policy = self.engine.snapshot.policy
+        return {"policy": {"version": policy.version, "sources": list(policy.sources)}}
+
+    def metrics(self) -> Iterable[Metric]:
+        info = GaugeMetricFamily("extauthz_policy_info", "The policy version being served (1).",
+                                 labels=["version"])
+        info.add_metric([self.engine.snapshot.policy.version], 1)
+        yield info
+
+
+class ReloadState(Protocol):
+    reloads: int
+    failures: int
+
+    @property
+    def failing(self) -> bool: ...
+
+    def status(self) -> dict[str, object]: ...
+
+
+class ReloadPart:
+    """The policy watcher's reloads (``None``: not watching; then no reload metrics)."""
+
+    def __init__(self, engine: Engine, watcher: ReloadState | None) -> None:
+        self.engine = engine
+        self.watcher = watcher
+
+    def status(self) -> Mapping[str, Any]:
+        if self.watcher is not None:
+            return {"reload": self.watcher.status()}
+        policy = self.engine.snapshot.policy
+        return {"reload": {"version": policy.version, "sources": list(policy.sources), "last_error": None,
+                           "failures": 0, "reloads": 0, "watching": []}}
+
+    def metrics(self) -> Iterable[Metric]:
+        w = self.watcher
+        if w is None:
+            return
+        yield counter("extauthz_policy_reload_failures", "Policy reloads that failed "
+                      "(the last good policy kept serving).", w.failures)
+        yield counter("extauthz_policy_reloads", "Policy reloads that took effect.", w.reloads)
+        yield GaugeMetricFamily("extauthz_policy_reload_error", "1 while the policy files on disk "
+                                "do not load (the last good policy serving).", value=1 if w.failing else 0)
+
+
+class StorePart:
+    """The store and its circuit breaker."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def status(self) -> Mapping[str, Any]:
+        engine, store = self.engine, self.engine.store
+        return {"store": {
+            "name": store.name, "breaker": engine.breaker_state, "window_failures": engine.breaker.failures,
+            **({"masters": {name: b.state for name, b in sorted(engine.node_breakers.items())}}
+               if engine.node_breakers else {}),
+            **({"live_leases": store.live_leases()} if isinstance(store, MemoryStore) else {})}}
+
+    def metrics(self) -> Iterable[Metric]:
+        stats = self.engine.store.stats
+        if stats is not None:  # the Redis store's own counters
+            yield counter("extauthz_store_round_trips", "Round trips to Redis: one per pipeline "
+                          "write (per master on a cluster) or single call, script loads included.",
+                          stats.round_trips)
+            yield counter("extauthz_store_script_calls", "Lua script calls sent to Redis "
+                          "(EVALSHA; releases merged into one call count once).", stats.commands)
+        breaker = GaugeMetricFamily("extauthz_store_breaker_open", "1 while the store circuit "
+                                    "breaker skips the store (open or half-open).")
+        breaker.add_metric([], 0 if self.engine.breaker_state == "closed" else 1)
+        yield breaker
+
+
+class FailOpenPart:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def status(self) -> Mapping[str, Any]:
+        return {"fail_open": dict(sorted(self.engine.failures.items()))}
+
+    def metrics(self) -> Iterable[Metric]:
+        fail = CounterMetricFamily("extauthz_fail_open", "Failures met while deciding (store "
+                                   "timeout/unavailable, circuit_open, internal_error: an unexpected "
+                                   "exception), each failing its limiters open or closed per "
+                                   "failure_mode, by reason.", labels=["reason"])
+        for reason, n in sorted((dict.fromkeys(FAIL_REASONS, 0) | self.engine.failures).items()):
+            fail.add_metric([reason], n)
+        yield fail
+
+
+class ModesPart:
+    """Kill switches and each limiter's effective mode."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def modes(self) -> dict[str, tuple[str, str, Mode]]:
+        """limiter -> (type, policy mode, effective mode)."""
+        snap = self.engine.snapshot
+        return {spec.name: (spec.type, spec.mode, snap.switches.effective(spec.name, Mode(spec.mode)))
+                for spec in snap.policy.limiters}
+
+    def status(self) -> Mapping[str, Any]:
+        return {"switches": self.engine.snapshot.switches.to_dict(),
+                "limiters": {name: {"type": kind, "policy_mode": policy_mode, "mode": mode.value}
+                             for name, (kind, policy_mode, mode) in self.modes().items()}}
+
+    def metrics(self) -> Iterable[Metric]:
+        mode = GaugeMetricFamily("extauthz_limiter_mode", "Effective mode of each limiter "
+                                 "(policy mode overridden by kill switches): 1 for the current one.",
+                                 labels=["limiter", "mode"])
+        for name, (_, _, current) in self.modes().items():
+            for m in Mode:
+                mode.add_metric([name, m.value], 1 if m is current else 0)
+        yield mode
+        switched = GaugeMetricFamily("extauthz_switches_set", "Kill switches currently set "
+                                     "(1 per switch; '*' is the global one).", labels=["switch", "mode"])
+        for name, value in self.engine.snapshot.switches.to_dict().items():
+            switched.add_metric([name, value], 1)
+        yield switched
+
+
+class OverridesPart:
+    """Live overrides as the engine applies them; with the replica's board (``poll``: its
+    errors and updates) the ``/status`` section too."""
+
+    def __init__(self, engine: Engine, poll: Callable[[], Mapping[str, int]] | None = None) -> None:
+        self.engine = engine
+        self.poll = poll
+
+    def rows(self) -> list[dict[str, Any]]:
+        engine = self.engine
+        return describe(engine.overrides, engine.snapshot.overrides_not_applied, engine.clock.wall())
+
+    def status(self) -> Mapping[str, Any]:
+        if self.poll is None:
+            return {}
+        rows, poll = self.rows(), self.poll()
+        return {"overrides": {"live": len(rows), "max": MAX_OVERRIDES,
+                              "not_applied": [r for r in rows if not r["applied"]],
+                              "poll_errors": poll["errors"], "updates": poll["updates"]}}
+
+    def metrics(self) -> Iterable[Metric]:
+        rows = self.rows()
+        applied = sum(1 for r in rows if r["applied"])
+        overrides = GaugeMetricFamily("extauthz_overrides", "Live per-customer overrides, by "
+                                      "whether they apply (a limiter the policy no longer has: no).",
+                                      labels=["applied"])
+        overrides.add_metric(["yes"], applied)
+        overrides.add_metric(["no"], len(rows) - applied)
+        yield overrides
+
+
+class ShedPart:
+    """The shedders: worker_utilization levels, fleet_usage capacity."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def status(self) -> Mapping[str, Any]:
+        return {"shedding": [
+            {"limiter": w.name, "level": w.level, "utilization": w.utilization,
+             "probabilities": {t.value: p for t, p in w.probabilities.items()}}
+            for w in self.engine.snapshot.workers]}
+
+    def metrics(self) -> Iterable[Metric]:
+        snap = self.engine.snapshot
+        level = GaugeMetricFamily("extauthz_shed_level", "Drop probability per tier of each "
+                                  "worker_utilization shedder.", labels=["limiter", "tier"])
+        ctl = GaugeMetricFamily("extauthz_shed_controller_level", "The shed controller's level "
+                                "(below 0: not shedding; 1: shedding every tier but critical).",
+                                labels=["limiter"])
+        util = GaugeMetricFamily("extauthz_shed_utilization", "The utilization signal each "
+                                 "worker_utilization shedder read last (absent before its first "
+                                 "sample).", labels=["limiter"])
+        for w in snap.workers:
+            ctl.add_metric([w.name], w.level)
+            for tier, p in w.probabilities.items():
+                level.add_metric([w.name, tier.value], p)
+            if w.utilization is not None:
+                util.add_metric([w.name], w.utilization)
+        yield level
+        yield ctl
+        yield util
+        capacity = GaugeMetricFamily("extauthz_fleet_capacity", "In-flight requests each "
+                                     "fleet_usage shedder allows the whole fleet (all tiers), "
+                                     "to set against extauthz_leases_in_flight.", labels=["limiter"])
+        for lim in snap.limiters:
+            if isinstance(lim, FleetUsageShedder):
+                capacity.add_metric([lim.name], lim.capacity)
+        yield capacity
+
+
+class ReleasesPart:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def status(self) -> Mapping[str, Any]:
+        return {"lease_releases": releases_status(self.engine.releaser)}
+
+    def metrics(self) -> Iterable[Metric]:
+        releases = CounterMetricFamily(
+            "extauthz_lease_releases", "Lease release calls by path (access_log, request_id_index, "
+            "cancelled_check, abandoned_answer) and outcome (released; none: nothing was held, "
+            "e.g. expired; retried: a failed try, tried again; error: failed until the longest "
+            "lease TTL, which was the backstop).", labels=["path", "outcome"])
+        for (path, outcome), n in self.engine.releaser.counts.items():
+            releases.add_metric([path, outcome], n)
+        yield releases
+
+
+class GrantsPart:
+    """Batched grants (``consistency: batched``): each grant table's own counters, by limiter."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def status(self) -> Mapping[str, Any]:
+        return {"grants": grant_status(self.engine.snapshot.limiters)}
+
+    def metrics(self) -> Iterable[Metric]:
+        status = grant_status(self.engine.snapshot.limiters)
+        for field, (name, is_counter, text) in GRANT_METRICS.items():
+            family = (CounterMetricFamily if is_counter else GaugeMetricFamily)(name, text, labels=["limiter"])
+            for limiter, values in sorted(status.items()):
+                family.add_metric([limiter], values[field])
+            yield family
+
+
+def classifier_part(engine: Engine) -> Section:
+    def metrics() -> Iterator[Metric]:
+        classifier = engine.snapshot.classifier
+        yield counter("extauthz_unknown_tiers", "Tier names in route metadata or context extensions "
+                      "that are not a tier (the rules or the method default tier applied).",
+                      classifier.unknown_tiers)
+        yield counter("extauthz_plan_unknown", "Requests naming a plan the policy does not know "
+                      "(the default plan applied).", classifier.unknown_plans)
+
+    return Section(metrics=metrics)
+
+
+# -- the server's counters ------------------------------------------------------------------
+
+
+def count_part(key: str, metric: str, help: str, read: Callable[[], int]) -> Section:
+    """A single count: ``/status`` key ``key``, counter ``metric``."""
+    return Section(lambda: {key: read()}, lambda: [counter(metric, help, read())])
+
+
+def by_label_part(key: str, metric: str, help: str, label: str,
+                  read: Callable[[], Mapping[str, int]]) -> Section:
+    """Counts by one label: ``/status`` key ``key`` (sorted), counter ``metric{label}``."""
+    def status() -> Mapping[str, Any]:
+        return {key: dict(sorted(read().items()))}
+
+    def metrics() -> Iterator[Metric]:
+        family = CounterMetricFamily(metric, help, labels=[label])
+        for name, n in sorted(read().items()):
+            family.add_metric([name], n)
+        yield family
+
+    return Section(status, metrics)
+
+
+class LeaseSampler:
+    """Samples the fleet-wide lease keys (``store.inflight``) in the background, never per
+    request: ``fleet_usage`` (critical + other) and ``worker_utilization``'s own count. A
+    part: ``leases_in_flight`` on ``/status`` and ``/metrics``."""
+
+    def __init__(self, engine: Engine, interval: float = 2.0) -> None:
+        self.engine = engine
+        self.interval = interval
+        self.values: dict[str, int] = {}
+        self.errors = 0
+
+    def keys(self) -> dict[str, tuple[str, ...]]:
+        out: dict[str, tuple[str, ...]] = {}
+        for lim in self.engine.snapshot.limiters:
+            if isinstance(lim, FleetUsageShedder):
+                out[lim.name] = lim.lease_keys
+            elif isinstance(lim, WorkerUtilizationShedder) and lim.own_lease_key is not None:
+                out[lim.name] = (lim.own_lease_key,)
+        return out
+
+    async def sample_once(self) -> None:
+        per_limiter = self.keys()
+        flat = [k for keys in per_limiter.values() for k in keys]
+        if not flat:
+            self.values = {}
+            return
+        try:
+            counts = await self.engine.store.inflight(flat)
+        except StoreError:
+            self.errors += 1
+            return
+        it = iter(counts)
+        self.values = {name: sum(next(it) for _ in keys) for name, keys in per_limiter.items()}
+
+    def status(self) -> Mapping[str, Any]:
+        return {"leases_in_flight": dict(self.values)}
+
+    def metrics(self) -> Iterable[Metric]:
+        inflight = GaugeMetricFamily("extauthz_leases_in_flight", "Fleet-wide leases held "
+                                     "(sampled in the background).", labels=["limiter"])
+        for name, n in sorted(self.values.items()):
+            inflight.add_metric([name], n)
+        yield inflight
+
+
+class RequestIndex(Protocol):
+    def status(self) -> dict[str, int]: ...
+
+
+class LeaseOwner(Protocol):
+    @property
+    def index(self) -> RequestIndex: ...
+
+
+class AccessLog(Protocol):
+    entries: int
+    rejected: dict[str, int]
+
+    @property
+    def leases(self) -> LeaseOwner: ...
+
+
+class AccessLogPart:
+    """The access-log service: entries received, leases awaiting their entry, refusals."""
+
+    def __init__(self, accesslog: AccessLog) -> None:
+        self.accesslog = accesslog
+
+    def status(self) -> Mapping[str, Any]:
+        log = self.accesslog
+        index = log.leases.index.status()  # expires first: awaiting_log is its entries
+        return {"access_log": {"entries": log.entries, "awaiting_log": index["entries"],
+                               "request_id_index": index, "rejected": dict(sorted(log.rejected.items()))}}
+
+    def metrics(self) -> Iterable[Metric]:
+        yield counter("extauthz_access_log_entries", "Envoy access-log entries received.",
+                      self.accesslog.entries)
+
+
+class ShadowCounts(Protocol):
+    recorded: int
+    flushed: int
+    dropped: int
+
+    @property
+    def pending(self) -> int: ...
+
+
+class ShadowPart:
+    """The shadow recorder (would-denials of shadow limiters)."""
+
+    def __init__(self, shadow: ShadowCounts) -> None:
+        self.shadow = shadow
+
+    def status(self) -> Mapping[str, Any]:
+        s = self.shadow
+        return {"shadow": {"recorded": s.recorded, "flushed_events": s.flushed,
+                           "pending": s.pending, "dropped": s.dropped}}
+
+    def metrics(self) -> Iterable[Metric]:
+        yield counter("extauthz_shadow_events_dropped", "Shadow would-denial records dropped "
+                      "(buffer full or store error).", self.shadow.dropped)
+
+
+def engine_parts(engine: Engine) -> list[Part]:
+    """The parts the engine alone reports (a server adds its own between them)."""
+    return [PolicyPart(engine), StorePart(engine), FailOpenPart(engine), ModesPart(engine),
+            OverridesPart(engine), ShedPart(engine), ReleasesPart(engine), GrantsPart(engine),
+            classifier_part(engine)]

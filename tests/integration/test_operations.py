@@ -1,0 +1,38 @@
+"""A running server's /status and /metrics, built from the per-component parts
+(extauthz/observe/state.py) by Operations: the /status document keeps every key operators
+read, in its order, and a count shown on /status is the one /metrics exports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.observe.helpers import admin, rate, running, scrape, write_policy
+
+STATUS_KEYS = [
+    "extauthz", "policy", "reload", "store", "checks", "fail_open", "bad_requests",
+    "background_errors", "switches", "limiters", "switch_poll", "overrides", "shedding",
+    "leases_in_flight", "access_log", "lease_releases", "shadow", "decision_log",
+    "observer_errors", "tracing", "tls", "admin", "changes", "change_log_errors",
+]
+
+
+def sample(metrics: str, prefix: str) -> float:
+    return float(next(line for line in metrics.splitlines() if line.startswith(prefix)).split()[-1])
+
+
+async def test_status_keeps_its_keys_and_agrees_with_metrics(tmp_path: Path) -> None:
+    policy = write_policy(tmp_path / "p.yaml", [rate("user-rate", burst=1)])
+    async with running([policy]) as (server, client):
+        assert [await client.check("sk_live_a") for _ in range(2)] == [200, 429]
+        assert (await admin(server, "PUT", "/switches/user-rate", "shadow"))[0] == 200
+        code, status = await admin(server, "GET", "/status")
+        metrics = await scrape(server)
+    assert code == 200 and list(status) == STATUS_KEYS
+    assert status["switches"] == {"user-rate": "shadow"}
+    assert sample(metrics, 'extauthz_switches_set{mode="shadow",switch="user-rate"}') == 1
+    assert sample(metrics, 'extauthz_limiter_mode{limiter="user-rate",mode="shadow"}') == 1
+    assert status["switch_poll"]["updates"] == 1
+    assert sample(metrics, "extauthz_bad_requests_total") == status["bad_requests"] == 0
+    assert sample(metrics, f'extauthz_policy_info{{version="{status["policy"]["version"]}"}}') == 1
+    assert sample(metrics, "extauthz_access_log_entries_total") == status["access_log"]["entries"]
+    assert sample(metrics, 'extauthz_overrides{applied="yes"}') == status["overrides"]["live"] == 0
