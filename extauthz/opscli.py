@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from .changelog import Change, format_number
 from .control import AdminControl, AdminTarget, Control, ControlError, StoreControl
+from .limiters.base import Limiter
 from .overrides import Override, OverrideError
 from .switches import valid_name
 from .verdict import Mode
@@ -242,7 +243,7 @@ def _guarded(command: str, body: Callable[[], int]) -> int:
 
 
 def _with_control(args: argparse.Namespace, go: Callable[[Control], Coroutine[Any, Any, R]], *,
-                  change: bool = False, limiters: Sequence[object] | None = None,
+                  change: bool = False, limiters: Sequence[Limiter] | None = None,
                   labels: Sequence[str] | None = None) -> R:
     """Run ``go`` on the control ``args`` name: the fleet's Redis (``--redis-url``), else a
     server's admin port (``change``: with the reason a token requires)."""

@@ -127,7 +127,6 @@ class Operations:
             self.leases if self.leases is not None else Section(lambda: {"leases_in_flight": None}),
             AccessLogPart(self.accesslog),
             ReleasesPart(engine),
-            GrantsPart(engine),
             ShadowPart(observe.shadow),
             Section(lambda: {
                 "decision_log": {"written": observe.decision_log.written,
@@ -139,6 +138,7 @@ class Operations:
                 "changes": self.changes.status(),
                 "change_log_errors": self.changes.errors,
                 **{name: section() for name, section in self.status_sections.items()}}),
+            GrantsPart(engine),  # batched grants (was the first of status_sections)
             classifier_part(engine),
         ])
 
