@@ -41,6 +41,7 @@ from typing import Any
 
 import httptools
 
+from .. import settings
 from ..answers import PROTOCOLS, TIER_HEADER, denial, lease_fields, ratelimit_headers
 from ..context import RawRequest, RequestContext
 from ..cork import Cork
@@ -84,7 +85,7 @@ _REASONS = {200: b"OK", 400: b"Bad Request", 408: b"Request Timeout", 420: b"She
 
 
 #: :attr:`HttpLimits.max_active_checks` unless set (``serve --http-max-active-checks``).
-DEFAULT_MAX_ACTIVE_CHECKS = 8
+DEFAULT_MAX_ACTIVE_CHECKS = settings.DEFAULT_MAX_ACTIVE_CHECKS
 
 
 #: the bound on open connections where the file limit allows it.
