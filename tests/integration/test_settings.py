@@ -25,10 +25,9 @@ def test_health_listen_off_turns_the_port_off_like_every_listen_option(tmp_path:
                          args=["--health-listen", "off"] if how == "flag" else [],
                          env={"EXTAUTHZ_HEALTH_LISTEN": "off"} if how == "variable" else {})
     proc.cmd[:3] = [str(CONSOLE_SCRIPT)]  # `extauthz serve ...`, not `python -m extauthz`
-    with proc:
-        with grpc.insecure_channel(f"127.0.0.1:{proc.port}") as ch:
-            check = auth_pb2.CheckRequest()
-            check.attributes.request.http.method = "GET"
-            check.attributes.request.http.path = "/v1/x"
-            assert auth_pb2_grpc.AuthorizationStub(ch).Check(check, timeout=5).status.code == 0
+    with proc, grpc.insecure_channel(f"127.0.0.1:{proc.port}") as ch:
+        check = auth_pb2.CheckRequest()
+        check.attributes.request.http.method = "GET"
+        check.attributes.request.http.path = "/v1/x"
+        assert auth_pb2_grpc.AuthorizationStub(ch).Check(check, timeout=5).status.code == 0
     assert "cannot listen on off" not in proc.log()
