@@ -316,14 +316,9 @@ def add_arguments(parser: argparse.ArgumentParser, names: list[str] | None = Non
         if opt.kind == "switch":
             parser.add_argument(opt.flag, action="store_true", default=_flag(env_value(opt) or ""), **kw)
             continue
-        if opt.kind == "list":
-            kw["nargs"] = "+"
-        if opt.parse is not None:
-            kw["type"] = opt.parse
-        if opt.choices is not None:
-            kw["choices"] = opt.choices
-        if opt.metavar is not None:
-            kw["metavar"] = opt.metavar
+        given = {"nargs": "+" if opt.kind == "list" else None, "type": opt.parse,
+                 "choices": opt.choices, "metavar": opt.metavar}
+        kw.update({k: v for k, v in given.items() if v is not None})
         parser.add_argument(opt.flag, default=_argparse_default(name, opt), **kw)
 
 
