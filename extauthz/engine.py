@@ -30,6 +30,7 @@ from .observe.base import NullObserver, Observer
 from .overrides import Override, compile_overrides
 from .policy.model import Policy
 from .release import Releaser
+from .settings import STORE_DEADLINE_MS
 from .store.base import CheckResult, LeaseOp, Op, Store
 from .store.keys import Keys
 from .switches import Switches
@@ -86,7 +87,7 @@ class Engine:
         policy: Policy,
         *,
         keys: Keys | None = None,
-        deadline: float = 0.005,
+        deadline: float = STORE_DEADLINE_MS / 1000.0,
         clock: Clock = SYSTEM_CLOCK,
         rng: random.Random | None = None,
         observer: Observer | None = None,

@@ -27,12 +27,14 @@ from .changelog import Change, format_number
 from .control import AdminControl, AdminTarget, Control, ControlError, StoreControl
 from .limiters.base import Limiter
 from .overrides import Override, OverrideError
+from .settings import Settings, add_shared, env_value, options
 from .switches import valid_name
 from .verdict import Mode
 
-DEFAULT_ADMIN = "http://127.0.0.1:9002"
+#: the server's default --admin-listen, as a URL
+DEFAULT_ADMIN = f"http://{Settings.admin_listen}"
 #: the server's default --listen: by default the CLI first tries the admin URL it wrote.
-DEFAULT_LISTEN = "0.0.0.0:9001"
+DEFAULT_LISTEN = Settings.listen
 #: the identity rule an override is hashed for when neither --source nor --policies says.
 DEFAULT_SOURCE = "header:x-api-key"
 CLEAR = "clear"
@@ -51,17 +53,31 @@ def _add_target(p: argparse.ArgumentParser) -> None:
                    "of two servers, whose admin port was chosen by the OS): its admin URL is read "
                    "from the file it wrote, $XDG_RUNTIME_DIR/extauthz/admin-PORT.url or "
                    "/tmp/extauthz-UID/admin-PORT.url")
-    p.add_argument("--redis-url", default=None,
-                   help="talk to the fleet's Redis directly instead of an admin port")
-    p.add_argument("--key-prefix", default=os.environ.get("EXTAUTHZ_KEY_PREFIX", "extauthz"),
-                   help="with --redis-url: the servers' --key-prefix [EXTAUTHZ_KEY_PREFIX; default extauthz]")
+    _add_redis(p, "talk to the fleet's Redis directly instead of an admin port",
+               "with --redis-url: the servers' --key-prefix")
     _add_token(p)
 
 
+def _add_redis(p: argparse.ArgumentParser, url_help: str, prefix_help: str) -> None:
+    """--redis-url and --key-prefix, as serve declares them (extauthz/settings.py). The URL's
+    variable applies unless --admin or --listen is given (:func:`redis_url`)."""
+    opt = options()["redis_url"]
+    p.add_argument(opt.flag, dest="redis_url", default=None,
+                   help=f"{url_help} [{opt.env}, unless --admin or --listen is given]")
+    add_shared(p, ("key_prefix",), {"key_prefix": prefix_help})
+
+
+def redis_url(args: argparse.Namespace) -> str | None:
+    """--redis-url; else, when neither --admin nor --listen is given, serve's variable
+    (EXTAUTHZ_REDIS_URL): the operator commands then reach the fleet's Redis as the servers do."""
+    if args.redis_url is None and not (args.admin or args.listen):
+        return env_value(options()["redis_url"]) or None
+    return str(args.redis_url) if args.redis_url else None
+
+
 def _add_token(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--admin-token-file", default=os.environ.get("EXTAUTHZ_ADMIN_TOKEN_FILE") or None,
-                   help="file holding the admin port's token (a bare token or a NAME:TOKEN line; "
-                   "the first is sent) [EXTAUTHZ_ADMIN_TOKEN_FILE]")
+    add_shared(p, ("admin_token_file",), {"admin_token_file": "file holding the admin port's token "
+                                          "(a bare token or a NAME:TOKEN line; the first is sent)"})
 
 
 def _add_change(p: argparse.ArgumentParser) -> None:
@@ -98,11 +114,7 @@ def _add_override_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
                        help=f"a server's admin URL (embedded store) [EXTAUTHZ_ADMIN_URL; default {DEFAULT_ADMIN}]")
         q.add_argument("--listen", default=None, metavar="HOST:PORT",
                        help="reach the server on this host started with this --listen (its admin URL file)")
-        q.add_argument("--redis-url", default=None,
-                       help="the fleet's Redis, as for serve [EXTAUTHZ_REDIS_URL, unless "
-                       "--admin or --listen is given]")
-        q.add_argument("--key-prefix", default=os.environ.get("EXTAUTHZ_KEY_PREFIX", "extauthz"),
-                       help="the servers' --key-prefix [EXTAUTHZ_KEY_PREFIX; default extauthz]")
+        _add_redis(q, "the fleet's Redis, as for serve", "the servers' --key-prefix")
         _add_token(q)
         q.add_argument("--policies", nargs="+", default=None,
                        help="the fleet's policy: the identity rule (--source) is taken from "
@@ -112,8 +124,7 @@ def _add_override_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
             q.add_argument("--identity", required=True,
                            help="the customer's raw identity value (an API key); '-' reads it "
                            "from stdin. Hashed here, never shown")
-            q.add_argument("--identity-salt", default=os.environ.get("EXTAUTHZ_IDENTITY_SALT", ""),
-                           help="the fleet's --identity-salt [EXTAUTHZ_IDENTITY_SALT]")
+            add_shared(q, ("identity_salt",), {"identity_salt": "the fleet's --identity-salt"})
             q.add_argument("--source", default=None,
                            help="the identity rule that names this customer, as the policy "
                            "labels it: header:NAME, source_ip, principal or "
@@ -209,7 +220,7 @@ def admin_base(args: argparse.Namespace) -> list[str]:
         return [os.environ["EXTAUTHZ_ADMIN_URL"].rstrip("/")]
     bases: list[str] = []
     try:
-        bases.append(read_admin_url(os.environ.get("EXTAUTHZ_LISTEN") or DEFAULT_LISTEN).rstrip("/"))
+        bases.append(read_admin_url(env_value(options()["listen"]) or DEFAULT_LISTEN).rstrip("/"))
     except (OSError, ValueError):
         pass
     return [*bases, *([DEFAULT_ADMIN] if DEFAULT_ADMIN not in bases else [])]
@@ -247,8 +258,8 @@ def _with_control(args: argparse.Namespace, go: Callable[[Control], Coroutine[An
                   labels: Sequence[str] | None = None) -> R:
     """Run ``go`` on the control ``args`` name: the fleet's Redis (``--redis-url``), else a
     server's admin port (``change``: with the reason a token requires)."""
-    redis_url = getattr(args, "redis_url", None)
-    if not redis_url:
+    url = redis_url(args) if hasattr(args, "redis_url") else None  # EXTAUTHZ_REDIS_URL unless --admin/--listen
+    if not url:
         control = AdminControl(admin_target(args, change=change))
         return asyncio.run(go(control))
 
@@ -256,7 +267,7 @@ def _with_control(args: argparse.Namespace, go: Callable[[Control], Coroutine[An
         from .store.keys import Keys
         from .store.redis import RedisStore
 
-        store = RedisStore.from_url(redis_url, deadline=0.2)
+        store = RedisStore.from_url(url, deadline=0.2)
         try:
             return await go(StoreControl(store, Keys(args.key_prefix), limiters=limiters, labels=labels,
                                          user=str(getattr(args, "by", "") or ""),
@@ -519,8 +530,7 @@ def _override(args: argparse.Namespace) -> int:
 
     if args.redis_url and (args.admin or args.listen):
         raise CliError("give either --redis-url or --admin/--listen, not both")
-    if args.redis_url is None and not (args.admin or args.listen):
-        args.redis_url = os.environ.get("EXTAUTHZ_REDIS_URL")
+    args.redis_url = redis_url(args)
     policy = _load_policy(args.policies)
     limiters = build_limiters(policy, Keys()) if policy is not None else None
     labels = policy.identity_labels if policy is not None else None

@@ -23,13 +23,14 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from ..errors import PolicyError, PolicyIssue
+from ..settings import POLICY_MAX_BYTES
 from .model import Policy, compile_policy
 from .schema import LIMITER_TYPES, PolicyFile
 
 YAML_SUFFIXES = (".yaml", ".yml")
 #: the default bound on one policy file's size (``serve --policy-max-bytes``): a Kubernetes
 #: ConfigMap holds at most 1 MiB, and real policies are a few KiB.
-MAX_FILE_BYTES = 1 << 20
+MAX_FILE_BYTES = POLICY_MAX_BYTES
 #: the parser: libyaml where PyYAML was built with it (several times faster)
 FAST_LOADER: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _PathKey = tuple[str | int, ...]

@@ -11,7 +11,6 @@ import logging
 import os
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,19 +23,19 @@ from ..limiters.worker import sampler_job
 from ..observe import compose
 from ..observe.setup import Observability
 from ..policy import Policy, load_policy
-from ..policy.loader import MAX_FILE_BYTES
 from ..proto import accesslog_pb2_grpc, auth_pb2_grpc
 from ..runner import Runner
+from ..settings import Settings, off
 from ..simulate.record import Recorder, pending_ttl
 from ..store.base import Store
 from ..store.keys import Keys
 from ..store.memory import MemoryStore
 from ..tickets import LeaseTickets
-from .http import DEFAULT_MAX_ACTIVE_CHECKS, HttpAuthorization, HttpLimits, max_connections_for
+from .http import HttpAuthorization, HttpLimits, max_connections_for
 from .leases import Leases
 from .operations import Operations
 from .portfile import remove_admin_url, write_admin_url
-from .ports import off, parse_listen
+from .ports import parse_listen
 from .services import AccessLogService
 from .tls import CertificateReloader, TlsFiles
 
@@ -46,70 +45,15 @@ AUTH_SERVICE = "envoy.service.auth.v3.Authorization"
 ACCESSLOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
 
 
-@dataclass
-class ServerConfig:
-    policies: list[str] = field(default_factory=lambda: ["policies"])
-    #: bound on one policy file's size, checked before parsing (start and reload).
-    policy_max_bytes: int = MAX_FILE_BYTES
-    #: the gRPC port (Check, AccessLog, health); ``""`` or ``off`` turns it off.
-    listen: str = "0.0.0.0:9001"
-    #: the HTTP authorization port (Envoy's ``http_service``; server/http.py); off when unset.
-    http_listen: str | None = None
-    #: seconds a client may take to send a request's headers on the HTTP port.
-    http_header_timeout: float = 10.0
-    #: checks decided at once on the HTTP port (``HttpLimits.max_active_checks``).
-    http_max_active_checks: int = DEFAULT_MAX_ACTIVE_CHECKS
-    #: open connections on the HTTP port at once; None: derived from the file limit
-    #: (``http.max_connections_for``).
-    http_max_connections: int | None = None
-    #: read the client's request from X-Forwarded-Method/-Uri/-Host (Traefik ForwardAuth).
-    http_forward_auth: bool = False
-    #: the ``path_prefix`` Envoy puts before the client's path on the HTTP port (Envoy Gateway's
-    #: ``extAuth.http.path``); removed before classifying. ``""``: none.
-    http_path_prefix: str = ""
-    redis_url: str | None = None
-    store_deadline_ms: float = 5.0
-    key_prefix: str = "extauthz"
-    identity_salt: str = ""
-    admin_listen: str = "127.0.0.1:9002"
-    #: the admin port was not asked for (the CLI default): when taken, fall back to an
-    #: OS-chosen port with a warning instead of failing the start.
-    admin_listen_optional: bool = False
-    #: where to write the admin URL for ``extauthz switch|report|status --listen`` (server/portfile.py).
-    admin_url_file: str | None = None
-    #: the admin port's bearer tokens (a bare token or NAME:TOKEN lines; server/adminauth.py).
-    admin_token_file: str | None = None
-    #: Host values the admin port answers besides loopback and its own address.
-    admin_hosts: tuple[str, ...] = ()
-    metrics_listen: str | None = None
-    grace_seconds: float = 5.0
-    #: policy file poll (hot reload; 0 turns it off), kill switch poll, in seconds.
-    reload_interval: float = 1.0
-    switch_poll_interval: float = 1.0
-    #: cap on decision log records (denials, shadow would-denials) per second.
-    decision_log_per_second: int = 1000
-    #: share the Check port with other processes (``--workers``; see server/workers.py).
-    reuse_port: bool = False
-    #: TLS on the gRPC port (PEM files; both or neither), mTLS with a client CA (server/tls.py).
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_client_ca: str | None = None
-    #: key of the lease tickets (extauthz/tickets.py); the same on every replica. "" = a
-    #: random per-process secret (right for one replica).
-    lease_secret: str = ""
-    #: a plaintext port serving only grpc.health.v1 (the kubelet's gRPC probes speak no TLS).
-    health_listen: str | None = None
-    #: ``--record DIR``: one JSON line per finished request (extauthz/simulate/record.py).
-    record_dir: str | None = None
-    record_max_bytes: int = 1 << 30
-    record_sample: float = 1.0
-    #: recorded paths: "redacted" (path parameters dropped, id-like segments -> {id}) or "raw".
-    record_paths: str = "redacted"
+#: the server's configuration: one :class:`~extauthz.settings.Settings`, every option declared
+#: once there (flag, variable, default, help) and built from the command line by
+#: :func:`extauthz.settings.from_args`.
+ServerConfig = Settings
 
 
 def is_off(listen: str | None) -> bool:
-    """An off ``--listen``/``--http-listen`` value (unset, ``""``, ``off``, ``none``)."""
-    return off((listen or "").strip()) is None
+    """An off listen value (unset, ``""``, ``off``, ``none``: :func:`extauthz.settings.off`)."""
+    return off(listen) is None
 
 
 def _bind(server: grpc.aio.Server, listen: str, flag: str,
@@ -234,7 +178,8 @@ class Server:
                 health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
                 self.port = _bind(server, self.config.listen, "--listen",
                                   self.tls.credentials() if self.tls is not None else None)
-            if self.config.health_listen:
+            if not is_off(self.config.health_listen):
+                assert self.config.health_listen is not None
                 health_server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.config.reuse_port))])
                 health_pb2_grpc.add_HealthServicer_to_server(self.health, health_server)
                 self.health_port = _bind(health_server, self.config.health_listen, "--health-listen", None)

@@ -35,6 +35,7 @@ from typing import Any
 
 import httptools
 
+from .. import settings
 from ..context import RawRequest, RequestContext
 from ..cork import Cork
 from ..engine import Snapshot
@@ -53,7 +54,7 @@ _TRACE_HEADERS = ("traceparent", "tracestate")
 
 
 #: :attr:`HttpLimits.max_active_checks` unless set (``serve --http-max-active-checks``).
-DEFAULT_MAX_ACTIVE_CHECKS = 8
+DEFAULT_MAX_ACTIVE_CHECKS = settings.DEFAULT_MAX_ACTIVE_CHECKS
 
 
 #: the bound on open connections where the file limit allows it.

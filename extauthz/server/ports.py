@@ -14,18 +14,11 @@ from collections.abc import Sequence
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from ..settings import OFF, off  # "off" is parsed in one place (re-exported here)
+
 __all__ = ["OFF", "HttpPorts", "metrics_app", "off", "parse_listen"]
 
 log = logging.getLogger("extauthz.server")
-
-#: ``--admin-listen`` / ``--metrics-listen`` values that turn a port off
-OFF = ("", "off", "none")
-
-
-def off(listen: str | None) -> str | None:
-    """None for an off value (:data:`OFF`), else ``listen``."""
-    return None if (listen or "").lower() in OFF else listen
-
 
 def parse_listen(listen: str) -> tuple[str, int]:
     host, sep, port = listen.rpartition(":")

@@ -46,11 +46,11 @@ from .ports import parse_listen
 
 log = logging.getLogger("extauthz.server")
 
+#: the worker's whole configuration, one :class:`~extauthz.settings.Settings` as JSON (log
+#: level and format included: a worker reads nothing else from its parent's options)
 CONFIG_ENV = "EXTAUTHZ_WORKER_CONFIG"
+#: the pipe on which the worker says it is serving (not configuration)
 READY_FD_ENV = "EXTAUTHZ_WORKER_READY_FD"
-INDEX_ENV = "EXTAUTHZ_WORKER_INDEX"
-LOG_LEVEL_ENV = "EXTAUTHZ_WORKER_LOG_LEVEL"
-LOG_FORMAT_ENV = "EXTAUTHZ_WORKER_LOG_FORMAT"
 
 
 class WorkersError(ValueError):
@@ -87,9 +87,8 @@ def child_config(config: ServerConfig, i: int, *, own_ports: bool = False, worke
         if config.http_listen and not is_off(config.http_listen):
             changes["http_listen"] = _offset(config.http_listen, i)
     for name in ("admin_listen", "metrics_listen"):
-        if hasattr(config, name):
-            changes[name] = _offset(getattr(config, name), i)
-    url_file = getattr(config, "admin_url_file", None)
+        changes[name] = _offset(getattr(config, name), i)
+    url_file = config.admin_url_file
     if url_file and i:  # admin-PORT.url for worker 0, admin-PORT-i.url for worker i
         base, dot, ext = url_file.rpartition(".")
         changes["admin_url_file"] = f"{base}-{i}.{ext}" if dot else f"{url_file}-{i}"
@@ -112,8 +111,7 @@ def check_workers(config: ServerConfig, workers: int, *, own_ports: bool = False
     if own_ports:
         ranges = [(name, _port_of(listen)) for name, listen in (
             ("--listen", config.listen), ("--http-listen", config.http_listen),
-            ("--admin-listen", getattr(config, "admin_listen", None)),
-            ("--metrics-listen", getattr(config, "metrics_listen", None)))
+            ("--admin-listen", config.admin_listen), ("--metrics-listen", config.metrics_listen))
             if listen and not is_off(listen)]
         for n, (name, port) in enumerate(ranges):
             for other, port2 in ranges[n + 1:]:
@@ -123,16 +121,13 @@ def check_workers(config: ServerConfig, workers: int, *, own_ports: bool = False
                         f"than {workers} apart (worker i listens on each port + i)")
 
 
-def _start_child(config: ServerConfig, i: int, log_level: str, log_format: str = "json",
-                 own_ports: bool = False, workers: int = 1) -> tuple[subprocess.Popen[bytes], int]:
+def _start_child(config: ServerConfig, i: int) -> tuple[subprocess.Popen[bytes], int]:
     read_fd, write_fd = os.pipe()
+    child = child_config(config, i, own_ports=config.worker_ports, workers=config.workers)
     env = {
         **os.environ,
-        CONFIG_ENV: json.dumps(dataclasses.asdict(child_config(config, i, own_ports=own_ports, workers=workers))),
+        CONFIG_ENV: json.dumps(dataclasses.asdict(child)),
         READY_FD_ENV: str(write_fd),
-        INDEX_ENV: str(i),
-        LOG_LEVEL_ENV: log_level,
-        LOG_FORMAT_ENV: log_format,
     }
     try:
         proc = subprocess.Popen([sys.executable, "-m", "extauthz.server.workers"], env=env,
@@ -156,16 +151,16 @@ def _stop_all(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
             proc.wait()
 
 
-def serve_workers(config: ServerConfig, workers: int, *, log_level: str = "info",
-                  log_format: str = "json", startup_timeout: float = 60.0,
-                  own_ports: bool = False) -> int:
-    """Run ``workers`` server processes on one port (``own_ports``: on ports ``--listen``
-    + i) until SIGTERM/SIGINT; return the exit code."""
-    check_workers(config, workers, own_ports=own_ports)
+def serve_workers(config: ServerConfig, *, startup_timeout: float = 60.0) -> int:
+    """Run ``config.workers`` server processes on one port (``config.worker_ports``: on ports
+    ``--listen`` + i) until SIGTERM/SIGINT; return the exit code. Each worker receives
+    ``config`` (:func:`child_config`) and nothing else."""
+    workers = config.workers
+    check_workers(config, workers, own_ports=config.worker_ports)
     from ..policy import load_policy
 
     load_policy(config.policies, max_bytes=config.policy_max_bytes)  # a bad policy fails here, once
-    if not getattr(config, "lease_secret", True):
+    if not config.lease_secret:
         # one lease-ticket key for all workers: an access-log entry may reach any of them
         config = dataclasses.replace(config, lease_secret=secrets.token_hex(32))
     stopping = threading.Event()
@@ -178,7 +173,7 @@ def serve_workers(config: ServerConfig, workers: int, *, log_level: str = "info"
     pending: dict[int, int] = {}  # ready pipe fd -> worker index
     try:
         for i in range(workers):
-            proc, fd = _start_child(config, i, log_level, log_format, own_ports, workers)
+            proc, fd = _start_child(config, i)
             procs.append(proc)
             pending[fd] = i
         deadline = time.monotonic() + startup_timeout
@@ -222,10 +217,9 @@ def _child_main() -> int:
     from ..observe.logs import configure_logging
     from .app import serve
 
-    # the same log lines as a single server (JSON by default), from every worker
-    listener = configure_logging(os.environ.get(LOG_LEVEL_ENV, "info"),
-                                 os.environ.get(LOG_FORMAT_ENV, "json"))
     config = ServerConfig(**json.loads(os.environ[CONFIG_ENV]))
+    # the same log lines as a single server (JSON by default), from every worker
+    listener = configure_logging(config.log_level, config.log_format)
     ready_fd = int(os.environ[READY_FD_ENV])
 
     def ready(port: int) -> None:

@@ -11,6 +11,8 @@ import functools
 import re
 from dataclasses import dataclass
 
+from ..settings import KEY_PREFIX
+
 #: a limiter name (policy schema ``Name``) and a hashed identity (classify.hash_identity).
 _NAME = r"[a-z0-9][a-z0-9_.-]{0,62}"
 _IDENTITY = r"[0-9a-f]{24}"
@@ -24,7 +26,7 @@ def _lease_key_pattern(prefix: str) -> re.Pattern[str]:
 
 @dataclass(frozen=True, slots=True)
 class Keys:
-    prefix: str = "extauthz"
+    prefix: str = KEY_PREFIX
 
     def user_tag(self, identity: str) -> str:
         return f"{{u:{identity}}}"

@@ -507,8 +507,9 @@ def test_default_env(default_objects: list[dict[str, Any]]) -> None:
 @pytest.mark.parametrize("name", ["default", "full"])
 def test_env_names_are_the_cli_variables(name: str, request: pytest.FixtureRequest) -> None:
     """Each EXTAUTHZ_* variable the chart sets is one `extauthz serve` reads."""
-    cli = (ROOT / "extauthz" / "cli.py").read_text()
-    read = {f"EXTAUTHZ_{var}" for var in re.findall(r'_env\("([A-Z_]+)"', cli)}
+    from extauthz.settings import options  # every option serve reads, once
+
+    read = {opt.env for opt in options().values()}
     env = env_of(container(request.getfixturevalue(name + "_objects")))
     assert {n for n in env if n.startswith("EXTAUTHZ_")} <= read
 

@@ -120,14 +120,15 @@ def test_serve_record_options_parse() -> None:
 
     import pytest
 
-    from extauthz.cli import _size, build_parser, main
+    from extauthz.cli import build_parser, main
+    from extauthz.settings import size as _size
 
     assert _size("500M") == 500 << 20 and _size("2G") == 2 << 30 and _size("4096") == 4096
     with pytest.raises(argparse.ArgumentTypeError):
         _size("lots")
     args = build_parser().parse_args(["serve", "--record", "/tmp/r", "--record-max-bytes", "1M",
                                       "--record-sample", "0.25"])
-    assert (args.record, args.record_max_bytes, args.record_sample) == ("/tmp/r", 1 << 20, 0.25)
+    assert (args.record_dir, args.record_max_bytes, args.record_sample) == ("/tmp/r", 1 << 20, 0.25)
     assert main(["serve", "--record", "/tmp/r", "--record-sample", "0"]) == 2
 
 

@@ -30,6 +30,7 @@ from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.sentinel import Sentinel
 
 from ...errors import StoreError, StoreUnavailable
+from ...settings import STORE_DEADLINE_MS
 from .. import algorithms, redis_events
 from ..base import RETURN_OPS, CheckResult, Op, ShedParams, StoreBase, StoreStats
 from ..keys import Keys
@@ -108,7 +109,7 @@ class RedisStore(StoreBase):
         cls,
         url: str,
         *,
-        deadline: float = 0.005,
+        deadline: float = STORE_DEADLINE_MS / 1000.0,
         now: Callable[[], float] | None = None,
         batching: bool | None = None,
         lean: bool = True,
