@@ -47,8 +47,8 @@ from ..store.algorithms import admits, take
 from ..store.base import Op, ReturnOp, Store
 from ..verdict import Verdict
 
-__all__ = ["GRANT_METRICS", "GrantTable", "Grantee", "Numbers", "bind_store", "default_batch",
-           "grant_status", "refund_grants", "retire_grants", "settle_grants"]
+__all__ = ["GRANT_METRICS", "GrantHolder", "GrantTable", "Grantee", "LeaseHolder", "Numbers", "bind_store",
+           "default_batch", "grant_status", "hold_leases", "refund_grants", "retire_grants", "settle_grants"]
 
 #: the limiter's numbers a grant was taken with (a bucket: ``(rate, burst)``; a quota:
 #: ``(limit,)``): a grant is spent only for the same numbers, and goes back with them
@@ -288,14 +288,51 @@ class GrantTable:
             task.cancel()
 
 
+class GrantHolder(Protocol):
+    """What the engine, status and metrics use of a limiter's grants: :class:`GrantTable`,
+    and fleet_usage's :class:`~extauthz.limiters.fleet.FleetSlots`."""
+
+    store: Store | None
+
+    def status(self) -> dict[str, float]: ...
+
+    async def settle(self) -> None: ...
+
+    def retire(self) -> None: ...
+
+
 @runtime_checkable
 class Grantee(Protocol):
     """A limiter that may take its budget in batched grants (``grants`` is None in exact mode)."""
 
-    grants: GrantTable | None
+    grants: GrantHolder | None
 
     def refund(self, ctx: RequestContext) -> None:
         """Give back, to this replica's grant, what :meth:`Limiter.local` spent for ``ctx``."""
+
+
+@runtime_checkable
+class LeaseHolder(Protocol):
+    """A limiter whose requests may hold a lease in a local grant (fleet_usage, batched)."""
+
+    def hold(self, ctx: RequestContext, lease_id: str) -> str | None:
+        """The lease key of the slot an admitted request took here, or None."""
+
+    def refund(self, ctx: RequestContext) -> None: ...
+
+
+def hold_leases(ctx: RequestContext, slots: Iterable[tuple[object, bool, Verdict | None, int]],
+                lease_id: str, admitted: bool) -> list[str]:
+    """The lease keys an admitted request holds in local grants (named ``lease_id``); a
+    refused one gives the slots it took back."""
+    held: list[str] = []
+    for lim, _, _, _ in slots:
+        if isinstance(lim, LeaseHolder):
+            if not admitted:
+                lim.refund(ctx)
+            elif (key := lim.hold(ctx, lease_id)) is not None:
+                held.append(key)
+    return held
 
 
 def refund_grants(ctx: RequestContext, slots: Iterable[tuple[object, bool, Verdict | None, int]]) -> None:
