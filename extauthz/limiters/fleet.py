@@ -186,6 +186,9 @@ class FleetSlots:
     def hold(self, ctx: RequestContext, lease_id: str) -> str | None:
         """An admitted request took a slot here: its lease is ``lease_id`` (the key it
         names, for the answer's lease metadata), or None when it took none."""
+        asked = self._asked.pop(id(ctx), None)
+        if asked is not None:  # no answer came (the store failed open): ask again later
+            asked.asked = None
         taken = self._taken.pop(id(ctx), None)
         if taken is None:
             return None

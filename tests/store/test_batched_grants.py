@@ -23,7 +23,7 @@ import pytest
 
 from extauthz.clock import ManualClock
 from extauthz.engine import Engine
-from extauthz.errors import PolicyError
+from extauthz.errors import PolicyError, StoreUnavailable
 from extauthz.limiters.fleet import FleetSlots, FleetUsageShedder, default_fleet_batch, grant_ttl
 from extauthz.limiters.grants import GrantTable, default_batch, grant_status
 from extauthz.limiters.quota import QuotaLimiter, default_quota_batch
@@ -746,3 +746,25 @@ def test_fleet_default_batch_and_grant_ttl() -> None:
 def test_a_fleet_batch_is_whole_slots(tmp_path: Path) -> None:
     with pytest.raises(PolicyError, match="whole slots"):
         fleet_policy(tmp_path, batch=2.5)
+
+
+async def test_a_fleet_growth_that_failed_open_is_asked_again_and_leaks_nothing(tmp_path: Path) -> None:
+    """The store failed on a growth (the request fails open): nothing is remembered for it,
+    and the next request asks the grant again (not an exact lease)."""
+    clock = ManualClock(START)
+    store = MemoryStore(clock)
+    calls: list[list[Op]] = []
+
+    async def failing(ops: list[Op], lease_id: str) -> object:
+        calls.append(list(ops))
+        if len(calls) == 1:
+            raise StoreUnavailable("down")
+        return await store.check(ops, lease_id)
+
+    engine = Engine(store, fleet_policy(tmp_path), clock=clock, store_check=failing)  # type: ignore[arg-type]
+    table = slots(engine)
+    assert (await engine.check(get()))[1].allowed  # failed open
+    assert not table._asked and not table._taken
+    assert (await engine.check(get()))[1].allowed
+    assert isinstance(calls[1][0], FleetGrantOp)  # a growth again, not an exact lease
+    table.close()
