@@ -24,16 +24,17 @@ import asyncio
 import math
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any, Final
+from typing import Final
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..context import RequestContext
 from ..policy.schema import FleetUsageSpec
-from ..store.base import FleetGrantOp, LeaseOp, OpResult, Store
+from ..store.base import FleetGrantOp, LeaseOp, OpResult
 from ..store.keys import Keys
 from ..tiers import Tier
 from ..verdict import Outcome, Quota, Verdict
 from .base import FleetWide, denied_outcome
+from .grants import Synced
 
 __all__ = ["FleetSlots", "FleetUsageShedder", "LocalSlots", "default_fleet_batch", "grant_ttl"]
 
@@ -88,13 +89,14 @@ class _Grant:
         return max(0, self.size - len(self.leases))
 
 
-class FleetSlots:
+class FleetSlots(Synced):
     """A batched fleet_usage limiter's grants on this replica (one per tier key), with the
     counters and life cycle of :class:`~extauthz.limiters.grants.GrantTable` (status,
     store, retire, settle, drain, close)."""
 
     def __init__(self, keys: tuple[tuple[str, int], ...], *, batch: int, sync_interval: float,
                  lease_ttl: float, clock: Clock = SYSTEM_CLOCK) -> None:
+        super().__init__()
         self.sync_interval = sync_interval
         self.batch = batch
         self.lease_ttl = lease_ttl
@@ -109,25 +111,16 @@ class FleetSlots:
         self._taken: dict[int, tuple[_Grant, float]] = {}
         #: request (id of its context) -> the grant a growth was asked for
         self._asked: dict[int, _Grant] = {}
-        self.store: Store | None = None
         self.retired = False
-        self._timer: asyncio.TimerHandle | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
-        # the GrantTable counters (status(), /metrics)
-        self.local = 0
-        self.grants = 0
-        self.expired = 0
-        self.returned = 0.0
-        self.return_errors = 0
 
     def grant(self, key: str) -> _Grant:
         return self._grants[key]
 
-    def status(self) -> dict[str, float]:
-        return {"keys": sum(1 for g in self._grants.values() if g.size), "held": float(self.held()),
-                "grants_taken": self.grants, "grants_expired": self.expired,
-                "returned": self.returned, "return_errors": self.return_errors,
-                "store_calls_saved": self.local}
+    def keys_held(self) -> int:
+        return sum(1 for g in self._grants.values() if g.size)
+
+    def total(self) -> float:
+        return float(self.held())
 
     def held(self) -> int:
         """Free slots held here (taken from the fleet, unused)."""
@@ -285,20 +278,8 @@ class FleetSlots:
             g.low = min(g.low, g.free)
         return given
 
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def _arm(self) -> None:
-        if self._timer is None and self.store is not None:
-            self._timer = asyncio.get_running_loop().call_later(self.period, self._tick)
-
-    def _tick(self) -> None:
-        self._timer = None
-        self._spawn(self.sync())
-        if any(g.size or g.leases for g in self._grants.values()):
-            self._arm()
+    def busy(self) -> bool:
+        return any(g.size or g.leases for g in self._grants.values())
 
     def _take_all(self) -> list[FleetGrantOp]:
         """Give back every free slot (shrink each grant to its used slots)."""
@@ -332,18 +313,7 @@ class FleetSlots:
     @property
     def done(self) -> bool:
         """Retired and holding nothing any more."""
-        return self.retired and not any(g.size or g.leases for g in self._grants.values())
-
-    async def drain(self) -> None:
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
-
-    def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        for task in self._tasks:
-            task.cancel()
+        return self.retired and not self.busy()
 
 
 class LocalSlots:

@@ -584,6 +584,13 @@ def slots(engine: Engine) -> FleetSlots:
     return lim.grants
 
 
+def fleet_engine(tmp_path: Path) -> tuple[ManualClock, MemoryStore, Engine]:
+    """One replica with a batched fleet_usage limiter on the embedded store."""
+    clock = ManualClock(START)
+    store = MemoryStore(clock)
+    return clock, store, Engine(store, fleet_policy(tmp_path), clock=clock)
+
+
 def critical() -> Any:
     return get("/v1/charges", method="POST")
 
@@ -618,9 +625,7 @@ async def test_fleet_one_store_call_per_grant_and_a_release_frees_the_local_slot
 
 
 async def test_fleet_slots_unused_for_sync_interval_go_back(tmp_path: Path) -> None:
-    clock = ManualClock(START)
-    store = MemoryStore(clock)
-    engine = Engine(store, fleet_policy(tmp_path), clock=clock)
+    clock, store, engine = fleet_engine(tmp_path)
     table = slots(engine)
     d = (await engine.check(get()))[1]
     key = d.leases[0]
@@ -719,9 +724,7 @@ async def test_a_replica_that_stops_renewing_gives_its_fleet_slots_back_after_th
 
 
 async def test_a_reload_gives_the_free_fleet_slots_back_and_keeps_those_in_use(tmp_path: Path) -> None:
-    clock = ManualClock(START)
-    store = MemoryStore(clock)
-    engine = Engine(store, fleet_policy(tmp_path), clock=clock)
+    _, store, engine = fleet_engine(tmp_path)
     old = slots(engine)
     d = (await engine.check(get()))[1]
     key = d.leases[0]
