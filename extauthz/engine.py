@@ -24,7 +24,8 @@ from .context import RawRequest, RequestContext
 from .errors import INTERNAL_ERROR, CircuitOpen, StoreError, StoreInternalError, StoreTimeout
 from .limiters import Limiter, WorkerUtilizationShedder, build_limiters
 from .limiters.base import applies
-from .limiters.grants import bind_store, refund_grants, retire_grants, settle_grants
+from .limiters.fleet import LocalSlots
+from .limiters.grants import bind_store, hold_leases, refund_grants, retire_grants, settle_grants
 from .limiters.worker import keep_levels, workers_of
 from .observe.base import NullObserver, Observer
 from .overrides import Override, compile_overrides
@@ -107,6 +108,9 @@ class Engine:
         #: the one release path (access log, request-id index, cancelled Checks, abandoned answers)
         self.releaser = releaser or Releaser(store, timeout=max(deadline * 10, 0.05),
                                              retry_for=lambda: self.snapshot.policy.longest_lease_ttl)
+        #: batched fleet grants, current and retired: releases find their slots there first
+        self.fleet_slots = LocalSlots()
+        self.releaser.local = self.fleet_slots.release
         self.keys = keys or Keys()
         self.deadline = deadline
         self.clock = clock
@@ -133,6 +137,7 @@ class Engine:
         if limiters is None:
             limiters = build_limiters(policy, self.keys, self._rng, self.clock)
             bind_store(limiters, self.store)  # batched grants go back to this store
+            self.fleet_slots.add(limiters)
             if old is not None:  # a reload keeps each shedder's level
                 keep_levels(old.workers, limiters)
         table, not_applied = compile_overrides(self.overrides, limiters, self.clock.wall(),
@@ -256,6 +261,10 @@ class Engine:
                     raise
         if refused is not None:
             refund_grants(ctx, slots)
+        if self.fleet_slots.tables:  # slots taken from local fleet grants (batched)
+            if not lease_id:
+                lease_id = os.urandom(8).hex()
+            held.extend(hold_leases(ctx, slots, lease_id, refused is None))
         lease_keys = tuple(held)
         if not lease_keys:
             lease_id = ""

@@ -73,6 +73,9 @@ class Releaser:
         #: releases waiting for their next try now
         self.retrying = 0
         self._throttle = throttle or LogThrottle(log)
+        #: gives leases held in this replica's batched fleet grants back to them (the engine's
+        #: :class:`~extauthz.limiters.fleet.LocalSlots`): keys left for the store, and how many
+        self.local: Callable[[Sequence[str], str], tuple[list[str], int]] | None = None
 
     def count(self, path: str, outcome: str | None = None) -> int:
         """Release calls on ``path`` (with ``outcome``, or all outcomes)."""
@@ -86,6 +89,12 @@ class Releaser:
             raise ValueError(f"unknown release path {path!r}")
         if not keys or not lease_id:
             return None
+        if self.local is not None:
+            keys, local = self.local(keys, lease_id)
+            if not keys:
+                self._done(path, local)
+                return None
+            self.leases_released += local
         if self._now is not None:
             self._at_once(keys, lease_id, path)
             return None
@@ -96,6 +105,12 @@ class Releaser:
 
     async def release_and_wait(self, keys: Sequence[str], lease_id: str, path: str) -> int:
         """:meth:`release`, and the number of leases given back (0 on an error, counted)."""
+        if self.local is not None and path in PATHS and keys and lease_id:
+            keys, local = self.local(keys, lease_id)
+            if not keys:
+                self._done(path, local)
+                return local
+            self.leases_released += local
         if self._now is not None and path in PATHS and keys and lease_id:
             return self._at_once(keys, lease_id, path)
         task = self.release(keys, lease_id, path)

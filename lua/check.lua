@@ -24,6 +24,10 @@
 --   quota grant  quota_pool = max(0, count - held); admits: pool + cost <= limit;
 --           quota_grant_size = max(0, min(want, limit - pool)); count = pool + grant
 --   quota return quota_give_back: count = max(0, count - amount), only while the count exists
+--   fleet grant  fleet_grant_admits: want <= 0 or lease_admits(live, limit); fleet_grant_top:
+--           want > 0: have + (limit <= 0 and want or max(0, min(want, limit - live))), else
+--           max(0, have + want); members "<grant>:0 .. top-1" renewed (ZADD XX) or added,
+--           "<grant>:top .. have-1" removed
 -- Only the raw state is returned: the caller derives remaining, retry-after and reset with
 -- extauthz.store.algorithms.op_result, as the embedded store does.
 --
@@ -38,7 +42,8 @@
 --   ARGV[j+1]   n, the number of ops of this request
 --   then 5 ARGV per op i, starting at a = j + 2 + 5*(i-1):
 --   ARGV[a]     "b" token bucket | "l" lease | "q" quota count | "r" release | "g" grant |
---               "u" return (unspent grant) | "c" quota grant | "v" quota return
+--               "u" return (unspent grant) | "c" quota grant | "v" quota return |
+--               "f" fleet grant
 --   ARGV[a+1]   "1" enforce | "0" shadow (a release: "0")
 --   bucket:     ARGV[a+2] rate (tokens/s), ARGV[a+3] burst (tokens), ARGV[a+4] cost (tokens)
 --   lease:      ARGV[a+2] limit (live leases; 0 = count only, never refuses),
@@ -54,6 +59,10 @@
 --   quota grant: ARGV[a+2] limit, ARGV[a+3] "<cost> <want> <held>" (integers), ARGV[a+4]
 --               ttl (as count's); the count's state and TTL
 --   quota return: ARGV[a+2] amount (units given back); ARGV[a+3..a+4] unused; "0"
+--   fleet grant: ARGV[a+2] limit (as lease's), ARGV[a+3] grant ttl (s, float), ARGV[a+4]
+--               "<grant> <have> <want>" (the grant's member prefix, its size, the change:
+--               > 0 grow by up to want, <= 0 shrink); the lease key's state; the key's
+--               PEXPIRE is only ever raised (exact leases on the same key keep theirs)
 --
 -- State (one key per op; a bucket costs GET + SET, a lease ZREMRANGEBYSCORE + ZCARD + ZADD +
 -- PEXPIRE, a release ZREM, and the call one TIME when no clock is injected; a key met again
@@ -76,7 +85,7 @@
 --                   failed for this request (each value_i is then the error message)
 --   value_i         state BEFORE this request's commit, as seen at "now":
 --                   bucket, grant, return: tokens available (refilled to now, at most burst);
---                   lease: live leases (after the sweep); count, quota grant, quota
+--                   lease, fleet grant: live leases (after the sweep); count, quota grant, quota
 --                   return: the window's count;
 --                   release: 0;
 --                   as a "%.17g" string (Redis truncates Lua numbers in replies to integers).
@@ -159,7 +168,7 @@ local function check(k, j, n, res)
       else
         ok[i] = true  -- a return always allows
       end
-    elseif kind == 'l' then
+    elseif kind == 'l' or kind == 'f' then
       local limit = tonumber(ARGV[a + 2])
       local count = live[key]
       if count == nil then
@@ -167,7 +176,12 @@ local function check(k, j, n, res)
         count = redis.call('ZCARD', key)
         live[key] = count
       end
-      ok[i] = limit <= 0 or count < limit
+      if kind == 'f' then  -- fleet_grant_admits: a growth as a lease, a renewal always
+        local _, _, want = string.match(ARGV[a + 4], '^(%S+) (%S+) (%S+)$')
+        ok[i] = tonumber(want) <= 0 or limit <= 0 or count < limit
+      else
+        ok[i] = limit <= 0 or count < limit
+      end
       value[i] = count
     else
       ok[i] = redis.call('ZREM', key, lease_id) == 1
@@ -233,6 +247,30 @@ local function check(k, j, n, res)
           redis.call('DECRBY', key, value[i] - after)
           counts[key] = after
         end
+      elseif kind == 'f' then
+        local limit, ttl = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+        local grant, have, want = string.match(ARGV[a + 4], '^(%S+) (%S+) (%S+)$')
+        have, want = tonumber(have), tonumber(want)
+        local top = math.max(0, have + want)  -- fleet_grant_top
+        if want > 0 then
+          top = have + (limit <= 0 and want or math.max(0, math.min(want, limit - value[i])))
+        end
+        local at = fmt(now + ttl)
+        for m = 0, top - 1 do  -- renew what is still live (XX), add the new slots
+          if m < have then
+            redis.call('ZADD', key, 'XX', at, grant .. ':' .. m)
+          else
+            live[key] = live[key] + redis.call('ZADD', key, at, grant .. ':' .. m)
+          end
+        end
+        for m = top, have - 1 do
+          live[key] = live[key] - redis.call('ZREM', key, grant .. ':' .. m)
+        end
+        local ms = math.max(1000, math.ceil(ttl * 1000))
+        if redis.call('PTTL', key) < ms then  -- never shortens the leases' key TTL
+          redis.call('PEXPIRE', key, ms)
+        end
+        expiry[key] = nil
       elseif kind == 'l' then
         local ttl = tonumber(ARGV[a + 3])
         local added = redis.call('ZADD', key, fmt(now + ttl), lease_id)

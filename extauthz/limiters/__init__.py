@@ -52,7 +52,7 @@ def build_limiters(policy: Policy, keys: Keys, rng: random.Random | None = None,
         elif isinstance(spec, QuotaSpec):
             out.append(QuotaLimiter(spec, keys, clock, key))
         elif isinstance(spec, FleetUsageSpec):
-            out.append(FleetUsageShedder(spec, keys))
+            out.append(FleetUsageShedder(spec, keys, clock))
         elif isinstance(spec, WorkerUtilizationSpec):
             out.append(WorkerUtilizationShedder(spec, keys, rng=rng, inflight_keys=fleet_keys))
     return tuple(out)

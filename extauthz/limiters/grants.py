@@ -47,8 +47,8 @@ from ..store.algorithms import admits, take
 from ..store.base import Op, ReturnOp, Store
 from ..verdict import Verdict
 
-__all__ = ["GRANT_METRICS", "GrantTable", "Grantee", "Numbers", "bind_store", "default_batch",
-           "grant_status", "refund_grants", "retire_grants", "settle_grants"]
+__all__ = ["GRANT_METRICS", "GrantHolder", "GrantTable", "Grantee", "LeaseHolder", "Numbers", "Synced", "bind_store",
+           "default_batch", "grant_status", "hold_leases", "refund_grants", "retire_grants", "settle_grants"]
 
 #: the limiter's numbers a grant was taken with (a bucket: ``(rate, burst)``; a quota:
 #: ``(limit,)``): a grant is spent only for the same numbers, and goes back with them
@@ -87,28 +87,93 @@ class _Held:
     numbers: Numbers
 
 
-class GrantTable:
-    """One limiter's grants, by bucket key, on this replica."""
+class Synced:
+    """The background life every grant table shares: a timer running :meth:`sync` every
+    ``period`` seconds while :meth:`busy` (armed only once a store is bound), and the
+    tracked tasks of the store calls it sends (:meth:`drain` waits for them, :meth:`close`
+    stops everything)."""
 
-    def __init__(self, sync_interval: float, clock: Clock = SYSTEM_CLOCK,
-                 give_back: GiveBack = bucket_return) -> None:
-        self.sync_interval = sync_interval
-        self._clock = clock
-        self._op = give_back
-        self._held: dict[str, _Held] = {}
-        #: where returns go (bound by the engine: :func:`bind_store`); None: nowhere yet
-        self.store: Store | None = None
+    period: float
+    store: Store | None
+
+    def __init__(self) -> None:
+        #: where give-backs go (bound by the engine: :func:`bind_store`); None: nowhere yet
+        self.store = None
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         #: counters (status(), /metrics): requests answered from a grant (each a store call
         #: saved), grants taken, grants given back because ``sync_interval`` passed
-        #: (``expired``), the amount given back (any reason), returns that failed (their
+        #: (``expired``), the amount given back (any reason), give-backs that failed (their
         #: amount only refuses early: never admitted)
         self.local = 0
         self.grants = 0
         self.expired = 0
         self.returned = 0.0
         self.return_errors = 0
+
+    def status(self) -> dict[str, float]:
+        """The table's counters and what it holds now (/status, /metrics)."""
+        return {"keys": self.keys_held(), "held": self.total(), "grants_taken": self.grants,
+                "grants_expired": self.expired, "returned": self.returned,
+                "return_errors": self.return_errors, "store_calls_saved": self.local}
+
+    def keys_held(self) -> int:
+        raise NotImplementedError
+
+    def total(self) -> float:
+        raise NotImplementedError
+
+    async def sync(self) -> int:
+        raise NotImplementedError
+
+    def busy(self) -> bool:
+        """Whether the timer still has something to do."""
+        raise NotImplementedError
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _arm(self) -> None:
+        if self._timer is None and self.store is not None:
+            self._timer = asyncio.get_running_loop().call_later(self.period, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        self._spawn(self.sync())
+        if self.busy():
+            self._arm()
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    async def drain(self) -> None:
+        """Wait for the store calls already sent (tests, shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def close(self) -> None:
+        """Stop the timer and the calls on their way (what is held is lost: it only refuses
+        early)."""
+        self._stop_timer()
+        for task in self._tasks:
+            task.cancel()
+
+
+class GrantTable(Synced):
+    """One limiter's grants, by bucket key, on this replica."""
+
+    def __init__(self, sync_interval: float, clock: Clock = SYSTEM_CLOCK,
+                 give_back: GiveBack = bucket_return) -> None:
+        super().__init__()
+        self.sync_interval = sync_interval
+        self.period = sync_interval / TICKS
+        self._clock = clock
+        self._op = give_back
+        self._held: dict[str, _Held] = {}
 
     def __len__(self) -> int:
         return len(self._held)
@@ -124,11 +189,8 @@ class GrantTable:
     def total(self) -> float:
         return sum(h.tokens for h in self._held.values())
 
-    def status(self) -> dict[str, float]:
-        """The table's counters and what it holds now (/status, /metrics)."""
-        return {"keys": len(self._held), "held": self.total(), "grants_taken": self.grants,
-                "grants_expired": self.expired, "returned": self.returned,
-                "return_errors": self.return_errors, "store_calls_saved": self.local}
+    def keys_held(self) -> int:
+        return len(self._held)
 
     def spend(self, key: str, cost: float, numbers: Numbers) -> float | None:
         """Spend ``cost`` from the grant held for ``key``: the ``remaining`` to answer
@@ -228,26 +290,12 @@ class GrantTable:
         for key, numbers, amount in returns:
             self._spawn(self._send(self._op(key, numbers, amount)))
 
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def _arm(self) -> None:
-        if self._timer is None and self.store is not None:
-            self._timer = asyncio.get_running_loop().call_later(self.sync_interval / TICKS, self._tick)
-
-    def _tick(self) -> None:
-        self._timer = None
-        self._spawn(self.sync())
-        if self._held:
-            self._arm()
+    def busy(self) -> bool:
+        return bool(self._held)
 
     def _take_all(self) -> list[Op]:
         """Stop the timer and take out everything held (to go back)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._stop_timer()
         returns = [self._op(key, h.numbers, h.tokens) for key, h in self._held.items() if h.tokens > 0.0]
         self._held.clear()
         return returns
@@ -274,28 +322,53 @@ class GrantTable:
         except RuntimeError:  # no event loop: nothing was ever taken
             pass
 
-    async def drain(self) -> None:
-        """Wait for the returns already sent (tests, shutdown)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
-    def close(self) -> None:
-        """Stop the timer (what is held is lost: it only refuses early)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        for task in self._tasks:
-            task.cancel()
+
+class GrantHolder(Protocol):
+    """What the engine, status and metrics use of a limiter's grants: :class:`GrantTable`,
+    and fleet_usage's :class:`~extauthz.limiters.fleet.FleetSlots`."""
+
+    store: Store | None
+
+    def status(self) -> dict[str, float]: ...
+
+    async def settle(self) -> None: ...
+
+    def retire(self) -> None: ...
 
 
 @runtime_checkable
 class Grantee(Protocol):
     """A limiter that may take its budget in batched grants (``grants`` is None in exact mode)."""
 
-    grants: GrantTable | None
+    grants: GrantHolder | None
 
     def refund(self, ctx: RequestContext) -> None:
         """Give back, to this replica's grant, what :meth:`Limiter.local` spent for ``ctx``."""
+
+
+@runtime_checkable
+class LeaseHolder(Protocol):
+    """A limiter whose requests may hold a lease in a local grant (fleet_usage, batched)."""
+
+    def hold(self, ctx: RequestContext, lease_id: str) -> str | None:
+        """The lease key of the slot an admitted request took here, or None."""
+
+    def refund(self, ctx: RequestContext) -> None: ...
+
+
+def hold_leases(ctx: RequestContext, slots: Iterable[tuple[object, bool, Verdict | None, int]],
+                lease_id: str, admitted: bool) -> list[str]:
+    """The lease keys an admitted request holds in local grants (named ``lease_id``); a
+    refused one gives the slots it took back."""
+    held: list[str] = []
+    for lim, _, _, _ in slots:
+        if isinstance(lim, LeaseHolder):
+            if not admitted:
+                lim.refund(ctx)
+            elif (key := lim.hold(ctx, lease_id)) is not None:
+                held.append(key)
+    return held
 
 
 def refund_grants(ctx: RequestContext, slots: Iterable[tuple[object, bool, Verdict | None, int]]) -> None:

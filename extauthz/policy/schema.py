@@ -445,7 +445,8 @@ class _BatchedGrants(_Strict):
     batch: Annotated[float, Field(ge=1, le=MAX_TOKENS)] | None = Field(
         None, description="batched: how much one store call takes (at least 1; a quota: whole "
         "requests); default: request_rate, what one sync_interval refills, at least 1 and at "
-        "least the cost; quota, 1% of the limit, at least the cost.")
+        "least the cost; quota, 1% of the limit, at least the cost; fleet_usage (slots), 1% of "
+        "the non-critical limit, at least 1.")
     sync_interval: Annotated[Duration, Field(ge=MIN_SYNC_INTERVAL, le=MAX_SYNC_INTERVAL)] = Field(
         DEFAULT_SYNC_INTERVAL, description="batched: unspent grant goes back to the store within it, and a "
         f"replica that held none of a key's grant for that long forgets it (default "
@@ -525,7 +526,7 @@ class QuotaSpec(_BatchedGrants, _KeyedBase):
         return self
 
 
-class FleetUsageSpec(_LimiterBase):
+class FleetUsageSpec(_BatchedGrants, _LimiterBase):
     """Fleet-wide in-flight cap keeping ``reserved_for_critical`` for critical traffic."""
 
     type: Literal["fleet_usage"]
@@ -534,6 +535,12 @@ class FleetUsageSpec(_LimiterBase):
     lease_ttl: Annotated[Duration, Field(ge=1)] = 60.0
     plans: NoPlans = None
     key: NoKey = None
+
+    @model_validator(mode="after")
+    def _whole_slots(self) -> FleetUsageSpec:
+        if self.batch is not None and self.batch != int(self.batch):
+            raise ValueError(f"batch ({self.batch:g}) of fleet_usage is whole slots")
+        return self
 
 
 class Signal(_Strict):

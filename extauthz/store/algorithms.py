@@ -10,7 +10,8 @@ requires identical decisions, remaining, retry-after and levels):
   batched grants' :func:`grant_pool`, :func:`grant_size`, :func:`give_back` and
   :func:`grant_stamp`, the lease sweep (:func:`lease_live`), the quota count
   (:func:`count_admits`) and its batched grants (:func:`quota_pool`,
-  :func:`quota_grant_size`, :func:`quota_give_back`), with the same float operations in the same order and the same
+  :func:`quota_grant_size`, :func:`quota_give_back`) and the fleet grants
+  (:func:`fleet_grant_admits`, :func:`fleet_grant_size`), with the same float operations in the same order and the same
   :data:`TOKEN_EPSILON` (its header says so; a test pins the constant). The script
   returns raw state (tokens or live leases before the commit, and whether each op allows),
   and Python derives every reported number from it with :func:`op_result`, as the memory
@@ -28,6 +29,7 @@ from __future__ import annotations
 from .base import (
     BucketOp,
     CountOp,
+    FleetGrantOp,
     GrantOp,
     LeaseOp,
     Op,
@@ -200,6 +202,45 @@ def quota_return_result(op: QuotaReturnOp, count: int) -> OpResult:
     return OpResult(True, float(quota_give_back(count, op.amount)), 0.0, 0.0)
 
 
+# --------------------------------------------------------------------------- fleet grants
+# ``consistency: batched`` for fleet_usage: a replica's grant is ``have`` members of the
+# fleet's lease ZSET (each a slot with an expiry score, renewed while held). It grows only
+# when the live leases (every replica's grant members and exact leases) admit one more
+# (:func:`lease_admits`), by at most what is left of ``limit``, so the members never exceed
+# what exact leases would; the replica admits a request only into a slot of its grant.
+
+
+def fleet_grant_admits(live: int, limit: int, want: int) -> bool:
+    """Whether a fleet grant op allows: a growth when the live leases admit one more, a
+    renewal or shrink (``want <= 0``) always."""
+    return want <= 0 or lease_admits(live, limit)
+
+
+def fleet_grant_size(live: int, limit: int, want: int) -> int:
+    """Slots a growth adds to a key holding ``live`` leases: ``want``, or what is left of
+    ``limit`` when less (``limit`` 0, count only: ``want``)."""
+    return want if limit <= 0 else max(0, min(want, limit - live))
+
+
+def fleet_grant_top(live: int, op: FleetGrantOp, committed: bool) -> int:
+    """The grant's size after the op: grown by :func:`fleet_grant_size`, or shrunk to
+    ``have + want`` (never below 0); unchanged when nothing was committed."""
+    if not committed:
+        return op.have
+    if op.want > 0:
+        return op.have + fleet_grant_size(live, op.limit, op.want)
+    return max(0, op.have + op.want)
+
+
+def fleet_grant_result(op: FleetGrantOp, allowed: bool, live: int, committed: bool) -> OpResult:
+    """The answer for a fleet grant from the live leases before it: ``remaining`` the free
+    slots of ``limit`` after it (inf for count only), ``extra`` the grant's size after it."""
+    top = fleet_grant_top(live, op, committed)
+    after = live + top - op.have if op.want > 0 else live
+    free = float(op.limit - after) if op.limit > 0 else float("inf")
+    return OpResult(allowed, max(0.0, free), 0.0, float(top))
+
+
 # --------------------------------------------------------------------------- one request
 
 
@@ -219,6 +260,8 @@ def op_result(op: Op, allowed: bool, value: float, admitted: bool) -> OpResult:
         return quota_grant_result(op, allowed, int(value), committed)
     if isinstance(op, QuotaReturnOp):
         return quota_return_result(op, int(value))
+    if isinstance(op, FleetGrantOp):
+        return fleet_grant_result(op, allowed, int(value), committed)
     return lease_result(op, allowed, int(value), committed)
 
 

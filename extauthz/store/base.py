@@ -137,7 +137,27 @@ class QuotaReturnOp:
     enforce: bool = False
 
 
-Op = BucketOp | LeaseOp | CountOp | GrantOp | ReturnOp | QuotaGrantOp | QuotaReturnOp
+@dataclass(frozen=True, slots=True)
+class FleetGrantOp:
+    """Batched grants of fleet slots (``fleet_usage``, ``consistency: batched``): the
+    replica's grant ``grant`` is ``have`` members ``<grant>:0 .. <grant>:have-1`` of the
+    lease ZSET ``key``, each a slot with an expiry score. With ``want > 0`` it grows by up
+    to ``want`` slots when the live leases admit one more (:func:`~extauthz.store.algorithms.
+    fleet_grant_size`, ``limit`` 0: count only); with ``want <= 0`` it shrinks to ``have +
+    want`` (always allowed). Either way the members it keeps get a new expiry, ``ttl``
+    seconds from now (the renewal): a replica that stops renewing gives its slots back when
+    the TTL runs out."""
+
+    key: str
+    limit: int
+    ttl: float
+    grant: str
+    have: int
+    want: int
+    enforce: bool = True
+
+
+Op = BucketOp | LeaseOp | CountOp | GrantOp | ReturnOp | QuotaGrantOp | QuotaReturnOp | FleetGrantOp
 #: the ops that give unspent grants back (they ride with the next check)
 RETURN_OPS = (ReturnOp, QuotaReturnOp)
 
@@ -155,7 +175,7 @@ class OpResult:
     #: bucket: seconds until the bucket is full again; lease: live leases after the call;
     #: count: seconds to the window's end; grant (tokens or quota units): the amount
     #: granted (> 0), or, when nothing was committed, minus the ``held`` amount the replica
-    #: keeps (<= 0); return: 0.
+    #: keeps (<= 0); return: 0; fleet grant: the replica's grant size after the call.
     extra: float
 
 

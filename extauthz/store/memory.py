@@ -28,6 +28,7 @@ from .base import (
     BucketOp,
     CheckResult,
     CountOp,
+    FleetGrantOp,
     GrantOp,
     Op,
     QuotaGrantOp,
@@ -81,6 +82,38 @@ class MemoryStore(StoreBase):
         if not leases:
             del self._leases[key]
         return leases
+
+    def _grant_leases(self, key: str, now: float) -> dict[str, float]:
+        """A fleet key's live leases, every one swept (grant members expire sooner than
+        leases taken before them, so the expiry order :meth:`_live_leases` relies on may
+        not hold: :meth:`_fleet_grant` restores it)."""
+        leases = self._leases.get(key)
+        if leases is None:
+            return {}
+        for member in [m for m, at in leases.items() if not algorithms.lease_live(at, now)]:
+            del leases[member]
+        if not leases:
+            del self._leases[key]
+        return leases
+
+    def _fleet_grant(self, op: FleetGrantOp, live: int, now: float) -> None:
+        """Commit a fleet grant (the rule: :func:`~extauthz.store.algorithms.fleet_grant_top`):
+        renew the members kept (only those still live, as Redis's ``ZADD XX``), add the new
+        ones, drop the rest; the key stays in expiry order."""
+        top = algorithms.fleet_grant_top(live, op, True)
+        leases = self._leases.setdefault(op.key, {})
+        at = now + op.ttl
+        for i in range(top):
+            member = f"{op.grant}:{i}"
+            if i >= op.have or member in leases:
+                leases[member] = at
+        for i in range(top, op.have):
+            leases.pop(f"{op.grant}:{i}", None)
+        if leases:
+            self._leases[op.key] = dict(sorted(leases.items(), key=lambda kv: kv[1]))
+            self._schedule(_LEASES, op.key, next(iter(self._leases[op.key].values())))
+        else:
+            del self._leases[op.key]
 
     def _schedule(self, kind: int, key: str, at: float) -> None:
         scheduled = self._scheduled[kind]
@@ -144,6 +177,9 @@ class MemoryStore(StoreBase):
                 value = self._count(op.key, now)
                 ok = (isinstance(op, QuotaReturnOp)
                       or count_admits(algorithms.quota_pool(int(value), op.held), op.cost, op.limit))
+            elif isinstance(op, FleetGrantOp):
+                value = float(len(self._grant_leases(op.key, now)))
+                ok = algorithms.fleet_grant_admits(int(value), op.limit, op.want)
             else:
                 value = float(len(self._live_leases(op.key, now)))
                 ok = lease_admits(int(value), op.limit)
@@ -193,6 +229,10 @@ class MemoryStore(StoreBase):
                             self._buckets[op.key] = [float(after), now, now + op.ttl]
                     elif state is not None and live:  # a window gone takes nothing back
                         state[0] = float(algorithms.quota_give_back(int(value), op.amount))
+                results.append(algorithms.op_result(op, ok, value, admitted))
+            elif isinstance(op, FleetGrantOp):
+                if commit:
+                    self._fleet_grant(op, int(value), now)
                 results.append(algorithms.op_result(op, ok, value, admitted))
             else:
                 if commit:

@@ -1,7 +1,8 @@
 """Two ``extauthz serve`` processes sharing one Redis, with ``consistency: batched``: the
 batched limit holds across them (never more than the limit; refusals early by at most
 ``batch x (replicas - 1)``), their grant counters are on /status and /metrics, and a
-graceful stop gives every unspent grant back. No timing: a ``sync_interval`` of 10 s keeps
+graceful stop gives every unspent grant back (fleet_usage: every free slot; the slots of
+requests still in flight stay until their leases go). No timing: a ``sync_interval`` of 10 s keeps
 the timers out of the run, and the bound holds whenever they run."""
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ LIMIT, BATCH, REPLICAS = 30, 4, 2
 SPECS = {
     "quota": f"type: quota\n    limit: {LIMIT}\n    period: day",
     "request_rate": f"type: request_rate\n    rate: 0.001\n    burst: {LIMIT}",
+    # no access log here: every admitted request stays in flight (its lease held)
+    "fleet_usage": f"type: fleet_usage\n    capacity: {LIMIT}\n    reserved_for_critical: 0",
 }
 
 
@@ -79,7 +82,7 @@ def test_two_replicas_hold_the_batched_limit(tmp_path: Path, redis_single_clean:
                 if resp.status.code == 0:
                     allowed += 1
                 else:
-                    assert resp.denied_response.status.code == 429
+                    assert resp.denied_response.status.code == (503 if kind == "fleet_usage" else 429)
             # never more than the exact limiter; early by at most batch x (replicas - 1)
             assert LIMIT - BATCH * (REPLICAS - 1) <= allowed <= LIMIT
             grants = [json.loads(get(f"http://127.0.0.1:{p.admin_port}/status"))["grants"]["batched"] for p in procs]
@@ -96,3 +99,7 @@ def test_two_replicas_hold_the_batched_limit(tmp_path: Path, redis_single_clean:
         with redis_single_clean.client() as raw:
             (key,) = raw.scan_iter("extauthz:*:q:batched:*")
             assert int(raw.get(key)) == allowed
+    if kind == "fleet_usage":  # stopped gracefully: every free slot went back, the used stay
+        with redis_single_clean.client() as raw:
+            (key,) = raw.scan_iter("extauthz:*:fl:batched:other")
+            assert raw.zcard(key) == allowed

@@ -23,13 +23,14 @@ import pytest
 
 from extauthz.clock import ManualClock
 from extauthz.engine import Engine
-from extauthz.errors import PolicyError
-from extauthz.limiters.grants import GrantTable, default_batch
+from extauthz.errors import PolicyError, StoreUnavailable
+from extauthz.limiters.fleet import FleetSlots, FleetUsageShedder, default_fleet_batch, grant_ttl
+from extauthz.limiters.grants import GrantTable, default_batch, grant_status
 from extauthz.limiters.quota import QuotaLimiter, default_quota_batch
 from extauthz.limiters.refusals import RefusalCache
 from extauthz.limiters.request_rate import RequestRateLimiter
 from extauthz.store import algorithms
-from extauthz.store.base import GrantOp, Op, QuotaGrantOp, ReturnOp, Store
+from extauthz.store.base import FleetGrantOp, GrantOp, Op, QuotaGrantOp, ReturnOp, Store
 from extauthz.store.memory import MemoryStore
 from extauthz.store.redis import RedisStore
 from extauthz.verdict import Decision, Kind, Outcome, Verdict
@@ -560,3 +561,213 @@ async def test_a_request_refused_by_another_limiter_spends_no_quota_grant(tmp_pa
         assert grants.held(key) == QBATCH - 1  # spent locally, then given back to the grant
     assert store.tokens(key) == QBATCH
     grants.close()
+
+
+# --------------------------------------------------------------------------- fleet_usage
+
+CAPACITY, FLEET_BATCH = 10, 3  # reserved_for_critical 0.2: 8 non-critical slots
+NONCRITICAL = 8
+
+
+def fleet_policy(tmp_path: Path, **extra: object) -> Any:
+    spec: dict[str, object] = {"name": "fleet", "type": "fleet_usage", "capacity": CAPACITY,
+                               "reserved_for_critical": 0.2, "consistency": "batched",
+                               "batch": FLEET_BATCH, "sync_interval": "100ms"}
+    spec.update(extra)
+    return policy_from(tmp_path, {"limiters": [spec], "classification": {"rules": [
+        {"match": {"methods": ["POST"], "path_prefix": "/v1/charges"}, "tier": "critical"}]}})
+
+
+def slots(engine: Engine) -> FleetSlots:
+    lim = engine.snapshot.limiters[0]
+    assert isinstance(lim, FleetUsageShedder) and lim.grants is not None
+    return lim.grants
+
+
+def fleet_engine(tmp_path: Path) -> tuple[ManualClock, MemoryStore, Engine]:
+    """One replica with a batched fleet_usage limiter on the embedded store."""
+    clock = ManualClock(START)
+    store = MemoryStore(clock)
+    return clock, store, Engine(store, fleet_policy(tmp_path), clock=clock)
+
+
+def critical() -> Any:
+    return get("/v1/charges", method="POST")
+
+
+async def test_fleet_one_store_call_per_grant_and_a_release_frees_the_local_slot(tmp_path: Path) -> None:
+    clock = ManualClock(START)
+    store = MemoryStore(clock)
+    count = Counting(store)
+    engine = Engine(store, fleet_policy(tmp_path), clock=clock, store_check=count)  # type: ignore[arg-type]
+    table = slots(engine)
+    lim = engine.snapshot.limiters[0]
+    assert isinstance(lim, FleetUsageShedder)
+    other = table.grant(lim.other_key)
+    decisions = [(await engine.check(get()))[1] for _ in range(FLEET_BATCH)]
+    assert all(d.allowed for d in decisions)
+    assert len(count.calls) == 1 and isinstance(count.calls[0][0], FleetGrantOp)  # one grant, 3 slots
+    assert (await store.inflight([other.key])) == [FLEET_BATCH]  # the grant's members
+    # remaining = the free slots of the fleet: the store's + this grant's unused
+    assert [d.verdicts[0].remaining for d in decisions] == [7.0, 6.0, 5.0]
+    assert all(d.leases == (other.key,) and d.lease_id for d in decisions)
+    # a finished request gives its slot back to the LOCAL grant (no store call) ...
+    assert await engine.releaser.release_and_wait(decisions[0].leases, decisions[0].lease_id, "access_log") == 1
+    assert other.used == FLEET_BATCH - 1 and (await store.inflight([other.key])) == [FLEET_BATCH]
+    # ... where the next request finds it without asking the store
+    assert (await engine.check(get()))[1].allowed
+    assert len(count.calls) == 1
+    assert table.status()["store_calls_saved"] == FLEET_BATCH  # 2 of the first 3, and this one
+    # critical requests take grants of their own tier's key (count only, never refused)
+    assert all([(await engine.check(critical()))[1].allowed for _ in range(4)])
+    assert len(count.calls) == 3
+    table.close()
+
+
+async def test_fleet_slots_unused_for_sync_interval_go_back(tmp_path: Path) -> None:
+    clock, store, engine = fleet_engine(tmp_path)
+    table = slots(engine)
+    d = (await engine.check(get()))[1]
+    key = d.leases[0]
+    await table.sync()
+    assert (await store.inflight([key])) == [FLEET_BATCH]  # renewed, nothing given back yet
+    clock.advance(0.1)
+    assert await table.sync() == FLEET_BATCH - 1  # two slots unused for sync_interval
+    assert (await store.inflight([key])) == [1]  # the slot in use stays, renewed
+    await engine.releaser.release_and_wait(d.leases, d.lease_id, "access_log")
+    clock.advance(0.1)
+    assert await table.sync() == 0  # in use during the last window
+    clock.advance(0.1)
+    assert await table.sync() == 1  # unused for a whole window: back (within 2 x sync_interval)
+    assert (await store.inflight([key])) == [0]
+    table.close()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("replicas", [2, 3])
+async def test_fleet_replicas_never_hold_more_than_exact_and_refuse_early_by_at_most_the_bound(
+        redis_single_clean: RedisSingle, tmp_path: Path, replicas: int) -> None:
+    """Random arrivals and finishes on several replicas sharing one Redis: non-critical in
+    flight never exceeds the exact limit (nor do the fleet's grant members), a refusal
+    comes at most ``batch x (replicas - 1)`` early, critical requests are never refused, and
+    one sync_interval after everything finished no slot is held anywhere."""
+    rng = random.Random(replicas)
+    clock = ManualClock(START)
+    policy = fleet_policy(tmp_path)
+    stores = [make_redis_store(redis_single_clean, clock) for _ in range(replicas)]
+    engines = [Engine(s, policy, clock=clock, deadline=5.0) for s in stores]
+    tables = [slots(e) for e in engines]
+    lim = engines[0].snapshot.limiters[0]
+    assert isinstance(lim, FleetUsageShedder)
+    raw = redis_single_clean.client()
+    inflight: list[tuple[int, Decision]] = []  # (replica, decision) of non-critical requests
+    refused = 0
+    try:
+        for _ in range(300):
+            i = rng.randrange(replicas)
+            if inflight and rng.random() < 0.4:  # a request finishes: its access-log entry
+                j, d = inflight.pop(rng.randrange(len(inflight)))
+                await engines[j].releaser.release_and_wait(d.leases, d.lease_id, "access_log")
+            elif rng.random() < 0.15:
+                d = (await engines[i].check(critical()))[1]
+                assert d.allowed  # critical traffic is never refused here
+                await engines[i].releaser.release_and_wait(d.leases, d.lease_id, "access_log")
+            else:
+                d = (await engines[i].check(get()))[1]
+                if d.allowed:
+                    inflight.append((i, d))
+                else:
+                    refused += 1
+                    free_elsewhere = sum(t.grant(lim.other_key).free for j, t in enumerate(tables) if j != i)
+                    assert free_elsewhere <= FLEET_BATCH * (replicas - 1)
+                    # the exact limiter would refuse too once those free slots are counted
+                    assert len(inflight) + free_elsewhere >= NONCRITICAL
+            assert len(inflight) <= NONCRITICAL  # never more than exact admits
+            assert raw.zcard(lim.other_key) <= NONCRITICAL  # grant members and leases alike
+            clock.advance(rng.choice((0.0, 0.0, 0.01, 0.03)))
+            for t in tables:  # each replica's timer turn
+                await t.sync()
+        assert refused > 0  # the run reached the limit
+        assert sum(t.local for t in tables) > 0
+        for j, d in inflight:
+            await engines[j].releaser.release_and_wait(d.leases, d.lease_id, "access_log")
+        for _ in range(3):
+            clock.advance(0.1)
+            for t in tables:
+                await t.sync()
+        assert raw.zcard(lim.other_key) == 0 and sum(t.held() for t in tables) == 0
+    finally:
+        await shut(tables, stores, raw)  # type: ignore[arg-type]
+
+
+@pytest.mark.redis
+async def test_a_replica_that_stops_renewing_gives_its_fleet_slots_back_after_the_ttl(
+        redis_single_clean: RedisSingle, tmp_path: Path) -> None:
+    clock = ManualClock(START)
+    policy = fleet_policy(tmp_path, batch=NONCRITICAL)  # one replica can take every slot
+    stores = [make_redis_store(redis_single_clean, clock) for _ in range(2)]
+    engines = [Engine(s, policy, clock=clock, deadline=5.0) for s in stores]
+    dead, alive = slots(engines[0]), slots(engines[1])
+    raw = redis_single_clean.client()
+    try:
+        assert (await engines[0].check(get()))[1].allowed  # takes all 8 slots as its grant
+        assert not (await engines[1].check(get()))[1].allowed  # none left for the other replica
+        # the first replica dies (no renewal, no give-back); the other keeps its timer
+        clock.advance(dead.ttl - 0.01)
+        await alive.sync()
+        assert not (await engines[1].check(get()))[1].allowed  # still held: the TTL runs
+        clock.advance(0.01)
+        assert (await engines[1].check(get()))[1].allowed  # its slots came back
+        assert raw.zcard(engines[1].snapshot.limiters[0].other_key)  # type: ignore[attr-defined] == NONCRITICAL
+    finally:
+        await shut([dead, alive], stores, raw)  # type: ignore[list-item]
+
+
+async def test_a_reload_gives_the_free_fleet_slots_back_and_keeps_those_in_use(tmp_path: Path) -> None:
+    _, store, engine = fleet_engine(tmp_path)
+    old = slots(engine)
+    d = (await engine.check(get()))[1]
+    key = d.leases[0]
+    engine.set_policy(fleet_policy(tmp_path, batch=2))
+    await old.drain()
+    assert (await store.inflight([key])) == [1]  # the free slots went back; the used one stays
+    assert old.retired and not old.done
+    # the old grant still takes its lease back (the release finds it), then holds nothing
+    assert await engine.releaser.release_and_wait(d.leases, d.lease_id, "access_log") == 1
+    await old.sync()
+    assert old.done and (await store.inflight([key])) == [0]
+    assert "fleet" in grant_status(engine.snapshot.limiters)
+    old.close()
+    slots(engine).close()
+
+
+def test_fleet_default_batch_and_grant_ttl() -> None:
+    assert default_fleet_batch(800) == 8 and default_fleet_batch(50) == 1
+    assert grant_ttl(0.1, 60.0) == 1.0 and grant_ttl(0.5, 60.0) == 5.0 and grant_ttl(10.0, 30.0) == 30.0
+
+
+def test_a_fleet_batch_is_whole_slots(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError, match="whole slots"):
+        fleet_policy(tmp_path, batch=2.5)
+
+
+async def test_a_fleet_growth_that_failed_open_is_asked_again_and_leaks_nothing(tmp_path: Path) -> None:
+    """The store failed on a growth (the request fails open): nothing is remembered for it,
+    and the next request asks the grant again (not an exact lease)."""
+    clock = ManualClock(START)
+    store = MemoryStore(clock)
+    calls: list[list[Op]] = []
+
+    async def failing(ops: list[Op], lease_id: str) -> object:
+        calls.append(list(ops))
+        if len(calls) == 1:
+            raise StoreUnavailable("down")
+        return await store.check(ops, lease_id)
+
+    engine = Engine(store, fleet_policy(tmp_path), clock=clock, store_check=failing)  # type: ignore[arg-type]
+    table = slots(engine)
+    assert (await engine.check(get()))[1].allowed  # failed open
+    assert not table._asked and not table._taken
+    assert (await engine.check(get()))[1].allowed
+    assert isinstance(calls[1][0], FleetGrantOp)  # a growth again, not an exact lease
+    table.close()

@@ -43,6 +43,7 @@ from extauthz.store.base import (
     BucketOp,
     CheckResult,
     CountOp,
+    FleetGrantOp,
     GrantOp,
     LeaseOp,
     Op,
@@ -602,5 +603,87 @@ def test_engines_agree_on_keyed_limiters_and_quotas(redis_up: RedisSingle, tmp_p
             log.append(f"t={clock.now!r} {raw.method} {dict(raw.headers)} {raw.source_ip} -> {answers[0]}")
             strip = [dataclasses.replace(d, lease_id="") for d in answers]
             assert strip[0] == strip[1], "\n".join(log)
+
+    _both(redis_up, body)
+
+
+# --------------------------------------------------------------------------- fleet grants
+
+
+@dataclass(frozen=True)
+class FleetStep:
+    """One step of a fleet key shared by replicas holding grants (``FleetGrantOp``) and
+    exact leases: ``grow`` (want > 0), ``renew`` (want 0), ``shrink`` (want < 0), ``lease``
+    (an exact LeaseOp), ``release`` (of an exact lease) or ``advance`` (gap)."""
+
+    what: str
+    replica: int
+    amount: int
+    gap: float
+
+
+#: grant TTLs: below, at and above the gaps
+GRANT_TTLS = (1 / 7, 0.3, 1.0)
+
+
+@st.composite
+def fleet_timelines(draw: st.DrawFn) -> tuple[int, float, float, list[FleetStep]]:
+    limit = draw(st.sampled_from((0, 1, 3, 7)))
+    ttl = draw(st.sampled_from(GRANT_TTLS))
+    lease_ttl = draw(st.sampled_from(LEASE_TTLS))
+    steps = draw(st.lists(st.builds(
+        FleetStep, st.sampled_from(("grow", "grow", "renew", "shrink", "lease", "release", "advance")),
+        st.integers(0, 2), st.integers(1, 4), st.sampled_from((*GAPS, "ttl"))), min_size=1, max_size=30))
+    return limit, ttl, lease_ttl, [dataclasses.replace(x, gap=ttl if x.gap == "ttl" else x.gap) for x in steps]
+
+
+@pytest.mark.redis
+@DIFFERENTIAL
+@given(timeline=fleet_timelines(), enforce=st.booleans())
+def test_stores_agree_on_fleet_grants(redis_up: RedisSingle, timeline: tuple[int, float, float, list[FleetStep]],
+                                      enforce: bool) -> None:
+    """Fleet slots held as grants (``FleetGrantOp``: grow, renew, shrink; members that
+    expire when not renewed) by three replicas beside exact leases on the same key: the
+    same answers and live counts from ``check.lua`` and the embedded store, and the key
+    never holds more than ``limit`` live members through grants (a growth adds only what
+    is left)."""
+    limit, ttl, lease_ttl, steps = timeline
+
+    async def body(memory: Store, remote: Store, clock: ManualClock, keys: Keys) -> None:
+        key = keys.fleet_leases("f", "other")
+        have = [0, 0, 0]
+        exact: list[str] = []
+        log: list[str] = []
+        for n, step in enumerate(steps):
+            if step.what == "advance":
+                clock.advance(step.gap)
+                log.append(f"advance {step.gap!r}")
+                continue
+            if step.what == "release":
+                if exact:
+                    lease_id = exact.pop(step.amount % len(exact))
+                    counts = [await s.release([key], lease_id) for s in (memory, remote)]
+                    log.append(f"release {lease_id} -> {counts}")
+                    assert counts[0] == counts[1], "\n".join(log)
+                continue
+            op: Op
+            if step.what == "lease":
+                op = LeaseOp(key, limit, lease_ttl, enforce)
+            else:
+                want = {"grow": step.amount, "renew": 0, "shrink": -step.amount}[step.what]
+                op = FleetGrantOp(key, limit, ttl, f"g{step.replica}", have[step.replica], want,
+                                  enforce and want > 0)
+            before = (await memory.inflight([key]))[0]
+            results = [await s.check([op], f"x{n}") for s in (memory, remote)]
+            log.append(f"t={clock.now!r} {op} -> {results[0]}")
+            assert results[0] == results[1], "\n".join([*log, repr(results)])
+            live = await memory.inflight([key])
+            assert live == await remote.inflight([key]), "\n".join(log)
+            if isinstance(op, FleetGrantOp):
+                have[step.replica] = int(results[0].results[0].extra)
+                if limit > 0 and op.want > 0:  # a growth adds only what is left of limit
+                    assert live[0] <= max(limit, before), "\n".join(log)
+            elif results[0].admitted:
+                exact.append(f"x{n}")
 
     _both(redis_up, body)

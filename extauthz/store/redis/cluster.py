@@ -16,7 +16,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 
 from ...errors import StoreError
 from .. import algorithms
-from ..base import BucketOp, CheckResult, CountOp, GrantOp, Op, OpResult, QuotaGrantOp
+from ..base import BucketOp, CheckResult, CountOp, FleetGrantOp, GrantOp, Op, OpResult, QuotaGrantOp
 from ..keys import Keys
 from .wire import UNKNOWN, Merge, Reply, StoreStats, Unanswered, check_results, num, unknown_reply, wrap
 
@@ -130,8 +130,10 @@ async def _compensate(submit: Submit, stats: StoreStats,
         keys: list[str] = []
         args: list[str | bytes] = [lease_id]
         for i, op in enumerate(subset):
-            if int(reply[1 + 2 * i]) != 1:
-                continue  # refused on its own (shadow): nothing was committed
+            if int(reply[1 + 2 * i]) != 1 or isinstance(op, FleetGrantOp):
+                # refused on its own (shadow): nothing was committed; a fleet grant's
+                # slots stay taken until their TTL (a short one): only early refusals
+                continue
             keys.append(op.key)
             if isinstance(op, BucketOp):
                 args.extend(("b", num(op.burst), num(op.cost)))

@@ -20,6 +20,7 @@ from ..base import (
     BucketOp,
     CheckResult,
     CountOp,
+    FleetGrantOp,
     GrantOp,
     Op,
     OpResult,
@@ -208,6 +209,9 @@ def op_args(op: Op) -> tuple[bytes, ...]:
                 f"{int(op.cost)} {int(op.want)} {int(op.held)}".encode(), str(int(op.ttl)).encode())
     if isinstance(op, QuotaReturnOp):
         return (b"v", b"0", str(int(op.amount)).encode(), b"", b"")
+    if isinstance(op, FleetGrantOp):
+        return (b"f", b"1" if op.enforce else b"0", str(int(op.limit)).encode(), num(op.ttl).encode(),
+                f"{op.grant} {int(op.have)} {int(op.want)}".encode())
     return _lease_args(op.enforce, op.limit, op.ttl)
 
 
@@ -252,10 +256,11 @@ def unknown_reply(ops: Sequence[Op]) -> list[Any]:
     """check.lua's reply taken for a call that may have run (:data:`UNKNOWN`): admitted, every
     lease op held (releasing a lease id that is not there is harmless), no bucket op taken
     (refunding tokens that were not taken would not be; a grant or give-back neither, of
-    tokens or of quota units)."""
+    tokens or of quota units; a fleet grant's slots neither: taken, they expire with its TTL)."""
     reply: list[Any] = [1]
     for op in ops:
-        reply.extend((0 if isinstance(op, BucketOp | GrantOp | ReturnOp | QuotaGrantOp | QuotaReturnOp)
+        reply.extend((0 if isinstance(op, BucketOp | GrantOp | ReturnOp | QuotaGrantOp | QuotaReturnOp
+                                      | FleetGrantOp)
                       else 1, b"0"))
     return reply
 
