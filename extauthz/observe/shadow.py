@@ -19,6 +19,7 @@ import json
 import logging
 import math
 from collections.abc import Iterable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from ..clock import SYSTEM_CLOCK, Clock
@@ -42,25 +43,30 @@ MAX_PENDING = 10_000
 _Group = tuple[str, str, str, str, str, str]  # limiter, tier, plan, route, identity, identity source
 
 
+@dataclass(eq=False)
 class ShadowRecorder(ObserverBase):
-    def __init__(self, store: Store, key: str, *, clock: Clock = SYSTEM_CLOCK,
-                 maxlen: int = LOG_MAXLEN, ttl: float = LOG_TTL, max_pending: int = MAX_PENDING) -> None:
-        self.store = store
-        self.key = key
-        self._clock = clock
-        self.maxlen = maxlen
-        self.ttl = ttl
-        self.max_pending = max_pending
-        #: group -> [count, min headroom (or None), first seen, reason]
-        self._pending: dict[_Group, list[Any]] = {}
-        self.recorded = 0
-        self.dropped = 0
-        self.flushed = 0
-        self._failing = False
-        #: one flush at a time: a flush called while another is writing (``GET /shadow``,
-        #: stop, a test) waits for that write, so what was noted before it is in the store
-        #: when it returns.
-        self._flushing = asyncio.Lock()
+    """Counts shadow limiters' would-denials by group and flushes them to the store's log
+    ``key`` (about ``maxlen`` events, gone ``ttl`` seconds after its last append); at most
+    ``max_pending`` groups between two flushes, a would-denial of another group dropped
+    and counted."""
+
+    store: Store
+    key: str
+    _: KW_ONLY
+    clock: Clock = SYSTEM_CLOCK
+    maxlen: int = LOG_MAXLEN
+    ttl: float = LOG_TTL
+    max_pending: int = MAX_PENDING
+    #: group -> [count, min headroom (or None), first seen, reason]
+    _pending: dict[_Group, list[Any]] = field(default_factory=dict, init=False)
+    recorded: int = field(default=0, init=False)
+    dropped: int = field(default=0, init=False)
+    flushed: int = field(default=0, init=False)
+    _failing: bool = field(default=False, init=False)
+    #: one flush at a time: a flush called while another is writing (``GET /shadow``,
+    #: stop, a test) waits for that write, so what was noted before it is in the store
+    #: when it returns.
+    _flushing: asyncio.Lock = field(default_factory=asyncio.Lock, init=False)
 
     # -- Observer ---------------------------------------------------------------------------
     def decided(self, ctx: RequestContext, decision: Decision, policy: Policy) -> None:
@@ -79,7 +85,7 @@ class ShadowRecorder(ObserverBase):
                 if len(self._pending) >= self.max_pending:
                     self.dropped += 1
                     continue
-                self._pending[group] = [1, headroom, self._clock.wall(), v.reason]
+                self._pending[group] = [1, headroom, self.clock.wall(), v.reason]
             else:
                 entry[0] += 1
                 if headroom is not None and (entry[1] is None or headroom < entry[1]):

@@ -18,6 +18,7 @@ engine state from the thread that writes it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -89,9 +90,9 @@ def counter(name: str, help: str, value: float) -> CounterMetricFamily:
 # -- the engine's parts -------------------------------------------------------------------
 
 
+@dataclass(eq=False)
 class PolicyPart:
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    engine: Engine
 
     def status(self) -> Mapping[str, Any]:
         policy = self.engine.snapshot.policy
@@ -114,12 +115,12 @@ class ReloadState(Protocol):
     def status(self) -> dict[str, object]: ...
 
 
+@dataclass(eq=False)
 class ReloadPart:
     """The policy watcher's reloads (``None``: not watching; then no reload metrics)."""
 
-    def __init__(self, engine: Engine, watcher: ReloadState | None) -> None:
-        self.engine = engine
-        self.watcher = watcher
+    engine: Engine
+    watcher: ReloadState | None
 
     def status(self) -> Mapping[str, Any]:
         if self.watcher is not None:
@@ -139,11 +140,11 @@ class ReloadPart:
                                 "do not load (the last good policy serving).", value=1 if w.failing else 0)
 
 
+@dataclass(eq=False)
 class StorePart:
     """The store and its circuit breaker."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    engine: Engine
 
     def status(self) -> Mapping[str, Any]:
         engine, store = self.engine, self.engine.store
@@ -167,9 +168,9 @@ class StorePart:
         yield breaker
 
 
+@dataclass(eq=False)
 class FailOpenPart:
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    engine: Engine
 
     def status(self) -> Mapping[str, Any]:
         return {"fail_open": dict(sorted(self.engine.failures.items()))}
@@ -184,11 +185,11 @@ class FailOpenPart:
         yield fail
 
 
+@dataclass(eq=False)
 class ModesPart:
     """Kill switches and each limiter's effective mode."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    engine: Engine
 
     def modes(self) -> dict[str, tuple[str, str, Mode]]:
         """limiter -> (type, policy mode, effective mode)."""
@@ -247,11 +248,11 @@ class OverridesPart:
         yield overrides
 
 
+@dataclass(eq=False)
 class ShedPart:
     """The shedders: worker_utilization levels, fleet_usage capacity."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    engine: Engine
 
     def status(self) -> Mapping[str, Any]:
         return {"shedding": [
@@ -287,9 +288,9 @@ class ShedPart:
         yield capacity
 
 
+@dataclass(eq=False)
 class ReleasesPart:
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    engine: Engine
 
     def status(self) -> Mapping[str, Any]:
         return {"lease_releases": releases_status(self.engine.releaser)}
@@ -305,11 +306,11 @@ class ReleasesPart:
         yield releases
 
 
+@dataclass(eq=False)
 class GrantsPart:
     """Batched grants (``consistency: batched``): each grant table's own counters, by limiter."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    engine: Engine
 
     def status(self) -> Mapping[str, Any]:
         return {"grants": grant_status(self.engine.snapshot.limiters)}
@@ -420,11 +421,11 @@ class AccessLog(Protocol):
     def leases(self) -> LeaseOwner: ...
 
 
+@dataclass(eq=False)
 class AccessLogPart:
     """The access-log service: entries received, leases awaiting their entry, refusals."""
 
-    def __init__(self, accesslog: AccessLog) -> None:
-        self.accesslog = accesslog
+    accesslog: AccessLog
 
     def status(self) -> Mapping[str, Any]:
         log = self.accesslog
@@ -446,11 +447,11 @@ class ShadowCounts(Protocol):
     def pending(self) -> int: ...
 
 
+@dataclass(eq=False)
 class ShadowPart:
     """The shadow recorder (would-denials of shadow limiters)."""
 
-    def __init__(self, shadow: ShadowCounts) -> None:
-        self.shadow = shadow
+    shadow: ShadowCounts
 
     def status(self) -> Mapping[str, Any]:
         s = self.shadow

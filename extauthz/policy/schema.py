@@ -6,6 +6,7 @@ request path only reads numbers. See ``docs/policy.md`` for the field reference.
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
@@ -44,27 +45,32 @@ _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(s|m|h)\s*$")
 
 
+def _number_or_text(value: Any, pattern: re.Pattern[str], combine: Callable[[float, float], float],
+                    what: str, use: str, must: str) -> Any:
+    """A number as it is, or a string ``pattern`` matches: its number ``combine``-d with its
+    unit's seconds; else ``bad WHAT 'x': use USE`` (a string) or ``a WHAT must be MUST``."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, str):
+        raise ValueError(f"a {what} must be {must}")
+    m = pattern.match(value)
+    if m is None:
+        raise ValueError(f"bad {what} {value!r}: use {use}")
+    return combine(float(m.group(1)), _UNIT_SECONDS[m.group(2)])
+
+
 def parse_duration(value: Any) -> Any:
     """``"60s"``, ``"500ms"``, ``"2m"``, ``"1h"`` or a number of seconds."""
-    if isinstance(value, bool):
-        raise ValueError("a duration must be a number of seconds or a string like '60s'")
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        m = _DURATION.match(value)
-        if m is None:
-            raise ValueError(
-                f"bad duration {value!r}: use a number of seconds or a string like "
-                "'500ms', '60s', '2m', '1h'"
-            )
-        return float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
-    raise ValueError("a duration must be a number of seconds or a string like '60s'")
+    return _number_or_text(value, _DURATION, operator.mul, "duration",
+                           "a number of seconds or a string like '500ms', '60s', '2m', '1h'",
+                           "a number of seconds or a string like '60s'")
 
 
 def parse_rate(value: Any) -> Any:
     """A number of tokens per second, or ``"100/s"``, ``"6000/m"``, ``"10/h"``."""
-    if isinstance(value, bool):
-        raise ValueError("a rate must be a number (per second) or a string like '100/s'")
+    return _number_or_text(value, _RATE, operator.truediv, "rate",
+                           "a number per second or '100/s', '6000/m'",
+                           "a number (per second) or a string like '100/s'")
     if isinstance(value, (int, float)):
         return float(value)
     if isinstance(value, str):

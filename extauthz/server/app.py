@@ -116,17 +116,9 @@ class Server:
                         "leases wait for their TTL); give every replica the same --lease-secret",
                         extra={"fields": {"event": "lease_secret_random"}})
         # admin + metrics ports, hot reload, switches, scrape-time metrics, /status
-        self.ops = Operations(
-            engine=self.engine, store=self.store, keys=keys, clock=clock, observe=self.observe,
-            accesslog=self.accesslog, runner=self.runner,
-            listen=[x for x in (config.listen, config.http_listen) if x and not is_off(x)],
-            admin_listen=config.admin_listen, metrics_listen=config.metrics_listen,
-            watch=config.policies if policy is None else None,
-            reload_interval=config.reload_interval, switch_poll_interval=config.switch_poll_interval,
-            policy_max_bytes=config.policy_max_bytes,
-            after_reload=self.sync_samplers, admin_optional=config.admin_listen_optional,
-            admin_token_file=config.admin_token_file, admin_hosts=config.admin_hosts,
-        )
+        self.ops = Operations(config, engine=self.engine, store=self.store, clock=clock, observe=self.observe,
+                              accesslog=self.accesslog, runner=self.runner, watch=policy is None,
+                              after_reload=self.sync_samplers)
         files = TlsFiles.from_options(config.tls_cert, config.tls_key, config.tls_client_ca)
         self.tls = CertificateReloader(files) if files is not None else None
         self.ops.tls = self.tls

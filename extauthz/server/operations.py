@@ -11,8 +11,7 @@ nothing here rewires the engine.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .. import __version__
@@ -40,11 +39,10 @@ from ..observe.state import (
     count_part,
 )
 from ..policy import Policy
-from ..policy.loader import MAX_FILE_BYTES
 from ..reload import PolicyWatcher
 from ..runner import Runner
+from ..settings import Settings, off
 from ..store.base import Store
-from ..store.keys import Keys
 from ..tickets import REASONS as REJECT_REASONS
 from .admin import admin_app
 from .fleetstate import FleetState
@@ -56,45 +54,49 @@ from .tls import CertificateReloader
 log = logging.getLogger("extauthz.server")
 
 
+#: how often the shadow recorder flushes and the lease sampler samples (seconds)
+SHADOW_FLUSH_INTERVAL = 1.0
+LEASES_SAMPLE_INTERVAL = 2.0
+
+
 class Operations:
-    def __init__(self, *, engine: Engine, store: Store, keys: Keys, clock: Clock,
+    """What operators see and change at run time, built from the one ``settings`` object
+    and the server's built dependencies. ``watch``: reload the policy files of
+    ``settings.policies`` (off when the server was given a policy object)."""
+
+    def __init__(self, settings: Settings, *, engine: Engine, store: Store, clock: Clock,
                  observe: Observability, accesslog: AccessLogService, runner: Runner,
-                 listen: str | Sequence[str], admin_listen: str | None, metrics_listen: str | None,
-                 watch: Sequence[str | Path] | None, reload_interval: float = 1.0,
-                 policy_max_bytes: int = MAX_FILE_BYTES,
-                 switch_poll_interval: float = 1.0, shadow_flush_interval: float = 1.0,
-                 leases_sample_interval: float = 2.0,
-                 after_reload: Callable[[], None] | None = None,
-                 admin_optional: bool = False, admin_token_file: str | None = None,
-                 admin_hosts: Sequence[str] = ()) -> None:
+                 watch: bool = True, after_reload: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.store = store
-        self.keys = keys
+        self.keys = engine.keys
         self.clock = clock
         self.observe = observe
         self.accesslog = accesslog
         self.runner = runner
         self.after_reload = after_reload
         #: the admin and metrics ports, and the admin port's lock
-        self.ports = OperatorPorts(listen, admin_listen, metrics_listen, admin_optional=admin_optional,
-                                   admin_token_file=admin_token_file, admin_hosts=admin_hosts)
+        self.ports = OperatorPorts(
+            [x for x in (off(settings.listen), off(settings.http_listen)) if x is not None],
+            settings.admin_listen, settings.metrics_listen, admin_optional=settings.admin_listen_optional,
+            admin_token_file=settings.admin_token_file, admin_hosts=settings.admin_hosts)
         self.admin_listen = self.ports.admin_listen
         #: the gRPC port's certificate reloader when TLS is on (set by the server).
         self.tls: CertificateReloader | None = None
 
-        self.shadow_flush_interval = shadow_flush_interval
+        self.shadow_flush_interval = SHADOW_FLUSH_INTERVAL
         #: switches, overrides, their rules and the change log (server/fleetstate.py)
-        self.fleet = FleetState(engine, store, keys, clock, interval=switch_poll_interval)
+        self.fleet = FleetState(engine, store, self.keys, clock, interval=settings.switch_poll_interval)
         self.switches = self.fleet.switches
         self.overrides = self.fleet.overrides
         self.changes = self.fleet.changes
-        self.watcher = (PolicyWatcher(watch, self._apply_policy, current=engine.snapshot.policy,
-                                      interval=reload_interval, clock=clock,
-                                      max_bytes=policy_max_bytes)
-                        if watch and reload_interval > 0 else None)
+        self.watcher = (PolicyWatcher(settings.policies, self._apply_policy, current=engine.snapshot.policy,
+                                      interval=settings.reload_interval, clock=clock,
+                                      max_bytes=settings.policy_max_bytes)
+                        if watch and settings.policies and settings.reload_interval > 0 else None)
         #: the Check servicer (its bad-request count is exported)
         self.auth = self._auth_service()
-        self.leases: LeaseSampler | None = (LeaseSampler(engine, leases_sample_interval)
+        self.leases: LeaseSampler | None = (LeaseSampler(engine, LEASES_SAMPLE_INTERVAL)
                                             if observe.metrics is not None else None)
         #: more sections of /status, by name (e.g. "http": the HTTP authorization port)
         self.status_sections: dict[str, Callable[[], Any]] = {}

@@ -78,14 +78,16 @@ def child_config(config: ServerConfig, i: int, *, own_ports: bool = False, worke
     """The configuration of worker ``i`` of ``workers``: shared Check (and HTTP) port (or,
     ``own_ports``, those ports plus ``i``), own admin/metrics ports, own recording directory
     (``DIR/worker-<i>``, an equal share of ``--record-max-bytes``) when there are several."""
-    changes: dict[str, object] = {"reuse_port": True}
+    changes: dict[str, object] = {}
+    if own_ports:
+        changes["listen"] = _offset(config.listen, i)
+        if config.http_listen and not is_off(config.http_listen):
+            changes["http_listen"] = _offset(config.http_listen, i)
+    else:
+        changes["reuse_port"] = True
     if config.record_dir and workers > 1:  # a worker deletes only its own oldest files
         changes["record_dir"] = os.path.join(config.record_dir, f"worker-{i}")
         changes["record_max_bytes"] = max(1, config.record_max_bytes // workers)
-    if own_ports:
-        changes = {"listen": _offset(config.listen, i)}
-        if config.http_listen and not is_off(config.http_listen):
-            changes["http_listen"] = _offset(config.http_listen, i)
     for name in ("admin_listen", "metrics_listen"):
         changes[name] = _offset(getattr(config, name), i)
     url_file = config.admin_url_file

@@ -7,12 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from google.protobuf import struct_pb2
+from google.protobuf import json_format, struct_pb2
 
 from extauthz.answers import denial, ratelimit_headers
 from extauthz.clock import ManualClock
 from extauthz.context import RequestContext
-from extauthz.proto import auth_pb2, core_pb2, http_status_pb2, status_pb2
+from extauthz.proto import auth_pb2, core_pb2, status_pb2
 from extauthz.server.edge import TIER_HEADER, check_response, lease_release
 from extauthz.verdict import Decision
 
@@ -41,16 +41,19 @@ def reference(ctx: RequestContext, decision: Decision) -> auth_pb2.CheckResponse
                        "x-extauthz-leases": ",".join(decision.leases)})
             resp.dynamic_metadata.CopyFrom(md)
         return resp
+    # a refusal, written as Envoy's JSON form of the message (google.rpc codes: 8
+    # RESOURCE_EXHAUSTED for a 429, 14 UNAVAILABLE for a shed 503)
     d = denial(ctx, decision)
-    code = 8 if d.status == 429 else 14
-    return auth_pb2.CheckResponse(
-        status=status_pb2.Status(code=code, message=decision.denied_by.reason if decision.denied_by else ""),
-        denied_response=auth_pb2.DeniedHttpResponse(
-            status=http_status_pb2.HttpStatus(code=d.status),  # type: ignore[arg-type]
-            headers=[_header(k, v) for k, v in d.headers],
-            body=d.body,
-        ),
-    )
+    return json_format.ParseDict({
+        "status": {"code": 8 if d.status == 429 else 14,
+                   "message": decision.denied_by.reason if decision.denied_by else ""},
+        "deniedResponse": {
+            "status": {"code": d.status},
+            "headers": [{"header": {"key": k, "value": v}, "appendAction": "OVERWRITE_IF_EXISTS_OR_ADD"}
+                        for k, v in d.headers],
+            "body": d.body,
+        },
+    }, auth_pb2.CheckResponse())
 
 
 POLICY = {
