@@ -94,6 +94,8 @@ class FleetSlots(Synced):
     counters and life cycle of :class:`~extauthz.limiters.grants.GrantTable` (status,
     store, retire, settle, drain, close)."""
 
+    renews_after_retire = True
+
     def __init__(self, keys: tuple[tuple[str, int], ...], *, batch: int, sync_interval: float,
                  lease_ttl: float, clock: Clock = SYSTEM_CLOCK) -> None:
         super().__init__()
@@ -289,26 +291,6 @@ class FleetSlots(Synced):
             if g.free and self._clock.monotonic() - g.renewed_at < self.ttl:
                 out.append(FleetGrantOp(g.key, g.limit, self.ttl, g.gid, g.size, -g.free, False))
         return out
-
-    async def settle(self) -> None:
-        """A graceful stop: every free slot goes back at once; the used ones with their leases."""
-        ops = self._take_all()
-        if self.store is not None:
-            await asyncio.gather(*(self._send(op) for op in ops))
-        await self.drain()
-
-    def retire(self) -> None:
-        """A reload replaced this limiter: its free slots go back now; the slots of requests
-        in flight stay renewed until their leases are released (or expire), then go back."""
-        ops = self._take_all()
-        if self.store is None:
-            return
-        try:
-            for op in ops:
-                self._spawn(self._send(op))
-            self._arm()
-        except RuntimeError:  # no event loop: nothing was ever taken
-            pass
 
     @property
     def done(self) -> bool:

@@ -37,7 +37,7 @@ metrics read them.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, runtime_checkable
 
@@ -129,6 +129,41 @@ class Synced:
     def busy(self) -> bool:
         """Whether the timer still has something to do."""
         raise NotImplementedError
+
+    def _take_all(self) -> Sequence[Any]:
+        """Stop the timer and take out what goes back to the store now (its ops)."""
+        raise NotImplementedError
+
+    async def _send(self, op: Any) -> Any:
+        """Send one op of :meth:`_take_all` or :meth:`sync` (errors counted, never raised)."""
+        raise NotImplementedError
+
+    #: whether the timer runs on after :meth:`retire` (fleet slots: those in use stay
+    #: renewed until their leases go)
+    renews_after_retire = False
+
+    async def settle(self) -> None:
+        """Give back everything held now and stop (a graceful stop: the fleet gets this
+        replica's unspent grants at once instead of losing them)."""
+        ops = self._take_all()
+        if self.store is not None:
+            await asyncio.gather(*(self._send(op) for op in ops))
+        await self.drain()
+
+    def retire(self) -> None:
+        """A reload replaced this limiter: give back everything held now, in the background
+        (:meth:`drain` waits for it); a request still answered by the old limiter that takes
+        a grant after it gives that back within ``sync_interval``, as any grant."""
+        ops = self._take_all()
+        if self.store is None:
+            return
+        try:
+            for op in ops:
+                self._spawn(self._send(op))
+            if self.renews_after_retire:
+                self._arm()
+        except RuntimeError:  # no event loop: nothing was ever taken
+            pass
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -299,28 +334,6 @@ class GrantTable(Synced):
         returns = [self._op(key, h.numbers, h.tokens) for key, h in self._held.items() if h.tokens > 0.0]
         self._held.clear()
         return returns
-
-    async def settle(self) -> None:
-        """Give back everything held now and stop (a graceful stop: the fleet gets this
-        replica's unspent grants at once instead of losing them)."""
-        returns = self._take_all()
-        if self.store is not None:
-            await asyncio.gather(*(self._send(op) for op in returns))
-        await self.drain()
-
-    def retire(self) -> None:
-        """A reload replaced this table's limiter: give back everything held now, in the
-        background (:meth:`drain` waits for it); a request still answered by the old
-        limiter that takes a grant after it gives that back within ``sync_interval``, as
-        any grant."""
-        returns = self._take_all()
-        if self.store is None:
-            return
-        try:
-            for op in returns:
-                self._spawn(self._send(op))
-        except RuntimeError:  # no event loop: nothing was ever taken
-            pass
 
 
 
