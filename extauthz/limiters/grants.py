@@ -354,6 +354,7 @@ class GrantHolder(Protocol):
 class Grantee(Protocol):
     """A limiter that may take its budget in batched grants (``grants`` is None in exact mode)."""
 
+    name: str
     grants: GrantHolder | None
 
     def refund(self, ctx: RequestContext) -> None:
@@ -419,7 +420,7 @@ GRANT_METRICS: Final = {
 
 def grant_status(limiters: Iterable[object]) -> dict[str, dict[str, float]]:
     """Every batched limiter's :meth:`GrantTable.status`, by limiter name (/status, /metrics)."""
-    return {str(getattr(lim, "name", "")): lim.grants.status() for lim in limiters
+    return {lim.name: lim.grants.status() for lim in limiters
             if isinstance(lim, Grantee) and lim.grants is not None}
 
 
