@@ -11,14 +11,10 @@ from typing import Any
 from google.protobuf import struct_pb2
 
 from ..answers import (
-    LEASE_ID_FIELD,
-    LEASE_TICKET_FIELD,
-    LEASES_FIELD,
     TIER_HEADER,
     denial,
     lease_fields,
     ratelimit_headers,
-    read_lease_fields,
 )
 from ..classify import route_metadata_values, scalars_at
 from ..context import REQUEST_ID_HEADER, RawRequest, RequestContext
@@ -129,24 +125,3 @@ def check_response(ctx: RequestContext, decision: Decision, ticket: str = "") ->
             body=d.body,
         ),
     )
-
-
-def lease_release(md: struct_pb2.Struct) -> tuple[list[str], str] | None:
-    """The (lease keys, lease id) an allowed check filed in dynamic metadata, if any: the
-    same fields whichever edge (gRPC or HTTP) answered the check (``answers.lease_fields``)."""
-    fields = md.fields
-    lid = fields.get(LEASE_ID_FIELD)
-    keys = fields.get(LEASES_FIELD)
-    if lid is None or keys is None:
-        return None
-    return read_lease_fields(_string(lid), _string(keys))
-
-
-def lease_ticket(md: struct_pb2.Struct) -> str:
-    """The ticket a check put beside its leases ("" when none or not a string)."""
-    value = md.fields.get(LEASE_TICKET_FIELD)
-    return (_string(value) or "") if value is not None else ""
-
-
-def _string(value: struct_pb2.Value) -> str | None:
-    return value.string_value if value.WhichOneof("kind") == "string_value" else None
