@@ -139,6 +139,11 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="a plaintext port serving only gRPC health, e.g. 0.0.0.0:9003, for probes "
                    "that speak no TLS (the kubelet's) when the gRPC port uses TLS "
                    "[EXTAUTHZ_HEALTH_LISTEN; default off]")
+    p.add_argument("--fluentd-listen", default=_env("FLUENTD_LISTEN"),
+                   help="the fluentd release port: Envoy's fluentd access logger gives leases back "
+                   "here (envoy-config --access-log fluentd), e.g. 127.0.0.1:9004; as trusted as the "
+                   "gRPC access log, so localhost or the pod only (docs/security.md) "
+                   "[EXTAUTHZ_FLUENTD_LISTEN; default off]")
     p.add_argument("--workers", type=int, default=int(_env("WORKERS", "1") or 1),
                    help="server processes sharing the --listen port (SO_REUSEPORT); above 1 "
                    "needs --redis-url and an Envoy with as many worker threads [EXTAUTHZ_WORKERS; "
@@ -221,6 +226,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         lease_secret=args.lease_secret or "",
         tls_cert=args.tls_cert or None, tls_key=args.tls_key or None,
         tls_client_ca=args.tls_client_ca or None, health_listen=args.health_listen or None,
+        fluentd_listen=args.fluentd_listen or None,
         record_dir=args.record or None, record_max_bytes=args.record_max_bytes,
         record_sample=args.record_sample, record_paths=args.record_paths,
     )

@@ -32,6 +32,7 @@ from ..store.base import Store
 from ..store.keys import Keys
 from ..store.memory import MemoryStore
 from ..tickets import LeaseTickets
+from .fluentd import FluentdReceiver
 from .http import DEFAULT_MAX_ACTIVE_CHECKS, HttpAuthorization, HttpLimits, max_connections_for
 from .leases import Leases
 from .operations import Operations
@@ -99,6 +100,9 @@ class ServerConfig:
     lease_secret: str = ""
     #: a plaintext port serving only grpc.health.v1 (the kubelet's gRPC probes speak no TLS).
     health_listen: str | None = None
+    #: the fluentd release port (Envoy's fluentd access logger; server/fluentd.py); off when unset.
+    #: As trusted as the gRPC access log: bind it to localhost or the pod, never the public port.
+    fluentd_listen: str | None = None
     #: ``--record DIR``: one JSON line per finished request (extauthz/simulate/record.py).
     record_dir: str | None = None
     record_max_bytes: int = 1 << 30
@@ -192,6 +196,8 @@ class Server:
         self.grpc: grpc.aio.Server | None = None
         self.health_grpc: grpc.aio.Server | None = None
         self.http: HttpAuthorization | None = None
+        self.fluentd: FluentdReceiver | None = None
+        self.fluentd_port = 0
         #: the gRPC port (0 when off) and the HTTP authorization port (0 when off).
         self.port = 0
         self.http_port = 0
@@ -227,6 +233,12 @@ class Server:
                 self.http_port = await self.http.start(self.config.http_listen,
                                                        reuse_port=self.config.reuse_port)
                 self.ops.status_sections["http"] = self.http.status
+            if not is_off(self.config.fluentd_listen):
+                assert self.config.fluentd_listen is not None
+                self.fluentd = FluentdReceiver(self.accesslog.finished)
+                self.fluentd_port = await self.fluentd.start(self.config.fluentd_listen,
+                                                             reuse_port=self.config.reuse_port)
+                self.ops.status_sections["fluentd"] = self.fluentd.status
             if not is_off(self.config.listen):
                 server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.config.reuse_port))])
                 auth_pb2_grpc.add_AuthorizationServicer_to_server(service, server)
@@ -241,6 +253,8 @@ class Server:
                 await health_server.start()
                 self.health_grpc = health_server
         except BaseException:
+            if self.fluentd is not None:
+                await self.fluentd.stop()
             if self.http is not None:
                 await self.http.stop(0)
             await self.ops.stop()
@@ -257,7 +271,8 @@ class Server:
         log.info("serving on port %s (%s) with policy %s (%s store); HTTP authorization on port %s",
                  self.port or "off", "plaintext" if self.tls is None else ("mTLS" if self.tls.mtls else "TLS"),
                  self.policy.version, self.store.name, self.http_port or "off",
-                 extra={"fields": {"event": "serving", "grpc_port": self.port, "http_port": self.http_port}})
+                 extra={"fields": {"event": "serving", "grpc_port": self.port, "http_port": self.http_port,
+                                   "fluentd_port": self.fluentd_port}})
         return self.port or self.http_port
 
     @property
@@ -293,6 +308,8 @@ class Server:
             await self.grpc.stop(self.config.grace_seconds if grace is None else grace)
         if self.health_grpc is not None:
             await self.health_grpc.stop(0)
+        if self.fluentd is not None:  # after the front doors: the last entries still release
+            await self.fluentd.stop()
         await self.ops.stop()
         if self.config.admin_url_file and self.admin_url is not None:
             remove_admin_url(Path(self.config.admin_url_file), self.admin_url)
