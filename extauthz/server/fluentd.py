@@ -29,7 +29,7 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 
@@ -220,8 +220,7 @@ class _Connection(asyncio.Protocol):
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         receiver = self.receiver
         if len(receiver.connections) >= receiver.limits.max_connections:
             self._refuse("too_many_connections", "too many connections")
