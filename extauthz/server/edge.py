@@ -11,6 +11,7 @@ from typing import Any
 from google.protobuf import struct_pb2
 
 from ..answers import (
+    LEASE_FIELDS,
     TIER_HEADER,
     denial,
     lease_fields,
@@ -125,3 +126,12 @@ def check_response(ctx: RequestContext, decision: Decision, ticket: str = "") ->
             body=d.body,
         ),
     )
+
+
+def lease_metadata(md: struct_pb2.Struct) -> dict[str, str | None]:
+    """The lease fields an access-log entry's ext_authz namespace holds (None: present but not
+    a string), for :meth:`~extauthz.server.leases.FinishedEntries.entry`: the same fields
+    whichever edge (gRPC or HTTP) answered the check (``answers.lease_fields``)."""
+    fields = md.fields
+    return {name: (v.string_value if v.WhichOneof("kind") == "string_value" else None)
+            for name in LEASE_FIELDS if (v := fields.get(name)) is not None}

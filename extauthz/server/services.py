@@ -14,9 +14,7 @@ from functools import partial
 from typing import Any
 
 import grpc
-from google.protobuf import struct_pb2
 
-from ..answers import LEASE_FIELDS
 from ..context import RawRequest, RequestContext
 from ..engine import Snapshot
 from ..proto import (
@@ -28,7 +26,7 @@ from ..proto import (
     core_pb2,
 )
 from ..verdict import Decision
-from .edge import EXT_AUTHZ_NAMESPACE, check_response, raw_request
+from .edge import EXT_AUTHZ_NAMESPACE, check_response, lease_metadata, raw_request
 from .flow import CheckFlow
 from .leases import MAX_PENDING_RELEASES, FinishedEntries, Leases, seen_as, seen_at
 
@@ -133,7 +131,7 @@ class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ig
                     if common.intermediate_log_entry:
                         continue
                     fm = common.metadata.filter_metadata
-                    md = (_lease_metadata(fm[EXT_AUTHZ_NAMESPACE]) if EXT_AUTHZ_NAMESPACE in fm
+                    md = (lease_metadata(fm[EXT_AUTHZ_NAMESPACE]) if EXT_AUTHZ_NAMESPACE in fm
                           else None)
                     task = finished.entry(entry.request.request_id, md,
                                           unauthorized=common.response_flags.HasField("unauthorized_details"),
@@ -150,10 +148,3 @@ class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ig
             if pending:
                 await asyncio.wait(pending)
         return accesslog_pb2.StreamAccessLogsResponse()
-
-
-def _lease_metadata(md: struct_pb2.Struct) -> dict[str, str | None]:
-    """The lease fields of the ext_authz namespace (None: present but not a string)."""
-    fields = md.fields
-    return {name: (v.string_value if v.WhichOneof("kind") == "string_value" else None)
-            for name in LEASE_FIELDS if (v := fields.get(name)) is not None}
