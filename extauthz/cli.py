@@ -211,15 +211,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "port (http); default 127.0.0.1:9001 / 127.0.0.1:9003")
     p.add_argument("--access-log-to", metavar="HOST:PORT", default=None,
                    help="the gRPC port that receives the access log (default: --authz on grpc, "
-                   "port 9001 of the --authz host on http)")
+                   "port 9001 of the --authz host on http); with --access-log fluentd the server's "
+                   "fluentd port (default port 9004 of the --authz host)")
     p.add_argument("--listen-port", type=int, default=10000, metavar="N",
                    help="Envoy's listener port on 127.0.0.1 (default 10000)")
     p.add_argument("--tls-client-cert", default=None, help="Envoy's client certificate (mTLS to the gRPC port)")
     p.add_argument("--tls-client-key", default=None, help="its private key")
     p.add_argument("--tls-ca", default=None, help="the CA that signed the server's certificate")
-    p.add_argument("--access-log", choices=("auto", "always", "never"), default="auto",
+    p.add_argument("--access-log", choices=("auto", "always", "never", "fluentd"), default="auto",
                    help="the gRPC access log that releases leases: auto = only when the policy "
-                   "holds a lease limiter (concurrent_requests, fleet_usage, an inflight signal)")
+                   "holds a lease limiter (concurrent_requests, fleet_usage, an inflight signal); "
+                   "fluentd = always, through Envoy's fluentd logger to serve --fluentd-listen "
+                   "(the cheaper release path; docs/envoy.md)")
     p.add_argument("--tracing", metavar="HOST:PORT", default=None,
                    help="OpenTelemetry tracing (100%% sampled) to this OTLP/gRPC collector (default: none)")
     p.add_argument("--quickstart-routes", action="store_true",

@@ -10,7 +10,9 @@ One listener in front of one upstream, with the ext_authz filter on the gRPC pro
   upstream; on HTTP also the route tier and the JWT payload header);
 * on HTTP, the local-reply mapper that turns the server's 420 (a shed request) into 503;
 * the gRPC access log that releases leases, only when the policy holds a lease limiter
-  (``access_log="auto"``; ``always``/``never`` force it);
+  (``access_log="auto"``; ``always``/``never`` force it), or Envoy's fluentd access logger to
+  the server's fluentd port (``access_log="fluentd"``, ``serve --fluentd-listen``: the cheaper
+  release path, docs/design.md "The release path");
 
 and on request: OpenTelemetry tracing to a collector (``tracing``), the quick start's demo
 routes (``quickstart_routes``), and a ``jwt_authn`` filter in front of ext_authz (``jwt``).
@@ -32,6 +34,8 @@ import yaml
 from .answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD, TIER_HEADER
 from .policy.model import Policy
 from .policy.schema import ConcurrentRequestsSpec, FleetUsageSpec, WorkerUtilizationSpec
+from .server.fluentd import RECORD as FLUENTD_RECORD
+from .server.fluentd import TAG as FLUENTD_TAG
 from .server.httpmap import JWT_PAYLOAD_HEADER, ROUTE_TIER_HEADER, SHED_STATUS, allowed_headers
 
 __all__ = ["ACCESS_LOG_MODES", "DEFAULT_AUTHZ", "JwtProvider", "TlsFiles", "bootstrap", "holds_leases",
@@ -39,11 +43,15 @@ __all__ = ["ACCESS_LOG_MODES", "DEFAULT_AUTHZ", "JwtProvider", "TlsFiles", "boot
 
 Config = dict[str, Any]
 
-ACCESS_LOG_MODES = ("auto", "always", "never")
+#: auto stays the gRPC stream: the fluentd port is off unless ``serve --fluentd-listen`` is
+#: given, is plaintext, and Envoy still calls its logger young (docs/envoy.md)
+ACCESS_LOG_MODES = ("auto", "always", "never", "fluentd")
 #: where Envoy reaches the server, by protocol (the gRPC port; the HTTP authorization port)
 DEFAULT_AUTHZ = {"grpc": ("127.0.0.1", 9001), "http": ("127.0.0.1", 9003)}
 #: the gRPC port that receives the access log, when only its host is known
 ACCESS_LOG_PORT = 9001
+#: the fluentd release port (``serve --fluentd-listen``) on the ``--authz`` host, by default
+FLUENTD_PORT = 9004
 #: the server's name in its certificate when ``--authz`` is an address (the chart's Service)
 DEFAULT_SERVER_NAME = "extauthz"
 AUTHZ_TIMEOUT = "0.25s"
@@ -166,6 +174,14 @@ def _access_log(cluster: str) -> Config:
                           "grpc_service": {"envoy_grpc": {"cluster_name": cluster}},
                           "buffer_size_bytes": ACCESS_LOG_BUFFER_BYTES,
                           "buffer_flush_interval": ACCESS_LOG_FLUSH}}}
+
+
+def _fluentd_log(cluster: str) -> Config:
+    return {"name": "envoy.access_loggers.fluentd", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.access_loggers.fluentd.v3.FluentdAccessLogConfig",
+        "cluster": cluster, "tag": FLUENTD_TAG, "stat_prefix": "extauthz_release",
+        "buffer_size_bytes": ACCESS_LOG_BUFFER_BYTES, "buffer_flush_interval": ACCESS_LOG_FLUSH,
+        "record": dict(FLUENTD_RECORD)}}
 
 
 def _strip(name: str, headers: list[str]) -> Config:
@@ -301,11 +317,14 @@ def bootstrap(policy: Policy, *, protocol: str, upstream: tuple[str, int],
     if tls is not None and protocol != "grpc":
         raise ValueError("TLS to the server is for the gRPC protocol only (the HTTP port is plaintext)")
     authz = authz or DEFAULT_AUTHZ[protocol]
+    fluentd = access_log == "fluentd"
     log = access_log == "always" or (access_log == "auto" and holds_leases(policy))
     # the access log's gRPC port: by default the Check port (gRPC) or port 9001 of its host (HTTP)
     log_to = access_log_to or (authz if protocol == "grpc" else (authz[0], ACCESS_LOG_PORT))
     # one "extauthz" cluster for Check and the access log when they share a port
     log_cluster = "extauthz" if protocol == "http" or log_to == authz else "extauthz_access_log"
+    # the fluentd port: plain TCP, by default port 9004 of the --authz host
+    fluentd_to = access_log_to or (authz[0], FLUENTD_PORT)
 
     extra_routes = _quickstart_routes(policy, protocol) if quickstart_routes else []
     vhost: Config = {"name": "api", "domains": ["*"], "routes": _routes(extra_routes)}
@@ -335,6 +354,8 @@ def bootstrap(policy: Policy, *, protocol: str, upstream: tuple[str, int],
         filters.insert(1, _jwt_authn(jwt, protocol))
     if log:
         hcm["access_log"] = [_access_log(log_cluster)]
+    elif fluentd:
+        hcm["access_log"] = [_fluentd_log("extauthz_fluentd")]
     hcm["route_config"] = {"name": "local_route", "virtual_hosts": [vhost]}
     hcm["http_filters"] = [*filters, {"name": "envoy.filters.http.router", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]
@@ -349,6 +370,8 @@ def bootstrap(policy: Policy, *, protocol: str, upstream: tuple[str, int],
         clusters.append(_grpc_cluster("extauthz", authz, tls))
     if log and not (protocol == "grpc" and log_cluster == "extauthz"):
         clusters.append(_grpc_cluster(log_cluster, log_to, tls))
+    if fluentd:
+        clusters.append(_cluster("extauthz_fluentd", fluentd_to, AUTHZ_TIMEOUT))
     clusters.append(_cluster("upstream", upstream, "1s"))
     if tracing is not None:
         clusters.append(_cluster("otel_collector", tracing, AUTHZ_TIMEOUT, typed_extension_protocol_options=_http2()))

@@ -242,6 +242,11 @@ class Settings:
         None, "--health-listen", "a plaintext port serving only gRPC health, e.g. 0.0.0.0:9003, "
         "for probes that speak no TLS (the kubelet's) when the gRPC port uses TLS; 'off' (or '') "
         "turns it off", shown="off")
+    fluentd_listen: str | None = option(
+        None, "--fluentd-listen", "the fluentd release port: Envoy's fluentd access logger gives "
+        "leases back here (envoy-config --access-log fluentd), e.g. 127.0.0.1:9004; as trusted as "
+        "the gRPC access log, so localhost or the pod only (docs/security.md); 'off' (or '') turns "
+        "it off", shown="off")
     record_dir: str | None = option(
         None, "--record", "record one JSON line per finished request (hashed identity, tier, "
         "decision, duration) into rotating gzip files in DIR, for `extauthz simulate`",
@@ -339,7 +344,7 @@ def from_args(args: argparse.Namespace) -> Settings:
         except ValueError:
             url_file = None
     for name in ("http_listen", "redis_url", "admin_token_file", "tls_cert", "tls_key",
-                 "tls_client_ca", "health_listen", "record_dir"):
+                 "tls_client_ca", "health_listen", "fluentd_listen", "record_dir"):
         values[name] = values.get(name) or None  # an empty variable is unset
     values["admin_hosts"] = parse_hosts(values.get("admin_hosts") or None)
     values["lease_secret"] = values.get("lease_secret") or ""

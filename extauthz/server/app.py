@@ -31,6 +31,7 @@ from ..store.base import Store
 from ..store.keys import Keys
 from ..store.memory import MemoryStore
 from ..tickets import LeaseTickets
+from .fluentd import FluentdReceiver
 from .http import HttpAuthorization, HttpLimits, max_connections_for
 from .leases import Leases
 from .operations import Operations
@@ -128,6 +129,8 @@ class Server:
         self.grpc: grpc.aio.Server | None = None
         self.health_grpc: grpc.aio.Server | None = None
         self.http: HttpAuthorization | None = None
+        self.fluentd: FluentdReceiver | None = None
+        self.fluentd_port = 0
         #: the gRPC port (0 when off) and the HTTP authorization port (0 when off).
         self.port = 0
         self.http_port = 0
@@ -163,6 +166,12 @@ class Server:
                 self.http_port = await self.http.start(self.config.http_listen,
                                                        reuse_port=self.config.reuse_port)
                 self.ops.status_sections["http"] = self.http.status
+            if not is_off(self.config.fluentd_listen):
+                assert self.config.fluentd_listen is not None
+                self.fluentd = FluentdReceiver(self.accesslog.finished)
+                self.fluentd_port = await self.fluentd.start(self.config.fluentd_listen,
+                                                             reuse_port=self.config.reuse_port)
+                self.ops.status_sections["fluentd"] = self.fluentd.status
             if not is_off(self.config.listen):
                 server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.config.reuse_port))])
                 auth_pb2_grpc.add_AuthorizationServicer_to_server(service, server)
@@ -178,6 +187,8 @@ class Server:
                 await health_server.start()
                 self.health_grpc = health_server
         except BaseException:
+            if self.fluentd is not None:
+                await self.fluentd.stop()
             if self.http is not None:
                 await self.http.stop(0)
             await self.ops.stop()
@@ -194,7 +205,8 @@ class Server:
         log.info("serving on port %s (%s) with policy %s (%s store); HTTP authorization on port %s",
                  self.port or "off", "plaintext" if self.tls is None else ("mTLS" if self.tls.mtls else "TLS"),
                  self.policy.version, self.store.name, self.http_port or "off",
-                 extra={"fields": {"event": "serving", "grpc_port": self.port, "http_port": self.http_port}})
+                 extra={"fields": {"event": "serving", "grpc_port": self.port, "http_port": self.http_port,
+                                   "fluentd_port": self.fluentd_port}})
         return self.port or self.http_port
 
     @property
@@ -230,6 +242,8 @@ class Server:
             await self.grpc.stop(self.config.grace_seconds if grace is None else grace)
         if self.health_grpc is not None:
             await self.health_grpc.stop(0)
+        if self.fluentd is not None:  # after the front doors: the last entries still release
+            await self.fluentd.stop()
         await self.ops.stop()
         if self.config.admin_url_file and self.admin_url is not None:
             remove_admin_url(Path(self.config.admin_url_file), self.admin_url)

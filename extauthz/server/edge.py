@@ -11,14 +11,11 @@ from typing import Any
 from google.protobuf import struct_pb2
 
 from ..answers import (
-    LEASE_ID_FIELD,
-    LEASE_TICKET_FIELD,
-    LEASES_FIELD,
+    LEASE_FIELDS,
     TIER_HEADER,
     denial,
     lease_fields,
     ratelimit_headers,
-    read_lease_fields,
 )
 from ..classify import route_metadata_values, scalars_at
 from ..context import REQUEST_ID_HEADER, RawRequest, RequestContext
@@ -131,22 +128,10 @@ def check_response(ctx: RequestContext, decision: Decision, ticket: str = "") ->
     )
 
 
-def lease_release(md: struct_pb2.Struct) -> tuple[list[str], str] | None:
-    """The (lease keys, lease id) an allowed check filed in dynamic metadata, if any: the
-    same fields whichever edge (gRPC or HTTP) answered the check (``answers.lease_fields``)."""
+def lease_metadata(md: struct_pb2.Struct) -> dict[str, str | None]:
+    """The lease fields an access-log entry's ext_authz namespace holds (None: present but not
+    a string), for :meth:`~extauthz.server.leases.FinishedEntries.entry`: the same fields
+    whichever edge (gRPC or HTTP) answered the check (``answers.lease_fields``)."""
     fields = md.fields
-    lid = fields.get(LEASE_ID_FIELD)
-    keys = fields.get(LEASES_FIELD)
-    if lid is None or keys is None:
-        return None
-    return read_lease_fields(_string(lid), _string(keys))
-
-
-def lease_ticket(md: struct_pb2.Struct) -> str:
-    """The ticket a check put beside its leases ("" when none or not a string)."""
-    value = md.fields.get(LEASE_TICKET_FIELD)
-    return (_string(value) or "") if value is not None else ""
-
-
-def _string(value: struct_pb2.Value) -> str | None:
-    return value.string_value if value.WhichOneof("kind") == "string_value" else None
+    return {name: (v.string_value if v.WhichOneof("kind") == "string_value" else None)
+            for name in LEASE_FIELDS if (v := fields.get(name)) is not None}

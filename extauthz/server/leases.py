@@ -14,20 +14,26 @@ HTTP, through :mod:`extauthz.server.flow`) and the AccessLogService:
 * :meth:`Leases.finished`: match a finished request's entry to its leases (its metadata, or
   the request-id index when Envoy dropped our answer) and hand them to the releaser
   (:class:`~extauthz.release.Releaser`, the one release path).
+
+:class:`FinishedEntries` is what both release receivers (the gRPC AccessLogService in
+``server/services.py`` and the fluentd port in ``server/fluentd.py``) do with one finished
+request's entry, once they have read its fields: vet the metadata, match, release, count.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
+from ..answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD, read_lease_fields
 from ..clock import SYSTEM_CLOCK, Clock
 from ..context import RequestContext
 from ..engine import Engine
 from ..tickets import MALFORMED, LeaseTickets
 from ..verdict import Decision
 
-__all__ = ["Lease", "LeaseIndex", "Leases", "engine_index", "seen_as", "seen_at"]
+__all__ = ["MAX_PENDING_RELEASES", "FinishedEntries", "Lease", "LeaseIndex", "Leases", "engine_index",
+           "seen_as", "seen_at"]
 
 Lease = tuple[tuple[str, ...], str]
 
@@ -223,3 +229,55 @@ class Leases:
     def release(self, keys: Sequence[str], lease_id: str, path: str) -> asyncio.Task[int] | None:
         """Hand leases to the releaser (None: released at once, the embedded store)."""
         return self.releaser.release(keys, lease_id, path)
+
+
+#: release tasks one receiver (a gRPC access-log stream, a fluentd connection) keeps in flight
+#: before it stops reading: a slow store must not let them pile up without bound.
+MAX_PENDING_RELEASES = 1024
+
+
+class FinishedEntries:
+    """What a release receiver does with one finished request's access-log entry, the same for
+    the gRPC access-log stream and the fluentd port (one instance per server, so ``/status``
+    ``access_log`` and the rejected-release metric count both): vet its lease metadata
+    (:meth:`Leases.refused`), match it to its leases (:meth:`Leases.finished`) and start the
+    release. The receivers only read their wire format into the arguments of :meth:`entry`.
+    """
+
+    def __init__(self, leases: Leases, *,
+                 on_finished: Callable[[str, float | None], None] | None = None) -> None:
+        self.leases = leases
+        #: entries refused before any store call, by reason (tickets.REASONS).
+        self.rejected: dict[str, int] = {}
+        #: entries read (intermediate ones included)
+        self.entries = 0
+        #: ``serve --record``: told (request id, duration in seconds or None) per finished request.
+        self.on_finished = on_finished
+
+    def entry(self, request_id: str, metadata: Mapping[str, object] | None, *, unauthorized: bool,
+              seen: Callable[[], Collection[str]],
+              duration: Callable[[], float | None] = lambda: None) -> asyncio.Task[int] | None:
+        """Handle one finished request's entry; the release task it started, if any (None:
+        nothing to release, refused, or released at once by the embedded store).
+        ``metadata``: the entry's ext_authz dynamic-metadata namespace (None: absent), its
+        values as read from the wire (the lease fields are strings when a check wrote them);
+        ``unauthorized``: the authorization filter refused the request; ``seen``: what the
+        entry says of its request (:meth:`Leases.finished`); ``duration``: seconds from the
+        request's start to its last byte downstream, for ``serve --record``."""
+        if self.on_finished is not None and request_id:
+            self.on_finished(request_id, duration())
+        leases = self.leases
+        lease = None
+        if metadata is not None:
+            lease = read_lease_fields(metadata.get(LEASE_ID_FIELD), metadata.get(LEASES_FIELD))
+            ticket = metadata.get(LEASE_TICKET_FIELD) if lease is not None else ""
+            refused = leases.refused(lease, ticket if isinstance(ticket, str) else "",
+                                     LEASE_ID_FIELD in metadata or LEASES_FIELD in metadata)
+            if refused is not None:  # forged, altered, foreign or malformed: nothing acts on
+                # the entry, not even the request-id index
+                self.rejected[refused] = self.rejected.get(refused, 0) + 1
+                return None
+        found = leases.finished(request_id, lease, unauthorized=unauthorized, seen=seen)
+        if found is None:
+            return None
+        return leases.release(*found)

@@ -2,7 +2,8 @@
 
 Thin adapters: Check translates a CheckRequest for the check flow (``server/flow.py``) and
 its decision into a CheckResponse (``server/edge.py``); StreamAccessLogs reads each entry's
-lease metadata and request and hands them to the lease owner (``server/leases.py``).
+lease metadata and request and hands them to the entry handling it shares with the fluentd
+port (``server/leases.py`` :class:`~extauthz.server.leases.FinishedEntries`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from typing import Any
 
 import grpc
 
-from ..answers import LEASE_ID_FIELD, LEASES_FIELD
 from ..context import RawRequest, RequestContext
 from ..engine import Snapshot
 from ..proto import (
@@ -26,11 +26,9 @@ from ..proto import (
     core_pb2,
 )
 from ..verdict import Decision
-from .edge import EXT_AUTHZ_NAMESPACE, check_response, lease_release, lease_ticket, raw_request
+from .edge import EXT_AUTHZ_NAMESPACE, check_response, lease_metadata, raw_request
 from .flow import CheckFlow
-from .leases import Leases, seen_as, seen_at
-
-MAX_PENDING_RELEASES = 1024
+from .leases import MAX_PENDING_RELEASES, FinishedEntries, Leases, seen_as, seen_at
 
 _RPC = {"rpc.system": "grpc", "rpc.service": "envoy.service.auth.v3.Authorization", "rpc.method": "Check"}
 
@@ -95,18 +93,25 @@ def finished_after(common: accesslog_data_pb2.AccessLogCommon) -> float | None:
 
 
 class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
-    """StreamAccessLogs: reads each finished request's entry for the lease owner
-    (:class:`~extauthz.server.leases.Leases`), which matches it to its leases and hands them
-    to the releaser."""
+    """StreamAccessLogs: reads each finished request's entry for the entry handling both
+    release receivers share (:class:`~extauthz.server.leases.FinishedEntries`), which vets
+    it, matches it to its leases and hands them to the releaser."""
 
     def __init__(self, leases: Leases, *,
                  on_finished: Callable[[str, float | None], None] | None = None) -> None:
         self.leases = leases
-        #: entries refused before any store call, by reason (tickets.REASONS).
-        self.rejected: dict[str, int] = {}
-        self.entries = 0
-        #: ``serve --record``: told (request id, duration in seconds or None) per finished request.
-        self.on_finished = on_finished
+        #: the entry handling, shared with the fluentd port (server/fluentd.py)
+        self.finished = FinishedEntries(leases, on_finished=on_finished)
+
+    @property
+    def rejected(self) -> dict[str, int]:
+        """Entries refused before any store call, by reason (both receivers)."""
+        return self.finished.rejected
+
+    @property
+    def entries(self) -> int:
+        """Entries read (both receivers)."""
+        return self.finished.entries
 
     async def StreamAccessLogs(  # noqa: N802 - gRPC method name
         self,
@@ -116,41 +121,29 @@ class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ig
         # Releases run as tasks so that reading the stream never waits on the store: a
         # slow release must not hold back the entries behind it (their leases would
         # linger and inflate every in-flight count). At most MAX_PENDING at a time.
-        leases = self.leases
+        finished = self.finished
         pending: set[asyncio.Task[int]] = set()
         try:
             async for message in request_iterator:
                 for entry in message.http_logs.log_entry:
-                    self.entries += 1
+                    finished.entries += 1
                     common = entry.common_properties
                     if common.intermediate_log_entry:
                         continue
-                    rid = entry.request.request_id
-                    if self.on_finished is not None and rid:
-                        self.on_finished(rid, finished_after(common))
                     fm = common.metadata.filter_metadata
-                    lease = None
-                    if EXT_AUTHZ_NAMESPACE in fm:
-                        md = fm[EXT_AUTHZ_NAMESPACE]
-                        lease = lease_release(md)
-                        refused = leases.refused(lease, lease_ticket(md) if lease is not None else "",
-                                                 LEASE_ID_FIELD in md.fields or LEASES_FIELD in md.fields)
-                        if refused is not None:  # forged, altered, foreign or malformed: nothing
-                            # acts on the entry, not even the request-id index
-                            self.rejected[refused] = self.rejected.get(refused, 0) + 1
-                            continue
-                    found = leases.finished(rid, lease,
-                                            unauthorized=common.response_flags.HasField("unauthorized_details"),
-                                            seen=partial(entry_seen, entry))
-                    if found is None:
+                    md = (lease_metadata(fm[EXT_AUTHZ_NAMESPACE]) if EXT_AUTHZ_NAMESPACE in fm
+                          else None)
+                    task = finished.entry(entry.request.request_id, md,
+                                          unauthorized=common.response_flags.HasField("unauthorized_details"),
+                                          seen=partial(entry_seen, entry),
+                                          duration=partial(finished_after, common))
+                    if task is None:  # nothing to release, or done at once (embedded store)
                         continue
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
                     if len(pending) >= MAX_PENDING_RELEASES:
                         done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                         pending -= done
-                    task = leases.release(*found)  # None: done at once (embedded store)
-                    if task is not None:
-                        pending.add(task)
-                        task.add_done_callback(pending.discard)
         finally:
             if pending:
                 await asyncio.wait(pending)

@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("msgpack")
-
 from bench.accesslog_decode import (
     _read_fluentd_entries,
     decode_fluentd,

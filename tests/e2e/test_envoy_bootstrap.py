@@ -83,7 +83,7 @@ def test_docs_give_each_shipped_command_line() -> None:
 def variants() -> list[tuple[str, dict[str, Any]]]:
     out = []
     for protocol in ("grpc", "http"):
-        for access_log in ("auto", "always", "never"):
+        for access_log in ("auto", "always", "never", "fluentd"):
             out.append((f"{protocol}-{access_log}", {"protocol": protocol, "access_log": access_log}))
     out.append(("grpc-tls-names", {"protocol": "grpc", "tls": TLS, "authz": ("extauthz.extauthz", 9001),
                                    "upstream": ("api.default", 8080)}))
@@ -125,6 +125,25 @@ def test_access_log_only_when_the_policy_holds_leases(tmp_path: Path) -> None:
         assert "access_log" in hcm(bootstrap(quickstart, protocol=protocol, upstream=("127.0.0.1", 8080)))
         assert "access_log" not in hcm(bootstrap(quickstart, protocol=protocol, upstream=("127.0.0.1", 8080),
                                                  access_log="never"))
+
+
+def test_access_log_fluentd_renders_envoy_s_fluentd_logger_to_the_fluentd_port(tmp_path: Path) -> None:
+    from extauthz.server.fluentd import RECORD, TAG
+
+    (tmp_path / "api.yaml").write_text(RATE_ONLY)
+    for protocol in ("grpc", "http"):
+        # always (asked for by name), even for a policy without leases; never the gRPC logger
+        config = bootstrap(load_policy([tmp_path]), protocol=protocol, upstream=("127.0.0.1", 8080),
+                           authz=("extauthz.extauthz", 9003), access_log="fluentd")
+        (log,) = hcm(config)["access_log"]
+        assert log["name"] == "envoy.access_loggers.fluentd"
+        assert log["typed_config"]["record"] == RECORD and log["typed_config"]["tag"] == TAG
+        (cluster,) = [c for c in config["static_resources"]["clusters"] if c["name"] == log["typed_config"]["cluster"]]
+        assert "typed_extension_protocol_options" not in cluster  # plain TCP, not HTTP/2
+        endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+        assert endpoint["socket_address"] == {"address": "extauthz.extauthz", "port_value": 9004}
+        names = [c["name"] for c in config["static_resources"]["clusters"]]
+        assert "extauthz_access_log" not in names
 
 
 def test_allowed_headers_follow_the_policy(tmp_path: Path) -> None:

@@ -137,3 +137,12 @@ def test_the_bound_options_from_flags_and_the_environment(monkeypatch: pytest.Mo
     assert (args.http_max_connections, args.policy_max_bytes) == (9, 2 << 20)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--http-max-connections", "0"])
+
+
+def test_fluentd_listen_is_off_unless_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    from extauthz.cli import build_parser
+
+    assert build_parser().parse_args(["serve"]).fluentd_listen is None
+    monkeypatch.setenv("EXTAUTHZ_FLUENTD_LISTEN", "127.0.0.1:9004")
+    assert build_parser().parse_args(["serve"]).fluentd_listen == "127.0.0.1:9004"
+    assert build_parser().parse_args(["serve", "--fluentd-listen", "127.0.0.1:0"]).fluentd_listen == "127.0.0.1:0"

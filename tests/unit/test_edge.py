@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from google.protobuf import json_format, struct_pb2
 
-from extauthz.answers import denial, ratelimit_headers
+from extauthz.answers import LEASE_ID_FIELD, LEASES_FIELD, denial, ratelimit_headers, read_lease_fields
 from extauthz.clock import ManualClock
 from extauthz.context import RequestContext
 from extauthz.proto import auth_pb2, core_pb2, status_pb2
-from extauthz.server.edge import TIER_HEADER, check_response, lease_release
+from extauthz.server.edge import TIER_HEADER, check_response, lease_metadata
 from extauthz.verdict import Decision
 
 from .helpers import engine_for, get, policy_from
@@ -96,6 +96,13 @@ async def test_no_limiters_no_metadata(tmp_path: Path, clock: ManualClock) -> No
     assert resp == reference(ctx, decision)
     assert not resp.HasField("dynamic_metadata")
     assert [h.header.key for h in resp.ok_response.headers] == [TIER_HEADER]
+
+
+def lease_release(md: struct_pb2.Struct) -> tuple[list[str], str] | None:
+    """The (keys, lease id) the access log's entry handling reads from what the gRPC edge
+    hands it (leases.FinishedEntries.entry)."""
+    fields = lease_metadata(md)
+    return read_lease_fields(fields.get(LEASE_ID_FIELD), fields.get(LEASES_FIELD))
 
 
 def test_lease_release_ignores_malformed_metadata() -> None:

@@ -1,0 +1,182 @@
+"""The fluentd release port (server/fluentd.py) on a real socket, around a lease owner on the
+embedded store: Forward-protocol messages however TCP splits them, the three modes, acks,
+malformed input and the bounds (the connection closes, counted; nothing crashes), and the
+same vetting and matching as the gRPC access log (server/leases.py FinishedEntries)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+
+from extauthz.answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD
+from extauthz.clock import ManualClock
+from extauthz.server.fluentd import TAG, FluentdLimits, FluentdReceiver, MalformedMessage, entries_of
+from extauthz.server.leases import FinishedEntries, Leases, seen_as
+
+from .helpers import engine_for, get, policy_from
+
+
+class Admitted:
+    """A lease owner on the embedded store (concurrent_requests, limit 2) and the fluentd port."""
+
+    def __init__(self, tmp_path: Path, limits: FluentdLimits | None = None) -> None:
+        policy = policy_from(tmp_path, {"limiters": [
+            {"name": "conc", "type": "concurrent_requests", "limit": 2, "lease_ttl": "60s"}]})
+        self.engine, _ = engine_for(policy, ManualClock())
+        self.leases = Leases(self.engine)
+        self.finished = FinishedEntries(self.leases)
+        self.receiver = FluentdReceiver(self.finished, limits)
+        self.port = 0
+
+    async def admit(self, request_id: str) -> dict[str, Any]:
+        """Admit a check; the record Envoy would log for it."""
+        ctx = self.engine.context(get(request_id=request_id))
+        decision = await self.engine.decide(ctx)
+        assert decision.allowed and decision.leases
+        ticket = self.leases.admitted(ctx, decision, seen_as("GET", "/v1/customers"))
+        return {"request_id": request_id, "response_flags": "-", "method": "GET", "path": "/v1/customers",
+                "start_us": "1795000000123456", "duration_ms": 3,
+                "ext_authz": {LEASE_ID_FIELD: decision.lease_id, LEASES_FIELD: ",".join(decision.leases),
+                              LEASE_TICKET_FIELD: ticket}}
+
+    def released(self) -> int:
+        return self.leases.releaser.count("access_log", "released")
+
+    async def send(self, *chunks: bytes, read_ack: bool = False) -> bytes:
+        """Send ``chunks`` on one connection; what came back (read until the port closes it or,
+        ``read_ack``, one ack arrives)."""
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        for chunk in chunks:
+            writer.write(chunk)
+            await writer.drain()
+        got = b""
+        if read_ack:
+            got = await asyncio.wait_for(reader.read(1024), 10)
+        writer.write_eof()
+        got += await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        return got
+
+
+@pytest.fixture
+async def port(tmp_path: Path) -> AsyncIterator[Admitted]:
+    a = Admitted(tmp_path)
+    a.port = await a.receiver.start("127.0.0.1:0")
+    yield a
+    await a.receiver.stop()
+
+
+async def settle(cond: Any) -> None:
+    for _ in range(500):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+
+
+async def test_a_forward_message_split_anywhere_releases_every_lease(port: Admitted) -> None:
+    records = [await port.admit(f"rid-{i}") for i in range(2)]
+    stream = msgpack.packb([TAG, [[1795000000, r] for r in records]])
+    await port.send(*(stream[i:i + 7] for i in range(0, len(stream), 7)))
+    await settle(lambda: port.released() == 2)
+    assert port.released() == 2 and len(port.leases.index) == 0
+    assert port.finished.entries == 2 and port.receiver.status()["malformed"] == {}
+    assert (await port.engine.decide(port.engine.context(get(request_id="again")))).allowed  # slots free
+
+
+async def test_message_and_packed_forward_modes(port: Admitted) -> None:
+    one, two = await port.admit("a"), await port.admit("b")
+    packed = msgpack.packb([1795000000, two])
+    await port.send(msgpack.packb([TAG, 1795000000, one]) + msgpack.packb([TAG, packed]))
+    await settle(lambda: port.released() == 2)
+    assert port.released() == 2 and port.receiver.messages == 2
+
+
+async def test_a_chunk_option_is_acked(port: Admitted) -> None:
+    record = await port.admit("a")
+    got = await port.send(msgpack.packb([TAG, [[1, record]], {"chunk": "c2Vx", "size": 1}]), read_ack=True)
+    assert msgpack.unpackb(got) == {"ack": "c2Vx"}
+    assert port.receiver.acks == 1 and port.released() == 1
+
+
+async def test_a_forged_ticket_releases_nothing_and_is_counted(port: Admitted) -> None:
+    record = await port.admit("a")
+    record["ext_authz"][LEASE_TICKET_FIELD] = "v1." + "00" * 32
+    await port.send(msgpack.packb([TAG, [[1, record]]]))
+    await settle(lambda: port.finished.rejected)
+    assert port.finished.rejected == {"bad_ticket": 1} and port.released() == 0
+    assert len(port.leases.index) == 1  # not even the request-id index acted on it
+
+
+async def test_without_metadata_only_the_request_the_check_saw_and_never_a_refused_one(port: Admitted) -> None:
+    record = await port.admit("a")
+    del record["ext_authz"]
+    refused = dict(record, response_flags="UAEX")
+    other = dict(record, path="/elsewhere", start_us="1")
+    await port.send(msgpack.packb([TAG, [[1, refused], [1, other]]]))
+    await port.send(msgpack.packb([TAG, [[1, record]]]))
+    await settle(lambda: port.leases.releaser.count("request_id_index", "released") == 1)
+    assert port.leases.releaser.count("request_id_index", "released") == 1 and port.finished.entries == 3
+
+
+@pytest.mark.parametrize(("data", "reason"), [
+    (b"\xc1" * 4, "msgpack"),  # 0xc1: never used in msgpack
+    (msgpack.packb({"not": "an array"}), "shape"),
+    (msgpack.packb([TAG, [[1, "not a map"]]]), "shape"),
+    (msgpack.packb([TAG, [[1, {}]], "not a map"]), "shape"),
+    (msgpack.packb([TAG, b"\x93\x01\x02\x03", {"compressed": "gzip"}]), "compressed"),
+    (msgpack.packb([TAG, [[1, {}]] * 11]), "too_large"),  # max_entries 10
+    (msgpack.packb([TAG, [[1, {"pad": "x" * 5000}]]]), "too_large"),  # max_message_bytes 4096
+])
+async def test_malformed_input_closes_the_connection_and_is_counted(tmp_path: Path, data: bytes,
+                                                                    reason: str) -> None:
+    a = Admitted(tmp_path, FluentdLimits(max_message_bytes=4096, max_entries=10))
+    a.port = await a.receiver.start("127.0.0.1:0")
+    try:
+        good = await a.admit("a")
+        # a good message before the bad one is read; the connection then closes (read() ends)
+        await a.send(msgpack.packb([TAG, [[1, good]]]) + data + msgpack.packb([TAG, [[1, good]]]))
+        assert a.receiver.malformed == {reason: 1}
+        assert a.receiver.messages == 1 and a.released() == 1
+        await settle(lambda: not a.receiver.connections)
+        # the port still serves
+        await a.send(msgpack.packb([TAG, [[1, await a.admit("b")]]]))
+        await settle(lambda: a.released() == 2)
+        assert a.released() == 2
+    finally:
+        await a.receiver.stop()
+
+
+async def test_connections_beyond_the_bound_are_closed(tmp_path: Path) -> None:
+    a = Admitted(tmp_path, FluentdLimits(max_connections=1))
+    a.port = await a.receiver.start("127.0.0.1:0")
+    try:
+        _, held = await asyncio.open_connection("127.0.0.1", a.port)
+        await settle(lambda: len(a.receiver.connections) == 1)
+        reader, writer = await asyncio.open_connection("127.0.0.1", a.port)
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # closed by the port
+        writer.close()
+        held.close()
+        assert a.receiver.malformed == {"too_many_connections": 1}
+    finally:
+        await a.receiver.stop()
+
+
+def test_entries_of_reads_the_three_modes_and_refuses_other_shapes() -> None:
+    limits = FluentdLimits()
+    rec = {"request_id": "r"}
+    assert entries_of([TAG, [[1, rec]]], limits) == ([(1, rec)], None)
+    assert entries_of([TAG, 1, rec, {"chunk": "x"}], limits) == ([(1, rec)], {"chunk": "x"})
+    assert entries_of([TAG, msgpack.packb([1, rec]) * 2], limits) == ([(1, rec), (1, rec)], None)
+    for bad in ([TAG], [1, []], [TAG, 1], [TAG, [[1]]], [TAG, [], {}, {}], "x"):
+        with pytest.raises(MalformedMessage):
+            entries_of(bad, limits)
+
+
+def test_limits_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        FluentdLimits(max_entries=0)
