@@ -83,8 +83,7 @@ SETUPS: dict[str, Setup] = {s.key: s for s in [
           protocol="http", envoy_config="envoy-http.yaml", access_log="auto"),
     Setup("rhb", "(rh), batched", policy="rate-only-batched", redis=True,
           protocol="http", envoy_config="envoy-http.yaml", access_log="auto"),
-    # (hd) with request_rate and fleet_usage batched (all-on-batched.yaml); until fleet_usage
-    # accepts consistency (see policy_file), request_rate alone (all-on-batched-rate.yaml).
+    # (hd) with request_rate and fleet_usage batched (all-on-batched.yaml).
     Setup("hdb", "(hd), rate + fleet batched", policy="all-on-batched", redis=True, protocol="http",
           envoy_config="envoy-http.yaml", access_log="auto"),
     # Access-log batching by measurement: 20 ms vs the shipped 5 ms (d) and entry by entry (d-buf0).
@@ -128,26 +127,8 @@ P99_ADDED: tuple[tuple[str, str], ...] = (("d", "b"), ("c", "b"))
 P99_RATIOS: tuple[tuple[str, str], ...] = (("f", "fc"),)
 
 
-#: a policy that needs a feature not built yet -> the policy run in its place meanwhile
-FALLBACK_POLICIES = {"all-on-batched": "all-on-batched-rate"}
-
-
-def fleet_batching() -> bool:
-    """Whether ``fleet_usage`` accepts ``consistency: batched`` (issue 24 item 1, built apart)."""
-    from extauthz.policy.schema import FleetUsageSpec
-
-    return "consistency" in FleetUsageSpec.model_fields
-
-
-def policy_name(setup: Setup) -> str:
-    """The policy ``setup`` runs: its own, or its fallback while fleet batching is not built."""
-    if setup.policy in FALLBACK_POLICIES and not fleet_batching():
-        return FALLBACK_POLICIES[setup.policy]
-    return setup.policy
-
-
 def policy_file(setup: Setup) -> Path:
-    return POLICIES / f"{policy_name(setup)}.yaml"
+    return POLICIES / f"{setup.policy}.yaml"
 
 
 @dataclass

@@ -11,8 +11,7 @@ admitted request's lease released right after its answer (as the access log does
 
   exact    every check asks the fleet counter (``consistency: exact``, the default)
   batched  a replica takes fleet slots in grants and asks once per grant
-           (``consistency: batched``); run only once ``fleet_usage`` accepts it
-           (``bench.configs.fleet_batching``), otherwise reported as not built
+           (``consistency: batched``)
 
 The table (bench/store_bench.py ``table``) shows checks/s, client and Redis CPU per check and
 EVALSHA per check summed over the masters; the per-master table shows which master holds
@@ -34,7 +33,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .configs import fleet_batching
 from .store_bench import Run, one_run, per_node, start_cluster, table
 
 FLEET = """\
@@ -53,11 +51,6 @@ MODES = ("exact", "batched")
 
 def policy_text(mode: str) -> str:
     return FLEET if mode == "exact" else FLEET + "    consistency: batched\n"
-
-
-def modes() -> tuple[str, ...]:
-    """The modes this build can run (batched fleet grants are built apart)."""
-    return MODES if fleet_batching() else ("exact",)
 
 
 def summary(runs: list[Run]) -> dict[str, Any]:
@@ -103,9 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode in MODES:
         paths[mode] = tmp / f"fleet-{mode}.yaml"
         paths[mode].write_text(policy_text(mode))
-    run_modes = modes()
-    if "batched" not in run_modes:
-        print("batched: not run (fleet_usage does not accept consistency: batched in this build)")
+    run_modes = MODES
     handle = start_cluster(tmp, masters=args.masters)
     clients = [handle.node_client(i, decode_responses=False) for i in range(len(handle.nodes))]
     runs: list[Run] = []

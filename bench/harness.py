@@ -25,8 +25,7 @@ Envoy in front of a trivial upstream, the extauthz server as a process, and driv
       the Go envoyproxy/ratelimit figures quoted in docs/benchmarks.md); rh: the same over HTTP,
       without the access log its policy does not need (``extauthz envoy-config --access-log auto``)
   rhb (rh) with ``consistency: batched`` (bench/policies/rate-only-batched.yaml)
-  hdb (hd) with request_rate and fleet_usage batched (request_rate alone until fleet_usage
-      accepts ``consistency``: bench/configs.py ``FALLBACK_POLICIES``)
+  hdb (hd) with request_rate and fleet_usage batched (bench/policies/all-on-batched.yaml)
   f   (d) under a flood, 10 requests/s per key: one key sends half of all requests (refused),
       the other half rotates over 1,000 well-behaved keys; fc: the same load without the
       flooding key (1,000 other well-behaved keys in its place). Their latency run is two
@@ -72,7 +71,7 @@ from typing import Any
 
 from extauthz.devtools.stack import free_port
 
-from .configs import DEFAULT_SETUPS, SETUPS, SMOKE_SETUPS, Options, Setup, policy_file, policy_name
+from .configs import DEFAULT_SETUPS, SETUPS, SMOKE_SETUPS, Options, Setup, policy_file
 from .load import (
     CALM_PREFIX,
     FLOOD_KEY,
@@ -407,10 +406,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     h = Harness(opts)
     log(f"configurations {', '.join(opts.setups)}; {opts.rounds} round(s) of {opts.duration:g} s runs; "
         f"work dir {h.workdir}")
-    for setup in h.setups():
-        if policy_name(setup) != setup.policy:
-            log(f"({setup.key}) runs bench/policies/{policy_name(setup)}.yaml: {setup.policy}.yaml needs "
-                "fleet_usage consistency: batched, not built yet")
     try:
         h.run()
     finally:

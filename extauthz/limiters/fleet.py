@@ -28,7 +28,7 @@ from typing import Final
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..context import RequestContext
-from ..policy.schema import FleetUsageSpec
+from ..policy.schema import DEFAULT_FLEET_BATCH_MAX, FleetUsageSpec
 from ..store.base import FleetGrantOp, LeaseOp, OpResult
 from ..store.keys import Keys
 from ..tiers import Tier
@@ -46,8 +46,9 @@ TTL_INTERVALS: Final = 10
 
 def default_fleet_batch(limit: int) -> int:
     """The documented default ``batch`` of fleet_usage: 1% of the tier's limit (the
-    non-critical share of ``capacity``), at least 1 slot."""
-    return max(1, limit // 100)
+    non-critical share of ``capacity``), at least 1 slot, at most ``DEFAULT_FLEET_BATCH_MAX``
+    (a grant's slots are sorted-set members renewed every sync)."""
+    return min(DEFAULT_FLEET_BATCH_MAX, max(1, limit // 100))
 
 
 def grant_ttl(sync_interval: float, lease_ttl: float) -> float:

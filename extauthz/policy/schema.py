@@ -438,6 +438,12 @@ class _KeyedBase(_LimiterBase):
 #: ``sync_interval`` bounds: unspent grants go back (and idle keys are forgotten) within it.
 MIN_SYNC_INTERVAL = 0.01
 MAX_SYNC_INTERVAL = 10.0
+#: fleet slots one grant may take: each is a member of the fleet's sorted set that its replica
+#: renews every sync, so a grant costs Redis O(batch) (a 1% default of a 100M capacity was
+#: 800,000 members per renewal: 30 ms script calls)
+MAX_FLEET_BATCH = 1000
+#: the default fleet batch's cap (1% of the non-critical limit, at least 1, at most this)
+DEFAULT_FLEET_BATCH_MAX = 100
 DEFAULT_SYNC_INTERVAL = 0.1
 
 
@@ -546,6 +552,9 @@ class FleetUsageSpec(_BatchedGrants, _LimiterBase):
     def _whole_slots(self) -> FleetUsageSpec:
         if self.batch is not None and self.batch != int(self.batch):
             raise ValueError(f"batch ({self.batch:g}) of fleet_usage is whole slots")
+        if self.batch is not None and self.batch > MAX_FLEET_BATCH:
+            raise ValueError(f"batch ({self.batch:g}) of fleet_usage is at most {MAX_FLEET_BATCH} slots "
+                             "(each slot is one member of the fleet's sorted set, renewed every sync)")
         return self
 
 

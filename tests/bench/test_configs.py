@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.configs import SETUPS, Options, fleet_batching, policy_file, policy_name
+from bench.configs import SETUPS, Options, policy_file
 from bench.stack import Running
 from extauthz.policy import load_policy
 
@@ -33,19 +33,11 @@ def test_batched_configurations_batch_request_rate() -> None:
     assert exact["user-rate"].consistency == "exact"
 
 
-def test_hdb_runs_fleet_batched_once_built_and_rate_alone_until_then() -> None:
-    hdb = SETUPS["hdb"]
-    if fleet_batching():
-        assert policy_name(hdb) == "all-on-batched"
-        fleet = {lim.name: lim for lim in load_policy([policy_file(hdb)]).limiters}["fleet"]
-        assert getattr(fleet, "consistency", None) == "batched"
-    else:
-        assert policy_name(hdb) == "all-on-batched-rate"
-    # the two files differ only in the fleet limiter's consistency line
-    full = (policy_file(hdb).parent / "all-on-batched.yaml").read_text().split("version: 1", 1)[1]
-    rate = (policy_file(hdb).parent / "all-on-batched-rate.yaml").read_text().split("version: 1", 1)[1]
-    assert full.replace("    reserved_for_critical: 0.2\n    consistency: batched\n",
-                        "    reserved_for_critical: 0.2\n") == rate
+def test_hdb_batches_the_fleet_limiter_too() -> None:
+    limiters = {lim.name: lim for lim in load_policy([policy_file(SETUPS["hdb"])]).limiters}
+    assert limiters["fleet"].consistency == "batched"
+    exact = {lim.name: lim for lim in load_policy([policy_file(SETUPS["hd"])]).limiters}
+    assert exact["fleet"].consistency == "exact"
 
 
 @pytest.mark.parametrize(("key", "log"), [("rh", False), ("rhb", False), ("hdb", True), ("hd", True),

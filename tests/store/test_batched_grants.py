@@ -743,12 +743,15 @@ async def test_a_reload_gives_the_free_fleet_slots_back_and_keeps_those_in_use(t
 
 def test_fleet_default_batch_and_grant_ttl() -> None:
     assert default_fleet_batch(800) == 8 and default_fleet_batch(50) == 1
+    assert default_fleet_batch(80_000_000) == 100  # capped: a grant's slots are sorted-set members
     assert grant_ttl(0.1, 60.0) == 1.0 and grant_ttl(0.5, 60.0) == 5.0 and grant_ttl(10.0, 30.0) == 30.0
 
 
 def test_a_fleet_batch_is_whole_slots(tmp_path: Path) -> None:
     with pytest.raises(PolicyError, match="whole slots"):
         fleet_policy(tmp_path, batch=2.5)
+    with pytest.raises(PolicyError, match="at most 1000 slots"):
+        fleet_policy(tmp_path, batch=1001)
 
 
 async def test_a_fleet_growth_that_failed_open_is_asked_again_and_leaks_nothing(tmp_path: Path) -> None:
