@@ -185,6 +185,11 @@ class Synced:
             self._timer.cancel()
             self._timer = None
 
+    @property
+    def sending(self) -> bool:
+        """Whether a store call of this table is on its way (:meth:`drain` waits for it)."""
+        return bool(self._tasks)
+
     async def drain(self) -> None:
         """Wait for the store calls already sent (tests, shutdown)."""
         while self._tasks:

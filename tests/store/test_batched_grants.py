@@ -92,7 +92,7 @@ async def settled(tables: list[GrantTable]) -> None:
     while True:
         for t in tables:
             await t.drain()
-        if not any(t._tasks for t in tables):
+        if not any(t.sending for t in tables):
             return
 
 
@@ -256,8 +256,7 @@ async def test_replicas_never_admit_more_than_exact_and_refuse_early_by_at_most_
         clock.advance(SYNC)
         for t in tables:
             await t.sync()
-        for t in tables:
-            await t.drain()
+        await settled(tables)
         assert sum(t.held(key) for t in tables) == 0.0
         exact_admits = algorithms.admits(shared_tokens(), 1.0)
         assert exact_admits  # a whole interval refilled one token at least
