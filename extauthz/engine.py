@@ -40,6 +40,10 @@ from .verdict import Decision, Mode, Outcome, Verdict
 
 log = logging.getLogger("extauthz.engine")
 
+#: times a check's store deadline may be given again when the store has answered and the
+#: server's own busy loop has not carried the answer yet (:meth:`Engine._answer`): a bound
+LOOP_EXTENSIONS = 3
+
 #: the store call of a check: ``Store.check`` or a wrapper around it
 StoreCheck = Callable[[Sequence[Op], str], Awaitable[CheckResult]]
 
@@ -126,6 +130,9 @@ class Engine:
         self._node_of: Callable[[str], str] | None = store.node_of if store.per_master else None
         #: fail-opens/closes by reason (timeout, unavailable, circuit_open, internal_error)
         self.failures: dict[str, int] = {}
+        #: deadlines passed while the store had answered and this server's loop had not
+        #: carried the answer yet (:meth:`_answer`): the check waited on, not failed open
+        self.deadline_extended = 0
         self._bug_log = LogThrottle(log, clock=clock)
         #: live per-customer overrides (``extauthz.overrides``), compiled into each snapshot.
         self.overrides: tuple[Override, ...] = ()
@@ -354,8 +361,7 @@ class Engine:
         # leases it took are given back as soon as it lands (no leak until lease_ttl).
         call = asyncio.ensure_future(self.store_check(ops, lease_id))
         try:
-            async with asyncio.timeout(self.deadline):
-                result = await asyncio.shield(call)
+            result = await self._answer(call)
         except TimeoutError:
             if call.done() and not call.cancelled() and call.exception() is None:
                 # the answer landed in the same loop turn as the deadline: it is in time
@@ -396,6 +402,30 @@ class Engine:
                           "failure_mode: %s: %s", type(exc).__name__, exc, exc_info=exc,
                           fields={"event": "internal_error", "error": type(exc).__name__})
         return StoreInternalError(f"{type(exc).__name__}: {exc}")
+
+    async def _answer(self, call: asyncio.Future[CheckResult]) -> CheckResult:
+        """``call``'s answer, or TimeoutError when the store is late.
+
+        When the deadline passes, the store is late only if it is: after one I/O poll (an
+        answer already in the socket is read then), a store whose oldest unanswered command
+        has waited less than half the deadline (:meth:`Store.waited`) has answered, and the
+        server's own event loop has not yet carried the answer to this check (a saturated
+        server: each hop of an answer waits a loop turn). Such a call gets the deadline
+        again, at most :data:`LOOP_EXTENSIONS` times (counted: ``deadline_extended``); a
+        store that cannot tell (None) or that stalls fails open at the deadline."""
+        for extension in range(LOOP_EXTENSIONS + 1):
+            try:
+                async with asyncio.timeout(self.deadline):
+                    return await asyncio.shield(call)
+            except TimeoutError:
+                if call.done() or extension == LOOP_EXTENSIONS:
+                    raise
+                await asyncio.sleep(0)  # one I/O poll
+                waited = self.store.waited()
+                if not call.done() and (waited is None or waited >= self.deadline / 2):
+                    raise
+                self.deadline_extended += 1
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _failed(self, reason: str) -> None:
         """The one failure count: ``extauthz_fail_open_total{reason}`` (each failure fails

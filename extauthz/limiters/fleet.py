@@ -213,8 +213,8 @@ class FleetSlots(Synced):
             # never more than one batch free here (the early-refusal bound): the rest goes back
             g.asked = self._clock.monotonic()
             try:
-                self._spawn(self._send(FleetGrantOp(g.key, g.limit, self.ttl, g.gid, g.size,
-                                                    self.batch - g.free, False)))
+                self._spawn(self._send([FleetGrantOp(g.key, g.limit, self.ttl, g.gid, g.size,
+                                                     self.batch - g.free, False)]))
             except RuntimeError:  # no event loop: the next sync turn gives it back
                 g.asked = None
         return True
@@ -256,30 +256,33 @@ class FleetSlots(Synced):
             for op in ops:
                 self._grants[op.key].asked = None
             return 0
-        given = await asyncio.gather(*(self._send(op) for op in ops))
-        return sum(given)
+        return sum(await self._send_all(ops))
 
-    async def _send(self, op: FleetGrantOp) -> int:
+    async def _send(self, ops: Sequence[FleetGrantOp]) -> list[int]:
+        """Renew or shrink grants (one store call); the slots each gave back."""
         assert self.store is not None
-        g = self._grants[op.key]
+        grants = [self._grants[op.key] for op in ops]
         try:
-            result = await self.store.check([op], "")
-        except Exception:  # the grant lives on until its TTL; the next turn renews it
-            self.return_errors += 1
-            return 0
+            result = await self.store.check(ops, "")
+        except Exception:  # the grants live on until their TTL; the next turn renews them
+            self.return_errors += len(ops)
+            return [0] * len(ops)
         finally:
-            g.asked = None
-        res = result.results[0]
-        size = min(g.size, int(res.extra))
-        given = g.size - size
-        if g.gid == op.grant:
-            g.size = size
-            g.renewed_at = self._clock.monotonic()
-            g.shared = res.remaining
-        self.returned += given
-        if given:
-            g.low = min(g.low, g.free)
-        return given
+            for g in grants:
+                g.asked = None
+        out = []
+        for op, g, res in zip(ops, grants, result.results, strict=True):
+            size = min(g.size, int(res.extra))
+            given = g.size - size
+            if g.gid == op.grant:
+                g.size = size
+                g.renewed_at = self._clock.monotonic()
+                g.shared = res.remaining
+            self.returned += given
+            if given:
+                g.low = min(g.low, g.free)
+            out.append(given)
+        return out
 
     def busy(self) -> bool:
         return any(g.size or g.leases for g in self._grants.values())

@@ -65,6 +65,11 @@ def bucket_return(key: str, numbers: Numbers, amount: float) -> Op:
 #: timer ticks per sync_interval: a grant goes back at the first tick at least half an
 #: interval after it was taken, so within one interval
 TICKS: Final = 2
+#: ops per store call when a table sends many at once (a sync turn, a settle, a retire):
+#: one call each, sent one after another. A sync turn of a thousand keys as a thousand
+#: single-op calls held the event loop for tens of ms, and the checks waiting on the store
+#: then missed their deadline (docs/benchmarks.md, the (rhb) fail-opens of 2026-11-25).
+SEND_CHUNK: Final = 64
 
 
 def default_batch(rate: float, sync_interval: float, cost: float) -> float:
@@ -134,9 +139,17 @@ class Synced:
         """Stop the timer and take out what goes back to the store now (its ops)."""
         raise NotImplementedError
 
-    async def _send(self, op: Any) -> Any:
-        """Send one op of :meth:`_take_all` or :meth:`sync` (errors counted, never raised)."""
+    async def _send(self, ops: Sequence[Any]) -> list[Any]:
+        """Send ``ops`` (of :meth:`_take_all` or :meth:`sync`) in one store call: one result
+        per op (errors counted, never raised)."""
         raise NotImplementedError
+
+    async def _send_all(self, ops: Sequence[Any]) -> list[Any]:
+        """Send ``ops`` in calls of :data:`SEND_CHUNK` ops, one after another."""
+        out: list[Any] = []
+        for start in range(0, len(ops), SEND_CHUNK):
+            out.extend(await self._send(ops[start:start + SEND_CHUNK]))
+        return out
 
     #: whether the timer runs on after :meth:`retire` (fleet slots: those in use stay
     #: renewed until their leases go)
@@ -146,8 +159,8 @@ class Synced:
         """Give back everything held now and stop (a graceful stop: the fleet gets this
         replica's unspent grants at once instead of losing them)."""
         ops = self._take_all()
-        if self.store is not None:
-            await asyncio.gather(*(self._send(op) for op in ops))
+        if self.store is not None and ops:
+            await self._send_all(ops)
         await self.drain()
 
     def retire(self) -> None:
@@ -158,8 +171,8 @@ class Synced:
         if self.store is None:
             return
         try:
-            for op in ops:
-                self._spawn(self._send(op))
+            if ops:
+                self._spawn(self._send_all(ops))
             if self.renews_after_retire:
                 self._arm()
         except RuntimeError:  # no event loop: nothing was ever taken
@@ -312,23 +325,25 @@ class GrantTable(Synced):
         check). Returns how many went back."""
         returns = self.due()
         if returns and self.store is not None:
-            await asyncio.gather(*(self._send(op) for op in returns))
+            await self._send_all(returns)
         return len(returns)
 
-    async def _send(self, op: Op) -> None:
+    async def _send(self, ops: Sequence[Op]) -> list[None]:
         assert self.store is not None
         try:
-            await self.store.check([op], "")
+            await self.store.check(ops, "")
         except Exception:  # a lost return only refuses early: counted, never raised
-            self.return_errors += 1
+            self.return_errors += len(ops)
         else:
-            self.returned += getattr(op, "amount", 0.0)
+            self.returned += sum(getattr(op, "amount", 0.0) for op in ops)
+        return [None] * len(ops)
 
     def _give_back(self, returns: Iterable[tuple[str, Numbers, float]]) -> None:
         if self.store is None:
             return
-        for key, numbers, amount in returns:
-            self._spawn(self._send(self._op(key, numbers, amount)))
+        ops = [self._op(key, numbers, amount) for key, numbers, amount in returns]
+        if ops:
+            self._spawn(self._send_all(ops))
 
     def busy(self) -> bool:
         return bool(self._held)

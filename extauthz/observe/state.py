@@ -173,7 +173,8 @@ class FailOpenPart:
     engine: Engine
 
     def status(self) -> Mapping[str, Any]:
-        return {"fail_open": dict(sorted(self.engine.failures.items()))}
+        return {"fail_open": dict(sorted(self.engine.failures.items())),
+                "deadline_extended": self.engine.deadline_extended}
 
     def metrics(self) -> Iterable[Metric]:
         fail = CounterMetricFamily("extauthz_fail_open", "Failures met while deciding (store "
@@ -183,6 +184,10 @@ class FailOpenPart:
         for reason, n in sorted((dict.fromkeys(FAIL_REASONS, 0) | self.engine.failures).items()):
             fail.add_metric([reason], n)
         yield fail
+        yield counter("extauthz_store_deadline_extended", "Store deadlines passed while the "
+                      "store had answered and this server's busy event loop had not carried the "
+                      "answer yet: the check waited on (a few deadlines at most), not failed open.",
+                      self.engine.deadline_extended)
 
 
 @dataclass(eq=False)

@@ -237,6 +237,12 @@ class Store(Protocol):
         """The masters whose part of the check ``lease_id`` has not answered yet (empty
         unless :attr:`per_master`)."""
 
+    def waited(self) -> float | None:
+        """How long (seconds) the oldest command written to the store has waited for its
+        reply, as of the last time the server read it; 0 when none waits; None when the
+        store cannot tell. The engine asks it when a deadline passes: a store that answered
+        while the server's own event loop was too busy to read the answer is not late."""
+
     async def inflight(self, keys: Sequence[str]) -> list[int]:
         """Live (unexpired) leases per key."""
 
@@ -284,6 +290,9 @@ class StoreBase:
 
     def unanswered(self, lease_id: str) -> list[str]:
         return []
+
+    def waited(self) -> float | None:
+        return None
 
 
 @dataclass(frozen=True, slots=True)

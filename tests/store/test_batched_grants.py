@@ -25,7 +25,7 @@ from extauthz.clock import ManualClock
 from extauthz.engine import Engine
 from extauthz.errors import PolicyError, StoreUnavailable
 from extauthz.limiters.fleet import FleetSlots, FleetUsageShedder, default_fleet_batch, grant_ttl
-from extauthz.limiters.grants import GrantTable, default_batch, grant_status
+from extauthz.limiters.grants import SEND_CHUNK, GrantTable, default_batch, grant_status
 from extauthz.limiters.quota import QuotaLimiter, default_quota_batch
 from extauthz.limiters.refusals import RefusalCache
 from extauthz.limiters.request_rate import RequestRateLimiter
@@ -153,6 +153,42 @@ async def test_unspent_grant_goes_back_within_sync_interval_then_the_key_is_forg
     clock.advance(SYNC)
     await grants.sync()
     assert len(grants) == 0  # held none for a whole interval: forgotten
+    grants.close()
+
+
+class CountingStore(MemoryStore):
+    """The embedded store, counting the ops of each ``check`` call (the grant tables call
+    the store directly, not through the engine's ``store_check``)."""
+
+    def __init__(self, clock: ManualClock) -> None:
+        super().__init__(clock)
+        self.calls: list[int] = []
+
+    async def check(self, ops: Any, lease_id: str) -> Any:
+        self.calls.append(len(ops))
+        return await super().check(ops, lease_id)
+
+
+async def test_a_sync_turn_of_many_keys_goes_back_in_a_few_calls(tmp_path: Path) -> None:
+    """What is due goes back in calls of SEND_CHUNK returns, one after another (a thousand
+    single-return calls at once held the event loop long enough for the checks waiting
+    on the store to miss their deadline)."""
+    clock = ManualClock(START)
+    store = CountingStore(clock)
+    engine = Engine(store, policy_from(tmp_path, {"limiters": [batched(tmp_path)]}), clock=clock)
+    grants = table(engine)
+    users = 2 * SEND_CHUNK + 10
+    for i in range(users):
+        assert (await engine.check(get(key=f"sk_user_{i}")))[1].allowed
+    assert store.calls == [1] * users  # one grant each
+    store.calls.clear()
+    clock.advance(SYNC / 2)
+    assert await grants.sync() == users
+    assert store.calls == [SEND_CHUNK, SEND_CHUNK, 10]
+    assert grants.total() == 0.0
+    # every unspent token is back in its shared bucket
+    back = BURST - BATCH + RATE * SYNC / 2 + BATCH - 1  # what was left, refill, the unspent
+    assert all(store.tokens(key) == pytest.approx(back) for key in grants._held)
     grants.close()
 
 

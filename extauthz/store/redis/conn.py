@@ -29,6 +29,7 @@ checks/s for the ~0.6 s the breaker took to open (p99 +67 ms).
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Final
@@ -68,6 +69,8 @@ class RespProtocol(asyncio.Protocol):
         self._reader = hiredis.Reader(protocolError=rx.InvalidResponse,
                                       replyError=rx.ResponseError)
         self._waiters: deque[asyncio.Future[Any]] = deque()
+        #: when each waiting command was written (loop time), in the same order
+        self._sent: deque[float] = deque()
         #: called once when the connection is lost (the owner starts reconnecting)
         self.on_lost: Callable[[], None] | None = None
         #: retired (see :meth:`retire`): nothing is sent, replies are still read
@@ -91,6 +94,7 @@ class RespProtocol(asyncio.Protocol):
                 reply, drop = _error(reply)
             if self._waiters:
                 future = self._waiters.popleft()
+                self._sent.popleft()
                 if not future.done():  # its caller may have gone: the reply is dropped
                     future.set_result(reply)
             if drop:
@@ -114,8 +118,14 @@ class RespProtocol(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in range(count)]
         self._waiters.extend(futures)
+        self._sent.extend(itertools.repeat(loop.time(), count))
         self.transport.write(data)
         return futures
+
+    @property
+    def waiting_since(self) -> float | None:
+        """When the oldest command still waiting for its reply was written (loop time)."""
+        return self._sent[0] if self._sent else None
 
     def retire(self, exc: BaseException, read_for: float) -> None:
         """Send nothing more (the owner reconnects, as after a loss) but keep reading: the
@@ -148,6 +158,7 @@ class RespProtocol(asyncio.Protocol):
             self._give_up.cancel()
             self._give_up = None
         self._note_lost(exc)
+        self._sent.clear()
         while self._waiters:
             future = self._waiters.popleft()
             if not future.done():
@@ -191,6 +202,11 @@ class NodeConnection:
         self._retired: list[RespProtocol] = []
         #: set while a connection is open (and once closed: waiters then find it closed)
         self._open_now = asyncio.Event()
+
+    @property
+    def waiting_since(self) -> float | None:
+        """When the oldest command still waiting on the open connection was written."""
+        return None if self._protocol is None else self._protocol.waiting_since
 
     async def call(self, data: bytes, count: int, *, late: bool = False) -> list[Any]:
         """Send ``count`` packed commands and return their replies (error replies in place).

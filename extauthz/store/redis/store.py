@@ -215,6 +215,14 @@ class RedisStore(StoreBase):
         missed deadline on them, not on the masters that answered."""
         return [self.node_of(key) for key, part in self._parts.get(lease_id, ()) if not part.done()]
 
+    def waited(self) -> float | None:
+        """The longest wait of a command on the lean connections (None: not lean, redis-py's
+        connections cannot tell)."""
+        if not self.lean:
+            return None
+        since = [t for node in self._nodes.values() if (t := node.waiting_since) is not None]
+        return asyncio.get_running_loop().time() - min(since) if since else 0.0
+
     async def _script_load(self, script: Script, node: ClusterNode | None) -> None:
         """SCRIPT LOAD where NOSCRIPT came from: on a cluster that node only, so that one
         dead master cannot keep scripts off the others."""

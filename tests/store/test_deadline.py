@@ -1,0 +1,101 @@
+"""The store deadline measures the store, not the server's own busy event loop (issue 24).
+
+At saturation an answer from Redis waits a loop turn for each hop between the socket and the
+check (read, the sender task, the store call, the shield): with long turns the deadline
+passed while Redis had long answered, the check failed open and the breaker opened on a
+healthy store. Now a passed deadline is checked after one I/O poll: a store whose oldest
+unanswered command has waited less than half the deadline is not late, and the check waits
+on (``Engine.deadline_extended``); a stalled store still fails open.
+
+Real Redis; the busy loop is a blocking sleep inside the store call, right after the
+command was written, so that Redis answers while nothing reads the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from extauthz import engine as engine_module
+from extauthz.breaker import Breaker
+from extauthz.clock import SYSTEM_CLOCK
+from extauthz.engine import Engine
+from extauthz.store.base import CheckResult, Op
+from extauthz.store.redis import RedisStore
+from testinfra.redis_servers import RedisSingle
+from tests.unit.helpers import RATE, get, policy_from
+
+pytestmark = pytest.mark.redis
+
+DEADLINE = 0.01
+#: how long the loop is kept busy after the write: many deadlines, far more than Redis
+#: needs to answer on any machine
+BUSY = 0.1
+
+
+async def written(store: RedisStore) -> None:
+    """Wait until a command is on the wire and waiting for its reply."""
+    node = store._nodes[""]
+    for _ in range(1000):
+        if node.waiting_since is not None:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the check was never written to Redis")
+
+
+def engine_on(store: RedisStore, tmp_path: Path, busy: bool) -> Engine:
+    """An engine whose store call, when ``busy``, blocks the loop once the command is
+    written (the breaker never opens: each check reaches the store)."""
+    async def check(ops: Sequence[Op], lease_id: str) -> CheckResult:
+        call = asyncio.ensure_future(store.check(ops, lease_id))
+        if busy:
+            await written(store)
+            time.sleep(BUSY)  # noqa: ASYNC251 - the point: nothing runs, nothing is read
+        return await call
+
+    return Engine(store, policy_from(tmp_path, {"limiters": [RATE]}), deadline=DEADLINE,
+                  breaker=Breaker(SYSTEM_CLOCK, threshold=10**9), store_check=check)
+
+
+@pytest.mark.parametrize("extensions", [engine_module.LOOP_EXTENSIONS, 0], ids=["shipped", "none"])
+async def test_an_answer_the_busy_loop_has_not_read_is_no_timeout(
+        redis_single_clean: RedisSingle, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        extensions: int) -> None:
+    monkeypatch.setattr(engine_module, "LOOP_EXTENSIONS", extensions)
+    store = RedisStore.from_url(redis_single_clean.url, deadline=DEADLINE)
+    try:
+        await store.ping()
+        engine = engine_on(store, tmp_path, busy=True)
+        _, decision = await engine.check(get())
+        if extensions:
+            # Redis answered in time: the rate limiter decided, nothing failed open
+            assert decision.allowed and decision.failures == ()
+            assert decision.verdicts[0].reason != "store_timeout"
+            assert engine.deadline_extended == 1 and engine.failures == {}
+        else:  # without the check after a poll: the deadline that passed in the busy loop
+            assert decision.failures == ("timeout",)
+            assert engine.failures == {"timeout": 1}
+    finally:
+        await store.close()
+
+
+async def test_a_stalled_store_still_fails_open(redis_single_clean: RedisSingle, tmp_path: Path) -> None:
+    store = RedisStore.from_url(redis_single_clean.url, deadline=DEADLINE)
+    try:
+        await store.ping()
+        engine = engine_on(store, tmp_path, busy=False)
+        redis_single_clean.pause()
+        try:
+            _, decision = await engine.check(get())
+        finally:
+            redis_single_clean.resume()
+        assert decision.allowed and decision.failures == ("timeout",)
+        assert decision.verdicts[0].reason == "store_timeout"
+        # the command waited the whole deadline: late at once, at worst after one more
+        assert engine.deadline_extended <= 1
+    finally:
+        await store.close()
