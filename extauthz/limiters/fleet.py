@@ -20,7 +20,6 @@ exact limiter admits; a replica may refuse while others hold free slots: at most
 
 from __future__ import annotations
 
-import asyncio
 import math
 import os
 from collections.abc import Iterable, Sequence
