@@ -51,7 +51,8 @@ class Setup:
     send_all_headers: bool = False
     #: Envoy's gRPC access log (the lease release path): "always" keeps the config file's,
     #: "auto" keeps it only when the policy holds a lease limiter, the rule of
-    #: ``extauthz envoy-config --access-log auto`` (extauthz.envoy_bootstrap.holds_leases)
+    #: ``extauthz envoy-config --access-log auto`` (extauthz.envoy_bootstrap.holds_leases);
+    #: "fluentd": Envoy's fluentd access logger to ``serve --fluentd-listen`` instead
     access_log: str = "always"
 
 
@@ -86,6 +87,9 @@ SETUPS: dict[str, Setup] = {s.key: s for s in [
     # (hd) with request_rate and fleet_usage batched (all-on-batched.yaml).
     Setup("hdb", "(hd), rate + fleet batched", policy="all-on-batched", redis=True, protocol="http",
           envoy_config="envoy-http.yaml", access_log="auto"),
+    # (hd) with the releases through Envoy's fluentd access logger (msgpack over TCP).
+    Setup("hdf", "(hd), releases over fluentd", policy="all-on", redis=True, protocol="http",
+          envoy_config="envoy-http.yaml", access_log="fluentd"),
     # Access-log batching by measurement: 20 ms vs the shipped 5 ms (d) and entry by entry (d-buf0).
     Setup("d-buf20", "(d), access log buffered 20 ms", policy="all-on", redis=True,
           accesslog_flush_ms=20),
@@ -106,7 +110,7 @@ SETUPS: dict[str, Setup] = {s.key: s for s in [
     Setup("r-all", "(r), every header to the server", policy="rate-only", redis=True,
           send_all_headers=True),
 ]}
-DEFAULT_SETUPS = ("a", "b", "c", "d", "e", "d1", "d2", "d2p", "b-aio", "d-aio", "h", "hc", "hd", "hdb",
+DEFAULT_SETUPS = ("a", "b", "c", "d", "e", "d1", "d2", "d2p", "b-aio", "d-aio", "h", "hc", "hd", "hdb", "hdf",
                   "r", "rh", "rhb", "b-all", "r-all", "d-buf20", "f", "fc", "b-buf0", "d-buf0")
 SMOKE_SETUPS = ("a", "b", "c")
 
@@ -115,12 +119,12 @@ RATIOS: tuple[tuple[str, str], ...] = (
     ("c", "b"), ("d", "b"), ("d2", "d1"), ("d2p", "d1"), ("d2p", "d2"), ("b-aio", "b"), ("d-aio", "d"),
     ("b", "b-all"), ("r", "r-all"), ("h", "b"), ("hc", "c"), ("hd", "d"), ("hc", "h"), ("hd", "h"),
     ("d-buf20", "d"), ("r", "b"), ("rh", "h"), ("rh", "a"), ("rhb", "h"), ("rhb", "rh"), ("hdb", "h"),
-    ("hdb", "hd"), ("f", "c"), ("fc", "c"), ("f", "fc"),
+    ("hdb", "hd"), ("hdf", "hd"), ("f", "c"), ("fc", "c"), ("f", "fc"),
     ("b", "b-buf0"), ("d", "d-buf0"),
 )
 #: ``cpu <k>/<base>``: server CPU per check of k over base, per round.
 CPU_RATIOS: tuple[tuple[str, str], ...] = (("h", "b"), ("hc", "c"), ("hd", "d"), ("rh", "r"), ("rhb", "rh"),
-                                           ("hdb", "hd"))
+                                           ("hdb", "hd"), ("hdf", "hd"))
 #: ``p99 added <k>/<base>``: (p99(k) - p99(a)) / (p99(base) - p99(a)) at the paced rate.
 P99_ADDED: tuple[tuple[str, str], ...] = (("d", "b"), ("c", "b"))
 #: ``p99 <k>/<base>``: p99(k) / p99(base) at the paced rate (the flood: well-behaved keys).

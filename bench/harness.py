@@ -26,6 +26,8 @@ Envoy in front of a trivial upstream, the extauthz server as a process, and driv
       without the access log its policy does not need (``extauthz envoy-config --access-log auto``)
   rhb (rh) with ``consistency: batched`` (bench/policies/rate-only-batched.yaml)
   hdb (hd) with request_rate and fleet_usage batched (bench/policies/all-on-batched.yaml)
+  hdf (hd) with the releases through Envoy's fluentd access logger (``serve --fluentd-listen``,
+      ``extauthz envoy-config --access-log fluentd``) instead of the gRPC access log
   f   (d) under a flood, 10 requests/s per key: one key sends half of all requests (refused),
       the other half rotates over 1,000 well-behaved keys; fc: the same load without the
       flooding key (1,000 other well-behaved keys in its place). Their latency run is two

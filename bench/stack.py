@@ -36,6 +36,7 @@ class Running:
         self.admin_base = 0
         self.metrics_base = 0
         self.http_port = 0
+        self.fluentd_port = 0
 
     # -- lifecycle
     def start(self) -> Running:
@@ -59,6 +60,9 @@ class Running:
                 if s.protocol == "http":
                     self.http_port = free_port()
                     args += ["--http-listen", f"127.0.0.1:{self.http_port}"]
+                if s.access_log == "fluentd":  # the release path through Envoy's fluentd logger
+                    self.fluentd_port = free_port()
+                    args += ["--fluentd-listen", f"127.0.0.1:{self.fluentd_port}"]
                 env = {"EXTAUTHZ_EVENT_LOOP": s.loop, "PYTHONPATH": str(ROOT)}
                 self.server = ServerProcess([policy_file(s)], args=args, env=env,
                                             workdir=self.workdir,
@@ -87,6 +91,7 @@ class Running:
             policy_allowed_headers([policy_file(s)], s.protocol),
             send_all_headers=s.send_all_headers,
             access_log_enabled=self.access_log(),
+            fluentd=("127.0.0.1", self.fluentd_port) if s.access_log == "fluentd" else None,
         )
         self.envoy = EnvoyProcess(config, concurrency=s.envoy_concurrency).start()
 
@@ -95,6 +100,8 @@ class Running:
         a lease, as ``extauthz envoy-config --access-log auto`` decides."""
         if self.setup.access_log == "always":
             return True
+        if self.setup.access_log == "fluentd":
+            return False  # replaced by the fluentd logger
         from extauthz.envoy_bootstrap import holds_leases
         from extauthz.policy import load_policy
 

@@ -184,6 +184,12 @@ def _fluentd_log(cluster: str) -> Config:
         "record": dict(FLUENTD_RECORD)}}
 
 
+def fluentd_release_log(to: tuple[str, int]) -> tuple[Config, Config]:
+    """The release path through Envoy's fluentd logger: the access log entry and its
+    cluster (``extauthz_fluentd``, plain TCP to ``to``: ``serve --fluentd-listen``)."""
+    return _fluentd_log("extauthz_fluentd"), _cluster("extauthz_fluentd", to, AUTHZ_TIMEOUT)
+
+
 def _strip(name: str, headers: list[str]) -> Config:
     return {"name": name, "typed_config": {"@type": _MUTATION, "mutations": {
         "request_mutations": [{"remove": h} for h in headers]}}}
@@ -355,7 +361,7 @@ def bootstrap(policy: Policy, *, protocol: str, upstream: tuple[str, int],
     if log:
         hcm["access_log"] = [_access_log(log_cluster)]
     elif fluentd:
-        hcm["access_log"] = [_fluentd_log("extauthz_fluentd")]
+        hcm["access_log"] = [fluentd_release_log(fluentd_to)[0]]
     hcm["route_config"] = {"name": "local_route", "virtual_hosts": [vhost]}
     hcm["http_filters"] = [*filters, {"name": "envoy.filters.http.router", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]
@@ -371,7 +377,7 @@ def bootstrap(policy: Policy, *, protocol: str, upstream: tuple[str, int],
     if log and not (protocol == "grpc" and log_cluster == "extauthz"):
         clusters.append(_grpc_cluster(log_cluster, log_to, tls))
     if fluentd:
-        clusters.append(_cluster("extauthz_fluentd", fluentd_to, AUTHZ_TIMEOUT))
+        clusters.append(fluentd_release_log(fluentd_to)[1])
     clusters.append(_cluster("upstream", upstream, "1s"))
     if tracing is not None:
         clusters.append(_cluster("otel_collector", tracing, AUTHZ_TIMEOUT, typed_extension_protocol_options=_http2()))

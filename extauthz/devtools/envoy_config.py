@@ -109,6 +109,7 @@ def render_config(
     extauthz_endpoints: int = 1,
     allowed_headers: Sequence[str] | None = None,
     send_all_headers: bool = False,
+    fluentd: tuple[str, int] | None = None,
 ) -> str:
     """Return the config in ``base`` (default: the shipped one) with ports and endpoints set.
 
@@ -141,6 +142,10 @@ def render_config(
                                     ``extauthz envoy-allowed-headers``).
       ``send_all_headers``          drop the gRPC filter's ``allowed_headers``: every request
                                     header goes into each CheckRequest (benchmarks compare).
+      ``fluentd``                   the release path through Envoy's fluentd access logger to
+                                    this address (``serve --fluentd-listen``) instead of the
+                                    gRPC access log: the logger and cluster that
+                                    ``extauthz envoy-config --access-log fluentd`` renders.
     """
     config: Config = yaml.safe_load(load_config_text(base))
     _set_port(config["admin"]["address"], admin_port)
@@ -173,6 +178,13 @@ def render_config(
                 del holder["typed_per_filter_config"]
     if access_log_flush_ms is not None:
         _set_access_log_flush(hcm, access_log_flush_ms)
+    if fluentd is not None:
+        from ..envoy_bootstrap import fluentd_release_log
+
+        logger, cluster = fluentd_release_log(fluentd)
+        hcm["access_log"] = [a for a in hcm.get("access_log", []) if a.get("name") != GRPC_ACCESS_LOGGER]
+        hcm["access_log"].append(logger)
+        config["static_resources"]["clusters"].append(cluster)
     if allowed_headers is not None or send_all_headers:
         _set_allowed_headers(hcm, allowed_headers, send_all_headers)
     if not tracing_enabled:

@@ -345,6 +345,8 @@ class FleetUsageShedder(FleetWide):
             self.grants = FleetSlots(((self.critical_key, 0), (self.other_key, self.noncritical_limit)),
                                      batch=batch, sync_interval=spec.sync_interval,
                                      lease_ttl=spec.lease_ttl, clock=clock)
+        #: admitted requests may hold a lease in a local grant (:func:`.grants.hold_leases`)
+        self.holds_leases = self.grants is not None
 
     @property
     def lease_keys(self) -> tuple[str, str]:

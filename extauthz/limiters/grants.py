@@ -39,7 +39,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Protocol, runtime_checkable
+from typing import Any, Final, Protocol, cast
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..context import RequestContext
@@ -47,7 +47,8 @@ from ..store.algorithms import admits, take
 from ..store.base import Op, ReturnOp, Store
 from ..verdict import Verdict
 
-__all__ = ["GRANT_METRICS", "GrantHolder", "GrantTable", "Grantee", "LeaseHolder", "Numbers", "Synced", "bind_store",
+__all__ = ["GRANT_METRICS", "GrantHolder", "GrantTable", "Grantee", "LeaseHolder", "Numbers", "Synced", "batched",
+           "bind_store",
            "default_batch", "grant_status", "hold_leases", "refund_grants", "retire_grants", "settle_grants"]
 
 #: the limiter's numbers a grant was taken with (a bucket: ``(rate, burst)``; a quota:
@@ -370,7 +371,6 @@ class GrantHolder(Protocol):
     def retire(self) -> None: ...
 
 
-@runtime_checkable
 class Grantee(Protocol):
     """A limiter that may take its budget in batched grants (``grants`` is None in exact mode)."""
 
@@ -381,14 +381,23 @@ class Grantee(Protocol):
         """Give back, to this replica's grant, what :meth:`Limiter.local` spent for ``ctx``."""
 
 
-@runtime_checkable
 class LeaseHolder(Protocol):
-    """A limiter whose requests may hold a lease in a local grant (fleet_usage, batched)."""
+    """A limiter whose requests may hold a lease in a local grant (fleet_usage, batched:
+    its ``holds_leases`` is True)."""
+
+    holds_leases: bool
 
     def hold(self, ctx: RequestContext, lease_id: str) -> str | None:
         """The lease key of the slot an admitted request took here, or None."""
 
     def refund(self, ctx: RequestContext) -> None: ...
+
+
+def batched(lim: object) -> Grantee | None:
+    """``lim`` when it takes its budget in batched grants (its ``grants`` is set), else None.
+    An attribute read, not ``isinstance`` against a runtime-checkable Protocol: that costs
+    microseconds per call on Python 3.11 (8 % of the (hdb) benchmark's samples, per request)."""
+    return lim if getattr(lim, "grants", None) is not None else None  # type: ignore[return-value]
 
 
 def hold_leases(ctx: RequestContext, slots: Iterable[tuple[object, bool, Verdict | None, int]],
@@ -397,10 +406,11 @@ def hold_leases(ctx: RequestContext, slots: Iterable[tuple[object, bool, Verdict
     refused one gives the slots it took back."""
     held: list[str] = []
     for lim, _, _, _ in slots:
-        if isinstance(lim, LeaseHolder):
+        if getattr(lim, "holds_leases", False):
+            holder = cast(LeaseHolder, lim)
             if not admitted:
-                lim.refund(ctx)
-            elif (key := lim.hold(ctx, lease_id)) is not None:
+                holder.refund(ctx)
+            elif (key := holder.hold(ctx, lease_id)) is not None:
                 held.append(key)
     return held
 
@@ -409,16 +419,15 @@ def refund_grants(ctx: RequestContext, slots: Iterable[tuple[object, bool, Verdi
     """A refused request takes nothing (as in exact mode, where only an admitted request
     commits): what batched limiters spent for it from their grants goes back to them."""
     for lim, _, local, _ in slots:
-        if (local is not None and not local.refused and isinstance(lim, Grantee)
-                and lim.grants is not None):
-            lim.refund(ctx)
+        if local is not None and not local.refused and (grantee := batched(lim)) is not None:
+            grantee.refund(ctx)
 
 
 async def settle_grants(limiters: Iterable[object]) -> None:
     """Every batched limiter gives back what it holds (:meth:`GrantTable.settle`)."""
     for lim in limiters:
-        if isinstance(lim, Grantee) and lim.grants is not None:
-            await lim.grants.settle()
+        if (grantee := batched(lim)) is not None and grantee.grants is not None:
+            await grantee.grants.settle()
 
 
 #: :meth:`GrantTable.status` fields on /metrics: field -> (metric name, counter?, help);
@@ -440,8 +449,8 @@ GRANT_METRICS: Final = {
 
 def grant_status(limiters: Iterable[object]) -> dict[str, dict[str, float]]:
     """Every batched limiter's :meth:`GrantTable.status`, by limiter name (/status, /metrics)."""
-    return {lim.name: lim.grants.status() for lim in limiters
-            if isinstance(lim, Grantee) and lim.grants is not None}
+    return {g.name: g.grants.status() for lim in limiters
+            if (g := batched(lim)) is not None and g.grants is not None}
 
 
 def retire_grants(old: Iterable[object], new: Iterable[object]) -> None:
@@ -451,12 +460,12 @@ def retire_grants(old: Iterable[object], new: Iterable[object]) -> None:
     that took it, and what goes back only refills the shared count."""
     kept = {id(lim) for lim in new}
     for lim in old:
-        if id(lim) not in kept and isinstance(lim, Grantee) and lim.grants is not None:
-            lim.grants.retire()
+        if id(lim) not in kept and (g := batched(lim)) is not None and g.grants is not None:
+            g.grants.retire()
 
 
 def bind_store(limiters: Iterable[object], store: Store) -> None:
     """Give every batched limiter's table the store its grants go back to."""
     for lim in limiters:
-        if isinstance(lim, Grantee) and lim.grants is not None:
-            lim.grants.store = store
+        if (g := batched(lim)) is not None and g.grants is not None:
+            g.grants.store = store
