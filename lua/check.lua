@@ -27,7 +27,7 @@
 --   fleet grant  fleet_grant_admits: want <= 0 or lease_admits(live, limit); fleet_grant_top:
 --           want > 0: have + (limit <= 0 and want or max(0, min(want, limit - live))), else
 --           max(0, have + want); members "<grant>:0 .. top-1" renewed (ZADD XX) or added,
---           "<grant>:top .. have-1" removed
+--           "<grant>:top .. have-1" removed (one command each for the whole grant)
 -- Only the raw state is returned: the caller derives remaining, retry-after and reset with
 -- extauthz.store.algorithms.op_result, as the embedded store does.
 --
@@ -95,6 +95,21 @@ local TOKEN_EPSILON = 1e-9
 
 local function fmt(x)
   return string.format('%.17g', x)
+end
+
+-- redis.call(cmd, key, [flag,] args...) with args in slices of at most 1,000 (unpack has a
+-- limit, 8,000 values): one command per slice, not one per member; the replies summed.
+local SLICE = 1000
+local function call_sliced(cmd, key, flag, args)
+  local n = 0
+  for s = 1, #args, SLICE do
+    local part = flag and {cmd, key, flag} or {cmd, key}
+    for j = s, math.min(#args, s + SLICE - 1) do
+      part[#part + 1] = args[j]
+    end
+    n = n + redis.call(unpack(part))
+  end
+  return n
 end
 
 -- Redis TIME is read at the first op that needs "now" (a call of releases only needs none).
@@ -256,16 +271,19 @@ local function check(k, j, n, res)
           top = have + (limit <= 0 and want or math.max(0, math.min(want, limit - value[i])))
         end
         local at = fmt(now + ttl)
+        local renew, add, drop = {}, {}, {}
         for m = 0, top - 1 do  -- renew what is still live (XX), add the new slots
-          if m < have then
-            redis.call('ZADD', key, 'XX', at, grant .. ':' .. m)
-          else
-            live[key] = live[key] + redis.call('ZADD', key, at, grant .. ':' .. m)
-          end
+          local list = m < have and renew or add
+          list[#list + 1] = at
+          list[#list + 1] = grant .. ':' .. m
         end
         for m = top, have - 1 do
-          live[key] = live[key] - redis.call('ZREM', key, grant .. ':' .. m)
+          drop[#drop + 1] = grant .. ':' .. m
         end
+        -- one ZADD XX, one ZADD and one ZREM for the whole grant (sliced past 500 members)
+        call_sliced('ZADD', key, 'XX', renew)
+        live[key] = live[key] + call_sliced('ZADD', key, false, add)
+        live[key] = live[key] - call_sliced('ZREM', key, false, drop)
         local ms = math.max(1000, math.ceil(ttl * 1000))
         if redis.call('PTTL', key) < ms then  -- never shortens the leases' key TTL
           redis.call('PEXPIRE', key, ms)

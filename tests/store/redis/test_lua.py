@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from extauthz.clock import ManualClock
-from extauthz.store.base import BucketOp, LeaseOp
+from extauthz.store.base import BucketOp, FleetGrantOp, LeaseOp
 from extauthz.store.redis import SCRIPT_NAMES, load_script
 from testinfra.redis_servers import RedisSingle
 from tests.conftest import ROOT
@@ -173,3 +173,33 @@ def test_a_lease_set_emptied_and_refilled_within_one_call_keeps_a_ttl(redis_sing
         assert c.zrange(USER_LEASES, 0, -1) == ["b"]
         assert 29_000 < c.pttl(USER_LEASES) <= 30_000
 
+
+
+@pytest.mark.redis
+async def test_a_fleet_grant_past_one_slice_is_renewed_and_shrunk_whole(redis_single_clean: RedisSingle) -> None:
+    """A grant of 2,500 slots (more than one ``call_sliced`` slice of 500 members, more than
+    ``unpack`` takes at once in a single command): grown, renewed and shrunk in a few
+    commands, every member with the renewal's expiry."""
+    clock = ManualClock(start=100.0)
+    store = make_redis_store(redis_single_clean, clock)
+    raw = redis_single_clean.client()
+    key, ttl = "extauthz:{fleet}:fl:big:other", 30.0
+    try:
+        have = 0
+        for _ in range(3):  # three growths of 1,000 (the schema's largest batch), limit 2,500
+            res = await store.check([FleetGrantOp(key, 2500, ttl, "g", have, 1000)], "")
+            assert res.admitted
+            have = min(2500, have + 1000)
+            assert raw.zcard(key) == have
+        raw.config_resetstat()
+        clock.advance(5.0)
+        assert (await store.check([FleetGrantOp(key, 2500, ttl, "g", have, 0)], "")).admitted
+        scores = {float(s) for _, s in raw.zrange(key, 0, -1, withscores=True)}
+        assert scores == {105.0 + ttl}  # every member renewed
+        zadds = int(raw.info("commandstats")["cmdstat_zadd"]["calls"])
+        assert zadds == 5  # 2,500 members: 5 slices of 500, not 2,500 commands
+        assert (await store.check([FleetGrantOp(key, 2500, ttl, "g", have, -2400)], "")).admitted
+        assert sorted(m for m in raw.zrange(key, 0, -1)) == sorted(f"g:{m}" for m in range(100))
+    finally:
+        raw.close()
+        await store.close()
