@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Final
@@ -69,7 +70,8 @@ class RespProtocol(asyncio.Protocol):
         self._reader = hiredis.Reader(protocolError=rx.InvalidResponse,
                                       replyError=rx.ResponseError)
         self._waiters: deque[asyncio.Future[Any]] = deque()
-        #: when each waiting command was written (loop time), in the same order
+        #: when each waiting command was written (``time.monotonic()``: the loop's clock is
+        #: the time its turn began, up to a whole busy turn earlier), in the same order
         self._sent: deque[float] = deque()
         #: called once when the connection is lost (the owner starts reconnecting)
         self.on_lost: Callable[[], None] | None = None
@@ -118,13 +120,13 @@ class RespProtocol(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in range(count)]
         self._waiters.extend(futures)
-        self._sent.extend(itertools.repeat(loop.time(), count))
+        self._sent.extend(itertools.repeat(time.monotonic(), count))
         self.transport.write(data)
         return futures
 
     @property
     def waiting_since(self) -> float | None:
-        """When the oldest command still waiting for its reply was written (loop time)."""
+        """When the oldest command still waiting for its reply was written (monotonic)."""
         return self._sent[0] if self._sent else None
 
     def retire(self, exc: BaseException, read_for: float) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
@@ -221,7 +222,7 @@ class RedisStore(StoreBase):
         if not self.lean:
             return None
         since = [t for node in self._nodes.values() if (t := node.waiting_since) is not None]
-        return asyncio.get_running_loop().time() - min(since) if since else 0.0
+        return time.monotonic() - min(since) if since else 0.0
 
     async def _script_load(self, script: Script, node: ClusterNode | None) -> None:
         """SCRIPT LOAD where NOSCRIPT came from: on a cluster that node only, so that one
