@@ -14,6 +14,7 @@ command was written, so that Redis answers while nothing reads the answer.
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -99,3 +100,22 @@ async def test_a_stalled_store_still_fails_open(redis_single_clean: RedisSingle,
         assert engine.deadline_extended <= 1
     finally:
         await store.close()
+
+
+async def test_a_check_waiting_for_a_connection_fails_open_at_the_deadline(tmp_path: Path) -> None:
+    """A Redis that accepts the TCP connection and never answers the handshake: the first
+    check waits for a connection that does not come; that is the store being late, not
+    this server's loop: no extension."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)  # the kernel completes connects; nobody ever answers
+    port = listener.getsockname()[1]
+    store = RedisStore.from_url(f"redis://127.0.0.1:{port}", deadline=DEADLINE)
+    try:
+        engine = engine_on(store, tmp_path, busy=False)
+        _, decision = await engine.check(get())
+        assert decision.allowed and decision.failures == ("timeout",)
+        assert engine.deadline_extended == 0
+    finally:
+        await store.close()
+        listener.close()

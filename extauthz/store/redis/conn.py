@@ -190,6 +190,8 @@ class NodeConnection:
         self._make = make
         self._protocol: RespProtocol | None = None
         self._opening: asyncio.Task[RespProtocol] | None = None
+        #: when the connect attempt under way began (time.monotonic())
+        self._opening_since = 0.0
         self._timeout: float | None = None
         self._writer: asyncio.StreamWriter | None = None
         #: connections opened, connect attempts, failed attempts in a row
@@ -207,8 +209,15 @@ class NodeConnection:
 
     @property
     def waiting_since(self) -> float | None:
-        """When the oldest command still waiting on the open connection was written."""
-        return None if self._protocol is None else self._protocol.waiting_since
+        """When the oldest command still waiting on the open connection was written; with no
+        open connection and a connect attempt under way, when the attempt began (a call
+        waiting for it waits on the store)."""
+        protocol = self._protocol
+        if protocol is not None and protocol.lost is None:
+            return protocol.waiting_since
+        if self._opening is not None and not self._opening.done():
+            return self._opening_since
+        return None
 
     async def call(self, data: bytes, count: int, *, late: bool = False) -> list[Any]:
         """Send ``count`` packed commands and return their replies (error replies in place).
@@ -291,6 +300,7 @@ class NodeConnection:
         """The connect attempt under way, or a new one (one at a time)."""
         task = self._opening
         if task is None or task.done():
+            self._opening_since = time.monotonic()
             task = self._opening = asyncio.get_running_loop().create_task(self._attempt())
             task.add_done_callback(_retrieve)
         return task
