@@ -149,7 +149,10 @@ class StorePart:
     def status(self) -> Mapping[str, Any]:
         engine, store = self.engine, self.engine.store
         return {"store": {
-            "name": store.name, "breaker": engine.breaker_state, "window_failures": engine.breaker.failures,
+            # failures in the breakers' current windows: on a cluster the masters' breakers
+            # decide (the engine's own is only their template)
+            "name": store.name, "breaker": engine.breaker_state,
+            "window_failures": engine.breaker.failures + sum(b.failures for b in engine.node_breakers.values()),
             **({"masters": {name: b.state for name, b in sorted(engine.node_breakers.items())}}
                if engine.node_breakers else {}),
             **({"live_leases": store.live_leases()} if isinstance(store, MemoryStore) else {})}}

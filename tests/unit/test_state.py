@@ -49,7 +49,22 @@ async def test_the_engine_parts_give_the_same_figures_to_status_and_metrics(tmp_
     version = status["policy"]["version"]
     assert registry.get_sample_value("extauthz_policy_info", {"version": version}) == 1
     assert status["store"]["name"] == "faulty" and status["store"]["breaker"] == "closed"
+    assert status["store"]["window_failures"] == 3
     assert registry.get_sample_value("extauthz_store_breaker_open") == 0
+    assert status["deadline_extended"] == 0
+    assert registry.get_sample_value("extauthz_store_deadline_extended_total") == 0
+
+
+def test_window_failures_count_the_masters_breakers_on_a_cluster(tmp_path: Path) -> None:
+    """On Redis Cluster each master's breaker counts its failures; the engine's own breaker is
+    only their template and counts none."""
+    engine = Engine(MemoryStore(ManualClock(1000.0)), policy_from(tmp_path, POLICY))
+    for name, failures in (("m1", 2), ("m2", 1)):
+        breaker = engine.node_breakers[name] = engine.breaker.like()
+        for _ in range(failures):
+            breaker.failure()
+    status = Panel(engine_parts(engine)).status()["store"]
+    assert status["window_failures"] == 3 and status["masters"] == {"m1": "closed", "m2": "closed"}
 
 
 def test_a_new_component_adds_one_part_and_shows_in_both() -> None:
