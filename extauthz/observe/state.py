@@ -153,6 +153,7 @@ class StorePart:
             # decide (the engine's own is only their template)
             "name": store.name, "breaker": engine.breaker_state,
             "window_failures": engine.breaker.failures + sum(b.failures for b in engine.node_breakers.values()),
+            "deadline_extended": engine.deadline_extended,
             **({"masters": {name: b.state for name, b in sorted(engine.node_breakers.items())}}
                if engine.node_breakers else {}),
             **({"live_leases": store.live_leases()} if isinstance(store, MemoryStore) else {})}}
@@ -165,6 +166,10 @@ class StorePart:
                           stats.round_trips)
             yield counter("extauthz_store_script_calls", "Lua script calls sent to Redis "
                           "(EVALSHA; releases merged into one call count once).", stats.commands)
+        yield counter("extauthz_store_deadline_extended", "Store deadlines passed while the "
+                      "store had answered and this server's busy event loop had not carried the "
+                      "answer yet: the check waited on (a few deadlines at most), not failed open.",
+                      self.engine.deadline_extended)
         breaker = GaugeMetricFamily("extauthz_store_breaker_open", "1 while the store circuit "
                                     "breaker skips the store (open or half-open).")
         breaker.add_metric([], 0 if self.engine.breaker_state == "closed" else 1)
@@ -176,8 +181,7 @@ class FailOpenPart:
     engine: Engine
 
     def status(self) -> Mapping[str, Any]:
-        return {"fail_open": dict(sorted(self.engine.failures.items())),
-                "deadline_extended": self.engine.deadline_extended}
+        return {"fail_open": dict(sorted(self.engine.failures.items()))}
 
     def metrics(self) -> Iterable[Metric]:
         fail = CounterMetricFamily("extauthz_fail_open", "Failures met while deciding (store "
@@ -187,10 +191,6 @@ class FailOpenPart:
         for reason, n in sorted((dict.fromkeys(FAIL_REASONS, 0) | self.engine.failures).items()):
             fail.add_metric([reason], n)
         yield fail
-        yield counter("extauthz_store_deadline_extended", "Store deadlines passed while the "
-                      "store had answered and this server's busy event loop had not carried the "
-                      "answer yet: the check waited on (a few deadlines at most), not failed open.",
-                      self.engine.deadline_extended)
 
 
 @dataclass(eq=False)

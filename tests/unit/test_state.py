@@ -51,7 +51,7 @@ async def test_the_engine_parts_give_the_same_figures_to_status_and_metrics(tmp_
     assert status["store"]["name"] == "faulty" and status["store"]["breaker"] == "closed"
     assert status["store"]["window_failures"] == 3
     assert registry.get_sample_value("extauthz_store_breaker_open") == 0
-    assert status["deadline_extended"] == 0
+    assert status["store"]["deadline_extended"] == 0
     assert registry.get_sample_value("extauthz_store_deadline_extended_total") == 0
 
 
