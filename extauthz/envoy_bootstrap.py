@@ -176,18 +176,15 @@ def _access_log(cluster: str) -> Config:
                           "buffer_flush_interval": ACCESS_LOG_FLUSH}}}
 
 
-def _fluentd_log(cluster: str) -> Config:
-    return {"name": "envoy.access_loggers.fluentd", "typed_config": {
-        "@type": "type.googleapis.com/envoy.extensions.access_loggers.fluentd.v3.FluentdAccessLogConfig",
-        "cluster": cluster, "tag": FLUENTD_TAG, "stat_prefix": "extauthz_release",
-        "buffer_size_bytes": ACCESS_LOG_BUFFER_BYTES, "buffer_flush_interval": ACCESS_LOG_FLUSH,
-        "record": dict(FLUENTD_RECORD)}}
-
-
 def fluentd_release_log(to: tuple[str, int]) -> tuple[Config, Config]:
     """The release path through Envoy's fluentd logger: the access log entry and its
     cluster (``extauthz_fluentd``, plain TCP to ``to``: ``serve --fluentd-listen``)."""
-    return _fluentd_log("extauthz_fluentd"), _cluster("extauthz_fluentd", to, AUTHZ_TIMEOUT)
+    logger: Config = {"name": "envoy.access_loggers.fluentd", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.access_loggers.fluentd.v3.FluentdAccessLogConfig",
+        "cluster": "extauthz_fluentd", "tag": FLUENTD_TAG, "stat_prefix": "extauthz_release",
+        "buffer_size_bytes": ACCESS_LOG_BUFFER_BYTES, "buffer_flush_interval": ACCESS_LOG_FLUSH,
+        "record": dict(FLUENTD_RECORD)}}
+    return logger, _cluster("extauthz_fluentd", to, AUTHZ_TIMEOUT)
 
 
 def _strip(name: str, headers: list[str]) -> Config:
@@ -323,14 +320,14 @@ def bootstrap(policy: Policy, *, protocol: str, upstream: tuple[str, int],
     if tls is not None and protocol != "grpc":
         raise ValueError("TLS to the server is for the gRPC protocol only (the HTTP port is plaintext)")
     authz = authz or DEFAULT_AUTHZ[protocol]
-    fluentd = access_log == "fluentd"
     log = access_log == "always" or (access_log == "auto" and holds_leases(policy))
     # the access log's gRPC port: by default the Check port (gRPC) or port 9001 of its host (HTTP)
     log_to = access_log_to or (authz if protocol == "grpc" else (authz[0], ACCESS_LOG_PORT))
     # one "extauthz" cluster for Check and the access log when they share a port
     log_cluster = "extauthz" if protocol == "http" or log_to == authz else "extauthz_access_log"
-    # the fluentd port: plain TCP, by default port 9004 of the --authz host
-    fluentd_to = access_log_to or (authz[0], FLUENTD_PORT)
+    # the fluentd logger and its cluster: plain TCP, by default port 9004 of the --authz host
+    fluentd = (fluentd_release_log(access_log_to or (authz[0], FLUENTD_PORT))
+               if access_log == "fluentd" else None)
 
     extra_routes = _quickstart_routes(policy, protocol) if quickstart_routes else []
     vhost: Config = {"name": "api", "domains": ["*"], "routes": _routes(extra_routes)}
@@ -360,8 +357,8 @@ def bootstrap(policy: Policy, *, protocol: str, upstream: tuple[str, int],
         filters.insert(1, _jwt_authn(jwt, protocol))
     if log:
         hcm["access_log"] = [_access_log(log_cluster)]
-    elif fluentd:
-        hcm["access_log"] = [fluentd_release_log(fluentd_to)[0]]
+    elif fluentd is not None:
+        hcm["access_log"] = [fluentd[0]]
     hcm["route_config"] = {"name": "local_route", "virtual_hosts": [vhost]}
     hcm["http_filters"] = [*filters, {"name": "envoy.filters.http.router", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]
@@ -376,8 +373,8 @@ def bootstrap(policy: Policy, *, protocol: str, upstream: tuple[str, int],
         clusters.append(_grpc_cluster("extauthz", authz, tls))
     if log and not (protocol == "grpc" and log_cluster == "extauthz"):
         clusters.append(_grpc_cluster(log_cluster, log_to, tls))
-    if fluentd:
-        clusters.append(fluentd_release_log(fluentd_to)[1])
+    if fluentd is not None:
+        clusters.append(fluentd[1])
     clusters.append(_cluster("upstream", upstream, "1s"))
     if tracing is not None:
         clusters.append(_cluster("otel_collector", tracing, AUTHZ_TIMEOUT, typed_extension_protocol_options=_http2()))
