@@ -32,7 +32,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .grpc_floor import CALLGRIND, cpu_per_check, free_port, instructions_per_check, stop
+from extauthz.devtools.stack import free_port
+
+from .grpc_floor import CALLGRIND, cpu_per_check, instructions_per_check, stop
 from .procs import RedisServer
 
 POLICY = Path(__file__).with_name("policies") / "rate-only.yaml"

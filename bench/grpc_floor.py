@@ -55,7 +55,6 @@ import importlib.util
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -63,6 +62,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from extauthz.devtools.stack import free_port
 
 CHECK_PATH = "/envoy.service.auth.v3.Authorization/Check"
 CANDIDATES = ("aio", "aio-uvloop", "aio-knobs", "aio-poll", "aio-no-ee", "aio-exp", "aio-bytes", "sync",
@@ -379,12 +380,6 @@ def serve(name: str, port: int) -> None:
 
 
 # ---- the driver -------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cpu_seconds(pid: int) -> tuple[float, float]:

@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from extauthz.devtools.stack import free_port
+
 from .procs import cpu_seconds
 
 NOOP_POLICY = Path(__file__).with_name("policies") / "noop.yaml"
@@ -42,12 +44,6 @@ async def app(scope, receive, send):
                 "headers": [(b"x-extauthz-tier", b"get"), (b"content-length", b"0")]})
     await send({"type": "http.response.body", "body": b""})
 '''
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_port(port: int, timeout: float = 20.0) -> None:

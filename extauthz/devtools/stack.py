@@ -22,23 +22,37 @@ from .envoy_config import HTTP_CONFIG, config_path, render_config
 from .envoy_process import EnvoyProcess
 from .upstream import Upstream, start_upstream
 
+#: Every port free_port/free_port_block handed out in this process: the kernel may give two
+#: back-to-back binds of port 0 the same port (a test server's public and admin ports were
+#: once equal, and the server refused to start), so a port is handed out once.
+_HANDED_OUT: set[int] = set()
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free now and not handed out before by this process."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no free port not handed out before")
 
 
 def free_port_block(n: int, low: int = 20000, high: int = 32000) -> int:
-    """A port P with P..P+n-1 all free, below the usual ephemeral range (so that outgoing
-    connections do not take them between this check and the bind)."""
+    """A port P with P..P+n-1 all free and none handed out before, below the usual ephemeral
+    range (so that outgoing connections do not take them between this check and the bind)."""
     import random
 
     for _ in range(200):
         base = random.randrange(low, high - n)
+        block = range(base, base + n)
+        if _HANDED_OUT.intersection(block):
+            continue
         socks = []
         try:
-            for port in range(base, base + n):
+            for port in block:
                 s = socket.socket()
                 socks.append(s)
                 s.bind(("127.0.0.1", port))
@@ -47,6 +61,7 @@ def free_port_block(n: int, low: int = 20000, high: int = 32000) -> int:
         finally:
             for s in socks:
                 s.close()
+        _HANDED_OUT.update(block)
         return base
     raise RuntimeError(f"no block of {n} free ports")
 

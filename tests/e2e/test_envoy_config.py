@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import queue
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -32,6 +31,7 @@ from extauthz.devtools.envoy_config import (
     validate,
 )
 from extauthz.devtools.envoy_process import EnvoyProcess
+from extauthz.devtools.stack import free_port
 from extauthz.devtools.upstream import Upstream, start_upstream
 
 pytestmark = pytest.mark.e2e
@@ -41,12 +41,6 @@ SOURCE_CONFIG = REPO / "envoy" / "envoy.yaml"
 HTTP_CONFIG = REPO / "envoy" / "envoy-http.yaml"
 
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def render(**kwargs: Any) -> str:
