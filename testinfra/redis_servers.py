@@ -28,7 +28,6 @@ import contextlib
 import functools
 import importlib
 import os
-import random
 import re
 import shutil
 import signal
@@ -43,6 +42,8 @@ from typing import Any, Literal, Protocol
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from extauthz.devtools.stack import free_port, free_port_block
 
 __all__ = [
     "HOST",
@@ -151,9 +152,6 @@ def _ping(port: int, password: str | None = None) -> bool:
         return bool(c.ping())
 
 
-_handed_out: set[int] = set()
-
-
 def _can_bind(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
@@ -164,21 +162,16 @@ def _can_bind(port: int) -> bool:
 
 
 def _free_port(bus_offset: bool = False) -> int:
-    """A loopback port that is free now and not handed out before in this process.
+    """A loopback port that is free now and not handed out before in this process (the one
+    picker, extauthz.devtools.stack's, so that Redis and the test servers never share one).
 
     ``bus_offset``: also ``port + 10000`` must be free (cluster bus before Redis 7).
     """
+    if not bus_offset:
+        return free_port()
     for _ in range(200):
-        if bus_offset:
-            port = random.randint(20000, 30000)
-            if not _can_bind(port + 10000):
-                continue
-        else:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind((HOST, 0))
-                port = int(s.getsockname()[1])
-        if port not in _handed_out and _can_bind(port):
-            _handed_out.add(port)
+        port = free_port_block(1, 20000, 22700)
+        if _can_bind(port + 10000):
             return port
     raise RedisStartError("no free loopback port found")
 

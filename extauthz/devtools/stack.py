@@ -22,22 +22,15 @@ from .envoy_config import HTTP_CONFIG, config_path, render_config
 from .envoy_process import EnvoyProcess
 from .upstream import Upstream, start_upstream
 
-#: Every port free_port/free_port_block handed out in this process: the kernel may give two
-#: back-to-back binds of port 0 the same port (a test server's public and admin ports were
-#: once equal, and the server refused to start), so a port is handed out once.
+#: Every port handed out in this process: a port is handed out once (two back-to-back binds
+#: of port 0 once gave a test server the same public and admin port, and it refused to start).
 _HANDED_OUT: set[int] = set()
 
 
 def free_port() -> int:
-    """A loopback port free now and not handed out before by this process."""
-    for _ in range(1000):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
-    raise RuntimeError("no free port not handed out before")
+    """A loopback port free now, not handed out before by this process, below the ephemeral
+    range (so that no outgoing connection takes it before its user binds it)."""
+    return free_port_block(1)
 
 
 def free_port_block(n: int, low: int = 20000, high: int = 32000) -> int:
@@ -46,7 +39,7 @@ def free_port_block(n: int, low: int = 20000, high: int = 32000) -> int:
     import random
 
     for _ in range(200):
-        base = random.randrange(low, high - n)
+        base = random.randrange(low, high - n + 1)
         block = range(base, base + n)
         if _HANDED_OUT.intersection(block):
             continue
