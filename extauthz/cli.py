@@ -172,6 +172,11 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"extauthz envoy-config: {exc}", file=sys.stderr)
         return 2
+    if args.protocol == "http":
+        from .server.httpmap import unreadable_over_http
+
+        for problem in unreadable_over_http(policy):
+            print(f"warning: {problem}", file=sys.stderr)
     sys.stdout.write(text)
     return 0
 

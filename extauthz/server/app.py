@@ -34,6 +34,7 @@ from ..store.memory import MemoryStore
 from ..tickets import LeaseTickets
 from .fluentd import FluentdReceiver
 from .http import HttpAuthorization, HttpLimits, max_connections_for
+from .httpmap import unreadable_over_http
 from .leases import Leases
 from .operations import Operations
 from .portfile import remove_admin_url, write_admin_url
@@ -120,7 +121,7 @@ class Server:
         # admin + metrics ports, hot reload, switches, scrape-time metrics, /status
         self.ops = Operations(config, engine=self.engine, store=self.store, clock=clock, observe=self.observe,
                               accesslog=self.accesslog, runner=self.runner, watch=policy is None,
-                              after_reload=self.sync_samplers)
+                              after_reload=self._policy_applied)
         files = TlsFiles.from_options(config.tls_cert, config.tls_key, config.tls_client_ca)
         self.tls = CertificateReloader(files) if files is not None else None
         self.ops.tls = self.tls
@@ -199,7 +200,7 @@ class Server:
             self.grpc = server
         for name in ("", AUTH_SERVICE, ACCESSLOG_SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self.sync_samplers()
+        self._policy_applied()
         if self.recorder is not None:
             self.runner.every("recorder", self.recorder.flush_interval, self.recorder.flush)
         self._write_admin_url()
@@ -225,6 +226,15 @@ class Server:
             write_admin_url(Path(self.config.admin_url_file), self.admin_url)
         except OSError as exc:
             log.warning("cannot write the admin URL file: %s", exc)
+
+    def _policy_applied(self) -> None:
+        """At start and after each reload: the samplers follow the policy, and the HTTP port
+        says what of the policy its protocol cannot carry."""
+        self.sync_samplers()
+        if self.http is not None:
+            for problem in unreadable_over_http(self.engine.snapshot.policy):
+                log.warning("HTTP authorization port: %s", problem,
+                            extra={"fields": {"event": "http_unreadable", "problem": problem}})
 
     def sync_samplers(self) -> None:
         """One sampler job per worker utilization shedder of the current policy; call

@@ -15,13 +15,16 @@ import base64
 import binascii
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..answers import PROTOCOLS, TIER_HEADER, denial, lease_fields, ratelimit_headers
 from ..classify import scalars_at
 from ..context import REQUEST_ID_HEADER, RawRequest, RequestContext
 from ..verdict import Decision
 from .edge import GRPC_EDGE_HEADERS
+
+if TYPE_CHECKING:
+    from ..policy.model import Policy
 
 #: the status that marks a load shedder's (or a fail-closed limiter's) refusal: Envoy does not
 #: forward a 5xx from an authorization service (it counts an error and fails open or closed),
@@ -67,6 +70,34 @@ def allowed_headers(needed: Iterable[str], protocol: str = "http") -> list[str]:
     edge = EDGE_HEADERS if protocol == "http" else GRPC_EDGE_HEADERS
     out = [h for h in sorted({h.lower() for h in needed}) if h not in implied]
     return out + [h for h in edge if h not in out]
+
+
+#: key parts read from the route (its metadata or context extensions): the HTTP protocol
+#: carries neither, so behind it they yield nothing.
+ROUTE_KEY_PARTS = frozenset({"route", "route_metadata", "context_extension"})
+
+
+def unreadable_over_http(policy: Policy) -> list[str]:
+    """What ``policy`` reads that Envoy's HTTP authorization protocol does not carry, one
+    sentence each (``envoy-config --protocol http`` and ``serve --http-listen`` say them): a
+    key part read from the route (its limiter then skips every request, or with
+    ``on_missing_key: shared`` counts them all in one bucket), and filter metadata other than
+    the JWT payload ``jwt_authn`` forwards."""
+    problems = []
+    for name, index in policy.key_index.items():
+        for part in policy.keys[index].parts:
+            if part.kind in ROUTE_KEY_PARTS:
+                problems.append(
+                    f"limiter '{name}': key part {part.label} yields nothing on the HTTP protocol "
+                    "(no route metadata or context extensions there): use the gRPC protocol, or a "
+                    "header the route sets")
+    for namespace, paths in policy.needed_metadata.items():
+        for path in paths:
+            if namespace != JWT_NAMESPACE or not path or path[0] != JWT_PAYLOAD_KEY:
+                problems.append(
+                    f"metadata {namespace}:{'.'.join(path)} yields nothing on the HTTP protocol "
+                    f"(it carries only the JWT payload, as {JWT_NAMESPACE}:{JWT_PAYLOAD_KEY}.<claim>)")
+    return problems
 
 
 # ---- the request: HTTP -> RawRequest ----------------------------------------------------

@@ -313,3 +313,45 @@ async def test_after_a_protocol_error_nothing_more_is_read(server: Server, monke
     writer.close()
     assert statuses(raw) == [200, 200, 400]
     assert server.http is not None and server.http.rejected == {"bad_request": 1}
+
+
+async def test_the_http_port_warns_of_what_its_protocol_cannot_carry_at_start_and_reload(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    policy = tmp_path / "p.yaml"
+    policy.write_text(POLICY_HEAD + "  - {name: per-route, type: request_rate, rate: 1, burst: 3,"
+                      " key: [{identity: true}, {route: true}]}\n")
+    srv = Server(ServerConfig(policies=[str(policy)], listen="off", http_listen="127.0.0.1:0",
+                              admin_listen="off"))
+
+    def warned() -> list[str]:
+        found = [r.fields["problem"] for r in caplog.records  # type: ignore[attr-defined]
+                 if getattr(r, "fields", {}).get("event") == "http_unreadable"]
+        caplog.clear()
+        return [p.split(" yields")[0] for p in found]
+
+    caplog.set_level(logging.WARNING, logger="extauthz")
+    await srv.start()
+    try:
+        assert warned() == ["limiter 'per-route': key part route"]
+        policy.write_text(POLICY_HEAD + "  - {name: per-team, type: request_rate, rate: 1, burst: 3,"
+                          " key: [{context_extension: team}]}\n")
+        assert srv.ops.watcher is not None and await srv.ops.watcher.poll()
+        assert warned() == ["limiter 'per-team': key part context_extension:team"]
+        policy.write_text(POLICY)  # nothing the HTTP protocol cannot carry
+        assert await srv.ops.watcher.poll()
+        assert warned() == []
+    finally:
+        await srv.stop(grace=0)
+
+
+async def test_the_grpc_port_alone_has_nothing_to_warn_of(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    policy = tmp_path / "p.yaml"
+    policy.write_text(POLICY_HEAD + "  - {name: per-route, type: request_rate, rate: 1, burst: 3,"
+                      " key: [{identity: true}, {route: true}]}\n")
+    caplog.set_level(logging.WARNING, logger="extauthz")
+    srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0", admin_listen="off"))
+    await srv.start()
+    try:
+        assert not [r for r in caplog.records if getattr(r, "fields", {}).get("event") == "http_unreadable"]
+    finally:
+        await srv.stop(grace=0)

@@ -98,6 +98,25 @@ def test_envoy_allowed_headers_adds_the_headers_key_parts_read(
     assert listed == ["x-api-key", "x-org", "x-team", "x-request-id"]
 
 
+def test_envoy_config_for_http_warns_of_key_parts_the_protocol_cannot_carry(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import yaml
+
+    policy = tmp_path / "p.yaml"
+    policy.write_text("version: 1\nidentity: [{header: x-api-key}]\nlimiters:\n"
+                      "  - {name: per-route, type: request_rate, rate: 1, burst: 1,\n"
+                      "     key: [{identity: true}, {route: true}]}\n")
+    common = ["envoy-config", "--upstream", "127.0.0.1:8080", "--policies", str(policy)]
+    assert main([*common, "--protocol", "http"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        "warning: limiter 'per-route': key part route yields nothing on the HTTP protocol (no route "
+        "metadata or context extensions there): use the gRPC protocol, or a header the route sets"]
+    assert yaml.safe_load(captured.out)["static_resources"]  # the config is still written
+    assert main([*common, "--protocol", "grpc"]) == 0
+    assert capsys.readouterr().err == ""  # gRPC carries the route's metadata
+
+
 def test_envoy_allowed_headers_bad_policy_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     bad = FIXTURES / "policies" / "bad" / "unknown_key.yaml"
     assert main(["envoy-allowed-headers", str(bad)]) == 1

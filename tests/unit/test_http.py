@@ -18,6 +18,7 @@ from extauthz.server.httpmap import (
     path_prefix,
     raw_request,
     source_ip,
+    unreadable_over_http,
     xfcc_principal,
 )
 
@@ -155,3 +156,35 @@ def test_http_path_prefix_values(value: str, normalized: str) -> None:
 def test_bad_http_path_prefix_is_refused(value: str) -> None:
     with pytest.raises(ValueError, match="path such as /auth"):
         path_prefix(value)
+
+
+#: a policy reading, per limiter, one thing the HTTP protocol carries and one it does not
+UNREADABLE = {
+    "identity": [{"metadata": {"namespace": "envoy.filters.http.jwt_authn", "path": ["payload", "sub"]}},
+                 {"metadata": {"namespace": "corp.authn", "path": ["user"]}}],
+    "limiters": [
+        {"name": "per-route", "type": "request_rate", "rate": 1, "burst": 1,
+         "key": [{"identity": True}, {"route": True}]},
+        {"name": "per-team", "type": "request_rate", "rate": 1, "burst": 1,
+         "key": [{"context_extension": "team"}, {"header": "x-org"}]},
+        {"name": "per-gateway-route", "type": "quota", "limit": 5, "period": "day",
+         "key": [{"route_metadata": {"namespace": "envoy-gateway", "path": ["resources", 0, "name"]}}]},
+        {"name": "per-ip", "type": "request_rate", "rate": 1, "burst": 1, "key": [{"source_ip": True}]},
+    ],
+}
+
+
+def test_what_the_http_protocol_cannot_carry_is_named(tmp_path: Path) -> None:
+    problems = unreadable_over_http(policy_from(tmp_path, UNREADABLE))
+    assert [p.split(" yields nothing")[0] for p in problems] == [
+        "limiter 'per-route': key part route",
+        "limiter 'per-team': key part context_extension:team",
+        "limiter 'per-gateway-route': key part route_metadata:envoy-gateway:resources.0.name",
+        "metadata corp.authn:user",
+    ]
+    assert all("HTTP protocol" in p for p in problems)
+
+
+def test_a_policy_the_http_protocol_carries_has_nothing_to_say(tmp_path: Path) -> None:
+    doc = {**UNREADABLE, "identity": UNREADABLE["identity"][:1], "limiters": UNREADABLE["limiters"][3:]}
+    assert unreadable_over_http(policy_from(tmp_path, doc)) == []
