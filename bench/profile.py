@@ -123,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default="b,c,d")
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--svg-dir", type=Path, default=None)
+    p.add_argument("--raw-dir", type=Path, default=None,
+                   help="keep py-spy's raw (collapsed) stacks here, profile-<config>.txt")
     a = p.parse_args(argv)
     keys = a.configs.split(",")
     workdir = Path(tempfile.mkdtemp(prefix="extauthz-profile-"))
@@ -132,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         for key in keys:
             rps, raw = profile(key, a.seconds, a.svg_dir, workdir, redis)
             results[key] = (rps, *summarize(raw))
+            if a.raw_dir is not None:
+                a.raw_dir.mkdir(parents=True, exist_ok=True)
+                shutil.copy(raw, a.raw_dir / raw.name)
     finally:
         if redis is not None:
             redis.stop()
