@@ -16,6 +16,12 @@ and only until those grants go back:
   of being taken: a timer every half interval returns each grant at least half an interval
   old, in the existing batched script call (returns ride with the next check, as lease
   releases do);
+* a token bucket's grant that a request spent from in the last half interval is
+  **renewed** instead: one :class:`~extauthz.store.base.GrantOp` of cost 0 gives the unspent
+  grant back and takes the next one in the same atomic step (the bucket's own grant rule, so
+  the guarantee and the bound are the same), off the request path: a key in use keeps
+  answering from a grant instead of asking the store on a request once per interval, and
+  one interval after its traffic stops no replica holds any of it;
 * a key whose replica holds none of its grant for ``sync_interval`` is forgotten;
 * grants that land together (several requests of one key asked in one loop turn) are kept
   up to one grant (``want``); the rest goes back at once, so no replica holds more than
@@ -44,11 +50,11 @@ from typing import Any, Final, Protocol, cast
 from ..clock import SYSTEM_CLOCK, Clock
 from ..context import RequestContext
 from ..store.algorithms import admits, take
-from ..store.base import Op, ReturnOp, Store
+from ..store.base import GrantOp, Op, OpResult, ReturnOp, Store
 from ..verdict import Verdict
 
 __all__ = ["GRANT_METRICS", "GrantHolder", "GrantTable", "Grantee", "LeaseHolder", "Numbers", "Synced", "batched",
-           "bind_store",
+           "bind_store", "bucket_renew",
            "default_batch", "grant_status", "hold_leases", "refund_grants", "retire_grants", "settle_grants"]
 
 #: the limiter's numbers a grant was taken with (a bucket: ``(rate, burst)``; a quota:
@@ -62,6 +68,19 @@ def bucket_return(key: str, numbers: Numbers, amount: float) -> Op:
     """A token bucket's give-back (``request_rate``)."""
     rate, burst = numbers
     return ReturnOp(key, rate, burst, amount)
+
+
+#: the op that gives ``held`` of a key's grant back and takes the next grant of up to
+#: ``want`` in one atomic step (a key spent from since its grant was taken)
+Renew = Callable[[str, Numbers, float, float], GrantOp]
+
+
+def bucket_renew(key: str, numbers: Numbers, held: float, want: float) -> GrantOp:
+    """A token bucket's renewal (``request_rate``): a grant of cost 0, so always admitted,
+    that gives ``held`` back and takes up to ``want`` from the pool (the bucket's own rule:
+    :func:`~extauthz.store.algorithms.grant_pool`, :func:`~extauthz.store.algorithms.grant_size`)."""
+    rate, burst = numbers
+    return GrantOp(key, rate, burst, 0.0, want, False, held)
 
 #: timer ticks per sync_interval: a grant goes back at the first tick at least half an
 #: interval after it was taken, so within one interval
@@ -91,6 +110,11 @@ class _Held:
     empty_since: float
     #: the limiter's numbers the grant was taken with (a return carries them)
     numbers: Numbers
+    #: what one grant takes for the key (a renewal asks as much)
+    want: float = 0.0
+    #: when a request last spent from it (clock.monotonic): a grant due within half an
+    #: interval of that is renewed, not only given back
+    spent_at: float = float("-inf")
 
 
 class Synced:
@@ -163,6 +187,9 @@ class Synced:
         if self.store is not None and ops:
             await self._send_all(ops)
         await self.drain()
+        # a renewal on its way meanwhile landed a grant here: it goes back too
+        if self.store is not None and (ops := self._take_all()):
+            await self._send_all(ops)
 
     def retire(self) -> None:
         """A reload replaced this limiter: give back everything held now, in the background
@@ -221,12 +248,14 @@ class GrantTable(Synced):
     """One limiter's grants, by bucket key, on this replica."""
 
     def __init__(self, sync_interval: float, clock: Clock = SYSTEM_CLOCK,
-                 give_back: GiveBack = bucket_return) -> None:
+                 give_back: GiveBack = bucket_return, renew: Renew | None = None) -> None:
         super().__init__()
         self.sync_interval = sync_interval
         self.period = sync_interval / TICKS
         self._clock = clock
         self._op = give_back
+        #: None: a due grant only goes back (a quota: its next window is another count)
+        self._renew = renew
         self._held: dict[str, _Held] = {}
 
     def __len__(self) -> int:
@@ -254,8 +283,9 @@ class GrantTable(Synced):
         if h is None or h.numbers != numbers or not admits(h.tokens, cost):
             return None
         h.tokens = take(h.tokens, cost)
+        h.spent_at = now = self._clock.monotonic()
         if h.tokens <= 0.0:
-            h.empty_since = self._clock.monotonic()
+            h.empty_since = now
         self.local += 1
         return h.tokens + h.shared
 
@@ -296,6 +326,9 @@ class GrantTable(Synced):
             h.taken_at = now
         h.tokens = take(h.tokens + amount, cost)
         h.shared = shared
+        h.want = want
+        if cost > 0.0:
+            h.spent_at = now
         if h.tokens > want:  # grants that landed together: keep one, the rest goes back now
             self._give_back([(key, numbers, h.tokens - want)])
             h.tokens = want
@@ -306,13 +339,17 @@ class GrantTable(Synced):
 
     def due(self) -> list[Op]:
         """Take out what goes back now: every grant at least half a ``sync_interval`` old
-        (the timer runs every half interval); forget keys empty for a whole interval."""
+        (the timer runs every half interval), renewed when the table renews and a request
+        spent from it in the last half interval (so a key whose traffic stopped holds nothing
+        one interval later, as without renewals); forget keys empty for a whole interval."""
         now = self._clock.monotonic()
         half = self.sync_interval / TICKS
         out: list[Op] = []
         for key, h in list(self._held.items()):
             if h.tokens > 0.0 and now - h.taken_at >= half:
-                out.append(self._op(key, h.numbers, h.tokens))
+                renew = self._renew if now - h.spent_at <= half else None
+                out.append(self._op(key, h.numbers, h.tokens) if renew is None
+                           else renew(key, h.numbers, h.tokens, h.want))
                 self.expired += 1
                 h.tokens = 0.0
                 h.empty_since = now
@@ -321,23 +358,25 @@ class GrantTable(Synced):
         return out
 
     async def sync(self) -> int:
-        """One sync turn: give back what is due (:meth:`due`), in one store round (each
-        return its own ``check.lua`` entry; the Redis store sends them with the next
-        check). Returns how many went back."""
-        returns = self.due()
-        if returns and self.store is not None:
-            await self._send_all(returns)
-        return len(returns)
+        """One sync turn: give back (or renew) what is due (:meth:`due`), in store calls of
+        :data:`SEND_CHUNK` ops (each its own ``check.lua`` entry; the Redis store sends them
+        with the next check); a renewal's new grant is held here. Returns how many went back."""
+        due = self.due()
+        if due and self.store is not None:
+            for op, result in zip(due, await self._send_all(due), strict=True):
+                if isinstance(op, GrantOp) and result is not None and result.extra > 0.0:
+                    self.granted(op.key, result.extra, 0.0, result.remaining, op.want, (op.rate, op.burst))
+        return len(due)
 
-    async def _send(self, ops: Sequence[Op]) -> list[None]:
+    async def _send(self, ops: Sequence[Op]) -> list[OpResult | None]:
         assert self.store is not None
         try:
-            await self.store.check(ops, "")
+            result = await self.store.check(ops, "")
         except Exception:  # a lost return only refuses early: counted, never raised
             self.return_errors += len(ops)
-        else:
-            self.returned += sum(getattr(op, "amount", 0.0) for op in ops)
-        return [None] * len(ops)
+            return [None] * len(ops)
+        self.returned += sum(op.held if isinstance(op, GrantOp) else getattr(op, "amount", 0.0) for op in ops)
+        return list(result.results)
 
     def _give_back(self, returns: Iterable[tuple[str, Numbers, float]]) -> None:
         if self.store is None:

@@ -33,7 +33,7 @@ from ..store.base import BucketOp, GrantOp, OpResult
 from ..store.keys import Keys
 from ..verdict import Limits, Outcome, Quota, Verdict
 from .base import BY_IDENTITY, KeyOf, PerCustomer, denied_outcome
-from .grants import GrantTable, default_batch
+from .grants import GrantTable, bucket_renew, default_batch
 from .refusals import RefusalCache
 
 #: the numbers an override (or a plan entry) of this kind may set.
@@ -78,7 +78,7 @@ class RequestRateLimiter(PerCustomer):
         self.sync_interval = spec.sync_interval
         self.batch = spec.batch
         if spec.consistency == "batched":
-            self.grants = GrantTable(self.sync_interval, clock)
+            self.grants = GrantTable(self.sync_interval, clock, renew=bucket_renew)
             self.refusals = RefusalCache(clock, max_window=self.sync_interval)
         #: the request whose cost :meth:`local` spent from a grant (its :meth:`op` is None)
         self._spent: RequestContext | None = None

@@ -39,6 +39,8 @@ from tests.store.conftest import make_redis_store
 from tests.unit.helpers import get, policy_from
 
 RATE, BURST, BATCH, SYNC = 10.0, 20.0, 4.0, 0.1
+#: the timer's period (half an interval), and a step well within it
+HALF, EPS = SYNC / 2, 0.001
 START = 5_000.123456789
 
 
@@ -133,29 +135,6 @@ async def test_exact_mode_asks_the_store_every_time(tmp_path: Path) -> None:
     assert isinstance(lim, RequestRateLimiter) and lim.grants is None
 
 
-async def test_unspent_grant_goes_back_within_sync_interval_then_the_key_is_forgotten(
-        tmp_path: Path) -> None:
-    clock = ManualClock(START)
-    store = MemoryStore(clock)
-    engine = Engine(store, policy_from(tmp_path, {"limiters": [batched(tmp_path)]}), clock=clock)
-    grants = table(engine)
-    await engine.check(get())
-    key = next(iter(grants._held))
-    assert grants.held(key) == BATCH - 1 and store.tokens(key) == BURST - BATCH
-    clock.advance(SYNC / 2 - 1e-6)
-    assert await grants.sync() == 0  # not due yet
-    clock.advance(1e-6)
-    assert await grants.sync() == 1  # half an interval old: back (the timer runs every half)
-    # back in the shared bucket: what was left, half an interval of refill, the unspent 3
-    assert grants.held(key) == 0.0
-    assert store.tokens(key) == pytest.approx(BURST - BATCH + RATE * SYNC / 2 + BATCH - 1)
-    assert len(grants) == 1
-    clock.advance(SYNC)
-    await grants.sync()
-    assert len(grants) == 0  # held none for a whole interval: forgotten
-    grants.close()
-
-
 class CountingStore(MemoryStore):
     """The embedded store, counting the ops of each ``check`` call (the grant tables call
     the store directly, not through the engine's ``store_check``)."""
@@ -169,10 +148,46 @@ class CountingStore(MemoryStore):
         return await super().check(ops, lease_id)
 
 
+async def test_a_grant_in_use_is_renewed_an_unspent_one_goes_back_then_the_key_is_forgotten(
+        tmp_path: Path) -> None:
+    clock = ManualClock(START)
+    store = CountingStore(clock)
+    engine = Engine(store, policy_from(tmp_path, {"limiters": [batched(tmp_path)]}), clock=clock)
+    grants = table(engine)
+    await engine.check(get())
+    key = next(iter(grants._held))
+    assert grants.held(key) == BATCH - 1 and store.tokens(key) == BURST - BATCH
+    clock.advance(HALF - EPS)
+    assert await grants.sync() == 0  # not due yet
+    assert (await engine.check(get()))[1].allowed  # spent from: the key is in use
+    clock.advance(2 * EPS)
+    # half an interval old (the timer runs every half) and spent from in the last half
+    # interval: renewed, one op that gives the unspent 2 back and takes the next grant
+    store.calls.clear()
+    assert await grants.sync() == 1
+    assert store.calls == [1] and grants.grants == 2
+    assert grants.held(key) == BATCH
+    # the shared bucket: what was left, the refill since, the unspent 2, less the new grant
+    assert store.tokens(key) == pytest.approx(BURST - BATCH + RATE * (HALF + EPS) + BATCH - 2 - BATCH)
+    store.calls.clear()
+    for _ in range(2):  # answered from the renewed grant, off the request path: no store call
+        assert (await engine.check(get()))[1].allowed
+    assert store.calls == [] and grants.held(key) == BATCH - 2
+    clock.advance(HALF + EPS)
+    assert await grants.sync() == 1  # not spent from in the last half interval: back, all of it
+    assert grants.held(key) == 0.0 and grants.returned == pytest.approx(2 + BATCH - 2)
+    assert store.calls == [1] and grants.grants == 2
+    assert len(grants) == 1
+    clock.advance(SYNC)
+    await grants.sync()
+    assert len(grants) == 0  # held none for a whole interval: forgotten
+    grants.close()
+
+
 async def test_a_sync_turn_of_many_keys_goes_back_in_a_few_calls(tmp_path: Path) -> None:
-    """What is due goes back in calls of SEND_CHUNK returns, one after another (a thousand
-    single-return calls at once held the event loop long enough for the checks waiting
-    on the store to miss their deadline)."""
+    """What is due goes back (or is renewed) in calls of SEND_CHUNK ops, one after another
+    (a thousand single-return calls at once held the event loop long enough for the checks
+    waiting on the store to miss their deadline)."""
     clock = ManualClock(START)
     store = CountingStore(clock)
     engine = Engine(store, policy_from(tmp_path, {"limiters": [batched(tmp_path)]}), clock=clock)
@@ -182,12 +197,21 @@ async def test_a_sync_turn_of_many_keys_goes_back_in_a_few_calls(tmp_path: Path)
         assert (await engine.check(get(key=f"sk_user_{i}")))[1].allowed
     assert store.calls == [1] * users  # one grant each
     store.calls.clear()
-    clock.advance(SYNC / 2)
-    assert await grants.sync() == users
+    clock.advance(HALF - EPS)
+    for i in range(users):  # each key in use: spent from its grant, no store call
+        assert (await engine.check(get(key=f"sk_user_{i}")))[1].allowed
+    assert store.calls == []
+    clock.advance(2 * EPS)
+    assert await grants.sync() == users  # renewed
+    assert store.calls == [SEND_CHUNK, SEND_CHUNK, 10]
+    assert grants.total() == users * BATCH
+    store.calls.clear()
+    clock.advance(HALF + EPS)
+    assert await grants.sync() == users  # not spent from since: back
     assert store.calls == [SEND_CHUNK, SEND_CHUNK, 10]
     assert grants.total() == 0.0
-    # every unspent token is back in its shared bucket
-    back = BURST - BATCH + RATE * SYNC / 2 + BATCH - 1  # what was left, refill, the unspent
+    # every unspent token is back in its shared bucket: what was left, the refill, the unspent
+    back = BURST - BATCH + RATE * (2 * HALF + 2 * EPS) + BATCH - 2
     assert all(store.tokens(key) == pytest.approx(back) for key in grants._held)
     grants.close()
 
@@ -287,8 +311,9 @@ async def test_replicas_never_admit_more_than_exact_and_refuse_early_by_at_most_
         # store calls saved are under the limit, test_one_store_call_per_grant...)
         assert sum(t.local for t in tables) > 0
 
-        # One sync_interval later, every replica synced: nothing held anywhere, and the
-        # answer is the exact limiter's again (admitted iff the shared bucket admits).
+        # One sync_interval later, every replica synced: nothing held anywhere (nothing was
+        # spent in the last half interval: nothing renewed), and the answer is the exact
+        # limiter's again (admitted iff the shared bucket admits).
         clock.advance(SYNC)
         for t in tables:
             await t.sync()
@@ -397,6 +422,32 @@ async def test_a_graceful_stop_gives_back_every_grant_held(tmp_path: Path) -> No
     assert store.tokens(key) == BURST - BATCH
     await engine.settle_grants()  # what Server.stop does before the store closes
     assert store.tokens(key) == BURST - 1 and table(engine).total() == 0.0
+
+
+class SlowStore(MemoryStore):
+    """The embedded store, each call taking one loop turn (as a Redis round trip does)."""
+
+    async def check(self, ops: Any, lease_id: str) -> Any:
+        await asyncio.sleep(0)
+        return await super().check(ops, lease_id)
+
+
+async def test_a_renewal_on_its_way_during_a_graceful_stop_goes_back_too(tmp_path: Path) -> None:
+    clock = ManualClock(START)
+    store = SlowStore(clock)
+    engine = Engine(store, policy_from(tmp_path, {"limiters": [batched(tmp_path)]}), clock=clock)
+    await engine.check(get())
+    grants = table(engine)
+    key = next(iter(grants._held))
+    clock.advance(HALF - EPS)
+    await engine.check(get())  # in use: the grant is renewed when due
+    clock.advance(2 * EPS)
+    grants._spawn(grants.sync())  # the timer's turn (a tracked task)
+    await asyncio.sleep(0)  # the renewal is sent; its grant lands after the stop's give-back
+    await engine.settle_grants()
+    assert not grants.sending and grants.grants == 2  # it did land: a grant taken, then given back
+    assert grants.total() == 0.0
+    assert store.tokens(key) == pytest.approx(min(BURST, BURST - 2 + RATE * (HALF + EPS)))
 
 
 # --------------------------------------------------------------------------- quota

@@ -38,6 +38,7 @@ from hypothesis import strategies as st
 from extauthz.clock import ManualClock
 from extauthz.context import RawRequest
 from extauthz.engine import Engine
+from extauthz.limiters.grants import bucket_renew
 from extauthz.store import algorithms
 from extauthz.store.base import (
     BucketOp,
@@ -175,6 +176,9 @@ class GiveBack:
     amount: float
     #: seconds the give-back's clock is behind (it rode with a later check: grant_stamp)
     late: float = 0.0
+    #: a batched bucket's renewal instead (``grants.bucket_renew``: ``amount`` given back and
+    #: the next grant taken, one op of cost 0)
+    renew: bool = False
 
 
 Step = Check | Advance | Release | Inflight | GiveBack
@@ -220,7 +224,8 @@ def timelines(draw: st.DrawFn, grants: bool = False) -> tuple[tuple[Limiter, ...
     if grants:
         del steps["release"]
         steps["give_back"] = st.builds(GiveBack, st.integers(0, 3), st.integers(0, 1),
-                                       st.sampled_from(AMOUNTS), st.sampled_from((0.0, 1 / 7, 0.5, 0.5)))
+                                       st.sampled_from(AMOUNTS), st.sampled_from((0.0, 1 / 7, 0.5, 0.5)),
+                                       st.booleans())
     kinds = draw(st.lists(st.sampled_from(("check",) * 4 + tuple(steps)), min_size=8, max_size=30))
     return limiters, [draw(steps[kind]) for kind in kinds]
 
@@ -252,13 +257,16 @@ def _ops(keys: Keys, limiters: Sequence[Limiter], check: Check, now: float) -> l
 
 
 def _give_back(keys: Keys, limiters: Sequence[Limiter], step: GiveBack,
-               now: float) -> ReturnOp | QuotaReturnOp | None:
+               now: float) -> ReturnOp | QuotaReturnOp | GrantOp | None:
     lim = limiters[step.pick % len(limiters)]
     if isinstance(lim, Leases | Count):
         return None
     if isinstance(lim, CountGrants):  # whole units, to the window of now
         return QuotaReturnOp(keys.quota(lim.name, f"user{step.user}", math.floor(now / QUOTA_WINDOW)),
                              math.ceil(step.amount))
+    if isinstance(lim, Grants) and step.renew:
+        return bucket_renew(keys.bucket(lim.name, f"user{step.user}"), (lim.rate, lim.burst), step.amount,
+                            lim.want)
     return ReturnOp(keys.bucket(lim.name, f"user{step.user}"), lim.rate, lim.burst, step.amount)
 
 
@@ -438,7 +446,7 @@ async def _run_batched(memory: Store, remote: Store, clock: ManualClock, keys: K
 
     async def flush() -> None:
         # riders (releases and batched grants given back) go first, in order
-        riders: list[tuple[list[str], str] | ReturnOp | QuotaReturnOp] = []
+        riders: list[tuple[list[str], str] | ReturnOp | QuotaReturnOp | GrantOp] = []
         for r in segment:
             if isinstance(r, Release) and admitted:
                 riders.append(admitted[r.pick % len(admitted)])
@@ -448,8 +456,9 @@ async def _run_batched(memory: Store, remote: Store, clock: ManualClock, keys: K
                   for i, c in enumerate(x for x in segment if isinstance(x, Check))]
         segment.clear()
 
-        def ride(store: Store, rider: tuple[list[str], str] | ReturnOp | QuotaReturnOp) -> Awaitable[object]:
-            if isinstance(rider, ReturnOp | QuotaReturnOp):
+        def ride(store: Store, rider: tuple[list[str], str] | ReturnOp | QuotaReturnOp | GrantOp
+                 ) -> Awaitable[object]:
+            if isinstance(rider, ReturnOp | QuotaReturnOp | GrantOp):
                 return store.check([rider], "")
             return store.release(*rider)
 
