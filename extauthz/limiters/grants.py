@@ -88,8 +88,11 @@ TICKS: Final = 2
 #: ops per store call when a table sends many at once (a sync turn, a settle, a retire):
 #: one call each, sent one after another. A sync turn of a thousand keys as a thousand
 #: single-op calls held the event loop for tens of ms, and the checks waiting on the store
-#: then missed their deadline (docs/benchmarks.md, the (rhb) fail-opens of 2026-11-25).
-SEND_CHUNK: Final = 64
+#: then missed their deadline (docs/benchmarks.md, the (rhb) fail-opens of 2026-11-25). Not
+#: more: a call rides in the merged script call of the checks of its loop turn, and they
+#: wait for its ops to run in Redis (64 gave (rhb) 83 timeout fail-opens where 16 gave 34,
+#: one run each, 2026-11-26).
+SEND_CHUNK: Final = 16
 
 
 def default_batch(rate: float, sync_interval: float, cost: float) -> float:
