@@ -71,7 +71,7 @@ def bucket_return(key: str, numbers: Numbers, amount: float) -> Op:
 
 
 #: the op that gives ``held`` of a key's grant back and takes the next grant of up to
-#: ``want`` in one atomic step (a key spent from since its grant was taken)
+#: ``want`` in one atomic step (a grant a request spent from in the last half interval)
 Renew = Callable[[str, Numbers, float, float], GrantOp]
 
 
