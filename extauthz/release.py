@@ -134,6 +134,9 @@ class Releaser:
             try:
                 async with asyncio.timeout(self.timeout):
                     released = await self.store.release(keys, lease_id)
+            except asyncio.CancelledError as exc:  # drain() gave up on it: counted as failed
+                self._failed(path, exc)
+                raise
             except Exception as exc:
                 failures += 1
                 wait = RETRY_BACKOFF.compute(failures)

@@ -185,6 +185,17 @@ async def test_drain_cancels_a_retrying_release_and_counts_it_failed() -> None:
     assert not releaser.pending and releaser.counts[("access_log", "error")] == 1
 
 
+async def test_drain_cancelling_a_release_in_its_store_call_counts_it_failed() -> None:
+    """Cancelled while the store call is on its way (not between tries): counted failed too
+    (before, only a cancel during the backoff sleep was; CI caught the other one)."""
+    store = FaultyStore(MemoryStore(ManualClock()), release_delay=60.0)
+    releaser = Releaser(store, timeout=120.0, retry_for=lambda: 60.0)
+    releaser.release(["k"], "lease-1", "access_log")
+    await asyncio.sleep(0)  # the store call has started
+    await releaser.drain(within=0.0)
+    assert not releaser.pending and releaser.counts[("access_log", "error")] == 1
+
+
 async def test_the_engine_retries_releases_for_the_longest_lease_ttl(tmp_path: Path) -> None:
     policy = policy_from(tmp_path, {"limiters": [{"name": "conc", "type": "concurrent_requests",
                                                   "limit": 5, "lease_ttl": "45s"}]})
