@@ -191,9 +191,9 @@ def header_value(src: IdentitySource, value: str | None, fold: bool = False) -> 
 
 def key_part_value(part: KeySource, raw: RawRequest, identity: str, method: str, plan: str) -> str:
     """One key part's value for a request ("" when it yields none); ``identity`` is the
-    hashed identity, ``method`` upper case, ``plan`` the request's plan, ``host`` the
-    Host's name (:func:`~extauthz.context.host_name`); a part with ``case: fold``
-    case-folded."""
+    hashed identity, ``method`` upper case, ``plan`` the request's plan; the ``host`` part
+    yields the Host's name (:func:`~extauthz.context.host_name`); a part with
+    ``case: fold`` is case-folded."""
     kind = part.kind
     if part.source is not None:
         return first_value((part.source,), raw, part.fold)[0]
