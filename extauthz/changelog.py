@@ -12,6 +12,12 @@ A change is written three ways: a log line (``event: admin_change``), the server
 bounded event log at ``Keys.history`` (``Store.append_events``: on Redis one stream the whole
 fleet shares, at most about :data:`HISTORY_MAXLEN` entries, expiring :data:`HISTORY_TTL`
 after the last change). ``extauthz history`` prints that log.
+
+The text people give (the reason, the user, an override's ``by``) holds no control character
+(:func:`text_problem`: refused where it enters, 400 on the admin port, an error in the
+commands), and what is printed for people goes through :func:`printable`, so that a record
+an older version stored, or one written straight into Redis, cannot move the cursor, recolour
+the terminal or forge a line.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import socket
 import time
 from collections import deque
@@ -38,6 +45,28 @@ HISTORY_MAXLEN = 1000
 HISTORY_TTL = 90 * 24 * 3600.0
 KINDS = ("switch", "override")
 ACTIONS = ("set", "clear")
+#: what no reason or name may hold and what is escaped when printed: the C0 and C1 controls
+#: and DEL (escape sequences, CR and LF: a forged line), the line and paragraph separators
+#: and the bidirectional formatting characters (text displayed in another order).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def text_problem(text: str, what: str) -> str | None:
+    """Why ``text`` (a reason, a user name) is refused, or None: it holds a control character."""
+    found = _CONTROL.search(text)
+    if found is None:
+        return None
+    return (f"{what} holds a control character ({_escape(found)} at position {found.start() + 1}): "
+            "give it as plain text on one line")
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character escaped (``\\x1b``, ``\\n``, ``\\u202e``)."""
+    return _CONTROL.sub(_escape, text)
+
+
+def _escape(found: re.Match[str]) -> str:
+    return repr(found.group())[1:-1]  # none of them is printable: repr escapes each
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,8 +176,8 @@ def format_history(changes: list[Change]) -> str:
         return "no changes recorded"
     out = [f"{'when (UTC)':<20} {'kind':<8} {'action':<6} {'target':<40} {'value':<24} "
            f"{'who':<24} {'server':<20} reason"]
-    for c in changes:
+    for c in changes:  # any field may have been written straight into the store
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(c.at))
-        out.append(f"{when:<20} {c.kind:<8} {c.action:<6} {c.target:<40} {_value(c.value):<24} "
-                   f"{c.who:<24} {c.server + ' (' + c.via + ')':<20} {c.reason}")
+        out.append(printable(f"{when:<20} {c.kind:<8} {c.action:<6} {c.target:<40} {_value(c.value):<24} "
+                             f"{c.who:<24} {c.server + ' (' + c.via + ')':<20} {c.reason}"))
     return "\n".join(out)

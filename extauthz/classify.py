@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .context import RawRequest, RequestContext
+from .context import RawRequest, RequestContext, host_name
 from .policy.model import IdentitySource, KeySource, MetadataTest, Policy, RouteRef
 from .tiers import READ_METHODS, Tier
 from .verdict import Limits
@@ -121,10 +121,18 @@ def metadata_test(raw: RawRequest, spec: MetadataTest | None) -> bool:
     return spec is not None and _equals(metadata_value(raw.metadata, spec.namespace, spec.path), spec.equals)
 
 
-def first_value(sources: Sequence[IdentitySource], raw: RawRequest) -> tuple[str, str]:
+#: what a header rule yields when the header carries different values (repeated with
+#: different values, which both doors deliver joined with ","): one value no header can hold
+#: (NUL), so that every such request of a key or identity rule shares one bucket, and a
+#: client cannot leave its bucket by repeating the header with another value.
+AMBIGUOUS = "\x00"
+
+
+def first_value(sources: Sequence[IdentitySource], raw: RawRequest, fold: bool = False) -> tuple[str, str]:
     """The value of the first rule that yields one, and that rule's label (``none``).
 
-    One extraction for the ``identity`` and the ``plan`` rules (the same rule shapes).
+    One extraction for the ``identity`` and the ``plan`` rules (the same rule shapes) and the
+    key parts that take those shapes (``fold``: their ``case: fold``, see :func:`header_text`).
     """
     for src in sources:
         if src.source_ip:
@@ -133,25 +141,48 @@ def first_value(sources: Sequence[IdentitySource], raw: RawRequest) -> tuple[str
             continue
         if src.principal:
             if raw.principal:
-                return raw.principal, "principal"
+                return folded(raw.principal, fold), "principal"
             continue
         if src.metadata is not None:
             text = identity_text(metadata_value(raw.metadata, *src.metadata))
             if text:
-                return text, src.label
+                return folded(text, fold), src.label
             continue
-        value = header_value(src, raw.headers.get(src.header or ""))
+        value = header_value(src, raw.headers.get(src.header or ""), fold)
         if not value:
             continue
         return value, src.label
     return "", "none"
 
 
-def header_value(src: IdentitySource, value: str | None) -> str:
-    """A header rule's value: with ``strip_prefix``, the rest after that prefix (any case),
-    trimmed; a value without the prefix yields nothing (``""``)."""
-    if not value or src.strip_prefix is None:
-        return value or ""
+def folded(value: str, fold: bool) -> str:
+    """``value`` case-folded (``case: fold``), or as is."""
+    return value.casefold() if fold else value
+
+
+def header_text(value: str, fold: bool = False) -> str:
+    """A header's value as a key or identity: trimmed (leading and trailing whitespace), and
+    case-folded with ``fold``; a header repeated (both doors join repeats with ",", as HTTP
+    joins a list) is one value when its elements are the same (``acme, acme`` is ``acme``;
+    empty elements are ignored, as HTTP says), else :data:`AMBIGUOUS`. A value that holds a
+    comma of its own is read the same way: key on headers whose values hold none."""
+    if "," not in value:
+        return folded(value.strip(), fold)
+    values = {folded(v.strip(), fold) for v in value.split(",")}
+    values.discard("")
+    if len(values) > 1:
+        return AMBIGUOUS
+    return values.pop() if values else ""
+
+
+def header_value(src: IdentitySource, value: str | None, fold: bool = False) -> str:
+    """A header rule's value (:func:`header_text`): with ``strip_prefix``, the rest after that
+    prefix (any case), trimmed; a value without the prefix yields nothing (``""``)."""
+    if not value:
+        return ""
+    value = header_text(value, fold)
+    if src.strip_prefix is None or value == AMBIGUOUS:
+        return value
     prefix = src.strip_prefix
     if value[: len(prefix)].lower() != prefix.lower():
         return ""
@@ -160,24 +191,26 @@ def header_value(src: IdentitySource, value: str | None) -> str:
 
 def key_part_value(part: KeySource, raw: RawRequest, identity: str, method: str, plan: str) -> str:
     """One key part's value for a request ("" when it yields none); ``identity`` is the
-    hashed identity, ``method`` upper case, ``plan`` the request's plan."""
+    hashed identity, ``method`` upper case, ``plan`` the request's plan; the ``host`` part
+    yields the Host's name (:func:`~extauthz.context.host_name`); a part with
+    ``case: fold`` is case-folded."""
     kind = part.kind
     if part.source is not None:
-        return first_value((part.source,), raw)[0]
+        return first_value((part.source,), raw, part.fold)[0]
     if kind == "identity":
         return identity
     if kind == "method":
         return method
     if kind == "host":
-        return raw.host.split(":", 1)[0].lower()
+        return host_name(raw.host)
     if kind == "plan":
         return plan
     if kind == "context_extension":
-        return raw.context_extensions.get(part.name, "")
+        return folded(raw.context_extensions.get(part.name, ""), part.fold)
     value = identity_text(raw.route_metadata.get(part.route)) if part.route is not None else ""
     if not value and kind == "route":
-        return raw.context_extensions.get("route", "")
-    return value
+        value = raw.context_extensions.get("route", "")
+    return folded(value, part.fold)
 
 
 def _key_text(values: Sequence[str]) -> str:

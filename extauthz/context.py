@@ -8,6 +8,7 @@ edge walks protobuf attribute chains.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,34 @@ _EMPTY: Mapping[str, str] = {}
 #: the request id Envoy sets (or keeps): it pairs a check with the request's access-log entry
 REQUEST_ID_HEADER = "x-request-id"
 _NO_OVERRIDES: Mapping[str, Mapping[str, Limits]] = {}
+
+
+def host_name(host: str) -> str:
+    """A Host header's name as the policy compares and counts it: without the port, lower
+    case (DNS names are case-insensitive), without a trailing dot; an IPv6 literal whole and
+    in its one text form (``[::1]:8080``, ``[0:0::1]`` and a bare ``::1`` are ``[::1]``).
+    Text that is none of these (``[::1`` without its ``]``) is only trimmed and lowered."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        end = host.find("]")
+        if end < 0:
+            return host
+        literal, rest = host[1:end], host[end + 1:]
+        if rest and not (rest[0] == ":" and rest[1:].isdigit()):
+            return host  # "[v6]junk": not a host and port
+        return _v6(literal) or host[: end + 1]
+    if host.count(":") > 1:  # a bare IPv6 address (not a valid Host, but seen)
+        return _v6(host) or host
+    name = host.split(":", 1)[0]
+    return name[:-1] if name.endswith(".") else name
+
+
+def _v6(text: str) -> str:
+    """``text`` as a bracketed IPv6 literal in its compressed form, or "" if it is not one."""
+    try:
+        return f"[{ipaddress.IPv6Address(text).compressed}]"
+    except ValueError:
+        return ""
 
 
 @dataclass(frozen=True, slots=True)

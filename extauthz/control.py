@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from . import __version__
-from .changelog import Change, append_change, parse_history, read_history
+from .changelog import Change, append_change, parse_history, read_history, text_problem
 from .errors import StoreError
 from .limiters.base import Limiter
 from .overrides import (
@@ -216,6 +216,9 @@ class StoreControl:
     wall: Callable[[], float] = time.time
 
     def __post_init__(self) -> None:
+        problem = text_problem(self.reason, "the reason") or text_problem(self.user, "the user")
+        if problem is not None:  # what the admin port refuses (400), refused here too
+            raise ControlError(problem)
         self.switch_doc = SwitchDocument(self.keys.switches)
         self.override_doc = OverrideDocument(self.keys)
 

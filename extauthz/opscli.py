@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-from .changelog import Change, format_number
+from .changelog import Change, format_number, printable, text_problem
 from .control import AdminControl, AdminTarget, Control, ControlError, StoreControl
 from .limiters.base import Limiter
 from .overrides import Override, OverrideError
@@ -238,8 +238,16 @@ def admin_target(args: argparse.Namespace, *, change: bool = False) -> AdminTarg
     if change and token is not None and not reason:
         raise CliError("--reason is required for a change when the admin port has a token "
                        "(--admin-token-file): it is recorded with the change")
-    return AdminTarget(admin_base(args), token=token, reason=reason,
-                       user=str(getattr(args, "by", "") or _os_user()))
+    user = str(getattr(args, "by", "") or _os_user())
+    _plain_text(reason, user)
+    return AdminTarget(admin_base(args), token=token, reason=reason, user=user)
+
+
+def _plain_text(reason: str, user: str) -> None:
+    """--reason and --by as the admin port and the store take them: no control character."""
+    problem = text_problem(reason, "--reason") or text_problem(user, "--by")
+    if problem is not None:
+        raise CliError(problem)
 
 def _guarded(command: str, body: Callable[[], int]) -> int:
     """Run a command: the one place where a failure becomes a message on stderr (no
@@ -263,6 +271,9 @@ def _with_control(args: argparse.Namespace, go: Callable[[Control], Coroutine[An
         control = AdminControl(admin_target(args, change=change))
         return asyncio.run(go(control))
 
+    user, reason = str(getattr(args, "by", "") or ""), str(getattr(args, "reason", "") or "")
+    _plain_text(reason, user)
+
     async def on_redis() -> R:
         from .store.keys import Keys
         from .store.redis import RedisStore
@@ -270,8 +281,7 @@ def _with_control(args: argparse.Namespace, go: Callable[[Control], Coroutine[An
         store = RedisStore.from_url(url, deadline=0.2)
         try:
             return await go(StoreControl(store, Keys(args.key_prefix), limiters=limiters, labels=labels,
-                                         user=str(getattr(args, "by", "") or ""),
-                                         reason=str(getattr(args, "reason", "") or "")))
+                                         user=user, reason=reason))
         finally:
             await store.close()
 
@@ -432,8 +442,12 @@ def format_status(data: dict[str, Any]) -> str:
     reload = data.get("reload") or {}
     if reload.get("last_error"):
         lines.append(f"policy reload failing: {reload['last_error']}")
+    token_file = (data.get("admin") or {}).get("token_file") or {}
+    if token_file.get("ok") is False:
+        lines.append(f"admin token file NOT read again since {_fmt_time(float(token_file.get('since') or 0))}: "
+                     f"{token_file.get('error')} ({token_file.get('keeping')})")
     lines.append("(extauthz status --json: the whole document)")
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)
 
 
 # -- override -----------------------------------------------------------------------------
@@ -470,14 +484,18 @@ def _source(args: argparse.Namespace, policy: Any) -> str:
 
 
 def _hashed_identity(args: argparse.Namespace, source: str, policy: Any) -> str:
-    from .classify import hash_identity, header_value
+    from .classify import AMBIGUOUS, hash_identity, header_value
 
     raw = sys.stdin.readline().rstrip("\r\n") if args.identity == "-" else args.identity
     if not raw:
         raise CliError("--identity is empty")
     rule = next((s for s in policy.identity if s.label == source), None) if policy is not None else None
-    if rule is not None and rule.strip_prefix is not None and header_value(rule, raw):
-        raw = header_value(rule, raw)  # the whole header value given: hash what the server hashes
+    if rule is not None and rule.header is not None:
+        value = header_value(rule, raw)  # hash what the server hashes (trimmed, prefix removed)
+        if value == AMBIGUOUS:
+            raise CliError("--identity holds different values separated by ',': the server reads "
+                           "such a header as repeated with different values, never as one identity")
+        raw = value or raw
     return hash_identity(raw, source, args.identity_salt.encode())
 
 
@@ -509,7 +527,7 @@ def format_overrides(data: dict[str, Any]) -> str:
                    f"{applied:<8} {r['reason']}")
         if r.get("not_applied"):
             out.append(f"  not applied: {r['not_applied']}")
-    return "\n".join(out)
+    return "\n".join(printable(line) for line in out)  # rows read back from the store
 
 
 def _load_policy(paths: list[str] | None) -> Any:
@@ -531,6 +549,7 @@ def _override(args: argparse.Namespace) -> int:
     if args.redis_url and (args.admin or args.listen):
         raise CliError("give either --redis-url or --admin/--listen, not both")
     args.redis_url = redis_url(args)
+    _plain_text(str(getattr(args, "reason", "") or ""), str(getattr(args, "by", "") or ""))
     policy = _load_policy(args.policies)
     limiters = build_limiters(policy, Keys()) if policy is not None else None
     labels = policy.identity_labels if policy is not None else None

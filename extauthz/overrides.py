@@ -40,6 +40,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from .changelog import text_problem
 from .documents import Board, Document
 from .limiters.base import Limiter
 from .policy.schema import (
@@ -212,6 +213,10 @@ def make_override(limiter: str, identity: str, numbers: Mapping[str, Any], *, tt
         raise OverrideError(f"bad limiter name {limiter!r}")
     if not IDENTITY_HASH.match(identity):
         raise OverrideError("the identity must be a hashed identity (24 hex digits)")
+    for text, what in ((reason, "the reason"), (by, "'by'"), (source, "the source")):
+        problem = text_problem(text, what)
+        if problem is not None:
+            raise OverrideError(problem)
     return Override(limiter=limiter, identity=identity, source=source[:_TEXT_MAX],
                     numbers=validate_numbers(numbers, kind), reason=reason[:_TEXT_MAX], by=by[:_TEXT_MAX],
                     set_at=now, expires_at=now + parse_ttl(ttl))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ..context import host_name
 from ..tiers import Tier
 from .schema import AppliesTo, Classification, IdentityRule, KeyPart, LimiterSpec, Match, PolicyFile
 
@@ -25,7 +26,7 @@ class Matcher:
             return False
         if self.path_prefix is not None and not path.startswith(self.path_prefix):
             return False
-        if self.hosts is not None and host.split(":", 1)[0].lower() not in self.hosts:
+        if self.hosts is not None and host_name(host) not in self.hosts:
             return False
         for name, value in self.headers:
             if headers.get(name) != value:
@@ -43,7 +44,7 @@ def compile_match(m: Match | AppliesTo) -> Matcher:
     return Matcher(
         methods=frozenset(m.methods) if m.methods else None,
         path_prefix=m.path_prefix or None,
-        hosts=frozenset(h.lower() for h in m.hosts) if m.hosts else None,
+        hosts=frozenset(host_name(h) for h in m.hosts) if m.hosts else None,
         headers=tuple((k.lower(), v) for k, v in sorted(headers.items())),
         tiers=frozenset(Tier(t) for t in tiers) if tiers else None,
     )
@@ -89,6 +90,8 @@ class KeySource:
     name: str = ""
     #: route, route_metadata: where in the route's metadata.
     route: RouteRef | None = None
+    #: ``case: fold``: the value case-folded (the label, the hash's domain, stays the same).
+    fold: bool = False
 
     @property
     def label(self) -> str:
@@ -232,17 +235,18 @@ def compile_sources(rules: Sequence[IdentityRule]) -> tuple[IdentitySource, ...]
 def compile_key(parts: Sequence[KeyPart], route_namespace: str) -> KeySpec:
     out: list[KeySource] = []
     for part in parts:
+        fold = part.case == "fold"
         if part.header is not None or part.source_ip or part.principal or part.metadata is not None:
             out.append(KeySource("source", compile_sources([IdentityRule(
                 header=part.header, strip_prefix=part.strip_prefix, source_ip=bool(part.source_ip),
-                metadata=part.metadata, principal=bool(part.principal))])[0]))
+                metadata=part.metadata, principal=bool(part.principal))])[0], fold=fold))
         elif part.context_extension is not None:
-            out.append(KeySource("context_extension", name=part.context_extension))
+            out.append(KeySource("context_extension", name=part.context_extension, fold=fold))
         elif part.route:
-            out.append(KeySource("route", route=(route_namespace, ("route",))))
+            out.append(KeySource("route", route=(route_namespace, ("route",)), fold=fold))
         elif part.route_metadata is not None:
             out.append(KeySource("route_metadata", route=(part.route_metadata.namespace,
-                                                          tuple(part.route_metadata.path))))
+                                                          tuple(part.route_metadata.path)), fold=fold))
         else:
             out.append(KeySource(next(f for f in ("identity", "method", "host", "plan")
                                       if getattr(part, f))))

@@ -210,6 +210,11 @@ def _true_only(value: Any) -> Any:
 TrueFlag = Annotated[bool, BeforeValidator(_true_only)]
 
 
+#: the key parts whose value is text a client or a route chooses (``case: fold`` applies);
+#: ``method`` is upper case, ``host`` and ``plan`` lower case already.
+FOLDABLE_PARTS = ("header", "principal", "metadata", "route", "route_metadata", "context_extension")
+
+
 class KeyPart(_Strict):
     """One part of a limiter's key: exactly one field. A part that yields no value means
     the limiter does not apply to the request (or, with ``on_missing_key: shared``, that
@@ -235,11 +240,17 @@ class KeyPart(_Strict):
     context_extension: str | None = Field(
         None, min_length=1, description="A per-route context extension, by name.")
     plan: TrueFlag | None = Field(None, description="The request's plan.")
+    case: Literal["fold"] | None = Field(
+        None, description="'fold': the value case-folded ('ACME' and 'acme' are one key); "
+        "only on a part whose value is text: " + ", ".join(f"'{f}'" for f in FOLDABLE_PARTS) + ".")
 
     @model_validator(mode="after")
     def _one_part(self) -> KeyPart:
         if self.strip_prefix is not None and self.header is None:
             raise ValueError("'strip_prefix' needs 'header'")
+        if self.case is not None and not any(getattr(self, f) is not None for f in FOLDABLE_PARTS):
+            raise ValueError("'case' applies only to a part whose value is text: "
+                             + ", ".join(f"'{f}'" for f in FOLDABLE_PARTS))
         named = [f for f in KEY_PARTS if getattr(self, f) is not None]
         if len(named) != 1:
             raise ValueError("a key part names exactly one of " + ", ".join(f"'{f}'" for f in KEY_PARTS))

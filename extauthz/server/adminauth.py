@@ -13,8 +13,9 @@ What holds on every admin request (:class:`AdminGuard`, an aiohttp middleware), 
   one bare token, or ``NAME:TOKEN`` lines (one per operator or tool: the change log then
   names who made a change); blank lines and ``#`` comments are skipped; a token has at least
   :data:`MIN_TOKEN` characters. The file is read again when it changes (size, mtime or inode:
-  a rotated Kubernetes Secret), at the next request; a rewrite that leaves no valid token keeps
-  the previous tokens and logs why.
+  a rotated Kubernetes Secret), at the next request, as a whole or not at all: a file with a
+  bad line keeps the previous tokens, logged at error level and shown in ``/status``
+  (``admin.token_file``); a deleted file revokes them all (:class:`TokenFile`).
 * **Mutating routes** (PUT, POST, DELETE) need something a browser cannot send cross-origin
   without a CORS preflight (which this port never grants): the token, or without one the
   :data:`CLIENT_HEADER` header. With a token, a change also needs a reason
@@ -32,6 +33,7 @@ import ipaddress
 import logging
 import os
 import re
+import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable
 from contextvars import ContextVar
@@ -40,6 +42,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from ..changelog import text_problem
 from .ports import parse_listen
 
 log = logging.getLogger("extauthz.server")
@@ -99,51 +102,86 @@ def _digest(token: str) -> bytes:
 
 
 class TokenFile:
-    """The tokens of ``--admin-token-file``, read again when the file changes."""
+    """The tokens of ``--admin-token-file``, read again when the file changes (size, mtime or
+    inode), as a whole or not at all:
 
-    def __init__(self, path: str | Path) -> None:
+    * a file that cannot be used (a malformed line, no token, unreadable) changes nothing: the
+      tokens read last stay in force, an error line is logged once per version of the file,
+      and :meth:`status` says so (``ok: false``, the error with the file and line, since when)
+      until a good file replaces it;
+    * a file that is gone revokes every token it held: every admin request but ``/healthz``
+      is refused (401) until a file is back (the metrics port still answers); logged once.
+    """
+
+    def __init__(self, path: str | Path, *, wall: Callable[[], float] = time.time) -> None:
         self.path = Path(path)
+        self.wall = wall
+        #: the (inode, size, mtime) of the file last read, good or not; None: the file is gone
         self._stamp: tuple[int, int, int] | None = None
         self._tokens: list[tuple[bytes, str]] = []
         self.reloads = 0
         self.errors = 0
-        self._load(first=True)
+        #: why the tokens in force are not the file's ("" while they are), and since when
+        self.error = ""
+        self.since: float | None = None
+        first = self._stat()
+        if first is None:
+            raise AdminConfigError(f"cannot read the admin token file {self.path} "
+                                   "(--admin-token-file): no such file")
+        self._load(first, first=True)
 
-    def _read(self) -> tuple[tuple[int, int, int], dict[str, str]]:
+    def _stat(self) -> tuple[int, int, int] | None:
         try:
             st = os.stat(self.path)
-            text = self.path.read_text()
-        except OSError as exc:
-            raise AdminConfigError(f"cannot read the admin token file {self.path} "
-                                   f"(--admin-token-file): {exc.strerror or exc}") from None
-        return (st.st_ino, st.st_size, st.st_mtime_ns), parse_tokens(text, str(self.path))
+        except FileNotFoundError:
+            return None
+        except OSError:
+            return (-1, -1, -1)  # there but not readable: _load says why
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
 
-    def _load(self, first: bool = False) -> None:
+    def _load(self, stamp: tuple[int, int, int], first: bool = False) -> None:
+        self._stamp = stamp
         try:
-            stamp, tokens = self._read()
+            try:
+                text = self.path.read_text()
+            except OSError as exc:
+                raise AdminConfigError(f"cannot read the admin token file {self.path} "
+                                       f"(--admin-token-file): {exc.strerror or exc}") from None
+            tokens = parse_tokens(text, str(self.path))
         except AdminConfigError as exc:
             if first:
                 raise
-            self.errors += 1
-            log.error("%s; keeping the previous admin tokens", exc,
-                      extra={"fields": {"event": "admin_tokens_unreadable", "error": str(exc)}})
-            self._stamp = None  # try again at the next request
+            self._failed(f"{exc}; keeping the {len(self._tokens)} tokens read before",
+                         "admin_tokens_unreadable")
             return
-        self._stamp = stamp
         self._tokens = [(_digest(t), name) for t, name in tokens.items()]
+        self.error, self.since = "", None
         if not first:
             self.reloads += 1
             log.info("admin tokens read again from %s (%d)", self.path, len(self._tokens),
                      extra={"fields": {"event": "admin_tokens_reloaded", "tokens": len(self._tokens)}})
 
+    def _gone(self) -> None:
+        self._stamp = None
+        self._tokens = []
+        self._failed(f"the admin token file {self.path} is gone: every token it held is revoked "
+                     "until a file is back", "admin_tokens_revoked")
+
+    def _failed(self, error: str, event: str) -> None:
+        self.errors += 1
+        self.error = error
+        if self.since is None:
+            self.since = self.wall()
+        log.error("admin tokens not read again: %s", error, extra={"fields": {"event": event, "error": error}})
+
     def _fresh(self) -> None:
-        try:
-            st = os.stat(self.path)
-            stamp: tuple[int, int, int] | None = (st.st_ino, st.st_size, st.st_mtime_ns)
-        except OSError:
-            stamp = None
-        if stamp is None or stamp != self._stamp:
-            self._load()
+        stamp = self._stat()
+        if stamp == self._stamp:
+            return
+        if stamp is None:
+            self._gone()
+        else:
+            self._load(stamp)
 
     def lookup(self, presented: str) -> str | None:
         """The token's name (``""`` for a bare token), or None when no token matches. Every
@@ -155,6 +193,11 @@ class TokenFile:
             if hmac.compare_digest(digest, token):
                 found = name
         return found
+
+    def status(self) -> dict[str, object]:
+        """``/status`` ``admin.token_file``: whether the tokens in force are the file's."""
+        return {"path": str(self.path), "ok": not self.error, "tokens": len(self._tokens),
+                "error": self.error or None, "since": self.since}
 
 
 def is_loopback(host: str) -> bool:
@@ -277,6 +320,11 @@ class AdminGuard:
                 self._count("reason")
                 return _refuse(400, f"a change needs a reason ({REASON_HEADER}; extauthz "
                                "commands: --reason) when the admin port has a token")
+            problem = (text_problem(actor.reason, f"the reason ({REASON_HEADER})")
+                       or text_problem(actor.user, f"the user ({USER_HEADER})"))
+            if problem is not None:  # it would be stored and printed: a forged history line
+                self._count("control_character")
+                return _refuse(400, problem)
         reset = ACTOR.set(actor)
         try:
             return await handler(request)
@@ -286,5 +334,5 @@ class AdminGuard:
     def status(self) -> dict[str, object]:
         return {"token": self.tokens is not None, "hosts": sorted(self.hosts),
                 "refused": dict(sorted(self.refused.items())),
-                **({"token_reloads": self.tokens.reloads, "token_errors": self.tokens.errors}
-                   if self.tokens is not None else {})}
+                **({"token_reloads": self.tokens.reloads, "token_errors": self.tokens.errors,
+                    "token_file": self.tokens.status()} if self.tokens is not None else {})}

@@ -4,9 +4,11 @@ server from Envoy's one client address, so a per-IP key counts them all together
 
 from __future__ import annotations
 
+import http.client
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -70,3 +72,26 @@ def test_a_quota_refuses_with_retry_after_at_the_end_of_the_day(stack: Stack, cl
     assert refused.headers["ratelimit-policy"] == '"daily";q=2;w=86400'
     body = refused.json()
     assert isinstance(body, dict) and body["limiter"] == "daily" and body["reset"].endswith("T00:00:00Z")
+
+
+def repeated(stack: Stack, path: str, values: list[str]) -> int:
+    """One request carrying ``x-api-key`` once per value (as separate header lines)."""
+    parts = urlsplit(stack.url)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=30)
+    try:
+        conn.putrequest("GET", path)
+        for value in values:
+            conn.putheader("x-api-key", value)
+        conn.endheaders()
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def test_a_repeated_key_header_is_one_value_or_the_shared_ambiguous_one(stack: Stack, client: HttpClient) -> None:
+    # Issue 29: Envoy joins a repeated header with "," on either protocol; `sk,sk` was a
+    # bucket of its own beside `sk`, so repeating the header gave a fresh bucket
+    assert statuses(stack, client, "/v1/keyed", "GET", ["sk_live_r"]) == [200]
+    assert repeated(stack, "/v1/keyed", ["sk_live_r", " sk_live_r"]) == 429
+    assert repeated(stack, "/v1/keyed", ["sk_live_x", "sk_live_y"]) == 200
+    assert repeated(stack, "/v1/keyed", ["sk_live_y", "sk_live_z"]) == 429  # one bucket for all such

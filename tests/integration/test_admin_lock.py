@@ -268,3 +268,82 @@ async def test_a_malformed_event_in_the_change_log_is_skipped(redis_single_clean
     finally:
         await store.close()
     assert [(c.target, c.value) for c in changes] == [("*", "off")]
+
+
+async def test_control_characters_are_refused_at_the_admin_port_and_a_stored_one_printed_escaped() -> None:
+    # Issue 29: control characters in reasons and user names were stored and printed raw: an
+    # escape sequence reached the operator's terminal, a CR/LF forged a line of the history.
+    async with running([ROOT / "policies"]) as (server, _):
+        for headers, what in (({"X-Extauthz-Reason": "incident%0D%0A2026-01-01T00:00:00Z%20forged"},
+                               "the reason (X-Extauthz-Reason) holds a control character (\\r at position 9)"),
+                              ({"X-Extauthz-User": "%1B%5B31mroot"},
+                               "the user (X-Extauthz-User) holds a control character (\\x1b at position 1)")):
+            status, data = await admin(server, "PUT", "/switches/user-rate", "shadow", headers)
+            assert status == 400 and what in data["error"], data
+        status, data = await admin(server, "PUT", "/overrides/user-rate/" + "ab" * 12,
+                                   json.dumps({"numbers": {"rate": 50}, "reason": "launch\u2028day"}))
+        assert status == 400 and "the reason holds a control character (\\u2028" in data["error"], data
+        assert server.engine.snapshot.switches.to_dict() == {} and server.ops.override_rows()["overrides"] == []
+        assert server.ops.status()["admin"]["refused"] == {"control_character": 2}
+        assert server.ops.status()["changes"] == []
+
+        # a record an older version stored: `extauthz history` prints it escaped, on one line
+        await append_change(server.ops.changes.store, server.ops.changes.key, Change(
+            kind="switch", action="set", target="*", value="off", at=1.0, via="admin",
+            reason="x\r\n1970-01-01T00:00:00Z     switch   set    *", user="\x1b]0;pwned\x07eve"))
+        r = await asyncio.to_thread(cli, "history", "--admin", f"http://127.0.0.1:{server.ops.admin_port}")
+        assert r.returncode == 0, r.stderr
+        assert len(r.stdout.splitlines()) == 2 and "\x1b" not in r.stdout and "\r" not in r.stdout
+        assert "x\\r\\n1970-01-01T00:00:00Z" in r.stdout and "\\x1b]0;pwned\\x07eve" in r.stdout
+
+
+async def test_a_bad_token_file_keeps_the_last_good_tokens_loudly_and_a_deleted_one_revokes_them(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Issue 29: a rotation with one malformed line showed only `token_errors: 1` (and logged
+    # at every request); deleting the file revoked nothing.
+    token_c = "dave-token-00112233445566778899"
+    tokens = tmp_path / "admin-tokens"
+    tokens.write_text(f"alice:{TOKEN_A}\nci:{TOKEN_B}\n")
+    alice, ci, dave = ({"Authorization": f"Bearer {t}"} for t in (TOKEN_A, TOKEN_B, token_c))
+    async with running([ROOT / "policies"], admin_token_file=str(tokens)) as (server, _):
+        url = f"http://127.0.0.1:{server.ops.admin_port}"
+        status, data = await admin(server, "GET", "/status", headers=ci)
+        assert status == 200
+        assert data["admin"]["token_file"] == {"path": str(tokens), "ok": True, "tokens": 2,
+                                               "error": None, "since": None}
+        caplog.clear()
+        tokens.write_text(f"ci:{TOKEN_B}\nbob:short\ndave:{token_c}\n")  # alice out, dave in: line 2 bad
+        for _ in range(3):
+            status, data = await admin(server, "GET", "/status", headers=ci)
+            assert status == 200
+        assert (await admin(server, "GET", "/status", headers=alice))[0] == 200  # the last good set
+        assert (await admin(server, "GET", "/status", headers=dave))[0] == 401
+        state = data["admin"]["token_file"]
+        assert state["ok"] is False and state["tokens"] == 2 and isinstance(state["since"], float)
+        assert state["error"].startswith(f"{tokens}:2: a token has at least 16 characters")
+        assert state["error"].endswith("keeping the 2 tokens read before")
+        errors = [r for r in caplog.records if r.levelname == "ERROR" and "admin tokens not read" in r.getMessage()]
+        assert len(errors) == 1, errors  # once for that version of the file, not per request
+        mine = tmp_path / "my-token"
+        mine.write_text(TOKEN_B + "\n")
+        r = await asyncio.to_thread(cli, "status", "--admin", url, env={"EXTAUTHZ_ADMIN_TOKEN_FILE": str(mine)})
+        assert r.returncode == 0 and "admin token file NOT read again since" in r.stdout, r.stdout + r.stderr
+
+        tokens.write_text(f"ci:{TOKEN_B}\ndave:{token_c}\n")  # fixed: read as a whole
+        status, data = await admin(server, "GET", "/status", headers=dave)
+        assert status == 200 and data["admin"]["token_file"]["ok"] is True
+        assert (await admin(server, "GET", "/status", headers=alice))[0] == 401
+
+        tokens.unlink()  # deleted: every token revoked, changes and reads alike
+        for headers in (ci, dave):
+            status, _ = await admin(server, "PUT", "/switches/*", "off", {**headers, "X-Extauthz-Reason": "x"})
+            assert status == 401
+            assert (await admin(server, "GET", "/status", headers=headers))[0] == 401
+        assert server.engine.snapshot.switches.to_dict() == {}
+        assert (await http("GET", f"{url}/healthz"))[0] == 200
+        assert (await http("GET", f"http://127.0.0.1:{server.ops.metrics_port}/metrics"))[0] == 200
+        assert [r for r in caplog.records if r.levelname == "ERROR" and "is gone" in r.getMessage()]
+
+        tokens.write_text(f"ci:{TOKEN_B}\n")  # back
+        status, data = await admin(server, "GET", "/status", headers=ci)
+        assert status == 200 and data["admin"]["token_file"]["ok"] is True

@@ -139,3 +139,69 @@ async def test_a_quota_refuses_after_limit_with_retry_after_at_the_window_end(se
         assert abs(int(headers["retry-after"]) - to_midnight) <= 2
         assert headers["ratelimit-policy"] == '"daily";q=3;w=86400'
         assert json.loads(body)["reset"].endswith("T00:00:00Z")
+
+
+NORMALISED = """\
+version: 1
+identity: [{header: x-api-key}]
+limiters:
+  - {name: per-key, type: request_rate, rate: 0.001, burst: 1, applies_to: {path_prefix: /v1/key}}
+  - {name: per-org, type: request_rate, rate: 0.001, burst: 1, key: [{header: x-org, case: fold}],
+     applies_to: {path_prefix: /v1/org}}
+  - {name: per-host, type: request_rate, rate: 0.001, burst: 1, key: [{host: true}],
+     applies_to: {path_prefix: /v1/host}}
+"""
+
+
+async def _grpc_status(srv: Server, path: str, host: str, headers: dict[str, str]) -> int:
+    req = auth_pb2.CheckRequest()
+    http = req.attributes.request.http
+    http.method, http.path, http.host = "GET", path, host
+    http.headers.update(headers)  # Envoy joins a repeated header's values with ","
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+        resp = await auth_pb2_grpc.AuthorizationStub(channel).Check(req)
+    return resp.denied_response.status.code if resp.WhichOneof("http_response") == "denied_response" else 200
+
+
+async def _http_status(srv: Server, path: str, host: str, lines: list[tuple[str, str]]) -> int:
+    reader, writer = await asyncio.open_connection("127.0.0.1", srv.http_port)
+    try:
+        head = f"GET {path} HTTP/1.1\r\nhost: {host}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in lines)
+        writer.write((head + "content-length: 0\r\n\r\n").encode())
+        status = int((await reader.readuntil(b"\r\n\r\n")).split()[1])
+        return status
+    finally:
+        writer.close()
+
+
+async def test_key_values_are_normalised_the_same_through_both_doors(tmp_path: Path) -> None:
+    # Issue 29: "ACME", "acme" and a repeated "acme,acme" were three buckets; every IPv6 Host
+    # one bucket ("[")
+    policy = tmp_path / "p.yaml"
+    policy.write_text(NORMALISED)
+    srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0", http_listen="127.0.0.1:0",
+                              admin_listen="off", reload_interval=0))
+    await srv.start()
+    try:
+        host = "api.example.com"
+        # the identity: trimmed, a repeat of one value is that value; no case folding
+        assert await _grpc_status(srv, "/v1/key", host, {"x-api-key": "sk_a"}) == 200
+        assert await _http_status(srv, "/v1/key", host, [("x-api-key", "sk_a"), ("x-api-key", "sk_a ")]) == 429
+        assert await _grpc_status(srv, "/v1/key", host, {"x-api-key": "sk_a, sk_a"}) == 429
+        assert await _http_status(srv, "/v1/key", host, [("x-api-key", "SK_A")]) == 200
+        # case: fold on a key part
+        assert await _http_status(srv, "/v1/org", host, [("x-org", "ACME ")]) == 200
+        assert await _grpc_status(srv, "/v1/org", host, {"x-org": "acme"}) == 429
+        assert await _http_status(srv, "/v1/org", host, [("x-org", "Acme"), ("x-org", "acme")]) == 429
+        # different values: one bucket for all such requests, whoever sends them
+        assert await _grpc_status(srv, "/v1/org", host, {"x-org": "acme,other"}) == 200
+        assert await _http_status(srv, "/v1/org", host, [("x-org", "beta"), ("x-org", "gamma")]) == 429
+        assert await _grpc_status(srv, "/v1/org", host, {"x-org": "beta"}) == 200
+        # the Host: IPv6 literals whole, names lower case, the port and a final dot dropped
+        for grpc_door, h, status in ((True, "[::1]:8080", 200), (False, "[::2]", 200), (True, "[0:0::1]", 429),
+                                     (False, "[::1]:9", 429), (True, "API.Example.com", 200),
+                                     (False, "api.example.com.:443", 429)):
+            got = await (_grpc_status(srv, "/v1/host", h, {}) if grpc_door else _http_status(srv, "/v1/host", h, []))
+            assert got == status, h
+    finally:
+        await srv.stop(grace=0)

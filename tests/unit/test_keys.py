@@ -128,3 +128,64 @@ def test_calendar_windows_in_utc(period: str, at: str, start: str, end: str) -> 
         return datetime.fromisoformat(text).replace(tzinfo=UTC).timestamp()
 
     assert calendar_window(period, ts(at) + 0.25) == (int(ts(start)), int(ts(end)))
+
+
+def test_header_values_are_trimmed_and_a_repeat_of_one_value_is_that_value(tmp_path: Path) -> None:
+    c = keyed(tmp_path, {"header": "x-org"}, identity=[{"header": "x-api-key"}])
+    acme = c.context(request(headers={"x-org": "acme", "x-api-key": "k"}))
+    for org, key in ((" acme\t", "k "), ("acme,acme", "k,k"), ("acme, ,acme ", " k, k")):
+        same = c.context(request(headers={"x-org": org, "x-api-key": key}))
+        assert (same.keys, same.identity) == (acme.keys, acme.identity), org
+    # no case folding unless asked: API keys and names stay case-sensitive
+    upper = c.context(request(headers={"x-org": "ACME", "x-api-key": "K"}))
+    assert upper.keys != acme.keys and upper.identity != acme.identity
+
+
+def test_different_values_of_a_repeated_header_share_one_bucket(tmp_path: Path) -> None:
+    c = keyed(tmp_path, {"header": "x-org"}, identity=[{"header": "x-api-key"}, {"source_ip": True}])
+    acme = c.context(request(headers={"x-org": "acme", "x-api-key": "k"}))
+    one = c.context(request(headers={"x-org": "acme,other", "x-api-key": "k,j"}))
+    two = c.context(request(headers={"x-org": "x, y", "x-api-key": "a,b"}, source_ip="10.0.0.1"))
+    assert one.keys == two.keys and not one.keys[0][1]  # counted (not skipped), in one bucket
+    assert one.keys != acme.keys
+    assert one.identity == two.identity != acme.identity
+    assert two.identity_source == "header:x-api-key"  # not the next rule: a client cannot pick
+
+
+def test_case_fold_is_chosen_per_key_part(tmp_path: Path) -> None:
+    jwt = {"metadata": {"namespace": JWT, "path": ["payload", "org"]}}
+    c = keyed(tmp_path, {"header": "x-org", "case": "fold"}, {"header": "x-org"},
+              {"context_extension": "team", "case": "fold"}, {**jwt, "case": "fold"})
+
+    def keys(org: str) -> tuple[tuple[str, bool], ...]:
+        return c.context(request(headers={"x-org": org}, context_extensions={"team": org},
+                                 metadata={JWT: {"payload": {"org": org}}})).keys
+
+    folded, kept = keys("ACME"), keys("acme")
+    assert folded[0] == kept[0] and folded[2:] == kept[2:]  # the parts with case: fold
+    assert folded[1] != kept[1]  # the one without
+    assert keys("Acme, ACME")[0] == kept[0]  # a repeat compared after folding
+
+
+@pytest.mark.parametrize(("host", "same_as"), [
+    ("[::1]:8080", "[::1]"), ("[0:0::1]", "[::1]"), ("::1", "[::1]"), ("[::A]", "[::a]"),
+    ("API.Example.COM:443", "api.example.com"), ("api.example.com.", "api.example.com"),
+    ("10.0.0.1:80", "10.0.0.1"),
+])
+def test_the_host_part_is_the_host_s_name_whole(tmp_path: Path, host: str, same_as: str) -> None:
+    c = keyed(tmp_path, {"host": True})
+    assert c.context(request(host=host)).keys == c.context(request(host=same_as)).keys
+
+
+def test_ipv6_hosts_are_distinct_buckets(tmp_path: Path) -> None:
+    c = keyed(tmp_path, {"host": True})
+    hosts = [f"[::{i:x}]" for i in range(1, 11)] + ["[2001:db8::1]:443", "example.com"]
+    assert len({c.context(request(host=h)).keys for h in hosts}) == len(hosts)
+
+
+def test_a_rule_s_hosts_match_ipv6_literals_and_names_alike(tmp_path: Path) -> None:
+    c = Classifier(policy_from(tmp_path, {"classification": {"rules": [
+        {"match": {"hosts": ["[::1]", "Admin.Example.com"]}, "tier": "critical"}]}}))
+    for host, tier in (("[::1]:9000", "critical"), ("[0::1]", "critical"), ("[::2]", "get"),
+                       ("admin.example.COM.:443", "critical")):
+        assert c.context(request(host=host)).tier.value == tier, host

@@ -65,3 +65,50 @@ def test_numbers_print_whole_not_in_scientific_notation() -> None:
     assert "rate=0.0333333" in format_overrides(
         {"overrides": [{**rows["overrides"][0], "numbers": {"rate": 1 / 30}}]})
     assert "limit=5000000" in Change("override", "set", "monthly ab12", {"limit": 5000000.0}).describe()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["switch", "user-rate", "off", "--reason", "incident\r\n2026-01-01T00:00:00Z switch * off"],
+     "--reason holds a control character (\\r at position 9)"),
+    (["switch", "user-rate", "off", "--reason", "ok", "--by", "\x1b[31mroot"],
+     "--by holds a control character (\\x1b at position 1)"),
+    (["override", "set", "user-rate", "--identity", "k", "rate=5", "--reason", "a\u202eb"],
+     "--reason holds a control character (\\u202e at position 2)"),
+])
+@pytest.mark.parametrize("where", [["--admin", "http://127.0.0.1:9", "--redis-url", ""],
+                                   ["--redis-url", "redis://127.0.0.1:9/0"]])
+def test_a_control_character_in_a_reason_or_user_is_refused_before_anything_is_sent(
+        capsys: pytest.CaptureFixture[str], argv: list[str], message: str, where: list[str]) -> None:
+    # Issue 29: a CR/LF in a reason forged a line of `extauthz history`, an escape sequence
+    # recoloured the terminal. Nobody listens at either address: the refusal comes first.
+    code = main([*argv, *where])
+    _, err = capsys.readouterr()
+    assert code == 1 and message in err, err
+    assert "cannot reach" not in err and "Connection" not in err
+
+
+async def test_the_store_control_refuses_a_control_character() -> None:
+    from extauthz.control import ControlError, StoreControl
+    from extauthz.store.keys import Keys
+    from extauthz.store.memory import MemoryStore
+
+    with pytest.raises(ControlError, match=r"the reason holds a control character \(\\n at position 2\)"):
+        StoreControl(MemoryStore(), Keys("t"), reason="a\nb")
+    with pytest.raises(ControlError, match=r"the user holds a control character"):
+        StoreControl(MemoryStore(), Keys("t"), user="\x07bob")
+
+
+def test_history_and_override_rows_print_stored_control_characters_escaped() -> None:
+    # a record an older version stored (or one written straight into Redis)
+    from extauthz.changelog import Change, format_history
+    from extauthz.opscli import format_overrides
+
+    change = Change(kind="switch", action="set", target="*", value="off", at=0.0, server="h", via="redis",
+                    reason="x\r\n1970-01-01T00:00:00Z switch set * off", user="\x1b]0;pwned\x07eve")
+    text = format_history([change])
+    assert len(text.splitlines()) == 2 and "\x1b" not in text and "\r" not in text
+    assert "x\\r\\n1970-01-01T00:00:00Z" in text and "\\x1b]0;pwned\\x07eve" in text
+    rows = format_overrides({"max": 1, "overrides": [{
+        "limiter": "l", "identity": "ab" * 12, "numbers": {"rate": 1}, "by": "\x9bbob", "set_at": 0,
+        "expires_at": 1, "applied": True, "reason": "a\nb"}]})
+    assert len(rows.splitlines()) == 3 and "a\\nb" in rows and "\\x9bbob" in rows
