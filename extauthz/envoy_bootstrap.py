@@ -37,6 +37,7 @@ from .policy.schema import ConcurrentRequestsSpec, FleetUsageSpec, WorkerUtiliza
 from .server.fluentd import RECORD as FLUENTD_RECORD
 from .server.fluentd import TAG as FLUENTD_TAG
 from .server.httpmap import JWT_PAYLOAD_HEADER, ROUTE_TIER_HEADER, SHED_STATUS, allowed_headers
+from .server.leases import FAILURE_MODE_HEADER, ROUTE_TIER_TAG
 
 __all__ = ["ACCESS_LOG_MODES", "DEFAULT_AUTHZ", "JwtProvider", "TlsFiles", "bootstrap", "holds_leases",
            "jwks_from_file", "render"]
@@ -167,13 +168,38 @@ def _grpc_cluster(name: str, endpoint: tuple[str, int], tls: TlsFiles | None) ->
     return _cluster(name, endpoint, AUTHZ_TIMEOUT, **extra)
 
 
-def _access_log(cluster: str) -> Config:
+def unchecked_headers(policy: Policy) -> list[str]:
+    """The request headers the access log carries back so that the server can count a request
+    Envoy let through unchecked (docs/limiters.md "Unchecked requests"): Envoy's fail-open
+    header, then the headers the policy's tier rules and test header read (never an identity
+    header: no API key goes to the log)."""
+    names = {h.lower() for rule in policy.rules for h in rule.matcher.header_names}
+    if policy.test_header:
+        names.add(policy.test_header.lower())
+    return [FAILURE_MODE_HEADER, *sorted(names - {FAILURE_MODE_HEADER})]
+
+
+def route_tier_tag(policy: Policy) -> Config | None:
+    """The access log's custom tag that carries the route's tier, from route metadata where
+    the policy reads it (None: the policy reads it at a list index, which a tag cannot name)."""
+    namespace, path = policy.route_metadata
+    if not all(isinstance(step, str) for step in path):
+        return None
+    return {"tag": ROUTE_TIER_TAG, "metadata": {"kind": {"route": {}}, "metadata_key": {
+        "key": namespace, "path": [{"key": step} for step in path]}}}
+
+
+def _access_log(cluster: str, policy: Policy) -> Config:
+    common: Config = {"log_name": "extauthz", "transport_api_version": "V3",
+                      "grpc_service": {"envoy_grpc": {"cluster_name": cluster}},
+                      "buffer_size_bytes": ACCESS_LOG_BUFFER_BYTES,
+                      "buffer_flush_interval": ACCESS_LOG_FLUSH}
+    tag = route_tier_tag(policy)
+    if tag is not None:
+        common["custom_tags"] = [tag]
     return {"name": "envoy.access_loggers.http_grpc", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
-        "common_config": {"log_name": "extauthz", "transport_api_version": "V3",
-                          "grpc_service": {"envoy_grpc": {"cluster_name": cluster}},
-                          "buffer_size_bytes": ACCESS_LOG_BUFFER_BYTES,
-                          "buffer_flush_interval": ACCESS_LOG_FLUSH}}}
+        "common_config": common, "additional_request_headers_to_log": unchecked_headers(policy)}}
 
 
 def fluentd_release_log(to: tuple[str, int]) -> tuple[Config, Config]:
@@ -356,7 +382,7 @@ def bootstrap(policy: Policy, *, protocol: str, upstream: tuple[str, int],
     if jwt is not None:  # right after the strip filter: what it verifies, nobody else can set
         filters.insert(1, _jwt_authn(jwt, protocol))
     if log:
-        hcm["access_log"] = [_access_log(log_cluster)]
+        hcm["access_log"] = [_access_log(log_cluster, policy)]
     elif fluentd is not None:
         hcm["access_log"] = [fluentd[0]]
     hcm["route_config"] = {"name": "local_route", "virtual_hosts": [vhost]}
