@@ -12,8 +12,11 @@ fields go to the entry handling shared with the gRPC access log
 The record is what ``extauthz envoy-config --access-log fluentd`` renders (:data:`RECORD`):
 the request id, the ext_authz dynamic-metadata namespace as a nested map, the response flags
 (``UAEX``: refused by the authorization filter), what the check saw of the request (start
-time in microseconds, method, path, original path: the request-id index's ``seen``) and the
-duration in milliseconds (``serve --record``).
+time in microseconds, method, path, original path: the request-id index's ``seen``), the
+duration in milliseconds (``serve --record``), and Envoy's fail-open header with the authority:
+a request Envoy let through unchecked is counted by the tier its method, path and host give
+(the tier rules' headers and the route's tier are not in this record; the gRPC access log
+carries them).
 
 Trust: the port releases leases, so it is as trusted as the gRPC access-log port: bind it to
 localhost or the pod (docs/security.md); the lease tickets are vetted as on the gRPC stream.
@@ -33,6 +36,7 @@ from typing import Any, cast
 
 import msgpack
 
+from ..context import RawRequest
 from .leases import MAX_PENDING_RELEASES, FinishedEntries, seen_as, seen_at
 from .ports import parse_listen
 
@@ -52,6 +56,9 @@ RECORD: dict[str, str] = {
     "path": "%REQ(:PATH)%",
     "original_path": "%REQ(X-ENVOY-ORIGINAL-PATH)%",
     "duration_ms": "%DURATION%",
+    # a request Envoy let through unchecked: its fail-open header, and where it went (the tier)
+    "failure_mode_allowed": "%REQ(X-ENVOY-AUTH-FAILURE-MODE-ALLOWED)%",
+    "authority": "%REQ(:AUTHORITY)%",
 }
 #: the response flag Envoy sets on a request the ext_authz filter refused
 UNAUTHORIZED_FLAG = "UAEX"
@@ -162,6 +169,16 @@ def _duration(record: Mapping[str, Any]) -> float | None:
     return None
 
 
+def _given(value: object) -> str:
+    """A ``%REQ(...)%`` field's value ("" for Envoy's ``-``: no such header)."""
+    return value if isinstance(value, str) and value != "-" else ""
+
+
+def _request(record: Mapping[str, Any]) -> RawRequest:
+    """What a record shows of its request for the classifier (no headers, no route tier)."""
+    return RawRequest(_given(record.get("method")), _given(record.get("path")), _given(record.get("authority")))
+
+
 def _unauthorized(flags: object) -> bool:
     return isinstance(flags, str) and UNAUTHORIZED_FLAG in flags.split(",")
 
@@ -268,7 +285,9 @@ class _Connection(asyncio.Protocol):
             task = finished.entry(rid if isinstance(rid, str) and rid != "-" else "",
                                   md if isinstance(md, Mapping) else None,
                                   unauthorized=_unauthorized(record.get("response_flags")),
-                                  seen=partial(_seen, record), duration=partial(_duration, record))
+                                  seen=partial(_seen, record), duration=partial(_duration, record),
+                                  failed_open=bool(_given(record.get("failure_mode_allowed"))),
+                                  request=partial(_request, record))
             if task is None:
                 continue
             self.pending.add(task)

@@ -123,6 +123,20 @@ async def test_without_metadata_only_the_request_the_check_saw_and_never_a_refus
     assert port.leases.releaser.count("request_id_index", "released") == 1 and port.finished.entries == 3
 
 
+async def test_requests_envoy_let_through_unchecked_are_counted_by_tier(port: Admitted) -> None:
+    checked = await port.admit("a")  # a decision of ours: never counted, header or not
+    base = {"request_id": "u", "response_flags": "-", "start_us": "1", "duration_ms": 3,
+            "path": "/v1/customers", "authority": "api.example"}
+    unchecked = [dict(base, method="GET", failure_mode_allowed="true"),
+                 dict(base, method="POST", failure_mode_allowed="true"),
+                 dict(base, method="-", path="-", failure_mode_allowed="true")]  # shows no request
+    plain = dict(base, method="GET", failure_mode_allowed="-")  # checked, nothing to release
+    forged = dict(checked, failure_mode_allowed="true")
+    await port.send(msgpack.packb([TAG, [[1, r] for r in (*unchecked, plain, forged)]]))
+    await settle(lambda: port.finished.entries == 5)
+    assert port.finished.unchecked == {"get": 1, "post": 1, "unknown": 1}
+
+
 @pytest.mark.parametrize(("data", "reason"), [
     (b"\xc1" * 4, "msgpack"),  # 0xc1: never used in msgpack
     (msgpack.packb({"not": "an array"}), "shape"),
