@@ -59,6 +59,10 @@ AUTHZ_TIMEOUT = "0.25s"
 #: access-log batching: a message every 5 ms or 4 KiB (docs/limiters.md "Access-log batching")
 ACCESS_LOG_BUFFER_BYTES = 4096
 ACCESS_LOG_FLUSH = "0.005s"
+#: an entry for each request still in flight this often (``access_log_flush_interval``), where
+#: the policy has a ``fleet_usage`` limiter: one that Envoy let through unchecked is counted by
+#: the fleet from its first such entry to its last (docs/limiters.md "Unchecked requests")
+UNCHECKED_FLUSH = "1s"
 
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _EXT_AUTHZ = "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthz"
@@ -383,6 +387,8 @@ def bootstrap(policy: Policy, *, protocol: str, upstream: tuple[str, int],
         filters.insert(1, _jwt_authn(jwt, protocol))
     if log:
         hcm["access_log"] = [_access_log(log_cluster, policy)]
+        if any(isinstance(spec, FleetUsageSpec) for spec in policy.limiters):
+            hcm["access_log_options"] = {"access_log_flush_interval": UNCHECKED_FLUSH}
     elif fluentd is not None:
         hcm["access_log"] = [fluentd[0]]
     hcm["route_config"] = {"name": "local_route", "virtual_hosts": [vhost]}

@@ -59,7 +59,12 @@ RECORD: dict[str, str] = {
     # a request Envoy let through unchecked: its fail-open header, and where it went (the tier)
     "failure_mode_allowed": "%REQ(X-ENVOY-AUTH-FAILURE-MODE-ALLOWED)%",
     "authority": "%REQ(:AUTHORITY)%",
+    # DownstreamEnd; DownstreamStart / DownstreamPeriodic: an entry of a request still in flight
+    "log_type": "%ACCESS_LOG_TYPE%",
 }
+#: the ``log_type`` of entries written while the request is still in flight
+#: (``flush_access_log_on_new_request``, ``access_log_flush_interval``)
+IN_FLIGHT_TYPES = frozenset({"DownstreamStart", "DownstreamPeriodic"})
 #: the response flag Envoy sets on a request the ext_authz filter refused
 UNAUTHORIZED_FLAG = "UAEX"
 #: reasons a connection was closed (status ``malformed``)
@@ -208,7 +213,7 @@ class FluentdReceiver:
         """Stop listening, close the connections and wait for their releases."""
         if self.server is not None:
             self.server.close()
-        pending: set[asyncio.Task[int]] = set()
+        pending: set[asyncio.Future[Any]] = set()
         for conn in list(self.connections):
             pending |= conn.pending
             if conn.transport is not None:
@@ -232,7 +237,7 @@ class _Connection(asyncio.Protocol):
         self.unpacker = _unpacker(receiver.limits)
         self._step = max(1, receiver.limits.max_message_bytes // 4)
         self.transport: asyncio.Transport | None = None
-        self.pending: set[asyncio.Task[int]] = set()
+        self.pending: set[asyncio.Future[Any]] = set()
         self.paused = False
         self.closed = False
 
@@ -280,14 +285,17 @@ class _Connection(asyncio.Protocol):
         finished = self.receiver.finished
         for _time, record in entries:
             finished.entries += 1
-            rid = record.get("request_id")
+            rid = _given(record.get("request_id"))
             md = record.get("ext_authz")
-            task = finished.entry(rid if isinstance(rid, str) and rid != "-" else "",
-                                  md if isinstance(md, Mapping) else None,
-                                  unauthorized=_unauthorized(record.get("response_flags")),
-                                  seen=partial(_seen, record), duration=partial(_duration, record),
-                                  failed_open=bool(_given(record.get("failure_mode_allowed"))),
-                                  request=partial(_request, record))
+            metadata = md if isinstance(md, Mapping) else None
+            failed_open = bool(_given(record.get("failure_mode_allowed")))
+            task: asyncio.Future[Any] | None
+            if record.get("log_type") in IN_FLIGHT_TYPES:  # not finished: nothing to release
+                task = finished.in_flight(rid, metadata, failed_open=failed_open, request=partial(_request, record))
+            else:
+                task = finished.entry(rid, metadata, unauthorized=_unauthorized(record.get("response_flags")),
+                                      seen=partial(_seen, record), duration=partial(_duration, record),
+                                      failed_open=failed_open, request=partial(_request, record))
             if task is None:
                 continue
             self.pending.add(task)
@@ -296,7 +304,7 @@ class _Connection(asyncio.Protocol):
                 self.paused = True  # a slow store: stop reading until half the releases are done
                 self.transport.pause_reading()
 
-    def _released(self, task: asyncio.Task[int]) -> None:
+    def _released(self, task: asyncio.Future[Any]) -> None:
         self.pending.discard(task)
         if self.paused and len(self.pending) <= MAX_PENDING_RELEASES // 2:
             self.paused = False

@@ -146,23 +146,26 @@ class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ig
         # slow release must not hold back the entries behind it (their leases would
         # linger and inflate every in-flight count). At most MAX_PENDING at a time.
         finished = self.finished
-        pending: set[asyncio.Task[int]] = set()
+        pending: set[asyncio.Future[Any]] = set()
         try:
             async for message in request_iterator:
                 for entry in message.http_logs.log_entry:
                     finished.entries += 1
                     common = entry.common_properties
-                    if common.intermediate_log_entry:
-                        continue
                     fm = common.metadata.filter_metadata
                     md = (lease_metadata(fm[EXT_AUTHZ_NAMESPACE]) if EXT_AUTHZ_NAMESPACE in fm
                           else None)
-                    task = finished.entry(entry.request.request_id, md,
-                                          unauthorized=common.response_flags.HasField("unauthorized_details"),
-                                          seen=partial(entry_seen, entry),
-                                          duration=partial(finished_after, common),
-                                          failed_open=FAILURE_MODE_HEADER in entry.request.request_headers,
-                                          request=partial(entry_request, entry))
+                    failed_open = FAILURE_MODE_HEADER in entry.request.request_headers
+                    task: asyncio.Future[Any] | None
+                    if common.intermediate_log_entry:  # in flight (access_log_flush_interval)
+                        task = finished.in_flight(entry.request.request_id, md, failed_open=failed_open,
+                                                  request=partial(entry_request, entry))
+                    else:
+                        task = finished.entry(entry.request.request_id, md,
+                                              unauthorized=common.response_flags.HasField("unauthorized_details"),
+                                              seen=partial(entry_seen, entry),
+                                              duration=partial(finished_after, common),
+                                              failed_open=failed_open, request=partial(entry_request, entry))
                     if task is None:  # nothing to release, or done at once (embedded store)
                         continue
                     pending.add(task)
