@@ -409,7 +409,8 @@ def plot(sc: Scenario, out: Path, scale: float) -> Path:
         top.axhline(ceiling, color=TIER_COLORS["get"], linestyle="--", linewidth=1.2,
                     label=f"non-critical may use {ceiling}")
         top.axhline(capacity, color="black", linestyle="-", linewidth=1.2, label=f"capacity {capacity}")
-        top.set(ylabel="requests in flight", ylim=(0, capacity + 3),
+        peak = max(map(sum, zip(*(ys for _, _, ys in stacked), strict=True)), default=0)
+        top.set(ylabel="requests in flight", ylim=(0, max(capacity, peak) + 3),
                 title="fleet limiter: the fleet's requests in flight by tier (stacked), at the upstream")
     else:
         pts = sc.shedder
