@@ -629,6 +629,15 @@ def main(out: str | Path, time_scale: float = 1.0, only: Sequence[str] = ()) -> 
             path = plot(sc, out, s)
             written = sc.write_csv(out)
             print(f"\n{path}: {sc.caption}\n{sc.table()}\ndata: {', '.join(str(d) for d in written)}")
+        time.sleep(0.1)  # the last access-log entries (sent every 5 ms)
+        counted = _status(admin, client).get("unchecked_requests") or {"total": 0, "by_tier": {}}
+    seen = sum(r.unchecked for sc in todo for r in sc.results)
+    unchecked = (f"Requests Envoy let through unchecked (its ext_authz check outlasted its timeout): "
+                 f"{seen} seen at the upstream with its fail-open header; the server counted "
+                 f"{counted['total']} from the access log "
+                 f"({', '.join(f'{t} {n}' for t, n in counted['by_tier'].items() if n) or 'none'}).")
+    print(f"\n{unchecked}")
+    md += [unchecked, ""]
     verdicts = check_captions(out, sorted(sc.name for sc in todo))
     print("\nCaption checks (each caption's claims against the data beside it):")
     for name, problems in verdicts.items():

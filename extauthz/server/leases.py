@@ -305,7 +305,7 @@ class FinishedEntries:
         ``unknown``), asked only for an unchecked request."""
         if self.on_finished is not None and request_id:
             self.on_finished(request_id, duration())
-        if failed_open and metadata is None:  # Envoy let it through on a failed check
+        if failed_open and metadata is None and not unauthorized:  # Envoy let it through on a failed check
             self.count_unchecked(request())
             held = self.unchecked_held.pop(request_id, None) if request_id else None
             if held is not None:  # the fleet counted it in flight: it is over (the releaser

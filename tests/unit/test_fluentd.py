@@ -135,8 +135,9 @@ async def test_requests_envoy_let_through_unchecked_are_counted_by_tier(port: Ad
                  dict(base, method="-", path="-", failure_mode_allowed="true")]  # shows no request
     plain = dict(base, method="GET", failure_mode_allowed="-")  # checked, nothing to release
     forged = dict(checked, failure_mode_allowed="true")
-    await port.send(msgpack.packb([TAG, [[1, r] for r in (*unchecked, plain, forged)]]))
-    await settle(lambda: port.finished.entries == 5)
+    refused = dict(base, method="GET", failure_mode_allowed="true", response_flags="UAEX")  # we refused it
+    await port.send(msgpack.packb([TAG, [[1, r] for r in (*unchecked, plain, forged, refused)]]))
+    await settle(lambda: port.finished.entries == 6)
     assert port.finished.unchecked == {"get": 1, "post": 1, "unknown": 1}
 
 
