@@ -452,20 +452,35 @@ class AccessLogPart:
 UNCHECKED_TIERS = (*(t.value for t in Tier), "unknown")
 
 
+class UncheckedCounts(Protocol):
+    #: by tier, counted from their last entry
+    unchecked: dict[str, int]
+    #: the fleet's count of them in flight: counted, failed store calls, held now
+    unchecked_counted: int
+    unchecked_errors: int
+
+    @property
+    def unchecked_held(self) -> Mapping[str, object]: ...
+
+
 @dataclass(eq=False)
 class UncheckedPart:
     """Requests Envoy let through unchecked (``failure_mode_allow``: its fail-open header in
-    the access-log entry, no decision of ours), by tier, counted when their entry arrives."""
+    the access-log entry, no decision of ours), by tier, counted when their entry arrives;
+    and those the fleet limiters counted while in flight."""
 
-    read: Callable[[], Mapping[str, int]]
+    counts: UncheckedCounts
 
     def status(self) -> Mapping[str, Any]:
-        counts = self.read()
-        return {"unchecked_requests": {"total": sum(counts.values()),
-                                       "by_tier": {t: counts.get(t, 0) for t in UNCHECKED_TIERS}}}
+        c = self.counts
+        counts = c.unchecked
+        return {"unchecked_requests": {
+            "total": sum(counts.values()), "by_tier": {t: counts.get(t, 0) for t in UNCHECKED_TIERS},
+            "fleet": {"in_flight": len(c.unchecked_held), "counted": c.unchecked_counted,
+                      "errors": c.unchecked_errors}}}
 
     def metrics(self) -> Iterable[Metric]:
-        counts = self.read()
+        counts = self.counts.unchecked
         family = CounterMetricFamily("extauthz_unchecked_requests", "Requests Envoy let through "
                                      "without our decision (its ext_authz check failed or timed out "
                                      "and failure_mode_allow passed it), by tier, from the access log.",

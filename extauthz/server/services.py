@@ -128,11 +128,6 @@ class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ig
         return self.finished.rejected
 
     @property
-    def unchecked(self) -> dict[str, int]:
-        """Requests Envoy let through unchecked, by tier (both receivers)."""
-        return self.finished.unchecked
-
-    @property
     def entries(self) -> int:
         """Entries read (both receivers)."""
         return self.finished.entries

@@ -5,9 +5,11 @@ non-critical slot, and admitted once it ended. Through a real Envoy (envoy/envoy
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +38,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield s
 
 
+def fleet_status(stack: Stack) -> dict[str, int]:
+    assert stack.server is not None
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+            f"http://127.0.0.1:{stack.server.admin_port}/status", timeout=10) as resp:
+        fleet: dict[str, int] = json.load(resp)["unchecked_requests"]["fleet"]
+    return fleet
+
+
 def test_an_unchecked_request_holds_a_fleet_slot_while_in_flight(stack: Stack, client: HttpClient) -> None:
     assert stack.server is not None and stack.server.proc is not None and stack.upstream is not None
     key = {"x-api-key": "sk_live_u"}
@@ -56,8 +66,10 @@ def test_an_unchecked_request_holds_a_fleet_slot_while_in_flight(stack: Stack, c
     assert not live_leases(stack.server)  # no check admitted it: the fleet saw nothing yet
     # its periodic entry arrives: the fleet counts it, and the only non-critical slot is taken
     wait_for(lambda: sum(live_leases(stack.server).values()) == 1)
+    assert fleet_status(stack) == {"in_flight": 1, "counted": 1, "errors": 0}
     assert client.send(stack.url + "/v1/x", headers=key).status == 503
     sender.join(30)
     assert statuses == [200]
     wait_for(lambda: not live_leases(stack.server))  # its last entry gave the slot back
+    assert fleet_status(stack)["in_flight"] == 0
     assert client.send(stack.url + "/v1/x", headers=key).status == 200

@@ -38,5 +38,5 @@ async def test_status_keeps_its_keys_and_agrees_with_metrics(tmp_path: Path) -> 
     assert sample(metrics, "extauthz_access_log_entries_total") == status["access_log"]["entries"]
     assert sample(metrics, 'extauthz_unchecked_requests_total{tier="critical"}') == 0
     assert status["unchecked_requests"] == {"total": 0, "by_tier": dict.fromkeys(
-        ("critical", "post", "get", "test", "unknown"), 0)}
+        ("critical", "post", "get", "test", "unknown"), 0), "fleet": {"in_flight": 0, "counted": 0, "errors": 0}}
     assert sample(metrics, 'extauthz_overrides{applied="yes"}') == status["overrides"]["live"] == 0
