@@ -37,6 +37,7 @@ from .policy.schema import ConcurrentRequestsSpec, FleetUsageSpec, WorkerUtiliza
 from .server.fluentd import RECORD as FLUENTD_RECORD
 from .server.fluentd import TAG as FLUENTD_TAG
 from .server.httpmap import JWT_PAYLOAD_HEADER, ROUTE_TIER_HEADER, SHED_STATUS, allowed_headers
+from .server.leases import FAILURE_MODE_HEADER, ROUTE_TIER_TAG
 
 __all__ = ["ACCESS_LOG_MODES", "DEFAULT_AUTHZ", "JwtProvider", "TlsFiles", "bootstrap", "holds_leases",
            "jwks_from_file", "render"]
@@ -58,6 +59,10 @@ AUTHZ_TIMEOUT = "0.25s"
 #: access-log batching: a message every 5 ms or 4 KiB (docs/limiters.md "Access-log batching")
 ACCESS_LOG_BUFFER_BYTES = 4096
 ACCESS_LOG_FLUSH = "0.005s"
+#: an entry for each request still in flight this often (``access_log_flush_interval``), where
+#: the policy has a ``fleet_usage`` limiter: one that Envoy let through unchecked is counted by
+#: the fleet from its first such entry to its last (docs/limiters.md "Unchecked requests")
+UNCHECKED_FLUSH = "1s"
 
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _EXT_AUTHZ = "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthz"
@@ -167,13 +172,38 @@ def _grpc_cluster(name: str, endpoint: tuple[str, int], tls: TlsFiles | None) ->
     return _cluster(name, endpoint, AUTHZ_TIMEOUT, **extra)
 
 
-def _access_log(cluster: str) -> Config:
+def unchecked_headers(policy: Policy) -> list[str]:
+    """The request headers the access log carries back so that the server can count a request
+    Envoy let through unchecked (docs/limiters.md "Unchecked requests"): Envoy's fail-open
+    header, then the headers the policy's tier rules and test header read (never an identity
+    header: no API key goes to the log)."""
+    names = {h.lower() for rule in policy.rules for h in rule.matcher.header_names}
+    if policy.test_header:
+        names.add(policy.test_header.lower())
+    return [FAILURE_MODE_HEADER, *sorted(names - {FAILURE_MODE_HEADER})]
+
+
+def route_tier_tag(policy: Policy) -> Config | None:
+    """The access log's custom tag that carries the route's tier, from route metadata where
+    the policy reads it (None: the policy reads it at a list index, which a tag cannot name)."""
+    namespace, path = policy.route_metadata
+    if not all(isinstance(step, str) for step in path):
+        return None
+    return {"tag": ROUTE_TIER_TAG, "metadata": {"kind": {"route": {}}, "metadata_key": {
+        "key": namespace, "path": [{"key": step} for step in path]}}}
+
+
+def _access_log(cluster: str, policy: Policy) -> Config:
+    common: Config = {"log_name": "extauthz", "transport_api_version": "V3",
+                      "grpc_service": {"envoy_grpc": {"cluster_name": cluster}},
+                      "buffer_size_bytes": ACCESS_LOG_BUFFER_BYTES,
+                      "buffer_flush_interval": ACCESS_LOG_FLUSH}
+    tag = route_tier_tag(policy)
+    if tag is not None:
+        common["custom_tags"] = [tag]
     return {"name": "envoy.access_loggers.http_grpc", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
-        "common_config": {"log_name": "extauthz", "transport_api_version": "V3",
-                          "grpc_service": {"envoy_grpc": {"cluster_name": cluster}},
-                          "buffer_size_bytes": ACCESS_LOG_BUFFER_BYTES,
-                          "buffer_flush_interval": ACCESS_LOG_FLUSH}}}
+        "common_config": common, "additional_request_headers_to_log": unchecked_headers(policy)}}
 
 
 def fluentd_release_log(to: tuple[str, int]) -> tuple[Config, Config]:
@@ -356,7 +386,9 @@ def bootstrap(policy: Policy, *, protocol: str, upstream: tuple[str, int],
     if jwt is not None:  # right after the strip filter: what it verifies, nobody else can set
         filters.insert(1, _jwt_authn(jwt, protocol))
     if log:
-        hcm["access_log"] = [_access_log(log_cluster)]
+        hcm["access_log"] = [_access_log(log_cluster, policy)]
+        if any(isinstance(spec, FleetUsageSpec) for spec in policy.limiters):
+            hcm["access_log_options"] = {"access_log_flush_interval": UNCHECKED_FLUSH}
     elif fluentd is not None:
         hcm["access_log"] = [fluentd[0]]
     hcm["route_config"] = {"name": "local_route", "virtual_hosts": [vhost]}

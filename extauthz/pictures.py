@@ -16,8 +16,14 @@ about and the quantity that limiter counts, measured, not modelled:
 
 Under each, requests per second by user or tier and outcome. Every picture's data is written
 beside it as CSV (``NAME.csv``: one row per request; ``4-worker-utilization-shedder.csv``:
-the polled shedder), and tests/simulate/test_pictures_data.py checks each caption's claim
-from it.
+the polled shedder). After drawing, the demo checks each caption's claims against that data
+(:data:`CAPTION_CHECKS`, the same checks tests/simulate/test_pictures_data.py runs on the
+committed pictures) and says whether each holds; it exits 1 when one does not.
+
+A request Envoy let through without a decision (the ext_authz check outlasted Envoy's
+timeout and ``failure_mode_allow`` passed it: the upstream sees Envoy's fail-open header) is
+marked ``unchecked`` in the data, counted in the tables, and drawn apart in the fleet
+picture: no limiter counted it, so it can push the fleet past its cap.
 
 ``time_scale`` stretches or shrinks every duration (traffic phases, slow requests, the
 worker shedder's controller constants): 1.0 takes about a minute, the CI smoke test
@@ -28,15 +34,17 @@ from __future__ import annotations
 
 import bisect
 import csv
+import itertools
 import json
 import re
+import statistics
 import sys
 import tempfile
 import textwrap
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,10 +127,12 @@ class Sent:
     tokens_left: float | None = None
     #: when the upstream began and answered it (allowed requests only)
     upstream: tuple[float, float] | None = None
+    #: it reached the upstream with Envoy's fail-open header: no decision of ours let it through
+    unchecked: bool = False
 
 
 CSV_FIELDS = ("flow", "user", "tier", "sent", "answered", "status", "tokens_left", "upstream_start",
-              "upstream_end")
+              "upstream_end", "unchecked")
 SHEDDER_FIELDS = ("time", "level", "utilization", "p_test", "p_get", "p_post", "p_critical")
 
 
@@ -137,13 +147,16 @@ class Scenario:
     shedder: list[tuple[float, float, float, dict[str, float]]] = field(default_factory=list)
 
     def table(self) -> str:
-        rows = ["| flow | sent | 200 | 429 | 503 |", "|---|---:|---:|---:|---:|"]
+        rows = ["| flow | sent | 200 | 429 | 503 | passed unchecked |", "|---|---:|---:|---:|---:|---:|"]
         counts: dict[str, Counter[int]] = {}
+        unchecked: Counter[str] = Counter()
         for r in self.results:
             counts.setdefault(r.flow, Counter())[r.status] += 1
+            unchecked[r.flow] += r.unchecked
         for flow in self.flows:
             c = counts.get(flow.label, Counter())
-            rows.append(f"| {flow.label} | {sum(c.values())} | {c[200]} | {c[429]} | {c[503]} |")
+            rows.append(f"| {flow.label} | {sum(c.values())} | {c[200]} | {c[429]} | {c[503]} | "
+                        f"{unchecked[flow.label]} |")
         return "\n".join(rows)
 
     def write_csv(self, out: Path) -> list[Path]:
@@ -155,7 +168,8 @@ class Scenario:
                 up = r.upstream
                 w.writerow([r.flow, r.user, r.tier, f"{r.sent:.4f}", f"{r.answered:.4f}", r.status,
                             "" if r.tokens_left is None else f"{r.tokens_left:g}",
-                            "" if up is None else f"{up[0]:.4f}", "" if up is None else f"{up[1]:.4f}"])
+                            "" if up is None else f"{up[0]:.4f}", "" if up is None else f"{up[1]:.4f}",
+                            int(r.unchecked)])
         paths = [path]
         if self.shedder:
             path = out / f"{self.name}-shedder.csv"
@@ -292,6 +306,8 @@ def run_scenario(url: str, client: HttpClient, sc: Scenario, upstream: Upstream 
             held = upstream.held.pop(seq, None)
             if held is not None:
                 sc.results[i].upstream = (held[0] - t0, held[1] - t0)
+                sc.results[i].unchecked = seq in upstream.unchecked
+                upstream.unchecked.discard(seq)
 
 
 def in_flight(intervals: Iterable[tuple[float, float]]) -> tuple[list[float], list[int]]:
@@ -315,6 +331,27 @@ def _rates(results: Iterable[Sent], width: float, bins: int, key: Any) -> dict[A
         if 0 <= i < bins:
             series.setdefault(key(r), [0.0] * bins)[i] += 1 / width
     return series
+
+
+#: the fleet picture's limiter (the POLICY's ``fleet``): its capacity and non-critical's share
+FLEET_CAPACITY, FLEET_CEILING = 16, 12
+
+
+def fleet_series(results: Sequence[Sent], grid: Sequence[float]) -> list[tuple[str, str, list[int]]]:
+    """The fleet picture's stacked series on ``grid``: (tier colour, label, in flight at each
+    time): non-critical requests the limiter admitted, those that passed unchecked (only when
+    there are any, with their count), critical ones on top."""
+    def steps(pick: Callable[[Sent], bool]) -> list[int]:
+        ts, ns = in_flight(r.upstream for r in results if r.upstream is not None and pick(r))
+        return [ns[bisect.bisect_right(ts, g) - 1] for g in grid]
+
+    out = [("get", "non-critical in flight", steps(lambda r: r.tier == "get" and not r.unchecked))]
+    unchecked = sum(1 for r in results if r.unchecked and r.upstream is not None)
+    if unchecked:
+        out.append(("get", f"passed unchecked ({unchecked}: Envoy's check timed out, no limiter counted them)",
+                    steps(lambda r: r.unchecked)))
+    out.append(("critical", "critical in flight (on top)", steps(lambda r: r.tier == "critical" and not r.unchecked)))
+    return out
 
 
 #: per outcome: a line style and a word
@@ -358,20 +395,22 @@ def plot(sc: Scenario, out: Path, scale: float) -> Path:
         top.set(ylabel="requests in flight", ylim=(-0.2, limit + 2),
                 title="user-concurrency limiter: each user's requests in flight at the upstream")
     elif sc.name.startswith("3-"):
-        capacity, ceiling = 16, 12
+        capacity, ceiling = FLEET_CAPACITY, FLEET_CEILING
         grid = [i * sc.duration / 600 for i in range(601)]
-        stacks = []
-        for tier in ("get", "critical"):
-            ts, ns = in_flight(r.upstream for r in sc.results if r.tier == tier and r.upstream is not None)
-            stacks.append([ns[bisect.bisect_right(ts, g) - 1] for g in grid])
-        top.stackplot(grid, stacks, colors=[TIER_COLORS["get"], TIER_COLORS["critical"]], alpha=0.75,
-                      labels=["non-critical in flight", "critical in flight (on top)"], step="post")
+        stacked = fleet_series(sc.results, grid)
+        polys = top.stackplot(grid, [ys for _, _, ys in stacked], colors=[TIER_COLORS[t] for t, _, _ in stacked],
+                              alpha=0.75, labels=[label for _, label, _ in stacked], step="post")
+        for poly, (_, label, _) in zip(polys, stacked, strict=True):
+            if "unchecked" in label:  # no limiter counted these: hatched, and counted in the label
+                poly.set_hatch("xx")
+                poly.set_edgecolor("#d62728")
         top.axhspan(ceiling, capacity, color=TIER_COLORS["critical"], alpha=0.08,
                     label=f"reserved for critical ({capacity - ceiling} slots)")
         top.axhline(ceiling, color=TIER_COLORS["get"], linestyle="--", linewidth=1.2,
                     label=f"non-critical may use {ceiling}")
         top.axhline(capacity, color="black", linestyle="-", linewidth=1.2, label=f"capacity {capacity}")
-        top.set(ylabel="requests in flight", ylim=(0, capacity + 3),
+        peak = max(map(sum, zip(*(ys for _, _, ys in stacked), strict=True)), default=0)
+        top.set(ylabel="requests in flight", ylim=(0, max(capacity, peak) + 3),
                 title="fleet limiter: the fleet's requests in flight by tier (stacked), at the upstream")
     else:
         pts = sc.shedder
@@ -426,6 +465,137 @@ def plot(sc: Scenario, out: Path, scale: float) -> Path:
     return path
 
 
+# -- the captions' claims, checked from the data written beside each picture ----------------
+
+Rows = list[dict[str, str]]
+
+
+def read_rows(path: Path) -> Rows:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _statuses(rows: Rows, **match: str) -> list[int]:
+    return [int(r["status"]) for r in rows if all(r[k] == v for k, v in match.items())]
+
+
+def _max_in_flight(rows: Rows, unchecked: bool | None = None, **match: str) -> int:
+    """The most requests matching ``match`` in flight at once at the upstream (``unchecked``:
+    only those that passed unchecked, or only the others)."""
+    spans = [(float(r["upstream_start"]), float(r["upstream_end"])) for r in rows
+             if r["upstream_start"] and all(r[k] == v for k, v in match.items())
+             and (unchecked is None or _unchecked(r) == unchecked)]
+    return max(in_flight(spans)[1])
+
+
+def _unchecked(row: dict[str, str]) -> bool:
+    return row.get("unchecked") == "1"  # data written before the column existed: none marked
+
+
+def _passed_unchecked(rows: Rows, **match: str) -> str:
+    n = sum(1 for r in rows if _unchecked(r) and all(r[k] == v for k, v in match.items()))
+    if not n:
+        return ""
+    return (f" ({n} passed unchecked: Envoy's ext_authz check outlasted its timeout and "
+            "failure_mode_allow let them through, with no lease)")
+
+
+def check_request_rate(d: Path) -> list[str]:
+    """The request-rate caption's claims that the data does not bear out (empty: it holds)."""
+    rows = read_rows(d / "1-request-rate.csv")
+    problems = []
+    if 429 not in _statuses(rows, user="alice"):
+        problems.append("alice, bursting, never got a 429" + _passed_unchecked(rows, user="alice"))
+    for user in ("bob", "carol"):
+        if set(_statuses(rows, user=user)) != {200}:
+            problems.append(f"{user} was refused")
+    tokens = {u: [float(r["tokens_left"]) for r in rows if r["user"] == u and r["tokens_left"]]
+              for u in ("alice", "bob", "carol")}
+    if not all(0 <= t <= 20 for ts in tokens.values() for t in ts):
+        problems.append("tokens left outside the bucket (0 to the burst of 20)")
+    if not all(tokens.values()) or min(tokens["alice"]) != 0 or min(tokens["bob"]) <= 0 \
+            or min(tokens["carol"]) <= 0:
+        problems.append("alice's bucket did not empty, or bob's or carol's did")
+    return problems
+
+
+def check_concurrency(d: Path) -> list[str]:
+    rows = read_rows(d / "2-concurrency.csv")
+    problems = []
+    dave = _max_in_flight(rows, user="dave")
+    if dave != 4:  # up to the limit, never above it
+        problems.append(f"dave had {dave} requests in flight, not the limit of 4"
+                        + _passed_unchecked(rows, user="dave"))
+    if _max_in_flight(rows, user="erin") > 2:
+        problems.append("erin had more than her 2 requests in flight")
+    if 429 not in _statuses(rows, user="dave"):
+        problems.append("dave never got a 429")
+    if set(_statuses(rows, user="erin")) != {200}:
+        problems.append("erin was refused")
+    return problems
+
+
+def check_fleet(d: Path) -> list[str]:
+    rows = read_rows(d / "3-fleet-usage.csv")
+    problems = []
+    most = _max_in_flight(rows, tier="get")
+    if most != FLEET_CEILING:  # non-critical fills its 12 of 16 slots, no more
+        checked = _max_in_flight(rows, unchecked=False, tier="get")
+        problems.append(f"{most} non-critical requests in flight at once, not the {FLEET_CEILING} of "
+                        f"{FLEET_CAPACITY} slots it may use (the limiter's own: {checked})"
+                        + _passed_unchecked(rows, tier="get"))
+    if 503 not in _statuses(rows, tier="get"):
+        problems.append("non-critical traffic never got a 503")
+    if set(_statuses(rows, tier="critical")) != {200}:  # critical is never refused
+        problems.append("critical traffic was refused")
+    # ... nor stalled by the generator: answers keep coming, never a gap of two request times
+    critical = sorted((float(r["sent"]), float(r["answered"])) for r in rows if r["tier"] == "critical")
+    if len(critical) < 2:
+        return [*problems, "fewer than two critical requests"]
+    took = statistics.median(b - a for a, b in critical)
+    answers = sorted(b for _, b in critical)
+    gap = max(b - a for a, b in itertools.pairwise(answers))
+    if gap >= 2 * took:
+        problems.append(f"critical answers stalled: a gap of {gap:.2f} s (a request takes {took:.2f} s)")
+    return problems
+
+
+def check_workers(d: Path) -> list[str]:
+    rows = read_rows(d / "4-worker-utilization.csv")
+    problems = []
+    if set(_statuses(rows, tier="critical")) != {200}:
+        problems.append("critical traffic was shed")
+    refused = {tier: [float(r["sent"]) for r in rows if r["tier"] == tier and r["status"] == "503"]
+               for tier in ("test", "get", "post")}
+    # shed in order: test first, then get, then post, each tier at least as much as the next
+    if not all(refused.values()) or not min(refused["test"]) < min(refused["get"]) < min(refused["post"]):
+        problems.append("tiers not shed in order (test, then get, then post)")
+    if not len(refused["test"]) >= len(refused["get"]) >= len(refused["post"]) > 0:
+        problems.append("a tier was shed more than a lower one, or post never")
+    shedder = read_rows(d / "4-worker-utilization-shedder.csv")
+    for s in shedder:
+        p = [float(s[f"p_{tier}"]) for tier in ("test", "get", "post", "critical")]
+        if not (p[0] >= p[1] >= p[2] >= p[3] == 0.0 and 0.0 <= float(s["utilization"]) <= 1.0
+                and float(s["level"]) <= 1.0):
+            problems.append(f"shedder state out of order at {s['time']} s")
+            break
+    levels = [float(s["level"]) for s in shedder]
+    if not levels or not (levels[0] < 0 and max(levels) > 2 / 3 and levels[-1] < 0):
+        problems.append("the shed level did not rest, shed post too, and recover")
+    return problems
+
+
+#: each picture's caption check: the claims its data does not bear out (empty: it holds)
+CAPTION_CHECKS: dict[str, Callable[[Path], list[str]]] = {
+    "1-request-rate": check_request_rate, "2-concurrency": check_concurrency,
+    "3-fleet-usage": check_fleet, "4-worker-utilization": check_workers}
+
+
+def check_captions(d: Path, names: Iterable[str] = CAPTION_CHECKS) -> dict[str, list[str]]:
+    """Each named picture's caption check on the data in ``d``."""
+    return {name: CAPTION_CHECKS[name](d) for name in names}
+
+
 def main(out: str | Path, time_scale: float = 1.0, only: Sequence[str] = ()) -> int:
     from .simulate.report import require_matplotlib
 
@@ -459,9 +629,25 @@ def main(out: str | Path, time_scale: float = 1.0, only: Sequence[str] = ()) -> 
             path = plot(sc, out, s)
             written = sc.write_csv(out)
             print(f"\n{path}: {sc.caption}\n{sc.table()}\ndata: {', '.join(str(d) for d in written)}")
+        time.sleep(0.1)  # the last access-log entries (sent every 5 ms)
+        counted = _status(admin, client).get("unchecked_requests") or {"total": 0, "by_tier": {}}
+    seen = sum(r.unchecked for sc in todo for r in sc.results)
+    unchecked = (f"Requests Envoy let through unchecked (its ext_authz check outlasted its timeout): "
+                 f"{seen} seen at the upstream with its fail-open header; the server counted "
+                 f"{counted['total']} from the access log "
+                 f"({', '.join(f'{t} {n}' for t, n in counted['by_tier'].items() if n) or 'none'}).")
+    print(f"\n{unchecked}")
+    md += [unchecked, ""]
+    verdicts = check_captions(out, sorted(sc.name for sc in todo))
+    print("\nCaption checks (each caption's claims against the data beside it):")
+    for name, problems in verdicts.items():
+        print(f"  {name}: " + ("holds" if not problems else "DOES NOT HOLD: " + "; ".join(problems)))
     for sc in sorted(todo, key=lambda sc: sc.name):
         names = [f"{sc.name}.csv"] + ([f"{sc.name}-shedder.csv"] if sc.shedder else [])
+        problems = verdicts[sc.name]
         md += [f"## {sc.name}", "", f"![{sc.caption}]({sc.name}.png)", "", sc.caption, "", sc.table(), "",
-               "Data: " + ", ".join(f"[{n}]({n})" for n in names) + ".", ""]
+               "Data: " + ", ".join(f"[{n}]({n})" for n in names) + ".", "",
+               "Caption checked against the data: " + ("holds." if not problems else
+                                                       "**does not hold**: " + "; ".join(problems) + "."), ""]
     (out / "pictures.md").write_text("\n".join(md))
-    return 0
+    return 0 if not any(verdicts.values()) else 1

@@ -20,6 +20,8 @@ from types import TracebackType
 from typing import Any, Self
 from urllib.parse import parse_qs, urlsplit
 
+from ..server.leases import FAILURE_MODE_HEADER
+
 __all__ = ["ECHOED_HEADERS", "TIER_HEADER", "Upstream", "start_upstream"]
 
 TIER_HEADER = "x-extauthz-tier"
@@ -32,7 +34,7 @@ ECHOED_HEADERS = frozenset(
         "x-request-id",
         "traceparent",
         "tracestate",
-        "x-envoy-auth-failure-mode-allowed",
+        FAILURE_MODE_HEADER,
         "x-forwarded-proto",
     }
 )
@@ -51,6 +53,9 @@ class Upstream:
         #: what ``demo --pictures`` counts as in flight. Only requests carrying the header, at
         #: most HELD_MAX of them (bounded).
         self.held: dict[str, tuple[float, float]] = {}
+        #: the ``x-demo-seq`` of held requests that carried Envoy's fail-open header
+        #: (``x-envoy-auth-failure-mode-allowed``: they passed without a decision)
+        self.unchecked: set[str] = set()
         self._server = _Server((host, port), _Handler, self)
         self.host = host
         self.port: int = self._server.server_address[1]
@@ -185,6 +190,8 @@ class _Handler(BaseHTTPRequestHandler):
             seq = self.headers.get(SEQ_HEADER)
             if seq is not None and len(upstream.held) < HELD_MAX:
                 upstream.held[seq] = (began, time.monotonic())
+                if self.headers.get(FAILURE_MODE_HEADER) is not None:
+                    upstream.unchecked.add(seq)
             upstream._leave(served)
 
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = do_OPTIONS = _handle

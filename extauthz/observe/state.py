@@ -30,6 +30,7 @@ from ..limiters.grants import GRANT_METRICS, grant_status
 from ..overrides import MAX_OVERRIDES, describe
 from ..release import releases_status
 from ..store.memory import MemoryStore
+from ..tiers import Tier
 from ..verdict import Mode
 
 #: fail-open reasons exported from the start (at 0), so rate() has a series to work on.
@@ -444,6 +445,49 @@ class AccessLogPart:
     def metrics(self) -> Iterable[Metric]:
         yield counter("extauthz_access_log_entries", "Envoy access-log entries received.",
                       self.accesslog.entries)
+
+
+#: the ``tier`` label values of ``extauthz_unchecked_requests_total``, exported from the start
+#: (at 0): the tiers, and ``unknown`` (an entry that does not show its request)
+UNCHECKED_TIERS = (*(t.value for t in Tier), "unknown")
+
+
+class UncheckedCounts(Protocol):
+    #: by tier, counted from their last entry
+    unchecked: dict[str, int]
+    #: the fleet's count of them in flight: counted, failed store calls, held now
+    unchecked_counted: int
+    unchecked_errors: int
+
+    @property
+    def unchecked_held(self) -> Mapping[str, object]: ...
+
+
+@dataclass(eq=False)
+class UncheckedPart:
+    """Requests Envoy let through unchecked (``failure_mode_allow``: its fail-open header in
+    the access-log entry, no decision of ours), by tier, counted when their entry arrives;
+    and those the fleet limiters counted while in flight."""
+
+    counts: UncheckedCounts
+
+    def status(self) -> Mapping[str, Any]:
+        c = self.counts
+        counts = c.unchecked
+        return {"unchecked_requests": {
+            "total": sum(counts.values()), "by_tier": {t: counts.get(t, 0) for t in UNCHECKED_TIERS},
+            "fleet": {"in_flight": len(c.unchecked_held), "counted": c.unchecked_counted,
+                      "errors": c.unchecked_errors}}}
+
+    def metrics(self) -> Iterable[Metric]:
+        counts = self.counts.unchecked
+        family = CounterMetricFamily("extauthz_unchecked_requests", "Requests Envoy let through "
+                                     "without our decision (its ext_authz check failed or timed out "
+                                     "and failure_mode_allow passed it), by tier, from the access log.",
+                                     labels=["tier"])
+        for tier in UNCHECKED_TIERS:
+            family.add_metric([tier], counts.get(tier, 0))
+        yield family
 
 
 class ShadowCounts(Protocol):

@@ -12,8 +12,11 @@ fields go to the entry handling shared with the gRPC access log
 The record is what ``extauthz envoy-config --access-log fluentd`` renders (:data:`RECORD`):
 the request id, the ext_authz dynamic-metadata namespace as a nested map, the response flags
 (``UAEX``: refused by the authorization filter), what the check saw of the request (start
-time in microseconds, method, path, original path: the request-id index's ``seen``) and the
-duration in milliseconds (``serve --record``).
+time in microseconds, method, path, original path: the request-id index's ``seen``), the
+duration in milliseconds (``serve --record``), and Envoy's fail-open header with the authority:
+a request Envoy let through unchecked is counted by the tier its method, path and host give
+(the tier rules' headers and the route's tier are not in this record; the gRPC access log
+carries them).
 
 Trust: the port releases leases, so it is as trusted as the gRPC access-log port: bind it to
 localhost or the pod (docs/security.md); the lease tickets are vetted as on the gRPC stream.
@@ -33,6 +36,7 @@ from typing import Any, cast
 
 import msgpack
 
+from ..context import RawRequest
 from .leases import MAX_PENDING_RELEASES, FinishedEntries, seen_as, seen_at
 from .ports import parse_listen
 
@@ -52,7 +56,15 @@ RECORD: dict[str, str] = {
     "path": "%REQ(:PATH)%",
     "original_path": "%REQ(X-ENVOY-ORIGINAL-PATH)%",
     "duration_ms": "%DURATION%",
+    # a request Envoy let through unchecked: its fail-open header, and where it went (the tier)
+    "failure_mode_allowed": "%REQ(X-ENVOY-AUTH-FAILURE-MODE-ALLOWED)%",
+    "authority": "%REQ(:AUTHORITY)%",
+    # DownstreamEnd; DownstreamStart / DownstreamPeriodic: an entry of a request still in flight
+    "log_type": "%ACCESS_LOG_TYPE%",
 }
+#: the ``log_type`` of entries written while the request is still in flight
+#: (``flush_access_log_on_new_request``, ``access_log_flush_interval``)
+IN_FLIGHT_TYPES = frozenset({"DownstreamStart", "DownstreamPeriodic"})
 #: the response flag Envoy sets on a request the ext_authz filter refused
 UNAUTHORIZED_FLAG = "UAEX"
 #: reasons a connection was closed (status ``malformed``)
@@ -162,6 +174,16 @@ def _duration(record: Mapping[str, Any]) -> float | None:
     return None
 
 
+def _given(value: object) -> str:
+    """A ``%REQ(...)%`` field's value ("" for Envoy's ``-``: no such header)."""
+    return value if isinstance(value, str) and value != "-" else ""
+
+
+def _request(record: Mapping[str, Any]) -> RawRequest:
+    """What a record shows of its request for the classifier (no headers, no route tier)."""
+    return RawRequest(_given(record.get("method")), _given(record.get("path")), _given(record.get("authority")))
+
+
 def _unauthorized(flags: object) -> bool:
     return isinstance(flags, str) and UNAUTHORIZED_FLAG in flags.split(",")
 
@@ -191,7 +213,7 @@ class FluentdReceiver:
         """Stop listening, close the connections and wait for their releases."""
         if self.server is not None:
             self.server.close()
-        pending: set[asyncio.Task[int]] = set()
+        pending: set[asyncio.Future[Any]] = set()
         for conn in list(self.connections):
             pending |= conn.pending
             if conn.transport is not None:
@@ -215,7 +237,7 @@ class _Connection(asyncio.Protocol):
         self.unpacker = _unpacker(receiver.limits)
         self._step = max(1, receiver.limits.max_message_bytes // 4)
         self.transport: asyncio.Transport | None = None
-        self.pending: set[asyncio.Task[int]] = set()
+        self.pending: set[asyncio.Future[Any]] = set()
         self.paused = False
         self.closed = False
 
@@ -263,12 +285,17 @@ class _Connection(asyncio.Protocol):
         finished = self.receiver.finished
         for _time, record in entries:
             finished.entries += 1
-            rid = record.get("request_id")
+            rid = _given(record.get("request_id"))
             md = record.get("ext_authz")
-            task = finished.entry(rid if isinstance(rid, str) and rid != "-" else "",
-                                  md if isinstance(md, Mapping) else None,
-                                  unauthorized=_unauthorized(record.get("response_flags")),
-                                  seen=partial(_seen, record), duration=partial(_duration, record))
+            metadata = md if isinstance(md, Mapping) else None
+            failed_open = bool(_given(record.get("failure_mode_allowed")))
+            task: asyncio.Future[Any] | None
+            if record.get("log_type") in IN_FLIGHT_TYPES:  # not finished: nothing to release
+                task = finished.in_flight(rid, metadata, failed_open=failed_open, request=partial(_request, record))
+            else:
+                task = finished.entry(rid, metadata, unauthorized=_unauthorized(record.get("response_flags")),
+                                      seen=partial(_seen, record), duration=partial(_duration, record),
+                                      failed_open=failed_open, request=partial(_request, record))
             if task is None:
                 continue
             self.pending.add(task)
@@ -277,7 +304,7 @@ class _Connection(asyncio.Protocol):
                 self.paused = True  # a slow store: stop reading until half the releases are done
                 self.transport.pause_reading()
 
-    def _released(self, task: asyncio.Task[int]) -> None:
+    def _released(self, task: asyncio.Future[Any]) -> None:
         self.pending.discard(task)
         if self.paused and len(self.pending) <= MAX_PENDING_RELEASES // 2:
             self.paused = False

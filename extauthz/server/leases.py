@@ -17,25 +17,44 @@ HTTP, through :mod:`extauthz.server.flow`) and the AccessLogService:
 
 :class:`FinishedEntries` is what both release receivers (the gRPC AccessLogService in
 ``server/services.py`` and the fluentd port in ``server/fluentd.py``) do with one finished
-request's entry, once they have read its fields: vet the metadata, match, release, count.
+request's entry, once they have read its fields: vet the metadata, match, release, count;
+and count the requests Envoy let through unchecked (``failure_mode_allow``: the entry carries
+Envoy's fail-open header and no decision of ours), by the tier the policy's classifier gives
+what the entry shows of the request (:meth:`FinishedEntries.entry`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 from ..answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD, read_lease_fields
 from ..clock import SYSTEM_CLOCK, Clock
-from ..context import RequestContext
+from ..context import RawRequest, RequestContext
 from ..engine import Engine
+from ..errors import StoreError
+from ..limiters import FleetUsageShedder
+from ..limiters.base import applies
+from ..store.base import LeaseOp
 from ..tickets import MALFORMED, LeaseTickets
+from ..tiers import Tier
 from ..verdict import Decision
 
-__all__ = ["MAX_PENDING_RELEASES", "FinishedEntries", "Lease", "LeaseIndex", "Leases", "engine_index",
-           "seen_as", "seen_at"]
+__all__ = ["FAILURE_MODE_HEADER", "MAX_PENDING_RELEASES", "ROUTE_TIER_TAG", "UNKNOWN_TIER", "FinishedEntries", "Lease",
+           "LeaseIndex", "Leases", "engine_index", "seen_as", "seen_at"]
 
 Lease = tuple[tuple[str, ...], str]
+
+#: the request header Envoy's ext_authz filter adds when it let a request through on a failed
+#: check (``failure_mode_allow_header_add: true``); the access log carries it back
+#: (``extauthz envoy-config`` logs it: ``additional_request_headers_to_log``, fluentd ``%REQ``)
+FAILURE_MODE_HEADER = "x-envoy-auth-failure-mode-allowed"
+#: the gRPC access log's custom tag that carries the route's tier (route metadata where the
+#: policy reads it: ``custom_tags`` of ``extauthz envoy-config``'s access log)
+ROUTE_TIER_TAG = "extauthz.route_tier"
+#: the tier of an unchecked request whose entry does not show the request (no method)
+UNKNOWN_TIER = "unknown"
 
 
 def seen_at(started_us: int) -> str:
@@ -231,6 +250,11 @@ class Leases:
         return self.releaser.release(keys, lease_id, path)
 
 
+#: unchecked requests the fleet limiters count while in flight, at most (the oldest first
+#: forgotten: its lease then ends at its TTL)
+MAX_UNCHECKED_IN_FLIGHT = 10_000
+
+
 #: release tasks one receiver (a gRPC access-log stream, a fluentd connection) keeps in flight
 #: before it stops reading: a slow store must not let them pile up without bound.
 MAX_PENDING_RELEASES = 1024
@@ -253,19 +277,39 @@ class FinishedEntries:
         self.entries = 0
         #: ``serve --record``: told (request id, duration in seconds or None) per finished request.
         self.on_finished = on_finished
+        #: requests Envoy let through unchecked (its fail-open header, no decision of ours), by
+        #: tier (``extauthz_unchecked_requests_total``, ``/status`` ``unchecked_requests``)
+        self.unchecked: dict[str, int] = {}
+        #: request id -> (fleet lease keys, lease id) of unchecked requests in flight that the
+        #: fleet limiters count (:meth:`in_flight`), until their last entry; ``None``: counting
+        #: (the store call is on its way)
+        self.unchecked_held: dict[str, tuple[tuple[str, ...], str] | None] = {}
+        #: unchecked requests the fleet limiters counted in flight, and store calls that failed
+        self.unchecked_counted = 0
+        self.unchecked_errors = 0
 
     def entry(self, request_id: str, metadata: Mapping[str, object] | None, *, unauthorized: bool,
               seen: Callable[[], Collection[str]],
-              duration: Callable[[], float | None] = lambda: None) -> asyncio.Task[int] | None:
+              duration: Callable[[], float | None] = lambda: None,
+              failed_open: bool = False,
+              request: Callable[[], RawRequest | None] = lambda: None) -> asyncio.Task[int] | None:
         """Handle one finished request's entry; the release task it started, if any (None:
         nothing to release, refused, or released at once by the embedded store).
         ``metadata``: the entry's ext_authz dynamic-metadata namespace (None: absent), its
         values as read from the wire (the lease fields are strings when a check wrote them);
         ``unauthorized``: the authorization filter refused the request; ``seen``: what the
         entry says of its request (:meth:`Leases.finished`); ``duration``: seconds from the
-        request's start to its last byte downstream, for ``serve --record``."""
+        request's start to its last byte downstream, for ``serve --record``; ``failed_open``:
+        the entry carries Envoy's fail-open header (:data:`FAILURE_MODE_HEADER`); ``request``:
+        what the entry shows of the request for the classifier (None: nothing, the tier is
+        ``unknown``), asked only for an unchecked request."""
         if self.on_finished is not None and request_id:
             self.on_finished(request_id, duration())
+        if failed_open and metadata is None and not unauthorized:  # Envoy let it through on a failed check
+            self.count_unchecked(request())
+            held = self.unchecked_held.pop(request_id, None) if request_id else None
+            if held is not None:  # the fleet counted it in flight: it is over (the releaser
+                self.leases.release(*held, "access_log")  # tracks the task)
         leases = self.leases
         lease = None
         if metadata is not None:
@@ -281,3 +325,50 @@ class FinishedEntries:
         if found is None:
             return None
         return leases.release(*found)
+
+    def in_flight(self, request_id: str, metadata: Mapping[str, object] | None, *, failed_open: bool,
+                  request: Callable[[], RawRequest | None]) -> asyncio.Task[None] | None:
+        """An intermediate entry of a request still in flight (Envoy's ``access_log_flush_interval``;
+        the entry at its start comes before ext_authz ran and says nothing): when it carries the
+        fail-open header and no decision of ours, the ``fleet_usage`` limiters that apply to it
+        count it from now until its last entry, a lease taken without a limit (the request is
+        already through: it takes a slot, it is never refused). The task of the store call."""
+        if not (failed_open and metadata is None and request_id) or request_id in self.unchecked_held:
+            return None
+        raw = request()
+        if raw is None or not raw.method:
+            return None
+        engine = self.leases.engine
+        ctx = engine.snapshot.classifier.context(raw)
+        ops = [LeaseOp(lim.critical_key if ctx.tier is Tier.CRITICAL else lim.other_key, 0, lim.ttl)
+               for lim in engine.snapshot.limiters
+               if isinstance(lim, FleetUsageShedder) and applies(lim.applies_to, ctx)]
+        if not ops:
+            return None
+        if len(self.unchecked_held) >= MAX_UNCHECKED_IN_FLIGHT:
+            del self.unchecked_held[next(iter(self.unchecked_held))]
+        self.unchecked_held[request_id] = None
+        return asyncio.ensure_future(self._count(request_id, ops))
+
+    async def _count(self, request_id: str, ops: list[LeaseOp]) -> None:
+        lease_id = os.urandom(8).hex()
+        keys = tuple(op.key for op in ops)
+        try:
+            await self.leases.engine.store.check(ops, lease_id)
+        except StoreError:
+            self.unchecked_errors += 1
+            self.unchecked_held.pop(request_id, None)
+            return
+        self.unchecked_counted += 1
+        if request_id in self.unchecked_held:
+            self.unchecked_held[request_id] = (keys, lease_id)
+        else:  # its last entry came while the call was on its way
+            self.leases.release(keys, lease_id, "access_log")
+
+    def count_unchecked(self, raw: RawRequest | None) -> None:
+        """Count one request Envoy let through unchecked, by the tier the policy's classifier
+        gives what its entry shows (method, path, authority, the logged headers, the route's
+        tier tag; never the identity: no API key is logged), or ``unknown``."""
+        tier = (self.leases.engine.snapshot.classifier.context(raw).tier.value
+                if raw is not None and raw.method else UNKNOWN_TIER)
+        self.unchecked[tier] = self.unchecked.get(tier, 0) + 1

@@ -34,6 +34,7 @@ from ..observe.state import (
     ShadowPart,
     ShedPart,
     StorePart,
+    UncheckedPart,
     by_label_part,
     classifier_part,
     count_part,
@@ -119,6 +120,7 @@ class Operations:
             StorePart(engine),
             Section(lambda: {"checks": metrics.request_counts() if metrics is not None else None}),
             FailOpenPart(engine),
+            UncheckedPart(self.accesslog.finished),
             count_part("bad_requests", "extauthz_bad_requests", "CheckRequests the edge could not "
                        "read (answered allowed).", lambda: self.auth.flow.bad_requests),
             by_label_part("background_errors", "extauthz_background_errors", "Background job runs "

@@ -28,7 +28,15 @@ from ..proto import (
 from ..verdict import Decision
 from .edge import EXT_AUTHZ_NAMESPACE, check_response, lease_metadata, raw_request
 from .flow import CheckFlow
-from .leases import MAX_PENDING_RELEASES, FinishedEntries, Leases, seen_as, seen_at
+from .leases import (
+    FAILURE_MODE_HEADER,
+    MAX_PENDING_RELEASES,
+    ROUTE_TIER_TAG,
+    FinishedEntries,
+    Leases,
+    seen_as,
+    seen_at,
+)
 
 _RPC = {"rpc.system": "grpc", "rpc.service": "envoy.service.auth.v3.Authorization", "rpc.method": "Check"}
 
@@ -84,6 +92,17 @@ def entry_seen(entry: accesslog_data_pb2.HTTPAccessLogEntry) -> tuple[str, ...]:
     return tuple(seen)
 
 
+def entry_request(entry: accesslog_data_pb2.HTTPAccessLogEntry) -> RawRequest:
+    """What an access-log entry shows of its request for the classifier: method, path,
+    authority, the request headers the access log was told to log (the tier rules' headers,
+    ``extauthz envoy-config``) and the route's tier (custom tag :data:`ROUTE_TIER_TAG`)."""
+    request = entry.request
+    method = request.request_method
+    return RawRequest(core_pb2.RequestMethod.Name(method) if method else "", request.path,
+                      request.authority, dict(request.request_headers),
+                      route_tier=entry.common_properties.custom_tags.get(ROUTE_TIER_TAG) or None)
+
+
 def finished_after(common: accesslog_data_pb2.AccessLogCommon) -> float | None:
     """Seconds from the request's start to the last byte sent downstream, if Envoy says."""
     if not common.HasField("time_to_last_downstream_tx_byte"):
@@ -122,21 +141,26 @@ class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ig
         # slow release must not hold back the entries behind it (their leases would
         # linger and inflate every in-flight count). At most MAX_PENDING at a time.
         finished = self.finished
-        pending: set[asyncio.Task[int]] = set()
+        pending: set[asyncio.Future[Any]] = set()
         try:
             async for message in request_iterator:
                 for entry in message.http_logs.log_entry:
                     finished.entries += 1
                     common = entry.common_properties
-                    if common.intermediate_log_entry:
-                        continue
                     fm = common.metadata.filter_metadata
                     md = (lease_metadata(fm[EXT_AUTHZ_NAMESPACE]) if EXT_AUTHZ_NAMESPACE in fm
                           else None)
-                    task = finished.entry(entry.request.request_id, md,
-                                          unauthorized=common.response_flags.HasField("unauthorized_details"),
-                                          seen=partial(entry_seen, entry),
-                                          duration=partial(finished_after, common))
+                    failed_open = FAILURE_MODE_HEADER in entry.request.request_headers
+                    task: asyncio.Future[Any] | None
+                    if common.intermediate_log_entry:  # in flight (access_log_flush_interval)
+                        task = finished.in_flight(entry.request.request_id, md, failed_open=failed_open,
+                                                  request=partial(entry_request, entry))
+                    else:
+                        task = finished.entry(entry.request.request_id, md,
+                                              unauthorized=common.response_flags.HasField("unauthorized_details"),
+                                              seen=partial(entry_seen, entry),
+                                              duration=partial(finished_after, common),
+                                              failed_open=failed_open, request=partial(entry_request, entry))
                     if task is None:  # nothing to release, or done at once (embedded store)
                         continue
                     pending.add(task)

@@ -24,9 +24,12 @@ from .helpers import engine_for, get, policy_from
 class Admitted:
     """A lease owner on the embedded store (concurrent_requests, limit 2) and the fluentd port."""
 
-    def __init__(self, tmp_path: Path, limits: FluentdLimits | None = None) -> None:
-        policy = policy_from(tmp_path, {"limiters": [
-            {"name": "conc", "type": "concurrent_requests", "limit": 2, "lease_ttl": "60s"}]})
+    def __init__(self, tmp_path: Path, limits: FluentdLimits | None = None, fleet: bool = False) -> None:
+        limiters: list[dict[str, Any]] = [
+            {"name": "conc", "type": "concurrent_requests", "limit": 2, "lease_ttl": "60s"}]
+        if fleet:
+            limiters.append({"name": "fleet", "type": "fleet_usage", "capacity": 4, "reserved_for_critical": 0.5})
+        policy = policy_from(tmp_path, {"limiters": limiters})
         self.engine, _ = engine_for(policy, ManualClock())
         self.leases = Leases(self.engine)
         self.finished = FinishedEntries(self.leases)
@@ -121,6 +124,46 @@ async def test_without_metadata_only_the_request_the_check_saw_and_never_a_refus
     await port.send(msgpack.packb([TAG, [[1, record]]]))
     await settle(lambda: port.leases.releaser.count("request_id_index", "released") == 1)
     assert port.leases.releaser.count("request_id_index", "released") == 1 and port.finished.entries == 3
+
+
+async def test_requests_envoy_let_through_unchecked_are_counted_by_tier(port: Admitted) -> None:
+    checked = await port.admit("a")  # a decision of ours: never counted, header or not
+    base = {"request_id": "u", "response_flags": "-", "start_us": "1", "duration_ms": 3,
+            "path": "/v1/customers", "authority": "api.example"}
+    unchecked = [dict(base, method="GET", failure_mode_allowed="true"),
+                 dict(base, method="POST", failure_mode_allowed="true"),
+                 dict(base, method="-", path="-", failure_mode_allowed="true")]  # shows no request
+    plain = dict(base, method="GET", failure_mode_allowed="-")  # checked, nothing to release
+    forged = dict(checked, failure_mode_allowed="true")
+    refused = dict(base, method="GET", failure_mode_allowed="true", response_flags="UAEX")  # we refused it
+    await port.send(msgpack.packb([TAG, [[1, r] for r in (*unchecked, plain, forged, refused)]]))
+    await settle(lambda: port.finished.entries == 6)
+    assert port.finished.unchecked == {"get": 1, "post": 1, "unknown": 1}
+
+
+async def test_an_entry_in_flight_releases_nothing_and_an_unchecked_one_is_counted_by_the_fleet(
+        tmp_path: Path) -> None:
+    a = Admitted(tmp_path, fleet=True)
+    a.port = await a.receiver.start("127.0.0.1:0")
+    try:
+        record = await a.admit("a")
+        await a.send(msgpack.packb([TAG, [[1, dict(record, log_type="DownstreamPeriodic")]]]))
+        await settle(lambda: a.finished.entries == 1)
+        assert a.released() == 0  # still in flight: its lease stays
+        base = {"request_id": "u", "response_flags": "-", "method": "GET", "path": "/v1/customers",
+                "failure_mode_allowed": "true"}
+        await a.send(msgpack.packb([TAG, [[1, dict(base, log_type="DownstreamStart", failure_mode_allowed="-")],
+                                          [1, dict(base, log_type="DownstreamPeriodic")],
+                                          [1, dict(base, log_type="DownstreamPeriodic")]]]))
+        await settle(lambda: a.finished.unchecked_counted == 1)
+        fleet = a.engine.snapshot.limiters[1]
+        assert a.finished.unchecked_counted == 1 and a.finished.unchecked == {}  # counted once, in flight
+        assert await a.engine.store.inflight(list(fleet.lease_keys)) == [0, 2]  # the check's and the unchecked
+        await a.send(msgpack.packb([TAG, [[1, dict(base, log_type="DownstreamEnd")]]]))
+        await settle(lambda: a.finished.unchecked == {"get": 1})
+        assert await a.engine.store.inflight(list(fleet.lease_keys)) == [0, 1]  # its slot given back
+    finally:
+        await a.receiver.stop()
 
 
 @pytest.mark.parametrize(("data", "reason"), [
