@@ -5,6 +5,7 @@ rendered config runs in front of the server with real decisions."""
 
 from __future__ import annotations
 
+import json
 import shlex
 import subprocess
 import sys
@@ -244,6 +245,39 @@ def test_a_rendered_config_runs_in_front_of_the_server(tmp_path: Path, protocol:
             codes = [c.send(envoy.url + "/v1/x", headers={"x-api-key": "k"}).status for _ in range(3)]
             assert codes == [200, 200, 429]
             assert c.send(envoy.url + "/healthz").status == 200
+    finally:
+        server.stop()
+        upstream.stop()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_underscored_headers_are_refused_and_only_envoy_marks_a_fail_open(tmp_path: Path, protocol: str) -> None:
+    """An upstream that folds ``_`` into ``-`` (CGI, WSGI) would read ``x_api_key`` as the
+    API key the policy never counted: Envoy refuses the request (400) before any filter runs.
+    A client's ``x-envoy-auth-failure-mode-allowed`` is removed before ext_authz, so the
+    upstream sees that header only when Envoy itself let a check fail open."""
+    (tmp_path / "api.yaml").write_text(RATE_ONLY)
+    http_port = free_port()
+    upstream = start_upstream()
+    args = ["--http-listen", f"127.0.0.1:{http_port}"] if protocol == "http" else []
+    server = ServerProcess([tmp_path], args=args)
+    try:
+        server.start()
+        authz = ("127.0.0.1", server.port if protocol == "grpc" else http_port)
+        config = bootstrap(load_policy([tmp_path]), protocol=protocol, upstream=("127.0.0.1", upstream.port),
+                           authz=authz, listen_port=0, admin_port=0)
+        with EnvoyProcess(yaml.safe_dump(config), concurrency=1) as envoy, HttpClient() as c:
+            refused = c.send(envoy.url + "/v1/x", headers={"x-api-key": "k1", "x_api_key": "k2"})
+            assert refused.status == 400  # Envoy's own answer: the upstream echoes with a 200
+            assert upstream.served == 0
+            forged = c.send(envoy.url + "/v1/x", headers={"x-api-key": "k1",
+                                                          "x-envoy-auth-failure-mode-allowed": "true"})
+            assert forged.status == 200
+            assert "x-envoy-auth-failure-mode-allowed" not in json.loads(forged.body)["headers"]
+            server.stop()  # now every check fails open, and Envoy says so itself
+            unchecked = c.send(envoy.url + "/v1/x", headers={"x-api-key": "k1"})
+            assert unchecked.status == 200
+            assert json.loads(unchecked.body)["headers"]["x-envoy-auth-failure-mode-allowed"] == "true"
     finally:
         server.stop()
         upstream.stop()
