@@ -18,7 +18,8 @@ waiting per connection (reading pauses; bytes already read are parsed :data:`FEE
 time and the rest kept unparsed until the queue drains, so one read of many pipelined
 requests cannot queue them all), and a client that does not read our answers gets no more:
 once its write buffer passes ``max_write_buffer`` its answers wait (and so does reading) until
-it reads. The request body is never kept.
+it reads, and if it has not read within ``header_timeout`` the connection is aborted
+(``not_reading``). The request body is never kept.
 
 Fair service across connections: a connection answers at most :data:`TURN_ANSWERS` requests
 per loop turn, then yields, so a connection pipelining many requests shares the loop with the
@@ -250,6 +251,7 @@ class _Connection(asyncio.Protocol):
         self.header_started: float | None = None
         self.paused = False
         self.write_paused = False
+        self.write_paused_since = 0.0
         #: set while :meth:`_serve` waits for the client to read (``resume_writing``)
         self._writable: asyncio.Future[None] | None = None
         #: bytes read and not yet parsed (from ``unparsed_at``): parsing waits while
@@ -295,6 +297,7 @@ class _Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:  # the client is not reading our answers
         self.write_paused = True
+        self.write_paused_since = self.loop.time()
         self._pause()
 
     def resume_writing(self) -> None:
@@ -466,7 +469,12 @@ class _Connection(asyncio.Protocol):
         self.close()
 
     def expire(self, now: float, limits: HttpLimits) -> None:
-        if self.unparsed and not self.write_paused:
+        if self.write_paused and now - self.write_paused_since > limits.header_timeout:
+            # its answers have waited for it to read for as long as a request's headers may
+            # take: what it holds is dropped (Envoy reads each answer within its timeout)
+            self.front.reject("not_reading")
+            self.abort()
+        elif self.unparsed and not self.write_paused:
             # parsing waits for our answers, not for the client: its clock restarts
             if self.header_started is not None:
                 self.header_started = now
@@ -474,6 +482,16 @@ class _Connection(asyncio.Protocol):
             self._fail(408, "header_timeout")
         elif self.task is None and not self.queue and now - self.last_active > limits.idle_timeout:
             self.close()
+
+    def abort(self) -> None:
+        """Close at once, dropping what is unsent (a client that does not read would keep a
+        graceful close waiting for its buffer to drain)."""
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            self._wake()
+            if self.out is not None:
+                self.out.drop()
+            self.transport.abort()
 
     def close(self) -> None:
         if self.transport is not None and not self.closed:
