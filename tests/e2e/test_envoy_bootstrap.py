@@ -112,6 +112,15 @@ def test_every_variant_passes_envoy_validation(label: str, options: dict[str, An
     validate(render(load_policy([ROOT / "policies"]), **options))
 
 
+@pytest.mark.parametrize(("label", "options"), variants(), ids=[v[0] for v in variants()])
+def test_every_variant_refuses_underscores_and_strips_the_fail_open_mark_first(
+        label: str, options: dict[str, Any]) -> None:
+    manager = hcm(bootstrap(load_policy([ROOT / "policies"]), **{"upstream": ("127.0.0.1", 8080), **options}))
+    assert manager["common_http_protocol_options"] == {"headers_with_underscores_action": "REJECT_REQUEST"}
+    first = manager["http_filters"][0]["typed_config"]["mutations"]["request_mutations"]
+    assert {"remove": "x-envoy-auth-failure-mode-allowed"} in first
+
+
 def test_access_log_only_when_the_policy_holds_leases(tmp_path: Path) -> None:
     (tmp_path / "api.yaml").write_text(RATE_ONLY)
     rate_only, quickstart = load_policy([tmp_path]), load_policy([ROOT / "policies"])
