@@ -6,8 +6,11 @@ One listener in front of one upstream, with the ext_authz filter on the gRPC pro
 
 * ``allowed_headers``: the request headers the policy reads (:func:`server.httpmap.allowed_headers`,
   the list ``extauthz envoy-allowed-headers`` prints);
-* filters that remove a client's copies of the headers the server trusts (the tier for the
-  upstream; on HTTP also the route tier and the JWT payload header);
+* filters that remove a client's copies of the headers the server or the upstream trusts (the
+  tier for the upstream and Envoy's fail-open mark ``x-envoy-auth-failure-mode-allowed``; on
+  HTTP also the route tier and the JWT payload header), and requests with an underscore in a
+  header name refused (400), so that no upstream folding ``_`` into ``-`` reads a header the
+  policy did not see;
 * on HTTP, the local-reply mapper that turns the server's 420 (a shed request) into 503;
 * the gRPC access log that releases leases, only when the policy holds a lease limiter
   (``access_log="auto"``; ``always``/``never`` force it), or Envoy's fluentd access logger to
@@ -72,6 +75,9 @@ _PROTOCOL_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.Http
 _ROUTE_MUTATION = ("type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3."
                    "HeaderMutationPerRoute")
 _JWT_AUTHN = "type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication"
+#: the header ext_authz adds when a check fails open (``failure_mode_allow_header_add``): a
+#: client's copy is removed before ext_authz runs, so the upstream sees only Envoy's
+FAILURE_MODE_HEADER = "x-envoy-auth-failure-mode-allowed"
 #: the filter whose dynamic metadata (namespace) holds the verified JWT payload
 JWT_AUTHN_FILTER = "envoy.filters.http.jwt_authn"
 #: the quick start's demo routes: (name, path prefix, POST only, tier); policies/ classifies the rest
@@ -369,6 +375,9 @@ def bootstrap(policy: Policy, *, protocol: str, upstream: tuple[str, int],
         # one normalized path for routes, ext_authz and the upstream (policy path rules)
         "normalize_path": True, "merge_slashes": True,
         "path_with_escaped_slashes_action": "UNESCAPE_AND_REDIRECT",
+        # x_api_key refused (400), not passed on: an upstream that folds "_" into "-" (CGI,
+        # WSGI) would read it as the x-api-key the policy never saw (docs/security.md)
+        "common_http_protocol_options": {"headers_with_underscores_action": "REJECT_REQUEST"},
     }
     if tracing is not None:
         hcm["tracing"] = _tracing("otel_collector")
@@ -378,11 +387,13 @@ def bootstrap(policy: Policy, *, protocol: str, upstream: tuple[str, int],
                 "default_value": SHED_STATUS, "runtime_key": "extauthz.shed_status"}}}},
             "status_code": 503}]}
         vhost["request_headers_to_remove"] = [ROUTE_TIER_HEADER]
-        filters = [_strip("extauthz.strip-route-tier", [ROUTE_TIER_HEADER, JWT_PAYLOAD_HEADER, TIER_HEADER]),
+        filters = [_strip("extauthz.strip-route-tier", [ROUTE_TIER_HEADER, JWT_PAYLOAD_HEADER, TIER_HEADER,
+                                                        FAILURE_MODE_HEADER]),
                    {"name": "extauthz.route-tier", "typed_config": {"@type": _MUTATION}},
                    _http_ext_authz(policy, authz)]
     else:
-        filters = [_strip("extauthz.strip-tier", [TIER_HEADER]), _grpc_ext_authz(policy, jwt is not None)]
+        filters = [_strip("extauthz.strip-tier", [TIER_HEADER, FAILURE_MODE_HEADER]),
+                   _grpc_ext_authz(policy, jwt is not None)]
     if jwt is not None:  # right after the strip filter: what it verifies, nobody else can set
         filters.insert(1, _jwt_authn(jwt, protocol))
     if log:

@@ -14,8 +14,18 @@ open (the new one closed; the bound follows the file limit, :func:`max_connectio
 that idle connections cannot take the descriptors the admin port, Redis and a policy reload
 need), bad syntax (400, closed), an upgrade
 (the check is answered, then the connection closed), at most ``max_pipelined`` requests
-waiting per connection (reading pauses), and reading pauses while the client does not read
-our answers. The request body is never kept.
+waiting per connection (reading pauses; bytes already read are parsed :data:`FEED_BYTES` at a
+time and the rest kept unparsed until the queue drains, so one read of many pipelined
+requests cannot queue them all), and a client that does not read our answers gets no more:
+once its write buffer passes ``max_write_buffer`` its answers wait (and so does reading) until
+it reads, and if it has not read within ``header_timeout`` the connection is aborted
+(``not_reading``). The request body is never kept.
+
+Fair service across connections: a connection answers at most :data:`TURN_ANSWERS` requests
+per loop turn, then yields, so a connection pipelining many requests shares the loop with the
+others instead of holding it (on the embedded store a check never suspends: without the
+yield one connection's queue ran to its end in one turn, and 20 such connections kept every
+other one waiting for seconds; docs/http.md "Bounds").
 
 Answers are corked (:class:`~extauthz.cork.Cork`): the answers one loop turn produces on a
 connection (pipelined requests) go out in one socket write, in order: at once when no request
@@ -28,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import socket
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -50,6 +61,11 @@ log = logging.getLogger("extauthz.server")
 #: a request as the connection queues it: method, target, headers, keep-alive
 Request = tuple[str, str, dict[str, str], bool]
 _HTTP_SPAN = {"network.protocol.name": "http", "extauthz.protocol": "http"}
+#: requests one connection answers per loop turn before it lets the others run
+TURN_ANSWERS = 16
+#: bytes handed to the parser at a time; between pieces it stops once ``max_pipelined``
+#: requests wait (a piece holds at most ~110 requests of the smallest size)
+FEED_BYTES = 2048
 _TRACE_HEADERS = ("traceparent", "tracestate")
 
 
@@ -88,6 +104,13 @@ class HttpLimits:
     idle_timeout: float = 3600.0
     #: requests read ahead of their answers on one connection before reading pauses.
     max_pipelined: int = 32
+    #: bytes of answers a connection may hold unsent (its client is not reading) before its
+    #: answers, and its reading, wait (the transport's high-water mark; low is a quarter).
+    max_write_buffer: int = 64 * 1024
+    #: each connection's socket send buffer (``SO_SNDBUF``; Linux doubles it): what the kernel
+    #: holds for a client that does not read, instead of its autotuned up to 4 MiB. Answers
+    #: are a few hundred bytes: this is many round trips' worth.
+    send_buffer: int = 64 * 1024
     #: open connections at once; one more is closed at once, unanswered (Envoy keeps a few
     #: per worker; an idle-connection flood must not hold sockets and memory without bound).
     #: The server sets it from the file limit (:func:`max_connections_for`) unless given.
@@ -158,9 +181,21 @@ class HttpAuthorization:
 
     def status(self) -> dict[str, Any]:
         """The ``http`` section of the admin ``/status``."""
+        paused = not_reading = buffered = queued = unparsed = 0
+        for conn in self.connections:
+            paused += conn.paused
+            not_reading += conn.write_paused
+            buffered = max(buffered, conn.write_buffered())
+            queued = max(queued, len(conn.queue))
+            unparsed = max(unparsed, len(conn.unparsed) - conn.unparsed_at)
         return {"port": self.port, "connections": len(self.connections),
                 "max_connections": self.limits.max_connections,
-                "rejected": dict(sorted(self.rejected.items()))}
+                "rejected": dict(sorted(self.rejected.items())),
+                # connections not being read (their client does not read our answers, or
+                # max_pipelined requests wait), those whose answers wait for their client to
+                # read, and the most any one connection holds
+                "paused_reading": paused, "answers_paused": not_reading, "max_write_buffer_bytes": buffered,
+                "max_queued_requests": queued, "max_unparsed_bytes": unparsed}
 
     def reject(self, reason: str) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
@@ -216,6 +251,13 @@ class _Connection(asyncio.Protocol):
         self.header_started: float | None = None
         self.paused = False
         self.write_paused = False
+        self.write_paused_since = 0.0
+        #: set while :meth:`_serve` waits for the client to read (``resume_writing``)
+        self._writable: asyncio.Future[None] | None = None
+        #: bytes read and not yet parsed (from ``unparsed_at``): parsing waits while
+        #: ``max_pipelined`` requests do
+        self.unparsed = b""
+        self.unparsed_at = 0
         #: a protocol error was met: the answers owed are sent, then the connection closed;
         #: bytes arriving meanwhile are read and dropped unparsed (not left unread: closing
         #: with unread bytes resets the connection, which can destroy the answers in flight)
@@ -230,6 +272,10 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        transport.set_write_buffer_limits(self.limits.max_write_buffer)  # type: ignore[attr-defined]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.send_buffer)
         self.out = Cork(transport, self.loop)
         if len(self.front.connections) >= self.limits.max_connections:
             self.front.reject("too_many_connections")
@@ -245,23 +291,47 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         if self.out is not None:
             self.out.drop()
+        self.unparsed = b""
+        self._wake()
         self.front.connections.discard(self)
 
     def pause_writing(self) -> None:  # the client is not reading our answers
         self.write_paused = True
+        self.write_paused_since = self.loop.time()
         self._pause()
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        self._wake()
         if len(self.queue) < self.limits.max_pipelined:
             self._resume()
+
+    def write_buffered(self) -> int:
+        """Bytes of answers written and not yet taken by the client's socket."""
+        transport = self.transport
+        return 0 if transport is None or transport.is_closing() else transport.get_write_buffer_size()
 
     def data_received(self, data: bytes) -> None:
         if self.closed or self.failed:
             return
         self.last_active = self.loop.time()
+        if self.unparsed_at < len(self.unparsed):  # arrived before the pause took effect
+            self.unparsed = self.unparsed[self.unparsed_at:] + data
+        else:
+            self.unparsed = data
+        self.unparsed_at = 0
+        self._parse()
+
+    def _parse(self) -> None:
+        """Parse what was read, :data:`FEED_BYTES` at a time, until ``max_pipelined``
+        requests wait; what is left stays in :attr:`unparsed` (reading is paused)."""
+        data, at, limit = self.unparsed, self.unparsed_at, self.limits.max_pipelined
+        view = memoryview(data)
         try:
-            self.parser.feed_data(data)
+            while at < len(data) and len(self.queue) < limit and not self.failed:
+                piece = view[at:at + FEED_BYTES]
+                at += len(piece)
+                self.parser.feed_data(piece)
         except httptools.HttpParserUpgrade:
             # the check itself was read and is answered; what follows is not HTTP/1.1
             self._fail(0, "upgrade")
@@ -274,6 +344,11 @@ class _Connection(asyncio.Protocol):
                 self._fail(500, "internal")
         except httptools.HttpParserError:
             self._fail(400, "bad_request")
+        finally:
+            if at >= len(data) or self.failed:
+                self.unparsed, self.unparsed_at = b"", 0
+            else:
+                self.unparsed_at = at
 
     # -- httptools callbacks
     def on_message_begin(self) -> None:
@@ -318,8 +393,18 @@ class _Connection(asyncio.Protocol):
         front = self.front
         check = front.flow.check
         queue = self.queue
+        turn = 0
         try:
             while queue and not self.closed:
+                if self.write_paused:  # the client is not reading: its answers wait
+                    self._writable = self.loop.create_future()
+                    await self._writable
+                    continue
+                if turn >= TURN_ANSWERS:  # let the other connections run
+                    turn = 0
+                    await asyncio.sleep(0)
+                    continue
+                turn += 1
                 request = queue[0]
                 keep_alive = request[3]
                 try:
@@ -351,9 +436,20 @@ class _Connection(asyncio.Protocol):
             self.transport.pause_reading()
 
     def _resume(self) -> None:
-        if self.paused and self.transport is not None and not self.closed:
-            self.paused = False
-            self.transport.resume_reading()
+        if not self.paused or self.transport is None or self.closed:
+            return
+        if self.unparsed:  # what was read first
+            self._parse()
+            if self.unparsed or len(self.queue) >= self.limits.max_pipelined or self.closed:
+                return
+        self.paused = False
+        self.transport.resume_reading()
+
+    def _wake(self) -> None:
+        if self._writable is not None:
+            if not self._writable.done():
+                self._writable.set_result(None)
+            self._writable = None
 
     def _fail(self, status: int, reason: str) -> None:
         """Answer a protocol error (status 0: none) after the answers already owed, then close."""
@@ -373,14 +469,34 @@ class _Connection(asyncio.Protocol):
         self.close()
 
     def expire(self, now: float, limits: HttpLimits) -> None:
-        if self.header_started is not None and now - self.header_started > limits.header_timeout:
+        if self.write_paused and now - self.write_paused_since > limits.header_timeout:
+            # its answers have waited for it to read for as long as a request's headers may
+            # take: what it holds is dropped (Envoy reads each answer within its timeout)
+            self.front.reject("not_reading")
+            self.abort()
+        elif self.unparsed and not self.write_paused:
+            # parsing waits for our answers, not for the client: its clock restarts
+            if self.header_started is not None:
+                self.header_started = now
+        elif self.header_started is not None and now - self.header_started > limits.header_timeout:
             self._fail(408, "header_timeout")
         elif self.task is None and not self.queue and now - self.last_active > limits.idle_timeout:
             self.close()
 
+    def abort(self) -> None:
+        """Close at once, dropping what is unsent (a client that does not read would keep a
+        graceful close waiting for its buffer to drain)."""
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            self._wake()
+            if self.out is not None:
+                self.out.drop()
+            self.transport.abort()
+
     def close(self) -> None:
         if self.transport is not None and not self.closed:
             self.closed = True
+            self._wake()
             if self.out is not None:
                 self.out.flush()  # the answers owed go first; close() sends them, then FIN
             self.transport.close()

@@ -5,6 +5,7 @@ rendered config runs in front of the server with real decisions."""
 
 from __future__ import annotations
 
+import json
 import shlex
 import subprocess
 import sys
@@ -109,6 +110,15 @@ def test_every_variant_passes_envoy_validation(label: str, options: dict[str, An
         ca.issue("envoy").write(tmp_path, "tls")
         options["tls"] = TlsFiles(f"{tmp_path}/tls.crt", f"{tmp_path}/tls.key", f"{tmp_path}/ca.crt")
     validate(render(load_policy([ROOT / "policies"]), **options))
+
+
+@pytest.mark.parametrize(("label", "options"), variants(), ids=[v[0] for v in variants()])
+def test_every_variant_refuses_underscores_and_strips_the_fail_open_mark_first(
+        label: str, options: dict[str, Any]) -> None:
+    manager = hcm(bootstrap(load_policy([ROOT / "policies"]), **{"upstream": ("127.0.0.1", 8080), **options}))
+    assert manager["common_http_protocol_options"] == {"headers_with_underscores_action": "REJECT_REQUEST"}
+    first = manager["http_filters"][0]["typed_config"]["mutations"]["request_mutations"]
+    assert {"remove": "x-envoy-auth-failure-mode-allowed"} in first
 
 
 def test_access_log_only_when_the_policy_holds_leases(tmp_path: Path) -> None:
@@ -244,6 +254,39 @@ def test_a_rendered_config_runs_in_front_of_the_server(tmp_path: Path, protocol:
             codes = [c.send(envoy.url + "/v1/x", headers={"x-api-key": "k"}).status for _ in range(3)]
             assert codes == [200, 200, 429]
             assert c.send(envoy.url + "/healthz").status == 200
+    finally:
+        server.stop()
+        upstream.stop()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_underscored_headers_are_refused_and_only_envoy_marks_a_fail_open(tmp_path: Path, protocol: str) -> None:
+    """An upstream that folds ``_`` into ``-`` (CGI, WSGI) would read ``x_api_key`` as the
+    API key the policy never counted: Envoy refuses the request (400) before any filter runs.
+    A client's ``x-envoy-auth-failure-mode-allowed`` is removed before ext_authz, so the
+    upstream sees that header only when Envoy itself let a check fail open."""
+    (tmp_path / "api.yaml").write_text(RATE_ONLY)
+    http_port = free_port()
+    upstream = start_upstream()
+    args = ["--http-listen", f"127.0.0.1:{http_port}"] if protocol == "http" else []
+    server = ServerProcess([tmp_path], args=args)
+    try:
+        server.start()
+        authz = ("127.0.0.1", server.port if protocol == "grpc" else http_port)
+        config = bootstrap(load_policy([tmp_path]), protocol=protocol, upstream=("127.0.0.1", upstream.port),
+                           authz=authz, listen_port=0, admin_port=0)
+        with EnvoyProcess(yaml.safe_dump(config), concurrency=1) as envoy, HttpClient() as c:
+            refused = c.send(envoy.url + "/v1/x", headers={"x-api-key": "k1", "x_api_key": "k2"})
+            assert refused.status == 400  # Envoy's own answer: the upstream echoes with a 200
+            assert upstream.served == 0
+            forged = c.send(envoy.url + "/v1/x", headers={"x-api-key": "k1",
+                                                          "x-envoy-auth-failure-mode-allowed": "true"})
+            assert forged.status == 200
+            assert "x-envoy-auth-failure-mode-allowed" not in json.loads(forged.body)["headers"]
+            server.stop()  # now every check fails open, and Envoy says so itself
+            unchecked = c.send(envoy.url + "/v1/x", headers={"x-api-key": "k1"})
+            assert unchecked.status == 200
+            assert json.loads(unchecked.body)["headers"]["x-envoy-auth-failure-mode-allowed"] == "true"
     finally:
         server.stop()
         upstream.stop()

@@ -126,7 +126,8 @@ def test_shipped_grpc_configs_allow_what_the_policy_reads_and_strip_the_tier(nam
     # a client's tier header is removed before anything else runs (the check may fail open)
     first = _hcm(config)["http_filters"][0]
     assert first["name"] == "extauthz.strip-tier"
-    assert first["typed_config"]["mutations"]["request_mutations"] == [{"remove": TIER_HEADER}]
+    assert first["typed_config"]["mutations"]["request_mutations"] == [
+        {"remove": TIER_HEADER}, {"remove": "x-envoy-auth-failure-mode-allowed"}]
 
 
 def test_every_shipped_grpc_config_is_checked() -> None:
@@ -192,7 +193,8 @@ def test_shipped_http_config_states_fail_open_shed_mapper_and_lease_metadata() -
     names = [f["name"] for f in hcm["http_filters"]]
     assert names.index("extauthz.strip-route-tier") < names.index("extauthz.route-tier") < names.index(EXT_AUTHZ_FILTER)
     strip = hcm["http_filters"][0]["typed_config"]["mutations"]["request_mutations"]
-    assert strip == [{"remove": ROUTE_TIER_HEADER}, {"remove": "x-jwt-payload"}, {"remove": "x-extauthz-tier"}]
+    assert strip == [{"remove": ROUTE_TIER_HEADER}, {"remove": "x-jwt-payload"}, {"remove": "x-extauthz-tier"},
+                     {"remove": "x-envoy-auth-failure-mode-allowed"}]
 
 
 def test_shipped_config_states_fail_open_and_route_metadata() -> None:

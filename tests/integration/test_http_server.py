@@ -355,3 +355,32 @@ async def test_the_grpc_port_alone_has_nothing_to_warn_of(tmp_path: Path, caplog
         assert not [r for r in caplog.records if getattr(r, "fields", {}).get("event") == "http_unreadable"]
     finally:
         await srv.stop(grace=0)
+
+
+async def test_a_client_that_does_not_read_gets_its_answers_paused_then_is_cut_off(server: Server) -> None:
+    """A client that pipelines and never reads: its answers stop at the write buffer's bound
+    (reading with them), and once they have waited the header timeout (0.5 s here) the
+    connection is aborted, dropping what it held."""
+    front = server.http
+    assert front is not None
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    try:
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.http_port))
+        burst = request(key="sk_live_nr") * 2000  # ~100 KiB: far more answers than the buffers take
+        sent, paused = 0, False
+        async with asyncio.timeout(30):
+            while front.rejected.get("not_reading", 0) == 0:
+                try:
+                    sent += sock.send(burst)
+                except BlockingIOError:
+                    pass
+                for conn in front.connections:
+                    if conn.write_paused:
+                        assert conn.paused and conn.write_buffered() <= HttpLimits().max_write_buffer + 16 * 1024
+                        paused = True
+                await asyncio.sleep(0.01)
+        assert paused and front.rejected["not_reading"] == 1 and not front.connections
+    finally:
+        sock.close()
