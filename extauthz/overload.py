@@ -10,7 +10,11 @@ be timed out. Two figures tell it how things stand:
   later than asked the sampler's sleep ended (scheduling delay), and, read by a check, how long
   ago the sampler last ran beyond its interval, so that the checks queued behind a stall see
   it before the sampler runs again. The server is *starved* while the lag is at least
-  :attr:`LoopLag.threshold` (a quarter of the check budget: 50 ms by default).
+  :attr:`LoopLag.threshold` (half the check budget: 100 ms by default, past which the two or
+  three loop turns a check takes no longer fit in Envoy's timeout), and for one
+  budget after a sample that was: the checks that queued during a stall cannot be told from
+  fresh ones (a stopped process stamps nothing), and all of them are answered within a
+  budget of its end or are late anyway.
 * **A check's time left** (:meth:`LoopLag.left`): the check budget (``serve
   --check-budget-ms``, 200 ms by default) less what the door saw the check wait: on the gRPC
   port the call's deadline (Envoy sends its timeout as ``grpc-timeout``; the budget plus
@@ -27,6 +31,7 @@ runs out of it) fails its per-customer limiters per ``failure_mode``, counted wi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
@@ -48,7 +53,7 @@ class LoopLag:
                  running: Callable[[], bool] = lambda: True) -> None:
         self.budget = budget
         #: the lag from which the server counts as starved
-        self.threshold = budget / 4
+        self.threshold = budget / 2
         self.interval = interval
         self._clock = clock
         self._running = running
@@ -57,6 +62,8 @@ class LoopLag:
         #: the lag the sampler measured last, and the largest since the server started
         self.last = 0.0
         self.peak = 0.0
+        #: when a sample last found the loop starved
+        self._starved_at = -math.inf
         #: checks that found the server starved or out of time, by tier
         self.overloaded: dict[str, int] = {}
 
@@ -66,6 +73,8 @@ class LoopLag:
         if self._beat is not None:
             self.last = max(0.0, now - self._beat - self.interval)
             self.peak = max(self.peak, self.last)
+            if self.last >= self.threshold:
+                self._starved_at = now
         self._beat = now
 
     def lag(self) -> float:
@@ -77,7 +86,10 @@ class LoopLag:
         return max(self.last, self._clock.monotonic() - beat - self.interval)
 
     def starved(self) -> bool:
-        return self.lag() >= self.threshold
+        """The lag is past the threshold now, or was within the last budget."""
+        if self.lag() >= self.threshold:
+            return True
+        return self._running() and self._clock.monotonic() - self._starved_at < self.budget
 
     def left(self, deadline: float | None = None, waited: float = 0.0) -> float:
         """The time a check has left for its decision: the budget less ``waited`` (what the

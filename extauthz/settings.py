@@ -211,7 +211,7 @@ class Settings:
         parse=_milliseconds)
     check_budget_ms: float = option(
         CHECK_BUDGET_MS, "--check-budget-ms", "time a check may take from its arrival to its answer; "
-        "a check with none left, or a server whose loop lags a quarter of it, is decided at once "
+        "a check with none left, or a server whose loop lags half of it, is decided at once "
         "(shedders refuse non-critical tiers, other limiters fail per failure_mode, reason overload) "
         "instead of Envoy timing it out; envoy-config renders Envoy's timeout as this plus "
         f"{ENVOY_MARGIN_MS:.0f} ms (docs/operations.md)", parse=_budget)

@@ -31,18 +31,25 @@ RULES = {"classification": {"rules": [{"match": {"methods": ["POST"], "path_pref
 def test_lag_is_how_late_the_sampler_woke() -> None:
     clock = ManualClock()
     lag = LoopLag(0.2, clock=clock, interval=0.025)
-    assert lag.threshold == pytest.approx(0.05)
+    assert lag.threshold == pytest.approx(0.1)
     assert lag.lag() == 0.0 and not lag.starved()  # no sample yet: nothing known
     lag.tick()
     clock.advance(0.025)
     lag.tick()  # on time
     assert lag.lag() == 0.0
-    clock.advance(0.025 + 0.06)
-    lag.tick()  # 60 ms late: starved
-    assert lag.last == pytest.approx(0.06) and lag.starved()
+    clock.advance(0.025 + 0.12)
+    lag.tick()  # 120 ms late: starved
+    assert lag.last == pytest.approx(0.12) and lag.starved()
     clock.advance(0.025)
-    lag.tick()  # on time again
-    assert not lag.starved() and lag.peak == pytest.approx(0.06)
+    lag.tick()  # on time again: still starved for one budget after the late sample
+    assert lag.lag() == 0.0 and lag.starved()
+    for _ in range(6):
+        clock.advance(0.025)
+        lag.tick()
+    assert lag.starved()  # 175 ms after it
+    clock.advance(0.05)  # 225 ms after it (a 25 ms lag: below the threshold)
+    lag.tick()
+    assert not lag.starved() and lag.peak == pytest.approx(0.12)
 
 
 def test_an_overdue_sampler_is_a_stall_in_progress() -> None:
@@ -51,10 +58,10 @@ def test_an_overdue_sampler_is_a_stall_in_progress() -> None:
     clock = ManualClock()
     lag = LoopLag(0.2, clock=clock, interval=0.025)
     lag.tick()
-    clock.advance(0.025 + 0.049)
+    clock.advance(0.025 + 0.099)
     assert not lag.starved()
     clock.advance(0.002)
-    assert lag.lag() == pytest.approx(0.051) and lag.starved()
+    assert lag.lag() == pytest.approx(0.101) and lag.starved()
 
 
 def test_a_stopped_sampler_reads_as_no_lag() -> None:
