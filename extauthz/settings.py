@@ -383,7 +383,7 @@ def from_args(args: argparse.Namespace) -> Settings:
 # -- what the operator commands share with serve -------------------------------------------
 
 #: the options ``extauthz switch|report|override|history|status`` take with serve's flag,
-#: variable and default (opscli.py).
+#: variable and default (opscli.py); ``envoy-config`` takes ``check_budget_ms`` so too.
 SHARED = ("redis_url", "key_prefix", "admin_token_file", "identity_salt")
 
 
@@ -396,5 +396,5 @@ def add_shared(parser: argparse.ArgumentParser, names: tuple[str, ...], helps: M
         shown = default_text(name)
         env = env_value(opt)
         parser.add_argument(
-            opt.flag, dest=name, default=env if env else getattr(Settings(), name),
-            help=f"{helps[name]} [{opt.env}" + (f"; default {shown}]" if shown else "]"))
+            opt.flag, dest=name, default=env if env else getattr(Settings(), name), type=opt.parse,
+            help=(f"{helps[name]} [{opt.env}" + (f"; default {shown}]" if shown else "]")).replace("%", "%%"))
