@@ -396,5 +396,6 @@ def add_shared(parser: argparse.ArgumentParser, names: tuple[str, ...], helps: M
         shown = default_text(name)
         env = env_value(opt)
         parser.add_argument(
-            opt.flag, dest=name, default=env if env else getattr(Settings(), name), type=opt.parse,
+            opt.flag, dest=name, default=env if env else getattr(Settings(), name),
+            **({"type": opt.parse} if opt.parse is not None else {}),
             help=(f"{helps[name]} [{opt.env}" + (f"; default {shown}]" if shown else "]")).replace("%", "%%"))
