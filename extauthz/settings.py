@@ -395,7 +395,8 @@ def add_shared(parser: argparse.ArgumentParser, names: tuple[str, ...], helps: M
         opt = settings[name]
         shown = default_text(name)
         env = env_value(opt)
+        kw: dict[str, Any] = {"type": opt.parse} if opt.parse is not None else {}
         parser.add_argument(
             opt.flag, dest=name, default=env if env else getattr(Settings(), name),
-            **({"type": opt.parse} if opt.parse is not None else {}),
-            help=(f"{helps[name]} [{opt.env}" + (f"; default {shown}]" if shown else "]")).replace("%", "%%"))
+            help=(f"{helps[name]} [{opt.env}" + (f"; default {shown}]" if shown else "]")).replace("%", "%%"),
+            **kw)
