@@ -87,9 +87,7 @@ class LoopLag:
 
     def starved(self) -> bool:
         """The lag is past the threshold now, or was within the last budget."""
-        if self.lag() >= self.threshold:
-            return True
-        return self._running() and self._clock.monotonic() - self._starved_at < self.budget
+        return self.check(None, 0.0)[1]
 
     def left(self, deadline: float | None = None, waited: float = 0.0) -> float:
         """The time a check has left for its decision: the budget less ``waited`` (what the
@@ -97,6 +95,18 @@ class LoopLag:
         Envoy's margin, when the door knows it)."""
         left = self.budget - waited
         return left if deadline is None else min(left, deadline)
+
+    def check(self, deadline: float | None, waited: float) -> tuple[float, bool]:
+        """A check's (:meth:`left`, :meth:`starved`), with one clock read (the request path)."""
+        left = self.budget - waited
+        if deadline is not None and deadline < left:
+            left = deadline
+        beat = self._beat
+        if beat is None or not self._running():
+            return left, False
+        now = self._clock.monotonic()
+        return left, (now - beat - self.interval >= self.threshold or self.last >= self.threshold
+                      or now - self._starved_at < self.budget)
 
     def status(self) -> Mapping[str, Any]:
         return {"overload": {"loop_lag_seconds": round(self.lag(), 6), "peak_lag_seconds": round(self.peak, 6),

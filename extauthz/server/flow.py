@@ -104,8 +104,7 @@ class CheckFlow:
         if lag is None:
             decision = await self.engine.decide(ctx)
         else:
-            left = lag.left(*door.time_left(message, call))
-            starved = lag.starved()
+            left, starved = lag.check(*door.time_left(message, call))
             if starved or left <= 0:
                 lag.overloaded[ctx.tier.value] = lag.overloaded.get(ctx.tier.value, 0) + 1
             decision = await self.engine.decide(ctx, left, starved)
