@@ -226,7 +226,8 @@ class Engine:
             if lim.key_missing(ctx):
                 skipped.append(lim.name)
                 continue
-            shed = lim.overloaded(ctx, enforce) if starved and isinstance(lim, FleetWide) else None
+            # starved: an enforcing shedder refuses non-critical requests without the store
+            shed = lim.overloaded(ctx, enforce) if starved and enforce and isinstance(lim, FleetWide) else None
             local = lim.local(ctx, enforce) if shed is None else shed
             if local is not None and refused is None and local.refused:
                 refused = local
