@@ -11,10 +11,10 @@ be timed out. Two figures tell it how things stand:
   ago the sampler last ran beyond its interval, so that the checks queued behind a stall see
   it before the sampler runs again. The server is *starved* while the lag is at least
   :attr:`LoopLag.threshold` (half the check budget: 100 ms by default, past which the two or
-  three loop turns a check takes no longer fit in Envoy's timeout), and for one
-  budget after a sample that was: the checks that queued during a stall cannot be told from
-  fresh ones (a stopped process stamps nothing), and all of them are answered within a
-  budget of its end or are late anyway.
+  three loop turns a check takes no longer fit in Envoy's timeout), and after a sample that
+  was, for as long again as that lag (at most one budget): the checks that queued during a
+  stall cannot be told from fresh ones (a stopped process stamps nothing), and the backlog a
+  stall leaves drains in about as long as it lasted.
 * **A check's time left** (:meth:`LoopLag.left`): the check budget (``serve
   --check-budget-ms``, 200 ms by default) less what the door saw the check wait: on the gRPC
   port the call's deadline (Envoy sends its timeout as ``grpc-timeout``; the budget plus
@@ -62,8 +62,8 @@ class LoopLag:
         #: the lag the sampler measured last, and the largest since the server started
         self.last = 0.0
         self.peak = 0.0
-        #: when a sample last found the loop starved
-        self._starved_at = -math.inf
+        #: until when a late sample keeps the server starved
+        self._starved_until = -math.inf
         #: checks that found the server starved or out of time, by tier
         self.overloaded: dict[str, int] = {}
 
@@ -74,7 +74,7 @@ class LoopLag:
             self.last = max(0.0, now - self._beat - self.interval)
             self.peak = max(self.peak, self.last)
             if self.last >= self.threshold:
-                self._starved_at = now
+                self._starved_until = now + min(self.last, self.budget)
         self._beat = now
 
     def lag(self) -> float:
@@ -86,7 +86,7 @@ class LoopLag:
         return max(self.last, self._clock.monotonic() - beat - self.interval)
 
     def starved(self) -> bool:
-        """The lag is past the threshold now, or was within the last budget."""
+        """The lag is past the threshold now, or a late sample was within as long as its lag."""
         return self.check(None, 0.0)[1]
 
     def left(self, deadline: float | None = None, waited: float = 0.0) -> float:
@@ -106,7 +106,7 @@ class LoopLag:
             return left, False
         now = self._clock.monotonic()
         return left, (now - beat - self.interval >= self.threshold or self.last >= self.threshold
-                      or now - self._starved_at < self.budget)
+                      or now < self._starved_until)
 
     def status(self) -> Mapping[str, Any]:
         return {"overload": {"loop_lag_seconds": round(self.lag(), 6), "peak_lag_seconds": round(self.peak, 6),

@@ -41,15 +41,24 @@ def test_lag_is_how_late_the_sampler_woke() -> None:
     lag.tick()  # 120 ms late: starved
     assert lag.last == pytest.approx(0.12) and lag.starved()
     clock.advance(0.025)
-    lag.tick()  # on time again: still starved for one budget after the late sample
+    lag.tick()  # on time again: still starved for as long as the late sample's lag
     assert lag.lag() == 0.0 and lag.starved()
-    for _ in range(6):
+    for _ in range(3):
         clock.advance(0.025)
         lag.tick()
-    assert lag.starved()  # 175 ms after it
-    clock.advance(0.05)  # 225 ms after it (a 25 ms lag: below the threshold)
-    lag.tick()
+    assert lag.starved()  # 100 ms after it
+    clock.advance(0.025)
+    lag.tick()  # 125 ms after it
     assert not lag.starved() and lag.peak == pytest.approx(0.12)
+    clock.advance(0.025 + 5.0)
+    lag.tick()  # a 5 s stall: starved for one budget after it (at most)
+    for _ in range(7):
+        clock.advance(0.025)
+        lag.tick()
+    assert lag.lag() == 0.0 and lag.starved()  # 175 ms after it
+    clock.advance(0.05)
+    lag.tick()  # 225 ms after it
+    assert not lag.starved()
 
 
 def test_an_overdue_sampler_is_a_stall_in_progress() -> None:
