@@ -77,9 +77,6 @@ _PROTOCOL_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.Http
 _ROUTE_MUTATION = ("type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3."
                    "HeaderMutationPerRoute")
 _JWT_AUTHN = "type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication"
-#: the header ext_authz adds when a check fails open (``failure_mode_allow_header_add``): a
-#: client's copy is removed before ext_authz runs, so the upstream sees only Envoy's
-FAILURE_MODE_HEADER = "x-envoy-auth-failure-mode-allowed"
 #: the filter whose dynamic metadata (namespace) holds the verified JWT payload
 JWT_AUTHN_FILTER = "envoy.filters.http.jwt_authn"
 #: the quick start's demo routes: (name, path prefix, POST only, tier); policies/ classifies the rest
