@@ -213,8 +213,8 @@ class OverloadPart:
         checks = CounterMetricFamily("extauthz_overload_checks", "Checks decided while the "
                                      "server was starved or with no time left of the check budget "
                                      "(shedders refused non-critical ones), by tier.", labels=["tier"])
-        for tier, n in sorted(self.lag.overloaded.items()):
-            checks.add_metric([tier], n)
+        for tier, n in sorted((dict.fromkeys([t.value for t in Tier], 0) | self.lag.overloaded).items()):
+            checks.add_metric([tier], n)  # every tier from the start, so rate() has a series
         yield checks
 
 
