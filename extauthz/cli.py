@@ -168,7 +168,7 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
             listen_port=args.listen_port, access_log=args.access_log,
             tls=TlsFiles(*tls_files) if all(tls_files) else None,
             tracing=_host_port("--tracing", args.tracing) if args.tracing else None,
-            quickstart_routes=args.quickstart_routes, jwt=jwt)
+            quickstart_routes=args.quickstart_routes, jwt=jwt, check_budget_ms=args.check_budget_ms)
     except ValueError as exc:
         print(f"extauthz envoy-config: {exc}", file=sys.stderr)
         return 2
@@ -240,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an accepted audience (repeat for several; default: any)")
     p.add_argument("--jwt-jwks-file", metavar="PATH", default=None,
                    help="the issuer's JWKS (JSON), inlined into the config")
+    settings.add_shared(p, ("check_budget_ms",), {"check_budget_ms": (
+        "the server's check budget (serve --check-budget-ms): Envoy's ext_authz timeout is this "
+        f"plus {settings.ENVOY_MARGIN_MS:.0f} ms, so that the server decides before Envoy fails the check open")})
     add_ops_parsers(sub)
     add_simulate_parser(sub)
     text = ("quick start: Envoy + server + upstream on this machine, a burst of traffic per "

@@ -21,9 +21,9 @@ from .breaker import Breaker
 from .classify import Classifier
 from .clock import SYSTEM_CLOCK, Clock
 from .context import RawRequest, RequestContext
-from .errors import INTERNAL_ERROR, CircuitOpen, StoreError, StoreInternalError, StoreTimeout
+from .errors import INTERNAL_ERROR, CircuitOpen, Overloaded, StoreError, StoreInternalError, StoreTimeout
 from .limiters import Limiter, WorkerUtilizationShedder, build_limiters
-from .limiters.base import applies
+from .limiters.base import FleetWide, applies
 from .limiters.fleet import LocalSlots
 from .limiters.grants import bind_store, hold_leases, refund_grants, retire_grants, settle_grants
 from .limiters.worker import keep_levels, workers_of
@@ -193,19 +193,27 @@ class Engine:
         ctx = self.context(raw)
         return ctx, await self.decide(ctx)
 
-    async def decide(self, ctx: RequestContext) -> Decision:
+    async def decide(self, ctx: RequestContext, left: float | None = None,
+                     starved: bool = False) -> Decision:
         """The decision for ``ctx``. Never raises: a store failure, a missed deadline, an
         open breaker and any unexpected exception (a limiter or client library bug) fail
-        each applicable limiter open or closed per its ``failure_mode``, counted by reason."""
+        each applicable limiter open or closed per its ``failure_mode``, counted by reason.
+
+        Overload (``extauthz.overload``): ``left`` is the time the check has left to be
+        answered in (None: unbounded); the store call never outlives it, and a check with
+        none left fails its store limiters per ``failure_mode`` with the reason ``overload``.
+        While ``starved`` (or with no time left) the shedders refuse non-critical requests
+        at once, without the store (:meth:`~extauthz.limiters.base.FleetWide.overloaded`)."""
         snap = self.snapshot
         try:
-            decision = await self._decide(ctx, snap)
+            decision = await self._decide(ctx, snap, left, starved or (left is not None and left <= 0))
         except Exception as exc:
             decision = self._internal_error(ctx, snap, exc)
         self.observer.decided(ctx, decision, snap.policy)
         return decision
 
-    async def _decide(self, ctx: RequestContext, snap: Snapshot) -> Decision:
+    async def _decide(self, ctx: RequestContext, snap: Snapshot, left: float | None = None,
+                      starved: bool = False) -> Decision:
         refused: Verdict | None = None
         # One slot per applicable limiter, in policy order: its local verdict (if it
         # decided locally) and the index of its store op (or -1).
@@ -218,10 +226,12 @@ class Engine:
             if lim.key_missing(ctx):
                 skipped.append(lim.name)
                 continue
-            local = lim.local(ctx, enforce)
+            # starved: an enforcing shedder refuses non-critical requests without the store
+            shed = lim.overloaded(ctx, enforce) if starved and enforce and isinstance(lim, FleetWide) else None
+            local = lim.local(ctx, enforce) if shed is None else shed
             if local is not None and refused is None and local.refused:
                 refused = local
-            op = lim.op(ctx, enforce)
+            op = lim.op(ctx, enforce) if shed is None else None
             if op is not None:
                 ops.append(op)
             slots.append((lim, enforce, local, len(ops) - 1 if op is not None else -1))
@@ -236,7 +246,7 @@ class Engine:
         else:
             lease_id = os.urandom(8).hex()
             try:
-                result = await self._store_check(ops, lease_id)
+                result = await self._store_check_within(ops, lease_id, left)
             except StoreError as exc:
                 failures = (exc.reason,)
                 for lim, _, local, _ in slots:
@@ -307,6 +317,23 @@ class Engine:
                     refused = v
         return Decision(allowed=refused is None, tier=ctx.tier, verdicts=tuple(verdicts),
                         denied_by=refused, failures=(INTERNAL_ERROR,))
+
+    async def _store_check_within(self, ops: Sequence[Op], lease_id: str,
+                                  left: float | None) -> CheckResult:
+        """The store call, never outliving the check's time ``left``: with none left it is
+        not made; when ``left`` runs out first the call goes on (a late answer's leases go
+        back, as for a cancelled Check) and the check fails with ``overload``, not counted
+        against the store's breaker (the store is not the one late)."""
+        if left is None or left >= self.deadline * (LOOP_EXTENSIONS + 1):
+            return await self._store_check(ops, lease_id)  # the store deadline comes first
+        if left > 0:
+            try:
+                async with asyncio.timeout(left):
+                    return await self._store_check(ops, lease_id)
+            except TimeoutError:
+                pass
+        self._failed(Overloaded.reason)
+        raise Overloaded(f"no time left for the store call ({left * 1000:.0f} ms of the check budget)")
 
     def _breakers(self, ops: Sequence[Op]) -> list[tuple[str, Breaker]]:
         """The breakers a check of ``ops`` goes through: the store's, or on Redis Cluster the

@@ -41,8 +41,9 @@ from .server.fluentd import RECORD as FLUENTD_RECORD
 from .server.fluentd import TAG as FLUENTD_TAG
 from .server.httpmap import JWT_PAYLOAD_HEADER, ROUTE_TIER_HEADER, SHED_STATUS, allowed_headers
 from .server.leases import FAILURE_MODE_HEADER, ROUTE_TIER_TAG
+from .settings import CHECK_BUDGET_MS, ENVOY_MARGIN_MS
 
-__all__ = ["ACCESS_LOG_MODES", "DEFAULT_AUTHZ", "JwtProvider", "TlsFiles", "bootstrap", "holds_leases",
+__all__ = ["ACCESS_LOG_MODES", "DEFAULT_AUTHZ", "JwtProvider", "TlsFiles", "authz_timeout", "bootstrap", "holds_leases",
            "jwks_from_file", "render"]
 
 Config = dict[str, Any]
@@ -58,7 +59,8 @@ ACCESS_LOG_PORT = 9001
 FLUENTD_PORT = 9004
 #: the server's name in its certificate when ``--authz`` is an address (the chart's Service)
 DEFAULT_SERVER_NAME = "extauthz"
-AUTHZ_TIMEOUT = "0.25s"
+#: connect timeouts to the server, the access-log port and the collector
+CONNECT_TIMEOUT = "0.25s"
 #: access-log batching: a message every 5 ms or 4 KiB (docs/limiters.md "Access-log batching")
 ACCESS_LOG_BUFFER_BYTES = 4096
 ACCESS_LOG_FLUSH = "0.005s"
@@ -75,9 +77,6 @@ _PROTOCOL_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.Http
 _ROUTE_MUTATION = ("type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3."
                    "HeaderMutationPerRoute")
 _JWT_AUTHN = "type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication"
-#: the header ext_authz adds when a check fails open (``failure_mode_allow_header_add``): a
-#: client's copy is removed before ext_authz runs, so the upstream sees only Envoy's
-FAILURE_MODE_HEADER = "x-envoy-auth-failure-mode-allowed"
 #: the filter whose dynamic metadata (namespace) holds the verified JWT payload
 JWT_AUTHN_FILTER = "envoy.filters.http.jwt_authn"
 #: the quick start's demo routes: (name, path prefix, POST only, tier); policies/ classifies the rest
@@ -132,6 +131,13 @@ def holds_leases(policy: Policy) -> bool:
     return False
 
 
+def authz_timeout(check_budget_ms: float = CHECK_BUDGET_MS) -> str:
+    """Envoy's ext_authz ``timeout``: the server's check budget (``serve --check-budget-ms``)
+    plus :data:`~extauthz.settings.ENVOY_MARGIN_MS`, so that a starved server's decision
+    (``extauthz.overload``) lands before Envoy gives up and fails the check open."""
+    return f"{round(check_budget_ms + ENVOY_MARGIN_MS) / 1000:g}s"
+
+
 def _address(host: str, port: int) -> Config:
     return {"socket_address": {"address": host, "port_value": port}}
 
@@ -175,7 +181,7 @@ def _grpc_cluster(name: str, endpoint: tuple[str, int], tls: TlsFiles | None) ->
     if tls is not None:
         server_name = endpoint[0] if not _is_ip(endpoint[0]) else DEFAULT_SERVER_NAME
         extra["transport_socket"] = _tls_socket(tls, server_name)
-    return _cluster(name, endpoint, AUTHZ_TIMEOUT, **extra)
+    return _cluster(name, endpoint, CONNECT_TIMEOUT, **extra)
 
 
 def unchecked_headers(policy: Policy) -> list[str]:
@@ -220,7 +226,7 @@ def fluentd_release_log(to: tuple[str, int]) -> tuple[Config, Config]:
         "cluster": "extauthz_fluentd", "tag": FLUENTD_TAG, "stat_prefix": "extauthz_release",
         "buffer_size_bytes": ACCESS_LOG_BUFFER_BYTES, "buffer_flush_interval": ACCESS_LOG_FLUSH,
         "record": dict(FLUENTD_RECORD)}}
-    return logger, _cluster("extauthz_fluentd", to, AUTHZ_TIMEOUT)
+    return logger, _cluster("extauthz_fluentd", to, CONNECT_TIMEOUT)
 
 
 def _strip(name: str, headers: list[str]) -> Config:
@@ -232,10 +238,10 @@ def _patterns(names: list[str]) -> Config:
     return {"patterns": [{"exact": n} for n in names]}
 
 
-def _grpc_ext_authz(policy: Policy, jwt: bool) -> Config:
+def _grpc_ext_authz(policy: Policy, jwt: bool, timeout: str) -> Config:
     config: Config = {
         "@type": _EXT_AUTHZ,
-        "grpc_service": {"envoy_grpc": {"cluster_name": "extauthz"}, "timeout": AUTHZ_TIMEOUT},
+        "grpc_service": {"envoy_grpc": {"cluster_name": "extauthz"}, "timeout": timeout},
         "transport_api_version": "V3",
         "failure_mode_allow": True,
         "failure_mode_allow_header_add": True,
@@ -268,11 +274,11 @@ def _tracing(cluster: str) -> Config:
     return {"random_sampling": {"value": 100}, "provider": {
         "name": "envoy.tracers.opentelemetry", "typed_config": {
             "@type": "type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig",
-            "grpc_service": {"envoy_grpc": {"cluster_name": cluster}, "timeout": AUTHZ_TIMEOUT},
+            "grpc_service": {"envoy_grpc": {"cluster_name": cluster}, "timeout": CONNECT_TIMEOUT},
             "service_name": "envoy"}}}
 
 
-def _http_ext_authz(policy: Policy, authz: tuple[str, int]) -> Config:
+def _http_ext_authz(policy: Policy, authz: tuple[str, int], timeout: str) -> Config:
     return {"name": "envoy.filters.http.ext_authz", "typed_config": {
         "@type": _EXT_AUTHZ,
         "transport_api_version": "V3",
@@ -281,7 +287,7 @@ def _http_ext_authz(policy: Policy, authz: tuple[str, int]) -> Config:
         "emit_filter_state_stats": True,
         "http_service": {
             "server_uri": {"uri": f"http://{authz[0]}:{authz[1]}", "cluster": "extauthz_http",
-                           "timeout": AUTHZ_TIMEOUT},
+                           "timeout": timeout},
             "authorization_response": {
                 "allowed_upstream_headers": _patterns([TIER_HEADER]),
                 "allowed_client_headers_on_success": _patterns(["ratelimit-policy", "ratelimit"]),
@@ -347,8 +353,10 @@ def bootstrap(policy: Policy, *, protocol: str, upstream: tuple[str, int],
               authz: tuple[str, int] | None = None, access_log_to: tuple[str, int] | None = None,
               listen_port: int = 10000, tls: TlsFiles | None = None, access_log: str = "auto",
               admin_port: int = 9901, tracing: tuple[str, int] | None = None,
-              quickstart_routes: bool = False, jwt: JwtProvider | None = None) -> Config:
-    """The bootstrap as a mapping (see the module docstring)."""
+              quickstart_routes: bool = False, jwt: JwtProvider | None = None,
+              check_budget_ms: float = CHECK_BUDGET_MS) -> Config:
+    """The bootstrap as a mapping (see the module docstring); the ext_authz timeout is
+    :func:`authz_timeout` of the server's ``check_budget_ms``."""
     if protocol not in DEFAULT_AUTHZ:
         raise ValueError(f"protocol must be one of {', '.join(DEFAULT_AUTHZ)}, not {protocol!r}")
     if access_log not in ACCESS_LOG_MODES:
@@ -390,10 +398,10 @@ def bootstrap(policy: Policy, *, protocol: str, upstream: tuple[str, int],
         filters = [_strip("extauthz.strip-route-tier", [ROUTE_TIER_HEADER, JWT_PAYLOAD_HEADER, TIER_HEADER,
                                                         FAILURE_MODE_HEADER]),
                    {"name": "extauthz.route-tier", "typed_config": {"@type": _MUTATION}},
-                   _http_ext_authz(policy, authz)]
+                   _http_ext_authz(policy, authz, authz_timeout(check_budget_ms))]
     else:
         filters = [_strip("extauthz.strip-tier", [TIER_HEADER, FAILURE_MODE_HEADER]),
-                   _grpc_ext_authz(policy, jwt is not None)]
+                   _grpc_ext_authz(policy, jwt is not None, authz_timeout(check_budget_ms))]
     if jwt is not None:  # right after the strip filter: what it verifies, nobody else can set
         filters.insert(1, _jwt_authn(jwt, protocol))
     if log:
@@ -408,7 +416,7 @@ def bootstrap(policy: Policy, *, protocol: str, upstream: tuple[str, int],
 
     clusters: list[Config] = []
     if protocol == "http":
-        clusters.append(_cluster("extauthz_http", authz, AUTHZ_TIMEOUT, typed_extension_protocol_options={
+        clusters.append(_cluster("extauthz_http", authz, CONNECT_TIMEOUT, typed_extension_protocol_options={
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": _PROTOCOL_OPTIONS, "common_http_protocol_options": {"idle_timeout": "300s"},
                 "explicit_http_config": {"http_protocol_options": {}}}}))
@@ -420,7 +428,7 @@ def bootstrap(policy: Policy, *, protocol: str, upstream: tuple[str, int],
         clusters.append(fluentd[1])
     clusters.append(_cluster("upstream", upstream, "1s"))
     if tracing is not None:
-        clusters.append(_cluster("otel_collector", tracing, AUTHZ_TIMEOUT, typed_extension_protocol_options=_http2()))
+        clusters.append(_cluster("otel_collector", tracing, CONNECT_TIMEOUT, typed_extension_protocol_options=_http2()))
     return {
         "admin": {"address": _address("127.0.0.1", admin_port)},
         "static_resources": {

@@ -59,6 +59,13 @@ class CircuitOpen(StoreError):
     reason = "circuit_open"
 
 
+class Overloaded(StoreError):
+    """The check had no time left for its store call (the server is starved: its loop lags,
+    or the check waited its budget away): its limiters fail per ``failure_mode``."""
+
+    reason = "overload"
+
+
 #: the failure reason of an unexpected exception (a bug) met while deciding
 INTERNAL_ERROR = "internal_error"
 

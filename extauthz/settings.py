@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "DEFAULT_MAX_ACTIVE_CHECKS", "ENV_PREFIX", "KEY_PREFIX", "OFF", "SHARED", "STORE_DEADLINE_MS",
+    "CHECK_BUDGET_MS", "DEFAULT_MAX_ACTIVE_CHECKS", "ENVOY_MARGIN_MS", "ENV_PREFIX", "KEY_PREFIX", "OFF",
+    "SHARED", "STORE_DEADLINE_MS",
     "Option", "Settings", "add_arguments", "add_shared", "env_value", "from_args", "off", "options",
     "positive", "size",
 ]
@@ -34,6 +35,11 @@ __all__ = [
 ENV_PREFIX = "EXTAUTHZ_"
 #: the store's per-call deadline before failing open (ms): the engine's and the Redis store's default.
 STORE_DEADLINE_MS = 5.0
+#: the time a check may take from its arrival to its answer (ms): ``serve --check-budget-ms``.
+CHECK_BUDGET_MS = 200.0
+#: what ``envoy-config`` adds to the check budget for Envoy's ext_authz ``timeout`` (ms): the
+#: network and Envoy's own turn, so that the server's answer lands before Envoy gives up.
+ENVOY_MARGIN_MS = 50.0
 #: the prefix of every store key (store/keys.py), the same on every replica and for the CLI.
 KEY_PREFIX = "extauthz"
 #: checks decided at once on the HTTP authorization port (server/http.py ``HttpLimits``).
@@ -86,6 +92,19 @@ def _milliseconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"bad milliseconds {text!r}: a number") from None
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"bad milliseconds {text!r}: must be positive and finite")
+    return value
+
+
+#: the largest check budget (ms): Envoy's timeout is rendered from it, and a minute is
+#: already far beyond what any client waits for an authorization
+MAX_CHECK_BUDGET_MS = 60_000.0
+
+
+def _budget(text: str) -> float:
+    """A check budget: positive milliseconds, at most :data:`MAX_CHECK_BUDGET_MS`."""
+    value = _milliseconds(text)
+    if value > MAX_CHECK_BUDGET_MS:
+        raise argparse.ArgumentTypeError(f"bad milliseconds {text!r}: at most {MAX_CHECK_BUDGET_MS:.0f}")
     return value
 
 
@@ -190,6 +209,12 @@ class Settings:
     store_deadline_ms: float = option(
         STORE_DEADLINE_MS, "--store-deadline-ms", "deadline of each store call before failing open",
         parse=_milliseconds)
+    check_budget_ms: float = option(
+        CHECK_BUDGET_MS, "--check-budget-ms", "time a check may take from its arrival to its answer; "
+        "a check with none left, or a server whose loop lags half of it, is decided at once "
+        "(shedders refuse non-critical tiers, other limiters fail per failure_mode, reason overload) "
+        "instead of Envoy timing it out; envoy-config renders Envoy's timeout as this plus "
+        f"{ENVOY_MARGIN_MS:.0f} ms (docs/operations.md)", parse=_budget)
     key_prefix: str = option(KEY_PREFIX, "--key-prefix", "prefix of every store key")
     identity_salt: str = option(
         "", "--identity-salt", "key for hashing identities; same on every replica")
@@ -358,7 +383,7 @@ def from_args(args: argparse.Namespace) -> Settings:
 # -- what the operator commands share with serve -------------------------------------------
 
 #: the options ``extauthz switch|report|override|history|status`` take with serve's flag,
-#: variable and default (opscli.py).
+#: variable and default (opscli.py); ``envoy-config`` takes ``check_budget_ms`` so too.
 SHARED = ("redis_url", "key_prefix", "admin_token_file", "identity_salt")
 
 
@@ -370,6 +395,8 @@ def add_shared(parser: argparse.ArgumentParser, names: tuple[str, ...], helps: M
         opt = settings[name]
         shown = default_text(name)
         env = env_value(opt)
+        kw: dict[str, Any] = {"type": opt.parse} if opt.parse is not None else {}
         parser.add_argument(
             opt.flag, dest=name, default=env if env else getattr(Settings(), name),
-            help=f"{helps[name]} [{opt.env}" + (f"; default {shown}]" if shown else "]"))
+            help=(f"{helps[name]} [{opt.env}" + (f"; default {shown}]" if shown else "]")).replace("%", "%%"),
+            **kw)

@@ -16,7 +16,12 @@ from ..policy.model import Matcher, compile_match
 from ..policy.schema import PLAN_NUMBERS, LimiterSpec, not_fields
 from ..store.base import Op, OpResult
 from ..store.keys import Keys
+from ..tiers import Tier
 from ..verdict import Kind, Limits, Outcome, Verdict
+
+#: Retry-After of a request refused because the server was starved (s): a loop stall or a
+#: CPU taken away is over in seconds, or shedding goes on
+OVERLOAD_RETRY_AFTER = 1.0
 
 
 class Limiter(Protocol):
@@ -107,6 +112,18 @@ class FleetWide(LimiterBase):
 
     def override(self, numbers: Mapping[str, float]) -> dict[str, Limits]:
         raise ValueError(f"limiter '{self.name}' limits the whole fleet and takes no per-customer override")
+
+    def overloaded(self, ctx: RequestContext, enforce: bool) -> Verdict | None:
+        """The verdict while the server is starved (``extauthz.overload``): a non-critical
+        request is refused at once (503, reason ``overload``), without the store; None for a
+        critical one, which goes on as usual (never refused here)."""
+        if ctx.tier is Tier.CRITICAL:
+            return None
+        return Verdict(self.name, self.kind, denied_outcome(enforce), remaining=0.0,
+                       retry_after=OVERLOAD_RETRY_AFTER, reason="overload",
+                       detail=(f"The API is overloaded: the authorization server is starved and "
+                               f"sheds {ctx.tier.value} traffic (load shedder '{self.name}'). "
+                               f"Retry later with backoff."))
 
 
 def override_limit(numbers: Mapping[str, float], kind: str) -> int:

@@ -24,9 +24,10 @@ from typing import Any, Protocol
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..engine import Engine
-from ..errors import CircuitOpen, StoreError, StoreInternalError, StoreTimeout, StoreUnavailable
+from ..errors import CircuitOpen, Overloaded, StoreError, StoreInternalError, StoreTimeout, StoreUnavailable
 from ..limiters import FleetUsageShedder, WorkerUtilizationShedder
 from ..limiters.grants import GRANT_METRICS, grant_status
+from ..overload import LoopLag
 from ..overrides import MAX_OVERRIDES, describe
 from ..release import releases_status
 from ..store.memory import MemoryStore
@@ -34,7 +35,8 @@ from ..tiers import Tier
 from ..verdict import Mode
 
 #: fail-open reasons exported from the start (at 0), so rate() has a series to work on.
-FAIL_REASONS = tuple(cls.reason for cls in (StoreTimeout, StoreUnavailable, CircuitOpen, StoreInternalError))
+FAIL_REASONS = tuple(cls.reason for cls in (StoreTimeout, StoreUnavailable, CircuitOpen, StoreInternalError,
+                                             Overloaded))
 
 
 class Part(Protocol):
@@ -192,6 +194,28 @@ class FailOpenPart:
         for reason, n in sorted((dict.fromkeys(FAIL_REASONS, 0) | self.engine.failures).items()):
             fail.add_metric([reason], n)
         yield fail
+
+
+@dataclass(eq=False)
+class OverloadPart:
+    """The loop's lag and the checks decided starved or out of time (``extauthz.overload``)."""
+
+    lag: LoopLag
+
+    def status(self) -> Mapping[str, Any]:
+        return self.lag.status()
+
+    def metrics(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily("extauthz_loop_lag_seconds", "How late the event loop runs "
+                                "(the lag sampler's last wake-up, or longer while it is overdue); "
+                                "the server is starved from a quarter of the check budget.",
+                                value=self.lag.lag())
+        checks = CounterMetricFamily("extauthz_overload_checks", "Checks decided while the "
+                                     "server was starved or with no time left of the check budget "
+                                     "(shedders refused non-critical ones), by tier.", labels=["tier"])
+        for tier, n in sorted((dict.fromkeys([t.value for t in Tier], 0) | self.lag.overloaded).items()):
+            checks.add_metric([tier], n)  # every tier from the start, so rate() has a series
+        yield checks
 
 
 @dataclass(eq=False)

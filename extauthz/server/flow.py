@@ -10,7 +10,10 @@ its gRPC and HTTP servers is the model):
 1. the door reads its message into a :class:`~extauthz.context.RawRequest`, which the
    policy's classifier turns into a request context; a request the door cannot read is
    allowed and counted here (``extauthz_bad_requests_total``), never an error;
-2. the engine decides (it never raises; fail-open is decided there);
+2. the engine decides (it never raises; fail-open is decided there) within the time the
+   check has left (:class:`~extauthz.overload.LoopLag`: the check budget less what the door
+   saw it wait), and knowing whether the server is starved (its loop lags): then the
+   shedders refuse non-critical requests at once instead of Envoy timing the check out;
 3. an admitted decision's leases go to the lease owner (:class:`~extauthz.server.leases.Leases`):
    remembered by request id with the ticket the answer carries, or given back at once when
    the door says its answer can no longer reach Envoy;
@@ -25,6 +28,7 @@ from typing import Any, Protocol, TypeVar
 
 from ..context import RawRequest, RequestContext
 from ..engine import Engine, Snapshot
+from ..overload import LoopLag
 from ..throttle import LogThrottle
 from ..verdict import Decision
 from .leases import Leases
@@ -62,6 +66,11 @@ class Door(Protocol[M, C, A]):
     def answer(self, message: M, ctx: RequestContext, decision: Decision, ticket: str) -> A:
         """The answer to a decided request (``ticket``: the lease ticket, "" when none)."""
 
+    def time_left(self, message: M, call: C) -> tuple[float | None, float]:
+        """What the door knows of the check's time: the call's own time left less Envoy's
+        margin (None when the call carries no deadline), and how long the check has waited
+        since the door received it."""
+
     def unreadable(self, message: M) -> A:
         """The answer to a request the door could not read: allowed."""
 
@@ -72,9 +81,11 @@ class Door(Protocol[M, C, A]):
 class CheckFlow:
     """The check flow of one server (module docstring), shared by both front doors."""
 
-    def __init__(self, engine: Engine, leases: Leases) -> None:
+    def __init__(self, engine: Engine, leases: Leases, lag: LoopLag | None = None) -> None:
         self.engine = engine
         self.leases = leases
+        #: the loop's lag and the check budget (None: checks are not timed)
+        self.lag = lag
         #: requests a door could not read (answered allowed): ``extauthz_bad_requests_total``
         self.bad_requests = 0
         self._bad_log = LogThrottle(log)
@@ -89,7 +100,14 @@ class CheckFlow:
         # Never raises (failures are decided by failure_mode and counted in the engine). A
         # cancellation while the store call is out is handled there too (the answer's
         # leases are given back when it lands).
-        decision = await self.engine.decide(ctx)
+        lag = self.lag
+        if lag is None:
+            decision = await self.engine.decide(ctx)
+        else:
+            left, starved = lag.check(*door.time_left(message, call))
+            if starved or left <= 0:
+                lag.overloaded[ctx.tier.value] = lag.overloaded.get(ctx.tier.value, 0) + 1
+            decision = await self.engine.decide(ctx, left, starved)
         if decision.leases:
             leases = self.leases
             seen = door.hold(message, call, ctx, decision, leases)
@@ -105,11 +123,12 @@ class CheckFlow:
                           type(exc).__name__, exc, fields={"event": "bad_request"})
 
 
-def check_flow(engine: Engine, leases: Leases, tracer: Any = None) -> CheckFlow:
+def check_flow(engine: Engine, leases: Leases, tracer: Any = None,
+               lag: LoopLag | None = None) -> CheckFlow:
     """The server's check flow: inside one span per check when ``tracer`` is given
     (``server/traced.py``, which imports OpenTelemetry only then)."""
     if tracer is None:
-        return CheckFlow(engine, leases)
+        return CheckFlow(engine, leases, lag)
     from .traced import TracedCheckFlow
 
-    return TracedCheckFlow(engine, leases, tracer)
+    return TracedCheckFlow(engine, leases, tracer, lag)

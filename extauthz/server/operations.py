@@ -26,6 +26,7 @@ from ..observe.state import (
     GrantsPart,
     LeaseSampler,
     ModesPart,
+    OverloadPart,
     Panel,
     PolicyPart,
     ReleasesPart,
@@ -39,6 +40,7 @@ from ..observe.state import (
     classifier_part,
     count_part,
 )
+from ..overload import LoopLag
 from ..policy import Policy
 from ..reload import PolicyWatcher
 from ..runner import Runner
@@ -76,6 +78,9 @@ class Operations:
         self.accesslog = accesslog
         self.runner = runner
         self.after_reload = after_reload
+        #: the loop's lag (a Runner job) and the check budget (extauthz/overload.py); real
+        #: time, whatever clock the limiters run on
+        self.lag = LoopLag(settings.check_budget_ms / 1000.0, running=lambda: runner.running("loop_lag"))
         #: the admin and metrics ports, and the admin port's lock
         self.ports = OperatorPorts(
             [x for x in (off(settings.listen), off(settings.http_listen)) if x is not None],
@@ -121,6 +126,7 @@ class Operations:
             Section(lambda: {"checks": metrics.request_counts() if metrics is not None else None}),
             FailOpenPart(engine),
             UncheckedPart(self.accesslog.finished),
+            OverloadPart(self.lag),
             count_part("bad_requests", "extauthz_bad_requests", "CheckRequests the edge could not "
                        "read (answered allowed).", lambda: self.auth.flow.bad_requests),
             by_label_part("background_errors", "extauthz_background_errors", "Background job runs "
@@ -156,7 +162,8 @@ class Operations:
         # the check flow of both front doors shares the access log's lease owner
         tracing = self.observe.tracing
         return AuthorizationService(check_flow(self.engine, self.accesslog.leases,
-                                               tracing.tracer if tracing is not None else None))
+                                               tracing.tracer if tracing is not None else None,
+                                               self.lag))
 
     def auth_service(self) -> AuthorizationService:
         return self.auth
@@ -173,6 +180,7 @@ class Operations:
             raise
         run = self.runner.every
         # one poll of what operators change at run time: kill switches and overrides
+        run("loop_lag", self.lag.interval, self.lag.tick, first=True)
         run("switch_poll", self.fleet.interval, self.fleet.poll)
         run("shadow_flush", self.shadow_flush_interval, self.observe.housekeeping)
         if self.watcher is not None:

@@ -8,6 +8,7 @@ from opentelemetry.trace import SpanKind
 
 from ..engine import Engine
 from ..observe.tracing import CHECK_SPAN, parent_context
+from ..overload import LoopLag
 from .flow import A, C, CheckFlow, Door, M
 from .leases import Leases
 
@@ -17,8 +18,8 @@ class TracedCheckFlow(CheckFlow):
     ``traceparent`` the request carries (the gRPC call's metadata, the HTTP request's
     headers); the engine's observers add the decision to it."""
 
-    def __init__(self, engine: Engine, leases: Leases, tracer: Any) -> None:
-        super().__init__(engine, leases)
+    def __init__(self, engine: Engine, leases: Leases, tracer: Any, lag: LoopLag | None = None) -> None:
+        super().__init__(engine, leases, lag)
         self._start = tracer.start_as_current_span
 
     async def check(self, door: Door[M, C, A], message: M, call: C) -> A:

@@ -164,6 +164,34 @@ def test_allowed_headers_follow_the_policy(tmp_path: Path) -> None:
     assert "x-team-key" in patterns and "x-api-key" not in patterns
 
 
+def authz_timeouts(config: dict[str, Any]) -> list[str]:
+    """The ext_authz filter's timeout (gRPC: grpc_service; HTTP: http_service.server_uri)."""
+    [ext] = [f["typed_config"] for f in hcm(config)["http_filters"] if f["name"] == "envoy.filters.http.ext_authz"]
+    service = ext.get("grpc_service") or ext["http_service"]["server_uri"]
+    return [service["timeout"]]
+
+
+def test_envoy_s_timeout_is_the_server_s_check_budget_plus_the_margin(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The server decides within --check-budget-ms (extauthz/overload.py); Envoy waits that
+    plus 50 ms before it fails the check open, whether the budget is given as serve's flag or
+    its variable, and the shipped configs carry the default's (200 ms: 0.25 s)."""
+    base = ["--policies", str(ROOT / "policies"), "--upstream", "127.0.0.1:8080"]
+    for protocol in ("grpc", "http"):
+        assert authz_timeouts(run_cli([*base, "--protocol", protocol], capsys)) == ["0.25s"]
+        assert authz_timeouts(run_cli([*base, "--protocol", protocol, "--check-budget-ms", "950"],
+                                      capsys)) == ["1s"]
+        monkeypatch.setenv("EXTAUTHZ_CHECK_BUDGET_MS", "120")
+        assert authz_timeouts(run_cli([*base, "--protocol", protocol], capsys)) == ["0.17s"]
+        monkeypatch.delenv("EXTAUTHZ_CHECK_BUDGET_MS")
+    for name in SHIPPED:
+        assert authz_timeouts(yaml.safe_load((ROOT / "envoy" / name).read_text())) == ["0.25s"], name
+    bad = cli(*base, "--protocol", "grpc", "--check-budget-ms", "nan")
+    assert bad.returncode == 2 and "--check-budget-ms" in bad.stderr and "finite" in bad.stderr
+    bad = cli(*base, "--protocol", "grpc", "--check-budget-ms", "600000")
+    assert bad.returncode == 2 and "at most 60000" in bad.stderr
+
+
 def cli(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "extauthz", "envoy-config", *argv], capture_output=True,
                           text=True, timeout=30, check=False)

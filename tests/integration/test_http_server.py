@@ -104,13 +104,13 @@ async def test_checks_decided_at_once_are_bounded(server: Server) -> None:
     decide = engine.decide
     active, most = 0, 0
 
-    async def counted(ctx: Any) -> Any:
+    async def counted(ctx: Any, *args: Any) -> Any:
         nonlocal active, most
         active += 1
         most = max(most, active)
         try:
             await asyncio.sleep(0.01)  # a store call in flight
-            return await decide(ctx)
+            return await decide(ctx, *args)
         finally:
             active -= 1
 
@@ -202,7 +202,7 @@ def test_limits_defaults_are_bounded() -> None:
 
 async def test_a_bug_of_ours_answers_500_and_the_server_goes_on(server: Server,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    async def broken(ctx: object) -> None:
+    async def broken(ctx: object, *args: object) -> None:
         raise RuntimeError("injected")
 
     monkeypatch.setattr(server.engine, "decide", broken)
@@ -288,12 +288,12 @@ async def test_after_a_protocol_error_nothing_more_is_read(server: Server, monke
     gate = asyncio.Event()
     calls = 0
 
-    async def gated(ctx: Any) -> Any:
+    async def gated(ctx: Any, *args: Any) -> Any:
         nonlocal calls
         calls += 1
         if calls == 2:
             await gate.wait()
-        return await decide(ctx)
+        return await decide(ctx, *args)
 
     monkeypatch.setattr(server.engine, "decide", gated)
     reader, writer = await asyncio.open_connection("127.0.0.1", server.http_port)

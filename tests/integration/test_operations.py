@@ -9,7 +9,8 @@ from pathlib import Path
 from tests.observe.helpers import admin, rate, running, scrape, write_policy
 
 STATUS_KEYS = [
-    "extauthz", "policy", "reload", "store", "checks", "fail_open", "unchecked_requests", "bad_requests",
+    "extauthz", "policy", "reload", "store", "checks", "fail_open", "unchecked_requests", "overload",
+    "bad_requests",
     "background_errors", "switches", "limiters", "switch_poll", "overrides", "shedding",
     "leases_in_flight", "access_log", "lease_releases", "shadow", "decision_log",
     "observer_errors", "tracing", "tls", "admin", "changes", "change_log_errors",
@@ -34,6 +35,8 @@ async def test_status_keeps_its_keys_and_agrees_with_metrics(tmp_path: Path) -> 
     assert sample(metrics, 'extauthz_limiter_mode{limiter="user-rate",mode="shadow"}') == 1
     assert status["switch_poll"]["updates"] == 1
     assert sample(metrics, "extauthz_bad_requests_total") == status["bad_requests"] == 0
+    assert sample(metrics, 'extauthz_fail_open_total{reason="overload"}') == status["fail_open"].get("overload", 0)
+    assert sample(metrics, "extauthz_loop_lag_seconds") >= 0 and not status["overload"]["starved"]
     assert sample(metrics, f'extauthz_policy_info{{version="{status["policy"]["version"]}"}}') == 1
     assert sample(metrics, "extauthz_access_log_entries_total") == status["access_log"]["entries"]
     assert sample(metrics, 'extauthz_unchecked_requests_total{tier="critical"}') == 0
