@@ -28,10 +28,11 @@ the GIL, 0.2-0.7 s each, so a 0.88 MB policy of 12,000 rules stalled checks 0.3-
 worker thread, as before: their parse holds the loop for a few milliseconds at most, less
 than starting a child costs. A file larger than ``max_bytes`` (``--policy-max-bytes``) is
 refused before it is parsed, like any other broken content. The poll is cheap (a few small
-files read and hashed, well under a millisecond). A content digest rather than file events: a ConfigMap update never writes the files it
-shows (it points ``..data`` elsewhere), so an inotify watch on them stays silent, and mtimes
-compare badly across the swap; ``watchfiles`` could watch the directory but adds a native
-dependency for what a 1 s poll does as well.
+files read and hashed, well under a millisecond). A content digest rather than file events:
+a ConfigMap update never writes the files it shows (it points ``..data`` elsewhere), so an
+inotify watch on them stays silent, and mtimes compare badly across the swap;
+``watchfiles`` could watch the directory but adds a native dependency for what a 1 s poll
+does as well.
 """
 
 from __future__ import annotations
