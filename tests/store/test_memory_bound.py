@@ -6,10 +6,13 @@ by about 260 bytes per new key until the month's end (bench/memory_per_key.py)."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from extauthz.clock import ManualClock
 from extauthz.store.base import BucketOp, CountOp, LeaseOp
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
+from tests.observe.helpers import admin, running, samples, scrape, value, write_policy
 
 K = Keys("t")
 MONTH = 31 * 86400
@@ -84,3 +87,18 @@ def test_a_quota_count_is_forgotten_after_its_window() -> None:
     for j in range(3):  # the sweep's share of a few checks
         store.check_now([BucketOp(K.bucket("rate", "hot"), rate=1, burst=5, cost=1)], f"h{j}")
     assert store.key_count() == 1  # the hot bucket: every count of the past window went
+
+
+async def test_the_server_bounds_its_limiters_and_shows_what_it_forgot(tmp_path: Path) -> None:
+    """``--memory-max-keys`` through a real server: a monthly quota keyed on the API key, 5
+    made-up keys against a bound of 3; ``/status`` (store.keys, store.evictions) and
+    ``extauthz_store_evictions_total{limiter}`` show the 2 forgotten."""
+    policy = write_policy(tmp_path / "p" / "api.yaml", [
+        {"name": "monthly", "type": "quota", "limit": 10, "period": "month"}])
+    async with running([policy.parent], memory_max_keys=3) as (server, client):
+        assert [await client.check(f"sk_live_{i}") for i in range(5)] == [200] * 5
+        _, status = await admin(server, "GET", "/status")
+        assert status["store"]["max_keys_per_limiter"] == 3
+        assert status["store"]["keys"] == {"monthly": 3}
+        assert status["store"]["evictions"] == {"monthly": 2}
+        assert value(samples(await scrape(server)), "extauthz_store_evictions_total", limiter="monthly") == 2
