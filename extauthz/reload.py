@@ -242,7 +242,7 @@ class PolicyWatcher:
         """:meth:`poll_once` with the reading, parsing and validating off the event loop: in
         a child process when the files hold more than :data:`ISOLATE_BYTES`, else in a worker
         thread. The loop rebuilds a child's policy a piece at a time and swaps it in."""
-        digest, outcome = await asyncio.to_thread(self._build, policy_bytes(self.paths) <= ISOLATE_BYTES)
+        digest, outcome = await asyncio.to_thread(self._build, True)
         if isinstance(outcome, str) and outcome == _ELSEWHERE:
             pieces, issues = await asyncio.to_thread(load_elsewhere, self.paths, self.max_bytes)
             if issues:
@@ -256,16 +256,16 @@ class PolicyWatcher:
         """Reload if the files changed. True when a new policy took effect."""
         return self._settle(*self._build())
 
-    def _build(self, here: bool = True) -> tuple[str, Policy | PolicyError | str]:
+    def _build(self, isolate: bool = False) -> tuple[str, Policy | PolicyError | str]:
         """Read and build (any thread; touches no state but reads ``_seen`` and ``_unapplied``).
-        ``here`` False: a changed content is not parsed (:data:`_ELSEWHERE`: the caller has a
-        child process parse it)."""
+        ``isolate``: a changed content of more than :data:`ISOLATE_BYTES` is not parsed here
+        (:data:`_ELSEWHERE`: the caller has a child process parse it)."""
         digest = content_digest(self.paths, self.max_bytes)
         if digest == self._seen:
             return digest, _UNCHANGED
         if (unapplied := self._unapplied) is not None and unapplied[0] == digest:
             return unapplied
-        if not here:
+        if isolate and policy_bytes(self.paths) > ISOLATE_BYTES:
             return digest, _ELSEWHERE
         try:
             return digest, load_policy(self.paths, max_bytes=self.max_bytes)

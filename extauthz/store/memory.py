@@ -136,10 +136,12 @@ class MemoryStore(StoreBase):
         else:
             del self._leases[op.key]
 
-    def _schedule(self, kind: int, key: str, at: float) -> None:
-        """Keep ``key`` until ``at`` at least: a user's key in its limiter's table (used just
-        now: the most recent), any other in the heap."""
-        owner = Keys.limiter_of(key)
+    def _schedule(self, kind: int, key: str, at: float, owner: str | None = None) -> None:
+        """Keep ``key`` until ``at`` at least: a user's key (of limiter ``owner``, found from
+        the key when not given) in its limiter's table (used just now: the most recent), any
+        other in the heap."""
+        if owner is None:
+            owner = Keys.limiter_of(key)
         if owner is not None:
             self._hold(owner, key, kind)
             return
@@ -186,12 +188,14 @@ class MemoryStore(StoreBase):
         if owner is not None and (table := self._held.get(owner)) is not None:
             table.pop(key, None)
 
-    def _touch(self, key: str) -> None:
+    def _touch(self, key: str) -> str | None:
         """A user's key read by a check: the most recent of its table (a refused request
-        uses its key as much as an admitted one: a quota spent is not the one forgotten)."""
+        uses its key as much as an admitted one: a quota spent is not the one forgotten).
+        Its limiter (None: not a user's key)."""
         owner = Keys.limiter_of(key)
         if owner is not None and (table := self._held.get(owner)) is not None and key in table:
             table.move_to_end(key)
+        return owner
 
     def _sweep_held(self, now: float, budget: int) -> int:
         """Forget expired per-user keys, the least recently used of each table first, the
@@ -269,9 +273,10 @@ class MemoryStore(StoreBase):
         # State before the request, then the same rules and answers as every store.
         values: list[float] = []
         allowed: list[bool] = []
+        owners: list[str | None] = []
         admitted = True
         for op in ops:
-            self._touch(op.key)
+            owners.append(self._touch(op.key))
             if isinstance(op, BucketOp | GrantOp | ReturnOp):
                 state = self._buckets.get(op.key)
                 value = op.burst if state is None else refill(state[0], state[1], now, op.rate, op.burst)
@@ -297,12 +302,12 @@ class MemoryStore(StoreBase):
             if not ok and op.enforce:
                 admitted = False  # shadow ops never block
         results = []
-        for op, ok, value in zip(ops, allowed, values, strict=True):
+        for op, ok, value, owner in zip(ops, allowed, values, owners, strict=True):
             commit = admitted and ok
             if isinstance(op, BucketOp):
                 if commit:
                     self._buckets[op.key] = [take(value, op.cost), now, now + op.ttl]
-                    self._schedule(_BUCKET, op.key, now + op.ttl)
+                    self._schedule(_BUCKET, op.key, now + op.ttl, owner)
                 results.append(bucket_result(op, ok, value, commit))
             elif isinstance(op, GrantOp | ReturnOp):
                 if commit:
@@ -315,7 +320,7 @@ class MemoryStore(StoreBase):
                     state = self._buckets.get(op.key)
                     stamp = algorithms.grant_stamp(now, None if state is None else state[1])
                     self._buckets[op.key] = [left, stamp, now + ttl]
-                    self._schedule(_BUCKET, op.key, now + ttl)
+                    self._schedule(_BUCKET, op.key, now + ttl, owner)
                 results.append(algorithms.op_result(op, ok, value, admitted))
             elif isinstance(op, CountOp):
                 if commit:
@@ -324,7 +329,7 @@ class MemoryStore(StoreBase):
                         state[0] += op.cost  # the window's expiry stays
                     else:
                         self._buckets[op.key] = [float(op.cost), now, now + op.ttl]
-                        self._schedule(_BUCKET, op.key, now + op.ttl)
+                        self._schedule(_BUCKET, op.key, now + op.ttl, owner)
                 results.append(count_result(op, ok, int(value), commit))
             elif isinstance(op, QuotaGrantOp | QuotaReturnOp):
                 if commit:
@@ -337,7 +342,7 @@ class MemoryStore(StoreBase):
                             state[0] = float(after)  # the window's expiry stays
                         else:
                             self._buckets[op.key] = [float(after), now, now + op.ttl]
-                            self._schedule(_BUCKET, op.key, now + op.ttl)
+                            self._schedule(_BUCKET, op.key, now + op.ttl, owner)
                     elif state is not None and live:  # a window gone takes nothing back
                         state[0] = float(algorithms.quota_give_back(int(value), op.amount))
                 results.append(algorithms.op_result(op, ok, value, admitted))
@@ -350,7 +355,7 @@ class MemoryStore(StoreBase):
                     leases = self._leases.setdefault(op.key, {})
                     leases.pop(lease_id, None)  # a renewed lease moves to the end (expiry order)
                     leases[lease_id] = now + op.ttl
-                    self._schedule(_LEASES, op.key, now + op.ttl)
+                    self._schedule(_LEASES, op.key, now + op.ttl, owner)
                 results.append(lease_result(op, ok, int(value), commit))
         return CheckResult(admitted, tuple(results))
 
