@@ -212,8 +212,8 @@ def load_elsewhere(paths: Sequence[Path], max_bytes: int) -> tuple[list[bytes], 
 class PolicyWatcher:
     """Polls ``paths``; on a change builds the new policy and calls ``apply(policy)``.
 
-    :meth:`poll` (the server's job) builds in a worker thread and applies on the loop;
-    :meth:`poll_once` does both in the caller (tests, tools)."""
+    :meth:`poll` (the server's job) builds in a child process (large files) or a worker
+    thread and applies on the loop; :meth:`poll_once` does both in the caller (tests, tools)."""
 
     def __init__(self, paths: Sequence[str | Path], apply: Callable[[Policy], None], *,
                  current: Policy, interval: float = 1.0, clock: Clock = SYSTEM_CLOCK,
