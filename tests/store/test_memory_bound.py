@@ -6,8 +6,12 @@ by about 260 bytes per new key until the month's end (bench/memory_per_key.py)."
 
 from __future__ import annotations
 
+import tracemalloc
 from pathlib import Path
 
+import pytest
+
+from bench.memory_per_key import KINDS, grow, store_for
 from extauthz.clock import ManualClock
 from extauthz.store.base import BucketOp, CountOp, LeaseOp
 from extauthz.store.keys import Keys
@@ -102,3 +106,21 @@ async def test_the_server_bounds_its_limiters_and_shows_what_it_forgot(tmp_path:
         assert status["store"]["keys"] == {"monthly": 3}
         assert status["store"]["evictions"] == {"monthly": 2}
         assert value(samples(await scrape(server)), "extauthz_store_evictions_total", limiter="monthly") == 2
+
+
+@pytest.mark.slow
+def test_the_memory_held_stays_flat_past_the_bound() -> None:
+    """bench/memory_per_key.py's measure (tracemalloc: the state, its key string, the
+    bookkeeping): past the bound new keys cost nothing kept; without it a monthly quota kept
+    about 260 B per new key, a bucket about 400 B."""
+    n = 1_000
+    tracemalloc.start()
+    try:
+        for kind in ("quota (monthly)", "request_rate"):
+            store = store_for(n)
+            assert grow(store, KINDS[kind], 0, n) > 200 * n  # the figures docs/limiters.md gives
+            grow(store, KINDS[kind], n, 4 * n)  # the tables reach their size
+            assert grow(store, KINDS[kind], 5 * n, 4 * n) < 4 * n, kind  # under 1 B per new key
+            assert store.key_count() == n
+    finally:
+        tracemalloc.stop()
