@@ -44,7 +44,6 @@ import json
 import logging
 import os
 import pickle
-import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -191,21 +190,32 @@ def child_main() -> None:
 
 #: how long a child may take to parse a policy (a 1 MiB one takes a few seconds)
 CHILD_TIMEOUT = 120.0
+_CHILD = "from extauthz.reload import child_main; child_main()"
 
 
-def load_elsewhere(paths: Sequence[Path], max_bytes: int) -> tuple[list[bytes], list[PolicyIssue]]:
+async def load_elsewhere(paths: Sequence[Path], max_bytes: int) -> tuple[list[bytes], list[PolicyIssue]]:
     """:func:`load_packed` in a child process started for it (a new interpreter, as
     ``--workers`` starts its workers: nothing of this process's state, threads or event loop
-    is copied, and nobody's main module is run again; gone when it has answered). Blocks:
-    call it from a worker thread. A child that fails raises :class:`RuntimeError` (the
-    reload job's error, counted; the next poll tries again)."""
+    is copied, and nobody's main module is run again; gone when it has answered). A child
+    that fails or takes longer than :data:`CHILD_TIMEOUT` raises :class:`RuntimeError` (the
+    reload job's error, counted; the next poll tries again); cancelled (the server
+    stopping), the child is killed."""
     request = json.dumps({"paths": [str(p) for p in paths], "max_bytes": max_bytes}).encode()
-    done = subprocess.run([sys.executable, "-c", "from extauthz.reload import child_main; child_main()"],
-                          input=request, capture_output=True, timeout=CHILD_TIMEOUT, check=False)
-    if done.returncode != 0:
-        tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no message"]
-        raise RuntimeError(f"the policy parser process failed (exit {done.returncode}): {tail[0]}")
-    answer: tuple[list[bytes], list[PolicyIssue]] = pickle.loads(done.stdout)
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _CHILD, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = await asyncio.wait_for(child.communicate(request), CHILD_TIMEOUT)
+    except TimeoutError:
+        raise RuntimeError(f"the policy parser process took more than {CHILD_TIMEOUT:g} s") from None
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
+    if child.returncode != 0:
+        tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["no message"]
+        raise RuntimeError(f"the policy parser process failed (exit {child.returncode}): {tail[0]}")
+    answer: tuple[list[bytes], list[PolicyIssue]] = pickle.loads(out)  # bytes and issues: cheap
     return answer
 
 
@@ -244,7 +254,7 @@ class PolicyWatcher:
         thread. The loop rebuilds a child's policy a piece at a time and swaps it in."""
         digest, outcome = await asyncio.to_thread(self._build, True)
         if isinstance(outcome, str) and outcome == _ELSEWHERE:
-            pieces, issues = await asyncio.to_thread(load_elsewhere, self.paths, self.max_bytes)
+            pieces, issues = await load_elsewhere(self.paths, self.max_bytes)
             if issues:
                 changing = await asyncio.to_thread(content_digest, self.paths, self.max_bytes) != digest
                 outcome = _CHANGING if changing else PolicyError(issues)

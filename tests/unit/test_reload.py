@@ -361,9 +361,9 @@ async def test_small_policies_are_parsed_in_this_process(tmp_path: Path, monkeyp
     started: list[object] = []
     real = reload_module.load_elsewhere
 
-    def counted(*args: Any) -> Any:
+    async def counted(*args: Any) -> Any:
         started.append(args)
-        return real(*args)
+        return await real(*args)
 
     monkeypatch.setattr(reload_module, "load_elsewhere", counted)
     write_policy(tmp_path / "p" / "api.yaml", [rate("user-rate", burst=2)])
