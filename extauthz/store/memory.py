@@ -6,13 +6,20 @@ numbers, the shed controller) are :mod:`extauthz.store.algorithms`, the same as 
 Leases of one key all have the same TTL (one limiter owns a key), so insertion order is
 expiry order and sweeping pops from the front.
 
-Expiry is time-ordered and incremental: every bucket and lease key has one entry in a heap
-keyed by the time it may next expire, and each check looks at no more than
-``SWEEP_BATCH`` due entries (deleting the expired key, or putting a key that was used since
-back at its new expiry). Work per check is bounded whatever the number of live keys (a walk
-over all keys every 4,096 checks stalled a check 163 ms at 300,000 identities). Expiry
-changes no answer: a check reads only live leases, and a bucket idle past its TTL refills to
-its burst anyway; the sweep only frees memory.
+Per-user state (buckets, quota counts, lease sets: keys with a ``{u:...}`` tag) is held per
+limiter in least recently used order, at most ``max_keys`` keys a limiter (``serve
+--memory-max-keys``): a new key past it makes the least recently used one go, counted in
+``evictions`` (a lease set only when no request holds a lease in it). Without the bound a
+flood of made-up API keys grew the store until their keys expired: a month for a monthly
+quota. The same order is the expiry order: each check looks at the oldest keys of the
+limiters in turn. Other keys (fleet-wide lease sets) have one entry each in a heap keyed by
+the time they may next expire. Either way a check looks at no more than ``SWEEP_BATCH``
+entries (deleting the expired key, or putting a key that was used since back at its new
+expiry): work per check is bounded whatever the number of live keys (a walk over all keys
+every 4,096 checks stalled a check 163 ms at 300,000 identities). Expiry changes no answer:
+a check reads only live leases and counts of the current window, and a bucket idle past its
+TTL refills to its burst anyway; the sweep only frees memory. Eviction does change answers,
+which is why it comes only past the bound (docs/limiters.md, "Memory per user").
 """
 
 from __future__ import annotations
@@ -248,11 +255,7 @@ class MemoryStore(StoreBase):
                     heapq.heappush(due, (next(iter(leases.values())), kind, key))
                     continue
             self._scheduled[kind].discard(key)
-        if budget is None:
-            while self._sweep_held(now, 1 << 30) >= 1 << 30:
-                pass
-        else:
-            looked += self._sweep_held(now, budget - looked)
+        looked += self._sweep_held(now, (1 << 62) if budget is None else budget - looked)
         self.swept += looked
 
     def _count(self, key: str, now: float) -> float:
