@@ -373,3 +373,27 @@ async def test_small_policies_are_parsed_in_this_process(tmp_path: Path, monkeyp
     monkeypatch.setattr(reload_module, "load_policy", None)  # this process must not parse it
     assert await watcher.poll() is True and len(started) == 1
     assert await allowed_in_a_row(engine, "sk_live_c") == 3
+
+
+async def test_a_reload_cancelled_by_the_server_stopping_kills_its_child(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reload job cancelled while a child parses (the server stopping): the child is
+    killed at once, not left parsing nor waited for at exit."""
+    write_policy(tmp_path / "p" / "api.yaml", [rate("user-rate", burst=1)])
+    engine, watcher = watcher_for(tmp_path / "p", ManualClock())
+    (tmp_path / "p" / "api.yaml").write_text(big_policy(1_000))
+    children: list[asyncio.subprocess.Process] = []
+    real = asyncio.create_subprocess_exec
+
+    async def recorded(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+        children.append(await real(*args, **kwargs))
+        return children[-1]
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", recorded)
+    job = asyncio.create_task(watcher.poll())
+    await eventually(lambda: children)
+    job.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await job
+    assert children[0].returncode == -9  # killed (SIGKILL), and reaped
+    assert watcher.version == engine.snapshot.policy.version and watcher.reloads == 0
