@@ -305,8 +305,8 @@ async def test_a_policy_near_the_size_bound_reloads_without_holding_the_loop(tmp
     the machine's speed nor other processes' turns on it decide: within any one gap between
     wake-ups this process used less than a fiftieth of the CPU the whole reload took (here
     and in its child). Parsed in a worker thread, the collector's passes over the parse's YAML
-    nodes held the GIL, and the loop, for 0.3-0.4 s of 1.7 s (a fifth); in a child, 4-5 ms of
-    1.9 s (bench/reload_lag.py). A broken one comes back from the child with its file and
+    nodes held the GIL, and the loop, for 0.3-0.4 s of 1.7 s (a fifth); in a child, 4-6 ms of
+    1.1-2 s (bench/reload_lag.py). A broken one comes back from the child with its file and
     line, the last good policy serving."""
     text = big_policy(12_000)
     assert 0.8 * (1 << 20) < len(text.encode()) < MAX_FILE_BYTES
