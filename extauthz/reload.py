@@ -15,29 +15,44 @@ applies (the built policy is kept for the retries: the same content is not parse
 load that fails while the files are still changing (the digest moved under it) is not
 reported: the next poll retries.
 
-The server's job (:meth:`PolicyWatcher.poll`) reads, hashes, parses and validates in a worker
-thread and only swaps the built policy in on the event loop, so checks keep being answered
-while a large policy is parsed (a 0.9 MB policy took seconds on the loop). A file larger
-than ``max_bytes`` (``--policy-max-bytes``) is refused before it is parsed, like any other
-broken content. The poll is cheap (a few small files read and hashed, well under a millisecond). A
-content digest rather than file events: a ConfigMap update never writes the files it
-shows (it points ``..data`` elsewhere), so an inotify watch on them stays silent, and mtimes
-compare badly across the swap; ``watchfiles`` could watch the directory but adds a native
-dependency for what a 1 s poll does as well.
+The server's job (:meth:`PolicyWatcher.poll`) never parses on the event loop, nor in this
+process when the files are large. Files of more than :data:`ISOLATE_BYTES` together are
+parsed and validated in a child process (started for the reload, gone after it); the policy
+comes back as pickled pieces of at most :data:`PIECE` rules or limiters, rebuilt on the loop
+one piece per loop step, and the swap itself only builds the new snapshot (no walk over the
+rules: what it needs was computed when the policy was compiled). Parsing in a worker thread
+was not enough: it shares the GIL with the loop, and the garbage collector's full
+collections over the parse's hundreds of thousands of YAML nodes ran in that thread holding
+the GIL, 0.2-0.7 s each, so a 0.88 MB policy of 12,000 rules stalled checks 0.3-0.9 s
+(bench/reload_lag.py; docs/operations.md, "Hot reload"). Smaller files are parsed in a
+worker thread, as before: their parse holds the loop for a few milliseconds at most, less
+than starting a child costs. A file larger than ``max_bytes`` (``--policy-max-bytes``) is
+refused before it is parsed, like any other broken content. The poll is cheap (a few small
+files read and hashed, well under a millisecond). A content digest rather than file events:
+a ConfigMap update never writes the files it shows (it points ``..data`` elsewhere), so an
+inotify watch on them stays silent, and mtimes compare badly across the swap;
+``watchfiles`` could watch the directory but adds a native dependency for what a 1 s poll
+does as well.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
+import io
+import json
 import logging
 import os
+import pickle
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .clock import SYSTEM_CLOCK, Clock
-from .errors import PolicyError
+from .errors import PolicyError, PolicyIssue
 from .policy import Policy, load_policy
 from .policy.loader import MAX_FILE_BYTES, policy_files
 
@@ -84,13 +99,135 @@ def content_digest(paths: Sequence[Path], max_bytes: int = MAX_FILE_BYTES) -> st
 #: what a build found: nothing new, still being written (look again), or the digest's outcome
 _UNCHANGED = "unchanged"
 _CHANGING = "changing"
+_ELSEWHERE = "elsewhere"
+
+#: policy files larger than this together are parsed in a child process (:meth:`PolicyWatcher.
+#: poll`); smaller ones in a worker thread, whose share of the GIL and of the collector's work
+#: stays within a few milliseconds (200 rules, 15 KiB: the loop's largest gap 6.5 ms, the
+#: GIL's switch interval; 850 rules, 64 KiB: 12-78 ms; bench/reload_lag.py)
+ISOLATE_BYTES = 16 << 10
+#: rules (or limiters) per pickled piece of a policy built in a child: one piece is rebuilt
+#: per loop step (200 rules: about 1.3 ms; docs/operations.md)
+PIECE = 200
+
+
+def policy_bytes(paths: Sequence[Path]) -> int:
+    """The size of the policy files ``paths`` name, together (0 for what cannot be read)."""
+    total = 0
+    try:
+        files = policy_files(p for p in paths if p.exists())
+    except OSError:
+        return 0
+    for f in files:
+        try:
+            total += f.stat().st_size
+        except OSError:
+            pass
+    return total
+
+
+class _Packer(pickle.Pickler):
+    """Pickles a policy with its long tuples left out, named by their index in ``long``."""
+
+    def __init__(self, file: io.BytesIO, long: Sequence[tuple[Any, ...]]) -> None:
+        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        self._long = {id(t): i for i, t in enumerate(long)}
+
+    def persistent_id(self, obj: Any) -> int | None:
+        return self._long.get(id(obj)) if type(obj) is tuple else None
+
+
+class _Unpacker(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, long: Sequence[tuple[Any, ...]]) -> None:
+        super().__init__(file)
+        self._long = long
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self._long[pid]
+
+
+def pack(policy: Policy) -> list[bytes]:
+    """``policy`` as pickled pieces: its rules and limiters :data:`PIECE` at a time, then the
+    rest (which names those tuples). :func:`unpack` rebuilds it a piece per loop step."""
+    long = [policy.rules, policy.limiters]
+    pieces = [pickle.dumps((i, t[at:at + PIECE]), pickle.HIGHEST_PROTOCOL)
+              for i, t in enumerate(long) for at in range(0, len(t), PIECE)]
+    head = io.BytesIO()
+    _Packer(head, long).dump(policy)
+    pieces.append(head.getvalue())
+    return pieces
+
+
+async def unpack(pieces: Sequence[bytes]) -> Policy:
+    """The policy :func:`pack` cut into ``pieces``, one piece per loop step (no step rebuilds
+    more than :data:`PIECE` rules or limiters)."""
+    long: list[list[Any]] = [[], []]
+    for piece in pieces[:-1]:
+        i, items = pickle.loads(piece)
+        long[i].extend(items)
+        await asyncio.sleep(0)
+    policy = _Unpacker(io.BytesIO(pieces[-1]), [tuple(t) for t in long]).load()
+    if not isinstance(policy, Policy):
+        raise TypeError(f"a policy child sent a {type(policy).__name__}")
+    return policy
+
+
+def load_packed(paths: Sequence[Path], max_bytes: int) -> tuple[list[bytes], list[PolicyIssue]]:
+    """:func:`load_policy` as a child process runs it: the policy :func:`pack` ed, or its
+    issues (a :class:`PolicyError` itself does not survive pickling)."""
+    try:
+        return pack(load_policy(paths, max_bytes=max_bytes)), []
+    except PolicyError as exc:
+        return [], list(exc.issues)
+
+
+def child_main() -> None:
+    """The child of :func:`load_elsewhere`: a JSON request on stdin, the pickled answer of
+    :func:`load_packed` on stdout. Without the garbage collector: a parse makes no cycles
+    worth collecting, the process ends with it, and the collector's passes over the YAML
+    nodes were half the parse's time."""
+    gc.disable()
+    request = json.loads(sys.stdin.buffer.read())
+    answer = load_packed([Path(p) for p in request["paths"]], int(request["max_bytes"]))
+    sys.stdout.buffer.write(pickle.dumps(answer, pickle.HIGHEST_PROTOCOL))
+
+
+#: how long a child may take to parse a policy (a 1 MiB one takes a few seconds)
+CHILD_TIMEOUT = 120.0
+_CHILD = "from extauthz.reload import child_main; child_main()"
+
+
+async def load_elsewhere(paths: Sequence[Path], max_bytes: int) -> tuple[list[bytes], list[PolicyIssue]]:
+    """:func:`load_packed` in a child process started for it (a new interpreter, as
+    ``--workers`` starts its workers: nothing of this process's state, threads or event loop
+    is copied, and nobody's main module is run again; gone when it has answered). A child
+    that fails or takes longer than :data:`CHILD_TIMEOUT` raises :class:`RuntimeError` (the
+    reload job's error, counted; the next poll tries again); cancelled (the server
+    stopping), the child is killed."""
+    request = json.dumps({"paths": [str(p) for p in paths], "max_bytes": max_bytes}).encode()
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _CHILD, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = await asyncio.wait_for(child.communicate(request), CHILD_TIMEOUT)
+    except TimeoutError:
+        raise RuntimeError(f"the policy parser process took more than {CHILD_TIMEOUT:g} s") from None
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
+    if child.returncode != 0:
+        tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["no message"]
+        raise RuntimeError(f"the policy parser process failed (exit {child.returncode}): {tail[0]}")
+    answer: tuple[list[bytes], list[PolicyIssue]] = pickle.loads(out)  # bytes and issues: cheap
+    return answer
 
 
 class PolicyWatcher:
     """Polls ``paths``; on a change builds the new policy and calls ``apply(policy)``.
 
-    :meth:`poll` (the server's job) builds in a worker thread and applies on the loop;
-    :meth:`poll_once` does both in the caller (tests, tools)."""
+    :meth:`poll` (the server's job) builds in a child process (large files) or a worker
+    thread and applies on the loop; :meth:`poll_once` does both in the caller (tests, tools)."""
 
     def __init__(self, paths: Sequence[str | Path], apply: Callable[[Policy], None], *,
                  current: Policy, interval: float = 1.0, clock: Clock = SYSTEM_CLOCK,
@@ -116,22 +253,34 @@ class PolicyWatcher:
         return self.last_error is not None
 
     async def poll(self) -> bool:
-        """:meth:`poll_once` with the reading, parsing and validating in a worker thread:
-        the event loop only swaps the result in."""
-        digest, outcome = await asyncio.to_thread(self._build)
+        """:meth:`poll_once` with the reading, parsing and validating off the event loop: in
+        a child process when the files hold more than :data:`ISOLATE_BYTES`, else in a worker
+        thread. The loop rebuilds a child's policy a piece at a time and swaps it in."""
+        digest, outcome = await asyncio.to_thread(self._build, True)
+        if isinstance(outcome, str) and outcome == _ELSEWHERE:
+            pieces, issues = await load_elsewhere(self.paths, self.max_bytes)
+            if issues:
+                changing = await asyncio.to_thread(content_digest, self.paths, self.max_bytes) != digest
+                outcome = _CHANGING if changing else PolicyError(issues)
+            else:
+                outcome = await unpack(pieces)
         return self._settle(digest, outcome)
 
     def poll_once(self) -> bool:
         """Reload if the files changed. True when a new policy took effect."""
         return self._settle(*self._build())
 
-    def _build(self) -> tuple[str, Policy | PolicyError | str]:
-        """Read and build (any thread; touches no state but reads ``_seen`` and ``_unapplied``)."""
+    def _build(self, isolate: bool = False) -> tuple[str, Policy | PolicyError | str]:
+        """Read and build (any thread; touches no state but reads ``_seen`` and ``_unapplied``).
+        ``isolate``: a changed content of more than :data:`ISOLATE_BYTES` is not parsed here
+        (:data:`_ELSEWHERE`: the caller has a child process parse it)."""
         digest = content_digest(self.paths, self.max_bytes)
         if digest == self._seen:
             return digest, _UNCHANGED
         if (unapplied := self._unapplied) is not None and unapplied[0] == digest:
             return unapplied
+        if isolate and policy_bytes(self.paths) > ISOLATE_BYTES:
+            return digest, _ELSEWHERE
         try:
             return digest, load_policy(self.paths, max_bytes=self.max_bytes)
         except PolicyError as exc:

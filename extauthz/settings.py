@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "CHECK_BUDGET_MS", "DEFAULT_MAX_ACTIVE_CHECKS", "ENVOY_MARGIN_MS", "ENV_PREFIX", "KEY_PREFIX", "OFF",
-    "SHARED", "STORE_DEADLINE_MS",
+    "CHECK_BUDGET_MS", "DEFAULT_MAX_ACTIVE_CHECKS", "ENVOY_MARGIN_MS", "ENV_PREFIX", "KEY_PREFIX",
+    "MEMORY_MAX_KEYS", "OFF", "SHARED", "STORE_DEADLINE_MS",
     "Option", "Settings", "add_arguments", "add_shared", "env_value", "from_args", "off", "options",
     "positive", "size",
 ]
@@ -46,6 +46,9 @@ KEY_PREFIX = "extauthz"
 DEFAULT_MAX_ACTIVE_CHECKS = 8
 #: bound on one policy file's size (policy/loader.py), 1 MiB: a ConfigMap's limit.
 POLICY_MAX_BYTES = 1 << 20
+#: per-user keys one limiter holds in the embedded store (store/memory.py), the least recently
+#: used forgotten past it: about 100 MiB per limiter (bench/memory_per_key.py; docs/limiters.md).
+MEMORY_MAX_KEYS = 250_000
 
 #: values of a listen option (``--listen``, ``--http-listen``, ``--admin-listen``,
 #: ``--metrics-listen``, ``--health-listen``) and ``--admin-url-file`` that turn it off
@@ -206,6 +209,12 @@ class Settings:
         shown="none")
     redis_url: str | None = option(
         None, "--redis-url", "Redis store URL; without it the embedded store serves one replica")
+    memory_max_keys: int = option(
+        MEMORY_MAX_KEYS, "--memory-max-keys", "embedded store (no --redis-url): distinct keys "
+        "(users, API keys...) each limiter holds; past it the least recently used is forgotten "
+        "and counted (extauthz_store_evictions_total): a quota forgets that key's usage, a "
+        "bucket refills; a key with requests in flight is kept (docs/limiters.md)",
+        parse=positive, shown="250000, about 100 MiB per limiter")
     store_deadline_ms: float = option(
         STORE_DEADLINE_MS, "--store-deadline-ms", "deadline of each store call before failing open",
         parse=_milliseconds)

@@ -159,7 +159,9 @@ class StorePart:
             "deadline_extended": engine.deadline_extended,
             **({"masters": {name: b.state for name, b in sorted(engine.node_breakers.items())}}
                if engine.node_breakers else {}),
-            **({"live_leases": store.live_leases()} if isinstance(store, MemoryStore) else {})}}
+            **({"live_leases": store.live_leases(), "max_keys_per_limiter": store.max_keys,
+                "keys": store.held(), "evictions": dict(sorted(store.evictions.items()))}
+               if isinstance(store, MemoryStore) else {})}}
 
     def metrics(self) -> Iterable[Metric]:
         stats = self.engine.store.stats
@@ -169,6 +171,15 @@ class StorePart:
                           stats.round_trips)
             yield counter("extauthz_store_script_calls", "Lua script calls sent to Redis "
                           "(EVALSHA; releases merged into one call count once).", stats.commands)
+        store = self.engine.store
+        if isinstance(store, MemoryStore):
+            evicted = CounterMetricFamily(
+                "extauthz_store_evictions", "Per-user keys the embedded store forgot before they "
+                "expired, its limiter at --memory-max-keys (a quota's count forgiven, a bucket "
+                "refilled), by limiter.", labels=["limiter"])
+            for name, n in sorted(store.evictions.items()):
+                evicted.add_metric([name], n)
+            yield evicted
         yield counter("extauthz_store_deadline_extended", "Store deadlines passed while the "
                       "store had answered and this server's busy event loop had not carried the "
                       "answer yet: the check waited on (a few deadlines at most), not failed open.",

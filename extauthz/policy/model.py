@@ -160,20 +160,20 @@ class Policy:
     #: the longest ``lease_ttl`` of the policy's limiters (0 without lease limiters): no lease
     #: the policy takes outlives it. Computed once: the request-id index reads it per check.
     longest_lease_ttl: float = field(init=False)
+    #: the request headers the engine reads; the edge copies only these. Computed once, when
+    #: the policy is compiled (a walk over every rule: 23 ms at 12,000 rules, which a reload's
+    #: swap on the event loop must not pay; a pickled policy carries it).
+    needed_headers: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "longest_lease_ttl", max(
             (float(getattr(spec, "lease_ttl", 0.0)) for spec in self.limiters), default=0.0))
-
-    @property
-    def needed_headers(self) -> frozenset[str]:
-        """The request headers the engine reads; the edge copies only these."""
         names = {s.header for s in (*self.identity, *self.plan_sources, *self._key_sources) if s.header}
         if self.test_header:
             names.add(self.test_header)
         for rule in self.rules:
             names |= rule.matcher.header_names
-        return frozenset(n.lower() for n in names)
+        object.__setattr__(self, "needed_headers", frozenset(n.lower() for n in names))
 
     @property
     def route_metadata_namespace(self) -> str:

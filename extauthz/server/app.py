@@ -73,7 +73,7 @@ def _bind(server: grpc.aio.Server, listen: str, flag: str,
 
 def make_store(config: ServerConfig, clock: Clock = SYSTEM_CLOCK) -> Store:
     if not config.redis_url:
-        return MemoryStore(clock)
+        return MemoryStore(clock, max_keys=config.memory_max_keys)
     from ..store.redis import RedisStore  # imported only when Redis is asked for
 
     return RedisStore.from_url(config.redis_url, deadline=config.store_deadline_ms / 1000.0)

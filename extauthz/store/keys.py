@@ -89,6 +89,20 @@ class Keys:
         return _lease_key_pattern(self.prefix).fullmatch(key) is not None
 
     @staticmethod
+    def limiter_of(key: str) -> str | None:
+        """The limiter a per-user key built here belongs to (:meth:`bucket`, :meth:`quota`,
+        :meth:`user_leases`: ``...{u:<identity>}:<kind>:<limiter>[:<window>]``); None for
+        any other key (fleet-wide keys, values, event logs)."""
+        start = key.find("{u:")
+        if start < 0:
+            return None
+        end = key.find("}:", start)
+        if end < 0:
+            return None
+        parts = key[end + 2:].split(":", 2)
+        return parts[1] if len(parts) > 1 else None
+
+    @staticmethod
     def tag_of(key: str) -> str:
         """The hash tag of a key built here (the part between the first ``{`` and ``}``)."""
         start = key.find("{")

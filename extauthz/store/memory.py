@@ -6,22 +6,30 @@ numbers, the shed controller) are :mod:`extauthz.store.algorithms`, the same as 
 Leases of one key all have the same TTL (one limiter owns a key), so insertion order is
 expiry order and sweeping pops from the front.
 
-Expiry is time-ordered and incremental: every bucket and lease key has one entry in a heap
-keyed by the time it may next expire, and each check looks at no more than
-``SWEEP_BATCH`` due entries (deleting the expired key, or putting a key that was used since
-back at its new expiry). Work per check is bounded whatever the number of live keys (a walk
-over all keys every 4,096 checks stalled a check 163 ms at 300,000 identities). Expiry
-changes no answer: a check reads only live leases, and a bucket idle past its TTL refills to
-its burst anyway; the sweep only frees memory.
+Per-user state (buckets, quota counts, lease sets: keys with a ``{u:...}`` tag) is held per
+limiter in least recently used order, at most ``max_keys`` keys a limiter (``serve
+--memory-max-keys``): a new key past it makes the least recently used one go, counted in
+``evictions`` (a lease set only when no request holds a lease in it). Without the bound a
+flood of made-up API keys grew the store until their keys expired: a month for a monthly
+quota. The same order is the expiry order: each check looks at the oldest keys of the
+limiters in turn. Other keys (fleet-wide lease sets) have one entry each in a heap keyed by
+the time they may next expire. Either way a check looks at no more than ``SWEEP_BATCH``
+entries (deleting the expired key, or putting a key that was used since back at its new
+expiry): work per check is bounded whatever the number of live keys (a walk over all keys
+every 4,096 checks stalled a check 163 ms at 300,000 identities). Expiry changes no answer:
+a check reads only live leases and counts of the current window, and a bucket idle past its
+TTL refills to its burst anyway; the sweep only frees memory. Eviction does change answers,
+which is why it comes only past the bound (docs/limiters.md, "Memory per user").
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from ..clock import SYSTEM_CLOCK, Clock
+from ..settings import MEMORY_MAX_KEYS
 from . import algorithms
 from .algorithms import admits, bucket_result, count_admits, count_result, lease_admits, lease_result, refill, take
 from .base import (
@@ -38,10 +46,15 @@ from .base import (
     StoreBase,
     bucket_ttl,
 )
+from .keys import Keys
 
 #: due heap entries a check looks at, at most (a check creates at most a few keys, so the
 #: sweep keeps up; a backlog after an idle spell drains over the next checks)
 SWEEP_BATCH = 32
+#: lease sets looked at, oldest first, for one without live leases to forget when a limiter is
+#: over its bound (each one passed over is a request in flight; after these the table stays
+#: over its bound until requests finish)
+EVICT_TRIES = 8
 _BUCKET, _LEASES = 0, 1
 
 
@@ -50,8 +63,12 @@ class MemoryStore(StoreBase):
     #: every call completes without waiting: the engine needs no deadline around it.
     immediate = True
 
-    def __init__(self, clock: Clock = SYSTEM_CLOCK, *, sweep_batch: int = SWEEP_BATCH) -> None:
+    def __init__(self, clock: Clock = SYSTEM_CLOCK, *, sweep_batch: int = SWEEP_BATCH,
+                 max_keys: int = MEMORY_MAX_KEYS) -> None:
         self._clock = clock
+        #: per-user keys (buckets, quota counts, lease sets) one limiter may hold
+        #: (``serve --memory-max-keys``); past it the least recently used goes
+        self.max_keys = max_keys
         #: due heap entries a check looks at (0: none; expiry then happens only when a key is
         #: read, as on Redis while its key TTL has not passed)
         self._sweep_batch = sweep_batch
@@ -63,9 +80,19 @@ class MemoryStore(StoreBase):
         self._shed: dict[str, tuple[float, float]] = {}
         #: event log key -> (ring buffer of (wall time, event), expires at)
         self._events: dict[str, tuple[deque[tuple[float, str]], float]] = {}
-        #: (time the key may expire, kind, key): one entry per bucket key and lease key
+        #: (time the key may expire, kind, key): one entry per key that is not a user's
+        #: (fleet-wide lease sets)
         self._due: list[tuple[float, int, str]] = []
         self._scheduled: tuple[set[str], set[str]] = (set(), set())
+        #: limiter -> its per-user keys (key -> kind), least recently used first: the bound
+        #: (:meth:`_hold`) and the expiry order of per-user state (:meth:`_sweep_held`). Not
+        #: the heap: an evicted key's heap entry would stay until its due time (a monthly
+        #: quota's: the month's end), one more for every key evicted.
+        self._held: dict[str, OrderedDict[str, int]] = {}
+        #: the limiters whose tables the sweep visits next, in turn
+        self._rotation: deque[str] = deque()
+        #: limiter -> per-user keys forgotten before they expired (:meth:`_hold`)
+        self.evictions: dict[str, int] = {}
         #: due entries looked at, in total (tests bound the work per check with it)
         self.swept = 0
 
@@ -81,6 +108,7 @@ class MemoryStore(StoreBase):
             del leases[first]
         if not leases:
             del self._leases[key]
+            self._unhold(key)
         return leases
 
     def _grant_leases(self, key: str, now: float) -> dict[str, float]:
@@ -115,15 +143,101 @@ class MemoryStore(StoreBase):
         else:
             del self._leases[op.key]
 
-    def _schedule(self, kind: int, key: str, at: float) -> None:
+    def _schedule(self, kind: int, key: str, at: float, owner: str | None = None) -> None:
+        """Keep ``key`` until ``at`` at least: a user's key (of limiter ``owner``, found from
+        the key when not given) in its limiter's table (used just now: the most recent), any
+        other in the heap."""
+        if owner is None:
+            owner = Keys.limiter_of(key)
+        if owner is not None:
+            self._hold(owner, key, kind)
+            return
         scheduled = self._scheduled[kind]
         if key not in scheduled:  # an entry is there already: it is moved when it comes due
             scheduled.add(key)
             heapq.heappush(self._due, (at, kind, key))
 
+    def _hold(self, owner: str, key: str, kind: int) -> None:
+        """``key`` (a user's, of limiter ``owner``) was used: the most recent of its table.
+        A new key past :attr:`max_keys` makes the least recently used one go (counted in
+        :attr:`evictions`): a bucket or a quota count at once (its state is forgotten: the
+        user's next request starts a full bucket or a count of 0), a lease set only when
+        none of its leases is live (a request in flight keeps it)."""
+        table = self._held.get(owner)
+        if table is None:
+            table = self._held[owner] = OrderedDict()
+            self._rotation.append(owner)
+        if key in table:
+            table.move_to_end(key)
+            return
+        table[key] = kind
+        if len(table) <= self.max_keys:
+            return
+        now = self._clock.monotonic()
+        for _ in range(EVICT_TRIES):
+            oldest, what = next(iter(table.items()))
+            if what == _LEASES:
+                if self._live_leases(oldest, now):  # in use: kept, and the next looked at
+                    table.move_to_end(oldest)
+                    continue
+                if oldest not in table:  # its leases had all expired: gone, not evicted
+                    return
+                self._leases.pop(oldest, None)
+            else:
+                self._buckets.pop(oldest, None)
+            del table[oldest]
+            self.evictions[owner] = self.evictions.get(owner, 0) + 1
+            return
+
+    def _unhold(self, key: str) -> None:
+        """A user's key whose state is gone (expired, released)."""
+        owner = Keys.limiter_of(key)
+        if owner is not None and (table := self._held.get(owner)) is not None:
+            table.pop(key, None)
+
+    def _touch(self, key: str) -> str | None:
+        """A user's key read by a check: the most recent of its table (a refused request
+        uses its key as much as an admitted one: a quota spent is not the one forgotten).
+        Its limiter (None: not a user's key)."""
+        owner = Keys.limiter_of(key)
+        if owner is not None and (table := self._held.get(owner)) is not None and key in table:
+            table.move_to_end(key)
+        return owner
+
+    def _sweep_held(self, now: float, budget: int) -> int:
+        """Forget expired per-user keys, the least recently used of each table first, the
+        tables in turn: ``budget`` keys looked at at most. A table's oldest key still live
+        ends its turn (keys of one limiter mostly expire in the order they were last used;
+        one that does not is forgotten later, or evicted)."""
+        looked = 0
+        rotation = self._rotation
+        for _ in range(min(len(rotation), budget)):
+            owner = rotation.popleft()
+            table = self._held[owner]
+            while table and looked < budget:
+                key, kind = next(iter(table.items()))
+                looked += 1
+                if kind == _LEASES:
+                    if self._live_leases(key, now):  # forgets the key when none is live
+                        break
+                    table.pop(key, None)
+                    continue
+                state = self._buckets.get(key)
+                if state is not None and state[2] > now:
+                    break
+                self._buckets.pop(key, None)
+                del table[key]
+            if table:
+                rotation.append(owner)
+            else:
+                del self._held[owner]
+            if looked >= budget:
+                break
+        return looked
+
     def _sweep(self, now: float, budget: int | None = None) -> None:
-        """Expire the keys whose heap entries are due: ``budget`` entries at most (a check's
-        share), or all that are due."""
+        """Expire the keys whose heap entries are due, then expired per-user keys: ``budget``
+        entries at most (a check's share), or all that are due."""
         due = self._due
         looked = 0
         while due and due[0][0] <= now and (budget is None or looked < budget):
@@ -141,6 +255,7 @@ class MemoryStore(StoreBase):
                     heapq.heappush(due, (next(iter(leases.values())), kind, key))
                     continue
             self._scheduled[kind].discard(key)
+        looked += self._sweep_held(now, (1 << 62) if budget is None else budget - looked)
         self.swept += looked
 
     def _count(self, key: str, now: float) -> float:
@@ -161,8 +276,10 @@ class MemoryStore(StoreBase):
         # State before the request, then the same rules and answers as every store.
         values: list[float] = []
         allowed: list[bool] = []
+        owners: list[str | None] = []
         admitted = True
         for op in ops:
+            owners.append(self._touch(op.key))
             if isinstance(op, BucketOp | GrantOp | ReturnOp):
                 state = self._buckets.get(op.key)
                 value = op.burst if state is None else refill(state[0], state[1], now, op.rate, op.burst)
@@ -188,12 +305,12 @@ class MemoryStore(StoreBase):
             if not ok and op.enforce:
                 admitted = False  # shadow ops never block
         results = []
-        for op, ok, value in zip(ops, allowed, values, strict=True):
+        for op, ok, value, owner in zip(ops, allowed, values, owners, strict=True):
             commit = admitted and ok
             if isinstance(op, BucketOp):
                 if commit:
                     self._buckets[op.key] = [take(value, op.cost), now, now + op.ttl]
-                    self._schedule(_BUCKET, op.key, now + op.ttl)
+                    self._schedule(_BUCKET, op.key, now + op.ttl, owner)
                 results.append(bucket_result(op, ok, value, commit))
             elif isinstance(op, GrantOp | ReturnOp):
                 if commit:
@@ -206,7 +323,7 @@ class MemoryStore(StoreBase):
                     state = self._buckets.get(op.key)
                     stamp = algorithms.grant_stamp(now, None if state is None else state[1])
                     self._buckets[op.key] = [left, stamp, now + ttl]
-                    self._schedule(_BUCKET, op.key, now + ttl)
+                    self._schedule(_BUCKET, op.key, now + ttl, owner)
                 results.append(algorithms.op_result(op, ok, value, admitted))
             elif isinstance(op, CountOp):
                 if commit:
@@ -215,6 +332,7 @@ class MemoryStore(StoreBase):
                         state[0] += op.cost  # the window's expiry stays
                     else:
                         self._buckets[op.key] = [float(op.cost), now, now + op.ttl]
+                        self._schedule(_BUCKET, op.key, now + op.ttl, owner)
                 results.append(count_result(op, ok, int(value), commit))
             elif isinstance(op, QuotaGrantOp | QuotaReturnOp):
                 if commit:
@@ -227,6 +345,7 @@ class MemoryStore(StoreBase):
                             state[0] = float(after)  # the window's expiry stays
                         else:
                             self._buckets[op.key] = [float(after), now, now + op.ttl]
+                            self._schedule(_BUCKET, op.key, now + op.ttl, owner)
                     elif state is not None and live:  # a window gone takes nothing back
                         state[0] = float(algorithms.quota_give_back(int(value), op.amount))
                 results.append(algorithms.op_result(op, ok, value, admitted))
@@ -239,7 +358,7 @@ class MemoryStore(StoreBase):
                     leases = self._leases.setdefault(op.key, {})
                     leases.pop(lease_id, None)  # a renewed lease moves to the end (expiry order)
                     leases[lease_id] = now + op.ttl
-                    self._schedule(_LEASES, op.key, now + op.ttl)
+                    self._schedule(_LEASES, op.key, now + op.ttl, owner)
                 results.append(lease_result(op, ok, int(value), commit))
         return CheckResult(admitted, tuple(results))
 
@@ -255,6 +374,7 @@ class MemoryStore(StoreBase):
                 released += 1
                 if not leases:
                     del self._leases[key]
+                    self._unhold(key)
         return released
 
     async def inflight(self, keys: Sequence[str]) -> list[int]:
@@ -326,6 +446,11 @@ class MemoryStore(StoreBase):
         in-flight picture, shown on the admin ``/status``."""
         now = self._clock.monotonic()
         return {key: n for key in list(self._leases) if (n := len(self._live_leases(key, now)))}
+
+    def held(self) -> dict[str, int]:
+        """Per-user keys held per limiter (each at most :attr:`max_keys`, but for lease sets
+        with requests in flight), for ``/status``."""
+        return {owner: len(table) for owner, table in sorted(self._held.items())}
 
     def key_count(self) -> int:
         return (len(self._buckets) + len(self._leases) + len(self._values) + len(self._shed)

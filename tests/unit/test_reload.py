@@ -3,6 +3,7 @@ last good policy serving and are reported once, ConfigMap symlink swaps are pick
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -11,9 +12,11 @@ from typing import Any
 
 import pytest
 
+from bench.reload_lag import big_policy, reload_lag
 from extauthz import reload as reload_module
 from extauthz.clock import ManualClock
 from extauthz.policy import load_policy
+from extauthz.policy.loader import MAX_FILE_BYTES
 from extauthz.reload import PolicyWatcher
 from tests.observe.helpers import admin, eventually, rate, running, write_policy
 from tests.unit.helpers import engine_for, get
@@ -293,3 +296,104 @@ async def test_an_oversized_policy_file_is_refused_and_counted(tmp_path: Path) -
             f"{f}: the file is larger than 4096 bytes (--policy-max-bytes); not parsed"]
         assert server.engine.snapshot.policy.version == first
         assert await client.check("sk_live_x") == 429  # still the old policy, enforcing
+
+
+@pytest.mark.slow
+async def test_a_policy_near_the_size_bound_reloads_without_holding_the_loop(tmp_path: Path) -> None:
+    """A valid 0.88 MiB policy of 12,000 rules (the size bound is 1 MiB) swapped in by the
+    server's reload job while a probe sleeps 1 ms in a loop. Measured in CPU, so that neither
+    the machine's speed nor other processes' turns on it decide: within any one gap between
+    wake-ups this process used less than a fiftieth of the CPU the whole reload took (here
+    and in its child). Parsed in a worker thread, the collector's passes over the parse's YAML
+    nodes held the GIL, and the loop, for 0.3-0.4 s of 1.7 s (a fifth); in a child, 4-6 ms of
+    1.1-2 s (bench/reload_lag.py). A broken one comes back from the child with its file and
+    line, the last good policy serving."""
+    text = big_policy(12_000)
+    assert 0.8 * (1 << 20) < len(text.encode()) < MAX_FILE_BYTES
+    lag, watcher = await reload_lag(tmp_path, text)
+    assert lag.wakeups >= 20, lag  # the loop ran all along
+    assert lag.max_busy < lag.reload_cpu / 50, lag
+    assert watcher.reloads == 1
+    serving = watcher.version
+
+    (tmp_path / "api.yaml").write_text(text.replace("tier: critical", "tier: urgent", 1))
+    assert await watcher.poll() is False
+    assert watcher.failures == 1 and watcher.version == serving
+    err = watcher.status()["last_error"]
+    assert isinstance(err, dict)
+    assert err["issues"] == [
+        f"{tmp_path / 'api.yaml'}:10: classification.rules[1].tier: Input should be 'critical', "
+        "'post', 'get' or 'test' (got 'urgent')"]
+
+
+async def test_a_policy_built_elsewhere_is_rebuilt_a_piece_per_loop_step(tmp_path: Path) -> None:
+    """What a child sends back: the policy in pieces of at most PIECE rules (and limiters),
+    rebuilt equal to the one the child built, one piece per loop step, so no step of the loop
+    rebuilds more than PIECE rules; the swap does not walk the rules (what it needs was
+    computed when the policy was compiled)."""
+    (tmp_path / "api.yaml").write_text(big_policy(1_000))
+    policy = load_policy([tmp_path])
+    pieces = reload_module.pack(policy)
+    assert len(pieces) == 1_000 // reload_module.PIECE + 1 + 1  # rule pieces, the limiter, the rest
+    steps = 0
+    stop = asyncio.Event()
+
+    async def count_steps() -> None:
+        nonlocal steps
+        while not stop.is_set():
+            steps += 1
+            await asyncio.sleep(0)
+
+    counter = asyncio.create_task(count_steps())
+    await asyncio.sleep(0)
+    rebuilt = await reload_module.unpack(pieces)
+    stop.set()
+    await counter
+    assert rebuilt == policy and rebuilt.needed_headers == policy.needed_headers == {"x-api-key"}
+    assert steps >= len(pieces) - 1
+
+
+async def test_small_policies_are_parsed_in_this_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below ISOLATE_BYTES no child is started (it costs more than the parse); above, the
+    child parses and this process does not."""
+    write_policy(tmp_path / "p" / "api.yaml", [rate("user-rate", burst=1)])
+    engine, watcher = watcher_for(tmp_path / "p", ManualClock())
+    started: list[object] = []
+    real = reload_module.load_elsewhere
+
+    async def counted(*args: Any) -> Any:
+        started.append(args)
+        return await real(*args)
+
+    monkeypatch.setattr(reload_module, "load_elsewhere", counted)
+    write_policy(tmp_path / "p" / "api.yaml", [rate("user-rate", burst=2)])
+    assert await watcher.poll() is True and started == []
+    big = (tmp_path / "p" / "api.yaml").read_text() + "#" * reload_module.ISOLATE_BYTES + "\n"
+    (tmp_path / "p" / "api.yaml").write_text(big.replace("burst: 2", "burst: 3"))
+    monkeypatch.setattr(reload_module, "load_policy", None)  # this process must not parse it
+    assert await watcher.poll() is True and len(started) == 1
+    assert await allowed_in_a_row(engine, "sk_live_c") == 3
+
+
+async def test_a_reload_cancelled_by_the_server_stopping_kills_its_child(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reload job cancelled while a child parses (the server stopping): the child is
+    killed at once, not left parsing nor waited for at exit."""
+    write_policy(tmp_path / "p" / "api.yaml", [rate("user-rate", burst=1)])
+    engine, watcher = watcher_for(tmp_path / "p", ManualClock())
+    (tmp_path / "p" / "api.yaml").write_text(big_policy(1_000))
+    children: list[asyncio.subprocess.Process] = []
+    real = asyncio.create_subprocess_exec
+
+    async def recorded(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+        children.append(await real(*args, **kwargs))
+        return children[-1]
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", recorded)
+    job = asyncio.create_task(watcher.poll())
+    await eventually(lambda: children)
+    job.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await job
+    assert children[0].returncode == -9  # killed (SIGKILL), and reaped
+    assert watcher.version == engine.snapshot.policy.version and watcher.reloads == 0
