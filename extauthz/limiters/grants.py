@@ -137,18 +137,22 @@ class Synced:
         #: counters (status(), /metrics): requests answered from a grant (each a store call
         #: saved), grants taken, grants given back because ``sync_interval`` passed
         #: (``expired``), the amount given back (any reason), give-backs that failed (their
-        #: amount only refuses early: never admitted)
+        #: amount only refuses early: never admitted), and the requests admitted past the
+        #: exact limiter's count as far as the store can tell (must stay 0: fleet slots in
+        #: use restored past ``limit``, :func:`~extauthz.store.algorithms.fleet_grant_over`)
         self.local = 0
         self.grants = 0
         self.expired = 0
         self.returned = 0.0
         self.return_errors = 0
+        self.overadmitted = 0
 
     def status(self) -> dict[str, float]:
         """The table's counters and what it holds now (/status, /metrics)."""
         return {"keys": self.keys_held(), "held": self.total(), "grants_taken": self.grants,
                 "grants_expired": self.expired, "returned": self.returned,
-                "return_errors": self.return_errors, "store_calls_saved": self.local}
+                "return_errors": self.return_errors, "store_calls_saved": self.local,
+                "overadmission": self.overadmitted}
 
     def keys_held(self) -> int:
         raise NotImplementedError
@@ -484,6 +488,9 @@ GRANT_METRICS: Final = {
                       "amount only refuses early until the store refills it)."),
     "store_calls_saved": ("extauthz_grant_store_calls_saved", True, "Requests answered from a "
                           "batched grant held here: store calls saved."),
+    "overadmission": ("extauthz_overadmission", True, "Requests admitted past the exact "
+                      "limiter's count, as far as the store can tell (must stay 0; see "
+                      "docs/limiters.md)."),
     "held": ("extauthz_grants_held", False, "Granted tokens or quota units held here, unspent."),
     "keys": ("extauthz_grant_keys", False, "Keys this replica holds or recently held grants for."),
 }

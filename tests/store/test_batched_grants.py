@@ -636,7 +636,7 @@ async def test_grant_counters_are_the_tables_own_status(tmp_path: Path) -> None:
     for _ in range(6):
         await engine.check(get())
     assert grants.status() == {"keys": 1, "held": 2.0, "grants_taken": 2, "grants_expired": 0,
-                               "returned": 0.0, "return_errors": 0, "store_calls_saved": 4}
+                               "returned": 0.0, "return_errors": 0, "store_calls_saved": 4, "overadmission": 0}
     clock.advance(SYNC)
     await grants.sync()
     await grants.drain()
@@ -799,8 +799,11 @@ async def test_fleet_replicas_never_hold_more_than_exact_and_refuse_early_by_at_
 
 
 @pytest.mark.redis
-async def test_a_replica_that_stops_renewing_gives_its_fleet_slots_back_after_the_ttl(
+async def test_a_replica_that_stops_renewing_gives_its_fleet_slots_back_after_their_life(
         redis_single_clean: RedisSingle, tmp_path: Path) -> None:
+    """A replica that dies holds its slots (the one in use and the free ones it could still
+    have spent) for the grant TTL plus ``lease_ttl``: a slot taken at the last moment is
+    counted as long as an exact lease taken then; then they come back."""
     clock = ManualClock(START)
     policy = fleet_policy(tmp_path, batch=NONCRITICAL)  # one replica can take every slot
     stores = [make_redis_store(redis_single_clean, clock) for _ in range(2)]
@@ -808,12 +811,13 @@ async def test_a_replica_that_stops_renewing_gives_its_fleet_slots_back_after_th
     dead, alive = slots(engines[0]), slots(engines[1])
     raw = redis_single_clean.client()
     try:
+        assert dead.life == dead.ttl + 60.0  # the default lease_ttl
         assert (await engines[0].check(get()))[1].allowed  # takes all 8 slots as its grant
         assert not (await engines[1].check(get()))[1].allowed  # none left for the other replica
         # the first replica dies (no renewal, no give-back); the other keeps its timer
-        clock.advance(dead.ttl - 0.01)
+        clock.advance(dead.life - 0.01)
         await alive.sync()
-        assert not (await engines[1].check(get()))[1].allowed  # still held: the TTL runs
+        assert not (await engines[1].check(get()))[1].allowed  # still held
         clock.advance(0.01)
         assert (await engines[1].check(get()))[1].allowed  # its slots came back
         assert raw.zcard(engines[1].snapshot.limiters[0].other_key)  # type: ignore[attr-defined] == NONCRITICAL
