@@ -146,13 +146,15 @@ class Synced:
         self.returned = 0.0
         self.return_errors = 0
         self.overadmitted = 0
+        #: granted tokens dropped unspent, held past ``spend_within`` (a stall)
+        self.dropped = 0.0
 
     def status(self) -> dict[str, float]:
         """The table's counters and what it holds now (/status, /metrics)."""
         return {"keys": self.keys_held(), "held": self.total(), "grants_taken": self.grants,
                 "grants_expired": self.expired, "returned": self.returned,
                 "return_errors": self.return_errors, "store_calls_saved": self.local,
-                "overadmission": self.overadmitted}
+                "overadmission": self.overadmitted, "dropped": self.dropped}
 
     def keys_held(self) -> int:
         raise NotImplementedError
@@ -255,15 +257,25 @@ class GrantTable(Synced):
     """One limiter's grants, by bucket key, on this replica."""
 
     def __init__(self, sync_interval: float, clock: Clock = SYSTEM_CLOCK,
-                 give_back: GiveBack = bucket_return, renew: Renew | None = None) -> None:
+                 give_back: GiveBack = bucket_return, renew: Renew | None = None,
+                 spend_within: float | None = None) -> None:
         super().__init__()
         self.sync_interval = sync_interval
+        #: a grant held this long after the store yielded it is neither spent nor given
+        #: back but dropped (a token bucket's: the bucket refilled meanwhile, up to
+        #: ``burst``, so its tokens spent or returned then would yield more at that instant
+        #: than the exact limiter; dropped, they only refuse early). None: kept (a quota's
+        #: grant belongs to its window, which counts it whenever it is spent)
+        self.spend_within = spend_within
         self.period = sync_interval / TICKS
         self._clock = clock
         self._op = give_back
         #: None: a due grant only goes back (a quota: its next window is another count)
         self._renew = renew
         self._held: dict[str, _Held] = {}
+        #: key -> when a grant for it was asked (:meth:`lend`, clock.monotonic): the grant
+        #: that answers it was taken no earlier, whatever the answer waited for
+        self._asked: dict[str, float] = {}
 
     def __len__(self) -> int:
         return len(self._held)
@@ -285,12 +297,16 @@ class GrantTable(Synced):
     def spend(self, key: str, cost: float, numbers: Numbers) -> float | None:
         """Spend ``cost`` from the grant held for ``key``: the ``remaining`` to answer
         (grant left + the shared bucket's last known tokens), or None when the grant does
-        not cover it (or was taken for other numbers: a plan or override changed)."""
+        not cover it, was taken for other numbers (a plan or override changed) or is stale
+        (:meth:`_stale`: dropped)."""
         h = self._held.get(key)
         if h is None or h.numbers != numbers or not admits(h.tokens, cost):
             return None
+        now = self._clock.monotonic()
+        if self._stale(h, now):
+            return None
         h.tokens = take(h.tokens, cost)
-        h.spent_at = now = self._clock.monotonic()
+        h.spent_at = now
         if h.tokens <= 0.0:
             h.empty_since = now
         self.local += 1
@@ -300,15 +316,30 @@ class GrantTable(Synced):
         """The remainder held for ``key`` (too small for the request that asks), taken out
         to go back with the grant the request asks for (``GrantOp.held``): the store counts
         it in the pool it grants from. :meth:`granted` or :meth:`restore` follows."""
+        now = self._clock.monotonic()
+        if now - self._asked.get(key, float("-inf")) >= self.sync_interval:  # none, or one left unanswered
+            self._asked[key] = now
         h = self._held.get(key)
-        if h is None or h.numbers != numbers or h.tokens <= 0.0:
+        if h is None or h.numbers != numbers or h.tokens <= 0.0 or self._stale(h, now):
             return 0.0
         held, h.tokens = h.tokens, 0.0
         h.empty_since = self._clock.monotonic()
         return held
 
+    def _stale(self, h: _Held, now: float) -> bool:
+        """Whether ``h`` was taken ``spend_within`` ago or more (its replica stood still: its
+        timer did not give it back in time): then its tokens are dropped here, unspent, and
+        counted (``dropped``)."""
+        if self.spend_within is None or now - h.taken_at < self.spend_within or h.tokens <= 0.0:
+            return False
+        self.dropped += h.tokens
+        h.tokens = 0.0
+        h.empty_since = now
+        return True
+
     def restore(self, key: str, held: float, numbers: Numbers) -> None:
         """The grant asked with ``held`` was not committed: the remainder stays here."""
+        self._asked.pop(key, None)
         if held <= 0.0:
             return
         h = self._held.get(key)
@@ -319,18 +350,20 @@ class GrantTable(Synced):
         self._arm()
 
     def granted(self, key: str, amount: float, cost: float, shared: float, want: float,
-                numbers: Numbers) -> float:
+                numbers: Numbers, sent: float | None = None) -> float:
         """The store granted ``amount`` tokens for ``key`` (``shared`` left there) to a
-        request of ``cost``, which spends its cost from it at once. Returns ``remaining``."""
+        request of ``cost``, which spends its cost from it at once. Returns ``remaining``.
+        The grant counts as taken when it was asked (``sent``, else :meth:`lend`'s time)."""
         now = self._clock.monotonic()
+        taken = min(now, self._asked.pop(key, now) if sent is None else sent)
         self.grants += 1
         h = self._held.get(key)
         if h is None or h.numbers != numbers:
             if h is not None and h.tokens > 0.0:  # taken with other numbers: give it back
                 self._give_back([(key, h.numbers, h.tokens)])
-            h = self._held[key] = _Held(0.0, shared, now, now, numbers)
+            h = self._held[key] = _Held(0.0, shared, taken, now, numbers)
         if h.tokens <= 0.0:
-            h.taken_at = now
+            h.taken_at = taken
         h.tokens = take(h.tokens + amount, cost)
         h.shared = shared
         h.want = want
@@ -353,6 +386,8 @@ class GrantTable(Synced):
         half = self.sync_interval / TICKS
         out: list[Op] = []
         for key, h in list(self._held.items()):
+            if self._stale(h, now):
+                continue
             if h.tokens > 0.0 and now - h.taken_at >= half:
                 renew = self._renew if now - h.spent_at <= half else None
                 out.append(self._op(key, h.numbers, h.tokens) if renew is None
@@ -362,6 +397,8 @@ class GrantTable(Synced):
                 h.empty_since = now
             elif h.tokens <= 0.0 and now - h.empty_since >= self.sync_interval:
                 del self._held[key]
+        for key in [k for k, at in self._asked.items() if now - at >= self.sync_interval]:
+            del self._asked[key]  # asked, never answered (the store failed open)
         return out
 
     async def sync(self) -> int:
@@ -370,9 +407,11 @@ class GrantTable(Synced):
         with the next check); a renewal's new grant is held here. Returns how many went back."""
         due = self.due()
         if due and self.store is not None:
+            sent = self._clock.monotonic()
             for op, result in zip(due, await self._send_all(due), strict=True):
                 if isinstance(op, GrantOp) and result is not None and result.extra > 0.0:
-                    self.granted(op.key, result.extra, 0.0, result.remaining, op.want, (op.rate, op.burst))
+                    self.granted(op.key, result.extra, 0.0, result.remaining, op.want, (op.rate, op.burst),
+                                 sent)
         return len(due)
 
     async def _send(self, ops: Sequence[Op]) -> list[OpResult | None]:
@@ -398,7 +437,9 @@ class GrantTable(Synced):
     def _take_all(self) -> list[Op]:
         """Stop the timer and take out everything held (to go back)."""
         self._stop_timer()
-        returns = [self._op(key, h.numbers, h.tokens) for key, h in self._held.items() if h.tokens > 0.0]
+        now = self._clock.monotonic()
+        returns = [self._op(key, h.numbers, h.tokens) for key, h in self._held.items()
+                   if not self._stale(h, now) and h.tokens > 0.0]
         self._held.clear()
         return returns
 
@@ -491,6 +532,8 @@ GRANT_METRICS: Final = {
     "overadmission": ("extauthz_overadmission", True, "Requests admitted past the exact "
                       "limiter's count, as far as the store can tell (must stay 0; see "
                       "docs/limiters.md)."),
+    "dropped": ("extauthz_grant_dropped", True, "Granted tokens dropped unspent because this "
+                "replica held them past sync_interval (it stood still): only early refusals."),
     "held": ("extauthz_grants_held", False, "Granted tokens or quota units held here, unspent."),
     "keys": ("extauthz_grant_keys", False, "Keys this replica holds or recently held grants for."),
 }

@@ -636,7 +636,8 @@ async def test_grant_counters_are_the_tables_own_status(tmp_path: Path) -> None:
     for _ in range(6):
         await engine.check(get())
     assert grants.status() == {"keys": 1, "held": 2.0, "grants_taken": 2, "grants_expired": 0,
-                               "returned": 0.0, "return_errors": 0, "store_calls_saved": 4, "overadmission": 0}
+                               "returned": 0.0, "return_errors": 0, "store_calls_saved": 4,
+                               "overadmission": 0, "dropped": 0.0}
     clock.advance(SYNC)
     await grants.sync()
     await grants.drain()
