@@ -297,6 +297,8 @@ class FleetSlots(Synced):
         out = []
         for op, g, res in zip(ops, grants, result.results, strict=True):
             given = max(0, g.size - int(res.extra)) if res.extra >= 0 else 0
+            if op.limit > 0 and res.remaining - given <= 0:  # the fleet was full without them
+                self.unspent_at_limit(float(given))
             if g.gid == op.grant and res.extra >= 0:
                 self._renewed(g, res, sent)
                 g.shared = res.remaining

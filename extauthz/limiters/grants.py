@@ -43,6 +43,7 @@ metrics read them.
 from __future__ import annotations
 
 import asyncio
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, cast
@@ -53,9 +54,9 @@ from ..store.algorithms import admits, take
 from ..store.base import GrantOp, Op, OpResult, ReturnOp, Store
 from ..verdict import Verdict
 
-__all__ = ["GRANT_METRICS", "GrantHolder", "GrantTable", "Grantee", "LeaseHolder", "Numbers", "Synced", "batched",
-           "bind_store", "bucket_renew",
-           "default_batch", "grant_status", "hold_leases", "refund_grants", "retire_grants", "settle_grants"]
+__all__ = ["EARLY_BUCKETS", "GRANT_METRICS", "GrantHolder", "GrantTable", "Grantee", "LeaseHolder", "Numbers",
+           "Synced", "batched", "bind_store", "bucket_renew", "default_batch", "grant_early", "grant_status",
+           "hold_leases", "refund_grants", "retire_grants", "settle_grants"]
 
 #: the limiter's numbers a grant was taken with (a bucket: ``(rate, burst)``; a quota:
 #: ``(limit,)``): a grant is spent only for the same numbers, and goes back with them
@@ -81,6 +82,9 @@ def bucket_renew(key: str, numbers: Numbers, held: float, want: float) -> GrantO
     :func:`~extauthz.store.algorithms.grant_pool`, :func:`~extauthz.store.algorithms.grant_size`)."""
     rate, burst = numbers
     return GrantOp(key, rate, burst, 0.0, want, False, held)
+
+#: the early-refusal histogram's bucket bounds (tokens, quota units or fleet slots)
+EARLY_BUCKETS: Final = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)
 
 #: timer ticks per sync_interval: a grant goes back at the first tick at least half an
 #: interval after it was taken, so within one interval
@@ -148,13 +152,27 @@ class Synced:
         self.overadmitted = 0
         #: granted tokens dropped unspent, held past ``spend_within`` (a stall)
         self.dropped = 0.0
+        #: the early-refusal histogram (:meth:`unspent_at_limit`): observations per bucket of
+        #: :data:`EARLY_BUCKETS` (+Inf last; not cumulative) and their sum
+        self.early = [0] * (len(EARLY_BUCKETS) + 1)
+        self.early_sum = 0.0
 
     def status(self) -> dict[str, float]:
         """The table's counters and what it holds now (/status, /metrics)."""
         return {"keys": self.keys_held(), "held": self.total(), "grants_taken": self.grants,
                 "grants_expired": self.expired, "returned": self.returned,
                 "return_errors": self.return_errors, "store_calls_saved": self.local,
-                "overadmission": self.overadmitted, "dropped": self.dropped}
+                "overadmission": self.overadmitted, "dropped": self.dropped,
+                "early_refusals": sum(self.early), "early_refusal_amount": self.early_sum}
+
+    def unspent_at_limit(self, amount: float) -> None:
+        """``amount`` of this replica's grant goes back unspent, and the store's answer
+        says the shared state without it could not pay one request more: while it stood
+        here, requests asking elsewhere were refused early, by at most this much (the
+        early-refusal histogram, ``extauthz_early_refusal``)."""
+        if amount > 0.0:
+            self.early[bisect_left(EARLY_BUCKETS, amount)] += 1
+            self.early_sum += amount
 
     def keys_held(self) -> int:
         raise NotImplementedError
@@ -422,7 +440,24 @@ class GrantTable(Synced):
             self.return_errors += len(ops)
             return [None] * len(ops)
         self.returned += sum(op.held if isinstance(op, GrantOp) else getattr(op, "amount", 0.0) for op in ops)
+        for op, res in zip(ops, result.results, strict=True):
+            self._early(op, res)
         return list(result.results)
+
+    def _early(self, op: Op, res: OpResult) -> None:
+        """Observe a bucket's give-back (a return, or a renewal's ``held``) that stood here
+        while the bucket could not pay one token (:meth:`unspent_at_limit`): the bucket's
+        tokens before it follow from the answer (:func:`~extauthz.store.algorithms.give_back`,
+        :func:`~extauthz.store.algorithms.grant_pool`), unless it was full. A quota's
+        give-back carries no limit: not observed."""
+        if isinstance(op, ReturnOp):
+            after, amount = res.remaining, op.amount
+        elif isinstance(op, GrantOp) and op.held > 0.0 and res.extra >= 0.0:
+            after, amount = res.remaining + res.extra, op.held  # the pool it granted from
+        else:
+            return
+        if after < op.burst and not admits(after - amount, 1.0):
+            self.unspent_at_limit(amount)
 
     def _give_back(self, returns: Iterable[tuple[str, Numbers, float]]) -> None:
         if self.store is None:
@@ -537,6 +572,20 @@ GRANT_METRICS: Final = {
     "held": ("extauthz_grants_held", False, "Granted tokens or quota units held here, unspent."),
     "keys": ("extauthz_grant_keys", False, "Keys this replica holds or recently held grants for."),
 }
+
+
+def grant_early(limiters: Iterable[object]) -> dict[str, tuple[list[tuple[str, float]], float]]:
+    """Every batched limiter's early-refusal histogram, by limiter name: cumulative
+    ``(le, count)`` buckets (+Inf last) and the sum (/metrics)."""
+    out: dict[str, tuple[list[tuple[str, float]], float]] = {}
+    for lim in limiters:
+        if (g := batched(lim)) is not None and isinstance(table := g.grants, Synced):
+            total, buckets = 0, []
+            for bound, n in zip((*map(str, EARLY_BUCKETS), "+Inf"), table.early, strict=True):
+                total += n
+                buckets.append((bound, float(total)))
+            out[g.name] = (buckets, table.early_sum)
+    return out
 
 
 def grant_status(limiters: Iterable[object]) -> dict[str, dict[str, float]]:

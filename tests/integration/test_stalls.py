@@ -130,7 +130,9 @@ def test_batched_limits_hold_across_stalls_and_a_kill(tmp_path: Path, redis_sing
             for proc in procs[1:]:
                 grants = json.loads(get(f"http://127.0.0.1:{proc.admin_port}/status"))["grants"]
                 assert {name: g["overadmission"] for name, g in grants.items()} == dict.fromkeys(grants, 0)
-                assert 'extauthz_overadmission_total{limiter="fleet-0"} 0.0' in get(metrics_url(proc))
+                metrics = get(metrics_url(proc))
+                assert 'extauthz_overadmission_total{limiter="fleet-0"} 0.0' in metrics
+                assert 'extauthz_early_refusal_count{limiter="fleet-0"}' in metrics
         finally:
             for ch in channels:
                 ch.close()
