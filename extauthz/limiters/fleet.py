@@ -198,7 +198,8 @@ class FleetSlots(Synced):
     def _renewed(self, g: _Grant, result: OpResult, sent: float) -> None:
         """The store renewed ``g`` (an answer to an op sent at ``sent``): its new size, and
         the leases it counts past ``limit`` (a rise is overadmission: slots in use restored
-        after others took them)."""
+        after others took them; every replica's renewal sees it, the answer does not say
+        whose slots were restored, so the fleet's figure is the largest replica's)."""
         g.size = int(result.extra)
         g.renewed_at = sent
         over = int(result.retry_after)
