@@ -49,8 +49,9 @@ from .grants import Synced
 __all__ = ["FleetSlots", "FleetUsageShedder", "LocalSlots", "default_fleet_batch", "grant_ttl"]
 
 RETRY_AFTER = 2.0
-#: the grant TTL in sync_intervals (at least 1 s, at most the lease TTL): a replica that
-#: stops renewing gives its slots back this long after its last renewal
+#: the grant TTL in sync_intervals (at least 1 s, at most the lease TTL): a replica spends
+#: from its grant only this long after the last renewal it sent (its slots live this long
+#: plus the lease TTL: :attr:`FleetSlots.life`)
 TTL_INTERVALS: Final = 10
 
 
@@ -62,8 +63,9 @@ def default_fleet_batch(limit: int) -> int:
 
 
 def grant_ttl(sync_interval: float, lease_ttl: float) -> float:
-    """How long a grant's slots live without a renewal: ``TTL_INTERVALS`` sync intervals,
-    at least 1 s, at most ``lease_ttl`` (so the lease key's TTL covers them)."""
+    """How long a replica spends from a grant after the last renewal it sent:
+    ``TTL_INTERVALS`` sync intervals, at least 1 s, at most ``lease_ttl``; the store keeps
+    the grant's slots this long plus ``lease_ttl`` (:attr:`FleetSlots.life`)."""
     return min(lease_ttl, max(1.0, TTL_INTERVALS * sync_interval))
 
 
