@@ -24,9 +24,11 @@
 --   quota grant  quota_pool = max(0, count - held); admits: pool + cost <= limit;
 --           quota_grant_size = max(0, min(want, limit - pool)); count = pool + grant
 --   quota return quota_give_back: count = max(0, count - amount), only while the count exists
---   fleet grant  fleet_grant_admits: want <= 0 or lease_admits(live, limit); fleet_grant_top:
---           want > 0: have + (limit <= 0 and want or max(0, min(want, limit - live))), else
---           max(0, have + want); members "<grant>:0 .. top-1" renewed (ZADD XX) or added,
+--   fleet grant  others = live leases not members "<grant>:0 .. have-1" (ZMSCORE);
+--           fleet_grant_top: target = max(0, have + want); limit <= 0: target, else
+--           max(min(used, have), min(target, limit - others)); fleet_grant_admits: want <= 0
+--           or top > min(used, have); members "<grant>:0 .. top-1" renewed or added back
+--           (ZADD: a slot in use that expired while its replica stood still is restored),
 --           "<grant>:top .. have-1" removed (one command each for the whole grant)
 -- Only the raw state is returned: the caller derives remaining, retry-after and reset with
 -- extauthz.store.algorithms.op_result, as the embedded store does.
@@ -60,9 +62,10 @@
 --               ttl (as count's); the count's state and TTL
 --   quota return: ARGV[a+2] amount (units given back); ARGV[a+3..a+4] unused; "0"
 --   fleet grant: ARGV[a+2] limit (as lease's), ARGV[a+3] grant ttl (s, float), ARGV[a+4]
---               "<grant> <have> <want>" (the grant's member prefix, its size, the change:
---               > 0 grow by up to want, <= 0 shrink); the lease key's state; the key's
---               PEXPIRE is only ever raised (exact leases on the same key keep theirs)
+--               "<grant> <have> <want> <used>" (the grant's member prefix, its size, the
+--               change: > 0 grow by up to want, <= 0 shrink; the slots in use); the lease
+--               key's state; the key's PEXPIRE is only ever raised (exact leases on the same
+--               key keep theirs)
 --
 -- State (one key per op; a bucket costs GET + SET, a lease ZREMRANGEBYSCORE + ZCARD + ZADD +
 -- PEXPIRE, a release ZREM, and the call one TIME when no clock is injected; a key met again
@@ -85,7 +88,8 @@
 --                   failed for this request (each value_i is then the error message)
 --   value_i         state BEFORE this request's commit, as seen at "now":
 --                   bucket, grant, return: tokens available (refilled to now, at most burst);
---                   lease, fleet grant: live leases (after the sweep); count, quota grant, quota
+--                   lease: live leases (after the sweep); fleet grant: live leases not of
+--                   the op's grant (after the sweep); count, quota grant, quota
 --                   return: the window's count;
 --                   release: 0;
 --                   as a "%.17g" string (Redis truncates Lua numbers in replies to integers).
@@ -110,6 +114,32 @@ local function call_sliced(cmd, key, flag, args)
     n = n + redis.call(unpack(part))
   end
   return n
+end
+
+-- How many of the members "<grant>:0 .. have-1" are live (ZMSCORE, sliced as above).
+local function grant_live(key, grant, have)
+  local n = 0
+  for s = 0, have - 1, SLICE do
+    local part = {'ZMSCORE', key}
+    for m = s, math.min(have, s + SLICE) - 1 do
+      part[#part + 1] = grant .. ':' .. m
+    end
+    for _, score in ipairs(redis.call(unpack(part))) do
+      if score then
+        n = n + 1
+      end
+    end
+  end
+  return n
+end
+
+-- The fleet_grant_top of algorithms.py.
+local function fleet_top(limit, others, have, want, used)
+  local target = math.max(0, have + want)
+  if limit <= 0 then
+    return target
+  end
+  return math.max(math.min(used, have), math.min(target, limit - others))
 end
 
 -- Redis TIME is read at the first op that needs "now" (a call of releases only needs none).
@@ -191,9 +221,11 @@ local function check(k, j, n, res)
         count = redis.call('ZCARD', key)
         live[key] = count
       end
-      if kind == 'f' then  -- fleet_grant_admits: a growth as a lease, a renewal always
-        local _, _, want = string.match(ARGV[a + 4], '^(%S+) (%S+) (%S+)$')
-        ok[i] = tonumber(want) <= 0 or limit <= 0 or count < limit
+      if kind == 'f' then  -- fleet_grant_admits: a growth when a slot is free, a renewal always
+        local grant, have, want, used = string.match(ARGV[a + 4], '^(%S+) (%S+) (%S+) (%S+)$')
+        have, want, used = tonumber(have), tonumber(want), tonumber(used)
+        count = count - grant_live(key, grant, have)
+        ok[i] = want <= 0 or fleet_top(limit, count, have, want, used) > math.min(used, have)
       else
         ok[i] = limit <= 0 or count < limit
       end
@@ -264,25 +296,20 @@ local function check(k, j, n, res)
         end
       elseif kind == 'f' then
         local limit, ttl = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
-        local grant, have, want = string.match(ARGV[a + 4], '^(%S+) (%S+) (%S+)$')
-        have, want = tonumber(have), tonumber(want)
-        local top = math.max(0, have + want)  -- fleet_grant_top
-        if want > 0 then
-          top = have + (limit <= 0 and want or math.max(0, math.min(want, limit - value[i])))
-        end
+        local grant, have, want, used = string.match(ARGV[a + 4], '^(%S+) (%S+) (%S+) (%S+)$')
+        have, want, used = tonumber(have), tonumber(want), tonumber(used)
+        local top = fleet_top(limit, value[i], have, want, used)
         local at = fmt(now + ttl)
-        local renew, add, drop = {}, {}, {}
-        for m = 0, top - 1 do  -- renew what is still live (XX), add the new slots
-          local list = m < have and renew or add
-          list[#list + 1] = at
-          list[#list + 1] = grant .. ':' .. m
+        local keep, drop = {}, {}
+        for m = 0, top - 1 do  -- renew what is live, add back what expired, add the new slots
+          keep[#keep + 1] = at
+          keep[#keep + 1] = grant .. ':' .. m
         end
         for m = top, have - 1 do
           drop[#drop + 1] = grant .. ':' .. m
         end
-        -- one ZADD XX, one ZADD and one ZREM for the whole grant (sliced past 500 members)
-        call_sliced('ZADD', key, 'XX', renew)
-        live[key] = live[key] + call_sliced('ZADD', key, false, add)
+        -- one ZADD and one ZREM for the whole grant (sliced past 500 members)
+        live[key] = live[key] + call_sliced('ZADD', key, false, keep)
         live[key] = live[key] - call_sliced('ZREM', key, false, drop)
         local ms = math.max(1000, math.ceil(ttl * 1000))
         if redis.call('PTTL', key) < ms then  -- never shortens the leases' key TTL

@@ -10,12 +10,23 @@ time as a grant, members of the tier's lease ZSET with an expiry score
 :mod:`extauthz.store.algorithms`), renews them while it holds them and admits a request
 into a free slot of its grant without a store call. A finished request's lease (released
 through the one release path, :class:`~extauthz.release.Releaser`) frees its slot in the
-LOCAL grant; slots unused for ``sync_interval`` go back (the grant shrinks), and a replica
-that stops renewing loses its slots when the grant TTL (:func:`grant_ttl`) runs out. A
-non-critical grant grows only while the non-critical leases (every replica's grant members
-and exact leases) admit one more, so no more non-critical requests are in flight than the
-exact limiter admits; a replica may refuse while others hold free slots: at most
+LOCAL grant; slots unused for ``sync_interval`` go back (the grant shrinks). A non-critical
+grant grows only while the non-critical leases (every replica's grant members and exact
+leases) leave a slot free, so no more non-critical requests are in flight than the exact
+limiter admits; a replica may refuse while others hold free slots: at most
 ``batch x (replicas - 1)`` early, until their slots go back.
+
+Stalls (a replica stopped, starved or killed): a replica admits into its grant only within
+the grant TTL (:func:`grant_ttl`) of the last renewal it sent, and the store keeps the
+grant's members for that TTL plus ``lease_ttl`` (:attr:`FleetSlots.life`), so a slot taken
+at the last moment is counted as long as an exact lease taken then would be, however long
+the replica then stands still: the others never take it meanwhile. A renewal carries the
+slots in use (``used``) and the store restores those that expired anyway (a stall past
+``lease_ttl``, a Redis that lost them), past ``limit`` if the others took them meanwhile:
+those requests are in flight, every replica then refuses until they finish, and the
+leases counted past ``limit`` are counted as overadmission (:attr:`Synced.overadmitted`).
+The cost: a replica killed holds its free slots (at most ``batch``) for ``life`` instead
+of the TTL, as an exact lease of a killed replica is held for ``lease_ttl``.
 """
 
 from __future__ import annotations
@@ -38,8 +49,9 @@ from .grants import Synced
 __all__ = ["FleetSlots", "FleetUsageShedder", "LocalSlots", "default_fleet_batch", "grant_ttl"]
 
 RETRY_AFTER = 2.0
-#: the grant TTL in sync_intervals (at least 1 s, at most the lease TTL): a replica that
-#: stops renewing gives its slots back this long after its last renewal
+#: the grant TTL in sync_intervals (at least 1 s, at most the lease TTL): a replica spends
+#: from its grant only this long after the last renewal it sent (its slots live this long
+#: plus the lease TTL: :attr:`FleetSlots.life`)
 TTL_INTERVALS: Final = 10
 
 
@@ -51,8 +63,9 @@ def default_fleet_batch(limit: int) -> int:
 
 
 def grant_ttl(sync_interval: float, lease_ttl: float) -> float:
-    """How long a grant's slots live without a renewal: ``TTL_INTERVALS`` sync intervals,
-    at least 1 s, at most ``lease_ttl`` (so the lease key's TTL covers them)."""
+    """How long a replica spends from a grant after the last renewal it sent:
+    ``TTL_INTERVALS`` sync intervals, at least 1 s, at most ``lease_ttl``; the store keeps
+    the grant's slots this long plus ``lease_ttl`` (:attr:`FleetSlots.life`)."""
     return min(lease_ttl, max(1.0, TTL_INTERVALS * sync_interval))
 
 
@@ -60,7 +73,7 @@ class _Grant:
     """One tier's grant on this replica: ``size`` members of the fleet ZSET ``key`` named
     ``<gid>:0 .. <gid>:size-1``, ``used`` of them by requests in flight here."""
 
-    __slots__ = ("asked", "gid", "key", "leases", "limit", "low", "low_since", "renewed_at",
+    __slots__ = ("asked", "gid", "key", "leases", "limit", "low", "low_since", "over", "renewed_at",
                  "shared", "size")
 
     def __init__(self, key: str, limit: int, now: float) -> None:
@@ -73,8 +86,11 @@ class _Grant:
         #: fewest free slots since ``low_since`` (what was unused all that time)
         self.low = 0
         self.low_since = now
-        #: the last store answer that renewed the grant (its members live until + ttl)
+        #: when the last renewal the store answered was sent (its members live until at
+        #: least + life; this replica spends from the grant only until + ttl)
         self.renewed_at = now
+        #: leases past ``limit`` at the last store answer (:func:`~extauthz.store.algorithms.fleet_grant_over`)
+        self.over = 0
         #: free slots of ``limit`` at the last store answer (the ``remaining`` header)
         self.shared = 0.0
         #: when a store call for this grant was sent and not answered yet (None: none)
@@ -103,6 +119,9 @@ class FleetSlots(Synced):
         self.batch = batch
         self.lease_ttl = lease_ttl
         self.ttl = grant_ttl(sync_interval, lease_ttl)
+        #: how long the store keeps a renewed grant's members: a slot taken ``ttl`` after the
+        #: renewal is counted ``lease_ttl`` after that, as an exact lease would be
+        self.life = self.ttl + lease_ttl
         #: the timer's period: renewals well inside the TTL, give-backs within sync_interval
         self.period = min(sync_interval / 2, self.ttl / 4)
         self._clock = clock
@@ -158,7 +177,7 @@ class FleetSlots(Synced):
             return LeaseOp(key, g.limit, self.lease_ttl, enforce)
         g.asked = now
         self._asked[id(ctx)] = g
-        return FleetGrantOp(key, g.limit, self.ttl, g.gid, g.size, self.batch, enforce)
+        return FleetGrantOp(key, g.limit, self.life, g.gid, g.size, self.batch, enforce, g.used)
 
     def answered(self, ctx: RequestContext, result: OpResult) -> None:
         """The store's answer to a growth (:meth:`ask`): the grant's new size; a request
@@ -166,17 +185,28 @@ class FleetSlots(Synced):
         g = self._asked.pop(id(ctx), None)
         if g is None:
             return
-        g.asked = None
-        now = self._clock.monotonic()
+        sent, g.asked = g.asked, None
         g.shared = result.remaining
-        size = int(result.extra)
-        if size > g.size:
+        if result.extra < 0 or sent is None:  # nothing committed: the grant stands as it was
+            return
+        now = self._clock.monotonic()
+        self._renewed(g, result, sent)
+        if result.allowed and g.free > 0:
             self.grants += 1
-            g.size = size
-            g.renewed_at = now
             self._take(ctx, g, now)
             g.low, g.low_since = g.free, now
-            self._arm()
+        self._arm()
+
+    def _renewed(self, g: _Grant, result: OpResult, sent: float) -> None:
+        """The store renewed ``g`` (an answer to an op sent at ``sent``): its new size, and
+        the leases it counts past ``limit`` (a rise is overadmission: slots in use restored
+        after others took them; every replica's renewal sees it, the answer does not say
+        whose slots were restored, so the fleet's figure is the largest replica's)."""
+        g.size = int(result.extra)
+        g.renewed_at = sent
+        over = int(result.retry_after)
+        self.overadmitted += max(0, over - g.over)
+        g.over = over
 
     def hold(self, ctx: RequestContext, lease_id: str) -> str | None:
         """An admitted request took a slot here: its lease is ``lease_id`` (the key it
@@ -212,8 +242,8 @@ class FleetSlots(Synced):
             # never more than one batch free here (the early-refusal bound): the rest goes back
             g.asked = self._clock.monotonic()
             try:
-                self._spawn(self._send([FleetGrantOp(g.key, g.limit, self.ttl, g.gid, g.size,
-                                                     self.batch - g.free, False)]))
+                self._spawn(self._send([FleetGrantOp(g.key, g.limit, self.life, g.gid, g.size,
+                                                     self.batch - g.free, False, g.used)]))
             except RuntimeError:  # no event loop: the next sync turn gives it back
                 g.asked = None
         return True
@@ -235,9 +265,6 @@ class FleetSlots(Synced):
             g.low = min(g.low, g.free)
             if g.size == 0 or (g.asked is not None and now - g.asked < self.sync_interval):
                 continue
-            if now - g.renewed_at >= self.ttl:  # its members are gone: a new grant
-                g.gid, g.size, g.asked = os.urandom(6).hex(), 0, None
-                continue
             back = g.free if self.retired else (g.low if now - g.low_since >= self.sync_interval else 0)
             back = max(back, g.free - self.batch)  # never more than one batch free here
             if now - g.low_since >= self.sync_interval:
@@ -245,7 +272,7 @@ class FleetSlots(Synced):
             if back:
                 self.expired += 1
             g.asked = now
-            out.append(FleetGrantOp(g.key, g.limit, self.ttl, g.gid, g.size, -back, False))
+            out.append(FleetGrantOp(g.key, g.limit, self.life, g.gid, g.size, -back, False, g.used))
         return out
 
     async def sync(self) -> int:
@@ -261,6 +288,7 @@ class FleetSlots(Synced):
         """Renew or shrink grants (one store call); the slots each gave back."""
         assert self.store is not None
         grants = [self._grants[op.key] for op in ops]
+        sent = self._clock.monotonic()
         try:
             result = await self.store.check(ops, "")
         except Exception:  # the grants live on until their TTL; the next turn renews them
@@ -271,11 +299,11 @@ class FleetSlots(Synced):
                 g.asked = None
         out = []
         for op, g, res in zip(ops, grants, result.results, strict=True):
-            size = min(g.size, int(res.extra))
-            given = g.size - size
-            if g.gid == op.grant:
-                g.size = size
-                g.renewed_at = self._clock.monotonic()
+            given = max(0, g.size - int(res.extra)) if res.extra >= 0 else 0
+            if op.limit > 0 and res.remaining - given <= 0:  # the fleet was full without them
+                self.unspent_at_limit(float(given))
+            if g.gid == op.grant and res.extra >= 0:
+                self._renewed(g, res, sent)
                 g.shared = res.remaining
             self.returned += given
             if given:
@@ -291,8 +319,8 @@ class FleetSlots(Synced):
         self.retired = True
         out = []
         for g in self._grants.values():
-            if g.free and self._clock.monotonic() - g.renewed_at < self.ttl:
-                out.append(FleetGrantOp(g.key, g.limit, self.ttl, g.gid, g.size, -g.free, False))
+            if g.free:
+                out.append(FleetGrantOp(g.key, g.limit, self.life, g.gid, g.size, -g.free, False, g.used))
         return out
 
     @property

@@ -43,6 +43,7 @@ metrics read them.
 from __future__ import annotations
 
 import asyncio
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, cast
@@ -53,9 +54,9 @@ from ..store.algorithms import admits, take
 from ..store.base import GrantOp, Op, OpResult, ReturnOp, Store
 from ..verdict import Verdict
 
-__all__ = ["GRANT_METRICS", "GrantHolder", "GrantTable", "Grantee", "LeaseHolder", "Numbers", "Synced", "batched",
-           "bind_store", "bucket_renew",
-           "default_batch", "grant_status", "hold_leases", "refund_grants", "retire_grants", "settle_grants"]
+__all__ = ["EARLY_BUCKETS", "GRANT_METRICS", "GrantHolder", "GrantTable", "Grantee", "LeaseHolder", "Numbers",
+           "Synced", "batched", "bind_store", "bucket_renew", "default_batch", "grant_early", "grant_status",
+           "hold_leases", "refund_grants", "retire_grants", "settle_grants"]
 
 #: the limiter's numbers a grant was taken with (a bucket: ``(rate, burst)``; a quota:
 #: ``(limit,)``): a grant is spent only for the same numbers, and goes back with them
@@ -81,6 +82,9 @@ def bucket_renew(key: str, numbers: Numbers, held: float, want: float) -> GrantO
     :func:`~extauthz.store.algorithms.grant_pool`, :func:`~extauthz.store.algorithms.grant_size`)."""
     rate, burst = numbers
     return GrantOp(key, rate, burst, 0.0, want, False, held)
+
+#: the early-refusal histogram's bucket bounds (tokens, quota units or fleet slots)
+EARLY_BUCKETS: Final = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)
 
 #: timer ticks per sync_interval: a grant goes back at the first tick at least half an
 #: interval after it was taken, so within one interval
@@ -137,18 +141,38 @@ class Synced:
         #: counters (status(), /metrics): requests answered from a grant (each a store call
         #: saved), grants taken, grants given back because ``sync_interval`` passed
         #: (``expired``), the amount given back (any reason), give-backs that failed (their
-        #: amount only refuses early: never admitted)
+        #: amount only refuses early: never admitted), and the requests admitted past the
+        #: exact limiter's count as far as the store can tell (must stay 0: fleet slots in
+        #: use restored past ``limit``, :func:`~extauthz.store.algorithms.fleet_grant_over`)
         self.local = 0
         self.grants = 0
         self.expired = 0
         self.returned = 0.0
         self.return_errors = 0
+        self.overadmitted = 0
+        #: granted tokens dropped unspent, held past ``spend_within`` (a stall)
+        self.dropped = 0.0
+        #: the early-refusal histogram (:meth:`unspent_at_limit`): observations per bucket of
+        #: :data:`EARLY_BUCKETS` (+Inf last; not cumulative) and their sum
+        self.early = [0] * (len(EARLY_BUCKETS) + 1)
+        self.early_sum = 0.0
 
     def status(self) -> dict[str, float]:
         """The table's counters and what it holds now (/status, /metrics)."""
         return {"keys": self.keys_held(), "held": self.total(), "grants_taken": self.grants,
                 "grants_expired": self.expired, "returned": self.returned,
-                "return_errors": self.return_errors, "store_calls_saved": self.local}
+                "return_errors": self.return_errors, "store_calls_saved": self.local,
+                "overadmission": self.overadmitted, "dropped": self.dropped,
+                "early_refusals": sum(self.early), "early_refusal_amount": self.early_sum}
+
+    def unspent_at_limit(self, amount: float) -> None:
+        """``amount`` of this replica's grant goes back unspent, and the store's answer
+        says the shared state without it could not pay one request more: while it stood
+        here, requests asking elsewhere were refused early, by at most this much (the
+        early-refusal histogram, ``extauthz_early_refusal``)."""
+        if amount > 0.0:
+            self.early[bisect_left(EARLY_BUCKETS, amount)] += 1
+            self.early_sum += amount
 
     def keys_held(self) -> int:
         raise NotImplementedError
@@ -251,15 +275,25 @@ class GrantTable(Synced):
     """One limiter's grants, by bucket key, on this replica."""
 
     def __init__(self, sync_interval: float, clock: Clock = SYSTEM_CLOCK,
-                 give_back: GiveBack = bucket_return, renew: Renew | None = None) -> None:
+                 give_back: GiveBack = bucket_return, renew: Renew | None = None,
+                 spend_within: float | None = None) -> None:
         super().__init__()
         self.sync_interval = sync_interval
+        #: a grant held this long after the store yielded it is neither spent nor given
+        #: back but dropped (a token bucket's: the bucket refilled meanwhile, up to
+        #: ``burst``, so its tokens spent or returned then would yield more at that instant
+        #: than the exact limiter; dropped, they only refuse early). None: kept (a quota's
+        #: grant belongs to its window, which counts it whenever it is spent)
+        self.spend_within = spend_within
         self.period = sync_interval / TICKS
         self._clock = clock
         self._op = give_back
         #: None: a due grant only goes back (a quota: its next window is another count)
         self._renew = renew
         self._held: dict[str, _Held] = {}
+        #: key -> when a grant for it was asked (:meth:`lend`, clock.monotonic): the grant
+        #: that answers it was taken no earlier, whatever the answer waited for
+        self._asked: dict[str, float] = {}
 
     def __len__(self) -> int:
         return len(self._held)
@@ -281,12 +315,16 @@ class GrantTable(Synced):
     def spend(self, key: str, cost: float, numbers: Numbers) -> float | None:
         """Spend ``cost`` from the grant held for ``key``: the ``remaining`` to answer
         (grant left + the shared bucket's last known tokens), or None when the grant does
-        not cover it (or was taken for other numbers: a plan or override changed)."""
+        not cover it, was taken for other numbers (a plan or override changed) or is stale
+        (:meth:`_stale`: dropped)."""
         h = self._held.get(key)
         if h is None or h.numbers != numbers or not admits(h.tokens, cost):
             return None
+        now = self._clock.monotonic()
+        if self._stale(h, now):
+            return None
         h.tokens = take(h.tokens, cost)
-        h.spent_at = now = self._clock.monotonic()
+        h.spent_at = now
         if h.tokens <= 0.0:
             h.empty_since = now
         self.local += 1
@@ -296,15 +334,30 @@ class GrantTable(Synced):
         """The remainder held for ``key`` (too small for the request that asks), taken out
         to go back with the grant the request asks for (``GrantOp.held``): the store counts
         it in the pool it grants from. :meth:`granted` or :meth:`restore` follows."""
+        now = self._clock.monotonic()
+        if now - self._asked.get(key, float("-inf")) >= self.sync_interval:  # none, or one left unanswered
+            self._asked[key] = now
         h = self._held.get(key)
-        if h is None or h.numbers != numbers or h.tokens <= 0.0:
+        if h is None or h.numbers != numbers or h.tokens <= 0.0 or self._stale(h, now):
             return 0.0
         held, h.tokens = h.tokens, 0.0
         h.empty_since = self._clock.monotonic()
         return held
 
+    def _stale(self, h: _Held, now: float) -> bool:
+        """Whether ``h`` was taken ``spend_within`` ago or more (its replica stood still: its
+        timer did not give it back in time): then its tokens are dropped here, unspent, and
+        counted (``dropped``)."""
+        if self.spend_within is None or now - h.taken_at < self.spend_within or h.tokens <= 0.0:
+            return False
+        self.dropped += h.tokens
+        h.tokens = 0.0
+        h.empty_since = now
+        return True
+
     def restore(self, key: str, held: float, numbers: Numbers) -> None:
         """The grant asked with ``held`` was not committed: the remainder stays here."""
+        self._asked.pop(key, None)
         if held <= 0.0:
             return
         h = self._held.get(key)
@@ -315,18 +368,20 @@ class GrantTable(Synced):
         self._arm()
 
     def granted(self, key: str, amount: float, cost: float, shared: float, want: float,
-                numbers: Numbers) -> float:
+                numbers: Numbers, sent: float | None = None) -> float:
         """The store granted ``amount`` tokens for ``key`` (``shared`` left there) to a
-        request of ``cost``, which spends its cost from it at once. Returns ``remaining``."""
+        request of ``cost``, which spends its cost from it at once. Returns ``remaining``.
+        The grant counts as taken when it was asked (``sent``, else :meth:`lend`'s time)."""
         now = self._clock.monotonic()
+        taken = min(now, self._asked.pop(key, now) if sent is None else sent)
         self.grants += 1
         h = self._held.get(key)
         if h is None or h.numbers != numbers:
             if h is not None and h.tokens > 0.0:  # taken with other numbers: give it back
                 self._give_back([(key, h.numbers, h.tokens)])
-            h = self._held[key] = _Held(0.0, shared, now, now, numbers)
+            h = self._held[key] = _Held(0.0, shared, taken, now, numbers)
         if h.tokens <= 0.0:
-            h.taken_at = now
+            h.taken_at = taken
         h.tokens = take(h.tokens + amount, cost)
         h.shared = shared
         h.want = want
@@ -349,6 +404,8 @@ class GrantTable(Synced):
         half = self.sync_interval / TICKS
         out: list[Op] = []
         for key, h in list(self._held.items()):
+            if self._stale(h, now):
+                continue
             if h.tokens > 0.0 and now - h.taken_at >= half:
                 renew = self._renew if now - h.spent_at <= half else None
                 out.append(self._op(key, h.numbers, h.tokens) if renew is None
@@ -358,6 +415,8 @@ class GrantTable(Synced):
                 h.empty_since = now
             elif h.tokens <= 0.0 and now - h.empty_since >= self.sync_interval:
                 del self._held[key]
+        for key in [k for k, at in self._asked.items() if now - at >= self.sync_interval]:
+            del self._asked[key]  # asked, never answered (the store failed open)
         return out
 
     async def sync(self) -> int:
@@ -366,9 +425,11 @@ class GrantTable(Synced):
         with the next check); a renewal's new grant is held here. Returns how many went back."""
         due = self.due()
         if due and self.store is not None:
+            sent = self._clock.monotonic()
             for op, result in zip(due, await self._send_all(due), strict=True):
                 if isinstance(op, GrantOp) and result is not None and result.extra > 0.0:
-                    self.granted(op.key, result.extra, 0.0, result.remaining, op.want, (op.rate, op.burst))
+                    self.granted(op.key, result.extra, 0.0, result.remaining, op.want, (op.rate, op.burst),
+                                 sent)
         return len(due)
 
     async def _send(self, ops: Sequence[Op]) -> list[OpResult | None]:
@@ -379,7 +440,24 @@ class GrantTable(Synced):
             self.return_errors += len(ops)
             return [None] * len(ops)
         self.returned += sum(op.held if isinstance(op, GrantOp) else getattr(op, "amount", 0.0) for op in ops)
+        for op, res in zip(ops, result.results, strict=True):
+            self._early(op, res)
         return list(result.results)
+
+    def _early(self, op: Op, res: OpResult) -> None:
+        """Observe a bucket's give-back (a return, or a renewal's ``held``) that stood here
+        while the bucket could not pay one token (:meth:`unspent_at_limit`): the bucket's
+        tokens before it follow from the answer (:func:`~extauthz.store.algorithms.give_back`,
+        :func:`~extauthz.store.algorithms.grant_pool`), unless it was full. A quota's
+        give-back carries no limit: not observed."""
+        if isinstance(op, ReturnOp):
+            after, amount = res.remaining, op.amount
+        elif isinstance(op, GrantOp) and op.held > 0.0 and res.extra >= 0.0:
+            after, amount = res.remaining + res.extra, op.held  # the pool it granted from
+        else:
+            return
+        if after < op.burst and not admits(after - amount, 1.0):
+            self.unspent_at_limit(amount)
 
     def _give_back(self, returns: Iterable[tuple[str, Numbers, float]]) -> None:
         if self.store is None:
@@ -394,7 +472,9 @@ class GrantTable(Synced):
     def _take_all(self) -> list[Op]:
         """Stop the timer and take out everything held (to go back)."""
         self._stop_timer()
-        returns = [self._op(key, h.numbers, h.tokens) for key, h in self._held.items() if h.tokens > 0.0]
+        now = self._clock.monotonic()
+        returns = [self._op(key, h.numbers, h.tokens) for key, h in self._held.items()
+                   if not self._stale(h, now) and h.tokens > 0.0]
         self._held.clear()
         return returns
 
@@ -484,9 +564,28 @@ GRANT_METRICS: Final = {
                       "amount only refuses early until the store refills it)."),
     "store_calls_saved": ("extauthz_grant_store_calls_saved", True, "Requests answered from a "
                           "batched grant held here: store calls saved."),
+    "overadmission": ("extauthz_overadmission", True, "Requests admitted past the exact "
+                      "limiter's count, as far as the store can tell (must stay 0; see "
+                      "docs/limiters.md)."),
+    "dropped": ("extauthz_grant_dropped", True, "Granted tokens dropped unspent because this "
+                "replica held them past sync_interval (it stood still): only early refusals."),
     "held": ("extauthz_grants_held", False, "Granted tokens or quota units held here, unspent."),
     "keys": ("extauthz_grant_keys", False, "Keys this replica holds or recently held grants for."),
 }
+
+
+def grant_early(limiters: Iterable[object]) -> dict[str, tuple[list[tuple[str, float]], float]]:
+    """Every batched limiter's early-refusal histogram, by limiter name: cumulative
+    ``(le, count)`` buckets (+Inf last) and the sum (/metrics)."""
+    out: dict[str, tuple[list[tuple[str, float]], float]] = {}
+    for lim in limiters:
+        if (g := batched(lim)) is not None and isinstance(table := g.grants, Synced):
+            total, buckets = 0, []
+            for bound, n in zip((*map(str, EARLY_BUCKETS), "+Inf"), table.early, strict=True):
+                total += n
+                buckets.append((bound, float(total)))
+            out[g.name] = (buckets, table.early_sum)
+    return out
 
 
 def grant_status(limiters: Iterable[object]) -> dict[str, dict[str, float]]:

@@ -78,7 +78,8 @@ class RequestRateLimiter(PerCustomer):
         self.sync_interval = spec.sync_interval
         self.batch = spec.batch
         if spec.consistency == "batched":
-            self.grants = GrantTable(self.sync_interval, clock, renew=bucket_renew)
+            self.grants = GrantTable(self.sync_interval, clock, renew=bucket_renew,
+                                     spend_within=self.sync_interval)
             self.refusals = RefusalCache(clock, max_window=self.sync_interval)
         #: the request whose cost :meth:`local` spent from a grant (its :meth:`op` is None)
         self._spent: RequestContext | None = None

@@ -21,12 +21,12 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from ..engine import Engine
 from ..errors import CircuitOpen, Overloaded, StoreError, StoreInternalError, StoreTimeout, StoreUnavailable
 from ..limiters import FleetUsageShedder, WorkerUtilizationShedder
-from ..limiters.grants import GRANT_METRICS, grant_status
+from ..limiters.grants import GRANT_METRICS, grant_early, grant_status
 from ..overload import LoopLag
 from ..overrides import MAX_OVERRIDES, describe
 from ..release import releases_status
@@ -366,6 +366,14 @@ class GrantsPart:
             for limiter, values in sorted(status.items()):
                 family.add_metric([limiter], values[field])
             yield family
+        early = HistogramMetricFamily(
+            "extauthz_early_refusal", "Batched grants given back unspent that stood on this "
+            "replica while the shared state without them could not pay one request more: other "
+            "replicas' requests were refused early meanwhile, by at most this much (tokens or "
+            "fleet slots; see docs/limiters.md).", labels=["limiter"])
+        for limiter, (buckets, total) in sorted(grant_early(self.engine.snapshot.limiters).items()):
+            early.add_metric([limiter], buckets, total)
+        yield early
 
 
 def classifier_part(engine: Engine) -> Section:

@@ -11,7 +11,7 @@ requires identical decisions, remaining, retry-after and levels):
   :func:`grant_stamp`, the lease sweep (:func:`lease_live`), the quota count
   (:func:`count_admits`) and its batched grants (:func:`quota_pool`,
   :func:`quota_grant_size`, :func:`quota_give_back`) and the fleet grants
-  (:func:`fleet_grant_admits`, :func:`fleet_grant_size`), with the same float operations in the same order and the same
+  (:func:`fleet_grant_admits`, :func:`fleet_grant_top`), with the same float operations in the same order and the same
   :data:`TOKEN_EPSILON` (its header says so; a test pins the constant). The script
   returns raw state (tokens or live leases before the commit, and whether each op allows),
   and Python derives every reported number from it with :func:`op_result`, as the memory
@@ -204,41 +204,59 @@ def quota_return_result(op: QuotaReturnOp, count: int) -> OpResult:
 
 # --------------------------------------------------------------------------- fleet grants
 # ``consistency: batched`` for fleet_usage: a replica's grant is ``have`` members of the
-# fleet's lease ZSET (each a slot with an expiry score, renewed while held). It grows only
-# when the live leases (every replica's grant members and exact leases) admit one more
-# (:func:`lease_admits`), by at most what is left of ``limit``, so the members never exceed
-# what exact leases would; the replica admits a request only into a slot of its grant.
+# fleet's lease ZSET (each a slot with an expiry score, renewed while held), ``used`` of
+# them by requests in flight there. The store counts the live leases of the others
+# (``others``: every live member but the grant's own, so it is the same whether the
+# grant's members are live or expired). The grant after an op keeps the slots in use
+# (``used``: restored when they expired while the replica stood still, past ``limit`` if
+# others took them meanwhile: those requests are in flight, and the others must see them),
+# and never holds free slots past what is left of ``limit``; a growth allows only when a
+# free slot is there for the asking request. So the members never exceed what exact leases
+# would, and a replica admits a request only into a slot of its grant.
 
 
-def fleet_grant_admits(live: int, limit: int, want: int) -> bool:
-    """Whether a fleet grant op allows: a growth when the live leases admit one more, a
-    renewal or shrink (``want <= 0``) always."""
-    return want <= 0 or lease_admits(live, limit)
-
-
-def fleet_grant_size(live: int, limit: int, want: int) -> int:
-    """Slots a growth adds to a key holding ``live`` leases: ``want``, or what is left of
-    ``limit`` when less (``limit`` 0, count only: ``want``)."""
-    return want if limit <= 0 else max(0, min(want, limit - live))
-
-
-def fleet_grant_top(live: int, op: FleetGrantOp, committed: bool) -> int:
-    """The grant's size after the op: grown by :func:`fleet_grant_size`, or shrunk to
-    ``have + want`` (never below 0); unchanged when nothing was committed."""
-    if not committed:
-        return op.have
-    if op.want > 0:
-        return op.have + fleet_grant_size(live, op.limit, op.want)
+def fleet_grant_target(op: FleetGrantOp) -> int:
+    """The size the op asks for: ``have + want`` (never below 0)."""
     return max(0, op.have + op.want)
 
 
-def fleet_grant_result(op: FleetGrantOp, allowed: bool, live: int, committed: bool) -> OpResult:
-    """The answer for a fleet grant from the live leases before it: ``remaining`` the free
-    slots of ``limit`` after it (inf for count only), ``extra`` the grant's size after it."""
-    top = fleet_grant_top(live, op, committed)
-    after = live + top - op.have if op.want > 0 else live
-    free = float(op.limit - after) if op.limit > 0 else float("inf")
-    return OpResult(allowed, max(0.0, free), 0.0, float(top))
+def fleet_grant_top(others: int, op: FleetGrantOp, committed: bool) -> int:
+    """The grant's size after the op, from the live leases of the others: the size asked
+    (:func:`fleet_grant_target`), at most what is left of ``limit`` (``limit`` 0, count only:
+    as asked), but never below the slots in use (``min(used, have)``); ``have`` when nothing
+    was committed."""
+    if not committed:
+        return op.have
+    target = fleet_grant_target(op)
+    if op.limit <= 0:
+        return target
+    return max(min(op.used, op.have), min(target, op.limit - others))
+
+
+def fleet_grant_admits(others: int, op: FleetGrantOp) -> bool:
+    """Whether a fleet grant op allows: a growth when the grant after it has a free slot for
+    the asking request, a renewal or shrink (``want <= 0``) always."""
+    return op.want <= 0 or fleet_grant_top(others, op, True) > min(op.used, op.have)
+
+
+def fleet_grant_over(others: int, top: int, limit: int) -> int:
+    """Leases past ``limit`` once the grant holds ``top`` slots (0 for count only): what the
+    store can tell of admissions past the exact limiter's count (a grant's slots in use
+    restored after others took them)."""
+    return 0 if limit <= 0 else max(0, others + top - limit)
+
+
+def fleet_grant_result(op: FleetGrantOp, allowed: bool, others: int, committed: bool) -> OpResult:
+    """The answer for a fleet grant from the others' live leases before it: ``remaining`` the
+    free slots of ``limit`` after it (inf for count only); ``extra`` the grant's size after
+    it, or -1 when nothing was committed (the grant stands as it was: not renewed);
+    ``retry_after`` the leases past ``limit`` after it (:func:`fleet_grant_over`)."""
+    if not committed:
+        free = float(op.limit - others - op.have) if op.limit > 0 else float("inf")
+        return OpResult(allowed, max(0.0, free), 0.0, -1.0)
+    top = fleet_grant_top(others, op, committed)
+    free = float(op.limit - others - top) if op.limit > 0 else float("inf")
+    return OpResult(allowed, max(0.0, free), float(fleet_grant_over(others, top, op.limit)), float(top))
 
 
 # --------------------------------------------------------------------------- one request

@@ -141,12 +141,14 @@ class QuotaReturnOp:
 class FleetGrantOp:
     """Batched grants of fleet slots (``fleet_usage``, ``consistency: batched``): the
     replica's grant ``grant`` is ``have`` members ``<grant>:0 .. <grant>:have-1`` of the
-    lease ZSET ``key``, each a slot with an expiry score. With ``want > 0`` it grows by up
-    to ``want`` slots when the live leases admit one more (:func:`~extauthz.store.algorithms.
-    fleet_grant_size`, ``limit`` 0: count only); with ``want <= 0`` it shrinks to ``have +
-    want`` (always allowed). Either way the members it keeps get a new expiry, ``ttl``
-    seconds from now (the renewal): a replica that stops renewing gives its slots back when
-    the TTL runs out."""
+    lease ZSET ``key``, each a slot with an expiry score, ``used`` of them by requests in
+    flight there. With ``want > 0`` it grows by up to ``want`` slots, allowed when a slot
+    is free for the asking request; with ``want <= 0`` it shrinks to ``have + want``
+    (always allowed). Either way it keeps the slots in use (restored when they expired)
+    and no free slot past ``limit`` (:func:`~extauthz.store.algorithms.fleet_grant_top`,
+    ``limit`` 0: count only), and every member it keeps gets a new expiry, ``ttl`` seconds
+    from now (the renewal): a replica that stops renewing gives its slots back when the
+    TTL runs out."""
 
     key: str
     limit: int
@@ -155,6 +157,7 @@ class FleetGrantOp:
     have: int
     want: int
     enforce: bool = True
+    used: int = 0
 
 
 Op = BucketOp | LeaseOp | CountOp | GrantOp | ReturnOp | QuotaGrantOp | QuotaReturnOp | FleetGrantOp
@@ -170,12 +173,14 @@ class OpResult:
     remaining: float
     #: bucket: seconds until ``cost`` tokens are there (0 when allowed); lease: 0; count:
     #: seconds to the window's end when refused (0 when allowed); quota grant: seconds to
-    #: the window's end (allowed or not).
+    #: the window's end (allowed or not); fleet grant: the leases past ``limit`` after it
+    #: (:func:`~extauthz.store.algorithms.fleet_grant_over`).
     retry_after: float
     #: bucket: seconds until the bucket is full again; lease: live leases after the call;
     #: count: seconds to the window's end; grant (tokens or quota units): the amount
     #: granted (> 0), or, when nothing was committed, minus the ``held`` amount the replica
-    #: keeps (<= 0); return: 0; fleet grant: the replica's grant size after the call.
+    #: keeps (<= 0); return: 0; fleet grant: the replica's grant size after the call, or
+    #: -1 when nothing was committed.
     extra: float
 
 

@@ -124,17 +124,20 @@ class MemoryStore(StoreBase):
             del self._leases[key]
         return leases
 
-    def _fleet_grant(self, op: FleetGrantOp, live: int, now: float) -> None:
+    def _grant_others(self, op: FleetGrantOp, now: float) -> int:
+        """The live leases of a fleet key that are not members of ``op``'s grant."""
+        leases = self._grant_leases(op.key, now)
+        return len(leases) - sum(1 for i in range(op.have) if f"{op.grant}:{i}" in leases)
+
+    def _fleet_grant(self, op: FleetGrantOp, others: int, now: float) -> None:
         """Commit a fleet grant (the rule: :func:`~extauthz.store.algorithms.fleet_grant_top`):
-        renew the members kept (only those still live, as Redis's ``ZADD XX``), add the new
-        ones, drop the rest; the key stays in expiry order."""
-        top = algorithms.fleet_grant_top(live, op, True)
+        renew the members kept (adding back those that expired, as Redis's ``ZADD``), add the
+        new ones, drop the rest; the key stays in expiry order."""
+        top = algorithms.fleet_grant_top(others, op, True)
         leases = self._leases.setdefault(op.key, {})
         at = now + op.ttl
         for i in range(top):
-            member = f"{op.grant}:{i}"
-            if i >= op.have or member in leases:
-                leases[member] = at
+            leases[f"{op.grant}:{i}"] = at
         for i in range(top, op.have):
             leases.pop(f"{op.grant}:{i}", None)
         if leases:
@@ -295,8 +298,8 @@ class MemoryStore(StoreBase):
                 ok = (isinstance(op, QuotaReturnOp)
                       or count_admits(algorithms.quota_pool(int(value), op.held), op.cost, op.limit))
             elif isinstance(op, FleetGrantOp):
-                value = float(len(self._grant_leases(op.key, now)))
-                ok = algorithms.fleet_grant_admits(int(value), op.limit, op.want)
+                value = float(self._grant_others(op, now))
+                ok = algorithms.fleet_grant_admits(int(value), op)
             else:
                 value = float(len(self._live_leases(op.key, now)))
                 ok = lease_admits(int(value), op.limit)

@@ -89,9 +89,11 @@ def test_two_replicas_hold_the_batched_limit(tmp_path: Path, redis_single_clean:
             assert sum(g["store_calls_saved"] for g in grants) > 0
             assert sum(g["grants_taken"] for g in grants) + sum(g["store_calls_saved"] for g in grants) >= allowed
             assert all(g["held"] <= BATCH for g in grants)
+            assert all(g["overadmission"] == 0 for g in grants)
             metrics = get(metrics_url(procs[0]))
             assert 'extauthz_grant_store_calls_saved_total{limiter="batched"}' in metrics
             assert 'extauthz_grants_taken_total{limiter="batched"}' in metrics
+            assert 'extauthz_overadmission_total{limiter="batched"} 0.0' in metrics
         finally:
             for ch in channels:
                 ch.close()

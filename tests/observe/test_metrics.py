@@ -142,7 +142,8 @@ def test_alert_rules_are_well_formed() -> None:
 
 
 async def test_alert_rules_name_only_exported_metrics(tmp_path: Path) -> None:
-    async with running([metrics_policy(tmp_path).parent]) as (server, client):
+    batched = {"name": "batched", "type": "request_rate", "rate": 10, "burst": 10, "consistency": "batched"}
+    async with running([metrics_policy(tmp_path, batched).parent]) as (server, client):
         await client.check("sk_live_x")
         await server.ops.switches.change("dark", Mode.OFF)
         exported = set()

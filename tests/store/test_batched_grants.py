@@ -25,7 +25,7 @@ from extauthz.clock import ManualClock
 from extauthz.engine import Engine
 from extauthz.errors import PolicyError, StoreUnavailable
 from extauthz.limiters.fleet import FleetSlots, FleetUsageShedder, default_fleet_batch, grant_ttl
-from extauthz.limiters.grants import SEND_CHUNK, GrantTable, default_batch, grant_status
+from extauthz.limiters.grants import SEND_CHUNK, GrantTable, default_batch, grant_early, grant_status
 from extauthz.limiters.quota import QuotaLimiter, default_quota_batch
 from extauthz.limiters.refusals import RefusalCache
 from extauthz.limiters.request_rate import RequestRateLimiter
@@ -636,7 +636,9 @@ async def test_grant_counters_are_the_tables_own_status(tmp_path: Path) -> None:
     for _ in range(6):
         await engine.check(get())
     assert grants.status() == {"keys": 1, "held": 2.0, "grants_taken": 2, "grants_expired": 0,
-                               "returned": 0.0, "return_errors": 0, "store_calls_saved": 4}
+                               "returned": 0.0, "return_errors": 0, "store_calls_saved": 4,
+                               "overadmission": 0, "dropped": 0.0, "early_refusals": 0,
+                               "early_refusal_amount": 0.0}
     clock.advance(SYNC)
     await grants.sync()
     await grants.drain()
@@ -782,6 +784,7 @@ async def test_fleet_replicas_never_hold_more_than_exact_and_refuse_early_by_at_
                     assert len(inflight) + free_elsewhere >= NONCRITICAL
             assert len(inflight) <= NONCRITICAL  # never more than exact admits
             assert raw.zcard(lim.other_key) <= NONCRITICAL  # grant members and leases alike
+            assert all(t.status()["overadmission"] == 0 for t in tables)  # as the store sees it
             clock.advance(rng.choice((0.0, 0.0, 0.01, 0.03)))
             for t in tables:  # each replica's timer turn
                 await t.sync()
@@ -799,8 +802,11 @@ async def test_fleet_replicas_never_hold_more_than_exact_and_refuse_early_by_at_
 
 
 @pytest.mark.redis
-async def test_a_replica_that_stops_renewing_gives_its_fleet_slots_back_after_the_ttl(
+async def test_a_replica_that_stops_renewing_gives_its_fleet_slots_back_after_their_life(
         redis_single_clean: RedisSingle, tmp_path: Path) -> None:
+    """A replica that dies holds its slots (the one in use and the free ones it could still
+    have spent) for the grant TTL plus ``lease_ttl``: a slot taken at the last moment is
+    counted as long as an exact lease taken then; then they come back."""
     clock = ManualClock(START)
     policy = fleet_policy(tmp_path, batch=NONCRITICAL)  # one replica can take every slot
     stores = [make_redis_store(redis_single_clean, clock) for _ in range(2)]
@@ -808,12 +814,13 @@ async def test_a_replica_that_stops_renewing_gives_its_fleet_slots_back_after_th
     dead, alive = slots(engines[0]), slots(engines[1])
     raw = redis_single_clean.client()
     try:
+        assert dead.life == dead.ttl + 60.0  # the default lease_ttl
         assert (await engines[0].check(get()))[1].allowed  # takes all 8 slots as its grant
         assert not (await engines[1].check(get()))[1].allowed  # none left for the other replica
         # the first replica dies (no renewal, no give-back); the other keeps its timer
-        clock.advance(dead.ttl - 0.01)
+        clock.advance(dead.life - 0.01)
         await alive.sync()
-        assert not (await engines[1].check(get()))[1].allowed  # still held: the TTL runs
+        assert not (await engines[1].check(get()))[1].allowed  # still held
         clock.advance(0.01)
         assert (await engines[1].check(get()))[1].allowed  # its slots came back
         assert raw.zcard(engines[1].snapshot.limiters[0].other_key)  # type: ignore[attr-defined] == NONCRITICAL
@@ -872,3 +879,54 @@ async def test_a_fleet_growth_that_failed_open_is_asked_again_and_leaks_nothing(
     assert (await engine.check(get()))[1].allowed
     assert isinstance(calls[1][0], FleetGrantOp)  # a growth again, not an exact lease
     table.close()
+
+
+# --------------------------------------------------------------------------- early refusals
+
+
+@pytest.mark.redis
+async def test_free_fleet_slots_that_stood_here_while_the_fleet_was_full_show_as_early_refusal(
+        redis_single_clean: RedisSingle, tmp_path: Path) -> None:
+    """A holds 2 free slots while B fills the rest of the fleet and is refused (exact would
+    have admitted 2 more): when A gives them back, the store's answer says the fleet was full
+    without them, and A's early-refusal histogram observes 2."""
+    clock = ManualClock(START)
+    policy = fleet_policy(tmp_path)
+    stores = [make_redis_store(redis_single_clean, clock) for _ in range(2)]
+    engines = [Engine(s, policy, clock=clock, deadline=5.0) for s in stores]
+    a, b = (slots(e) for e in engines)
+    raw = redis_single_clean.client()
+    try:
+        assert (await engines[0].check(get()))[1].allowed  # A: a grant of 3, 2 free
+        admitted = [(await engines[1].check(get()))[1].allowed for _ in range(NONCRITICAL)]
+        assert sum(admitted) == NONCRITICAL - 3 and not admitted[-1]  # refused early by 2
+        assert b.status()["early_refusals"] == 0
+        for _ in range(2):
+            clock.advance(SYNC)
+            await a.sync()
+        assert a.grant(engines[0].snapshot.limiters[0].other_key).free == 0  # type: ignore[attr-defined]
+        assert (a.status()["early_refusals"], a.status()["early_refusal_amount"]) == (1, 2.0)
+        buckets, total = grant_early(engines[0].snapshot.limiters)["fleet"]
+        assert buckets[:2] == [("1.0", 0.0), ("2.0", 1.0)] and buckets[-1] == ("+Inf", 1.0) and total == 2.0
+    finally:
+        await shut([a, b], stores, raw)  # type: ignore[list-item]
+
+
+async def test_a_bucket_grant_given_back_to_a_dry_bucket_shows_as_early_refusal(tmp_path: Path) -> None:
+    """Two replicas on one bucket: A holds 3 unspent tokens while B empties the bucket and is
+    refused; A's give-back lands in a bucket that could not pay one token without it."""
+    clock = ManualClock(START)
+    store = MemoryStore(clock)
+    policy = policy_from(tmp_path, {"limiters": [batched(tmp_path, rate=0.001)]})
+    engines = [Engine(store, policy, clock=clock) for _ in range(2)]
+    a, b = (table(e) for e in engines)
+    assert (await engines[0].check(get()))[1].allowed  # A: a grant of 4, 3 left
+    admitted = [(await engines[1].check(get()))[1].allowed for _ in range(int(BURST))]
+    assert sum(admitted) == BURST - BATCH and not admitted[-1]
+    clock.advance(HALF)
+    await a.sync()
+    await a.drain()
+    assert (a.status()["early_refusals"], a.status()["early_refusal_amount"]) == (1, 3.0)
+    assert b.status()["early_refusals"] == 0
+    a.close()
+    b.close()

@@ -680,8 +680,9 @@ def test_stores_agree_on_fleet_grants(redis_up: RedisSingle, timeline: tuple[int
                 op = LeaseOp(key, limit, lease_ttl, enforce)
             else:
                 want = {"grow": step.amount, "renew": 0, "shrink": -step.amount}[step.what]
-                op = FleetGrantOp(key, limit, ttl, f"g{step.replica}", have[step.replica], want,
-                                  enforce and want > 0)
+                held = have[step.replica]  # the slots in use: any of them (restored if expired)
+                op = FleetGrantOp(key, limit, ttl, f"g{step.replica}", held, want,
+                                  enforce and want > 0, used=step.amount % (held + 1))
             before = (await memory.inflight([key]))[0]
             results = [await s.check([op], f"x{n}") for s in (memory, remote)]
             log.append(f"t={clock.now!r} {op} -> {results[0]}")
@@ -689,9 +690,13 @@ def test_stores_agree_on_fleet_grants(redis_up: RedisSingle, timeline: tuple[int
             live = await memory.inflight([key])
             assert live == await remote.inflight([key]), "\n".join(log)
             if isinstance(op, FleetGrantOp):
-                have[step.replica] = int(results[0].results[0].extra)
-                if limit > 0 and op.want > 0:  # a growth adds only what is left of limit
-                    assert live[0] <= max(limit, before), "\n".join(log)
+                if results[0].results[0].extra >= 0:  # -1: nothing committed
+                    have[step.replica] = int(results[0].results[0].extra)
+                if limit > 0:  # never a free slot past limit; the slots in use are kept
+                    assert live[0] <= max(limit, before + op.used), "\n".join(log)
+                    res = results[0].results[0]
+                    if results[0].admitted and res.allowed:  # committed: the leases past limit
+                        assert res.retry_after == max(0, live[0] - limit), "\n".join(log)
             elif results[0].admitted:
                 exact.append(f"x{n}")
 

@@ -132,7 +132,8 @@ async def _compensate(submit: Submit, stats: StoreStats,
         for i, op in enumerate(subset):
             if int(reply[1 + 2 * i]) != 1 or isinstance(op, FleetGrantOp):
                 # refused on its own (shadow): nothing was committed; a fleet grant's
-                # slots stay taken until their TTL (a short one): only early refusals
+                # slots stay taken until their life (grant TTL + lease_ttl, FleetSlots.life):
+                # only early refusals
                 continue
             keys.append(op.key)
             if isinstance(op, BucketOp):

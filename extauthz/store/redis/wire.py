@@ -211,7 +211,7 @@ def op_args(op: Op) -> tuple[bytes, ...]:
         return (b"v", b"0", str(int(op.amount)).encode(), b"", b"")
     if isinstance(op, FleetGrantOp):
         return (b"f", b"1" if op.enforce else b"0", str(int(op.limit)).encode(), num(op.ttl).encode(),
-                f"{op.grant} {int(op.have)} {int(op.want)}".encode())
+                f"{op.grant} {int(op.have)} {int(op.want)} {int(op.used)}".encode())
     return _lease_args(op.enforce, op.limit, op.ttl)
 
 
