@@ -82,6 +82,14 @@ def get(url: str) -> str:
         return str(r.read().decode())
 
 
+def wait_fed(proc: ServerProcess) -> None:
+    """Until ``proc`` no longer reads itself as starved (docs/limiters.md, "A starved server")."""
+    deadline = time.monotonic() + 30
+    while json.loads(get(f"http://127.0.0.1:{proc.admin_port}/status"))["overload"]["starved"]:
+        assert time.monotonic() < deadline, "still starved 30 s after SIGCONT"
+        time.sleep(0.05)
+
+
 def test_batched_limits_hold_across_stalls_and_a_kill(tmp_path: Path, redis_single_clean: RedisSingle) -> None:
     path = tmp_path / "policy.yaml"
     path.write_text(policy())
@@ -121,6 +129,9 @@ def test_batched_limits_hold_across_stalls_and_a_kill(tmp_path: Path, redis_sing
                     os.kill(a.pid, signal.SIGCONT)
                     for kind in KINDS:
                         admitted[kind] += sum(send(0, kind, phase) for _ in range(3))
+                    # A saw its own stall as loop lag: starved for at most its check budget,
+                    # its shedders refuse (overload) until then; the next phase needs it fed
+                    wait_fed(procs[0])
                 for kind in KINDS:  # nor does anything after A's renewals
                     admitted[kind] += sum(send(r, kind, phase) for r in (1, 2) for _ in range(3))
                 assert all(n <= LIMIT for n in admitted.values()), (stall, admitted)
