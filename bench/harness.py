@@ -77,6 +77,7 @@ from .configs import DEFAULT_SETUPS, SETUPS, SMOKE_SETUPS, Options, Setup, polic
 from .load import (
     CALM_PREFIX,
     FLOOD_KEY,
+    HOT_KEY,
     h2load_cmd,
     read_h2load_log,
     require_tools,
@@ -102,6 +103,8 @@ from .stats import Phase, latency_summary, summarize, targets
 
 #: wrk connections of each of the two paced loads of the flood configurations
 FLOOD_CONNECTIONS = 16
+#: the loads whose paced run is two wrk processes (the others: h2load, one key)
+PAIRED = ("flood", "calm")
 
 
 def log(msg: str) -> None:
@@ -116,6 +119,7 @@ class Harness:
         self.workdir = Path(tempfile.mkdtemp(prefix="extauthz-bench-"))
         self.script = wrk_script(self.workdir)
         self.flood_script = wrk_script(self.workdir, name="flood.lua", flood_key=FLOOD_KEY)
+        self.hot_script = wrk_script(self.workdir, 0, name="hot.lua", flood_key=HOT_KEY)
         self.redis: RedisServer | None = None
         self.phases: list[Phase] = []
         self.outages: list[dict[str, Any]] = []
@@ -168,7 +172,7 @@ class Harness:
             def warm() -> None:
                 if kind == "saturated":
                     self._wrk(running.url, opts.warmup, setup)
-                elif setup.load != "users":
+                elif setup.load in PAIRED:
                     self._paced_pair(running.url, opts.warmup, setup)
                 else:
                     self._h2load(running.url, opts.warmup, "warm")
@@ -186,7 +190,7 @@ class Harness:
                 phase.rps, phase.non_2xx, phase.errors = res["rps"], int(res["non_2xx"]), int(res["errors"])
                 if setup.load == "flood":
                     phase.flood_rps = phase.rps / 2  # every other request
-            elif setup.load != "users":
+            elif setup.load in PAIRED:
                 calm, second = self._paced_pair(running.url, opts.duration, setup)
                 phase.requests = int(calm["requests"] + second["requests"])
                 phase.seconds = max(calm["seconds"], second["seconds"])
@@ -224,7 +228,8 @@ class Harness:
         return phase
 
     def _wrk(self, url: str, seconds: float, setup: Setup | None = None) -> dict[str, float]:
-        script = self.flood_script if setup is not None and setup.load == "flood" else self.script
+        load = setup.load if setup is not None else "users"
+        script = self.flood_script if load == "flood" else self.hot_script if load == "hot" else self.script
         return run_wrk(url, seconds, script, threads=self.opts.threads, connections=self.opts.connections)
 
     def _paced_pair(self, url: str, seconds: float,

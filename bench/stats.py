@@ -238,6 +238,17 @@ def targets(summary: dict[str, Any], *, limits: dict[str, Any] | None, outages: 
         worst = max(shares, key=lambda k: shares[k])
         add(f"timeout fail-opens, worst saturated configuration ({worst}), % of checks", shares[worst],
             0.01, higher=False, unit="%")
+    # issue 29: batched never worse than exact (four limiters, HTTP; rotating keys and one hot key)
+    for batched, exact in (("hdb", "hd"), ("hdbk", "hdk")):
+        add(f"({batched}) throughput / ({exact}), issue 29",
+            (ratios.get(f"{batched}/{exact}") or {}).get("median"), 1.0)
+        if (row := rows.get(batched)) and row.get("requests"):
+            store = sum(n for reason, n in row["fail_open"].items() if reason in ("timeout", "circuit_open",
+                                                                                   "unavailable"))
+            add(f"({batched}) store fail-opens, % of checks", store / row["requests"] * 100, 0.01,
+                higher=False, unit="%")
+            add(f"({batched}) circuit_open fail-opens (breaker closed: 0)", row["fail_open"].get("circuit_open", 0),
+                0, higher=False, unit="")
     add("(d) throughput / (b)", (ratios.get("d/b") or {}).get("median"), 0.8)
     add("(c) throughput / (b)", (ratios.get("c/b") or {}).get("median"), 0.9)
     add("(hd) throughput / (h)", (ratios.get("hd/h") or {}).get("median"), 0.8)

@@ -48,18 +48,23 @@ async def written(store: RedisStore) -> None:
     raise AssertionError("the check was never written to Redis")
 
 
-def engine_on(store: RedisStore, tmp_path: Path, busy: bool) -> Engine:
+def engine_on(store: RedisStore, tmp_path: Path, busy: bool, before_write: bool = False) -> Engine:
     """An engine whose store call, when ``busy``, blocks the loop once the command is
-    written (the breaker never opens: each check reaches the store)."""
+    written (``before_write``: once it is queued, before the batcher writes it). The breaker
+    never opens (each check reaches the store) but counts."""
     async def check(ops: Sequence[Op], lease_id: str) -> CheckResult:
         call = asyncio.ensure_future(store.check(ops, lease_id))
-        if busy:
+        if busy and before_write:
+            await asyncio.sleep(0)  # the store call has queued its command, not written it
+            assert store._nodes[""].waiting_since is None
+            time.sleep(BUSY)  # noqa: ASYNC251 - the point: nothing runs, nothing is written
+        elif busy:
             await written(store)
             time.sleep(BUSY)  # noqa: ASYNC251 - the point: nothing runs, nothing is read
         return await call
 
     return Engine(store, policy_from(tmp_path, {"limiters": [RATE]}), deadline=DEADLINE,
-                  breaker=Breaker(SYSTEM_CLOCK, threshold=10**9), store_check=check)
+                  breaker=Breaker(SYSTEM_CLOCK, threshold=1, ratio=0.0), store_check=check)
 
 
 @pytest.mark.parametrize("extensions", [engine_module.LOOP_EXTENSIONS, 0], ids=["shipped", "none"])
@@ -72,14 +77,42 @@ async def test_an_answer_the_busy_loop_has_not_read_is_no_timeout(
         await store.ping()
         engine = engine_on(store, tmp_path, busy=True)
         _, decision = await engine.check(get())
+        # Redis answered during the busy turn: its reply was read at the poll after the deadline
+        assert engine.deadline_missed == {"queued": 0, "redis": 0, "loop": 1}
         if extensions:
             # Redis answered in time: the rate limiter decided, nothing failed open
             assert decision.allowed and decision.failures == ()
             assert decision.verdicts[0].reason != "store_timeout"
             assert engine.deadline_extended == 1 and engine.failures == {}
-        else:  # without the check after a poll: the deadline that passed in the busy loop
+        else:  # no extension: the deadline that passed in the busy loop fails it open...
             assert decision.failures == ("timeout",)
             assert engine.failures == {"timeout": 1}
+        # ...but the store was not late: no breaker counts it (issue 29: it opened under load)
+        assert engine.breaker.failures == 0 and engine.breaker.state == "closed"
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("extensions", [engine_module.LOOP_EXTENSIONS, 0], ids=["shipped", "none"])
+async def test_a_check_queued_past_its_deadline_is_not_the_stores_failure(
+        redis_single_clean: RedisSingle, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        extensions: int) -> None:
+    """Issue 29: the deadline is measured from the write. A check whose command waited in
+    this server (the batcher's queue, a long loop turn) past the deadline before it was even
+    written is given the deadline from its write; and when no extension is left it fails
+    open without counting on the breaker (Redis was not the one that was late)."""
+    monkeypatch.setattr(engine_module, "LOOP_EXTENSIONS", extensions)
+    store = RedisStore.from_url(redis_single_clean.url, deadline=DEADLINE)
+    try:
+        await store.ping()
+        engine = engine_on(store, tmp_path, busy=True, before_write=True)
+        _, decision = await engine.check(get())
+        assert engine.deadline_missed["queued"] >= 1 and engine.deadline_missed["redis"] == 0
+        if extensions:
+            assert decision.allowed and decision.failures == () and engine.failures == {}
+        else:
+            assert decision.failures == ("timeout",)
+        assert engine.breaker.failures == 0 and engine.breaker.state == "closed"
     finally:
         await store.close()
 
@@ -98,6 +131,9 @@ async def test_a_stalled_store_still_fails_open(redis_single_clean: RedisSingle,
         assert decision.verdicts[0].reason == "store_timeout"
         # the command waited the whole deadline: late at once, at worst after one more
         assert engine.deadline_extended <= 1
+        # the store was late: counted so, and on the breaker (here: open at one failure)
+        assert engine.deadline_missed["redis"] == 1
+        assert engine.breaker.state == "open"
     finally:
         await store.close()
 
