@@ -221,6 +221,8 @@ class Harness:
             if phase.worker_connections else ""
         bad = f"  PROBLEMS: {'; '.join(phase.problems)}" if phase.problems else ""
         fo = f", fail-open {phase.fail_open}" if phase.fail_open else ""
+        if any(phase.deadline_missed.values()):
+            fo += f", deadlines passed {phase.deadline_missed}"
         if phase.flood_factor is not None:
             fo += f", flooding key at {phase.flood_factor:.0f}x its rate"
         log(f"round {r + 1} {kind:9} {setup.key:5} {setup.label:36} {figure}{cpu}{extra}{fo}"

@@ -250,7 +250,9 @@ def row_store_figures(row: dict[str, Any]) -> str:
     calls = row.get("redis_calls") or {}
     script = " / ".join(fmt((calls.get(kind) or {}).get("script_calls"), "{:.3f}")
                         for kind in ("saturated", "latency"))
-    return f"  script calls/req {script}  store fail-opens {fail_open_shares(row)}"
+    missed = row.get("deadline_missed") or {}
+    where = f"  deadlines passed {', '.join(f'{k} {v}' for k, v in missed.items())}" if missed else ""
+    return f"  script calls/req {script}  store fail-opens {fail_open_shares(row)}{where}"
 
 
 def fail_open_shares(row: dict[str, Any]) -> str:

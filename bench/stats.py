@@ -42,6 +42,9 @@ class Phase:
     #: ``extauthz_store_round_trips_total``, ``extauthz_store_script_calls_total``)
     store_round_trips: float | None = None
     store_script_calls: float | None = None
+    #: passed store deadlines by where the check was (``extauthz_store_deadline_missed_total``:
+    #: queued, redis, loop) over the run
+    deadline_missed: dict[str, int] = field(default_factory=dict)
     worker_connections: list[int] = field(default_factory=list)
     worker_cpu_share: list[float] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -128,6 +131,7 @@ def summarize(setups: Sequence[Setup], phases: Sequence[Phase]) -> dict[str, Any
             "fail_open": _sum_dicts([p.fail_open for p in sat + lat]),
             "fail_open_saturated": _sum_dicts([p.fail_open for p in sat]),
             "fail_open_latency": _sum_dicts([p.fail_open for p in lat]),
+            "deadline_missed": _sum_dicts([p.deadline_missed for p in sat + lat]),
             "requests": sum(p.requests for p in sat + lat),
             "requests_saturated": sum(p.requests for p in sat),
             "cores": {

@@ -50,7 +50,8 @@ async def written(store: RedisStore) -> None:
 
 def engine_on(store: RedisStore, tmp_path: Path, busy: bool, before_write: bool = False) -> Engine:
     """An engine whose store call, when ``busy``, blocks the loop once the command is
-    written (``before_write``: once it is queued, before the batcher writes it). The breaker
+    written (``before_write``: once it is queued, before the batcher writes it, and again once
+    written). The breaker
     never opens (each check reaches the store) but counts."""
     async def check(ops: Sequence[Op], lease_id: str) -> CheckResult:
         call = asyncio.ensure_future(store.check(ops, lease_id))
@@ -58,6 +59,10 @@ def engine_on(store: RedisStore, tmp_path: Path, busy: bool, before_write: bool 
             await asyncio.sleep(0)  # the store call has queued its command, not written it
             assert store._nodes[""].waiting_since is None
             time.sleep(BUSY)  # noqa: ASYNC251 - the point: nothing runs, nothing is written
+            # then busy again once it is written: Redis answers while nothing reads (a slow
+            # machine's Redis gets a whole busy turn, not one deadline)
+            await written(store)
+            time.sleep(BUSY)  # noqa: ASYNC251
         elif busy:
             await written(store)
             time.sleep(BUSY)  # noqa: ASYNC251 - the point: nothing runs, nothing is read
@@ -107,7 +112,10 @@ async def test_a_check_queued_past_its_deadline_is_not_the_stores_failure(
         await store.ping()
         engine = engine_on(store, tmp_path, busy=True, before_write=True)
         _, decision = await engine.check(get())
-        assert engine.deadline_missed["queued"] >= 1 and engine.deadline_missed["redis"] == 0
+        # the deadline passed in this server (queued, or the answer not carried yet), never
+        # counted against Redis, which answered within a deadline of the write
+        missed = engine.deadline_missed
+        assert missed["queued"] + missed["loop"] >= 1 and missed["redis"] == 0
         if extensions:
             assert decision.allowed and decision.failures == () and engine.failures == {}
         else:
