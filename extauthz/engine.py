@@ -33,7 +33,7 @@ from .overrides import Override, compile_overrides
 from .policy.model import Policy
 from .release import Releaser
 from .settings import STORE_DEADLINE_MS
-from .store.base import CheckResult, LeaseOp, Op, Store
+from .store.base import CheckResult, GrantOp, LeaseOp, Op, ReturnOp, Store
 from .store.keys import Keys
 from .switches import Switches
 from .throttle import LogThrottle
@@ -151,6 +151,11 @@ class Engine:
         #: still queued here, or its answer not carried yet by this server's busy loop, or its
         #: command written less than a deadline ago: the check waited on
         self.deadline_extended = 0
+        #: batched grants of failed-open requests given back (:meth:`_return_grants`), and
+        #: those give-backs that failed
+        self.grant_returns = 0
+        self.grant_return_errors = 0
+        self._returning: set[asyncio.Task[None]] = set()
         #: passed deadlines by where the check was then (:meth:`_answer`): ``queued`` (not
         #: written to the store yet, or written less than a deadline before), ``redis``
         #: (written at least a deadline before, unanswered: the store is late), ``loop``
@@ -370,6 +375,7 @@ class Engine:
                 breaker.allow()  # takes the half-open probe where there is one
         if not allowed:
             self._failed(CircuitOpen.reason)
+            self._return_grants(ops, None)  # never sent: what the grant ops lent goes back
             raise CircuitOpen("circuit open")
         if self.store_immediate:  # the embedded store answers synchronously: no deadline
             try:
@@ -391,7 +397,7 @@ class Engine:
                 for _, breaker in breakers:
                     breaker.success()
                 return call.result()
-            call.add_done_callback(self.releaser.abandoned(ops, lease_id))
+            self._abandoned(call, ops, lease_id)
             if late.masters is not None:  # the store was late: its breakers count it
                 self._blame(breakers, set() if len(breakers) == 1 else set(late.masters))
             self._failed(StoreTimeout.reason)
@@ -399,16 +405,75 @@ class Engine:
         except Exception as exc:
             if isinstance(exc, StoreError) and exc.late is not None:
                 # sent but unanswered: a stalled store may still commit it
-                call.add_done_callback(self.releaser.abandoned(ops, lease_id))
+                self._abandoned(call, ops, lease_id)
+            else:  # nothing committed: what the grant ops lent goes back
+                self._return_grants(ops, None)
             if (failure := self._store_failed(exc, breakers)) is exc:
                 raise
             raise failure from exc
         except asyncio.CancelledError:
-            call.add_done_callback(self.releaser.abandoned(ops, lease_id))
+            self._abandoned(call, ops, lease_id)
             raise
         for _, breaker in breakers:
             breaker.success()
         return result
+
+    def _abandoned(self, call: asyncio.Future[CheckResult], ops: Sequence[Op], lease_id: str) -> None:
+        """Nobody waits for ``call`` any more: when it lands, the leases it committed go back
+        (the Releaser) and so do the batched grants it took (:meth:`_return_grants`)."""
+        call.add_done_callback(self.releaser.abandoned(ops, lease_id))
+        if any(isinstance(op, GrantOp) for op in ops):
+            call.add_done_callback(self._grants_landed(ops))
+
+    def _grants_landed(self, ops: Sequence[Op]) -> Callable[[asyncio.Future[CheckResult]], None]:
+        """A done callback for an abandoned call with batched grant ops: once its answer is
+        known (a late one followed, as the Releaser does), the grants it took go back."""
+        def landed(call: asyncio.Future[CheckResult]) -> None:
+            if call.cancelled():
+                return
+            error = call.exception()
+            if isinstance(error, StoreError) and error.late is not None:
+                error.late.add_done_callback(landed)  # sent, unanswered: its answer may still come
+            elif error is None:
+                self._return_grants(ops, call.result())
+            else:
+                self._return_grants(ops, None)  # failed unsent: nothing committed
+
+        return landed
+
+    def _return_grants(self, ops: Sequence[Op], result: CheckResult | None) -> None:
+        """Issue 29: a batched grant op whose request was failed open (deadline, breaker,
+        error) must not cost the key its grant. The request's answer never reached its
+        limiter, so nothing holds what the store granted (without this, each abandoned grant
+        took ``batch`` tokens from the shared bucket for nothing: a key refused while its
+        bucket had been spent on no request). ``result``: the late answer of a call that ran
+        (its grants, less the failed-open request's own cost, as exact mode's late commit
+        takes it, go back); None: the call committed nothing (never sent, or failed unsent),
+        so the remainder it lent (``held``) goes back. A late answer that cannot be known
+        (connection lost) gives nothing back: only refusing early, never admitting more. The
+        give-backs ride with the next check, as every return does."""
+        back: list[Op] = []
+        for i, op in enumerate(ops):
+            if not isinstance(op, GrantOp):
+                continue
+            if result is None:
+                amount = op.held if self._node_of is None else 0.0  # a cluster group may have run
+            else:
+                res = result.results[i]
+                amount = res.extra - op.cost if result.admitted and res.allowed and res.extra > 0 else 0.0
+            if amount > 0.0:
+                back.append(ReturnOp(op.key, op.rate, op.burst, amount))
+        if back:
+            self.grant_returns += len(back)
+            task = asyncio.get_running_loop().create_task(self._send_returns(back))
+            self._returning.add(task)
+            task.add_done_callback(self._returning.discard)
+
+    async def _send_returns(self, ops: list[Op]) -> None:
+        try:
+            await self.store.check(ops, "")
+        except Exception:  # a lost give-back only refuses early (counted, never raised)
+            self.grant_return_errors += len(ops)
 
     def _store_failed(self, exc: Exception, breakers: list[tuple[str, Breaker]]) -> StoreError:
         """A failed store call: counted (by reason) on the breakers (of the masters whose

@@ -20,14 +20,18 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import redis
 
 from extauthz import engine as engine_module
 from extauthz.breaker import Breaker
-from extauthz.clock import SYSTEM_CLOCK
+from extauthz.clock import SYSTEM_CLOCK, ManualClock
 from extauthz.engine import Engine
+from extauthz.limiters.request_rate import RequestRateLimiter
 from extauthz.store.base import CheckResult, Op
 from extauthz.store.redis import RedisStore
 from testinfra.redis_servers import RedisSingle
+from tests.store.conftest import make_redis_store
+from tests.store.redis.helpers import wait_until
 from tests.unit.helpers import RATE, get, policy_from
 
 pytestmark = pytest.mark.redis
@@ -163,3 +167,48 @@ async def test_a_check_waiting_for_a_connection_fails_open_at_the_deadline(tmp_p
     finally:
         await store.close()
         listener.close()
+
+
+async def test_a_failed_open_grant_op_gives_its_grant_back(redis_single_clean: RedisSingle, tmp_path: Path) -> None:
+    """Issue 29: a batched request_rate grant op whose check failed open (here: Redis paused
+    past the deadline) still runs when Redis resumes and takes its grant from the shared
+    bucket; nothing held it, so each abandoned grant cost the key ``batch`` tokens for no
+    request and one replica refused while its bucket had been spent on nothing. Now the
+    late answer's grant goes back, less the failed-open request's own cost (what exact mode's
+    late commit takes): afterwards the key admits what exact mode would. The clock is
+    frozen (injected), so the bucket never refills: the counts are exact."""
+    clock = ManualClock(5_000.0)
+    store = make_redis_store(redis_single_clean, clock, socket_timeout=30.0)
+    policy = policy_from(tmp_path, {"limiters": [{
+        "name": "user-rate", "type": "request_rate", "rate": 1, "burst": 10,
+        "consistency": "batched", "batch": 5, "sync_interval": "10s"}]})
+    engine = Engine(store, policy, deadline=0.05, clock=clock, breaker=Breaker(clock, threshold=10**9))
+    bucket = engine.keys.bucket("user-rate", engine.context(get()).identity)
+    raw = redis.Redis(port=redis_single_clean.port)
+    try:
+        await store.ping()
+        redis_single_clean.pause()
+        try:
+            _, decision = await engine.check(get())  # written, unanswered: fails open
+        finally:
+            redis_single_clean.resume()
+        assert decision.allowed and decision.failures == ("timeout",)
+        # the late answer runs (the grant of 5 taken), then its give-back
+        await wait_until(lambda: _true(raw.get(bucket) is not None), 10.0, "the late grant")
+        await wait_until(lambda: _true(engine.grant_returns == 1 and not engine._returning), 10.0,
+                         "its give-back")
+        assert engine.grant_return_errors == 0
+        admitted = [(await engine.check(get()))[1].allowed for _ in range(12)]
+        # exact mode: 10 tokens, the failed-open request's late commit took 1: 9 admitted
+        # (before: the lost grant left 5, and the key refused after 5)
+        assert admitted == [True] * 9 + [False] * 3
+    finally:
+        for lim in engine.snapshot.limiters:
+            if isinstance(lim, RequestRateLimiter) and lim.grants is not None:
+                lim.grants.close()
+        raw.close()
+        await store.close()
+
+
+async def _true(value: bool) -> bool:
+    return value
