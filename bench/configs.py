@@ -154,6 +154,8 @@ class Options:
     rate: int = 1000            # h2load paced run, requests/s in total
     rate_clients: int = 2
     deadline_ms: float = 5.0
+    #: the benchmark Redis's nice value (0: as every other process on the machine)
+    redis_nice: int = 0
     outage: tuple[str, ...] = ("kill", "pause")
     outage_duration: float = 10.0
     limits_compare: bool = True

@@ -155,6 +155,7 @@ class StorePart:
             "window_failures": engine.breaker.failures + sum(b.failures for b in engine.node_breakers.values()),
             "deadline_extended": engine.deadline_extended,
             "deadline_missed": dict(engine.deadline_missed),
+            "abandoned_grant_returns": engine.grant_returns,
             **({"masters": {name: b.state for name, b in sorted(engine.node_breakers.items())}}
                if engine.node_breakers else {}),
             **({"live_leases": store.live_leases()} if isinstance(store, MemoryStore) else {})}}
@@ -182,6 +183,10 @@ class StorePart:
         for where, n in self.engine.deadline_missed.items():
             missed.add_metric([where], n)
         yield missed
+        yield counter("extauthz_store_abandoned_grant_returns", "Batched grant give-backs of "
+                      "requests that failed open (deadline, breaker, store error): the grant a late "
+                      "answer took, less the request's cost, or the remainder a call never sent lent.",
+                      self.engine.grant_returns)
         breaker = GaugeMetricFamily("extauthz_store_breaker_open", "1 while the store circuit "
                                     "breaker skips the store (open or half-open).")
         breaker.add_metric([], 0 if self.engine.breaker_state == "closed" else 1)
