@@ -212,3 +212,39 @@ async def test_a_failed_open_grant_op_gives_its_grant_back(redis_single_clean: R
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_a_grant_op_skipped_by_the_open_breaker_gives_back_what_it_lent(
+        redis_single_clean: RedisSingle, tmp_path: Path) -> None:
+    """A request whose grant ran short lends the remainder to its grant op (``held``: the
+    store counts it in the pool it grants from). When the open breaker skips the store, the
+    op is never sent: the remainder goes back to the shared bucket instead of being lost."""
+    clock = ManualClock(5_000.0)
+    store = make_redis_store(redis_single_clean, clock)
+    policy = policy_from(tmp_path, {"limiters": [{
+        "name": "user-rate", "type": "request_rate", "rate": 1, "burst": 10, "cost": 3,
+        "consistency": "batched", "batch": 4, "sync_interval": "10s"}]})
+    engine = Engine(store, policy, deadline=1.0, clock=clock, breaker=Breaker(clock, threshold=1, ratio=0.0))
+    bucket = engine.keys.bucket("user-rate", engine.context(get()).identity)
+    raw = redis.Redis(port=redis_single_clean.port)
+
+    def tokens() -> float:
+        value = raw.get(bucket)
+        assert value is not None
+        return float(value.split()[0])
+
+    try:
+        _, first = await engine.check(get())  # a grant of 4, 3 spent: 1 left here, 6 in Redis
+        assert first.allowed and first.failures == () and tokens() == 6.0
+        engine.breaker.failure()  # open
+        _, second = await engine.check(get())  # 1 < 3: lent to a grant op the breaker skips
+        assert second.allowed and second.failures == ("circuit_open",)
+        await wait_until(lambda: _true(engine.grant_returns == 1 and not engine._returning), 10.0,
+                         "the give-back")
+        assert tokens() == 7.0  # the remainder is back in the shared bucket (before: lost)
+    finally:
+        for lim in engine.snapshot.limiters:
+            if isinstance(lim, RequestRateLimiter) and lim.grants is not None:
+                lim.grants.close()
+        raw.close()
+        await store.close()
