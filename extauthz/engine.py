@@ -210,8 +210,11 @@ class Engine:
         self.snapshot = self._build(old.policy, old.switches, old, old.limiters)
 
     async def settle_grants(self) -> None:
-        """A graceful stop: batched grants still held go back to the store at once."""
+        """A graceful stop: batched grants still held go back to the store at once (and
+        those of failed-open requests on their way, :meth:`_return_grants`)."""
         await settle_grants(self.snapshot.limiters)
+        while self._returning:
+            await asyncio.gather(*list(self._returning), return_exceptions=True)
 
     # -- the request path -----------------------------------------------------------------
     def context(self, raw: RawRequest) -> RequestContext:
