@@ -1,14 +1,16 @@
-"""The store deadline measures the store, not the server's own busy event loop (issue 24).
+"""The store deadline measures the store, not the server's own busy event loop (issues 24, 29).
 
 At saturation an answer from Redis waits a loop turn for each hop between the socket and the
-check (read, the sender task, the store call, the shield): with long turns the deadline
-passed while Redis had long answered, the check failed open and the breaker opened on a
-healthy store. Now a passed deadline is checked after one I/O poll: a store whose oldest
-unanswered command has waited less than half the deadline is not late, and the check waits
-on (``Engine.deadline_extended``); a stalled store still fails open.
+check (read, the sender task, the store call, the shield), and a check's command may wait in
+the batcher's queue before it is written: with long turns the deadline passed while Redis had
+long answered (or had not been asked yet), the check failed open and the breaker opened on a
+healthy store. Now the deadline counts from the check's own write, is checked after one I/O
+poll (``Store.waiting``), each pass counted by where the check was
+(``Engine.deadline_missed``: queued, redis, loop); only a store that is late fails the check
+and counts on the breaker. A failed-open batched grant op gives back what it took.
 
-Real Redis; the busy loop is a blocking sleep inside the store call, right after the
-command was written, so that Redis answers while nothing reads the answer.
+Real Redis; the busy loop is a blocking sleep inside the store call, after the command was
+written (or before), so that Redis answers while nothing reads the answer.
 """
 
 from __future__ import annotations
