@@ -41,7 +41,9 @@ class Setup:
     #: item 3): "flood" (one key, ``load.FLOOD_KEY``, sends every other request), "calm" (the
     #: same load without the flooding key: 1,000 other well-behaved keys in its place). Their
     #: paced run is two wrk processes at half the rate each, the well-behaved keys' latency
-    #: read from the first alone (bench/load.py ``run_wrk_pair``).
+    #: read from the first alone (bench/load.py ``run_wrk_pair``); "hot": every request carries
+    #: one key (``load.HOT_KEY``), saturated and paced alike (issue 29: a hot key's script calls
+    #: serialise in Redis).
     load: str = "users"
     #: with ``workers`` > 1: ``--worker-ports`` (N ports, listed as N endpoints of Envoy's
     #: extauthz cluster) instead of one SO_REUSEPORT port
@@ -87,6 +89,12 @@ SETUPS: dict[str, Setup] = {s.key: s for s in [
     # (hd) with request_rate and fleet_usage batched (all-on-batched.yaml).
     Setup("hdb", "(hd), rate + fleet batched", policy="all-on-batched", redis=True, protocol="http",
           envoy_config="envoy-http.yaml", access_log="auto"),
+    # Issue 29: (hd) and (hdb) with one hot key (every request the same API key): the batched
+    # four-limiter configuration against the exact one where grants matter most.
+    Setup("hdk", "(hd), one hot key", policy="all-on", redis=True, protocol="http",
+          envoy_config="envoy-http.yaml", load="hot"),
+    Setup("hdbk", "(hdb), one hot key", policy="all-on-batched", redis=True, protocol="http",
+          envoy_config="envoy-http.yaml", access_log="auto", load="hot"),
     # (hd) with the releases through Envoy's fluentd access logger (msgpack over TCP).
     Setup("hdf", "(hd), releases over fluentd", policy="all-on", redis=True, protocol="http",
           envoy_config="envoy-http.yaml", access_log="fluentd"),
@@ -119,12 +127,12 @@ RATIOS: tuple[tuple[str, str], ...] = (
     ("c", "b"), ("d", "b"), ("d2", "d1"), ("d2p", "d1"), ("d2p", "d2"), ("b-aio", "b"), ("d-aio", "d"),
     ("b", "b-all"), ("r", "r-all"), ("h", "b"), ("hc", "c"), ("hd", "d"), ("hc", "h"), ("hd", "h"),
     ("d-buf20", "d"), ("r", "b"), ("rh", "h"), ("rh", "a"), ("rhb", "h"), ("rhb", "rh"), ("hdb", "h"),
-    ("hdb", "hd"), ("hdf", "hd"), ("f", "c"), ("fc", "c"), ("f", "fc"),
+    ("hdb", "hd"), ("hdbk", "hdk"), ("hdf", "hd"), ("f", "c"), ("fc", "c"), ("f", "fc"),
     ("b", "b-buf0"), ("d", "d-buf0"),
 )
 #: ``cpu <k>/<base>``: server CPU per check of k over base, per round.
 CPU_RATIOS: tuple[tuple[str, str], ...] = (("h", "b"), ("hc", "c"), ("hd", "d"), ("rh", "r"), ("rhb", "rh"),
-                                           ("hdb", "hd"), ("hdf", "hd"))
+                                           ("hdb", "hd"), ("hdbk", "hdk"), ("hdf", "hd"))
 #: ``p99 added <k>/<base>``: (p99(k) - p99(a)) / (p99(base) - p99(a)) at the paced rate.
 P99_ADDED: tuple[tuple[str, str], ...] = (("d", "b"), ("c", "b"))
 #: ``p99 <k>/<base>``: p99(k) / p99(base) at the paced rate (the flood: well-behaved keys).
@@ -146,6 +154,8 @@ class Options:
     rate: int = 1000            # h2load paced run, requests/s in total
     rate_clients: int = 2
     deadline_ms: float = 5.0
+    #: the benchmark Redis's nice value (0: as every other process on the machine)
+    redis_nice: int = 0
     outage: tuple[str, ...] = ("kill", "pause")
     outage_duration: float = 10.0
     limits_compare: bool = True

@@ -16,6 +16,8 @@ LATENCY_KEY = "bench-latency-user"
 #: the well-behaved keys that take its place in the run without it
 FLOOD_KEY = "bench-flood-user"
 CALM_PREFIX = "bench-calm-user-"
+#: the hot-key configurations (``load: "hot"``): every request carries this one key
+HOT_KEY = "bench-hot-user"
 
 
 def require_tools(kinds: Sequence[str] = ("wrk", "h2load")) -> None:

@@ -243,15 +243,26 @@ def phase_redis_calls(phase: Any) -> str:
 
 def row_store_figures(row: dict[str, Any]) -> str:
     """One configuration's store script calls per request (median, saturated / paced) and its
-    ``timeout`` fail-opens (store deadline misses) over all its runs, for the harness's summary."""
+    store fail-opens by reason (``timeout``: deadline misses, ``circuit_open``: the breaker was
+    open) as a share of its checks over all its runs, for the harness's summary."""
     if row.get("consulted") is None:
         return ""
     calls = row.get("redis_calls") or {}
     script = " / ".join(fmt((calls.get(kind) or {}).get("script_calls"), "{:.3f}")
                         for kind in ("saturated", "latency"))
-    timeouts = (row.get("fail_open") or {}).get("timeout", 0)
-    share = timeouts / row["requests"] * 100 if row.get("requests") else 0.0
-    return f"  script calls/req {script}  timeout fail-opens {timeouts} ({share:.3f}% of checks)"
+    missed = row.get("deadline_missed") or {}
+    where = f"  deadlines passed {', '.join(f'{k} {v}' for k, v in missed.items())}" if missed else ""
+    return f"  script calls/req {script}  store fail-opens {fail_open_shares(row)}{where}"
+
+
+def fail_open_shares(row: dict[str, Any]) -> str:
+    """``reason n (share % of checks)`` for each fail-open reason, ``timeout`` and
+    ``circuit_open`` always shown (0 when none), and whether the breaker ever skipped the store."""
+    counts = {"timeout": 0, "circuit_open": 0, **(row.get("fail_open") or {})}
+    checks = row.get("requests") or 0
+    parts = [f"{reason} {n} ({n / checks * 100 if checks else 0.0:.3f}%)" for reason, n in counts.items()]
+    breaker = "breaker opened" if counts["circuit_open"] else "breaker closed"
+    return ", ".join(parts) + f" of {checks:,} checks; {breaker}"
 
 
 def _steady(fig: dict[str, Any]) -> str:

@@ -21,6 +21,8 @@ from .stats import Phase
 ROOT = Path(__file__).resolve().parents[1]
 #: the server's store counters read around a run (extauthz.observe.metrics)
 STORE_COUNTERS = ("extauthz_store_round_trips_total", "extauthz_store_script_calls_total")
+#: passed store deadlines by where the check was (``where`` label), read the same way
+DEADLINE_MISSED = "extauthz_store_deadline_missed_total"
 
 
 class Running:
@@ -190,8 +192,12 @@ class Running:
                 text = resp.read().decode()
             for family in text_string_to_metric_families(text):
                 for sample in family.samples:
-                    if sample.name in STORE_COUNTERS:
-                        total[sample.name] = total.get(sample.name, 0.0) + sample.value
+                    name = sample.name
+                    if name == DEADLINE_MISSED:
+                        name = f"{name}:{sample.labels.get('where', '')}"
+                    elif name not in STORE_COUNTERS:
+                        continue
+                    total[name] = total.get(name, 0.0) + sample.value
         return total
 
     def fail_open(self) -> dict[str, int]:
@@ -273,6 +279,8 @@ def fill_counters(phase: Phase, before: dict[str, Any], after: dict[str, Any], s
         if STORE_COUNTERS[0] in store_after and STORE_COUNTERS[0] in store_before:
             phase.store_round_trips = (store_after[STORE_COUNTERS[0]] - store_before[STORE_COUNTERS[0]]) / n
             phase.store_script_calls = (store_after[STORE_COUNTERS[1]] - store_before[STORE_COUNTERS[1]]) / n
+        phase.deadline_missed = {name.split(":", 1)[1]: int(v - store_before.get(name, 0.0))
+                                 for name, v in store_after.items() if name.startswith(f"{DEADLINE_MISSED}:")}
     # the flooding key's refusals are expected (429s; Envoy's and wrk's counts may differ by
     # the requests in flight at either end)
     unexpected = phase.non_2xx - ((phase.ext_authz_denied or 0) if flood else 0)

@@ -42,6 +42,9 @@ class Phase:
     #: ``extauthz_store_round_trips_total``, ``extauthz_store_script_calls_total``)
     store_round_trips: float | None = None
     store_script_calls: float | None = None
+    #: passed store deadlines by where the check was (``extauthz_store_deadline_missed_total``:
+    #: queued, redis, loop) over the run
+    deadline_missed: dict[str, int] = field(default_factory=dict)
     worker_connections: list[int] = field(default_factory=list)
     worker_cpu_share: list[float] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -128,6 +131,7 @@ def summarize(setups: Sequence[Setup], phases: Sequence[Phase]) -> dict[str, Any
             "fail_open": _sum_dicts([p.fail_open for p in sat + lat]),
             "fail_open_saturated": _sum_dicts([p.fail_open for p in sat]),
             "fail_open_latency": _sum_dicts([p.fail_open for p in lat]),
+            "deadline_missed": _sum_dicts([p.deadline_missed for p in sat + lat]),
             "requests": sum(p.requests for p in sat + lat),
             "requests_saturated": sum(p.requests for p in sat),
             "cores": {
@@ -238,6 +242,17 @@ def targets(summary: dict[str, Any], *, limits: dict[str, Any] | None, outages: 
         worst = max(shares, key=lambda k: shares[k])
         add(f"timeout fail-opens, worst saturated configuration ({worst}), % of checks", shares[worst],
             0.01, higher=False, unit="%")
+    # issue 29: batched never worse than exact (four limiters, HTTP; rotating keys and one hot key)
+    for batched, exact in (("hdb", "hd"), ("hdbk", "hdk")):
+        add(f"({batched}) throughput / ({exact}), issue 29",
+            (ratios.get(f"{batched}/{exact}") or {}).get("median"), 1.0)
+        if (row := rows.get(batched)) and row.get("requests"):
+            store = sum(n for reason, n in row["fail_open"].items() if reason in ("timeout", "circuit_open",
+                                                                                   "unavailable"))
+            add(f"({batched}) store fail-opens, % of checks", store / row["requests"] * 100, 0.01,
+                higher=False, unit="%")
+            add(f"({batched}) circuit_open fail-opens (breaker closed: 0)", row["fail_open"].get("circuit_open", 0),
+                0, higher=False, unit="")
     add("(d) throughput / (b)", (ratios.get("d/b") or {}).get("median"), 0.8)
     add("(c) throughput / (b)", (ratios.get("c/b") or {}).get("median"), 0.9)
     add("(hd) throughput / (h)", (ratios.get("hd/h") or {}).get("median"), 0.8)

@@ -16,6 +16,7 @@ import os
 import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Final
 
 from .breaker import Breaker
 from .classify import Classifier
@@ -32,7 +33,7 @@ from .overrides import Override, compile_overrides
 from .policy.model import Policy
 from .release import Releaser
 from .settings import STORE_DEADLINE_MS
-from .store.base import CheckResult, LeaseOp, Op, Store
+from .store.base import CheckResult, GrantOp, LeaseOp, Op, ReturnOp, Store
 from .store.keys import Keys
 from .switches import Switches
 from .throttle import LogThrottle
@@ -40,9 +41,25 @@ from .verdict import Decision, Mode, Outcome, Verdict
 
 log = logging.getLogger("extauthz.engine")
 
-#: times a check's store deadline may be given again when the store has answered and the
-#: server's own busy loop has not carried the answer yet (:meth:`Engine._answer`): a bound
-LOOP_EXTENSIONS = 3
+#: times a check's store deadline may be given again when the store is not late: the check
+#: still queued in this server, or its answer not yet carried by the server's own busy loop
+#: (:meth:`Engine._answer`): a bound (each pass at most one deadline: 100 ms at the default
+#: 5 ms, below Envoy's 250 ms; what bounds a starved server's answers is its overload
+#: budget, not the store deadline). 3 failed open a third of a loaded cluster's checks whose
+#: answers Redis had given in time (issue 29).
+LOOP_EXTENSIONS = 20
+#: where a check was when its store deadline passed (``extauthz_store_deadline_missed_total``)
+DEADLINE_WHERE: Final = ("queued", "redis", "loop")
+
+
+class StoreLate(TimeoutError):
+    """A check's store deadline passed (:meth:`Engine._answer`): ``masters`` the store's
+    masters that were late (``()``: the store, unnamed), or None when the store was not the
+    one that was late (no breaker counts it)."""
+
+    def __init__(self, masters: Sequence[str] | None) -> None:
+        super().__init__("store deadline")
+        self.masters = masters
 
 #: the store call of a check: ``Store.check`` or a wrapper around it
 StoreCheck = Callable[[Sequence[Op], str], Awaitable[CheckResult]]
@@ -130,9 +147,20 @@ class Engine:
         self._node_of: Callable[[str], str] | None = store.node_of if store.per_master else None
         #: fail-opens/closes by reason (timeout, unavailable, circuit_open, internal_error)
         self.failures: dict[str, int] = {}
-        #: deadlines passed while the store had answered and this server's loop had not
-        #: carried the answer yet (:meth:`_answer`): the check waited on, not failed open
+        #: deadlines passed while the store was not late (:meth:`_answer`): the check was
+        #: still queued here, or its answer not carried yet by this server's busy loop, or its
+        #: command written less than a deadline ago: the check waited on
         self.deadline_extended = 0
+        #: batched grants of failed-open requests given back (:meth:`_return_grants`), and
+        #: those give-backs that failed
+        self.grant_returns = 0
+        self.grant_return_errors = 0
+        self._returning: set[asyncio.Task[None]] = set()
+        #: passed deadlines by where the check was then (:meth:`_answer`): ``queued`` (not
+        #: written to the store yet, or written less than a deadline before), ``redis``
+        #: (written at least a deadline before, unanswered: the store is late), ``loop``
+        #: (answered, the answer not carried to the check yet)
+        self.deadline_missed: dict[str, int] = dict.fromkeys(DEADLINE_WHERE, 0)
         self._bug_log = LogThrottle(log, clock=clock)
         #: live per-customer overrides (``extauthz.overrides``), compiled into each snapshot.
         self.overrides: tuple[Override, ...] = ()
@@ -182,8 +210,11 @@ class Engine:
         self.snapshot = self._build(old.policy, old.switches, old, old.limiters)
 
     async def settle_grants(self) -> None:
-        """A graceful stop: batched grants still held go back to the store at once."""
+        """A graceful stop: batched grants still held go back to the store at once (and
+        those of failed-open requests on their way, :meth:`_return_grants`)."""
         await settle_grants(self.snapshot.limiters)
+        while self._returning:
+            await asyncio.gather(*list(self._returning), return_exceptions=True)
 
     # -- the request path -----------------------------------------------------------------
     def context(self, raw: RawRequest) -> RequestContext:
@@ -374,6 +405,7 @@ class Engine:
                 breaker.allow()  # takes the half-open probe where there is one
         if not allowed:
             self._failed(CircuitOpen.reason)
+            self._return_grants(ops, None)  # never sent: what the grant ops lent goes back
             raise CircuitOpen("circuit open")
         if self.store_immediate:  # the embedded store answers synchronously: no deadline
             try:
@@ -388,32 +420,90 @@ class Engine:
         # leases it took are given back as soon as it lands (no leak until lease_ttl).
         call = asyncio.ensure_future(self.store_check(ops, lease_id))
         try:
-            result = await self._answer(call)
-        except TimeoutError:
+            result = await self._answer(call, lease_id)
+        except StoreLate as late:
             if call.done() and not call.cancelled() and call.exception() is None:
                 # the answer landed in the same loop turn as the deadline: it is in time
                 for _, breaker in breakers:
                     breaker.success()
                 return call.result()
-            call.add_done_callback(self.releaser.abandoned(ops, lease_id))
-            # On a cluster the masters whose part has not answered are the slow ones.
-            self._blame(breakers, set() if len(breakers) == 1
-                        else set(self.store.unanswered(lease_id)))
+            self._abandoned(call, ops, lease_id)
+            if late.masters is not None:  # the store was late: its breakers count it
+                self._blame(breakers, set() if len(breakers) == 1 else set(late.masters))
             self._failed(StoreTimeout.reason)
             raise StoreTimeout(f"store did not answer within {self.deadline * 1000:.0f} ms") from None
         except Exception as exc:
             if isinstance(exc, StoreError) and exc.late is not None:
                 # sent but unanswered: a stalled store may still commit it
-                call.add_done_callback(self.releaser.abandoned(ops, lease_id))
+                self._abandoned(call, ops, lease_id)
+            else:  # nothing committed: what the grant ops lent goes back
+                self._return_grants(ops, None)
             if (failure := self._store_failed(exc, breakers)) is exc:
                 raise
             raise failure from exc
         except asyncio.CancelledError:
-            call.add_done_callback(self.releaser.abandoned(ops, lease_id))
+            self._abandoned(call, ops, lease_id)
             raise
         for _, breaker in breakers:
             breaker.success()
         return result
+
+    def _abandoned(self, call: asyncio.Future[CheckResult], ops: Sequence[Op], lease_id: str) -> None:
+        """Nobody waits for ``call`` any more: when it lands, the leases it committed go back
+        (the Releaser) and so do the batched grants it took (:meth:`_return_grants`)."""
+        call.add_done_callback(self.releaser.abandoned(ops, lease_id))
+        if any(isinstance(op, GrantOp) for op in ops):
+            call.add_done_callback(self._grants_landed(ops))
+
+    def _grants_landed(self, ops: Sequence[Op]) -> Callable[[asyncio.Future[CheckResult]], None]:
+        """A done callback for an abandoned call with batched grant ops: once its answer is
+        known (a late one followed, as the Releaser does), the grants it took go back."""
+        def landed(call: asyncio.Future[CheckResult]) -> None:
+            if call.cancelled():
+                return
+            error = call.exception()
+            if isinstance(error, StoreError) and error.late is not None:
+                error.late.add_done_callback(landed)  # sent, unanswered: its answer may still come
+            elif error is None:
+                self._return_grants(ops, call.result())
+            else:
+                self._return_grants(ops, None)  # failed unsent: nothing committed
+
+        return landed
+
+    def _return_grants(self, ops: Sequence[Op], result: CheckResult | None) -> None:
+        """Issue 29: a batched grant op whose request was failed open (deadline, breaker,
+        error) must not cost the key its grant. The request's answer never reached its
+        limiter, so nothing holds what the store granted (without this, each abandoned grant
+        took ``batch`` tokens from the shared bucket for nothing: a key refused while its
+        bucket had been spent on no request). ``result``: the late answer of a call that ran
+        (its grants, less the failed-open request's own cost, as exact mode's late commit
+        takes it, go back); None: the call committed nothing (never sent, or failed unsent),
+        so the remainder it lent (``held``) goes back. A late answer that cannot be known
+        (connection lost) gives nothing back: only refusing early, never admitting more. The
+        give-backs ride with the next check, as every return does."""
+        back: list[Op] = []
+        for i, op in enumerate(ops):
+            if not isinstance(op, GrantOp):
+                continue
+            if result is None:
+                amount = op.held if self._node_of is None else 0.0  # a cluster group may have run
+            else:
+                res = result.results[i]
+                amount = res.extra - op.cost if result.admitted and res.allowed and res.extra > 0 else 0.0
+            if amount > 0.0:
+                back.append(ReturnOp(op.key, op.rate, op.burst, amount))
+        if back:
+            self.grant_returns += len(back)
+            task = asyncio.get_running_loop().create_task(self._send_returns(back))
+            self._returning.add(task)
+            task.add_done_callback(self._returning.discard)
+
+    async def _send_returns(self, ops: list[Op]) -> None:
+        try:
+            await self.store.check(ops, "")
+        except Exception:  # a lost give-back only refuses early (counted, never raised)
+            self.grant_return_errors += len(ops)
 
     def _store_failed(self, exc: Exception, breakers: list[tuple[str, Breaker]]) -> StoreError:
         """A failed store call: counted (by reason) on the breakers (of the masters whose
@@ -430,30 +520,58 @@ class Engine:
                           fields={"event": "internal_error", "error": type(exc).__name__})
         return StoreInternalError(f"{type(exc).__name__}: {exc}")
 
-    async def _answer(self, call: asyncio.Future[CheckResult]) -> CheckResult:
-        """``call``'s answer, or TimeoutError when the store is late.
+    async def _answer(self, call: asyncio.Future[CheckResult], lease_id: str) -> CheckResult:
+        """``call``'s answer, or :class:`StoreLate` when it does not come in time.
 
-        When the deadline passes, the store is late only if it is: after one I/O poll (an
-        answer already in the socket is read then), a store whose oldest unanswered command
-        has waited less than half the deadline (:meth:`Store.waited`) has answered, and the
-        server's own event loop has not yet carried the answer to this check (a saturated
-        server: each hop of an answer waits a loop turn). Such a call gets the deadline
-        again, at most :data:`LOOP_EXTENSIONS` times (counted: ``deadline_extended``); a
-        store that cannot tell (None) or that stalls fails open at the deadline."""
-        for _ in range(LOOP_EXTENSIONS):
+        The deadline is measured against the store: from when the check's command was
+        written, until its reply was read. When it passes, the engine lets the loop read its
+        sockets once (one I/O poll) and asks the store where the check is
+        (:meth:`Store.waiting`), counting each pass by where the time went
+        (``deadline_missed``):
+
+        * ``redis``: a part written at least a deadline ago and still unanswered: the store
+          is late; the check fails open and the breakers of those masters count it;
+        * ``queued``: not written yet (this server's batcher and loop), or ``loop``: answered,
+          the answer not yet carried to the check by this server's busy loop: the check
+          waits on (counted ``deadline_extended``), for the rest of the deadline of a part
+          written meanwhile. After :data:`LOOP_EXTENSIONS` such passes it fails open all the
+          same (``timeout``) but no breaker counts it: Redis was not the one that was late.
+
+        A store that cannot tell (None) fails open at the deadline."""
+        wait = self.deadline
+        passes = 0
+        while True:
             try:
-                async with asyncio.timeout(self.deadline):
+                async with asyncio.timeout(wait):
                     return await asyncio.shield(call)
             except TimeoutError:
+                if call.done():  # the answer landed in the same loop turn: it is in time
+                    return call.result()
+                await asyncio.sleep(0)  # one I/O poll: replies already in the socket are read
                 if call.done():
-                    raise
-                await asyncio.sleep(0)  # one I/O poll
-                waited = self.store.waited()
-                if not call.done() and (waited is None or waited >= self.deadline / 2):
-                    raise
+                    return call.result()
+                parts = self.store.waiting(lease_id)
+                if parts is None:
+                    self._missed("redis")
+                    raise StoreLate(()) from None
+                late = [name for name, waited in parts if waited is not None and waited >= self.deadline]
+                if late:
+                    self._missed("redis")
+                    raise StoreLate(late) from None
+                # not late against the store: written less than a deadline ago (the time
+                # before the write was spent queued here), or answered already
+                self._missed("queued" if parts else "loop")
+                if passes == LOOP_EXTENSIONS:
+                    raise StoreLate(None) from None
+                passes += 1
                 self.deadline_extended += 1
-        async with asyncio.timeout(self.deadline):  # the last deadline: no extension after it
-            return await asyncio.shield(call)
+                written = [waited for _, waited in parts if waited is not None]
+                # the rest of the deadline of the oldest part written (at least a tenth of it)
+                wait = max(self.deadline / 10, self.deadline - max(written, default=0.0))
+
+    def _missed(self, where: str) -> None:
+        """A passed deadline, by where the check was then (:meth:`_answer`)."""
+        self.deadline_missed[where] += 1
 
     def _failed(self, reason: str) -> None:
         """The one failure count: ``extauthz_fail_open_total{reason}`` (each failure fails

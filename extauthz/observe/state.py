@@ -157,6 +157,8 @@ class StorePart:
             "name": store.name, "breaker": engine.breaker_state,
             "window_failures": engine.breaker.failures + sum(b.failures for b in engine.node_breakers.values()),
             "deadline_extended": engine.deadline_extended,
+            "deadline_missed": dict(engine.deadline_missed),
+            "abandoned_grant_returns": engine.grant_returns,
             **({"masters": {name: b.state for name, b in sorted(engine.node_breakers.items())}}
                if engine.node_breakers else {}),
             **({"live_leases": store.live_leases(), "max_keys_per_limiter": store.max_keys,
@@ -181,9 +183,24 @@ class StorePart:
                 evicted.add_metric([name], n)
             yield evicted
         yield counter("extauthz_store_deadline_extended", "Store deadlines passed while the "
-                      "store had answered and this server's busy event loop had not carried the "
-                      "answer yet: the check waited on (a few deadlines at most), not failed open.",
+                      "store was not late (the check still queued in this server, written less "
+                      "than a deadline before, or answered and not yet carried by this server's "
+                      "busy event loop): the check waited on (a few deadlines at most).",
                       self.engine.deadline_extended)
+        missed = CounterMetricFamily(
+            "extauthz_store_deadline_missed", "Store deadlines passed, by where the check was: "
+            "queued (not written to the store yet, or written less than a deadline before: this "
+            "server's own delay), redis (written at least a deadline before and unanswered: the "
+            "store is late; the check fails open and the breaker counts it), loop (answered, the "
+            "answer not yet carried to the check by this server's busy event loop).",
+            labels=["where"])
+        for where, n in self.engine.deadline_missed.items():
+            missed.add_metric([where], n)
+        yield missed
+        yield counter("extauthz_store_abandoned_grant_returns", "Batched grant give-backs of "
+                      "requests that failed open (deadline, breaker, store error): the grant a late "
+                      "answer took, less the request's cost, or the remainder a call never sent lent.",
+                      self.engine.grant_returns)
         breaker = GaugeMetricFamily("extauthz_store_breaker_open", "1 while the store circuit "
                                     "breaker skips the store (open or half-open).")
         breaker.add_metric([], 0 if self.engine.breaker_state == "closed" else 1)

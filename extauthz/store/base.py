@@ -238,15 +238,14 @@ class Store(Protocol):
     def node_of(self, key: str) -> str:
         """The name of the master holding ``key`` (``""`` unless :attr:`per_master`)."""
 
-    def unanswered(self, lease_id: str) -> list[str]:
-        """The masters whose part of the check ``lease_id`` has not answered yet (empty
-        unless :attr:`per_master`)."""
-
-    def waited(self) -> float | None:
-        """How long (seconds) the oldest command written to the store has waited for its
-        reply, as of the last time the server read it; 0 when none waits; None when the
-        store cannot tell. The engine asks it when a deadline passes: a store that answered
-        while the server's own event loop was too busy to read the answer is not late."""
+    def waiting(self, lease_id: str) -> list[tuple[str, float | None]] | None:
+        """The parts of the check ``lease_id`` under way that the store has not answered:
+        each part's master (:meth:`node_of`) and how long (seconds) it has waited in the
+        store since it was written, or None while it is still queued in this server (not
+        written yet); ``[]`` when the store has answered every part (this server's loop has
+        not carried the answer yet); None when the store cannot tell. The engine asks it
+        when a deadline passes: the deadline is measured from the write, against the store,
+        not against this server's own busy loop."""
 
     async def inflight(self, keys: Sequence[str]) -> list[int]:
         """Live (unexpired) leases per key."""
@@ -293,10 +292,7 @@ class StoreBase:
     def node_of(self, key: str) -> str:
         return ""
 
-    def unanswered(self, lease_id: str) -> list[str]:
-        return []
-
-    def waited(self) -> float | None:
+    def waiting(self, lease_id: str) -> list[tuple[str, float | None]] | None:
         return None
 
 

@@ -69,4 +69,4 @@ def test_batched_configurations_run_and_count_store_calls(tmp_path: Path) -> Non
         assert p["store_script_calls"] is not None and p["store_script_calls"] > 0, (key, p)
     # a grant serves many requests of its key: fewer script calls per request than exact
     assert phases["rhb"]["store_script_calls"] < phases["rh"]["store_script_calls"], phases
-    assert "script calls/req" in proc.stdout and "timeout fail-opens" in proc.stdout
+    assert "script calls/req" in proc.stdout and "store fail-opens timeout" in proc.stdout

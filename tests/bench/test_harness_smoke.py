@@ -59,7 +59,10 @@ def test_smoke_run_produces_figures(tmp_path: Path) -> None:
             # it) and the server's own round-trip counter (never more than one per request).
             assert p["ext_authz_ok"] > 0 and p["server_cpu_us"] > 0, p
             assert p["redis_commands"]["evalsha"] > 0 and p["redis_commands"]["get"] > 0, p
-            assert 0 < p["store_round_trips"] <= 1.0, p
+            # (per request the load tool counted: checks in flight at the snapshots' edges
+            # are the server's and not the tool's, so a run where every check reached Redis
+            # alone, none skipped by a breaker, may read a hair over 1: 1.0005 seen)
+            assert 0 < p["store_round_trips"] <= 1.01, p
         else:
             assert p["redis_commands"] == {} and p["store_round_trips"] is None, p
     rows = {r["key"]: r for r in result["summary"]["rows"]}

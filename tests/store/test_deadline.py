@@ -1,14 +1,16 @@
-"""The store deadline measures the store, not the server's own busy event loop (issue 24).
+"""The store deadline measures the store, not the server's own busy event loop (issues 24, 29).
 
 At saturation an answer from Redis waits a loop turn for each hop between the socket and the
-check (read, the sender task, the store call, the shield): with long turns the deadline
-passed while Redis had long answered, the check failed open and the breaker opened on a
-healthy store. Now a passed deadline is checked after one I/O poll: a store whose oldest
-unanswered command has waited less than half the deadline is not late, and the check waits
-on (``Engine.deadline_extended``); a stalled store still fails open.
+check (read, the sender task, the store call, the shield), and a check's command may wait in
+the batcher's queue before it is written: with long turns the deadline passed while Redis had
+long answered (or had not been asked yet), the check failed open and the breaker opened on a
+healthy store. Now the deadline counts from the check's own write, is checked after one I/O
+poll (``Store.waiting``), each pass counted by where the check was
+(``Engine.deadline_missed``: queued, redis, loop); only a store that is late fails the check
+and counts on the breaker. A failed-open batched grant op gives back what it took.
 
-Real Redis; the busy loop is a blocking sleep inside the store call, right after the
-command was written, so that Redis answers while nothing reads the answer.
+Real Redis; the busy loop is a blocking sleep inside the store call, after the command was
+written (or before), so that Redis answers while nothing reads the answer.
 """
 
 from __future__ import annotations
@@ -20,14 +22,18 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import redis
 
 from extauthz import engine as engine_module
 from extauthz.breaker import Breaker
-from extauthz.clock import SYSTEM_CLOCK
+from extauthz.clock import SYSTEM_CLOCK, ManualClock
 from extauthz.engine import Engine
+from extauthz.limiters.request_rate import RequestRateLimiter
 from extauthz.store.base import CheckResult, Op
 from extauthz.store.redis import RedisStore
 from testinfra.redis_servers import RedisSingle
+from tests.store.conftest import make_redis_store
+from tests.store.redis.helpers import wait_until
 from tests.unit.helpers import RATE, get, policy_from
 
 pytestmark = pytest.mark.redis
@@ -48,18 +54,28 @@ async def written(store: RedisStore) -> None:
     raise AssertionError("the check was never written to Redis")
 
 
-def engine_on(store: RedisStore, tmp_path: Path, busy: bool) -> Engine:
+def engine_on(store: RedisStore, tmp_path: Path, busy: bool, before_write: bool = False) -> Engine:
     """An engine whose store call, when ``busy``, blocks the loop once the command is
-    written (the breaker never opens: each check reaches the store)."""
+    written (``before_write``: once it is queued, before the batcher writes it, and again once
+    written). The breaker
+    never opens (each check reaches the store) but counts."""
     async def check(ops: Sequence[Op], lease_id: str) -> CheckResult:
         call = asyncio.ensure_future(store.check(ops, lease_id))
-        if busy:
+        if busy and before_write:
+            await asyncio.sleep(0)  # the store call has queued its command, not written it
+            assert store._nodes[""].waiting_since is None
+            time.sleep(BUSY)  # noqa: ASYNC251 - the point: nothing runs, nothing is written
+            # then busy again once it is written: Redis answers while nothing reads (a slow
+            # machine's Redis gets a whole busy turn, not one deadline)
+            await written(store)
+            time.sleep(BUSY)  # noqa: ASYNC251
+        elif busy:
             await written(store)
             time.sleep(BUSY)  # noqa: ASYNC251 - the point: nothing runs, nothing is read
         return await call
 
     return Engine(store, policy_from(tmp_path, {"limiters": [RATE]}), deadline=DEADLINE,
-                  breaker=Breaker(SYSTEM_CLOCK, threshold=10**9), store_check=check)
+                  breaker=Breaker(SYSTEM_CLOCK, threshold=1, ratio=0.0), store_check=check)
 
 
 @pytest.mark.parametrize("extensions", [engine_module.LOOP_EXTENSIONS, 0], ids=["shipped", "none"])
@@ -72,14 +88,45 @@ async def test_an_answer_the_busy_loop_has_not_read_is_no_timeout(
         await store.ping()
         engine = engine_on(store, tmp_path, busy=True)
         _, decision = await engine.check(get())
+        # Redis answered during the busy turn: its reply was read at the poll after the deadline
+        assert engine.deadline_missed == {"queued": 0, "redis": 0, "loop": 1}
         if extensions:
             # Redis answered in time: the rate limiter decided, nothing failed open
             assert decision.allowed and decision.failures == ()
             assert decision.verdicts[0].reason != "store_timeout"
             assert engine.deadline_extended == 1 and engine.failures == {}
-        else:  # without the check after a poll: the deadline that passed in the busy loop
+        else:  # no extension: the deadline that passed in the busy loop fails it open...
             assert decision.failures == ("timeout",)
             assert engine.failures == {"timeout": 1}
+        # ...but the store was not late: no breaker counts it (issue 29: it opened under load)
+        assert engine.breaker.failures == 0 and engine.breaker.state == "closed"
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("extensions", [engine_module.LOOP_EXTENSIONS, 0], ids=["shipped", "none"])
+async def test_a_check_queued_past_its_deadline_is_not_the_stores_failure(
+        redis_single_clean: RedisSingle, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        extensions: int) -> None:
+    """Issue 29: the deadline is measured from the write. A check whose command waited in
+    this server (the batcher's queue, a long loop turn) past the deadline before it was even
+    written is given the deadline from its write; and when no extension is left it fails
+    open without counting on the breaker (Redis was not the one that was late)."""
+    monkeypatch.setattr(engine_module, "LOOP_EXTENSIONS", extensions)
+    store = RedisStore.from_url(redis_single_clean.url, deadline=DEADLINE)
+    try:
+        await store.ping()
+        engine = engine_on(store, tmp_path, busy=True, before_write=True)
+        _, decision = await engine.check(get())
+        # the deadline passed in this server (queued, or the answer not carried yet), never
+        # counted against Redis, which answered within a deadline of the write
+        missed = engine.deadline_missed
+        assert missed["queued"] + missed["loop"] >= 1 and missed["redis"] == 0
+        if extensions:
+            assert decision.allowed and decision.failures == () and engine.failures == {}
+        else:
+            assert decision.failures == ("timeout",)
+        assert engine.breaker.failures == 0 and engine.breaker.state == "closed"
     finally:
         await store.close()
 
@@ -98,6 +145,9 @@ async def test_a_stalled_store_still_fails_open(redis_single_clean: RedisSingle,
         assert decision.verdicts[0].reason == "store_timeout"
         # the command waited the whole deadline: late at once, at worst after one more
         assert engine.deadline_extended <= 1
+        # the store was late: counted so, and on the breaker (here: open at one failure)
+        assert engine.deadline_missed["redis"] == 1
+        assert engine.breaker.state == "open"
     finally:
         await store.close()
 
@@ -119,3 +169,84 @@ async def test_a_check_waiting_for_a_connection_fails_open_at_the_deadline(tmp_p
     finally:
         await store.close()
         listener.close()
+
+
+async def test_a_failed_open_grant_op_gives_its_grant_back(redis_single_clean: RedisSingle, tmp_path: Path) -> None:
+    """Issue 29: a batched request_rate grant op whose check failed open (here: Redis paused
+    past the deadline) still runs when Redis resumes and takes its grant from the shared
+    bucket; nothing held it, so each abandoned grant cost the key ``batch`` tokens for no
+    request and one replica refused while its bucket had been spent on nothing. Now the
+    late answer's grant goes back, less the failed-open request's own cost (what exact mode's
+    late commit takes): afterwards the key admits what exact mode would. The clock is
+    frozen (injected), so the bucket never refills: the counts are exact."""
+    clock = ManualClock(5_000.0)
+    store = make_redis_store(redis_single_clean, clock, socket_timeout=30.0)
+    policy = policy_from(tmp_path, {"limiters": [{
+        "name": "user-rate", "type": "request_rate", "rate": 1, "burst": 10,
+        "consistency": "batched", "batch": 5, "sync_interval": "10s"}]})
+    engine = Engine(store, policy, deadline=0.05, clock=clock, breaker=Breaker(clock, threshold=10**9))
+    bucket = engine.keys.bucket("user-rate", engine.context(get()).identity)
+    raw = redis.Redis(port=redis_single_clean.port)
+    try:
+        await store.ping()
+        redis_single_clean.pause()
+        try:
+            _, decision = await engine.check(get())  # written, unanswered: fails open
+        finally:
+            redis_single_clean.resume()
+        assert decision.allowed and decision.failures == ("timeout",)
+        # the late answer runs (the grant of 5 taken), then its give-back
+        await wait_until(lambda: _true(raw.get(bucket) is not None), 10.0, "the late grant")
+        await wait_until(lambda: _true(engine.grant_returns == 1 and not engine._returning), 10.0,
+                         "its give-back")
+        assert engine.grant_return_errors == 0
+        admitted = [(await engine.check(get()))[1].allowed for _ in range(12)]
+        # exact mode: 10 tokens, the failed-open request's late commit took 1: 9 admitted
+        # (before: the lost grant left 5, and the key refused after 5)
+        assert admitted == [True] * 9 + [False] * 3
+    finally:
+        for lim in engine.snapshot.limiters:
+            if isinstance(lim, RequestRateLimiter) and lim.grants is not None:
+                lim.grants.close()
+        raw.close()
+        await store.close()
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_a_grant_op_skipped_by_the_open_breaker_gives_back_what_it_lent(
+        redis_single_clean: RedisSingle, tmp_path: Path) -> None:
+    """A request whose grant ran short lends the remainder to its grant op (``held``: the
+    store counts it in the pool it grants from). When the open breaker skips the store, the
+    op is never sent: the remainder goes back to the shared bucket instead of being lost."""
+    clock = ManualClock(5_000.0)
+    store = make_redis_store(redis_single_clean, clock)
+    policy = policy_from(tmp_path, {"limiters": [{
+        "name": "user-rate", "type": "request_rate", "rate": 1, "burst": 10, "cost": 3,
+        "consistency": "batched", "batch": 4, "sync_interval": "10s"}]})
+    engine = Engine(store, policy, deadline=1.0, clock=clock, breaker=Breaker(clock, threshold=1, ratio=0.0))
+    bucket = engine.keys.bucket("user-rate", engine.context(get()).identity)
+    raw = redis.Redis(port=redis_single_clean.port)
+
+    def tokens() -> float:
+        value = raw.get(bucket)
+        assert value is not None
+        return float(value.split()[0])
+
+    try:
+        _, first = await engine.check(get())  # a grant of 4, 3 spent: 1 left here, 6 in Redis
+        assert first.allowed and first.failures == () and tokens() == 6.0
+        engine.breaker.failure()  # open
+        _, second = await engine.check(get())  # 1 < 3: lent to a grant op the breaker skips
+        assert second.allowed and second.failures == ("circuit_open",)
+        await wait_until(lambda: _true(engine.grant_returns == 1 and not engine._returning), 10.0,
+                         "the give-back")
+        assert tokens() == 7.0  # the remainder is back in the shared bucket (before: lost)
+    finally:
+        for lim in engine.snapshot.limiters:
+            if isinstance(lim, RequestRateLimiter) and lim.grants is not None:
+                lim.grants.close()
+        raw.close()
+        await store.close()

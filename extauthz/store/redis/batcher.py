@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import operator
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -25,7 +26,7 @@ from redis import exceptions as rx
 from ...errors import StoreUnavailable
 from .wire import CLIENT_ERRORS, UNKNOWN, Reply, Script, Unanswered, wrap
 
-__all__ = ["RIDE_FLUSH_DELAY", "Batcher", "Call"]
+__all__ = ["RIDE_FLUSH_DELAY", "Batcher", "Call", "written"]
 
 #: Seconds a release waits for a check to ride with before it is sent on its own. A few
 #: milliseconds: far below any lease TTL, and under load a check comes much sooner.
@@ -45,6 +46,16 @@ class Call:
     merge: str | None = None
     #: a merged call: the calls it carries, in KEYS order
     parts: list[Call] | None = None
+    #: when it was written to Redis (``time.monotonic()``; 0: not yet): the engine measures
+    #: its store deadline from here, not from when the check queued (:meth:`RedisStore.waiting`)
+    written: float = 0.0
+    #: the connection's future of its reply, set when the bytes are read (before the reply
+    #: travels to the caller): None until written on a lean connection
+    reply: asyncio.Future[Any] | None = None
+
+    def answered(self) -> bool:
+        """Whether Redis's reply has been read (the caller may not have it yet)."""
+        return self.future.done() or (self.reply is not None and self.reply.done())
 
 
 class Batcher:
@@ -72,6 +83,12 @@ class Batcher:
         """Queue one script call; its future resolves to the raw reply (or a StoreError).
         ``ride``: wait for the next check's round trip (at most :data:`RIDE_FLUSH_DELAY`);
         ``merge``: the group of calls this one may share one script call with."""
+        return self.submit_call(script, keys, args, droppable=droppable, ride=ride, merge=merge).future
+
+    def submit_call(self, script: Script, keys: Sequence[str], args: Sequence[str | bytes], *,
+                    droppable: bool = False, ride: bool = False, merge: str | None = None) -> Call:
+        """:meth:`submit`, returning the queued :class:`Call` (when it is written, whether its
+        reply was read: :meth:`Call.answered`)."""
         if self.closed:
             raise StoreUnavailable("redis store is closed")
         loop = asyncio.get_running_loop()
@@ -80,7 +97,7 @@ class Batcher:
             self._riders.append(call)
             if self._flush is None and self._sender is None:
                 self._flush = loop.call_later(RIDE_FLUSH_DELAY, self._flush_riders)
-            return call.future
+            return call
         if not self.batching:
             self.spawn(self._send([call]))
         else:
@@ -88,7 +105,7 @@ class Batcher:
             if self._sender is None:
                 # Runs in the next loop iteration: everything submitted in this one rides along.
                 self._sender = self.spawn(self._send_pending())
-        return call.future
+        return call
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """A batcher-owned task (cancelled by :meth:`close`) whose result its caller
@@ -131,6 +148,7 @@ class Batcher:
 
     async def _send_part(self, batch: list[Call]) -> None:
         """One round trip for ``batch`` (merged calls), each caller given its reply."""
+        written(batch, None)  # the lean connections stamp the write itself (wire time)
         try:
             replies = await self._transmit(batch)
         except asyncio.CancelledError:
@@ -171,6 +189,18 @@ class Batcher:
             call.future.cancel()
         self._pending.clear()
         self._riders.clear()
+
+
+def written(batch: Sequence[Call], replies: Sequence[asyncio.Future[Any]] | None) -> None:
+    """Stamp the calls of ``batch`` (and the parts of merged ones) written now; with
+    ``replies``, the connection's futures of their replies, in order."""
+    now = time.monotonic()
+    for k, call in enumerate(batch):
+        reply = None if replies is None else replies[k]
+        for part in call.parts or (call,):
+            part.written = now
+            part.reply = reply
+        call.written, call.reply = now, reply
 
 
 def _sliced(start: int, end: int, reply: Reply) -> Reply:

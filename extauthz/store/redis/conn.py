@@ -219,16 +219,20 @@ class NodeConnection:
             return self._opening_since
         return None
 
-    async def call(self, data: bytes, count: int, *, late: bool = False) -> list[Any]:
+    async def call(self, data: bytes, count: int, *, late: bool = False,
+                   sent: Callable[[list[asyncio.Future[Any]]], None] | None = None) -> list[Any]:
         """Send ``count`` packed commands and return their replies (error replies in place).
         Without a connection it raises at once (after a loss) or waits for the first one.
         Commands written and not answered (socket timeout, connection lost) raise
         :class:`.wire.Unanswered` with ``late`` (their replies if they come after all), else
-        ``redis.TimeoutError`` or the connection's error."""
+        ``redis.TimeoutError`` or the connection's error. ``sent`` is told, once written, the
+        futures of the replies (done as soon as each reply is read)."""
         protocol = self._protocol
         if protocol is None or protocol.lost is not None:
             protocol = await self.connect(wait=protocol is None)
         futures = protocol.send(data, count)
+        if sent is not None:
+            sent(futures)
         # Replies come in order and a loss fails every one left: the last one done means
         # all are. Waited for without cancelling it: a late reply is still read.
         if futures and not futures[-1].done():

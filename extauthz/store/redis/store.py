@@ -36,7 +36,7 @@ from .. import algorithms, redis_events
 from ..base import RETURN_OPS, CheckResult, Op, ShedParams, StoreBase, StoreStats
 from ..keys import Keys
 from . import cluster
-from .batcher import Batcher, Call
+from .batcher import Batcher, Call, written
 from .conn import NodeConnection
 from .url import Client, connect
 from .wire import (
@@ -97,9 +97,9 @@ class RedisStore(StoreBase):
         #: releases wait (a few ms) for the next check's round trip (batcher riders)
         self.releases_ride = releases_ride
         self._nodes: dict[str, NodeConnection] = {}
-        #: Redis Cluster: the parts (a key, its reply) of each check under way in several
-        #: slot groups, by lease id (see :meth:`unanswered`)
-        self._parts: dict[str, list[tuple[str, asyncio.Future[Reply]]]] = {}
+        #: the script calls (a key of each, the call) of each check under way, by lease id:
+        #: one, or on a cluster one per slot group (see :meth:`waiting`)
+        self._checks: dict[str, list[tuple[str, Call]]] = {}
 
     @property
     def batching(self) -> bool:
@@ -139,9 +139,13 @@ class RedisStore(StoreBase):
         """Queue a script call. Calls of a script that merges (``wire.MERGES``: check.lua,
         whose entries are checks and releases) share one call with the others of their
         batch, per hash tag on a cluster (one script call must stay in one slot)."""
+        return self._submit_call(script, keys, args, droppable=droppable, ride=ride).future
+
+    def _submit_call(self, script: str, keys: Sequence[str], args: Sequence[str | bytes],
+                     *, droppable: bool = False, ride: bool = False) -> Call:
         s = self._scripts[script]
         merge = None if s.merge is None else Keys.tag_of(keys[0]) if self._cluster else ""
-        return self._batcher.submit(s, keys, args, droppable=droppable, ride=ride, merge=merge)
+        return self._batcher.submit_call(s, keys, args, droppable=droppable, ride=ride, merge=merge)
 
     async def _ensure_ready(self) -> None:
         """Once per store, before the first command: a cluster client initialized alone
@@ -210,19 +214,19 @@ class RedisStore(StoreBase):
         node = cluster.node_of(self.client, key)
         return "" if node is None else str(node.name)
 
-    def unanswered(self, lease_id: str) -> list[str]:
-        """Redis Cluster: the masters (:meth:`node_of`) whose part of the check ``lease_id``
-        (one in several slot groups, under way) has not answered yet: the engine blames a
-        missed deadline on them, not on the masters that answered."""
-        return [self.node_of(key) for key, part in self._parts.get(lease_id, ()) if not part.done()]
-
-    def waited(self) -> float | None:
-        """The longest wait of a command on the lean connections (None: not lean, redis-py's
-        connections cannot tell)."""
-        if not self.lean:
-            return None
-        since = [t for node in self._nodes.values() if (t := node.waiting_since) is not None]
-        return time.monotonic() - min(since) if since else 0.0
+    def waiting(self, lease_id: str) -> list[tuple[str, float | None]]:
+        """The parts of the check ``lease_id`` that Redis has not answered: for each, its
+        master (:meth:`node_of`) and how long (seconds) it has waited since it was written,
+        or None while it is still queued here (not written yet: this server's own delay).
+        A reply already read counts as answered even if the check has not seen it yet (the
+        server's busy loop has not carried it). On a cluster a check has one part per slot
+        group, each written to its own master."""
+        parts = self._checks.get(lease_id)
+        if not parts:
+            return []
+        now = time.monotonic()
+        return [(self.node_of(key), now - call.written if call.written else None)
+                for key, call in parts if not call.answered()]
 
     async def _script_load(self, script: Script, node: ClusterNode | None) -> None:
         """SCRIPT LOAD where NOSCRIPT came from: on a cluster that node only, so that one
@@ -248,7 +252,8 @@ class RedisStore(StoreBase):
         pool = self.client.connection_pool
 
         async def send_lean(todo: list[int]) -> list[Any]:
-            return await self._single_node().call(_packed_calls(batch, todo), len(todo), late=True)
+            return await self._single_node().call(_packed_calls(batch, todo), len(todo), late=True,
+                                                  sent=_stamp(batch, todo))
 
         async def send(todo: list[int]) -> list[Any]:
             conn = await pool.get_connection()  # type: ignore[no-untyped-call]
@@ -297,7 +302,7 @@ class RedisStore(StoreBase):
         async def send_lean(todo: list[int]) -> list[Any]:
             assert node is not None
             answers = await self._cluster_node(node).call(_packed_calls(batch, todo), len(todo),
-                                                          late=True)
+                                                          late=True, sent=_stamp(batch, todo))
             # MOVED/ASK (slots moved since the map was read): that call once more through
             # redis-py, which follows the redirection and refreshes its slot map.
             for j, answer in enumerate(answers):
@@ -346,7 +351,15 @@ class RedisStore(StoreBase):
                 # batched grants given back: they ride with the next check, as releases do
                 reply = await self._submit("check", keys, args, ride=self.releases_ride)
             else:
-                reply = await self._submit("check", keys, args, droppable=True)
+                call = self._submit_call("check", keys, args, droppable=True)
+                if lease_id:  # the engine's checks: their wait is told by waiting()
+                    self._checks[lease_id] = [(keys[0], call)]
+                    try:
+                        reply = await call.future
+                    finally:
+                        self._checks.pop(lease_id, None)
+                else:
+                    reply = await call.future
         except StoreError as exc:
             if exc.late is not None:  # sent, unanswered: its answer may still come
                 exc.late = self._settled(exc.late, keys[0], functools.partial(check_result, ops))
@@ -361,17 +374,17 @@ class RedisStore(StoreBase):
         """Redis Cluster, ops in several slots: run in a task the caller cannot cancel, so
         that a compensation always completes. (A caller that gives up loses the answer: the
         engine's release path gives back what an abandoned answer committed.)"""
-        parts = self._parts[lease_id] = []
+        parts = self._checks[lease_id] = []
 
         def submit(script: str, keys: Sequence[str], args: Sequence[str | bytes]) -> asyncio.Future[Reply]:
-            part = self._submit(script, keys, args)
+            part = self._submit_call(script, keys, args)
             parts.append((keys[0], part))
-            return part
+            return part.future
 
         task = self._batcher.spawn(
             cluster.check_groups(submit, self._check_args, self.stats, ops, groups,
                                  lease_id, self._settled))
-        task.add_done_callback(lambda _: self._parts.pop(lease_id, None))
+        task.add_done_callback(lambda _: self._checks.pop(lease_id, None))
         result: CheckResult = await asyncio.shield(task)
         return result
 
@@ -516,6 +529,12 @@ class RedisStore(StoreBase):
         if self._sentinel is not None:
             for sentinel in self._sentinel.sentinels:
                 await sentinel.aclose()
+
+
+def _stamp(batch: Sequence[Call], todo: Sequence[int]) -> Callable[[list[asyncio.Future[Any]]], None]:
+    """The lean connection's ``sent`` hook: ``batch[i]`` for ``i`` in ``todo`` written now,
+    with their replies' futures (:func:`.batcher.written`)."""
+    return lambda replies: written([batch[i] for i in todo], replies)
 
 
 def _packed_calls(batch: Sequence[Call], todo: Sequence[int]) -> bytes:
