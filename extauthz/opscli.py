@@ -439,6 +439,10 @@ def format_status(data: dict[str, Any]) -> str:
     overrides = data.get("overrides") or {}
     lines.append(f"overrides: {overrides.get('live', 0)} live"
                  + (f", {len(overrides['not_applied'])} not applied" if overrides.get("not_applied") else ""))
+    recorder = data.get("recorder")
+    if isinstance(recorder, dict):
+        lines.append(f"recorder: {recorder.get('recorded', 0):,} lines recorded into {recorder.get('directory')}, "
+                     f"{recorder.get('lines_dropped', 0):,} dropped, {recorder.get('write_errors', 0):,} write errors")
     reload = data.get("reload") or {}
     if reload.get("last_error"):
         lines.append(f"policy reload failing: {reload['last_error']}")
