@@ -147,10 +147,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         for issue in exc.issues:
             print(f"error: {issue}", file=sys.stderr)
         return 2
-    if args.json_out not in (None, "-") and not Path(args.json_out).parent.is_dir():
-        print(f"extauthz simulate: --json {args.json_out}: no directory {Path(args.json_out).parent}",
-              file=sys.stderr)
-        return 2
     if args.report:  # fail before a long replay, not after it
         from .report import require_matplotlib
 
@@ -159,6 +155,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         except ImportError as exc:
             print(f"extauthz simulate: {exc}", file=sys.stderr)
             return 2
+    try:  # the output directories, made before a long replay (a file in their way fails here)
+        if args.json_out not in (None, "-"):
+            Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        if args.report:
+            Path(args.report).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"extauthz simulate: cannot make the output directory: {exc}", file=sys.stderr)
+        return 2
     try:
         files = [TrafficFile(path) for path in args.traffic]
         signal = SignalSeries.load(args.signal) if args.signal else None

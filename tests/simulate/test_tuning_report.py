@@ -4,6 +4,9 @@ from ``--identities``, critical refusals flagged first, the peak load removed, `
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +17,7 @@ import pytest
 from extauthz.classify import hash_identity
 from extauthz.simulate.traffic import write_lines
 
+from ..conftest import ROOT
 from .test_replay import RATE, T0, line, policy_dir
 
 EXTAUTHZ = str(Path(sys.executable).with_name("extauthz"))
@@ -110,8 +114,37 @@ def test_a_bad_fail_on_expression_is_a_usage_error(case: dict[str, str], expr: s
     assert "argument --fail-on" in out.stderr and says in out.stderr, out.stderr
 
 
-def test_json_into_a_missing_directory_is_refused_before_the_replay(case: dict[str, str], tmp_path: Path) -> None:
+def test_json_into_a_missing_directory_makes_it_and_a_file_in_the_way_is_refused(
+        case: dict[str, str], tmp_path: Path) -> None:
     out = run("--policies", case["candidate"], "--traffic", case["traffic"], "--json",
-              str(tmp_path / "nowhere" / "s.json"))
+              str(tmp_path / "new" / "dir" / "s.json"))
+    assert out.returncode == 0, out.stderr
+    assert json.loads((tmp_path / "new" / "dir" / "s.json").read_text())["requests"] == 64
+    (tmp_path / "afile").write_text("")
+    out = run("--policies", case["candidate"], "--traffic", case["traffic"], "--json",
+              str(tmp_path / "afile" / "s.json"))
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert f"--json {tmp_path / 'nowhere' / 's.json'}: no directory {tmp_path / 'nowhere'}" in out.stderr
+    assert out.stderr.startswith("extauthz simulate: cannot make the output directory:"), out.stderr
+
+
+def test_the_tuning_docs_worked_example_runs_as_written_in_a_fresh_directory(tmp_path: Path) -> None:
+    """docs/tuning.md's "A real example" command, copied from the doc and run by a shell in an
+    empty directory holding only its inputs: ``--json report/summary.json --report report/``
+    makes report/ (it stopped with "no directory report", exit 2)."""
+    pytest.importorskip("matplotlib")
+    doc = (ROOT / "docs" / "tuning.md").read_text()
+    block = next(m.group(1) for m in re.finditer(r"```sh\n(.*?)```", doc, re.S)
+                 if "--json report/summary.json" in m.group(1))
+    shutil.copytree(ROOT / "policies", tmp_path / "policies")
+    (tmp_path / "candidate").mkdir()
+    shutil.copy(ROOT / "docs" / "pictures" / "tuning" / "candidate-api.yaml", tmp_path / "candidate" / "api.yaml")
+    shutil.copy(ROOT / "docs" / "pictures" / "tuning" / "customers.txt", tmp_path / "customers.txt")
+    (tmp_path / "record").mkdir()
+    burst = [line(T0 + i * 0.01, key="sk_live_batchjob") for i in range(300)]  # past the candidate's burst 100
+    write_lines(tmp_path / "record" / "record-1.jsonl.gz", [*burst, line(T0 + 5, key="sk_live_user1")])
+    env = {**os.environ, "PATH": f"{Path(EXTAUTHZ).parent}{os.pathsep}{os.environ['PATH']}"}
+    out = subprocess.run(["bash", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    s = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert s["requests"] == 301 and (tmp_path / "report" / "report.md").is_file()
+    assert [c.get("label") for c in s["customers"]][:1] == ["sk_live_batchjob"]
