@@ -232,14 +232,15 @@ class StoreControl:
         except StoreError as exc:
             raise ControlError(f"{type(exc).__name__}: {exc}") from None
 
-    async def _record(self, kind: str, action: str, target: str, value: Any) -> None:
+    async def _record(self, kind: str, action: str, target: str, value: Any,
+                      expires_at: float | None = None) -> None:
         """A change made straight on the store goes to the fleet's change log too (no token:
         ``by`` is empty, ``user`` the OS user or --by)."""
         from .server.adminauth import TEXT_MAX
 
         await self._store(append_change(self.store, self.keys.history, Change(
             kind=kind, action=action, target=target, value=value, reason=self.reason[:TEXT_MAX],
-            user=self.user[:TEXT_MAX], at=self.wall(), via="redis")))
+            user=self.user[:TEXT_MAX], at=self.wall(), via="redis", expires_at=expires_at)))
 
     async def switches(self) -> dict[str, Any]:
         try:
@@ -277,7 +278,8 @@ class StoreControl:
         now = self.wall()
         entries, _ = await self._store(self.override_doc.change(
             self.store, lambda e: with_override(e, new, now), now))
-        await self._record("override", "set", f"{new.limiter} {new.identity}", dict(new.numbers))
+        await self._record("override", "set", f"{new.limiter} {new.identity}", dict(new.numbers),
+                           new.expires_at)
         return self._rows(entries, now)
 
     async def clear_override(self, limiter: str, identity: str) -> dict[str, Any] | None:

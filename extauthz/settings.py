@@ -24,8 +24,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+#: the authorization protocols of Envoy's ext_authz filter, both answered from the same
+#: pieces here (``serve --listen`` / ``--http-listen``; ``--protocol`` of
+#: ``envoy-allowed-headers`` and ``demo``).
+PROTOCOLS = ("grpc", "http")
+
 __all__ = [
-    "DEFAULT_MAX_ACTIVE_CHECKS", "ENV_PREFIX", "KEY_PREFIX", "OFF", "SHARED", "STORE_DEADLINE_MS",
+    "DEFAULT_MAX_ACTIVE_CHECKS", "ENV_PREFIX", "KEY_PREFIX", "OFF", "PROTOCOLS", "SHARED", "STORE_DEADLINE_MS",
     "Option", "Settings", "add_arguments", "add_shared", "env_value", "from_args", "off", "options",
     "positive", "size",
 ]

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from ..errors import PolicyError
-
 #: the summary's figures ``--fail-on`` compares, and its operators
 FIGURES = ("critical_refused", "refused", "refused_share", "customers_refused",
            "max_customer_refused_share")
@@ -135,7 +133,16 @@ class ProgressBar:
         self.stream.flush()
 
 
+def _error(message: object) -> int:
+    """An error before or during the replay: the operator commands' one form, exit 2."""
+    from ..opscli import error_line
+
+    print(error_line("simulate", message), file=sys.stderr)
+    return 2
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from ..errors import PolicyError
     from ..policy import load_policy
     from .replay import Replay, SignalSeries
     from .traffic import BadLines, TrafficError, TrafficFile, read_traffic
@@ -145,7 +152,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         baseline = load_policy(args.baseline) if args.baseline else None
     except PolicyError as exc:
         for issue in exc.issues:
-            print(f"error: {issue}", file=sys.stderr)
+            _error(issue)
         return 2
     if args.report:  # fail before a long replay, not after it
         from .report import require_matplotlib
@@ -153,24 +160,21 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         try:
             require_matplotlib()
         except ImportError as exc:
-            print(f"extauthz simulate: {exc}", file=sys.stderr)
-            return 2
+            return _error(exc)
     try:  # the output directories, made before a long replay (a file in their way fails here)
         if args.json_out not in (None, "-"):
             Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         if args.report:
             Path(args.report).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        print(f"extauthz simulate: cannot make the output directory: {exc}", file=sys.stderr)
-        return 2
+        return _error(f"cannot make the output directory: {exc}")
     try:
         files = [TrafficFile(path) for path in args.traffic]
         signal = SignalSeries.load(args.signal) if args.signal else None
         labels = (identity_labels(args.identities, candidate, args.identity_salt.encode())
                   if args.identities else None)
     except (OSError, TrafficError) as exc:
-        print(f"extauthz simulate: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc)
     bad = BadLines(skip=args.skip_bad_lines)
     replay = Replay(candidate, baseline, seed=args.seed, salt=args.identity_salt.encode(),
                     series=bool(args.report), signal=signal)
@@ -180,9 +184,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     except TrafficError as exc:
         if bar is not None:
             bar.close()
-        print(f"extauthz simulate: {exc}\n(use --skip-bad-lines to skip and count bad lines)",
-              file=sys.stderr)
-        return 2
+        return _error(f"{exc}\n(use --skip-bad-lines to skip and count bad lines)")
     if bar is not None:
         bar.close()
     if bad.total:

@@ -124,7 +124,7 @@ def test_json_into_a_missing_directory_makes_it_and_a_file_in_the_way_is_refused
     out = run("--policies", case["candidate"], "--traffic", case["traffic"], "--json",
               str(tmp_path / "afile" / "s.json"))
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert out.stderr.startswith("extauthz simulate: cannot make the output directory:"), out.stderr
+    assert out.stderr.startswith("extauthz simulate: error: cannot make the output directory:"), out.stderr
 
 
 def test_the_tuning_docs_worked_example_runs_as_written_in_a_fresh_directory(tmp_path: Path) -> None:

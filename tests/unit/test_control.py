@@ -53,7 +53,7 @@ async def test_an_override_that_would_not_apply_is_refused_and_nothing_is_writte
     store = MemoryStore(clock)
     ctl = control(tmp_path, store, clock)
     new = make_override("user-rte", IDENTITY, {"rate": 5}, ttl=60, now=clock.wall())
-    with pytest.raises(OverrideError, match="no limiter named 'user-rte'"):
+    with pytest.raises(OverrideError, match=r"no limiter named 'user-rte' \(did you mean 'user-rate'\?\)"):
         await ctl.set_override(new)
     assert await store.get_value(Keys().overrides) is None and await ctl.history() == []
     # without a policy the store cannot tell: the override is kept and listed
