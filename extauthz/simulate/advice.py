@@ -127,19 +127,33 @@ def bucket_admits_all(times: list[float], rate: float, burst: float, cost: float
     return True
 
 
-def _smallest(ok: Callable[[float], bool], low: float, high: float) -> float | None:
-    """The smallest x in (low, high] with ``ok(x)`` (``ok`` monotone), or None."""
-    if not ok(high):
-        return None
+def _smallest(ok: Callable[[float], bool], start: float, high: float, *, whole: bool = False,
+              tolerance: float = 1e-4) -> float | None:
+    """The smallest x in (0, high] with ``ok(x)`` (``ok`` monotone), or None: doubled from
+    ``start`` until it holds, then bisected: to the exact whole number (``whole``), else
+    within a relative ``tolerance``, never below the smallest."""
+    low, x = 0.0, min(max(start, 1e-9), high)
+    while not ok(x):
+        if x >= high:
+            return None
+        low, x = x, min(x * 2, high)
+    if whole:
+        lo, hi = math.floor(low), math.ceil(x)  # ok(hi); not ok(lo) unless lo is 0
+        if lo > 0 and ok(lo):
+            return float(lo)
+        while hi - lo > 1:
+            half = (lo + hi) // 2
+            lo, hi = (lo, half) if ok(half) else (half, hi)
+        return float(hi)
     for _ in range(_STEPS):
-        mid = (low + high) / 2
-        if mid <= low or mid >= high:
+        if x - low <= x * tolerance:
             break
+        mid = (low + x) / 2
         if ok(mid):
-            high = mid
+            x = mid
         else:
             low = mid
-    return high
+    return x
 
 
 def _round_up(x: float, ok: Callable[[float], bool], digits: int = 3) -> float:
@@ -156,12 +170,11 @@ def bucket_advice(times: list[float], n: Limits) -> dict[str, Any]:
     smallest rate at the policy's burst (None when none suffices)."""
     if not times:
         return {"burst": n.burst, "rate": n.rate}
-    total = n.cost * len(times)
-    burst = _smallest(lambda b: bucket_admits_all(times, n.rate, b, n.cost), 0.0, max(total, n.burst))
-    whole = math.ceil(burst - 1e-9) if burst is not None else None
-    if whole is not None and not bucket_admits_all(times, n.rate, whole, n.cost):
-        whole = math.ceil(burst) if burst is not None else None
-    rate = _smallest(lambda r: bucket_admits_all(times, r, n.burst, n.cost), 0.0, MAX_RATE)
+    total = n.cost * len(times)  # a bucket this big, full at the start, admits them all
+    burst = _smallest(lambda b: bucket_admits_all(times, n.rate, b, n.cost), n.burst, max(total, n.burst),
+                      whole=True)
+    whole = int(burst) if burst is not None else None
+    rate = _smallest(lambda r: bucket_admits_all(times, r, n.burst, n.cost), n.rate, MAX_RATE)
     if rate is not None:
         rate = _round_up(rate, lambda r: bucket_admits_all(times, r, n.burst, n.cost))
     return {"burst": whole, "rate": rate}
