@@ -253,7 +253,7 @@ def admin_base(args: argparse.Namespace) -> list[str]:
 def admin_target(args: argparse.Namespace, *, change: bool = False) -> AdminTarget:
     """The admin port of ``args``, with the token and (``change``) the reason it sends."""
     from .control import AdminTarget
-    from .server.adminauth import AdminConfigError, client_token
+    from .server.admintokens import AdminConfigError, client_token
 
     try:
         token = client_token(args.admin_token_file) if getattr(args, "admin_token_file", None) else None
@@ -290,14 +290,16 @@ def _guarded(command: str, body: Callable[[], int]) -> int:
     """Run a command: the one place where a failure becomes a message on stderr (no
     traceback) and exit status 1."""
     from .control import ControlError
-    from .overrides import OverrideError
 
     try:
         return body()
-    except (CliError, ControlError, OverrideError) as exc:
-        print(error_line(command, exc), file=sys.stderr)
-    except Exception as exc:  # the store's and the policy's errors: say what failed
-        print(error_line(command, f"{type(exc).__name__}: {exc}"), file=sys.stderr)
+    except Exception as exc:
+        # a refusal says why; the store's and the policy's errors say what failed too. (An
+        # OverrideError can come only from extauthz.overrides, once a command imported it.)
+        overrides = sys.modules.get(f"{__package__}.overrides")
+        said = (CliError, ControlError, *((overrides.OverrideError,) if overrides is not None else ()))
+        print(error_line(command, exc if isinstance(exc, said) else f"{type(exc).__name__}: {exc}"),
+              file=sys.stderr)
     return 1
 
 
