@@ -185,8 +185,11 @@ def test_fail_on_one_customer_by_key_or_hash(case: dict[str, str]) -> None:
             "26 of 40 requests refused") in out.stderr, out.stderr
     assert "customer:payer refused >= 6' holds: customer" in out.stderr and "refused = 6;" in out.stderr
     assert "customer:" + bob not in out.stderr  # bob is never refused
-    assert run(*common, "--fail-on", f"customer:{bob} refused > 0", "--fail-on",
-               "customer:alice refused_share > 0.66").returncode == 0
+    out = run(*common, "--fail-on", f"customer:{bob} refused > 0", "--fail-on", "customer:alice refused_share > 0.66",
+              "--fail-on", "customer:alcie refused > 0")
+    assert out.returncode == 0
+    assert ("warning: --fail-on 'customer:alcie refused > 0': no request of that customer in the traffic"
+            in out.stderr), out.stderr
 
 
 def test_fail_on_against_the_baseline_replayed_or_a_baseline_run(case: dict[str, str], tmp_path: Path) -> None:
