@@ -325,18 +325,18 @@ def _read_summary(path: str) -> dict[str, Any]:
     return dict(data)
 
 
+@dataclass
 class Gate:
     """Evaluates ``--fail-on`` conditions after the replay, and says why one holds, naming
-    the customer it is about."""
+    the customer it is about. ``baseline``: the baseline's summary (replayed, or an earlier
+    run's); ``labels``: hash -> name (``--identities``)."""
 
-    def __init__(self, replay: Any, summary: Mapping[str, Any], baseline: Mapping[str, Any] | None,
-                 labels: Mapping[str, str], policy: Any, salt: bytes) -> None:
-        self.replay = replay
-        self.summary = summary
-        self.baseline = baseline
-        self.labels = labels
-        self.policy = policy
-        self.salt = salt
+    replay: Any
+    summary: Mapping[str, Any]
+    baseline: Mapping[str, Any] | None
+    labels: Mapping[str, str]
+    policy: Any
+    salt: bytes
 
     def name(self, identity: str) -> str:
         label = self.labels.get(identity)
