@@ -254,13 +254,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.baseline_summary and any(c.customer is not None for c in against):
         return _error("a customer's --fail-on against the baseline needs --baseline DIR (a "
                       "summary holds no per-customer figures for every customer)")
-    try:
-        files = [TrafficFile(path) for path in args.traffic]
+    try:  # the traffic files last: they stay open for the replay (closed as they are read)
         signal = SignalSeries.load(args.signal) if args.signal else None
         identities = (IdentityFile.read(args.identities, candidate, args.identity_salt.encode())
                       if args.identities else None)
         labels = identities.labels if identities is not None else None
         baseline_summary = _read_summary(args.baseline_summary) if args.baseline_summary else None
+        files = [TrafficFile(path) for path in args.traffic]
     except (OSError, ValueError, TrafficError) as exc:
         return _error(exc)
     bad = BadLines(skip=args.skip_bad_lines)

@@ -252,6 +252,7 @@ def load(path: Path) -> Policy:
     return load_policy([path])
 
 
+@pytest.mark.slow  # five command runs against a server: about 5 s
 async def test_history_shows_the_overrides_that_lapsed(tmp_path: Path) -> None:
     """An override whose TTL ran out is an ``expire`` row of ``extauthz history`` at its expiry;
     one cleared (or set again) before it is not, nor one still live."""

@@ -155,10 +155,23 @@ def test_the_tuning_docs_worked_example_runs_as_written_in_a_fresh_directory(tmp
     assert [c.get("label") for c in s["customers"]][:1] == ["sk_live_batchjob"]
 
 
-def test_the_failure_line_names_the_customer(case: dict[str, str]) -> None:
+class Ran:
+    """What ``extauthz simulate`` did in this process (no interpreter start per run)."""
+
+    def __init__(self, capsys: pytest.CaptureFixture[str], *args: str) -> None:
+        from extauthz.cli import main
+
+        try:
+            self.returncode = main(["simulate", *args])
+        except SystemExit as exc:  # argparse
+            self.returncode = int(exc.code or 0)
+        self.stdout, self.stderr = capsys.readouterr()
+
+
+def test_the_failure_line_names_the_customer(case: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
     """A fleet-wide figure that holds says which customer is behind it (named from
     --identities, else by hash)."""
-    out = run("--policies", case["candidate"], "--traffic", case["traffic"], "--identities", case["names"],
+    out = Ran(capsys, "--policies", case["candidate"], "--traffic", case["traffic"], "--identities", case["names"],
               "--fail-on", "max_customer_refused_share > 0.5", "--fail-on", "critical_refused > 0",
               "--fail-on", "refused > 10")
     assert out.returncode == 3
@@ -168,16 +181,16 @@ def test_the_failure_line_names_the_customer(case: dict[str, str]) -> None:
     assert (f"--fail-on 'critical_refused > 0' holds: critical_refused = 6; most: customer {payer} "
             "(6 critical requests refused)") in out.stderr
     assert f"--fail-on 'refused > 10' holds: refused = 32; most refused: customer {alice} (26 of 40" in out.stderr
-    out = run("--policies", case["candidate"], "--traffic", case["traffic"],
+    out = Ran(capsys, "--policies", case["candidate"], "--traffic", case["traffic"],
               "--fail-on", "max_customer_refused_share > 0.5")
     assert f"worst hit: customer {hash_identity('alice', 'header:x-api-key')} (26 of 40" in out.stderr
 
 
-def test_fail_on_one_customer_by_key_or_hash(case: dict[str, str]) -> None:
+def test_fail_on_one_customer_by_key_or_hash(case: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
     """``customer:KEY_OR_HASH refused > 1%``: one customer's share (or count) of refusals."""
     bob = hash_identity("bob", "header:x-api-key")
     common = ("--policies", case["candidate"], "--traffic", case["traffic"])
-    out = run(*common, "--fail-on", "customer:alice refused > 1%", "--fail-on", f"customer:{bob} refused > 0",
+    out = Ran(capsys, *common, "--fail-on", "customer:alice refused > 1%", "--fail-on", f"customer:{bob} refused > 0",
               "--fail-on", "customer:payer refused >= 6")
     assert out.returncode == 3
     alice = hash_identity("alice", "header:x-api-key")
@@ -185,18 +198,19 @@ def test_fail_on_one_customer_by_key_or_hash(case: dict[str, str]) -> None:
             "26 of 40 requests refused") in out.stderr, out.stderr
     assert "customer:payer refused >= 6' holds: customer" in out.stderr and "refused = 6;" in out.stderr
     assert "customer:" + bob not in out.stderr  # bob is never refused
-    out = run(*common, "--fail-on", f"customer:{bob} refused > 0", "--fail-on", "customer:alice refused_share > 0.66",
-              "--fail-on", "customer:alcie refused > 0")
+    out = Ran(capsys, *common, "--fail-on", f"customer:{bob} refused > 0",
+              "--fail-on", "customer:alice refused_share > 0.66", "--fail-on", "customer:alcie refused > 0")
     assert out.returncode == 0
     assert ("warning: --fail-on 'customer:alcie refused > 0': no request of that customer in the traffic"
             in out.stderr), out.stderr
 
 
-def test_fail_on_against_the_baseline_replayed_or_a_baseline_run(case: dict[str, str], tmp_path: Path) -> None:
+def test_fail_on_against_the_baseline_replayed_or_a_baseline_run(
+        case: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``FIGURE OP baseline [+|* N]``: with --baseline DIR (replayed beside the candidate) or
     --baseline-summary FILE (an earlier run's --json); without either it is a usage error."""
     common = ("--policies", case["candidate"], "--traffic", case["traffic"])
-    out = run(*common, "--baseline", case["baseline"], "--fail-on", "refused > baseline + 30",
+    out = Ran(capsys, *common, "--baseline", case["baseline"], "--fail-on", "refused > baseline + 30",
               "--fail-on", "customer:alice refused > baseline + 25", "--fail-on", "refused_share > baseline + 50%")
     assert out.returncode == 3
     assert "--fail-on 'refused > baseline + 30' holds: refused = 32 (baseline 0)" in out.stderr, out.stderr
@@ -204,35 +218,36 @@ def test_fail_on_against_the_baseline_replayed_or_a_baseline_run(case: dict[str,
     assert "refused = 26 (baseline 0)" in out.stderr and "refused_share > baseline + 50%' holds" not in out.stderr
     # a baseline run's JSON: the candidate's own summary as the baseline refuses nothing more
     earlier = tmp_path / "baseline-run.json"
-    assert run(*common, "--json", str(earlier)).returncode == 0
-    out = run(*common, "--baseline-summary", str(earlier), "--fail-on", "refused > baseline",
+    assert Ran(capsys, *common, "--json", str(earlier)).returncode == 0
+    out = Ran(capsys, *common, "--baseline-summary", str(earlier), "--fail-on", "refused > baseline",
               "--fail-on", "refused_share > baseline * 1.1")
     assert out.returncode == 0, out.stderr
-    out = run(*common, "--baseline-summary", str(earlier), "--fail-on", "refused >= baseline")
+    out = Ran(capsys, *common, "--baseline-summary", str(earlier), "--fail-on", "refused >= baseline")
     assert out.returncode == 3 and "refused = 32 (baseline 32)" in out.stderr
-    out = run(*common, "--fail-on", "refused > baseline")
+    out = Ran(capsys, *common, "--fail-on", "refused > baseline")
     assert out.returncode == 2 and out.stderr.startswith("extauthz simulate: error: --fail-on 'refused > "
                                                          "baseline' compares with the baseline"), out.stderr
     (tmp_path / "other.json").write_text('{"requests": 1}')
-    out = run(*common, "--baseline-summary", str(tmp_path / "other.json"), "--fail-on", "refused > baseline")
+    out = Ran(capsys, *common, "--baseline-summary", str(tmp_path / "other.json"), "--fail-on", "refused > baseline")
     assert out.returncode == 2 and "not a simulate --json summary (no critical_refused" in out.stderr
 
 
-def test_identities_that_match_no_request_are_listed(case: dict[str, str]) -> None:
+def test_identities_that_match_no_request_are_listed(case: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
     Path(case["names"]).write_text("# our customers\nalice\nalicee\npayer\n\nnobody\n")
-    out = run("--policies", case["candidate"], "--traffic", case["traffic"], "--identities", case["names"])
+    out = Ran(capsys, "--policies", case["candidate"], "--traffic", case["traffic"], "--identities", case["names"])
     assert out.returncode == 0
     assert ("warning: 2 of 4 --identities entries match no request (another --identity-salt or identity "
             f"rule, or no traffic): {case['names']} lines 3, 6") in out.stderr, out.stderr
     assert "alicee" not in out.stderr and "nobody" not in out.stderr  # line numbers, not the keys
 
 
-def test_the_smallest_numbers_that_admit_each_refused_customer(case: dict[str, str], tmp_path: Path) -> None:
+def test_the_smallest_numbers_that_admit_each_refused_customer(
+        case: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Rate 1/s burst 5: alice's 40 requests, one every 0.25 s, need a burst of 40 - 9.75 s x 1/s
     = 30.25 (31 whole) at rate 1, or a rate of (40 - 5) / 9.75 s = 3.59/s at burst 5; payer's 20
     every 0.5 s: burst 20 - 9.5 = 10.5 (11), rate 15 / 9.5 = 1.58. Concurrency limit 2 and a
     quota of 3 a minute: carol's 4 overlapping requests need limit 4 for both."""
-    out = run("--policies", case["candidate"], "--traffic", case["traffic"], "--json", case["json"],
+    out = Ran(capsys, "--policies", case["candidate"], "--traffic", case["traffic"], "--json", case["json"],
               "--identities", case["names"])
     assert out.returncode == 0, out.stderr
     rows = {r["label"]: r for r in json.loads(Path(case["json"]).read_text())["customers"]}
@@ -248,7 +263,7 @@ def test_the_smallest_numbers_that_admit_each_refused_customer(case: dict[str, s
     carol = [line(T0 + i * 0.1, key="carol", duration=0.0) for i in range(4)]  # one at a time: 4 a minute
     dave = [line(T0 + i * 0.1, key="dave", duration=1.0) for i in range(3)]  # 3 at once, 3 a minute
     traffic = write_lines(tmp_path / "cd.jsonl", sorted(carol + dave, key=lambda x: x["time"]))
-    out = run("--policies", str(limits), "--traffic", str(traffic), "--json", case["json"])
+    out = Ran(capsys, "--policies", str(limits), "--traffic", str(traffic), "--json", case["json"])
     assert out.returncode == 0, out.stderr
     rows = {r["identity"]: r for r in json.loads(Path(case["json"]).read_text())["customers"]}
     assert rows[hash_identity("carol", "header:x-api-key")]["would_admit"] == {
