@@ -14,14 +14,11 @@ from datetime import UTC, datetime
 
 from .context import RequestContext
 from .policy.schema import MAX_REFILL
+from .settings import PROTOCOLS as PROTOCOLS  # declared with the options
 from .verdict import Decision, Kind, Outcome, Quota, Verdict
 
 PROBLEM_TYPE = "urn:extauthz:problem:"
 
-#: the authorization protocols of Envoy's ext_authz filter, both answered from the same
-#: pieces here (``serve --listen`` / ``--http-listen``; ``--protocol`` of
-#: ``envoy-allowed-headers`` and ``demo``).
-PROTOCOLS = ("grpc", "http")
 _TITLES = {429: "Too Many Requests", 503: "Service Unavailable"}
 
 #: the request's tier, sent to the upstream with an allowed request.

@@ -45,6 +45,8 @@ HISTORY_MAXLEN = 1000
 HISTORY_TTL = 90 * 24 * 3600.0
 KINDS = ("switch", "override")
 ACTIONS = ("set", "clear")
+#: the action of an override's lapse: never stored, derived from its set (:func:`with_expiries`)
+EXPIRE = "expire"
 #: what no reason or name may hold and what is escaped when printed: the C0 and C1 controls
 #: and DEL (escape sequences, CR and LF: a forged line), the line and paragraph separators
 #: and the bidirectional formatting characters (text displayed in another order).
@@ -81,6 +83,8 @@ class Change:
     at: float = 0.0
     server: str = field(default_factory=socket.gethostname)
     via: str = "admin"
+    #: an override set: when it lapses (its TTL); ``history`` shows the lapse (:func:`with_expiries`)
+    expires_at: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,10 +96,12 @@ class Change:
             raise ValueError(f"unknown change {kind}/{action}")
         at = float(data.get("at", 0.0))
         by = data.get("by")
+        expires = data.get("expires_at")
+        expires_at = float(expires) if isinstance(expires, (int, float)) and math.isfinite(expires) else None
         return cls(kind=kind, action=action, target=str(data["target"]), value=data.get("value"),
                    reason=str(data.get("reason", "")), by=None if by is None else str(by),
                    user=str(data.get("user", "")), at=at if math.isfinite(at) else 0.0,
-                   server=str(data.get("server", "")), via=str(data.get("via", "")))
+                   server=str(data.get("server", "")), via=str(data.get("via", "")), expires_at=expires_at)
 
     @property
     def who(self) -> str:
@@ -104,7 +110,8 @@ class Change:
         return self.by or self.user or "-"
 
     def describe(self) -> str:
-        what = "cleared" if self.action == "clear" else f"set to {_value(self.value)}"
+        what = ({"clear": "cleared", EXPIRE: "expired (its TTL ran out)"}.get(self.action)
+                or f"set to {_value(self.value)}")
         return f"{self.kind} {self.target} {what}"
 
 
@@ -169,6 +176,30 @@ class ChangeLog:
 
     def status(self) -> list[dict[str, Any]]:
         return [c.to_dict() for c in self.recent]
+
+
+def with_expiries(changes: list[Change], now: float) -> list[Change]:
+    """``changes`` with a row for each override that lapsed: one set with an expiry
+    (``expires_at``) that passed before ``now`` and before any later change of the same
+    override (a set again, a clear). Derived, not recorded: no server has to be up when a TTL
+    runs out, and every reader of the log agrees. (Sets recorded before the expiry was kept
+    have none, and show no lapse.)"""
+    lapses: list[Change] = []
+    for i, c in enumerate(changes):
+        if c.kind != "override" or c.action != "set" or c.expires_at is None or c.expires_at > now:
+            continue
+        if any(later.target == c.target and later.kind == "override" and later.at <= c.expires_at
+               for later in changes[i + 1:]):
+            continue  # replaced or cleared before it lapsed
+        lapses.append(Change(kind="override", action=EXPIRE, target=c.target, value=None,
+                             reason="TTL ran out", by=None, user="", at=c.expires_at, server="", via="ttl"))
+    lapses.sort(key=lambda c: c.at)
+    out: list[Change] = []
+    for c in changes:  # the log's own order kept; each lapse before the first change after it
+        while lapses and lapses[0].at < c.at:
+            out.append(lapses.pop(0))
+        out.append(c)
+    return out + lapses
 
 
 def format_history(changes: list[Change]) -> str:

@@ -11,10 +11,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from . import __version__, settings
-from .answers import PROTOCOLS
-from .errors import PolicyError
 from .opscli import add_parsers as add_ops_parsers
-from .opscli import cmd_history, cmd_override, cmd_report, cmd_status, cmd_switch
+from .opscli import cmd_history, cmd_override, cmd_report, cmd_status, cmd_switch, join_dash_values
+from .settings import PROTOCOLS
 from .simulate.cli import add_parser as add_simulate_parser
 from .simulate.cli import cmd_simulate
 
@@ -32,6 +31,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from .errors import PolicyError
     from .observe.logs import configure_logging
     from .server.adminauth import TokenFile, require_token_when_exposed
     from .server.app import serve
@@ -79,6 +79,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_check_policies(args: argparse.Namespace) -> int:
+    from .errors import PolicyError
     from .policy import load_policy
 
     failed = False
@@ -114,6 +115,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _policy_or_errors(paths: list[str]) -> Policy | None:
     """The policy, or None after printing each of its problems."""
+    from .errors import PolicyError
     from .policy import load_policy
 
     try:
@@ -261,8 +263,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost subcommand's parser ``args`` came through (``override set``)."""
+    while True:
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        name = getattr(args, sub.dest, None) if sub is not None else None
+        if sub is None or name not in sub.choices:
+            return parser
+        parser = sub.choices[name]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(join_dash_values(sys.argv[1:] if argv is None else argv))
+    if extra:  # said by the (sub)command's parser: `extauthz override set: error: ...`, one form
+        _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     handler = {
         "serve": cmd_serve,
         "check-policies": cmd_check_policies,

@@ -23,26 +23,19 @@ import urllib.parse
 import urllib.request
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from . import __version__
 from .changelog import Change, append_change, parse_history, read_history, text_problem
 from .errors import StoreError
-from .limiters.base import Limiter
-from .overrides import (
-    MAX_OVERRIDES,
-    Override,
-    OverrideDocument,
-    compile_overrides,
-    describe,
-    refuse_unapplied,
-    with_override,
-    without_override,
-)
 from .store.base import Store
 from .store.keys import Keys
 from .switches import SwitchDocument, with_switch
 from .verdict import Mode
+
+if TYPE_CHECKING:  # StoreControl imports them when built: the admin port's client starts without the policy's models
+    from .limiters.base import Limiter
+    from .overrides import Override
 
 R = TypeVar("R")
 
@@ -103,7 +96,7 @@ class AdminHttpError(ControlError):
 def admin_request(target: AdminTarget, method: str, path: str, body: str | None = None) -> Any:
     """One admin request (blocking); the JSON answer. Says once on stderr which admin URL
     answered. Raises AdminHttpError (an error status) or ControlError (unreachable)."""
-    from .server.adminauth import CLIENT_HEADER, REASON_HEADER, USER_HEADER
+    from .server.admintokens import CLIENT_HEADER, REASON_HEADER, USER_HEADER
 
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     headers = {"content-type": "text/plain", CLIENT_HEADER: f"extauthz/{__version__}",
@@ -219,6 +212,8 @@ class StoreControl:
         problem = text_problem(self.reason, "the reason") or text_problem(self.user, "the user")
         if problem is not None:  # what the admin port refuses (400), refused here too
             raise ControlError(problem)
+        from .overrides import OverrideDocument
+
         self.switch_doc = SwitchDocument(self.keys.switches)
         self.override_doc = OverrideDocument(self.keys)
 
@@ -232,14 +227,15 @@ class StoreControl:
         except StoreError as exc:
             raise ControlError(f"{type(exc).__name__}: {exc}") from None
 
-    async def _record(self, kind: str, action: str, target: str, value: Any) -> None:
+    async def _record(self, kind: str, action: str, target: str, value: Any,
+                      expires_at: float | None = None) -> None:
         """A change made straight on the store goes to the fleet's change log too (no token:
         ``by`` is empty, ``user`` the OS user or --by)."""
-        from .server.adminauth import TEXT_MAX
+        from .server.admintokens import TEXT_MAX
 
         await self._store(append_change(self.store, self.keys.history, Change(
             kind=kind, action=action, target=target, value=value, reason=self.reason[:TEXT_MAX],
-            user=self.user[:TEXT_MAX], at=self.wall(), via="redis")))
+            user=self.user[:TEXT_MAX], at=self.wall(), via="redis", expires_at=expires_at)))
 
     async def switches(self) -> dict[str, Any]:
         try:
@@ -260,6 +256,8 @@ class StoreControl:
         return {"switches": new.to_dict()}
 
     def _rows(self, entries: Sequence[Override], now: float) -> dict[str, Any]:
+        from .overrides import MAX_OVERRIDES, compile_overrides, describe
+
         not_applied = (compile_overrides(entries, self.limiters, now, self.labels)[1]
                        if self.limiters is not None else None)
         return {"overrides": describe(entries, not_applied, now), "max": MAX_OVERRIDES}
@@ -272,15 +270,20 @@ class StoreControl:
         return self._rows(entries, self.wall())
 
     async def set_override(self, new: Override) -> dict[str, Any]:
+        from .overrides import refuse_unapplied, with_override
+
         if self.limiters is not None:
             refuse_unapplied(new, self.limiters, self.labels)
         now = self.wall()
         entries, _ = await self._store(self.override_doc.change(
             self.store, lambda e: with_override(e, new, now), now))
-        await self._record("override", "set", f"{new.limiter} {new.identity}", dict(new.numbers))
+        await self._record("override", "set", f"{new.limiter} {new.identity}", dict(new.numbers),
+                           new.expires_at)
         return self._rows(entries, now)
 
     async def clear_override(self, limiter: str, identity: str) -> dict[str, Any] | None:
+        from .overrides import without_override
+
         now = self.wall()
         found = False
 

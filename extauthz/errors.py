@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 
 class ExtauthzError(Exception):
     """Base class of every error this package raises on purpose."""
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """`` (did you mean 'user-rate'?)`` for a mistyped name, or ``""`` when nothing is close
+    (:func:`difflib.get_close_matches`)."""
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(known), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 @dataclass(frozen=True, slots=True)

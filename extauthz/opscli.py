@@ -15,21 +15,21 @@ who made it (``extauthz.changelog``).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from .changelog import Change, format_number, printable, text_problem
-from .control import AdminControl, AdminTarget, Control, ControlError, StoreControl
-from .limiters.base import Limiter
-from .overrides import Override, OverrideError
 from .settings import Settings, add_shared, env_value, options
-from .switches import valid_name
 from .verdict import Mode
+
+if TYPE_CHECKING:  # imported where used: `extauthz status --help` starts without the policy's models
+    from .changelog import Change
+    from .control import AdminTarget, Control
+    from .limiters.base import Limiter
+    from .overrides import Override
 
 #: the server's default --admin-listen, as a URL
 DEFAULT_ADMIN = f"http://{Settings.admin_listen}"
@@ -40,8 +40,9 @@ DEFAULT_SOURCE = "header:x-api-key"
 CLEAR = "clear"
 
 
-#: a refused command (the control interface's error: one handler, :func:`_guarded`)
-CliError = ControlError
+class CliError(Exception):
+    """A refused command (with the control interface's and the overrides' errors: one
+    handler, :func:`_guarded`)."""
 R = TypeVar("R")
 
 
@@ -137,8 +138,8 @@ def _add_override_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
     q.add_argument("limiter", help="the limiter's name")
     q.add_argument("numbers", nargs="+", metavar="NAME=VALUE",
                    help="rate=1000 burst=5000 cost=1 (request_rate) or limit=200 (concurrent_requests, quota)")
-    q.add_argument("--ttl", default="24h", help="expiry, a duration like 30m, 24h or 720h "
-                   "(at most 30 days; default 24h)")
+    q.add_argument("--ttl", default="24h", help="expiry, a duration like 30m, 24h or 7d "
+                   "(units ms, s, m, h, d; at most 30 days; default 24h)")
     _add_change(q)
     q = actions.add_parser("list", help="live overrides: limiter, hashed identity, numbers, "
                            "reason, who/when, expiry, applied")
@@ -148,6 +149,29 @@ def _add_override_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
     common(q, True)
     q.add_argument("limiter", help="the limiter's name")
     _add_change(q)
+
+
+#: options whose value may start with '-' (``--ttl -1h``): argparse would read it as a flag
+DASH_VALUE_OPTIONS = ("--ttl",)
+
+
+def join_dash_values(argv: Sequence[str]) -> list[str]:
+    """``--ttl -1h`` as ``--ttl=-1h``, so that the value reaches its check (a TTL is
+    positive) instead of argparse's "expected one argument"."""
+    out: list[str] = []
+    it = iter(argv)
+    for arg in it:
+        if arg in DASH_VALUE_OPTIONS:
+            value = next(it, None)
+            if value is not None and value.startswith("-") and value[1:2].isdigit():
+                out.append(f"{arg}={value}")
+                continue
+            out.append(arg)
+            if value is not None:
+                out.append(value)
+            continue
+        out.append(arg)
+    return out
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -228,7 +252,8 @@ def admin_base(args: argparse.Namespace) -> list[str]:
 
 def admin_target(args: argparse.Namespace, *, change: bool = False) -> AdminTarget:
     """The admin port of ``args``, with the token and (``change``) the reason it sends."""
-    from .server.adminauth import AdminConfigError, client_token
+    from .control import AdminTarget
+    from .server.admintokens import AdminConfigError, client_token
 
     try:
         token = client_token(args.admin_token_file) if getattr(args, "admin_token_file", None) else None
@@ -245,19 +270,36 @@ def admin_target(args: argparse.Namespace, *, change: bool = False) -> AdminTarg
 
 def _plain_text(reason: str, user: str) -> None:
     """--reason and --by as the admin port and the store take them: no control character."""
+    from .changelog import text_problem
+
     problem = text_problem(reason, "--reason") or text_problem(user, "--by")
     if problem is not None:
         raise CliError(problem)
 
+def error_line(command: str, message: object) -> str:
+    """The one form of every operator command's error, argparse's own: ``extauthz
+    COMMAND: error: MESSAGE`` (``COMMAND`` as argparse names it: ``override set``)."""
+    return f"extauthz {command}: error: {message}"
+
+
+def warning_line(command: str, message: object) -> str:
+    return f"extauthz {command}: warning: {message}"
+
+
 def _guarded(command: str, body: Callable[[], int]) -> int:
     """Run a command: the one place where a failure becomes a message on stderr (no
     traceback) and exit status 1."""
+    from .control import ControlError
+
     try:
         return body()
-    except (ControlError, OverrideError) as exc:
-        print(f"extauthz {command}: {exc}", file=sys.stderr)
-    except Exception as exc:  # the store's and the policy's errors: say what failed
-        print(f"extauthz {command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except Exception as exc:
+        # a refusal says why; the store's and the policy's errors say what failed too. (An
+        # OverrideError can come only from extauthz.overrides, once a command imported it.)
+        overrides = sys.modules.get(f"{__package__}.overrides")
+        said = (CliError, ControlError, *((overrides.OverrideError,) if overrides is not None else ()))
+        print(error_line(command, exc if isinstance(exc, said) else f"{type(exc).__name__}: {exc}"),
+              file=sys.stderr)
     return 1
 
 
@@ -266,6 +308,10 @@ def _with_control(args: argparse.Namespace, go: Callable[[Control], Coroutine[An
                   labels: Sequence[str] | None = None) -> R:
     """Run ``go`` on the control ``args`` name: the fleet's Redis (``--redis-url``), else a
     server's admin port (``change``: with the reason a token requires)."""
+    import asyncio
+
+    from .control import AdminControl, StoreControl
+
     url = redis_url(args) if hasattr(args, "redis_url") else None  # EXTAUTHZ_REDIS_URL unless --admin/--listen
     if not url:
         control = AdminControl(admin_target(args, change=change))
@@ -307,6 +353,8 @@ def cmd_switch(args: argparse.Namespace) -> int:
 
 
 def _switch(args: argparse.Namespace) -> int:
+    from .switches import valid_name
+
     if args.list:
         if args.name or args.mode:
             raise CliError("--list takes no name or mode")
@@ -336,7 +384,7 @@ def cmd_history(args: argparse.Namespace) -> int:
 
 
 def _history(args: argparse.Namespace) -> int:
-    from .changelog import format_history
+    from .changelog import format_history, with_expiries
 
     if args.last < 1:
         raise CliError("--last must be at least 1")
@@ -344,7 +392,7 @@ def _history(args: argparse.Namespace) -> int:
     async def go(control: Control) -> list[Change]:
         return await control.history()
 
-    changes = _with_control(args, go)[-args.last:]
+    changes = with_expiries(_with_control(args, go), time.time())[-args.last:]  # lapsed overrides too
     if args.json:
         print(json.dumps({"changes": [c.to_dict() for c in changes]}, indent=2))
     else:
@@ -439,6 +487,10 @@ def format_status(data: dict[str, Any]) -> str:
     overrides = data.get("overrides") or {}
     lines.append(f"overrides: {overrides.get('live', 0)} live"
                  + (f", {len(overrides['not_applied'])} not applied" if overrides.get("not_applied") else ""))
+    recorder = data.get("recorder")
+    if isinstance(recorder, dict):
+        lines.append(f"recorder: {recorder.get('recorded', 0):,} lines recorded into {recorder.get('directory')}, "
+                     f"{recorder.get('lines_dropped', 0):,} dropped, {recorder.get('write_errors', 0):,} write errors")
     reload = data.get("reload") or {}
     if reload.get("last_error"):
         lines.append(f"policy reload failing: {reload['last_error']}")
@@ -447,6 +499,8 @@ def format_status(data: dict[str, Any]) -> str:
         lines.append(f"admin token file NOT read again since {_fmt_time(float(token_file.get('since') or 0))}: "
                      f"{token_file.get('error')} ({token_file.get('keeping')})")
     lines.append("(extauthz status --json: the whole document)")
+    from .changelog import printable
+
     return "\n".join(printable(line) for line in lines)
 
 
@@ -466,14 +520,14 @@ def _source(args: argparse.Namespace, policy: Any) -> str:
     if labels is None:
         if given is not None:
             return str(given)
-        print(f"extauthz override: warning: hashing the identity for the rule {DEFAULT_SOURCE} "
+        print(warning_line(f"override {args.action}", f"hashing the identity for the rule {DEFAULT_SOURCE} "
               "(the default --source); if the policy names customers by another rule (e.g. "
               "header:authorization for a Bearer token) this override never matches: pass "
-              "--source, or --policies to take it from the policy", file=sys.stderr)
+              "--source, or --policies to take it from the policy"), file=sys.stderr)
         return DEFAULT_SOURCE
     if given is None:
         if len(labels) > 1:
-            print(f"extauthz override: hashing the identity for the rule {labels[0]}, the "
+            print(f"extauthz override {args.action}: hashing the identity for the rule {labels[0]}, the "
                   f"policy's first identity rule (--source for another: {', '.join(labels[1:])})",
                   file=sys.stderr)
         return labels[0]
@@ -510,10 +564,14 @@ def _fmt_time(ts: float) -> str:
 
 
 def _fmt_numbers(numbers: dict[str, float]) -> str:
+    from .changelog import format_number
+
     return " ".join(f"{k}={format_number(v)}" for k, v in sorted(numbers.items()))
 
 
 def format_overrides(data: dict[str, Any]) -> str:
+    from .changelog import printable
+
     rows = data.get("overrides", [])
     if not rows:
         return f"no live overrides (at most {data.get('max', '?')})"
@@ -538,7 +596,7 @@ def _load_policy(paths: list[str] | None) -> Any:
     return load_policy(paths)
 
 def cmd_override(args: argparse.Namespace) -> int:
-    return _guarded("override", lambda: _override(args))
+    return _guarded(f"override {args.action}", lambda: _override(args))
 
 
 def _override(args: argparse.Namespace) -> int:

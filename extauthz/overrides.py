@@ -42,6 +42,7 @@ from pydantic import ValidationError
 
 from .changelog import text_problem
 from .documents import Board, Document
+from .errors import did_you_mean
 from .limiters.base import Limiter
 from .policy.schema import (
     PLAN_NUMBERS,
@@ -190,17 +191,30 @@ def validate_numbers(numbers: Mapping[str, Any], kind: str | None = None) -> dic
     return out
 
 
+#: an override's TTL in days (``7d``; the policy's durations stop at hours)
+_TTL_DAYS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*d\s*$")
+TTL_USE = "a duration like 30m, 24h or 7d"
+
+
 def parse_ttl(value: str | float) -> float:
+    """An override's TTL: seconds, or ``500ms``, ``60s``, ``30m``, ``24h``, ``7d``; positive,
+    at most :data:`MAX_TTL`."""
+    text = str(value).strip()
+    if text.startswith("-"):
+        raise OverrideError(f"the TTL must be positive, not {text[:20]!r}: an override lasts {TTL_USE} "
+                            "(extauthz override clear ends one now)")
+    days = _TTL_DAYS.match(text) if isinstance(value, str) else None
     try:
-        seconds = float(parse_duration(value))
-    except ValueError as exc:
-        raise OverrideError(str(exc)) from None
+        seconds = float(days.group(1)) * 86400.0 if days else float(parse_duration(value))
+    except ValueError:
+        raise OverrideError(f"bad TTL {text[:20]!r}: use seconds or {TTL_USE} (units ms, s, m, h, d)") from None
     if not math.isfinite(seconds):
         raise OverrideError(f"the TTL must be a finite number of seconds (got {value!r})")
     if seconds <= 0:
         raise OverrideError("the TTL must be positive")
     if seconds > MAX_TTL:
-        raise OverrideError(f"the TTL is at most {MAX_TTL / 86400:g} days (got {seconds / 86400:g})")
+        raise OverrideError(f"the TTL is at most {MAX_TTL / 86400:g} days, {MAX_TTL / 3600:g}h "
+                            f"(got {seconds / 86400:.4g} days, {seconds / 3600:.6g}h)")
     return seconds
 
 
@@ -344,7 +358,8 @@ def compile_overrides(entries: Sequence[Override], limiters: Sequence[Limiter],
             continue
         lim = by_name.get(e.limiter)
         if lim is None:
-            not_applied[(e.limiter, e.identity)] = f"the policy has no limiter named '{e.limiter}'"
+            not_applied[(e.limiter, e.identity)] = (f"the policy has no limiter named '{e.limiter}'"
+                                                    + did_you_mean(e.limiter, by_name))
             continue
         try:
             by_plan = lim.override(e.numbers)

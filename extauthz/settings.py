@@ -24,9 +24,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+#: the authorization protocols of Envoy's ext_authz filter, both answered from the same
+#: pieces here (``serve --listen`` / ``--http-listen``; ``--protocol`` of
+#: ``envoy-allowed-headers`` and ``demo``).
+PROTOCOLS = ("grpc", "http")
+
 __all__ = [
     "CHECK_BUDGET_MS", "DEFAULT_MAX_ACTIVE_CHECKS", "ENVOY_MARGIN_MS", "ENV_PREFIX", "KEY_PREFIX",
-    "MEMORY_MAX_KEYS", "OFF", "SHARED", "STORE_DEADLINE_MS",
+    "MEMORY_MAX_KEYS", "OFF", "PROTOCOLS", "SHARED", "STORE_DEADLINE_MS",
     "Option", "Settings", "add_arguments", "add_shared", "env_value", "from_args", "off", "options",
     "positive", "size",
 ]

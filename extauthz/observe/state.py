@@ -575,6 +575,47 @@ class ShadowPart:
                       "(buffer full or store error).", self.shadow.dropped)
 
 
+class RecorderCounts(Protocol):
+    def status(self) -> dict[str, Any]: ...
+
+
+#: ``serve --record``'s /status keys exported as metrics: key -> (name, is a counter, help)
+RECORDER_METRICS: dict[str, tuple[str, bool, str]] = {
+    "recorded": ("extauthz_recorder_lines", True, "Lines the recorder (serve --record) queued for writing."),
+    "lines_dropped": ("extauthz_recorder_lines_dropped", True, "Recorder lines not written: one line "
+                      "larger, compressed, than a whole file."),
+    "write_errors": ("extauthz_recorder_write_errors", True, "Recorder flushes whose write failed "
+                     "(logged; their lines are lost)."),
+    "unsampled": ("extauthz_recorder_unsampled", True, "Requests not recorded: their identity is "
+                  "outside --record-sample."),
+    "without_duration": ("extauthz_recorder_without_duration", True, "Lines written with no "
+                         "duration (the access-log entry never came)."),
+    "bytes_written": ("extauthz_recorder_bytes_written", True, "Compressed bytes the recorder wrote."),
+    "files_deleted": ("extauthz_recorder_files_deleted", True, "Oldest recording files deleted to "
+                      "keep --record-max-bytes."),
+    "pending": ("extauthz_recorder_pending", False, "Recorded requests waiting for their "
+                "access-log entry (their duration)."),
+}
+
+
+@dataclass(eq=False)
+class RecorderPart:
+    """``serve --record`` (``None``: not recording: ``"recorder": null`` and no metrics)."""
+
+    recorder: RecorderCounts | None
+
+    def status(self) -> Mapping[str, Any]:
+        return {"recorder": self.recorder.status() if self.recorder is not None else None}
+
+    def metrics(self) -> Iterable[Metric]:
+        if self.recorder is None:
+            return
+        status = self.recorder.status()
+        for key, (name, is_counter, text) in RECORDER_METRICS.items():
+            yield (counter(name, text, status[key]) if is_counter
+                   else GaugeMetricFamily(name, text, value=status[key]))
+
+
 def engine_parts(engine: Engine) -> list[Part]:
     """The parts the engine alone reports (a server adds its own between them)."""
     return [PolicyPart(engine), StorePart(engine), FailOpenPart(engine), ModesPart(engine),

@@ -30,8 +30,35 @@ def chart_policy_schema() -> dict[str, Any]:
     schema = policy_json_schema()
     del schema["$schema"]
     text = json.dumps(schema).replace('"#/$defs/', f'"#/$defs/{CHART_DEF}/$defs/')
-    embedded: dict[str, Any] = json.loads(text)
+    embedded: dict[str, Any] = _one_error(json.loads(text))
     return embedded
+
+
+def _one_error(node: Any) -> Any:
+    """The schema with its alternatives written so that a validator reports the one that
+    applies, not every alternative (Helm printed ~20 lines for one bad number, where
+    ``check-policies`` prints one): a ``oneOf`` with a ``discriminator`` (the limiter kinds)
+    becomes ``if type is T then T's schema`` per kind, and ``anyOf [X, null]`` (an optional
+    field) becomes ``if null (valid) else X``. The same documents validate."""
+    if isinstance(node, list):
+        return [_one_error(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    node = {k: _one_error(v) for k, v in node.items()}
+    disc = node.get("discriminator")
+    if disc is not None and "oneOf" in node:
+        prop, mapping = disc["propertyName"], disc["mapping"]
+        node.pop("discriminator")
+        node.pop("oneOf")
+        node.update({"type": "object", "required": [prop], "properties": {prop: {"enum": sorted(mapping)}},
+                     "allOf": [{"if": {"properties": {prop: {"const": kind}}, "required": [prop]},
+                                "then": {"$ref": ref}} for kind, ref in sorted(mapping.items())]})
+    alternatives = node.get("anyOf")
+    if isinstance(alternatives, list) and len(alternatives) == 2 and {"type": "null"} in alternatives:
+        node.pop("anyOf")
+        [other] = [a for a in alternatives if a != {"type": "null"}]
+        node.update({"if": {"type": "null"}, "else": other})
+    return node
 
 
 def sync_chart_schema(path: str | Path) -> bool:

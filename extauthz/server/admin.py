@@ -40,7 +40,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from ..changelog import Change, ChangeLog, read_history
-from ..errors import StoreError
+from ..errors import StoreError, did_you_mean
 from ..overrides import OverrideError
 from ..policy.schema import parse_duration
 from ..store.base import load_json
@@ -109,13 +109,14 @@ def _error(status: int, message: str, **extra: Any) -> web.Response:
 
 
 def admin_app(ops: AdminBackend, guard: AdminGuard | None = None) -> web.Application:
-    async def record(kind: str, action: str, target: str, value: Any, reason: str = "") -> None:
+    async def record(kind: str, action: str, target: str, value: Any, reason: str = "",
+                     expires_at: float | None = None) -> None:
         """Record a change that landed, with the reason and who (AdminGuard's Actor; ``reason``:
         the one the request's body gave, when no header did)."""
         actor = ACTOR.get() or Actor(token=None, user="", reason="")
         await ops.changes.record(Change(kind=kind, action=action, target=target, value=value,
                                         reason=actor.reason or reason[:TEXT_MAX], by=actor.by,
-                                        user=actor.user))
+                                        user=actor.user, expires_at=expires_at))
 
     async def status(request: web.Request) -> web.Response:
         return _json(ops.status())
@@ -138,7 +139,8 @@ def admin_app(ops: AdminBackend, guard: AdminGuard | None = None) -> web.Applica
     async def _change(name: str, mode: Mode | None) -> web.Response:
         known = ops.limiter_names()
         if not valid_name(name) or (name != GLOBAL and name not in known):
-            return _error(404, f"no limiter named {name!r} in the policy", limiters=sorted(known))
+            return _error(404, f"no limiter named {name!r} in the policy{did_you_mean(name, known)}",
+                          limiters=sorted(known))
         try:
             await ops.switches.change(name, mode)
         except StoreError as exc:
@@ -179,8 +181,10 @@ def admin_app(ops: AdminBackend, guard: AdminGuard | None = None) -> web.Applica
             return _error(400, str(exc))
         except StoreError as exc:
             return _error(503, f"the store did not take the change: {exc}")
+        expires_at = next((r["expires_at"] for r in rows.get("overrides", ())  # its expiry: `history`
+                           if r["limiter"] == limiter and r["identity"] == identity), None)
         await record("override", "set", f"{limiter} {identity}", body.get("numbers"),
-                     str(body.get("reason", "")))
+                     str(body.get("reason", "")), expires_at)
         return _json(rows)
 
     async def delete_override(request: web.Request) -> web.Response:

@@ -23,6 +23,7 @@ from ..engine import Engine
 from ..limiters.worker import sampler_job
 from ..observe import compose
 from ..observe.setup import Observability
+from ..observe.state import RecorderPart
 from ..policy import Policy, load_policy
 from ..proto import accesslog_pb2_grpc, auth_pb2_grpc
 from ..runner import Runner
@@ -125,6 +126,7 @@ class Server:
         files = TlsFiles.from_options(config.tls_cert, config.tls_key, config.tls_client_ca)
         self.tls = CertificateReloader(files) if files is not None else None
         self.ops.tls = self.tls
+        self.ops.panel.add(RecorderPart(self.recorder))  # /status recorder, extauthz_recorder_*
         if is_off(config.listen) and is_off(config.http_listen):
             raise ValueError("both the gRPC (--listen) and the HTTP (--http-listen) ports are off: "
                              "nothing to serve")

@@ -14,66 +14,135 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from ..errors import PolicyError
-
 #: the summary's figures ``--fail-on`` compares, and its operators
 FIGURES = ("critical_refused", "refused", "refused_share", "customers_refused",
            "max_customer_refused_share")
+#: one customer's figures (``--fail-on 'customer:KEY refused > 1%'``)
+CUSTOMER_FIGURES = ("requests", "refused", "refused_share")
 OPERATORS: dict[str, Callable[[float, float], bool]] = {
     ">=": operator.ge, "<=": operator.le, "==": operator.eq, ">": operator.gt, "<": operator.lt}
-_CONDITION = re.compile(r"\s*([a-z_]+)\s*(>=|<=|==|>|<)\s*([-+0-9.eE]+)\s*")
+_CONDITION = re.compile(r"\s*(?:customer:(\S+)\s+)?([a-z_]+)\s*(>=|<=|==|>|<)\s*(.*?)\s*")
+_NUMBER = re.compile(r"([-+0-9.eE]+)\s*(%?)")
+_BASELINE = re.compile(r"baseline(?:\s*([+*])\s*([-+0-9.eE]+)\s*(%?))?")
 #: the exit status when a --fail-on condition holds (2 is a usage error)
 FAIL_ON_STATUS = 3
+_USE = ("expected [customer:KEY_OR_HASH] FIGURE OP NUMBER[%] or FIGURE OP baseline[+N|*N], "
+        "e.g. 'critical_refused > 0', 'customer:sk_live_abc refused > 1%', 'refused_share > baseline + 1%'")
+
+
+def _finite(text: str, number: str) -> float:
+    try:
+        value = float(number)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: {number!r} is not a finite number")
+    return value
 
 
 @dataclass(frozen=True)
 class Condition:
-    """``--fail-on 'critical_refused > 0'``: a figure of the candidate's summary, an operator
-    and a number."""
+    """``--fail-on 'critical_refused > 0'``: a figure of the candidate's summary (or of one
+    customer's traffic: ``customer:KEY_OR_HASH``), an operator, and a number or the same
+    figure of the baseline (``baseline``, ``baseline + 0.01``, ``baseline * 1.1``). A number
+    with ``%`` is a share (``refused > 1%``: ``refused_share > 0.01``)."""
 
     figure: str
     op: str
     number: float
+    customer: str | None = None
+    #: compare with the baseline's figure: ``baseline + number`` or ``baseline * number``
+    against: str | None = None
+    text: str = ""
 
     @classmethod
     def parse(cls, text: str) -> Condition:
         m = _CONDITION.fullmatch(text)
         if m is None:
-            raise argparse.ArgumentTypeError(
-                f"{text!r}: expected FIGURE OP NUMBER, e.g. 'critical_refused > 0' "
-                f"(OP one of {', '.join(OPERATORS)})")
-        figure, op, number = m.groups()
-        if figure not in FIGURES:
-            raise argparse.ArgumentTypeError(f"{text!r}: unknown figure {figure!r} (one of {', '.join(FIGURES)})")
-        try:
-            value = float(number)
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{text!r}: {number!r} is not a finite number")
-        return cls(figure, op, value)
+            raise argparse.ArgumentTypeError(f"{text!r}: {_USE}")
+        customer, figure, op, value = m.groups()
+        known = CUSTOMER_FIGURES if customer is not None else FIGURES
+        if figure not in known:
+            whose = " for a customer" if customer is not None else ""
+            raise argparse.ArgumentTypeError(f"{text!r}: unknown figure {figure!r}{whose} (one of {', '.join(known)})")
+        base, plain = _BASELINE.fullmatch(value), _NUMBER.fullmatch(value)
+        if base is None and plain is None:
+            raise argparse.ArgumentTypeError(f"{text!r}: {_USE}")
+        against: str | None = None
+        if base is not None:
+            sign, number, percent = base.groups()
+            against, amount = sign or "+", _finite(text, number) if number else 0.0
+        else:
+            number, percent = plain.groups()  # type: ignore[union-attr]
+            amount = _finite(text, number)
+        if percent:
+            if figure == "refused":
+                figure = "refused_share"
+            elif not figure.endswith("share"):
+                raise argparse.ArgumentTypeError(f"{text!r}: a % compares a share (refused or *_share), "
+                                                 f"not {figure}")
+            if against != "*":
+                amount /= 100.0
+        return cls(figure, op, amount, customer, against, " ".join(text.split()))
 
-    def holds(self, summary: Mapping[str, Any]) -> bool:
-        return OPERATORS[self.op](float(summary[self.figure]), self.number)
+    def limit(self, baseline: float | None) -> float:
+        """The number the figure is compared with (``baseline``: the baseline's figure)."""
+        if self.against is None:
+            return self.number
+        assert baseline is not None
+        return baseline * self.number if self.against == "*" else baseline + self.number
+
+    def holds(self, value: float, baseline: float | None = None) -> bool:
+        return OPERATORS[self.op](float(value), self.limit(baseline))
 
     def __str__(self) -> str:
-        return f"{self.figure} {self.op} {self.number:g}"
+        return self.text or f"{self.figure} {self.op} {self.number:g}"
+
+
+@dataclass
+class IdentityFile:
+    """``--identities FILE``: raw keys or names, one a line, hashed with the salt for each
+    of the policy's identity rules as the server hashes them."""
+
+    path: str
+    #: hash -> the line
+    labels: dict[str, str]
+    #: (line number, the hashes of that line)
+    entries: list[tuple[int, set[str]]]
+
+    @classmethod
+    def read(cls, path: str, policy: Any, salt: bytes) -> IdentityFile:
+        labels: dict[str, str] = {}
+        entries: list[tuple[int, set[str]]] = []
+        for lineno, raw in enumerate(Path(path).read_text().splitlines(), 1):
+            raw = raw.strip()
+            if not raw or raw.startswith("#"):
+                continue
+            hashes = set(key_hashes(raw, policy, salt))
+            labels.update(dict.fromkeys(hashes, raw))
+            entries.append((lineno, hashes))
+        return cls(path, labels, entries)
+
+    def unmatched(self, seen: Mapping[str, int]) -> list[int]:
+        """The line numbers of entries no request of the traffic carried."""
+        return [lineno for lineno, hashes in self.entries if not any(seen.get(h) for h in hashes)]
+
+
+def key_hashes(raw: str, policy: Any, salt: bytes) -> list[str]:
+    """``raw`` (an API key, a customer's identity value) hashed for each of the policy's
+    identity rules, as the server hashes it."""
+    from ..classify import hash_identity, header_value
+
+    out = []
+    for rule in policy.identity:
+        value = header_value(rule, raw) if rule.strip_prefix is not None else raw
+        out.append(hash_identity(value or raw, rule.label, salt))
+    return out
 
 
 def identity_labels(path: str, policy: Any, salt: bytes) -> dict[str, str]:
-    """``--identities FILE``: raw keys or names, one a line, hashed for each of the policy's
-    identity rules with the salt, as the server hashes them: hash -> the line."""
-    from ..classify import hash_identity, header_value
-
-    labels: dict[str, str] = {}
-    for raw in Path(path).read_text().splitlines():
-        raw = raw.strip()
-        if not raw or raw.startswith("#"):
-            continue
-        for rule in policy.identity:
-            value = header_value(rule, raw) if rule.strip_prefix is not None else raw
-            labels[hash_identity(value or raw, rule.label, salt)] = raw
-    return labels
+    """``--identities FILE``: hash -> the line (:class:`IdentityFile`)."""
+    return IdentityFile.read(path, policy, salt).labels
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -84,8 +153,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "a virtual clock, and say who the candidate policy would refuse.")
     p.add_argument("--policies", nargs="+", required=True, help="the candidate policy (files or directory)")
     p.add_argument("--traffic", nargs="+", required=True, help="traffic files (.jsonl, .jsonl.gz)")
-    p.add_argument("--baseline", nargs="+", default=None,
-                   help="a baseline policy to compare with (e.g. the live one)")
+    p.add_argument("--baseline", nargs="+", default=None, metavar="DIR",
+                   help="a baseline policy to compare with (e.g. the live one), replayed beside the candidate")
+    p.add_argument("--baseline-summary", metavar="FILE", default=None,
+                   help="instead of --baseline: an earlier run's --json summary (a baseline run, e.g. "
+                   "the live policy's from the main branch), for --fail-on '... baseline' conditions")
     p.add_argument("--json", dest="json_out", default=None, help="write the summary as JSON here ('-': stdout)")
     p.add_argument("--report", default=None, help="write report.md and PNG plots into this directory")
     p.add_argument("--signal", default=None,
@@ -108,7 +180,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--fail-on", metavar="EXPR", action="append", type=Condition.parse, default=[],
                    help="exit 3 when a figure of the candidate's summary compares true, e.g. "
                    f"'critical_refused > 0' (repeatable; figures: {', '.join(FIGURES)}; "
-                   "operators: > >= < <= ==)")
+                   "operators: > >= < <= ==); one customer's: 'customer:KEY_OR_HASH refused > 1%%' "
+                   f"({', '.join(CUSTOMER_FIGURES)}); against the baseline (--baseline or "
+                   "--baseline-summary): 'refused_share > baseline + 1%%', 'refused > baseline * 1.1'")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it is off when stderr is not a TTY)")
 
 
@@ -135,7 +209,16 @@ class ProgressBar:
         self.stream.flush()
 
 
+def _error(message: object) -> int:
+    """An error before or during the replay: the operator commands' one form, exit 2."""
+    from ..opscli import error_line
+
+    print(error_line("simulate", message), file=sys.stderr)
+    return 2
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from ..errors import PolicyError
     from ..policy import load_policy
     from .replay import Replay, SignalSeries
     from .traffic import BadLines, TrafficError, TrafficFile, read_traffic
@@ -145,11 +228,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         baseline = load_policy(args.baseline) if args.baseline else None
     except PolicyError as exc:
         for issue in exc.issues:
-            print(f"error: {issue}", file=sys.stderr)
-        return 2
-    if args.json_out not in (None, "-") and not Path(args.json_out).parent.is_dir():
-        print(f"extauthz simulate: --json {args.json_out}: no directory {Path(args.json_out).parent}",
-              file=sys.stderr)
+            _error(issue)
         return 2
     if args.report:  # fail before a long replay, not after it
         from .report import require_matplotlib
@@ -157,16 +236,33 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         try:
             require_matplotlib()
         except ImportError as exc:
-            print(f"extauthz simulate: {exc}", file=sys.stderr)
-            return 2
-    try:
-        files = [TrafficFile(path) for path in args.traffic]
+            return _error(exc)
+    try:  # the output directories, made before a long replay (a file in their way fails here)
+        if args.json_out not in (None, "-"):
+            Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        if args.report:
+            Path(args.report).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return _error(f"cannot make the output directory: {exc}")
+    if args.baseline and args.baseline_summary:
+        return _error("give --baseline DIR (a policy, replayed) or --baseline-summary FILE (an earlier "
+                      "run's --json), not both")
+    against = [c for c in args.fail_on if c.against is not None]
+    if against and not (args.baseline or args.baseline_summary):
+        return _error(f"--fail-on '{against[0]}' compares with the baseline: give --baseline DIR "
+                      "or --baseline-summary FILE")
+    if args.baseline_summary and any(c.customer is not None for c in against):
+        return _error("a customer's --fail-on against the baseline needs --baseline DIR (a "
+                      "summary holds no per-customer figures for every customer)")
+    try:  # the traffic files last: they stay open for the replay (closed as they are read)
         signal = SignalSeries.load(args.signal) if args.signal else None
-        labels = (identity_labels(args.identities, candidate, args.identity_salt.encode())
-                  if args.identities else None)
-    except (OSError, TrafficError) as exc:
-        print(f"extauthz simulate: {exc}", file=sys.stderr)
-        return 2
+        identities = (IdentityFile.read(args.identities, candidate, args.identity_salt.encode())
+                      if args.identities else None)
+        labels = identities.labels if identities is not None else None
+        baseline_summary = _read_summary(args.baseline_summary) if args.baseline_summary else None
+        files = [TrafficFile(path) for path in args.traffic]
+    except (OSError, ValueError, TrafficError) as exc:
+        return _error(exc)
     bad = BadLines(skip=args.skip_bad_lines)
     replay = Replay(candidate, baseline, seed=args.seed, salt=args.identity_salt.encode(),
                     series=bool(args.report), signal=signal)
@@ -176,9 +272,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     except TrafficError as exc:
         if bar is not None:
             bar.close()
-        print(f"extauthz simulate: {exc}\n(use --skip-bad-lines to skip and count bad lines)",
-              file=sys.stderr)
-        return 2
+        return _error(f"{exc}\n(use --skip-bad-lines to skip and count bad lines)")
     if bar is not None:
         bar.close()
     if bad.total:
@@ -189,6 +283,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         for name in lane.unsignalled:
             print(f"warning: {lane.name} shedder '{name}' reads a redis/envoy_admin signal and no "
                   "--signal was given: its utilization replays as 0 (it never sheds)", file=sys.stderr)
+    if identities is not None:
+        missing = identities.unmatched(replay.candidate.tally.identity_requests)
+        if missing:
+            print(f"warning: {len(missing)} of {len(identities.entries)} --identities entries match no "
+                  f"request (another --identity-salt or identity rule, or no traffic): {identities.path} "
+                  f"line{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}", file=sys.stderr)
     summary = replay.summary(args.top, labels)
     text = json.dumps(summary, indent=2)
     if args.json_out == "-":
@@ -202,14 +302,107 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         out = write_report(Path(args.report), replay, summary, bad_lines=bad,
                            traffic=[str(p) for p in args.traffic])
         print(f"report: {out}", file=sys.stderr if args.json_out == "-" else sys.stdout)
-    held = [c for c in args.fail_on if c.holds(summary)]
-    for c in held:
-        print(f"extauthz simulate: --fail-on '{c}' holds: {c.figure} = {summary[c.figure]:g}",
-              file=sys.stderr)
+    gate = Gate(replay, summary, baseline_summary or summary.get("baseline"), labels or {},
+                candidate, args.identity_salt.encode())
+    held = 0
+    for c in args.fail_on:
+        line = gate.check(c)
+        if line is not None:
+            held += 1
+            print(f"extauthz simulate: --fail-on '{c}' holds: {line}", file=sys.stderr)
     return FAIL_ON_STATUS if held else 0
 
 
+def _read_summary(path: str) -> dict[str, Any]:
+    """``--baseline-summary FILE``: an earlier run's ``--json``, with every figure."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--baseline-summary {path}: not JSON ({exc})") from None
+    lacking = [f for f in FIGURES if not isinstance(data, dict) or not isinstance(data.get(f), (int, float))]
+    if lacking:
+        raise ValueError(f"--baseline-summary {path}: not a simulate --json summary (no {', '.join(lacking)})")
+    return dict(data)
+
+
+@dataclass
+class Gate:
+    """Evaluates ``--fail-on`` conditions after the replay, and says why one holds, naming
+    the customer it is about. ``baseline``: the baseline's summary (replayed, or an earlier
+    run's); ``labels``: hash -> name (``--identities``)."""
+
+    replay: Any
+    summary: Mapping[str, Any]
+    baseline: Mapping[str, Any] | None
+    labels: Mapping[str, str]
+    policy: Any
+    salt: bytes
+
+    def name(self, identity: str) -> str:
+        label = self.labels.get(identity)
+        return f"{label} ({identity})" if label else identity
+
+    def _customer(self, given: str) -> str:
+        """The identity hash ``customer:X`` names: a hash as given, else the key hashed for
+        the candidate's identity rule that carried the most requests."""
+        from ..overrides import IDENTITY_HASH
+
+        if IDENTITY_HASH.match(given):
+            return given
+        requests = self.replay.candidate.tally.identity_requests
+        return max(key_hashes(given, self.policy, self.salt), key=lambda h: requests.get(h, 0))
+
+    @staticmethod
+    def _figures(tally: Any, identity: str) -> dict[str, float]:
+        n, refused = tally.identity_requests.get(identity, 0), tally.identity_refused.get(identity, 0)
+        return {"requests": n, "refused": refused, "refused_share": refused / n if n else 0.0}
+
+    def check(self, c: Condition) -> str | None:
+        """None, or what held: the figure, the baseline's, and who."""
+        if c.customer is not None:
+            ident = self._customer(c.customer)
+            mine = self._figures(self.replay.candidate.tally, ident)
+            if not mine["requests"]:  # a typo, another salt: a gate that can never hold
+                print(f"warning: --fail-on '{c}': no request of that customer in the traffic (a key is "
+                      "hashed with --identity-salt for the candidate's identity rules)", file=sys.stderr)
+            base_lane = self.replay.baseline
+            theirs = self._figures(base_lane.tally, ident)[c.figure] if base_lane is not None else None
+            if not c.holds(mine[c.figure], theirs):
+                return None
+            return (f"customer {self.name(ident)}: {c.figure} = {mine[c.figure]:g}"
+                    + (f" (baseline {theirs:g})" if c.against is not None else "")
+                    + f"; {mine['refused']:g} of {mine['requests']:g} requests refused")
+        value = float(self.summary[c.figure])
+        theirs = float(self.baseline[c.figure]) if c.against is not None and self.baseline is not None else None
+        if not c.holds(value, theirs):
+            return None
+        return (f"{c.figure} = {value:g}" + (f" (baseline {theirs:g})" if theirs is not None else "")
+                + self._who(c.figure))
+
+    def _who(self, figure: str) -> str:
+        """The customer behind a fleet-wide figure: the worst hit, or the most refused."""
+        tally = self.replay.candidate.tally
+        if figure == "critical_refused":
+            by = {i: n for (i, tier), n in tally.identity_tier_refused.items() if tier == "critical"}
+            if not by:
+                return ""
+            ident = max(sorted(by), key=by.__getitem__)
+            return f"; most: customer {self.name(ident)} ({by[ident]:,} critical requests refused)"
+        if not tally.identity_refused:
+            return ""
+        if figure == "max_customer_refused_share":
+            ident = max(sorted(tally.identity_refused),
+                        key=lambda i: tally.identity_refused[i] / tally.identity_requests[i])
+            what = "worst hit"
+        else:
+            ident = max(sorted(tally.identity_refused), key=tally.identity_refused.__getitem__)
+            what = "most refused"
+        return (f"; {what}: customer {self.name(ident)} ({tally.identity_refused[ident]:,} of "
+                f"{tally.identity_requests[ident]:,} requests refused)")
+
+
 def _text_summary(summary: dict[str, object], replay: object) -> str:
+    from .advice import describe_advice
     from .replay import Replay
 
     assert isinstance(replay, Replay)
@@ -226,9 +419,16 @@ def _text_summary(summary: dict[str, object], replay: object) -> str:
         mode = replay.candidate.policy.limiter(name)
         tag = f" ({mode.mode})" if mode is not None and mode.mode != "enforce" else ""
         lines.append(f"  {name}{tag}: refused {row['refused']:,} requests of {row['identities']:,} identities")
+    customers = summary.get("customers")
+    for row in customers if isinstance(customers, list) else ():
+        for name, numbers in (row.get("would_admit") or {}).items():
+            who = f"{row['label']} ({row['identity']})" if row.get("label") else row["identity"]
+            lines.append(f"  {who}: {name} would admit all {row['requests']:,} of its requests with "
+                         + describe_advice(numbers))
     diff = summary.get("difference")
     if isinstance(diff, dict):
         lines.append(f"vs baseline: {diff['refused_by_candidate_only']:,} requests of "
                      f"{diff['identities_refused_by_candidate_only']:,} identities refused by the "
                      f"candidate only; {diff['refused_by_baseline_only']:,} refused by the baseline only")
     return "\n".join(lines)
+

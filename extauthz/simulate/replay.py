@@ -36,6 +36,7 @@ from ..policy.model import Policy
 from ..store.memory import MemoryStore
 from ..tiers import Tier
 from ..verdict import Decision, Outcome
+from .advice import Timelines
 from .traffic import Request, TrafficError
 
 T = TypeVar("T")
@@ -192,6 +193,8 @@ class Lane:
         self.store = MemoryStore(self.clock)
         self.engine = Engine(self.store, policy, clock=self.clock, rng=random.Random(seed), salt=salt)
         self.tally = Tally()
+        #: each identity's requests, for the numbers that would admit them (the candidate's)
+        self.timelines: Timelines | None = None
         self.series = Series() if series else None
         self.signal = signal
         self._releases: list[tuple[float, int, tuple[str, ...], str]] = []
@@ -298,6 +301,8 @@ class Lane:
             self._seq += 1
             heapq.heappush(self._releases, (t + req.duration, self._seq, decision.leases, decision.lease_id))
         self.tally.add(ctx, decision)
+        if self.timelines is not None:
+            self.timelines.add(ctx, t, req.duration, decision)
         series = self.series
         if series is not None:
             second = int(t - (series.start or 0.0))
@@ -332,6 +337,7 @@ class Replay:
         self.candidate = Lane("candidate", candidate, seed=seed, salt=salt, series=series, signal=signal)
         self.baseline = (Lane("baseline", baseline, seed=seed, salt=salt, series=series, signal=signal)
                          if baseline is not None else None)
+        self.candidate.timelines = Timelines(self.candidate.engine.snapshot.limiters)
         self.on_decision = on_decision
         #: identities refused by the candidate and not by the baseline, and the reverse.
         self.candidate_only: Counter[str] = Counter()
@@ -401,8 +407,19 @@ class Replay:
             if base is not None:
                 row["baseline"] = base.customer(ident)
                 row["change"] = change(ident)
+            advice = self.would_admit(ident)
+            if advice:
+                row["would_admit"] = advice
             rows.append(row)
         return rows
+
+    def would_admit(self, identity: str) -> dict[str, dict[str, Any]]:
+        """For each candidate limiter that refused ``identity`` (and counts per identity): the
+        smallest numbers that would have admitted all its requests (:mod:`.advice`)."""
+        cand = self.candidate
+        refused_by = [lim for (i, lim), n in sorted(cand.tally.identity_limiter_refused.items())
+                      if i == identity and n]
+        return cand.timelines.advice(identity, refused_by) if cand.timelines is not None and refused_by else {}
 
     def summary(self, top: int = 10, labels: Mapping[str, str] | None = None) -> dict[str, Any]:
         out = self.candidate.tally.summary(self.candidate.policy, top)

@@ -199,6 +199,20 @@ def _customers(summary: dict[str, Any], baseline: bool) -> list[str]:
     rows = summary.get("customers") or []
     if not rows:
         return ["No customer is refused by either policy."]
+    return _customer_table(rows, baseline) + _would_admit(rows)
+
+
+def _would_admit(rows: list[dict[str, Any]]) -> list[str]:
+    """The smallest numbers that would have admitted each refused customer (``would_admit``)."""
+    from .advice import describe_advice
+
+    lines = [f"* `{_who(r)}`: {name} would admit all {r['requests']:,} of its requests with "
+             f"{describe_advice(numbers)}" for r in rows for name, numbers in (r.get("would_admit") or {}).items()]
+    return (["", "What would have admitted them (each customer's own requests, replayed through the "
+             "limiter's rule; one number changed at a time):", "", *lines]) if lines else []
+
+
+def _customer_table(rows: list[dict[str, Any]], baseline: bool) -> list[str]:
     if baseline:
         md = ["| customer | share of traffic | requests | refused: baseline | refused: candidate | change "
               "| candidate by limiter | candidate by tier | baseline by limiter | baseline by tier |",

@@ -780,3 +780,41 @@ def test_networkpolicy_example_follows_the_security_doc(chart: Any) -> None:
     assert [[p["port"] for p in rule["ports"]] for rule in ingress] == [["grpc"], ["metrics"]]
     assert ingress[0]["from"] == values["networkPolicy"]["grpcFrom"]
     assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+
+
+@pytest.mark.parametrize("key", ["configMap", "configmaps", "configMaps.yaml-"])
+def test_a_misspelt_configmaps_key_is_refused_by_name(chart: Any, key: str) -> None:
+    """``policies.configMap: [team-a]`` was read as a policy file named configMap and refused
+    as "got array, want string / object": a type error about the wrong thing."""
+    with pytest.raises(helm.HelmValuesError) as raised:
+        chart.render({"policies": {key: ["team-a"]}}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    message = str(raised.value)
+    assert f"at '/policies': additional properties '{key}' not allowed" in message, message
+    assert "want string" not in message and "want object" not in message
+
+
+@pytest.mark.parametrize(("limiter", "field"), [
+    ({"name": "r", "type": "request_rate", "rate": 1, "burst": 0}, "/limiters/0/burst': exclusiveMinimum"),
+    ({"name": "c", "type": "concurrent_requests", "limit": "ten"}, "/limiters/0/limit': got string, want integer"),
+    ({"name": "q", "type": "quota", "limit": 5, "period": "year"}, "/limiters/0/period': value must be one of"),
+    ({"name": "r", "type": "request_rat", "rate": 1, "burst": 5}, "/limiters/0/type': value must be one of"),
+    ({"name": "r", "type": "request_rate", "rate": 1, "burst": 5, "applies_to": {"tiers": "get"}},
+     "/limiters/0/applies_to/tiers': got string, want array"),
+])
+def test_a_policy_error_at_render_is_one_line_as_check_policies_says_it(
+        chart: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str], limiter: dict[str, Any], field: str) -> None:
+    """One bad field: Helm's message names it in one line (it printed about 20, one per limiter
+    kind and optional-field alternative), and check-policies names the same field."""
+    from extauthz.cli import main
+
+    policy = {"version": 1, "identity": [{"header": "x-api-key"}], "limiters": [limiter]}
+    with pytest.raises(helm.HelmValuesError) as raised:
+        chart.render({"policies": {"api.yaml": policy}}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    problems = [line for line in str(raised.value).splitlines() if line.lstrip().startswith("- at ")]
+    leaves = [line for line in problems if "'allOf' failed" not in line]
+    assert len(leaves) == 1 and f"at '/policies/api.yaml{field}" in leaves[0], str(raised.value)
+    assert len(problems) <= 2, str(raised.value)
+    (tmp_path / "api.yaml").write_text(yaml.safe_dump(policy))
+    assert main(["check-policies", str(tmp_path / "api.yaml")]) == 1
+    [said] = capsys.readouterr().err.splitlines()
+    assert field.split("'")[0].rsplit("/", 1)[-1] in said, said  # the same field, one line each

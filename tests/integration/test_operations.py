@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from extauthz.opscli import format_status
 from tests.observe.helpers import admin, rate, running, scrape, write_policy
 
 STATUS_KEYS = [
@@ -14,7 +15,7 @@ STATUS_KEYS = [
     "background_errors", "switches", "limiters", "switch_poll", "overrides", "shedding",
     "leases_in_flight", "access_log", "lease_releases", "shadow", "decision_log",
     "observer_errors", "tracing", "tls", "admin", "changes", "change_log_errors",
-    "grants",
+    "grants", "recorder",
 ]
 
 
@@ -43,3 +44,28 @@ async def test_status_keeps_its_keys_and_agrees_with_metrics(tmp_path: Path) -> 
     assert status["unchecked_requests"] == {"total": 0, "by_tier": dict.fromkeys(
         ("critical", "post", "get", "test", "unknown"), 0), "fleet": {"in_flight": 0, "counted": 0, "errors": 0}}
     assert sample(metrics, 'extauthz_overrides{applied="yes"}') == status["overrides"]["live"] == 0
+    assert status["recorder"] is None and "extauthz_recorder_lines" not in metrics  # not recording
+
+
+async def test_the_recorder_is_on_status_and_metrics(tmp_path: Path) -> None:
+    """serve --record: /status ``recorder`` (docs/tuning.md's lines_dropped among them), the
+    same counts as extauthz_recorder_*, and a line in ``extauthz status``."""
+    policy = write_policy(tmp_path / "p.yaml", [rate("user-rate", burst=1)])
+    async with running([policy], record_dir=str(tmp_path / "record")) as (server, client):
+        assert [await client.check("sk_live_a") for _ in range(3)] == [200, 429, 429]
+        assert server.recorder is not None
+        await server.recorder.flush()
+        server.recorder.writer.lines_dropped += 2  # as a line larger than a file would (test_record.py)
+        code, status = await admin(server, "GET", "/status")
+        metrics = await scrape(server)
+    assert code == 200
+    rec = status["recorder"]
+    assert (rec["recorded"], rec["lines_dropped"], rec["write_errors"]) == (3, 2, 0)
+    assert rec["directory"] == str(tmp_path / "record") and rec["bytes_written"] > 0
+    assert sample(metrics, "extauthz_recorder_lines_total") == 3
+    assert sample(metrics, "extauthz_recorder_lines_dropped_total") == 2
+    assert sample(metrics, "extauthz_recorder_write_errors_total") == 0
+    assert sample(metrics, "extauthz_recorder_bytes_written_total") == rec["bytes_written"]
+    assert sample(metrics, "extauthz_recorder_pending ") == 0
+    assert (f"recorder: 3 lines recorded into {tmp_path / 'record'}, 2 dropped, 0 write errors"
+            in format_status(status))

@@ -230,7 +230,8 @@ async def test_overrides_through_the_admin_port_with_the_embedded_store(tmp_path
         server.ops._apply_policy(load(policy))
         status, data = await admin(server, "GET", "/status")
         (row,) = data["overrides"]["not_applied"]
-        assert row["limiter"] == "user-rate" and row["not_applied"] == "the policy has no limiter named 'user-rate'"
+        assert row["limiter"] == "user-rate" and row["not_applied"] == (
+            "the policy has no limiter named 'user-rate' (did you mean 'user-rate-v2'?)")
         assert 'extauthz_overrides{applied="no"} 1.0' in await scrape(server)
         r = await asyncio.to_thread(run, "list")
         assert "NO" in r.stdout and "not applied: the policy has no limiter named 'user-rate'" in r.stdout
@@ -249,3 +250,41 @@ def check_request_raw(key: str) -> RawRequest:
 
 def load(path: Path) -> Policy:
     return load_policy([path])
+
+
+@pytest.mark.slow  # five command runs against a server: about 5 s
+async def test_history_shows_the_overrides_that_lapsed(tmp_path: Path) -> None:
+    """An override whose TTL ran out is an ``expire`` row of ``extauthz history`` at its expiry;
+    one cleared (or set again) before it is not, nor one still live."""
+    from extauthz.clock import ManualClock
+
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(POLICY)
+    clock = ManualClock(time.time() - 7200)  # the server's changes were made two hours ago
+    async with running([policy], clock=clock) as (server, _client):
+        url = f"http://127.0.0.1:{server.ops.admin_port}"
+        env = {"EXTAUTHZ_REDIS_URL": "", "EXTAUTHZ_IDENTITY_SALT": SALT}
+
+        def run(*argv: str) -> subprocess.CompletedProcess[str]:
+            return cli(*argv, "--admin", url, env=env)
+
+        set_at = clock.wall()
+        for key, ttl in ((VIP, "10m"), ("sk_live_cleared", "1h"), ("sk_live_live", "1d")):
+            r = await asyncio.to_thread(run, "override", "set", "user-rate", "--identity", key, "burst=20",
+                                        "--ttl", ttl)
+            assert r.returncode == 0, r.stderr
+        clock.advance(60)
+        r = await asyncio.to_thread(run, "override", "clear", "user-rate", "--identity", "sk_live_cleared")
+        assert r.returncode == 0, r.stderr
+        r = await asyncio.to_thread(run, "history", "--json")
+        text = await asyncio.to_thread(run, "history")
+    assert r.returncode == 0, r.stderr
+    changes = json.loads(r.stdout)["changes"]
+    assert [c["action"] for c in changes] == ["set", "set", "set", "clear", "expire"]
+    hashed = hash_identity(VIP, "header:x-api-key", SALT.encode())
+    lapse = changes[-1]
+    assert (lapse["kind"], lapse["target"], lapse["via"]) == ("override", f"user-rate {hashed}", "ttl")
+    assert lapse["at"] == pytest.approx(set_at + 600) and changes[0]["expires_at"] == lapse["at"]
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(lapse["at"]))
+    [row] = [line for line in text.stdout.splitlines() if " expire " in line]
+    assert row.startswith(f"{when:<20} override expire user-rate {hashed}") and "TTL ran out" in row

@@ -76,7 +76,9 @@ async def test_switches_through_the_admin_port_on_the_embedded_store(
 
         # Mistakes are refused, not applied.
         assert await extauthz("switch", "--admin", url, "user-rte", "off") == 1
-        assert "no limiter named 'user-rte'" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "extauthz switch: error: " in err
+        assert "no limiter named 'user-rte' in the policy (did you mean 'user-rate'?)" in err
         code, body = await admin(server, "PUT", "/switches/user-rate", "loud")
         assert code == 400 and "enforce, shadow or off" in body["error"]
         assert server.engine.snapshot.switches == Switches()

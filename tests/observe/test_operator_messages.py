@@ -53,7 +53,7 @@ def test_report_headline_counts_would_denials_not_log_entries() -> None:
 def test_a_bad_report_window_names_the_flag_not_the_exception(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["report", "--admin", "http://127.0.0.1:1", "--window", "5x"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("extauthz report: --window: bad duration '5x'"), err
+    assert err.startswith("extauthz report: error: --window: bad duration '5x'"), err
     assert "ValueError" not in err
 
 
@@ -65,11 +65,11 @@ def test_a_report_window_that_is_not_a_positive_finite_duration_is_refused_on_bo
     for where in (["--admin", "http://127.0.0.1:1"], ["--redis-url", "redis://127.0.0.1:1"]):
         assert cli.main(["report", *where, "--window", window]) == 1
         err = capsys.readouterr().err
-        assert err.startswith("extauthz report: --window: window must be a positive number of "
+        assert err.startswith("extauthz report: error: --window: window must be a positive number of "
                               f"seconds or a duration like 15m, 1h or 24h (got '{window}')"), err
         assert cli.main(["report", *where, "--top", "0"]) == 1  # the Redis path printed no rows
         assert capsys.readouterr().err.startswith(
-            "extauthz report: --top: top must be a whole number of rows from 1 to 1000 (got '0')")
+            "extauthz report: error: --top: top must be a whole number of rows from 1 to 1000 (got '0')")
 
 
 def test_serve_with_a_malformed_listen_address_says_so_without_a_traceback(tmp_path: Path) -> None:

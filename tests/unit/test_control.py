@@ -53,7 +53,7 @@ async def test_an_override_that_would_not_apply_is_refused_and_nothing_is_writte
     store = MemoryStore(clock)
     ctl = control(tmp_path, store, clock)
     new = make_override("user-rte", IDENTITY, {"rate": 5}, ttl=60, now=clock.wall())
-    with pytest.raises(OverrideError, match="no limiter named 'user-rte'"):
+    with pytest.raises(OverrideError, match=r"no limiter named 'user-rte' \(did you mean 'user-rate'\?\)"):
         await ctl.set_override(new)
     assert await store.get_value(Keys().overrides) is None and await ctl.history() == []
     # without a policy the store cannot tell: the override is kept and listed
@@ -97,3 +97,26 @@ async def test_an_unreachable_admin_port_is_a_control_error(unused_tcp_port: int
     ctl = AdminControl(AdminTarget([f"http://127.0.0.1:{unused_tcp_port}"]))
     with pytest.raises(ControlError, match="cannot reach the admin port"):
         await ctl.switches()
+
+
+async def test_an_override_set_on_the_store_records_its_expiry_and_history_shows_the_lapse(tmp_path: Path) -> None:
+    """``override set --redis-url``: the change log keeps the expiry, and ``history`` (the
+    command's with_expiries) shows an ``expire`` row once it passed, unless cleared before."""
+    from extauthz.changelog import with_expiries
+
+    clock = ManualClock(1000.0)
+    store = MemoryStore(clock)
+    ctl = control(tmp_path, store, clock)
+    other = "fedcba9876543210fedcba98"
+    await ctl.set_override(make_override("user-rate", IDENTITY, {"rate": 5}, ttl=60, now=clock.wall()))
+    await ctl.set_override(make_override("user-rate", other, {"rate": 5}, ttl=60, now=clock.wall()))
+    clock.advance(30)
+    await ctl.clear_override("user-rate", other)
+    changes = await ctl.history()
+    assert [c.expires_at for c in changes] == [1060.0, 1060.0, None]
+    assert with_expiries(changes, now=1059.0) == changes  # not yet
+    rows = [(c.action, c.target, c.at, c.via) for c in with_expiries(changes, now=2000.0)]
+    assert rows == [("set", f"user-rate {IDENTITY}", 1000.0, "redis"),
+                    ("set", f"user-rate {other}", 1000.0, "redis"),
+                    ("clear", f"user-rate {other}", 1030.0, "redis"),
+                    ("expire", f"user-rate {IDENTITY}", 1060.0, "ttl")]

@@ -34,3 +34,30 @@ def test_a_server_on_the_embedded_store_does_not_import_redis() -> None:
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+_COMMAND_LINE = textwrap.dedent("""
+    import sys
+    from extauthz.cli import build_parser, main
+
+    def loaded(heavy):
+        return sorted(m for m in sys.modules if any(m == h or m.startswith(h + ".") for h in heavy))
+
+    server = ("pydantic", "aiohttp", "grpc", "prometheus_client", "redis", "extauthz.policy",
+              "extauthz.limiters", "extauthz.overrides", "extauthz.server.adminauth")
+    build_parser()  # every command's options, as `extauthz COMMAND --help` builds them
+    print(loaded((*server, "asyncio")))
+    for argv in (["status"], ["switch", "--list"], ["history"]):  # an admin port nobody listens on
+        assert main([*argv, "--admin", "http://127.0.0.1:9"]) == 1
+    print(loaded(server))
+""")
+
+
+def test_the_command_line_starts_without_the_policy_models_or_the_servers_libraries() -> None:
+    """`extauthz status --help` took 1-3 s: the CLI imported the policy's pydantic models and
+    the server's libraries before parsing a flag. Each command now imports what it runs:
+    status, switch and history reach an admin port with neither."""
+    out = subprocess.run([sys.executable, "-c", _COMMAND_LINE], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-2:] == ["[]", "[]"], out.stdout

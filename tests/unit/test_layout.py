@@ -17,10 +17,12 @@ CROSS_MODULE = {
     "test_doc_examples": "the policy examples in docs/policy.md through the loader",
     "test_exported_members": "the public surface, extauthz/__init__.py's __all__",
     "test_identity_auth": "identity from authentication: the edge and the classifier",
-    "test_imports": "import hygiene: what a server on the embedded store loads (no redis-py)",
+    "test_imports": "import hygiene: what a server on the embedded store loads (no redis-py), "
+                    "what the command line loads (no pydantic, no aiohttp)",
     "test_layout": "this file",
     "test_plans": "plans and live overrides: policy, overrides and the engine",
     "test_plans_metadata": "a plan from a verified claim: the edge and the classifier",
+    "test_readme": "README.md as a new user follows it: the walkthrough, installs, the test command",
     "test_route_metadata": "the tier from the route's metadata: the edge and the classifier",
 }
 

@@ -29,13 +29,31 @@ def test_bad_numbers_are_refused_before_anything_is_sent(
     assert "sk_live_secret" not in out + err
 
 
-def test_bad_ttl(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = run(capsys, "set", "user-rate", "--identity", "k", "rate=5", "--ttl", "31d",
-                       "--admin", "http://127.0.0.1:9", "--redis-url", "")
-    assert code == 1 and "bad duration '31d'" in err
-    code, _, err = run(capsys, "set", "user-rate", "--identity", "k", "rate=5", "--ttl", "800h",
-                       "--admin", "http://127.0.0.1:9", "--redis-url", "")
-    assert code == 1 and "the TTL is at most 30 days" in err
+NOWHERE = ("--admin", "http://127.0.0.1:9", "--redis-url", "")
+
+
+@pytest.mark.parametrize(("ttl", "message"), [
+    (["--ttl", "800h"], "the TTL is at most 30 days, 720h (got 33.33 days, 800h)"),
+    (["--ttl", "31d"], "the TTL is at most 30 days, 720h (got 31 days, 744h)"),
+    (["--ttl", "721h"], "(got 30.04 days, 721h)"),  # said "got 30.0417", no unit
+    (["--ttl", "-1h"], "the TTL must be positive, not '-1h': an override lasts a duration like 30m, 24h or 7d"),
+    (["--ttl=-1h"], "the TTL must be positive, not '-1h'"),
+    (["--ttl", "-90"], "the TTL must be positive, not '-90'"),
+    (["--ttl", "1w"], "bad TTL '1w': use seconds or a duration like 30m, 24h or 7d (units ms, s, m, h, d)"),
+])
+def test_bad_ttl_says_why_with_units(capsys: pytest.CaptureFixture[str], ttl: list[str], message: str) -> None:
+    code, _, err = run(capsys, "set", "user-rate", "--identity", "k", "rate=5", *ttl, *NOWHERE)
+    assert code == 1 and err.startswith("extauthz override set: error: ") and message in err, err
+    assert "expected one argument" not in err
+
+
+def test_a_ttl_in_days_is_taken(capsys: pytest.CaptureFixture[str]) -> None:
+    from extauthz.overrides import parse_ttl
+
+    assert parse_ttl("7d") == 7 * 86400 and parse_ttl("1.5d") == 1.5 * 86400 and parse_ttl("30d") == 30 * 86400
+    # a valid TTL passes every check: the command goes on to the (unreachable) admin port
+    code, _, err = run(capsys, "set", "user-rate", "--identity", "k", "rate=5", "--ttl", "7d", *NOWHERE)
+    assert code == 1 and "cannot reach the admin port" in err, err
 
 
 def test_an_unreachable_admin_port_is_an_error_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
@@ -112,3 +130,35 @@ def test_history_and_override_rows_print_stored_control_characters_escaped() -> 
         "limiter": "l", "identity": "ab" * 12, "numbers": {"rate": 1}, "by": "\x9bbob", "set_at": 0,
         "expires_at": 1, "applied": True, "reason": "a\nb"}]})
     assert len(rows.splitlines()) == 3 and "a\\nb" in rows and "\\x9bbob" in rows
+
+
+@pytest.mark.parametrize(("argv", "command", "says"), [
+    (["switch", "--bogus"], "switch", "unrecognized arguments: --bogus"),  # argparse's own
+    (["switch", "user-rate", *NOWHERE], "switch", "usage: extauthz switch NAME"),
+    (["report", "--window", "5x", *NOWHERE], "report", "--window: bad duration '5x'"),
+    (["status", "--admin", "http://127.0.0.1:9"], "status", "cannot reach the admin port"),
+    (["history", "--last", "0", *NOWHERE], "history", "--last must be at least 1"),
+    (["override", "clear", "user-rate", "--identity", "", *NOWHERE], "override clear", "--identity is empty"),
+    (["override", "set", "user-rate", "--identity", "k", "rate=5", "--policies", "/nonexistent", *NOWHERE],
+     "override set", "PolicyError"),
+    (["simulate", "--policies", "/nonexistent", "--traffic", "t.jsonl"], "simulate", "/nonexistent"),
+])
+def test_every_operator_command_says_errors_in_one_form(
+        capsys: pytest.CaptureFixture[str], argv: list[str], command: str, says: str) -> None:
+    """``extauthz COMMAND: error: MESSAGE``, argparse's form, from argparse and the commands alike."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse
+        code = int(exc.code or 0)
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert code in (1, 2) and last.startswith(f"extauthz {command}: error: ") and says in last, err
+
+
+def test_a_mistyped_limiter_gets_a_suggestion(capsys: pytest.CaptureFixture[str]) -> None:
+    from ..conftest import ROOT
+
+    code, _, err = run(capsys, "set", "usr-rate", "--identity", "k", "rate=5", "--policies",
+                       str(ROOT / "policies"), *NOWHERE)
+    assert code == 1 and err.strip().endswith("the policy has no limiter named 'usr-rate' "
+                                              "(did you mean 'user-rate'?)"), err
