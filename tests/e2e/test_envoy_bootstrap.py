@@ -164,6 +164,25 @@ def test_allowed_headers_follow_the_policy(tmp_path: Path) -> None:
     assert "x-team-key" in patterns and "x-api-key" not in patterns
 
 
+def test_the_access_log_never_carries_a_header_that_may_hold_a_credential(tmp_path: Path) -> None:
+    """Issue 29 review: every header a tier rule reads went into the access log's
+    ``additional_request_headers_to_log``; a rule on the API key's header sent every client's
+    raw key to the log. Identity, plan and key-part headers and the credential headers are
+    never logged (such a rule then never matches an unchecked request's entry)."""
+    rules = "".join(f"    - {{match: {{headers: {{{h}: x}}}}, tier: critical}}\n" for h in (
+        "X-Api-Key", "authorization", "Cookie", "proxy-authorization", "x-plan", "x-org", "x-client-class"))
+    (tmp_path / "api.yaml").write_text(
+        "version: 1\nidentity: [{header: X-Api-Key}]\nplan: {from: [{header: x-plan}], default: free}\n"
+        f"test_mode: {{header: x-test}}\nclassification:\n  rules:\n{rules}"
+        "limiters:\n  - {name: c, type: concurrent_requests, limit: 5, key: [{header: X-Org}, {method: true}]}\n")
+    policy = load_policy([tmp_path])
+    for protocol in ("grpc", "http"):
+        config = bootstrap(policy, protocol=protocol, upstream=("127.0.0.1", 8080))
+        (log,) = hcm(config)["access_log"]
+        logged = log["typed_config"]["additional_request_headers_to_log"]
+        assert logged == ["x-envoy-auth-failure-mode-allowed", "x-client-class", "x-test"]
+
+
 def authz_timeouts(config: dict[str, Any]) -> list[str]:
     """The ext_authz filter's timeout (gRPC: grpc_service; HTTP: http_service.server_uri)."""
     [ext] = [f["typed_config"] for f in hcm(config)["http_filters"] if f["name"] == "envoy.filters.http.ext_authz"]
