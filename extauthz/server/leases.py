@@ -295,7 +295,7 @@ class FinishedEntries:
         self.unchecked: dict[str, int] = {}
         #: request id -> the fleet lease of an unchecked request in flight that the fleet
         #: limiters count (:meth:`in_flight`), until its last entry or its lease's expiry
-        #: (renewed by each periodic entry); the soonest to expire first
+        #: (renewed by each periodic entry), in renewal order (expiry order while lease_ttl stays)
         self._unchecked_held: dict[str, _Unchecked] = {}
         #: unchecked requests the fleet limiters counted in flight, and store calls that failed
         self.unchecked_counted = 0
