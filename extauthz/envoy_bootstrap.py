@@ -184,15 +184,28 @@ def _grpc_cluster(name: str, endpoint: tuple[str, int], tls: TlsFiles | None) ->
     return _cluster(name, endpoint, CONNECT_TIMEOUT, **extra)
 
 
+#: request headers the access log never carries, whatever the policy reads: credentials
+NEVER_LOGGED = frozenset({"authorization", "proxy-authorization", "cookie"})
+
+
+def secret_headers(policy: Policy) -> frozenset[str]:
+    """The request headers that may carry a credential: the policy's identity, plan and key
+    part headers, and :data:`NEVER_LOGGED`."""
+    sources = (*policy.identity, *policy.plan_sources,
+               *(part.source for key in policy.keys for part in key.parts if part.source is not None))
+    return NEVER_LOGGED | {s.header.lower() for s in sources if s.header}
+
+
 def unchecked_headers(policy: Policy) -> list[str]:
     """The request headers the access log carries back so that the server can count a request
     Envoy let through unchecked (docs/limiters.md "Unchecked requests"): Envoy's fail-open
-    header, then the headers the policy's tier rules and test header read (never an identity
-    header: no API key goes to the log)."""
+    header, then the headers the policy's tier rules and test header read, less every header
+    that may carry a credential (:func:`secret_headers`: no API key goes to the log; a tier
+    rule on such a header then never matches an unchecked request's entry)."""
     names = {h.lower() for rule in policy.rules for h in rule.matcher.header_names}
     if policy.test_header:
         names.add(policy.test_header.lower())
-    return [FAILURE_MODE_HEADER, *sorted(names - {FAILURE_MODE_HEADER})]
+    return [FAILURE_MODE_HEADER, *sorted(names - secret_headers(policy) - {FAILURE_MODE_HEADER})]
 
 
 def route_tier_tag(policy: Policy) -> Config | None:

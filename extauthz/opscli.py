@@ -497,7 +497,7 @@ def format_status(data: dict[str, Any]) -> str:
     token_file = (data.get("admin") or {}).get("token_file") or {}
     if token_file.get("ok") is False:
         lines.append(f"admin token file NOT read again since {_fmt_time(float(token_file.get('since') or 0))}: "
-                     f"{token_file.get('error')} ({token_file.get('keeping')})")
+                     f"{token_file.get('error')}")  # the error says what is kept or revoked
     lines.append("(extauthz status --json: the whole document)")
     from .changelog import printable
 

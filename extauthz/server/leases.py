@@ -255,6 +255,19 @@ class Leases:
 MAX_UNCHECKED_IN_FLIGHT = 10_000
 
 
+class _Unchecked:
+    """An unchecked request the fleet limiters count in flight (:meth:`FinishedEntries.in_flight`):
+    its lease (the keys it was taken in, one lease id for all of them) and when it ends unless
+    a periodic entry renews it (the store's expiry: the limiters' longest ``lease_ttl``)."""
+
+    __slots__ = ("expires", "keys", "lease_id")
+
+    def __init__(self, keys: tuple[str, ...], lease_id: str, expires: float) -> None:
+        self.keys = keys
+        self.lease_id = lease_id
+        self.expires = expires
+
+
 #: release tasks one receiver (a gRPC access-log stream, a fluentd connection) keeps in flight
 #: before it stops reading: a slow store must not let them pile up without bound.
 MAX_PENDING_RELEASES = 1024
@@ -280,10 +293,10 @@ class FinishedEntries:
         #: requests Envoy let through unchecked (its fail-open header, no decision of ours), by
         #: tier (``extauthz_unchecked_requests_total``, ``/status`` ``unchecked_requests``)
         self.unchecked: dict[str, int] = {}
-        #: request id -> (fleet lease keys, lease id) of unchecked requests in flight that the
-        #: fleet limiters count (:meth:`in_flight`), until their last entry; ``None``: counting
-        #: (the store call is on its way)
-        self.unchecked_held: dict[str, tuple[tuple[str, ...], str] | None] = {}
+        #: request id -> the fleet lease of an unchecked request in flight that the fleet
+        #: limiters count (:meth:`in_flight`), until its last entry or its lease's expiry
+        #: (renewed by each periodic entry), in renewal order (expiry order while lease_ttl stays)
+        self._unchecked_held: dict[str, _Unchecked] = {}
         #: unchecked requests the fleet limiters counted in flight, and store calls that failed
         self.unchecked_counted = 0
         self.unchecked_errors = 0
@@ -307,9 +320,9 @@ class FinishedEntries:
             self.on_finished(request_id, duration())
         if failed_open and metadata is None and not unauthorized:  # Envoy let it through on a failed check
             self.count_unchecked(request())
-            held = self.unchecked_held.pop(request_id, None) if request_id else None
+            held = self._unchecked_held.pop(request_id, None) if request_id else None
             if held is not None:  # the fleet counted it in flight: it is over (the releaser
-                self.leases.release(*held, "access_log")  # tracks the task)
+                self.leases.release(held.keys, held.lease_id, "access_log")  # tracks the task)
         leases = self.leases
         lease = None
         if metadata is not None:
@@ -326,44 +339,79 @@ class FinishedEntries:
             return None
         return leases.release(*found)
 
+    @property
+    def unchecked_held(self) -> Mapping[str, _Unchecked]:
+        """The unchecked requests the fleet limiters count in flight now (those whose lease
+        expired without a renewal forgotten first)."""
+        self._expire_unchecked()
+        return self._unchecked_held
+
+    def _expire_unchecked(self) -> None:
+        held = self._unchecked_held
+        if not held:
+            return
+        now = self.leases.engine.clock.monotonic()
+        while held:
+            first = next(iter(held))
+            if held[first].expires > now:
+                break
+            del held[first]  # no entry renewed it: the store dropped its lease (Envoy restarted)
+
     def in_flight(self, request_id: str, metadata: Mapping[str, object] | None, *, failed_open: bool,
                   request: Callable[[], RawRequest | None]) -> asyncio.Task[None] | None:
         """An intermediate entry of a request still in flight (Envoy's ``access_log_flush_interval``;
         the entry at its start comes before ext_authz ran and says nothing): when it carries the
         fail-open header and no decision of ours, the ``fleet_usage`` limiters that apply to it
-        count it from now until its last entry, a lease taken without a limit (the request is
-        already through: it takes a slot, it is never refused). The task of the store call."""
-        if not (failed_open and metadata is None and request_id) or request_id in self.unchecked_held:
+        and are not ``off`` count it from now until its last entry, a lease taken without a
+        limit (the request is already through: it takes a slot, it is never refused), renewed
+        by each periodic entry (one store call, the same lease id) and forgotten at its TTL when
+        no entry renews it. The task of the store call."""
+        if not (failed_open and metadata is None and request_id):
             return None
         raw = request()
         if raw is None or not raw.method:
             return None
+        self._expire_unchecked()
         engine = self.leases.engine
-        ctx = engine.snapshot.classifier.context(raw)
+        snap = engine.snapshot
+        ctx = snap.classifier.context(raw)
+        fleet = [lim for lim, _ in snap.active
+                 if isinstance(lim, FleetUsageShedder) and applies(lim.applies_to, ctx)]
         ops = [LeaseOp(lim.critical_key if ctx.tier is Tier.CRITICAL else lim.other_key, 0, lim.ttl)
-               for lim in engine.snapshot.limiters
-               if isinstance(lim, FleetUsageShedder) and applies(lim.applies_to, ctx)]
+               for lim in fleet]
+        held = self._unchecked_held.pop(request_id, None)
         if not ops:
+            if held is not None:  # its limiters were switched off: the slot goes back
+                self.leases.release(held.keys, held.lease_id, "access_log")
             return None
-        if len(self.unchecked_held) >= MAX_UNCHECKED_IN_FLIGHT:
-            del self.unchecked_held[next(iter(self.unchecked_held))]
-        self.unchecked_held[request_id] = None
-        return asyncio.ensure_future(self._count(request_id, ops))
-
-    async def _count(self, request_id: str, ops: list[LeaseOp]) -> None:
-        lease_id = os.urandom(8).hex()
         keys = tuple(op.key for op in ops)
+        expires = engine.clock.monotonic() + max(op.ttl for op in ops)
+        if held is None:
+            if len(self._unchecked_held) >= MAX_UNCHECKED_IN_FLIGHT:
+                del self._unchecked_held[next(iter(self._unchecked_held))]
+            held = _Unchecked(keys, os.urandom(8).hex(), expires)
+            first = True
+        else:  # renewed: it moves to the end (expiry order)
+            held = _Unchecked(tuple(dict.fromkeys((*held.keys, *keys))), held.lease_id, expires)
+            first = False
+        self._unchecked_held[request_id] = held
+        return asyncio.ensure_future(self._count(request_id, held, ops, first))
+
+    async def _count(self, request_id: str, held: _Unchecked, ops: list[LeaseOp], first: bool) -> None:
         try:
-            await self.leases.engine.store.check(ops, lease_id)
+            await self.leases.engine.store.check(ops, held.lease_id)
         except StoreError:
             self.unchecked_errors += 1
-            self.unchecked_held.pop(request_id, None)
+            if first and self._unchecked_held.get(request_id) is held:
+                del self._unchecked_held[request_id]
             return
-        self.unchecked_counted += 1
-        if request_id in self.unchecked_held:
-            self.unchecked_held[request_id] = (keys, lease_id)
-        else:  # its last entry came while the call was on its way
-            self.leases.release(keys, lease_id, "access_log")
+        if first:
+            self.unchecked_counted += 1
+        now = self._unchecked_held.get(request_id)
+        if now is None or now.lease_id != held.lease_id:
+            # its last entry (or a switch-off, or its expiry) came while the call was on its
+            # way: the call may have taken the slot again after that release
+            self.leases.release(held.keys, held.lease_id, "access_log")
 
     def count_unchecked(self, raw: RawRequest | None) -> None:
         """Count one request Envoy let through unchecked, by the tier the policy's classifier

@@ -9,6 +9,8 @@ import json
 import shlex
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ from extauthz.devtools.client import HttpClient
 from extauthz.devtools.envoy_config import validate
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import ServerProcess, free_port
-from extauthz.devtools.upstream import start_upstream
+from extauthz.devtools.upstream import Upstream, start_upstream
 from extauthz.envoy_bootstrap import JwtProvider, TlsFiles, bootstrap, holds_leases, jwks_from_file, render
 from extauthz.policy import load_policy
 
@@ -164,6 +166,25 @@ def test_allowed_headers_follow_the_policy(tmp_path: Path) -> None:
     assert "x-team-key" in patterns and "x-api-key" not in patterns
 
 
+def test_the_access_log_never_carries_a_header_that_may_hold_a_credential(tmp_path: Path) -> None:
+    """Issue 29 review: every header a tier rule reads went into the access log's
+    ``additional_request_headers_to_log``; a rule on the API key's header sent every client's
+    raw key to the log. Identity, plan and key-part headers and the credential headers are
+    never logged (such a rule then never matches an unchecked request's entry)."""
+    rules = "".join(f"    - {{match: {{headers: {{{h}: x}}}}, tier: critical}}\n" for h in (
+        "X-Api-Key", "authorization", "Cookie", "proxy-authorization", "x-plan", "x-org", "x-client-class"))
+    (tmp_path / "api.yaml").write_text(
+        "version: 1\nidentity: [{header: X-Api-Key}]\nplan: {from: [{header: x-plan}], default: free}\n"
+        f"test_mode: {{header: x-test}}\nclassification:\n  rules:\n{rules}"
+        "limiters:\n  - {name: c, type: concurrent_requests, limit: 5, key: [{header: X-Org}, {method: true}]}\n")
+    policy = load_policy([tmp_path])
+    for protocol in ("grpc", "http"):
+        config = bootstrap(policy, protocol=protocol, upstream=("127.0.0.1", 8080))
+        (log,) = hcm(config)["access_log"]
+        logged = log["typed_config"]["additional_request_headers_to_log"]
+        assert logged == ["x-envoy-auth-failure-mode-allowed", "x-client-class", "x-test"]
+
+
 def authz_timeouts(config: dict[str, Any]) -> list[str]:
     """The ext_authz filter's timeout (gRPC: grpc_service; HTTP: http_service.server_uri)."""
     [ext] = [f["typed_config"] for f in hcm(config)["http_filters"] if f["name"] == "envoy.filters.http.ext_authz"]
@@ -266,8 +287,10 @@ def test_jwt_payload_reaches_the_server_the_protocol_s_way(protocol: str) -> Non
         assert "x-jwt-payload" in [r["remove"] for r in filters[0]["typed_config"]["mutations"]["request_mutations"]]
 
 
-@pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_a_rendered_config_runs_in_front_of_the_server(tmp_path: Path, protocol: str) -> None:
+@contextmanager
+def in_front_of_the_server(tmp_path: Path, protocol: str) -> Iterator[tuple[ServerProcess, Upstream, EnvoyProcess]]:
+    """A server on ``protocol`` with the RATE_ONLY policy, an upstream, and Envoy running the
+    config ``bootstrap`` renders for them."""
     (tmp_path / "api.yaml").write_text(RATE_ONLY)
     http_port = free_port()
     upstream = start_upstream()
@@ -278,13 +301,19 @@ def test_a_rendered_config_runs_in_front_of_the_server(tmp_path: Path, protocol:
         authz = ("127.0.0.1", server.port if protocol == "grpc" else http_port)
         config = bootstrap(load_policy([tmp_path]), protocol=protocol, upstream=("127.0.0.1", upstream.port),
                            authz=authz, listen_port=0, admin_port=0)
-        with EnvoyProcess(yaml.safe_dump(config), concurrency=1) as envoy, HttpClient() as c:
-            codes = [c.send(envoy.url + "/v1/x", headers={"x-api-key": "k"}).status for _ in range(3)]
-            assert codes == [200, 200, 429]
-            assert c.send(envoy.url + "/healthz").status == 200
+        with EnvoyProcess(yaml.safe_dump(config), concurrency=1) as envoy:
+            yield server, upstream, envoy
     finally:
         server.stop()
         upstream.stop()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_rendered_config_runs_in_front_of_the_server(tmp_path: Path, protocol: str) -> None:
+    with in_front_of_the_server(tmp_path, protocol) as (_, _, envoy), HttpClient() as c:
+        codes = [c.send(envoy.url + "/v1/x", headers={"x-api-key": "k"}).status for _ in range(3)]
+        assert codes == [200, 200, 429]
+        assert c.send(envoy.url + "/healthz").status == 200
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
@@ -293,28 +322,15 @@ def test_underscored_headers_are_refused_and_only_envoy_marks_a_fail_open(tmp_pa
     API key the policy never counted: Envoy refuses the request (400) before any filter runs.
     A client's ``x-envoy-auth-failure-mode-allowed`` is removed before ext_authz, so the
     upstream sees that header only when Envoy itself let a check fail open."""
-    (tmp_path / "api.yaml").write_text(RATE_ONLY)
-    http_port = free_port()
-    upstream = start_upstream()
-    args = ["--http-listen", f"127.0.0.1:{http_port}"] if protocol == "http" else []
-    server = ServerProcess([tmp_path], args=args)
-    try:
-        server.start()
-        authz = ("127.0.0.1", server.port if protocol == "grpc" else http_port)
-        config = bootstrap(load_policy([tmp_path]), protocol=protocol, upstream=("127.0.0.1", upstream.port),
-                           authz=authz, listen_port=0, admin_port=0)
-        with EnvoyProcess(yaml.safe_dump(config), concurrency=1) as envoy, HttpClient() as c:
-            refused = c.send(envoy.url + "/v1/x", headers={"x-api-key": "k1", "x_api_key": "k2"})
-            assert refused.status == 400  # Envoy's own answer: the upstream echoes with a 200
-            assert upstream.served == 0
-            forged = c.send(envoy.url + "/v1/x", headers={"x-api-key": "k1",
-                                                          "x-envoy-auth-failure-mode-allowed": "true"})
-            assert forged.status == 200
-            assert "x-envoy-auth-failure-mode-allowed" not in json.loads(forged.body)["headers"]
-            server.stop()  # now every check fails open, and Envoy says so itself
-            unchecked = c.send(envoy.url + "/v1/x", headers={"x-api-key": "k1"})
-            assert unchecked.status == 200
-            assert json.loads(unchecked.body)["headers"]["x-envoy-auth-failure-mode-allowed"] == "true"
-    finally:
-        server.stop()
-        upstream.stop()
+    with in_front_of_the_server(tmp_path, protocol) as (server, upstream, envoy), HttpClient() as c:
+        refused = c.send(envoy.url + "/v1/x", headers={"x-api-key": "k1", "x_api_key": "k2"})
+        assert refused.status == 400  # Envoy's own answer: the upstream echoes with a 200
+        assert upstream.served == 0
+        forged = c.send(envoy.url + "/v1/x", headers={"x-api-key": "k1",
+                                                      "x-envoy-auth-failure-mode-allowed": "true"})
+        assert forged.status == 200
+        assert "x-envoy-auth-failure-mode-allowed" not in json.loads(forged.body)["headers"]
+        server.stop()  # now every check fails open, and Envoy says so itself
+        unchecked = c.send(envoy.url + "/v1/x", headers={"x-api-key": "k1"})
+        assert unchecked.status == 200
+        assert json.loads(unchecked.body)["headers"]["x-envoy-auth-failure-mode-allowed"] == "true"

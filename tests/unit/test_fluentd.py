@@ -166,6 +166,68 @@ async def test_an_entry_in_flight_releases_nothing_and_an_unchecked_one_is_count
         await a.receiver.stop()
 
 
+def fleet_entries(tmp_path: Path, clock: ManualClock) -> tuple[FinishedEntries, Any]:
+    """A server's finished-entry handler around a fleet limiter (lease_ttl 10 s) on the embedded
+    store at ``clock``; and the limiter."""
+    policy = policy_from(tmp_path, {"limiters": [{"name": "fleet", "type": "fleet_usage", "capacity": 4,
+                                                  "reserved_for_critical": 0.5, "lease_ttl": "10s"}]})
+    engine, _ = engine_for(policy, clock)
+    return FinishedEntries(Leases(engine)), engine.snapshot.limiters[0]
+
+
+async def periodic(finished: FinishedEntries, request_id: str = "u") -> None:
+    """An unchecked request's periodic entry (the fail-open header, no metadata of ours)."""
+    task = finished.in_flight(request_id, None, failed_open=True, request=lambda: get(key=""))
+    if task is not None:
+        await task
+
+
+async def test_an_unchecked_request_longer_than_the_lease_ttl_stays_counted_and_a_lost_one_expires(
+        tmp_path: Path) -> None:
+    """Issue 29 review: the lease was taken once and later periodic entries ignored, so a
+    request in flight longer than lease_ttl left the fleet's count; and an entry whose last
+    entry never came (Envoy restarted) stayed in /status's in_flight until the bound evicted it."""
+    from extauthz.observe.state import UncheckedPart
+
+    clock = ManualClock()
+    finished, fleet = fleet_entries(tmp_path, clock)
+    store = finished.leases.engine.store
+    in_flight = lambda: UncheckedPart(finished).status()["unchecked_requests"]["fleet"]["in_flight"]  # noqa: E731
+    for _ in range(25):  # 25 s in flight, an entry a second (lease_ttl 10 s)
+        await periodic(finished)
+        clock.advance(1.0)
+    assert await store.inflight(list(fleet.lease_keys)) == [0, 1] and in_flight() == 1
+    assert finished.unchecked_counted == 1  # one request, its lease renewed
+    finished.entry("u", None, unauthorized=False, seen=lambda: (), failed_open=True, request=lambda: get(key=""))
+    assert await store.inflight(list(fleet.lease_keys)) == [0, 0] and in_flight() == 0
+
+    await periodic(finished, "lost")  # its last entry never comes
+    clock.advance(9.9)
+    assert in_flight() == 1
+    clock.advance(0.2)  # past its lease's TTL: the store dropped it, so does the count
+    assert in_flight() == 0 and await store.inflight(list(fleet.lease_keys)) == [0, 0]
+
+
+async def test_an_unchecked_request_takes_no_slot_of_a_fleet_limiter_switched_off(tmp_path: Path) -> None:
+    """Issue 29 review: the in-flight count read every limiter of the policy, so entries (a
+    forged header behind a config that does not strip it) took slots of a limiter switched off,
+    still held when it was switched on again."""
+    from extauthz.switches import Switches
+    from extauthz.verdict import Mode
+
+    clock = ManualClock()
+    finished, fleet = fleet_entries(tmp_path, clock)
+    engine, store = finished.leases.engine, finished.leases.engine.store
+    await periodic(finished, "a")
+    engine.set_switches(Switches(limiters={"fleet": Mode.OFF}))
+    await periodic(finished, "a")  # its slot goes back
+    await periodic(finished, "b")  # takes none
+    assert await store.inflight(list(fleet.lease_keys)) == [0, 0] and not finished.unchecked_held
+    engine.set_switches(Switches())
+    await periodic(finished, "b")  # still in flight: counted from now
+    assert await store.inflight(list(fleet.lease_keys)) == [0, 1] and list(finished.unchecked_held) == ["b"]
+
+
 @pytest.mark.parametrize(("data", "reason"), [
     (b"\xc1" * 4, "msgpack"),  # 0xc1: never used in msgpack
     (msgpack.packb({"not": "an array"}), "shape"),

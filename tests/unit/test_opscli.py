@@ -3,6 +3,9 @@ never printed."""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
 import pytest
 
 from extauthz.cli import main
@@ -162,3 +165,26 @@ def test_a_mistyped_limiter_gets_a_suggestion(capsys: pytest.CaptureFixture[str]
                        str(ROOT / "policies"), *NOWHERE)
     assert code == 1 and err.strip().endswith("the policy has no limiter named 'usr-rate' "
                                               "(did you mean 'user-rate'?)"), err
+
+
+async def test_status_says_which_admin_tokens_are_in_force_when_the_file_is_bad(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 29 review: the line ended ``keeping the 2 tokens read before (None)``, from a key
+    the server never sends."""
+    from tests.conftest import ROOT
+    from tests.observe.helpers import admin, running
+
+    token = "ci-token-fedcba9876543210"
+    tokens, mine = tmp_path / "admin-tokens", tmp_path / "my-token"
+    tokens.write_text(f"ci:{token}\nalice:alice-token-0123456789abcdef\n")
+    mine.write_text(token + "\n")
+    monkeypatch.setenv("EXTAUTHZ_ADMIN_TOKEN_FILE", str(mine))
+    async with running([ROOT / "policies"], admin_token_file=str(tokens)) as (server, _):
+        tokens.write_text(f"ci:{token}\nbob:short\n")  # line 2 bad: the 2 tokens read before stay
+        assert (await admin(server, "GET", "/status", headers={"Authorization": f"Bearer {token}"}))[0] == 200
+        url = f"http://127.0.0.1:{server.ops.admin_port}"
+        code = await asyncio.to_thread(main, ["status", "--admin", url])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    (line,) = [line for line in out.splitlines() if line.startswith("admin token file NOT read again")]
+    assert line.endswith("; keeping the 2 tokens read before"), line
