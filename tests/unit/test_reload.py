@@ -305,16 +305,18 @@ async def test_a_policy_near_the_size_bound_reloads_without_holding_the_loop(tmp
     """A valid 0.88 MiB policy of 12,000 rules (the size bound is 1 MiB) swapped in by the
     server's reload job while a probe sleeps 1 ms in a loop. Measured in CPU, so that neither
     the machine's speed nor other processes' turns on it decide: within any one gap between
-    wake-ups this process used less than a fiftieth of the CPU the whole reload took (here
-    and in its child). Parsed in a worker thread, the collector's passes over the parse's YAML
-    nodes held the GIL, and the loop, for 0.3-0.4 s of 1.7 s (a fifth); in a child, 4-6 ms of
-    1.1-2 s (bench/reload_lag.py). A broken one comes back from the child with its file and
-    line, the last good policy serving."""
+    wake-ups this process's Python threads (those that can hold the GIL: not gRPC's native
+    ones, which a process_time() probe counted too) used less than a twenty-fifth of the CPU
+    the whole reload took (here and in its child). Parsed in a worker thread, the collector's
+    passes over the parse's YAML nodes held the GIL, and the loop, for 0.26-0.4 s of 1.7 s
+    (a fifth: over four times this bound); in a child, 4-6 ms of 1.1-2 s, a tenth of it
+    (bench/reload_lag.py). A broken one comes back from the child with its file and line,
+    the last good policy serving."""
     text = big_policy(12_000)
     assert 0.8 * (1 << 20) < len(text.encode()) < MAX_FILE_BYTES
     lag, watcher = await reload_lag(tmp_path, text)
     assert lag.wakeups >= 20, lag  # the loop ran all along
-    assert lag.max_busy < lag.reload_cpu / 50, lag
+    assert lag.max_busy < lag.reload_cpu / 25, lag
     assert watcher.reloads == 1
     serving = watcher.version
 
