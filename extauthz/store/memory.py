@@ -53,9 +53,10 @@ from .keys import Keys
 #: due heap entries a check looks at, at most (a check creates at most a few keys, so the
 #: sweep keeps up; a backlog after an idle spell drains over the next checks)
 SWEEP_BATCH = 32
-#: lease sets looked at, oldest first, for one without live leases to forget when a limiter is
-#: over its bound (each one passed over is a request in flight; after these the table stays
-#: over its bound until requests finish)
+#: keys looked at, oldest first, for one to forget when a limiter is over its bound: a lease
+#: set with live leases is passed over (a request in flight; if all are, the table stays over
+#: its bound until requests finish), and so is a spent quota count (if all are, the least
+#: recently used of them goes)
 EVICT_TRIES = 8
 _BUCKET, _LEASES = 0, 1
 
