@@ -365,9 +365,9 @@ async def test_small_policies_are_parsed_in_this_process(tmp_path: Path, monkeyp
     started: list[object] = []
     real = reload_module.load_elsewhere
 
-    async def counted(*args: Any) -> Any:
+    async def counted(*args: Any, **kwargs: Any) -> Any:
         started.append(args)
-        return await real(*args)
+        return await real(*args, **kwargs)
 
     monkeypatch.setattr(reload_module, "load_elsewhere", counted)
     write_policy(tmp_path / "p" / "api.yaml", [rate("user-rate", burst=2)])
@@ -419,20 +419,24 @@ def spawned(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
     return started
 
 
-@pytest.mark.parametrize("python", ["missing", "fails", "hangs"])
+@pytest.mark.parametrize("python", ["missing", "fails", "hangs", "garbage"])
 async def test_a_parser_child_that_fails_is_a_failed_reload_tried_again_only_when_the_files_change(
         tmp_path: Path, clock: ManualClock, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch, python: str) -> None:
-    """The child's interpreter missing, exiting 1 at once, or never answering (killed after
-    ``child_timeout``): the last good policy serves, the failure is logged, counted and shown
-    once, and the same content is not handed to a new child on every poll (each poll started
-    one, its error escaped the job uncounted, and ``last_error`` stayed None). New content
-    is tried again, and applies once the child works."""
+    """The child's interpreter missing, exiting 1 at once, never answering (killed after
+    ``child_timeout``), or answering what does not unpickle: the last good policy serves,
+    the failure is logged, counted and shown once, and the same content is not handed to a
+    new child on every poll (each poll started one, its error escaped the job uncounted, and
+    ``last_error`` stayed None). New content is tried again, and applies once the child
+    works."""
     hangs = tmp_path / "hangs"
     hangs.write_text("#!/bin/sh\nexec sleep 60\n")
     hangs.chmod(0o755)
+    garbage = tmp_path / "garbage"
+    garbage.write_text("#!/bin/sh\ncat >/dev/null\necho not a pickle\n")
+    garbage.chmod(0o755)
     executable = {"missing": str(tmp_path / "no-such-python"), "fails": shutil.which("false"),
-                  "hangs": str(hangs)}[python]
+                  "hangs": str(hangs), "garbage": str(garbage)}[python]
     assert executable is not None
     write_policy(tmp_path / "p" / "api.yaml", [rate("user-rate", burst=1)])
     policy = load_policy([tmp_path / "p"])
