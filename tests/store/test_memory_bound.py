@@ -84,7 +84,7 @@ def test_spent_counts_alone_still_keep_the_bound() -> None:
     store = MemoryStore(ManualClock(), max_keys=10)
     for i in range(1_000):
         assert store.check_now([quota(f"k{i}", limit=1)], f"r{i}").admitted
-        assert len(store._held["monthly"]) <= 10
+        assert store.held()["monthly"] <= 10
     assert store.held() == {"monthly": 10} and store.key_count() == 10
     assert store.evictions == {"monthly": 990}
 
