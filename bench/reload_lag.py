@@ -5,7 +5,8 @@ classification rules, 0.88 MiB. A :class:`~extauthz.reload.PolicyWatcher` on a r
 swaps it in for a one-rule policy (``poll``, the server's job) while a probe task sleeps
 1 ms in a loop and records how late each wake-up came: the largest gap is how long a Check
 would have waited. On a shared machine part of a gap is other processes' turn on the CPU;
-the CPU this process used within the gap (``busy``) is the part the reload held. Each round
+the CPU this process's Python threads used within the gap (``busy``) is the part the reload
+held. Each round
 prints the reload's duration and CPU (this process and its child), the largest gap with
 its busy part, and the 99th percentile of the gaps; then the medians over rounds.
 
@@ -25,6 +26,7 @@ import gc
 import os
 import statistics
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,16 +65,32 @@ class Lag:
     #: the loop's largest gap past the probe's 1 ms sleep while it ran (s)
     max_gap: float
     p99_gap: float
-    #: the most CPU this process used within one gap (s): the loop's (or another thread's
-    #: holding the GIL) share of the gap, not the time the machine gave to other processes
+    #: the most CPU this process's Python threads used within one gap (s): the loop's (or
+    #: another thread's holding the GIL) share of the gap, not the time the machine gave to
+    #: other processes or to native threads
     max_busy: float
     #: probe wake-ups during the reload
     wakeups: int
 
 
+def python_threads_cpu() -> dict[int, float]:
+    """CPU seconds each of this process's Python threads has used (by thread id): the threads
+    that can hold the GIL, and so the loop. Not native threads that never take it (gRPC's
+    core has some), nor other processes."""
+    used = {}
+    for thread in threading.enumerate():
+        if thread.ident is not None:
+            try:
+                used[thread.ident] = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            except OSError:  # it ended meanwhile
+                pass
+    return used
+
+
 class Probe:
     """Sleeps 1 ms in a loop and records how late each wake-up came, and how much CPU this
-    process used meanwhile."""
+    process's Python threads used meanwhile (the loop's thread, or another one holding the
+    GIL; a thread that ended within the gap is not counted)."""
 
     def __init__(self) -> None:
         self.gaps: list[float] = []
@@ -82,10 +100,11 @@ class Probe:
 
     async def _run(self) -> None:
         while not self._stop.is_set():
-            t, c = time.perf_counter(), time.process_time()
+            t, before = time.perf_counter(), python_threads_cpu()
             await asyncio.sleep(0.001)
             self.gaps.append(max(0.0, time.perf_counter() - t - 0.001))
-            self.busy.append(time.process_time() - c)
+            after = python_threads_cpu()
+            self.busy.append(sum(c - before.get(ident, 0.0) for ident, c in after.items()))
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())

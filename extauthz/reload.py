@@ -9,7 +9,11 @@ validator, :func:`extauthz.policy.load_policy`, and only then swapped in as a wh
 
 A failed reload keeps the last good policy serving. It is logged once per distinct broken
 content (every issue with file, field and line), counted, and shown in ``/status``
-(``reload.last_error``) until a good reload clears it. A valid policy whose swap fails (the
+(``reload.last_error``) until a good reload clears it. A parser child that fails (it could
+not start, crashed, was killed, took more than ``child_timeout``, or sent back what cannot be
+unpickled) is a failed reload of that content too: recorded once and not tried again until
+the files change (a child that fails after its parse cost 1-2 s of CPU on every poll when
+it was retried). A valid policy whose swap fails (the
 new snapshot cannot be built) is a failed reload too, and is retried on every poll until it
 applies (the built policy is kept for the retries: the same content is not parsed again). A
 load that fails while the files are still changing (the digest moved under it) is not
@@ -67,6 +71,13 @@ class ReloadError:
 
     def to_dict(self) -> dict[str, object]:
         return {"at": self.at, "issues": list(self.issues)}
+
+
+@dataclass(frozen=True, slots=True)
+class ChildFailed:
+    """A parser child's failure (:meth:`PolicyWatcher.poll`): ``error`` says how."""
+
+    error: str
 
 
 def content_digest(paths: Sequence[Path], max_bytes: int = MAX_FILE_BYTES) -> str:
@@ -192,26 +203,37 @@ def child_main() -> None:
     sys.stdout.buffer.write(pickle.dumps(answer, pickle.HIGHEST_PROTOCOL))
 
 
-#: how long a child may take to parse a policy (a 1 MiB one takes a few seconds)
+#: how long a child may take to parse a policy (a 1 MiB one takes a few seconds); then it
+#: is killed
 CHILD_TIMEOUT = 120.0
 _CHILD = "from extauthz.reload import child_main; child_main()"
 
 
-async def load_elsewhere(paths: Sequence[Path], max_bytes: int) -> tuple[list[bytes], list[PolicyIssue]]:
-    """:func:`load_packed` in a child process started for it (a new interpreter, as
-    ``--workers`` starts its workers: nothing of this process's state, threads or event loop
-    is copied, and nobody's main module is run again; gone when it has answered). A child
-    that fails or takes longer than :data:`CHILD_TIMEOUT` raises :class:`RuntimeError` (the
-    reload job's error, counted; the next poll tries again); cancelled (the server
-    stopping), the child is killed."""
+def child_env() -> dict[str, str]:
+    """This process's environment with ``PYTHONPATH`` set to its ``sys.path`` (absolute): the
+    child imports this :mod:`extauthz` however this process found it (a zipapp, a pex, a
+    source tree run from its directory), whatever directory it runs in."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p or os.curdir) for p in sys.path)
+    return env
+
+
+async def load_elsewhere(paths: Sequence[Path], max_bytes: int, *, python: str = sys.executable,
+                         time_bound: float = CHILD_TIMEOUT) -> tuple[list[bytes], list[PolicyIssue]]:
+    """:func:`load_packed` in a child process started for it (a new interpreter ``python``,
+    as ``--workers`` starts its workers: nothing of this process's state, threads or event
+    loop is copied, and nobody's main module is run again; gone when it has answered). A
+    child that cannot start raises :class:`OSError`; one that fails raises
+    :class:`RuntimeError`, and so does one that takes longer than ``time_bound`` (it is killed).
+    Cancelled (the server stopping), the child is killed."""
     request = json.dumps({"paths": [str(p) for p in paths], "max_bytes": max_bytes}).encode()
     child = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _CHILD, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE)
+        python, "-c", _CHILD, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env=child_env())
     try:
-        out, err = await asyncio.wait_for(child.communicate(request), CHILD_TIMEOUT)
+        out, err = await asyncio.wait_for(child.communicate(request), time_bound)
     except TimeoutError:
-        raise RuntimeError(f"the policy parser process took more than {CHILD_TIMEOUT:g} s") from None
+        raise RuntimeError(f"the policy parser process took more than {time_bound:g} s; killed") from None
     finally:
         if child.returncode is None:
             child.kill()
@@ -231,9 +253,13 @@ class PolicyWatcher:
 
     def __init__(self, paths: Sequence[str | Path], apply: Callable[[Policy], None], *,
                  current: Policy, interval: float = 1.0, clock: Clock = SYSTEM_CLOCK,
-                 max_bytes: int = MAX_FILE_BYTES) -> None:
+                 max_bytes: int = MAX_FILE_BYTES, python: str = sys.executable,
+                 child_timeout: float = CHILD_TIMEOUT) -> None:
         self.paths = tuple(Path(p) for p in paths)
         self.max_bytes = max_bytes
+        #: the interpreter a parser child runs (:func:`load_elsewhere`), and its time bound
+        self.python = python
+        self.child_timeout = child_timeout
         self.apply = apply
         self.interval = interval
         self._clock = clock
@@ -256,15 +282,25 @@ class PolicyWatcher:
         """:meth:`poll_once` with the reading, parsing and validating off the event loop: in
         a child process when the files hold more than :data:`ISOLATE_BYTES`, else in a worker
         thread. The loop rebuilds a child's policy a piece at a time and swaps it in."""
-        digest, outcome = await asyncio.to_thread(self._build, True)
+        digest, built = await asyncio.to_thread(self._build, True)
+        outcome: Policy | PolicyError | ChildFailed | str = built
         if isinstance(outcome, str) and outcome == _ELSEWHERE:
-            pieces, issues = await load_elsewhere(self.paths, self.max_bytes)
-            if issues:
+            outcome = await self._elsewhere()
+            if isinstance(outcome, PolicyError | ChildFailed):
                 changing = await asyncio.to_thread(content_digest, self.paths, self.max_bytes) != digest
-                outcome = _CHANGING if changing else PolicyError(issues)
-            else:
-                outcome = await unpack(pieces)
+                if changing:
+                    outcome = _CHANGING
         return self._settle(digest, outcome)
+
+    async def _elsewhere(self) -> Policy | PolicyError | ChildFailed:
+        """The policy a child builds, its issues, or how the child failed (it could not
+        start, crashed, was killed or timed out, or sent what cannot be rebuilt)."""
+        try:
+            pieces, issues = await load_elsewhere(self.paths, self.max_bytes, python=self.python,
+                                                  time_bound=self.child_timeout)
+            return PolicyError(issues) if issues else await unpack(pieces)
+        except Exception as exc:  # not CancelledError: the server stopping
+            return ChildFailed(f"{type(exc).__name__}: {exc}")
 
     def poll_once(self) -> bool:
         """Reload if the files changed. True when a new policy took effect."""
@@ -288,7 +324,7 @@ class PolicyWatcher:
                 return digest, _CHANGING  # still being written: look again next time
             return digest, exc
 
-    def _settle(self, digest: str, outcome: Policy | PolicyError | str) -> bool:
+    def _settle(self, digest: str, outcome: Policy | PolicyError | ChildFailed | str) -> bool:
         """Record what :meth:`_build` found and swap a new policy in (the loop's part)."""
         if isinstance(outcome, str):
             return False
@@ -297,6 +333,12 @@ class PolicyWatcher:
         if isinstance(outcome, PolicyError):
             self._seen = digest
             self._failed(digest, [str(i) for i in outcome.issues])
+            return False
+        if isinstance(outcome, ChildFailed):
+            # marked seen: the same content is not handed to another child until it changes
+            self._seen = digest
+            self._failed(digest, [f"parsing in a child process failed (not tried again until the files "
+                                  f"change): {outcome.error}"])
             return False
         policy = outcome
         if policy.version == self.version:

@@ -9,7 +9,9 @@ expiry order and sweeping pops from the front.
 Per-user state (buckets, quota counts, lease sets: keys with a ``{u:...}`` tag) is held per
 limiter in least recently used order, at most ``max_keys`` keys a limiter (``serve
 --memory-max-keys``): a new key past it makes the least recently used one go, counted in
-``evictions`` (a lease set only when no request holds a lease in it). Without the bound a
+``evictions`` (a lease set only when no request holds a lease in it; a quota count at its
+limit only when the oldest few are all spent: a spent count is the state worth keeping).
+Without the bound a
 flood of made-up API keys grew the store until their keys expired: a month for a monthly
 quota. The same order is the expiry order: each check looks at the oldest keys of the
 limiters in turn. Other keys (fleet-wide lease sets) have one entry each in a heap keyed by
@@ -51,9 +53,10 @@ from .keys import Keys
 #: due heap entries a check looks at, at most (a check creates at most a few keys, so the
 #: sweep keeps up; a backlog after an idle spell drains over the next checks)
 SWEEP_BATCH = 32
-#: lease sets looked at, oldest first, for one without live leases to forget when a limiter is
-#: over its bound (each one passed over is a request in flight; after these the table stays
-#: over its bound until requests finish)
+#: keys looked at, oldest first, for one to forget when a limiter is over its bound: a lease
+#: set with live leases is passed over (a request in flight; if all are, the table stays over
+#: its bound until requests finish), and so is a spent quota count (if all are, the least
+#: recently used of them goes)
 EVICT_TRIES = 8
 _BUCKET, _LEASES = 0, 1
 
@@ -165,7 +168,12 @@ class MemoryStore(StoreBase):
         A new key past :attr:`max_keys` makes the least recently used one go (counted in
         :attr:`evictions`): a bucket or a quota count at once (its state is forgotten: the
         user's next request starts a full bucket or a count of 0), a lease set only when
-        none of its leases is live (a request in flight keeps it)."""
+        none of its leases is live (a request in flight keeps it). A quota count at or over
+        its limit is passed over too (moved to the recent end), for the next of the
+        :data:`EVICT_TRIES` oldest: forgetting it is what gives a client its spent quota
+        back, and a flood of made-up keys (each asking once) holds none. If every one looked
+        at is spent, the least recently used of them goes (the bound holds: a flood of keys
+        each spending its own quota can still push a spent count out; counted)."""
         table = self._held.get(owner)
         if table is None:
             table = self._held[owner] = OrderedDict()
@@ -177,6 +185,7 @@ class MemoryStore(StoreBase):
         if len(table) <= self.max_keys:
             return
         now = self._clock.monotonic()
+        spent: str | None = None  # the least recently used spent count passed over
         for _ in range(EVICT_TRIES):
             oldest, what = next(iter(table.items()))
             if what == _LEASES:
@@ -187,10 +196,21 @@ class MemoryStore(StoreBase):
                     return
                 self._leases.pop(oldest, None)
             else:
+                state = self._buckets.get(oldest)
+                if state is not None and len(state) > 3 and state[0] >= state[3] and state[2] > now:
+                    table.move_to_end(oldest)  # a spent quota: the state worth keeping
+                    spent = oldest if spent is None else spent
+                    continue
                 self._buckets.pop(oldest, None)
-            del table[oldest]
-            self.evictions[owner] = self.evictions.get(owner, 0) + 1
+            self._evict(owner, table, oldest)
             return
+        if spent is not None:
+            self._buckets.pop(spent, None)
+            self._evict(owner, table, spent)
+
+    def _evict(self, owner: str, table: OrderedDict[str, int], key: str) -> None:
+        del table[key]
+        self.evictions[owner] = self.evictions.get(owner, 0) + 1
 
     def _unhold(self, key: str) -> None:
         """A user's key whose state is gone (expired, released)."""
@@ -263,8 +283,9 @@ class MemoryStore(StoreBase):
 
     def _count(self, key: str, now: float) -> float:
         """A quota window's count. Counts live in the bucket table as ``[count, created,
-        expires at]``, so the one sweep forgets them after their window (their keys differ
-        from buckets': ``store.keys``)."""
+        expires at, limit]``, so the one sweep forgets them after their window (their keys
+        differ from buckets': ``store.keys``); the limit tells eviction a spent count
+        (:meth:`_hold`)."""
         state = self._buckets.get(key)
         return 0.0 if state is None or state[2] <= now else state[0]
 
@@ -333,8 +354,9 @@ class MemoryStore(StoreBase):
                     state = self._buckets.get(op.key)
                     if state is not None and state[2] > now:
                         state[0] += op.cost  # the window's expiry stays
+                        state[3] = op.limit
                     else:
-                        self._buckets[op.key] = [float(op.cost), now, now + op.ttl]
+                        self._buckets[op.key] = [float(op.cost), now, now + op.ttl, op.limit]
                         self._schedule(_BUCKET, op.key, now + op.ttl, owner)
                 results.append(count_result(op, ok, int(value), commit))
             elif isinstance(op, QuotaGrantOp | QuotaReturnOp):
@@ -346,8 +368,9 @@ class MemoryStore(StoreBase):
                         after = pool + algorithms.quota_grant_size(pool, op.want, op.limit)
                         if state is not None and live:
                             state[0] = float(after)  # the window's expiry stays
+                            state[3] = op.limit
                         else:
-                            self._buckets[op.key] = [float(after), now, now + op.ttl]
+                            self._buckets[op.key] = [float(after), now, now + op.ttl, op.limit]
                             self._schedule(_BUCKET, op.key, now + op.ttl, owner)
                     elif state is not None and live:  # a window gone takes nothing back
                         state[0] = float(algorithms.quota_give_back(int(value), op.amount))

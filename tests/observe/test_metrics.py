@@ -143,8 +143,10 @@ def test_alert_rules_are_well_formed() -> None:
 
 async def test_alert_rules_name_only_exported_metrics(tmp_path: Path) -> None:
     batched = {"name": "batched", "type": "request_rate", "rate": 10, "burst": 10, "consistency": "batched"}
-    async with running([metrics_policy(tmp_path, batched).parent]) as (server, client):
+    # a bound of one key per limiter: the second key is an eviction (ExtauthzStoreEvicting)
+    async with running([metrics_policy(tmp_path, batched).parent], memory_max_keys=1) as (server, client):
         await client.check("sk_live_x")
+        await client.check("sk_live_y")
         await server.ops.switches.change("dark", Mode.OFF)
         exported = set()
         for (name, _labels) in samples(await scrape(server)):

@@ -55,6 +55,40 @@ def test_the_least_recently_used_key_goes_first_refused_requests_count_as_use() 
     assert store.check_now([quota("idle")], "i2").results[0].remaining == 1  # forgotten: from 0
 
 
+def test_a_spent_quota_outlives_a_flood_of_made_up_keys() -> None:
+    """A client whose quota is spent sends 100 times the bound in made-up keys (each asking
+    once), waits, and asks again: still refused (its count was the least recently used and
+    was forgotten: the quota given back). The bound holds; the made-up keys went."""
+    clock = ManualClock()
+    store = MemoryStore(clock, max_keys=100)
+    for i in range(2):
+        assert store.check_now([quota("spent")], f"s{i}").admitted
+    store.check_now([quota("half")], "h")  # a real user, 1 of 2 used, idle since
+    assert not store.check_now([quota("spent")], "s2").admitted
+    clock.advance(60)
+    for i in range(10_000):
+        clock.advance(0.01)
+        assert store.check_now([quota(f"made-up-{i}")], f"m{i}").admitted
+    clock.advance(3600)
+    assert not store.check_now([quota("spent")], "s3").admitted  # not forgiven
+    assert store.held() == {"monthly": 100}
+    assert store.evictions == {"monthly": 2 + 10_000 - 100}  # every key but "spent" and the last 99
+    # what still goes: a count under its limit ("half" starts again from 0)
+    assert store.check_now([quota("half")], "h2").results[0].remaining == 1
+
+
+def test_spent_counts_alone_still_keep_the_bound() -> None:
+    """Made-up keys that each spend their quota (limit 1: one request each) are all worth
+    keeping; past the EVICT_TRIES looked at, the least recently used spent one goes: the
+    table never grows past its bound (that flood can push a spent count out: docs/security.md)."""
+    store = MemoryStore(ManualClock(), max_keys=10)
+    for i in range(1_000):
+        assert store.check_now([quota(f"k{i}", limit=1)], f"r{i}").admitted
+        assert store.held()["monthly"] <= 10
+    assert store.held() == {"monthly": 10} and store.key_count() == 10
+    assert store.evictions == {"monthly": 990}
+
+
 def test_each_limiter_has_its_own_bound() -> None:
     store = MemoryStore(ManualClock(), max_keys=3)
     for i in range(5):
