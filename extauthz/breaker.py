@@ -55,6 +55,13 @@ class Breaker:
         self._probing = True
         return True
 
+    def abandon(self) -> None:
+        """A call that :meth:`allow` let through was given up before its outcome (the check's
+        time left ran out, or Envoy cancelled the Check): when it was the half-open probe, the
+        next call probes instead (else the probe stays taken and every call is refused until
+        a restart). No outcome is counted: the store was not the one late."""
+        self._probing = False
+
     def _roll(self) -> None:
         now = self._clock.monotonic()
         if now - self._window_start >= self.window:

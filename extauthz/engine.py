@@ -410,6 +410,8 @@ class Engine:
             raise failure from exc
         except asyncio.CancelledError:
             call.add_done_callback(self.releaser.abandoned(ops, lease_id))
+            for _, breaker in breakers:
+                breaker.abandon()  # a half-open probe given up: the next call probes
             raise
         for _, breaker in breakers:
             breaker.success()

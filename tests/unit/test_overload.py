@@ -160,6 +160,15 @@ class _LateStore(FaultyStore):
         return await self.inner.check(ops, lease_id)
 
 
+async def _until(ok: Any, what: str, timeout: float = 10.0) -> None:
+    """Poll the event loop until ``ok()`` (the late store's calls go through it), at most
+    ``timeout`` seconds of wall time (a generous bound for a slow machine)."""
+    async with asyncio.timeout(timeout):
+        while not ok():
+            await asyncio.sleep(0.01)
+    assert ok(), what
+
+
 async def test_the_store_call_never_outlives_the_time_left(tmp_path: Path, clock: ManualClock) -> None:
     policy = policy_from(tmp_path, {**RULES, "limiters": [
         {"name": "conc", "type": "concurrent_requests", "limit": 5, "lease_ttl": "60s"}]})
@@ -172,10 +181,50 @@ async def test_the_store_call_never_outlives_the_time_left(tmp_path: Path, clock
     assert engine.failures == {"overload": 1} and engine.breaker.state == "closed"
     # the call went on: when it lands, the lease it took goes back (nothing leaks)
     store.go.set()
-    for _ in range(200):
-        if store.releases:
-            break
-        await asyncio.sleep(0.01)
+    await _until(lambda: store.releases > 0, "the late answer's lease given back")
     assert store.answered == 1 and store.releases == 1
     assert await store.inner.inflight([engine.snapshot.limiters[0].op(  # type: ignore[union-attr]
         engine.context(get()), True).key]) == [0]
+
+
+def _half_open(engine: Engine, clock: ManualClock) -> None:
+    for _ in range(engine.breaker.threshold):
+        engine.breaker.failure()
+    assert engine.breaker.state == "open"
+    clock.advance(engine.breaker.open_for)
+    assert engine.breaker.state == "half_open"
+
+
+async def test_a_half_open_probe_cut_short_by_the_time_left_does_not_keep_the_breaker_open(
+        tmp_path: Path, clock: ManualClock) -> None:
+    """The probe's store call given up (the check's time left ran out) leaves no probe taken:
+    a later check probes the store and closes the breaker (it used to fail every check
+    ``circuit_open`` until a restart)."""
+    policy = policy_from(tmp_path, {**RULES, "limiters": [RATE]})
+    store = _LateStore(MemoryStore(clock))
+    engine = Engine(store, policy, clock=clock, deadline=30.0)
+    _half_open(engine, clock)
+    d = await asyncio.wait_for(engine.decide(engine.context(get()), 0.05), 10.0)
+    assert d.failures == ("overload",)  # the probe's call outlived the time left
+    store.go.set()
+    clock.advance(10.0)
+    d = await asyncio.wait_for(engine.decide(engine.context(get()), 0.2), 10.0)
+    assert d.failures == () and d.allowed, d
+    assert engine.breaker.state == "closed" and "circuit_open" not in engine.failures
+
+
+async def test_a_half_open_probe_whose_check_envoy_cancels_does_not_keep_the_breaker_open(
+        tmp_path: Path, clock: ManualClock) -> None:
+    policy = policy_from(tmp_path, {**RULES, "limiters": [RATE]})
+    store = _LateStore(MemoryStore(clock))
+    engine = Engine(store, policy, clock=clock, deadline=30.0)
+    _half_open(engine, clock)
+    task = asyncio.ensure_future(engine.decide(engine.context(get())))
+    await _until(lambda: engine.breaker.would_allow() is False, "the probe taken")
+    task.cancel()  # Envoy reset the Check while the probe's store call was out
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    store.go.set()
+    d = await asyncio.wait_for(engine.decide(engine.context(get())), 10.0)
+    assert d.failures == () and d.allowed, d
+    assert engine.breaker.state == "closed"
