@@ -101,13 +101,21 @@ def _milliseconds(text: str) -> float:
 #: the largest check budget (ms): Envoy's timeout is rendered from it, and a minute is
 #: already far beyond what any client waits for an authorization
 MAX_CHECK_BUDGET_MS = 60_000.0
+#: the smallest check budget (ms): a check takes a few loop turns, and the server is starved
+#: from a lag of half the budget (extauthz/overload.py); ``serve`` also wants at least
+#: :data:`BUDGET_PER_STORE_DEADLINE` store deadlines in it
+MIN_CHECK_BUDGET_MS = 20.0
+#: store deadlines a check budget holds at least: a check's store call gets its deadline
+#: given again up to three times (engine.LOOP_EXTENSIONS) before its time left bounds it
+BUDGET_PER_STORE_DEADLINE = 4
 
 
 def _budget(text: str) -> float:
-    """A check budget: positive milliseconds, at most :data:`MAX_CHECK_BUDGET_MS`."""
+    """A check budget: milliseconds from :data:`MIN_CHECK_BUDGET_MS` to :data:`MAX_CHECK_BUDGET_MS`."""
     value = _milliseconds(text)
-    if value > MAX_CHECK_BUDGET_MS:
-        raise argparse.ArgumentTypeError(f"bad milliseconds {text!r}: at most {MAX_CHECK_BUDGET_MS:.0f}")
+    if not MIN_CHECK_BUDGET_MS <= value <= MAX_CHECK_BUDGET_MS:
+        raise argparse.ArgumentTypeError(f"bad milliseconds {text!r}: from {MIN_CHECK_BUDGET_MS:.0f} "
+                                         f"to {MAX_CHECK_BUDGET_MS:.0f}")
     return value
 
 
@@ -220,10 +228,12 @@ class Settings:
         parse=_milliseconds)
     check_budget_ms: float = option(
         CHECK_BUDGET_MS, "--check-budget-ms", "time a check may take from its arrival to its answer; "
-        "a check with none left, or a server whose loop lags half of it, is decided at once "
-        "(shedders refuse non-critical tiers, other limiters fail per failure_mode, reason overload) "
-        "instead of Envoy timing it out; envoy-config renders Envoy's timeout as this plus "
-        f"{ENVOY_MARGIN_MS:.0f} ms (docs/operations.md)", parse=_budget)
+        "while the server's loop lags half of it, checks are decided at once (shedders refuse "
+        "non-critical tiers, reason overload) instead of Envoy timing them out, and a store call "
+        "never outlives a check's time left (else its limiters fail per failure_mode, reason "
+        f"overload); envoy-config renders Envoy's timeout as this plus {ENVOY_MARGIN_MS:.0f} ms; "
+        f"{MIN_CHECK_BUDGET_MS:.0f} ms to {MAX_CHECK_BUDGET_MS:.0f} ms and at least "
+        f"{BUDGET_PER_STORE_DEADLINE} store deadlines (docs/limiters.md)", parse=_budget)
     key_prefix: str = option(KEY_PREFIX, "--key-prefix", "prefix of every store key")
     identity_salt: str = option(
         "", "--identity-salt", "key for hashing identities; same on every replica")
@@ -382,6 +392,12 @@ def from_args(args: argparse.Namespace) -> Settings:
         values[name] = values.get(name) or None  # an empty variable is unset
     values["admin_hosts"] = parse_hosts(values.get("admin_hosts") or None)
     values["lease_secret"] = values.get("lease_secret") or ""
+    budget = values.get("check_budget_ms", Settings.check_budget_ms)
+    deadline = values.get("store_deadline_ms", Settings.store_deadline_ms)
+    if budget < BUDGET_PER_STORE_DEADLINE * deadline:
+        raise ValueError(f"--check-budget-ms {budget:g} is too short for --store-deadline-ms "
+                         f"{deadline:g}: at least {BUDGET_PER_STORE_DEADLINE} store deadlines "
+                         f"({BUDGET_PER_STORE_DEADLINE * deadline:g} ms)")
     return Settings(
         **values,
         admin_listen=admin_listen if admin_listen is not None else Settings.admin_listen,

@@ -91,11 +91,22 @@ def test_variables_are_parsed_like_flags(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 @pytest.mark.parametrize("argv", [["--store-deadline-ms", "nan"], ["--store-deadline-ms", "0"],
-                                  ["--log-format", "xml"], ["--workers", "two"]])
+                                  ["--log-format", "xml"], ["--workers", "two"],
+                                  ["--check-budget-ms", "1"], ["--check-budget-ms", "19.9"]])
 def test_a_bad_value_is_refused_naming_the_flag(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", *argv])
     assert argv[0] in capsys.readouterr().err
+
+
+def test_a_check_budget_shorter_than_four_store_deadlines_is_refused() -> None:
+    """A budget of 1 ms (or of less than four store deadlines) read every check as starved."""
+    args = build_parser().parse_args(["serve", "--admin-url-file", "off", "--check-budget-ms", "30",
+                                      "--store-deadline-ms", "10"])
+    with pytest.raises(ValueError, match="at least 4 store deadlines"):
+        settings.from_args(args)
+    args.store_deadline_ms = 7.5
+    assert settings.from_args(args).check_budget_ms == 30
 
 
 def test_off_is_parsed_once() -> None:
