@@ -146,20 +146,19 @@ class LoopLag:
         left = self.budget - waited
         if remaining is not None:
             left = min(left, remaining - margin(remaining))
+        starved = remaining is None and waited >= self.budget  # HTTP: a wait is Envoy's too
         beat = self._beat
-        if beat is None or not self._running():
-            starved = False
-        else:
+        if not starved and beat is not None and self._running():
             now = self._clock.monotonic()
             over = now - beat - self.interval
             if remaining is None:
-                starved = (over >= self.threshold or self.last >= self.threshold
-                           or now < self._starved_until or waited >= self.budget)
+                starved = over >= self.threshold or self.last >= self.threshold or now < self._starved_until
             else:
                 if over >= self.threshold:  # overdue: the part of it the process ran through
                     over -= self._cpu() - self._cpu_beat
                 starved = over >= self.threshold or self.unseen >= self.threshold or now < self._stopped_until
-        if remaining is not None and not starved and remaining + max(self.lag(), self.interval) < self.budget:
+        if (remaining is not None and remaining + self.interval < self.budget and not starved
+                and remaining + self.lag() < self.budget):  # not a wait behind a lagging loop
             self._short_log.log(logging.WARNING, "a Check call arrived with %.0f ms left of its "
                                 "deadline, less than the check budget (%.0f ms): its client's timeout "
                                 "is too short (Envoy's ext_authz timeout should be the budget plus "
