@@ -66,6 +66,13 @@ class Breaker:
         self._probing = True
         return True
 
+    def abandon(self) -> None:
+        """A call that :meth:`allow` let through was given up before its outcome (the check's
+        time left ran out, or Envoy cancelled the Check): when it was the half-open probe, the
+        next call probes instead (else the probe stays taken and every call is refused until
+        a restart). No outcome is counted: the store was not the one late."""
+        self._probing = False
+
     def _roll(self, now: float) -> None:
         elapsed = now - self._window_start
         if elapsed >= self.window:

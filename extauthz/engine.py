@@ -231,13 +231,15 @@ class Engine:
         each applicable limiter open or closed per its ``failure_mode``, counted by reason.
 
         Overload (``extauthz.overload``): ``left`` is the time the check has left to be
-        answered in (None: unbounded); the store call never outlives it, and a check with
-        none left fails its store limiters per ``failure_mode`` with the reason ``overload``.
-        While ``starved`` (or with no time left) the shedders refuse non-critical requests
-        at once, without the store (:meth:`~extauthz.limiters.base.FleetWide.overloaded`)."""
+        answered in (None: unbounded); a store call that waits never outlives it, and a
+        check with none left for it fails its store limiters per ``failure_mode`` with the
+        reason ``overload`` (the embedded store answers within the call: decided as usual).
+        While ``starved`` the shedders refuse non-critical requests at once, without the
+        store (:meth:`~extauthz.limiters.base.FleetWide.overloaded`); a short ``left`` alone
+        (a client's short deadline on a healthy server) sheds nothing."""
         snap = self.snapshot
         try:
-            decision = await self._decide(ctx, snap, left, starved or (left is not None and left <= 0))
+            decision = await self._decide(ctx, snap, left, starved)
         except Exception as exc:
             decision = self._internal_error(ctx, snap, exc)
         self.observer.decided(ctx, decision, snap.policy)
@@ -351,11 +353,12 @@ class Engine:
 
     async def _store_check_within(self, ops: Sequence[Op], lease_id: str,
                                   left: float | None) -> CheckResult:
-        """The store call, never outliving the check's time ``left``: with none left it is
-        not made; when ``left`` runs out first the call goes on (a late answer's leases go
-        back, as for a cancelled Check) and the check fails with ``overload``, not counted
-        against the store's breaker (the store is not the one late)."""
-        if left is None or left >= self.deadline * (LOOP_EXTENSIONS + 1):
+        """The store call, never outliving the check's time ``left`` (the embedded store
+        answers within the call: nothing to bound): with none left it is not made; when
+        ``left`` runs out first the call goes on (a late answer's leases go back, as for a
+        cancelled Check) and the check fails with ``overload``, not counted against the
+        store's breaker (the store is not the one late)."""
+        if left is None or self.store_immediate or left >= self.deadline * (LOOP_EXTENSIONS + 1):
             return await self._store_check(ops, lease_id)  # the store deadline comes first
         if left > 0:
             try:
@@ -430,6 +433,9 @@ class Engine:
             self._abandoned(call, ops, lease_id)
             if late.masters is not None:  # the store was late: its breakers count it
                 self._blame(breakers, set() if len(breakers) == 1 else set(late.masters))
+            else:  # late in this server (queued, loop): no outcome, but a probe is given up
+                for _, breaker in breakers:
+                    breaker.abandon()
             self._failed(StoreTimeout.reason)
             raise StoreTimeout(f"store did not answer within {self.deadline * 1000:.0f} ms") from None
         except Exception as exc:
@@ -443,6 +449,8 @@ class Engine:
             raise failure from exc
         except asyncio.CancelledError:
             self._abandoned(call, ops, lease_id)
+            for _, breaker in breakers:
+                breaker.abandon()  # a half-open probe given up: the next call probes
             raise
         for _, breaker in breakers:
             breaker.success()

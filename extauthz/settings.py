@@ -106,11 +106,17 @@ def _milliseconds(text: str) -> float:
 #: the largest check budget (ms): Envoy's timeout is rendered from it, and a minute is
 #: already far beyond what any client waits for an authorization
 MAX_CHECK_BUDGET_MS = 60_000.0
+#: the smallest check budget (ms): a check takes a few loop turns, and the server is starved
+#: from a lag of half the budget (extauthz/overload.py): below it an idle loop's jitter would
+#: read as starved (a store deadline longer than the budget is fine: the time left bounds it)
+MIN_CHECK_BUDGET_MS = 20.0
 
 
 def _budget(text: str) -> float:
-    """A check budget: positive milliseconds, at most :data:`MAX_CHECK_BUDGET_MS`."""
+    """A check budget: milliseconds from :data:`MIN_CHECK_BUDGET_MS` to :data:`MAX_CHECK_BUDGET_MS`."""
     value = _milliseconds(text)
+    if value < MIN_CHECK_BUDGET_MS:
+        raise argparse.ArgumentTypeError(f"bad milliseconds {text!r}: at least {MIN_CHECK_BUDGET_MS:.0f}")
     if value > MAX_CHECK_BUDGET_MS:
         raise argparse.ArgumentTypeError(f"bad milliseconds {text!r}: at most {MAX_CHECK_BUDGET_MS:.0f}")
     return value
@@ -225,10 +231,11 @@ class Settings:
         parse=_milliseconds)
     check_budget_ms: float = option(
         CHECK_BUDGET_MS, "--check-budget-ms", "time a check may take from its arrival to its answer; "
-        "a check with none left, or a server whose loop lags half of it, is decided at once "
-        "(shedders refuse non-critical tiers, other limiters fail per failure_mode, reason overload) "
-        "instead of Envoy timing it out; envoy-config renders Envoy's timeout as this plus "
-        f"{ENVOY_MARGIN_MS:.0f} ms (docs/operations.md)", parse=_budget)
+        "while the server's loop lags half of it, checks are decided at once (shedders refuse "
+        "non-critical tiers, reason overload) instead of Envoy timing them out, and a store call "
+        "never outlives a check's time left (else its limiters fail per failure_mode, reason "
+        f"overload); envoy-config renders Envoy's timeout as this plus {ENVOY_MARGIN_MS:.0f} ms; "
+        f"{MIN_CHECK_BUDGET_MS:.0f} ms to {MAX_CHECK_BUDGET_MS:.0f} ms (docs/limiters.md)", parse=_budget)
     key_prefix: str = option(KEY_PREFIX, "--key-prefix", "prefix of every store key")
     identity_salt: str = option(
         "", "--identity-salt", "key for hashing identities; same on every replica")

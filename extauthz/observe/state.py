@@ -236,11 +236,12 @@ class OverloadPart:
     def metrics(self) -> Iterable[Metric]:
         yield GaugeMetricFamily("extauthz_loop_lag_seconds", "How late the event loop runs "
                                 "(the lag sampler's last wake-up, or longer while it is overdue); "
-                                "the server is starved from a quarter of the check budget.",
+                                "the server is starved from half the check budget (gRPC: the "
+                                "part of it the process did not run through).",
                                 value=self.lag.lag())
         checks = CounterMetricFamily("extauthz_overload_checks", "Checks decided while the "
-                                     "server was starved or with no time left of the check budget "
-                                     "(shedders refused non-critical ones), by tier.", labels=["tier"])
+                                     "server was starved (shedders refused non-critical ones), "
+                                     "by tier.", labels=["tier"])
         for tier, n in sorted((dict.fromkeys([t.value for t in Tier], 0) | self.lag.overloaded).items()):
             checks.add_metric([tier], n)  # every tier from the start, so rate() has a series
         yield checks

@@ -67,9 +67,9 @@ class Door(Protocol[M, C, A]):
         """The answer to a decided request (``ticket``: the lease ticket, "" when none)."""
 
     def time_left(self, message: M, call: C) -> tuple[float | None, float]:
-        """What the door knows of the check's time: the call's own time left less Envoy's
-        margin (None when the call carries no deadline), and how long the check has waited
-        since the door received it."""
+        """What the door knows of the check's time: the call's own time left (None when the
+        call carries no deadline; :class:`~extauthz.overload.LoopLag` takes Envoy's margin
+        off it), and how long the check has waited since the door received it."""
 
     def unreadable(self, message: M) -> A:
         """The answer to a request the door could not read: allowed."""
@@ -105,7 +105,7 @@ class CheckFlow:
             decision = await self.engine.decide(ctx)
         else:
             left, starved = lag.check(*door.time_left(message, call))
-            if starved or left <= 0:
+            if starved:
                 lag.overloaded[ctx.tier.value] = lag.overloaded.get(ctx.tier.value, 0) + 1
             decision = await self.engine.decide(ctx, left, starved)
         if decision.leases:

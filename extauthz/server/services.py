@@ -25,7 +25,6 @@ from ..proto import (
     auth_pb2_grpc,
     core_pb2,
 )
-from ..settings import ENVOY_MARGIN_MS
 from ..verdict import Decision
 from .edge import EXT_AUTHZ_NAMESPACE, check_response, lease_metadata, raw_request
 from .flow import CheckFlow
@@ -76,10 +75,10 @@ class AuthorizationService(auth_pb2_grpc.AuthorizationServicer):  # type: ignore
 
     def time_left(self, message: auth_pb2.CheckRequest,
                   call: grpc.aio.ServicerContext) -> tuple[float | None, float]:
-        # Envoy sends its timeout as grpc-timeout; gRPC stamps the deadline when the call
-        # arrives, before this loop runs the servicer
-        remaining = call.time_remaining()
-        return (None if remaining is None else remaining - ENVOY_MARGIN_MS / 1000.0, 0.0)
+        # Envoy sends its timeout as grpc-timeout; gRPC's own threads stamp the deadline when
+        # the call arrives, before (and while) this loop runs anything else; LoopLag takes the
+        # margin off it
+        return call.time_remaining(), 0.0
 
     def unreadable(self, message: auth_pb2.CheckRequest) -> auth_pb2.CheckResponse:
         return auth_pb2.CheckResponse(ok_response=auth_pb2.OkHttpResponse())

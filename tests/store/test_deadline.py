@@ -131,6 +131,37 @@ async def test_a_check_queued_past_its_deadline_is_not_the_stores_failure(
         await store.close()
 
 
+async def test_a_half_open_probe_late_in_this_server_is_given_up(
+        redis_single_clean: RedisSingle, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A half-open breaker's probe whose deadline passes in this server (the loop, not Redis)
+    counts no outcome, and gives the probe up: the next check probes, and the breaker closes
+    (before, the probe stayed taken and every later check failed open ``circuit_open``)."""
+    monkeypatch.setattr(engine_module, "LOOP_EXTENSIONS", 0)
+    store = RedisStore.from_url(redis_single_clean.url, deadline=DEADLINE)
+    busy = [True]
+
+    async def check(ops: Sequence[Op], lease_id: str) -> CheckResult:
+        call = asyncio.ensure_future(store.check(ops, lease_id))
+        if busy[0]:
+            await written(store)
+            time.sleep(BUSY)  # noqa: ASYNC251 - the point: nothing runs, nothing is read
+        return await call
+
+    try:
+        await store.ping()
+        engine = Engine(store, policy_from(tmp_path, {"limiters": [RATE]}), deadline=DEADLINE,
+                        breaker=Breaker(SYSTEM_CLOCK, threshold=1, ratio=0.0), store_check=check)
+        engine.breaker.open_until = SYSTEM_CLOCK.monotonic() - 1  # half-open: the next call probes
+        _, decision = await engine.check(get())
+        assert decision.failures == ("timeout",) and engine.deadline_missed["redis"] == 0
+        busy[0] = False
+        _, decision = await engine.check(get())
+        assert decision.failures == () and decision.allowed, decision.failures
+        assert engine.breaker.state == "closed"
+    finally:
+        await store.close()
+
+
 async def test_a_stalled_store_still_fails_open(redis_single_clean: RedisSingle, tmp_path: Path) -> None:
     store = RedisStore.from_url(redis_single_clean.url, deadline=DEADLINE)
     try:

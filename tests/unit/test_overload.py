@@ -15,6 +15,7 @@ from extauthz.overload import LoopLag
 from extauthz.store.memory import MemoryStore
 from extauthz.verdict import Outcome
 
+from ..observe.helpers import eventually
 from .helpers import RATE, FaultyStore, engine_for, get, policy_from
 
 CRITICAL = {"method": "POST", "path": "/v1/charges"}
@@ -88,8 +89,61 @@ def test_time_left_is_the_budget_less_the_wait_and_never_past_the_call_deadline(
     lag = LoopLag(0.2, clock=ManualClock())
     assert lag.left() == pytest.approx(0.2)
     assert lag.left(None, 0.15) == pytest.approx(0.05)
-    assert lag.left(0.03, 0.0) == pytest.approx(0.03)
+    assert lag.left(0.3, 0.0) == pytest.approx(0.2)  # Envoy's rendered timeout: the budget
     assert lag.left(0.5, 0.25) == pytest.approx(-0.05)
+    # Envoy's margin (50 ms) is at most a quarter of a short deadline: a client's 30 ms call
+    # has 22.5 ms, not none
+    assert lag.left(0.12, 0.0) == pytest.approx(0.09)
+    assert lag.left(0.24, 0.0) == pytest.approx(0.19)
+    assert lag.left(0.03, 0.0) == pytest.approx(0.0225)
+    assert lag.left(-0.01, 0.0) == pytest.approx(-0.01)
+
+
+def test_a_short_deadline_on_a_healthy_loop_is_not_starved_and_is_logged_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    clock = ManualClock()
+    lag = LoopLag(0.2, clock=clock, interval=0.025)
+    lag.tick()
+    clock.advance(0.025)
+    lag.tick()
+    with caplog.at_level("WARNING", logger="extauthz.overload"):
+        for remaining in (0.03, 0.001, -0.005):
+            assert lag.check(remaining, 0.0)[1] is False
+        assert lag.check(0.25, 0.0) == (pytest.approx(0.2), False)
+    warned = [r for r in caplog.records if "less than the check budget" in r.getMessage()]
+    assert len(warned) == 1, caplog.records  # throttled: once, not per check
+    assert lag.check(None, 0.2)[1]  # HTTP: a check that waited its whole budget is starved
+
+
+def test_on_grpc_only_a_stall_the_process_did_not_run_through_starves() -> None:
+    """gRPC's threads stamp a call's deadline on arrival while the loop stalls (a garbage
+    collection holds it, the process runs): the deadline saw that stall. A stop (SIGSTOP,
+    the CPU taken) stamps nothing: the lag alone tells it. HTTP has no deadline: any stall."""
+    clock, cpu = ManualClock(), [0.0]
+    lag = LoopLag(0.2, clock=clock, interval=0.025, cpu=lambda: cpu[0])
+    lag.tick()
+    # a 150 ms collection: the loop stalled, the process ran
+    clock.advance(0.025 + 0.15)
+    cpu[0] += 0.16
+    assert lag.check(None, 0.0)[1]  # HTTP: starved (overdue sampler)
+    assert not lag.check(0.25, 0.0)[1]  # gRPC: the deadline saw it
+    lag.tick()
+    assert lag.check(None, 0.0)[1] and not lag.check(0.25, 0.0)[1]
+    clock.advance(0.025)
+    cpu[0] += 0.001
+    lag.tick()
+    # a 150 ms stop: no CPU time
+    clock.advance(0.025 + 0.15)
+    assert lag.check(None, 0.0)[1] and lag.check(0.25, 0.0)[1]  # overdue: both
+    lag.tick()
+    assert lag.unseen == pytest.approx(0.15)
+    for _ in range(5):  # starved for as long again as the stop, on both doors
+        clock.advance(0.025)
+        lag.tick()
+        assert lag.check(None, 0.0)[1] and lag.check(0.25, 0.0)[1]
+    clock.advance(0.05)
+    lag.tick()
+    assert not lag.check(None, 0.0)[1] and not lag.check(0.25, 0.0)[1]
 
 
 # -- what the engine decides ---------------------------------------------------------------
@@ -131,18 +185,26 @@ async def test_a_shadow_shedder_goes_on_as_usual_and_keeps_counting(tmp_path: Pa
 
 async def test_no_time_left_fails_store_limiters_per_failure_mode_counted_overload(
         tmp_path: Path, clock: ManualClock) -> None:
+    """A store that waits (Redis) is not called with no time left; the embedded store answers
+    within the call: decided as usual. A short deadline alone sheds nothing (not starved)."""
     policy = policy_from(tmp_path, {**RULES, "limiters": [
         RATE, dict(RATE, name="strict", failure_mode="closed"), FLEET]})
-    engine, _ = engine_for(policy, clock)
+    engine = Engine(FaultyStore(MemoryStore(clock)), policy, clock=clock)
     d = await engine.decide(engine.context(get(**CRITICAL)), 0.0)
     outcomes = {v.limiter: (v.outcome, v.reason) for v in d.verdicts}
     assert outcomes["user-rate"] == (Outcome.FAILED_OPEN, "store_overload")
     assert outcomes["strict"] == (Outcome.FAILED_CLOSED, "store_overload")
     assert not d.allowed and d.failures == ("overload",)
     assert engine.failures == {"overload": 1}
-    # a non-critical request with no time left is refused by the shedder, no store call
+    # a non-critical request with no time left, the server not starved: not shed
     d = await engine.decide(engine.context(get()), -0.01)
-    assert d.denied_by is not None and d.denied_by.reason == "overload" and d.failures == ()
+    assert d.denied_by is not None and d.denied_by.reason == "store_overload"
+    # the embedded store: decided as usual, whatever the time left
+    embedded, _ = engine_for(policy, clock)
+    for left in (0.0, -0.01):
+        d = await embedded.decide(embedded.context(get()), left)
+        assert d.allowed and d.failures == () and len(d.leases) == 1, d
+    assert embedded.failures == {}
 
 
 class _LateStore(FaultyStore):
@@ -172,10 +234,50 @@ async def test_the_store_call_never_outlives_the_time_left(tmp_path: Path, clock
     assert engine.failures == {"overload": 1} and engine.breaker.state == "closed"
     # the call went on: when it lands, the lease it took goes back (nothing leaks)
     store.go.set()
-    for _ in range(200):
-        if store.releases:
-            break
-        await asyncio.sleep(0.01)
+    await eventually(lambda: store.releases > 0, within=10.0)  # the late answer's lease back
     assert store.answered == 1 and store.releases == 1
     assert await store.inner.inflight([engine.snapshot.limiters[0].op(  # type: ignore[union-attr]
         engine.context(get()), True).key]) == [0]
+
+
+def _half_open(engine: Engine, clock: ManualClock) -> None:
+    for _ in range(engine.breaker.threshold):
+        engine.breaker.failure()
+    assert engine.breaker.state == "open"
+    clock.advance(engine.breaker.open_for)
+    assert engine.breaker.state == "half_open"
+
+
+async def test_a_half_open_probe_cut_short_by_the_time_left_does_not_keep_the_breaker_open(
+        tmp_path: Path, clock: ManualClock) -> None:
+    """The probe's store call given up (the check's time left ran out) leaves no probe taken:
+    a later check probes the store and closes the breaker (it used to fail every check
+    ``circuit_open`` until a restart)."""
+    policy = policy_from(tmp_path, {**RULES, "limiters": [RATE]})
+    store = _LateStore(MemoryStore(clock))
+    engine = Engine(store, policy, clock=clock, deadline=30.0)
+    _half_open(engine, clock)
+    d = await asyncio.wait_for(engine.decide(engine.context(get()), 0.05), 10.0)
+    assert d.failures == ("overload",)  # the probe's call outlived the time left
+    store.go.set()
+    clock.advance(10.0)
+    d = await asyncio.wait_for(engine.decide(engine.context(get()), 0.2), 10.0)
+    assert d.failures == () and d.allowed, d
+    assert engine.breaker.state == "closed" and "circuit_open" not in engine.failures
+
+
+async def test_a_half_open_probe_whose_check_envoy_cancels_does_not_keep_the_breaker_open(
+        tmp_path: Path, clock: ManualClock) -> None:
+    policy = policy_from(tmp_path, {**RULES, "limiters": [RATE]})
+    store = _LateStore(MemoryStore(clock))
+    engine = Engine(store, policy, clock=clock, deadline=30.0)
+    _half_open(engine, clock)
+    task = asyncio.ensure_future(engine.decide(engine.context(get())))
+    await eventually(lambda: not engine.breaker.would_allow(), within=10.0)  # the probe taken
+    task.cancel()  # Envoy reset the Check while the probe's store call was out
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    store.go.set()
+    d = await asyncio.wait_for(engine.decide(engine.context(get())), 10.0)
+    assert d.failures == () and d.allowed, d
+    assert engine.breaker.state == "closed"

@@ -91,7 +91,8 @@ def test_variables_are_parsed_like_flags(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 @pytest.mark.parametrize("argv", [["--store-deadline-ms", "nan"], ["--store-deadline-ms", "0"],
-                                  ["--log-format", "xml"], ["--workers", "two"]])
+                                  ["--log-format", "xml"], ["--workers", "two"],
+                                  ["--check-budget-ms", "1"], ["--check-budget-ms", "19.9"]])
 def test_a_bad_value_is_refused_naming_the_flag(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", *argv])
