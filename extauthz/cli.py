@@ -183,6 +183,87 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pairs(flag: str, values: list[str] | None, form: str) -> tuple[tuple[str, str], ...]:
+    """``A=B`` / ``A/B`` options as pairs; ``form`` (``KEY=VALUE``) names the shape."""
+    sep = "/" if "/" in form else "="
+    out = []
+    for value in values or ():
+        left, found, right = value.partition(sep)
+        if not found or not left or not right:
+            raise ValueError(f"{flag}: {form}, not {value!r}")
+        out.append((left, right))
+    return tuple(out)
+
+
+def cmd_k8s(args: argparse.Namespace) -> int:
+    from .k8s import Wiring, render
+
+    policy = _policy_or_errors(list(args.policies))
+    if policy is None:
+        return 1
+    try:
+        wiring = Wiring(
+            target=args.target, protocol=args.protocol, service=args.service,
+            service_namespace=args.service_namespace, port=args.port, als_port=args.als_port,
+            namespace=args.namespace, name=args.name,
+            target_refs=_pairs("--target-ref", args.target_ref, "KIND/NAME"),
+            selector=_pairs("--selector", args.selector, "KEY=VALUE"),
+            context_extensions=_pairs("--context-extension", args.context_extension, "NAME=VALUE"),
+            http_path=args.http_path, check_budget_ms=args.check_budget_ms)
+    except ValueError as exc:
+        print(f"extauthz k8s: {exc}", file=sys.stderr)
+        return 2
+    if args.protocol == "http":
+        from .server.httpmap import unreadable_over_http
+
+        for problem in unreadable_over_http(policy):
+            print(f"warning: {problem}", file=sys.stderr)
+    sys.stdout.write(render(policy, wiring))
+    return 0
+
+
+def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from .k8s import TARGETS
+
+    text = ("print the Kubernetes resources that wire the server in: Envoy Gateway SecurityPolicy "
+            "(+ EnvoyProxy, ReferenceGrant), or Istio's extensionProviders, CUSTOM AuthorizationPolicy "
+            "and Telemetry, with the headers the policy reads (docs/gateways.md)")
+    p = sub.add_parser("k8s", help=text, description=text)
+    p.add_argument("--target", choices=TARGETS, required=True,
+                   help="Envoy Gateway, an Istio sidecar or ingress gateway (--selector), or an ambient waypoint")
+    p.add_argument("--policies", nargs="+", required=True, metavar="DIR", help="policy file(s) or directory")
+    p.add_argument("--protocol", choices=PROTOCOLS, default="grpc",
+                   help="the Check call (gRPC port) or Envoy's HTTP authorization protocol (server.httpPort); "
+                   "default grpc")
+    p.add_argument("--service", default="extauthz", help="the server's Service (default extauthz)")
+    p.add_argument("--service-namespace", default="extauthz", metavar="NS",
+                   help="its namespace (default extauthz)")
+    p.add_argument("--port", type=int, default=None, metavar="N",
+                   help="the Service's gRPC (default 9001) or HTTP (default 9003) port")
+    p.add_argument("--als-port", type=int, default=9001, metavar="N",
+                   help="the gRPC port that receives the access log (default 9001)")
+    p.add_argument("--namespace", default="default", metavar="NS",
+                   help="where the policies go: the routes' (Envoy Gateway), the workloads' or gateway's "
+                   "(Istio), the waypoint's (ambient); default default")
+    p.add_argument("--name", default=None,
+                   help="the SecurityPolicy's or AuthorizationPolicy's name (default extauthz-PROTOCOL, "
+                   "extauthz, extauthz-waypoint)")
+    p.add_argument("--target-ref", action="append", metavar="KIND/NAME",
+                   help="what the policy attaches to, repeatable: HTTPRoute/NAME or Gateway/NAME (Envoy "
+                   "Gateway), Gateway/WAYPOINT or Service/NAME (ambient; default Gateway/waypoint)")
+    p.add_argument("--selector", action="append", metavar="KEY=VALUE",
+                   help="istio-sidecar: the workloads' labels, repeatable (istio=ingressgateway for the "
+                   "ingress gateway)")
+    p.add_argument("--context-extension", action="append", metavar="NAME=VALUE",
+                   help="Envoy Gateway, gRPC: a context extension for the routes (tier=NAME names a tier; "
+                   "others feed limiter key parts {context_extension: NAME}), repeatable")
+    p.add_argument("--http-path", default=None, metavar="PATH",
+                   help="Envoy Gateway, HTTP: extAuth.http.path (run the server with --http-path-prefix PATH)")
+    settings.add_shared(p, ("check_budget_ms",), {"check_budget_ms": (
+        "the server's check budget (serve --check-budget-ms): the authorization timeout is this "
+        f"plus {settings.ENVOY_MARGIN_MS:.0f} ms")})
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="extauthz",
@@ -245,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     settings.add_shared(p, ("check_budget_ms",), {"check_budget_ms": (
         "the server's check budget (serve --check-budget-ms): Envoy's ext_authz timeout is this "
         f"plus {settings.ENVOY_MARGIN_MS:.0f} ms, so that the server decides before Envoy fails the check open")})
+    _add_k8s(sub)
     add_ops_parsers(sub)
     add_simulate_parser(sub)
     text = ("quick start: Envoy + server + upstream on this machine, a burst of traffic per "
@@ -284,6 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "schema": cmd_schema,
         "envoy-allowed-headers": cmd_envoy_allowed_headers,
         "envoy-config": cmd_envoy_config,
+        "k8s": cmd_k8s,
         "demo": cmd_demo,
         "switch": cmd_switch,
         "report": cmd_report,

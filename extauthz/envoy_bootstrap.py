@@ -43,7 +43,8 @@ from .server.httpmap import JWT_PAYLOAD_HEADER, ROUTE_TIER_HEADER, SHED_STATUS, 
 from .server.leases import FAILURE_MODE_HEADER, ROUTE_TIER_TAG
 from .settings import CHECK_BUDGET_MS, ENVOY_MARGIN_MS
 
-__all__ = ["ACCESS_LOG_MODES", "DEFAULT_AUTHZ", "JwtProvider", "TlsFiles", "authz_timeout", "bootstrap", "holds_leases",
+__all__ = ["ACCESS_LOG_MODES", "CLIENT_HEADERS_ON_DENY", "CLIENT_HEADERS_ON_SUCCESS", "DEFAULT_AUTHZ",
+           "JwtProvider", "TlsFiles", "authz_timeout", "bootstrap", "holds_leases",
            "jwks_from_file", "render"]
 
 Config = dict[str, Any]
@@ -53,6 +54,10 @@ Config = dict[str, Any]
 ACCESS_LOG_MODES = ("auto", "always", "never", "fluentd")
 #: where Envoy reaches the server, by protocol (the gRPC port; the HTTP authorization port)
 DEFAULT_AUTHZ = {"grpc": ("127.0.0.1", 9001), "http": ("127.0.0.1", 9003)}
+#: the answer headers the HTTP protocol passes to the client, on an allowed and a refused check
+#: (``extauthz k8s`` names the same in Istio's provider)
+CLIENT_HEADERS_ON_SUCCESS = ("ratelimit-policy", "ratelimit")
+CLIENT_HEADERS_ON_DENY = ("content-type", "retry-after", "ratelimit-policy", "ratelimit")
 #: the gRPC port that receives the access log, when only its host is known
 ACCESS_LOG_PORT = 9001
 #: the fluentd release port (``serve --fluentd-listen``) on the ``--authz`` host, by default
@@ -303,9 +308,8 @@ def _http_ext_authz(policy: Policy, authz: tuple[str, int], timeout: str) -> Con
                            "timeout": timeout},
             "authorization_response": {
                 "allowed_upstream_headers": _patterns([TIER_HEADER]),
-                "allowed_client_headers_on_success": _patterns(["ratelimit-policy", "ratelimit"]),
-                "allowed_client_headers": _patterns(["content-type", "retry-after", "ratelimit-policy",
-                                                     "ratelimit"]),
+                "allowed_client_headers_on_success": _patterns(list(CLIENT_HEADERS_ON_SUCCESS)),
+                "allowed_client_headers": _patterns(list(CLIENT_HEADERS_ON_DENY)),
                 "dynamic_metadata_from_headers": _patterns([LEASE_ID_FIELD, LEASES_FIELD, LEASE_TICKET_FIELD]),
             },
         },

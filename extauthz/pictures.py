@@ -335,6 +335,8 @@ def _rates(results: Iterable[Sent], width: float, bins: int, key: Any) -> dict[A
 
 #: the fleet picture's limiter (the POLICY's ``fleet``): its capacity and non-critical's share
 FLEET_CAPACITY, FLEET_CEILING = 16, 12
+#: picture 3: the words of its caption, for its legend
+FLEET_WORDS = {"get": "non-critical traffic", "critical": "critical traffic"}
 
 
 def fleet_series(results: Sequence[Sent], grid: Sequence[float]) -> list[tuple[str, str, list[int]]]:
@@ -345,12 +347,13 @@ def fleet_series(results: Sequence[Sent], grid: Sequence[float]) -> list[tuple[s
         ts, ns = in_flight(r.upstream for r in results if r.upstream is not None and pick(r))
         return [ns[bisect.bisect_right(ts, g) - 1] for g in grid]
 
-    out = [("get", "non-critical in flight", steps(lambda r: r.tier == "get" and not r.unchecked))]
+    out = [("get", f"{FLEET_WORDS['get']} in flight", steps(lambda r: r.tier == "get" and not r.unchecked))]
     unchecked = sum(1 for r in results if r.unchecked and r.upstream is not None)
     if unchecked:
         out.append(("get", f"passed unchecked ({unchecked}: Envoy's check timed out, no limiter counted them)",
                     steps(lambda r: r.unchecked)))
-    out.append(("critical", "critical in flight (on top)", steps(lambda r: r.tier == "critical" and not r.unchecked)))
+    out.append(("critical", f"{FLEET_WORDS['critical']} in flight (on top)",
+                steps(lambda r: r.tier == "critical" and not r.unchecked)))
     return out
 
 
@@ -358,7 +361,27 @@ def fleet_series(results: Sequence[Sent], grid: Sequence[float]) -> list[tuple[s
 OUTCOMES = {200: ("-", "allowed"), 429: ("--", "429"), 503: (":", "503")}
 
 
+#: picture 1's refill rate per user at time scale 1 (the policy's ``user-rate`` rate)
+REFILL_PER_S = 20
+#: picture 1: each user's line style, marker and width (the widest drawn first), so that users
+#: whose lines coincide (bob's and carol's full buckets) all stay visible
+USER_STYLES = (("-", "o", 3.4), ("--", "s", 2.4), (":", "^", 1.4), ("-.", "D", 1.0))
+
+
 def plot(sc: Scenario, out: Path, scale: float) -> Path:
+    from .simulate.report import require_matplotlib
+
+    plt = require_matplotlib()
+    fig = draw(sc, scale)
+    path = out / f"{sc.name}.png"
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def draw(sc: Scenario, scale: float) -> Any:
+    """The scenario's picture (a matplotlib Figure, not yet saved: tests read its lines,
+    labels and limits)."""
     from .simulate.report import TIER_COLORS, legend_outside, require_matplotlib
 
     plt = require_matplotlib()
@@ -368,6 +391,7 @@ def plot(sc: Scenario, out: Path, scale: float) -> Path:
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     users = list(dict.fromkeys(f.user for f in sc.flows))
     color_of = {u: colors[i % len(colors)] for i, u in enumerate(users)}
+    style_of = {u: USER_STYLES[i % len(USER_STYLES)] for i, u in enumerate(users)}
     if sc.name.startswith("4-"):
         fig, axes = plt.subplots(3, 1, figsize=(11, 8), sharex=True, height_ratios=[1, 1, 1.4])
     else:
@@ -380,8 +404,10 @@ def plot(sc: Scenario, out: Path, scale: float) -> Path:
         for u in users:
             tokens = sorted((r.answered, r.tokens_left) for r in sc.results
                             if r.user == u and r.tokens_left is not None)
+            style, marker, lw = style_of[u]
             top.step([t for t, _ in tokens], [v for _, v in tokens], where="post", color=color_of[u],
-                     linewidth=2.2 if u == "alice" else 1.4, label=f"{u}: tokens left")
+                     linestyle=style, linewidth=lw, marker=marker, markersize=3, markevery=0.05,
+                     label=f"{u}: tokens left")
         top.axhline(burst, color="black", linestyle="--", linewidth=1, label=f"burst (bucket size) {burst}")
         top.axhline(0, color="#d62728", linestyle="-", linewidth=1, label="empty: requests get 429")
         top.set(ylabel="tokens left", ylim=(-1, burst + 2),
@@ -397,7 +423,7 @@ def plot(sc: Scenario, out: Path, scale: float) -> Path:
     elif sc.name.startswith("3-"):
         capacity, ceiling = FLEET_CAPACITY, FLEET_CEILING
         grid = [i * sc.duration / 600 for i in range(601)]
-        stacked = fleet_series(sc.results, grid)
+        stacked = fleet_series(sc.results, grid)  # labels in the caption's words
         polys = top.stackplot(grid, [ys for _, _, ys in stacked], colors=[TIER_COLORS[t] for t, _, _ in stacked],
                               alpha=0.75, labels=[label for _, label, _ in stacked], step="post")
         for poly, (_, label, _) in zip(polys, stacked, strict=True):
@@ -405,10 +431,10 @@ def plot(sc: Scenario, out: Path, scale: float) -> Path:
                 poly.set_hatch("xx")
                 poly.set_edgecolor("#d62728")
         top.axhspan(ceiling, capacity, color=TIER_COLORS["critical"], alpha=0.08,
-                    label=f"reserved for critical ({capacity - ceiling} slots)")
+                    label=f"the reserved {capacity - ceiling} (critical only)")
         top.axhline(ceiling, color=TIER_COLORS["get"], linestyle="--", linewidth=1.2,
-                    label=f"non-critical may use {ceiling}")
-        top.axhline(capacity, color="black", linestyle="-", linewidth=1.2, label=f"capacity {capacity}")
+                    label=f"the {ceiling} of {capacity} slots it may use (non-critical)")
+        top.axhline(capacity, color="black", linestyle="-", linewidth=1.2, label=f"{capacity} slots (capacity)")
         peak = max(map(sum, zip(*(ys for _, _, ys in stacked), strict=True)), default=0)
         top.set(ylabel="requests in flight", ylim=(0, max(capacity, peak) + 3),
                 title="fleet limiter: the fleet's requests in flight by tier (stacked), at the upstream")
@@ -424,9 +450,13 @@ def plot(sc: Scenario, out: Path, scale: float) -> Path:
         for y, tier in ((0.0, "test"), (1 / 3, "get"), (2 / 3, "post")):
             mid.axhspan(y, y + 1 / 3, color=TIER_COLORS[tier], alpha=0.12,
                         label=f"above {y:.2f}: {tier} shed too")
+        low = min([-0.1, *(lv for _, lv, _, _ in pts)]) - 0.05
+        # the controller rests below 0 (-delay_before_shedding / time_to_shed_all): the climb
+        # to 0 is the delay before anything is shed (extauthz/limiters/worker.py)
+        mid.axhspan(low, 0, color="grey", alpha=0.12, label="below 0: the delay before shedding, nothing shed")
         mid.plot(times, [lv for _, lv, _, _ in pts], color="black", linewidth=1.6, label="shed level")
         mid.axhline(0, color="grey", linewidth=0.6)
-        mid.set(ylabel="shed level", ylim=(min([-0.1, *(lv for _, lv, _, _ in pts)]) - 0.05, 1.05))
+        mid.set(ylabel="shed level\n(below 0: delay, none shed)", ylim=(low, 1.05))
         legend_outside(mid)
 
     if sc.name.startswith("4-"):
@@ -444,25 +474,29 @@ def plot(sc: Scenario, out: Path, scale: float) -> Path:
                      alpha=0.5, label="critical: allowed")
         rate_ax.set(ylabel="requests / s refused, by tier")
     else:
+        fleet = sc.name.startswith("3-")
+        tier_of = {f.user: f.tier for f in sc.flows}
         series = _rates(sc.results, width, bins, lambda r: (r.user, r.status))
         for u in users:
+            _, marker, lw = style_of[u]
             for status, (style, word) in OUTCOMES.items():
                 found = series.get((u, status))
                 if found is not None:
-                    rate_ax.plot(xs, found, style, color=color_of[u] if not sc.name.startswith("3-") else
-                                 TIER_COLORS["critical" if u == "pay" else "get"],
-                                 linewidth=1.8, marker="o" if status != 200 else None, markersize=3,
-                                 label=f"{u}: {word}")
+                    # the outcome picks the line style, the user the marker and width
+                    rate_ax.plot(xs, found, style, color=TIER_COLORS[tier_of[u]] if fleet else color_of[u],
+                                 linewidth=1.8 if fleet else lw, marker=marker, markersize=3,
+                                 label=f"{FLEET_WORDS.get(tier_of[u], u) if fleet else u}: {word}")
+        if sc.name.startswith("1-"):
+            refill = REFILL_PER_S / scale
+            rate_ax.axhline(refill, color="black", linestyle=(0, (1, 3)), linewidth=1.2,
+                            label=f"refill rate: {refill:g} / s per user (faster empties the bucket)")
         rate_ax.set(ylabel="requests / s (sent, by outcome)")
     rate_ax.set(xlabel="seconds")
     legend_outside(top)
     legend_outside(rate_ax)
     fig.suptitle(textwrap.fill(sc.caption, 110), fontsize=10)
     fig.tight_layout()
-    path = out / f"{sc.name}.png"
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return fig
 
 
 # -- the captions' claims, checked from the data written beside each picture ----------------
@@ -609,7 +643,7 @@ def main(out: str | Path, time_scale: float = 1.0, only: Sequence[str] = ()) -> 
     s = time_scale
     policies = Path(tempfile.mkdtemp(prefix="extauthz-pictures-"))
     (policies / "pictures.yaml").write_text(POLICY.format(
-        rate=f"{20 / s:.3f}", sample=f"{0.1 * s:.3f}s", delay=f"{1.0 * s:.3f}s", shed_all=f"{3.0 * s:.3f}s"))
+        rate=f"{REFILL_PER_S / s:.3f}", sample=f"{0.1 * s:.3f}s", delay=f"{1.0 * s:.3f}s", shed_all=f"{3.0 * s:.3f}s"))
     todo = [sc for sc in scenarios(s) if not only or sc.name in only]
     # The fleet scenario fills the fleet's leases, which the worker shedder reads as its
     # utilization signal: run it last so the worker picture starts from a rested shedder.

@@ -76,9 +76,9 @@ def test_requests_that_passed_unchecked_are_marked(tmp_path: Path) -> None:
     grid = [0.5, 2.0, 3.5]
     series = fleet_series(sc.results, grid)  # drawn apart in the fleet picture, counted in its legend
     assert [(label.split(" (")[0], ys) for _, label, ys in series] == [
-        ("non-critical in flight", [0, 12, 0]), ("passed unchecked", [0, 7, 0]),
-        ("critical in flight", [1, 1, 0])]
+        ("non-critical traffic in flight", [0, 12, 0]), ("passed unchecked", [0, 7, 0]),
+        ("critical traffic in flight", [1, 1, 0])]
     assert series[1][1].startswith("passed unchecked (7:")
     assert [label for _, label, _ in fleet_series(fleet_run(0).results, grid)] == [
-        "non-critical in flight", "critical in flight (on top)"]  # none: no such series
+        "non-critical traffic in flight", "critical traffic in flight (on top)"]  # none: no such series
 
