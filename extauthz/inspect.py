@@ -25,7 +25,7 @@ from .policy.model import Policy
 from .store.base import PeekOp, Store
 from .store.keys import Keys
 from .switches import Switches
-from .verdict import Limits
+from .verdict import Limits, Mode
 
 #: a hashed identity as the server logs it (``classify.hash_identity``: 12 bytes, hex)
 IDENTITY_HASH = re.compile(r"[0-9a-f]{24}")
@@ -62,8 +62,9 @@ async def customer_view(identity: str, *, policy: Policy, limiters: Sequence[Lim
     peeks: list[tuple[dict[str, Any], PeekOp, Limits]] = []
     for lim in limiters:
         spec = _spec_of(policy, lim.name)
-        row: dict[str, Any] = {"limiter": lim.name, "type": spec.type, "policy_mode": spec.mode.value,
-                               "mode": switches.effective(lim.name, spec.mode).value}
+        mode = Mode(spec.mode)
+        row: dict[str, Any] = {"limiter": lim.name, "type": spec.type, "policy_mode": mode.value,
+                               "mode": switches.effective(lim.name, mode).value}
         rows.append(row)
         if not isinstance(lim, PerCustomer):
             row["per_customer"] = False

@@ -461,7 +461,7 @@ class RedisStore(StoreBase):
             args: list[str | bytes] = [now]
             for i in group:
                 op = ops[i]
-                args += [op.kind[0], repr(float(op.rate)), repr(float(op.burst))]
+                args += [_PEEK_KINDS[op.kind], repr(float(op.rate)), repr(float(op.burst))]
             reply = await self._run("peek", [keys[i] for i in group], args)
             for i, value in zip(group, reply, strict=True):
                 out[i] = float(value)
@@ -547,6 +547,10 @@ class RedisStore(StoreBase):
         if self._sentinel is not None:
             for sentinel in self._sentinel.sentinels:
                 await sentinel.aclose()
+
+
+#: PeekOp.kind -> lua/peek.lua's op code
+_PEEK_KINDS = {"bucket": "b", "count": "q", "leases": "l"}
 
 
 def _stamp(batch: Sequence[Call], todo: Sequence[int]) -> Callable[[list[asyncio.Future[Any]]], None]:

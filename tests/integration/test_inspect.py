@@ -1,0 +1,83 @@
+"""``extauthz hash`` and ``extauthz inspect`` against a real server (gRPC checks, its admin
+port ``GET /customers/<hash>``): the printed hash is the one the server logs, the counters
+move as requests are admitted, and the refusals the server made are named."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from extauthz.cli import main
+from tests.observe.helpers import SALT, admin, json_logs, rate, running, write_policy
+
+pytestmark = pytest.mark.asyncio
+KEY = "sk_live_inspectme"
+
+
+def policy(tmp_path: Path) -> Path:
+    return write_policy(tmp_path / "p" / "api.yaml", [
+        rate("user-rate", burst=3),
+        {"name": "per-user", "type": "concurrent_requests", "limit": 5},
+        {"name": "monthly", "type": "quota", "limit": 100, "period": "month"},
+        {"name": "fleet", "type": "fleet_usage", "capacity": 100, "reserved_for_critical": 0.2},
+    ])
+
+
+async def cli(args: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+              stdin: str = "") -> tuple[int, str, str]:
+    """The command as a user runs it (in a thread: the server under test runs on this loop)."""
+    monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    code = await asyncio.to_thread(main, args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+async def test_hash_and_inspect_through_the_admin_port(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    pol = policy(tmp_path)
+    code, out, err = await cli(["hash", "-", "--policies", str(pol.parent), "--identity-salt", SALT],
+                               capsys, monkeypatch, stdin=KEY + "\n")
+    assert code == 0, err
+    hashed = out.strip()
+    assert KEY not in out + err
+    with json_logs() as lines:
+        async with running([pol]) as (server, client):
+            url = f"http://127.0.0.1:{server.ops.admin_port}"
+            status, before = await admin(server, "GET", f"/customers/{hashed}")
+            assert status == 200, before
+            rows = {r["limiter"]: r for r in before["limiters"]}
+            assert rows["user-rate"]["live"]["tokens"] == 3.0
+            assert rows["monthly"]["live"] == {"used": 0, "left": 100}
+            assert rows["per-user"]["live"]["in_flight"] == 0
+            assert rows["fleet"]["per_customer"] is False
+            assert before["recent_refusals"]["refusals"] == []
+
+            assert [await client.check(KEY) for _ in range(4)] == [200, 200, 200, 429]
+            code, out, err = await cli(["inspect", "-", "--admin", url, "--policies", str(pol.parent),
+                                        "--identity-salt", SALT, "--json"], capsys, monkeypatch, stdin=KEY)
+            assert code == 0, err
+            after: dict[str, Any] = json.loads(out)
+            rows = {r["limiter"]: r for r in after["limiters"]}
+            assert after["identity"] == hashed
+            assert rows["user-rate"]["live"]["tokens"] == pytest.approx(0.0, abs=1e-6)
+            assert rows["monthly"]["live"]["used"] == 3  # the refused request took no unit
+            refusals = after["recent_refusals"]["refusals"]
+            assert [(r["limiter"], r["reason"], r["status"]) for r in refusals] == [
+                ("user-rate", "rate_exceeded", 429)]
+            assert "this replica only" in after["recent_refusals"]["covers"]
+
+            code, out, err = await cli(["inspect", "--identity-hash", hashed, "--admin", url],
+                                       capsys, monkeypatch)
+            assert code == 0, err
+            assert "user-rate" in out and "3 of 100 used this window" in out
+            assert "rate_exceeded" in out
+            code, _, err = await cli(["inspect", "--identity-hash", "nothex", "--admin", url], capsys, monkeypatch)
+            assert code == 1 and "not an identity hash" in err
+    logged = {json.loads(line).get("identity") for line in lines if '"decision"' in line}
+    assert hashed in logged  # the hash the command printed is the one the server logs
+    assert not any(KEY in line for line in lines)
