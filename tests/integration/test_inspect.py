@@ -81,3 +81,23 @@ async def test_hash_and_inspect_through_the_admin_port(tmp_path: Path, capsys: p
     logged = {json.loads(line).get("identity") for line in lines if '"decision"' in line}
     assert hashed in logged  # the hash the command printed is the one the server logs
     assert not any(KEY in line for line in lines)
+
+
+async def test_report_identities_names_the_hashes_of_the_keys_given(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`report --identities FILE` shows each hashed identity with the line it came from (the
+    reader simulate --identities uses); a key not in the file stays a hash."""
+    pol = write_policy(tmp_path / "p" / "api.yaml", [rate("dark", burst=1, mode="shadow")])
+    names = tmp_path / "keys.txt"
+    names.write_text("# customers\nsk_live_alice\n")
+    async with running([pol]) as (server, client):
+        for key in ("sk_live_alice", "sk_live_alice", "sk_live_bob", "sk_live_bob"):
+            assert await client.check(key) == 200  # shadow: allowed, recorded
+        url = f"http://127.0.0.1:{server.ops.admin_port}"
+        code, out, err = await cli(["report", "--admin", url, "--identities", str(names), "--policies",
+                                    str(pol.parent), "--identity-salt", SALT], capsys, monkeypatch)
+        assert code == 0, err
+        assert "= sk_live_alice" in out and "sk_live_bob" not in out
+        assert out.count(" = ") == 1
+        code, _, err = await cli(["report", "--admin", url, "--identities", str(names)], capsys, monkeypatch)
+        assert code == 1 and "--identities needs --policies" in err
