@@ -38,3 +38,18 @@ async def test_peek_reads_tokens_counts_and_leases_as_check_does(store_case: Sto
     await store.release([leases], "lease-0")
     clock.advance(30.0)  # the other two leases expired: not counted (and not swept by the peek)
     assert (await store.peek(peeks))[1:] == [3.0, 0.0]
+
+
+async def test_peek_survives_script_flush(store_case: StoreCase) -> None:
+    """SCRIPT FLUSH on every master (a Redis restart, a failover): the peek loads its script
+    again (NOSCRIPT) and answers."""
+    if store_case.topology is None:
+        pytest.skip("the embedded store runs no script")
+    from .conftest import masters
+
+    store = store_case.store
+    peek = [PeekOp("bucket", K.bucket("rate", ID), 1.0, 4.0)]
+    assert await store.peek(peek) == [4.0]
+    for master in masters(store_case.topology):
+        master.script_flush()
+    assert await store.peek(peek) == [4.0]
