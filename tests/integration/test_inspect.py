@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from extauthz.classify import hash_identity
 from extauthz.cli import main
 from tests.observe.helpers import SALT, admin, json_logs, rate, running, write_policy
 
@@ -101,3 +102,41 @@ async def test_report_identities_names_the_hashes_of_the_keys_given(
         assert out.count(" = ") == 1
         code, _, err = await cli(["report", "--admin", url, "--identities", str(names)], capsys, monkeypatch)
         assert code == 1 and "--identities needs --policies" in err
+
+
+async def test_inspect_shows_plans_overrides_and_the_grants_this_replica_holds(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The numbers that apply: the plan's (``--plan``), a live override's (which wins, and the
+    bucket is read with its numbers); with ``consistency: batched`` the tokens this replica
+    was granted and has not spent."""
+    pol = write_policy(tmp_path / "p" / "api.yaml", [
+        {**rate("user-rate", burst=4), "plans": {"pro": {"burst": 8}}},
+        {**rate("batched", burst=100, rate_per_s=1.0), "consistency": "batched", "batch": 10},
+    ], plan={"from": [{"header": "x-plan"}], "default": "free"})
+    hashed = hash_identity(KEY, "header:x-api-key", SALT.encode())
+    async with running([pol]) as (server, client):
+        url = f"http://127.0.0.1:{server.ops.admin_port}"
+        assert await client.check(KEY, headers={"x-plan": "pro"}) == 200
+
+        async def view(*extra: str) -> dict[str, Any]:
+            code, out, err = await cli(["inspect", "--identity-hash", hashed, "--admin", url, "--json", *extra],
+                                       capsys, monkeypatch)
+            assert code == 0, err
+            return {r["limiter"]: r for r in json.loads(out)["limiters"]}
+
+        free, pro = await view(), await view("--plan", "pro")
+        assert (free["user-rate"]["numbers_from"], free["user-rate"]["numbers"]["burst"]) == ("limiter", 4.0)
+        assert (pro["user-rate"]["numbers_from"], pro["user-rate"]["numbers"]["burst"]) == ("plan pro", 8.0)
+        assert pro["user-rate"]["live"]["tokens"] == pytest.approx(7.0)  # the pro bucket took one
+        assert pro["batched"]["live"]["tokens"] == pytest.approx(90.0)  # a grant of 10 left the store...
+        assert pro["batched"]["live"]["held_by_this_replica"] == pytest.approx(9.0)  # ...1 spent here
+
+        status, _ = await admin(server, "PUT", f"/overrides/user-rate/{hashed}", json.dumps(
+            {"numbers": {"rate": 1, "burst": 20}, "ttl": 3600, "reason": "launch", "source": "header:x-api-key"}))
+        assert status == 200
+        over = (await view("--plan", "pro"))["user-rate"]
+        assert over["numbers_from"] == "override" and over["numbers"]["burst"] == 20.0
+        assert over["override"]["reason"] == "launch"
+        code, _, err = await cli(["inspect", "--identity-hash", hashed, "--admin", url, "--plan", "gold"],
+                                 capsys, monkeypatch)
+        assert code == 1 and "the policy has no plan 'gold'" in err
