@@ -577,6 +577,9 @@ def _source(args: argparse.Namespace, policy: Any, command: str | None = None) -
     from .overrides import source_problem
 
     command = command or f"override {args.action}"
+    override = command.startswith("override")
+    outcome = "this override never matches" if override else "this hash is not the one the server computes"
+    never = "the override would never match" if override else "no request would hash to it"
     given = args.source
     if given is not None and given.lower().startswith("header:"):
         given = given.lower()  # the policy's labels carry header names in lower case
@@ -586,7 +589,7 @@ def _source(args: argparse.Namespace, policy: Any, command: str | None = None) -
             return str(given)
         print(warning_line(command, f"hashing the identity for the rule {DEFAULT_SOURCE} "
               "(the default --source); if the policy names customers by another rule (e.g. "
-              "header:authorization for a Bearer token) this override never matches: pass "
+              f"header:authorization for a Bearer token) {outcome}: pass "
               "--source, or --policies to take it from the policy"), file=sys.stderr)
         return DEFAULT_SOURCE
     if given is None:
@@ -597,7 +600,7 @@ def _source(args: argparse.Namespace, policy: Any, command: str | None = None) -
         return labels[0]
     if source_problem(given, labels) is not None:
         raise CliError(f"--source {given}: the policy has no such identity rule (its identity "
-                       f"rules: {', '.join(labels)}), so the override would never match")
+                       f"rules: {', '.join(labels)}), so {never}")
     return str(given)
 
 
@@ -606,7 +609,7 @@ def _hashed_identity(args: argparse.Namespace, source: str, policy: Any) -> str:
 
     raw = sys.stdin.readline().rstrip("\r\n") if args.identity == "-" else args.identity
     if not raw:
-        raise CliError("--identity is empty")
+        raise CliError("KEY is empty" if hasattr(args, "key") else "--identity is empty")
     rule = next((s for s in policy.identity if s.label == source), None) if policy is not None else None
     if rule is not None and rule.header is not None:
         value = header_value(rule, raw)  # hash what the server hashes (trimmed, prefix removed)
