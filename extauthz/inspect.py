@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .limiters.base import Limiter, PerCustomer
+from .limiters.quota import QuotaLimiter
 from .overrides import Override, compile_overrides, live
 from .policy.model import Policy
 from .store.base import PeekOp, Store
@@ -90,8 +91,8 @@ async def customer_view(identity: str, *, policy: Policy, limiters: Sequence[Lim
             continue
         if spec.type == "request_rate":
             op = PeekOp("bucket", keys.bucket(lim.name, identity), n.rate, n.burst)
-        elif spec.type == "quota":
-            start, end = lim.window(wall)  # type: ignore[attr-defined]
+        elif isinstance(lim, QuotaLimiter):
+            start, end = lim.window(wall)
             row["window"] = {"start": start, "end": end, "resets_in": round(end - wall, 3)}
             op = PeekOp("count", keys.quota(lim.name, identity, start))
         else:
