@@ -12,7 +12,16 @@ from typing import TYPE_CHECKING
 
 from . import __version__, settings
 from .opscli import add_parsers as add_ops_parsers
-from .opscli import cmd_history, cmd_override, cmd_report, cmd_status, cmd_switch, join_dash_values
+from .opscli import (
+    cmd_hash,
+    cmd_history,
+    cmd_inspect,
+    cmd_override,
+    cmd_report,
+    cmd_status,
+    cmd_switch,
+    join_dash_values,
+)
 from .settings import PROTOCOLS
 from .simulate.cli import add_parser as add_simulate_parser
 from .simulate.cli import cmd_simulate
@@ -373,6 +382,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "status": cmd_status,
         "override": cmd_override,
         "history": cmd_history,
+        "hash": cmd_hash,
+        "inspect": cmd_inspect,
         "simulate": cmd_simulate,
     }[args.command]
     try:

@@ -36,6 +36,7 @@ from .verdict import Mode
 if TYPE_CHECKING:  # StoreControl imports them when built: the admin port's client starts without the policy's models
     from .limiters.base import Limiter
     from .overrides import Override
+    from .policy.model import Policy
 
 R = TypeVar("R")
 
@@ -69,6 +70,9 @@ class Control(Protocol):
     async def shadow_report(self, window: float, top: int) -> dict[str, Any]: ...
 
     async def status(self) -> dict[str, Any]: ...
+
+    async def customer(self, identity: str, plan: str | None) -> dict[str, Any]:
+        """One customer's limiters and live counters (:mod:`extauthz.inspect`)."""
 
 
 # -- the admin port -----------------------------------------------------------------------
@@ -189,6 +193,10 @@ class AdminControl:
     async def status(self) -> dict[str, Any]:
         return dict(self._call("GET", "/status"))
 
+    async def customer(self, identity: str, plan: str | None) -> dict[str, Any]:
+        query = f"?plan={urllib.parse.quote(plan, safe='')}" if plan else ""
+        return dict(self._call("GET", f"/customers/{urllib.parse.quote(identity, safe='')}{query}"))
+
 
 # -- the store ----------------------------------------------------------------------------
 
@@ -207,6 +215,8 @@ class StoreControl:
     user: str = ""
     reason: str = ""
     wall: Callable[[], float] = time.time
+    #: the fleet's policy (``inspect``: which limiters, with which numbers)
+    policy: Policy | None = None
 
     def __post_init__(self) -> None:
         problem = text_problem(self.reason, "the reason") or text_problem(self.user, "the user")
@@ -314,3 +324,22 @@ class StoreControl:
 
     async def status(self) -> dict[str, Any]:
         raise ControlError("status comes from a server's admin port (--admin or --listen)")
+
+    async def customer(self, identity: str, plan: str | None) -> dict[str, Any]:
+        from .inspect import customer_view
+
+        if self.policy is None or self.limiters is None:
+            raise ControlError("with --redis-url, --policies names the fleet's policy (its limiters and numbers)")
+        try:
+            switches = await self._store(self.switch_doc.read(self.store))
+            entries = await self._store(self.override_doc.read(self.store))
+        except ValueError as exc:
+            raise ControlError(f"malformed switches or overrides in the store: {exc}") from None
+        try:
+            view = await self._store(customer_view(
+                identity, policy=self.policy, limiters=self.limiters, store=self.store, keys=self.keys,
+                overrides=entries, switches=switches, wall=self.wall(), plan=plan))
+        except ValueError as exc:
+            raise ControlError(str(exc)) from None
+        view["recent_refusals"] = {"covers": "kept by each server (its admin port): not in the store"}
+        return view

@@ -197,7 +197,13 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--window", default="1h", help="how far back: 15m, 1h, 24h or seconds (default 1h)")
     p.add_argument("--top", type=int, default=10, help="rows per limiter (default 10)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--identities", metavar="FILE", default=None,
+                   help="raw keys or names, one a line: each identity they hash to is shown with "
+                   "its line, as simulate --identities does (needs --policies for the identity rules)")
+    p.add_argument("--policies", nargs="+", default=None, help="the fleet's policy (its identity rules)")
+    add_shared(p, ("identity_salt",), {"identity_salt": "the fleet's --identity-salt"})
     _add_override_parser(sub)
+    _add_customer_parsers(sub)
 
     p = sub.add_parser(
         "status", help="print a running server's /status: policy, store, checks allowed and refused, "
@@ -220,6 +226,51 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "store, the server's.")
     _add_target(p)
     p.add_argument("--last", type=int, default=100, help="the last N changes (default 100)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _add_key(q: argparse.ArgumentParser, required: bool) -> None:
+    q.add_argument("key", nargs=None if required else "?", metavar="KEY",
+                   help="the customer's raw identity value (an API key); '-' reads it from stdin, "
+                   "which keeps it out of process listings and shell history. Hashed here, never "
+                   "shown, sent or stored")
+    q.add_argument("--policies", nargs="+", default=None,
+                   help="the fleet's policy: the identity rule (--source) is taken from it")
+    add_shared(q, ("identity_salt",), {"identity_salt": "the fleet's --identity-salt (the hash "
+                                       "equals the server's only with the same salt)"})
+    q.add_argument("--source", default=None,
+                   help="the identity rule that names this customer, as the policy labels it: "
+                   "header:NAME, source_ip, principal or metadata:NAMESPACE:PATH (default: with "
+                   f"--policies the policy's first identity rule; else {DEFAULT_SOURCE})")
+
+
+def _add_customer_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "hash", help="print the identity hash of a key, as every other command and log shows it",
+        description="The hashed identity the server logs, records and keys its counters by "
+        "(extauthz.classify.hash_identity: the identity rule's label and the value, keyed "
+        "with --identity-salt). Pass '-' to read the key from stdin.",
+        epilog="example: printf %s \"$KEY\" | extauthz hash - --policies policies/ --identity-salt \"$SALT\"")
+    _add_key(p, True)
+
+    p = sub.add_parser(
+        "inspect", help="one customer's limiters, numbers, live counters and recent refusals",
+        description="For one customer (KEY, hashed here, or --identity-hash): every limiter, its "
+        "mode, its numbers (plan, live override), the live counters read from the store without "
+        "changing them (tokens left and seconds to full, requests in flight, quota used and "
+        "reset), the grants the server's replica holds and the refusals it made recently "
+        "(this replica only, the last 20 per identity). Through a server's admin port "
+        "(GET /customers/HASH), or with --redis-url (and --policies) from the fleet's Redis "
+        "directly (no refusals then: each server keeps its own).",
+        epilog="examples: extauthz inspect - --policies policies/ < key.txt | "
+        "extauthz inspect --identity-hash 1f0c...e2 --redis-url redis://127.0.0.1:6379 --policies policies/")
+    _add_key(p, False)
+    p.add_argument("--identity-hash", default=None, metavar="HASH",
+                   help="the hashed identity (from a log, report or `extauthz hash`) instead of KEY")
+    p.add_argument("--plan", default=None,
+                   help="the customer's plan (it comes with each request): numbers and bucket for "
+                   "this plan (default: the policy's default plan)")
+    _add_target(p)
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -305,7 +356,7 @@ def _guarded(command: str, body: Callable[[], int]) -> int:
 
 def _with_control(args: argparse.Namespace, go: Callable[[Control], Coroutine[Any, Any, R]], *,
                   change: bool = False, limiters: Sequence[Limiter] | None = None,
-                  labels: Sequence[str] | None = None) -> R:
+                  labels: Sequence[str] | None = None, policy: Any = None) -> R:
     """Run ``go`` on the control ``args`` name: the fleet's Redis (``--redis-url``), else a
     server's admin port (``change``: with the reason a token requires)."""
     import asyncio
@@ -327,7 +378,7 @@ def _with_control(args: argparse.Namespace, go: Callable[[Control], Coroutine[An
         store = RedisStore.from_url(url, deadline=0.2)
         try:
             return await go(StoreControl(store, Keys(args.key_prefix), limiters=limiters, labels=labels,
-                                         user=user, reason=reason))
+                                         user=user, reason=reason, policy=policy))
         finally:
             await store.close()
 
@@ -423,7 +474,19 @@ def _report(args: argparse.Namespace) -> int:
     async def go(control: Control) -> dict[str, Any]:
         return await control.shadow_report(window, top)
 
+    labels: dict[str, str] = {}
+    if args.identities:
+        from .simulate.cli import IdentityFile
+
+        policy = _load_policy(args.policies)
+        if policy is None:
+            raise CliError("--identities needs --policies: the policy's identity rules say how keys are hashed")
+        labels = IdentityFile.read(args.identities, policy, args.identity_salt.encode()).labels
     data = _with_control(args, go)
+    for lim in data.get("limiters") or []:
+        for row in lim.get("top_identities", []):
+            if row.get("identity") in labels:
+                row["label"] = labels[row["identity"]]
     print(json.dumps(data, indent=2) if args.json else format_report(data))
     return 0
 
@@ -507,12 +570,16 @@ def format_status(data: dict[str, Any]) -> str:
 # -- override -----------------------------------------------------------------------------
 
 
-def _source(args: argparse.Namespace, policy: Any) -> str:
+def _source(args: argparse.Namespace, policy: Any, command: str | None = None) -> str:
     """The identity rule label the override is hashed for (the hash covers it): --source
     (checked against the policy when given), else the policy's first identity rule, else
     DEFAULT_SOURCE with a warning (a policy naming customers otherwise never matches it)."""
     from .overrides import source_problem
 
+    command = command or f"override {args.action}"
+    override = command.startswith("override")
+    outcome = "this override never matches" if override else "this hash is not the one the server computes"
+    never = "the override would never match" if override else "no request would hash to it"
     given = args.source
     if given is not None and given.lower().startswith("header:"):
         given = given.lower()  # the policy's labels carry header names in lower case
@@ -520,20 +587,20 @@ def _source(args: argparse.Namespace, policy: Any) -> str:
     if labels is None:
         if given is not None:
             return str(given)
-        print(warning_line(f"override {args.action}", f"hashing the identity for the rule {DEFAULT_SOURCE} "
+        print(warning_line(command, f"hashing the identity for the rule {DEFAULT_SOURCE} "
               "(the default --source); if the policy names customers by another rule (e.g. "
-              "header:authorization for a Bearer token) this override never matches: pass "
+              f"header:authorization for a Bearer token) {outcome}: pass "
               "--source, or --policies to take it from the policy"), file=sys.stderr)
         return DEFAULT_SOURCE
     if given is None:
         if len(labels) > 1:
-            print(f"extauthz override {args.action}: hashing the identity for the rule {labels[0]}, the "
+            print(f"extauthz {command}: hashing the identity for the rule {labels[0]}, the "
                   f"policy's first identity rule (--source for another: {', '.join(labels[1:])})",
                   file=sys.stderr)
         return labels[0]
     if source_problem(given, labels) is not None:
         raise CliError(f"--source {given}: the policy has no such identity rule (its identity "
-                       f"rules: {', '.join(labels)}), so the override would never match")
+                       f"rules: {', '.join(labels)}), so {never}")
     return str(given)
 
 
@@ -542,7 +609,7 @@ def _hashed_identity(args: argparse.Namespace, source: str, policy: Any) -> str:
 
     raw = sys.stdin.readline().rstrip("\r\n") if args.identity == "-" else args.identity
     if not raw:
-        raise CliError("--identity is empty")
+        raise CliError("KEY is empty" if hasattr(args, "key") else "--identity is empty")
     rule = next((s for s in policy.identity if s.label == source), None) if policy is not None else None
     if rule is not None and rule.header is not None:
         value = header_value(rule, raw)  # hash what the server hashes (trimmed, prefix removed)
@@ -652,3 +719,114 @@ def _override(args: argparse.Namespace) -> int:
         print(f"ok: cleared {args.limiter} for identity {identity} on {where}")
     print(format_overrides(data))
     return 0
+
+
+# -- hash and inspect ---------------------------------------------------------------------
+
+
+def _key_hash(args: argparse.Namespace, command: str) -> tuple[str, str, Any]:
+    """KEY (or '-': stdin) hashed as the server hashes it: the hash, the identity rule's
+    label and the policy (None without --policies)."""
+    policy = _load_policy(args.policies)
+    source = _source(args, policy, command)
+    args.identity = args.key
+    return _hashed_identity(args, source, policy), source, policy
+
+
+def cmd_hash(args: argparse.Namespace) -> int:
+    return _guarded("hash", lambda: _hash(args))
+
+
+def _hash(args: argparse.Namespace) -> int:
+    identity, source, _ = _key_hash(args, "hash")
+    print(identity)
+    print(f"extauthz hash: identity rule {source}"
+          f"{', salted' if args.identity_salt else ', no --identity-salt'}", file=sys.stderr)
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    return _guarded("inspect", lambda: _inspect(args))
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .inspect import valid_hash
+
+    if (args.key is None) == (args.identity_hash is None):
+        raise CliError("give KEY (or '-' to read it from stdin) or --identity-hash HASH")
+    if args.redis_url and (args.admin or args.listen):
+        raise CliError("give either --redis-url or --admin/--listen, not both")
+    if args.key is not None:
+        identity, _, policy = _key_hash(args, "inspect")
+    else:
+        identity, policy = args.identity_hash.strip().lower(), _load_policy(args.policies)
+        if not valid_hash(identity):
+            raise CliError(f"--identity-hash: not an identity hash (24 hex digits, as `extauthz hash` "
+                           f"prints): {args.identity_hash[:40]!r}")
+    limiters = None
+    if policy is not None:
+        from .limiters import build_limiters
+        from .store.keys import Keys
+
+        limiters = build_limiters(policy, Keys(args.key_prefix))
+
+    async def go(control: Control) -> dict[str, Any]:
+        return await control.customer(identity, args.plan)
+
+    data = _with_control(args, go, limiters=limiters, labels=policy.identity_labels if policy else None,
+                         policy=policy)
+    print(json.dumps(data, indent=2) if args.json else format_customer(data))
+    return 0
+
+
+def _fmt_live(row: dict[str, Any]) -> str:
+    live = row.get("live")
+    if not live:
+        return str(row.get("note", ""))
+    if "tokens" in live:
+        left = live.get("requests_left")
+        text = (f"{live['tokens']:g} of {row['numbers']['burst']:g} tokens left"
+                + (f" ({left} requests)" if left is not None else "") + f", full in {live['full_in']:.1f} s")
+    elif "used" in live:
+        text = (f"{live['used']:,} of {row['numbers']['limit']:,} used this window, "
+                f"resets in {row['window']['resets_in']:.0f} s")
+    else:
+        text = f"{live['in_flight']} in flight of {row['numbers']['limit']}"
+    if live.get("held_by_this_replica"):
+        text += f"; {live['held_by_this_replica']:g} granted to this replica, unspent"
+    return text
+
+
+def format_customer(data: dict[str, Any]) -> str:
+    """``extauthz inspect`` for people."""
+    from .changelog import printable
+
+    lines = [f"identity {data['identity']} (policy version {data.get('policy_version', '?')}, "
+             f"plan {data.get('plan') or '-'})"]
+    for row in data.get("limiters", []):
+        mode = row["mode"] + (f" (policy {row['policy_mode']})" if row["mode"] != row["policy_mode"] else "")
+        head = f"  {row['limiter']:<22} {row['type']:<20} {mode:<10}"
+        if row.get("numbers"):
+            head += f" {_fmt_numbers(row['numbers'])} from {row['numbers_from']}"
+        lines.append(head)
+        over = row.get("override")
+        if over:
+            lines.append(f"      override {_fmt_numbers(over['numbers'])} until {_fmt_time(over['expires_at'])}"
+                         f" ({over['reason'] or 'no reason'})"
+                         + (f": NOT APPLIED, {over['not_applied']}" if over.get("not_applied") else ""))
+        live = _fmt_live(row)
+        if live:
+            lines.append(f"      {live}")
+    recent = data.get("recent_refusals") or {}
+    refusals = recent.get("refusals")
+    if refusals is None:
+        lines.append(f"recent refusals: {recent.get('covers', 'unknown')}")
+    elif not refusals:
+        lines.append(f"recent refusals: none ({recent.get('covers', '')})")
+    else:
+        lines.append(f"recent refusals ({recent.get('covers', '')}):")
+        for r in refusals[-10:]:
+            lines.append(f"  {_fmt_time(r['at'])} {r['limiter']} {r['reason']} {r['outcome']} "
+                         f"tier {r['tier']} status {r['status']}"
+                         + (f" retry after {r['retry_after']:.1f} s" if r.get("retry_after") else ""))
+    return "\n".join(printable(line) for line in lines)

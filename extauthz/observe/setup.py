@@ -16,6 +16,7 @@ from . import Observers
 from .base import Observer
 from .logs import DecisionLog
 from .metrics import CheckFn, Metrics, instrument_store_check
+from .refusals import RecentRefusals
 from .shadow import ShadowRecorder
 from .tracing import Tracing, TracingObserver, provider_from_env
 
@@ -36,7 +37,9 @@ class Observability:
             self.metrics = Metrics()
             self.metrics.prime(policy)
             observers.append(self.metrics)
-        observers += [self.decision_log, self.shadow]
+        #: each identity's last refusals on this replica (``extauthz inspect``)
+        self.refusals = RecentRefusals(clock=clock)
+        observers += [self.decision_log, self.shadow, self.refusals]
         if self.tracing is not None:
             observers.append(TracingObserver())
         #: the observers as one (``errors``: members that raised, on /status)

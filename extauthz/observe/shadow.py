@@ -217,7 +217,8 @@ def format_report(report: dict[str, Any]) -> str:
         for i in lim["top_identities"]:
             lines.append(f"  {i['identity']:<26} {i['identity_source']:<20} {i['count']:>8} "
                          f"{_pct(i['min_headroom']):>13}  {','.join(i['tiers'])}  "
-                         f"{','.join(i.get('plans', [])) or '-'}")
+                         f"{','.join(i.get('plans', [])) or '-'}"
+                         + (f"  = {i['label']}" if i.get("label") else ""))  # report --identities
         lines.append(f"  {'route':<48} {'count':>8} {'min headroom':>13} {'identities':>11}")
         for r in lim["top_routes"]:
             lines.append(f"  {r['route'][:48]:<48} {r['count']:>8} {_pct(r['min_headroom']):>13} "

@@ -19,6 +19,9 @@ configured ``Host``, the bearer token when ``--admin-token-file`` is set, and on
 ``DELETE /overrides/{limiter}/{identity}``  clear one override
 ``GET /history``           who changed switches and overrides, when and why (the
                            store's change log: the fleet's on Redis)
+``GET /customers/{hash}``  one customer (hashed identity): each limiter's numbers (plan,
+                           override), live counters read without changing them, grants this
+                           replica holds, its recent refusals here (``?plan=NAME``)
 ``GET /healthz``           ``{"ok": true}``; no token, no Host check
 =========================  ==========================================================
 
@@ -70,6 +73,9 @@ class AdminBackend(Protocol):
 
     async def clear_override(self, limiter: str, identity: str) -> bool:
         """False when there was none. Raises StoreError."""
+
+    async def customer(self, identity: str, plan: str | None = None) -> dict[str, Any]:
+        """Raises ValueError (a bad hash or plan, 400) or StoreError (503)."""
 
 MAX_WINDOW = 7 * 24 * 3600.0
 
@@ -205,6 +211,14 @@ def admin_app(ops: AdminBackend, guard: AdminGuard | None = None) -> web.Applica
             return _error(503, f"cannot read the change log: {exc}")
         return _json({"changes": [c.to_dict() for c in changes]})
 
+    async def customer(request: web.Request) -> web.Response:
+        try:
+            return _json(await ops.customer(request.match_info["identity"], request.query.get("plan")))
+        except ValueError as exc:
+            return _error(400, str(exc))
+        except StoreError as exc:
+            return _error(503, f"cannot read the store: {exc}")
+
     async def healthz(request: web.Request) -> web.Response:
         return _json({"ok": True})
 
@@ -219,4 +233,5 @@ def admin_app(ops: AdminBackend, guard: AdminGuard | None = None) -> web.Applica
     app.router.add_put("/switches/{name}", put_switch)
     app.router.add_delete("/switches/{name}", delete_switch)
     app.router.add_get("/shadow", shadow)
+    app.router.add_get("/customers/{identity}", customer)
     return app

@@ -226,6 +226,21 @@ class Operations:
     async def clear_override(self, limiter: str, identity: str) -> bool:
         return await self.fleet.clear_override(limiter, identity)
 
+    async def customer(self, identity: str, plan: str | None = None) -> dict[str, Any]:
+        """One customer's limiters, live counters, the grants this replica holds and its
+        recent refusals here (``GET /customers/<hash>``; :mod:`extauthz.inspect`)."""
+        from ..inspect import customer_view, held_grants
+
+        snap = self.engine.snapshot
+        wall = self.clock.wall()
+        view = await customer_view(identity, policy=snap.policy, limiters=snap.limiters, store=self.store,
+                                   keys=self.keys, overrides=self.engine.overrides,
+                                   switches=snap.switches, wall=wall, plan=plan)
+        held_grants(view, snap.limiters, self.keys, wall)
+        refusals = self.observe.refusals
+        view["recent_refusals"] = {**refusals.describe(), "refusals": refusals.of(identity)}
+        return view
+
     async def shadow_report(self, window: float, *, top: int = 10) -> dict[str, Any]:
         await self.observe.shadow.flush()  # include what this replica noted in the last second
         return await read_report(self.store, self.keys.shadow_log, window, now=self.clock.wall(), top=top)

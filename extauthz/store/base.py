@@ -160,6 +160,18 @@ class FleetGrantOp:
     used: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class PeekOp:
+    """A read of one key's state (:meth:`Store.peek`): ``kind`` ``bucket`` (with the
+    limiter's ``rate`` and ``burst``, to refill it to now), ``count`` (a quota window) or
+    ``leases`` (a lease ZSET)."""
+
+    kind: str
+    key: str
+    rate: float = 0.0
+    burst: float = 0.0
+
+
 Op = BucketOp | LeaseOp | CountOp | GrantOp | ReturnOp | QuotaGrantOp | QuotaReturnOp | FleetGrantOp
 #: the ops that give unspent grants back (they ride with the next check)
 RETURN_OPS = (ReturnOp, QuotaReturnOp)
@@ -249,6 +261,12 @@ class Store(Protocol):
 
     async def inflight(self, keys: Sequence[str]) -> list[int]:
         """Live (unexpired) leases per key."""
+
+    async def peek(self, ops: Sequence[PeekOp]) -> list[float]:
+        """Each op's state as :meth:`check` would read it now, changing nothing (no sweep,
+        no TTL, no write): a bucket's tokens refilled to the store's now
+        (:func:`~extauthz.store.algorithms.refill`), a quota window's count, a lease key's
+        live leases. For ``extauthz inspect``; never on the request path."""
 
     async def get_value(self, key: str) -> str | None:
         """A plain value (published signals, switches)."""

@@ -41,6 +41,7 @@ from .base import (
     FleetGrantOp,
     GrantOp,
     Op,
+    PeekOp,
     QuotaGrantOp,
     QuotaReturnOp,
     ReturnOp,
@@ -406,6 +407,20 @@ class MemoryStore(StoreBase):
     async def inflight(self, keys: Sequence[str]) -> list[int]:
         now = self._clock.monotonic()
         return [len(self._live_leases(k, now)) for k in keys]
+
+    async def peek(self, ops: Sequence[PeekOp]) -> list[float]:
+        now = self._clock.monotonic()
+        out: list[float] = []
+        for op in ops:
+            if op.kind == "bucket":
+                state = self._buckets.get(op.key)
+                out.append(op.burst if state is None else refill(state[0], state[1], now, op.rate, op.burst))
+            elif op.kind == "count":
+                out.append(self._count(op.key, now))
+            else:  # counted without the sweep (check sweeps): nothing changes
+                leases = self._leases.get(op.key, {})
+                out.append(float(sum(1 for at in leases.values() if algorithms.lease_live(at, now))))
+        return out
 
     async def get_value(self, key: str) -> str | None:
         item = self._values.get(key)

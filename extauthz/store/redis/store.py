@@ -33,7 +33,7 @@ from redis.asyncio.sentinel import Sentinel
 from ...errors import StoreError, StoreUnavailable
 from ...settings import STORE_DEADLINE_MS
 from .. import algorithms, redis_events
-from ..base import RETURN_OPS, CheckResult, Op, ShedParams, StoreBase, StoreStats
+from ..base import RETURN_OPS, CheckResult, Op, PeekOp, ShedParams, StoreBase, StoreStats
 from ..keys import Keys
 from . import cluster
 from .batcher import Batcher, Call, written
@@ -449,6 +449,24 @@ class RedisStore(StoreBase):
                 out[i] = int(count)
         return out
 
+    async def peek(self, ops: Sequence[PeekOp]) -> list[float]:
+        """``lua/peek.lua`` (read-only commands); on a cluster one call per hash tag."""
+        if not ops:
+            return []
+        now = self._now_arg()
+        keys = [op.key for op in ops]
+        groups = cluster.group_by_tag(keys) if self._cluster else [list(range(len(ops)))]
+        out = [0.0] * len(ops)
+        for group in groups:
+            args: list[str | bytes] = [now]
+            for i in group:
+                op = ops[i]
+                args += [_PEEK_KINDS[op.kind], repr(float(op.rate)), repr(float(op.burst))]
+            reply = await self._run("peek", [keys[i] for i in group], args)
+            for i, value in zip(group, reply, strict=True):
+                out[i] = float(value)
+        return out
+
     async def get_value(self, key: str) -> str | None:
         try:
             await self._ensure_ready()
@@ -529,6 +547,10 @@ class RedisStore(StoreBase):
         if self._sentinel is not None:
             for sentinel in self._sentinel.sentinels:
                 await sentinel.aclose()
+
+
+#: PeekOp.kind -> lua/peek.lua's op code
+_PEEK_KINDS = {"bucket": "b", "count": "q", "leases": "l"}
 
 
 def _stamp(batch: Sequence[Call], todo: Sequence[int]) -> Callable[[list[asyncio.Future[Any]]], None]:

@@ -36,7 +36,7 @@ __all__ = [
     "op_args", "pack_command", "pack_evalsha", "release_args", "released", "send_reloading", "unknown_reply", "wrap",
 ]
 
-SCRIPT_NAMES: Final = ("check", "inflight", "shed_state", "compensate", "swap_value")
+SCRIPT_NAMES: Final = ("check", "inflight", "shed_state", "compensate", "swap_value", "peek")
 
 #: EVALSHA attempts while Redis answers NOSCRIPT (each after a SCRIPT LOAD): a flush that
 #: lands between the load and the resend, or one per cluster node, is survived.

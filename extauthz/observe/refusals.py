@@ -1,0 +1,62 @@
+"""The recent refusals of this server, by identity hash (``extauthz inspect``,
+``GET /customers/<hash>``): "whether the last requests were refused and by what".
+
+Nothing else keeps refusals per customer cheaply: the shadow recorder keeps only shadow
+limiters' would-denials, the decision log is lines on stdout. So each replica keeps a small
+bounded ring: the last :data:`PER_IDENTITY` refusals of each of the last :data:`IDENTITIES`
+identities refused (least recently refused forgotten first). It holds the hash, never the key,
+and covers this replica only, since it started.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..clock import SYSTEM_CLOCK, Clock
+from ..context import RequestContext
+from ..policy.model import Policy
+from ..verdict import Decision
+from .base import ObserverBase
+
+#: refusals kept per identity
+PER_IDENTITY = 20
+#: identities kept (about 200 bytes a refusal: at most about 4 MB)
+IDENTITIES = 1000
+
+
+@dataclass(eq=False)
+class RecentRefusals(ObserverBase):
+    """An observer: each refused decision (enforced, or a shadow limiter's would-deny) is
+    kept as ``{at, limiter, reason, outcome, tier, status, retry_after}``."""
+
+    clock: Clock = SYSTEM_CLOCK
+    per_identity: int = PER_IDENTITY
+    identities: int = IDENTITIES
+    _rings: OrderedDict[str, deque[dict[str, Any]]] = field(default_factory=OrderedDict)
+
+    def decided(self, ctx: RequestContext, decision: Decision, policy: Policy) -> None:
+        refused = [v for v in decision.verdicts if v.refused or v.would_deny]
+        if not refused:
+            return
+        ring = self._rings.get(ctx.identity)
+        if ring is None:
+            ring = self._rings[ctx.identity] = deque(maxlen=self.per_identity)
+            if len(self._rings) > self.identities:
+                self._rings.popitem(last=False)
+        else:
+            self._rings.move_to_end(ctx.identity)
+        at = round(self.clock.wall(), 3)
+        for v in refused:
+            ring.append({"at": at, "limiter": v.limiter, "reason": v.reason, "outcome": v.outcome.value,
+                         "tier": ctx.tier.value, "status": decision.http_status if v.refused else 200,
+                         "retry_after": v.retry_after})
+
+    def of(self, identity: str) -> list[dict[str, Any]]:
+        """The identity's kept refusals, oldest first."""
+        return list(self._rings.get(identity, ()))
+
+    def describe(self) -> dict[str, Any]:
+        return {"covers": f"this replica only, since it started: the last {self.per_identity} "
+                f"refusals of each of the last {self.identities} identities refused"}

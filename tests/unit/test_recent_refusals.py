@@ -1,0 +1,38 @@
+"""RecentRefusals (extauthz/observe/refusals.py): bounded per identity and in identities,
+the least recently refused forgotten first; allowed decisions keep nothing."""
+
+from __future__ import annotations
+
+from extauthz.clock import ManualClock
+from extauthz.context import RequestContext
+from extauthz.observe.refusals import RecentRefusals
+from extauthz.tiers import Tier
+from extauthz.verdict import Decision, Kind, Outcome, Verdict
+
+
+def ctx(identity: str) -> RequestContext:
+    return RequestContext(tier=Tier.GET, identity=identity, identity_source="header:x-api-key", test_mode=False,
+                          method="GET", path="/", host="h", tier_source="default")
+
+
+def decision(outcome: Outcome) -> Decision:
+    v = Verdict("user-rate", Kind.RATE_LIMITER, outcome, reason="rate_exceeded", retry_after=2.0)
+    return Decision(allowed=outcome is not Outcome.DENIED, tier=Tier.GET, verdicts=(v,),
+                    denied_by=v if outcome is Outcome.DENIED else None)
+
+
+def note(ring: RecentRefusals, identity: str, outcome: Outcome) -> None:
+    ring.decided(ctx(identity), decision(outcome), None)  # type: ignore[arg-type]  # the policy is not read
+
+
+def test_bounded_per_identity_and_in_identities() -> None:
+    ring = RecentRefusals(clock=ManualClock(), per_identity=3, identities=2)
+    for _ in range(5):
+        note(ring, "a", Outcome.DENIED)
+    note(ring, "a", Outcome.ALLOWED)
+    assert [(r["limiter"], r["status"]) for r in ring.of("a")] == [("user-rate", 429)] * 3
+    note(ring, "b", Outcome.SHADOW_DENIED)
+    assert [(r["outcome"], r["status"]) for r in ring.of("b")] == [("shadow_denied", 200)]
+    note(ring, "a", Outcome.DENIED)  # a: refused most recently
+    note(ring, "c", Outcome.DENIED)
+    assert ring.of("b") == [] and len(ring.of("a")) == 3 and len(ring.of("c")) == 1
