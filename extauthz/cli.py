@@ -22,7 +22,7 @@ from .opscli import (
     cmd_switch,
     join_dash_values,
 )
-from .settings import PROTOCOLS
+from .settings import K8S_TARGETS, PROTOCOLS
 from .simulate.cli import add_parser as add_simulate_parser
 from .simulate.cli import cmd_simulate
 
@@ -232,13 +232,11 @@ def cmd_k8s(args: argparse.Namespace) -> int:
 
 
 def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from .k8s import TARGETS
-
     text = ("print the Kubernetes resources that wire the server in: Envoy Gateway SecurityPolicy "
             "(+ EnvoyProxy, ReferenceGrant), or Istio's extensionProviders, CUSTOM AuthorizationPolicy "
             "and Telemetry, with the headers the policy reads (docs/gateways.md)")
     p = sub.add_parser("k8s", help=text, description=text)
-    p.add_argument("--target", choices=TARGETS, required=True,
+    p.add_argument("--target", choices=K8S_TARGETS, required=True,
                    help="Envoy Gateway, an Istio sidecar or ingress gateway (--selector), or an ambient waypoint")
     p.add_argument("--policies", nargs="+", required=True, metavar="DIR", help="policy file(s) or directory")
     p.add_argument("--protocol", choices=PROTOCOLS, default="grpc",

@@ -7,7 +7,7 @@ counters read from the store without changing them (:meth:`~extauthz.store.base.
 tokens left and the seconds until the bucket is full, requests in flight, the quota window's
 count and when it resets. Fleet-wide shedders have no per-customer state (their numbers are
 shown, not counters). The server adds what only it knows: the grants its replica holds, and
-the recent refusals it made (:class:`~extauthz.observe.refusals.RecentRefusals`).
+the recent refusals it made (:class:`~extauthz.observe.recent_refusals.RecentRefusals`).
 
 Both the admin route and the CLI's ``--redis-url`` path call :func:`customer_view`, so the
 answer has one shape and one set of rules.

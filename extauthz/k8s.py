@@ -40,13 +40,13 @@ from .envoy_bootstrap import (
 )
 from .policy.model import Policy
 from .server.httpmap import JWT_PAYLOAD_HEADER, ROUTE_TIER_HEADER, allowed_headers
-from .settings import CHECK_BUDGET_MS
+from .settings import CHECK_BUDGET_MS, K8S_TARGETS
 
 __all__ = ["TARGETS", "Wiring", "headers_to_check", "reads_gateway_route_metadata", "render", "resources"]
 
 Doc = dict[str, Any]
 
-TARGETS = ("envoy-gateway", "istio-sidecar", "istio-ambient")
+TARGETS = K8S_TARGETS
 #: where Envoy Gateway files an HTTPRoute's ``gateway.envoyproxy.io/`` annotations (route metadata)
 EG_NAMESPACE = "envoy-gateway"
 #: the mesh-config provider names the AuthorizationPolicy and Telemetry refer to

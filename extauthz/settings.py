@@ -28,9 +28,12 @@ from typing import Any
 #: pieces here (``serve --listen`` / ``--http-listen``; ``--protocol`` of
 #: ``envoy-allowed-headers`` and ``demo``).
 PROTOCOLS = ("grpc", "http")
+#: what ``extauthz k8s --target`` renders (extauthz/k8s.py); here so that the command line
+#: names them without importing the renderer
+K8S_TARGETS = ("envoy-gateway", "istio-sidecar", "istio-ambient")
 
 __all__ = [
-    "CHECK_BUDGET_MS", "DEFAULT_MAX_ACTIVE_CHECKS", "ENVOY_MARGIN_MS", "ENV_PREFIX", "KEY_PREFIX",
+    "CHECK_BUDGET_MS", "DEFAULT_MAX_ACTIVE_CHECKS", "ENVOY_MARGIN_MS", "ENV_PREFIX", "K8S_TARGETS", "KEY_PREFIX",
     "MEMORY_MAX_KEYS", "OFF", "PROTOCOLS", "SHARED", "STORE_DEADLINE_MS",
     "Option", "Settings", "add_arguments", "add_shared", "env_value", "from_args", "off", "options",
     "positive", "size",

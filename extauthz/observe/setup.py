@@ -16,7 +16,7 @@ from . import Observers
 from .base import Observer
 from .logs import DecisionLog
 from .metrics import CheckFn, Metrics, instrument_store_check
-from .refusals import RecentRefusals
+from .recent_refusals import RecentRefusals
 from .shadow import ShadowRecorder
 from .tracing import Tracing, TracingObserver, provider_from_env
 

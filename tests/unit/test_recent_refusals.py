@@ -1,11 +1,11 @@
-"""RecentRefusals (extauthz/observe/refusals.py): bounded per identity and in identities,
+"""RecentRefusals (extauthz/observe/recent_refusals.py): bounded per identity and in identities,
 the least recently refused forgotten first; allowed decisions keep nothing."""
 
 from __future__ import annotations
 
 from extauthz.clock import ManualClock
 from extauthz.context import RequestContext
-from extauthz.observe.refusals import RecentRefusals
+from extauthz.observe.recent_refusals import RecentRefusals
 from extauthz.tiers import Tier
 from extauthz.verdict import Decision, Kind, Outcome, Verdict
 
