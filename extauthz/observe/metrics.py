@@ -1,24 +1,31 @@
 """Prometheus metrics, on a registry of their own.
 
-Two kinds of metric, chosen by cost:
+Three kinds of metric, chosen by cost:
 
 * **Per decision** (:class:`Metrics`, an Observer): ``extauthz_decisions_total`` and
   ``extauthz_requests_total``, and the store call histogram (:func:`instrument_store_check`).
   Label children are resolved once per policy (:meth:`Metrics.prime`), so a check does a
   dict lookup and an ``inc()`` per limiter.
-* **Read at scrape time**: everything the server already counts or holds (fail-opens by
-  reason, shed levels, policy version, reload failures, leases in flight, access-log
-  counters, switches, the Redis store's round trips and script calls), from the same
-  per-component parts as ``/status`` (:mod:`extauthz.observe.state`). Nothing per request.
+* **Per check, plain ints** (:class:`CheckDurations`): ``extauthz_check_duration_seconds`` by
+  door and decision, bucket counts kept in lists and turned into a histogram at scrape time.
+* **Read at scrape time**: ``extauthz_limiter_decisions_total{limiter,outcome}`` (the
+  decisions counter summed over tier and plan: no count of its own on the request path), and
+  everything the server already counts or holds (fail-opens by reason, shed levels, policy
+  version, reload failures, leases in flight, access-log counters, switches, the recorder,
+  the Redis store's round trips and script calls), from the same per-component parts as
+  ``/status`` (:mod:`extauthz.observe.state`). Nothing per request.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from bisect import bisect_left
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 from ..context import RequestContext
 from ..engine import Engine
@@ -37,6 +44,12 @@ STORE_BUCKETS = (0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02
 #: ``extauthz_requests_total{result}``: what the request got.
 RESULTS = ("allowed", "rate_limited", "shed", "failed_closed")
 
+#: ``extauthz_check_duration_seconds`` buckets: 100 us .. 1 s.
+CHECK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+#: ``extauthz_check_duration_seconds{door}``: the front doors (a Door's ``name``).
+DOORS = ("grpc", "http")
+
 CheckFn = Callable[[Sequence[Op], str], Awaitable[CheckResult]]
 
 
@@ -47,6 +60,70 @@ def request_result(decision: Decision) -> str:
     if refused.outcome is Outcome.FAILED_CLOSED:
         return "failed_closed"
     return "rate_limited" if refused.kind is Kind.RATE_LIMITER else "shed"
+
+
+class CheckDurations:
+    """``extauthz_check_duration_seconds{door,decision}``: the time a check spends in the check
+    flow (``server/flow.py``: read, decide, leases, answer), per front door and by what the
+    request got (:data:`RESULTS`). A check adds one to a plain list and its time to a float
+    (no lock, no label lookup: the doors and the flow run on the one event loop); the
+    histogram is built at scrape time (a collector on the :class:`Metrics` registry)."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self) -> None:
+        #: (door, result) -> [sum of seconds, count per bucket (not cumulative)..., count above 1 s]
+        self.rows: dict[tuple[str, str], list[float]] = {
+            (door, result): [0.0] * (len(CHECK_BUCKETS) + 2) for door in DOORS for result in RESULTS}
+
+    def observe(self, door: str, decision: Decision, seconds: float) -> None:
+        row = self.rows[(door, request_result(decision))]
+        row[0] += seconds
+        row[bisect_left(CHECK_BUCKETS, seconds) + 1] += 1
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(
+            "extauthz_check_duration_seconds", "Time a check spent in this server from its "
+            "front door's read to its answer (classify, decide, leases), by door (grpc, http) "
+            "and decision (allowed, rate_limited, shed, failed_closed).", labels=["door", "decision"])
+        bounds = [floatToGoString(b) for b in CHECK_BUCKETS] + ["+Inf"]  # type: ignore[no-untyped-call]
+        for (door, result), row in self.rows.items():
+            total, buckets = 0, []
+            for bound, n in zip(bounds, row[1:], strict=True):
+                total += int(n)
+                buckets.append((bound, total))
+            family.add_metric([door, result], buckets, row[0])
+        yield family
+
+
+class LimiterDecisions:
+    """``extauthz_limiter_decisions_total{limiter,outcome}``: ``extauthz_decisions_total``
+    summed over tier and plan at scrape time (allowed as well as refused, per limiter; never
+    per customer), so a check counts once."""
+
+    def __init__(self, decisions: Counter) -> None:
+        self.decisions = decisions
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        sums: dict[tuple[str, str], float] = {}
+        for metric in self.decisions.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    key = (sample.labels["limiter"], sample.labels["outcome"])
+                    sums[key] = sums.get(key, 0.0) + sample.value
+        family = CounterMetricFamily(
+            "extauthz_limiter_decisions", "Limiter verdicts by limiter and outcome (allowed, "
+            "denied, shadow_denied, failed_open, failed_closed), all tiers and plans.",
+            labels=["limiter", "outcome"])
+        for (limiter, outcome), n in sorted(sums.items()):
+            family.add_metric([limiter, outcome], n)
+        yield family
 
 
 class Metrics(ObserverBase):
@@ -71,6 +148,10 @@ class Metrics(ObserverBase):
             "reason (key_missing: a part of its key yielded nothing).",
             ["limiter", "reason"], registry=self.registry,
         )
+        #: the check flow's timings (``extauthz_check_duration_seconds``)
+        self.durations = CheckDurations()
+        self.registry.register(self.durations)
+        self.registry.register(LimiterDecisions(self.decisions))
         self._skipped: dict[str, Any] = {}
         self._decisions: dict[tuple[str, Tier, str, Outcome], Any] = {}
         self._requests: dict[tuple[Tier, str], Any] = {

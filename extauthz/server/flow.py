@@ -18,13 +18,17 @@ its gRPC and HTTP servers is the model):
    remembered by request id with the ticket the answer carries, or given back at once when
    the door says its answer can no longer reach Envoy;
 4. the door builds its answer from the same pieces (:mod:`extauthz.answers`).
+
+With metrics on, the time from 1 to 4 of a decided check is counted by door and decision
+(``extauthz_check_duration_seconds``, :class:`~extauthz.observe.metrics.CheckDurations`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from typing import Any, Protocol, TypeVar
+from time import perf_counter
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ..context import RawRequest, RequestContext
 from ..engine import Engine, Snapshot
@@ -32,6 +36,9 @@ from ..overload import LoopLag
 from ..throttle import LogThrottle
 from ..verdict import Decision
 from .leases import Leases
+
+if TYPE_CHECKING:
+    from ..observe.metrics import CheckDurations
 
 __all__ = ["CheckFlow", "Door", "check_flow"]
 
@@ -44,6 +51,10 @@ A = TypeVar("A", covariant=True)  # what the door answers (a CheckResponse, HTTP
 
 class Door(Protocol[M, C, A]):
     """A front door's wire format: everything :meth:`CheckFlow.check` asks of a transport."""
+
+    @property
+    def name(self) -> str:
+        """The door's ``door`` label (``grpc``, ``http``: :data:`~extauthz.observe.metrics.DOORS`)."""
 
     @property
     def what(self) -> str:
@@ -81,16 +92,21 @@ class Door(Protocol[M, C, A]):
 class CheckFlow:
     """The check flow of one server (module docstring), shared by both front doors."""
 
-    def __init__(self, engine: Engine, leases: Leases, lag: LoopLag | None = None) -> None:
+    def __init__(self, engine: Engine, leases: Leases, lag: LoopLag | None = None,
+                 durations: CheckDurations | None = None) -> None:
         self.engine = engine
         self.leases = leases
         #: the loop's lag and the check budget (None: checks are not timed)
         self.lag = lag
+        #: ``extauthz_check_duration_seconds`` (None: metrics off, no clock read)
+        self.durations = durations
         #: requests a door could not read (answered allowed): ``extauthz_bad_requests_total``
         self.bad_requests = 0
         self._bad_log = LogThrottle(log)
 
     async def check(self, door: Door[M, C, A], message: M, call: C) -> A:
+        durations = self.durations
+        t0 = perf_counter() if durations is not None else 0.0
         snap = self.engine.snapshot
         try:
             ctx = snap.classifier.context(door.read(message, snap))
@@ -108,13 +124,18 @@ class CheckFlow:
             if starved:
                 lag.overloaded[ctx.tier.value] = lag.overloaded.get(ctx.tier.value, 0) + 1
             decision = await self.engine.decide(ctx, left, starved)
+        ticket = ""
         if decision.leases:
             leases = self.leases
             seen = door.hold(message, call, ctx, decision, leases)
             if seen is not None:
-                return door.answer(message, ctx, decision, leases.admitted(ctx, decision, seen))
-            leases.abandoned(decision)  # Envoy gave up on this check: the answer is lost
-        return door.answer(message, ctx, decision, "")
+                ticket = leases.admitted(ctx, decision, seen)
+            else:
+                leases.abandoned(decision)  # Envoy gave up on this check: the answer is lost
+        answer = door.answer(message, ctx, decision, ticket)
+        if durations is not None:
+            durations.observe(door.name, decision, perf_counter() - t0)
+        return answer
 
     def bad_request(self, what: str, exc: Exception) -> None:
         """Count (and log, throttled) a request a door could not read; it was allowed."""
@@ -124,11 +145,11 @@ class CheckFlow:
 
 
 def check_flow(engine: Engine, leases: Leases, tracer: Any = None,
-               lag: LoopLag | None = None) -> CheckFlow:
+               lag: LoopLag | None = None, durations: CheckDurations | None = None) -> CheckFlow:
     """The server's check flow: inside one span per check when ``tracer`` is given
     (``server/traced.py``, which imports OpenTelemetry only then)."""
     if tracer is None:
-        return CheckFlow(engine, leases, lag)
+        return CheckFlow(engine, leases, lag, durations)
     from .traced import TracedCheckFlow
 
-    return TracedCheckFlow(engine, leases, tracer, lag)
+    return TracedCheckFlow(engine, leases, tracer, lag, durations)

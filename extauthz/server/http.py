@@ -138,6 +138,7 @@ class HttpAuthorization:
     """The HTTP front door: one per server, a :class:`~extauthz.server.flow.Door` of the
     server's check flow (the same flow, engine and lease owner as the gRPC servicer)."""
 
+    name = "http"
     what = "an HTTP authorization request"
     span = _HTTP_SPAN
 

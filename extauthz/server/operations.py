@@ -160,10 +160,10 @@ class Operations:
 
     def _auth_service(self) -> AuthorizationService:
         # the check flow of both front doors shares the access log's lease owner
-        tracing = self.observe.tracing
+        tracing, metrics = self.observe.tracing, self.observe.metrics
         return AuthorizationService(check_flow(self.engine, self.accesslog.leases,
                                                tracing.tracer if tracing is not None else None,
-                                               self.lag))
+                                               self.lag, metrics.durations if metrics is not None else None))
 
     def auth_service(self) -> AuthorizationService:
         return self.auth

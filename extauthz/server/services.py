@@ -44,6 +44,7 @@ _RPC = {"rpc.system": "grpc", "rpc.service": "envoy.service.auth.v3.Authorizatio
 class AuthorizationService(auth_pb2_grpc.AuthorizationServicer):  # type: ignore[misc]
     """Check: the gRPC front door of the check flow (a :class:`~extauthz.server.flow.Door`)."""
 
+    name = "grpc"
     what = "a CheckRequest"
     span = _RPC
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import SpanKind
 
@@ -12,14 +12,18 @@ from ..overload import LoopLag
 from .flow import A, C, CheckFlow, Door, M
 from .leases import Leases
 
+if TYPE_CHECKING:
+    from ..observe.metrics import CheckDurations
+
 
 class TracedCheckFlow(CheckFlow):
     """One ``extauthz.check`` span per check, on either front door, child of the
     ``traceparent`` the request carries (the gRPC call's metadata, the HTTP request's
     headers); the engine's observers add the decision to it."""
 
-    def __init__(self, engine: Engine, leases: Leases, tracer: Any, lag: LoopLag | None = None) -> None:
-        super().__init__(engine, leases, lag)
+    def __init__(self, engine: Engine, leases: Leases, tracer: Any, lag: LoopLag | None = None,
+                 durations: CheckDurations | None = None) -> None:
+        super().__init__(engine, leases, lag, durations)
         self._start = tracer.start_as_current_span
 
     async def check(self, door: Door[M, C, A], message: M, call: C) -> A:

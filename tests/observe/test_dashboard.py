@@ -15,9 +15,10 @@ import grpc
 from extauthz.clock import ManualClock
 from extauthz.proto import accesslog_pb2, accesslog_pb2_grpc, auth_pb2_grpc
 from extauthz.server.edge import EXT_AUTHZ_NAMESPACE
+from extauthz.verdict import Mode
 from tests.conftest import ROOT
 
-from .helpers import FlakyStore, check_request, metrics_policy, running, samples, scrape, shed_half
+from .helpers import FlakyStore, check_request, http, metrics_policy, running, samples, scrape, shed_half
 
 DASHBOARD = ROOT / "helm" / "extauthz" / "dashboards" / "extauthz.json"
 #: The classic model's schemaVersion that Grafana 12 writes and migrates older dashboards to
@@ -29,6 +30,9 @@ PANELS = {
     "Decisions by limiter and outcome", "Refusals by tier", "Shadow would-refusals",
     "Fail-open by reason", "Store call latency", "Store errors", "Shed level", "Utilization",
     "Fleet in-flight against capacity", "Lease releases", "Verdicts by plan", "Overrides",
+    # issue 34
+    "Check latency by door", "Headroom: refused share by limiter", "Kill switches",
+    "Policy version and reloads", "Recorder",
 }
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 
@@ -85,7 +89,9 @@ async def test_every_metric_a_panel_queries_is_exported_after_traffic(tmp_path: 
     clock = ManualClock()
     store = FlakyStore(clock)
     policy = metrics_policy(tmp_path, {"name": "conc", "type": "concurrent_requests", "limit": 1})
-    async with running([policy.parent], store=store, clock=clock) as (server, client):
+    # recording on (the Recorder panel), both front doors (Check latency by door)
+    async with running([policy.parent], store=store, clock=clock, record_dir=str(tmp_path / "rec"),
+                       http_listen="127.0.0.1:0") as (server, client):
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             auth = auth_pb2_grpc.AuthorizationStub(channel)
             req = check_request(headers={"x-api-key": "sk_live_alice"}, request_id="req-1")
@@ -105,11 +111,15 @@ async def test_every_metric_a_panel_queries_is_exported_after_traffic(tmp_path: 
 
             await accesslog_pb2_grpc.AccessLogServiceStub(channel).StreamAccessLogs(stream())
         assert await client.check("sk_live_alice") == 200  # the slot came back
+        status, _ = await http("GET", f"http://127.0.0.1:{server.http_port}/v1/customers",
+                               headers={"x-api-key": "sk_live_dave"})
+        assert status == 200  # the HTTP door
         store.fail = True  # every store-backed limiter fails open
         assert await client.check("sk_live_bob") == 200
         store.fail = False
         await shed_half(server, store, clock)
         assert await client.check("sk_test_carol") == 503  # the test tier is shed
+        await server.ops.switches.change("dark", Mode.OFF)  # a kill switch set
         assert server.ops.leases is not None
         await server.ops.leases.sample_once()
         text = await scrape(server)
@@ -130,6 +140,11 @@ async def test_every_metric_a_panel_queries_is_exported_after_traffic(tmp_path: 
     assert total("extauthz_fail_open_total", reason="unavailable") == 1
     assert total("extauthz_requests_total", result="shed") == 1
     assert total("extauthz_lease_releases_total", path="access_log", outcome="released") == 1
+    assert total("extauthz_limiter_decisions_total", limiter="conc", outcome="denied") == 1
+    for door in ("grpc", "http"):
+        assert total("extauthz_check_duration_seconds_count", door=door) > 0, door
+    assert total("extauthz_switches_set", switch="dark", mode="off") == 1
+    assert total("extauthz_recorder_lines_total") > 0
 
     for where, expr in queries(dashboard()):
         names = re.findall(r"\bextauthz_[a-z_]+\b", expr)

@@ -18,6 +18,7 @@ from tests.conftest import ROOT
 
 from .helpers import (
     FlakyStore,
+    http,
     metrics_policy,
     rate,
     running,
@@ -99,6 +100,45 @@ async def test_metrics_after_known_traffic(tmp_path: Path) -> None:
         assert value(m, "extauthz_switches_set", switch="*", mode="off") == 1
         assert value(m, "extauthz_limiter_mode", limiter="user-rate", mode="off") == 1
 
+
+
+async def test_each_check_moves_its_limiter_outcome_and_its_doors_latency_histogram(tmp_path: Path) -> None:
+    policy = write_policy(tmp_path / "p" / "api.yaml", [rate("user-rate", burst=1)])
+    async with running([policy.parent], http_listen="127.0.0.1:0") as (server, client):
+        url = f"http://127.0.0.1:{server.http_port}/v1/customers"
+
+        def moved(before: dict[Any, float], after: dict[Any, float]) -> dict[tuple[str, ...], float]:
+            """What changed: limiter outcomes and (door, decision) histogram counts."""
+            out: dict[tuple[str, ...], float] = {}
+            for (name, pairs), v in after.items():
+                labels = dict(pairs)
+                if name == "extauthz_limiter_decisions_total":
+                    key: tuple[str, ...] = (labels["limiter"], labels["outcome"])
+                elif name == "extauthz_check_duration_seconds_count":
+                    key = (labels["door"], labels["decision"])
+                else:
+                    continue
+                if v != before.get((name, pairs), 0):
+                    out[key] = v - before.get((name, pairs), 0)
+            return out
+
+        m0 = samples(await scrape(server))
+        # every limiter x outcome and door x decision is exported from the start (at 0)
+        assert value(m0, "extauthz_limiter_decisions_total", limiter="user-rate", outcome="denied") == 0
+        assert value(m0, "extauthz_check_duration_seconds_count", door="http", decision="shed") == 0
+        assert await client.check("sk_live_alice") == 200  # the gRPC door: the bucket's one token
+        m1 = samples(await scrape(server))
+        assert moved(m0, m1) == {("user-rate", "allowed"): 1, ("grpc", "allowed"): 1}
+        assert (await http("GET", url, headers={"x-api-key": "sk_live_alice"}))[0] == 429  # the HTTP door
+        m2 = samples(await scrape(server))
+        assert moved(m1, m2) == {("user-rate", "denied"): 1, ("http", "rate_limited"): 1}
+    # a histogram: cumulative buckets from 100 us to 1 s, +Inf equal to the count, a time summed
+    grpc_allowed = {"door": "grpc", "decision": "allowed"}
+    bounds = sorted(float(dict(pairs)["le"]) for (name, pairs) in m2
+                    if name == "extauthz_check_duration_seconds_bucket" and grpc_allowed.items() <= dict(pairs).items())
+    assert bounds[0] == 0.0001 and bounds[-2] == 1.0 and bounds[-1] == float("inf")
+    assert value(m2, "extauthz_check_duration_seconds_bucket", **grpc_allowed, le="+Inf") == 1
+    assert value(m2, "extauthz_check_duration_seconds_sum", **grpc_allowed) > 0
 
 
 @pytest.mark.redis
