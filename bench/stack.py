@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 STORE_COUNTERS = ("extauthz_store_round_trips_total", "extauthz_store_script_calls_total")
 #: passed store deadlines by where the check was (``where`` label), read the same way
 DEADLINE_MISSED = "extauthz_store_deadline_missed_total"
+#: the key under which Stack.fail_open carries /status ``overload.checks`` (all tiers)
+OVERLOAD_CHECKS = "overload_checks"
 
 
 class Running:
@@ -201,7 +203,8 @@ class Running:
         return total
 
     def fail_open(self) -> dict[str, int]:
-        """Fail-open counts by reason, summed over the server processes (admin /status)."""
+        """Fail-open counts by reason, summed over the server processes (admin /status), and
+        under ``OVERLOAD_CHECKS`` the checks decided while starved (``overload.checks``)."""
         if self.server is None:
             return {}
         total: dict[str, int] = {}
@@ -215,6 +218,8 @@ class Running:
                 continue
             for reason, n in (status.get("fail_open") or {}).items():
                 total[reason] = total.get(reason, 0) + int(n)
+            starved = sum(int(n) for n in ((status.get("overload") or {}).get("checks") or {}).values())
+            total[OVERLOAD_CHECKS] = total.get(OVERLOAD_CHECKS, 0) + starved
         return total
 
 
@@ -244,9 +249,13 @@ def fill_counters(phase: Phase, before: dict[str, Any], after: dict[str, Any], s
             workers = [pid for pid in cpu_after if pid != min(cpu_after)]
             total = sum(used[p] for p in workers) or 1.0
             phase.worker_cpu_share = [round(used[p] / total, 3) for p in workers]
+        phase.overload_checks = after["fail_open"].get(OVERLOAD_CHECKS, 0) - before["fail_open"].get(OVERLOAD_CHECKS, 0)
         phase.fail_open = {k: after["fail_open"].get(k, 0) - before["fail_open"].get(k, 0)
-                           for k in after["fail_open"]
-                           if after["fail_open"].get(k, 0) != before["fail_open"].get(k, 0)}
+                           for k in after["fail_open"] if k != OVERLOAD_CHECKS
+                           and after["fail_open"].get(k, 0) != before["fail_open"].get(k, 0)}
+        if phase.overload_checks:
+            phase.problems.append(f"the server was starved: {phase.overload_checks} checks decided as "
+                                  "overload (its shedders refused the non-critical ones): figures not comparable")
         if phase.fail_open:
             phase.problems.append(f"the server failed open {sum(phase.fail_open.values())} times "
                                   "(store deadline or breaker): figures not comparable")
@@ -259,7 +268,8 @@ def fill_counters(phase: Phase, before: dict[str, Any], after: dict[str, Any], s
             phase.problems.append(f"ext_authz.ok {phase.ext_authz_ok} < requests {phase.requests}")
         for name, value in (("failure_mode_allowed", phase.ext_authz_failure_mode_allowed),
                             ("error", phase.ext_authz_error),
-                            ("denied", None if flood else phase.ext_authz_denied)):
+                            ("denied", None if flood else max(0, (phase.ext_authz_denied or 0)
+                                                                   - phase.overload_checks))):
             if value:
                 phase.problems.append(f"ext_authz.{name} = {value}")
         if flood and not phase.ext_authz_denied:

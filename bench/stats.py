@@ -32,6 +32,9 @@ class Phase:
     ext_authz_denied: int | None = None
     local_ratelimit_ok: int | None = None
     fail_open: dict[str, int] = field(default_factory=dict)
+    #: checks the server decided while starved (``/status`` ``overload.checks``, all tiers):
+    #: its shedders refused the non-critical ones (docs/limiters.md, "A starved server")
+    overload_checks: int = 0
     server_cpu_us: float | None = None     # per request
     envoy_cpu_us: float | None = None
     redis_cpu_us: float | None = None

@@ -87,7 +87,9 @@ def test_flood_configurations_produce_figures(tmp_path: Path) -> None:
         if setup == "f":
             assert p["ext_authz_denied"] > 0 and p["flood_factor"] > 1, p  # refused, over its rate
         else:
-            assert p["ext_authz_denied"] == 0, p
+            # nothing refused but what a starved server's shedders refused (docs/limiters.md,
+            # "A starved server": a loaded machine starves the server under wrk)
+            assert p["ext_authz_denied"] <= p["overload_checks"], p
         checked = p["ext_authz_ok"] + p["ext_authz_denied"] + p["ext_authz_failure_mode_allowed"]
         assert checked >= 0.99 * p["requests"], p  # every request went through ext_authz
         if kind == "latency":
