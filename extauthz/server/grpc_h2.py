@@ -54,8 +54,9 @@ from h2.events import (
     StreamReset,
     WindowUpdated,
 )
-from h2.exceptions import ProtocolError
+from h2.exceptions import DenialOfServiceError, ProtocolError
 from h2.settings import SettingCodes, Settings
+from hpack import HPACKError
 from hyperframe.frame import GoAwayFrame
 
 from .ports import parse_listen
@@ -421,8 +422,9 @@ class _Connection(asyncio.Protocol):
         # The advertised stream bound is enforced on the running calls (:meth:`_request`:
         # REFUSED_STREAM, a stream error); h2's own check, a connection error, is kept for a
         # peer that ignores it grossly.
+        # A read may open many streams before any is refused: the margin is for those.
         h2.local_settings._settings[SettingCodes.MAX_CONCURRENT_STREAMS] = deque(
-            [2 * self.limits.max_concurrent_streams])
+            [self.limits.max_concurrent_streams + 256])
         h2.increment_flow_control_window(self.limits.connection_window - 65535)
         transport.write(h2.data_to_send())  # type: ignore[attr-defined]
 
@@ -446,13 +448,18 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return
+        h2 = self.h2
         try:
-            events = self.h2.receive_data(data)
+            events = h2.receive_data(data)
         except ProtocolError as exc:
-            self.server.reject("protocol_error")
-            log.debug("gRPC connection: HTTP/2 protocol error: %s", exc)
-            self.flush()
-            self.close()
+            self._protocol_error(exc)
+            return
+        # h2 reads a frame whole before it checks its length: a frame header announcing more
+        # than SETTINGS_MAX_FRAME_SIZE is refused here at once (else up to 16 MiB would wait)
+        pending = h2.incoming_buffer._data
+        if len(pending) >= 9 and int.from_bytes(pending[:3], "big") > self.limits.max_frame_size:
+            self.server.reject("frame_too_large")
+            self._close_with(ErrorCodes.FRAME_SIZE_ERROR)
             return
         now = self.loop.time()
         self.last_active = now
@@ -468,6 +475,8 @@ class _Connection(asyncio.Protocol):
                 self._window(ev.stream_id)  # type: ignore[attr-defined]
             elif kind is StreamReset:
                 self._reset(ev.stream_id, now)  # type: ignore[attr-defined]
+                if self.closed:
+                    return
             elif kind is PingReceived or kind is RemoteSettingsChanged:
                 self.handshaken = True
                 if not self.control.take(now):
@@ -865,14 +874,33 @@ class _Connection(asyncio.Protocol):
             self.server.reject("peer_not_reading")
             self.transport.abort()
 
+    def _protocol_error(self, exc: ProtocolError) -> None:
+        """h2 refused what the peer sent and queued its GOAWAY; a header block that does not
+        decode gets COMPRESSION_ERROR instead of h2's PROTOCOL_ERROR (RFC 9113 4.3)."""
+        self.server.reject("protocol_error")
+        log.debug("gRPC connection: HTTP/2 protocol error: %s", exc)
+        if isinstance(exc.__cause__, HPACKError) and not isinstance(exc, DenialOfServiceError):
+            out = bytes(self.h2.data_to_send())
+            if len(out) >= 17 and out[-14] == 7:  # h2's GOAWAY, last: replaced
+                out = out[:-17]
+            if self.transport is not None and not self.transport.is_closing():
+                self.transport.write(out)
+            self._close_with(ErrorCodes.COMPRESSION_ERROR)
+            return
+        self.flush()
+        self.close()
+
+    def _close_with(self, code: int) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(self._goaway_frame(code))
+        self.close()
+
     def _calm(self, reason: str) -> None:
         """A flood: GOAWAY ENHANCE_YOUR_CALM, then closed."""
         self.server.reject(reason)
         log.warning("gRPC connection closed: %s", reason.replace("_", " "),
                     extra={"fields": {"event": "grpc_connection_calm", "reason": reason}})
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(self._goaway_frame(ErrorCodes.ENHANCE_YOUR_CALM))
-        self.close()
+        self._close_with(ErrorCodes.ENHANCE_YOUR_CALM)
 
     def _goaway_frame(self, code: int) -> bytes:
         frame = GoAwayFrame(0, last_stream_id=self.h2.highest_inbound_stream_id, error_code=code)

@@ -501,3 +501,118 @@ async def test_the_peers_goaway_lets_its_calls_finish(probe: tuple[GrpcH2Server,
     p.release.set()
     assert (await raw.trailers(1))["grpc-status"] == "0"
     await raw.ended()  # nothing left on it: closed
+
+
+# -- attacks: each ends in a bound, the server keeps answering another connection ------------
+
+
+async def gone(srv: GrpcH2Server) -> None:
+    """The server let go of every connection (what an attacker made it hold is freed)."""
+    for _ in range(int(WAIT / 0.01)):
+        if not srv.connections:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"connections still held: {len(srv.connections)}")
+
+
+async def test_rapid_reset_is_cut_off(probe: tuple[GrpcH2Server, Probe]) -> None:
+    """CVE-2023-44487: streams opened and reset at once, faster than any answer. Each reset
+    cancels its handler; past the reset budget the connection gets GOAWAY ENHANCE_YOUR_CALM."""
+    srv, p = probe
+    raw = await Raw.open(srv.port)
+    frames: list[Frame] = []
+    for i in range(1000):
+        sid = 2 * i + 1
+        frames += [HeadersFrame(sid, raw.block("/t.T/Hang"), flags=["END_HEADERS"]),
+                   DataFrame(sid, b"\x00\x00\x00\x00\x00", flags=["END_STREAM"]),
+                   RstStreamFrame(sid, error_code=ErrorCodes.CANCEL)]
+    raw.send(*frames)
+    assert (await raw.goaway()).error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    await raw.ended()
+    assert srv.rejected["rapid_reset"] == 1 and srv.rejected["reset_by_peer"] < 1000
+    await gone(srv)
+    await answers(srv.port)
+    assert p.hanging == 0  # no handler of the reset streams is left running
+
+
+async def test_continuation_flood_is_cut_off(probe: tuple[GrpcH2Server, Probe]) -> None:
+    """CVE-2024-27316: a header block that never ends, CONTINUATION after CONTINUATION."""
+    srv, _ = probe
+    raw = await Raw.open(srv.port)
+    raw.send(HeadersFrame(1, raw.block()[:3]))
+    raw.send(*[ContinuationFrame(1, b"\x40\x01a\x01b") for _ in range(5000)])  # never END_HEADERS
+    assert (await raw.goaway()).error_code in (ErrorCodes.PROTOCOL_ERROR, ErrorCodes.ENHANCE_YOUR_CALM)
+    await raw.ended()
+    await gone(srv)
+    await answers(srv.port)
+
+
+async def test_hpack_bomb_and_oversized_dynamic_table(probe: tuple[GrpcH2Server, Probe]) -> None:
+    srv, _ = probe
+    # a dynamic table size update above SETTINGS_HEADER_TABLE_SIZE (4096)
+    raw = await Raw.open(srv.port)
+    enc = Encoder()
+    enc.header_table_size = 1 << 20  # the encoder announces a 1 MiB table
+    block = enc.encode([(":method", "POST"), (":path", "/t.T/Echo")])
+    raw.send(HeadersFrame(1, block, flags=["END_HEADERS", "END_STREAM"]))
+    assert (await raw.goaway()).error_code == ErrorCodes.COMPRESSION_ERROR
+    await raw.ended()
+    # the bomb: one 4 KB header in the table, then referenced 1,000 times (1 byte each)
+    raw = await Raw.open(srv.port)
+    first = raw.encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", "/t.T/Echo"),
+                                (":authority", "t"), ("content-type", "application/grpc"),
+                                ("x-bomb", "b" * 4000)])
+    raw.send(HeadersFrame(1, first, flags=["END_HEADERS", "END_STREAM"]))
+    await raw.trailers(1)
+    bomb = raw.encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", "/t.T/Echo"),
+                               (":authority", "t"), ("content-type", "application/grpc")]) + b"\xbe" * 1000
+    raw.send(HeadersFrame(3, bomb, flags=["END_HEADERS", "END_STREAM"]))
+    assert (await raw.goaway()).error_code in (ErrorCodes.ENHANCE_YOUR_CALM, ErrorCodes.PROTOCOL_ERROR)
+    await raw.ended()
+    await gone(srv)
+    await answers(srv.port)
+
+
+@pytest.mark.parametrize("flood", ["ping", "settings"])
+async def test_control_frame_floods_are_cut_off(probe: tuple[GrpcH2Server, Probe], flood: str) -> None:
+    srv, _ = probe
+    raw = await Raw.open(srv.port)
+    frame = (PingFrame(0, opaque_data=b"flooding") if flood == "ping"
+             else SettingsFrame(0, settings={SettingsFrame.INITIAL_WINDOW_SIZE: 70000}))
+    raw.send(*[frame] * 5000)
+    assert (await raw.goaway()).error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    await raw.ended()
+    assert srv.rejected["control_flood"] == 1
+    await gone(srv)
+    await answers(srv.port)
+
+
+async def test_zero_window_forever_holds_a_bounded_amount(probe: tuple[GrpcH2Server, Probe]) -> None:
+    """A peer that never opens its window and never reads: each answer waits in its call,
+    the calls are bounded by the stream bound, so what it can make the server hold is too."""
+    srv, _ = probe
+    raw = await Raw.open(srv.port, settings={SettingsFrame.INITIAL_WINDOW_SIZE: 0})
+    for sid in range(1, 40, 2):  # 20 calls, each answered 60 KB it will never read
+        raw.call(sid, b"60000", path="/t.T/Big")
+    refused = await raw.until(lambda f: isinstance(f, RstStreamFrame))
+    assert refused.error_code == ErrorCodes.REFUSED_STREAM  # type: ignore[attr-defined]
+    conn = next(iter(srv.connections))
+    held = sum(len(c.out) for c in conn.calls.values())
+    assert len(conn.calls) == LIMITS.max_concurrent_streams
+    assert held <= LIMITS.max_concurrent_streams * (LIMITS.max_message_bytes + 5)
+    await answers(srv.port)  # meanwhile another connection is served
+    raw.close()
+    await gone(srv)
+
+
+@pytest.mark.parametrize("garbage", ["before", "after"])
+async def test_garbage_around_the_preface(probe: tuple[GrpcH2Server, Probe], garbage: str) -> None:
+    srv, _ = probe
+    raw = await Raw.open(srv.port, preface=garbage == "after")
+    raw.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(range(256)) * 8)
+    if garbage == "after":  # "GET" read as a frame header: a 4.6 MB frame, refused at once
+        assert (await raw.goaway()).error_code == ErrorCodes.FRAME_SIZE_ERROR
+    await raw.ended()
+    assert srv.rejected["protocol_error" if garbage == "before" else "frame_too_large"] == 1
+    await gone(srv)
+    await answers(srv.port)
