@@ -8,6 +8,8 @@ with raw frames (hyperframe, hpack) on a server with short timeouts and small bo
 from __future__ import annotations
 
 import asyncio
+import socket
+import ssl
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,7 @@ from extauthz.server.app import Server, ServerConfig
 from extauthz.server.edge import EXT_AUTHZ_NAMESPACE
 from extauthz.server.grpc_h2 import GrpcH2Server, H2Limits, parse_timeout
 
+from ..infra.certs import CA
 from .test_server import check_request
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -616,3 +619,69 @@ async def test_garbage_around_the_preface(probe: tuple[GrpcH2Server, Probe], gar
     assert srv.rejected["protocol_error" if garbage == "before" else "frame_too_large"] == 1
     await gone(srv)
     await answers(srv.port)
+
+
+# -- TLS and mTLS (server/tls.py's files, checks and rotation; ALPN h2) -----------------------
+
+
+def _handshake(port: int, ca: Path, cert: Path, key: Path, sni: str | None = "extauthz") -> tuple[bytes, str | None]:
+    """The DER certificate a new mTLS handshake gets, and the protocol ALPN chose."""
+    ctx = ssl.create_default_context(cafile=str(ca))
+    ctx.load_cert_chain(cert, key)
+    ctx.set_alpn_protocols(["h2"])
+    ctx.check_hostname = sni is not None
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as sock, \
+            ctx.wrap_socket(sock, server_hostname=sni) as tls:
+        der = tls.getpeercert(binary_form=True)
+        assert der is not None
+        return der, tls.selected_alpn_protocol()
+
+
+async def test_mtls_as_grpcio_serves_it(tmp_path: Path) -> None:
+    ca, other = CA(), CA("another CA")
+    ca_path = ca.write(tmp_path / "ca.crt")
+    server_leaf = ca.issue("extauthz", dns=("extauthz",), ips=("127.0.0.1",))
+    cert, key = server_leaf.write(tmp_path / "server", "tls")
+    envoy, stranger = ca.issue("envoy"), other.issue("stranger")
+    envoy_cert, envoy_key = envoy.write(tmp_path / "envoy", "tls")
+    policy = tmp_path / "p.yaml"
+    policy.write_text("version: 1\nidentity: [{header: x-api-key}]\nlimiters:\n"
+                      "  - {name: user-rate, type: request_rate, rate: 100, burst: 100}\n")
+    srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0", admin_listen="off",
+                              grpc_server="asyncio", tls_cert=str(cert), tls_key=str(key),
+                              tls_client_ca=str(ca_path)))
+    await srv.start()
+    options = (("grpc.ssl_target_name_override", "extauthz"),)
+
+    async def check(credentials: grpc.ChannelCredentials | None) -> auth_pb2.CheckResponse:
+        target = f"127.0.0.1:{srv.port}"
+        channel = (grpc.aio.insecure_channel(target) if credentials is None
+                   else grpc.aio.secure_channel(target, credentials, options=options))
+        async with channel as ch:
+            return await auth_pb2_grpc.AuthorizationStub(ch).Check(check_request(), timeout=WAIT)
+
+    try:
+        good = grpc.ssl_channel_credentials(ca.pem, envoy.key_pem, envoy.cert_pem)
+        assert (await check(good)).status.code == 0
+        refused = {"no certificate": grpc.ssl_channel_credentials(ca.pem),
+                   "another CA": grpc.ssl_channel_credentials(ca.pem, stranger.key_pem, stranger.cert_pem),
+                   "plaintext": None}
+        for what, credentials in refused.items():
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await check(credentials)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, what
+        loop = asyncio.get_running_loop()
+        der, alpn = await loop.run_in_executor(None, _handshake, srv.port, ca_path, envoy_cert, envoy_key)
+        assert der == server_leaf.der and alpn == "h2"
+        # rotated on disk: the next handshake gets the new certificate, no restart
+        rotated = ca.issue("extauthz", dns=("extauthz",), ips=("127.0.0.1",))
+        rotated.write(tmp_path / "server", "tls")
+        der, _ = await loop.run_in_executor(None, _handshake, srv.port, ca_path, envoy_cert, envoy_key)
+        assert der == rotated.der
+        again = ca.issue("extauthz", dns=("extauthz",), ips=("127.0.0.1",))
+        again.write(tmp_path / "server", "tls")  # a client sending no server name: the same
+        der, _ = await loop.run_in_executor(None, _handshake, srv.port, ca_path, envoy_cert, envoy_key, None)
+        assert der == again.der
+        assert (await check(good)).status.code == 0
+    finally:
+        await srv.stop(grace=0)
