@@ -33,7 +33,7 @@ from ..store.keys import Keys
 from ..store.memory import MemoryStore
 from ..tickets import LeaseTickets
 from .fluentd import FluentdReceiver
-from .grpc_h2 import GrpcH2Server
+from .grpc_h2 import GrpcH2Server, H2Limits
 from .http import HttpAuthorization, HttpLimits, max_connections_for
 from .httpmap import unreadable_over_http
 from .leases import Leases
@@ -177,8 +177,9 @@ class Server:
                 self.ops.status_sections["fluentd"] = self.fluentd.status
             if not is_off(self.config.listen) and self.config.grpc_server == "asyncio":
                 # the same servicers on HTTP/2 served by the event loop (server/grpc_h2.py)
-                h2server = GrpcH2Server(self.config.grpc_limits,
-                                        ssl_context=self.tls.ssl_context() if self.tls is not None else None)
+                # its connection bound follows the file limit, as the HTTP port's does
+                limits = self.config.grpc_limits or H2Limits(max_connections=max_connections_for())
+                h2server = GrpcH2Server(limits, ssl_context=self.tls.ssl_context() if self.tls is not None else None)
                 auth_pb2_grpc.add_AuthorizationServicer_to_server(service, h2server)
                 accesslog_pb2_grpc.add_AccessLogServiceServicer_to_server(self.accesslog, h2server)
                 health_pb2_grpc.add_HealthServicer_to_server(self.health, h2server)
