@@ -165,6 +165,7 @@ class Call:
         "queued",
         "stream_id",
         "task",
+        "timer",
         "trailers",
         "writer",
     )
@@ -185,6 +186,7 @@ class Call:
         self.queued = 0
         self.ended = False  # the client half-closed
         self.task: asyncio.Task[None] | None = None
+        self.timer: asyncio.TimerHandle | None = None  # the deadline's
         self.out = bytearray()  # answer bytes waiting for the peer's window
         self.head_sent = False
         self.trailers: list[tuple[bytes, bytes]] | None = None  # due once ``out`` is sent
@@ -242,6 +244,9 @@ class Call:
             self._waiter.set_result(None)
 
     def done(self) -> None:
+        if self.timer is not None:  # a long grpc-timeout must not keep the call alive
+            self.timer.cancel()
+            self.timer = None
         callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
             try:
@@ -539,7 +544,7 @@ class _Connection(asyncio.Protocol):
         self.calls[sid] = call
         server.calls += 1
         if deadline is not None:
-            self.loop.call_at(deadline, self._expire, call)
+            call.timer = self.loop.call_at(deadline, self._expire, call)
         if handler.request_streaming:
             self._start(call)
 
@@ -850,12 +855,18 @@ class _Connection(asyncio.Protocol):
         self._finish(call, code, details)
 
     def _http_error(self, sid: int, status: bytes) -> None:
-        self.h2.send_headers(sid, [(b":status", status)], end_stream=True)
-        self.h2.reset_stream(sid, ErrorCodes.NO_ERROR)
+        try:
+            self.h2.send_headers(sid, [(b":status", status)], end_stream=True)
+            self.h2.reset_stream(sid, ErrorCodes.NO_ERROR)
+        except ProtocolError:
+            pass  # the stream is closed already
 
     def _refuse(self, sid: int, reason: str) -> None:
         self.server.reject(reason)
-        self.h2.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
+        try:
+            self.h2.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
+        except ProtocolError:
+            pass
 
     # -- the connection
     def _flush_later(self) -> None:
@@ -940,6 +951,7 @@ class _Connection(asyncio.Protocol):
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
+            self.flush()  # what is owed (trailers of calls just ended) goes out first
             self.transport.close()
         self.closed = True
         self.server.connections.discard(self)

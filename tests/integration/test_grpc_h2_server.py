@@ -685,3 +685,30 @@ async def test_mtls_as_grpcio_serves_it(tmp_path: Path) -> None:
         assert (await check(good)).status.code == 0
     finally:
         await srv.stop(grace=0)
+
+
+async def test_a_long_grpc_timeout_holds_nothing_after_the_call(probe: tuple[GrpcH2Server, Probe]) -> None:
+    """Each deadline is a timer on the loop: it goes with its call, or calls with a grpc-timeout
+    of years would pile up until then."""
+    srv, _ = probe
+    loop = asyncio.get_running_loop()
+
+    def timers() -> int:
+        return sum(not h.cancelled() for h in loop._scheduled)  # type: ignore[attr-defined]
+
+    before = timers()
+    raw = await Raw.open(srv.port)
+    for i in range(50):  # one at a time (the probe's stream bound is 4)
+        raw.call(2 * i + 1, extra=[("grpc-timeout", "99999999H")])
+        assert (await raw.trailers(2 * i + 1))["grpc-status"] == "0"
+    assert timers() <= before + 2  # the sweeper's sleep, nothing per call
+    raw.close()
+
+
+async def test_stop_ends_a_health_watch_with_unavailable(server: Server) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""), timeout=WAIT)
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        await server.stop(grace=0.5)
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert await watch.code() == grpc.StatusCode.UNAVAILABLE
