@@ -179,6 +179,8 @@ class Server:
                 # the same servicers on HTTP/2 served by the event loop (server/grpc_h2.py)
                 # its connection bound follows the file limit, as the HTTP port's does
                 limits = self.config.grpc_limits or H2Limits(max_connections=max_connections_for())
+                if isinstance(limits, dict):  # a worker's settings arrive as JSON (workers.py)
+                    limits = H2Limits(**limits)
                 h2server = GrpcH2Server(limits, ssl_context=self.tls.ssl_context() if self.tls is not None else None)
                 auth_pb2_grpc.add_AuthorizationServicer_to_server(service, h2server)
                 accesslog_pb2_grpc.add_AccessLogServiceServicer_to_server(self.accesslog, h2server)
