@@ -55,6 +55,7 @@ from h2.events import (
     WindowUpdated,
 )
 from h2.exceptions import DenialOfServiceError, ProtocolError
+from h2.frame_buffer import FrameBuffer
 from h2.settings import SettingCodes, Settings
 from hpack import HPACKError
 from hyperframe.frame import GoAwayFrame
@@ -68,6 +69,8 @@ log = logging.getLogger("extauthz.server")
 OK, CANCELLED, UNKNOWN, DEADLINE_EXCEEDED = 0, 1, 2, 4
 RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE = 8, 12, 13, 14
 
+#: h2's FrameBuffer attribute holding the bytes not parsed into frames yet (renamed in 4.2)
+_UNPARSED = "_data" if hasattr(FrameBuffer(server=True), "_data") else "data"
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 _HEAD = ((b":status", b"200"), (b"content-type", b"application/grpc"))
 
@@ -461,7 +464,7 @@ class _Connection(asyncio.Protocol):
             return
         # h2 reads a frame whole before it checks its length: a frame header announcing more
         # than SETTINGS_MAX_FRAME_SIZE is refused here at once (else up to 16 MiB would wait)
-        pending = h2.incoming_buffer._data
+        pending = getattr(h2.incoming_buffer, _UNPARSED)
         if len(pending) >= 9 and int.from_bytes(pending[:3], "big") > self.limits.max_frame_size:
             self.server.reject("frame_too_large")
             self._close_with(ErrorCodes.FRAME_SIZE_ERROR)
@@ -890,7 +893,8 @@ class _Connection(asyncio.Protocol):
         decode gets COMPRESSION_ERROR instead of h2's PROTOCOL_ERROR (RFC 9113 4.3)."""
         self.server.reject("protocol_error")
         log.debug("gRPC connection: HTTP/2 protocol error: %s", exc)
-        if isinstance(exc.__cause__, HPACKError) and not isinstance(exc, DenialOfServiceError):
+        if (isinstance(exc.__cause__ or exc.__context__, HPACKError)  # (h2 < 4.2 chains implicitly)
+                and not isinstance(exc, DenialOfServiceError)):
             out = bytes(self.h2.data_to_send())
             if len(out) >= 17 and out[-14] == 7:  # h2's GOAWAY, last: replaced
                 out = out[:-17]
