@@ -23,6 +23,10 @@ a server exposed to a network need on top, each bounded (:class:`H2Limits`, docs
 * graceful stop: GOAWAY, running calls finish (up to the grace), client streams (the access
   log) are ended cleanly and answered, the rest cancelled.
 
+The common answer (one message, ``grpc-status`` 0) is written as constant frames with h2's
+stream state told (:meth:`_Connection._answer`): h2's send path was most of a no-op check's
+CPU (docs/design.md, "The gRPC port on the event loop").
+
 The servicers are the ones grpc.aio runs (``server/services.py``, grpc_health's servicer):
 ``add_*Servicer_to_server`` registers them here too, and each call gets a :class:`Call`, the
 part of ``grpc.aio.ServicerContext`` they use. The check flow (``server/flow.py``) thus runs
@@ -57,6 +61,7 @@ from h2.events import (
 from h2.exceptions import DenialOfServiceError, ProtocolError
 from h2.frame_buffer import FrameBuffer
 from h2.settings import SettingCodes, Settings
+from h2.stream import StreamInputs
 from hpack import HPACKError
 from hyperframe.frame import GoAwayFrame
 
@@ -73,6 +78,12 @@ RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE = 8, 12, 13, 14
 _UNPARSED = "_data" if hasattr(FrameBuffer(server=True), "_data") else "data"
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 _HEAD = ((b":status", b"200"), (b"content-type", b"application/grpc"))
+#: the answer's header blocks as constant bytes that touch no HPACK table (``:status`` 200
+#: from the static table; content-type and grpc-status 0 literal, never indexed), for the fast
+#: path of :meth:`_Connection._send_out`
+_HEAD_BLOCK = b"\x88\x0f\x10\x10application/grpc"
+_OK_BLOCK = b"\x00\x0bgrpc-status\x010"
+_OK = [(b"grpc-status", b"0")]
 
 
 @dataclass(frozen=True)
@@ -770,7 +781,7 @@ class _Connection(asyncio.Protocol):
         """Answer the call with its status (after its queued messages)."""
         if call.trailers is not None or self.closed or self.calls.get(call.stream_id) is not call:
             return
-        trailers = [(b"grpc-status", str(code).encode())]
+        trailers = _OK if code == OK and not details else [(b"grpc-status", str(code).encode())]
         if details:
             trailers.append((b"grpc-message", quote(details, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~")
                              .encode("ascii")))
@@ -786,6 +797,11 @@ class _Connection(asyncio.Protocol):
             return
         h2 = self.h2
         sid = call.stream_id
+        out = call.out
+        if (call.trailers is _OK and not call.head_sent and out and not h2.encoder.table_size_changes
+                and len(out) <= h2.max_outbound_frame_size and len(out) <= h2.local_flow_control_window(sid)):
+            self._answer(call, h2, sid, out)
+            return
         try:
             if not call.head_sent:
                 if not call.out and call.trailers is not None:  # Trailers-Only
@@ -810,6 +826,38 @@ class _Connection(asyncio.Protocol):
         except ProtocolError:  # the stream is gone (reset meanwhile)
             self._cancel(call)
             self.calls.pop(sid, None)
+
+    def _answer(self, call: Call, h2: H2Connection, sid: int, out: bytearray) -> None:
+        """The common answer (one message that the windows take, grpc-status 0) written as
+        three frames of constant header blocks; h2's stream state and windows told, as its
+        ``send_headers``/``send_data``/``send_headers`` would (the profile: h2's send path
+        was most of a no-op check's CPU; docs/design.md)."""
+        stream = h2.streams.get(sid)
+        if stream is None:
+            self._cancel(call)
+            self.calls.pop(sid, None)
+            return
+        n = len(out)
+        sm = stream.state_machine
+        try:
+            sm.process_input(StreamInputs.SEND_HEADERS)
+            sm.process_input(StreamInputs.SEND_DATA)
+            sm.process_input(StreamInputs.SEND_HEADERS)
+            sm.process_input(StreamInputs.SEND_END_STREAM)
+        except ProtocolError:  # the stream is gone (reset meanwhile)
+            self._cancel(call)
+            self.calls.pop(sid, None)
+            return
+        stream.outbound_flow_control_window -= n
+        h2.outbound_flow_control_window -= n
+        head = sid.to_bytes(4, "big")
+        h2._data_to_send += b"".join((
+            b"\x00\x00\x14\x01\x04", head, _HEAD_BLOCK,  # HEADERS, END_HEADERS
+            n.to_bytes(3, "big"), b"\x00\x00", head, out,  # DATA
+            b"\x00\x00\x0f\x01\x05", head, _OK_BLOCK))  # HEADERS, END_HEADERS | END_STREAM
+        out.clear()
+        call.head_sent = True
+        self._done(call)
 
     def _done(self, call: Call) -> None:
         """The call's answer is out: forget it, reset its request side if still open."""

@@ -712,3 +712,25 @@ async def test_stop_ends_a_health_watch_with_unavailable(server: Server) -> None
         await server.stop(grace=0.5)
         assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
         assert await watch.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_answers_written_by_hand_keep_to_the_connection_window(probe: tuple[GrpcH2Server, Probe]) -> None:
+    """The common answer is written without h2's send path: the windows must still be
+    counted, so a peer that never opens its connection window (65,535 bytes) gets no more."""
+    srv, _ = probe
+    raw = await Raw.open(srv.port, settings={SettingsFrame.INITIAL_WINDOW_SIZE: 1 << 20})
+    body = b"e" * 10000
+    for i in range(4):  # 40 KB answered, within the window
+        raw.call(2 * i + 1, body)
+        assert (await raw.trailers(2 * i + 1))["grpc-status"] == "0"
+    for i in range(4, 8):  # 80 KB asked: the window ends inside the 7th answer
+        raw.call(2 * i + 1, body)
+    with pytest.raises(asyncio.TimeoutError):
+        await raw.until(lambda f: isinstance(f, HeadersFrame) and f.stream_id == 15
+                        and "END_STREAM" in f.flags, within=0.5)
+    sent = sum(f.flow_controlled_length for f in raw.frames if isinstance(f, DataFrame))  # type: ignore[attr-defined]
+    assert sent <= 65535
+    raw.send(WindowUpdateFrame(0, window_increment=1 << 20))
+    assert (await raw.trailers(15))["grpc-status"] == "0"
+    sent = sum(f.flow_controlled_length for f in raw.frames if isinstance(f, DataFrame))  # type: ignore[attr-defined]
+    assert sent == 8 * (len(body) + 5)
