@@ -118,7 +118,7 @@ class H2Limits:
     max_connections: int = 4096
     #: streams a peer may reset before their answer, per second (burst: twice as many)
     resets_per_second: float = 200.0
-    #: PING, SETTINGS and PRIORITY-only frames a peer may send per second (burst: twice)
+    #: PING and SETTINGS frames a peer may send per second (burst: twice): each costs an answer
     control_per_second: float = 100.0
 
 
