@@ -95,7 +95,7 @@ async def test_grpc_timeout_is_the_checks_time_left(server: Server) -> None:
         stub = auth_pb2_grpc.AuthorizationStub(ch)
         await stub.Check(check_request("sk_a"), timeout=WAIT)
         await stub.Check(check_request("sk_b"))  # no deadline
-    assert seen[0] is not None and WAIT - 5.0 < seen[0] <= WAIT
+    assert seen[0] is not None and WAIT - 5.0 < seen[0] <= WAIT + 1.0  # (grpc rounds its timeout up)
     assert seen[1] is None
 
 
