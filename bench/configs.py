@@ -68,6 +68,12 @@ SETUPS: dict[str, Setup] = {s.key: s for s in [
     Setup("d2", "(d), Envoy x2 threads, --workers 2", policy="all-on", redis=True,
           envoy_concurrency=2, workers=2),
     Setup("b-aio", "(b) on asyncio (no uvloop)", policy="noop", loop="asyncio"),
+    # Issue 31: the gRPC port served on the event loop (serve --grpc-server asyncio).
+    Setup("b-h2", "(b), --grpc-server asyncio", policy="noop", server_args=("--grpc-server", "asyncio")),
+    Setup("d-h2", "(d), --grpc-server asyncio", policy="all-on", redis=True,
+          server_args=("--grpc-server", "asyncio")),
+    Setup("r-h2", "(r), --grpc-server asyncio, access log auto", policy="rate-only", redis=True,
+          server_args=("--grpc-server", "asyncio"), access_log="auto"),
     Setup("d-aio", "(d) on asyncio (no uvloop)", policy="all-on", redis=True, loop="asyncio"),
     Setup("b-buf", "(b), access log buffered 5 ms", policy="noop", accesslog_flush_ms=5),
     Setup("d-buf", "(d), access log buffered 5 ms", policy="all-on", redis=True, accesslog_flush_ms=5),
@@ -137,6 +143,8 @@ CPU_RATIOS: tuple[tuple[str, str], ...] = (("h", "b"), ("hc", "c"), ("hd", "d"),
 P99_ADDED: tuple[tuple[str, str], ...] = (("d", "b"), ("c", "b"))
 #: ``p99 <k>/<base>``: p99(k) / p99(base) at the paced rate (the flood: well-behaved keys).
 P99_RATIOS: tuple[tuple[str, str], ...] = (("f", "fc"),)
+#: issue 31's targets: the gRPC port served on the event loop against grpc.aio and the HTTP door
+CPU_RATIOS += (("b-h2", "b"), ("b-h2", "h"), ("d-h2", "d"), ("r-h2", "rh"), ("r-h2", "b-h2"))
 
 
 def policy_file(setup: Setup) -> Path:

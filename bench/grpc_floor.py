@@ -34,6 +34,8 @@ Candidates (``--candidates``, default all):
   h2            a hand-rolled asyncio protocol on the ``h2`` library (uvloop)
   h2-lean       HTTP/2 framing by hand (``hpack`` for the request headers, the answer's
                 header blocks precomputed), one write per read: how low Python can go
+  h2-server     the server ``serve --grpc-server asyncio`` runs (server/grpc_h2.py: h2, with
+                every bound), uvloop
 
     python -m bench.grpc_floor [--checks 2000] [--streams 8] [--candidates aio-uvloop,h2]
                                [--no-callgrind] [--no-cpu]
@@ -67,7 +69,7 @@ from extauthz.devtools.stack import free_port
 
 CHECK_PATH = "/envoy.service.auth.v3.Authorization/Check"
 CANDIDATES = ("aio", "aio-uvloop", "aio-knobs", "aio-poll", "aio-no-ee", "aio-exp", "aio-bytes", "sync",
-              "grpclib", "h2", "h2-lean")
+              "grpclib", "h2", "h2-lean", "h2-server")
 #: gRPC core settings by environment (the core reads them at start)
 ENV = {
     "aio-poll": {"GRPC_POLL_STRATEGY": "poll"},
@@ -77,7 +79,7 @@ ENV = {
     # off-by-default experiments on the TCP path
     "aio-exp": {"GRPC_EXPERIMENTS": "tcp_frame_size_tuning,tcp_rcv_lowat,pollset_alternative"},
 }
-NEEDS = {"grpclib": "grpclib", "h2": "h2", "h2-lean": "hpack"}
+NEEDS = {"grpclib": "grpclib", "h2": "h2", "h2-lean": "hpack", "h2-server": "h2"}
 
 
 # ---- the request and the answer ----------------------------------------------------------
@@ -360,6 +362,27 @@ async def _serve_h2_lean(port: int) -> None:
     await server.serve_forever()
 
 
+async def _serve_h2_server(port: int) -> None:
+    """The asyncio gRPC server of ``serve --grpc-server asyncio`` with the same handler."""
+    import grpc
+
+    from extauthz.proto import auth_pb2
+    from extauthz.server.grpc_h2 import GrpcH2Server
+
+    answer = ok_response()
+
+    async def check(request: Any, context: Any) -> Any:
+        return answer
+
+    server = GrpcH2Server()
+    server.add_registered_method_handlers("envoy.service.auth.v3.Authorization", {
+        "Check": grpc.unary_unary_rpc_method_handler(
+            check, request_deserializer=auth_pb2.CheckRequest.FromString,
+            response_serializer=auth_pb2.CheckResponse.SerializeToString)})
+    await server.start(f"127.0.0.1:{port}")
+    await asyncio.Event().wait()
+
+
 def serve(name: str, port: int) -> None:
     if name == "sync":
         _serve_sync(port)
@@ -375,6 +398,8 @@ def serve(name: str, port: int) -> None:
         uvloop.run(_serve_h2(port))
     elif name == "h2-lean":
         uvloop.run(_serve_h2_lean(port))
+    elif name == "h2-server":
+        uvloop.run(_serve_h2_server(port))
     else:
         uvloop.run(_serve_aio(port, name))
 

@@ -22,7 +22,10 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # no server code at run time (module docstring)
+    from .server.grpc_h2 import H2Limits
 
 #: the authorization protocols of Envoy's ext_authz filter, both answered from the same
 #: pieces here (``serve --listen`` / ``--http-listen``; ``--protocol`` of
@@ -198,6 +201,13 @@ class Settings:
         "serving)", parse=size, shown="1M, a ConfigMap's limit")
     listen: str = option(
         "0.0.0.0:9001", "--listen", "gRPC Check + AccessLog + health port; 'off' (or '') turns it off")
+    grpc_server: str = option(
+        "grpcio", "--grpc-server", "what serves the --listen port: 'grpcio' (grpc.aio) or 'asyncio' "
+        "(HTTP/2 on the event loop, server/grpc_h2.py: the same services at a fraction of the CPU "
+        "per check; docs/design.md)", choices=("grpcio", "asyncio"))
+    grpc_limits: H2Limits | None = internal(  # noqa: RUF009 - internal() returns a field()
+        None, "the asyncio gRPC server's protocol bounds (server/grpc_h2.py H2Limits, "
+        "docs/security.md); tests shorten its timeouts")
     http_listen: str | None = option(
         None, "--http-listen", "HTTP authorization port for Envoy's http_service (and other "
         "forward-auth proxies), e.g. 0.0.0.0:9003; off unless given (docs/http.md)")

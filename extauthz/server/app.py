@@ -34,6 +34,7 @@ from ..store.keys import Keys
 from ..store.memory import MemoryStore
 from ..tickets import LeaseTickets
 from .fluentd import FluentdReceiver
+from .grpc_h2 import GrpcH2Server, H2Limits
 from .http import HttpAuthorization, HttpLimits, max_connections_for
 from .httpmap import unreadable_over_http
 from .leases import Leases
@@ -130,7 +131,7 @@ class Server:
         if is_off(config.listen) and is_off(config.http_listen):
             raise ValueError("both the gRPC (--listen) and the HTTP (--http-listen) ports are off: "
                              "nothing to serve")
-        self.grpc: grpc.aio.Server | None = None
+        self.grpc: grpc.aio.Server | GrpcH2Server | None = None
         self.health_grpc: grpc.aio.Server | None = None
         self.http: HttpAuthorization | None = None
         self.fluentd: FluentdReceiver | None = None
@@ -176,7 +177,20 @@ class Server:
                 self.fluentd_port = await self.fluentd.start(self.config.fluentd_listen,
                                                              reuse_port=self.config.reuse_port)
                 self.ops.status_sections["fluentd"] = self.fluentd.status
-            if not is_off(self.config.listen):
+            if not is_off(self.config.listen) and self.config.grpc_server == "asyncio":
+                # the same servicers on HTTP/2 served by the event loop (server/grpc_h2.py)
+                # its connection bound follows the file limit, as the HTTP port's does
+                limits = self.config.grpc_limits or H2Limits(max_connections=max_connections_for())
+                if isinstance(limits, dict):  # a worker's settings arrive as JSON (workers.py)
+                    limits = H2Limits(**limits)
+                h2server = GrpcH2Server(limits, ssl_context=self.tls.ssl_context() if self.tls is not None else None)
+                auth_pb2_grpc.add_AuthorizationServicer_to_server(service, h2server)
+                accesslog_pb2_grpc.add_AccessLogServiceServicer_to_server(self.accesslog, h2server)
+                health_pb2_grpc.add_HealthServicer_to_server(self.health, h2server)
+                self.port = await h2server.start(self.config.listen, reuse_port=self.config.reuse_port)
+                self.grpc = h2server
+                self.ops.status_sections["grpc"] = h2server.status
+            elif not is_off(self.config.listen):
                 server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.config.reuse_port))])
                 auth_pb2_grpc.add_AuthorizationServicer_to_server(service, server)
                 accesslog_pb2_grpc.add_AccessLogServiceServicer_to_server(self.accesslog, server)
@@ -191,6 +205,8 @@ class Server:
                 await health_server.start()
                 self.health_grpc = health_server
         except BaseException:
+            if self.grpc is not None:
+                await self.grpc.stop(0)
             if self.fluentd is not None:
                 await self.fluentd.stop()
             if self.http is not None:

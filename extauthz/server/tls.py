@@ -110,6 +110,17 @@ def _configuration(loaded: _Loaded) -> Any:
                                                      root_certificates=loaded.client_ca)
 
 
+def _ssl_context(files: TlsFiles, mtls: bool) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(files.cert, files.key)
+    ctx.set_alpn_protocols(["h2"])
+    if mtls and files.client_ca is not None:
+        ctx.load_verify_locations(cafile=str(files.client_ca))
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
 class CertificateReloader:
     """Owns the gRPC server credentials of a TLS port and follows the files on disk."""
 
@@ -140,6 +151,29 @@ class CertificateReloader:
     def credentials(self) -> grpc.ServerCredentials:
         return grpc.dynamic_ssl_server_credentials(
             _configuration(self._loaded), self.fetch, require_client_authentication=self.mtls)
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The port's context for the asyncio gRPC server (``--grpc-server asyncio``): ALPN
+        ``h2``, client certificates required under mTLS; each handshake first looks for
+        rotated files (:meth:`fetch`, the same checks) and, when a new set was loaded, serves
+        it through a new context."""
+        current: dict[str, Any] = {"loaded": self._loaded, "ctx": _ssl_context(self.files, self.mtls)}
+
+        def pick(sslobj: ssl.SSLObject, name: str | None, ctx: ssl.SSLContext) -> None:
+            self.fetch()
+            if self._loaded is not current["loaded"]:
+                try:
+                    current["ctx"] = _ssl_context(self.files, self.mtls)
+                except (OSError, ssl.SSLError) as exc:  # changed again since: keep the last
+                    log.error("TLS certificate rotation: cannot build the context: %s", exc)
+                else:
+                    current["loaded"] = self._loaded
+            if current["ctx"] is not ctx:
+                sslobj.context = current["ctx"]
+
+        outer: ssl.SSLContext = current["ctx"]
+        outer.sni_callback = pick
+        return outer
 
     def fetch(self) -> Any:
         """gRPC's certificate_configuration_fetcher: a new configuration, or None (keep)."""

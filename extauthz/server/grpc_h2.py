@@ -1,0 +1,1012 @@
+"""The gRPC port served on the event loop (``serve --grpc-server asyncio``).
+
+grpc.aio answers a no-op ``Check`` at ~395 us of CPU, most of it system calls and hand-offs
+between gRPC's poller thread and the event loop (docs/design.md, "The gRPC front door"). This
+server runs HTTP/2 on the event loop itself: the python-hyper ``h2`` state machine does the
+framing, HPACK and stream states (preface, SETTINGS, CONTINUATION, padding, PRIORITY, PING,
+stream ids, frame and header-list sizes, flow-control windows); this module adds what gRPC and
+a server exposed to a network need on top, each bounded (:class:`H2Limits`, docs/security.md
+"HTTP/2 bounds"):
+
+* gRPC framing of messages (5-byte prefix), a message size bound (RESOURCE_EXHAUSTED),
+  compressed messages refused (only ``identity`` is offered), ``grpc-timeout`` as the call's
+  deadline, unknown methods UNIMPLEMENTED, trailers with ``grpc-status``/``grpc-message``;
+* concurrency counted on the calls still running (a reset stream's handler counts until it
+  ends), so rapid reset (CVE-2023-44487) cannot pile up work; peer resets and control frames
+  (PING, SETTINGS) drawn from budgets that refill with time: a flood gets GOAWAY
+  ENHANCE_YOUR_CALM;
+* inbound flow control tied to consumption: a stream's window is reopened only while what this
+  connection holds unconsumed stays under ``max_buffered`` (a slow access-log handler slows
+  Envoy's stream, not our memory); outbound data waits for the peer's windows and the socket:
+  a peer that stops reading is closed once ``max_write_buffer`` bytes wait for it;
+* a handshake and an idle timeout, and a unary request's body due within ``request_timeout``;
+* graceful stop: GOAWAY, running calls finish (up to the grace), client streams (the access
+  log) are ended cleanly and answered, the rest cancelled.
+
+The common answer (one message, ``grpc-status`` 0) is written as constant frames with h2's
+stream state told (:meth:`_Connection._answer`): h2's send path was most of a no-op check's
+CPU (docs/design.md, "The gRPC port on the event loop").
+
+The servicers are the ones grpc.aio runs (``server/services.py``, grpc_health's servicer):
+``add_*Servicer_to_server`` registers them here too, and each call gets a :class:`Call`, the
+part of ``grpc.aio.ServicerContext`` they use. The check flow (``server/flow.py``) thus runs
+behind the same gRPC door adapter whichever server carries it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import grpc
+from h2.config import H2Configuration
+from h2.connection import ConnectionInputs, ConnectionState, H2Connection, H2ConnectionStateMachine
+from h2.errors import ErrorCodes
+from h2.events import (
+    ConnectionTerminated,
+    DataReceived,
+    PingReceived,
+    RemoteSettingsChanged,
+    RequestReceived,
+    StreamEnded,
+    StreamReset,
+    WindowUpdated,
+)
+from h2.exceptions import DenialOfServiceError, ProtocolError
+from h2.frame_buffer import FrameBuffer
+from h2.settings import SettingCodes, Settings
+from h2.stream import StreamInputs
+from hpack import HPACKError
+from hyperframe.frame import GoAwayFrame
+
+from .ports import parse_listen
+
+__all__ = ["Call", "GrpcH2Server", "H2Limits", "parse_timeout"]
+
+log = logging.getLogger("extauthz.server")
+
+OK, CANCELLED, UNKNOWN, DEADLINE_EXCEEDED = 0, 1, 2, 4
+RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE = 8, 12, 13, 14
+
+#: h2's FrameBuffer attribute holding the bytes not parsed into frames yet (renamed in 4.2)
+_UNPARSED = "_data" if hasattr(FrameBuffer(server=True), "_data") else "data"
+_TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
+_HEAD = ((b":status", b"200"), (b"content-type", b"application/grpc"))
+#: the answer's header blocks as constant bytes that touch no HPACK table (``:status`` 200
+#: from the static table; content-type and grpc-status 0 literal, never indexed), for the fast
+#: path of :meth:`_Connection._send_out`
+_HEAD_BLOCK = b"\x88\x0f\x10\x10application/grpc"
+_OK_BLOCK = b"\x00\x0bgrpc-status\x010"
+_OK = [(b"grpc-status", b"0")]
+
+
+@dataclass(frozen=True)
+class H2Limits:
+    """The bounds of the gRPC port (docs/security.md, "HTTP/2 bounds")."""
+
+    #: calls running at once per connection (SETTINGS_MAX_CONCURRENT_STREAMS, and the count of
+    #: handlers still running: one more stream is refused with REFUSED_STREAM)
+    max_concurrent_streams: int = 100
+    #: SETTINGS_MAX_FRAME_SIZE we accept (the protocol's minimum)
+    max_frame_size: int = 16384
+    #: SETTINGS_MAX_HEADER_LIST_SIZE: decoded request headers (HPACK bombs end here)
+    max_header_list_size: int = 16384
+    #: SETTINGS_HEADER_TABLE_SIZE: the HPACK dynamic table the peer may use
+    header_table_size: int = 4096
+    #: one gRPC message (grpc's own default receive bound): more is RESOURCE_EXHAUSTED
+    max_message_bytes: int = 4 << 20
+    #: SETTINGS_INITIAL_WINDOW_SIZE of each stream, and the connection's window
+    stream_window: int = 1 << 20
+    connection_window: int = 16 << 20
+    #: request bytes held unconsumed per connection past which windows stay shut
+    max_buffered: int = 16 << 20
+    #: answer bytes the peer has not read past which the connection is closed
+    max_write_buffer: int = 4 << 20
+    #: the client preface and SETTINGS are due within this of the connection (s)
+    handshake_timeout: float = 10.0
+    #: a connection without calls is closed (GOAWAY) after this (s)
+    idle_timeout: float = 600.0
+    #: a unary call's request must be complete within this of its headers (s)
+    request_timeout: float = 10.0
+    #: open connections at once; one more is closed at once
+    max_connections: int = 4096
+    #: streams a peer may reset before their answer, per second (burst: twice as many)
+    resets_per_second: float = 200.0
+    #: PING and SETTINGS frames a peer may send per second (burst: twice): each costs an answer
+    control_per_second: float = 100.0
+
+
+def parse_timeout(value: bytes) -> float:
+    """A ``grpc-timeout`` header (1-8 digits and a unit) in seconds; ValueError if malformed."""
+    digits, unit = value[:-1], value[-1:]
+    if not 1 <= len(digits) <= 8 or not digits.isdigit() or unit not in _TIMEOUT_UNITS:
+        raise ValueError(f"malformed grpc-timeout {value!r}")
+    return int(digits) * _TIMEOUT_UNITS[unit]
+
+
+class _Budget:
+    """A token bucket on the loop's clock: ``take()`` is False once the peer overdraws it."""
+
+    __slots__ = ("at", "burst", "rate", "tokens")
+
+    def __init__(self, rate: float, now: float) -> None:
+        self.rate, self.burst, self.tokens, self.at = rate, 2 * rate, 2 * rate, now
+
+    def take(self, now: float) -> bool:
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate) - 1
+        self.at = now
+        return self.tokens >= 0
+
+
+class _Abort(Exception):
+    def __init__(self, code: int, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+def _code(code: Any) -> int:
+    return int(code.value[0]) if isinstance(code, grpc.StatusCode) else int(code)
+
+
+class Call:
+    """One RPC, and the part of ``grpc.aio.ServicerContext`` the servicers use; for a
+    client-streaming method also the request iterator."""
+
+    __slots__ = (
+        "_callbacks",
+        "_waiter",
+        "arrived",
+        "buf",
+        "cancelled_",
+        "conn",
+        "deadline",
+        "ended",
+        "expired",
+        "first",
+        "handler",
+        "head_sent",
+        "headers",
+        "held",
+        "messages",
+        "out",
+        "owed",
+        "queued",
+        "stream_id",
+        "task",
+        "timer",
+        "trailers",
+        "writer",
+    )
+
+    def __init__(self, conn: _Connection, stream_id: int, handler: Any, headers: list[tuple[bytes, bytes]],
+                 arrived: float, deadline: float | None) -> None:
+        self.conn = conn
+        self.stream_id = stream_id
+        self.handler = handler
+        self.headers = headers
+        self.arrived = arrived
+        self.deadline = deadline
+        self.buf = bytearray()  # a request message being received
+        self.held = 0  # request bytes this call holds unconsumed (flow-controlled length)
+        self.owed = 0  # bytes received whose window was not reopened yet
+        self.first: bytes | None = None  # a unary call's message
+        self.messages: deque[bytes] = deque()  # a client stream's messages not yet read
+        self.queued = 0
+        self.ended = False  # the client half-closed
+        self.task: asyncio.Task[None] | None = None
+        self.timer: asyncio.TimerHandle | None = None  # the deadline's
+        self.out = bytearray()  # answer bytes waiting for the peer's window
+        self.head_sent = False
+        self.trailers: list[tuple[bytes, bytes]] | None = None  # due once ``out`` is sent
+        self.cancelled_ = False
+        self.expired = False
+        self._callbacks: list[Callable[[Call], None]] = []
+        self._waiter: asyncio.Future[None] | None = None
+        self.writer: asyncio.Future[None] | None = None
+
+    # -- grpc.aio.ServicerContext
+    def time_remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - self.conn.loop.time())
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in self.headers
+                     if not k.startswith(b":"))
+
+    def add_done_callback(self, callback: Callable[[Call], None]) -> None:
+        self._callbacks.append(callback)
+
+    def cancelled(self) -> bool:
+        return self.cancelled_
+
+    def peer(self) -> str:
+        addr = self.conn.transport.get_extra_info("peername") if self.conn.transport else None
+        return f"ipv4:{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "unknown"
+
+    async def abort(self, code: Any, details: str = "", trailing_metadata: Any = ()) -> None:
+        raise _Abort(_code(code), details)
+
+    async def write(self, message: Any) -> None:
+        """Send one message of a server stream; returns once the peer's windows took it."""
+        await self.conn.send(self, self.handler.response_serializer(message))
+
+    # -- the request stream (client-streaming methods)
+    def __aiter__(self) -> Call:
+        return self
+
+    async def __anext__(self) -> Any:
+        while not self.messages:
+            if self.ended or self.cancelled_:
+                raise StopAsyncIteration
+            self._waiter = self.conn.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        message = self.messages.popleft()
+        self.queued -= len(message) + 5
+        self.conn.consumed(self, len(message) + 5)
+        return self.handler.request_deserializer(message)
+
+    def wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def done(self) -> None:
+        if self.timer is not None:  # a long grpc-timeout must not keep the call alive
+            self.timer.cancel()
+            self.timer = None
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:
+                log.exception("gRPC call done callback failed")
+
+
+class GrpcH2Server:
+    """gRPC over HTTP/2 on the event loop; the subset of ``grpc.aio.Server`` that
+    ``add_*Servicer_to_server``, :class:`~extauthz.server.app.Server` and the tests use."""
+
+    def __init__(self, limits: H2Limits | None = None, *, ssl_context: ssl.SSLContext | None = None) -> None:
+        self.limits = limits or H2Limits()
+        self.ssl_context = ssl_context
+        self.handlers: dict[bytes, Any] = {}
+        self.connections: set[_Connection] = set()
+        self.server: asyncio.AbstractServer | None = None
+        self.port = 0
+        self.stopping = False
+        #: connections and streams refused or closed by a bound, by reason
+        self.rejected: dict[str, int] = {}
+        self.calls = 0
+        self._sweeper: asyncio.Task[None] | None = None
+        self._terminated: asyncio.Event | None = None
+
+    # -- registration (what the generated add_*Servicer_to_server call)
+    def add_generic_rpc_handlers(self, handlers: Iterable[Any]) -> None:
+        """The generated code registers each service twice; the registered handlers suffice."""
+
+    def add_registered_method_handlers(self, service: str, handlers: Mapping[str, Any]) -> None:
+        for method, handler in handlers.items():
+            self.handlers[f"/{service}/{method}".encode()] = handler
+
+    def reject(self, reason: str) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
+    async def start(self, listen: str, *, reuse_port: bool = False) -> int:
+        host, port = parse_listen(listen)
+        loop = asyncio.get_running_loop()
+        self._terminated = asyncio.Event()
+        self.server = await loop.create_server(lambda: _Connection(self), host or None, port,
+                                               reuse_port=reuse_port or None, backlog=1024,
+                                               ssl=self.ssl_context,
+                                               ssl_handshake_timeout=self.limits.handshake_timeout
+                                               if self.ssl_context is not None else None)
+        self.port = int(self.server.sockets[0].getsockname()[1])
+        self._sweeper = asyncio.create_task(self._sweep(), name="extauthz-grpc-sweeper")
+        return self.port
+
+    async def _sweep(self) -> None:
+        """Handshake, idle and request timeouts, checked a few times per smallest timeout."""
+        limits = self.limits
+        tick = min(1.0, limits.handshake_timeout / 4, limits.request_timeout / 4, limits.idle_timeout / 4)
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(tick)
+            now = loop.time()
+            for conn in list(self.connections):
+                conn.expire(now)
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """GOAWAY; running unary calls finish (up to ``grace`` s); client streams (the access
+        log) are then ended and answered; what still runs is cancelled; connections close."""
+        if self.server is None:
+            return
+        self.stopping = True
+        self.server.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + (grace or 0.0)
+        for conn in list(self.connections):
+            conn.goaway()
+
+        def running(kind: str | None) -> list[asyncio.Task[None]]:
+            return [c.task for conn in self.connections for c in conn.calls.values()
+                    if c.task is not None and not c.task.done()
+                    and (kind is None or c.task.get_name() == kind)]
+
+        unary = running("unary")
+        if unary:
+            await asyncio.wait(unary, timeout=max(0.0, end - loop.time()))
+        for conn in list(self.connections):  # the access log streams: ended, answered
+            for call in conn.calls.values():
+                if call.handler is not None and call.handler.request_streaming:
+                    call.ended = True
+                    call.wake()
+        streams = running("stream")
+        if streams:
+            await asyncio.wait(streams, timeout=max(0.1, end - loop.time()))
+        for task in running(None):  # what is left (health Watch streams): cancelled
+            task.cancel()
+        await asyncio.sleep(0)
+        for conn in list(self.connections):
+            conn.close()
+        self.server = None
+        if self._terminated is not None:
+            self._terminated.set()
+
+    async def wait_for_termination(self) -> None:
+        if self._terminated is not None:
+            await self._terminated.wait()
+
+    def status(self) -> dict[str, Any]:
+        return {"server": "asyncio", "connections": len(self.connections), "calls": self.calls,
+                "running": sum(len(c.calls) for c in self.connections), "rejected": dict(self.rejected)}
+
+
+class _Draining(H2ConnectionStateMachine):
+    """h2 closes the connection on the peer's GOAWAY and would refuse to answer the streams
+    the peer still waits on (Envoy sends GOAWAY when it drains a connection): here the
+    connection stays open; no new stream is served after it (:meth:`_Connection._request`)."""
+
+    _transitions = {**H2ConnectionStateMachine._transitions,  # noqa: RUF012 - h2's own table
+                    (ConnectionState.SERVER_OPEN, ConnectionInputs.RECV_GOAWAY):
+                        (None, ConnectionState.SERVER_OPEN)}
+
+
+class _H2(H2Connection):
+    def __init__(self, config: H2Configuration) -> None:
+        super().__init__(config)
+        self.state_machine = _Draining()
+
+    def clear_outbound_data_buffer(self) -> None:
+        """Kept on the peer's GOAWAY: the answers to its streams are in it."""
+
+
+class _Connection(asyncio.Protocol):
+    """One HTTP/2 connection: the h2 state machine, the calls on it, its bounds."""
+
+    def __init__(self, server: GrpcH2Server) -> None:
+        self.server = server
+        self.limits = limits = server.limits
+        self.loop = asyncio.get_running_loop()
+        now = self.loop.time()
+        self.opened = self.last_active = now
+        self.transport: asyncio.Transport | None = None
+        self.h2 = _H2(H2Configuration(client_side=False, header_encoding=None,
+                                               validate_outbound_headers=False,
+                                               normalize_outbound_headers=False))
+        self.h2.local_settings = Settings(client=False, initial_values={
+            SettingCodes.MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams,
+            SettingCodes.MAX_HEADER_LIST_SIZE: limits.max_header_list_size,
+            SettingCodes.INITIAL_WINDOW_SIZE: limits.stream_window,
+            SettingCodes.MAX_FRAME_SIZE: limits.max_frame_size,
+            SettingCodes.HEADER_TABLE_SIZE: limits.header_table_size,
+            SettingCodes.ENABLE_PUSH: 0,
+        })
+        self.h2.decoder.max_header_list_size = limits.max_header_list_size
+        self.h2.decoder.max_allowed_table_size = limits.header_table_size
+        self.h2.max_inbound_frame_size = limits.max_frame_size
+        self.calls: dict[int, Call] = {}
+        self.buffered = 0
+        self.owing: set[Call] = set()
+        self.handshaken = False
+        self.closed = False
+        self.paused = False
+        self.goaway_at: int | None = None  # last stream id of our GOAWAY
+        self.peer_away = False  # the peer sent GOAWAY
+        self.resets = _Budget(limits.resets_per_second, now)
+        self.control = _Budget(limits.control_per_second, now)
+        self._flush_soon = False
+
+    # -- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        server = self.server
+        if len(server.connections) >= self.limits.max_connections or server.stopping:
+            server.reject("too_many_connections" if not server.stopping else "stopping")
+            self.closed = True
+            transport.close()
+            return
+        server.connections.add(self)
+        transport.set_write_buffer_limits(high=min(256 << 10, self.limits.max_write_buffer))  # type: ignore[attr-defined]
+        h2 = self.h2
+        h2.initiate_connection()
+        # The advertised stream bound is enforced on the running calls (:meth:`_request`:
+        # REFUSED_STREAM, a stream error); h2's own check, a connection error, is kept for a
+        # peer that ignores it grossly.
+        # A read may open many streams before any is refused: the margin is for those.
+        h2.local_settings._settings[SettingCodes.MAX_CONCURRENT_STREAMS] = deque(
+            [self.limits.max_concurrent_streams + 256])
+        h2.increment_flow_control_window(self.limits.connection_window - 65535)
+        transport.write(h2.data_to_send())  # type: ignore[attr-defined]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.connections.discard(self)
+        for call in list(self.calls.values()):
+            self._cancel(call)
+        self.calls.clear()
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        for call in list(self.calls.values()):
+            if call.out or call.trailers is not None:
+                self._send_out(call)
+        self.flush()
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        h2 = self.h2
+        try:
+            events = h2.receive_data(data)
+        except ProtocolError as exc:
+            self._protocol_error(exc)
+            return
+        # h2 reads a frame whole before it checks its length: a frame header announcing more
+        # than SETTINGS_MAX_FRAME_SIZE is refused here at once (else up to 16 MiB would wait)
+        pending = getattr(h2.incoming_buffer, _UNPARSED)
+        if len(pending) >= 9 and int.from_bytes(pending[:3], "big") > self.limits.max_frame_size:
+            self.server.reject("frame_too_large")
+            self._close_with(ErrorCodes.FRAME_SIZE_ERROR)
+            return
+        now = self.loop.time()
+        self.last_active = now
+        for ev in events:
+            kind = type(ev)
+            if kind is DataReceived:
+                self._data(ev)  # type: ignore[arg-type]
+            elif kind is StreamEnded:
+                self._ended(ev.stream_id)  # type: ignore[attr-defined]
+            elif kind is RequestReceived:
+                self._request(ev, now)  # type: ignore[arg-type]
+            elif kind is WindowUpdated:
+                self._window(ev.stream_id)  # type: ignore[attr-defined]
+            elif kind is StreamReset:
+                self._reset(ev.stream_id, now)  # type: ignore[attr-defined]
+                if self.closed:
+                    return
+            elif kind is PingReceived or kind is RemoteSettingsChanged:
+                self.handshaken = True
+                if not self.control.take(now):
+                    self._calm("control_flood")
+                    return
+            elif kind is ConnectionTerminated:  # the peer's GOAWAY: its calls finish, then closed
+                self.peer_away = True
+                if not self.calls:
+                    self.flush()
+                    self.close()
+                    return
+        self.flush()
+
+    # -- events
+    def _request(self, ev: RequestReceived, now: float) -> None:
+        sid = ev.stream_id
+        server = self.server
+        if self.goaway_at is not None and sid > self.goaway_at:
+            self._refuse(sid, "after_goaway")
+            return
+        if len(self.calls) >= self.limits.max_concurrent_streams:
+            self._refuse(sid, "too_many_streams")
+            return
+        headers: list[tuple[bytes, bytes]] = ev.headers
+        path = method = ctype = timeout = encoding = b""
+        for k, v in headers:
+            if k[0] == 58:  # b":"
+                if k == b":path":
+                    path = v
+                elif k == b":method":
+                    method = v
+            elif k == b"content-type":
+                ctype = v
+            elif k == b"grpc-timeout":
+                timeout = v
+            elif k == b"grpc-encoding":
+                encoding = v
+        if method != b"POST":
+            self._http_error(sid, b"405")
+            return
+        if not ctype.startswith(b"application/grpc"):
+            self._http_error(sid, b"415")
+            return
+        handler = server.handlers.get(path)
+        if handler is None:
+            self._trailers_only(sid, UNIMPLEMENTED, f"unknown method {path.decode('latin-1')}")
+            return
+        if encoding and encoding != b"identity":
+            self._trailers_only(sid, UNIMPLEMENTED, f"message compression {encoding.decode('latin-1')} "
+                                "is not supported (grpc-accept-encoding: identity)")
+            return
+        deadline = None
+        if timeout:
+            try:
+                deadline = now + parse_timeout(timeout)
+            except ValueError as exc:
+                self._trailers_only(sid, INTERNAL, str(exc))
+                return
+        call = Call(self, sid, handler, headers, now, deadline)
+        self.calls[sid] = call
+        server.calls += 1
+        if deadline is not None:
+            call.timer = self.loop.call_at(deadline, self._expire, call)
+        if handler.request_streaming:
+            self._start(call)
+
+    def _data(self, ev: DataReceived) -> None:
+        sid = ev.stream_id
+        n = ev.flow_controlled_length
+        call = self.calls.get(sid)
+        if call is None or call.trailers is not None or (call.task is not None and not call.handler.request_streaming):
+            if n:  # nobody reads it (answered, or a call that has its message): dropped
+                self.h2.acknowledge_received_data(n, sid)
+            return
+        data: bytes = ev.data
+        buf = call.buf
+        buf += data
+        call.held += n
+        self.buffered += n
+        limit = self.limits.max_message_bytes
+        streaming = call.handler.request_streaming
+        while len(buf) >= 5:
+            flag = buf[0]
+            length = int.from_bytes(buf[1:5], "big")
+            if length > limit:
+                self.server.reject("message_too_large")
+                self._finish(call, RESOURCE_EXHAUSTED,
+                             f"request message larger than {limit} bytes ({length})")
+                return
+            if flag != 0:
+                self._finish(call, INTERNAL,
+                             "compressed request message, but no compression was negotiated"
+                             if flag == 1 else f"bad message flag {flag}")
+                return
+            if len(buf) < 5 + length:
+                break
+            message = bytes(buf[5:5 + length])
+            del buf[:5 + length]
+            if streaming:
+                call.messages.append(message)
+                call.queued += 5 + length
+                call.wake()
+            elif call.first is None:
+                call.first = message
+            else:
+                self._finish(call, UNIMPLEMENTED, "more than one request message for a unary method")
+                return
+        if self.buffered <= self.limits.max_buffered and (not streaming or call.queued <= self.limits.stream_window):
+            self.h2.acknowledge_received_data(n, sid)
+        else:
+            call.owed += n
+            self.owing.add(call)
+
+    def consumed(self, call: Call, n: int) -> None:
+        """``n`` request bytes of ``call`` were read by its handler: windows may reopen."""
+        n = min(n, call.held)
+        call.held -= n
+        self.buffered -= n
+        if self.owing and self.buffered <= self.limits.max_buffered:
+            for owed in list(self.owing):
+                if owed.handler.request_streaming and owed.queued > self.limits.stream_window:
+                    continue
+                self.owing.discard(owed)
+                if owed.owed and owed.trailers is None and not self.closed:
+                    try:
+                        self.h2.acknowledge_received_data(owed.owed, owed.stream_id)
+                    except ProtocolError:
+                        pass  # the stream closed meanwhile
+                owed.owed = 0
+            self._flush_later()
+
+    def _ended(self, sid: int) -> None:
+        call = self.calls.get(sid)
+        if call is None:
+            return
+        call.ended = True
+        if call.handler.request_streaming:
+            if call.buf:
+                self._finish(call, INTERNAL, "the request stream ended inside a message")
+            else:
+                call.wake()
+            return
+        if call.task is not None or call.trailers is not None:
+            return
+        if call.first is None or call.buf:
+            self._finish(call, INTERNAL, "the request ended without one whole message")
+            return
+        self._start(call)
+
+    def _start(self, call: Call) -> None:
+        h = call.handler
+        if h.request_streaming:
+            coro = self._stream_unary(call) if not h.response_streaming else self._unsupported(call)
+        elif h.response_streaming:
+            coro = self._unary_stream(call)
+        else:
+            coro = self._unary_unary(call)
+        call.task = self.loop.create_task(
+            coro, name="stream" if h.request_streaming else "watch" if h.response_streaming else "unary")
+
+    def _window(self, sid: int) -> None:
+        if sid:
+            call = self.calls.get(sid)
+            if call is not None and (call.out or call.trailers is not None):
+                self._send_out(call)
+            return
+        for call in list(self.calls.values()):
+            if call.out or call.trailers is not None:
+                self._send_out(call)
+
+    def _reset(self, sid: int, now: float) -> None:
+        call = self.calls.pop(sid, None)
+        if call is None:
+            return
+        if call.trailers is None:  # reset before its answer
+            self.server.reject("reset_by_peer")
+            if not self.resets.take(now):
+                self._calm("rapid_reset")
+        self._cancel(call)
+
+    # -- the calls
+    async def _unary_unary(self, call: Call) -> None:
+        h = call.handler
+        code, details, body = OK, "", None
+        try:
+            request = h.request_deserializer(call.first)
+            call.first = None
+            self.consumed(call, call.held)
+            body = h.response_serializer(await h.unary_unary(request, call))
+        except _Abort as a:
+            code, details = a.code, a.details
+        except asyncio.CancelledError:
+            if not call.expired:
+                return
+            code, details = DEADLINE_EXCEEDED, "deadline exceeded"
+        except Exception as exc:
+            code, details = self._failed(call, exc)
+        if body is not None:
+            self._queue(call, body)
+        self._finish(call, code, details)
+
+    async def _unary_stream(self, call: Call) -> None:
+        h = call.handler
+        code, details = OK, ""
+        try:
+            request = h.request_deserializer(call.first)
+            call.first = None
+            self.consumed(call, call.held)
+            result = h.unary_stream(request, call)
+            if hasattr(result, "__aiter__"):
+                async for message in result:
+                    await call.write(message)
+            else:
+                await result
+        except _Abort as a:
+            code, details = a.code, a.details
+        except asyncio.CancelledError:
+            if call.cancelled_ and not call.expired:
+                return
+            code, details = (DEADLINE_EXCEEDED, "deadline exceeded") if call.expired else (
+                UNAVAILABLE, "the server is stopping")
+        except Exception as exc:
+            code, details = self._failed(call, exc)
+        self._finish(call, code, details)
+
+    async def _stream_unary(self, call: Call) -> None:
+        h = call.handler
+        code, details, body = OK, "", None
+        try:
+            body = h.response_serializer(await h.stream_unary(call, call))
+        except _Abort as a:
+            code, details = a.code, a.details
+        except asyncio.CancelledError:
+            if call.cancelled_ and not call.expired:
+                return
+            code, details = (DEADLINE_EXCEEDED, "deadline exceeded") if call.expired else (
+                UNAVAILABLE, "the server is stopping")
+        except Exception as exc:
+            code, details = self._failed(call, exc)
+        if body is not None:
+            self._queue(call, body)
+        self._finish(call, code, details)
+
+    async def _unsupported(self, call: Call) -> None:
+        self._finish(call, UNIMPLEMENTED, "bidirectional streams are not served")
+
+    def _failed(self, call: Call, exc: Exception) -> tuple[int, str]:
+        log.exception("gRPC method failed on stream %d", call.stream_id)
+        return UNKNOWN, f"unexpected {type(exc).__name__}"
+
+    def _expire(self, call: Call) -> None:
+        """The call's grpc-timeout passed: DEADLINE_EXCEEDED (its handler cancelled)."""
+        if call.trailers is not None or self.calls.get(call.stream_id) is not call:
+            return
+        call.expired = call.cancelled_ = True
+        if call.task is not None and not call.task.done():
+            call.task.cancel()
+        else:
+            self._finish(call, DEADLINE_EXCEEDED, "deadline exceeded")
+
+    # -- answers
+    async def send(self, call: Call, body: bytes) -> None:
+        """One message of a server stream, waiting while the peer's windows are shut."""
+        if call.cancelled_ or call.trailers is not None or self.closed:
+            raise asyncio.CancelledError
+        self._queue(call, body)
+        self._send_out(call)
+        self._flush_later()
+        while (call.out or self.paused) and not call.cancelled_ and not self.closed:
+            call.writer = self.loop.create_future()
+            try:
+                await call.writer
+            finally:
+                call.writer = None
+        if call.cancelled_ or self.closed:
+            raise asyncio.CancelledError
+
+    def _queue(self, call: Call, body: bytes) -> None:
+        call.out += len(body).to_bytes(5, "big")  # flag 0, then the length
+        call.out += body
+
+    def _finish(self, call: Call, code: int, details: str) -> None:
+        """Answer the call with its status (after its queued messages)."""
+        if call.trailers is not None or self.closed or self.calls.get(call.stream_id) is not call:
+            return
+        trailers = _OK if code == OK and not details else [(b"grpc-status", str(code).encode())]
+        if details:
+            trailers.append((b"grpc-message", quote(details, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~")
+                             .encode("ascii")))
+        call.trailers = trailers
+        if call.task is not None and not call.task.done() and call.task is not asyncio.current_task():
+            call.task.cancel()
+        self._send_out(call)
+        self._flush_later()
+
+    def _send_out(self, call: Call) -> None:
+        """Hand what the call has to send to h2 as far as the windows allow; its trailers last."""
+        if self.closed or self.paused:
+            return
+        h2 = self.h2
+        sid = call.stream_id
+        out = call.out
+        if (call.trailers is _OK and not call.head_sent and out and not h2.encoder.table_size_changes
+                and len(out) <= h2.max_outbound_frame_size and len(out) <= h2.local_flow_control_window(sid)):
+            self._answer(call, h2, sid, out)
+            return
+        try:
+            if not call.head_sent:
+                if not call.out and call.trailers is not None:  # Trailers-Only
+                    h2.send_headers(sid, [*_HEAD, *call.trailers], end_stream=True)
+                    self._done(call)
+                    return
+                h2.send_headers(sid, _HEAD)
+                call.head_sent = True
+            out = call.out
+            while out:
+                size = min(len(out), h2.local_flow_control_window(sid), h2.max_outbound_frame_size)
+                if size <= 0:
+                    break
+                h2.send_data(sid, bytes(out[:size]))
+                del out[:size]
+            if not out:
+                if call.writer is not None and not call.writer.done():
+                    call.writer.set_result(None)
+                if call.trailers is not None:
+                    h2.send_headers(sid, call.trailers, end_stream=True)
+                    self._done(call)
+        except ProtocolError:  # the stream is gone (reset meanwhile)
+            self._cancel(call)
+            self.calls.pop(sid, None)
+
+    def _answer(self, call: Call, h2: H2Connection, sid: int, out: bytearray) -> None:
+        """The common answer (one message that the windows take, grpc-status 0) written as
+        three frames of constant header blocks; h2's stream state and windows told, as its
+        ``send_headers``/``send_data``/``send_headers`` would (the profile: h2's send path
+        was most of a no-op check's CPU; docs/design.md)."""
+        stream = h2.streams.get(sid)
+        if stream is None:
+            self._cancel(call)
+            self.calls.pop(sid, None)
+            return
+        n = len(out)
+        sm = stream.state_machine
+        try:
+            sm.process_input(StreamInputs.SEND_HEADERS)
+            sm.process_input(StreamInputs.SEND_DATA)
+            sm.process_input(StreamInputs.SEND_HEADERS)
+            sm.process_input(StreamInputs.SEND_END_STREAM)
+        except ProtocolError:  # the stream is gone (reset meanwhile)
+            self._cancel(call)
+            self.calls.pop(sid, None)
+            return
+        stream.outbound_flow_control_window -= n
+        h2.outbound_flow_control_window -= n
+        head = sid.to_bytes(4, "big")
+        h2._data_to_send += b"".join((
+            b"\x00\x00\x14\x01\x04", head, _HEAD_BLOCK,  # HEADERS, END_HEADERS
+            n.to_bytes(3, "big"), b"\x00\x00", head, out,  # DATA
+            b"\x00\x00\x0f\x01\x05", head, _OK_BLOCK))  # HEADERS, END_HEADERS | END_STREAM
+        out.clear()
+        call.head_sent = True
+        self._done(call)
+
+    def _done(self, call: Call) -> None:
+        """The call's answer is out: forget it, reset its request side if still open."""
+        sid = call.stream_id
+        if self.calls.get(sid) is call:
+            del self.calls[sid]
+        if call.held:
+            self.consumed(call, call.held)
+        self.owing.discard(call)
+        if not call.ended:
+            try:
+                self.h2.reset_stream(sid, ErrorCodes.NO_ERROR)
+            except ProtocolError:
+                pass
+        if call.writer is not None and not call.writer.done():
+            call.writer.set_result(None)
+        call.done()
+        if (self.goaway_at is not None or self.peer_away) and not self.calls:  # drained: closed once written
+            self.loop.call_soon(self._drained)
+
+    def _drained(self) -> None:
+        if not self.calls:
+            self.flush()
+            self.close()
+
+    def _cancel(self, call: Call) -> None:
+        """The call can no longer be answered (reset, connection lost)."""
+        if call.trailers is not None and not call.out and call.head_sent:
+            return  # answered already
+        call.cancelled_ = True
+        if call.held:
+            self.consumed(call, call.held)
+        self.owing.discard(call)
+        call.out.clear()
+        if call.task is not None and not call.task.done():
+            call.task.cancel()
+        call.wake()
+        if call.writer is not None and not call.writer.done():
+            call.writer.set_result(None)
+        call.trailers = call.trailers or []
+        call.done()
+
+    def _trailers_only(self, sid: int, code: int, details: str) -> None:
+        call = Call(self, sid, None, [], 0.0, None)
+        self.calls[sid] = call
+        self._finish(call, code, details)
+
+    def _http_error(self, sid: int, status: bytes) -> None:
+        try:
+            self.h2.send_headers(sid, [(b":status", status)], end_stream=True)
+            self.h2.reset_stream(sid, ErrorCodes.NO_ERROR)
+        except ProtocolError:
+            pass  # the stream is closed already
+
+    def _refuse(self, sid: int, reason: str) -> None:
+        self.server.reject(reason)
+        try:
+            self.h2.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
+        except ProtocolError:
+            pass
+
+    # -- the connection
+    def _flush_later(self) -> None:
+        if not self._flush_soon:
+            self._flush_soon = True
+            self.loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._flush_soon = False
+        if self.transport is None or self.transport.is_closing():
+            return
+        out = self.h2.data_to_send()
+        if out:
+            self.transport.write(out)
+        if self.paused and self.transport.get_write_buffer_size() > self.limits.max_write_buffer:
+            self.server.reject("peer_not_reading")
+            self.transport.abort()
+
+    def _protocol_error(self, exc: ProtocolError) -> None:
+        """h2 refused what the peer sent and queued its GOAWAY; a header block that does not
+        decode gets COMPRESSION_ERROR instead of h2's PROTOCOL_ERROR (RFC 9113 4.3)."""
+        self.server.reject("protocol_error")
+        log.debug("gRPC connection: HTTP/2 protocol error: %s", exc)
+        if (isinstance(exc.__cause__ or exc.__context__, HPACKError)  # (h2 < 4.2 chains implicitly)
+                and not isinstance(exc, DenialOfServiceError)):
+            out = bytes(self.h2.data_to_send())
+            if len(out) >= 17 and out[-14] == 7:  # h2's GOAWAY, last: replaced
+                out = out[:-17]
+            if self.transport is not None and not self.transport.is_closing():
+                self.transport.write(out)
+            self._close_with(ErrorCodes.COMPRESSION_ERROR)
+            return
+        self.flush()
+        self.close()
+
+    def _close_with(self, code: int) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(self._goaway_frame(code))
+        self.close()
+
+    def _calm(self, reason: str) -> None:
+        """A flood: GOAWAY ENHANCE_YOUR_CALM, then closed."""
+        self.server.reject(reason)
+        log.warning("gRPC connection closed: %s", reason.replace("_", " "),
+                    extra={"fields": {"event": "grpc_connection_calm", "reason": reason}})
+        self._close_with(ErrorCodes.ENHANCE_YOUR_CALM)
+
+    def _goaway_frame(self, code: int) -> bytes:
+        frame = GoAwayFrame(0, last_stream_id=self.h2.highest_inbound_stream_id, error_code=code)
+        return bytes(self.h2.data_to_send()) + frame.serialize()
+
+    def goaway(self) -> None:
+        """Graceful: no stream above the last one seen is served; the rest finish."""
+        if self.closed or self.transport is None or self.goaway_at is not None:
+            return
+        self.goaway_at = self.h2.highest_inbound_stream_id
+        self.transport.write(self._goaway_frame(ErrorCodes.NO_ERROR))
+
+    def expire(self, now: float) -> None:
+        limits = self.limits
+        if not self.handshaken:
+            if now - self.opened > limits.handshake_timeout:
+                self.server.reject("handshake_timeout")
+                self.close()
+            return
+        if not self.calls:
+            if now - self.last_active > limits.idle_timeout:
+                self.server.reject("idle_timeout")
+                self.goaway()
+                self.close()
+            return
+        for call in list(self.calls.values()):
+            if (call.task is None and call.trailers is None and call.handler is not None
+                    and now - call.arrived > limits.request_timeout):
+                self.server.reject("request_timeout")
+                self._cancel(call)
+                self.calls.pop(call.stream_id, None)
+                try:
+                    self.h2.reset_stream(call.stream_id, ErrorCodes.CANCEL)
+                except ProtocolError:
+                    pass
+        self.flush()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.flush()  # what is owed (trailers of calls just ended) goes out first
+            self.transport.close()
+        self.closed = True
+        self.server.connections.discard(self)
+        for call in list(self.calls.values()):
+            self._cancel(call)
+        self.calls.clear()
