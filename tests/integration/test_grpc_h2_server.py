@@ -152,7 +152,7 @@ async def test_access_log_stream_with_grpcio_client_releases_leases(server: Serv
             await asyncio.sleep(0.01)
         assert releaser.leases_released == 3 and server.accesslog.entries == 3
         # graceful stop: the open access-log stream is ended by the server and answered OK
-        await server.stop(grace=1.0)
+        await server.stop(grace=WAIT)  # an upper bound: the server ends the stream at once
         assert isinstance(await asyncio.wait_for(call, WAIT), accesslog_pb2.StreamAccessLogsResponse)
         assert await call.code() == grpc.StatusCode.OK
 
