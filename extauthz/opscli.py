@@ -481,7 +481,10 @@ def _report(args: argparse.Namespace) -> int:
         policy = _load_policy(args.policies)
         if policy is None:
             raise CliError("--identities needs --policies: the policy's identity rules say how keys are hashed")
-        labels = IdentityFile.read(args.identities, policy, args.identity_salt.encode()).labels
+        try:
+            labels = IdentityFile.read(args.identities, policy, args.identity_salt.encode()).labels
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
     data = _with_control(args, go)
     for lim in data.get("limiters") or []:
         for row in lim.get("top_identities", []):
@@ -605,19 +608,22 @@ def _source(args: argparse.Namespace, policy: Any, command: str | None = None) -
 
 
 def _hashed_identity(args: argparse.Namespace, source: str, policy: Any) -> str:
-    from .classify import AMBIGUOUS, hash_identity, header_value
+    from .classify import AmbiguousKey, key_identity_hash
 
+    flag = "KEY" if hasattr(args, "key") else "--identity"
     raw = sys.stdin.readline().rstrip("\r\n") if args.identity == "-" else args.identity
     if not raw:
-        raise CliError("KEY is empty" if hasattr(args, "key") else "--identity is empty")
+        raise CliError(f"{flag} is empty")
     rule = next((s for s in policy.identity if s.label == source), None) if policy is not None else None
-    if rule is not None and rule.header is not None:
-        value = header_value(rule, raw)  # hash what the server hashes (trimmed, prefix removed)
-        if value == AMBIGUOUS:
-            raise CliError("--identity holds different values separated by ',': the server reads "
-                           "such a header as repeated with different values, never as one identity")
-        raw = value or raw
-    return hash_identity(raw, source, args.identity_salt.encode())
+    if rule is None and source.startswith("header:"):  # no --policies: a header rule all the same
+        from .policy.model import IdentitySource
+
+        rule = IdentitySource(header=source.removeprefix("header:"), strip_prefix=None, source_ip=False)
+    try:
+        return key_identity_hash(raw, rule, source, args.identity_salt.encode())
+    except AmbiguousKey:
+        raise CliError(f"{flag} holds different values separated by ',': the server reads such a "
+                       "header as repeated with different values, never as one identity") from None
 
 
 def _not_found(limiter: str, source: str) -> str:
@@ -750,7 +756,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .inspect import valid_hash
+    from .classify import normal_hash
 
     if (args.key is None) == (args.identity_hash is None):
         raise CliError("give KEY (or '-' to read it from stdin) or --identity-hash HASH")
@@ -759,10 +765,11 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.key is not None:
         identity, _, policy = _key_hash(args, "inspect")
     else:
-        identity, policy = args.identity_hash.strip().lower(), _load_policy(args.policies)
-        if not valid_hash(identity):
-            raise CliError(f"--identity-hash: not an identity hash (24 hex digits, as `extauthz hash` "
-                           f"prints): {args.identity_hash[:40]!r}")
+        hashed, policy = normal_hash(args.identity_hash), _load_policy(args.policies)
+        if hashed is None:  # not echoed: it may be a key given by mistake
+            raise CliError("--identity-hash: not an identity hash (24 hex digits, as `extauthz hash` "
+                           "prints; give a key as KEY, or '-' to read it from stdin)")
+        identity = hashed
     limiters = None
     if policy is not None:
         from .limiters import build_limiters
