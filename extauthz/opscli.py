@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .settings import Settings, add_shared, env_value, options
+from .settings import RECENT_REFUSALS_PER_IDENTITY, Settings, add_shared, env_value, options
 from .verdict import Mode
 
 if TYPE_CHECKING:  # imported where used: `extauthz status --help` starts without the policy's models
@@ -259,7 +259,8 @@ def _add_customer_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParse
         "mode, its numbers (plan, live override), the live counters read from the store without "
         "changing them (tokens left and seconds to full, requests in flight, quota used and "
         "reset), the grants the server's replica holds and the refusals it made recently "
-        "(this replica only, the last 20 per identity). Through a server's admin port "
+        f"(this replica only, the last {RECENT_REFUSALS_PER_IDENTITY} per identity). Through a server's "
+        "admin port "
         "(GET /customers/HASH), or with --redis-url (and --policies) from the fleet's Redis "
         "directly (no refusals then: each server keeps its own).",
         epilog="examples: extauthz inspect - --policies policies/ < key.txt | "
@@ -833,7 +834,8 @@ def format_customer(data: dict[str, Any]) -> str:
     else:
         lines.append(f"recent refusals ({recent.get('covers', '')}):")
         for r in refusals[-10:]:
-            lines.append(f"  {_fmt_time(r['at'])} {r['limiter']} {r['reason']} {r['outcome']} "
-                         f"tier {r['tier']} status {r['status']}"
+            lines.append(f"  {_fmt_time(r['at'])} {r['limiter']} {r['reason']} {r['outcome']}"
+                         + ("" if r.get("enforced", True) else " (not enforced)")
+                         + f" tier {r['tier']} status {r['status']}"
                          + (f" retry after {r['retry_after']:.1f} s" if r.get("retry_after") else ""))
     return "\n".join(printable(line) for line in lines)
