@@ -412,8 +412,8 @@ class Gate:
             ident = self._customer(c.customer)
             mine = self._figures(self.replay.candidate.tally, ident)
             if not mine["requests"]:  # a typo, another salt: a gate that can never hold
-                print(f"warning: --fail-on '{c}': no request of that customer in the traffic (a key is "
-                      "hashed with --identity-salt for the candidate's identity rules)", file=sys.stderr)
+                print(f"warning: --fail-on '{c}': no request of that customer in the traffic (another "
+                      "--identity-salt or identity rule, or a mistyped hash)", file=sys.stderr)
             base_lane = self.replay.baseline
             theirs = self._figures(base_lane.tally, ident)[c.figure] if base_lane is not None else None
             if not c.holds(mine[c.figure], theirs):
