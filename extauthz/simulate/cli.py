@@ -50,7 +50,7 @@ def _finite(text: str, number: str) -> float:
 @dataclass(frozen=True)
 class Condition:
     """``--fail-on 'critical_refused > 0'``: a figure of the candidate's summary (or of one
-    customer's traffic: ``customer:KEY_OR_HASH``), an operator, and a number or the same
+    customer's traffic: ``customer:HASH_OR_NAME``, never a key), an operator, and a number or the same
     figure of the baseline (``baseline``, ``baseline + 0.01``, ``baseline * 1.1``). A number
     with ``%`` is a share (``refused > 1%``: ``refused_share > 0.01``)."""
 
