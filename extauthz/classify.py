@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .context import RawRequest, RequestContext, host_name
 from .policy.model import IdentitySource, KeySource, MetadataTest, Policy, RouteRef
+from .store.keys import IDENTITY_HASH_PATTERN
 from .tiers import READ_METHODS, Tier
 from .verdict import Limits
 
@@ -31,6 +33,43 @@ def hash_identity(value: str, source: str, salt: bytes = b"") -> str:
     h.update(b"\0")
     h.update(value.encode("utf-8", "surrogateescape"))
     return h.hexdigest()
+
+
+#: a hashed identity as every command and log shows it (:func:`hash_identity`: 12 bytes, hex)
+IDENTITY_HASH = re.compile(IDENTITY_HASH_PATTERN)
+
+
+def valid_hash(value: str) -> bool:
+    """``value`` is an identity hash (24 hex digits; give it lower-cased, as
+    :func:`normal_hash` does): the one check every command and the admin port use."""
+    return IDENTITY_HASH.fullmatch(value) is not None
+
+
+def normal_hash(value: str) -> str | None:
+    """``value`` (trimmed, any case) as an identity hash, or None when it is not one."""
+    value = value.strip().lower()
+    return value if valid_hash(value) else None
+
+
+class AmbiguousKey(ValueError):
+    """A key that holds different values separated by ",": the server reads such a header
+    as repeated with different values, never as one identity."""
+
+
+def key_identity_hash(raw: str, rule: IdentitySource | None, source: str, salt: bytes = b"") -> str:
+    """A key (an API key, a customer's identity value) an operator gives a command, hashed as
+    the server hashes it for the identity rule ``rule`` (label ``source``): the one place
+    ``extauthz hash``, ``inspect``, ``override``, ``report --identities`` and ``simulate
+    --identities`` turn a key into its hash. For a header rule the key is read as the
+    header's value (:func:`header_value`: trimmed, the ``strip_prefix`` removed when the key
+    carries it); raises :class:`AmbiguousKey` for a value the server never hashes as one."""
+    if rule is not None and rule.header is not None:
+        text = header_text(raw)
+        if text == AMBIGUOUS:
+            raise AmbiguousKey("the key holds different values separated by ',': the server reads "
+                               "such a header as repeated with different values, never as one identity")
+        raw = header_value(rule, raw) or text
+    return hash_identity(raw, source, salt)
 
 
 def path_value(node: Any, path: Sequence[str | int]) -> Any:

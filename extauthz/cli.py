@@ -218,7 +218,8 @@ def cmd_k8s(args: argparse.Namespace) -> int:
             target_refs=_pairs("--target-ref", args.target_ref, "KIND/NAME"),
             selector=_pairs("--selector", args.selector, "KEY=VALUE"),
             context_extensions=_pairs("--context-extension", args.context_extension, "NAME=VALUE"),
-            http_path=args.http_path, check_budget_ms=args.check_budget_ms)
+            http_path=args.http_path, check_budget_ms=args.check_budget_ms,
+            skip_paths=tuple(args.skip_path or ()), fail_closed=args.fail_closed)
     except ValueError as exc:
         print(f"extauthz k8s: {exc}", file=sys.stderr)
         return 2
@@ -265,7 +266,16 @@ def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="Envoy Gateway, gRPC: a context extension for the routes (tier=NAME names a tier; "
                    "others feed limiter key parts {context_extension: NAME}), repeatable")
     p.add_argument("--http-path", default=None, metavar="PATH",
-                   help="Envoy Gateway, HTTP: extAuth.http.path (run the server with --http-path-prefix PATH)")
+                   help="HTTP protocol: Envoy Gateway extAuth.http.path, Istio envoyExtAuthzHttp.pathPrefix "
+                   "(run the server with --http-path-prefix PATH)")
+    p.add_argument("--skip-path", action="append", metavar="PATH",
+                   help="Istio: a path the AuthorizationPolicy exempts from the check (notPaths), repeatable; "
+                   "it applies to every workload the policy covers, the application's own paths of that "
+                   "name too (default: none, every request is checked)")
+    p.add_argument("--fail-closed", action="store_true",
+                   help="refuse requests with 503 when the server cannot answer (failOpen: false, "
+                   "statusOnError 503; Envoy Gateway v1.8.0 or later) instead of letting them through "
+                   "(default: fail open)")
     settings.add_shared(p, ("check_budget_ms",), {"check_budget_ms": (
         "the server's check budget (serve --check-budget-ms): the authorization timeout is this "
         f"plus {settings.ENVOY_MARGIN_MS:.0f} ms")})

@@ -15,10 +15,10 @@ answer has one shape and one set of rules.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .classify import valid_hash
 from .limiters.base import Limiter, PerCustomer
 from .limiters.quota import QuotaLimiter
 from .overrides import Override, compile_overrides, live
@@ -27,13 +27,6 @@ from .store.base import PeekOp, Store
 from .store.keys import Keys
 from .switches import Switches
 from .verdict import Limits, Mode
-
-#: a hashed identity as the server logs it (``classify.hash_identity``: 12 bytes, hex)
-IDENTITY_HASH = re.compile(r"[0-9a-f]{24}")
-
-
-def valid_hash(value: str) -> bool:
-    return IDENTITY_HASH.fullmatch(value) is not None
 
 
 def _numbers(kind: str, n: Limits) -> dict[str, float]:

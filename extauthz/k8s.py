@@ -54,8 +54,10 @@ PROVIDER = "extauthz"
 ALS_PROVIDER = "extauthz-als"
 #: the access log's log name (the server reads any; the shipped configs say this one)
 LOG_NAME = "extauthz"
-#: paths never checked (the server's own health checks, when the proxy fronts it too)
-NOT_PATHS = ("/healthz", "/readyz")
+#: the status a request gets when the server cannot answer and the proxy fails closed
+#: (``--fail-closed``): 503, retryable, as the server's own overload answer (Envoy's default
+#: is 403, which reads as "not allowed")
+STATUS_ON_ERROR = 503
 GATEWAY_API = "gateway.networking.k8s.io"
 EG_API = "gateway.envoyproxy.io/v1alpha1"
 
@@ -85,9 +87,15 @@ class Wiring:
     selector: tuple[tuple[str, str], ...] = ()
     #: Envoy Gateway ``contextExtensions`` (gRPC only): a ``tier``, limiter key parts
     context_extensions: tuple[tuple[str, str], ...] = ()
-    #: Envoy Gateway ``extAuth.http.path`` (= the server's ``--http-path-prefix``)
+    #: Envoy Gateway ``extAuth.http.path``, Istio ``envoyExtAuthzHttp.pathPrefix`` (= the
+    #: server's ``--http-path-prefix``; HTTP protocol only)
     http_path: str | None = None
     check_budget_ms: float = CHECK_BUDGET_MS
+    #: Istio: paths the AuthorizationPolicy exempts from the Check call (``notPaths``), for
+    #: every workload it covers; none by default (``--skip-path``)
+    skip_paths: tuple[str, ...] = ()
+    #: refuse requests (503) when the server cannot answer, instead of letting them through
+    fail_closed: bool = False
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -97,6 +105,11 @@ class Wiring:
         for flag, port in (("--port", self.port), ("--als-port", self.als_port)):
             if port is not None and not 0 < port < 65536:
                 raise ValueError(f"{flag}: 1-65535, not {port}")
+        if self.http_path is not None and (self.protocol != "http" or not self.http_path.startswith("/")):
+            raise ValueError("--http-path: a path starting with / (HTTP protocol only)")
+        bad = [p for p in self.skip_paths if not p.startswith("/")]
+        if bad:
+            raise ValueError(f"--skip-path: a path starting with /, not {bad[0]!r}")
         if self.target == "envoy-gateway":
             if not self.target_refs:
                 raise ValueError("--target-ref: envoy-gateway needs the HTTPRoute(s) or Gateway to protect")
@@ -104,11 +117,12 @@ class Wiring:
                 raise ValueError("--selector: Istio only (a SecurityPolicy is attached by --target-ref)")
             if self.context_extensions and self.protocol == "http":
                 raise ValueError("--context-extension: gRPC only (the HTTP protocol carries none)")
-            if self.http_path is not None and (self.protocol != "http" or not self.http_path.startswith("/")):
-                raise ValueError("--http-path: a path starting with / (HTTP protocol only)")
+            if self.skip_paths:
+                raise ValueError("--skip-path: Istio only (a SecurityPolicy applies to the routes it targets: "
+                                 "leave health-check routes out of --target-ref)")
         else:
-            if self.context_extensions or self.http_path is not None:
-                raise ValueError("--context-extension and --http-path: envoy-gateway only (Istio sets neither)")
+            if self.context_extensions:
+                raise ValueError("--context-extension: envoy-gateway only (Istio sets none)")
             if self.target == "istio-ambient" and self.selector:
                 raise ValueError("--selector: a selector binds the policy to ztunnel, which cannot enforce CUSTOM: "
                                  "use --target-ref Gateway/<waypoint> (or Service/<name>)")
@@ -172,7 +186,9 @@ def _security_policy(policy: Policy, wiring: Wiring) -> Doc:
             http["path"] = wiring.http_path
         http["headersToBackend"] = [TIER_HEADER]
         ext = {"http": http, "headersToExtAuth": headers_to_check(policy, wiring)}
-    ext |= {"failOpen": True, "timeout": ms}
+    ext |= {"failOpen": not wiring.fail_closed, "timeout": ms}
+    if wiring.fail_closed:  # unused when failing open; the field needs Envoy Gateway v1.8.0 or later
+        ext["statusOnError"] = STATUS_ON_ERROR
     return {"apiVersion": EG_API, "kind": "SecurityPolicy",
             "metadata": {"name": wiring.name or f"extauthz-{wiring.protocol}", "namespace": wiring.namespace},
             "spec": {"targetRefs": [_ref(k, n) for k, n in wiring.refs], "extAuth": ext}}
@@ -195,14 +211,17 @@ def _reference_grant(wiring: Wiring, kinds: Sequence[str]) -> Doc:
 
 def _providers(policy: Policy, wiring: Wiring) -> Doc:
     timeout = authz_timeout(wiring.check_budget_ms)
+    # both providers: failOpen, and statusOnError (a string) for when it fails closed
+    failing = {"failOpen": not wiring.fail_closed, "statusOnError": str(STATUS_ON_ERROR)}
     provider: Doc
     if wiring.protocol == "grpc":
         # the gRPC provider has no header options: istiod sends every header
         provider = {"envoyExtAuthzGrpc": {"service": wiring.host, "port": wiring.authz_port, "timeout": timeout,
-                                          "failOpen": True, "statusOnError": "503"}}
+                                          **failing}}
     else:
+        path = {"pathPrefix": wiring.http_path} if wiring.http_path is not None else {}
         provider = {"envoyExtAuthzHttp": {
-            "service": wiring.host, "port": wiring.authz_port, "timeout": timeout, "failOpen": True,
+            "service": wiring.host, "port": wiring.authz_port, "timeout": timeout, **path, **failing,
             "includeRequestHeadersInCheck": headers_to_check(policy, wiring),
             "headersToUpstreamOnAllow": [TIER_HEADER],
             "headersToDownstreamOnAllow": list(CLIENT_HEADERS_ON_SUCCESS),
@@ -222,10 +241,13 @@ def _attachment(wiring: Wiring) -> Doc:
 
 def _authorization_policy(wiring: Wiring) -> Doc:
     name = wiring.name or (f"{PROVIDER}-waypoint" if wiring.target == "istio-ambient" else PROVIDER)
+    # one empty rule matches every request (no rules would match none: nothing checked);
+    # notPaths exempt those paths on every workload the policy covers, so only on request
+    rule: Doc = {"to": [{"operation": {"notPaths": list(wiring.skip_paths)}}]} if wiring.skip_paths else {}
     return {"apiVersion": "security.istio.io/v1", "kind": "AuthorizationPolicy",
             "metadata": {"name": name, "namespace": wiring.namespace},
             "spec": {**_attachment(wiring), "action": "CUSTOM", "provider": {"name": PROVIDER},
-                     "rules": [{"to": [{"operation": {"notPaths": list(NOT_PATHS)}}]}]}}
+                     "rules": [rule]}}
 
 
 def _telemetry(wiring: Wiring) -> Doc:
@@ -261,7 +283,8 @@ def resources(policy: Policy, wiring: Wiring) -> list[tuple[str, Doc]]:
     out.append(("merge into the mesh config (istiod's meshConfig value, or the istio ConfigMap's mesh key)"
                 + ("; the HTTP provider also needs an EnvoyFilter: docs/helm.md" if wiring.protocol == "http" else ""),
                 _providers(policy, wiring)))
-    out.append((f"the Check call on {where}, every path but health checks", _authorization_policy(wiring)))
+    skipped = f"every path but {', '.join(wiring.skip_paths)} (--skip-path)" if wiring.skip_paths else "every path"
+    out.append((f"the Check call on {where}, {skipped}", _authorization_policy(wiring)))
     if leases:
         out.append((f"the access log that releases leases, on {where}", _telemetry(wiring)))
     return out

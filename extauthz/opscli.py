@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .settings import Settings, add_shared, env_value, options
+from .settings import RECENT_REFUSALS_PER_IDENTITY, Settings, add_shared, env_value, options
 from .verdict import Mode
 
 if TYPE_CHECKING:  # imported where used: `extauthz status --help` starts without the policy's models
@@ -259,7 +259,8 @@ def _add_customer_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParse
         "mode, its numbers (plan, live override), the live counters read from the store without "
         "changing them (tokens left and seconds to full, requests in flight, quota used and "
         "reset), the grants the server's replica holds and the refusals it made recently "
-        "(this replica only, the last 20 per identity). Through a server's admin port "
+        f"(this replica only, the last {RECENT_REFUSALS_PER_IDENTITY} per identity). Through a server's "
+        "admin port "
         "(GET /customers/HASH), or with --redis-url (and --policies) from the fleet's Redis "
         "directly (no refusals then: each server keeps its own).",
         epilog="examples: extauthz inspect - --policies policies/ < key.txt | "
@@ -481,7 +482,10 @@ def _report(args: argparse.Namespace) -> int:
         policy = _load_policy(args.policies)
         if policy is None:
             raise CliError("--identities needs --policies: the policy's identity rules say how keys are hashed")
-        labels = IdentityFile.read(args.identities, policy, args.identity_salt.encode()).labels
+        try:
+            labels = IdentityFile.read(args.identities, policy, args.identity_salt.encode()).labels
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
     data = _with_control(args, go)
     for lim in data.get("limiters") or []:
         for row in lim.get("top_identities", []):
@@ -605,19 +609,22 @@ def _source(args: argparse.Namespace, policy: Any, command: str | None = None) -
 
 
 def _hashed_identity(args: argparse.Namespace, source: str, policy: Any) -> str:
-    from .classify import AMBIGUOUS, hash_identity, header_value
+    from .classify import AmbiguousKey, key_identity_hash
 
+    flag = "KEY" if hasattr(args, "key") else "--identity"
     raw = sys.stdin.readline().rstrip("\r\n") if args.identity == "-" else args.identity
     if not raw:
-        raise CliError("KEY is empty" if hasattr(args, "key") else "--identity is empty")
+        raise CliError(f"{flag} is empty")
     rule = next((s for s in policy.identity if s.label == source), None) if policy is not None else None
-    if rule is not None and rule.header is not None:
-        value = header_value(rule, raw)  # hash what the server hashes (trimmed, prefix removed)
-        if value == AMBIGUOUS:
-            raise CliError("--identity holds different values separated by ',': the server reads "
-                           "such a header as repeated with different values, never as one identity")
-        raw = value or raw
-    return hash_identity(raw, source, args.identity_salt.encode())
+    if rule is None and source.startswith("header:"):  # no --policies: a header rule all the same
+        from .policy.model import IdentitySource
+
+        rule = IdentitySource(header=source.removeprefix("header:"), strip_prefix=None, source_ip=False)
+    try:
+        return key_identity_hash(raw, rule, source, args.identity_salt.encode())
+    except AmbiguousKey:
+        raise CliError(f"{flag} holds different values separated by ',': the server reads such a "
+                       "header as repeated with different values, never as one identity") from None
 
 
 def _not_found(limiter: str, source: str) -> str:
@@ -750,7 +757,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .inspect import valid_hash
+    from .classify import normal_hash
 
     if (args.key is None) == (args.identity_hash is None):
         raise CliError("give KEY (or '-' to read it from stdin) or --identity-hash HASH")
@@ -759,10 +766,11 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.key is not None:
         identity, _, policy = _key_hash(args, "inspect")
     else:
-        identity, policy = args.identity_hash.strip().lower(), _load_policy(args.policies)
-        if not valid_hash(identity):
-            raise CliError(f"--identity-hash: not an identity hash (24 hex digits, as `extauthz hash` "
-                           f"prints): {args.identity_hash[:40]!r}")
+        hashed, policy = normal_hash(args.identity_hash), _load_policy(args.policies)
+        if hashed is None:  # not echoed: it may be a key given by mistake
+            raise CliError("--identity-hash: not an identity hash (24 hex digits, as `extauthz hash` "
+                           "prints; give a key as KEY, or '-' to read it from stdin)")
+        identity = hashed
     limiters = None
     if policy is not None:
         from .limiters import build_limiters
@@ -826,7 +834,8 @@ def format_customer(data: dict[str, Any]) -> str:
     else:
         lines.append(f"recent refusals ({recent.get('covers', '')}):")
         for r in refusals[-10:]:
-            lines.append(f"  {_fmt_time(r['at'])} {r['limiter']} {r['reason']} {r['outcome']} "
-                         f"tier {r['tier']} status {r['status']}"
+            lines.append(f"  {_fmt_time(r['at'])} {r['limiter']} {r['reason']} {r['outcome']}"
+                         + ("" if r.get("enforced", True) else " (not enforced)")
+                         + f" tier {r['tier']} status {r['status']}"
                          + (f" retry after {r['retry_after']:.1f} s" if r.get("retry_after") else ""))
     return "\n".join(printable(line) for line in lines)

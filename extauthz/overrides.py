@@ -41,6 +41,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from .changelog import text_problem
+from .classify import valid_hash
 from .documents import Board, Document
 from .errors import did_you_mean
 from .limiters.base import Limiter
@@ -62,7 +63,6 @@ MAX_TTL = 30 * 24 * 3600.0
 DEFAULT_TTL = 24 * 3600.0
 #: stored keys outlive the latest expiry by this much (clock skew between replicas).
 KEY_SLACK = 60.0
-IDENTITY_HASH = re.compile(r"^[0-9a-f]{24}$")
 _LIMITER = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 _TEXT_MAX = 200
 
@@ -225,7 +225,7 @@ def make_override(limiter: str, identity: str, numbers: Mapping[str, Any], *, tt
     when the caller knows the policy."""
     if not _LIMITER.match(limiter):
         raise OverrideError(f"bad limiter name {limiter!r}")
-    if not IDENTITY_HASH.match(identity):
+    if not valid_hash(identity):
         raise OverrideError("the identity must be a hashed identity (24 hex digits)")
     for text, what in ((reason, "the reason"), (by, "'by'"), (source, "the source")):
         problem = text_problem(text, what)

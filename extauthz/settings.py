@@ -60,6 +60,9 @@ POLICY_MAX_BYTES = 1 << 20
 #: per-user keys one limiter holds in the embedded store (store/memory.py), the least recently
 #: used forgotten past it: about 100 MiB per limiter (bench/memory_per_key.py; docs/limiters.md).
 MEMORY_MAX_KEYS = 250_000
+#: recent refusals each replica keeps per identity (observe/recent_refusals.py; here, where
+#: the command line's help reads it without the server's modules)
+RECENT_REFUSALS_PER_IDENTITY = 20
 
 #: values of a listen option (``--listen``, ``--http-listen``, ``--admin-listen``,
 #: ``--metrics-listen``, ``--health-listen``) and ``--admin-url-file`` that turn it off

@@ -302,9 +302,12 @@ class GrantTable(Synced):
         return key in self._held
 
     def held(self, key: str) -> float:
-        """Unspent granted tokens held for ``key`` (0 when none)."""
+        """Unspent granted tokens held for ``key`` that :meth:`spend` would still spend (0
+        when none, or when the grant is stale: :meth:`_expired`; read only, nothing dropped)."""
         h = self._held.get(key)
-        return 0.0 if h is None else h.tokens
+        if h is None or self._expired(h, self._clock.monotonic()):
+            return 0.0
+        return h.tokens
 
     def total(self) -> float:
         return sum(h.tokens for h in self._held.values())
@@ -348,12 +351,16 @@ class GrantTable(Synced):
         """Whether ``h`` was taken ``spend_within`` ago or more (its replica stood still: its
         timer did not give it back in time): then its tokens are dropped here, unspent, and
         counted (``dropped``)."""
-        if self.spend_within is None or now - h.taken_at < self.spend_within or h.tokens <= 0.0:
+        if not self._expired(h, now) or h.tokens <= 0.0:
             return False
         self.dropped += h.tokens
         h.tokens = 0.0
         h.empty_since = now
         return True
+
+    def _expired(self, h: _Held, now: float) -> bool:
+        """Whether ``h`` was taken ``spend_within`` ago or more: never spent then."""
+        return self.spend_within is not None and now - h.taken_at >= self.spend_within
 
     def restore(self, key: str, held: float, numbers: Numbers) -> None:
         """The grant asked with ``held`` was not committed: the remainder stays here."""

@@ -102,7 +102,9 @@ class CheckDurations:
 class LimiterDecisions:
     """``extauthz_limiter_decisions_total{limiter,outcome}``: ``extauthz_decisions_total``
     summed over tier and plan at scrape time (allowed as well as refused, per limiter; never
-    per customer), so a check counts once."""
+    per customer), so a check counts once. ``allowed`` is the limiter's own verdict, also on a
+    request another limiter refused (nothing committed); a request refused before the store
+    call gives verdicts only for the limiters that decided locally (docs/operations.md)."""
 
     def __init__(self, decisions: Counter) -> None:
         self.decisions = decisions

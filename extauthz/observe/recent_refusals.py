@@ -17,11 +17,12 @@ from typing import Any
 from ..clock import SYSTEM_CLOCK, Clock
 from ..context import RequestContext
 from ..policy.model import Policy
+from ..settings import RECENT_REFUSALS_PER_IDENTITY
 from ..verdict import Decision
 from .base import ObserverBase
 
 #: refusals kept per identity
-PER_IDENTITY = 20
+PER_IDENTITY = RECENT_REFUSALS_PER_IDENTITY
 #: identities kept (about 200 bytes a refusal: at most about 4 MB)
 IDENTITIES = 1000
 
@@ -29,7 +30,9 @@ IDENTITIES = 1000
 @dataclass(eq=False)
 class RecentRefusals(ObserverBase):
     """An observer: each refused decision (enforced, or a shadow limiter's would-deny) is
-    kept as ``{at, limiter, reason, outcome, tier, status, retry_after}``."""
+    kept as ``{at, limiter, reason, outcome, enforced, tier, status, retry_after}``: ``status``
+    is the answer the request got (the decision's: 429 when another limiter refused it, 200
+    when nothing did), ``enforced`` whether this limiter's refusal was that answer's."""
 
     clock: Clock = SYSTEM_CLOCK
     per_identity: int = PER_IDENTITY
@@ -47,10 +50,10 @@ class RecentRefusals(ObserverBase):
                 self._rings.popitem(last=False)
         else:
             self._rings.move_to_end(ctx.identity)
-        at = round(self.clock.wall(), 3)
+        at, status = round(self.clock.wall(), 3), decision.http_status
         for v in refused:
             ring.append({"at": at, "limiter": v.limiter, "reason": v.reason, "outcome": v.outcome.value,
-                         "tier": ctx.tier.value, "status": decision.http_status if v.refused else 200,
+                         "enforced": v.refused, "tier": ctx.tier.value, "status": status,
                          "retry_after": v.retry_after})
 
     def of(self, identity: str) -> list[dict[str, Any]]:

@@ -17,7 +17,7 @@ from typing import IO, Any
 #: the summary's figures ``--fail-on`` compares, and its operators
 FIGURES = ("critical_refused", "refused", "refused_share", "customers_refused",
            "max_customer_refused_share")
-#: one customer's figures (``--fail-on 'customer:KEY refused > 1%'``)
+#: one customer's figures (``--fail-on 'customer:HASH refused > 1%'``)
 CUSTOMER_FIGURES = ("requests", "refused", "refused_share")
 OPERATORS: dict[str, Callable[[float, float], bool]] = {
     ">=": operator.ge, "<=": operator.le, "==": operator.eq, ">": operator.gt, "<": operator.lt}
@@ -26,8 +26,15 @@ _NUMBER = re.compile(r"([-+0-9.eE]+)\s*(%?)")
 _BASELINE = re.compile(r"baseline(?:\s*([+*])\s*([-+0-9.eE]+)\s*(%?))?")
 #: the exit status when a --fail-on condition holds (2 is a usage error)
 FAIL_ON_STATUS = 3
-_USE = ("expected [customer:KEY_OR_HASH] FIGURE OP NUMBER[%] or FIGURE OP baseline[+N|*N], "
-        "e.g. 'critical_refused > 0', 'customer:sk_live_abc refused > 1%', 'refused_share > baseline + 1%'")
+_USE = ("expected [customer:HASH_OR_NAME] FIGURE OP NUMBER[%] or FIGURE OP baseline[+N|*N], "
+        "e.g. 'critical_refused > 0', 'customer:1f0c5a9e27b4d8c6a3e1f2b0 refused > 1%' (the 24-hex "
+        "hash `extauthz hash` prints, or a NAME of the --identities file), "
+        "'refused_share > baseline + 1%'")
+#: what ``customer:X`` may be besides a hash (never a key: it would land in argv, shell history
+#: and CI logs, and this command prints its conditions)
+_NOT_A_KEY = ("customer:X takes the customer's identity hash (24 hex digits: `extauthz hash` prints it) "
+              "or a NAME of the --identities file (NAME<TAB>KEY lines), never a key: a key given "
+              "there lands in shell history and CI logs")
 
 
 def _finite(text: str, number: str) -> float:
@@ -43,7 +50,7 @@ def _finite(text: str, number: str) -> float:
 @dataclass(frozen=True)
 class Condition:
     """``--fail-on 'critical_refused > 0'``: a figure of the candidate's summary (or of one
-    customer's traffic: ``customer:KEY_OR_HASH``), an operator, and a number or the same
+    customer's traffic: ``customer:HASH_OR_NAME``, never a key), an operator, and a number or the same
     figure of the baseline (``baseline``, ``baseline + 0.01``, ``baseline * 1.1``). A number
     with ``%`` is a share (``refused > 1%``: ``refused_share > 0.01``)."""
 
@@ -56,11 +63,15 @@ class Condition:
     text: str = ""
 
     @classmethod
-    def parse(cls, text: str) -> Condition:
-        m = _CONDITION.fullmatch(text)
+    def parse(cls, given: str) -> Condition:
+        """Errors never echo the customer part unless it is a hash (it may be a key)."""
+        m = _CONDITION.fullmatch(given)
         if m is None:
-            raise argparse.ArgumentTypeError(f"{text!r}: {_USE}")
+            raise argparse.ArgumentTypeError(f"{_shown(given)!r}: {_USE}")
         customer, figure, op, value = m.groups()
+        text = _shown(given)
+        if customer is not None:
+            customer = normal_hash(customer) or customer
         known = CUSTOMER_FIGURES if customer is not None else FIGURES
         if figure not in known:
             whose = " for a customer" if customer is not None else ""
@@ -83,7 +94,7 @@ class Condition:
                                                  f"not {figure}")
             if against != "*":
                 amount /= 100.0
-        return cls(figure, op, amount, customer, against, " ".join(text.split()))
+        return cls(figure, op, amount, customer, against, " ".join(_CUSTOMER.sub("", given).split()))
 
     def limit(self, baseline: float | None) -> float:
         """The number the figure is compared with (``baseline``: the baseline's figure)."""
@@ -96,32 +107,68 @@ class Condition:
         return OPERATORS[self.op](float(value), self.limit(baseline))
 
     def __str__(self) -> str:
-        return self.text or f"{self.figure} {self.op} {self.number:g}"
+        """The condition as given, its customer as a hash or a NAME (:func:`Gate.resolve`
+        refuses anything else before any output)."""
+        rest = self.text or f"{self.figure} {self.op} {self.number:g}"
+        return f"customer:{self.customer} {rest}" if self.customer is not None else rest
+
+
+_CUSTOMER = re.compile(r"^\s*customer:\S+")
+
+
+def normal_hash(value: str) -> str | None:
+    """:func:`extauthz.classify.normal_hash`, imported when used (the command line starts
+    without the policy's models)."""
+    from ..classify import normal_hash
+
+    return normal_hash(value)
+
+
+def _shown(text: str) -> str:
+    """``--fail-on`` text fit to print: a customer part that is not a hash hidden."""
+    m = _CUSTOMER.match(text)
+    if m is None or normal_hash(m.group(0).strip().removeprefix("customer:")) is not None:
+        return text
+    return "customer:<hidden> " + text[m.end():].lstrip()
 
 
 @dataclass
 class IdentityFile:
-    """``--identities FILE``: raw keys or names, one a line, hashed with the salt for each
-    of the policy's identity rules as the server hashes them."""
+    """``--identities FILE``: one customer a line, ``NAME<TAB>KEY`` (or the KEY alone),
+    the key hashed with the salt for each of the policy's identity rules as the server hashes
+    them. Only the NAME is ever shown (a line with the key alone is shown as ``line N``):
+    never the key."""
 
     path: str
-    #: hash -> the line
+    #: hash -> the name shown (NAME, or ``line N``)
     labels: dict[str, str]
     #: (line number, the hashes of that line)
     entries: list[tuple[int, set[str]]]
+    #: NAME -> the hashes of its line (``--fail-on 'customer:NAME ...'``)
+    names: dict[str, set[str]]
 
     @classmethod
     def read(cls, path: str, policy: Any, salt: bytes) -> IdentityFile:
         labels: dict[str, str] = {}
         entries: list[tuple[int, set[str]]] = []
-        for lineno, raw in enumerate(Path(path).read_text().splitlines(), 1):
-            raw = raw.strip()
-            if not raw or raw.startswith("#"):
+        names: dict[str, set[str]] = {}
+        for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+            if not line.strip() or line.lstrip().startswith("#"):
                 continue
-            hashes = set(key_hashes(raw, policy, salt))
-            labels.update(dict.fromkeys(hashes, raw))
+            name, tab, raw = line.rpartition("\t")
+            name = name.strip()
+            if tab and not name:
+                raise ValueError(f"--identities {path} line {lineno}: no NAME before the tab (NAME<TAB>KEY)")
+            try:
+                hashes = set(key_hashes(raw, policy, salt))
+            except ValueError as exc:
+                raise ValueError(f"--identities {path} line {lineno}: {exc}") from None
+            shown = name or f"line {lineno}"
+            labels.update(dict.fromkeys(hashes, shown))
             entries.append((lineno, hashes))
-        return cls(path, labels, entries)
+            if name:
+                names.setdefault(name, set()).update(hashes)
+        return cls(path, labels, entries, names)
 
     def unmatched(self, seen: Mapping[str, int]) -> list[int]:
         """The line numbers of entries no request of the traffic carried."""
@@ -131,18 +178,11 @@ class IdentityFile:
 def key_hashes(raw: str, policy: Any, salt: bytes) -> list[str]:
     """``raw`` (an API key, a customer's identity value) hashed for each of the policy's
     identity rules, as the server hashes it."""
-    from ..classify import hash_identity, header_value
+    from ..classify import key_identity_hash
 
-    out = []
-    for rule in policy.identity:
-        value = header_value(rule, raw) if rule.strip_prefix is not None else raw
-        out.append(hash_identity(value or raw, rule.label, salt))
-    return out
-
-
-def identity_labels(path: str, policy: Any, salt: bytes) -> dict[str, str]:
-    """``--identities FILE``: hash -> the line (:class:`IdentityFile`)."""
-    return IdentityFile.read(path, policy, salt).labels
+    if not raw.strip():
+        raise ValueError("no key")
+    return [key_identity_hash(raw, rule, rule.label, salt) for rule in policy.identity]
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -174,15 +214,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--top", type=int, default=10,
                    help="identities listed in top_identities and customers (default 10)")
     p.add_argument("--identities", metavar="FILE", default=None,
-                   help="raw API keys or customer names, one a line: hashed with --identity-salt "
-                   "for the policy's identity rules to name the rows of the report and the JSON "
-                   "(without it only hashes are written)")
+                   help="one customer a line, NAME<TAB>KEY (or the KEY alone): the key hashed with "
+                   "--identity-salt for the policy's identity rules, the NAME shown in the rows of "
+                   "the report and the JSON (a line with the key alone as 'line N'; a key is never "
+                   "shown; without the file only hashes are written)")
     p.add_argument("--fail-on", metavar="EXPR", action="append", type=Condition.parse, default=[],
                    help="exit 3 when a figure of the candidate's summary compares true, e.g. "
                    f"'critical_refused > 0' (repeatable; figures: {', '.join(FIGURES)}; "
-                   "operators: > >= < <= ==); one customer's: 'customer:KEY_OR_HASH refused > 1%%' "
+                   "operators: > >= < <= ==); one customer's: 'customer:HASH refused > 1%%' "
                    f"({', '.join(CUSTOMER_FIGURES)}); against the baseline (--baseline or "
-                   "--baseline-summary): 'refused_share > baseline + 1%%', 'refused > baseline * 1.1'")
+                   "--baseline-summary): 'refused_share > baseline + 1%%', 'refused > baseline * 1.1'. HASH: the "
+                   "24-hex identity hash `extauthz hash` prints, or a NAME of the --identities file; "
+                   "never a key (it would land in shell history and CI logs)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it is off when stderr is not a TTY)")
 
 
@@ -249,7 +292,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                       "run's --json), not both")
     against = [c for c in args.fail_on if c.against is not None]
     if against and not (args.baseline or args.baseline_summary):
-        return _error(f"--fail-on '{against[0]}' compares with the baseline: give --baseline DIR "
+        return _error(f"--fail-on '{_shown(str(against[0]))}' compares with the baseline: give --baseline DIR "
                       "or --baseline-summary FILE")
     if args.baseline_summary and any(c.customer is not None for c in against):
         return _error("a customer's --fail-on against the baseline needs --baseline DIR (a "
@@ -259,6 +302,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         identities = (IdentityFile.read(args.identities, candidate, args.identity_salt.encode())
                       if args.identities else None)
         labels = identities.labels if identities is not None else None
+    except (OSError, ValueError, TrafficError) as exc:
+        return _error(exc)
+    names: dict[str, set[str]] = {} if identities is None else identities.names
+    for c in args.fail_on:  # before any output: a customer that is not a hash nor a NAME may be a key
+        if c.customer is not None and normal_hash(c.customer) is None and c.customer not in names:
+            return _error(f"--fail-on '{_shown(str(c))}': {_NOT_A_KEY}"
+                          + ("" if identities is not None else " (no --identities file given)"))
+    try:
         baseline_summary = _read_summary(args.baseline_summary) if args.baseline_summary else None
         files = [TrafficFile(path) for path in args.traffic]
     except (OSError, ValueError, TrafficError) as exc:
@@ -302,8 +353,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         out = write_report(Path(args.report), replay, summary, bad_lines=bad,
                            traffic=[str(p) for p in args.traffic])
         print(f"report: {out}", file=sys.stderr if args.json_out == "-" else sys.stdout)
-    gate = Gate(replay, summary, baseline_summary or summary.get("baseline"), labels or {},
-                candidate, args.identity_salt.encode())
+    gate = Gate(replay, summary, baseline_summary or summary.get("baseline"), labels or {}, names)
     held = 0
     for c in args.fail_on:
         line = gate.check(c)
@@ -335,22 +385,21 @@ class Gate:
     summary: Mapping[str, Any]
     baseline: Mapping[str, Any] | None
     labels: Mapping[str, str]
-    policy: Any
-    salt: bytes
+    #: NAME -> hashes (``--identities``)
+    names: Mapping[str, set[str]]
 
     def name(self, identity: str) -> str:
         label = self.labels.get(identity)
         return f"{label} ({identity})" if label else identity
 
     def _customer(self, given: str) -> str:
-        """The identity hash ``customer:X`` names: a hash as given, else the key hashed for
-        the candidate's identity rule that carried the most requests."""
-        from ..overrides import IDENTITY_HASH
-
-        if IDENTITY_HASH.match(given):
-            return given
+        """The identity hash ``customer:X`` names: a hash as given, else (a NAME of the
+        --identities file) its key's hash for the identity rule that carried the most requests."""
+        hashed = normal_hash(given)
+        if hashed is not None:
+            return hashed
         requests = self.replay.candidate.tally.identity_requests
-        return max(key_hashes(given, self.policy, self.salt), key=lambda h: requests.get(h, 0))
+        return max(sorted(self.names[given]), key=lambda h: requests.get(h, 0))
 
     @staticmethod
     def _figures(tally: Any, identity: str) -> dict[str, float]:
@@ -363,8 +412,8 @@ class Gate:
             ident = self._customer(c.customer)
             mine = self._figures(self.replay.candidate.tally, ident)
             if not mine["requests"]:  # a typo, another salt: a gate that can never hold
-                print(f"warning: --fail-on '{c}': no request of that customer in the traffic (a key is "
-                      "hashed with --identity-salt for the candidate's identity rules)", file=sys.stderr)
+                print(f"warning: --fail-on '{c}': no request of that customer in the traffic (another "
+                      "--identity-salt or identity rule, or a mistyped hash)", file=sys.stderr)
             base_lane = self.replay.baseline
             theirs = self._figures(base_lane.tally, ident)[c.figure] if base_lane is not None else None
             if not c.holds(mine[c.figure], theirs):

@@ -15,7 +15,10 @@ from ..settings import KEY_PREFIX
 
 #: a limiter name (policy schema ``Name``) and a hashed identity (classify.hash_identity).
 _NAME = r"[a-z0-9][a-z0-9_.-]{0,62}"
-_IDENTITY = r"[0-9a-f]{24}"
+#: (the one pattern: :func:`extauthz.classify.valid_hash` matches it; here, the lightest module
+#: that needs it, so that the command line imports it without the policy's models)
+IDENTITY_HASH_PATTERN = r"[0-9a-f]{24}"
+_IDENTITY = IDENTITY_HASH_PATTERN
 
 
 @functools.lru_cache(maxsize=8)

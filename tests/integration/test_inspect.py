@@ -86,11 +86,20 @@ async def test_hash_and_inspect_through_the_admin_port(tmp_path: Path, capsys: p
 
 async def test_report_identities_names_the_hashes_of_the_keys_given(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """`report --identities FILE` shows each hashed identity with the line it came from (the
-    reader simulate --identities uses); a key not in the file stays a hash."""
+    """`report --identities FILE` shows each hashed identity with the NAME of its line
+    (NAME<TAB>KEY; ``line N`` for a key alone), never the key, in text and JSON; a key not in
+    the file stays a hash. The key is hashed as `extauthz hash` hashes it (surrounding spaces
+    trimmed, as the server trims a header)."""
     pol = write_policy(tmp_path / "p" / "api.yaml", [rate("dark", burst=1, mode="shadow")])
     names = tmp_path / "keys.txt"
-    names.write_text("# customers\nsk_live_alice\n")
+    names.write_text("# customers\nAlice Corp\t  sk_live_alice  \nsk_live_bob\n")
+    # `extauthz hash` with the same spaced key, with and without --policies: one hash
+    hashes = set()
+    for extra in (["--policies", str(pol.parent)], []):
+        code, out, err = await cli(["hash", "  sk_live_alice  ", "--identity-salt", SALT, *extra], capsys, monkeypatch)
+        assert code == 0, err
+        hashes.add(out.strip())
+    assert hashes == {hash_identity("sk_live_alice", "header:x-api-key", SALT.encode())}
     async with running([pol]) as (server, client):
         for key in ("sk_live_alice", "sk_live_alice", "sk_live_bob", "sk_live_bob"):
             assert await client.check(key) == 200  # shadow: allowed, recorded
@@ -98,8 +107,15 @@ async def test_report_identities_names_the_hashes_of_the_keys_given(
         code, out, err = await cli(["report", "--admin", url, "--identities", str(names), "--policies",
                                     str(pol.parent), "--identity-salt", SALT], capsys, monkeypatch)
         assert code == 0, err
-        assert "= sk_live_alice" in out and "sk_live_bob" not in out
-        assert out.count(" = ") == 1
+        (alice,) = hashes
+        alice_row = next(row for row in out.splitlines() if alice in row)
+        assert alice_row.endswith("= Alice Corp") and out.count("= line 3") == 1, out
+        assert "sk_live" not in out
+        code, out, err = await cli(["report", "--admin", url, "--identities", str(names), "--policies",
+                                    str(pol.parent), "--identity-salt", SALT, "--json"], capsys, monkeypatch)
+        assert code == 0, err
+        labels = sorted(row.get("label") for lim in json.loads(out)["limiters"] for row in lim["top_identities"])
+        assert labels == ["Alice Corp", "line 3"] and "sk_live" not in out
         code, _, err = await cli(["report", "--admin", url, "--identities", str(names)], capsys, monkeypatch)
         assert code == 1 and "--identities needs --policies" in err
 

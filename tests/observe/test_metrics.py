@@ -194,3 +194,19 @@ async def test_alert_rules_name_only_exported_metrics(tmp_path: Path) -> None:
     for rule in alert_rules():
         for metric in re.findall(r"\bextauthz_[a-z_]+", rule["expr"]):
             assert metric in exported, f"{rule['alert']}: {metric} is not exported"
+
+
+async def test_allowed_counts_a_limiters_own_verdict_even_when_another_refused(tmp_path: Path) -> None:
+    """docs/operations.md's meaning of ``extauthz_limiter_decisions_total``: ``allowed`` is the
+    limiter's own rule letting the request through, whether or not another limiter refused it
+    (nothing is committed then): the share refused is of the requests the limiter saw. A
+    request refused before the store call (tight's refusal cache) counts for no other limiter."""
+    policy = write_policy(tmp_path / "p" / "api.yaml", [rate("roomy", burst=100), rate("tight", burst=1)])
+    async with running([policy.parent]) as (server, client):
+        assert [await client.check("sk_live_bob") for _ in range(3)] == [200, 429, 429]
+        m = samples(await scrape(server))
+        assert value(m, "extauthz_limiter_decisions_total", limiter="tight", outcome="denied") == 2
+        # 1: admitted; 2: tight refused in the store call, roomy's rule allowed (nothing taken);
+        # 3: tight refused from its refusal cache before any store call: roomy saw nothing
+        assert value(m, "extauthz_limiter_decisions_total", limiter="roomy", outcome="allowed") == 2
+        assert value(m, "extauthz_requests_total", tier="get", result="allowed") == 1

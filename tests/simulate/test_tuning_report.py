@@ -41,7 +41,7 @@ def case(tmp_path: Path) -> dict[str, str]:
     lines.sort(key=lambda x: x["time"])
     traffic = write_lines(tmp_path / "t.jsonl", lines)
     names = tmp_path / "names.txt"
-    names.write_text("# our customers\nalice\npayer\n")
+    names.write_text("# our customers\nalice\talice\npayer\tpayer\n")
     return {"candidate": str(candidate), "baseline": str(baseline), "traffic": str(traffic),
             "names": str(names), "out": str(tmp_path / "report"), "json": str(tmp_path / "s.json")}
 
@@ -105,13 +105,13 @@ def test_fail_on_exits_3_and_says_which_condition_held(case: dict[str, str]) -> 
 
 @pytest.mark.parametrize(("expr", "says"), [
     ("critical > 0", "unknown figure 'critical'"),
-    ("refused >> 1", "expected [customer:KEY_OR_HASH] FIGURE OP NUMBER"),
-    ("refused > many", "expected [customer:KEY_OR_HASH] FIGURE OP NUMBER"),
+    ("refused >> 1", "expected [customer:HASH_OR_NAME] FIGURE OP NUMBER"),
+    ("refused > many", "expected [customer:HASH_OR_NAME] FIGURE OP NUMBER"),
     ("refused > 1e999", "not a finite number"),
-    ("refused", "expected [customer:KEY_OR_HASH] FIGURE OP NUMBER"),
+    ("refused", "expected [customer:HASH_OR_NAME] FIGURE OP NUMBER"),
     ("customer:alice critical_refused > 0", "unknown figure 'critical_refused' for a customer"),
     ("customers_refused > 5%", "a % compares a share"),
-    ("refused > baseline - 1", "expected [customer:KEY_OR_HASH] FIGURE OP NUMBER"),
+    ("refused > baseline - 1", "expected [customer:HASH_OR_NAME] FIGURE OP NUMBER"),
 ])
 def test_a_bad_fail_on_expression_is_a_usage_error(case: dict[str, str], expr: str, says: str) -> None:
     out = run("--policies", case["candidate"], "--traffic", case["traffic"], "--fail-on", expr)
@@ -152,7 +152,8 @@ def test_the_tuning_docs_worked_example_runs_as_written_in_a_fresh_directory(tmp
     assert out.returncode == 0, out.stderr
     s = json.loads((tmp_path / "report" / "summary.json").read_text())
     assert s["requests"] == 301 and (tmp_path / "report" / "report.md").is_file()
-    assert [c.get("label") for c in s["customers"]][:1] == ["sk_live_batchjob"]
+    assert [c.get("label") for c in s["customers"]][:1] == ["batch-job"]
+    assert "sk_live" not in out.stdout + out.stderr + (tmp_path / "report" / "summary.json").read_text()
 
 
 class Ran:
@@ -186,23 +187,75 @@ def test_the_failure_line_names_the_customer(case: dict[str, str], capsys: pytes
     assert f"worst hit: customer {hash_identity('alice', 'header:x-api-key')} (26 of 40" in out.stderr
 
 
-def test_fail_on_one_customer_by_key_or_hash(case: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
-    """``customer:KEY_OR_HASH refused > 1%``: one customer's share (or count) of refusals."""
+def test_fail_on_one_customer_by_hash_or_name(case: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    """``customer:HASH refused > 1%`` (or a NAME of --identities): one customer's share (or
+    count) of refusals; the output names the customer by NAME and hash."""
     bob = hash_identity("bob", "header:x-api-key")
-    common = ("--policies", case["candidate"], "--traffic", case["traffic"])
-    out = Ran(capsys, *common, "--fail-on", "customer:alice refused > 1%", "--fail-on", f"customer:{bob} refused > 0",
-              "--fail-on", "customer:payer refused >= 6")
-    assert out.returncode == 3
+    common = ("--policies", case["candidate"], "--traffic", case["traffic"], "--identities", case["names"])
     alice = hash_identity("alice", "header:x-api-key")
-    assert (f"--fail-on 'customer:alice refused > 1%' holds: customer {alice}: refused_share = 0.65; "
+    out = Ran(capsys, *common, "--fail-on", "customer:alice refused > 1%", "--fail-on", f"customer:{bob} refused > 0",
+              "--fail-on", f"customer:{alice.upper()} refused >= 26")
+    assert out.returncode == 3
+    assert (f"--fail-on 'customer:alice refused > 1%' holds: customer alice ({alice}): refused_share = 0.65; "
             "26 of 40 requests refused") in out.stderr, out.stderr
-    assert "customer:payer refused >= 6' holds: customer" in out.stderr and "refused = 6;" in out.stderr
+    # an upper-case hash is that hash (it was hashed again as a key: no request, never holds)
+    assert f"--fail-on 'customer:{alice} refused >= 26' holds: customer alice ({alice}): refused = 26;" in out.stderr
     assert "customer:" + bob not in out.stderr  # bob is never refused
+    absent = hash_identity("alcie", "header:x-api-key")
     out = Ran(capsys, *common, "--fail-on", f"customer:{bob} refused > 0",
-              "--fail-on", "customer:alice refused_share > 0.66", "--fail-on", "customer:alcie refused > 0")
+              "--fail-on", "customer:alice refused_share > 0.66", "--fail-on", f"customer:{absent} refused > 0")
     assert out.returncode == 0
-    assert ("warning: --fail-on 'customer:alcie refused > 0': no request of that customer in the traffic"
+    assert (f"warning: --fail-on 'customer:{absent} refused > 0': no request of that customer in the traffic"
             in out.stderr), out.stderr
+
+
+@pytest.mark.parametrize("expr", ["customer:sk_live_s3cret refused > 1%",  # refused after parsing
+                                  "customer:sk_live_s3cret critical_refused > 0",  # a bad figure
+                                  "customer:sk_live_s3cret refused >> 1",  # a bad expression
+                                  "customer:sk_live_s3cret refused > baseline"])  # no baseline given
+def test_a_key_in_fail_on_is_refused_and_never_printed(case: dict[str, str], capsys: pytest.CaptureFixture[str],
+                                                       expr: str) -> None:
+    """A key in ``customer:X`` lands in argv, shell history and CI logs, and the gate printed
+    it in every line (the condition, the warning): it is refused now, never echoed."""
+    out = Ran(capsys, "--policies", case["candidate"], "--traffic", case["traffic"],
+              "--identities", case["names"], "--fail-on", expr)
+    assert out.returncode == 2, out.stderr
+    assert "s3cret" not in out.stdout + out.stderr, out.stderr
+    if expr.endswith("1%"):
+        assert "never a key" in out.stderr and "extauthz hash" in out.stderr
+
+
+def test_the_identities_file_shows_names_never_keys(case: dict[str, str], tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """``NAME<TAB>KEY`` shows NAME; a key alone shows ``line N``; the key is in no output line,
+    no JSON and no report (the whole line, the raw key, was the label)."""
+    Path(case["names"]).write_text("# ours\nAlice Corp\t  alice  \npayer\n")
+    summary = tmp_path / "s.json"
+    out = Ran(capsys, "--policies", case["candidate"], "--traffic", case["traffic"], "--identities", case["names"],
+              "--json", str(summary), "--fail-on", "critical_refused > 0", "--fail-on", "refused > 10",
+              "--fail-on", "customer:Alice Corp refused > 0")
+    assert out.returncode == 2  # a NAME with a space is no token of the expression
+    out = Ran(capsys, "--policies", case["candidate"], "--traffic", case["traffic"], "--identities", case["names"],
+              "--json", str(summary), "--fail-on", "critical_refused > 0", "--fail-on", "refused > 10")
+    assert out.returncode == 3, out.stderr
+    alice, payer = (hash_identity(k, "header:x-api-key") for k in ("alice", "payer"))
+    assert f"most: customer line 3 ({payer})" in out.stderr, out.stderr
+    assert f"most refused: customer Alice Corp ({alice})" in out.stderr
+    labels = {row["identity"]: row.get("label") for row in json.loads(summary.read_text())["customers"]}
+    assert labels == {alice: "Alice Corp", payer: "line 3"}
+    everything = out.stdout + out.stderr + summary.read_text()
+    assert "alice " not in everything and "payer" not in everything.replace(payer, "")
+
+
+def test_an_ambiguous_key_in_the_identities_file_is_an_error_naming_the_line(
+        case: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    """A key holding different values joined by "," is never one identity on the server (it
+    was hashed silently as a key nobody sends)."""
+    Path(case["names"]).write_text("alice\talice\ntwo\tk1, k2\n")
+    out = Ran(capsys, "--policies", case["candidate"], "--traffic", case["traffic"], "--identities", case["names"])
+    assert out.returncode == 2
+    assert f"--identities {case['names']} line 2: the key holds different values separated by ','" in out.stderr
+    assert "k1" not in out.stderr
 
 
 def test_fail_on_against_the_baseline_replayed_or_a_baseline_run(
@@ -210,7 +263,8 @@ def test_fail_on_against_the_baseline_replayed_or_a_baseline_run(
     """``FIGURE OP baseline [+|* N]``: with --baseline DIR (replayed beside the candidate) or
     --baseline-summary FILE (an earlier run's --json); without either it is a usage error."""
     common = ("--policies", case["candidate"], "--traffic", case["traffic"])
-    out = Ran(capsys, *common, "--baseline", case["baseline"], "--fail-on", "refused > baseline + 30",
+    out = Ran(capsys, *common, "--baseline", case["baseline"], "--identities", case["names"],
+              "--fail-on", "refused > baseline + 30",
               "--fail-on", "customer:alice refused > baseline + 25", "--fail-on", "refused_share > baseline + 50%")
     assert out.returncode == 3
     assert "--fail-on 'refused > baseline + 30' holds: refused = 32 (baseline 0)" in out.stderr, out.stderr
@@ -233,7 +287,7 @@ def test_fail_on_against_the_baseline_replayed_or_a_baseline_run(
 
 
 def test_identities_that_match_no_request_are_listed(case: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
-    Path(case["names"]).write_text("# our customers\nalice\nalicee\npayer\n\nnobody\n")
+    Path(case["names"]).write_text("# our customers\nalice\nalicee\npayer\n\nNo Body\tnobody\n")
     out = Ran(capsys, "--policies", case["candidate"], "--traffic", case["traffic"], "--identities", case["names"])
     assert out.returncode == 0
     assert ("warning: 2 of 4 --identities entries match no request (another --identity-salt or identity "

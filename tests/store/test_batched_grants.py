@@ -930,3 +930,23 @@ async def test_a_bucket_grant_given_back_to_a_dry_bucket_shows_as_early_refusal(
     assert b.status()["early_refusals"] == 0
     a.close()
     b.close()
+
+
+async def test_a_stale_grant_is_not_shown_as_held() -> None:
+    """``held`` (what inspect shows, and the ``remaining`` an answer adds) skipped the staleness
+    check ``spend`` applies: a grant held past ``sync_interval`` (its replica stood still) is
+    never spent, so it is not held either; reading it drops nothing."""
+    clock = ManualClock(START)
+    store = MemoryStore(clock)
+    grants = GrantTable(SYNC, clock, spend_within=SYNC)
+    grants.store = store
+    result = (await store.check([GrantOp("k", RATE, BURST, 1.0, BATCH)], "")).results[0]
+    grants.granted("k", result.extra, 1.0, result.remaining, BATCH, (RATE, BURST))
+    assert grants.held("k") == BATCH - 1
+    clock.advance(SYNC - EPS)
+    assert grants.held("k") == BATCH - 1  # still spendable
+    clock.advance(2 * EPS)  # no sync ran meanwhile
+    assert grants.held("k") == 0.0
+    assert grants.dropped == 0.0  # a read, not a drop
+    assert grants.spend("k", 1.0, (RATE, BURST)) is None and grants.dropped == BATCH - 1
+    grants.close()

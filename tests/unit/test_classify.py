@@ -113,3 +113,17 @@ def test_raw_values_stay_out_of_repr(classifier: Classifier) -> None:
     assert ctx.identity == hash_identity("sk_live_SECRETrepr", "header:x-api-key")
     for text in (repr(raw), repr(ctx), str(ctx), f"{raw!r} {ctx}"):
         assert "SECRET" not in text, text
+
+
+def test_one_identity_hash_check_everywhere() -> None:
+    """Three copies of the hash pattern disagreed: overrides' ``^...$`` with ``.match``
+    accepted a trailing newline (a stored identity no request hashes to)."""
+    from extauthz.classify import normal_hash, valid_hash
+    from extauthz.overrides import OverrideError, make_override
+
+    good = hash_identity("alice", "header:x-api-key")
+    assert valid_hash(good) and normal_hash(f" {good.upper()}\n") == good
+    assert not valid_hash(good + "\n") and not valid_hash(good.upper()) and normal_hash("sk_live_x") is None
+    assert make_override("user-rate", good, {"rate": 1}, ttl=60, now=0).identity == good
+    with pytest.raises(OverrideError, match="24 hex digits"):
+        make_override("user-rate", good + "\n", {"rate": 1}, ttl=60, now=0)

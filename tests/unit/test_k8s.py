@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "helm" / "extauthz" / "examples"
 EG_VALUES = EXAMPLES / "envoy-gateway" / "values-envoy-gateway.yaml"
 ISTIO_VALUES = EXAMPLES / "istio" / "values-istio.yaml"
-GATEWAY = ["--namespace", "istio-system", "--selector", "istio=ingressgateway"]
+GATEWAY = ["--namespace", "istio-system", "--selector", "istio=ingressgateway",
+           "--skip-path", "/healthz", "--skip-path", "/readyz"]
 
 #: (the values file whose policy is POLICY_DIR, the command's options, the example files)
 CASES: list[tuple[Path, list[str], list[str]]] = [
@@ -42,7 +43,8 @@ CASES: list[tuple[Path, list[str], list[str]]] = [
      ["istio/meshconfig-http.yaml", "istio/authorizationpolicy.yaml", "istio/telemetry.yaml"]),
     (ISTIO_VALUES, ["--target", "istio-sidecar", "--selector", "app=api"],
      ["istio/meshconfig.yaml", "istio-sidecar/authorizationpolicy.yaml", "istio-sidecar/telemetry.yaml"]),
-    (ISTIO_VALUES, ["--target", "istio-ambient", "--name", "extauthz-waypoint", "--target-ref", "Gateway/waypoint"],
+    (ISTIO_VALUES, ["--target", "istio-ambient", "--name", "extauthz-waypoint", "--target-ref", "Gateway/waypoint",
+                    "--skip-path", "/healthz", "--skip-path", "/readyz"],
      ["istio/meshconfig.yaml", "istio-ambient/authorizationpolicy.yaml", "istio-ambient/telemetry.yaml"]),
 ]
 #: what the generator writes (the mesh-config fragment has no kind)
@@ -143,3 +145,53 @@ def test_bad_options_exit_2_with_the_reason(options: list[str], message: str, tm
     code, out, err = run(["k8s", *options, "--policies", str(policy_dir(ISTIO_VALUES, tmp_path))])
     assert (code, out) == (2, "")
     assert err.startswith(f"extauthz k8s: {message}")
+
+
+def _docs(tmp_path: Path, *options: str) -> dict[str, dict[str, Any]]:
+    code, out, err = run(["k8s", *options, "--policies", str(policy_dir(ISTIO_VALUES, tmp_path))])
+    assert code == 0, err
+    return {ident(d)[0]: d for d in yaml.safe_load_all(out) if d}
+
+
+def test_no_path_is_exempt_unless_asked(tmp_path: Path) -> None:
+    """The AuthorizationPolicy's notPaths applies to every pod it covers: /healthz and /readyz
+    of the applications went unchecked (never limited). Now one empty rule (every request) by
+    default, notPaths only from --skip-path; Envoy Gateway refuses --skip-path."""
+    for target in (["--target", "istio-sidecar", "--selector", "app=api"], ["--target", "istio-ambient"]):
+        assert _docs(tmp_path, *target)["AuthorizationPolicy"]["spec"]["rules"] == [{}]
+    skipping = _docs(tmp_path, "--target", "istio-ambient", "--skip-path", "/livez")
+    rules = skipping["AuthorizationPolicy"]["spec"]["rules"]
+    assert rules == [{"to": [{"operation": {"notPaths": ["/livez"]}}]}]
+    code, _, err = run(["k8s", "--target", "envoy-gateway", "--target-ref", "HTTPRoute/a", "--skip-path", "/healthz",
+                        "--policies", str(policy_dir(ISTIO_VALUES, tmp_path))])
+    assert code == 2 and "--skip-path: Istio only" in err
+    code, _, err = run(["k8s", "--target", "istio-ambient", "--skip-path", "healthz",
+                        "--policies", str(policy_dir(ISTIO_VALUES, tmp_path))])
+    assert code == 2 and "--skip-path: a path starting with /" in err
+
+
+def test_http_path_on_istio_is_the_providers_path_prefix(tmp_path: Path) -> None:
+    """Istio's envoyExtAuthzHttp has pathPrefix (istio/api mesh/v1alpha1/config.proto): the
+    server's --http-path-prefix can be used behind Istio too (it was refused)."""
+    mesh = _docs(tmp_path, "--target", "istio-sidecar", "--selector", "app=api", "--protocol", "http",
+                 "--http-path", "/authz")["meshConfig"]
+    assert mesh["meshConfig"]["extensionProviders"][0]["envoyExtAuthzHttp"]["pathPrefix"] == "/authz"
+    code, _, err = run(["k8s", "--target", "istio-sidecar", "--selector", "app=api", "--http-path", "/authz",
+                        "--policies", str(policy_dir(ISTIO_VALUES, tmp_path))])
+    assert code == 2 and "--http-path: a path starting with / (HTTP protocol only)" in err
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_fail_closed_is_a_choice_with_one_error_status(tmp_path: Path, protocol: str) -> None:
+    """Fail-open was hard-coded, with statusOnError on Istio gRPC only. --fail-closed sets
+    failOpen false everywhere, and the status on error is 503 on every provider."""
+    eg = ["--target", "envoy-gateway", "--target-ref", "HTTPRoute/a", "--protocol", protocol]
+    sidecar = ["--target", "istio-sidecar", "--selector", "app=api", "--protocol", protocol]
+    kind = "envoyExtAuthzGrpc" if protocol == "grpc" else "envoyExtAuthzHttp"
+    for closed in (False, True):
+        extra = ["--fail-closed"] if closed else []
+        ext = _docs(tmp_path, *eg, *extra)["SecurityPolicy"]["spec"]["extAuth"]
+        assert ext["failOpen"] is not closed
+        assert ext.get("statusOnError") == (503 if closed else None)  # Envoy Gateway >= v1.8.0 only
+        provider = _docs(tmp_path, *sidecar, *extra)["meshConfig"]["meshConfig"]["extensionProviders"][0][kind]
+        assert (provider["failOpen"], provider["statusOnError"]) == (not closed, "503")

@@ -145,6 +145,12 @@ def test_history_and_override_rows_print_stored_control_characters_escaped() -> 
     (["override", "set", "user-rate", "--identity", "k", "rate=5", "--policies", "/nonexistent", *NOWHERE],
      "override set", "PolicyError"),
     (["simulate", "--policies", "/nonexistent", "--traffic", "t.jsonl"], "simulate", "/nonexistent"),
+    # the one key hasher's ambiguous-value error names the flag the user gave (it said --identity)
+    (["hash", "k1, k2"], "hash", "KEY holds different values separated by ','"),
+    (["override", "clear", "user-rate", "--identity", "k1,k2", *NOWHERE], "override clear",
+     "--identity holds different values"),
+    # a key given as --identity-hash is not echoed back
+    (["inspect", "--identity-hash", "sk_live_s3cret", *NOWHERE], "inspect", "not an identity hash (24 hex"),
 ])
 def test_every_operator_command_says_errors_in_one_form(
         capsys: pytest.CaptureFixture[str], argv: list[str], command: str, says: str) -> None:
@@ -188,3 +194,13 @@ async def test_status_says_which_admin_tokens_are_in_force_when_the_file_is_bad(
     assert code == 0, err
     (line,) = [line for line in out.splitlines() if line.startswith("admin token file NOT read again")]
     assert line.endswith("; keeping the 2 tokens read before"), line
+
+
+def test_a_key_given_as_identity_hash_is_not_echoed(capsys: pytest.CaptureFixture[str]) -> None:
+    """A key pasted as --identity-hash by mistake stays out of the error (it was echoed)."""
+    code = main(["inspect", "--identity-hash", "sk_live_s3cret", *NOWHERE])
+    err = capsys.readouterr().err
+    assert code == 1 and "not an identity hash" in err and "s3cret" not in err, err
+    # an upper-case hash with a newline is a hash (lower-cased), not "not a hash"
+    code = main(["inspect", "--identity-hash", "AB" * 12 + "\n", *NOWHERE])
+    assert "not an identity hash" not in capsys.readouterr().err

@@ -3,6 +3,8 @@ the least recently refused forgotten first; allowed decisions keep nothing."""
 
 from __future__ import annotations
 
+import pytest
+
 from extauthz.clock import ManualClock
 from extauthz.context import RequestContext
 from extauthz.observe.recent_refusals import RecentRefusals
@@ -36,3 +38,32 @@ def test_bounded_per_identity_and_in_identities() -> None:
     note(ring, "a", Outcome.DENIED)  # a: refused most recently
     note(ring, "c", Outcome.DENIED)
     assert ring.of("b") == [] and len(ring.of("a")) == 3 and len(ring.of("c")) == 1
+
+
+def test_every_row_carries_the_answer_the_request_got() -> None:
+    """A shadow limiter's would-deny on a request another limiter refused said status 200:
+    the request got 429. Every row has the decision's status, and ``enforced``."""
+    ring = RecentRefusals(clock=ManualClock())
+    shadow = Verdict("dark", Kind.RATE_LIMITER, Outcome.SHADOW_DENIED, reason="rate_exceeded")
+    hard = Verdict("user-rate", Kind.RATE_LIMITER, Outcome.DENIED, reason="rate_exceeded", retry_after=1.0)
+    both = Decision(allowed=False, tier=Tier.GET, verdicts=(shadow, hard), denied_by=hard)
+    ring.decided(ctx("a"), both, None)  # type: ignore[arg-type]
+    assert [(r["limiter"], r["status"], r["enforced"]) for r in ring.of("a")] == [
+        ("dark", 429, False), ("user-rate", 429, True)]
+    note(ring, "b", Outcome.SHADOW_DENIED)  # nothing else refused it: it got 200
+    assert [(r["status"], r["enforced"]) for r in ring.of("b")] == [(200, False)]
+
+
+def test_the_inspect_help_says_the_ring_size(monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """The help said "the last 20 per identity" in a literal: it follows the one constant."""
+    from extauthz import opscli
+    from extauthz.cli import main
+    from extauthz.observe import recent_refusals
+    from extauthz.settings import RECENT_REFUSALS_PER_IDENTITY
+
+    assert recent_refusals.PER_IDENTITY == RECENT_REFUSALS_PER_IDENTITY
+    monkeypatch.setattr(opscli, "RECENT_REFUSALS_PER_IDENTITY", 7)
+    with pytest.raises(SystemExit):
+        main(["inspect", "--help"])
+    assert "the last 7 per identity" in " ".join(capsys.readouterr().out.split())
