@@ -108,6 +108,9 @@ class H2Limits:
     max_buffered: int = 16 << 20
     #: answer bytes the peer has not read past which the connection is closed
     max_write_buffer: int = 4 << 20
+    #: a connection being closed gives a peer that does not read this long (s) to take what
+    #: is still queued for it, then it is aborted (its socket freed); error paths abort at once
+    close_linger: float = 2.0
     #: the client preface and SETTINGS are due within this of the connection (s)
     handshake_timeout: float = 10.0
     #: a connection without calls is closed (GOAWAY) after this (s)
@@ -951,12 +954,12 @@ class _Connection(asyncio.Protocol):
             self._close_with(ErrorCodes.COMPRESSION_ERROR)
             return
         self.flush()
-        self.close()
+        self.close(at_once=True)
 
     def _close_with(self, code: int) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(self._goaway_frame(code))
-        self.close()
+        self.close(at_once=True)
 
     def _calm(self, reason: str) -> None:
         """A flood: GOAWAY ENHANCE_YOUR_CALM, then closed."""
@@ -977,6 +980,8 @@ class _Connection(asyncio.Protocol):
         self.transport.write(self._goaway_frame(ErrorCodes.NO_ERROR))
 
     def expire(self, now: float) -> None:
+        if self.closed:
+            return
         limits = self.limits
         if not self.handshaken:
             if now - self.opened > limits.handshake_timeout:
@@ -1001,12 +1006,20 @@ class _Connection(asyncio.Protocol):
                     pass
         self.flush()
 
-    def close(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
+    def close(self, *, at_once: bool = False) -> None:
+        """Closed once what is queued is written; a peer that does not take it within
+        ``close_linger`` (at once: on an error or a flood) is aborted. The connection counts
+        against ``max_connections`` until its socket is gone (:meth:`connection_lost`)."""
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
             self.flush()  # what is owed (trailers of calls just ended) goes out first
-            self.transport.close()
+            transport.close()
+            if transport.get_write_buffer_size():
+                if at_once:
+                    transport.abort()
+                else:
+                    self.loop.call_later(self.limits.close_linger, transport.abort)
         self.closed = True
-        self.server.connections.discard(self)
         for call in list(self.calls.values()):
             self._cancel(call)
         self.calls.clear()

@@ -11,6 +11,7 @@ import asyncio
 import socket
 import ssl
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -743,3 +744,61 @@ async def test_answers_written_by_hand_keep_to_the_connection_window(probe: tupl
     assert (await raw.trailers(15))["grpc-status"] == "0"
     sent = sum(f.flow_controlled_length for f in raw.frames if isinstance(f, DataFrame))  # type: ignore[attr-defined]
     assert sent == 8 * (len(body) + 5)
+
+
+# -- the review of the server (issue 31): each defect, attacked ------------------------------
+
+
+def _deaf(port: int, settings: dict[int, int] | None = None) -> socket.socket:
+    """A blocking client socket with a tiny receive buffer that the test never reads."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(PREFACE + SettingsFrame(0, settings=settings or {}).serialize())
+    return sock
+
+
+async def _serve(limits: H2Limits) -> GrpcH2Server:
+    """A standalone server with the probe's methods on other bounds than LIMITS."""
+    srv = GrpcH2Server(limits)
+    p = Probe()
+    same = lambda b: b  # noqa: E731 - bytes in, bytes out
+    srv.add_registered_method_handlers("t.T", {
+        name: grpc.unary_unary_rpc_method_handler(fn, request_deserializer=same, response_serializer=same)
+        for name, fn in (("Echo", p.echo), ("Big", p.big))})
+    await srv.start("127.0.0.1:0")
+    return srv
+
+
+async def _until(test: Any) -> None:
+    for _ in range(int(WAIT / 0.01)):
+        if test():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not met within WAIT")
+
+
+async def test_a_closed_connection_whose_peer_does_not_read_is_freed() -> None:
+    """A peer that stops reading with an answer queued, then breaks the protocol: the
+    connection is aborted (its socket freed), and it counts against max_connections until
+    then (it used to wait for the peer forever, uncounted: descriptors ran out)."""
+    srv = await _serve(replace(LIMITS, max_write_buffer=16 << 20))
+    sock = _deaf(srv.port, {SettingsFrame.INITIAL_WINDOW_SIZE: 8 << 20})
+    try:
+        sock.sendall(WindowUpdateFrame(0, window_increment=8 << 20).serialize())
+        block = Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", "/t.T/Big"),
+                                  (":authority", "t"), ("content-type", "application/grpc")])
+        sock.sendall(HeadersFrame(1, block, flags=["END_HEADERS"]).serialize()
+                     + DataFrame(1, b"\x00\x00\x00\x00\x073000000", flags=["END_STREAM"]).serialize())
+        await _until(lambda: any(c.transport is not None and c.transport.get_write_buffer_size()
+                                 for c in srv.connections))
+        conn = next(iter(srv.connections))
+        assert conn.transport is not None
+        sock.sendall(b"\xff" * 64)  # a frame far over the size limit: the connection is closed
+        await _until(lambda: conn.closed)
+        await _until(lambda: conn.transport.get_extra_info("socket").fileno() == -1)  # type: ignore[union-attr]
+        await gone(srv)
+        assert srv.rejected["frame_too_large"] == 1
+    finally:
+        sock.close()
+        await srv.stop(0)
