@@ -585,10 +585,12 @@ class _Connection(asyncio.Protocol):
             length = int.from_bytes(buf[1:5], "big")
             if length > limit:
                 self.server.reject("message_too_large")
+                self.h2.acknowledge_received_data(n, sid)  # dropped: the window is credited
                 self._finish(call, RESOURCE_EXHAUSTED,
                              f"request message larger than {limit} bytes ({length})")
                 return
             if flag != 0:
+                self.h2.acknowledge_received_data(n, sid)
                 self._finish(call, INTERNAL,
                              "compressed request message, but no compression was negotiated"
                              if flag == 1 else f"bad message flag {flag}")
@@ -604,6 +606,7 @@ class _Connection(asyncio.Protocol):
             elif call.first is None:
                 call.first = message
             else:
+                self.h2.acknowledge_received_data(n, sid)
                 self._finish(call, UNIMPLEMENTED, "more than one request message for a unary method")
                 return
         if self.buffered <= self.limits.max_buffered and (not streaming or call.queued <= self.limits.stream_window):
@@ -621,14 +624,19 @@ class _Connection(asyncio.Protocol):
             for owed in list(self.owing):
                 if owed.handler.request_streaming and owed.queued > self.limits.stream_window:
                     continue
-                self.owing.discard(owed)
-                if owed.owed and owed.trailers is None and not self.closed:
-                    try:
-                        self.h2.acknowledge_received_data(owed.owed, owed.stream_id)
-                    except ProtocolError:
-                        pass  # the stream closed meanwhile
-                owed.owed = 0
+                self._settle(owed)
             self._flush_later()
+
+    def _settle(self, call: Call) -> None:
+        """The connection window is credited for what ``call`` still owes (also for a call
+        answered or gone: h2 then credits the connection only)."""
+        self.owing.discard(call)
+        if call.owed and not self.closed:
+            try:
+                self.h2.acknowledge_received_data(call.owed, call.stream_id)
+            except ProtocolError:
+                pass
+        call.owed = 0
 
     def _ended(self, sid: int) -> None:
         call = self.calls.get(sid)
@@ -869,7 +877,7 @@ class _Connection(asyncio.Protocol):
             del self.calls[sid]
         if call.held:
             self.consumed(call, call.held)
-        self.owing.discard(call)
+        self._settle(call)
         if not call.ended:
             try:
                 self.h2.reset_stream(sid, ErrorCodes.NO_ERROR)
@@ -893,7 +901,7 @@ class _Connection(asyncio.Protocol):
         call.cancelled_ = True
         if call.held:
             self.consumed(call, call.held)
-        self.owing.discard(call)
+        self._settle(call)
         call.out.clear()
         if call.task is not None and not call.task.done():
             call.task.cancel()

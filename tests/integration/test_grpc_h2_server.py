@@ -802,3 +802,29 @@ async def test_a_closed_connection_whose_peer_does_not_read_is_freed() -> None:
     finally:
         sock.close()
         await srv.stop(0)
+
+
+@pytest.mark.parametrize("bad", ["too_large", "compressed", "two_messages"])
+async def test_dropped_request_bytes_credit_the_connection_window(bad: str) -> None:
+    """Request bytes dropped with an error answer (RESOURCE_EXHAUSTED, a compressed message,
+    a second unary message) are credited to the connection window: more than the window's
+    worth of such calls leaves the connection serving (it used to leak until it stalled)."""
+    window = 131072
+    srv = await _serve(replace(LIMITS, connection_window=window, stream_window=65535, idle_timeout=WAIT))
+    try:
+        raw = await Raw.open(srv.port)
+        payload = {"too_large": (100000).to_bytes(5, "big") + b"x" * 15995,
+                   "compressed": b"\x01" + (15995).to_bytes(4, "big") + b"x" * 15995,
+                   "two_messages": ((7995).to_bytes(5, "big") + b"x" * 7995) * 2}[bad]
+        sid = 1
+        for _ in range(2 * window // len(payload)):
+            raw.send(HeadersFrame(sid, raw.block(), flags=["END_HEADERS"]), DataFrame(sid, payload, flags=["END_STREAM"]))
+            assert (await raw.trailers(sid))["grpc-status"] != "0"
+            sid += 2
+        raw.call(sid)
+        assert (await raw.trailers(sid))["grpc-status"] == "0"
+        conn = next(iter(srv.connections))
+        manager = conn.h2._inbound_flow_control_window_manager
+        assert manager.current_window_size + manager._bytes_processed == window  # every byte credited
+    finally:
+        await srv.stop(0)
