@@ -113,9 +113,11 @@ class H2Limits:
     close_linger: float = 2.0
     #: the client preface and SETTINGS are due within this of the connection (s)
     handshake_timeout: float = 10.0
-    #: a connection without calls is closed (GOAWAY) after this (s)
+    #: a connection with no call running and none ended for this long is closed (GOAWAY) (s);
+    #: PINGs and other frames do not count as activity
     idle_timeout: float = 600.0
-    #: a unary call's request must be complete within this of its headers (s)
+    #: a unary call's request must be complete within this of its headers, and a frame or
+    #: header block within this of its first byte (s)
     request_timeout: float = 10.0
     #: open connections at once; one more is closed at once
     max_connections: int = 4096
@@ -400,7 +402,11 @@ class _Connection(asyncio.Protocol):
         self.limits = limits = server.limits
         self.loop = asyncio.get_running_loop()
         now = self.loop.time()
+        #: when the last call ended (the idle timeout runs from it, not from any bytes: PINGs
+        #: and trickled frames do not keep a connection open), and when the frame or header
+        #: block now being received began
         self.opened = self.last_active = now
+        self.partial_since: float | None = None
         self.transport: asyncio.Transport | None = None
         self.h2 = _H2(H2Configuration(client_side=False, header_encoding=None,
                                                validate_outbound_headers=False,
@@ -484,7 +490,13 @@ class _Connection(asyncio.Protocol):
             self._close_with(ErrorCodes.FRAME_SIZE_ERROR)
             return
         now = self.loop.time()
-        self.last_active = now
+        # a frame or header block begun and not finished: due within request_timeout (expire)
+        buffer = h2.incoming_buffer
+        if pending or buffer._headers_buffer:
+            if self.partial_since is None:
+                self.partial_since = now
+        else:
+            self.partial_since = None
         for ev in events:
             kind = type(ev)
             if kind is DataReceived:
@@ -878,6 +890,7 @@ class _Connection(asyncio.Protocol):
         if call.held:
             self.consumed(call, call.held)
         self._settle(call)
+        self.last_active = self.loop.time()
         if not call.ended:
             try:
                 self.h2.reset_stream(sid, ErrorCodes.NO_ERROR)
@@ -902,6 +915,7 @@ class _Connection(asyncio.Protocol):
         if call.held:
             self.consumed(call, call.held)
         self._settle(call)
+        self.last_active = self.loop.time()
         call.out.clear()
         if call.task is not None and not call.task.done():
             call.task.cancel()
@@ -995,6 +1009,9 @@ class _Connection(asyncio.Protocol):
             if now - self.opened > limits.handshake_timeout:
                 self.server.reject("handshake_timeout")
                 self.close()
+            return
+        if self.partial_since is not None and now - self.partial_since > limits.request_timeout:
+            self._calm("slow_frame")
             return
         if not self.calls:
             if now - self.last_active > limits.idle_timeout:

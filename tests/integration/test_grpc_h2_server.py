@@ -828,3 +828,33 @@ async def test_dropped_request_bytes_credit_the_connection_window(bad: str) -> N
         assert manager.current_window_size + manager._bytes_processed == window  # every byte credited
     finally:
         await srv.stop(0)
+        for raw in OPEN:
+            raw.close()
+        OPEN.clear()
+
+
+async def test_pings_and_trickled_frames_do_not_dodge_the_timeouts(probe: tuple[GrpcH2Server, Probe]) -> None:
+    """Idle runs from the last call's end, not from any bytes: a peer that only PINGs is
+    closed; a frame trickled a byte at a time is closed within request_timeout of its start."""
+    srv, _ = probe
+    pinger = await Raw.open(srv.port)
+    pinger.call(1)
+    await pinger.trailers(1)
+    for _ in range(int(WAIT / 0.2)):
+        if srv.rejected.get("idle_timeout"):
+            break
+        pinger.send(PingFrame(0, opaque_data=b"stayhere"))  # 5/s: well within the control budget
+        await asyncio.sleep(0.2)
+    assert srv.rejected.get("idle_timeout") == 1
+    await pinger.ended()
+    trickler = await Raw.open(srv.port)
+    frame = HeadersFrame(1, trickler.block(extra=[("x-pad", "p" * 400)]), flags=["END_HEADERS"]).serialize()
+    for i in range(len(frame)):  # ~400 bytes, 20/s: far longer than WAIT
+        if srv.rejected.get("slow_frame"):
+            break
+        trickler.write(frame[i:i + 1])
+        await asyncio.sleep(0.05)
+    assert srv.rejected.get("slow_frame") == 1
+    assert (await trickler.goaway()).error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    await trickler.ended()
+    await answers(srv.port)
