@@ -63,7 +63,7 @@ from h2.frame_buffer import FrameBuffer
 from h2.settings import SettingCodes, Settings
 from h2.stream import StreamInputs
 from hpack import HPACKError
-from hyperframe.frame import GoAwayFrame
+from hyperframe.frame import ContinuationFrame, GoAwayFrame, HeadersFrame
 
 from .ports import parse_listen
 
@@ -385,10 +385,30 @@ class _Draining(H2ConnectionStateMachine):
                         (None, ConnectionState.SERVER_OPEN)}
 
 
+class _Frames(FrameBuffer):
+    """h2's frame buffer bounding a header block's encoded bytes (HEADERS and its
+    CONTINUATIONs) by SETTINGS_MAX_HEADER_LIST_SIZE: h2 bounds only the number of frames, so up
+    to ~1 MiB would be buffered and then Huffman-decoded. Past the bound: ENHANCE_YOUR_CALM,
+    before any decoding (a header list's encoded form is never larger than the list by more
+    than a few bytes per field: an honest block under the list bound fits)."""
+
+    def __init__(self, max_block: int) -> None:
+        super().__init__(server=True)
+        self.max_block = max_block
+
+    def _update_header_buffer(self, f: Any) -> Any:
+        if isinstance(f, HeadersFrame | ContinuationFrame):
+            size = len(f.data) + sum(len(x.data) for x in self._headers_buffer)
+            if size > self.max_block:
+                raise DenialOfServiceError(f"header block of more than {self.max_block} encoded bytes")
+        return super()._update_header_buffer(f)
+
+
 class _H2(H2Connection):
-    def __init__(self, config: H2Configuration) -> None:
+    def __init__(self, config: H2Configuration, max_block: int) -> None:
         super().__init__(config)
         self.state_machine = _Draining()
+        self.incoming_buffer = _Frames(max_block)
 
     def clear_outbound_data_buffer(self) -> None:
         """Kept on the peer's GOAWAY: the answers to its streams are in it."""
@@ -410,7 +430,8 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.h2 = _H2(H2Configuration(client_side=False, header_encoding=None,
                                                validate_outbound_headers=False,
-                                               normalize_outbound_headers=False))
+                                               normalize_outbound_headers=False),
+                      limits.max_header_list_size)
         self.h2.local_settings = Settings(client=False, initial_values={
             SettingCodes.MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams,
             SettingCodes.MAX_HEADER_LIST_SIZE: limits.max_header_list_size,

@@ -858,3 +858,19 @@ async def test_pings_and_trickled_frames_do_not_dodge_the_timeouts(probe: tuple[
     assert (await trickler.goaway()).error_code == ErrorCodes.ENHANCE_YOUR_CALM
     await trickler.ended()
     await answers(srv.port)
+
+
+async def test_a_header_block_over_the_list_bound_is_refused_before_decoding(
+        probe: tuple[GrpcH2Server, Probe]) -> None:
+    """A header block (HEADERS + CONTINUATIONs) whose encoded bytes pass
+    SETTINGS_MAX_HEADER_LIST_SIZE ends the connection with ENHANCE_YOUR_CALM before HPACK
+    decodes any of it (the bytes here do not decode: decoding would answer COMPRESSION_ERROR)."""
+    srv, _ = probe
+    raw = await Raw.open(srv.port)
+    chunk = b"\xff" * 8000
+    raw.send(HeadersFrame(1, chunk), ContinuationFrame(1, chunk), ContinuationFrame(1, chunk),
+             ContinuationFrame(1, chunk, flags=["END_HEADERS"]))
+    assert (await raw.goaway()).error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    await raw.ended()
+    await gone(srv)
+    await answers(srv.port)
