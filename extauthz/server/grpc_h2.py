@@ -63,7 +63,18 @@ from h2.frame_buffer import FrameBuffer
 from h2.settings import SettingCodes, Settings
 from h2.stream import StreamInputs
 from hpack import HPACKError
-from hyperframe.frame import ContinuationFrame, GoAwayFrame, HeadersFrame
+from hyperframe.frame import (
+    ContinuationFrame,
+    DataFrame,
+    ExtensionFrame,
+    Frame,
+    GoAwayFrame,
+    HeadersFrame,
+    PingFrame,
+    PriorityFrame,
+    SettingsFrame,
+    WindowUpdateFrame,
+)
 
 from .ports import parse_listen
 
@@ -123,7 +134,10 @@ class H2Limits:
     max_connections: int = 4096
     #: streams a peer may reset before their answer, per second (burst: twice as many)
     resets_per_second: float = 200.0
-    #: PING and SETTINGS frames a peer may send per second (burst: twice): each costs an answer
+    #: frames that make no progress a peer may send per second (burst: twice): PING, SETTINGS
+    #: (ACKs too), PRIORITY, GOAWAY, unknown types, WINDOW_UPDATE under 1 KiB or that nothing
+    #: waits on, DATA without data or END_STREAM, DATA on a stream no call has (CVE-2019-9512,
+    #: -9513, -9515, -9518); past it GOAWAY ENHANCE_YOUR_CALM
     control_per_second: float = 100.0
 
 
@@ -147,6 +161,15 @@ class _Budget:
         self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate) - 1
         self.at = now
         return self.tokens >= 0
+
+
+#: frames that never make a call progress: each draws from the control budget
+_NO_PROGRESS = (PingFrame, SettingsFrame, PriorityFrame, GoAwayFrame, ExtensionFrame)
+
+
+class _Flood(DenialOfServiceError):
+    """Frames that make no progress, past the control budget (h2 answers GOAWAY
+    ENHANCE_YOUR_CALM, the error code of DenialOfServiceError)."""
 
 
 class _Abort(Exception):
@@ -405,10 +428,15 @@ class _Frames(FrameBuffer):
 
 
 class _H2(H2Connection):
-    def __init__(self, config: H2Configuration, max_block: int) -> None:
+    def __init__(self, config: H2Configuration, max_block: int, inspect: Callable[[Frame], None]) -> None:
         super().__init__(config)
         self.state_machine = _Draining()
         self.incoming_buffer = _Frames(max_block)
+        self.inspect = inspect  # sees each frame before h2 handles it; may raise ProtocolError
+
+    def _receive_frame(self, frame: Frame) -> Any:
+        self.inspect(frame)
+        return super()._receive_frame(frame)
 
     def clear_outbound_data_buffer(self) -> None:
         """Kept on the peer's GOAWAY: the answers to its streams are in it."""
@@ -431,7 +459,7 @@ class _Connection(asyncio.Protocol):
         self.h2 = _H2(H2Configuration(client_side=False, header_encoding=None,
                                                validate_outbound_headers=False,
                                                normalize_outbound_headers=False),
-                      limits.max_header_list_size)
+                      limits.max_header_list_size, self._frame_in)
         self.h2.local_settings = Settings(client=False, initial_values={
             SettingCodes.MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams,
             SettingCodes.MAX_HEADER_LIST_SIZE: limits.max_header_list_size,
@@ -534,9 +562,6 @@ class _Connection(asyncio.Protocol):
                     return
             elif kind is PingReceived or kind is RemoteSettingsChanged:
                 self.handshaken = True
-                if not self.control.take(now):
-                    self._calm("control_flood")
-                    return
             elif kind is ConnectionTerminated:  # the peer's GOAWAY: its calls finish, then closed
                 self.peer_away = True
                 if not self.calls:
@@ -546,6 +571,21 @@ class _Connection(asyncio.Protocol):
         self.flush()
 
     # -- events
+    def _frame_in(self, frame: Frame) -> None:
+        """A frame that makes no call progress draws from the control budget (H2Limits
+        ``control_per_second``); a flood of them ends the connection (:class:`_Flood`)."""
+        kind = type(frame)
+        if kind is DataFrame:
+            if (frame.data or "END_STREAM" in frame.flags) and frame.stream_id in self.calls:
+                return
+        elif kind is WindowUpdateFrame:
+            if frame.window_increment >= 1024 and any(c.out for c in self.calls.values()):  # type: ignore[attr-defined]
+                return
+        elif not isinstance(frame, _NO_PROGRESS):
+            return
+        if not self.control.take(self.loop.time()):
+            raise _Flood(f"a flood of {kind.__name__}s")
+
     def _request(self, ev: RequestReceived, now: float) -> None:
         sid = ev.stream_id
         server = self.server
@@ -973,7 +1013,7 @@ class _Connection(asyncio.Protocol):
 
     def flush(self) -> None:
         self._flush_soon = False
-        if self.transport is None or self.transport.is_closing():
+        if self.transport is None or self.closed or self.transport.is_closing():
             return
         out = self.h2.data_to_send()
         if out:
@@ -985,6 +1025,13 @@ class _Connection(asyncio.Protocol):
     def _protocol_error(self, exc: ProtocolError) -> None:
         """h2 refused what the peer sent and queued its GOAWAY; a header block that does not
         decode gets COMPRESSION_ERROR instead of h2's PROTOCOL_ERROR (RFC 9113 4.3)."""
+        if isinstance(exc, _Flood):
+            self.server.reject("control_flood")
+            log.warning("gRPC connection closed: %s", exc,
+                        extra={"fields": {"event": "grpc_connection_calm", "reason": "control_flood"}})
+            self.flush()  # h2's GOAWAY ENHANCE_YOUR_CALM
+            self.close(at_once=True)
+            return
         self.server.reject("protocol_error")
         log.debug("gRPC connection: HTTP/2 protocol error: %s", exc)
         if (isinstance(exc.__cause__ or exc.__context__, HPACKError)  # (h2 < 4.2 chains implicitly)
@@ -1000,7 +1047,7 @@ class _Connection(asyncio.Protocol):
         self.close(at_once=True)
 
     def _close_with(self, code: int) -> None:
-        if self.transport is not None and not self.transport.is_closing():
+        if self.transport is not None and not self.closed and not self.transport.is_closing():
             self.transport.write(self._goaway_frame(code))
         self.close(at_once=True)
 
@@ -1053,18 +1100,23 @@ class _Connection(asyncio.Protocol):
         self.flush()
 
     def close(self, *, at_once: bool = False) -> None:
-        """Closed once what is queued is written; a peer that does not take it within
-        ``close_linger`` (at once: on an error or a flood) is aborted. The connection counts
-        against ``max_connections`` until its socket is gone (:meth:`connection_lost`)."""
+        """Closed once what is queued is written: our side is shut (FIN after the GOAWAY)
+        while what the peer still sends is read and dropped, so that its bytes in flight do
+        not turn the close into a reset that loses the GOAWAY; after ``close_linger`` the
+        connection is aborted whatever the peer does, at once on an error or a flood if the
+        peer is not reading. It counts against ``max_connections`` until its socket is gone
+        (:meth:`connection_lost`)."""
         transport = self.transport
-        if transport is not None and not transport.is_closing():
+        if transport is not None and not self.closed and not transport.is_closing():
             self.flush()  # what is owed (trailers of calls just ended) goes out first
-            transport.close()
-            if transport.get_write_buffer_size():
-                if at_once:
-                    transport.abort()
+            if at_once and transport.get_write_buffer_size():
+                transport.abort()
+            else:
+                if transport.can_write_eof():
+                    transport.write_eof()
                 else:
-                    self.loop.call_later(self.limits.close_linger, transport.abort)
+                    transport.close()
+                self.loop.call_later(self.limits.close_linger, transport.abort)
         self.closed = True
         for call in list(self.calls.values()):
             self._cancel(call)

@@ -164,7 +164,7 @@ async def test_access_log_stream_with_grpcio_client_releases_leases(server: Serv
 LIMITS = H2Limits(max_concurrent_streams=4, max_message_bytes=64 << 10, stream_window=128 << 10,
                   connection_window=1 << 20, max_buffered=1 << 20, max_write_buffer=256 << 10,
                   handshake_timeout=0.5, idle_timeout=1.0, request_timeout=0.5, max_connections=3,
-                  resets_per_second=50.0, control_per_second=50.0)
+                  resets_per_second=50.0, control_per_second=50.0, close_linger=0.2)
 
 
 class Probe:
@@ -284,9 +284,11 @@ class Raw:
         return await self.until(lambda f: isinstance(f, GoAwayFrame))  # type: ignore[return-value]
 
     async def ended(self) -> None:
-        """Reads until the server closes the connection."""
+        """Reads until the server closes the connection, then closes this side (as a client
+        does: the server lets go of a closed connection once its peer is gone too)."""
         while await self.frame() is not None:
             pass
+        self.close()
 
     def close(self) -> None:
         self.writer.close()
@@ -542,7 +544,10 @@ async def test_rapid_reset_is_cut_off(probe: tuple[GrpcH2Server, Probe]) -> None
     raw.send(*frames)
     assert (await raw.goaway()).error_code == ErrorCodes.ENHANCE_YOUR_CALM
     await raw.ended()
-    assert srv.rejected["rapid_reset"] == 1 and srv.rejected["reset_by_peer"] < 1000
+    # cut off by the reset budget, or by the control budget that the DATA sent on the streams
+    # refused meanwhile draws from (each drew a RST_STREAM): whichever runs out first
+    assert srv.rejected.get("rapid_reset", 0) + srv.rejected.get("control_flood", 0) == 1
+    assert srv.rejected.get("reset_by_peer", 0) < 1000
     await gone(srv)
     await answers(srv.port)
     assert p.hanging == 0  # no handler of the reset streams is left running
@@ -872,5 +877,30 @@ async def test_a_header_block_over_the_list_bound_is_refused_before_decoding(
              ContinuationFrame(1, chunk, flags=["END_HEADERS"]))
     assert (await raw.goaway()).error_code == ErrorCodes.ENHANCE_YOUR_CALM
     await raw.ended()
+    await gone(srv)
+    await answers(srv.port)
+
+
+@pytest.mark.parametrize("flood", ["priority", "settings_ack", "ping_ack", "window_update", "empty_data",
+                                   "data_after_answer"])
+async def test_floods_of_frames_that_make_no_progress_are_cut_off(
+        probe: tuple[GrpcH2Server, Probe], flood: str) -> None:
+    """CVE-2019-9513/9518 and kin: PRIORITY, SETTINGS ACK, PING ACK, WINDOW_UPDATE +1, empty
+    DATA, DATA on an answered stream (each drew a RST_STREAM) draw from the control budget."""
+    srv, _ = probe
+    raw = await Raw.open(srv.port)
+    raw.send(HeadersFrame(1, raw.block("/t.T/Hang"), flags=["END_HEADERS"]))
+    raw.send(HeadersFrame(3, raw.block("/t.T/Nope"), flags=["END_HEADERS"]))  # answered UNIMPLEMENTED
+    await raw.trailers(3)
+    frame = {"priority": PriorityFrame(5, depends_on=1, stream_weight=5),
+             "settings_ack": SettingsFrame(0, flags=["ACK"]),
+             "ping_ack": PingFrame(0, opaque_data=b"12345678", flags=["ACK"]),
+             "window_update": WindowUpdateFrame(0, window_increment=1),
+             "empty_data": DataFrame(1, b""),
+             "data_after_answer": DataFrame(3, b"x")}[flood]
+    raw.send(*[frame] * 5000)
+    assert (await raw.goaway()).error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    await raw.ended()
+    assert srv.rejected["control_flood"] == 1
     await gone(srv)
     await answers(srv.port)
