@@ -576,7 +576,7 @@ class _Connection(asyncio.Protocol):
         ``control_per_second``); a flood of them ends the connection (:class:`_Flood`)."""
         kind = type(frame)
         if kind is DataFrame:
-            if (frame.data or "END_STREAM" in frame.flags) and frame.stream_id in self.calls:
+            if (frame.data or "END_STREAM" in frame.flags) and frame.stream_id in self.calls:  # type: ignore[attr-defined]
                 return
         elif kind is WindowUpdateFrame:
             if frame.window_increment >= 1024 and any(c.out for c in self.calls.values()):  # type: ignore[attr-defined]

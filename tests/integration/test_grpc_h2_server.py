@@ -823,7 +823,8 @@ async def test_dropped_request_bytes_credit_the_connection_window(bad: str) -> N
                    "two_messages": ((7995).to_bytes(5, "big") + b"x" * 7995) * 2}[bad]
         sid = 1
         for _ in range(2 * window // len(payload)):
-            raw.send(HeadersFrame(sid, raw.block(), flags=["END_HEADERS"]), DataFrame(sid, payload, flags=["END_STREAM"]))
+            raw.send(HeadersFrame(sid, raw.block(), flags=["END_HEADERS"]),
+                     DataFrame(sid, payload, flags=["END_STREAM"]))
             assert (await raw.trailers(sid))["grpc-status"] != "0"
             sid += 2
         raw.call(sid)
