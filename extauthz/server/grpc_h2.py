@@ -487,6 +487,12 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         server = self.server
+        tls = transport.get_extra_info("ssl_object")
+        if tls is not None and tls.selected_alpn_protocol() != "h2":  # as grpcio: ALPN h2 or nothing
+            server.reject("alpn")
+            self.closed = True
+            transport.close()
+            return
         if len(server.connections) >= self.limits.max_connections or server.stopping:
             server.reject("too_many_connections" if not server.stopping else "stopping")
             self.closed = True

@@ -652,6 +652,20 @@ def _handshake(port: int, ca: Path, cert: Path, key: Path, sni: str | None = "ex
         return der, tls.selected_alpn_protocol()
 
 
+def _without_alpn(port: int, ca: Path, cert: Path, key: Path) -> bytes:
+    """What a client offering no ALPN reads after its handshake (b"": closed at once)."""
+    ctx = ssl.create_default_context(cafile=str(ca))
+    ctx.load_cert_chain(cert, key)
+    ctx.check_hostname = False
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as sock, \
+            ctx.wrap_socket(sock) as tls:
+        assert tls.selected_alpn_protocol() is None
+        try:
+            return tls.recv(100)
+        except (ssl.SSLError, ConnectionError):
+            return b""
+
+
 async def test_mtls_as_grpcio_serves_it(tmp_path: Path) -> None:
     ca, other = CA(), CA("another CA")
     ca_path = ca.write(tmp_path / "ca.crt")
@@ -688,6 +702,9 @@ async def test_mtls_as_grpcio_serves_it(tmp_path: Path) -> None:
         loop = asyncio.get_running_loop()
         der, alpn = await loop.run_in_executor(None, _handshake, srv.port, ca_path, envoy_cert, envoy_key)
         assert der == server_leaf.der and alpn == "h2"
+        # a client that does not negotiate h2 is refused (no SETTINGS), as grpcio does
+        assert await loop.run_in_executor(None, _without_alpn, srv.port, ca_path, envoy_cert, envoy_key) == b""
+        assert isinstance(srv.grpc, GrpcH2Server) and srv.grpc.rejected["alpn"] == 1
         # rotated on disk: the next handshake gets the new certificate, no restart
         rotated = ca.issue("extauthz", dns=("extauthz",), ips=("127.0.0.1",))
         rotated.write(tmp_path / "server", "tls")
