@@ -12,9 +12,10 @@ a server exposed to a network need on top, each bounded (:class:`H2Limits`, docs
   compressed messages refused (only ``identity`` is offered), ``grpc-timeout`` as the call's
   deadline, unknown methods UNIMPLEMENTED, trailers with ``grpc-status``/``grpc-message``;
 * concurrency counted on the calls still running (a reset stream's handler counts until it
-  ends), so rapid reset (CVE-2023-44487) cannot pile up work; peer resets and control frames
-  (PING, SETTINGS) drawn from budgets that refill with time: a flood gets GOAWAY
-  ENHANCE_YOUR_CALM;
+  ends), so rapid reset (CVE-2023-44487) cannot pile up work; peer resets
+  and every frame that makes no progress (PING, SETTINGS, PRIORITY, small WINDOW_UPDATEs,
+  empty DATA, ...: :meth:`_Connection._frame_in`) drawn from budgets that refill with time: a
+  flood gets GOAWAY ENHANCE_YOUR_CALM; a header block's encoded bytes bounded before decoding;
 * inbound flow control tied to consumption: a stream's window is reopened only while what this
   connection holds unconsumed stays under ``max_buffered`` (a slow access-log handler slows
   Envoy's stream, not our memory); outbound data waits for the peer's windows and the socket:
@@ -401,7 +402,9 @@ class GrpcH2Server:
 class _Draining(H2ConnectionStateMachine):
     """h2 closes the connection on the peer's GOAWAY and would refuse to answer the streams
     the peer still waits on (Envoy sends GOAWAY when it drains a connection): here the
-    connection stays open; no new stream is served after it (:meth:`_Connection._request`)."""
+    connection stays open until those are answered, then closed. A stream the peer opens
+    after its own GOAWAY (it should open none) is still served; only streams above *our*
+    GOAWAY's last id are refused (:meth:`_Connection._request`)."""
 
     _transitions = {**H2ConnectionStateMachine._transitions,  # noqa: RUF012 - h2's own table
                     (ConnectionState.SERVER_OPEN, ConnectionInputs.RECV_GOAWAY):
@@ -627,7 +630,7 @@ class _Connection(asyncio.Protocol):
             return
         if encoding and encoding != b"identity":
             self._trailers_only(sid, UNIMPLEMENTED, f"message compression {encoding.decode('latin-1')} "
-                                "is not supported (grpc-accept-encoding: identity)")
+                                "is not supported", [(b"grpc-accept-encoding", b"identity")])
             return
         deadline = None
         if timeout:
@@ -867,11 +870,13 @@ class _Connection(asyncio.Protocol):
         call.out += len(body).to_bytes(5, "big")  # flag 0, then the length
         call.out += body
 
-    def _finish(self, call: Call, code: int, details: str) -> None:
-        """Answer the call with its status (after its queued messages)."""
+    def _finish(self, call: Call, code: int, details: str, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+        """Answer the call with its status (after its queued messages), and ``extra`` trailers."""
         if call.trailers is not None or self.closed or self.calls.get(call.stream_id) is not call:
             return
-        trailers = _OK if code == OK and not details else [(b"grpc-status", str(code).encode())]
+        trailers = _OK if code == OK and not details and not extra else [(b"grpc-status", str(code).encode())]
+        if extra:
+            trailers += extra
         if details:
             trailers.append((b"grpc-message", quote(details, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~")
                              .encode("ascii")))
@@ -992,10 +997,11 @@ class _Connection(asyncio.Protocol):
         call.trailers = call.trailers or []
         call.done()
 
-    def _trailers_only(self, sid: int, code: int, details: str) -> None:
+    def _trailers_only(self, sid: int, code: int, details: str,
+                       extra: list[tuple[bytes, bytes]] | None = None) -> None:
         call = Call(self, sid, None, [], 0.0, None)
         self.calls[sid] = call
-        self._finish(call, code, details)
+        self._finish(call, code, details, extra)
 
     def _http_error(self, sid: int, status: bytes) -> None:
         try:
