@@ -315,6 +315,7 @@ class GrpcH2Server:
         self.calls = 0
         self._sweeper: asyncio.Task[None] | None = None
         self._terminated: asyncio.Event | None = None
+        self._emptied: asyncio.Event | None = None  # set when stopping and the last connection is gone
 
     # -- registration (what the generated add_*Servicer_to_server call)
     def add_generic_rpc_handlers(self, handlers: Iterable[Any]) -> None:
@@ -386,6 +387,17 @@ class GrpcH2Server:
         await asyncio.sleep(0)
         for conn in list(self.connections):
             conn.close()
+        # the peers take what is queued and close; what is left after close_linger is aborted
+        # (nothing is left open past the loop)
+        self._emptied = asyncio.Event()
+        if self.connections:
+            try:
+                await asyncio.wait_for(self._emptied.wait(), self.limits.close_linger)
+            except TimeoutError:
+                for conn in list(self.connections):
+                    if conn.transport is not None:
+                        conn.transport.abort()
+                await asyncio.sleep(0)
         self.server = None
         if self._terminated is not None:
             self._terminated.set()
@@ -516,7 +528,10 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self.server.connections.discard(self)
+        server = self.server
+        server.connections.discard(self)
+        if not server.connections and server._emptied is not None:
+            server._emptied.set()
         for call in list(self.calls.values()):
             self._cancel(call)
         self.calls.clear()
