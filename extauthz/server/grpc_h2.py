@@ -1131,8 +1131,8 @@ class _Connection(asyncio.Protocol):
         while what the peer still sends is read and dropped, so that its bytes in flight do
         not turn the close into a reset that loses the GOAWAY; after ``close_linger`` the
         connection is aborted whatever the peer does, at once on an error or a flood if the
-        peer is not reading (writing paused: its buffer past the high-water mark). It counts against ``max_connections`` until its socket is gone
-        (:meth:`connection_lost`)."""
+        peer is not reading (writing paused: its buffer past the high-water mark). It counts
+        against ``max_connections`` until its socket is gone (:meth:`connection_lost`)."""
         transport = self.transport
         if transport is not None and not self.closed and not transport.is_closing():
             self.flush()  # what is owed (trailers of calls just ended) goes out first
