@@ -443,15 +443,36 @@ class _Frames(FrameBuffer):
 
 
 class _H2(H2Connection):
-    def __init__(self, config: H2Configuration, max_block: int, inspect: Callable[[Frame], None]) -> None:
+    def __init__(self, config: H2Configuration, max_block: int, inspect: Callable[[Frame], None],
+                 malformed: Callable[[int], None]) -> None:
         super().__init__(config)
         self.state_machine = _Draining()
         self.incoming_buffer = _Frames(max_block)
         self.inspect = inspect  # sees each frame before h2 handles it; may raise ProtocolError
+        self.malformed = malformed  # told of a malformed request; may raise ProtocolError
 
     def _receive_frame(self, frame: Frame) -> Any:
         self.inspect(frame)
         return super()._receive_frame(frame)
+
+    def _receive_headers_frame(self, frame: Any) -> Any:
+        """A malformed request (h2's header validation: no ``:path``, an empty or uppercase
+        name, ...) is a stream error, RST_STREAM PROTOCOL_ERROR (RFC 9113 8.1.1), not h2's
+        connection error: one bad request must not end the others on Envoy's connection. The
+        header block was decoded (the HPACK context stays in step); other errors stay
+        connection errors."""
+        sid = frame.stream_id
+        new = sid not in self.streams
+        try:
+            return super()._receive_headers_frame(frame)
+        except ProtocolError as exc:
+            stream = self.streams.get(sid)
+            if not new or type(exc) is not ProtocolError or exc.__cause__ is not None \
+                    or stream is None or not stream.open:
+                raise
+        self.malformed(sid)
+        self.reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
+        return [], []
 
     def clear_outbound_data_buffer(self) -> None:
         """Kept on the peer's GOAWAY: the answers to its streams are in it."""
@@ -474,7 +495,7 @@ class _Connection(asyncio.Protocol):
         self.h2 = _H2(H2Configuration(client_side=False, header_encoding=None,
                                                validate_outbound_headers=False,
                                                normalize_outbound_headers=False),
-                      limits.max_header_list_size, self._frame_in)
+                      limits.max_header_list_size, self._frame_in, self._malformed)
         self.h2.local_settings = Settings(client=False, initial_values={
             SettingCodes.MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams,
             SettingCodes.MAX_HEADER_LIST_SIZE: limits.max_header_list_size,
@@ -609,6 +630,11 @@ class _Connection(asyncio.Protocol):
             return
         if not self.control.take(self.loop.time()):
             raise _Flood(f"a flood of {kind.__name__}s")
+
+    def _malformed(self, sid: int) -> None:
+        self.server.reject("malformed_request")
+        if not self.control.take(self.loop.time()):
+            raise _Flood("a flood of malformed requests")
 
     def _request(self, ev: RequestReceived, now: float) -> None:
         sid = ev.stream_id

@@ -923,3 +923,24 @@ async def test_floods_of_frames_that_make_no_progress_are_cut_off(
     assert srv.rejected["control_flood"] == 1
     await gone(srv)
     await answers(srv.port)
+
+
+@pytest.mark.parametrize("bad", ["no_path", "empty_name"])
+async def test_a_malformed_request_is_a_stream_error(probe: tuple[GrpcH2Server, Probe], bad: str) -> None:
+    """RFC 9113 8.1.1: a malformed request gets RST_STREAM PROTOCOL_ERROR; the connection
+    and a call running on it go on (h2 made it a connection error: GOAWAY for every call)."""
+    srv, p = probe
+    raw = await Raw.open(srv.port)
+    raw.send(HeadersFrame(1, raw.block("/t.T/Hang"), flags=["END_HEADERS"]),
+             DataFrame(1, b"\x00\x00\x00\x00\x00", flags=["END_STREAM"]))
+    headers = [(":method", "POST"), (":scheme", "http"), (":authority", "t"), ("content-type", "application/grpc")]
+    headers += [(":path", "/t.T/Echo"), ("", "x")] if bad == "empty_name" else []
+    raw.send(HeadersFrame(3, raw.encoder.encode(headers), flags=["END_HEADERS", "END_STREAM"]))
+    reset = await raw.until(lambda f: isinstance(f, RstStreamFrame | GoAwayFrame))
+    assert isinstance(reset, RstStreamFrame) and reset.stream_id == 3
+    assert reset.error_code == ErrorCodes.PROTOCOL_ERROR
+    assert srv.rejected["malformed_request"] == 1
+    raw.call(5)  # the connection still serves, and the running call is answered
+    assert (await raw.trailers(5))["grpc-status"] == "0"
+    p.release.set()
+    assert (await raw.trailers(1))["grpc-status"] == "0"
