@@ -12,9 +12,10 @@ a server exposed to a network need on top, each bounded (:class:`H2Limits`, docs
   compressed messages refused (only ``identity`` is offered), ``grpc-timeout`` as the call's
   deadline, unknown methods UNIMPLEMENTED, trailers with ``grpc-status``/``grpc-message``;
 * concurrency counted on the calls still running (a reset stream's handler counts until it
-  ends), so rapid reset (CVE-2023-44487) cannot pile up work; peer resets and control frames
-  (PING, SETTINGS) drawn from budgets that refill with time: a flood gets GOAWAY
-  ENHANCE_YOUR_CALM;
+  ends), so rapid reset (CVE-2023-44487) cannot pile up work; peer resets
+  and every frame that makes no progress (PING, SETTINGS, PRIORITY, small WINDOW_UPDATEs,
+  empty DATA, ...: :meth:`_Connection._frame_in`) drawn from budgets that refill with time: a
+  flood gets GOAWAY ENHANCE_YOUR_CALM; a header block's encoded bytes bounded before decoding;
 * inbound flow control tied to consumption: a stream's window is reopened only while what this
   connection holds unconsumed stays under ``max_buffered`` (a slow access-log handler slows
   Envoy's stream, not our memory); outbound data waits for the peer's windows and the socket:
@@ -63,7 +64,18 @@ from h2.frame_buffer import FrameBuffer
 from h2.settings import SettingCodes, Settings
 from h2.stream import StreamInputs
 from hpack import HPACKError
-from hyperframe.frame import GoAwayFrame
+from hyperframe.frame import (
+    ContinuationFrame,
+    DataFrame,
+    ExtensionFrame,
+    Frame,
+    GoAwayFrame,
+    HeadersFrame,
+    PingFrame,
+    PriorityFrame,
+    SettingsFrame,
+    WindowUpdateFrame,
+)
 
 from .ports import parse_listen
 
@@ -108,17 +120,25 @@ class H2Limits:
     max_buffered: int = 16 << 20
     #: answer bytes the peer has not read past which the connection is closed
     max_write_buffer: int = 4 << 20
+    #: a connection being closed gives a peer that does not read this long (s) to take what
+    #: is still queued for it, then it is aborted (its socket freed); error paths abort at once
+    close_linger: float = 2.0
     #: the client preface and SETTINGS are due within this of the connection (s)
     handshake_timeout: float = 10.0
-    #: a connection without calls is closed (GOAWAY) after this (s)
+    #: a connection with no call running and none ended for this long is closed (GOAWAY) (s);
+    #: PINGs and other frames do not count as activity
     idle_timeout: float = 600.0
-    #: a unary call's request must be complete within this of its headers (s)
+    #: a unary call's request must be complete within this of its headers, and a frame or
+    #: header block within this of its first byte (s)
     request_timeout: float = 10.0
     #: open connections at once; one more is closed at once
     max_connections: int = 4096
     #: streams a peer may reset before their answer, per second (burst: twice as many)
     resets_per_second: float = 200.0
-    #: PING and SETTINGS frames a peer may send per second (burst: twice): each costs an answer
+    #: frames that make no progress a peer may send per second (burst: twice): PING, SETTINGS
+    #: (ACKs too), PRIORITY, GOAWAY, unknown types, WINDOW_UPDATE under 1 KiB or that nothing
+    #: waits on, DATA without data or END_STREAM, DATA on a stream no call has (CVE-2019-9512,
+    #: -9513, -9515, -9518); past it GOAWAY ENHANCE_YOUR_CALM
     control_per_second: float = 100.0
 
 
@@ -142,6 +162,15 @@ class _Budget:
         self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate) - 1
         self.at = now
         return self.tokens >= 0
+
+
+#: frames that never make a call progress: each draws from the control budget
+_NO_PROGRESS = (PingFrame, SettingsFrame, PriorityFrame, GoAwayFrame, ExtensionFrame)
+
+
+class _Flood(DenialOfServiceError):
+    """Frames that make no progress, past the control budget (h2 answers GOAWAY
+    ENHANCE_YOUR_CALM, the error code of DenialOfServiceError)."""
 
 
 class _Abort(Exception):
@@ -286,6 +315,7 @@ class GrpcH2Server:
         self.calls = 0
         self._sweeper: asyncio.Task[None] | None = None
         self._terminated: asyncio.Event | None = None
+        self._emptied: asyncio.Event | None = None  # set when stopping and the last connection is gone
 
     # -- registration (what the generated add_*Servicer_to_server call)
     def add_generic_rpc_handlers(self, handlers: Iterable[Any]) -> None:
@@ -357,6 +387,17 @@ class GrpcH2Server:
         await asyncio.sleep(0)
         for conn in list(self.connections):
             conn.close()
+        # the peers take what is queued and close; what is left after close_linger is aborted
+        # (nothing is left open past the loop)
+        self._emptied = asyncio.Event()
+        if self.connections:
+            try:
+                await asyncio.wait_for(self._emptied.wait(), self.limits.close_linger)
+            except TimeoutError:
+                for conn in list(self.connections):
+                    if conn.transport is not None:
+                        conn.transport.abort()
+                await asyncio.sleep(0)
         self.server = None
         if self._terminated is not None:
             self._terminated.set()
@@ -373,17 +414,65 @@ class GrpcH2Server:
 class _Draining(H2ConnectionStateMachine):
     """h2 closes the connection on the peer's GOAWAY and would refuse to answer the streams
     the peer still waits on (Envoy sends GOAWAY when it drains a connection): here the
-    connection stays open; no new stream is served after it (:meth:`_Connection._request`)."""
+    connection stays open until those are answered, then closed. A stream the peer opens
+    after its own GOAWAY (it should open none) is still served; only streams above *our*
+    GOAWAY's last id are refused (:meth:`_Connection._request`)."""
 
     _transitions = {**H2ConnectionStateMachine._transitions,  # noqa: RUF012 - h2's own table
                     (ConnectionState.SERVER_OPEN, ConnectionInputs.RECV_GOAWAY):
                         (None, ConnectionState.SERVER_OPEN)}
 
 
+class _Frames(FrameBuffer):
+    """h2's frame buffer bounding a header block's encoded bytes (HEADERS and its
+    CONTINUATIONs) by SETTINGS_MAX_HEADER_LIST_SIZE: h2 bounds only the number of frames, so up
+    to ~1 MiB would be buffered and then Huffman-decoded. Past the bound: ENHANCE_YOUR_CALM,
+    before any decoding (a header list's encoded form is never larger than the list by more
+    than a few bytes per field: an honest block under the list bound fits)."""
+
+    def __init__(self, max_block: int) -> None:
+        super().__init__(server=True)
+        self.max_block = max_block
+
+    def _update_header_buffer(self, f: Any) -> Any:
+        if isinstance(f, HeadersFrame | ContinuationFrame):
+            size = len(f.data) + sum(len(x.data) for x in self._headers_buffer)
+            if size > self.max_block:
+                raise DenialOfServiceError(f"header block of more than {self.max_block} encoded bytes")
+        return super()._update_header_buffer(f)
+
+
 class _H2(H2Connection):
-    def __init__(self, config: H2Configuration) -> None:
+    def __init__(self, config: H2Configuration, max_block: int, inspect: Callable[[Frame], None],
+                 malformed: Callable[[int], None]) -> None:
         super().__init__(config)
         self.state_machine = _Draining()
+        self.incoming_buffer = _Frames(max_block)
+        self.inspect = inspect  # sees each frame before h2 handles it; may raise ProtocolError
+        self.malformed = malformed  # told of a malformed request; may raise ProtocolError
+
+    def _receive_frame(self, frame: Frame) -> Any:
+        self.inspect(frame)
+        return super()._receive_frame(frame)
+
+    def _receive_headers_frame(self, frame: Any) -> Any:
+        """A malformed request (h2's header validation: no ``:path``, an empty or uppercase
+        name, ...) is a stream error, RST_STREAM PROTOCOL_ERROR (RFC 9113 8.1.1), not h2's
+        connection error: one bad request must not end the others on Envoy's connection. The
+        header block was decoded (the HPACK context stays in step); other errors stay
+        connection errors."""
+        sid = frame.stream_id
+        new = sid not in self.streams
+        try:
+            return super()._receive_headers_frame(frame)
+        except ProtocolError as exc:
+            stream = self.streams.get(sid)
+            if not new or type(exc) is not ProtocolError or exc.__cause__ is not None \
+                    or stream is None or not stream.open:
+                raise
+        self.malformed(sid)
+        self.reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
+        return [], []
 
     def clear_outbound_data_buffer(self) -> None:
         """Kept on the peer's GOAWAY: the answers to its streams are in it."""
@@ -397,11 +486,16 @@ class _Connection(asyncio.Protocol):
         self.limits = limits = server.limits
         self.loop = asyncio.get_running_loop()
         now = self.loop.time()
+        #: when the last call ended (the idle timeout runs from it, not from any bytes: PINGs
+        #: and trickled frames do not keep a connection open), and when the frame or header
+        #: block now being received began
         self.opened = self.last_active = now
+        self.partial_since: float | None = None
         self.transport: asyncio.Transport | None = None
         self.h2 = _H2(H2Configuration(client_side=False, header_encoding=None,
                                                validate_outbound_headers=False,
-                                               normalize_outbound_headers=False))
+                                               normalize_outbound_headers=False),
+                      limits.max_header_list_size, self._frame_in, self._malformed)
         self.h2.local_settings = Settings(client=False, initial_values={
             SettingCodes.MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams,
             SettingCodes.MAX_HEADER_LIST_SIZE: limits.max_header_list_size,
@@ -429,6 +523,12 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         server = self.server
+        tls = transport.get_extra_info("ssl_object")
+        if tls is not None and tls.selected_alpn_protocol() != "h2":  # as grpcio: ALPN h2 or nothing
+            server.reject("alpn")
+            self.closed = True
+            transport.close()
+            return
         if len(server.connections) >= self.limits.max_connections or server.stopping:
             server.reject("too_many_connections" if not server.stopping else "stopping")
             self.closed = True
@@ -449,7 +549,10 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self.server.connections.discard(self)
+        server = self.server
+        server.connections.discard(self)
+        if not server.connections and server._emptied is not None:
+            server._emptied.set()
         for call in list(self.calls.values()):
             self._cancel(call)
         self.calls.clear()
@@ -481,7 +584,13 @@ class _Connection(asyncio.Protocol):
             self._close_with(ErrorCodes.FRAME_SIZE_ERROR)
             return
         now = self.loop.time()
-        self.last_active = now
+        # a frame or header block begun and not finished: due within request_timeout (expire)
+        buffer = h2.incoming_buffer
+        if pending or buffer._headers_buffer:
+            if self.partial_since is None:
+                self.partial_since = now
+        else:
+            self.partial_since = None
         for ev in events:
             kind = type(ev)
             if kind is DataReceived:
@@ -498,9 +607,6 @@ class _Connection(asyncio.Protocol):
                     return
             elif kind is PingReceived or kind is RemoteSettingsChanged:
                 self.handshaken = True
-                if not self.control.take(now):
-                    self._calm("control_flood")
-                    return
             elif kind is ConnectionTerminated:  # the peer's GOAWAY: its calls finish, then closed
                 self.peer_away = True
                 if not self.calls:
@@ -510,6 +616,26 @@ class _Connection(asyncio.Protocol):
         self.flush()
 
     # -- events
+    def _frame_in(self, frame: Frame) -> None:
+        """A frame that makes no call progress draws from the control budget (H2Limits
+        ``control_per_second``); a flood of them ends the connection (:class:`_Flood`)."""
+        kind = type(frame)
+        if kind is DataFrame:
+            if (frame.data or "END_STREAM" in frame.flags) and frame.stream_id in self.calls:  # type: ignore[attr-defined]
+                return
+        elif kind is WindowUpdateFrame:
+            if frame.window_increment >= 1024 and any(c.out for c in self.calls.values()):  # type: ignore[attr-defined]
+                return
+        elif not isinstance(frame, _NO_PROGRESS):
+            return
+        if not self.control.take(self.loop.time()):
+            raise _Flood(f"a flood of {kind.__name__}s")
+
+    def _malformed(self, sid: int) -> None:
+        self.server.reject("malformed_request")
+        if not self.control.take(self.loop.time()):
+            raise _Flood("a flood of malformed requests")
+
     def _request(self, ev: RequestReceived, now: float) -> None:
         sid = ev.stream_id
         server = self.server
@@ -545,7 +671,7 @@ class _Connection(asyncio.Protocol):
             return
         if encoding and encoding != b"identity":
             self._trailers_only(sid, UNIMPLEMENTED, f"message compression {encoding.decode('latin-1')} "
-                                "is not supported (grpc-accept-encoding: identity)")
+                                "is not supported", [(b"grpc-accept-encoding", b"identity")])
             return
         deadline = None
         if timeout:
@@ -582,10 +708,12 @@ class _Connection(asyncio.Protocol):
             length = int.from_bytes(buf[1:5], "big")
             if length > limit:
                 self.server.reject("message_too_large")
+                self.h2.acknowledge_received_data(n, sid)  # dropped: the window is credited
                 self._finish(call, RESOURCE_EXHAUSTED,
                              f"request message larger than {limit} bytes ({length})")
                 return
             if flag != 0:
+                self.h2.acknowledge_received_data(n, sid)
                 self._finish(call, INTERNAL,
                              "compressed request message, but no compression was negotiated"
                              if flag == 1 else f"bad message flag {flag}")
@@ -601,6 +729,7 @@ class _Connection(asyncio.Protocol):
             elif call.first is None:
                 call.first = message
             else:
+                self.h2.acknowledge_received_data(n, sid)
                 self._finish(call, UNIMPLEMENTED, "more than one request message for a unary method")
                 return
         if self.buffered <= self.limits.max_buffered and (not streaming or call.queued <= self.limits.stream_window):
@@ -618,14 +747,19 @@ class _Connection(asyncio.Protocol):
             for owed in list(self.owing):
                 if owed.handler.request_streaming and owed.queued > self.limits.stream_window:
                     continue
-                self.owing.discard(owed)
-                if owed.owed and owed.trailers is None and not self.closed:
-                    try:
-                        self.h2.acknowledge_received_data(owed.owed, owed.stream_id)
-                    except ProtocolError:
-                        pass  # the stream closed meanwhile
-                owed.owed = 0
+                self._settle(owed)
             self._flush_later()
+
+    def _settle(self, call: Call) -> None:
+        """The connection window is credited for what ``call`` still owes (also for a call
+        answered or gone: h2 then credits the connection only)."""
+        self.owing.discard(call)
+        if call.owed and not self.closed:
+            try:
+                self.h2.acknowledge_received_data(call.owed, call.stream_id)
+            except ProtocolError:
+                pass
+        call.owed = 0
 
     def _ended(self, sid: int) -> None:
         call = self.calls.get(sid)
@@ -777,11 +911,13 @@ class _Connection(asyncio.Protocol):
         call.out += len(body).to_bytes(5, "big")  # flag 0, then the length
         call.out += body
 
-    def _finish(self, call: Call, code: int, details: str) -> None:
-        """Answer the call with its status (after its queued messages)."""
+    def _finish(self, call: Call, code: int, details: str, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+        """Answer the call with its status (after its queued messages), and ``extra`` trailers."""
         if call.trailers is not None or self.closed or self.calls.get(call.stream_id) is not call:
             return
-        trailers = _OK if code == OK and not details else [(b"grpc-status", str(code).encode())]
+        trailers = _OK if code == OK and not details and not extra else [(b"grpc-status", str(code).encode())]
+        if extra:
+            trailers += extra
         if details:
             trailers.append((b"grpc-message", quote(details, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~")
                              .encode("ascii")))
@@ -866,7 +1002,8 @@ class _Connection(asyncio.Protocol):
             del self.calls[sid]
         if call.held:
             self.consumed(call, call.held)
-        self.owing.discard(call)
+        self._settle(call)
+        self.last_active = self.loop.time()
         if not call.ended:
             try:
                 self.h2.reset_stream(sid, ErrorCodes.NO_ERROR)
@@ -890,7 +1027,8 @@ class _Connection(asyncio.Protocol):
         call.cancelled_ = True
         if call.held:
             self.consumed(call, call.held)
-        self.owing.discard(call)
+        self._settle(call)
+        self.last_active = self.loop.time()
         call.out.clear()
         if call.task is not None and not call.task.done():
             call.task.cancel()
@@ -900,10 +1038,11 @@ class _Connection(asyncio.Protocol):
         call.trailers = call.trailers or []
         call.done()
 
-    def _trailers_only(self, sid: int, code: int, details: str) -> None:
+    def _trailers_only(self, sid: int, code: int, details: str,
+                       extra: list[tuple[bytes, bytes]] | None = None) -> None:
         call = Call(self, sid, None, [], 0.0, None)
         self.calls[sid] = call
-        self._finish(call, code, details)
+        self._finish(call, code, details, extra)
 
     def _http_error(self, sid: int, status: bytes) -> None:
         try:
@@ -927,7 +1066,7 @@ class _Connection(asyncio.Protocol):
 
     def flush(self) -> None:
         self._flush_soon = False
-        if self.transport is None or self.transport.is_closing():
+        if self.transport is None or self.closed or self.transport.is_closing():
             return
         out = self.h2.data_to_send()
         if out:
@@ -939,6 +1078,13 @@ class _Connection(asyncio.Protocol):
     def _protocol_error(self, exc: ProtocolError) -> None:
         """h2 refused what the peer sent and queued its GOAWAY; a header block that does not
         decode gets COMPRESSION_ERROR instead of h2's PROTOCOL_ERROR (RFC 9113 4.3)."""
+        if isinstance(exc, _Flood):
+            self.server.reject("control_flood")
+            log.warning("gRPC connection closed: %s", exc,
+                        extra={"fields": {"event": "grpc_connection_calm", "reason": "control_flood"}})
+            self.flush()  # h2's GOAWAY ENHANCE_YOUR_CALM
+            self.close(at_once=True)
+            return
         self.server.reject("protocol_error")
         log.debug("gRPC connection: HTTP/2 protocol error: %s", exc)
         if (isinstance(exc.__cause__ or exc.__context__, HPACKError)  # (h2 < 4.2 chains implicitly)
@@ -951,12 +1097,12 @@ class _Connection(asyncio.Protocol):
             self._close_with(ErrorCodes.COMPRESSION_ERROR)
             return
         self.flush()
-        self.close()
+        self.close(at_once=True)
 
     def _close_with(self, code: int) -> None:
-        if self.transport is not None and not self.transport.is_closing():
+        if self.transport is not None and not self.closed and not self.transport.is_closing():
             self.transport.write(self._goaway_frame(code))
-        self.close()
+        self.close(at_once=True)
 
     def _calm(self, reason: str) -> None:
         """A flood: GOAWAY ENHANCE_YOUR_CALM, then closed."""
@@ -977,11 +1123,16 @@ class _Connection(asyncio.Protocol):
         self.transport.write(self._goaway_frame(ErrorCodes.NO_ERROR))
 
     def expire(self, now: float) -> None:
+        if self.closed:
+            return
         limits = self.limits
         if not self.handshaken:
             if now - self.opened > limits.handshake_timeout:
                 self.server.reject("handshake_timeout")
                 self.close()
+            return
+        if self.partial_since is not None and now - self.partial_since > limits.request_timeout:
+            self._calm("slow_frame")
             return
         if not self.calls:
             if now - self.last_active > limits.idle_timeout:
@@ -1001,12 +1152,25 @@ class _Connection(asyncio.Protocol):
                     pass
         self.flush()
 
-    def close(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
+    def close(self, *, at_once: bool = False) -> None:
+        """Closed once what is queued is written: our side is shut (FIN after the GOAWAY)
+        while what the peer still sends is read and dropped, so that its bytes in flight do
+        not turn the close into a reset that loses the GOAWAY; after ``close_linger`` the
+        connection is aborted whatever the peer does, at once on an error or a flood if the
+        peer is not reading (writing paused: its buffer past the high-water mark). It counts
+        against ``max_connections`` until its socket is gone (:meth:`connection_lost`)."""
+        transport = self.transport
+        if transport is not None and not self.closed and not transport.is_closing():
             self.flush()  # what is owed (trailers of calls just ended) goes out first
-            self.transport.close()
+            if at_once and self.paused:  # an error or a flood, and the peer is not reading
+                transport.abort()
+            else:
+                if transport.can_write_eof():
+                    transport.write_eof()
+                else:
+                    transport.close()
+                self.loop.call_later(self.limits.close_linger, transport.abort)
         self.closed = True
-        self.server.connections.discard(self)
         for call in list(self.calls.values()):
             self._cancel(call)
         self.calls.clear()

@@ -11,6 +11,7 @@ import asyncio
 import socket
 import ssl
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -163,7 +164,7 @@ async def test_access_log_stream_with_grpcio_client_releases_leases(server: Serv
 LIMITS = H2Limits(max_concurrent_streams=4, max_message_bytes=64 << 10, stream_window=128 << 10,
                   connection_window=1 << 20, max_buffered=1 << 20, max_write_buffer=256 << 10,
                   handshake_timeout=0.5, idle_timeout=1.0, request_timeout=0.5, max_connections=3,
-                  resets_per_second=50.0, control_per_second=50.0)
+                  resets_per_second=50.0, control_per_second=50.0, close_linger=0.2)
 
 
 class Probe:
@@ -283,9 +284,11 @@ class Raw:
         return await self.until(lambda f: isinstance(f, GoAwayFrame))  # type: ignore[return-value]
 
     async def ended(self) -> None:
-        """Reads until the server closes the connection."""
+        """Reads until the server closes the connection, then closes this side (as a client
+        does: the server lets go of a closed connection once its peer is gone too)."""
         while await self.frame() is not None:
             pass
+        self.close()
 
     def close(self) -> None:
         self.writer.close()
@@ -330,7 +333,8 @@ async def test_grpc_rules_unimplemented_size_compression_timeout(probe: tuple[Gr
              DataFrame(5, b"\x01\x00\x00\x00\x02hi", flags=["END_STREAM"]))  # compressed, not negotiated
     assert (await raw.trailers(5))["grpc-status"] == "13"
     raw.call(7, extra=[("grpc-encoding", "gzip")])
-    assert (await raw.trailers(7))["grpc-status"] == "12"
+    refused = await raw.trailers(7)
+    assert refused["grpc-status"] == "12" and refused["grpc-accept-encoding"] == "identity"
     raw.call(9, path="/t.T/Hang", extra=[("grpc-timeout", "50m")])  # honoured: the handler cancelled
     assert (await raw.trailers(9))["grpc-status"] == "4"  # DEADLINE_EXCEEDED
     assert p.cancelled == 1 and p.hanging == 0
@@ -541,7 +545,10 @@ async def test_rapid_reset_is_cut_off(probe: tuple[GrpcH2Server, Probe]) -> None
     raw.send(*frames)
     assert (await raw.goaway()).error_code == ErrorCodes.ENHANCE_YOUR_CALM
     await raw.ended()
-    assert srv.rejected["rapid_reset"] == 1 and srv.rejected["reset_by_peer"] < 1000
+    # cut off by the reset budget, or by the control budget that the DATA sent on the streams
+    # refused meanwhile draws from (each drew a RST_STREAM): whichever runs out first
+    assert srv.rejected.get("rapid_reset", 0) + srv.rejected.get("control_flood", 0) == 1
+    assert srv.rejected.get("reset_by_peer", 0) < 1000
     await gone(srv)
     await answers(srv.port)
     assert p.hanging == 0  # no handler of the reset streams is left running
@@ -646,6 +653,20 @@ def _handshake(port: int, ca: Path, cert: Path, key: Path, sni: str | None = "ex
         return der, tls.selected_alpn_protocol()
 
 
+def _without_alpn(port: int, ca: Path, cert: Path, key: Path) -> bytes:
+    """What a client offering no ALPN reads after its handshake (b"": closed at once)."""
+    ctx = ssl.create_default_context(cafile=str(ca))
+    ctx.load_cert_chain(cert, key)
+    ctx.check_hostname = False
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as sock, \
+            ctx.wrap_socket(sock) as tls:
+        assert tls.selected_alpn_protocol() is None
+        try:
+            return tls.recv(100)
+        except (ssl.SSLError, ConnectionError):
+            return b""
+
+
 async def test_mtls_as_grpcio_serves_it(tmp_path: Path) -> None:
     ca, other = CA(), CA("another CA")
     ca_path = ca.write(tmp_path / "ca.crt")
@@ -682,6 +703,9 @@ async def test_mtls_as_grpcio_serves_it(tmp_path: Path) -> None:
         loop = asyncio.get_running_loop()
         der, alpn = await loop.run_in_executor(None, _handshake, srv.port, ca_path, envoy_cert, envoy_key)
         assert der == server_leaf.der and alpn == "h2"
+        # a client that does not negotiate h2 is refused (no SETTINGS), as grpcio does
+        assert await loop.run_in_executor(None, _without_alpn, srv.port, ca_path, envoy_cert, envoy_key) == b""
+        assert isinstance(srv.grpc, GrpcH2Server) and srv.grpc.rejected["alpn"] == 1
         # rotated on disk: the next handshake gets the new certificate, no restart
         rotated = ca.issue("extauthz", dns=("extauthz",), ips=("127.0.0.1",))
         rotated.write(tmp_path / "server", "tls")
@@ -743,3 +767,180 @@ async def test_answers_written_by_hand_keep_to_the_connection_window(probe: tupl
     assert (await raw.trailers(15))["grpc-status"] == "0"
     sent = sum(f.flow_controlled_length for f in raw.frames if isinstance(f, DataFrame))  # type: ignore[attr-defined]
     assert sent == 8 * (len(body) + 5)
+
+
+# -- the review of the server (issue 31): each defect, attacked ------------------------------
+
+
+def _deaf(port: int, settings: dict[int, int] | None = None) -> socket.socket:
+    """A blocking client socket with a tiny receive buffer that the test never reads."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(PREFACE + SettingsFrame(0, settings=settings or {}).serialize())
+    return sock
+
+
+async def _serve(limits: H2Limits) -> GrpcH2Server:
+    """A standalone server with the probe's methods on other bounds than LIMITS."""
+    srv = GrpcH2Server(limits)
+    p = Probe()
+    same = lambda b: b  # noqa: E731 - bytes in, bytes out
+    srv.add_registered_method_handlers("t.T", {
+        name: grpc.unary_unary_rpc_method_handler(fn, request_deserializer=same, response_serializer=same)
+        for name, fn in (("Echo", p.echo), ("Big", p.big))})
+    await srv.start("127.0.0.1:0")
+    return srv
+
+
+async def _until(test: Any) -> None:
+    for _ in range(int(WAIT / 0.01)):
+        if test():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not met within WAIT")
+
+
+async def test_a_closed_connection_whose_peer_does_not_read_is_freed() -> None:
+    """A peer that stops reading with an answer queued, then breaks the protocol: the
+    connection is aborted (its socket freed), and it counts against max_connections until
+    then (it used to wait for the peer forever, uncounted: descriptors ran out)."""
+    srv = await _serve(replace(LIMITS, max_write_buffer=16 << 20))
+    sock = _deaf(srv.port, {SettingsFrame.INITIAL_WINDOW_SIZE: 8 << 20})
+    try:
+        sock.sendall(WindowUpdateFrame(0, window_increment=8 << 20).serialize())
+        block = Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", "/t.T/Big"),
+                                  (":authority", "t"), ("content-type", "application/grpc")])
+        sock.sendall(HeadersFrame(1, block, flags=["END_HEADERS"]).serialize()
+                     + DataFrame(1, b"\x00\x00\x00\x00\x073000000", flags=["END_STREAM"]).serialize())
+        await _until(lambda: any(c.transport is not None and c.transport.get_write_buffer_size()
+                                 for c in srv.connections))
+        conn = next(iter(srv.connections))
+        assert conn.transport is not None
+        sock.sendall(b"\xff" * 64)  # a frame far over the size limit: the connection is closed
+        await _until(lambda: conn.closed)
+        await _until(lambda: conn.transport.get_extra_info("socket").fileno() == -1)  # type: ignore[union-attr]
+        await gone(srv)
+        assert srv.rejected["frame_too_large"] == 1
+    finally:
+        sock.close()
+        await srv.stop(0)
+
+
+@pytest.mark.parametrize("bad", ["too_large", "compressed", "two_messages"])
+async def test_dropped_request_bytes_credit_the_connection_window(bad: str) -> None:
+    """Request bytes dropped with an error answer (RESOURCE_EXHAUSTED, a compressed message,
+    a second unary message) are credited to the connection window: more than the window's
+    worth of such calls leaves the connection serving (it used to leak until it stalled)."""
+    window = 131072
+    srv = await _serve(replace(LIMITS, connection_window=window, stream_window=65535, idle_timeout=WAIT))
+    try:
+        raw = await Raw.open(srv.port)
+        payload = {"too_large": (100000).to_bytes(5, "big") + b"x" * 15995,
+                   "compressed": b"\x01" + (15995).to_bytes(4, "big") + b"x" * 15995,
+                   "two_messages": ((7995).to_bytes(5, "big") + b"x" * 7995) * 2}[bad]
+        sid = 1
+        for _ in range(2 * window // len(payload)):
+            raw.send(HeadersFrame(sid, raw.block(), flags=["END_HEADERS"]),
+                     DataFrame(sid, payload, flags=["END_STREAM"]))
+            assert (await raw.trailers(sid))["grpc-status"] != "0"
+            sid += 2
+        raw.call(sid)
+        assert (await raw.trailers(sid))["grpc-status"] == "0"
+        conn = next(iter(srv.connections))
+        manager = conn.h2._inbound_flow_control_window_manager
+        assert manager.current_window_size + manager._bytes_processed == window  # every byte credited
+    finally:
+        await srv.stop(0)
+        for raw in OPEN:
+            raw.close()
+        OPEN.clear()
+
+
+async def test_pings_and_trickled_frames_do_not_dodge_the_timeouts(probe: tuple[GrpcH2Server, Probe]) -> None:
+    """Idle runs from the last call's end, not from any bytes: a peer that only PINGs is
+    closed; a frame trickled a byte at a time is closed within request_timeout of its start."""
+    srv, _ = probe
+    pinger = await Raw.open(srv.port)
+    pinger.call(1)
+    await pinger.trailers(1)
+    for _ in range(int(WAIT / 0.2)):
+        if srv.rejected.get("idle_timeout"):
+            break
+        pinger.send(PingFrame(0, opaque_data=b"stayhere"))  # 5/s: well within the control budget
+        await asyncio.sleep(0.2)
+    assert srv.rejected.get("idle_timeout") == 1
+    await pinger.ended()
+    trickler = await Raw.open(srv.port)
+    frame = HeadersFrame(1, trickler.block(extra=[("x-pad", "p" * 400)]), flags=["END_HEADERS"]).serialize()
+    for i in range(len(frame)):  # ~400 bytes, 20/s: far longer than WAIT
+        if srv.rejected.get("slow_frame"):
+            break
+        trickler.write(frame[i:i + 1])
+        await asyncio.sleep(0.05)
+    assert srv.rejected.get("slow_frame") == 1
+    assert (await trickler.goaway()).error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    await trickler.ended()
+    await answers(srv.port)
+
+
+async def test_a_header_block_over_the_list_bound_is_refused_before_decoding(
+        probe: tuple[GrpcH2Server, Probe]) -> None:
+    """A header block (HEADERS + CONTINUATIONs) whose encoded bytes pass
+    SETTINGS_MAX_HEADER_LIST_SIZE ends the connection with ENHANCE_YOUR_CALM before HPACK
+    decodes any of it (the bytes here do not decode: decoding would answer COMPRESSION_ERROR)."""
+    srv, _ = probe
+    raw = await Raw.open(srv.port)
+    chunk = b"\xff" * 8000
+    raw.send(HeadersFrame(1, chunk), ContinuationFrame(1, chunk), ContinuationFrame(1, chunk),
+             ContinuationFrame(1, chunk, flags=["END_HEADERS"]))
+    assert (await raw.goaway()).error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    await raw.ended()
+    await gone(srv)
+    await answers(srv.port)
+
+
+@pytest.mark.parametrize("flood", ["priority", "settings_ack", "ping_ack", "window_update", "empty_data",
+                                   "data_after_answer"])
+async def test_floods_of_frames_that_make_no_progress_are_cut_off(
+        probe: tuple[GrpcH2Server, Probe], flood: str) -> None:
+    """CVE-2019-9513/9518 and kin: PRIORITY, SETTINGS ACK, PING ACK, WINDOW_UPDATE +1, empty
+    DATA, DATA on an answered stream (each drew a RST_STREAM) draw from the control budget."""
+    srv, _ = probe
+    raw = await Raw.open(srv.port)
+    raw.send(HeadersFrame(1, raw.block("/t.T/Hang"), flags=["END_HEADERS"]))
+    raw.send(HeadersFrame(3, raw.block("/t.T/Nope"), flags=["END_HEADERS"]))  # answered UNIMPLEMENTED
+    await raw.trailers(3)
+    frame = {"priority": PriorityFrame(5, depends_on=1, stream_weight=5),
+             "settings_ack": SettingsFrame(0, flags=["ACK"]),
+             "ping_ack": PingFrame(0, opaque_data=b"12345678", flags=["ACK"]),
+             "window_update": WindowUpdateFrame(0, window_increment=1),
+             "empty_data": DataFrame(1, b""),
+             "data_after_answer": DataFrame(3, b"x")}[flood]
+    raw.send(*[frame] * 5000)
+    assert (await raw.goaway()).error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    await raw.ended()
+    assert srv.rejected["control_flood"] == 1
+    await gone(srv)
+    await answers(srv.port)
+
+
+@pytest.mark.parametrize("bad", ["no_path", "empty_name"])
+async def test_a_malformed_request_is_a_stream_error(probe: tuple[GrpcH2Server, Probe], bad: str) -> None:
+    """RFC 9113 8.1.1: a malformed request gets RST_STREAM PROTOCOL_ERROR; the connection
+    and a call running on it go on (h2 made it a connection error: GOAWAY for every call)."""
+    srv, p = probe
+    raw = await Raw.open(srv.port)
+    raw.send(HeadersFrame(1, raw.block("/t.T/Hang"), flags=["END_HEADERS"]),
+             DataFrame(1, b"\x00\x00\x00\x00\x00", flags=["END_STREAM"]))
+    headers = [(":method", "POST"), (":scheme", "http"), (":authority", "t"), ("content-type", "application/grpc")]
+    headers += [(":path", "/t.T/Echo"), ("", "x")] if bad == "empty_name" else []
+    raw.send(HeadersFrame(3, raw.encoder.encode(headers), flags=["END_HEADERS", "END_STREAM"]))
+    reset = await raw.until(lambda f: isinstance(f, RstStreamFrame | GoAwayFrame))
+    assert isinstance(reset, RstStreamFrame) and reset.stream_id == 3
+    assert reset.error_code == ErrorCodes.PROTOCOL_ERROR
+    assert srv.rejected["malformed_request"] == 1
+    raw.call(5)  # the connection still serves, and the running call is answered
+    assert (await raw.trailers(5))["grpc-status"] == "0"
+    p.release.set()
+    assert (await raw.trailers(1))["grpc-status"] == "0"
