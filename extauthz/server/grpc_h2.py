@@ -847,13 +847,20 @@ class _Connection(asyncio.Protocol):
         except _Abort as a:
             code, details = a.code, a.details
         except asyncio.CancelledError:
-            if call.cancelled_ and not call.expired:
+            if (status := self._stream_cancelled(call)) is None:
                 return
-            code, details = (DEADLINE_EXCEEDED, "deadline exceeded") if call.expired else (
-                UNAVAILABLE, "the server is stopping")
+            code, details = status
         except Exception as exc:
             code, details = self._failed(call, exc)
         self._finish(call, code, details)
+
+    @staticmethod
+    def _stream_cancelled(call: Call) -> tuple[int, str] | None:
+        """A streaming call's task cancelled: no answer when the peer reset it, else the status
+        (its grpc-timeout passed, or the server is stopping)."""
+        if call.cancelled_ and not call.expired:
+            return None
+        return (DEADLINE_EXCEEDED, "deadline exceeded") if call.expired else (UNAVAILABLE, "the server is stopping")
 
     async def _stream_unary(self, call: Call) -> None:
         h = call.handler
@@ -863,10 +870,9 @@ class _Connection(asyncio.Protocol):
         except _Abort as a:
             code, details = a.code, a.details
         except asyncio.CancelledError:
-            if call.cancelled_ and not call.expired:
+            if (status := self._stream_cancelled(call)) is None:
                 return
-            code, details = (DEADLINE_EXCEEDED, "deadline exceeded") if call.expired else (
-                UNAVAILABLE, "the server is stopping")
+            code, details = status
         except Exception as exc:
             code, details = self._failed(call, exc)
         if body is not None:
