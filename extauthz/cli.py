@@ -183,13 +183,19 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"extauthz envoy-config: {exc}", file=sys.stderr)
         return 2
-    if args.protocol == "http":
+    _warn_unreadable(args.protocol, policy)
+    sys.stdout.write(text)
+    return 0
+
+
+def _warn_unreadable(protocol: str, policy: Policy) -> None:
+    """On the HTTP protocol, a ``warning:`` line for each part the policy reads that it cannot
+    carry (``envoy-config`` and ``k8s`` alike)."""
+    if protocol == "http":
         from .server.httpmap import unreadable_over_http
 
         for problem in unreadable_over_http(policy):
             print(f"warning: {problem}", file=sys.stderr)
-    sys.stdout.write(text)
-    return 0
 
 
 def _pairs(flag: str, values: list[str] | None, form: str) -> tuple[tuple[str, str], ...]:
@@ -223,11 +229,7 @@ def cmd_k8s(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"extauthz k8s: {exc}", file=sys.stderr)
         return 2
-    if args.protocol == "http":
-        from .server.httpmap import unreadable_over_http
-
-        for problem in unreadable_over_http(policy):
-            print(f"warning: {problem}", file=sys.stderr)
+    _warn_unreadable(args.protocol, policy)
     sys.stdout.write(render(policy, wiring))
     return 0
 
