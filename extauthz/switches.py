@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from .documents import Board, Document
 from .store.base import Store, load_json
@@ -53,6 +54,13 @@ class Switches:
             global_mode=Mode(g) if g else None,
             limiters={k: Mode(v) for k, v in data.items() if k != "*"},
         )
+
+
+def limiter_modes(switches: Switches, specs: Iterable[Any]) -> dict[str, dict[str, str]]:
+    """Each limiter of the policy (``specs``: its ``limiters``) with its type, its policy mode
+    and its effective mode under ``switches`` (``/switches``, ``/status``, ``switch --list``)."""
+    return {spec.name: {"type": spec.type, "policy_mode": spec.mode,
+                        "mode": switches.effective(spec.name, Mode(spec.mode)).value} for spec in specs}
 
 
 GLOBAL = "*"

@@ -31,6 +31,7 @@ from ..overload import LoopLag
 from ..overrides import MAX_OVERRIDES, describe
 from ..release import releases_status
 from ..store.memory import MemoryStore
+from ..switches import limiter_modes
 from ..tiers import Tier
 from ..verdict import Mode
 
@@ -260,9 +261,8 @@ class ModesPart:
                 for spec in snap.policy.limiters}
 
     def status(self) -> Mapping[str, Any]:
-        return {"switches": self.engine.snapshot.switches.to_dict(),
-                "limiters": {name: {"type": kind, "policy_mode": policy_mode, "mode": mode.value}
-                             for name, (kind, policy_mode, mode) in self.modes().items()}}
+        snap = self.engine.snapshot
+        return {"switches": snap.switches.to_dict(), "limiters": limiter_modes(snap.switches, snap.policy.limiters)}
 
     def metrics(self) -> Iterable[Metric]:
         mode = GaugeMetricFamily("extauthz_limiter_mode", "Effective mode of each limiter "

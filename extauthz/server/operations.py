@@ -11,7 +11,7 @@ nothing here rewires the engine.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from .. import __version__
@@ -19,7 +19,6 @@ from ..clock import Clock
 from ..engine import Engine
 from ..observe.edge_metrics import EdgeCollector
 from ..observe.setup import Observability
-from ..observe.shadow import read_report
 from ..observe.state import (
     AccessLogPart,
     FailOpenPart,
@@ -48,7 +47,7 @@ from ..settings import Settings, off
 from ..store.base import Store
 from ..tickets import REASONS as REJECT_REASONS
 from .admin import admin_app
-from .fleetstate import FleetState
+from .fleetstate import FleetState, ReplicaControl
 from .flow import check_flow
 from .opsports import OperatorPorts
 from .services import AccessLogService, AuthorizationService
@@ -108,6 +107,8 @@ class Operations:
         self.status_sections: dict[str, Callable[[], Any]] = {}
         #: /status and the scrape-time metrics, one part per component
         self.panel = self._panel()
+        #: what the admin routes read and change: the one control path (extauthz/control.py)
+        self.control = ReplicaControl(self.fleet, observe=observe, status=self.panel.status)
         if observe.metrics is not None:
             observe.metrics.registry.register(self.panel)
             observe.metrics.registry.register(EdgeCollector(
@@ -173,7 +174,7 @@ class Operations:
         # serve with the fleet's switches and overrides from the first check
         await self.fleet.poll()
         try:
-            await self.ports.start(lambda guard: admin_app(self, guard),
+            await self.ports.start(lambda guard: admin_app(self.control, guard),
                                    self.observe.metrics.registry if self.observe.metrics is not None else None)
         except BaseException:
             await self.stop()
@@ -207,40 +208,5 @@ class Operations:
         await self.observe.stop()
         await self.ports.stop()
 
-    # -- what the admin port reads and changes (AdminBackend) -------------------------------
     def status(self) -> dict[str, Any]:
         return self.panel.status()
-
-    def limiter_names(self) -> set[str]:
-        return self.fleet.limiter_names()
-
-    def switch_status(self) -> dict[str, Any]:
-        return self.fleet.switch_status()
-
-    def override_rows(self) -> dict[str, Any]:
-        return self.fleet.override_rows()
-
-    async def set_override(self, limiter: str, identity: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        return await self.fleet.set_override(limiter, identity, body)
-
-    async def clear_override(self, limiter: str, identity: str) -> bool:
-        return await self.fleet.clear_override(limiter, identity)
-
-    async def customer(self, identity: str, plan: str | None = None) -> dict[str, Any]:
-        """One customer's limiters, live counters, the grants this replica holds and its
-        recent refusals here (``GET /customers/<hash>``; :mod:`extauthz.inspect`)."""
-        from ..inspect import customer_view, held_grants
-
-        snap = self.engine.snapshot
-        wall = self.clock.wall()
-        view = await customer_view(identity, policy=snap.policy, limiters=snap.limiters, store=self.store,
-                                   keys=self.keys, overrides=self.engine.overrides,
-                                   switches=snap.switches, wall=wall, plan=plan)
-        held_grants(view, snap.limiters, self.keys, wall)
-        refusals = self.observe.refusals
-        view["recent_refusals"] = {**refusals.describe(), "refusals": refusals.of(identity)}
-        return view
-
-    async def shadow_report(self, window: float, *, top: int = 10) -> dict[str, Any]:
-        await self.observe.shadow.flush()  # include what this replica noted in the last second
-        return await read_report(self.store, self.keys.shadow_log, window, now=self.clock.wall(), top=top)

@@ -64,7 +64,7 @@ async def test_a_reason_given_in_an_override_body_is_the_change_logs_reason() ->
         status, _ = await admin(server, "PUT", "/overrides/user-rate/" + "ab" * 12,
                                 json.dumps({"numbers": {"rate": 50}, "reason": "launch day"}))
         assert status == 200
-        row = server.ops.override_rows()["overrides"][0]
+        row = (await server.ops.control.overrides())["overrides"][0]
         assert row["reason"] == "launch day"
         assert server.ops.status()["changes"][-1]["reason"] == "launch day"
 
@@ -283,7 +283,8 @@ async def test_control_characters_are_refused_at_the_admin_port_and_a_stored_one
         status, data = await admin(server, "PUT", "/overrides/user-rate/" + "ab" * 12,
                                    json.dumps({"numbers": {"rate": 50}, "reason": "launch\u2028day"}))
         assert status == 400 and "the reason holds a control character (\\u2028" in data["error"], data
-        assert server.engine.snapshot.switches.to_dict() == {} and server.ops.override_rows()["overrides"] == []
+        assert server.engine.snapshot.switches.to_dict() == {}
+        assert (await server.ops.control.overrides())["overrides"] == []
         assert server.ops.status()["admin"]["refused"] == {"control_character": 2}
         assert server.ops.status()["changes"] == []
 
