@@ -48,7 +48,7 @@ async def test_switches_through_the_admin_port_on_the_embedded_store(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     policy = write_policy(tmp_path / "p.yaml", [rate("user-rate", burst=1), rate("other", burst=100)])
     async with running([policy]) as (server, client):
-        url = f"http://127.0.0.1:{server.ops.admin_port}"
+        url = f"http://127.0.0.1:{server.ports.admin_port}"
         assert [await client.check("sk_live_a") for _ in range(2)] == [200, 429]
 
         assert await extauthz("switch", "--admin", url, "user-rate", "shadow") == 0
@@ -119,7 +119,7 @@ async def test_kill_switches_flip_two_replicas_sharing_redis(tmp_path: Path, red
         await eventually(lambda: both(429), within=2.0)
 
         # Through replica A's admin port: B sees it through Redis.
-        admin_a = f"http://127.0.0.1:{servers[0].ops.admin_port}"
+        admin_a = f"http://127.0.0.1:{servers[0].ports.admin_port}"
         assert await extauthz("switch", "--admin", admin_a, "*", "off") == 0
         await eventually(lambda: both(200), within=2.0)
         assert servers[1].engine.snapshot.switches.global_mode is Mode.OFF
@@ -139,7 +139,7 @@ def test_the_admin_port_is_never_the_public_check_port(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="must not be the public Check port"):
         Server(ServerConfig(policies=[str(policy)], listen="0.0.0.0:9001", admin_listen="127.0.0.1:9001"))
     server = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:9001", admin_listen="off"))
-    assert server.ops.admin_listen is None
+    assert server.ports.admin_listen is None
 
 
 @pytest.mark.redis
@@ -151,7 +151,7 @@ async def test_an_unknown_limiter_is_refused_on_both_paths_with_the_same_message
     policy = write_policy(tmp_path / "p.yaml", [rate("user-rate", burst=1)])
     url = redis_single_clean.url
     async with running([policy]) as (server, _):
-        admin_url = f"http://127.0.0.1:{server.ops.admin_port}"
+        admin_url = f"http://127.0.0.1:{server.ports.admin_port}"
         assert await extauthz("switch", "--admin", admin_url, "user-rte", "off") == 1
         over_admin = capsys.readouterr().err
         code, body = await admin(server, "PUT", "/switches/user-rte", "off")

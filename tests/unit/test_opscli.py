@@ -188,7 +188,7 @@ async def test_status_says_which_admin_tokens_are_in_force_when_the_file_is_bad(
     async with running([ROOT / "policies"], admin_token_file=str(tokens)) as (server, _):
         tokens.write_text(f"ci:{token}\nbob:short\n")  # line 2 bad: the 2 tokens read before stay
         assert (await admin(server, "GET", "/status", headers={"Authorization": f"Bearer {token}"}))[0] == 200
-        url = f"http://127.0.0.1:{server.ops.admin_port}"
+        url = f"http://127.0.0.1:{server.ports.admin_port}"
         code = await asyncio.to_thread(main, ["status", "--admin", url])
     out, err = capsys.readouterr()
     assert code == 0, err
