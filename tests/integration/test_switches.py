@@ -190,3 +190,22 @@ async def test_without_a_policy_the_store_path_says_it_cannot_check_names(
     # the global switch names no limiter: nothing to check, no warning
     assert await extauthz("switch", "--redis-url", url, "*", "clear") == 0
     assert "warning" not in capsys.readouterr().err
+
+
+async def test_the_admin_port_checks_names_against_the_live_policy(tmp_path: Path) -> None:
+    """The admin routes' control reads the policy the replica serves now: after a reload that
+    renames a limiter, the old name is refused and the new one taken, recorded via the admin port."""
+    from extauthz.policy import load_policy
+
+    policy = write_policy(tmp_path / "p.yaml", [rate("user-rate", burst=1)])
+    async with running([policy]) as (server, _):
+        assert (await admin(server, "PUT", "/switches/user-rate", "shadow"))[0] == 200
+        write_policy(policy, [rate("user-rate-v2", burst=1)])
+        server.apply_policy(load_policy([policy]))
+        code, body = await admin(server, "PUT", "/switches/user-rate", "off")
+        assert code == 404 and body == {"error": "no limiter named 'user-rate' in the policy (did you mean "
+                                                 "'user-rate-v2'?)", "limiters": ["user-rate-v2"]}
+        code, body = await admin(server, "PUT", "/switches/user-rate-v2", "off")
+        assert code == 200 and body["limiters"]["user-rate-v2"]["mode"] == "off"
+        assert [(c["target"], c["value"], c["via"]) for c in server.panel.status()["changes"]] == [
+            ("user-rate", "shadow", "admin"), ("user-rate-v2", "off", "admin")]
