@@ -1,5 +1,5 @@
-"""How the server's operations are wired (server/app.py builds the owners; their behaviour:
-tests/integration)."""
+"""``extauthz/server/app.py``: how the server wires its operations (it builds the owners; their
+behaviour: tests/integration)."""
 
 from __future__ import annotations
 
