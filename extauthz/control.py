@@ -245,6 +245,18 @@ class AdminControl:
 # -- in process: the one control path ---------------------------------------------------
 
 
+def check_switch(name: str, limiters: Sequence[Limiter] | None) -> None:
+    """Refuse a switch name that is malformed or, with the policy's ``limiters``, names none
+    of them (``*``, the global switch, names no limiter). The rule of :class:`StoreControl`,
+    and of the CLI given --policies before it sends anything."""
+    if not valid_name(name):
+        raise ControlError(f"bad switch name {name!r}")
+    if limiters is not None and name != GLOBAL:
+        known = {lim.name for lim in limiters}
+        if name not in known:
+            raise UnknownLimiter(name, known)
+
+
 @dataclass
 class StoreControl:
     """:class:`Control` in process, on the documents every replica reads: here the store's
@@ -334,18 +346,9 @@ class StoreControl:
             raise ControlError(f"malformed switches in the store: {exc}") from None
         return self._switch_rows(current)
 
-    def check_switch(self, name: str) -> None:
-        """Refuse a switch name that is malformed or (with the policy) names no limiter of it."""
-        if not valid_name(name):
-            raise ControlError(f"bad switch name {name!r}")
-        checks = self.checks()
-        if checks is not None and name != GLOBAL:
-            known = {lim.name for lim in checks.limiters}
-            if name not in known:
-                raise UnknownLimiter(name, known)
-
     async def set_switch(self, name: str, mode: Mode | None) -> dict[str, Any]:
-        self.check_switch(name)
+        checks = self.checks()
+        check_switch(name, checks.limiters if checks is not None else None)
         new = await self._store(self.switch_doc.update(lambda current: with_switch(current, name, mode)),
                                 "the store did not take the change")
         await self._record("switch", "clear" if mode is None else "set", name,

@@ -188,9 +188,10 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("mode", nargs="?", choices=[*(m.value for m in Mode), CLEAR],
                    help="enforce | shadow | off | clear")
     p.add_argument("--policies", nargs="+", default=None,
-                   help="the fleet's policy: with --redis-url a switch must name one of its limiters "
-                   "(as the admin port checks against its own), and --list shows their modes; "
-                   "without it the name is checked for its form only, with a warning")
+                   help="the fleet's policy: a switch must name one of its limiters (refused before "
+                   "anything is sent, as the admin port checks against its own), and with --redis-url "
+                   "--list shows their modes; with --redis-url and without it the name is checked "
+                   "for its form only, with a warning")
     _add_change(p)
 
     p = sub.add_parser(
@@ -426,6 +427,10 @@ def _switch(args: argparse.Namespace) -> int:
         from .store.keys import Keys
 
         limiters = build_limiters(policy, Keys(args.key_prefix))
+        if not args.list:  # refused here, before anything is sent (the control's own rule)
+            from .control import check_switch
+
+            check_switch(args.name, limiters)
     elif not args.list and args.name != GLOBAL and redis_url(args):
         print(warning_line("switch", f"no --policies: the name {args.name!r} is checked for its form "
                            "only, not against the fleet's policy (a switch for a limiter the policy "

@@ -173,6 +173,19 @@ def test_a_mistyped_limiter_gets_a_suggestion(capsys: pytest.CaptureFixture[str]
                                               "(did you mean 'user-rate'?)"), err
 
 
+@pytest.mark.parametrize("where", [NOWHERE, ("--redis-url", "redis://127.0.0.1:9/0")])
+def test_a_switch_for_a_limiter_the_given_policy_lacks_is_refused_before_anything_is_sent(
+        capsys: pytest.CaptureFixture[str], where: tuple[str, ...]) -> None:
+    """With --policies, the control's own rule (extauthz/control.py check_switch) refuses the
+    name here, on either path, in the admin port's words; nobody listens at either address."""
+    from ..conftest import ROOT
+
+    code = main(["switch", "usr-rate", "off", *where, "--policies", str(ROOT / "policies")])
+    err = capsys.readouterr().err
+    assert code == 1 and err.strip() == ("extauthz switch: error: no limiter named 'usr-rate' in the "
+                                         "policy (did you mean 'user-rate'?)"), err
+
+
 async def test_status_says_which_admin_tokens_are_in_force_when_the_file_is_bad(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 29 review: the line ended ``keeping the 2 tokens read before (None)``, from a key
