@@ -241,7 +241,6 @@ class AdminControl:
         return dict(self._call("GET", f"/customers/{urllib.parse.quote(identity, safe='')}{query}"))
 
 
-
 # -- in process: the one control path ---------------------------------------------------
 
 

@@ -8,13 +8,14 @@ Written once here, for both:
   ValueError) and dumps (with the key's TTL), and optionally a **version key** that changes
   with every change, so that a replica reads the (larger) value only when it changed. Without
   a version key the value is its own version.
-* :meth:`Document.change` is the one writer (the admin port, the CLI on Redis): a
+* :meth:`Document.change` is the one writer (through :class:`Held` documents, by the one
+  control path :class:`~extauthz.control.StoreControl`: the admin port, the CLI on Redis): a
   compare-and-set through :func:`~extauthz.store.base.update_value`, so two operators changing
   the document in the same instant both land. A stored value that does not parse is replaced
   (the replicas already ignore it).
 * :class:`Stored` is a document on the store, read and changed from outside a replica (the
-  CLI on Redis); :class:`Board` is a replica's side: :meth:`Board.poll_once` reads the version and, when it
-  moved, the value, and hands it to the engine (``apply``); a store error or a malformed value
+  CLI on Redis); :class:`Board` is a replica's side: :meth:`Board.poll_once` reads the version
+  and, when it moved, the value, and hands it to the engine (``apply``); a store error or a malformed value
   keeps the current document (logged once per streak / per version). :meth:`Board.update`
   changes the stored document and applies it here at once. :meth:`Board.status` reports the
   poll's errors and updates. Both are a :class:`Held` document (``read``, ``update``): the
