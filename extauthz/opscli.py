@@ -187,6 +187,11 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("name", nargs="?", help="a limiter name, or '*' for the global switch")
     p.add_argument("mode", nargs="?", choices=[*(m.value for m in Mode), CLEAR],
                    help="enforce | shadow | off | clear")
+    p.add_argument("--policies", nargs="+", default=None,
+                   help="the fleet's policy: a switch must name one of its limiters (refused before "
+                   "anything is sent, as the admin port checks against its own), and with --redis-url "
+                   "--list shows their modes; with --redis-url and without it the name is checked "
+                   "for its form only, with a warning")
     _add_change(p)
 
     p = sub.add_parser(
@@ -405,7 +410,7 @@ def cmd_switch(args: argparse.Namespace) -> int:
 
 
 def _switch(args: argparse.Namespace) -> int:
-    from .switches import valid_name
+    from .switches import GLOBAL, valid_name
 
     if args.list:
         if args.name or args.mode:
@@ -415,12 +420,28 @@ def _switch(args: argparse.Namespace) -> int:
     elif not valid_name(args.name):
         raise CliError(f"bad switch name {args.name!r}")
     mode = None if args.mode in (None, CLEAR) else Mode(args.mode)
+    policy = _load_policy(args.policies)
+    limiters = None
+    if policy is not None:
+        from .limiters import build_limiters
+        from .store.keys import Keys
+
+        limiters = build_limiters(policy, Keys(args.key_prefix))
+        if not args.list:  # refused here, before anything is sent (the control's own rule)
+            from .control import check_switch
+
+            check_switch(args.name, limiters)
+    elif not args.list and args.name != GLOBAL and redis_url(args):
+        print(warning_line("switch", f"no --policies: the name {args.name!r} is checked for its form "
+                           "only, not against the fleet's policy (a switch for a limiter the policy "
+                           "does not have changes nothing); pass --policies to check it"), file=sys.stderr)
 
     async def go(control: Control) -> tuple[dict[str, Any], str]:
         data = await (control.switches() if args.list else control.set_switch(args.name, mode))
         return data, control.where
 
-    data, where = _with_control(args, go, change=not args.list)
+    data, where = _with_control(args, go, change=not args.list, limiters=limiters,
+                                labels=policy.identity_labels if policy is not None else None, policy=policy)
     if not args.list:
         what = f"cleared {args.name}" if mode is None else f"{args.name} -> {mode.value}"
         print(f"ok: {what} on {where} (every replica sharing the store applies it within about a second)")

@@ -312,7 +312,8 @@ async def change_stored(store: Store, keys: Keys,
                         change: Callable[[list[Override]], list[Override]],
                         now: float | None = None) -> list[Override]:
     """Read, change and write the stored overrides, then bump the version key. Both keys
-    expire a minute after the latest override. The one writer (admin port and CLI).
+    expire a minute after the latest override. (The store contract's race test; the admin port
+    and the CLI change overrides through :class:`~extauthz.control.StoreControl`.)
 
     The write is a compare-and-set (:meth:`~extauthz.documents.Document.change`): when
     another operator changed the overrides in between, ``change`` is applied again on top of

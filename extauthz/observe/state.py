@@ -31,6 +31,7 @@ from ..overload import LoopLag
 from ..overrides import MAX_OVERRIDES, describe
 from ..release import releases_status
 from ..store.memory import MemoryStore
+from ..switches import limiter_modes
 from ..tiers import Tier
 from ..verdict import Mode
 
@@ -253,24 +254,18 @@ class ModesPart:
 
     engine: Engine
 
-    def modes(self) -> dict[str, tuple[str, str, Mode]]:
-        """limiter -> (type, policy mode, effective mode)."""
-        snap = self.engine.snapshot
-        return {spec.name: (spec.type, spec.mode, snap.switches.effective(spec.name, Mode(spec.mode)))
-                for spec in snap.policy.limiters}
-
     def status(self) -> Mapping[str, Any]:
-        return {"switches": self.engine.snapshot.switches.to_dict(),
-                "limiters": {name: {"type": kind, "policy_mode": policy_mode, "mode": mode.value}
-                             for name, (kind, policy_mode, mode) in self.modes().items()}}
+        snap = self.engine.snapshot
+        return {"switches": snap.switches.to_dict(), "limiters": limiter_modes(snap.switches, snap.policy.limiters)}
 
     def metrics(self) -> Iterable[Metric]:
         mode = GaugeMetricFamily("extauthz_limiter_mode", "Effective mode of each limiter "
                                  "(policy mode overridden by kill switches): 1 for the current one.",
                                  labels=["limiter", "mode"])
-        for name, (_, _, current) in self.modes().items():
+        snap = self.engine.snapshot
+        for name, row in limiter_modes(snap.switches, snap.policy.limiters).items():
             for m in Mode:
-                mode.add_metric([name, m.value], 1 if m is current else 0)
+                mode.add_metric([name, m.value], 1 if m.value == row["mode"] else 0)
         yield mode
         switched = GaugeMetricFamily("extauthz_switches_set", "Kill switches currently set "
                                      "(1 per switch; '*' is the global one).", labels=["switch", "mode"])

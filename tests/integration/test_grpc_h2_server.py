@@ -82,7 +82,7 @@ async def test_check_with_grpcio_client_decides_on_the_check_flow(server: Server
 async def test_grpc_timeout_is_the_checks_time_left(server: Server) -> None:
     """Envoy's grpc-timeout is the check's deadline: the door's time left comes from it (the
     check flow budgets the decision with it), and a call without one has none."""
-    door = server.ops.auth_service()
+    door = server.auth
     seen: list[float | None] = []
     read = door.time_left
 

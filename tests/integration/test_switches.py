@@ -48,7 +48,7 @@ async def test_switches_through_the_admin_port_on_the_embedded_store(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     policy = write_policy(tmp_path / "p.yaml", [rate("user-rate", burst=1), rate("other", burst=100)])
     async with running([policy]) as (server, client):
-        url = f"http://127.0.0.1:{server.ops.admin_port}"
+        url = f"http://127.0.0.1:{server.ports.admin_port}"
         assert [await client.check("sk_live_a") for _ in range(2)] == [200, 429]
 
         assert await extauthz("switch", "--admin", url, "user-rate", "shadow") == 0
@@ -119,7 +119,7 @@ async def test_kill_switches_flip_two_replicas_sharing_redis(tmp_path: Path, red
         await eventually(lambda: both(429), within=2.0)
 
         # Through replica A's admin port: B sees it through Redis.
-        admin_a = f"http://127.0.0.1:{servers[0].ops.admin_port}"
+        admin_a = f"http://127.0.0.1:{servers[0].ports.admin_port}"
         assert await extauthz("switch", "--admin", admin_a, "*", "off") == 0
         await eventually(lambda: both(200), within=2.0)
         assert servers[1].engine.snapshot.switches.global_mode is Mode.OFF
@@ -139,4 +139,73 @@ def test_the_admin_port_is_never_the_public_check_port(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="must not be the public Check port"):
         Server(ServerConfig(policies=[str(policy)], listen="0.0.0.0:9001", admin_listen="127.0.0.1:9001"))
     server = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:9001", admin_listen="off"))
-    assert server.ops.admin_listen is None
+    assert server.ports.admin_listen is None
+
+
+@pytest.mark.redis
+async def test_an_unknown_limiter_is_refused_on_both_paths_with_the_same_message(
+        tmp_path: Path, redis_single_clean, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    """Issue 30: the admin port refused a switch for a limiter its policy lacks (404) while
+    ``extauthz switch --redis-url`` stored any well-formed name. Both now run the one control
+    path (extauthz/control.py) against the policy: the same refusal, word for word."""
+    policy = write_policy(tmp_path / "p.yaml", [rate("user-rate", burst=1)])
+    url = redis_single_clean.url
+    async with running([policy]) as (server, _):
+        admin_url = f"http://127.0.0.1:{server.ports.admin_port}"
+        assert await extauthz("switch", "--admin", admin_url, "user-rte", "off") == 1
+        over_admin = capsys.readouterr().err
+        code, body = await admin(server, "PUT", "/switches/user-rte", "off")
+        assert code == 404 and body["limiters"] == ["user-rate"]
+    assert await extauthz("switch", "user-rte", "off", "--redis-url", url, "--policies", str(policy)) == 1
+    over_redis = capsys.readouterr().err
+    said = "no limiter named 'user-rte' in the policy (did you mean 'user-rate'?)"
+    assert body["error"] == said
+    assert over_admin.strip().endswith(f"404 {said}"), over_admin
+    assert over_redis.strip() == f"extauthz switch: error: {said}", over_redis
+    assert redis_single_clean.client().get("extauthz:switches") is None  # nothing was stored
+    assert redis_single_clean.client().xlen("extauthz:history") == 0  # nor recorded
+
+    # a limiter of the policy is taken, and --list shows the policy's limiters and modes
+    assert await extauthz("switch", "user-rate", "shadow", "--redis-url", url, "--policies", str(policy)) == 0
+    assert await extauthz("switch", "--redis-url", url, "--policies", str(policy), "--list") == 0
+    out, err = capsys.readouterr()
+    assert "warning" not in err and "user-rate" in out and "enforce  shadow   shadow" in out, out
+
+
+@pytest.mark.redis
+async def test_without_a_policy_the_store_path_says_it_cannot_check_names(
+        tmp_path: Path, redis_single_clean, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    """No --policies: the name is checked for its form only, and stderr says so; the switch is
+    stored (every replica ignores a name its policy lacks)."""
+    url = redis_single_clean.url
+    assert await extauthz("switch", "--redis-url", url, "user-rte", "off") == 0
+    out, err = capsys.readouterr()
+    assert ("extauthz switch: warning: no --policies: the name 'user-rte' is checked for its form only, "
+            "not against the fleet's policy") in err, err
+    assert "ok: user-rte -> off on redis" in out
+    assert parse_switches(redis_single_clean.client().get("extauthz:switches")).to_dict() == {"user-rte": "off"}
+    # a malformed name is still refused, before anything is sent
+    assert await extauthz("switch", "--redis-url", url, "user rate", "off") == 1
+    assert "extauthz switch: error: bad switch name 'user rate'" in capsys.readouterr().err
+    # the global switch names no limiter: nothing to check, no warning
+    assert await extauthz("switch", "--redis-url", url, "*", "clear") == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+async def test_the_admin_port_checks_names_against_the_live_policy(tmp_path: Path) -> None:
+    """The admin routes' control reads the policy the replica serves now: after a reload that
+    renames a limiter, the old name is refused and the new one taken, recorded via the admin port."""
+    from extauthz.policy import load_policy
+
+    policy = write_policy(tmp_path / "p.yaml", [rate("user-rate", burst=1)])
+    async with running([policy]) as (server, _):
+        assert (await admin(server, "PUT", "/switches/user-rate", "shadow"))[0] == 200
+        write_policy(policy, [rate("user-rate-v2", burst=1)])
+        server.apply_policy(load_policy([policy]))
+        code, body = await admin(server, "PUT", "/switches/user-rate", "off")
+        assert code == 404 and body == {"error": "no limiter named 'user-rate' in the policy (did you mean "
+                                                 "'user-rate-v2'?)", "limiters": ["user-rate-v2"]}
+        code, body = await admin(server, "PUT", "/switches/user-rate-v2", "off")
+        assert code == 200 and body["limiters"]["user-rate-v2"]["mode"] == "off"
+        assert [(c["target"], c["value"], c["via"]) for c in server.panel.status()["changes"]] == [
+            ("user-rate", "shadow", "admin"), ("user-rate-v2", "off", "admin")]

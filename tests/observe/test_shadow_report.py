@@ -96,7 +96,7 @@ async def test_the_report_lists_who_a_shadow_limiter_would_have_refused(
         assert dark["reasons"] == {"rate_exceeded": 6}
 
         capsys.readouterr()
-        url = f"http://127.0.0.1:{server.ops.admin_port}"
+        url = f"http://127.0.0.1:{server.ports.admin_port}"
         assert await asyncio.to_thread(cli.main, ["report", "--admin", url, "--window", "15m"]) == 0
         out = capsys.readouterr().out
         assert "limiter dark: 6 would-denials, 2 identities, 3 routes" in out
