@@ -53,7 +53,7 @@ class Setup:
     send_all_headers: bool = False
     #: Envoy's gRPC access log (the lease release path): "always" keeps the config file's,
     #: "auto" keeps it only when the policy holds a lease limiter, the rule of
-    #: ``extauthz envoy-config --access-log auto`` (extauthz.envoy_bootstrap.holds_leases);
+    #: ``extauthz envoy-config --access-log auto`` (extauthz.envoy.config.holds_leases);
     #: "fluentd": Envoy's fluentd access logger to ``serve --fluentd-listen`` instead
     access_log: str = "always"
 

@@ -106,7 +106,7 @@ class Running:
             return True
         if self.setup.access_log == "fluentd":
             return False  # replaced by the fluentd logger
-        from extauthz.envoy_bootstrap import holds_leases
+        from extauthz.envoy.config import holds_leases
         from extauthz.policy import load_policy
 
         return holds_leases(load_policy([policy_file(self.setup)]))

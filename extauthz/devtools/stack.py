@@ -150,9 +150,9 @@ def policy_allowed_headers(policies: Sequence[str | Path], protocol: str) -> lis
     """The ext_authz ``allowed_headers`` that the policy in ``policies`` needs on ``protocol``
     (``extauthz envoy-allowed-headers``), or None when it does not load (the config's own list
     then stays; the server reports the policy error)."""
+    from ..envoy.headers import allowed_headers
     from ..errors import PolicyError
     from ..policy import load_policy
-    from ..server.httpmap import allowed_headers
 
     try:
         policy = load_policy(list(policies))

@@ -78,10 +78,10 @@ def http(
 
 def test_default_config_is_the_one_in_envoy_dir() -> None:
     # One copy: a checkout reads envoy/ in place (the wheel ships the same files as
-    # extauthz/envoy/, checked by tests/store/redis/test_lua.py's wheel test).
+    # extauthz/envoy/configs/, checked by tests/store/redis/test_lua.py's wheel test).
     assert config_path() == SOURCE_CONFIG
     assert load_config_text() == SOURCE_CONFIG.read_text(encoding="utf-8")
-    assert not (REPO / "extauthz" / "envoy").exists()
+    assert not list((REPO / "extauthz" / "envoy").rglob("*.yaml"))
     assert not list((REPO / "extauthz" / "devtools").glob("*.yaml"))
     with pytest.raises(FileNotFoundError, match=r"no-such\.yaml"):
         config_path("no-such.yaml")
@@ -102,8 +102,8 @@ def _http_ext_authz() -> dict[str, Any]:
 
 
 def test_shipped_http_config_allows_what_the_policy_reads() -> None:
+    from extauthz.envoy.headers import allowed_headers
     from extauthz.policy import load_policy
-    from extauthz.server.httpmap import allowed_headers
 
     listed = [p["exact"] for p in _http_ext_authz()["allowed_headers"]["patterns"]]
     assert listed == allowed_headers(load_policy([REPO / "policies"]).needed_headers), (
@@ -114,8 +114,8 @@ def test_shipped_http_config_allows_what_the_policy_reads() -> None:
 @pytest.mark.parametrize("name", GRPC_CONFIGS)
 def test_shipped_grpc_configs_allow_what_the_policy_reads_and_strip_the_tier(name: str) -> None:
     from extauthz.answers import TIER_HEADER
+    from extauthz.envoy.headers import allowed_headers
     from extauthz.policy import load_policy
-    from extauthz.server.httpmap import allowed_headers
 
     config = yaml.safe_load(config_path(name).read_text(encoding="utf-8"))
     ext = _filters(config)[EXT_AUTHZ_FILTER]
@@ -178,7 +178,7 @@ def test_render_lists_n_endpoints_of_the_extauthz_cluster() -> None:
 
 def test_shipped_http_config_states_fail_open_shed_mapper_and_lease_metadata() -> None:
     from extauthz.answers import LEASE_FIELDS
-    from extauthz.server.httpmap import ROUTE_TIER_HEADER, SHED_STATUS
+    from extauthz.envoy.headers import ROUTE_TIER_HEADER, SHED_STATUS
 
     ext = _http_ext_authz()
     assert ext["failure_mode_allow"] is True

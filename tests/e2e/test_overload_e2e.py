@@ -20,7 +20,7 @@ import yaml
 from extauthz.answers import PROBLEM_TYPE
 from extauthz.devtools.client import HttpClient, Result
 from extauthz.devtools.stack import Stack
-from extauthz.envoy_bootstrap import render
+from extauthz.envoy.config import render
 from extauthz.policy import load_policy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
