@@ -28,7 +28,8 @@ and clusters from a :class:`Build`; adding one is that module plus its line in
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 import yaml
@@ -105,6 +106,17 @@ class LocalRateLimit:
     max_tokens: int
     tokens_per_fill: int | None = None  # None: max_tokens
     fill_interval: str | float = "1s"  # a number: seconds
+
+    @classmethod
+    def from_mapping(cls, settings: Mapping[str, Any]) -> LocalRateLimit:
+        """From ``{"max_tokens": N, "tokens_per_fill": N, "fill_interval": "1s"}`` (a
+        benchmark's or test's settings), refusing unknown keys."""
+        unknown = set(settings) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"local_ratelimit: unknown keys {sorted(unknown)}")
+        if "max_tokens" not in settings:
+            raise ValueError("local_ratelimit: max_tokens is required")
+        return cls(**settings)
 
 
 @dataclass(frozen=True)
