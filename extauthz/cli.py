@@ -136,7 +136,7 @@ def _policy_or_errors(paths: list[str]) -> Policy | None:
 
 
 def cmd_envoy_allowed_headers(args: argparse.Namespace) -> int:
-    from .server.httpmap import allowed_headers
+    from .envoy.headers import allowed_headers
 
     policy = _policy_or_errors(list(args.policies))
     if policy is None:
@@ -157,7 +157,7 @@ def _host_port(flag: str, value: str) -> tuple[str, int]:
 
 
 def cmd_envoy_config(args: argparse.Namespace) -> int:
-    from .envoy_bootstrap import JwtProvider, TlsFiles, jwks_from_file, render
+    from .envoy.config import JwtProvider, TlsFiles, jwks_from_file, render
 
     policy = _policy_or_errors(list(args.policies))
     if policy is None:
@@ -192,7 +192,7 @@ def _warn_unreadable(protocol: str, policy: Policy) -> None:
     """On the HTTP protocol, a ``warning:`` line for each part the policy reads that it cannot
     carry (``envoy-config`` and ``k8s`` alike)."""
     if protocol == "http":
-        from .server.httpmap import unreadable_over_http
+        from .envoy.headers import unreadable_over_http
 
         for problem in unreadable_over_http(policy):
             print(f"warning: {problem}", file=sys.stderr)

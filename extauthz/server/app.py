@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..engine import Engine
+from ..envoy.headers import unreadable_over_http
 from ..limiters.worker import sampler_job
 from ..observe import compose
 from ..observe.edge_metrics import EdgeCollector
@@ -43,7 +44,6 @@ from .flow import check_flow
 from .fluentd import FluentdReceiver
 from .grpc_h2 import GrpcH2Server, H2Limits
 from .http import HttpAuthorization, HttpLimits, max_connections_for
-from .httpmap import unreadable_over_http
 from .leases import Leases
 from .opsports import OperatorPorts
 from .panel import status_panel

@@ -17,6 +17,8 @@ import grpc
 
 from ..context import RawRequest, RequestContext
 from ..engine import Snapshot
+from ..envoy.headers import FAILURE_MODE_HEADER
+from ..envoy.records import EXT_AUTHZ_NAMESPACE, ROUTE_TIER_TAG
 from ..proto import (
     accesslog_data_pb2,
     accesslog_pb2,
@@ -26,12 +28,10 @@ from ..proto import (
     core_pb2,
 )
 from ..verdict import Decision
-from .edge import EXT_AUTHZ_NAMESPACE, check_response, lease_metadata, raw_request
+from .edge import check_response, lease_metadata, raw_request
 from .flow import CheckFlow
 from .leases import (
-    FAILURE_MODE_HEADER,
     MAX_PENDING_RELEASES,
-    ROUTE_TIER_TAG,
     FinishedEntries,
     Leases,
     seen_as,

@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 from extauthz.answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD
 from extauthz.clock import ManualClock
 from extauthz.engine import Engine
+from extauthz.envoy.records import EXT_AUTHZ_NAMESPACE
 from extauthz.policy import load_policy
 from extauthz.proto import accesslog_pb2, auth_pb2
-from extauthz.server.edge import EXT_AUTHZ_NAMESPACE, check_response, raw_request
+from extauthz.server.edge import check_response, raw_request
 from extauthz.server.flow import CheckFlow
 from extauthz.server.leases import LeaseIndex, Leases
 from extauthz.server.services import AccessLogService, AuthorizationService

@@ -33,9 +33,9 @@ from hyperframe.frame import (
     WindowUpdateFrame,
 )
 
+from extauthz.envoy.records import EXT_AUTHZ_NAMESPACE
 from extauthz.proto import accesslog_pb2, accesslog_pb2_grpc, auth_pb2, auth_pb2_grpc
 from extauthz.server.app import Server, ServerConfig
-from extauthz.server.edge import EXT_AUTHZ_NAMESPACE
 from extauthz.server.grpc_h2 import GrpcH2Server, H2Limits, parse_timeout
 
 from ..infra.certs import CA

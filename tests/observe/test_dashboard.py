@@ -13,8 +13,8 @@ from typing import Any
 import grpc
 
 from extauthz.clock import ManualClock
+from extauthz.envoy.records import EXT_AUTHZ_NAMESPACE
 from extauthz.proto import accesslog_pb2, accesslog_pb2_grpc, auth_pb2_grpc
-from extauthz.server.edge import EXT_AUTHZ_NAMESPACE
 from extauthz.verdict import Mode
 from tests.conftest import ROOT
 

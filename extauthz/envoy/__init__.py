@@ -1,0 +1,7 @@
+"""Envoy knowledge in one package: what each protocol sends and each edge reads
+(:mod:`.headers`), the access-log and fluentd record shapes (:mod:`.records`), and the one
+config generator (:mod:`.config`, with its protocol targets such as :mod:`.ext_authz` and the
+building blocks in :mod:`.blocks`). The server imports this package, never the other way.
+
+``configs`` is data only: the shipped ``envoy/*.yaml`` (``package-dir`` in pyproject.toml).
+"""
