@@ -55,7 +55,7 @@ def test_field_numbers() -> None:
         ("bucket_id", 1), ("time_elapsed", 2), ("num_requests_allowed", 3), ("num_requests_denied", 4)]
     reports = rlqs_pb2.RateLimitQuotaUsageReports.DESCRIPTOR
     usages = reports.fields_by_name["bucket_quota_usages"]
-    assert usages.number == 2 and usages.label == FD.LABEL_REPEATED
+    assert usages.number == 2 and usages.is_repeated
     assert usages.message_type is usage  # not a map entry (the later revision)
     action = rlqs_pb2.RateLimitQuotaResponse.BucketAction.DESCRIPTOR
     assert [(f.name, f.number) for f in action.fields] == [
