@@ -15,7 +15,7 @@ into ``RateLimitQuotaResponse`` messages.
   replaces it by holding the same :class:`Share` numbers per (bucket, stream) under a TTL.
 * Assignments carry a TTL of a few report intervals; a bucket that reports no requests for
   ``idle_reports`` reports is abandoned (its share goes back); a stream gone gives its
-  shares back at once.
+  shares back once its assignments' TTL has passed (its Envoy enforces them until then).
 * Envoy 1.40 uses a token bucket's ``fill_interval`` in whole seconds and ignores a change
   of its seconds (it compares only the nanoseconds), so a limiter's interval is fixed:
   ``ceil(1 / rate)`` seconds (at least 1) and only ``tokens_per_fill``/``max_tokens`` vary.
@@ -180,6 +180,9 @@ class Stream:
     peer: str
     domain: str = ""
     opened: float = 0.0
+    #: a closed stream's Envoy keeps enforcing its last assignments until their TTL: its
+    #: holds stay in the ledger until then (0: open)
+    gone_at: float = 0.0
     buckets: dict[BucketKey, Held] = field(default_factory=dict)
 
 
@@ -236,7 +239,8 @@ class QuotaBook:
 
     # -- streams
     def open(self, peer: str) -> Stream:
-        if len(self.streams) >= self.max_streams:
+        self._purge(self.clock.monotonic())
+        if sum(1 for s in self.streams.values() if not s.gone_at) >= self.max_streams:
             self._refuse("streams")
             raise QuotaError(f"{self.max_streams} quota streams are open (the most this server takes)")
         self._next += 1
@@ -245,12 +249,17 @@ class QuotaBook:
         return stream
 
     def close(self, stream: Stream) -> None:
-        """The stream is gone: its shares go back (the others may grow at their next report)."""
-        if self.streams.pop(stream.id, None) is None:
-            return
-        for key in stream.buckets:
-            self._unhold(key, stream.id)
-        stream.buckets.clear()
+        """The stream is gone. Its Envoy keeps enforcing the assignments it got (a lost server
+        does not lift its limits) until their TTL: its shares go back only then."""
+        if self.streams.get(stream.id) is stream and not stream.gone_at:
+            stream.gone_at = self.clock.monotonic() + self.ttl
+
+    def _purge(self, now: float) -> None:
+        for stream in [s for s in self.streams.values() if s.gone_at and now >= s.gone_at]:
+            del self.streams[stream.id]
+            for key in stream.buckets:
+                self._unhold(key, stream.id)
+            stream.buckets.clear()
 
     def _unhold(self, key: BucketKey, sid: int) -> None:
         holders = self.holders.get(key)
@@ -273,6 +282,7 @@ class QuotaBook:
                 raise QuotaError("a stream's domain does not change")
             stream.domain = domain
         now = self.clock.monotonic()
+        self._purge(now)
         limits = self.limits()
         self.reports += 1
         out: dict[int, list[Action]] = {}
@@ -317,8 +327,10 @@ class QuotaBook:
             self.overadmission += math.ceil(usage.allowed - bound)
 
     def _assign(self, key: BucketKey, limit: QuotaLimit, now: float, out: dict[int, list[Action]]) -> None:
-        holders = {sid: self.streams[sid].buckets[key] for sid in sorted(self.holders.get(key, ()))}
-        shares = divide(limit.total, {sid: h.demand for sid, h in holders.items()},
+        sids = sorted(self.holders.get(key, ()))
+        holders = {sid: self.streams[sid].buckets[key] for sid in sids}
+        live = {sid: holders[sid].demand for sid in sids if not self.streams[sid].gone_at}
+        shares = divide(limit.total, live,  # a closed stream holds its last share, gets none
                         {sid: _max(h.ledger, h.share) if h.until else h.ledger for sid, h in holders.items()})
         confirm_after = now + self.report_interval / 2
         for sid, share in shares.items():
@@ -338,7 +350,7 @@ class QuotaBook:
     def status(self) -> dict[str, object]:
         return {
             "streams": [{
-                "id": s.id, "peer": s.peer, "domain": s.domain,
+                "id": s.id, "peer": s.peer, "domain": s.domain, "closed": bool(s.gone_at),
                 "buckets": [{"bucket": dict(k), "fill": h.share.fill, "burst": h.share.burst,
                              "held": {"fill": h.ledger.fill, "burst": h.ledger.burst},
                              "demand": round(h.demand, 3), "allowed": h.allowed, "denied": h.denied}

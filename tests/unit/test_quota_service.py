@@ -156,14 +156,20 @@ def test_idle_bucket_abandoned_and_its_share_freed() -> None:
     assert not book.holders and not a.buckets
 
 
-def test_a_closed_stream_gives_its_shares_back() -> None:
+def test_a_closed_stream_gives_its_shares_back_after_the_ttl() -> None:
     clock = ManualClock()
     book = _book(clock)
     a, b = book.open("a"), book.open("b")
     book.report(a, "edge", [Usage(BUCKET, 0, 0, 0)])
     book.close(a)
+    # a's Envoy enforces its assignment until the TTL: its share is still held
     out = book.report(b, "edge", [Usage(BUCKET, 0, 0, 0)])
+    assert out[b.id][0].share == NOTHING
+    assert book.status()["streams"][0]["closed"] is True  # type: ignore[index]
+    clock.advance(book.ttl)
+    out = book.report(b, "", [Usage(BUCKET, 15, 0, 3)])
     assert out[b.id][0].share == Share(10, 10)
+    assert list(book.streams) == [b.id]
 
 
 def test_unknown_limiter_is_denied_never_allowed() -> None:
