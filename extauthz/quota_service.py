@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from .clock import SYSTEM_CLOCK, Clock
+from .policy.model import Policy
 
 K = TypeVar("K", bound=Hashable)
 
@@ -140,6 +141,17 @@ def divide(limit: Share, demand: Mapping[K, float], held: Mapping[K, Share]) -> 
     fills = _grow_within(limit.fill, _split(limit.fill, weights), {k: s.fill for k, s in held.items()})
     bursts = _grow_within(limit.burst, _split(limit.burst, weights), {k: s.burst for k, s in held.items()})
     return {k: Share(fills[k], bursts[k]) for k in demand}
+
+
+def limits_of(policy: Policy) -> dict[str, QuotaLimit]:
+    """The limiters a bucket id may name: the policy's ``request_rate`` limiters, by name, in
+    Envoy's tokens (one per request: ``rate``/``cost`` and ``burst``/``cost``). Plans and
+    overrides are not served in Envoy (a bucket id carries no plan)."""
+    out: dict[str, QuotaLimit] = {}
+    for spec in policy.limiters:
+        if spec.type == "request_rate":
+            out[spec.name] = QuotaLimit(spec.rate / spec.cost, spec.burst / spec.cost)
+    return out
 
 
 # -- the replica's book: streams, buckets, the ledger ------------------------------------
