@@ -46,7 +46,7 @@ TTL_REPORTS = 3
 IDLE_REPORTS = 6
 #: every stream's weight gets this part of the mean demand, so a quiet stream keeps a share
 FLOOR_WEIGHT = 0.1
-#: bounds (docs/security.md)
+#: bounds (docs/rlqs.md)
 MAX_STREAMS = 1024
 MAX_BUCKETS_PER_STREAM = 4096
 MAX_BUCKET_ENTRIES = 8

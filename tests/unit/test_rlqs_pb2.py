@@ -3,7 +3,7 @@
 Envoy 1.40.0 sends ``repeated BucketQuotaUsage bucket_quota_usages = 2`` (a later revision on
 Envoy's main branch has a ``map<uint64, BucketQuotaUsage>`` there): the bytes below are built
 field by field as the 1.40 layout puts them on the wire, without our classes, and decoded by
-them. The e2e test through the real Envoy (tests/e2e/test_rlqs_e2e.py) reads its reports.
+them. The e2e test through the real Envoy 1.40 (tests/e2e/test_rlqs_envoy.py) reads its reports.
 """
 
 from __future__ import annotations
