@@ -144,12 +144,13 @@ def divide(limit: Share, demand: Mapping[K, float], held: Mapping[K, Share]) -> 
 
 
 def limits_of(policy: Policy) -> dict[str, QuotaLimit]:
-    """The limiters a bucket id may name: the policy's ``request_rate`` limiters, by name, in
-    Envoy's tokens (one per request: ``rate``/``cost`` and ``burst``/``cost``). Plans and
-    overrides are not served in Envoy (a bucket id carries no plan)."""
+    """The limiters a bucket id may name: the policy's ``request_rate`` limiters with
+    ``enforce: envoy``, by name, in Envoy's tokens (one per request: ``rate``/``cost`` and
+    ``burst``/``cost``). Plans and overrides are not served in Envoy (a bucket id carries no
+    plan; the policy refuses them there)."""
     out: dict[str, QuotaLimit] = {}
     for spec in policy.limiters:
-        if spec.type == "request_rate":
+        if spec.type == "request_rate" and spec.enforce == "envoy":
             out[spec.name] = QuotaLimit(spec.rate / spec.cost, spec.burst / spec.cost)
     return out
 

@@ -26,7 +26,8 @@ BUCKET = {"limiter": "per-ip", "ip": "10.0.0.7"}
 async def server(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Server]:
     policy = tmp_path / "p.yaml"
     policy.write_text("version: 1\nidentity: [{header: x-api-key}]\nlimiters:\n"
-                      "  - {name: per-ip, type: request_rate, rate: 10, burst: 20, key: [{source_ip: true}]}\n")
+                      "  - {name: per-ip, type: request_rate, rate: 10, burst: 20, key: [{source_ip: true}],\n"
+                      "     enforce: envoy}\n")
     srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0", admin_listen="off",
                               grpc_server=request.param))
     await srv.start()

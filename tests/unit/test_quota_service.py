@@ -5,10 +5,13 @@ confirmed by a report before another share grows, idle buckets are abandoned, bo
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
 from extauthz.clock import ManualClock
+from extauthz.limiters import build_limiters
+from extauthz.policy import load_policy
 from extauthz.quota_service import (
     NOTHING,
     Action,
@@ -18,7 +21,9 @@ from extauthz.quota_service import (
     Share,
     Usage,
     divide,
+    limits_of,
 )
+from extauthz.store.keys import Keys
 
 BUCKET = {"limiter": "per-ip", "ip": "10.0.0.1"}
 
@@ -194,3 +199,14 @@ def test_bounds() -> None:
     with pytest.raises(QuotaError, match="domain does not change"):
         book.report(a, "other", [])
     assert book.refused == {"streams": 1, "buckets": 1}
+
+
+def test_enforce_envoy_limiters_are_served_here_and_skipped_by_the_check(tmp_path: Path) -> None:
+    policy_file = tmp_path / "p.yaml"
+    policy_file.write_text("version: 1\nlimiters:\n"
+                           "  - {name: edge-ip, type: request_rate, rate: 10, burst: 30, cost: 2,"
+                           " key: [{source_ip: true}], enforce: envoy}\n"
+                           "  - {name: user-rate, type: request_rate, rate: 1, burst: 2}\n")
+    policy = load_policy([policy_file])
+    assert limits_of(policy) == {"edge-ip": QuotaLimit(5, 15)}  # Envoy takes one token a request
+    assert [lim.name for lim in build_limiters(policy, Keys())] == ["user-rate"]
