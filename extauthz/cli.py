@@ -179,7 +179,8 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
             listen_port=args.listen_port, access_log=args.access_log,
             tls=TlsFiles(*tls_files) if all(tls_files) else None,
             tracing=_host_port("--tracing", args.tracing) if args.tracing else None,
-            quickstart_routes=args.quickstart_routes, jwt=jwt, check_budget_ms=args.check_budget_ms)
+            quickstart_routes=args.quickstart_routes, jwt=jwt, check_budget_ms=args.check_budget_ms,
+            rlqs=args.rlqs)
     except ValueError as exc:
         print(f"extauthz envoy-config: {exc}", file=sys.stderr)
         return 2
@@ -342,6 +343,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an accepted audience (repeat for several; default: any)")
     p.add_argument("--jwt-jwks-file", metavar="PATH", default=None,
                    help="the issuer's JWKS (JSON), inlined into the config")
+    p.add_argument("--rlqs", action="store_true",
+                   help="the rate limit quota filter for the policy's enforce: envoy limiters, before "
+                   "ext_authz: Envoy holds their tokens and streams usage to the server's gRPC port, "
+                   "which divides each limit (docs/rlqs.md); needed when the policy has such limiters")
     settings.add_shared(p, ("check_budget_ms",), {"check_budget_ms": (
         "the server's check budget (serve --check-budget-ms): Envoy's ext_authz timeout is this "
         f"plus {settings.ENVOY_MARGIN_MS:.0f} ms, so that the server decides before Envoy fails the check open")})

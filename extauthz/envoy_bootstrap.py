@@ -35,6 +35,7 @@ from typing import Any
 import yaml
 
 from .answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD, TIER_HEADER
+from .envoy.rlqs import envoy_limiters, quota_filters
 from .policy.model import Policy
 from .policy.schema import ConcurrentRequestsSpec, FleetUsageSpec, WorkerUtilizationSpec
 from .server.fluentd import RECORD as FLUENTD_RECORD
@@ -371,15 +372,22 @@ def bootstrap(policy: Policy, *, protocol: str, upstream: tuple[str, int],
               listen_port: int = 10000, tls: TlsFiles | None = None, access_log: str = "auto",
               admin_port: int = 9901, tracing: tuple[str, int] | None = None,
               quickstart_routes: bool = False, jwt: JwtProvider | None = None,
-              check_budget_ms: float = CHECK_BUDGET_MS) -> Config:
+              check_budget_ms: float = CHECK_BUDGET_MS, rlqs: bool = False) -> Config:
     """The bootstrap as a mapping (see the module docstring); the ext_authz timeout is
-    :func:`authz_timeout` of the server's ``check_budget_ms``."""
+    :func:`authz_timeout` of the server's ``check_budget_ms``; ``rlqs``: the rate limit quota
+    filters of the policy's ``enforce: envoy`` limiters before ext_authz (extauthz/envoy/rlqs.py)."""
     if protocol not in DEFAULT_AUTHZ:
         raise ValueError(f"protocol must be one of {', '.join(DEFAULT_AUTHZ)}, not {protocol!r}")
     if access_log not in ACCESS_LOG_MODES:
         raise ValueError(f"access_log must be one of {', '.join(ACCESS_LOG_MODES)}, not {access_log!r}")
     if tls is not None and protocol != "grpc":
         raise ValueError("TLS to the server is for the gRPC protocol only (the HTTP port is plaintext)")
+    enforced_in_envoy = [spec.name for spec in envoy_limiters(policy)]
+    if rlqs and not enforced_in_envoy:
+        raise ValueError("--rlqs: the policy has no limiter with enforce: envoy")
+    if enforced_in_envoy and not rlqs:
+        raise ValueError(f"the policy enforces {', '.join(enforced_in_envoy)} in Envoy: add --rlqs "
+                         "(without the quota filter nothing would enforce them)")
     authz = authz or DEFAULT_AUTHZ[protocol]
     log = access_log == "always" or (access_log == "auto" and holds_leases(policy))
     # the access log's gRPC port: by default the Check port (gRPC) or port 9001 of its host (HTTP)
@@ -421,6 +429,10 @@ def bootstrap(policy: Policy, *, protocol: str, upstream: tuple[str, int],
                    _grpc_ext_authz(policy, jwt is not None, authz_timeout(check_budget_ms))]
     if jwt is not None:  # right after the strip filter: what it verifies, nobody else can set
         filters.insert(1, _jwt_authn(jwt, protocol))
+    # the quota stream goes to the gRPC port: the Check cluster, or port 9001 of the HTTP host
+    rlqs_cluster = "extauthz" if protocol == "grpc" else "extauthz_rlqs"
+    if rlqs:  # before ext_authz: a request Envoy refuses costs the server nothing
+        filters[-1:-1] = quota_filters(policy, rlqs_cluster)
     if log:
         hcm["access_log"] = [_access_log(log_cluster, policy)]
         if any(isinstance(spec, FleetUsageSpec) for spec in policy.limiters):
@@ -443,6 +455,8 @@ def bootstrap(policy: Policy, *, protocol: str, upstream: tuple[str, int],
         clusters.append(_grpc_cluster(log_cluster, log_to, tls))
     if fluentd is not None:
         clusters.append(fluentd[1])
+    if rlqs and rlqs_cluster != "extauthz":
+        clusters.append(_grpc_cluster(rlqs_cluster, (authz[0], ACCESS_LOG_PORT), None))
     clusters.append(_cluster("upstream", upstream, "1s"))
     if tracing is not None:
         clusters.append(_cluster("otel_collector", tracing, CONNECT_TIMEOUT, typed_extension_protocol_options=_http2()))

@@ -26,6 +26,7 @@ into ``RateLimitQuotaResponse`` messages.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -364,13 +365,20 @@ class QuotaBook:
         return {
             "streams": [{
                 "id": s.id, "peer": s.peer, "domain": s.domain, "closed": bool(s.gone_at),
-                "buckets": [{"bucket": dict(k), "fill": h.share.fill, "burst": h.share.burst,
+                "buckets": [{"bucket": shown(k), "fill": h.share.fill, "burst": h.share.burst,
                              "held": {"fill": h.ledger.fill, "burst": h.ledger.burst},
                              "demand": round(h.demand, 3), "allowed": h.allowed, "denied": h.denied}
                             for k, h in s.buckets.items()],
             } for s in self.streams.values()],
             "reports": self.reports, "overadmission": self.overadmission, "refused": dict(self.refused),
         }
+
+
+def shown(bucket: BucketKey) -> dict[str, str]:
+    """A bucket id as /status shows it: a header's value (it may be a credential, e.g. an API
+    key) as a short hash, the limiter, the client address and the method as they are."""
+    return {k: ("sha256:" + hashlib.sha256(v.encode()).hexdigest()[:16] if k.startswith("header:") else v)
+            for k, v in bucket}
 
 
 def _max(a: Share, b: Share) -> Share:

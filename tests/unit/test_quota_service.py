@@ -22,6 +22,7 @@ from extauthz.quota_service import (
     Usage,
     divide,
     limits_of,
+    shown,
 )
 from extauthz.store.keys import Keys
 
@@ -210,3 +211,10 @@ def test_enforce_envoy_limiters_are_served_here_and_skipped_by_the_check(tmp_pat
     policy = load_policy([policy_file])
     assert limits_of(policy) == {"edge-ip": QuotaLimit(5, 15)}  # Envoy takes one token a request
     assert [lim.name for lim in build_limiters(policy, Keys())] == ["user-rate"]
+
+
+def test_status_never_shows_a_header_value() -> None:
+    bucket = (("header:x-api-key", "sk_live_secret"), ("limiter", "key-rate"), ("source_ip", "10.0.0.1"))
+    out = shown(bucket)
+    assert out["limiter"] == "key-rate" and out["source_ip"] == "10.0.0.1"
+    assert out["header:x-api-key"].startswith("sha256:") and "sk_live_secret" not in str(out)

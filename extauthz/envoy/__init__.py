@@ -1,0 +1,1 @@
+"""Envoy configuration the server hands out: the rate limit quota filter (rlqs.py)."""

