@@ -1,8 +1,8 @@
 """Load, render and check the project's Envoy configs (``envoy/*.yaml``).
 
 ``envoy/`` at the repository root is the one copy of the configs: the wheel ships it as the
-``extauthz/envoy/`` data directory (``package-dir`` in pyproject.toml), and a source checkout
-reads it in place. :func:`render_config` rewrites ports and endpoints by cluster name;
+``extauthz/envoy/configs/`` data directory (``package-dir`` in pyproject.toml), and a source
+checkout reads it in place. :func:`render_config` rewrites ports and endpoints by cluster name;
 :func:`validate` runs ``envoy --mode validate`` plus the cluster-reference check that Envoy
 itself does not make.
 """
@@ -71,10 +71,10 @@ class EnvoyConfigError(EnvoyError):
 
 def config_path(name: str = DEFAULT_CONFIG) -> Path:
     """The shipped config ``name`` (``envoy/<name>``): the wheel's copy, else the checkout's."""
-    shipped = resources.files("extauthz").joinpath("envoy").joinpath(name)
-    if shipped.is_file():  # installed from a wheel: extauthz/envoy/ is package data
+    shipped = resources.files("extauthz").joinpath("envoy").joinpath("configs").joinpath(name)
+    if shipped.is_file():  # installed from a wheel: extauthz/envoy/configs/ is package data
         return Path(str(shipped))
-    # A source checkout (an editable install maps extauthz.envoy to the top-level envoy/,
+    # A source checkout (an editable install maps extauthz.envoy.configs to the top-level envoy/,
     # which importlib cannot resolve for a data-only directory): read envoy/ in place.
     root = Path(__file__).resolve().parents[2]
     candidate = root / "envoy" / name
