@@ -1176,11 +1176,15 @@ class _Connection(asyncio.Protocol):
             if at_once and self.paused:  # an error or a flood, and the peer is not reading
                 transport.abort()
             else:
-                if transport.can_write_eof():
-                    transport.write_eof()
+                try:
+                    if transport.can_write_eof():
+                        transport.write_eof()
+                    else:
+                        transport.close()
+                except OSError:  # the peer is gone already (shutdown: ENOTCONN)
+                    transport.abort()
                 else:
-                    transport.close()
-                self.loop.call_later(self.limits.close_linger, transport.abort)
+                    self.loop.call_later(self.limits.close_linger, transport.abort)
         self.closed = True
         for call in list(self.calls.values()):
             self._cancel(call)

@@ -261,7 +261,8 @@ class RateLimitQuotaService(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # typ
 
 def quota_response(actions: Iterable[Action]) -> rlqs_pb2.RateLimitQuotaResponse:
     """Bucket actions as Envoy 1.40 enforces them: a token bucket (``fill_interval`` whole
-    seconds), a DENY_ALL blanket rule, or an abandon; every assignment with its TTL."""
+    seconds), a DENY_ALL blanket rule (no limiter, or an empty share), or an abandon; every
+    assignment with its TTL."""
     response = rlqs_pb2.RateLimitQuotaResponse()
     for action in actions:
         item = response.bucket_action.add()
@@ -272,7 +273,9 @@ def quota_response(actions: Iterable[Action]) -> rlqs_pb2.RateLimitQuotaResponse
         assign = item.quota_assignment_action
         assign.assignment_time_to_live.FromNanoseconds(int(action.ttl * 1e9))
         strategy = assign.rate_limit_strategy
-        if action.deny:
+        if action.deny or not (action.share.fill and action.share.burst):
+            # an empty share is DENY_ALL: Envoy's TokenBucket takes max_tokens and
+            # tokens_per_fill above 0 only
             strategy.blanket_rule = ratelimit_strategy_pb2.RateLimitStrategy.DENY_ALL
             continue
         bucket = strategy.token_bucket

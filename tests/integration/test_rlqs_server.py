@@ -68,8 +68,11 @@ async def test_streams_divide_one_limit(server: Server) -> None:
         assert _bucket(await _read(first)) == (20, 10, 1, 15.0)
         second = stub.StreamRateLimitQuotas()
         await second.write(_report("edge"))
-        # the second waits for the first's confirmed shrink; the first is told to shrink now
-        assert _bucket(await _read(second))[:2] == (0, 0)
+        # the second waits for the first's confirmed shrink (an empty share: DENY_ALL); the
+        # first is told to shrink now
+        (waiting,) = (await _read(second)).bucket_action
+        assert (waiting.quota_assignment_action.rate_limit_strategy.blanket_rule
+                == ratelimit_strategy_pb2.RateLimitStrategy.DENY_ALL)
         burst, fill, _, _ = _bucket(await _read(first))
         assert (burst, fill) == (10, 5)
         status = server.ops.panel.status()["quota"]
