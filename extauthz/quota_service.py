@@ -47,6 +47,8 @@ TTL_REPORTS = 3
 IDLE_REPORTS = 6
 #: every stream's weight gets this part of the mean demand, so a quiet stream keeps a share
 FLOOR_WEIGHT = 0.1
+#: Envoy 1.40's time_elapsed is whole seconds, rounded down
+ELAPSED_ROUNDING = 1.0
 #: bounds (docs/rlqs.md)
 MAX_STREAMS = 1024
 MAX_BUCKETS_PER_STREAM = 4096
@@ -336,7 +338,8 @@ class QuotaBook:
         if limit is None or usage.elapsed <= 0:
             return
         share = Share(max(held.share.fill, held.ledger.fill), max(held.share.burst, held.ledger.burst))
-        bound = share.fill * usage.elapsed / limit.interval + share.burst
+        # Envoy 1.40 rounds time_elapsed down to whole seconds (4 s for ~4.98 s): up to 1 s more
+        bound = share.fill * (usage.elapsed + ELAPSED_ROUNDING) / limit.interval + share.burst
         if usage.allowed > bound + 1e-9:
             self.overadmission += math.ceil(usage.allowed - bound)
 
