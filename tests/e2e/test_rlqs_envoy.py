@@ -21,7 +21,7 @@ from extauthz.devtools.client import HttpClient
 from extauthz.devtools.envoy_config import validate
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import ServerProcess
-from extauthz.devtools.upstream import start_upstream
+from extauthz.devtools.upstream import Upstream, start_upstream
 from extauthz.envoy_bootstrap import bootstrap
 from extauthz.policy import load_policy
 
@@ -57,16 +57,46 @@ def _status(server: ServerProcess) -> dict[str, Any]:
     return doc
 
 
-def test_two_envoys_share_one_limit(tmp_path: Path) -> None:
+class Promise:
+    """Traffic to Envoys in turn, counted at the upstream against ``rate x t + burst`` (t from
+    the start) after every request."""
+
+    def __init__(self, upstream: Upstream, client: HttpClient) -> None:
+        self.upstream = upstream
+        self.client = client
+        self.start = time.monotonic()
+        self.held = True
+        self.worst = 0.0  # the largest admitted - (rate x t + burst) seen (at most 0 when held)
+
+    def drive(self, envoys: list[tuple[str, EnvoyProcess]], seconds: float) -> dict[str, int]:
+        admitted = {name: 0 for name, _ in envoys}
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            for name, envoy in envoys:
+                if self.client.send(envoy.url + "/x").status == 200:
+                    admitted[name] += 1
+                over = self.upstream.served - (RATE * (time.monotonic() - self.start) + BURST)
+                self.worst = max(self.worst, over)
+                self.held &= over <= 0
+            time.sleep(0.05)
+        return admitted
+
+
+def _stack(tmp_path: Path) -> tuple[Upstream, ServerProcess, str]:
     (tmp_path / "api.yaml").write_text(POLICY)
     upstream = start_upstream()
     server = ServerProcess([tmp_path])
+    server.start()
+    config = yaml.safe_dump(bootstrap(load_policy([tmp_path]), protocol="grpc",
+                                      upstream=("127.0.0.1", upstream.port),
+                                      authz=("127.0.0.1", server.port), listen_port=0, admin_port=0,
+                                      rlqs=True))
+    return upstream, server, config
+
+
+def test_two_envoys_share_one_limit(tmp_path: Path) -> None:
+    upstream, server, config = _stack(tmp_path)
     try:
-        server.start()
-        config = yaml.safe_dump(bootstrap(load_policy([tmp_path]), protocol="grpc",
-                                          upstream=("127.0.0.1", upstream.port),
-                                          authz=("127.0.0.1", server.port), listen_port=0, admin_port=0,
-                                          rlqs=True))
         with EnvoyProcess(config) as a, EnvoyProcess(config) as b, HttpClient() as c:
             firsts = [c.send(envoy.url + "/x") for envoy in (a, b)]
             # no assignment yet: refused (DENY_ALL), with our problem body
@@ -74,19 +104,10 @@ def test_two_envoys_share_one_limit(tmp_path: Path) -> None:
             assert firsts[0].headers.get("content-type") == "application/problem+json"
             assert json.loads(firsts[0].body)["limiter"] == "ip-rate"
             assert upstream.served == 0
-            start = time.monotonic()
-            admitted = {"a": 0, "b": 0}
-            bound_held = True
-            while (elapsed := time.monotonic() - start) < RUN:
-                for name, envoy in (("a", a), ("b", b)):
-                    if c.send(envoy.url + "/x").status == 200:
-                        admitted[name] += 1
-                # the promise, at every step, counted at the upstream
-                bound_held &= upstream.served <= RATE * (time.monotonic() - start) + BURST
-                time.sleep(0.05)
-            assert bound_held, (upstream.served, elapsed)
+            promise = Promise(upstream, c)
+            admitted = promise.drive([("a", a), ("b", b)], RUN)
+            assert promise.held, (upstream.served, promise.worst)
             assert upstream.served == admitted["a"] + admitted["b"]
-            assert upstream.served <= RATE * elapsed + BURST
             # the division reached both streams: each Envoy admitted some of the traffic
             assert admitted["a"] > 0 and admitted["b"] > 0, admitted
             quota = _status(server)["quota"]
@@ -97,6 +118,33 @@ def test_two_envoys_share_one_limit(tmp_path: Path) -> None:
                 assert bucket["bucket"] == {"limiter": "ip-rate", "source_ip": "127.0.0.1"}
             assert quota["reports"] >= 4
             assert quota["overadmission"] == 0
+    finally:
+        server.stop()
+        upstream.stop()
+
+
+def test_skewed_load_and_an_envoy_restarted(tmp_path: Path) -> None:
+    """One Envoy takes 90% of the requests; then the other is killed and a new one takes its
+    place (a new stream: the old one's share stays held until its assignments' TTL, since
+    its Envoy could still be enforcing them). The promise holds throughout."""
+    upstream, server, config = _stack(tmp_path)
+    try:
+        with EnvoyProcess(config) as a, HttpClient() as c:
+            promise = Promise(upstream, c)
+            with EnvoyProcess(config) as b:
+                busy = promise.drive([("a", a)] * 9 + [("b", b)], 12.0)
+                assert promise.held, (upstream.served, promise.worst)
+                assert busy["a"] > 0
+            with EnvoyProcess(config) as b2:
+                after = promise.drive([("a", a), ("b2", b2)], 12.0)
+                assert promise.held, (upstream.served, promise.worst)
+            assert after["a"] + after["b2"] > 0
+            quota = _status(server)["quota"]
+            assert quota["overadmission"] == 0
+            # a's stream is open; b2's (and b's, until its TTL) are listed closed
+            assert [s["closed"] for s in quota["streams"]][0] is False
+            assert sum(not s["closed"] for s in quota["streams"]) == 1
+            assert quota["streams"][-1]["closed"] is True
     finally:
         server.stop()
         upstream.stop()
