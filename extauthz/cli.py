@@ -88,6 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_check_policies(args: argparse.Namespace) -> int:
+    from .envoy.rlqs import envoy_limiters
     from .errors import PolicyError
     from .policy import load_policy
 
@@ -100,7 +101,9 @@ def cmd_check_policies(args: argparse.Namespace) -> int:
             for issue in exc.issues:
                 print(f"error: {issue}", file=sys.stderr)
         else:
-            names = ", ".join(f"{s.name} ({s.type}, {s.mode})" for s in policy.limiters) or "no limiters"
+            in_envoy = {s.name for s in envoy_limiters(policy)}  # docs/rlqs.md
+            names = ", ".join(f"{s.name} ({s.type}, {s.mode}{' in envoy' if s.name in in_envoy else ''})"
+                              for s in policy.limiters) or "no limiters"
             print(f"ok: {path} (version {policy.version}): {names}")
     return 1 if failed else 0
 

@@ -84,3 +84,14 @@ def test_rlqs_needs_envoy_limiters_and_envoy_limiters_need_rlqs(tmp_path: Path) 
     plain = _policy(tmp_path, "version: 1\nlimiters:\n  - {name: r, type: request_rate, rate: 1, burst: 2}\n")
     with pytest.raises(ValueError, match="no limiter with enforce: envoy"):
         bootstrap(plain, protocol="grpc", upstream=("127.0.0.1", 8080), rlqs=True)
+
+
+def test_check_policies_says_which_limiters_run_in_envoy(capsys: pytest.CaptureFixture[str]) -> None:
+    from extauthz.cli import main
+
+    from ..conftest import ROOT
+
+    assert main(["check-policies", str(ROOT / "policies" / "rlqs")]) == 0
+    out = capsys.readouterr().out
+    assert "ip-rate (request_rate, enforce in envoy)" in out
+    assert "user-concurrency (concurrent_requests, enforce)" in out
