@@ -5,7 +5,8 @@ that counts what it admits: the promise ``admitted <= rate x t + burst`` holds, 
 first request is refused (DENY_ALL before the first assignment, never allow-all), the refusal
 is the problem+json 429, /status lists both streams and their bucket, and no over-admission is
 counted; one Envoy taking 90% of the requests, then the other killed and replaced, keeps the
-promise too. Each Envoy reports every 5 s (1.40): each run lasts a few reports."""
+promise too, and a limit lowered by reload shrinks Envoy's bucket. Each Envoy reports every
+5 s (1.40): each run lasts a few reports."""
 
 from __future__ import annotations
 
@@ -146,6 +147,30 @@ def test_skewed_load_and_an_envoy_restarted(tmp_path: Path) -> None:
             assert quota["streams"][0]["closed"] is False
             assert sum(not s["closed"] for s in quota["streams"]) == 1
             assert quota["streams"][-1]["closed"] is True
+    finally:
+        server.stop()
+        upstream.stop()
+
+
+def test_a_limit_lowered_by_reload_shrinks_envoy_s_bucket(tmp_path: Path) -> None:
+    """The policy file lowered from 2/s (burst 4) to 1/s (burst 2) while traffic runs: the
+    server reloads it (about a second), the next report (within 5 s) gets the smaller token
+    bucket, and from then on the upstream admits at most the new rate x t + burst."""
+    upstream, server, config = _stack(tmp_path)
+    try:
+        with EnvoyProcess(config) as a, HttpClient() as c:
+            promise = Promise(upstream, c)
+            promise.drive([("a", a)], 8.0)
+            assert promise.held, (upstream.served, promise.worst)
+            (tmp_path / "api.yaml").write_text(POLICY.replace(f"rate: {RATE}, burst: {BURST}", "rate: 1, burst: 2"))
+            promise.drive([("a", a)], 10.0)  # the reload and a report: the new bucket in Envoy
+            assert promise.held, (upstream.served, promise.worst)
+            (bucket,) = _status(server)["quota"]["streams"][0]["buckets"]
+            assert (bucket["fill"], bucket["burst"]) == (1, 2)
+            before, start = upstream.served, time.monotonic()
+            promise.drive([("a", a)], 8.0)
+            assert upstream.served - before <= 1 * (time.monotonic() - start) + 2
+            assert upstream.served - before > 0
     finally:
         server.stop()
         upstream.stop()
