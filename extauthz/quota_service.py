@@ -47,6 +47,8 @@ TTL_REPORTS = 3
 IDLE_REPORTS = 6
 #: every stream's weight gets this part of the mean demand, so a quiet stream keeps a share
 FLOOR_WEIGHT = 0.1
+#: a report's counts and seconds are taken up to this (finite, bounded numbers only)
+MAX_REPORTED = 10**12
 #: Envoy 1.40's time_elapsed is whole seconds, rounded down
 ELAPSED_ROUNDING = 1.0
 #: bounds (docs/rlqs.md)
@@ -305,6 +307,8 @@ class QuotaBook:
         mine = out.setdefault(stream.id, [])
         for usage in usages:
             key = bucket_key(usage.bucket)
+            usage = Usage(usage.bucket, min(max(0.0, usage.elapsed), MAX_REPORTED),
+                          min(max(0, usage.allowed), MAX_REPORTED), min(max(0, usage.denied), MAX_REPORTED))
             held = stream.buckets.get(key)
             if held is None:
                 if len(stream.buckets) >= self.max_buckets:

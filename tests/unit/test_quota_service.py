@@ -219,3 +219,15 @@ def test_status_never_shows_a_header_value() -> None:
     out = shown(bucket)
     assert out["limiter"] == "key-rate" and out["source_ip"] == "10.0.0.1"
     assert out["header:x-api-key"].startswith("sha256:") and "sk_live_secret" not in str(out)
+
+
+def test_reported_numbers_are_bounded() -> None:
+    clock = ManualClock()
+    book = _book(clock)
+    a = book.open("a")
+    book.report(a, "edge", [Usage(BUCKET, 0, 0, 0)])
+    clock.advance(5)
+    book.report(a, "", [Usage(BUCKET, float("inf"), 2**64 - 1, -5)])
+    (held,) = a.buckets.values()
+    assert held.allowed == 10**12 and held.denied == 0
+    assert held.demand == 1.0  # 10**12 requests over 10**12 s
