@@ -78,10 +78,10 @@ def http(
 
 def test_default_config_is_the_one_in_envoy_dir() -> None:
     # One copy: a checkout reads envoy/ in place (the wheel ships the same files as
-    # extauthz/envoy/, checked by tests/store/redis/test_lua.py's wheel test).
+    # extauthz/envoy/configs/, checked by tests/store/redis/test_lua.py's wheel test).
     assert config_path() == SOURCE_CONFIG
     assert load_config_text() == SOURCE_CONFIG.read_text(encoding="utf-8")
-    assert not (REPO / "extauthz" / "envoy").exists()
+    assert not list((REPO / "extauthz" / "envoy").rglob("*.yaml"))
     assert not list((REPO / "extauthz" / "devtools").glob("*.yaml"))
     with pytest.raises(FileNotFoundError, match=r"no-such\.yaml"):
         config_path("no-such.yaml")
@@ -135,7 +135,8 @@ def test_every_shipped_grpc_config_is_checked() -> None:
     # istio-like.yaml and istio-waypoint.yaml are istiod's output, which has no allowed_headers
     # for a gRPC provider;
     # envoy-gateway.yaml is Envoy Gateway's (one ext_authz filter per SecurityPolicy, each named
-    # after it, their headers checked against the examples in test_envoy_gateway_e2e.py).
+    # after it, their headers checked against the examples in test_envoy_gateway_e2e.py);
+    # envoy-rlqs.yaml is policies/rlqs/'s (checked in test_rlqs_envoy.py).
     found = set()
     for path in (REPO / "envoy").glob("*.yaml"):
         config = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -144,7 +145,7 @@ def test_every_shipped_grpc_config_is_checked() -> None:
         ext = _filters(config).get(EXT_AUTHZ_FILTER, {})
         if "grpc_service" in ext:
             found.add(path.name)
-    assert found == {*GRPC_CONFIGS, "istio-like.yaml", "istio-waypoint.yaml"}
+    assert found == {*GRPC_CONFIGS, "istio-like.yaml", "istio-waypoint.yaml", "envoy-rlqs.yaml"}
     for name in ("istio-like.yaml", "istio-waypoint.yaml"):
         istio = yaml.safe_load((REPO / "envoy" / name).read_text(encoding="utf-8"))
         assert "allowed_headers" not in _filters(istio)[EXT_AUTHZ_FILTER]

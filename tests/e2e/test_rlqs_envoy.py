@@ -26,6 +26,7 @@ from extauthz.devtools.stack import ServerProcess
 from extauthz.devtools.upstream import Upstream, start_upstream
 from extauthz.envoy_bootstrap import bootstrap
 from extauthz.policy import load_policy
+from extauthz.server.httpmap import allowed_headers
 
 from ..conftest import ROOT
 from .test_envoy_bootstrap import command_line, run_cli
@@ -47,6 +48,13 @@ def test_shipped_rlqs_config_is_the_output_of_its_command_line_and_valid(
     monkeypatch.chdir(ROOT)
     assert run_cli(command_line(text), capsys) == yaml.safe_load(text)
     validate(text)
+    # ext_authz for the server's limiters: the headers policies/rlqs/ reads, the tier stripped first
+    manager = yaml.safe_load(text)["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    filters = manager["typed_config"]["http_filters"]
+    assert filters[0]["name"] == "extauthz.strip-tier"
+    (ext,) = [f["typed_config"] for f in filters if f["name"] == "envoy.filters.http.ext_authz"]
+    listed = [p["exact"] for p in ext["allowed_headers"]["patterns"]]
+    assert listed == allowed_headers(load_policy([ROOT / "policies" / "rlqs"]).needed_headers, "grpc")
     for protocol in ("grpc", "http"):  # the HTTP protocol's quota stream: its own gRPC cluster
         config = bootstrap(load_policy([ROOT / "policies" / "rlqs"]), protocol=protocol,
                            upstream=("127.0.0.1", 8080), rlqs=True)
