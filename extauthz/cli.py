@@ -233,6 +233,13 @@ def cmd_k8s(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"extauthz k8s: {exc}", file=sys.stderr)
         return 2
+    from .envoy.rlqs import envoy_limiters
+
+    if in_envoy := [s.name for s in envoy_limiters(policy)]:
+        print(f"extauthz k8s: the policy enforces {', '.join(in_envoy)} in Envoy (enforce: envoy), and these "
+              "resources carry no rate limit quota filter: nothing would enforce them (docs/rlqs.md)",
+              file=sys.stderr)
+        return 2
     _warn_unreadable(args.protocol, policy)
     sys.stdout.write(render(policy, wiring))
     return 0

@@ -95,3 +95,14 @@ def test_check_policies_says_which_limiters_run_in_envoy(capsys: pytest.CaptureF
     out = capsys.readouterr().out
     assert "ip-rate (request_rate, enforce in envoy)" in out
     assert "user-concurrency (concurrent_requests, enforce)" in out
+
+
+def test_k8s_refuses_a_policy_with_limiters_in_envoy(capsys: pytest.CaptureFixture[str]) -> None:
+    from extauthz.cli import main
+
+    from ..conftest import ROOT
+
+    argv = ["k8s", "--policies", str(ROOT / "policies" / "rlqs"), "--target", "istio-sidecar",
+            "--selector", "app=api"]
+    assert main(argv) == 2
+    assert "enforces ip-rate, key-rate in Envoy" in capsys.readouterr().err
