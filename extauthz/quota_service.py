@@ -351,8 +351,11 @@ class QuotaBook:
         sids = sorted(self.holders.get(key, ()))
         holders = {sid: self.streams[sid].buckets[key] for sid in sids}
         live = {sid: holders[sid].demand for sid in sids if not self.streams[sid].gone_at}
-        shares = divide(limit.total, live,  # a closed stream holds its last share, gets none
-                        {sid: _max(h.ledger, h.share) if h.until else h.ledger for sid, h in holders.items()})
+        if len(sids) == 1 and live:  # what divide gives one stream alone: the whole limit
+            shares = {sids[0]: limit.total}
+        else:  # a closed stream holds its last share, gets none
+            shares = divide(limit.total, live,
+                            {sid: _max(h.ledger, h.share) if h.until else h.ledger for sid, h in holders.items()})
         confirm_after = now + self.report_interval / 2
         for sid, share in shares.items():
             h = holders[sid]

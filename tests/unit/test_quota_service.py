@@ -231,3 +231,11 @@ def test_reported_numbers_are_bounded() -> None:
     (held,) = a.buckets.values()
     assert held.allowed == 10**12 and held.denied == 0
     assert held.demand == 1.0  # 10**12 requests over 10**12 s
+
+
+def test_one_stream_alone_gets_what_divide_gives_it() -> None:
+    rnd = random.Random(7)
+    for _ in range(200):
+        limit = Share(rnd.randint(0, 30), rnd.randint(0, 30))
+        held = Share(rnd.randint(0, 40), rnd.randint(0, 40))
+        assert divide(limit, {"a": rnd.random() * 10}, {"a": held}) == {"a": limit}
