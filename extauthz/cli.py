@@ -88,6 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_check_policies(args: argparse.Namespace) -> int:
+    from .envoy.rlqs import envoy_limiters
     from .errors import PolicyError
     from .policy import load_policy
 
@@ -100,7 +101,9 @@ def cmd_check_policies(args: argparse.Namespace) -> int:
             for issue in exc.issues:
                 print(f"error: {issue}", file=sys.stderr)
         else:
-            names = ", ".join(f"{s.name} ({s.type}, {s.mode})" for s in policy.limiters) or "no limiters"
+            in_envoy = {s.name for s in envoy_limiters(policy)}  # docs/rlqs.md
+            names = ", ".join(f"{s.name} ({s.type}, {s.mode}{' in envoy' if s.name in in_envoy else ''})"
+                              for s in policy.limiters) or "no limiters"
             print(f"ok: {path} (version {policy.version}): {names}")
     return 1 if failed else 0
 
@@ -179,7 +182,8 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
             listen_port=args.listen_port, access_log=args.access_log,
             tls=TlsFiles(*tls_files) if all(tls_files) else None,
             tracing=_host_port("--tracing", args.tracing) if args.tracing else None,
-            quickstart_routes=args.quickstart_routes, jwt=jwt, check_budget_ms=args.check_budget_ms)
+            quickstart_routes=args.quickstart_routes, jwt=jwt, check_budget_ms=args.check_budget_ms,
+            rlqs=args.rlqs)
     except ValueError as exc:
         print(f"extauthz envoy-config: {exc}", file=sys.stderr)
         return 2
@@ -228,6 +232,13 @@ def cmd_k8s(args: argparse.Namespace) -> int:
             skip_paths=tuple(args.skip_path or ()), fail_closed=args.fail_closed)
     except ValueError as exc:
         print(f"extauthz k8s: {exc}", file=sys.stderr)
+        return 2
+    from .envoy.rlqs import envoy_limiters
+
+    if in_envoy := [s.name for s in envoy_limiters(policy)]:
+        print(f"extauthz k8s: the policy enforces {', '.join(in_envoy)} in Envoy (enforce: envoy), and these "
+              "resources carry no rate limit quota filter: nothing would enforce them (docs/rlqs.md)",
+              file=sys.stderr)
         return 2
     _warn_unreadable(args.protocol, policy)
     sys.stdout.write(render(policy, wiring))
@@ -342,6 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an accepted audience (repeat for several; default: any)")
     p.add_argument("--jwt-jwks-file", metavar="PATH", default=None,
                    help="the issuer's JWKS (JSON), inlined into the config")
+    p.add_argument("--rlqs", action="store_true",
+                   help="the rate limit quota filter for the policy's enforce: envoy limiters, before "
+                   "ext_authz: Envoy holds their tokens and streams usage to the server's gRPC port, "
+                   "which divides each limit (docs/rlqs.md); needed when the policy has such limiters")
     settings.add_shared(p, ("check_budget_ms",), {"check_budget_ms": (
         "the server's check budget (serve --check-budget-ms): Envoy's ext_authz timeout is this "
         f"plus {settings.ENVOY_MARGIN_MS:.0f} ms, so that the server decides before Envoy fails the check open")})

@@ -52,6 +52,7 @@ from .blocks import (
 from .ext_authz import EXT_AUTHZ_FILTER, GRPC, HTTP
 from .headers import JWT_NAMESPACE, JWT_PAYLOAD_HEADER
 from .records import FLUENTD_RECORD, FLUENTD_TAG, route_tier_tag, unchecked_headers
+from .rlqs import envoy_limiters, quota_filters
 
 __all__ = ["ACCESS_LOG_BYTES_PER_MS", "ACCESS_LOG_MODES", "DEFAULT_AUTHZ", "EXT_AUTHZ_FILTER", "GRPC_ACCESS_LOGGER",
            "LOCAL_RATELIMIT_FILTER", "SHIPPED_ACCESS_LOG_FLUSH_MS", "TARGETS", "Build", "JwtProvider",
@@ -154,6 +155,9 @@ class Options:
     local_ratelimit: LocalRateLimit | None = None
     #: Envoy answers ``200 ok`` itself instead of routing to the upstream
     direct_response: bool = False
+    #: the rate limit quota filters of the policy's ``enforce: envoy`` limiters before ext_authz
+    #: (:mod:`.rlqs`, docs/rlqs.md); required exactly when the policy has such limiters
+    rlqs: bool = False
 
     def __post_init__(self) -> None:
         if self.protocol not in TARGETS:
@@ -375,6 +379,12 @@ def bootstrap(policy: Policy, **options: Any) -> Config:
     target = TARGETS[o.protocol]
     if o.tls is not None and not target.tls:
         raise ValueError("TLS to the server is for the gRPC protocol only (the HTTP port is plaintext)")
+    enforced_in_envoy = [spec.name for spec in envoy_limiters(policy)]
+    if o.rlqs and not enforced_in_envoy:
+        raise ValueError("--rlqs: the policy has no limiter with enforce: envoy")
+    if enforced_in_envoy and not o.rlqs:
+        raise ValueError(f"the policy enforces {', '.join(enforced_in_envoy)} in Envoy: add --rlqs "
+                         "(without the quota filter nothing would enforce them)")
     b = _build(policy, o, target)
     vhost: Config = {"name": "api", "domains": ["*"], "routes": _routes(target, b)}
     hcm: Config = {
@@ -398,6 +408,11 @@ def bootstrap(policy: Policy, **options: Any) -> Config:
         filters.insert(1, _jwt_authn(o.jwt, target.carries_metadata))
     if o.local_ratelimit is not None:
         filters.insert(0, _local_ratelimit(o.local_ratelimit))
+    # the quota stream goes to the gRPC port: the target's gRPC cluster, else port 9001 of its host
+    rlqs_cluster = target.grpc_cluster or "extauthz_rlqs"
+    if o.rlqs:  # before ext_authz: a request Envoy refuses costs the server nothing
+        at = next((i for i, f in enumerate(filters) if f["name"] == EXT_AUTHZ_FILTER), len(filters))
+        filters[at:at] = quota_filters(policy, rlqs_cluster)
     # the fluentd logger and its cluster: plain TCP, by default port 9004 of the authz host
     fluentd = (fluentd_release_log(o.access_log_to or (b.authz[0], FLUENTD_PORT))
                if o.access_log == "fluentd" else None)
@@ -416,6 +431,8 @@ def bootstrap(policy: Policy, **options: Any) -> Config:
         clusters.append(grpc_cluster(b.log_cluster, b.log_to, o.tls))
     if fluentd is not None:
         clusters.append(fluentd[1])
+    if o.rlqs and target.grpc_cluster is None:
+        clusters.append(grpc_cluster(rlqs_cluster, (b.authz[0], ACCESS_LOG_PORT), None))
     clusters.append(cluster(UPSTREAM_CLUSTER, o.upstream, "1s"))
     if o.tracing is not None:
         clusters.append(cluster("otel_collector", o.tracing, CONNECT_TIMEOUT, typed_extension_protocol_options=http2()))

@@ -35,7 +35,8 @@ __all__ = [
 def build_limiters(policy: Policy, keys: Keys, rng: random.Random | None = None,
                    clock: Clock = SYSTEM_CLOCK) -> tuple[Limiter, ...]:
     """One limiter object per policy entry, in policy order (``clock``: the refusal
-    cache's, :mod:`.refusals`)."""
+    cache's, :mod:`.refusals`); none for a ``request_rate`` limiter with ``enforce: envoy``
+    (Envoy's quota filter holds its tokens: extauthz/quota_service.py)."""
     fleet_keys: tuple[str, ...] = ()
     for spec in policy.limiters:
         if isinstance(spec, FleetUsageSpec) and spec.mode != "off":
@@ -46,6 +47,8 @@ def build_limiters(policy: Policy, keys: Keys, rng: random.Random | None = None,
         if isinstance(spec, (RequestRateSpec, ConcurrentRequestsSpec, QuotaSpec)):
             key = KeyOf(policy.key_index.get(spec.name), spec.on_missing_key == "shared")
         if isinstance(spec, RequestRateSpec):
+            if spec.enforce == "envoy":
+                continue
             out.append(RequestRateLimiter(spec, keys, clock, key))
         elif isinstance(spec, ConcurrentRequestsSpec):
             out.append(ConcurrentRequestsLimiter(spec, keys, key))

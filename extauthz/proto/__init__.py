@@ -34,6 +34,15 @@ Short aliases (module -> protobuf package, main contents):
     HeaderValueOption, HeaderMap, QueryParameter, Node, RequestMethod.
 ``http_status_pb2``
     ``envoy.type.v3``: HttpStatus, StatusCode (e.g. ``http_status_pb2.TooManyRequests``).
+``rlqs_pb2``
+    ``envoy.service.rate_limit_quota.v3`` as Envoy 1.40.0 speaks it (pinned by Envoy
+    version, docs/rlqs.md): RateLimitQuotaUsageReports (.BucketQuotaUsage),
+    RateLimitQuotaResponse (.BucketAction, .QuotaAssignmentAction, .AbandonAction), BucketId.
+``rlqs_pb2_grpc``
+    ``RateLimitQuotaService`` service: RateLimitQuotaServiceServicer, RateLimitQuotaServiceStub,
+    add_RateLimitQuotaServiceServicer_to_server.
+``ratelimit_strategy_pb2``
+    ``envoy.type.v3``: RateLimitStrategy (.BlanketRule), TokenBucket.
 ``status_pb2``
     ``google.rpc``: Status. This is googleapis-common-protos' ``google.rpc.status_pb2``
     (a second definition of ``google.rpc.Status`` would clash in the descriptor pool).
@@ -52,6 +61,9 @@ from extauthz.proto.extauthz_wire import (
     auth_pb2_grpc,
     core_pb2,
     http_status_pb2,
+    ratelimit_strategy_pb2,
+    rlqs_pb2,
+    rlqs_pb2_grpc,
 )
 
 __all__ = [
@@ -62,5 +74,8 @@ __all__ = [
     "auth_pb2_grpc",
     "core_pb2",
     "http_status_pb2",
+    "ratelimit_strategy_pb2",
+    "rlqs_pb2",
+    "rlqs_pb2_grpc",
     "status_pb2",
 ]

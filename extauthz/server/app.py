@@ -11,7 +11,8 @@ import gc
 import logging
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,11 @@ from ..limiters.worker import sampler_job
 from ..observe import compose
 from ..observe.edge_metrics import EdgeCollector
 from ..observe.setup import Observability
-from ..observe.state import LeaseSampler, RecorderPart
+from ..observe.state import LeaseSampler, RecorderPart, Section
 from ..overload import LoopLag
 from ..policy import Policy, load_policy
-from ..proto import accesslog_pb2_grpc, auth_pb2_grpc
+from ..proto import accesslog_pb2_grpc, auth_pb2_grpc, rlqs_pb2_grpc
+from ..quota_service import QuotaBook, QuotaLimit, limits_of
 from ..reload import PolicyWatcher
 from ..runner import Runner
 from ..settings import Settings, off
@@ -49,7 +51,7 @@ from .opsports import OperatorPorts
 from .panel import status_panel
 from .portfile import remove_admin_url, write_admin_url
 from .ports import parse_listen
-from .services import AccessLogService, AuthorizationService
+from .services import AccessLogService, AuthorizationService, RateLimitQuotaService, quota_metrics
 from .tls import CertificateReloader, TlsFiles
 
 log = logging.getLogger("extauthz.server")
@@ -126,6 +128,10 @@ class Server:
         self.accesslog = AccessLogService(
             Leases(self.engine, tickets=LeaseTickets(keys, config.lease_secret)),
             on_finished=self.recorder.finished if self.recorder is not None else None)
+        #: the rate limit quota stream (RLQS, docs/rlqs.md), on the gRPC port
+        self._quota_for: Policy | None = None
+        self._quota_cache: Mapping[str, QuotaLimit] = {}
+        self.quota = RateLimitQuotaService(QuotaBook(self._quota_limits, clock=clock))
         if not config.lease_secret and config.redis_url:
             log.warning("no --lease-secret: lease tickets use a random per-process key, so with several "
                         "replicas an access-log entry reaching another replica releases nothing (its "
@@ -159,6 +165,8 @@ class Server:
         #: /status and the scrape-time metrics, one part per component (server/panel.py)
         self.panel = status_panel(self)
         self.panel.add(RecorderPart(self.recorder))  # /status recorder, extauthz_recorder_*
+        self.panel.add(Section(lambda: {"quota": self.quota.book.status()},  # extauthz_quota_*
+                               partial(quota_metrics, self.quota.book)))
         if metrics is not None:
             metrics.registry.register(self.panel)
             metrics.registry.register(EdgeCollector(lambda: self.tls, lambda: self.accesslog.rejected,
@@ -259,6 +267,7 @@ class Server:
                 h2server = GrpcH2Server(limits, ssl_context=self.tls.ssl_context() if self.tls is not None else None)
                 auth_pb2_grpc.add_AuthorizationServicer_to_server(service, h2server)
                 accesslog_pb2_grpc.add_AccessLogServiceServicer_to_server(self.accesslog, h2server)
+                rlqs_pb2_grpc.add_RateLimitQuotaServiceServicer_to_server(self.quota, h2server)
                 health_pb2_grpc.add_HealthServicer_to_server(self.health, h2server)
                 self.port = await h2server.start(self.config.listen, reuse_port=self.config.reuse_port)
                 self.grpc = h2server
@@ -267,6 +276,7 @@ class Server:
                 server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.config.reuse_port))])
                 auth_pb2_grpc.add_AuthorizationServicer_to_server(service, server)
                 accesslog_pb2_grpc.add_AccessLogServiceServicer_to_server(self.accesslog, server)
+                rlqs_pb2_grpc.add_RateLimitQuotaServiceServicer_to_server(self.quota, server)
                 health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
                 self.port = _bind(server, self.config.listen, "--listen",
                                   self.tls.credentials() if self.tls is not None else None)
@@ -317,6 +327,13 @@ class Server:
             write_admin_url(Path(self.config.admin_url_file), self.admin_url)
         except OSError as exc:
             log.warning("cannot write the admin URL file: %s", exc)
+
+    def _quota_limits(self) -> Mapping[str, QuotaLimit]:
+        """The quota stream's limiters, from the policy in force (computed once per policy)."""
+        policy = self.engine.snapshot.policy
+        if self._quota_for is not policy:
+            self._quota_for, self._quota_cache = policy, limits_of(policy)
+        return self._quota_cache
 
     def _policy_applied(self) -> None:
         """At start and after each reload: the samplers follow the policy, and the HTTP port

@@ -159,7 +159,8 @@ def test_every_shipped_grpc_config_is_checked() -> None:
     # istio-like.yaml and istio-waypoint.yaml are istiod's output, which has no allowed_headers
     # for a gRPC provider;
     # envoy-gateway.yaml is Envoy Gateway's (one ext_authz filter per SecurityPolicy, each named
-    # after it, their headers checked against the examples in test_envoy_gateway_e2e.py).
+    # after it, their headers checked against the examples in test_envoy_gateway_e2e.py);
+    # envoy-rlqs.yaml is policies/rlqs/'s (checked in test_rlqs_envoy.py).
     found = set()
     for path in (REPO / "envoy").glob("*.yaml"):
         config = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -168,7 +169,7 @@ def test_every_shipped_grpc_config_is_checked() -> None:
         ext = _filters(config).get(EXT_AUTHZ_FILTER, {})
         if "grpc_service" in ext:
             found.add(path.name)
-    assert found == {*GRPC_CONFIGS, "istio-like.yaml", "istio-waypoint.yaml"}
+    assert found == {*GRPC_CONFIGS, "istio-like.yaml", "istio-waypoint.yaml", "envoy-rlqs.yaml"}
     for name in ("istio-like.yaml", "istio-waypoint.yaml"):
         istio = yaml.safe_load((REPO / "envoy" / name).read_text(encoding="utf-8"))
         assert "allowed_headers" not in _filters(istio)[EXT_AUTHZ_FILTER]
