@@ -33,7 +33,7 @@ The same table serves every kind that takes grants: ``request_rate`` (tokens of 
 taken with and the op that gives it back (``give_back``).
 
 A policy reload builds new limiters with new tables; the old tables give back what they
-hold at once (:func:`retire_grants`), and a grant taken with other numbers (a plan or an
+hold at once (:meth:`GrantBook.adopt`), and a grant taken with other numbers (a plan or an
 override changed) is never spent for the new ones: it goes back. Unspent grant lost to a
 crash only refuses early (the shared bucket refills it, the quota window ends), never
 admits more. The counters (:meth:`GrantTable.status`) are the table's own: status and
