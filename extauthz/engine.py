@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from .classify import Classifier
 from .context import RawRequest, RequestContext
-from .errors import INTERNAL_ERROR, Overloaded, StoreError
+from .errors import INTERNAL_ERROR, Overloaded, StoreError, StoreInternalError
 from .limiters import Limiter, WorkerUtilizationShedder, build_limiters
 from .limiters.base import FleetWide, applies
 from .limiters.worker import keep_levels, workers_of
@@ -223,6 +223,10 @@ class Engine:
                 result = await self._store_check_within(ops, lease_id, left)
             except StoreError as exc:
                 self._failed(exc.reason)
+                if isinstance(exc, StoreInternalError) and (bug := exc.__cause__) is not None:
+                    self._bug_log.log(logging.ERROR, "unexpected error from the store call; failing per "
+                                      "failure_mode: %s: %s", type(bug).__name__, bug, exc_info=bug,
+                                      fields={"event": "internal_error", "error": type(bug).__name__})
                 failures = (exc.reason,)
                 for lim, _, local, _ in slots:
                     v = local if local is not None else failed_verdict(lim, f"store_{exc.reason}")

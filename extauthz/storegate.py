@@ -16,7 +16,6 @@ book, which sit above the stores.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Final
 
@@ -28,9 +27,6 @@ from .release import Releaser
 from .settings import STORE_DEADLINE_MS
 from .store.base import CheckResult, GrantOp, Op, Store
 from .store.keys import Keys
-from .throttle import LogThrottle
-
-log = logging.getLogger("extauthz.engine")
 
 #: times a check's store deadline may be given again when the store is not late: the check
 #: still queued in this server, or its answer not yet carried by the server's own busy loop
@@ -93,7 +89,6 @@ class StoreGate:
         #: (written at least a deadline before, unanswered: the store is late), ``loop``
         #: (answered, the answer not carried to the check yet)
         self.deadline_missed: dict[str, int] = dict.fromkeys(DEADLINE_WHERE, 0)
-        self._bug_log = LogThrottle(log, clock=clock)
 
     def _breakers(self, ops: Sequence[Op]) -> list[tuple[str, Breaker]]:
         """The breakers a check of ``ops`` goes through: the store's, or on Redis Cluster the
@@ -136,8 +131,8 @@ class StoreGate:
         :class:`~extauthz.errors.StoreError`: :class:`~extauthz.errors.CircuitOpen` (not
         sent), :class:`~extauthz.errors.StoreTimeout` (the deadline passed: the answer, when
         it lands, gives back what it took), the store's own error, or
-        :class:`~extauthz.errors.StoreInternalError` for a client library bug (logged,
-        rate-limited)."""
+        :class:`~extauthz.errors.StoreInternalError` from a client library bug (its
+        ``__cause__``)."""
         breakers = self._breakers(ops)
         if len(breakers) == 1:  # one store (or one master): no list walk on the hot path
             allowed = breakers[0][1].allow()
@@ -218,14 +213,11 @@ class StoreGate:
     def _store_failed(self, exc: Exception, breakers: list[tuple[str, Breaker]]) -> StoreError:
         """A failed store call: counted on the breakers (of the masters whose part failed,
         when the store names them). A client library bug (not a StoreError) becomes a
-        :class:`~extauthz.errors.StoreInternalError`, logged rate-limited."""
+        :class:`~extauthz.errors.StoreInternalError` raised from it (the engine logs it)."""
         keys = exc.keys if isinstance(exc, StoreError) and self._node_of is not None else ()
         self._blame(breakers, {self._node_of(key) for key in keys} if self._node_of else set())
         if isinstance(exc, StoreError):
             return exc
-        self._bug_log.log(logging.ERROR, "unexpected error from the store call; failing per "
-                          "failure_mode: %s: %s", type(exc).__name__, exc, exc_info=exc,
-                          fields={"event": "internal_error", "error": type(exc).__name__})
         return StoreInternalError(f"{type(exc).__name__}: {exc}")
 
     async def _answer(self, call: asyncio.Future[CheckResult], lease_id: str) -> CheckResult:
