@@ -1,5 +1,5 @@
-"""The engine's grant book (extauthz/limiters/grants.py, GrantBook) and its store gate
-(extauthz/storegate.py): built with the store up front, nothing bound afterwards."""
+"""The engine's grant book (extauthz/limiters/grants.py, GrantBook), built by its store gate
+(extauthz/storegate.py) with the store up front: nothing bound afterwards."""
 
 from __future__ import annotations
 
