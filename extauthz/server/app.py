@@ -38,6 +38,7 @@ from ..simulate.record import Recorder, pending_ttl
 from ..store.base import Store
 from ..store.keys import Keys
 from ..store.memory import MemoryStore
+from ..storegate import StoreGate
 from ..tickets import REASONS as REJECT_REASONS
 from ..tickets import LeaseTickets
 from .admin import admin_app
@@ -117,11 +118,9 @@ class Server:
                                      redact_paths=config.record_paths != "raw",
                                      pending_ttl=pending_ttl(self.policy))
             observer = compose([observer, self.recorder])
-        self.engine = Engine(
-            self.store, self.policy, keys=keys, deadline=config.store_deadline_ms / 1000.0,
-            clock=clock, salt=config.identity_salt.encode(), observer=observer,
-            store_check=self.observe.store_check,
-        )
+        gate = StoreGate(self.store, config.store_deadline_ms / 1000.0, clock=clock,
+                         store_check=self.observe.store_check)
+        self.engine = Engine(gate, self.policy, keys=keys, salt=config.identity_salt.encode(), observer=observer)
         #: every background loop (switch poll, reload, shadow flush, samplers)
         self.runner = Runner()
         self.health = health.aio.HealthServicer()

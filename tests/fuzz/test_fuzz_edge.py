@@ -25,6 +25,7 @@ from extauthz.server.flow import CheckFlow
 from extauthz.server.leases import LeaseIndex, Leases
 from extauthz.server.services import AccessLogService, AuthorizationService
 from extauthz.store.memory import MemoryStore
+from extauthz.storegate import StoreGate
 from extauthz.tickets import REASONS, LeaseTickets
 
 SETTINGS = settings(max_examples=150, deadline=None,
@@ -100,7 +101,7 @@ class _Context:
 def services(tmp_path: Path) -> Iterator[tuple[AuthorizationService, AccessLogService]]:
     f = tmp_path / "p.yaml"
     f.write_text(POLICY)
-    engine = Engine(MemoryStore(ManualClock()), load_policy([f]), clock=ManualClock())
+    engine = Engine(StoreGate(MemoryStore(ManualClock()), clock=ManualClock()), load_policy([f]))
     index, tickets = LeaseIndex(limit=64), LeaseTickets(engine.keys, "fuzz")
     leases = Leases(engine, tickets=tickets, index=index)
     yield AuthorizationService(CheckFlow(engine, leases)), AccessLogService(leases)

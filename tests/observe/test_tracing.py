@@ -129,4 +129,4 @@ async def test_tracing_off_installs_nothing_on_the_request_path(tmp_path: Path,
     async with running([policy], metrics_listen="") as (server, _):
         assert server.observe.tracing is None
         assert type(server.auth).__name__ == "AuthorizationService"
-        assert server.engine.store_check == server.store.check  # no wrapper at all
+        assert server.engine.gate.store_check == server.store.check  # no wrapper at all

@@ -20,6 +20,7 @@ from extauthz.simulate.record import Recorder, RotatingWriter, pending_ttl, reda
 from extauthz.simulate.replay import run_now
 from extauthz.simulate.traffic import BadLines, TrafficFile, read_traffic
 from extauthz.store.memory import MemoryStore
+from extauthz.storegate import StoreGate
 
 POLICY = {"version": 1, "identity": [{"header": "x-api-key"}], "limiters": [
     {"name": "rate", "type": "request_rate", "rate": 1, "burst": 2},
@@ -32,7 +33,7 @@ def setup(tmp_path: Path, **kw: Any) -> tuple[Engine, Recorder, ManualClock]:
     policy = load_policy([tmp_path / "p.yaml"])
     clock = ManualClock(1_732_420_000.0)
     rec = Recorder(tmp_path / "rec", clock=clock, pending_ttl=pending_ttl(policy), **kw)
-    engine = Engine(MemoryStore(clock), policy, clock=clock, observer=rec)
+    engine = Engine(StoreGate(MemoryStore(clock), clock=clock), policy, observer=rec)
     return engine, rec, clock
 
 
