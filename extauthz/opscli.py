@@ -383,10 +383,17 @@ def _with_control(args: argparse.Namespace, go: Callable[[Control], Coroutine[An
 
         store = RedisStore.from_url(url, deadline=0.2)
         try:
-            return await go(StoreControl(store, Keys(args.key_prefix), limiters=limiters, labels=labels,
-                                         user=user, reason=reason, policy=policy))
+            control = StoreControl(store, Keys(args.key_prefix), limiters=limiters, labels=labels,
+                                   user=user, reason=reason, policy=policy)
+            result = await go(control)
         finally:
             await store.close()
+        if control.changes.failed is not None:  # the change landed: said, exit 0
+            parts = (getattr(args, "command", ""), getattr(args, "action", None))
+            command = " ".join(str(part) for part in parts if part)
+            print(warning_line(command, "the change landed, but the store's change log did not take its "
+                               f"record ({control.changes.failed})"), file=sys.stderr)
+        return result
 
     return asyncio.run(on_redis())
 
