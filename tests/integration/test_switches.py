@@ -277,3 +277,19 @@ async def test_the_admin_port_says_400_for_a_bad_name_503_for_the_store_and_200_
         status = server.panel.status()
         assert status["change_log_errors"] == 1
         assert [(c["target"], c["value"]) for c in status["changes"]] == [("user-rate", "off")]
+
+
+async def test_a_change_through_the_admin_port_is_in_the_servers_log_with_who_made_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Review of issue 30: the one writer (ChangeLog.record) logs a server's changes
+    (``log_changes``), not a command's: the admin port's audit line must not go quiet."""
+    policy = write_policy(tmp_path / "p.yaml", [rate("user-rate", burst=1)])
+    async with running([policy]) as (server, _):
+        with caplog.at_level("WARNING", logger="extauthz.changes"):
+            code, _ = await admin(server, "PUT", "/switches/user-rate", "shadow",
+                                  {"X-Extauthz-Reason": "incident 7", "X-Extauthz-User": "eve"})
+    assert code == 200
+    (record,) = [r for r in caplog.records if getattr(r, "fields", {}).get("event") == "admin_change"]
+    fields = record.fields  # type: ignore[attr-defined]
+    assert (fields["target"], fields["value"], fields["via"], fields["reason"]) == (
+        "user-rate", "shadow", "admin", "incident 7"), fields
