@@ -188,8 +188,9 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("mode", nargs="?", choices=[*(m.value for m in Mode), CLEAR],
                    help="enforce | shadow | off | clear")
     p.add_argument("--policies", nargs="+", default=None,
-                   help="the fleet's policy: a switch must name one of its limiters (refused before "
-                   "anything is sent, as the admin port checks against its own), and with --redis-url "
+                   help="the fleet's policy: a switch to set must name one of its limiters (refused before "
+                   "anything is sent, as the admin port checks against its own; a switch that is set can "
+                   "always be cleared), and with --redis-url "
                    "--list shows their modes; with --redis-url and without it the name is checked "
                    "for its form only, with a warning")
     _add_change(p)
@@ -434,7 +435,9 @@ def _switch(args: argparse.Namespace) -> int:
         from .store.keys import Keys
 
         limiters = build_limiters(policy, Keys(args.key_prefix))
-        if not args.list:  # refused here, before anything is sent (the control's own rule)
+        # a switch to set is refused here, before anything is sent (the control's own rule); a
+        # clear is checked by the control, against the switches that are set
+        if mode is not None:
             from .control import check_switch
 
             check_switch(args.name, limiters)

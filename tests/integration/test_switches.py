@@ -293,3 +293,39 @@ async def test_a_change_through_the_admin_port_is_in_the_servers_log_with_who_ma
     fields = record.fields  # type: ignore[attr-defined]
     assert (fields["target"], fields["value"], fields["via"], fields["reason"]) == (
         "user-rate", "shadow", "admin", "incident 7"), fields
+
+
+async def test_a_switch_left_by_a_renamed_limiter_can_still_be_cleared(tmp_path: Path) -> None:
+    """Review of issue 30: after a reload renames a limiter, its switch stays stored (and would
+    apply again if the name came back, a policy rollback); the one control path refused to
+    clear it (404, no limiter of that name). A switch that is set can always be cleared; a
+    name neither in the policy nor set is still refused."""
+    from extauthz.policy import load_policy
+
+    policy = write_policy(tmp_path / "p.yaml", [rate("user-rate", burst=1)])
+    async with running([policy]) as (server, _):
+        assert (await admin(server, "PUT", "/switches/user-rate", "off"))[0] == 200
+        write_policy(policy, [rate("user-rate-v2", burst=1)])
+        server.apply_policy(load_policy([policy]))
+        code, body = await admin(server, "DELETE", "/switches/user-rte")
+        assert code == 404 and body["limiters"] == ["user-rate-v2"], body
+        code, body = await admin(server, "PUT", "/switches/user-rate", "shadow")  # setting it: refused
+        assert code == 404, body
+        code, body = await admin(server, "DELETE", "/switches/user-rate")
+        assert code == 200 and body["switches"] == {}, body
+        assert server.engine.snapshot.switches.to_dict() == {}
+        assert [(c["action"], c["target"]) for c in server.panel.status()["changes"]] == [
+            ("set", "user-rate"), ("clear", "user-rate")]
+
+
+@pytest.mark.redis
+async def test_switch_clear_with_policies_clears_a_stale_switch_on_redis(
+        tmp_path: Path, redis_single_clean, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    url = redis_single_clean.url
+    policy = write_policy(tmp_path / "p.yaml", [rate("user-rate-v2", burst=1)])
+    redis_single_clean.client().set("extauthz:switches", json.dumps({"user-rate": "off"}))
+    assert await extauthz("switch", "user-rte", "clear", "--redis-url", url, "--policies", str(policy)) == 1
+    assert "no limiter named 'user-rte' in the policy" in capsys.readouterr().err
+    assert await extauthz("switch", "user-rate", "clear", "--redis-url", url, "--policies", str(policy)) == 0
+    assert "ok: cleared user-rate on redis" in capsys.readouterr().out
+    assert parse_switches(redis_single_clean.client().get("extauthz:switches")).to_dict() == {}
