@@ -418,15 +418,16 @@ def cmd_switch(args: argparse.Namespace) -> int:
 
 
 def _switch(args: argparse.Namespace) -> int:
-    from .switches import GLOBAL, valid_name
+    from .control import check_switch
+    from .switches import GLOBAL
 
     if args.list:
         if args.name or args.mode:
             raise CliError("--list takes no name or mode")
     elif not args.name or not args.mode:
         raise CliError("usage: extauthz switch NAME|'*' enforce|shadow|off|clear (or --list)")
-    elif not valid_name(args.name):
-        raise CliError(f"bad switch name {args.name!r}")
+    else:
+        check_switch(args.name, None)  # its form, before anything is loaded or sent
     mode = None if args.mode in (None, CLEAR) else Mode(args.mode)
     policy = _load_policy(args.policies)
     limiters = None
@@ -438,8 +439,6 @@ def _switch(args: argparse.Namespace) -> int:
         # a switch to set is refused here, before anything is sent (the control's own rule); a
         # clear is checked by the control, against the switches that are set
         if mode is not None:
-            from .control import check_switch
-
             check_switch(args.name, limiters)
     elif not args.list and args.name != GLOBAL and redis_url(args):
         print(warning_line("switch", f"no --policies: the name {args.name!r} is checked for its form "
