@@ -155,7 +155,8 @@ class ChangeLog:
     :class:`~extauthz.control.StoreControl`): keep the last :data:`RECENT` (a server's
     ``/status``), log it (``log_changes``: a server's logs; a command run by hand prints its own
     result instead) and append it to the store's log. A store that does not take the record
-    is counted and logged: the change itself has landed."""
+    is counted and logged (without ``log_changes``: kept in :attr:`failed` for the command to
+    say): the change itself has landed."""
 
     def __init__(self, store: Store, key: str, *, wall: Any = time.time, log_changes: bool = True) -> None:
         self.store = store
@@ -165,6 +166,8 @@ class ChangeLog:
         self.recent: deque[Change] = deque(maxlen=RECENT)
         #: changes that could not be added to the store's log (the change itself landed)
         self.errors = 0
+        #: the last record the store did not take, and why (what a command says on stderr)
+        self.failed: str | None = None
 
     async def record(self, change: Change) -> Change:
         change = Change(**{**change.to_dict(), "at": change.at or self.wall()})
@@ -176,8 +179,10 @@ class ChangeLog:
             await append_change(self.store, self.key, change)
         except StoreError as exc:
             self.errors += 1
-            log.error("the change log in the store did not take %s: %s", change.describe(), exc,
-                      extra={"fields": {"event": "change_log_failed", "error": str(exc)}})
+            self.failed = f"{change.describe()}: {exc}"
+            if self.log_changes:
+                log.error("the change log in the store did not take %s: %s", change.describe(), exc,
+                          extra={"fields": {"event": "change_log_failed", "error": str(exc)}})
         return change
 
     async def read(self) -> list[Change]:

@@ -244,13 +244,15 @@ class AdminControl:
 # -- in process: the one control path ---------------------------------------------------
 
 
-def check_switch(name: str, limiters: Sequence[Limiter] | None) -> None:
+def check_switch(name: str, limiters: Sequence[Limiter] | None, *, clearing_set: bool = False) -> None:
     """Refuse a switch name that is malformed or, with the policy's ``limiters``, names none
-    of them (``*``, the global switch, names no limiter). The rule of :class:`StoreControl`,
-    and of the CLI given --policies before it sends anything."""
+    of them (``*``, the global switch, names no limiter). ``clearing_set``: the switch is set
+    and being cleared, which is always allowed (one a reload's rename left behind would apply
+    again if the name came back). The rule of :class:`StoreControl`, and of the CLI given
+    --policies before it sends a switch to set."""
     if not valid_name(name):
         raise ControlError(f"bad switch name {name!r}")
-    if limiters is not None and name != GLOBAL:
+    if limiters is not None and name != GLOBAL and not clearing_set:
         known = {lim.name for lim in limiters}
         if name not in known:
             raise UnknownLimiter(name, known)
@@ -347,9 +349,15 @@ class StoreControl:
 
     async def set_switch(self, name: str, mode: Mode | None) -> dict[str, Any]:
         checks = self.checks()
-        check_switch(name, checks.limiters if checks is not None else None)
-        new = await self._store(self.switch_doc.update(lambda current: with_switch(current, name, mode)),
-                                "the store did not take the change")
+        limiters = checks.limiters if checks is not None else None
+        check_switch(name, limiters if mode is not None else None)  # refused before any store call
+
+        def edit(current: Switches) -> Switches:
+            if mode is None:  # a clear: checked against what is set
+                check_switch(name, limiters, clearing_set=name in current.to_dict())
+            return with_switch(current, name, mode)
+
+        new = await self._store(self.switch_doc.update(edit), "the store did not take the change")
         await self._record("switch", "clear" if mode is None else "set", name,
                            None if mode is None else mode.value)
         return self._switch_rows(new)

@@ -414,9 +414,3 @@ class OverrideBoard(Board[list[Override]]):
     def __init__(self, store: Store, keys: Keys, apply: Callable[[Sequence[Override]], None],
                  *, wall: Callable[[], float] = time.time) -> None:
         super().__init__(store, OverrideDocument(keys), apply, wall=wall)
-
-    async def change(self, change: Callable[[list[Override]], list[Override]]) -> list[Override]:
-        """Change the stored overrides and apply them here at once (the admin port).
-        Raises StoreError when the store cannot be read or written, OverrideError when
-        the change is refused."""
-        return await self.update(change)

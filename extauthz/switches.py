@@ -135,10 +135,3 @@ class SwitchBoard(Board[Switches]):
     def __init__(self, store: Store, key: str, apply: Callable[[Switches], None], *,
                  interval: float = 1.0) -> None:
         super().__init__(store, SwitchDocument(key), apply, interval=interval)
-
-    async def change(self, name: str, mode: Mode | None) -> Switches:
-        """Set (or with None clear) one switch in the store and apply it here at once.
-        Raises StoreError when the store cannot be read or written, ValueError (bad name)."""
-        if not valid_name(name):
-            raise ValueError(f"bad switch name {name!r}")
-        return await self.update(lambda current: with_switch(current, name, mode))

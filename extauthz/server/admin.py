@@ -28,10 +28,11 @@ configured ``Host``, the bearer token when ``--admin-token-file`` is set, and on
 What the routes read and change is the server's
 :class:`~extauthz.server.fleetstate.ReplicaControl`, the one control path of
 :mod:`extauthz.control` (the CLI with ``--redis-url`` runs the same rules): a switch names a
-limiter of the live policy (404 otherwise), an override the policy would not apply is refused
-(400), the store's failures are 503, and every change of a switch or an override is recorded
-(:mod:`extauthz.changelog`) with the reason (``X-Extauthz-Reason``) and who: the token's name
-and the user the client names. The routes only translate HTTP.
+limiter of the live policy (404 otherwise; a switch that is set can always be cleared), an
+override the policy would not apply is refused (400), the store's failures are 503, and every
+change of a switch or an override is recorded (:mod:`extauthz.changelog`) with the reason
+(``X-Extauthz-Reason``) and who: the token's name and the user the client names. The routes
+only translate HTTP.
 
 The port itself (and the metrics port) is started by :mod:`extauthz.server.ports`.
 """

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from extauthz import cli
+from extauthz.clock import ManualClock
+from extauthz.errors import StoreUnavailable
 from extauthz.server.app import Server
 from extauthz.store.memory import MemoryStore
 from extauthz.switches import SwitchBoard, Switches, parse_switches, with_switch
@@ -209,3 +212,120 @@ async def test_the_admin_port_checks_names_against_the_live_policy(tmp_path: Pat
         assert code == 200 and body["limiters"]["user-rate-v2"]["mode"] == "off"
         assert [(c["target"], c["value"], c["via"]) for c in server.panel.status()["changes"]] == [
             ("user-rate", "shadow", "admin"), ("user-rate-v2", "off", "admin")]
+
+
+@pytest.mark.redis
+async def test_a_change_the_store_log_refuses_to_record_is_said_in_the_commands_own_words(
+        tmp_path: Path, redis_single_clean, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    """Review of issue 30: with --redis-url the change lands even when the store's change log
+    does not take its record (exit 0), and the command says so in its one form on stderr (it
+    was a bare log line, printed only while nothing had configured logging)."""
+    url = redis_single_clean.url
+    policy = write_policy(tmp_path / "p.yaml", [rate("user-rate", burst=1)])
+    redis_single_clean.client().set("extauthz:history", "not a stream")  # XADD fails: WRONGTYPE
+    assert await extauthz("switch", "user-rate", "off", "--redis-url", url, "--policies", str(policy)) == 0
+    out, err = capsys.readouterr()
+    assert "ok: user-rate -> off on redis" in out
+    (line,) = err.splitlines()
+    assert line.startswith("extauthz switch: warning: the change landed, but the store's change log did "
+                           "not take its record (switch user-rate set to off: "), line
+    assert "WRONGTYPE" in line
+    assert parse_switches(redis_single_clean.client().get("extauthz:switches")).to_dict() == {"user-rate": "off"}
+    # a change whose record is taken says nothing more
+    redis_single_clean.client().delete("extauthz:history")
+    assert await extauthz("switch", "user-rate", "clear", "--redis-url", url, "--policies", str(policy)) == 0
+    assert capsys.readouterr().err == ""
+    assert redis_single_clean.client().xlen("extauthz:history") == 1
+
+
+class RefusingStore(MemoryStore):
+    """The embedded store, except that it can refuse writes of plain values (``writes``) or
+    appends to the change log (``log``)."""
+
+    writes = True
+    log = True
+
+    async def swap_value(self, key: str, expected: str | None, value: str | None,
+                         ttl: float | None = None) -> bool:
+        if not self.writes:
+            raise StoreUnavailable("down for the test")
+        return await super().swap_value(key, expected, value, ttl)
+
+    async def append_events(self, key: str, events: Sequence[str], maxlen: int, ttl: float) -> None:
+        if not self.log:
+            raise StoreUnavailable("the log is down for the test")
+        await super().append_events(key, events, maxlen, ttl)
+
+
+async def test_the_admin_port_says_400_for_a_bad_name_503_for_the_store_and_200_for_a_lost_record(
+        tmp_path: Path) -> None:
+    """Review of issue 30: the statuses docs/operations.md promises for a switch change, each
+    from the one control path's error kinds (extauthz/server/admin.py ``_failed``)."""
+    policy = write_policy(tmp_path / "p.yaml", [rate("user-rate", burst=1)])
+    store = RefusingStore(ManualClock())
+    async with running([policy], store=store) as (server, _):
+        code, body = await admin(server, "PUT", "/switches/user%20rate", "off")
+        assert (code, body) == (400, {"error": "bad switch name 'user rate'"})
+        store.writes = False
+        code, body = await admin(server, "PUT", "/switches/user-rate", "off")
+        assert code == 503 and body["error"].startswith("the store did not take the change: "), body
+        assert "down for the test" in body["error"]
+        assert server.engine.snapshot.switches.to_dict() == {} and server.panel.status()["changes"] == []
+        store.writes, store.log = True, False  # the change lands; its record in the store does not
+        code, body = await admin(server, "PUT", "/switches/user-rate", "off")
+        assert code == 200 and body["switches"] == {"user-rate": "off"}
+        status = server.panel.status()
+        assert status["change_log_errors"] == 1
+        assert [(c["target"], c["value"]) for c in status["changes"]] == [("user-rate", "off")]
+
+
+async def test_a_change_through_the_admin_port_is_in_the_servers_log_with_who_made_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Review of issue 30: the one writer (ChangeLog.record) logs a server's changes
+    (``log_changes``), not a command's: the admin port's audit line must not go quiet."""
+    policy = write_policy(tmp_path / "p.yaml", [rate("user-rate", burst=1)])
+    async with running([policy]) as (server, _):
+        with caplog.at_level("WARNING", logger="extauthz.changes"):
+            code, _ = await admin(server, "PUT", "/switches/user-rate", "shadow",
+                                  {"X-Extauthz-Reason": "incident 7", "X-Extauthz-User": "eve"})
+    assert code == 200
+    (record,) = [r for r in caplog.records if getattr(r, "fields", {}).get("event") == "admin_change"]
+    fields = record.fields  # type: ignore[attr-defined]
+    assert (fields["target"], fields["value"], fields["via"], fields["reason"]) == (
+        "user-rate", "shadow", "admin", "incident 7"), fields
+
+
+async def test_a_switch_left_by_a_renamed_limiter_can_still_be_cleared(tmp_path: Path) -> None:
+    """Review of issue 30: after a reload renames a limiter, its switch stays stored (and would
+    apply again if the name came back, a policy rollback); the one control path refused to
+    clear it (404, no limiter of that name). A switch that is set can always be cleared; a
+    name neither in the policy nor set is still refused."""
+    from extauthz.policy import load_policy
+
+    policy = write_policy(tmp_path / "p.yaml", [rate("user-rate", burst=1)])
+    async with running([policy]) as (server, _):
+        assert (await admin(server, "PUT", "/switches/user-rate", "off"))[0] == 200
+        write_policy(policy, [rate("user-rate-v2", burst=1)])
+        server.apply_policy(load_policy([policy]))
+        code, body = await admin(server, "DELETE", "/switches/user-rte")
+        assert code == 404 and body["limiters"] == ["user-rate-v2"], body
+        code, body = await admin(server, "PUT", "/switches/user-rate", "shadow")  # setting it: refused
+        assert code == 404, body
+        code, body = await admin(server, "DELETE", "/switches/user-rate")
+        assert code == 200 and body["switches"] == {}, body
+        assert server.engine.snapshot.switches.to_dict() == {}
+        assert [(c["action"], c["target"]) for c in server.panel.status()["changes"]] == [
+            ("set", "user-rate"), ("clear", "user-rate")]
+
+
+@pytest.mark.redis
+async def test_switch_clear_with_policies_clears_a_stale_switch_on_redis(
+        tmp_path: Path, redis_single_clean, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    url = redis_single_clean.url
+    policy = write_policy(tmp_path / "p.yaml", [rate("user-rate-v2", burst=1)])
+    redis_single_clean.client().set("extauthz:switches", json.dumps({"user-rate": "off"}))
+    assert await extauthz("switch", "user-rte", "clear", "--redis-url", url, "--policies", str(policy)) == 1
+    assert "no limiter named 'user-rte' in the policy" in capsys.readouterr().err
+    assert await extauthz("switch", "user-rate", "clear", "--redis-url", url, "--policies", str(policy)) == 0
+    assert "ok: cleared user-rate on redis" in capsys.readouterr().out
+    assert parse_switches(redis_single_clean.client().get("extauthz:switches")).to_dict() == {}

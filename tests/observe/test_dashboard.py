@@ -119,7 +119,7 @@ async def test_every_metric_a_panel_queries_is_exported_after_traffic(tmp_path: 
         store.fail = False
         await shed_half(server, store, clock)
         assert await client.check("sk_test_carol") == 503  # the test tier is shed
-        await server.fleet.switches.change("dark", Mode.OFF)  # a kill switch set
+        await server.control.set_switch("dark", Mode.OFF)  # a kill switch set
         assert server.leases is not None
         await server.leases.sample_once()
         text = await scrape(server)
