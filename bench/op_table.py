@@ -3,6 +3,7 @@ wire's packing and decoding (issue 30, "one table of op kinds").
 
     python bench/op_table.py                    # wall clock, 5 interleaved rounds
     python bench/op_table.py --instructions     # + instructions per check (callgrind)
+    python bench/op_table.py --figures memory:default,wire:default   # some figures only
 
 Before/after: run it against another tree with ``PYTHONPATH=/path/to/other/tree python
 bench/op_table.py`` (only :meth:`MemoryStore.check_now`, ``wire.check_args`` and
@@ -109,10 +110,10 @@ def workload(figure: str, checks: int, users: int) -> Callable[[], None]:
     return run_wire
 
 
-def wall_clock(checks: int, users: int, rounds: int) -> dict[str, float]:
-    best = {f: float("inf") for f in FIGURES}
+def wall_clock(figures: list[str], checks: int, users: int, rounds: int) -> dict[str, float]:
+    best = {f: float("inf") for f in figures}
     for _ in range(rounds):
-        for figure in FIGURES:
+        for figure in figures:
             run = workload(figure, checks, users)
             t0 = time.perf_counter()
             run()
@@ -133,9 +134,9 @@ def _callgrind_ir(figure: str, checks: int, users: int) -> int:
         return int(match.group(1).replace(",", ""))
 
 
-def instructions(checks: int, users: int) -> dict[str, float]:
+def instructions(figures: list[str], checks: int, users: int) -> dict[str, float]:
     return {f: (_callgrind_ir(f, 2 * checks, users) - _callgrind_ir(f, checks, users)) / checks
-            for f in FIGURES}
+            for f in figures}
 
 
 def main() -> None:
@@ -145,6 +146,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--instructions", action="store_true", help="also count instructions (valgrind)")
     p.add_argument("--instruction-checks", type=int, default=2_000)
+    p.add_argument("--figures", default=",".join(FIGURES), help="which, comma-separated (default: all)")
     p.add_argument("--only", choices=FIGURES, help=argparse.SUPPRESS)  # the measured child
     a = p.parse_args()
     if a.only:
@@ -152,13 +154,16 @@ def main() -> None:
         return
     import extauthz
     print(f"tree: {Path(extauthz.__file__).resolve().parents[1]}")
-    best = wall_clock(a.checks, a.users, a.rounds)
+    figures = a.figures.split(",")
+    if unknown := set(figures) - set(FIGURES):
+        raise SystemExit(f"unknown figures: {', '.join(sorted(unknown))} (known: {', '.join(FIGURES)})")
+    best = wall_clock(figures, a.checks, a.users, a.rounds)
     counted = {}
     if a.instructions:
         if shutil.which("valgrind") is None:
             raise SystemExit("--instructions needs valgrind")
-        counted = instructions(a.instruction_checks, a.users)
-    for figure in FIGURES:
+        counted = instructions(figures, a.instruction_checks, a.users)
+    for figure in figures:
         extra = f"  {counted[figure]:10,.0f} instructions" if figure in counted else ""
         print(f"{figure:16} {best[figure]:7.2f} us/check{extra}")
 

@@ -97,3 +97,11 @@ def test_every_refunded_state_has_a_compensation() -> None:
     for kind, rule in RULES.items():
         if rule.refund is not None:
             assert rule.state in cluster.REFUNDS, kind
+
+
+def test_the_memory_store_reads_and_writes_every_state() -> None:
+    """A new state (algorithms.State) needs the memory store's reader and writer for it."""
+    store = MemoryStore()
+    states = set(typing.get_args(algorithms.State))
+    assert set(store._read) == states
+    assert set(store._write) == states
