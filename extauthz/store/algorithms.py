@@ -127,8 +127,8 @@ def grant_result(op: GrantOp, allowed: bool, tokens: float, committed: bool) -> 
     return OpResult(allowed, take(pool, granted), retry, granted)
 
 
-def return_result(op: ReturnOp, tokens: float) -> OpResult:
-    """The answer for a return: the shared bucket's tokens after it."""
+def return_result(op: ReturnOp, allowed: bool, tokens: float, committed: bool) -> OpResult:
+    """The answer for a return (always allowed): the shared bucket's tokens after it."""
     return OpResult(True, give_back(tokens, op.amount, op.burst), 0.0, 0.0)
 
 
@@ -146,9 +146,9 @@ def lease_admits(live: int, limit: int) -> bool:
     return limit <= 0 or live < limit
 
 
-def lease_result(op: LeaseOp, allowed: bool, live: int, committed: bool) -> OpResult:
+def lease_result(op: LeaseOp, allowed: bool, live: float, committed: bool) -> OpResult:
     """The answer for ``op`` from the live leases before the request (after the sweep)."""
-    count = live + 1 if committed else live
+    count = int(live) + 1 if committed else int(live)
     free = float(op.limit - count) if op.limit > 0 else float("inf")
     return OpResult(allowed, max(0.0, free), 0.0, float(count))
 
@@ -161,9 +161,9 @@ def count_admits(count: int, cost: int, limit: int) -> bool:
     return count + cost <= limit
 
 
-def count_result(op: CountOp, allowed: bool, count: int, committed: bool) -> OpResult:
+def count_result(op: CountOp, allowed: bool, count: float, committed: bool) -> OpResult:
     """The answer for ``op`` from the window's count before the request."""
-    after = count + op.cost if committed else count
+    after = int(count) + op.cost if committed else int(count)
     return OpResult(allowed, float(max(0, op.limit - after)), 0.0 if allowed else op.reset, op.reset)
 
 
@@ -190,12 +190,12 @@ def quota_give_back(count: int, amount: int) -> int:
     return max(0, count - amount)
 
 
-def quota_grant_result(op: QuotaGrantOp, allowed: bool, count: int, committed: bool) -> OpResult:
+def quota_grant_result(op: QuotaGrantOp, allowed: bool, count: float, committed: bool) -> OpResult:
     """The answer for a quota grant from the window's count before it: ``remaining`` is
     what the window has left after it; ``retry_after`` the seconds to the window's end
     (allowed or not: the grant belongs to that window); ``extra`` the units granted (> 0),
     or minus the ``held`` units that stay with the replica when nothing was committed (<= 0)."""
-    pool = quota_pool(count, op.held)
+    pool = quota_pool(int(count), op.held)
     retry = op.reset  # allowed too: the window the grant belongs to (the limiter keys it)
     if not committed:
         return OpResult(allowed, float(max(0, op.limit - pool)), retry, float(-op.held))
@@ -203,9 +203,10 @@ def quota_grant_result(op: QuotaGrantOp, allowed: bool, count: int, committed: b
     return OpResult(allowed, float(max(0, op.limit - pool - granted)), retry, float(granted))
 
 
-def quota_return_result(op: QuotaReturnOp, count: int) -> OpResult:
-    """The answer for a quota give-back: ``remaining`` is the window's count after it."""
-    return OpResult(True, float(quota_give_back(count, op.amount)), 0.0, 0.0)
+def quota_return_result(op: QuotaReturnOp, allowed: bool, count: float, committed: bool) -> OpResult:
+    """The answer for a quota give-back (always allowed): ``remaining`` is the window's count
+    after it."""
+    return OpResult(True, float(quota_give_back(int(count), op.amount)), 0.0, 0.0)
 
 
 # --------------------------------------------------------------------------- fleet grants
@@ -252,11 +253,12 @@ def fleet_grant_over(others: int, top: int, limit: int) -> int:
     return 0 if limit <= 0 else max(0, others + top - limit)
 
 
-def fleet_grant_result(op: FleetGrantOp, allowed: bool, others: int, committed: bool) -> OpResult:
+def fleet_grant_result(op: FleetGrantOp, allowed: bool, live: float, committed: bool) -> OpResult:
     """The answer for a fleet grant from the others' live leases before it: ``remaining`` the
     free slots of ``limit`` after it (inf for count only); ``extra`` the grant's size after
     it, or -1 when nothing was committed (the grant stands as it was: not renewed);
     ``retry_after`` the leases past ``limit`` after it (:func:`fleet_grant_over`)."""
+    others = int(live)
     if not committed:
         free = float(op.limit - others - op.have) if op.limit > 0 else float("inf")
         return OpResult(allowed, max(0.0, free), 0.0, -1.0)
@@ -367,21 +369,21 @@ RULES: Final[dict[type[Op], Rule[Any]]] = {
         TOKENS,
         admits=lambda op, tokens: True,
         commit=lambda op, tokens: give_back(tokens, op.amount, op.burst),
-        result=lambda op, allowed, tokens, committed: return_result(op, tokens),
+        result=return_result,
         stamp=grant_stamp,
     ),
     CountOp: Rule[CountOp](
         COUNT,
         admits=lambda op, count: count_admits(int(count), op.cost, op.limit),
         commit=lambda op, count: float(int(count) + op.cost),
-        result=lambda op, allowed, count, committed: count_result(op, allowed, int(count), committed),
+        result=count_result,
         refund=lambda op, count: op.cost,
     ),
     QuotaGrantOp: Rule[QuotaGrantOp](
         COUNT,
         admits=lambda op, count: count_admits(quota_pool(int(count), op.held), op.cost, op.limit),
         commit=lambda op, count: float(quota_pool(int(count), op.held) + _quota_granted(op, count)),
-        result=lambda op, allowed, count, committed: quota_grant_result(op, allowed, int(count), committed),
+        result=quota_grant_result,
         # what the grant added to the count, less the remainder it brought back
         refund=lambda op, count: max(0, _quota_granted(op, count) - op.held),
     ),
@@ -389,14 +391,14 @@ RULES: Final[dict[type[Op], Rule[Any]]] = {
         COUNT,
         admits=lambda op, count: True,
         commit=lambda op, count: float(quota_give_back(int(count), op.amount)),
-        result=lambda op, allowed, count, committed: quota_return_result(op, int(count)),
+        result=quota_return_result,
         creates=False,
     ),
     LeaseOp: Rule[LeaseOp](
         LEASES,
         admits=lambda op, live: lease_admits(int(live), op.limit),
         commit=lambda op, live: live + 1,
-        result=lambda op, allowed, live, committed: lease_result(op, allowed, int(live), committed),
+        result=lease_result,
         refund=lambda op, live: 1.0,
         assume_committed=True,
     ),
@@ -404,7 +406,7 @@ RULES: Final[dict[type[Op], Rule[Any]]] = {
         SLOTS,
         admits=lambda op, others: fleet_grant_admits(int(others), op),
         commit=lambda op, others: float(fleet_grant_top(int(others), op, True)),
-        result=lambda op, allowed, others, committed: fleet_grant_result(op, allowed, int(others), committed),
+        result=fleet_grant_result,
     ),
 }
 

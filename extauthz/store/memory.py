@@ -90,6 +90,9 @@ class MemoryStore(StoreBase):
         self._write: dict[str, Callable[[Any, Rule[Any], float, float, str, str | None], None]] = {
             TOKENS: self._write_tokens, COUNT: self._write_count, LEASES: self._write_leases,
             SLOTS: self._write_slots}
+        #: op kind -> its rule and its state's reader and writer (one lookup per op)
+        self._kinds = {kind: (rule, self._read[rule.state], self._write[rule.state])
+                       for kind, rule in RULES.items()}
         #: due entries looked at, in total (tests bound the work per check with it)
         self.swept = 0
 
@@ -293,21 +296,22 @@ class MemoryStore(StoreBase):
             self._sweep(now, self._sweep_batch)
         # Every op evaluated on its state before the request, then committed iff admitted:
         # the rules and answers of every store (algorithms.RULES).
+        kinds = self._kinds
         evaluated = []
         admitted = True
         for op in ops:
-            rule = RULES[type(op)]
+            rule, read, write = kinds[type(op)]
             owner = self._touch(op.key)
-            value = self._read[rule.state](op, now)
+            value = read(op, now)
             ok = rule.admits(op, value)
             if not ok and op.enforce:
                 admitted = False  # shadow ops never block
-            evaluated.append((op, rule, value, ok, owner))
+            evaluated.append((op, rule, write, value, ok, owner))
         results = []
-        for op, rule, value, ok, owner in evaluated:
+        for op, rule, write, value, ok, owner in evaluated:
             commit = admitted and ok
             if commit:
-                self._write[rule.state](op, rule, value, now, lease_id, owner)
+                write(op, rule, value, now, lease_id, owner)
             results.append(rule.result(op, ok, value, commit))
         return CheckResult(admitted, tuple(results))
 
