@@ -185,18 +185,32 @@ class GiveBack:
 Step = Check | Advance | Release | Inflight | GiveBack
 
 
+def _limiters(i: int) -> dict[type[Op], st.SearchStrategy[Limiter]]:
+    """The limiters a timeline draws, by the op kind each one's checks send (:func:`_ops`)."""
+    return {
+        BucketOp: st.builds(Bucket, st.just(f"b{i}"), st.sampled_from(RATES), st.sampled_from(BURSTS)),
+        LeaseOp: st.builds(Leases, st.just(f"l{i}"), st.integers(0, 3), st.sampled_from(LEASE_TTLS),
+                           st.booleans()),
+        CountOp: st.builds(Count, st.just(f"q{i}"), st.integers(1, 4)),
+        GrantOp: st.builds(Grants, st.just(f"g{i}"), st.sampled_from(RATES), st.sampled_from(BURSTS),
+                           st.sampled_from(WANTS), st.sampled_from(HELD)),
+        QuotaGrantOp: st.builds(CountGrants, st.just(f"c{i}"), st.integers(1, 6), st.integers(1, 4),
+                                st.integers(0, 2)),
+    }
+
+
+#: the op kinds the timelines' limiters send only with ``grants`` (batched grants)
+GRANT_KINDS = (GrantOp, QuotaGrantOp)
+
+
 def _limiter(i: int, grants: bool) -> st.SearchStrategy[Limiter]:
-    buckets = st.builds(Bucket, st.just(f"b{i}"), st.sampled_from(RATES), st.sampled_from(BURSTS))
-    leases = st.builds(Leases, st.just(f"l{i}"), st.integers(0, 3), st.sampled_from(LEASE_TTLS),
-                       st.booleans())
-    counts = st.builds(Count, st.just(f"q{i}"), st.integers(1, 4))
-    if not grants:
-        return st.one_of(buckets, leases, counts)
-    granted = st.builds(Grants, st.just(f"g{i}"), st.sampled_from(RATES), st.sampled_from(BURSTS),
-                        st.sampled_from(WANTS), st.sampled_from(HELD))
-    quota_granted = st.builds(CountGrants, st.just(f"c{i}"), st.integers(1, 6), st.integers(1, 4),
-                              st.integers(0, 2))
-    return st.one_of(buckets, leases, counts, granted, quota_granted)
+    return st.one_of(*(lim for kind, lim in _limiters(i).items() if grants or kind not in GRANT_KINDS))
+
+
+#: a give-back step of a timeline with grants: a ``ReturnOp`` for a bucket's grants, a
+#: ``QuotaReturnOp`` for a quota's (:func:`_give_back`)
+GIVE_BACKS = st.builds(GiveBack, st.integers(0, 3), st.integers(0, 1), st.sampled_from(AMOUNTS),
+                       st.sampled_from((0.0, 1 / 7, 0.5, 0.5)), st.booleans())
 
 
 @st.composite
@@ -224,9 +238,7 @@ def timelines(draw: st.DrawFn, grants: bool = False) -> tuple[tuple[Limiter, ...
              "inflight": st.just(Inflight())}
     if grants:
         del steps["release"]
-        steps["give_back"] = st.builds(GiveBack, st.integers(0, 3), st.integers(0, 1),
-                                       st.sampled_from(AMOUNTS), st.sampled_from((0.0, 1 / 7, 0.5, 0.5)),
-                                       st.booleans())
+        steps["give_back"] = GIVE_BACKS
     kinds = draw(st.lists(st.sampled_from(("check",) * 4 + tuple(steps)), min_size=8, max_size=30))
     return limiters, [draw(steps[kind]) for kind in kinds]
 
@@ -647,6 +659,18 @@ def fleet_timelines(draw: st.DrawFn) -> tuple[int, float, float, list[FleetStep]
     return limit, ttl, lease_ttl, [dataclasses.replace(x, gap=ttl if x.gap == "ttl" else x.gap) for x in steps]
 
 
+def _fleet_op(key: str, limit: int, ttl: float, lease_ttl: float, step: FleetStep, have: int,
+              enforce: bool) -> Op:
+    """The op of a ``lease``, ``grow``, ``renew`` or ``shrink`` step, the replica's grant
+    holding ``have`` slots."""
+    if step.what == "lease":
+        return LeaseOp(key, limit, lease_ttl, enforce)
+    want = {"grow": step.amount, "renew": 0, "shrink": -step.amount}[step.what]
+    # the slots in use: any of them (restored if expired)
+    return FleetGrantOp(key, limit, ttl, f"g{step.replica}", have, want, enforce and want > 0,
+                        used=step.amount % (have + 1))
+
+
 @pytest.mark.redis
 @DIFFERENTIAL
 @given(timeline=fleet_timelines(), enforce=st.booleans())
@@ -676,14 +700,7 @@ def test_stores_agree_on_fleet_grants(redis_up: RedisSingle, timeline: tuple[int
                     log.append(f"release {lease_id} -> {counts}")
                     assert counts[0] == counts[1], "\n".join(log)
                 continue
-            op: Op
-            if step.what == "lease":
-                op = LeaseOp(key, limit, lease_ttl, enforce)
-            else:
-                want = {"grow": step.amount, "renew": 0, "shrink": -step.amount}[step.what]
-                held = have[step.replica]  # the slots in use: any of them (restored if expired)
-                op = FleetGrantOp(key, limit, ttl, f"g{step.replica}", held, want,
-                                  enforce and want > 0, used=step.amount % (held + 1))
+            op = _fleet_op(key, limit, ttl, lease_ttl, step, have[step.replica], enforce)
             before = (await memory.inflight([key]))[0]
             results = [await s.check([op], f"x{n}") for s in (memory, remote)]
             log.append(f"t={clock.now!r} {op} -> {results[0]}")
@@ -702,3 +719,36 @@ def test_stores_agree_on_fleet_grants(redis_up: RedisSingle, timeline: tuple[int
                 exact.append(f"x{n}")
 
     _both(redis_up, body)
+
+
+# --------------------------------------------------------------------------- every op kind
+
+
+def _check_ops(limiter: Limiter) -> list[Op]:
+    """The ops a timeline's check of ``limiter`` sends."""
+    return _ops(Keys("kinds"), [limiter], Check(0, ((0, True, 1.0),)), START)
+
+
+def _give_back_ops(drawn: tuple[Limiter, GiveBack]) -> list[Op]:
+    """The op a timeline's give-back step sends for ``limiter`` (none for some limiters)."""
+    back = _give_back(Keys("kinds"), [drawn[0]], drawn[1], START)
+    return [] if back is None else [back]
+
+
+def _fleet_ops(drawn: tuple[tuple[int, float, float, list[FleetStep]], bool]) -> list[Op]:
+    """The ops of a fleet timeline's first steps (each replica's grant still empty)."""
+    (limit, ttl, lease_ttl, steps), enforce = drawn
+    key = Keys("kinds").fleet_leases("f", "other")
+    return [_fleet_op(key, limit, ttl, lease_ttl, step, 0, enforce) for step in steps
+            if step.what not in ("advance", "release")]
+
+
+#: op kind -> the ops this file's timelines send, drawn from the same generators: every kind
+#: of ``extauthz.store.base.OP_KINDS`` needs one that makes it (tests/store/test_op_table.py),
+#: so that a new op kind is compared on both stores here
+GENERATORS: dict[type[Op], st.SearchStrategy[list[Op]]] = {
+    **{kind: limiter.map(_check_ops) for kind, limiter in _limiters(0).items()},
+    ReturnOp: st.tuples(_limiters(0)[GrantOp], GIVE_BACKS).map(_give_back_ops),
+    QuotaReturnOp: st.tuples(_limiters(0)[QuotaGrantOp], GIVE_BACKS).map(_give_back_ops),
+    FleetGrantOp: st.tuples(fleet_timelines(), st.booleans()).map(_fleet_ops),
+}

@@ -16,7 +16,18 @@ import pytest
 
 from extauthz.overrides import change_stored, make_override, parse_overrides, with_override
 from extauthz.store import algorithms
-from extauthz.store.base import BucketOp, CheckResult, LeaseOp, Op, ShedParams, Store
+from extauthz.store.base import (
+    BucketOp,
+    CheckResult,
+    CountOp,
+    GrantOp,
+    LeaseOp,
+    Op,
+    PeekOp,
+    QuotaGrantOp,
+    ShedParams,
+    Store,
+)
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
 from extauthz.switches import change_stored as change_switches
@@ -212,6 +223,26 @@ async def test_denied_by_user_op_gives_fleet_lease_back(store: Store) -> None:
     assert [r.allowed for r in res.results] == [True, False, True]
     assert await store.inflight([FLEET, USER_LEASES]) == [0, 1]
     assert (await store.check([bucket(OTHER_BUCKET, burst=5)], "n")).results[0].remaining == 4.0
+
+
+async def test_a_request_refused_elsewhere_leaves_every_op_kind_as_it_was(store: Store) -> None:
+    """Every op kind whose commit a refused request must not keep (a bucket's tokens, a
+    grant's, a quota count's units, a quota grant's, a lease) is as it was when a fleet-slot
+    op refuses: never committed, or on a Cluster committed in the user's slot and given back
+    by its rule's refund (``algorithms.Rule.refund``, compensate.lua)."""
+    fleet = lease(FLEET, limit=1)
+    assert (await store.check([fleet], "holder")).admitted
+    count, granted = K.quota("q", "alice", 0), K.quota("qg", "alice", 0)
+    ops: list[Op] = [bucket(burst=5), GrantOp(OTHER_BUCKET, 1, 5, 1, 3), CountOp(count, 3, 2, 60, 60.0),
+                     QuotaGrantOp(granted, 6, 1, 4, 60, 60.0), lease(USER_LEASES, limit=5), fleet]
+    res = await store.check(ops, "refused")
+    assert not res.admitted
+    assert [r.allowed for r in res.results] == [True, True, True, True, True, False]
+    peeks = [PeekOp("bucket", BUCKET, 100, 5), PeekOp("bucket", OTHER_BUCKET, 1, 5), PeekOp("count", count),
+             PeekOp("count", granted), PeekOp("leases", USER_LEASES)]
+    assert await store.peek(peeks) == [5.0, 5.0, 0.0, 0.0, 0.0]
+    assert (await store.check(ops[:-1], "alone")).admitted  # and what it did not keep is there
+    assert await store.peek(peeks) == [4.0, 2.0, 2.0, 4.0, 1.0]
 
 
 async def test_admitted_commits_every_op(store: Store) -> None:
