@@ -20,12 +20,10 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # no server code at run time (module docstring)
-    from .server.grpc_h2 import H2Limits
+from typing import Any
 
 #: the authorization protocols of Envoy's ext_authz filter, both answered from the same
 #: pieces here (``serve --listen`` / ``--http-listen``; ``--protocol`` of
@@ -208,7 +206,8 @@ class Settings:
         "grpcio", "--grpc-server", "what serves the --listen port: 'grpcio' (grpc.aio) or 'asyncio' "
         "(HTTP/2 on the event loop, server/grpc_h2.py: the same services at a fraction of the CPU "
         "per check; docs/design.md)", choices=("grpcio", "asyncio"))
-    grpc_limits: H2Limits | None = internal(  # noqa: RUF009 - internal() returns a field()
+    #: an H2Limits or None (typed Any: the settings import no server code, not even a type)
+    grpc_limits: Any = internal(  # noqa: RUF009 - internal() returns a field()
         None, "the asyncio gRPC server's protocol bounds (server/grpc_h2.py H2Limits, "
         "docs/security.md); tests shorten its timeouts")
     http_listen: str | None = option(
@@ -389,11 +388,19 @@ def add_arguments(parser: argparse.ArgumentParser, names: list[str] | None = Non
         parser.add_argument(opt.flag, default=_argparse_default(name, opt), **kw)
 
 
+def parse_hosts(text: str | None) -> tuple[str, ...]:
+    """``--admin-hosts``: comma-separated host names (no port), lower-cased (the admin
+    port's Host allow-list, server/adminauth.py)."""
+    hosts = tuple(h.strip().lower().strip("[]") for h in (text or "").split(",") if h.strip())
+    for h in hosts:
+        if not re.fullmatch(r"[a-z0-9_.:-]{1,253}", h):
+            raise ValueError(f"--admin-hosts: {h!r} is not a host name or address")
+    return hosts
+
+
 def from_args(args: argparse.Namespace) -> Settings:
     """The one :class:`Settings` of a parsed ``serve`` command line. Raises ValueError for a
     value only the whole configuration can judge (a malformed --admin-hosts)."""
-    from .server.adminauth import parse_hosts  # the admin port's rules for a host name
-
     values = {name: getattr(args, name) for name in options() if hasattr(args, name)}
     values["policies"] = list(values.get("policies") or ())
     admin_listen = values.pop("admin_listen", None)
