@@ -49,10 +49,10 @@ from ..store.base import Store
 from ..tickets import REASONS as REJECT_REASONS
 from .admin import admin_app
 from .fleetstate import FleetState
-from .flow import check_flow
 from .opsports import OperatorPorts
 from .services import AccessLogService, AuthorizationService
 from .tls import CertificateReloader
+from .traced import check_flow
 
 log = logging.getLogger("extauthz.server")
 
