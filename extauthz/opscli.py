@@ -477,7 +477,7 @@ def _report(args: argparse.Namespace) -> int:
 
     labels: dict[str, str] = {}
     if args.identities:
-        from .simulate.cli import IdentityFile
+        from .simulate.identities import IdentityFile
 
         policy = _load_policy(args.policies)
         if policy is None:
