@@ -9,7 +9,6 @@ import asyncio
 import errno
 import gc
 import logging
-import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +26,7 @@ from ..observe.state import RecorderPart
 from ..policy import Policy, load_policy
 from ..proto import accesslog_pb2_grpc, auth_pb2_grpc
 from ..runner import Runner
-from ..settings import Settings, off
+from ..settings import Settings, event_loop, off
 from ..simulate.record import Recorder, pending_ttl
 from ..store.base import Store
 from ..store.keys import Keys
@@ -314,7 +313,7 @@ async def run(config: ServerConfig, on_ready: Callable[[int], None] | None = Non
 def serve(config: ServerConfig, on_ready: Callable[[int], None] | None = None) -> None:
     """Run until SIGTERM/SIGINT. uvloop unless ``EXTAUTHZ_EVENT_LOOP=asyncio`` (measured in
     docs/benchmarks.md: uvloop is the faster of the two here)."""
-    if os.environ.get("EXTAUTHZ_EVENT_LOOP", "uvloop") != "asyncio":
+    if event_loop() != "asyncio":
         try:
             import uvloop
         except ImportError:  # pragma: no cover - uvloop is a dependency on Linux

@@ -15,12 +15,12 @@ from extauthz.server.httpmap import (
     allowed_headers,
     http_answer,
     jwt_payload,
-    path_prefix,
     raw_request,
     source_ip,
     unreadable_over_http,
     xfcc_principal,
 )
+from extauthz.settings import path_prefix
 
 from .helpers import engine_for, get, policy_from
 
