@@ -9,18 +9,20 @@ the tree is skipped (another branch moved or removed it; a second run finds ever
 gone), so the script is idempotent and runs on a tree with other branches merged. What it does:
 
 1. ``git mv`` each source to its new place and adds the new packages' ``__init__.py``;
-2. rewrites relative imports in ``extauthz/`` (read with ``ast``, resolved from where the
-   module was, written from where it is: ``from . import x`` split when its names now live
-   in different packages) and the root facade's ``_HOMES`` strings;
-3. rewrites dotted names (``extauthz.engine.Engine``) and paths (``extauthz/engine.py``, and
-   ``server/portfile.py`` for a module that was in a subpackage) in the text of ``extauthz/``,
-   ``tests/``, ``bench/``, ``testinfra/``, ``scripts/``, ``docs/``, ``README.md``,
-   ``pyproject.toml``, ``Containerfile`` and ``helm/``; adds new packages to pyproject's list;
+2. rewrites ``from X import ...`` statements (read with ``ast``): relative ones in
+   ``extauthz/`` resolved from where the module was and written from where it is, absolute
+   ones (``from extauthz import reload``) in every Python file; a statement is split when
+   its names now live in different packages; and the root facade's ``_HOMES`` strings;
+3. rewrites, on every other line, dotted names (``extauthz.engine.Engine``) and paths
+   (``extauthz/engine.py``, and ``server/portfile.py`` for a module that was in a
+   subpackage) in ``extauthz/``, ``tests/``, ``bench/``, ``testinfra/``, ``scripts/``,
+   ``docs/``, ``helm/``, ``README.md``, ``pyproject.toml`` and ``Containerfile``; adds the
+   new packages to pyproject's list; writes docs/design.md's map (:data:`DESIGN_MAP`);
 4. reports what it left: top-level modules of no layer, and bare ``NAME.py`` mentions of a
    moved top-level module (``engine.py``: which one is meant needs a reader).
 
-Then run ``ruff check --fix`` (import order) and the tests; docs/design.md's module map is
-written by hand (the layers first, then the modules).
+Then: ``ruff check --fix`` (import order), ``pip install -e .`` (the entry point moved),
+``tests/unit/test_layout.py`` and the tests.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import ast
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,6 +97,67 @@ PACKAGES: dict[str, str] = {
     "extauthz.commands": "The ``extauthz`` commands: serve, the operator commands, simulate, pictures, k8s.",
 }
 
+#: docs/design.md's map in the new layout (written in place of the old one, whose section runs
+#: to the end of its first code block); edit it for modules other branches added
+DESIGN_MAP = """\
+## Layers and the module map
+
+The package is a stack of layers. A module imports from its own layer and the layers below
+it, never from one above, and no chain of imports comes back to where it started:
+`tests/unit/test_layout.py` holds the table and reads every import (function-level and
+`TYPE_CHECKING` ones too). What other code may import is `extauthz.__all__`
+(`extauthz/__init__.py`, pinned by `tests/unit/test_exported_members.py`): the engine, the
+policy loader, the verdict types, the stores and the errors; everything else is internal.
+
+| layer (lowest first) | package | what it holds |
+|---|---|---|
+| core | `core/`, `proto/` | types, settings and small tools every layer uses; protobuf classes |
+| store | `store/` | the Store contract, memory and Redis, keys, the limiting rules once |
+| policy | `policy/` | the policy format: schema, loader, compiled Policy, classify |
+| limiters | `limiters/` | one module per limiter kind behind one Limiter protocol |
+| observe | `observe/` | observers: metrics, decision log, traces, shadow, traffic recorder |
+| control | `control/` | switches and overrides (stored documents), the change log, Control |
+| engine | `engine/` | snapshots and the decision, breakers, release, answers, reload, state |
+| envoy | `envoy_bootstrap.py` | what Envoy is told (`extauthz envoy-config`) |
+| server | `server/` | the doors and the process: the only code that imports grpc and aiohttp |
+| devtools | `devtools/` | a local Envoy + upstream stack for the demo, tests and benchmarks |
+| commands | `commands/` | the `extauthz` commands (`__main__.py`: `python -m extauthz`) |
+
+```
+core/       settings (every serve option once: flag, EXTAUTHZ_* variable, default; Settings
+            checks itself; parse_listen, off), context (RawRequest, RequestContext), verdict,
+            errors, tiers, clock, runner (every background loop), backoff, throttle, cork,
+            portfile (the admin URL file)
+store/      base (Store protocol, ops), keys (every key), algorithms (the rules; lua/check.lua
+            mirrors them), memory, redis_events; redis/: url, wire, batcher, conn, cluster, store
+policy/     schema (strict, bounded), loader (file/path/line errors), model (Policy, frozen),
+            jsonschema, classify (identity, tier, plan, limiter keys -> RequestContext)
+limiters/   base (Limiter, PerCustomer, FleetWide), request_rate, concurrent, quota, fleet,
+            worker (the worker shedder and its sampler), refusals, grants (batched grants)
+observe/    base (Observer), setup (Observability), metrics, logs, tracing, shadow,
+            edge_metrics, recent_refusals, record (`serve --record`)
+control/    documents (Document, Board), switches, overrides, changelog, inspect
+            (customer_view), control (Control, AdminControl, StoreControl), admintokens
+engine/     engine (Engine: snapshots; decide, THE fail-open place), breaker, overload
+            (LoopLag, the check budget), release (Releaser, THE release path), answers (what
+            both edges send), tickets (lease tickets), reload (PolicyWatcher), state (Panel
+            and the Parts of /status and /metrics)
+server/     app (Server: builds everything once from one Settings), flow (CheckFlow, Door),
+            traced, services + edge (the gRPC door), grpc_h2 (gRPC on the event loop),
+            http + httpmap (the HTTP door), fluentd, leases, operations, opsports, fleetstate,
+            admin, adminauth, ports, tls, workers
+devtools/   client, envoy_config, envoy_process, stack, upstream
+commands/   cli (`extauthz`, serve), opscli (switch, report, status, override, history,
+            hash, inspect), k8s, demo, pictures; simulate/: cli, identities, traffic,
+            replay, advice, report
+lua/        the Lua scripts (shipped as extauthz.lua); peek.lua is read-only
+```
+
+The old flat names map to these by `scripts/relayout.py`'s `MOVES` (each module keeps its
+name: `extauthz/engine.py` is `extauthz/engine/engine.py`, `settings.py` is
+`core/settings.py`). Each module's docstring says what it owns.
+"""
+
 #: top-level modules that stay where they are
 STAYS = {"extauthz.__main__", "extauthz.envoy_bootstrap"}
 
@@ -144,19 +208,29 @@ def relative(target: str, package: str) -> str:
     return "." * (len(p) - common + 1) + ".".join(t[common:])
 
 
-def rewrite_relative_imports(text: str, old: str, new: str, is_package: bool,
-                             moves: dict[str, str], known: set[str]) -> str:
-    """The relative imports of a module that was ``old`` and is ``new``, resolved from the
-    old place and written from the new one (``known``: every module before the move)."""
-    old_pkg = old if is_package else old.rpartition(".")[0]
-    new_pkg = new if is_package else new.rpartition(".")[0]
+def rewrite_imports(text: str, old: str | None, new: str | None, is_package: bool,
+                    moves: dict[str, str], known: set[str]) -> list[tuple[int, int, str]]:
+    """``from X import ...`` statements for the moved modules, and the lines they took (which
+    the dotted-name pass then leaves alone: ``extauthz.engine`` is an old module and a new
+    package). Relative imports (a module of the package that was ``old`` and is ``new``) are
+    resolved from the old place and written from the new one; absolute ones (``from extauthz
+    import reload``) are written absolute. ``known``: every module before the move."""
     lines = text.splitlines(keepends=True)
     edits: list[tuple[int, int, str]] = []  # (first line, last line, replacement)
+    old_pkg = (old if is_package else old.rpartition(".")[0]) if old else ""
+    new_pkg = (new if is_package else new.rpartition(".")[0]) if new else ""
     for node in ast.walk(ast.parse(text)):
-        if not isinstance(node, ast.ImportFrom) or not node.level:
+        if not isinstance(node, ast.ImportFrom):
             continue
-        base = old_pkg.split(".")[: len(old_pkg.split(".")) - node.level + 1]
-        source = ".".join([*base, *([node.module] if node.module else [])])
+        if node.level:
+            if old is None:
+                continue
+            base = old_pkg.split(".")[: len(old_pkg.split(".")) - node.level + 1]
+            source = ".".join([*base, *([node.module] if node.module else [])])
+        elif node.module == PKG or (node.module or "").startswith(PKG + "."):
+            source = node.module or ""
+        else:
+            continue
         groups: dict[str, list[str]] = {}
         for alias in node.names:
             sub = f"{source}.{alias.name}"
@@ -166,26 +240,51 @@ def rewrite_relative_imports(text: str, old: str, new: str, is_package: bool,
             else:
                 home, name, shown = mapped(source, moves), alias.name, alias.asname
             groups.setdefault(home, []).append(name if shown in (None, name) else f"{name} as {shown}")
-        if list(groups) == [mapped(source, moves)] and new_pkg == old_pkg and mapped(source, moves) == source:
+        assert node.end_lineno is not None
+        if list(groups) == [source] and (not node.level or new_pkg == old_pkg):
+            edits.append((node.lineno, node.end_lineno, ""))  # unchanged, and left alone
             continue
+
+        def written(home: str, level: int = node.level) -> str:
+            return relative(home, new_pkg) if level else home
+
         first = lines[node.lineno - 1]
-        match = re.match(r"(\s*)from\s+(\.+[\w.]*)\s+import\b", first)
+        match = re.match(r"(\s*)from\s+(\.*[\w.]*)\s+import\b", first)
         if match is None:
-            raise SystemExit(f"{new}: cannot read the import on line {node.lineno}")
-        indent = match.group(1)
+            raise SystemExit(f"{new or old}: cannot read the import on line {node.lineno}")
         if len(groups) == 1:  # one home: change only "from X", names and layout kept
             (home,) = groups
-            fixed = first[: match.start(2)] + relative(home, new_pkg) + first[match.end(2):]
-            if fixed != first:
-                edits.append((node.lineno, node.lineno, fixed))
+            edits.append((node.lineno, node.end_lineno,
+                           first[: match.start(2)] + written(home) + first[match.end(2):]))
             continue
-        assert node.end_lineno is not None
-        body = "".join(f"{indent}from {relative(home, new_pkg)} import {', '.join(names)}\n"
+        indent = match.group(1)
+        body = "".join(f"{indent}from {written(home)} import {', '.join(names)}\n"
                        for home, names in groups.items())
         edits.append((node.lineno, node.end_lineno, body))
-    for first_line, last_line, replacement in sorted(edits, reverse=True):
-        lines[first_line - 1: last_line] = [replacement]
-    return "".join(lines)
+    return edits
+
+
+def rewritten(text: str, edits: list[tuple[int, int, str]], other: Callable[[str], str]) -> str:
+    """``text`` with the import ``edits`` made (a replacement ending in a newline replaces
+    the statement's lines, one without replaces its first line only, "" keeps it) and
+    ``other`` applied to every line no import statement took."""
+    lines = text.splitlines(keepends=True)
+    by_first = {first: (last, replacement) for first, last, replacement in edits}
+    out: list[str] = []
+    n = 1
+    while n <= len(lines):
+        if n in by_first:
+            last, replacement = by_first[n]
+            if replacement.endswith("\n") and replacement.count("\n") > 1:
+                out.append(replacement)
+            else:
+                out.append(replacement or lines[n - 1])
+                out.extend(lines[n: last])
+            n = last + 1
+            continue
+        out.append(other(lines[n - 1]))
+        n += 1
+    return "".join(out)
 
 
 def rewrite_homes(text: str, moves: dict[str, str]) -> str:
@@ -285,25 +384,23 @@ def relayout(root: Path = ROOT, dry_run: bool = False) -> int:
         target = target_of(new, source, root)
         target.parent.mkdir(parents=True, exist_ok=True)
         git("mv", str(source.relative_to(root)), str(target.relative_to(root)), root=root)
-    # relative imports, from where each module was to where it is
-    for path in sorted((root / PKG).rglob("*.py")):
-        if "extauthz_wire" in path.parts:
-            continue
-        new = module_name(path, root)
-        old = moved.get(path, new)
-        text = path.read_text()
-        fixed = rewrite_relative_imports(text, old, new, path.name == "__init__.py", active, known)
-        if path == root / PKG / "__init__.py":
-            fixed = rewrite_homes(fixed, active)
-        if fixed != text:
-            path.write_text(fixed)
+    # imports (relative ones from where each module was to where it is), then every other
+    # line's dotted names and paths
     rules = path_rules(active, packages)
     for path in text_files(root):
         try:
             text = path.read_text()
         except UnicodeDecodeError:
             continue
-        fixed = rewrite_text(text, active, rules)
+        edits: list[tuple[int, int, str]] = []
+        if path.suffix == ".py":
+            inside = (root / PKG) in path.parents
+            here = module_name(path, root) if inside else None
+            was = moved.get(path, here) if here else None
+            edits = rewrite_imports(text, was, here, path.name == "__init__.py", active, known)
+        fixed = rewritten(text, edits, lambda line: rewrite_text(line, active, rules))
+        if path == root / PKG / "__init__.py":
+            fixed = rewrite_homes(fixed, active)
         if fixed != text:
             path.write_text(fixed)
     pyproject = root / "pyproject.toml"
@@ -311,7 +408,26 @@ def relayout(root: Path = ROOT, dry_run: bool = False) -> int:
         new_packages = sorted({module_name(p.parent / "__init__.py", root)
                                for p in (root / PKG).rglob("__init__.py") if "extauthz_wire" not in p.parts})
         pyproject.write_text(add_packages_to_pyproject(pyproject.read_text(), new_packages))
+    write_design_map(root)
     return report(root)
+
+
+def write_design_map(root: Path = ROOT) -> None:
+    """Put :data:`DESIGN_MAP` in place of docs/design.md's old module map (once)."""
+    path = root / "docs" / "design.md"
+    if not path.is_file():
+        return
+    text = path.read_text()
+    start = text.find("## Layers and the module map\n")
+    if start < 0 or "| layer (lowest first) |" in text:
+        return
+    fence = text.find("```\n", start)
+    end = text.find("```\n", fence + 4) if fence >= 0 else -1
+    if end < 0:
+        print("docs/design.md: the module map's code block not found; map not written")
+        return
+    rest = text[end + 4:].lstrip("\n")
+    path.write_text(text[:start] + DESIGN_MAP + "\n" + rest)
 
 
 def report(root: Path = ROOT) -> int:
