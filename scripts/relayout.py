@@ -13,7 +13,8 @@ gone), so the script is idempotent and runs on a tree with other branches merged
    ``extauthz/`` resolved from where the module was and written from where it is, absolute
    ones (``from extauthz import reload``) in every Python file; a statement is split when
    its names now live in different packages; and the root facade's ``_HOMES`` strings;
-3. rewrites, on every other line, dotted names (``extauthz.engine.Engine``) and paths
+3. rewrites, on every other line, dotted names (``extauthz.engine.Engine``; not a logger's
+   name quoted whole, ``"extauthz.reload"``: operators' log filters name them) and paths
    (``extauthz/engine.py``, and ``server/portfile.py`` for a module that was in a
    subpackage) in ``extauthz/``, ``tests/``, ``bench/``, ``testinfra/``, ``scripts/``,
    ``docs/``, ``helm/``, ``README.md``, ``pyproject.toml`` and ``Containerfile``; adds the
@@ -308,8 +309,24 @@ def path_rules(moves: dict[str, str], packages: set[str]) -> list[tuple[re.Patte
     return rules
 
 
-def rewrite_text(text: str, moves: dict[str, str], rules: list[tuple[re.Pattern[str], str]]) -> str:
-    text = re.sub(rf"(?<![\w.]){PKG}(?:\.\w+)+", lambda m: mapped(m.group(0), moves), text)
+def logger_names(root: Path = ROOT) -> set[str]:
+    """The package's logger names (``getLogger("extauthz.reload")``): an operator's log
+    filters name them, so they stay as they are though they look like module names."""
+    found: set[str] = set()
+    for path in (root / PKG).rglob("*.py"):
+        found.update(re.findall(r'getLogger\(\s*"({PKG}[\w.]*)"\s*\)'.replace("{PKG}", PKG), path.read_text()))
+    return found
+
+
+def rewrite_text(text: str, moves: dict[str, str], rules: list[tuple[re.Pattern[str], str]],
+                 loggers: frozenset[str] = frozenset()) -> str:
+    def one(match: re.Match[str]) -> str:
+        before, after = text[match.start() - 1: match.start()], text[match.end(): match.end() + 1]
+        if match.group(0) in loggers and before in ("'", '"') and after == before:
+            return match.group(0)  # a logger's name, quoted whole: kept
+        return mapped(match.group(0), moves)
+
+    text = re.sub(rf"(?<![\w.]){PKG}(?:\.\w+)+", one, text)
     for pattern, replacement in rules:
         text = pattern.sub(replacement, text)
     return text
@@ -387,6 +404,7 @@ def relayout(root: Path = ROOT, dry_run: bool = False) -> int:
     # imports (relative ones from where each module was to where it is), then every other
     # line's dotted names and paths
     rules = path_rules(active, packages)
+    loggers = frozenset(logger_names(root))
     for path in text_files(root):
         try:
             text = path.read_text()
@@ -398,7 +416,7 @@ def relayout(root: Path = ROOT, dry_run: bool = False) -> int:
             here = module_name(path, root) if inside else None
             was = moved.get(path, here) if here else None
             edits = rewrite_imports(text, was, here, path.name == "__init__.py", active, known)
-        fixed = rewritten(text, edits, lambda line: rewrite_text(line, active, rules))
+        fixed = rewritten(text, edits, lambda line: rewrite_text(line, active, rules, loggers))
         if path == root / PKG / "__init__.py":
             fixed = rewrite_homes(fixed, active)
         if fixed != text:
