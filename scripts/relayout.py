@@ -309,21 +309,34 @@ def path_rules(moves: dict[str, str], packages: set[str]) -> list[tuple[re.Patte
     return rules
 
 
-def logger_names(root: Path = ROOT) -> set[str]:
-    """The package's logger names (``getLogger("extauthz.reload")``): an operator's log
-    filters name them, so they stay as they are though they look like module names."""
+def kept_names(root: Path = ROOT) -> set[str]:
+    """Names that look like modules but are not: the package's logger names
+    (``getLogger("extauthz.reload")``: an operator's log filters name them) and any other
+    whole string of the package that is an old module's name (the fluentd tag
+    ``"extauthz.release"``: the package never names a module in a string)."""
     found: set[str] = set()
     for path in (root / PKG).rglob("*.py"):
-        found.update(re.findall(r'getLogger\(\s*"({PKG}[\w.]*)"\s*\)'.replace("{PKG}", PKG), path.read_text()))
+        if "extauthz_wire" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and re.fullmatch(rf"{PKG}(\.\w+)+", node.value):
+                found.add(node.value)
     return found
+
+
+#: (file, line) where a kept name was rewritten unquoted (a reader decides: docs' `tag ...`)
+REWRITTEN_KEPT: list[str] = []
 
 
 def rewrite_text(text: str, moves: dict[str, str], rules: list[tuple[re.Pattern[str], str]],
                  loggers: frozenset[str] = frozenset()) -> str:
     def one(match: re.Match[str]) -> str:
         before, after = text[match.start() - 1: match.start()], text[match.end(): match.end() + 1]
-        if match.group(0) in loggers and before in ("'", '"') and after == before:
-            return match.group(0)  # a logger's name, quoted whole: kept
+        if match.group(0) in loggers:
+            if before in ("'", '"') and after == before:
+                return match.group(0)  # a logger's (or tag's) name, quoted whole: kept
+            REWRITTEN_KEPT.append(f"{match.group(0)} in: {text.strip()[:90]}")
         return mapped(match.group(0), moves)
 
     text = re.sub(rf"(?<![\w.]){PKG}(?:\.\w+)+", one, text)
@@ -404,7 +417,7 @@ def relayout(root: Path = ROOT, dry_run: bool = False) -> int:
     # imports (relative ones from where each module was to where it is), then every other
     # line's dotted names and paths
     rules = path_rules(active, packages)
-    loggers = frozenset(logger_names(root))
+    loggers = frozenset(kept_names(root))
     for path in text_files(root):
         try:
             text = path.read_text()
@@ -466,6 +479,8 @@ def report(root: Path = ROOT) -> int:
             mentions[key] = mentions.get(key, 0) + 1
     for key, count in sorted(mentions.items()):
         print(f"review a bare mention: {key}" + (f" (x{count})" if count > 1 else ""))
+    for line in REWRITTEN_KEPT:
+        print(f"review a logger or tag name rewritten as a module: {line}")
     return 1 if left else 0
 
 
