@@ -333,11 +333,12 @@ def rewrite_text(text: str, moves: dict[str, str], rules: list[tuple[re.Pattern[
                  loggers: frozenset[str] = frozenset()) -> str:
     def one(match: re.Match[str]) -> str:
         before, after = text[match.start() - 1: match.start()], text[match.end(): match.end() + 1]
-        if match.group(0) in loggers:
-            if before in ("'", '"') and after == before:
-                return match.group(0)  # a logger's (or tag's) name, quoted whole: kept
-            REWRITTEN_KEPT.append(f"{match.group(0)} in: {text.strip()[:90]}")
-        return mapped(match.group(0), moves)
+        name, new = match.group(0), mapped(match.group(0), moves)
+        if name in loggers and new != name:
+            if (before in ("'", '"') and after == before) or text[: match.start()].endswith("tag `"):
+                return name  # a logger's or tag's name, quoted whole or called a tag: kept
+            REWRITTEN_KEPT.append(f"{name} in: {text.strip()[:90]}")
+        return new
 
     text = re.sub(rf"(?<![\w.]){PKG}(?:\.\w+)+", one, text)
     for pattern, replacement in rules:
