@@ -179,6 +179,15 @@ def source_of(name: str, root: Path = ROOT) -> Path | None:
     return None
 
 
+def movable(old: str, new: str, root: Path = ROOT) -> bool:
+    """Whether ``old`` is still to move: its source is in the tree, and it is not the new
+    package of the same name (``extauthz/control/`` once ``control.py`` went into it)."""
+    source = source_of(old, root)
+    if source is None or (source.is_dir() and new.startswith(old + ".")):
+        return False
+    return not target_of(new, source, root).exists()
+
+
 def target_of(name: str, source: Path, root: Path = ROOT) -> Path:
     base = root.joinpath(*name.split("."))
     return base if source.is_dir() else base.with_suffix(".py")
@@ -383,7 +392,7 @@ def add_packages_to_pyproject(text: str, packages: list[str]) -> str:
 def relayout(root: Path = ROOT, dry_run: bool = False) -> int:
     known = {module_name(p, root) for p in (root / PKG).rglob("*.py")
              if "extauthz_wire" not in p.parts}
-    active = {old: new for old, new in MOVES.items() if source_of(old, root) is not None}
+    active = {old: new for old, new in MOVES.items() if movable(old, new, root)}
     skipped = sorted(set(MOVES) - set(active))
     packages = {old for old in active if (root.joinpath(*old.split(".")) / "__init__.py").is_file()}
     for old in skipped:
