@@ -75,6 +75,7 @@ MOVES: dict[str, str] = {
     "extauthz.reload": "extauthz.engine.reload",
     "extauthz.tickets": "extauthz.engine.tickets",
     "extauthz.observe.state": "extauthz.engine.state",
+    "extauthz.quota_service": "extauthz.engine.quota_service",  # issue 33: the RLQS quota book
     "extauthz.storegate": "extauthz.engine.storegate",    # issue 30's StoreGate, if top level
     "extauthz.gate": "extauthz.engine.gate",
     "extauthz.grantbook": "extauthz.engine.grantbook",
