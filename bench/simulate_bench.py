@@ -40,9 +40,10 @@ from extauthz.engine import Engine
 from extauthz.policy import load_policy
 from extauthz.simulate.record import Recorder
 from extauthz.simulate.replay import Lane, Replay, run_now
-from extauthz.simulate.traffic import BadLines, Request, TrafficFile, read_traffic, write_lines
+from extauthz.simulate.traffic import BadLines, Request, TrafficFile, read_traffic
 from extauthz.store.memory import MemoryStore
 from extauthz.storegate import StoreGate
+from testinfra.probes import write_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 T0 = 1_732_420_000.0

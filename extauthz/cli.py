@@ -44,22 +44,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .observe.logs import configure_logging
     from .server.adminauth import TokenFile, require_token_when_exposed
     from .server.app import serve
-    from .server.httpmap import path_prefix
 
-    if not 0.0 < args.record_sample <= 1.0:
-        print(f"extauthz: --record-sample must be in (0, 1], not {args.record_sample}", file=sys.stderr)
-        return 2
-    try:
-        path_prefix(args.http_path_prefix)
-    except ValueError as exc:
-        print(f"extauthz: --http-path-prefix: {exc}", file=sys.stderr)
-        return 2
-    try:  # before any process starts: the admin port's lock (server/adminauth.py)
+    try:  # before any process starts: the options (Settings checks itself), the admin port's lock
         config = settings.from_args(args)
         require_token_when_exposed(settings.off(config.admin_listen), config.admin_token_file)
         if config.admin_token_file:
             TokenFile(config.admin_token_file)
-    except ValueError as exc:  # AdminConfigError, or a malformed --admin-listen
+    except ValueError as exc:  # a value out of range, AdminConfigError, a malformed --admin-listen
         print(f"extauthz serve: {exc}", file=sys.stderr)
         return 2
     listener = configure_logging(config.log_level, config.log_format)

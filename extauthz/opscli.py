@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .settings import RECENT_REFUSALS_PER_IDENTITY, Settings, add_shared, env_value, options
+from .settings import RECENT_REFUSALS_PER_IDENTITY, Settings, add_shared, admin_url, env_value, options
 from .verdict import Mode
 
 if TYPE_CHECKING:  # imported where used: `extauthz status --help` starts without the policy's models
@@ -298,8 +298,9 @@ def admin_base(args: argparse.Namespace) -> list[str]:
             return [read_admin_url(args.listen).rstrip("/")]
         except (OSError, ValueError) as exc:
             raise CliError(str(exc)) from None
-    if os.environ.get("EXTAUTHZ_ADMIN_URL"):
-        return [os.environ["EXTAUTHZ_ADMIN_URL"].rstrip("/")]
+    env_url = admin_url()
+    if env_url:
+        return [env_url]
     bases: list[str] = []
     try:
         bases.append(read_admin_url(env_value(options()["listen"]) or DEFAULT_LISTEN).rstrip("/"))
@@ -507,7 +508,7 @@ def _report(args: argparse.Namespace) -> int:
 
     labels: dict[str, str] = {}
     if args.identities:
-        from .simulate.cli import IdentityFile
+        from .simulate.identities import IdentityFile
 
         policy = _load_policy(args.policies)
         if policy is None:

@@ -105,19 +105,6 @@ class Releaser:
         task.add_done_callback(self.pending.discard)
         return task
 
-    async def release_and_wait(self, keys: Sequence[str], lease_id: str, path: str) -> int:
-        """:meth:`release`, and the number of leases given back (0 on an error, counted)."""
-        if self.local is not None and path in PATHS and keys and lease_id:
-            keys, local = self.local(keys, lease_id)
-            if not keys:
-                self._done(path, local)
-                return local
-            self.leases_released += local
-        if self._now is not None and path in PATHS and keys and lease_id:
-            return self._at_once(keys, lease_id, path)
-        task = self.release(keys, lease_id, path)
-        return 0 if task is None else await task
-
     def _at_once(self, keys: Sequence[str], lease_id: str, path: str) -> int:
         assert self._now is not None
         try:

@@ -20,12 +20,10 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # no server code at run time (module docstring)
-    from .server.grpc_h2 import H2Limits
+from typing import Any
 
 #: the authorization protocols of Envoy's ext_authz filter, both answered from the same
 #: pieces here (``serve --listen`` / ``--http-listen``; ``--protocol`` of
@@ -140,7 +138,7 @@ def _fraction(text: str) -> float:
 
 
 def _count(text: str) -> int:
-    """A whole number (``--workers``: the range is checked by server/workers.py)."""
+    """A whole number (``--workers``: Settings checks the range, server/workers.py the rest)."""
     try:
         return int(text)
     except ValueError:
@@ -208,7 +206,8 @@ class Settings:
         "grpcio", "--grpc-server", "what serves the --listen port: 'grpcio' (grpc.aio) or 'asyncio' "
         "(HTTP/2 on the event loop, server/grpc_h2.py: the same services at a fraction of the CPU "
         "per check; docs/design.md)", choices=("grpcio", "asyncio"))
-    grpc_limits: H2Limits | None = internal(  # noqa: RUF009 - internal() returns a field()
+    #: an H2Limits or None (typed Any: the settings import no server code, not even a type)
+    grpc_limits: Any = internal(  # noqa: RUF009 - internal() returns a field()
         None, "the asyncio gRPC server's protocol bounds (server/grpc_h2.py H2Limits, "
         "docs/security.md); tests shorten its timeouts")
     http_listen: str | None = option(
@@ -334,6 +333,34 @@ class Settings:
     log_format: str = option(
         "json", "--log-format", "log lines: one JSON object each, or text", choices=("json", "text"))
 
+    def __post_init__(self) -> None:
+        """The checks one option's type cannot make, here so that an in-process
+        ``Settings(...)`` is held to them as serve's command line is. Raises ValueError."""
+        if not 0.0 < self.record_sample <= 1.0:
+            raise ValueError(f"--record-sample must be in (0, 1], not {self.record_sample}")
+        try:
+            path_prefix(self.http_path_prefix)
+        except ValueError as exc:
+            raise ValueError(f"--http-path-prefix: {exc}") from None
+        if self.workers < 1:  # the rest of --workers' rules need the ports: server/workers.py
+            raise ValueError("--workers must be at least 1")
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT``; no host: every address) -> (host, port)."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {listen!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def path_prefix(value: str) -> str:
+    """``--http-path-prefix``: ``""`` (none) or ``/seg[/seg...]`` without a trailing slash."""
+    prefix = value.rstrip("/")
+    if prefix and (not prefix.startswith("/") or any(c in prefix for c in "?#") or " " in prefix):
+        raise ValueError(f"an HTTP path prefix is a path such as /auth, not {value!r}")
+    return prefix
+
 
 def options() -> dict[str, Option]:
     """Field name -> :class:`Option`, in declaration order (the fields with a flag)."""
@@ -351,6 +378,19 @@ def default_text(name: str) -> str | None:
     if isinstance(default, float) and default.is_integer():
         return str(int(default))
     return ",".join(default) if isinstance(default, list) else str(default)
+
+
+def event_loop() -> str:
+    """``EXTAUTHZ_EVENT_LOOP``, not a serve option: serve's event loop, ``uvloop`` (the
+    default) or ``asyncio`` (server/app.py; measured in docs/benchmarks.md)."""
+    return os.environ.get("EXTAUTHZ_EVENT_LOOP", "uvloop")
+
+
+def admin_url() -> str | None:
+    """``EXTAUTHZ_ADMIN_URL``, not a serve option: the operator commands' admin URL
+    (opscli.py), without a trailing slash; None when unset or empty."""
+    value = os.environ.get("EXTAUTHZ_ADMIN_URL")
+    return value.rstrip("/") if value else None
 
 
 def env_value(opt: Option, environ: Mapping[str, str] | None = None) -> str | None:
@@ -389,11 +429,19 @@ def add_arguments(parser: argparse.ArgumentParser, names: list[str] | None = Non
         parser.add_argument(opt.flag, default=_argparse_default(name, opt), **kw)
 
 
+def parse_hosts(text: str | None) -> tuple[str, ...]:
+    """``--admin-hosts``: comma-separated host names (no port), lower-cased (the admin
+    port's Host allow-list, server/adminauth.py)."""
+    hosts = tuple(h.strip().lower().strip("[]") for h in (text or "").split(",") if h.strip())
+    for h in hosts:
+        if not re.fullmatch(r"[a-z0-9_.:-]{1,253}", h):
+            raise ValueError(f"--admin-hosts: {h!r} is not a host name or address")
+    return hosts
+
+
 def from_args(args: argparse.Namespace) -> Settings:
     """The one :class:`Settings` of a parsed ``serve`` command line. Raises ValueError for a
     value only the whole configuration can judge (a malformed --admin-hosts)."""
-    from .server.adminauth import parse_hosts  # the admin port's rules for a host name
-
     values = {name: getattr(args, name) for name in options() if hasattr(args, name)}
     values["policies"] = list(values.get("policies") or ())
     admin_listen = values.pop("admin_listen", None)

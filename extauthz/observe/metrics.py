@@ -28,13 +28,11 @@ from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricF
 from prometheus_client.utils import floatToGoString
 
 from ..context import RequestContext
-from ..engine import Engine
 from ..policy.model import Policy
 from ..store.base import CheckResult, Op
 from ..tiers import Tier
 from ..verdict import Decision, Kind, Outcome
 from .base import ObserverBase
-from .state import Panel, engine_parts
 
 log = logging.getLogger("extauthz.metrics")
 
@@ -202,15 +200,6 @@ class Metrics(ObserverBase):
                     by_tier.setdefault(sample.labels["tier"], {})[sample.labels["result"]] = int(sample.value)
         totals = {result: sum(row.get(result, 0) for row in by_tier.values()) for result in RESULTS}
         return {**totals, "by_tier": by_tier}
-
-
-class StateCollector(Panel):
-    """The engine's own state (:func:`~extauthz.observe.state.engine_parts`) as a collector:
-    register it on the :class:`Metrics` registry. A server registers its whole
-    :class:`~extauthz.observe.state.Panel` instead."""
-
-    def __init__(self, engine: Engine) -> None:
-        super().__init__(engine_parts(engine))
 
 
 def instrument_store_check(check: CheckFn, *, histogram: Histogram | None = None,

@@ -32,7 +32,6 @@ import hmac
 import ipaddress
 import logging
 import os
-import re
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable
@@ -182,15 +181,6 @@ def require_token_when_exposed(admin_listen: str | None, token_file: str | None)
         f"the admin port would listen on {admin_listen}, not a loopback address, without a "
         "token: anyone reaching it could change kill switches and customers' limits. Give "
         "--admin-token-file (EXTAUTHZ_ADMIN_TOKEN_FILE), or listen on 127.0.0.1")
-
-
-def parse_hosts(text: str | None) -> tuple[str, ...]:
-    """``--admin-hosts``: comma-separated host names (no port), lower-cased."""
-    hosts = tuple(h.strip().lower().strip("[]") for h in (text or "").split(",") if h.strip())
-    for h in hosts:
-        if not re.fullmatch(r"[a-z0-9_.:-]{1,253}", h):
-            raise AdminConfigError(f"--admin-hosts: {h!r} is not a host name or address")
-    return hosts
 
 
 def _header_host(value: str | None) -> str | None:

@@ -9,7 +9,6 @@ import asyncio
 import errno
 import gc
 import logging
-import os
 import signal
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -33,7 +32,7 @@ from ..proto import accesslog_pb2_grpc, auth_pb2_grpc, rlqs_pb2_grpc
 from ..quota_service import QuotaBook, QuotaLimit, limits_of
 from ..reload import PolicyWatcher
 from ..runner import Runner
-from ..settings import Settings, off
+from ..settings import Settings, event_loop, off
 from ..simulate.record import Recorder, pending_ttl
 from ..store.base import Store
 from ..store.keys import Keys
@@ -43,7 +42,6 @@ from ..tickets import REASONS as REJECT_REASONS
 from ..tickets import LeaseTickets
 from .admin import admin_app
 from .fleetstate import FleetState, ReplicaControl
-from .flow import check_flow
 from .fluentd import FluentdReceiver
 from .grpc_h2 import GrpcH2Server, H2Limits
 from .http import HttpAuthorization, HttpLimits, max_connections_for
@@ -54,6 +52,7 @@ from .portfile import remove_admin_url, write_admin_url
 from .ports import parse_listen
 from .services import AccessLogService, AuthorizationService, RateLimitQuotaService, quota_metrics
 from .tls import CertificateReloader, TlsFiles
+from .traced import check_flow
 
 log = logging.getLogger("extauthz.server")
 
@@ -403,7 +402,7 @@ async def run(config: ServerConfig, on_ready: Callable[[int], None] | None = Non
 def serve(config: ServerConfig, on_ready: Callable[[int], None] | None = None) -> None:
     """Run until SIGTERM/SIGINT. uvloop unless ``EXTAUTHZ_EVENT_LOOP=asyncio`` (measured in
     docs/benchmarks.md: uvloop is the faster of the two here)."""
-    if os.environ.get("EXTAUTHZ_EVENT_LOOP", "uvloop") != "asyncio":
+    if event_loop() != "asyncio":
         try:
             import uvloop
         except ImportError:  # pragma: no cover - uvloop is a dependency on Linux

@@ -40,7 +40,7 @@ from .leases import Leases
 if TYPE_CHECKING:
     from ..observe.metrics import CheckDurations
 
-__all__ = ["CheckFlow", "Door", "check_flow"]
+__all__ = ["CheckFlow", "Door"]
 
 log = logging.getLogger("extauthz.server")
 
@@ -142,14 +142,3 @@ class CheckFlow:
         self.bad_requests += 1
         self._bad_log.log(logging.WARNING, "could not read %s; allowing it: %s: %s", what,
                           type(exc).__name__, exc, fields={"event": "bad_request"})
-
-
-def check_flow(engine: Engine, leases: Leases, tracer: Any = None,
-               lag: LoopLag | None = None, durations: CheckDurations | None = None) -> CheckFlow:
-    """The server's check flow: inside one span per check when ``tracer`` is given
-    (``server/traced.py``, which imports OpenTelemetry only then)."""
-    if tracer is None:
-        return CheckFlow(engine, leases, lag, durations)
-    from .traced import TracedCheckFlow
-
-    return TracedCheckFlow(engine, leases, tracer, lag, durations)

@@ -52,7 +52,7 @@ from ..cork import Cork
 from ..engine import Snapshot
 from ..verdict import Decision
 from .flow import CheckFlow
-from .httpmap import error_answer, head, http_answer, path_prefix, raw_request
+from .httpmap import error_answer, head, http_answer, raw_request
 from .leases import Leases, seen_as
 from .ports import parse_listen
 
@@ -146,8 +146,8 @@ class HttpAuthorization:
                  forward_auth: bool = False, prefix: str = "") -> None:
         self.flow = flow
         self.forward_auth = forward_auth
-        #: ``--http-path-prefix`` (normalized by :func:`~extauthz.server.httpmap.path_prefix`)
-        self.prefix = path_prefix(prefix)
+        #: ``--http-path-prefix`` (normalized by :func:`~extauthz.settings.path_prefix`)
+        self.prefix = settings.path_prefix(prefix)
         self.limits = limits if limits is not None else HttpLimits()
         self.server: asyncio.Server | None = None
         self.port = 0

@@ -115,14 +115,6 @@ def http_metadata(headers: Mapping[str, str],
     return {JWT_NAMESPACE: scalars_at({JWT_PAYLOAD_KEY: payload}, paths)}
 
 
-def path_prefix(value: str) -> str:
-    """``--http-path-prefix``: ``""`` (none) or ``/seg[/seg...]`` without a trailing slash."""
-    prefix = value.rstrip("/")
-    if prefix and (not prefix.startswith("/") or any(c in prefix for c in "?#") or " " in prefix):
-        raise ValueError(f"an HTTP path prefix is a path such as /auth, not {value!r}")
-    return prefix
-
-
 def client_path(path: str, prefix: str) -> str:
     """The client's path from the one Envoy sent: ``http_service.path_prefix`` (Envoy Gateway's
     SecurityPolicy ``extAuth.http.path``) + the client's path. A path without the prefix (or

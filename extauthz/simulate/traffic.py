@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import gzip
 import heapq
-import json
 import math
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
@@ -242,11 +241,3 @@ def read_traffic(files: Sequence[TrafficFile], *, window: float = 120.0,
     if len(streams) == 1:
         return streams[0]
     return heapq.merge(*streams, key=lambda r: r.time)
-
-
-def write_lines(path: str | Path, lines: Sequence[Mapping[str, Any]]) -> Path:
-    """Write JSON lines (a test and tooling helper); ``.gz`` compresses."""
-    path = Path(path)
-    data = "".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines).encode()
-    path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
-    return path

@@ -467,7 +467,3 @@ class MemoryStore(StoreBase):
         """Per-user keys held per limiter (each at most :attr:`max_keys`, but for lease sets
         with requests in flight), for ``/status``."""
         return {owner: len(table) for owner, table in sorted(self._held.items())}
-
-    def key_count(self) -> int:
-        return (len(self._buckets) + len(self._leases) + len(self._values) + len(self._shed)
-                + len(self._events))

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from extauthz.classify import hash_identity
-from extauthz.simulate.traffic import write_lines
+from testinfra.probes import write_lines
 
 from ..conftest import ROOT
 from .test_replay import RATE, T0, line, policy_dir

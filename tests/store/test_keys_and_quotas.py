@@ -15,6 +15,7 @@ from extauthz.engine import Engine
 from extauthz.observe.metrics import Metrics
 from extauthz.overrides import make_override
 from extauthz.storegate import StoreGate
+from testinfra.probes import release_and_wait
 
 from ..unit.helpers import get, policy_from
 from .conftest import StoreCase
@@ -101,7 +102,7 @@ async def test_keyed_concurrency_limit(store_case: StoreCase, tmp_path: Path) ->
     assert first.allowed and first.leases
     assert not await allowed(e, req("sk_a", host="API.example.com"))  # the same host, no port
     assert await allowed(e, req("sk_a", host="eu.example.com"))
-    assert await e.releaser.release_and_wait(first.leases, first.lease_id, "access_log") == 1
+    assert await release_and_wait(e.releaser, first.leases, first.lease_id, "access_log") == 1
     assert await allowed(e, req("sk_a", host="api.example.com"))
 
 

@@ -33,6 +33,7 @@ from extauthz.store.memory import MemoryStore
 from extauthz.switches import change_stored as change_switches
 from extauthz.switches import parse_switches
 from extauthz.verdict import Mode
+from testinfra.probes import key_count
 from tests.store.conftest import StoreCase, key_expiry_times, key_ttls, redis_time_ms
 
 K = Keys("t")
@@ -416,10 +417,10 @@ async def test_every_key_has_a_ttl(store_case: StoreCase) -> None:
         # The embedded store has no key TTLs: it forgets idle buckets and expired leases
         # in its periodic sweep.
         assert isinstance(store, MemoryStore)
-        assert store.key_count() == 5
+        assert key_count(store) == 5
         store_case.clock.advance(31.0)  # past every bucket's idle time and lease TTL
         store._sweep(store_case.clock.monotonic())
-        assert store.key_count() == 0
+        assert key_count(store) == 0
         return
     await store.shed_update(K.shed_state("w"), 0.9, p)
     await store.set_value(K.signal("w"), "0.9", ttl=0.5)

@@ -11,6 +11,7 @@ import pytest
 from extauthz.clock import ManualClock
 from extauthz.switches import Switches
 from extauthz.verdict import Mode, Outcome
+from testinfra.probes import key_count
 
 from .helpers import RATE, allowed_count, engine_for, get, policy_from
 
@@ -30,7 +31,7 @@ async def test_off_mode_skips_the_limiter(tmp_path: Path, clock: ManualClock) ->
     for _ in range(3):
         _, d = await engine.check(get())
         assert d.allowed and d.verdicts == ()
-    assert store.key_count() == 0
+    assert key_count(store) == 0
 
 
 async def test_switches_override_policy_mode(tmp_path: Path, clock: ManualClock) -> None:

@@ -21,10 +21,11 @@ from extauthz.answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD
 from extauthz.clock import ManualClock
 from extauthz.engine import Engine
 from extauthz.proto import auth_pb2
-from extauthz.server.flow import CheckFlow, check_flow
+from extauthz.server.flow import CheckFlow
 from extauthz.server.http import HttpAuthorization, Request
 from extauthz.server.leases import Leases, seen_as, seen_at
 from extauthz.server.services import AuthorizationService
+from extauthz.server.traced import check_flow
 
 from .helpers import engine_for, policy_from
 

@@ -14,11 +14,11 @@ from extauthz.envoy.headers import SHED_STATUS, allowed_headers, unreadable_over
 from extauthz.server.httpmap import (
     http_answer,
     jwt_payload,
-    path_prefix,
     raw_request,
     source_ip,
     xfcc_principal,
 )
+from extauthz.settings import path_prefix
 
 from .helpers import engine_for, get, policy_from
 

@@ -13,7 +13,8 @@ import pytest
 from extauthz.answers import denial, ratelimit_headers
 from extauthz.classify import hash_identity
 from extauthz.clock import ManualClock
-from extauthz.observe.metrics import Metrics, StateCollector
+from extauthz.observe.metrics import Metrics
+from extauthz.observe.state import Panel, engine_parts
 from extauthz.overrides import (
     MAX_OVERRIDES,
     MAX_TTL,
@@ -93,7 +94,7 @@ async def test_unknown_plan_uses_the_default_and_is_counted(tmp_path: Path) -> N
     await engine.check(on_plan("gold"))
     await engine.check(on_plan("free"))  # known: not counted
     assert engine.snapshot.classifier.unknown_plans == 2
-    collector = StateCollector(engine)
+    collector = Panel(engine_parts(engine))  # the engine's own state as a collector
     metrics.registry.register(collector)
     assert metrics.registry.get_sample_value("extauthz_plan_unknown_total") == 2
     engine.set_switches(Switches(global_mode=Mode.SHADOW))  # a new snapshot keeps the count
