@@ -1,7 +1,8 @@
 """Quota limiter: at most ``limit`` requests per calendar ``period`` (UTC), per key.
 
-Windows are calendar windows in UTC: a ``minute``, ``hour`` or ``day`` starts on the
-minute, hour or midnight; a ``week`` on Monday 00:00; a ``month`` on its first day. Each
+Windows are calendar windows in UTC: a ``second``, ``minute``, ``hour`` or ``day`` starts
+on the second, minute, hour or midnight; a ``week`` on Monday 00:00; a ``month`` on its first
+day; a ``year`` on January 1st. Each
 window is its own store key (named by the window's start), a count that the store adds
 ``cost`` to while it stays within ``limit`` (``store.algorithms.count_admits``; the same
 rule on both stores) and that expires at the window's end plus :data:`TTL_MARGIN`, so a
@@ -43,6 +44,8 @@ _THURSDAY = 3
 def calendar_window(period: str, wall: float) -> tuple[int, int]:
     """The UTC calendar window holding ``wall`` (Unix seconds): (start, end), end excluded."""
     now = math.floor(wall)
+    if period == "second":
+        return now, now + 1
     if period == "minute":
         start = now - now % 60
         return start, start + 60
@@ -60,6 +63,10 @@ def calendar_window(period: str, wall: float) -> tuple[int, int]:
         first = datetime(t.year, t.month, 1, tzinfo=UTC)
         after = datetime(t.year + t.month // 12, t.month % 12 + 1, 1, tzinfo=UTC)
         return int(first.timestamp()), int(after.timestamp())
+    if period == "year":
+        year = datetime.fromtimestamp(day, UTC).year
+        return (int(datetime(year, 1, 1, tzinfo=UTC).timestamp()),
+                int(datetime(year + 1, 1, 1, tzinfo=UTC).timestamp()))
     raise ValueError(f"unknown quota period {period!r}")
 
 

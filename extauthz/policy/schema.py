@@ -520,7 +520,7 @@ class ConcurrentRequestsSpec(_KeyedBase):
         None, description="The limit per plan; a plan not listed uses the limiter's own.")
 
 
-QuotaPeriod = Literal["minute", "hour", "day", "week", "month"]
+QuotaPeriod = Literal["second", "minute", "hour", "day", "week", "month", "year"]
 
 
 class QuotaSpec(_BatchedGrants, _KeyedBase):
