@@ -34,6 +34,17 @@ Short aliases (module -> protobuf package, main contents):
     HeaderValueOption, HeaderMap, QueryParameter, Node, RequestMethod.
 ``http_status_pb2``
     ``envoy.type.v3``: HttpStatus, StatusCode (e.g. ``http_status_pb2.TooManyRequests``).
+``rls_pb2``
+    ``envoy.service.ratelimit.v3``: RateLimitRequest, RateLimitResponse (.Code,
+    .RateLimit, .DescriptorStatus): what Envoy's ratelimit filter sends and reads.
+``rls_pb2_grpc``
+    ``RateLimitService`` service: RateLimitServiceServicer, RateLimitServiceStub,
+    add_RateLimitServiceServicer_to_server.
+``ratelimit_common_pb2``
+    ``envoy.extensions.common.ratelimit.v3``: RateLimitDescriptor (.Entry,
+    .RateLimitOverride).
+``ratelimit_unit_pb2``
+    ``envoy.type.v3``: RateLimitUnit.
 ``status_pb2``
     ``google.rpc``: Status. This is googleapis-common-protos' ``google.rpc.status_pb2``
     (a second definition of ``google.rpc.Status`` would clash in the descriptor pool).
@@ -52,6 +63,10 @@ from extauthz.proto.extauthz_wire import (
     auth_pb2_grpc,
     core_pb2,
     http_status_pb2,
+    ratelimit_common_pb2,
+    ratelimit_unit_pb2,
+    rls_pb2,
+    rls_pb2_grpc,
 )
 
 __all__ = [
@@ -62,5 +77,9 @@ __all__ = [
     "auth_pb2_grpc",
     "core_pb2",
     "http_status_pb2",
+    "ratelimit_common_pb2",
+    "ratelimit_unit_pb2",
+    "rls_pb2",
+    "rls_pb2_grpc",
     "status_pb2",
 ]
