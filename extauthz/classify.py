@@ -367,4 +367,5 @@ class Classifier:
             overrides=self._overrides.get(identity, _NO_LIMITS) if self._overrides else _NO_LIMITS,
             keys=self.keys(raw, identity, method, plan) if self._keys else (),
             descriptor_target=raw.descriptor_target,
+            hits=raw.hits,
         )

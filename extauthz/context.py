@@ -79,6 +79,8 @@ class RawRequest:
     #: the limiter with ``match`` the descriptor reached (``Policy.descriptors``), by name:
     #: the one limiter that runs on it; None on a Check (no limiter with ``match`` runs).
     descriptor_target: str | None = None
+    #: what the descriptor adds to its limiter's count (``hits_addend``; 0: the limiter's ``cost``)
+    hits: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,3 +118,6 @@ class RequestContext:
     #: ``RawRequest.descriptor_target``: set, the request is one rate limit descriptor and
     #: only that limiter applies; None, a checked request (limiters with ``match`` do not apply).
     descriptor_target: str | None = None
+    #: ``RawRequest.hits``: the cost this request takes instead of its limiter's (0: the
+    #: limiter's ``cost``); only a rate limit descriptor sets it.
+    hits: int = 0

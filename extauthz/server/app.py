@@ -25,7 +25,7 @@ from ..observe import compose
 from ..observe.setup import Observability
 from ..observe.state import RecorderPart
 from ..policy import Policy, load_policy
-from ..proto import accesslog_pb2_grpc, auth_pb2_grpc
+from ..proto import accesslog_pb2_grpc, auth_pb2_grpc, rls_pb2_grpc
 from ..runner import Runner
 from ..settings import Settings, off
 from ..simulate.record import Recorder, pending_ttl
@@ -41,7 +41,7 @@ from .leases import Leases
 from .operations import Operations
 from .portfile import remove_admin_url, write_admin_url
 from .ports import parse_listen
-from .services import AccessLogService
+from .services import AccessLogService, RateLimitService
 from .tls import CertificateReloader, TlsFiles
 
 log = logging.getLogger("extauthz.server")
@@ -134,6 +134,8 @@ class Server:
         self.grpc: grpc.aio.Server | GrpcH2Server | None = None
         self.health_grpc: grpc.aio.Server | None = None
         self.http: HttpAuthorization | None = None
+        #: ShouldRateLimit's servicer (built at start, on the auth service's flow)
+        self.ratelimit: RateLimitService | None = None
         self.fluentd: FluentdReceiver | None = None
         self.fluentd_port = 0
         #: the gRPC port (0 when off) and the HTTP authorization port (0 when off).
@@ -159,6 +161,8 @@ class Server:
         # one check flow for both edges: one lease owner (request-id index, ticket key), one
         # bad-request count
         service = self.ops.auth_service()
+        #: ShouldRateLimit (Envoy's ratelimit filter) on the same flow
+        ratelimit = self.ratelimit = RateLimitService(service.flow)
         server: grpc.aio.Server | None = None
         try:
             if not is_off(self.config.http_listen):
@@ -185,6 +189,7 @@ class Server:
                     limits = H2Limits(**limits)
                 h2server = GrpcH2Server(limits, ssl_context=self.tls.ssl_context() if self.tls is not None else None)
                 auth_pb2_grpc.add_AuthorizationServicer_to_server(service, h2server)
+                rls_pb2_grpc.add_RateLimitServiceServicer_to_server(ratelimit, h2server)
                 accesslog_pb2_grpc.add_AccessLogServiceServicer_to_server(self.accesslog, h2server)
                 health_pb2_grpc.add_HealthServicer_to_server(self.health, h2server)
                 self.port = await h2server.start(self.config.listen, reuse_port=self.config.reuse_port)
@@ -193,6 +198,7 @@ class Server:
             elif not is_off(self.config.listen):
                 server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.config.reuse_port))])
                 auth_pb2_grpc.add_AuthorizationServicer_to_server(service, server)
+                rls_pb2_grpc.add_RateLimitServiceServicer_to_server(ratelimit, server)
                 accesslog_pb2_grpc.add_AccessLogServiceServicer_to_server(self.accesslog, server)
                 health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
                 self.port = _bind(server, self.config.listen, "--listen",

@@ -1,7 +1,9 @@
-"""The gRPC front door: the Authorization/Check and AccessLogService/StreamAccessLogs servicers.
+"""The gRPC front door: the Authorization/Check, RateLimitService/ShouldRateLimit and
+AccessLogService/StreamAccessLogs servicers.
 
 Thin adapters: Check translates a CheckRequest for the check flow (``server/flow.py``) and
-its decision into a CheckResponse (``server/edge.py``); StreamAccessLogs reads each entry's
+its decision into a CheckResponse (``server/edge.py``); ShouldRateLimit runs each descriptor
+of a RateLimitRequest through the same flow (``server/rls.py``); StreamAccessLogs reads each entry's
 lease metadata and request and hands them to the entry handling it shares with the fluentd
 port (``server/leases.py`` :class:`~extauthz.server.leases.FinishedEntries`).
 """
@@ -24,6 +26,8 @@ from ..proto import (
     auth_pb2,
     auth_pb2_grpc,
     core_pb2,
+    rls_pb2,
+    rls_pb2_grpc,
 )
 from ..verdict import Decision
 from .edge import EXT_AUTHZ_NAMESPACE, check_response, lease_metadata, raw_request
@@ -37,6 +41,7 @@ from .leases import (
     seen_as,
     seen_at,
 )
+from .rls import RateLimitDoor
 
 _RPC = {"rpc.system": "grpc", "rpc.service": "envoy.service.auth.v3.Authorization", "rpc.method": "Check"}
 
@@ -87,6 +92,19 @@ class AuthorizationService(auth_pb2_grpc.AuthorizationServicer):  # type: ignore
     def carrier(self, message: auth_pb2.CheckRequest,
                 call: grpc.aio.ServicerContext) -> Iterable[tuple[str, Any]]:
         return call.invocation_metadata() or ()
+
+
+class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
+    """ShouldRateLimit: Envoy's ratelimit filter's door to the check flow (one flow, engine,
+    store and policy with Check)."""
+
+    def __init__(self, flow: CheckFlow) -> None:
+        self.door = RateLimitDoor(flow)
+
+    async def ShouldRateLimit(  # noqa: N802 - gRPC method name
+        self, request: rls_pb2.RateLimitRequest, context: grpc.aio.ServicerContext
+    ) -> rls_pb2.RateLimitResponse:
+        return await self.door.should_rate_limit(request, context)
 
 
 def entry_seen(entry: accesslog_data_pb2.HTTPAccessLogEntry) -> tuple[str, ...]:

@@ -14,6 +14,7 @@ import pytest
 from extauthz.classify import Classifier
 from extauthz.clock import ManualClock
 from extauthz.context import RawRequest
+from extauthz.observe.metrics import Metrics
 from extauthz.policy.descriptors import Entries, entries_of
 from extauthz.policy.model import Policy
 
@@ -137,7 +138,8 @@ async def test_a_limiter_with_match_counts_only_the_descriptors_that_reach_it(tm
         {"name": "per-user", "type": "request_rate", "rate": 1, "burst": 1},
     ]})
     clock = ManualClock(1_800_000_000.25)
-    engine, _ = engine_for(p, clock)
+    metrics = Metrics()
+    engine, _ = engine_for(p, clock, observer=metrics)
     c = Classifier(p, salt=b"salt")
 
     async def descriptor(domain: str, **entries: str) -> tuple[bool, list[str]]:
@@ -157,6 +159,8 @@ async def test_a_limiter_with_match_counts_only_the_descriptors_that_reach_it(tm
     # shadow: counted, never refused
     assert [await descriptor("edge", remote_address="10.0.0.9") for _ in range(2)] == [
         (True, ["per-ip-shadow"]), (True, ["per-ip-shadow"])]
+    assert metrics.registry.get_sample_value("extauthz_limiter_decisions_total", {
+        "limiter": "per-ip-shadow", "outcome": "shadow_denied"}) == 1  # counted as would-refuse
     assert await descriptor("other", remote_address="10.0.0.1") == (True, [])  # domain mismatch
     clock.advance(1.0)  # the next second: a new window
     assert await descriptor("edge", remote_address="10.0.0.1") == (True, ["per-ip"])
