@@ -156,6 +156,44 @@ def _host_port(flag: str, value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def cmd_import(args: argparse.Namespace) -> int:
+    """``extauthz import ratelimit-config``: converted, checked by the one validator, written."""
+    import tempfile
+    from pathlib import Path
+
+    from .ratelimit_config import ConvertError, convert_paths
+
+    try:
+        converted = convert_paths(args.files)
+    except ConvertError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    names: list[str] = []
+    for conv in converted:
+        stem, n = Path(conv.source).stem, 2
+        name = f"{stem}.yaml"
+        while name in names:
+            name, n = f"{stem}-{n}.yaml", n + 1
+        names.append(name)
+    with tempfile.TemporaryDirectory() as tmp:
+        for conv, name in zip(converted, names, strict=True):
+            (Path(tmp) / name).write_text(conv.text())
+        if _policy_or_errors([tmp]) is None:
+            return 1
+    for conv in converted:
+        for warning in conv.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+    if args.output is None:
+        sys.stdout.write("\n---\n".join(conv.text() for conv in converted))
+        return 0
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    for conv, name in zip(converted, names, strict=True):
+        (out / name).write_text(conv.text())
+        print(f"{conv.source} -> {out / name}", file=sys.stderr)
+    return 0
+
+
 def cmd_envoy_config(args: argparse.Namespace) -> int:
     from .envoy_bootstrap import JwtProvider, TlsFiles, jwks_from_file, render
 
@@ -292,6 +330,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"extauthz {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)
+    text = ("convert another service's config into policy files: 'ratelimit-config' takes "
+            "envoyproxy/ratelimit config files (docs/migrating.md)")
+    p = sub.add_parser("import", help=text, description=text)
+    what = p.add_subparsers(dest="format", required=True, metavar="FORMAT")
+    text = ("envoyproxy/ratelimit config files -> policy files with the same decisions; what cannot "
+            "be converted is refused with its file and line (exit 1)")
+    q = what.add_parser("ratelimit-config", help=text, description=text)
+    q.add_argument("files", nargs="+", metavar="FILE", help="a config file, or a directory of them")
+    q.add_argument("-o", "--output", metavar="DIR", default=None,
+                   help="write one policy file per input into DIR (default: print them)")
     text = ("validate policy files or directories: errors name file, line and field; "
             "exit 1 on error")
     p = sub.add_parser("check-policies", help=text, description=text)
@@ -382,6 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = {
         "serve": cmd_serve,
         "check-policies": cmd_check_policies,
+        "import": cmd_import,
         "schema": cmd_schema,
         "envoy-allowed-headers": cmd_envoy_allowed_headers,
         "envoy-config": cmd_envoy_config,
