@@ -21,6 +21,8 @@ from extauthz.devtools.stack import free_port
 from extauthz.devtools.upstream import Upstream, start_upstream
 from extauthz.server.app import Server, ServerConfig
 
+from ..infra.certs import CA
+
 pytestmark = pytest.mark.e2e
 
 POLICY = """\
@@ -48,7 +50,7 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 TIMEOUT = 0.25
 
 
-def envoy_config(rls_port: int, upstream_port: int, domain: str = "edge") -> str:
+def envoy_config(rls_port: int, upstream_port: int, domain: str = "edge", tls: Path | None = None) -> str:
     limits = [
         {"actions": [{"request_headers": {"header_name": "x-api-key", "descriptor_key": "api_key"}}]},
         {"actions": [{"remote_address": {}}]},  # no limiter has it: unknown, allowed
@@ -83,6 +85,15 @@ def envoy_config(rls_port: int, upstream_port: int, domain: str = "edge") -> str
             "name": name, "type": "STATIC", "connect_timeout": "0.25s",
             "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [{"endpoint": {
                 "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}]}]}}
+        if h2 and tls is not None:  # mTLS to the server: Envoy's certificate, the server's checked
+            out["transport_socket"] = {"name": "envoy.transport_sockets.tls", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                "sni": "extauthz",
+                "common_tls_context": {
+                    "alpn_protocols": ["h2"],
+                    "tls_certificates": [{"certificate_chain": {"filename": str(tls / "envoy" / "tls.crt")},
+                                          "private_key": {"filename": str(tls / "envoy" / "tls.key")}}],
+                    "validation_context": {"trusted_ca": {"filename": str(tls / "ca.crt")}}}}}
         if h2:
             out["typed_extension_protocol_options"] = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
@@ -180,6 +191,28 @@ async def test_redis_down_fails_open_within_the_deadline(upstream: Upstream, tmp
             stats = envoy.stats(r"ratelimit")
             # decided by the server (failed open there, counted), not timed out in Envoy
             assert not any(v for k, v in stats.items() if k.endswith("ratelimit.error")), stats
+        assert srv.ratelimit is not None and srv.ratelimit.door.decided == 3
+    finally:
+        await srv.stop(grace=0)
+
+
+@pytest.mark.parametrize("grpc_server", ["grpcio", "asyncio"])
+async def test_over_mtls(grpc_server: str, upstream: Upstream, tmp_path: Path) -> None:
+    ca = CA()
+    ca.write(tmp_path / "ca.crt")
+    ca.issue("extauthz", dns=("extauthz",), ips=("127.0.0.1",)).write(tmp_path / "server", "tls")
+    ca.issue("envoy").write(tmp_path / "envoy", "tls")
+    policy = tmp_path / "p.yaml"
+    policy.write_text(POLICY)
+    srv = Server(ServerConfig(policies=[str(policy)], listen=f"127.0.0.1:{free_port()}", admin_listen="off",
+                              reload_interval=0, identity_salt="s", grpc_server=grpc_server,
+                              tls_cert=str(tmp_path / "server" / "tls.crt"),
+                              tls_key=str(tmp_path / "server" / "tls.key"),
+                              tls_client_ca=str(tmp_path / "ca.crt")))
+    await srv.start()
+    try:
+        with EnvoyProcess(envoy_config(srv.port, upstream.port, tls=tmp_path)) as envoy:
+            assert await statuses(envoy, "/a", 3, **{"x-api-key": "k1"}) == [200, 200, 429]
         assert srv.ratelimit is not None and srv.ratelimit.door.decided == 3
     finally:
         await srv.stop(grace=0)
