@@ -27,6 +27,7 @@ from .simulate.cli import add_parser as add_simulate_parser
 from .simulate.cli import cmd_simulate
 
 if TYPE_CHECKING:
+    from .envoy_bootstrap import TlsFiles
     from .policy.model import Policy
 
 
@@ -204,6 +205,11 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
     try:
         if any(tls_files) and not all(tls_files):
             raise ValueError("--tls-client-cert, --tls-client-key and --tls-ca go together")
+        if args.protocol == "ratelimit":
+            sys.stdout.write(_ratelimit_config(args, policy, TlsFiles(*tls_files) if all(tls_files) else None))
+            return 0
+        if args.domain or args.descriptor_header or args.ext_authz:
+            raise ValueError("--domain, --descriptor-header and --ext-authz are for --protocol ratelimit")
         if not 0 < args.listen_port < 65536:
             raise ValueError(f"--listen-port: 1-65535, not {args.listen_port}")
         if bool(args.jwt_issuer) != bool(args.jwt_jwks_file) or (args.jwt_audience and not args.jwt_issuer):
@@ -224,6 +230,27 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
     _warn_unreadable(args.protocol, policy)
     sys.stdout.write(text)
     return 0
+
+
+def _ratelimit_config(args: argparse.Namespace, policy: Policy, tls: TlsFiles | None) -> str:
+    """``envoy-config --protocol ratelimit`` (extauthz/envoy_ratelimit.py)."""
+    from .envoy_ratelimit import render as render_ratelimit
+
+    if args.jwt_issuer or args.tracing or args.quickstart_routes or args.access_log != "auto":
+        raise ValueError("--jwt-*, --tracing, --quickstart-routes and --access-log are for the ext_authz "
+                         "protocols (grpc, http)")
+    headers: dict[str, str] = {}
+    for item in args.descriptor_header or ():
+        key, sep, header = item.partition("=")
+        if not sep or not key or not header:
+            raise ValueError(f"--descriptor-header: KEY=HEADER, not {item!r}")
+        headers[key] = header.lower()
+    return render_ratelimit(
+        policy, upstream=_host_port("--upstream", args.upstream),
+        authz=_host_port("--authz", args.authz) if args.authz else None, domain=args.domain, headers=headers,
+        listen_port=args.listen_port, tls=tls,
+        ext_authz=_host_port("--ext-authz", args.ext_authz) if args.ext_authz else None,
+        check_budget_ms=args.check_budget_ms)
 
 
 def _warn_unreadable(protocol: str, policy: Policy) -> None:
@@ -358,8 +385,17 @@ def build_parser() -> argparse.ArgumentParser:
             "the access log when the policy holds leases (docs/envoy.md)")
     p = sub.add_parser("envoy-config", help=text, description=text)
     p.add_argument("--policies", nargs="+", required=True, metavar="DIR", help="policy file(s) or directory")
-    p.add_argument("--protocol", choices=PROTOCOLS, required=True,
-                   help="the ext_authz filter's grpc_service (Check) or http_service (serve --http-listen)")
+    p.add_argument("--protocol", choices=(*PROTOCOLS, "ratelimit"), required=True,
+                   help="the ext_authz filter's grpc_service (Check) or http_service (serve --http-listen); "
+                   "ratelimit: Envoy's global rate limit filter calling ShouldRateLimit on the gRPC port, "
+                   "its actions from the policy's limiters with 'match' (docs/migrating.md)")
+    p.add_argument("--domain", default=None, help="ratelimit: the domain the filter sends (default: the "
+                   "policy's only one)")
+    p.add_argument("--descriptor-header", action="append", metavar="KEY=HEADER",
+                   help="ratelimit: the request header a descriptor entry's value comes from (default: the "
+                   "key with '-' for '_'); repeatable")
+    p.add_argument("--ext-authz", metavar="HOST:PORT", default=None,
+                   help="ratelimit: an ext_authz filter before it, calling your own auth service there")
     p.add_argument("--upstream", required=True, metavar="HOST:PORT", help="the protected application")
     p.add_argument("--authz", metavar="HOST:PORT", default=None,
                    help="where Envoy reaches the server: its gRPC port (grpc) or HTTP authorization "

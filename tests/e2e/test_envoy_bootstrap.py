@@ -34,7 +34,7 @@ TLS_DIR = "/etc/envoy/extauthz-tls"
 TLS = TlsFiles(f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key", f"{TLS_DIR}/ca.crt")
 #: every shipped config the generator renders (the others reproduce control planes: istio-like,
 #: envoy-gateway, istio-waypoint)
-SHIPPED = ("envoy.yaml", "envoy-http.yaml", "envoy-tls.yaml", "envoy-jwt.yaml")
+SHIPPED = ("envoy.yaml", "envoy-http.yaml", "envoy-tls.yaml", "envoy-jwt.yaml", "envoy-ratelimit.yaml")
 RATE_ONLY = ("version: 1\nidentity: [{header: x-api-key}]\n"
              "limiters:\n  - {name: r, type: request_rate, rate: 0.001, burst: 2}\n")
 

@@ -19,8 +19,11 @@ import yaml
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import free_port
 from extauthz.devtools.upstream import Upstream, start_upstream
+from extauthz.envoy_ratelimit import render
+from extauthz.policy import load_policy
 from extauthz.server.app import Server, ServerConfig
 
+from ..conftest import ROOT
 from ..infra.certs import CA
 
 pytestmark = pytest.mark.e2e
@@ -216,3 +219,39 @@ async def test_over_mtls(grpc_server: str, upstream: Upstream, tmp_path: Path) -
         assert srv.ratelimit is not None and srv.ratelimit.door.decided == 3
     finally:
         await srv.stop(grace=0)
+
+
+async def test_the_shipped_config_and_policy(upstream: Upstream) -> None:
+    """envoy/envoy-ratelimit.yaml's generator (on free ports) with policies/ratelimit/."""
+    policies = ROOT / "policies" / "ratelimit"
+    srv = Server(ServerConfig(policies=[str(policies)], listen=f"127.0.0.1:{free_port()}", admin_listen="off",
+                              reload_interval=0, identity_salt="s", grpc_server="asyncio"))
+    await srv.start()
+    try:
+        text = render(load_policy([policies]), upstream=("127.0.0.1", upstream.port), authz=("127.0.0.1", srv.port),
+                      headers={"api_key": "x-api-key", "plan": "x-plan"}, listen_port=0, admin_port=0)
+        with EnvoyProcess(text) as envoy:
+            free = {"x-api-key": "k1", "x-plan": "free"}
+            assert await statuses(envoy, "/a", 11, **free) == [200] * 10 + [429]  # free-per-key: 10 a minute
+            assert await statuses(envoy, "/a", 2, **{"x-api-key": "k1", "x-plan": "pro"}) == [200, 200]
+            # every request sent three descriptors (key, plan+key, address); the pro plan's
+            # plan+key reaches no limiter
+            door = srv.ratelimit.door if srv.ratelimit is not None else None
+            assert door is not None and (door.decided, door.unknown) == (11 * 3 + 2 * 2, 2)
+    finally:
+        await srv.stop(grace=0)
+
+
+@pytest.mark.parametrize("options", [{}, {"ext_authz": ("127.0.0.1", 9000)}, {"tls": "files"}],
+                         ids=["plain", "with-ext-authz", "mtls"])
+def test_generated_variants_pass_envoy_validation(options: dict[str, Any], tmp_path: Path) -> None:
+    from extauthz.devtools.envoy_config import validate
+    from extauthz.envoy_bootstrap import TlsFiles
+
+    if options.get("tls"):
+        ca = CA()
+        ca.write(tmp_path / "ca.crt")
+        ca.issue("envoy").write(tmp_path, "tls")
+        options = {"tls": TlsFiles(f"{tmp_path}/tls.crt", f"{tmp_path}/tls.key", f"{tmp_path}/ca.crt")}
+    validate(render(load_policy([ROOT / "policies" / "ratelimit"]), upstream=("127.0.0.1", 8080),
+                    headers={"api_key": "x-api-key"}, **options))
