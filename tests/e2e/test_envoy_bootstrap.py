@@ -186,8 +186,12 @@ def test_the_access_log_never_carries_a_header_that_may_hold_a_credential(tmp_pa
 
 
 def authz_timeouts(config: dict[str, Any]) -> list[str]:
-    """The ext_authz filter's timeout (gRPC: grpc_service; HTTP: http_service.server_uri)."""
-    [ext] = [f["typed_config"] for f in hcm(config)["http_filters"] if f["name"] == "envoy.filters.http.ext_authz"]
+    """The ext_authz filter's timeout (gRPC: grpc_service; HTTP: http_service.server_uri), or
+    the ratelimit filter's (--protocol ratelimit)."""
+    filters = {f["name"]: f["typed_config"] for f in hcm(config)["http_filters"]}
+    if "envoy.filters.http.ext_authz" not in filters:
+        return [filters["envoy.filters.http.ratelimit"]["timeout"]]
+    ext = filters["envoy.filters.http.ext_authz"]
     service = ext.get("grpc_service") or ext["http_service"]["server_uri"]
     return [service["timeout"]]
 
