@@ -114,11 +114,16 @@ class DescriptorTable:
         """Each descriptor's target, ``replaces`` applied across them (a limiter another
         matched target replaces is dropped), unlimited targets kept (the caller answers
         them OK, uncounted)."""
-        found = [self.lookup(domain, d) for d in descriptors]
-        replaced = {name for t in found if t is not None for name in t.replaces}
-        if not replaced:
-            return found
-        return [None if t is not None and not t.unlimited and t.name in replaced else t for t in found]
+        return replaced([self.lookup(domain, d) for d in descriptors])
+
+
+def replaced(found: list[Target | None]) -> list[Target | None]:
+    """``found`` (each descriptor's :meth:`DescriptorTable.lookup`) with the limiters another
+    matched target ``replaces`` dropped (None)."""
+    names = {name for t in found if t is not None for name in t.replaces}
+    if not names:
+        return found
+    return [None if t is not None and not t.unlimited and t.name in names else t for t in found]
 
 
 def entries_of(pairs: Mapping[str, str] | Sequence[tuple[str, str]]) -> Entries:

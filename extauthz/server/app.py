@@ -23,7 +23,7 @@ from ..engine import Engine
 from ..limiters.worker import sampler_job
 from ..observe import compose
 from ..observe.setup import Observability
-from ..observe.state import RecorderPart
+from ..observe.state import RecorderPart, by_label_part
 from ..policy import Policy, load_policy
 from ..proto import accesslog_pb2_grpc, auth_pb2_grpc, rls_pb2_grpc
 from ..runner import Runner
@@ -163,6 +163,11 @@ class Server:
         service = self.ops.auth_service()
         #: ShouldRateLimit (Envoy's ratelimit filter) on the same flow
         ratelimit = self.ratelimit = RateLimitService(service.flow)
+        self.ops.panel.add(by_label_part(
+            "ratelimit_descriptors", "extauthz_ratelimit_descriptors", "Rate limit descriptors "
+            "(ShouldRateLimit) by what answered them: decided (a limiter), replaced (its limiter "
+            "switched off by another's replaces), unknown (none matched: allowed), unlimited.",
+            "result", ratelimit.door.counts))
         server: grpc.aio.Server | None = None
         try:
             if not is_off(self.config.http_listen):

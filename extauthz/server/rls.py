@@ -29,7 +29,7 @@ import grpc
 from ..answers import ratelimit_headers, retry_after_seconds
 from ..context import RawRequest, RequestContext
 from ..engine import Snapshot
-from ..policy.descriptors import Entries
+from ..policy.descriptors import Entries, replaced
 from ..policy.schema import MAX_COUNT, QuotaSpec, RequestRateSpec
 from ..proto import core_pb2, rls_pb2
 from ..verdict import Decision, Outcome, Verdict
@@ -122,16 +122,28 @@ class RateLimitDoor:
         self.unlimited = 0
         #: descriptors a limiter decided
         self.decided = 0
+        #: descriptors whose limiter another descriptor's ``replaces`` switched off
+        self.replaced = 0
+
+    def counts(self) -> dict[str, int]:
+        """Descriptors by what answered them (``extauthz_ratelimit_descriptors_total{result}``)."""
+        return {"decided": self.decided, "replaced": self.replaced, "unknown": self.unknown,
+                "unlimited": self.unlimited}
 
     async def should_rate_limit(self, request: rls_pb2.RateLimitRequest,
                                 context: grpc.aio.ServicerContext) -> rls_pb2.RateLimitResponse:
         snap = self.flow.engine.snapshot
         descriptors: list[Entries] = [tuple([(e.key, e.value) for e in d.entries]) for d in request.descriptors]
-        targets = snap.policy.descriptors.resolve(request.domain, descriptors)
+        table = snap.policy.descriptors
+        found = [table.lookup(request.domain, entries) for entries in descriptors]
+        targets = replaced(found)
         answers: list[Answer] = []
-        for d, entries, target in zip(request.descriptors, descriptors, targets, strict=True):
+        for d, entries, was, target in zip(request.descriptors, descriptors, found, targets, strict=True):
             if target is None:
-                self.unknown += 1
+                if was is None:
+                    self.unknown += 1
+                else:
+                    self.replaced += 1
                 answers.append(_NO_LIMIT)
             elif target.unlimited:
                 self.unlimited += 1

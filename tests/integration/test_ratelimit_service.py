@@ -117,12 +117,15 @@ async def test_replaces_unlimited_unknown_and_domain_mismatch(stub) -> None:
     assert codes(unlimited) == (OK, [OK] * 5) and unlimited.statuses[0].limit_remaining == 2**32 - 1
     door = srv.ratelimit.door if srv.ratelimit is not None else None
     assert door is not None
+    assert door.unknown == 0
     before = door.unknown
     unknown = await rls.ShouldRateLimit(ask("edge", [("user_agent", "x")], [("remote_address", "1"), ("a", "b")]),
                                         timeout=5)
     mismatch = await rls.ShouldRateLimit(ask("other", ip), timeout=5)
     assert codes(unknown) == (OK, [OK, OK]) and codes(mismatch) == (OK, [OK])
     assert door.unknown == before + 3
+    assert srv.ops.panel.status()["ratelimit_descriptors"] == door.counts() == {
+        "decided": 4, "replaced": 3, "unknown": 3, "unlimited": 5}
 
 
 async def test_shadow_mode_never_answers_over_limit(stub) -> None:
