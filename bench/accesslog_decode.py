@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from extauthz.answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD
+from extauthz.envoy.records import EXT_AUTHZ_NAMESPACE
 from extauthz.proto import accesslog_data_pb2, accesslog_pb2
-from extauthz.server.edge import EXT_AUTHZ_NAMESPACE
 
 CODECS = ("grpc", "fluentd")
 TAG = "extauthz.release"

@@ -3,7 +3,7 @@
 To add a configuration, add a row to ``SETUPS`` (and, if it belongs in a default run, its key
 to ``DEFAULT_SETUPS``); ``RATIOS`` and ``P99_ADDED`` list the comparisons the report shows
 besides each configuration's throughput relative to (a). A configuration is a stack:
-Envoy (``envoy_config`` from ``envoy/``, rendered by ``bench.stack.Running``), optionally the
+Envoy (the generator's config for the policy, ``bench.stack.Running``), optionally the
 extauthz server (policy from ``bench/policies``, ``server_args`` appended) and Redis.
 """
 
@@ -30,8 +30,6 @@ class Setup:
     loop: str = "uvloop"
     #: Envoy's gRPC access log buffered (16 KiB or this many ms) instead of flushed per entry
     accesslog_flush_ms: float | None = None
-    #: the Envoy config, a file in envoy/ (see extauthz.devtools.envoy_config.config_path)
-    envoy_config: str = "envoy.yaml"
     #: extra ``extauthz serve`` arguments
     server_args: tuple[str, ...] = ()
     #: Envoy's authorization protocol: "grpc", or "http" (the server also gets ``--http-listen``
@@ -53,7 +51,7 @@ class Setup:
     send_all_headers: bool = False
     #: Envoy's gRPC access log (the lease release path): "always" keeps the config file's,
     #: "auto" keeps it only when the policy holds a lease limiter, the rule of
-    #: ``extauthz envoy-config --access-log auto`` (extauthz.envoy_bootstrap.holds_leases);
+    #: ``extauthz envoy-config --access-log auto`` (extauthz.envoy.config.holds_leases);
     #: "fluentd": Envoy's fluentd access logger to ``serve --fluentd-listen`` instead
     access_log: str = "always"
 
@@ -77,33 +75,30 @@ SETUPS: dict[str, Setup] = {s.key: s for s in [
     Setup("d-aio", "(d) on asyncio (no uvloop)", policy="all-on", redis=True, loop="asyncio"),
     Setup("b-buf", "(b), access log buffered 5 ms", policy="noop", accesslog_flush_ms=5),
     Setup("d-buf", "(d), access log buffered 5 ms", policy="all-on", redis=True, accesslog_flush_ms=5),
-    Setup("h", "no-op, HTTP protocol (ceiling)", policy="noop", protocol="http",
-          envoy_config="envoy-http.yaml"),
-    Setup("hc", "4 limiters, embedded, HTTP", policy="all-on", protocol="http",
-          envoy_config="envoy-http.yaml"),
-    Setup("hd", "4 limiters, Redis, HTTP", policy="all-on", redis=True, protocol="http",
-          envoy_config="envoy-http.yaml"),
+    Setup("h", "no-op, HTTP protocol (ceiling)", policy="noop", protocol="http"),
+    Setup("hc", "4 limiters, embedded, HTTP", policy="all-on", protocol="http"),
+    Setup("hd", "4 limiters, Redis, HTTP", policy="all-on", redis=True, protocol="http"),
     # Issue 16 (r): one request_rate limiter on Redis, beside the Go peer's figures, on each
     # front door.
     Setup("r", "1 request_rate limiter, Redis", policy="rate-only", redis=True),
     # Issue 24: (rh) with the Envoy config its policy needs (no access log: it holds no lease);
     # (rhb) the same limiter with consistency: batched (bench/policies/rate-only-batched.yaml).
     Setup("rh", "1 request_rate limiter, Redis, HTTP", policy="rate-only", redis=True,
-          protocol="http", envoy_config="envoy-http.yaml", access_log="auto"),
+          protocol="http", access_log="auto"),
     Setup("rhb", "(rh), batched", policy="rate-only-batched", redis=True,
-          protocol="http", envoy_config="envoy-http.yaml", access_log="auto"),
+          protocol="http", access_log="auto"),
     # (hd) with request_rate and fleet_usage batched (all-on-batched.yaml).
     Setup("hdb", "(hd), rate + fleet batched", policy="all-on-batched", redis=True, protocol="http",
-          envoy_config="envoy-http.yaml", access_log="auto"),
+          access_log="auto"),
     # Issue 29: (hd) and (hdb) with one hot key (every request the same API key): the batched
     # four-limiter configuration against the exact one where grants matter most.
     Setup("hdk", "(hd), one hot key", policy="all-on", redis=True, protocol="http",
-          envoy_config="envoy-http.yaml", load="hot"),
+          load="hot"),
     Setup("hdbk", "(hdb), one hot key", policy="all-on-batched", redis=True, protocol="http",
-          envoy_config="envoy-http.yaml", access_log="auto", load="hot"),
+          access_log="auto", load="hot"),
     # (hd) with the releases through Envoy's fluentd access logger (msgpack over TCP).
     Setup("hdf", "(hd), releases over fluentd", policy="all-on", redis=True, protocol="http",
-          envoy_config="envoy-http.yaml", access_log="fluentd"),
+          access_log="fluentd"),
     # Access-log batching by measurement: 20 ms vs the shipped 5 ms (d) and entry by entry (d-buf0).
     Setup("d-buf20", "(d), access log buffered 20 ms", policy="all-on", redis=True,
           accesslog_flush_ms=20),

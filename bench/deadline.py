@@ -32,6 +32,7 @@ from extauthz.context import RawRequest
 from extauthz.engine import Engine
 from extauthz.policy import load_policy
 from extauthz.store.redis import RedisStore
+from extauthz.storegate import StoreGate
 from testinfra.redis_servers import start_cluster, start_single
 
 from .configs import POLICIES
@@ -40,7 +41,7 @@ from .configs import POLICIES
 async def one_run(url: str, policy: Path, deadline: float, seconds: float, concurrency: int,
                   keys: int) -> dict[str, Any]:
     store = RedisStore.from_url(url, deadline=deadline)
-    engine = Engine(store, load_policy([policy]), deadline=deadline)
+    engine = Engine(StoreGate(store, deadline), load_policy([policy]))
     try:
         await store.ping()
         for _ in range(300):  # warm-up: connections, scripts, the cluster's slot map
@@ -48,7 +49,7 @@ async def one_run(url: str, policy: Path, deadline: float, seconds: float, concu
             if d.leases:
                 engine.releaser.release(d.leases, d.lease_id, "access_log")
         engine.failures.clear()
-        engine.deadline_missed = dict.fromkeys(engine.deadline_missed, 0)
+        engine.gate.deadline_missed = dict.fromkeys(engine.gate.deadline_missed, 0)
         checks = refused = 0
         end = time.monotonic() + seconds
 
@@ -67,7 +68,7 @@ async def one_run(url: str, policy: Path, deadline: float, seconds: float, concu
         await asyncio.gather(*(caller(i) for i in range(concurrency)))
         await engine.releaser.drain()
         return {"checks": checks, "refused": refused, "seconds": seconds, "failures": dict(engine.failures),
-                "missed": dict(engine.deadline_missed), "breaker": engine.breaker_state}
+                "missed": dict(engine.gate.deadline_missed), "breaker": engine.gate.breaker_state}
     finally:
         await store.close()
 

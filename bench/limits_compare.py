@@ -28,6 +28,7 @@ from typing import Any
 from extauthz.context import RawRequest
 from extauthz.engine import Engine
 from extauthz.policy import load_policy
+from extauthz.storegate import StoreGate
 
 POLICY = """
 version: 1
@@ -66,7 +67,7 @@ async def store_rate(url: str, seconds: float, concurrency: int, users: int) -> 
         path.write_text(POLICY)
         policy = load_policy([str(path)])
     store = RedisStore.from_url(url, deadline=1.0)
-    engine = Engine(store, policy, deadline=1.0)
+    engine = Engine(StoreGate(store, 1.0), policy)
     raws = [RawRequest(method="GET", path="/v1/items", headers={"x-api-key": f"user-{u}"})
             for u in range(users)]
     refused = 0

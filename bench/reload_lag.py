@@ -122,10 +122,11 @@ async def reload_lag(directory: Path, text: str) -> tuple[Lag, PolicyWatcher]:
     from extauthz.policy import load_policy
     from extauthz.reload import PolicyWatcher
     from extauthz.store.memory import MemoryStore
+    from extauthz.storegate import StoreGate
 
     (directory / "api.yaml").write_text(SMALL)
     policy = load_policy([directory])
-    engine = Engine(MemoryStore(), policy)
+    engine = Engine(StoreGate(MemoryStore()), policy)
     watcher = PolicyWatcher([directory], engine.set_policy, current=policy)
     (directory / "api.yaml").write_text(text)
     gc.collect()  # as the server does once started (server/app.py run)

@@ -42,6 +42,7 @@ from extauthz.simulate.record import Recorder
 from extauthz.simulate.replay import Lane, Replay, run_now
 from extauthz.simulate.traffic import BadLines, Request, TrafficFile, read_traffic, write_lines
 from extauthz.store.memory import MemoryStore
+from extauthz.storegate import StoreGate
 
 ROOT = Path(__file__).resolve().parent.parent
 T0 = 1_732_420_000.0
@@ -102,7 +103,7 @@ def record_cost(policy: Any, n: int) -> dict[str, float]:
     clock = ManualClock(T0)
     with tempfile.TemporaryDirectory() as d:
         rec = Recorder(d, clock=clock)
-        engine = Engine(MemoryStore(clock), policy, clock=clock)
+        engine = Engine(StoreGate(MemoryStore(clock), clock=clock), policy)
         raws = [RawRequest("GET", "/v1/customers", "h", {"x-api-key": f"k{i % 500}"}, request_id=f"r{i}")
                 for i in range(n)]
         pairs = [run_now(engine.check(r)) for r in raws]

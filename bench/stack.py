@@ -10,9 +10,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from extauthz.devtools.envoy_config import config_path, render_config
+import yaml
+
+from extauthz.devtools.envoy_config import local_render
 from extauthz.devtools.envoy_process import EnvoyProcess
-from extauthz.devtools.stack import ServerProcess, free_port, policy_allowed_headers
+from extauthz.devtools.stack import ServerProcess, free_port
+from extauthz.envoy.config import GRPC_ACCESS_LOGGER, LocalRateLimit
+from extauthz.policy import load_policy
 
 from .configs import Options, Setup, policy_file
 from .procs import RedisServer, children, cpu_seconds, established_by_pid, free_port_block
@@ -81,35 +85,35 @@ class Running:
         return self
 
     def _start_envoy(self, extauthz_port: int) -> None:
+        self.envoy = EnvoyProcess(yaml.safe_dump(self._config(extauthz_port), sort_keys=False),
+                                  concurrency=self.setup.envoy_concurrency).start()
+
+    def _config(self, extauthz_port: int) -> dict[str, Any]:
+        """What the generator (``extauthz envoy-config``) gives this setup's policy with the
+        quick start's routes, Envoy answering ``200 ok`` itself, and the setup's variants."""
         s = self.setup
-        config = render_config(
-            config_path(s.envoy_config), listen_port=0, admin_port=0, extauthz=("127.0.0.1", extauthz_port),
-            upstream=("127.0.0.1", free_port()), otel=("127.0.0.1", free_port()),
-            extauthz_endpoints=s.workers if s.worker_ports else 1,
-            ext_authz_enabled=s.ext_authz, tracing_enabled=False, direct_response_upstream=True,
-            local_ratelimit={"max_tokens": 1_000_000_000} if s.local_ratelimit else None,
-            access_log_flush_ms=s.accesslog_flush_ms,
-            extauthz_http=("127.0.0.1", self.http_port) if s.protocol == "http" else None,
+        options: dict[str, Any] = {
+            "ext_authz": s.ext_authz, "tracing": None, "direct_response": True, "quickstart_routes": True,
+            "authz_endpoints": s.workers if s.worker_ports else 1,
+            "local_ratelimit": LocalRateLimit(max_tokens=1_000_000_000) if s.local_ratelimit else None,
             # what the policy reads, or (send_all_headers) every header, as Envoy does unlisted
-            allowed_headers=None if s.send_all_headers or not s.ext_authz else
-            policy_allowed_headers([policy_file(s)], s.protocol),
-            send_all_headers=s.send_all_headers,
-            access_log_enabled=self.access_log(),
-            fluentd=("127.0.0.1", self.fluentd_port) if s.access_log == "fluentd" else None,
-        )
-        self.envoy = EnvoyProcess(config, concurrency=s.envoy_concurrency).start()
+            "send_all_headers": s.send_all_headers,
+            # always, auto (only when the policy holds a lease) or fluentd (instead of the gRPC log)
+            "access_log": s.access_log}
+        if s.accesslog_flush_ms is not None:
+            options["access_log_flush_ms"] = s.accesslog_flush_ms
+        if s.access_log == "fluentd":
+            options["access_log_to"] = ("127.0.0.1", self.fluentd_port)
+        config: dict[str, Any] = yaml.safe_load(local_render(
+            load_policy([policy_file(s)]), protocol=s.protocol, grpc_port=extauthz_port,
+            http_port=self.http_port or extauthz_port, upstream_port=free_port(), **options))
+        return config
 
     def access_log(self) -> bool:
         """Whether Envoy sends the gRPC access log: always, or (``auto``) when the policy holds
-        a lease, as ``extauthz envoy-config --access-log auto`` decides."""
-        if self.setup.access_log == "always":
-            return True
-        if self.setup.access_log == "fluentd":
-            return False  # replaced by the fluentd logger
-        from extauthz.envoy_bootstrap import holds_leases
-        from extauthz.policy import load_policy
-
-        return holds_leases(load_policy([policy_file(self.setup)]))
+        a lease, as ``extauthz envoy-config --access-log auto`` decides (the generator says)."""
+        manager = self._config(1)["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        return any(log["name"] == GRPC_ACCESS_LOGGER for log in manager["typed_config"].get("access_log", []))
 
     def _wait_workers(self, timeout: float = 60.0) -> None:
         assert self.server is not None

@@ -62,6 +62,7 @@ from extauthz.policy import load_policy  # noqa: E402
 from extauthz.store.base import Store  # noqa: E402
 from extauthz.store.memory import MemoryStore  # noqa: E402
 from extauthz.store.redis import RedisStore  # noqa: E402
+from extauthz.storegate import StoreGate  # noqa: E402
 from testinfra.redis_servers import start_cluster, start_single  # noqa: E402
 
 POLICY = """\
@@ -164,14 +165,14 @@ async def one_run(config: str, concurrency: int, seconds: float, url: str | None
         store = RedisStore.from_url(url or "", deadline=deadline, batching=config.endswith("+batch"),
                                     lean=not config.startswith("redis-py"),
                                     releases_ride=not config.startswith("redis-py"))
-    engine = Engine(store, policy, deadline=deadline)
+    engine = Engine(StoreGate(store, deadline), policy)
     run = Run(config, concurrency)
     try:
         # Warm up with a generous deadline (connections opened, scripts loaded): a
         # fail-open there would open the circuit breaker for the measured run.
-        engine.deadline = 5.0
+        engine.gate.deadline = 5.0
         await drive(engine, Run(config, concurrency), 0.2)
-        engine.deadline = deadline
+        engine.gate.deadline = deadline
         engine.failures.clear()
         if isinstance(store, RedisStore):
             before = redis_counters(clients)
@@ -209,7 +210,7 @@ async def flood_run(mode: str, url: str, clients: list[redis.Redis], policy_path
     from extauthz.limiters import RequestRateLimiter
 
     store = RedisStore.from_url(url, deadline=1.0)
-    engine = Engine(store, load_policy([policy_path]), deadline=1.0)
+    engine = Engine(StoreGate(store, 1.0), load_policy([policy_path]))
     if mode == "flood-nocache":
         for lim in engine.snapshot.limiters:
             if isinstance(lim, RequestRateLimiter):
@@ -338,7 +339,7 @@ async def measure_memory(url: str, clients: list[redis.Redis], policy_path: Path
         c.flushall()
     policy = load_policy([policy_path])
     store = RedisStore.from_url(url, deadline=1.0)
-    engine = Engine(store, policy, deadline=1.0)
+    engine = Engine(StoreGate(store, 1.0), policy)
     used_before = sum(int(c.info("memory")["used_memory"]) for c in clients)
     try:
         for start in range(0, USERS, 500):

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from .store.base import Store
     from .store.memory import MemoryStore
     from .store.redis import RedisStore
+    from .storegate import StoreGate
     from .tiers import Tier
     from .verdict import Decision, Mode, Outcome, Verdict
 
@@ -51,6 +52,7 @@ _HOMES = {
     "Store": ".store.base",
     "MemoryStore": ".store.memory",
     "RedisStore": ".store.redis",
+    "StoreGate": ".storegate",
     "ExtauthzError": ".errors",
     "PolicyError": ".errors",
     "PolicyIssue": ".errors",
@@ -77,6 +79,7 @@ __all__ = [
     "RequestContext",
     "Store",
     "StoreError",
+    "StoreGate",
     "StoreInternalError",
     "StoreTimeout",
     "StoreUnavailable",

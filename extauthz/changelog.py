@@ -151,28 +151,43 @@ async def read_history(store: Store, key: str, since: float = 0.0) -> list[Chang
 
 
 class ChangeLog:
-    """A server's side: log, keep the last :data:`RECENT`, append to the store's log."""
+    """Where every change is recorded, whoever made it (the one writer:
+    :class:`~extauthz.control.StoreControl`): keep the last :data:`RECENT` (a server's
+    ``/status``), log it (``log_changes``: a server's logs; a command run by hand prints its own
+    result instead) and append it to the store's log. A store that does not take the record
+    is counted and logged (without ``log_changes``: kept in :attr:`failed` for the command to
+    say): the change itself has landed."""
 
-    def __init__(self, store: Store, key: str, *, wall: Any = time.time) -> None:
+    def __init__(self, store: Store, key: str, *, wall: Any = time.time, log_changes: bool = True) -> None:
         self.store = store
         self.key = key
         self.wall = wall
+        self.log_changes = log_changes
         self.recent: deque[Change] = deque(maxlen=RECENT)
         #: changes that could not be added to the store's log (the change itself landed)
         self.errors = 0
+        #: the last record the store did not take, and why (what a command says on stderr)
+        self.failed: str | None = None
 
     async def record(self, change: Change) -> Change:
         change = Change(**{**change.to_dict(), "at": change.at or self.wall()})
         self.recent.append(change)
-        log.warning("%s by %s: %s", change.describe(), change.who, change.reason or "(no reason)",
-                    extra={"fields": {"event": "admin_change", **change.to_dict()}})
+        if self.log_changes:
+            log.warning("%s by %s: %s", change.describe(), change.who, change.reason or "(no reason)",
+                        extra={"fields": {"event": "admin_change", **change.to_dict()}})
         try:
             await append_change(self.store, self.key, change)
         except StoreError as exc:
             self.errors += 1
-            log.error("the change log in the store did not take %s: %s", change.describe(), exc,
-                      extra={"fields": {"event": "change_log_failed", "error": str(exc)}})
+            self.failed = f"{change.describe()}: {exc}"
+            if self.log_changes:
+                log.error("the change log in the store did not take %s: %s", change.describe(), exc,
+                          extra={"fields": {"event": "change_log_failed", "error": str(exc)}})
         return change
+
+    async def read(self) -> list[Change]:
+        """The store's log, oldest first. Raises StoreError."""
+        return await read_history(self.store, self.key)
 
     def status(self) -> list[dict[str, Any]]:
         return [c.to_dict() for c in self.recent]

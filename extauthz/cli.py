@@ -27,7 +27,7 @@ from .simulate.cli import add_parser as add_simulate_parser
 from .simulate.cli import cmd_simulate
 
 if TYPE_CHECKING:
-    from .envoy_bootstrap import TlsFiles
+    from .envoy.blocks import TlsFiles
     from .policy.model import Policy
 
 
@@ -89,6 +89,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_check_policies(args: argparse.Namespace) -> int:
+    from .envoy.rlqs import envoy_limiters
     from .errors import PolicyError
     from .policy import load_policy
 
@@ -101,7 +102,9 @@ def cmd_check_policies(args: argparse.Namespace) -> int:
             for issue in exc.issues:
                 print(f"error: {issue}", file=sys.stderr)
         else:
-            names = ", ".join(f"{s.name} ({s.type}, {s.mode})" for s in policy.limiters) or "no limiters"
+            in_envoy = {s.name for s in envoy_limiters(policy)}  # docs/rlqs.md
+            names = ", ".join(f"{s.name} ({s.type}, {s.mode}{' in envoy' if s.name in in_envoy else ''})"
+                              for s in policy.limiters) or "no limiters"
             print(f"ok: {path} (version {policy.version}): {names}")
     return 1 if failed else 0
 
@@ -137,7 +140,7 @@ def _policy_or_errors(paths: list[str]) -> Policy | None:
 
 
 def cmd_envoy_allowed_headers(args: argparse.Namespace) -> int:
-    from .server.httpmap import allowed_headers
+    from .envoy.headers import allowed_headers
 
     policy = _policy_or_errors(list(args.policies))
     if policy is None:
@@ -196,7 +199,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_envoy_config(args: argparse.Namespace) -> int:
-    from .envoy_bootstrap import JwtProvider, TlsFiles, jwks_from_file, render
+    from .envoy.config import JwtProvider, TlsFiles, jwks_from_file, render
 
     policy = _policy_or_errors(list(args.policies))
     if policy is None:
@@ -223,7 +226,8 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
             listen_port=args.listen_port, access_log=args.access_log,
             tls=TlsFiles(*tls_files) if all(tls_files) else None,
             tracing=_host_port("--tracing", args.tracing) if args.tracing else None,
-            quickstart_routes=args.quickstart_routes, jwt=jwt, check_budget_ms=args.check_budget_ms)
+            quickstart_routes=args.quickstart_routes, jwt=jwt, check_budget_ms=args.check_budget_ms,
+            rlqs=args.rlqs)
     except ValueError as exc:
         print(f"extauthz envoy-config: {exc}", file=sys.stderr)
         return 2
@@ -233,12 +237,12 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
 
 
 def _ratelimit_config(args: argparse.Namespace, policy: Policy, tls: TlsFiles | None) -> str:
-    """``envoy-config --protocol ratelimit`` (extauthz/envoy_ratelimit.py)."""
-    from .envoy_ratelimit import render as render_ratelimit
+    """``envoy-config --protocol ratelimit`` (extauthz/envoy/ratelimit.py)."""
+    from .envoy.ratelimit import render as render_ratelimit
 
-    if args.jwt_issuer or args.tracing or args.quickstart_routes or args.access_log != "auto":
-        raise ValueError("--jwt-*, --tracing, --quickstart-routes and --access-log are for the ext_authz "
-                         "protocols (grpc, http)")
+    if args.jwt_issuer or args.tracing or args.quickstart_routes or args.access_log != "auto" or args.rlqs:
+        raise ValueError("--jwt-*, --tracing, --quickstart-routes, --access-log and --rlqs are for the "
+                         "ext_authz protocols (grpc, http)")
     headers: dict[str, str] = {}
     for item in args.descriptor_header or ():
         key, sep, header = item.partition("=")
@@ -257,7 +261,7 @@ def _warn_unreadable(protocol: str, policy: Policy) -> None:
     """On the HTTP protocol, a ``warning:`` line for each part the policy reads that it cannot
     carry (``envoy-config`` and ``k8s`` alike)."""
     if protocol == "http":
-        from .server.httpmap import unreadable_over_http
+        from .envoy.headers import unreadable_over_http
 
         for problem in unreadable_over_http(policy):
             print(f"warning: {problem}", file=sys.stderr)
@@ -293,6 +297,13 @@ def cmd_k8s(args: argparse.Namespace) -> int:
             skip_paths=tuple(args.skip_path or ()), fail_closed=args.fail_closed)
     except ValueError as exc:
         print(f"extauthz k8s: {exc}", file=sys.stderr)
+        return 2
+    from .envoy.rlqs import envoy_limiters
+
+    if in_envoy := [s.name for s in envoy_limiters(policy)]:
+        print(f"extauthz k8s: the policy enforces {', '.join(in_envoy)} in Envoy (enforce: envoy), and these "
+              "resources carry no rate limit quota filter: nothing would enforce them (docs/rlqs.md)",
+              file=sys.stderr)
         return 2
     _warn_unreadable(args.protocol, policy)
     sys.stdout.write(render(policy, wiring))
@@ -426,6 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an accepted audience (repeat for several; default: any)")
     p.add_argument("--jwt-jwks-file", metavar="PATH", default=None,
                    help="the issuer's JWKS (JSON), inlined into the config")
+    p.add_argument("--rlqs", action="store_true",
+                   help="the rate limit quota filter for the policy's enforce: envoy limiters, before "
+                   "ext_authz: Envoy holds their tokens and streams usage to the server's gRPC port, "
+                   "which divides each limit (docs/rlqs.md); needed when the policy has such limiters")
     settings.add_shared(p, ("check_budget_ms",), {"check_budget_ms": (
         "the server's check budget (serve --check-budget-ms): Envoy's ext_authz timeout is this "
         f"plus {settings.ENVOY_MARGIN_MS:.0f} ms, so that the server decides before Envoy fails the check open")})

@@ -1,16 +1,21 @@
 """The operator's control interface: switches, overrides, the change log, the dark-launch
-report and status, behind one :class:`Control` with two implementations, so the CLI
-(:mod:`extauthz.opscli`) states no rule of its own:
+report and status, behind one :class:`Control`. The rules are written once, in
+:class:`StoreControl`, the one control path:
 
-* :class:`AdminControl` talks to a running server's admin port
-  (:mod:`extauthz.server.admin`), which applies the rules with its own policy.
-* :class:`StoreControl` works on the store itself (the fleet's Redis, from the CLI): the
-  same stored documents (:mod:`extauthz.switches`, :mod:`extauthz.overrides`), the same
-  checks against a policy when one is given, the same change log.
+* :class:`StoreControl` works in process on the stored documents (:mod:`extauthz.switches`,
+  :mod:`extauthz.overrides`) with the policy it is given: a switch names a limiter of the
+  policy, an override the policy would not apply is refused, and every change is recorded
+  in one place, the change log (:class:`~extauthz.changelog.ChangeLog`), with who made it
+  (:class:`Actor`). The admin routes (:mod:`extauthz.server.admin`) call the server's
+  (:class:`~extauthz.server.fleetstate.ReplicaControl`: the live policy, the replica's boards);
+  ``extauthz switch|override ... --redis-url`` builds one on the fleet's Redis with the
+  policy of ``--policies``, or none: then names are checked for their form only, and
+  ``switch`` says so on stderr.
+* :class:`AdminControl` is the CLI's client of those admin routes.
 
 Both answer with the admin port's JSON shapes (``{"switches": ...}``,
 ``{"overrides": [...], "max": N}``). Every failure is a :class:`ControlError` with a message
-for people (a store error included).
+for people (a store error included): the same words on both paths.
 """
 
 from __future__ import annotations
@@ -21,16 +26,17 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 from . import __version__
-from .changelog import Change, append_change, parse_history, read_history, text_problem
-from .errors import StoreError
+from .changelog import Change, ChangeLog, parse_history, text_problem
+from .documents import Held, Stored
+from .errors import StoreError, did_you_mean
 from .store.base import Store
 from .store.keys import Keys
-from .switches import SwitchDocument, with_switch
+from .switches import GLOBAL, SwitchDocument, Switches, limiter_modes, valid_name, with_switch
 from .verdict import Mode
 
 if TYPE_CHECKING:  # StoreControl imports them when built: the admin port's client starts without the policy's models
@@ -43,6 +49,43 @@ R = TypeVar("R")
 
 class ControlError(Exception):
     """A refused or failed control request; the message says why."""
+
+
+class UnknownLimiter(ControlError):
+    """A switch for a limiter the policy does not have (404 on the admin port)."""
+
+    def __init__(self, name: str, known: Iterable[str]) -> None:
+        self.known = sorted(known)
+        super().__init__(f"no limiter named {name!r} in the policy{did_you_mean(name, self.known)}")
+
+
+class StoreFailed(ControlError):
+    """The store did not answer or take the change (503 on the admin port)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Actor:
+    """Who makes a change and why, as the change log records it: the admin token's name (None
+    without a token; ``""`` for a bare token), the user the client names (the CLI's OS user or
+    ``--by``: the server cannot check it), and the reason given."""
+
+    token: str | None
+    user: str
+    reason: str
+
+    @property
+    def by(self) -> str | None:
+        return self.token or None
+
+
+class Checks(NamedTuple):
+    """What changes are checked against: the policy's limiters (a switch names one, an
+    override must apply to one), its identity rule labels (an override is hashed for one) and
+    the policy itself when known (the limiters' types and modes)."""
+
+    limiters: Sequence[Limiter]
+    labels: Sequence[str] | None
+    policy: Policy | None
 
 
 class Control(Protocol):
@@ -198,15 +241,32 @@ class AdminControl:
         return dict(self._call("GET", f"/customers/{urllib.parse.quote(identity, safe='')}{query}"))
 
 
-# -- the store ----------------------------------------------------------------------------
+# -- in process: the one control path ---------------------------------------------------
+
+
+def check_switch(name: str, limiters: Sequence[Limiter] | None, *, clearing_set: bool = False) -> None:
+    """Refuse a switch name that is malformed or, with the policy's ``limiters``, names none
+    of them (``*``, the global switch, names no limiter). ``clearing_set``: the switch is set
+    and being cleared, which is always allowed (one a reload's rename left behind would apply
+    again if the name came back). The rule of :class:`StoreControl`, and of the CLI given
+    --policies before it sends a switch to set."""
+    if not valid_name(name):
+        raise ControlError(f"bad switch name {name!r}")
+    if limiters is not None and name != GLOBAL and not clearing_set:
+        known = {lim.name for lim in limiters}
+        if name not in known:
+            raise UnknownLimiter(name, known)
 
 
 @dataclass
 class StoreControl:
-    """:class:`Control` on the store every replica reads. ``limiters`` and ``labels`` (the
-    policy's limiters and identity rule labels, when the caller has the policy): an override
-    that would not apply is refused, and listings say which apply. Changes are recorded in
-    the change log as made by ``user`` for ``reason``, ``via`` the store."""
+    """:class:`Control` in process, on the documents every replica reads: here the store's
+    (``extauthz ... --redis-url``; the server's admin routes use its subclass
+    :class:`~extauthz.server.fleetstate.ReplicaControl`). ``limiters`` and ``labels`` (the
+    policy's limiters and identity rule labels, when the caller has the policy): a switch for
+    another limiter and an override that would not apply are refused, and listings say which
+    apply; without them names are checked for their form only. Changes are recorded in the
+    change log as made by ``user`` for ``reason``, ``via`` the store."""
 
     store: Store
     keys: Keys
@@ -215,8 +275,11 @@ class StoreControl:
     user: str = ""
     reason: str = ""
     wall: Callable[[], float] = time.time
-    #: the fleet's policy (``inspect``: which limiters, with which numbers)
+    #: the fleet's policy (``inspect``: which limiters, with which numbers; ``switch --list``:
+    #: their modes)
     policy: Policy | None = None
+    #: how the change reached the store, as the change log says (``redis``, ``admin``)
+    via: str = "redis"
 
     def __post_init__(self) -> None:
         problem = text_problem(self.reason, "the reason") or text_problem(self.user, "the user")
@@ -224,71 +287,109 @@ class StoreControl:
             raise ControlError(problem)
         from .overrides import OverrideDocument
 
-        self.switch_doc = SwitchDocument(self.keys.switches)
-        self.override_doc = OverrideDocument(self.keys)
+        self.switch_doc: Held[Switches] = Stored(self.store, SwitchDocument(self.keys.switches), wall=self.wall)
+        self.override_doc: Held[list[Override]] = Stored(self.store, OverrideDocument(self.keys), wall=self.wall)
+        #: a command prints its own result: the change log's record goes to the store only
+        self.changes = ChangeLog(self.store, self.keys.history, wall=self.wall, log_changes=False)
 
     @property
     def where(self) -> str:
         return "redis"
 
-    async def _store(self, call: Awaitable[R]) -> R:
+    def checks(self) -> Checks | None:
+        """The policy changes are checked against, or None (names checked for form only)."""
+        if self.limiters is None:
+            return None
+        return Checks(self.limiters, self.labels, self.policy)
+
+    def actor(self) -> Actor:
+        """Who makes the change being made."""
+        return Actor(token=None, user=self.user, reason=self.reason)
+
+    def limiter_kind(self, name: str) -> str | None:
+        """The type of the policy's limiter ``name`` (an override's numbers are that kind's),
+        or None when unknown."""
+        checks = self.checks()
+        policy = checks.policy if checks is not None else None
+        if policy is None:
+            return None
+        return next((spec.type for spec in policy.limiters if spec.name == name), None)
+
+    async def _store(self, call: Awaitable[R], failing: str) -> R:
         try:
             return await call
         except StoreError as exc:
-            raise ControlError(f"{type(exc).__name__}: {exc}") from None
+            raise StoreFailed(f"{failing}: {type(exc).__name__}: {exc}") from None
 
     async def _record(self, kind: str, action: str, target: str, value: Any,
-                      expires_at: float | None = None) -> None:
-        """A change made straight on the store goes to the fleet's change log too (no token:
-        ``by`` is empty, ``user`` the OS user or --by)."""
+                      expires_at: float | None = None, reason: str = "") -> None:
+        """Record a change that landed, with who made it and why (``reason``: the one an
+        override carries, when the actor gave none): the one place every change is logged."""
         from .server.admintokens import TEXT_MAX
 
-        await self._store(append_change(self.store, self.keys.history, Change(
-            kind=kind, action=action, target=target, value=value, reason=self.reason[:TEXT_MAX],
-            user=self.user[:TEXT_MAX], at=self.wall(), via="redis", expires_at=expires_at)))
+        who = self.actor()
+        await self.changes.record(Change(
+            kind=kind, action=action, target=target, value=value, reason=(who.reason or reason)[:TEXT_MAX],
+            by=who.by, user=who.user[:TEXT_MAX], at=self.wall(), via=self.via, expires_at=expires_at))
+
+    # -- switches -------------------------------------------------------------------------
+    def _switch_rows(self, current: Switches) -> dict[str, Any]:
+        out: dict[str, Any] = {"switches": current.to_dict()}
+        checks = self.checks()
+        if checks is not None and checks.policy is not None:
+            out["limiters"] = limiter_modes(current, checks.policy.limiters)
+        return out
 
     async def switches(self) -> dict[str, Any]:
         try:
-            current = await self._store(self.switch_doc.read(self.store))
+            current = await self._store(self.switch_doc.read(), "cannot read the switches")
         except ValueError as exc:
             raise ControlError(f"malformed switches in the store: {exc}") from None
-        return {"switches": current.to_dict()}
+        return self._switch_rows(current)
 
     async def set_switch(self, name: str, mode: Mode | None) -> dict[str, Any]:
-        from .switches import valid_name
+        checks = self.checks()
+        limiters = checks.limiters if checks is not None else None
+        check_switch(name, limiters if mode is not None else None)  # refused before any store call
 
-        if not valid_name(name):
-            raise ControlError(f"bad switch name {name!r}")
-        new, _ = await self._store(self.switch_doc.change(
-            self.store, lambda current: with_switch(current, name, mode), self.wall()))
+        def edit(current: Switches) -> Switches:
+            if mode is None:  # a clear: checked against what is set
+                check_switch(name, limiters, clearing_set=name in current.to_dict())
+            return with_switch(current, name, mode)
+
+        new = await self._store(self.switch_doc.update(edit), "the store did not take the change")
         await self._record("switch", "clear" if mode is None else "set", name,
                            None if mode is None else mode.value)
-        return {"switches": new.to_dict()}
+        return self._switch_rows(new)
 
+    # -- overrides ------------------------------------------------------------------------
     def _rows(self, entries: Sequence[Override], now: float) -> dict[str, Any]:
         from .overrides import MAX_OVERRIDES, compile_overrides, describe
 
-        not_applied = (compile_overrides(entries, self.limiters, now, self.labels)[1]
-                       if self.limiters is not None else None)
+        checks = self.checks()
+        not_applied = (compile_overrides(entries, checks.limiters, now, checks.labels)[1]
+                       if checks is not None else None)
         return {"overrides": describe(entries, not_applied, now), "max": MAX_OVERRIDES}
 
     async def overrides(self) -> dict[str, Any]:
         try:
-            entries = await self._store(self.override_doc.read(self.store))
+            entries = await self._store(self.override_doc.read(), "cannot read the overrides")
         except ValueError as exc:
             raise ControlError(f"malformed overrides in the store: {exc}") from None
         return self._rows(entries, self.wall())
 
     async def set_override(self, new: Override) -> dict[str, Any]:
+        """Raises OverrideError (refused: nothing is written) or StoreFailed."""
         from .overrides import refuse_unapplied, with_override
 
-        if self.limiters is not None:
-            refuse_unapplied(new, self.limiters, self.labels)
+        checks = self.checks()
+        if checks is not None:
+            refuse_unapplied(new, checks.limiters, checks.labels)
         now = self.wall()
-        entries, _ = await self._store(self.override_doc.change(
-            self.store, lambda e: with_override(e, new, now), now))
+        entries = await self._store(self.override_doc.update(lambda e: with_override(e, new, now)),
+                                    "the store did not take the change")
         await self._record("override", "set", f"{new.limiter} {new.identity}", dict(new.numbers),
-                           new.expires_at)
+                           new.expires_at, new.reason)
         return self._rows(entries, now)
 
     async def clear_override(self, limiter: str, identity: str) -> dict[str, Any] | None:
@@ -302,14 +403,15 @@ class StoreControl:
             out, found = without_override(entries, limiter, identity, now)
             return out
 
-        entries, _ = await self._store(self.override_doc.change(self.store, clear, now))
+        entries = await self._store(self.override_doc.update(clear), "the store did not take the change")
         if not found:
             return None
         await self._record("override", "clear", f"{limiter} {identity}", None)
         return self._rows(entries, now)
 
+    # -- reading --------------------------------------------------------------------------
     async def history(self) -> list[Change]:
-        return await self._store(read_history(self.store, self.keys.history))
+        return await self._store(self.changes.read(), "cannot read the change log")
 
     async def shadow_report(self, window: float, top: int) -> dict[str, Any]:
         from .observe.shadow import report_from_events
@@ -319,27 +421,33 @@ class StoreControl:
         if not isinstance(self.store, RedisStore):
             raise ControlError("the shadow log is read from Redis or a server's admin port")
         since = self.wall() - window
-        events = await self._store(read_events(self.store.client, self.keys.shadow_log, since))
+        events = await self._store(read_events(self.store.client, self.keys.shadow_log, since),
+                                   "cannot read the shadow log")
         return report_from_events(events, window=window, since=since, top=top)
 
     async def status(self) -> dict[str, Any]:
         raise ControlError("status comes from a server's admin port (--admin or --listen)")
 
-    async def customer(self, identity: str, plan: str | None) -> dict[str, Any]:
+    async def _customer(self, identity: str, plan: str | None) -> dict[str, Any]:
+        """One customer's view on the documents and the store (policy required)."""
         from .inspect import customer_view
 
-        if self.policy is None or self.limiters is None:
+        checks = self.checks()
+        if checks is None or checks.policy is None:
             raise ControlError("with --redis-url, --policies names the fleet's policy (its limiters and numbers)")
         try:
-            switches = await self._store(self.switch_doc.read(self.store))
-            entries = await self._store(self.override_doc.read(self.store))
+            switches = await self._store(self.switch_doc.read(), "cannot read the store")
+            entries = await self._store(self.override_doc.read(), "cannot read the store")
         except ValueError as exc:
             raise ControlError(f"malformed switches or overrides in the store: {exc}") from None
         try:
-            view = await self._store(customer_view(
-                identity, policy=self.policy, limiters=self.limiters, store=self.store, keys=self.keys,
-                overrides=entries, switches=switches, wall=self.wall(), plan=plan))
-        except ValueError as exc:
+            return await self._store(customer_view(
+                identity, policy=checks.policy, limiters=checks.limiters, store=self.store, keys=self.keys,
+                overrides=entries, switches=switches, wall=self.wall(), plan=plan), "cannot read the store")
+        except ValueError as exc:  # a bad hash or plan
             raise ControlError(str(exc)) from None
+
+    async def customer(self, identity: str, plan: str | None) -> dict[str, Any]:
+        view = await self._customer(identity, plan)
         view["recent_refusals"] = {"covers": "kept by each server (its admin port): not in the store"}
         return view

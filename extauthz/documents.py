@@ -8,15 +8,18 @@ Written once here, for both:
   ValueError) and dumps (with the key's TTL), and optionally a **version key** that changes
   with every change, so that a replica reads the (larger) value only when it changed. Without
   a version key the value is its own version.
-* :meth:`Document.change` is the one writer (the admin port, the CLI on Redis): a
+* :meth:`Document.change` is the one writer (through :class:`Held` documents, by the one
+  control path :class:`~extauthz.control.StoreControl`: the admin port, the CLI on Redis): a
   compare-and-set through :func:`~extauthz.store.base.update_value`, so two operators changing
   the document in the same instant both land. A stored value that does not parse is replaced
   (the replicas already ignore it).
-* :class:`Board` is a replica's side: :meth:`Board.poll_once` reads the version and, when it
-  moved, the value, and hands it to the engine (``apply``); a store error or a malformed value
+* :class:`Stored` is a document on the store, read and changed from outside a replica (the
+  CLI on Redis); :class:`Board` is a replica's side: :meth:`Board.poll_once` reads the version
+  and, when it moved, the value, and hands it to the engine (``apply``); a store error or a malformed value
   keeps the current document (logged once per streak / per version). :meth:`Board.update`
   changes the stored document and applies it here at once. :meth:`Board.status` reports the
-  poll's errors and updates.
+  poll's errors and updates. Both are a :class:`Held` document (``read``, ``update``): the
+  control path (:class:`~extauthz.control.StoreControl`) takes either.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from .errors import StoreError
 from .store.base import Store, update_value
@@ -104,6 +107,33 @@ class Document(Generic[T]):
         return self.parse(await store.get_value(self.key))
 
 
+class Held(Protocol[T]):
+    """A document as someone holding it reads and changes it."""
+
+    async def read(self) -> T:
+        """The document. Raises StoreError, ValueError (malformed)."""
+
+    async def update(self, edit: Callable[[T], T]) -> T:
+        """Change the stored document; the new one. Raises StoreError; whatever ``edit``
+        raises (a refusal)."""
+
+
+class Stored(Generic[T]):
+    """A :class:`Held` document read and changed on the store itself (nothing applied here)."""
+
+    def __init__(self, store: Store, document: Document[T], *, wall: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.document = document
+        self.wall = wall
+
+    async def read(self) -> T:
+        return await self.document.read(self.store)
+
+    async def update(self, edit: Callable[[T], T]) -> T:
+        new, _ = await self.document.change(self.store, edit, self.wall())
+        return new
+
+
 class Board(Generic[T]):
     """A replica's copy of a stored document, kept in step with the store and applied to
     the engine (``apply``)."""
@@ -176,6 +206,10 @@ class Board(Generic[T]):
             self._set(parsed, "store", force=doc.version_key is not None)
         elif self.wall() >= self._next_expiry:
             self._set(self.current, "expiry", force=True)
+        return self.current
+
+    async def read(self) -> T:
+        """What this replica applies (no store read: never raises)."""
         return self.current
 
     async def update(self, edit: Callable[[T], T]) -> T:

@@ -20,6 +20,7 @@ from typing import Any
 
 from .classify import valid_hash
 from .limiters.base import Limiter, PerCustomer
+from .limiters.grants import GrantTable
 from .limiters.quota import QuotaLimiter
 from .overrides import Override, compile_overrides, live
 from .policy.model import Policy
@@ -112,8 +113,8 @@ def held_grants(view: dict[str, Any], limiters: Sequence[Limiter], keys: Keys, w
     by_name: Mapping[str, Limiter] = {lim.name: lim for lim in limiters}
     for row in view["limiters"]:
         lim = by_name.get(row["limiter"])
-        grants = getattr(lim, "grants", None)
-        if grants is None or "live" not in row:
+        grants = lim.grants if lim is not None else None
+        if not isinstance(grants, GrantTable) or "live" not in row:  # the keyed limiters' tables
             continue
         if row["type"] == "request_rate":
             key = keys.bucket(row["limiter"], identity)

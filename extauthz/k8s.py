@@ -10,9 +10,9 @@
   log), an ``AuthorizationPolicy`` with ``action: CUSTOM``, and the ``Telemetry`` that turns the
   access log on.
 
-The header lists are :func:`server.httpmap.allowed_headers` (``extauthz envoy-allowed-headers``)
+The header lists are :func:`envoy.headers.allowed_headers` (``extauthz envoy-allowed-headers``)
 less what the control plane cannot make trustworthy; the timeouts are
-:func:`envoy_bootstrap.authz_timeout`; the answer headers are the ones ``envoy-config`` lets
+:func:`envoy.blocks.authz_timeout`; the answer headers are the ones ``envoy-config`` lets
 through. The files in ``helm/extauthz/examples/`` (envoy-gateway/, istio/, istio-sidecar/,
 istio-ambient/) are this output for the command line their test names
 (tests/unit/test_k8s.py); tests/e2e/test_envoy_gateway_e2e.py, test_istio_e2e.py and
@@ -31,15 +31,16 @@ from typing import Any
 import yaml
 
 from .answers import TIER_HEADER
-from .envoy_bootstrap import (
+from .envoy.blocks import authz_timeout
+from .envoy.config import DEFAULT_AUTHZ, holds_leases
+from .envoy.headers import (
     CLIENT_HEADERS_ON_DENY,
     CLIENT_HEADERS_ON_SUCCESS,
-    DEFAULT_AUTHZ,
-    authz_timeout,
-    holds_leases,
+    JWT_PAYLOAD_HEADER,
+    ROUTE_TIER_HEADER,
+    allowed_headers,
 )
 from .policy.model import Policy
-from .server.httpmap import JWT_PAYLOAD_HEADER, ROUTE_TIER_HEADER, allowed_headers
 from .settings import CHECK_BUDGET_MS, K8S_TARGETS
 
 __all__ = ["TARGETS", "Wiring", "headers_to_check", "reads_gateway_route_metadata", "render", "resources"]

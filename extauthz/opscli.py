@@ -187,6 +187,12 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("name", nargs="?", help="a limiter name, or '*' for the global switch")
     p.add_argument("mode", nargs="?", choices=[*(m.value for m in Mode), CLEAR],
                    help="enforce | shadow | off | clear")
+    p.add_argument("--policies", nargs="+", default=None,
+                   help="the fleet's policy: a switch to set must name one of its limiters (refused before "
+                   "anything is sent, as the admin port checks against its own; a switch that is set can "
+                   "always be cleared), and with --redis-url "
+                   "--list shows their modes; with --redis-url and without it the name is checked "
+                   "for its form only, with a warning")
     _add_change(p)
 
     p = sub.add_parser(
@@ -378,10 +384,17 @@ def _with_control(args: argparse.Namespace, go: Callable[[Control], Coroutine[An
 
         store = RedisStore.from_url(url, deadline=0.2)
         try:
-            return await go(StoreControl(store, Keys(args.key_prefix), limiters=limiters, labels=labels,
-                                         user=user, reason=reason, policy=policy))
+            control = StoreControl(store, Keys(args.key_prefix), limiters=limiters, labels=labels,
+                                   user=user, reason=reason, policy=policy)
+            result = await go(control)
         finally:
             await store.close()
+        if control.changes.failed is not None:  # the change landed: said, exit 0
+            parts = (getattr(args, "command", ""), getattr(args, "action", None))
+            command = " ".join(str(part) for part in parts if part)
+            print(warning_line(command, "the change landed, but the store's change log did not take its "
+                               f"record ({control.changes.failed})"), file=sys.stderr)
+        return result
 
     return asyncio.run(on_redis())
 
@@ -405,22 +418,39 @@ def cmd_switch(args: argparse.Namespace) -> int:
 
 
 def _switch(args: argparse.Namespace) -> int:
-    from .switches import valid_name
+    from .control import check_switch
+    from .switches import GLOBAL
 
     if args.list:
         if args.name or args.mode:
             raise CliError("--list takes no name or mode")
     elif not args.name or not args.mode:
         raise CliError("usage: extauthz switch NAME|'*' enforce|shadow|off|clear (or --list)")
-    elif not valid_name(args.name):
-        raise CliError(f"bad switch name {args.name!r}")
+    else:
+        check_switch(args.name, None)  # its form, before anything is loaded or sent
     mode = None if args.mode in (None, CLEAR) else Mode(args.mode)
+    policy = _load_policy(args.policies)
+    limiters = None
+    if policy is not None:
+        from .limiters import build_limiters
+        from .store.keys import Keys
+
+        limiters = build_limiters(policy, Keys(args.key_prefix))
+        # a switch to set is refused here, before anything is sent (the control's own rule); a
+        # clear is checked by the control, against the switches that are set
+        if mode is not None:
+            check_switch(args.name, limiters)
+    elif not args.list and args.name != GLOBAL and redis_url(args):
+        print(warning_line("switch", f"no --policies: the name {args.name!r} is checked for its form "
+                           "only, not against the fleet's policy (a switch for a limiter the policy "
+                           "does not have changes nothing); pass --policies to check it"), file=sys.stderr)
 
     async def go(control: Control) -> tuple[dict[str, Any], str]:
         data = await (control.switches() if args.list else control.set_switch(args.name, mode))
         return data, control.where
 
-    data, where = _with_control(args, go, change=not args.list)
+    data, where = _with_control(args, go, change=not args.list, limiters=limiters,
+                                labels=policy.identity_labels if policy is not None else None, policy=policy)
     if not args.list:
         what = f"cleared {args.name}" if mode is None else f"{args.name} -> {mode.value}"
         print(f"ok: {what} on {where} (every replica sharing the store applies it within about a second)")

@@ -312,7 +312,8 @@ async def change_stored(store: Store, keys: Keys,
                         change: Callable[[list[Override]], list[Override]],
                         now: float | None = None) -> list[Override]:
     """Read, change and write the stored overrides, then bump the version key. Both keys
-    expire a minute after the latest override. The one writer (admin port and CLI).
+    expire a minute after the latest override. (The store contract's race test; the admin port
+    and the CLI change overrides through :class:`~extauthz.control.StoreControl`.)
 
     The write is a compare-and-set (:meth:`~extauthz.documents.Document.change`): when
     another operator changed the overrides in between, ``change`` is applied again on top of
@@ -413,9 +414,3 @@ class OverrideBoard(Board[list[Override]]):
     def __init__(self, store: Store, keys: Keys, apply: Callable[[Sequence[Override]], None],
                  *, wall: Callable[[], float] = time.time) -> None:
         super().__init__(store, OverrideDocument(keys), apply, wall=wall)
-
-    async def change(self, change: Callable[[list[Override]], list[Override]]) -> list[Override]:
-        """Change the stored overrides and apply them here at once (the admin port).
-        Raises StoreError when the store cannot be read or written, OverrideError when
-        the change is refused."""
-        return await self.update(change)

@@ -57,7 +57,8 @@ RETRY_BACKOFF: Final = Backoff(first=RETRY_FIRST, cap=RETRY_CAP)
 class Releaser:
     def __init__(self, store: Store, *, timeout: float = 0.05,
                  throttle: LogThrottle | None = None,
-                 retry_for: Callable[[], float] | None = None) -> None:
+                 retry_for: Callable[[], float] | None = None,
+                 local: Callable[[Sequence[str], str], tuple[list[str], int]] | None = None) -> None:
         self.store = store
         #: one try of a background release gives up after this long
         self.timeout = timeout
@@ -74,8 +75,9 @@ class Releaser:
         self.retrying = 0
         self._throttle = throttle or LogThrottle(log)
         #: gives leases held in this replica's batched fleet grants back to them (the engine's
-        #: :class:`~extauthz.limiters.fleet.LocalSlots`): keys left for the store, and how many
-        self.local: Callable[[Sequence[str], str], tuple[list[str], int]] | None = None
+        #: :meth:`~extauthz.limiters.grants.GrantBook.release`): keys left for the store, and
+        #: how many were given back locally
+        self.local = local
 
     def count(self, path: str, outcome: str | None = None) -> int:
         """Release calls on ``path`` (with ``outcome``, or all outcomes)."""

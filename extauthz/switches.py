@@ -7,8 +7,9 @@ writes the same value in-process and applies it at once. ``*`` is the global swi
 switch overrides the policy file's ``mode`` until it is cleared (precedence:
 :meth:`Switches.effective`).
 
-A change is a compare-and-set of that one value (:func:`change_stored`, a
-:class:`~extauthz.documents.Document`): two operators changing different switches in the
+A change is a compare-and-set of that one value (:meth:`SwitchDocument.change
+<extauthz.documents.Document.change>`, made through the one control path,
+:class:`~extauthz.control.StoreControl`): two operators changing different switches in the
 same instant both land (``extauthz switch --list`` shows the result).
 """
 
@@ -16,8 +17,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from .documents import Board, Document
 from .store.base import Store, load_json
@@ -53,6 +55,13 @@ class Switches:
             global_mode=Mode(g) if g else None,
             limiters={k: Mode(v) for k, v in data.items() if k != "*"},
         )
+
+
+def limiter_modes(switches: Switches, specs: Iterable[Any]) -> dict[str, dict[str, str]]:
+    """Each limiter of the policy (``specs``: its ``limiters``) with its type, its policy mode
+    and its effective mode under ``switches`` (``/switches``, ``/status``, ``switch --list``)."""
+    return {spec.name: {"type": spec.type, "policy_mode": spec.mode,
+                        "mode": switches.effective(spec.name, Mode(spec.mode)).value} for spec in specs}
 
 
 GLOBAL = "*"
@@ -99,8 +108,9 @@ class SwitchDocument(Document[Switches]):
 
 
 async def change_stored(store: Store, key: str, name: str, mode: Mode | None) -> Switches:
-    """Set (or with None clear) one switch in the store: the one writer (admin port and
-    CLI), a compare-and-set (:meth:`~extauthz.documents.Document.change`) so two operators
+    """Set (or with None clear) one switch in the store (the store contract's race test; the
+    admin port and the CLI change switches through :class:`~extauthz.control.StoreControl`): a
+    compare-and-set (:meth:`~extauthz.documents.Document.change`) so two operators
     flipping switches at once both land. A malformed stored value is overwritten. The key
     has no TTL: a switch holds until cleared. Raises StoreError, ValueError (bad name)."""
     if not valid_name(name):
@@ -125,10 +135,3 @@ class SwitchBoard(Board[Switches]):
     def __init__(self, store: Store, key: str, apply: Callable[[Switches], None], *,
                  interval: float = 1.0) -> None:
         super().__init__(store, SwitchDocument(key), apply, interval=interval)
-
-    async def change(self, name: str, mode: Mode | None) -> Switches:
-        """Set (or with None clear) one switch in the store and apply it here at once.
-        Raises StoreError when the store cannot be read or written, ValueError (bad name)."""
-        if not valid_name(name):
-            raise ValueError(f"bad switch name {name!r}")
-        return await self.update(lambda current: with_switch(current, name, mode))

@@ -1,6 +1,6 @@
 """Run a throwaway Envoy and read its admin API (demo, e2e tests, benchmarks).
 
-The config it runs comes from :mod:`extauthz.devtools.envoy_config` (``render_config``).
+The config it runs comes from :mod:`extauthz.devtools.envoy_config` (``local_render``).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _no_proxy_opener() -> urllib.request.OpenerDirector:
 
 
 class EnvoyProcess:
-    """A throwaway Envoy: ``with EnvoyProcess(render_config(...)) as envoy: envoy.url``.
+    """A throwaway Envoy: ``with EnvoyProcess(local_render(...)) as envoy: envoy.url``.
 
     Started with ``--use-dynamic-base-id`` so several can run at once, and with
     ``--admin-address-path`` so admin/listener port 0 works (the real ports are read back).

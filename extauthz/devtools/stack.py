@@ -1,7 +1,7 @@
 """A whole local stack: upstream, the extauthz server (a real process), and Envoy.
 
 Used by ``extauthz demo``, the end-to-end tests and the benchmarks, so all three run the
-same Envoy config (``envoy/envoy.yaml``) and the same server command.
+same Envoy config (the generator's, as in ``envoy/envoy.yaml``) and the same server command.
 """
 
 from __future__ import annotations
@@ -12,13 +12,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
 from ..answers import PROTOCOLS
-from .envoy_config import HTTP_CONFIG, config_path, render_config
+from ..envoy.blocks import Config
+from ..policy import load_policy
+from .envoy_config import local_render
 from .envoy_process import EnvoyProcess
 from .upstream import Upstream, start_upstream
 
@@ -146,36 +148,24 @@ class ServerProcess:
         self.stop()
 
 
-def policy_allowed_headers(policies: Sequence[str | Path], protocol: str) -> list[str] | None:
-    """The ext_authz ``allowed_headers`` that the policy in ``policies`` needs on ``protocol``
-    (``extauthz envoy-allowed-headers``), or None when it does not load (the config's own list
-    then stays; the server reports the policy error)."""
-    from ..errors import PolicyError
-    from ..policy import load_policy
-    from ..server.httpmap import allowed_headers
-
-    try:
-        policy = load_policy(list(policies))
-    except PolicyError:
-        return None
-    return allowed_headers(policy.needed_headers, protocol)
-
-
 class Stack:
     """Upstream + extauthz server process + Envoy, on free loopback ports.
 
-    ``protocol="http"`` runs Envoy's HTTP authorization protocol (envoy/envoy-http.yaml and
-    ``serve --http-listen``) instead of gRPC; the access log still streams to the gRPC port.
+    Envoy runs what ``extauthz envoy-config`` gives the server's policy with the quick start's
+    routes (where the policy names the tier by key) and the access log on
+    (:func:`~extauthz.devtools.envoy_config.local_render`): the shipped ``envoy/envoy.yaml``
+    for ``policies/``. ``protocol="http"`` runs Envoy's HTTP authorization protocol
+    (``serve --http-listen``) instead of gRPC; the access log still streams to the gRPC port.
     ``server_workers=N`` runs ``serve --workers N --worker-ports`` (``server_args`` must name
     a ``--redis-url``) and lists the N ports as N endpoints of Envoy's ``extauthz`` cluster.
-    Envoy's ext_authz ``allowed_headers`` are rendered from the policy (``render`` arguments
-    ``allowed_headers`` or ``send_all_headers`` override that).
+    ``options`` are the generator's (:class:`extauthz.envoy.config.Options`), ``edit`` a last
+    change to the config (see ``local_render``).
     """
 
     def __init__(self, policies: Sequence[str | Path], *, server_args: Sequence[str] = (),
                  server_env: dict[str, str] | None = None, envoy_concurrency: int = 1,
                  otel: tuple[str, int] | None = None, protocol: str = "grpc",
-                 server_workers: int = 1, **render: Any) -> None:
+                 server_workers: int = 1, edit: Callable[[Config], None] | None = None, **options: Any) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, not {protocol!r}")
         if server_workers > 1 and protocol != "grpc":
@@ -188,7 +178,8 @@ class Stack:
         self.envoy_concurrency = envoy_concurrency
         self.otel = otel
         self.server_workers = server_workers
-        self.render = render
+        self.edit = edit
+        self.options = options
         self.upstream: Upstream | None = None
         self.server: ServerProcess | None = None
         self.envoy: EnvoyProcess | None = None
@@ -197,23 +188,20 @@ class Stack:
         try:
             self.upstream = start_upstream()
             args = list(self.server_args)
-            render = dict(self.render)
             if self.protocol == "http":
                 self.http_port = free_port()
                 args += ["--http-listen", f"127.0.0.1:{self.http_port}"]
-                render.setdefault("base", config_path(HTTP_CONFIG))
-                render["extauthz_http"] = ("127.0.0.1", self.http_port)
-            if "send_all_headers" not in render:
-                render.setdefault("allowed_headers", policy_allowed_headers(self.policies, self.protocol))
             self.server = ServerProcess(self.policies, args=args, env=self.server_env,
                                         workers=self.server_workers).start()
-            if self.server_workers > 1:
-                render["extauthz_endpoints"] = self.server_workers
-            config = render_config(
-                listen_port=0, admin_port=0, extauthz=("127.0.0.1", self.server.port),
-                upstream=("127.0.0.1", self.upstream.port),
-                otel=self.otel or ("127.0.0.1", free_port()), **render,
-            )
+            policy = load_policy(list(self.policies))
+            options: dict[str, Any] = {
+                "tracing": self.otel or ("127.0.0.1", free_port()), "access_log": "always",
+                # the demo routes tag route metadata where the policy reads the tier, by key
+                "quickstart_routes": all(isinstance(step, str) for step in policy.route_metadata[1]),
+                "authz_endpoints": self.server_workers, **self.options}
+            config = local_render(policy, protocol=self.protocol, grpc_port=self.server.port,
+                                  http_port=self.http_port or None, upstream_port=self.upstream.port,
+                                  edit=self.edit, **options)
             self.envoy = EnvoyProcess(config, concurrency=self.envoy_concurrency).start()
         except BaseException:
             self.stop()

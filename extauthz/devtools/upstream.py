@@ -20,7 +20,7 @@ from types import TracebackType
 from typing import Any, Self
 from urllib.parse import parse_qs, urlsplit
 
-from ..server.leases import FAILURE_MODE_HEADER
+from ..envoy.headers import FAILURE_MODE_HEADER
 
 __all__ = ["ECHOED_HEADERS", "TIER_HEADER", "Upstream", "start_upstream"]
 

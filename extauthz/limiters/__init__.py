@@ -13,6 +13,7 @@ from ..policy.schema import (
     RequestRateSpec,
     WorkerUtilizationSpec,
 )
+from ..store.base import Store
 from ..store.keys import Keys
 from .base import KeyOf, Limiter
 from .concurrent import ConcurrentRequestsLimiter
@@ -33,9 +34,12 @@ __all__ = [
 
 
 def build_limiters(policy: Policy, keys: Keys, rng: random.Random | None = None,
-                   clock: Clock = SYSTEM_CLOCK) -> tuple[Limiter, ...]:
+                   clock: Clock = SYSTEM_CLOCK, store: Store | None = None) -> tuple[Limiter, ...]:
     """One limiter object per policy entry, in policy order (``clock``: the refusal
-    cache's, :mod:`.refusals`)."""
+    cache's, :mod:`.refusals`; ``store``: where batched grants are asked and given back,
+    None for limiters that never take any, e.g. to check names); none for a ``request_rate``
+    limiter with ``enforce: envoy`` (Envoy's quota filter holds its tokens:
+    extauthz/quota_service.py)."""
     fleet_keys: tuple[str, ...] = ()
     for spec in policy.limiters:
         if isinstance(spec, FleetUsageSpec) and spec.mode != "off":
@@ -46,13 +50,15 @@ def build_limiters(policy: Policy, keys: Keys, rng: random.Random | None = None,
         if isinstance(spec, (RequestRateSpec, ConcurrentRequestsSpec, QuotaSpec)):
             key = KeyOf(policy.key_index.get(spec.name), spec.on_missing_key == "shared")
         if isinstance(spec, RequestRateSpec):
-            out.append(RequestRateLimiter(spec, keys, clock, key))
+            if spec.enforce == "envoy":
+                continue
+            out.append(RequestRateLimiter(spec, keys, clock, key, store))
         elif isinstance(spec, ConcurrentRequestsSpec):
             out.append(ConcurrentRequestsLimiter(spec, keys, key))
         elif isinstance(spec, QuotaSpec):
-            out.append(QuotaLimiter(spec, keys, clock, key))
+            out.append(QuotaLimiter(spec, keys, clock, key, store))
         elif isinstance(spec, FleetUsageSpec):
-            out.append(FleetUsageShedder(spec, keys, clock))
+            out.append(FleetUsageShedder(spec, keys, clock, store))
         elif isinstance(spec, WorkerUtilizationSpec):
             out.append(WorkerUtilizationShedder(spec, keys, rng=rng, inflight_keys=fleet_keys))
     return tuple(out)

@@ -24,9 +24,36 @@ from ..verdict import Kind, Limits, Outcome, Verdict
 OVERLOAD_RETRY_AFTER = 1.0
 
 
+class GrantHolder(Protocol):
+    """What the engine's grant book (:class:`~extauthz.limiters.grants.GrantBook`), status
+    and metrics use of a limiter's batched grants: :class:`~extauthz.limiters.grants.GrantTable`
+    and fleet_usage's :class:`~extauthz.limiters.fleet.FleetSlots`."""
+
+    def status(self) -> dict[str, float]: ...
+
+    def early_refusals(self) -> tuple[list[tuple[str, float]], float]: ...
+
+    async def settle(self) -> None: ...
+
+    def retire(self) -> None: ...
+
+    def release(self, key: str, lease_id: str) -> bool: ...
+
+    @property
+    def done(self) -> bool: ...
+
+
 class Limiter(Protocol):
     @property
     def name(self) -> str: ...
+
+    @property
+    def grants(self) -> GrantHolder | None:
+        """Its batched grants (``consistency: batched``), else None."""
+
+    @property
+    def holds_leases(self) -> bool:
+        """Whether an admitted request may hold a lease in a local grant (:meth:`hold`)."""
 
     @property
     def kind(self) -> Kind: ...
@@ -56,10 +83,28 @@ class Limiter(Protocol):
         not list). ValueError (the reason, for the operator) when the numbers do not fit, or
         when the limiter takes no override (a fleet-wide shedder)."""
 
+    def refund(self, ctx: RequestContext) -> None:
+        """Give back, to this replica's grant, what :meth:`local` spent for ``ctx`` (a
+        request another limiter refused)."""
+
+    def hold(self, ctx: RequestContext, lease_id: str) -> str | None:
+        """The lease key of the slot an admitted request took from a local grant (its lease
+        named ``lease_id``), or None."""
+
 
 class LimiterBase:
     """What every limiter kind reads from its policy entry first: its name, its failure
-    mode and what it applies to (compiled)."""
+    mode and what it applies to (compiled); and no batched grants unless the kind takes
+    them (``grants``, ``holds_leases``, :meth:`refund`, :meth:`hold`)."""
+
+    grants: GrantHolder | None = None
+    holds_leases = False
+
+    def refund(self, ctx: RequestContext) -> None:
+        return None
+
+    def hold(self, ctx: RequestContext, lease_id: str) -> str | None:
+        return None
 
     def __init__(self, spec: LimiterSpec) -> None:
         self.name = spec.name

@@ -33,20 +33,20 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Final
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..context import RequestContext
 from ..policy.schema import DEFAULT_FLEET_BATCH_MAX, FleetUsageSpec
-from ..store.base import FleetGrantOp, LeaseOp, OpResult
+from ..store.base import FleetGrantOp, LeaseOp, OpResult, Store
 from ..store.keys import Keys
 from ..tiers import Tier
 from ..verdict import Outcome, Quota, Verdict
 from .base import FleetWide, denied_outcome
 from .grants import Synced
 
-__all__ = ["FleetSlots", "FleetUsageShedder", "LocalSlots", "default_fleet_batch", "grant_ttl"]
+__all__ = ["FleetSlots", "FleetUsageShedder", "default_fleet_batch", "grant_ttl"]
 
 RETRY_AFTER = 2.0
 #: the grant TTL in sync_intervals (at least 1 s, at most the lease TTL): a replica spends
@@ -113,8 +113,8 @@ class FleetSlots(Synced):
     renews_after_retire = True
 
     def __init__(self, keys: tuple[tuple[str, int], ...], *, batch: int, sync_interval: float,
-                 lease_ttl: float, clock: Clock = SYSTEM_CLOCK) -> None:
-        super().__init__()
+                 lease_ttl: float, clock: Clock = SYSTEM_CLOCK, store: Store | None = None) -> None:
+        super().__init__(store)
         self.sync_interval = sync_interval
         self.batch = batch
         self.lease_ttl = lease_ttl
@@ -329,36 +329,9 @@ class FleetSlots(Synced):
         return self.retired and not self.busy()
 
 
-class LocalSlots:
-    """An engine's batched fleet grants, current and retired (until a retired one holds
-    nothing): a release finds its slot here before it goes to the store
-    (:meth:`~extauthz.release.Releaser.release`)."""
-
-    def __init__(self) -> None:
-        self.tables: list[FleetSlots] = []
-
-    def add(self, limiters: Iterable[object]) -> None:
-        self.tables = [t for t in self.tables if not t.done]
-        self.tables.extend(lim.grants for lim in limiters
-                           if isinstance(lim, FleetUsageShedder) and lim.grants is not None)
-
-    def release(self, keys: Sequence[str], lease_id: str) -> tuple[list[str], int]:
-        """The keys of a release that still go to the store, and how many leases were given
-        back to a local grant instead (:meth:`FleetSlots.release`)."""
-        if not self.tables:
-            return list(keys), 0
-        left: list[str] = []
-        local = 0
-        for key in keys:
-            if any(t.release(key, lease_id) for t in self.tables):
-                local += 1
-            else:
-                left.append(key)
-        return left, local
-
-
 class FleetUsageShedder(FleetWide):
-    def __init__(self, spec: FleetUsageSpec, keys: Keys, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(self, spec: FleetUsageSpec, keys: Keys, clock: Clock = SYSTEM_CLOCK,
+                 store: Store | None = None) -> None:
         super().__init__(spec)
         self.capacity = spec.capacity
         self.noncritical_limit = max(1, math.floor((1 - spec.reserved_for_critical) * spec.capacity + 1e-9))
@@ -372,8 +345,8 @@ class FleetUsageShedder(FleetWide):
             batch = int(spec.batch) if spec.batch is not None else default_fleet_batch(self.noncritical_limit)
             self.grants = FleetSlots(((self.critical_key, 0), (self.other_key, self.noncritical_limit)),
                                      batch=batch, sync_interval=spec.sync_interval,
-                                     lease_ttl=spec.lease_ttl, clock=clock)
-        #: admitted requests may hold a lease in a local grant (:func:`.grants.hold_leases`)
+                                     lease_ttl=spec.lease_ttl, clock=clock, store=store)
+        #: admitted requests may hold a lease in a local grant (:meth:`.grants.GrantBook.hold`)
         self.holds_leases = self.grants is not None
 
     @property

@@ -33,7 +33,7 @@ The same table serves every kind that takes grants: ``request_rate`` (tokens of 
 taken with and the op that gives it back (``give_back``).
 
 A policy reload builds new limiters with new tables; the old tables give back what they
-hold at once (:func:`retire_grants`), and a grant taken with other numbers (a plan or an
+hold at once (:meth:`GrantBook.adopt`), and a grant taken with other numbers (a plan or an
 override changed) is never spent for the new ones: it goes back. Unspent grant lost to a
 crash only refuses early (the shared bucket refills it, the quota window ends), never
 admits more. The counters (:meth:`GrantTable.status`) are the table's own: status and
@@ -46,17 +46,21 @@ import asyncio
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Protocol, cast
+from typing import Any, Final
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..context import RequestContext
 from ..store.algorithms import admits, take
-from ..store.base import GrantOp, Op, OpResult, ReturnOp, Store
+from ..store.base import CheckResult, GrantOp, Op, OpResult, ReturnOp, Store
 from ..verdict import Verdict
+from .base import GrantHolder, Limiter
 
-__all__ = ["EARLY_BUCKETS", "GRANT_METRICS", "GrantHolder", "GrantTable", "Grantee", "LeaseHolder", "Numbers",
-           "Synced", "batched", "bind_store", "bucket_renew", "default_batch", "grant_early", "grant_status",
-           "hold_leases", "refund_grants", "retire_grants", "settle_grants"]
+__all__ = ["EARLY_BUCKETS", "GRANT_METRICS", "GrantBook", "GrantTable", "Numbers", "Synced", "bucket_renew",
+           "default_batch"]
+
+#: a check's limiter slots, as the engine keeps them: (limiter, enforce, its local verdict,
+#: the index of its store op or -1)
+Slot = tuple[Limiter, bool, Verdict | None, int]
 
 #: the limiter's numbers a grant was taken with (a bucket: ``(rate, burst)``; a quota:
 #: ``(limit,)``): a grant is spent only for the same numbers, and goes back with them
@@ -126,16 +130,17 @@ class _Held:
 
 class Synced:
     """The background life every grant table shares: a timer running :meth:`sync` every
-    ``period`` seconds while :meth:`busy` (armed only once a store is bound), and the
-    tracked tasks of the store calls it sends (:meth:`drain` waits for them, :meth:`close`
-    stops everything)."""
+    ``period`` seconds while :meth:`busy` (armed only with a store), and the tracked tasks
+    of the store calls it sends (:meth:`drain` waits for them, :meth:`close` stops
+    everything)."""
 
     period: float
-    store: Store | None
 
-    def __init__(self) -> None:
-        #: where give-backs go (bound by the engine: :func:`bind_store`); None: nowhere yet
-        self.store = None
+    def __init__(self, store: Store | None = None) -> None:
+        #: where grants are asked and given back (the engine's store, given when the limiters
+        #: are built: :func:`~extauthz.limiters.build_limiters`); None: nowhere (a limiter
+        #: built without a store, e.g. to check names)
+        self.store = store
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         #: counters (status(), /metrics): requests answered from a grant (each a store call
@@ -173,6 +178,25 @@ class Synced:
         if amount > 0.0:
             self.early[bisect_left(EARLY_BUCKETS, amount)] += 1
             self.early_sum += amount
+
+    def early_refusals(self) -> tuple[list[tuple[str, float]], float]:
+        """The early-refusal histogram as /metrics shows it: cumulative ``(le, count)``
+        buckets (+Inf last) and the sum."""
+        total, buckets = 0, []
+        for bound, n in zip((*map(str, EARLY_BUCKETS), "+Inf"), self.early, strict=True):
+            total += n
+            buckets.append((bound, float(total)))
+        return buckets, self.early_sum
+
+    def release(self, key: str, lease_id: str) -> bool:
+        """A finished request's lease given back to a local grant (True), if it held one
+        here (only fleet slots hold leases: :class:`~extauthz.limiters.fleet.FleetSlots`)."""
+        return False
+
+    @property
+    def done(self) -> bool:
+        """Holding nothing, with nothing to do any more (a retired table can be forgotten)."""
+        return not self.busy()
 
     def keys_held(self) -> int:
         raise NotImplementedError
@@ -276,8 +300,8 @@ class GrantTable(Synced):
 
     def __init__(self, sync_interval: float, clock: Clock = SYSTEM_CLOCK,
                  give_back: GiveBack = bucket_return, renew: Renew | None = None,
-                 spend_within: float | None = None) -> None:
-        super().__init__()
+                 spend_within: float | None = None, store: Store | None = None) -> None:
+        super().__init__(store)
         self.sync_interval = sync_interval
         #: a grant held this long after the store yielded it is neither spent nor given
         #: back but dropped (a token bucket's: the bucket refilled meanwhile, up to
@@ -487,76 +511,143 @@ class GrantTable(Synced):
 
 
 
-class GrantHolder(Protocol):
-    """What the engine, status and metrics use of a limiter's grants: :class:`GrantTable`,
-    and fleet_usage's :class:`~extauthz.limiters.fleet.FleetSlots`."""
+class GrantBook:
+    """This replica's batched grants, for the engine: built with its store, it follows the
+    limiters of each snapshot (:meth:`adopt`) and owns what the engine does with grants: a
+    refused request's refund, the leases admitted requests hold in local fleet slots, a
+    finished request's local release, a reload's retire, a graceful stop's settle, the
+    give-back of grants whose request failed open, and the status and metrics figures."""
 
-    store: Store | None
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        #: a Redis Cluster (grant ops of one call may run on several masters)
+        self._per_master = store.per_master
+        #: the current snapshot's limiters, and those of them that take grants
+        self.limiters: tuple[Limiter, ...] = ()
+        self._batched: tuple[Limiter, ...] = ()
+        #: grants that hold leases (fleet slots), current and retired until they hold nothing:
+        #: a release finds its slot there before it goes to the store (:meth:`release`)
+        self._slots: list[GrantHolder] = []
+        #: whether admitted requests may hold a lease in a local grant (:meth:`hold`)
+        self.holds_leases = False
+        #: the current policy's longest lease TTL: how long a failed release is retried
+        self.lease_ttl = 0.0
+        #: batched grants of failed-open requests given back (:meth:`give_back`), and those
+        #: give-backs that failed
+        self.abandoned_returns = 0
+        self.abandoned_return_errors = 0
+        self._returning: set[asyncio.Task[None]] = set()
 
-    def status(self) -> dict[str, float]: ...
+    def adopt(self, limiters: tuple[Limiter, ...], lease_ttl: float) -> None:
+        """The limiters of a new snapshot (``lease_ttl``: its policy's longest lease TTL).
+        Every grant table of the previous ones that the new ones do not keep gives back what
+        it holds at once (:meth:`Synced.retire`); the new limiters take their own grants,
+        with their own numbers. Nothing is admitted twice: a grant is spent only by the table
+        that took it, and what goes back only refills the shared count."""
+        old, self.limiters = self.limiters, limiters
+        self.lease_ttl = lease_ttl
+        if old is limiters:
+            return
+        self._batched = tuple(lim for lim in limiters if lim.grants is not None)
+        self._slots = [t for t in self._slots if not t.done]
+        self._slots.extend(lim.grants for lim in limiters if lim.holds_leases and lim.grants is not None)
+        self.holds_leases = bool(self._slots)
+        kept = {id(lim) for lim in limiters}
+        for lim in old:
+            if id(lim) not in kept and lim.grants is not None:
+                lim.grants.retire()
 
-    async def settle(self) -> None: ...
+    def retry_for(self) -> float:
+        """How long a failed release is tried again (:class:`~extauthz.release.Releaser`)."""
+        return self.lease_ttl
 
-    def retire(self) -> None: ...
+    # -- the request path -----------------------------------------------------------------
+    def refund(self, ctx: RequestContext, slots: Iterable[Slot]) -> None:
+        """A refused request takes nothing (as in exact mode, where only an admitted request
+        commits): what batched limiters spent for it from their grants goes back to them."""
+        for lim, _, local, _ in slots:
+            if local is not None and not local.refused and lim.grants is not None:
+                lim.refund(ctx)
 
+    def hold(self, ctx: RequestContext, slots: Iterable[Slot], lease_id: str, admitted: bool) -> list[str]:
+        """The lease keys an admitted request holds in local grants (named ``lease_id``); a
+        refused one gives the slots it took back."""
+        held: list[str] = []
+        for lim, _, _, _ in slots:
+            if lim.holds_leases:
+                if not admitted:
+                    lim.refund(ctx)
+                elif (key := lim.hold(ctx, lease_id)) is not None:
+                    held.append(key)
+        return held
 
-class Grantee(Protocol):
-    """A limiter that may take its budget in batched grants (``grants`` is None in exact mode)."""
+    def release(self, keys: Sequence[str], lease_id: str) -> tuple[list[str], int]:
+        """The keys of a release that still go to the store, and how many leases were given
+        back to a local grant instead (:meth:`~extauthz.limiters.fleet.FleetSlots.release`)."""
+        if not self._slots:
+            return list(keys), 0
+        left: list[str] = []
+        local = 0
+        for key in keys:
+            if any(t.release(key, lease_id) for t in self._slots):
+                local += 1
+            else:
+                left.append(key)
+        return left, local
 
-    name: str
-    grants: GrantHolder | None
+    def give_back(self, ops: Sequence[Op], result: CheckResult | None) -> None:
+        """Issue 29: a batched grant op whose request was failed open (deadline, breaker,
+        error) must not cost the key its grant. The request's answer never reached its
+        limiter, so nothing holds what the store granted (without this, each abandoned grant
+        took ``batch`` tokens from the shared bucket for nothing: a key refused while its
+        bucket had been spent on no request). ``result``: the late answer of a call that ran
+        (its grants, less the failed-open request's own cost, as exact mode's late commit
+        takes it, go back); None: the call committed nothing (never sent, or failed unsent),
+        so the remainder it lent (``held``) goes back. A late answer that cannot be known
+        (connection lost) gives nothing back: only refusing early, never admitting more. The
+        give-backs ride with the next check, as every return does."""
+        back: list[Op] = []
+        for i, op in enumerate(ops):
+            if not isinstance(op, GrantOp):
+                continue
+            if result is None:
+                amount = 0.0 if self._per_master else op.held  # a cluster group may have run
+            else:
+                res = result.results[i]
+                amount = res.extra - op.cost if result.admitted and res.allowed and res.extra > 0 else 0.0
+            if amount > 0.0:
+                back.append(ReturnOp(op.key, op.rate, op.burst, amount))
+        if back:
+            self.abandoned_returns += len(back)
+            task = asyncio.get_running_loop().create_task(self._send_returns(back))
+            self._returning.add(task)
+            task.add_done_callback(self._returning.discard)
 
-    def refund(self, ctx: RequestContext) -> None:
-        """Give back, to this replica's grant, what :meth:`Limiter.local` spent for ``ctx``."""
+    async def _send_returns(self, ops: list[Op]) -> None:
+        try:
+            await self.store.check(ops, "")
+        except Exception:  # a lost give-back only refuses early (counted, never raised)
+            self.abandoned_return_errors += len(ops)
 
+    # -- a graceful stop, status ----------------------------------------------------------
+    async def settle(self) -> None:
+        """A graceful stop: every batched limiter gives back what it holds at once
+        (:meth:`Synced.settle`), and the give-backs of failed-open requests on their way
+        (:meth:`give_back`) land."""
+        for lim in self._batched:
+            if lim.grants is not None:
+                await lim.grants.settle()
+        while self._returning:
+            await asyncio.gather(*list(self._returning), return_exceptions=True)
 
-class LeaseHolder(Protocol):
-    """A limiter whose requests may hold a lease in a local grant (fleet_usage, batched:
-    its ``holds_leases`` is True)."""
+    def status(self) -> dict[str, dict[str, float]]:
+        """Every batched limiter's :meth:`Synced.status`, by limiter name (/status, /metrics)."""
+        return {lim.name: lim.grants.status() for lim in self._batched if lim.grants is not None}
 
-    holds_leases: bool
-
-    def hold(self, ctx: RequestContext, lease_id: str) -> str | None:
-        """The lease key of the slot an admitted request took here, or None."""
-
-    def refund(self, ctx: RequestContext) -> None: ...
-
-
-def batched(lim: object) -> Grantee | None:
-    """``lim`` when it takes its budget in batched grants (its ``grants`` is set), else None.
-    An attribute read, not ``isinstance`` against a runtime-checkable Protocol: that costs
-    microseconds per call on Python 3.11 (8 % of the (hdb) benchmark's samples, per request)."""
-    return lim if getattr(lim, "grants", None) is not None else None  # type: ignore[return-value]
-
-
-def hold_leases(ctx: RequestContext, slots: Iterable[tuple[object, bool, Verdict | None, int]],
-                lease_id: str, admitted: bool) -> list[str]:
-    """The lease keys an admitted request holds in local grants (named ``lease_id``); a
-    refused one gives the slots it took back."""
-    held: list[str] = []
-    for lim, _, _, _ in slots:
-        if getattr(lim, "holds_leases", False):
-            holder = cast(LeaseHolder, lim)
-            if not admitted:
-                holder.refund(ctx)
-            elif (key := holder.hold(ctx, lease_id)) is not None:
-                held.append(key)
-    return held
-
-
-def refund_grants(ctx: RequestContext, slots: Iterable[tuple[object, bool, Verdict | None, int]]) -> None:
-    """A refused request takes nothing (as in exact mode, where only an admitted request
-    commits): what batched limiters spent for it from their grants goes back to them."""
-    for lim, _, local, _ in slots:
-        if local is not None and not local.refused and (grantee := batched(lim)) is not None:
-            grantee.refund(ctx)
-
-
-async def settle_grants(limiters: Iterable[object]) -> None:
-    """Every batched limiter gives back what it holds (:meth:`GrantTable.settle`)."""
-    for lim in limiters:
-        if (grantee := batched(lim)) is not None and grantee.grants is not None:
-            await grantee.grants.settle()
+    def early(self) -> dict[str, tuple[list[tuple[str, float]], float]]:
+        """Every batched limiter's early-refusal histogram, by limiter name: cumulative
+        ``(le, count)`` buckets (+Inf last) and the sum (/metrics)."""
+        return {lim.name: lim.grants.early_refusals() for lim in self._batched if lim.grants is not None}
 
 
 #: :meth:`GrantTable.status` fields on /metrics: field -> (metric name, counter?, help);
@@ -579,41 +670,3 @@ GRANT_METRICS: Final = {
     "held": ("extauthz_grants_held", False, "Granted tokens or quota units held here, unspent."),
     "keys": ("extauthz_grant_keys", False, "Keys this replica holds or recently held grants for."),
 }
-
-
-def grant_early(limiters: Iterable[object]) -> dict[str, tuple[list[tuple[str, float]], float]]:
-    """Every batched limiter's early-refusal histogram, by limiter name: cumulative
-    ``(le, count)`` buckets (+Inf last) and the sum (/metrics)."""
-    out: dict[str, tuple[list[tuple[str, float]], float]] = {}
-    for lim in limiters:
-        if (g := batched(lim)) is not None and isinstance(table := g.grants, Synced):
-            total, buckets = 0, []
-            for bound, n in zip((*map(str, EARLY_BUCKETS), "+Inf"), table.early, strict=True):
-                total += n
-                buckets.append((bound, float(total)))
-            out[g.name] = (buckets, table.early_sum)
-    return out
-
-
-def grant_status(limiters: Iterable[object]) -> dict[str, dict[str, float]]:
-    """Every batched limiter's :meth:`GrantTable.status`, by limiter name (/status, /metrics)."""
-    return {g.name: g.grants.status() for lim in limiters
-            if (g := batched(lim)) is not None and g.grants is not None}
-
-
-def retire_grants(old: Iterable[object], new: Iterable[object]) -> None:
-    """A reload: every batched table of ``old`` that ``new`` does not keep gives back what
-    it holds at once (:meth:`GrantTable.retire`); the new limiters take their own grants,
-    with their own numbers. Nothing is admitted twice: a grant is spent only by the table
-    that took it, and what goes back only refills the shared count."""
-    kept = {id(lim) for lim in new}
-    for lim in old:
-        if id(lim) not in kept and (g := batched(lim)) is not None and g.grants is not None:
-            g.grants.retire()
-
-
-def bind_store(limiters: Iterable[object], store: Store) -> None:
-    """Give every batched limiter's table the store its grants go back to."""
-    for lim in limiters:
-        if (g := batched(lim)) is not None and g.grants is not None:
-            g.grants.store = store

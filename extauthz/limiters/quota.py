@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 from ..clock import SYSTEM_CLOCK, Clock
 from ..context import RequestContext
 from ..policy.schema import QuotaSpec
-from ..store.base import CountOp, Op, OpResult, QuotaGrantOp, QuotaReturnOp
+from ..store.base import CountOp, Op, OpResult, QuotaGrantOp, QuotaReturnOp, Store
 from ..store.keys import Keys
 from ..verdict import Limits, Outcome, Quota, Verdict
 from .base import BY_IDENTITY, KeyOf, PerCustomer, denied_outcome, override_limit
@@ -92,7 +92,7 @@ def _utc(seconds: float) -> str:
 
 class QuotaLimiter(PerCustomer):
     def __init__(self, spec: QuotaSpec, keys: Keys, clock: Clock = SYSTEM_CLOCK,
-                 key: KeyOf = BY_IDENTITY) -> None:
+                 key: KeyOf = BY_IDENTITY, store: Store | None = None) -> None:
         super().__init__(spec, keys, key)
         self.limit = spec.limit
         self.period = spec.period
@@ -106,7 +106,7 @@ class QuotaLimiter(PerCustomer):
         self.batch = spec.batch
         self.sync_interval = spec.sync_interval
         if spec.consistency == "batched":
-            self.grants = GrantTable(spec.sync_interval, clock, give_back=quota_return)
+            self.grants = GrantTable(spec.sync_interval, clock, give_back=quota_return, store=store)
         #: the request whose cost :meth:`local` spent from a grant (its :meth:`op` is None)
         self._spent: RequestContext | None = None
 

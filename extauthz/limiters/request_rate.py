@@ -29,7 +29,7 @@ from ..policy.schema import (
     bucket_problem,
     not_fields,
 )
-from ..store.base import BucketOp, GrantOp, OpResult
+from ..store.base import BucketOp, GrantOp, OpResult, Store
 from ..store.keys import Keys
 from ..verdict import Limits, Outcome, Quota, Verdict
 from .base import BY_IDENTITY, KeyOf, PerCustomer, denied_outcome
@@ -59,7 +59,7 @@ def _merged(base: Limits, numbers: Mapping[str, float | None]) -> Limits:
 
 class RequestRateLimiter(PerCustomer):
     def __init__(self, spec: RequestRateSpec, keys: Keys, clock: Clock = SYSTEM_CLOCK,
-                 key: KeyOf = BY_IDENTITY) -> None:
+                 key: KeyOf = BY_IDENTITY, store: Store | None = None) -> None:
         super().__init__(spec, keys, key)
         self.rate = spec.rate
         self.burst = spec.burst
@@ -79,7 +79,7 @@ class RequestRateLimiter(PerCustomer):
         self.batch = spec.batch
         if spec.consistency == "batched":
             self.grants = GrantTable(self.sync_interval, clock, renew=bucket_renew,
-                                     spend_within=self.sync_interval)
+                                     spend_within=self.sync_interval, store=store)
             self.refusals = RefusalCache(clock, max_window=self.sync_interval)
         #: the request whose cost :meth:`local` spent from a grant (its :meth:`op` is None)
         self._spent: RequestContext | None = None

@@ -26,11 +26,12 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from ..engine import Engine
 from ..errors import CircuitOpen, Overloaded, StoreError, StoreInternalError, StoreTimeout, StoreUnavailable
 from ..limiters import FleetUsageShedder, WorkerUtilizationShedder
-from ..limiters.grants import GRANT_METRICS, grant_early, grant_status
+from ..limiters.grants import GRANT_METRICS
 from ..overload import LoopLag
 from ..overrides import MAX_OVERRIDES, describe
 from ..release import releases_status
 from ..store.memory import MemoryStore
+from ..switches import limiter_modes
 from ..tiers import Tier
 from ..verdict import Mode
 
@@ -150,17 +151,17 @@ class StorePart:
     engine: Engine
 
     def status(self) -> Mapping[str, Any]:
-        engine, store = self.engine, self.engine.store
+        gate, store = self.engine.gate, self.engine.store
         return {"store": {
             # failures in the breakers' current windows: on a cluster the masters' breakers
-            # decide (the engine's own is only their template)
-            "name": store.name, "breaker": engine.breaker_state,
-            "window_failures": engine.breaker.failures + sum(b.failures for b in engine.node_breakers.values()),
-            "deadline_extended": engine.deadline_extended,
-            "deadline_missed": dict(engine.deadline_missed),
-            "abandoned_grant_returns": engine.grant_returns,
-            **({"masters": {name: b.state for name, b in sorted(engine.node_breakers.items())}}
-               if engine.node_breakers else {}),
+            # decide (the gate's own is only their template)
+            "name": store.name, "breaker": gate.breaker_state,
+            "window_failures": gate.breaker.failures + sum(b.failures for b in gate.node_breakers.values()),
+            "deadline_extended": gate.deadline_extended,
+            "deadline_missed": dict(gate.deadline_missed),
+            "abandoned_grant_returns": gate.grants.abandoned_returns,
+            **({"masters": {name: b.state for name, b in sorted(gate.node_breakers.items())}}
+               if gate.node_breakers else {}),
             **({"live_leases": store.live_leases(), "max_keys_per_limiter": store.max_keys,
                 "keys": store.held(), "evictions": dict(sorted(store.evictions.items()))}
                if isinstance(store, MemoryStore) else {})}}
@@ -186,7 +187,7 @@ class StorePart:
                       "store was not late (the check still queued in this server, written less "
                       "than a deadline before, or answered and not yet carried by this server's "
                       "busy event loop): the check waited on (a few deadlines at most).",
-                      self.engine.deadline_extended)
+                      self.engine.gate.deadline_extended)
         missed = CounterMetricFamily(
             "extauthz_store_deadline_missed", "Store deadlines passed, by where the check was: "
             "queued (not written to the store yet, or written less than a deadline before: this "
@@ -194,16 +195,16 @@ class StorePart:
             "store is late; the check fails open and the breaker counts it), loop (answered, the "
             "answer not yet carried to the check by this server's busy event loop).",
             labels=["where"])
-        for where, n in self.engine.deadline_missed.items():
+        for where, n in self.engine.gate.deadline_missed.items():
             missed.add_metric([where], n)
         yield missed
         yield counter("extauthz_store_abandoned_grant_returns", "Batched grant give-backs of "
                       "requests that failed open (deadline, breaker, store error): the grant a late "
                       "answer took, less the request's cost, or the remainder a call never sent lent.",
-                      self.engine.grant_returns)
+                      self.engine.grants.abandoned_returns)
         breaker = GaugeMetricFamily("extauthz_store_breaker_open", "1 while the store circuit "
                                     "breaker skips the store (open or half-open).")
-        breaker.add_metric([], 0 if self.engine.breaker_state == "closed" else 1)
+        breaker.add_metric([], 0 if self.engine.gate.breaker_state == "closed" else 1)
         yield breaker
 
 
@@ -253,24 +254,18 @@ class ModesPart:
 
     engine: Engine
 
-    def modes(self) -> dict[str, tuple[str, str, Mode]]:
-        """limiter -> (type, policy mode, effective mode)."""
-        snap = self.engine.snapshot
-        return {spec.name: (spec.type, spec.mode, snap.switches.effective(spec.name, Mode(spec.mode)))
-                for spec in snap.policy.limiters}
-
     def status(self) -> Mapping[str, Any]:
-        return {"switches": self.engine.snapshot.switches.to_dict(),
-                "limiters": {name: {"type": kind, "policy_mode": policy_mode, "mode": mode.value}
-                             for name, (kind, policy_mode, mode) in self.modes().items()}}
+        snap = self.engine.snapshot
+        return {"switches": snap.switches.to_dict(), "limiters": limiter_modes(snap.switches, snap.policy.limiters)}
 
     def metrics(self) -> Iterable[Metric]:
         mode = GaugeMetricFamily("extauthz_limiter_mode", "Effective mode of each limiter "
                                  "(policy mode overridden by kill switches): 1 for the current one.",
                                  labels=["limiter", "mode"])
-        for name, (_, _, current) in self.modes().items():
+        snap = self.engine.snapshot
+        for name, row in limiter_modes(snap.switches, snap.policy.limiters).items():
             for m in Mode:
-                mode.add_metric([name, m.value], 1 if m is current else 0)
+                mode.add_metric([name, m.value], 1 if m.value == row["mode"] else 0)
         yield mode
         switched = GaugeMetricFamily("extauthz_switches_set", "Kill switches currently set "
                                      "(1 per switch; '*' is the global one).", labels=["switch", "mode"])
@@ -375,10 +370,10 @@ class GrantsPart:
     engine: Engine
 
     def status(self) -> Mapping[str, Any]:
-        return {"grants": grant_status(self.engine.snapshot.limiters)}
+        return {"grants": self.engine.grants.status()}
 
     def metrics(self) -> Iterable[Metric]:
-        status = grant_status(self.engine.snapshot.limiters)
+        status = self.engine.grants.status()
         for field, (name, is_counter, text) in GRANT_METRICS.items():
             family = (CounterMetricFamily if is_counter else GaugeMetricFamily)(name, text, labels=["limiter"])
             for limiter, values in sorted(status.items()):
@@ -389,7 +384,7 @@ class GrantsPart:
             "replica while the shared state without them could not pay one request more: other "
             "replicas' requests were refused early meanwhile, by at most this much (tokens or "
             "fleet slots; see docs/limiters.md).", labels=["limiter"])
-        for limiter, (buckets, total) in sorted(grant_early(self.engine.snapshot.limiters).items()):
+        for limiter, (buckets, total) in sorted(self.engine.grants.early().items()):
             early.add_metric([limiter], buckets, total)
         yield early
 

@@ -570,6 +570,35 @@ class _BatchedGrants(_Strict):
         return self
 
 
+#: the key parts Envoy's quota filter can build a bucket id from (enforce: envoy)
+ENVOY_KEY_PARTS = ("header", "source_ip", "method")
+
+
+def envoy_problem(spec: RequestRateSpec) -> str | None:
+    """Why ``enforce: envoy`` cannot serve this limiter (docs/rlqs.md), or None."""
+    why = "enforce: envoy: "
+    for part in spec.key or [KeyPart(identity=True)]:
+        named = next(f for f in KEY_PARTS if getattr(part, f) is not None)
+        if named not in ENVOY_KEY_PARTS:
+            hint = (" (the identity is read and hashed by this server; copy what Envoy should key on "
+                    "to a header)" if named in ("identity", "metadata", "principal", "plan") else "")
+            return (f"{why}Envoy cannot build the key part '{named}'{hint}; it builds "
+                    + ", ".join(f"'{f}'" for f in ENVOY_KEY_PARTS))
+        if part.strip_prefix is not None or part.case is not None:
+            return f"{why}Envoy takes a header's whole value: no 'strip_prefix' or 'case'"
+    if spec.on_missing_key != "skip":
+        return f"{why}on_missing_key: shared is not served in Envoy (a request without the key is not limited there)"
+    if spec.plans:
+        return f"{why}a bucket id carries no plan: no 'plans'"
+    if spec.consistency != "exact":
+        return f"{why}Envoy holds the tokens: no 'consistency: batched'"
+    if spec.mode != "enforce":
+        return f"{why}Envoy enforces what it is given: mode '{spec.mode}' is not served there"
+    if spec.applies_to.tiers is not None or spec.applies_to.hosts is not None:
+        return f"{why}applies_to takes 'path_prefix' and 'methods' only (the tier is this server's)"
+    return None
+
+
 class RequestRateSpec(_BatchedGrants, _KeyedBase):
     """Token bucket per user: ``rate`` tokens per second up to ``burst``."""
 
@@ -580,6 +609,16 @@ class RequestRateSpec(_BatchedGrants, _KeyedBase):
     plans: dict[Name, RequestRatePlan] | None = Field(
         None, description="Numbers per plan (rate, burst, cost); a plan not listed uses the "
         "limiter's own.")
+    enforce: Literal["server", "envoy"] = Field(
+        "server", description="server: every check asks this server; envoy: Envoy's rate limit "
+        "quota filter holds the tokens and this server divides rate and burst across Envoys "
+        "(docs/rlqs.md; keys on 'header', 'source_ip', 'method' only; the check skips it).")
+
+    @model_validator(mode="after")
+    def _envoy_can_serve(self) -> RequestRateSpec:
+        if self.enforce == "envoy" and (problem := envoy_problem(self)) is not None:
+            raise ValueError(problem)
+        return self
 
     @model_validator(mode="after")
     def _cost_fits(self) -> RequestRateSpec:

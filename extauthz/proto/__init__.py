@@ -45,6 +45,15 @@ Short aliases (module -> protobuf package, main contents):
     .RateLimitOverride).
 ``ratelimit_unit_pb2``
     ``envoy.type.v3``: RateLimitUnit.
+``rlqs_pb2``
+    ``envoy.service.rate_limit_quota.v3`` as Envoy 1.40.0 speaks it (pinned by Envoy
+    version, docs/rlqs.md): RateLimitQuotaUsageReports (.BucketQuotaUsage),
+    RateLimitQuotaResponse (.BucketAction, .QuotaAssignmentAction, .AbandonAction), BucketId.
+``rlqs_pb2_grpc``
+    ``RateLimitQuotaService`` service: RateLimitQuotaServiceServicer, RateLimitQuotaServiceStub,
+    add_RateLimitQuotaServiceServicer_to_server.
+``ratelimit_strategy_pb2``
+    ``envoy.type.v3``: RateLimitStrategy (.BlanketRule), TokenBucket.
 ``status_pb2``
     ``google.rpc``: Status. This is googleapis-common-protos' ``google.rpc.status_pb2``
     (a second definition of ``google.rpc.Status`` would clash in the descriptor pool).
@@ -64,7 +73,10 @@ from extauthz.proto.extauthz_wire import (
     core_pb2,
     http_status_pb2,
     ratelimit_common_pb2,
+    ratelimit_strategy_pb2,
     ratelimit_unit_pb2,
+    rlqs_pb2,
+    rlqs_pb2_grpc,
     rls_pb2,
     rls_pb2_grpc,
 )
@@ -78,7 +90,10 @@ __all__ = [
     "core_pb2",
     "http_status_pb2",
     "ratelimit_common_pb2",
+    "ratelimit_strategy_pb2",
     "ratelimit_unit_pb2",
+    "rlqs_pb2",
+    "rlqs_pb2_grpc",
     "rls_pb2",
     "rls_pb2_grpc",
     "status_pb2",

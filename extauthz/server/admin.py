@@ -25,57 +25,32 @@ configured ``Host``, the bearer token when ``--admin-token-file`` is set, and on
 ``GET /healthz``           ``{"ok": true}``; no token, no Host check
 =========================  ==========================================================
 
-Every change of a switch or an override is recorded (:mod:`extauthz.changelog`) with the
-reason (``X-Extauthz-Reason``) and who: the token's name and the user the client names.
+What the routes read and change is the server's
+:class:`~extauthz.server.fleetstate.ReplicaControl`, the one control path of
+:mod:`extauthz.control` (the CLI with ``--redis-url`` runs the same rules): a switch names a
+limiter of the live policy (404 otherwise; a switch that is set can always be cleared), an
+override the policy would not apply is refused (400), the store's failures are 503, and every
+change of a switch or an override is recorded (:mod:`extauthz.changelog`) with the reason
+(``X-Extauthz-Reason``) and who: the token's name and the user the client names. The routes
+only translate HTTP.
 
-The port itself (and the metrics port) is started by :mod:`extauthz.server.ports`; what
-the routes read and change is an :class:`AdminBackend` (the server's
-:class:`~extauthz.server.operations.Operations`).
+The port itself (and the metrics port) is started by :mod:`extauthz.server.ports`.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from aiohttp import web
 
-from ..changelog import Change, ChangeLog, read_history
-from ..errors import StoreError, did_you_mean
-from ..overrides import OverrideError
+from ..control import ControlError, StoreControl, StoreFailed, UnknownLimiter
+from ..overrides import DEFAULT_TTL, OverrideError, make_override
 from ..policy.schema import parse_duration
 from ..store.base import load_json
-from ..switches import GLOBAL, SwitchBoard, valid_name
 from ..verdict import Mode
-from .adminauth import ACTOR, HEALTH_PATH, TEXT_MAX, Actor, AdminGuard
-
-
-class AdminBackend(Protocol):
-    """What the admin routes read and change."""
-
-    switches: SwitchBoard
-    changes: ChangeLog
-
-    def status(self) -> dict[str, Any]: ...
-
-    def switch_status(self) -> dict[str, Any]: ...
-
-    def limiter_names(self) -> set[str]: ...
-
-    async def shadow_report(self, window: float, *, top: int = 10) -> dict[str, Any]: ...
-
-    def override_rows(self) -> dict[str, Any]: ...
-
-    async def set_override(self, limiter: str, identity: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        """Raises OverrideError (a refusal, 400) or StoreError (503)."""
-
-    async def clear_override(self, limiter: str, identity: str) -> bool:
-        """False when there was none. Raises StoreError."""
-
-    async def customer(self, identity: str, plan: str | None = None) -> dict[str, Any]:
-        """Raises ValueError (a bad hash or plan, 400) or StoreError (503)."""
+from .adminauth import ACTOR, HEALTH_PATH, AdminGuard
 
 MAX_WINDOW = 7 * 24 * 3600.0
 
@@ -114,21 +89,19 @@ def _error(status: int, message: str, **extra: Any) -> web.Response:
     return _json({"error": message, **extra}, status)
 
 
-def admin_app(ops: AdminBackend, guard: AdminGuard | None = None) -> web.Application:
-    async def record(kind: str, action: str, target: str, value: Any, reason: str = "",
-                     expires_at: float | None = None) -> None:
-        """Record a change that landed, with the reason and who (AdminGuard's Actor; ``reason``:
-        the one the request's body gave, when no header did)."""
-        actor = ACTOR.get() or Actor(token=None, user="", reason="")
-        await ops.changes.record(Change(kind=kind, action=action, target=target, value=value,
-                                        reason=actor.reason or reason[:TEXT_MAX], by=actor.by,
-                                        user=actor.user, expires_at=expires_at))
+def _failed(exc: ControlError) -> web.Response:
+    """A refused or failed change, with the status its kind says."""
+    if isinstance(exc, UnknownLimiter):
+        return _error(404, str(exc), limiters=exc.known)
+    return _error(503 if isinstance(exc, StoreFailed) else 400, str(exc))
 
+
+def admin_app(control: StoreControl, guard: AdminGuard | None = None) -> web.Application:
     async def status(request: web.Request) -> web.Response:
-        return _json(ops.status())
+        return _json(await control.status())
 
     async def switches(request: web.Request) -> web.Response:
-        return _json(ops.switch_status())
+        return _json(await control.switches())
 
     async def put_switch(request: web.Request) -> web.Response:
         name = request.match_info["name"]
@@ -143,17 +116,10 @@ def admin_app(ops: AdminBackend, guard: AdminGuard | None = None) -> web.Applica
         return await _change(request.match_info["name"], None)
 
     async def _change(name: str, mode: Mode | None) -> web.Response:
-        known = ops.limiter_names()
-        if not valid_name(name) or (name != GLOBAL and name not in known):
-            return _error(404, f"no limiter named {name!r} in the policy{did_you_mean(name, known)}",
-                          limiters=sorted(known))
         try:
-            await ops.switches.change(name, mode)
-        except StoreError as exc:
-            return _error(503, f"the store did not take the change: {exc}")
-        await record("switch", "clear" if mode is None else "set", name,
-                     None if mode is None else mode.value)
-        return _json(ops.switch_status())
+            return _json(await control.set_switch(name, mode))
+        except ControlError as exc:
+            return _failed(exc)
 
     async def shadow(request: web.Request) -> web.Response:
         try:
@@ -162,62 +128,59 @@ def admin_app(ops: AdminBackend, guard: AdminGuard | None = None) -> web.Applica
         except ValueError as exc:
             return _error(400, str(exc))
         try:
-            report = await ops.shadow_report(window, top=top)
-        except StoreError as exc:
-            return _error(503, f"cannot read the shadow log: {exc}")
-        return _json(report)
+            return _json(await control.shadow_report(window, top))
+        except ControlError as exc:
+            return _failed(exc)
 
     async def overrides(request: web.Request) -> web.Response:
-        return _json(ops.override_rows())
+        return _json(await control.overrides())
 
     async def put_override(request: web.Request) -> web.Response:
+        limiter, identity = request.match_info["limiter"], request.match_info["identity"]
         try:
             if request.content_length is not None and request.content_length > MAX_BODY:
                 raise OverrideError(f"the body is larger than {MAX_BODY} bytes")
             body = load_json(await request.text())
             if not isinstance(body, dict):
                 raise OverrideError('the body is a JSON object {"numbers": {...}, "ttl": seconds, ...}')
-            limiter, identity = request.match_info["limiter"], request.match_info["identity"]
-            actor = ACTOR.get()
-            if actor is not None:  # the override row says what the change log says
-                body = {**body, **({"reason": actor.reason} if actor.reason else {}),
-                        **({"by": actor.by} if actor.by else {})}
-            rows = await ops.set_override(limiter, identity, body)
+            numbers = body.get("numbers")
+            if not isinstance(numbers, dict):
+                raise OverrideError('"numbers" is an object like {"rate": 1000, "burst": 5000}')
+            actor = ACTOR.get()  # the override row says what the change log says
+            new = make_override(limiter, identity, numbers, ttl=body.get("ttl", DEFAULT_TTL),
+                                reason=(actor.reason if actor is not None and actor.reason
+                                        else str(body.get("reason", ""))),
+                                by=actor.by if actor is not None and actor.by else str(body.get("by", "")),
+                                source=str(body.get("source", "")), now=control.wall(),
+                                kind=control.limiter_kind(limiter))
+            return _json(await control.set_override(new))
+        except ControlError as exc:
+            return _failed(exc)
         except (ValueError, TypeError) as exc:  # OverrideError, JSON errors
             return _error(400, str(exc))
-        except StoreError as exc:
-            return _error(503, f"the store did not take the change: {exc}")
-        expires_at = next((r["expires_at"] for r in rows.get("overrides", ())  # its expiry: `history`
-                           if r["limiter"] == limiter and r["identity"] == identity), None)
-        await record("override", "set", f"{limiter} {identity}", body.get("numbers"),
-                     str(body.get("reason", "")), expires_at)
-        return _json(rows)
 
     async def delete_override(request: web.Request) -> web.Response:
         limiter = request.match_info["limiter"]
         try:
-            found = await ops.clear_override(limiter, request.match_info["identity"])
-        except StoreError as exc:
-            return _error(503, f"the store did not take the change: {exc}")
-        if not found:
+            rows = await control.clear_override(limiter, request.match_info["identity"])
+        except ControlError as exc:
+            return _failed(exc)
+        if rows is None:
             return _error(404, f"no override for limiter {limiter!r} and that identity")
-        await record("override", "clear", f"{limiter} {request.match_info['identity']}", None)
-        return _json(ops.override_rows())
+        return _json(rows)
 
     async def history(request: web.Request) -> web.Response:
         try:
-            changes = await read_history(ops.changes.store, ops.changes.key)
-        except StoreError as exc:
-            return _error(503, f"cannot read the change log: {exc}")
+            changes = await control.history()
+        except ControlError as exc:
+            return _failed(exc)
         return _json({"changes": [c.to_dict() for c in changes]})
 
     async def customer(request: web.Request) -> web.Response:
         try:
-            return _json(await ops.customer(request.match_info["identity"], request.query.get("plan")))
-        except ValueError as exc:
-            return _error(400, str(exc))
-        except StoreError as exc:
-            return _error(503, f"cannot read the store: {exc}")
+            return _json(await control.customer(request.match_info["identity"], request.query.get("plan")))
+        except ControlError as exc:
+            return _failed(exc)
 
     async def healthz(request: web.Request) -> web.Response:
         return _json({"ok": True})

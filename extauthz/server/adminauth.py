@@ -37,12 +37,12 @@ import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable
 from contextvars import ContextVar
-from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
 
 from ..changelog import text_problem
+from ..control import Actor as Actor
 from .admintokens import CLIENT_HEADER as CLIENT_HEADER
 from .admintokens import MIN_TOKEN as MIN_TOKEN
 from .admintokens import REASON_HEADER as REASON_HEADER
@@ -208,20 +208,6 @@ def _header_host(value: str | None) -> str | None:
     if sep and port.isdigit() and ":" not in host:
         return host
     return value if ":" not in value else None
-
-
-@dataclass(frozen=True, slots=True)
-class Actor:
-    """Who made an admin request: the token's name (None without a token; ``""`` for a
-    bare token), the user the client names, and the reason given."""
-
-    token: str | None
-    user: str
-    reason: str
-
-    @property
-    def by(self) -> str | None:
-        return self.token or None
 
 
 #: the :class:`Actor` of the admin request being handled (set by :class:`AdminGuard` in the

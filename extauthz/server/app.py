@@ -11,7 +11,8 @@ import gc
 import logging
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,34 +21,53 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..engine import Engine
+from ..envoy.headers import unreadable_over_http
 from ..limiters.worker import sampler_job
 from ..observe import compose
+from ..observe.edge_metrics import EdgeCollector
 from ..observe.setup import Observability
-from ..observe.state import RecorderPart, by_label_part
+from ..observe.state import LeaseSampler, RecorderPart, Section, by_label_part
+from ..overload import LoopLag
 from ..policy import Policy, load_policy
-from ..proto import accesslog_pb2_grpc, auth_pb2_grpc, rls_pb2_grpc
+from ..proto import accesslog_pb2_grpc, auth_pb2_grpc, rlqs_pb2_grpc, rls_pb2_grpc
+from ..quota_service import QuotaBook, QuotaLimit, limits_of
+from ..reload import PolicyWatcher
 from ..runner import Runner
 from ..settings import Settings, off
 from ..simulate.record import Recorder, pending_ttl
 from ..store.base import Store
 from ..store.keys import Keys
 from ..store.memory import MemoryStore
+from ..storegate import StoreGate
+from ..tickets import REASONS as REJECT_REASONS
 from ..tickets import LeaseTickets
+from .admin import admin_app
+from .fleetstate import FleetState, ReplicaControl
+from .flow import check_flow
 from .fluentd import FluentdReceiver
 from .grpc_h2 import GrpcH2Server, H2Limits
 from .http import HttpAuthorization, HttpLimits, max_connections_for
-from .httpmap import unreadable_over_http
 from .leases import Leases
-from .operations import Operations
+from .opsports import OperatorPorts
+from .panel import status_panel
 from .portfile import remove_admin_url, write_admin_url
 from .ports import parse_listen
-from .services import AccessLogService, RateLimitService
+from .services import (
+    AccessLogService,
+    AuthorizationService,
+    RateLimitQuotaService,
+    RateLimitService,
+    quota_metrics,
+)
 from .tls import CertificateReloader, TlsFiles
 
 log = logging.getLogger("extauthz.server")
 
 AUTH_SERVICE = "envoy.service.auth.v3.Authorization"
 ACCESSLOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
+#: how often the shadow recorder flushes and the lease sampler samples (seconds)
+SHADOW_FLUSH_INTERVAL = 1.0
+LEASES_SAMPLE_INTERVAL = 2.0
 
 
 #: the server's configuration: one :class:`~extauthz.settings.Settings`, every option declared
@@ -104,38 +124,73 @@ class Server:
                                      redact_paths=config.record_paths != "raw",
                                      pending_ttl=pending_ttl(self.policy))
             observer = compose([observer, self.recorder])
-        self.engine = Engine(
-            self.store, self.policy, keys=keys, deadline=config.store_deadline_ms / 1000.0,
-            clock=clock, salt=config.identity_salt.encode(), observer=observer,
-            store_check=self.observe.store_check,
-        )
+        gate = StoreGate(self.store, config.store_deadline_ms / 1000.0, clock=clock,
+                         store_check=self.observe.store_check)
+        self.engine = Engine(gate, self.policy, keys=keys, salt=config.identity_salt.encode(), observer=observer)
         #: every background loop (switch poll, reload, shadow flush, samplers)
         self.runner = Runner()
         self.health = health.aio.HealthServicer()
         self.accesslog = AccessLogService(
             Leases(self.engine, tickets=LeaseTickets(keys, config.lease_secret)),
             on_finished=self.recorder.finished if self.recorder is not None else None)
+        #: the rate limit quota stream (RLQS, docs/rlqs.md), on the gRPC port
+        self._quota_for: Policy | None = None
+        self._quota_cache: Mapping[str, QuotaLimit] = {}
+        self.quota = RateLimitQuotaService(QuotaBook(self._quota_limits, clock=clock))
         if not config.lease_secret and config.redis_url:
             log.warning("no --lease-secret: lease tickets use a random per-process key, so with several "
                         "replicas an access-log entry reaching another replica releases nothing (its "
                         "leases wait for their TTL); give every replica the same --lease-secret",
                         extra={"fields": {"event": "lease_secret_random"}})
-        # admin + metrics ports, hot reload, switches, scrape-time metrics, /status
-        self.ops = Operations(config, engine=self.engine, store=self.store, clock=clock, observe=self.observe,
-                              accesslog=self.accesslog, runner=self.runner, watch=policy is None,
-                              after_reload=self._policy_applied)
+        # What operators see and change at run time, each owner built here once:
+        #: the loop's lag (a Runner job) and the check budget (extauthz/overload.py); real
+        #: time, whatever clock the limiters run on
+        self.lag = LoopLag(config.check_budget_ms / 1000.0, running=lambda: self.runner.running("loop_lag"))
+        #: the admin and metrics ports, and the admin port's lock
+        self.ports = OperatorPorts.from_settings(config)
+        #: switches, overrides and the change log (server/fleetstate.py)
+        self.fleet = FleetState(self.engine, self.store, keys, clock, interval=config.switch_poll_interval)
+        #: hot reload of --policies (off when the server was given a policy object)
+        self.watcher = (PolicyWatcher(config.policies, self.apply_policy, current=self.policy,
+                                      interval=config.reload_interval, clock=clock,
+                                      max_bytes=config.policy_max_bytes)
+                        if policy is None and config.policies and config.reload_interval > 0 else None)
+        #: the Check servicer of both front doors: one check flow, sharing the access log's
+        #: lease owner (request-id index, ticket key) and one bad-request count
+        tracing, metrics = self.observe.tracing, self.observe.metrics
+        self.auth = AuthorizationService(check_flow(self.engine, self.accesslog.leases,
+                                                    tracing.tracer if tracing is not None else None,
+                                                    self.lag, metrics.durations if metrics is not None else None))
+        #: ShouldRateLimit (Envoy's ratelimit filter, docs/migrating.md) on the same check flow
+        self.ratelimit = RateLimitService(self.auth.flow)
+        self.leases: LeaseSampler | None = (LeaseSampler(self.engine, LEASES_SAMPLE_INTERVAL)
+                                            if metrics is not None else None)
         files = TlsFiles.from_options(config.tls_cert, config.tls_key, config.tls_client_ca)
         self.tls = CertificateReloader(files) if files is not None else None
-        self.ops.tls = self.tls
-        self.ops.panel.add(RecorderPart(self.recorder))  # /status recorder, extauthz_recorder_*
+        #: more sections of /status, by name (e.g. "http": the HTTP authorization port)
+        self.status_sections: dict[str, Callable[[], Any]] = {}
+        #: /status and the scrape-time metrics, one part per component (server/panel.py)
+        self.panel = status_panel(self)
+        self.panel.add(RecorderPart(self.recorder))  # /status recorder, extauthz_recorder_*
+        self.panel.add(by_label_part(
+            "ratelimit_descriptors", "extauthz_ratelimit_descriptors", "Rate limit descriptors "
+            "(ShouldRateLimit) by what answered them: decided (a limiter), replaced (its limiter "
+            "switched off by another's replaces), unknown (none matched: allowed), unlimited.",
+            "result", self.ratelimit.door.counts))
+        self.panel.add(Section(lambda: {"quota": self.quota.book.status()},  # extauthz_quota_*
+                               partial(quota_metrics, self.quota.book)))
+        if metrics is not None:
+            metrics.registry.register(self.panel)
+            metrics.registry.register(EdgeCollector(lambda: self.tls, lambda: self.accesslog.rejected,
+                                                    REJECT_REASONS))
+        #: what the admin routes read and change: the one control path (extauthz/control.py)
+        self.control = ReplicaControl(self.fleet, observe=self.observe, status=self.panel.status)
         if is_off(config.listen) and is_off(config.http_listen):
             raise ValueError("both the gRPC (--listen) and the HTTP (--http-listen) ports are off: "
                              "nothing to serve")
         self.grpc: grpc.aio.Server | GrpcH2Server | None = None
         self.health_grpc: grpc.aio.Server | None = None
         self.http: HttpAuthorization | None = None
-        #: ShouldRateLimit's servicer (built at start, on the auth service's flow)
-        self.ratelimit: RateLimitService | None = None
         self.fluentd: FluentdReceiver | None = None
         self.fluentd_port = 0
         #: the gRPC port (0 when off) and the HTTP authorization port (0 when off).
@@ -156,18 +211,47 @@ class Server:
                                           "asked": asked, "derived": derived}})
         return asked
 
+    def apply_policy(self, policy: Policy) -> None:
+        """A reloaded policy: the engine's, the observers', the samplers' and the HTTP port's."""
+        self.engine.set_policy(policy)
+        self.observe.policy_changed(policy)
+        self._policy_applied()
+
+    async def _start_operations(self) -> None:
+        """The fleet's switches and overrides read, the admin and metrics ports up, and the
+        background jobs on the runner."""
+        # serve with the fleet's switches and overrides from the first check
+        await self.fleet.poll()
+        try:
+            await self.ports.start(lambda guard: admin_app(self.control, guard),
+                                   self.observe.metrics.registry if self.observe.metrics is not None else None)
+        except BaseException:
+            await self._stop_operations()
+            raise
+        run = self.runner.every
+        # one poll of what operators change at run time: kill switches and overrides
+        run("loop_lag", self.lag.interval, self.lag.tick, first=True)
+        run("switch_poll", self.fleet.interval, self.fleet.poll)
+        run("shadow_flush", SHADOW_FLUSH_INTERVAL, self.observe.housekeeping)
+        if self.watcher is not None:
+            run("policy_reload", self.watcher.interval, self.watcher.poll)
+        if self.leases is not None:
+            run("lease_sampler", self.leases.interval, self.leases.sample_once, first=True)
+        admin_port, metrics_port = self.ports.admin_port, self.ports.metrics_port
+        log.info("admin on port %s, metrics on port %s, tracing %s", admin_port or "off",
+                 metrics_port or "off", "on" if self.observe.tracing else "off",
+                 extra={"fields": {"event": "operations_started", "admin_port": admin_port,
+                                   "metrics_port": metrics_port, "tracing": self.observe.tracing is not None,
+                                   "reload": self.watcher is not None}})
+
+    async def _stop_operations(self) -> None:
+        await self.runner.stop()
+        await self.observe.stop()
+        await self.ports.stop()
+
     async def start(self) -> int:
-        await self.ops.start()
-        # one check flow for both edges: one lease owner (request-id index, ticket key), one
-        # bad-request count
-        service = self.ops.auth_service()
-        #: ShouldRateLimit (Envoy's ratelimit filter) on the same flow
-        ratelimit = self.ratelimit = RateLimitService(service.flow)
-        self.ops.panel.add(by_label_part(
-            "ratelimit_descriptors", "extauthz_ratelimit_descriptors", "Rate limit descriptors "
-            "(ShouldRateLimit) by what answered them: decided (a limiter), replaced (its limiter "
-            "switched off by another's replaces), unknown (none matched: allowed), unlimited.",
-            "result", ratelimit.door.counts))
+        await self._start_operations()
+        service = self.auth
         server: grpc.aio.Server | None = None
         try:
             if not is_off(self.config.http_listen):
@@ -179,13 +263,13 @@ class Server:
                     forward_auth=self.config.http_forward_auth, prefix=self.config.http_path_prefix)
                 self.http_port = await self.http.start(self.config.http_listen,
                                                        reuse_port=self.config.reuse_port)
-                self.ops.status_sections["http"] = self.http.status
+                self.status_sections["http"] = self.http.status
             if not is_off(self.config.fluentd_listen):
                 assert self.config.fluentd_listen is not None
                 self.fluentd = FluentdReceiver(self.accesslog.finished)
                 self.fluentd_port = await self.fluentd.start(self.config.fluentd_listen,
                                                              reuse_port=self.config.reuse_port)
-                self.ops.status_sections["fluentd"] = self.fluentd.status
+                self.status_sections["fluentd"] = self.fluentd.status
             if not is_off(self.config.listen) and self.config.grpc_server == "asyncio":
                 # the same servicers on HTTP/2 served by the event loop (server/grpc_h2.py)
                 # its connection bound follows the file limit, as the HTTP port's does
@@ -194,17 +278,19 @@ class Server:
                     limits = H2Limits(**limits)
                 h2server = GrpcH2Server(limits, ssl_context=self.tls.ssl_context() if self.tls is not None else None)
                 auth_pb2_grpc.add_AuthorizationServicer_to_server(service, h2server)
-                rls_pb2_grpc.add_RateLimitServiceServicer_to_server(ratelimit, h2server)
                 accesslog_pb2_grpc.add_AccessLogServiceServicer_to_server(self.accesslog, h2server)
+                rlqs_pb2_grpc.add_RateLimitQuotaServiceServicer_to_server(self.quota, h2server)
+                rls_pb2_grpc.add_RateLimitServiceServicer_to_server(self.ratelimit, h2server)
                 health_pb2_grpc.add_HealthServicer_to_server(self.health, h2server)
                 self.port = await h2server.start(self.config.listen, reuse_port=self.config.reuse_port)
                 self.grpc = h2server
-                self.ops.status_sections["grpc"] = h2server.status
+                self.status_sections["grpc"] = h2server.status
             elif not is_off(self.config.listen):
                 server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.config.reuse_port))])
                 auth_pb2_grpc.add_AuthorizationServicer_to_server(service, server)
-                rls_pb2_grpc.add_RateLimitServiceServicer_to_server(ratelimit, server)
                 accesslog_pb2_grpc.add_AccessLogServiceServicer_to_server(self.accesslog, server)
+                rlqs_pb2_grpc.add_RateLimitQuotaServiceServicer_to_server(self.quota, server)
+                rls_pb2_grpc.add_RateLimitServiceServicer_to_server(self.ratelimit, server)
                 health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
                 self.port = _bind(server, self.config.listen, "--listen",
                                   self.tls.credentials() if self.tls is not None else None)
@@ -222,7 +308,7 @@ class Server:
                 await self.fluentd.stop()
             if self.http is not None:
                 await self.http.stop(0)
-            await self.ops.stop()
+            await self._stop_operations()
             raise
         if server is not None:
             await server.start()
@@ -242,11 +328,11 @@ class Server:
 
     @property
     def admin_url(self) -> str | None:
-        if not self.ops.admin_port or self.ops.admin_listen is None:
+        if not self.ports.admin_port or self.ports.admin_listen is None:
             return None
-        host = parse_listen(self.ops.admin_listen)[0]
+        host = parse_listen(self.ports.admin_listen)[0]
         host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-        return f"http://{f'[{host}]' if ':' in host else host}:{self.ops.admin_port}"
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.ports.admin_port}"
 
     def _write_admin_url(self) -> None:
         if not self.config.admin_url_file or self.admin_url is None:
@@ -255,6 +341,13 @@ class Server:
             write_admin_url(Path(self.config.admin_url_file), self.admin_url)
         except OSError as exc:
             log.warning("cannot write the admin URL file: %s", exc)
+
+    def _quota_limits(self) -> Mapping[str, QuotaLimit]:
+        """The quota stream's limiters, from the policy in force (computed once per policy)."""
+        policy = self.engine.snapshot.policy
+        if self._quota_for is not policy:
+            self._quota_for, self._quota_cache = policy, limits_of(policy)
+        return self._quota_cache
 
     def _policy_applied(self) -> None:
         """At start and after each reload: the samplers follow the policy, and the HTTP port
@@ -284,7 +377,7 @@ class Server:
             await self.health_grpc.stop(0)
         if self.fluentd is not None:  # after the front doors: the last entries still release
             await self.fluentd.stop()
-        await self.ops.stop()
+        await self._stop_operations()
         if self.config.admin_url_file and self.admin_url is not None:
             remove_admin_url(Path(self.config.admin_url_file), self.admin_url)
         if self.recorder is not None:  # what finished, and what still waits (no duration)

@@ -1,6 +1,7 @@
 """Conversion at the edge: CheckRequest -> RawRequest, Decision -> CheckResponse.
 
-The only module that reads Envoy's attribute chains or builds Envoy's messages.
+The only module that reads Envoy's attribute chains or builds Envoy's messages; the header
+names it reads are :mod:`extauthz.envoy.headers`'.
 """
 
 from __future__ import annotations
@@ -23,15 +24,6 @@ from ..policy.model import RouteRef
 from ..proto import auth_pb2, core_pb2, http_status_pb2, status_pb2
 from ..tiers import Tier
 from ..verdict import Decision
-
-#: headers the gRPC edge reads whatever the policy says (the request id that pairs a Check
-#: with its access-log entry; ``envoy-allowed-headers --protocol grpc`` lists them). The
-#: trace parent arrives in the Check call's gRPC metadata, the client address, the route's
-#: tier and the JWT payload in attributes.
-GRPC_EDGE_HEADERS = (REQUEST_ID_HEADER,)
-
-#: where Envoy files the CheckResponse's dynamic metadata (and the access log shows it).
-EXT_AUTHZ_NAMESPACE = "envoy.filters.http.ext_authz"
 
 _OVERWRITE = core_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _GRPC_OK = 0

@@ -1,48 +1,43 @@
 """What operators change at run time, on every replica: the kill switches and the live
-overrides (two stored documents, :mod:`extauthz.documents`), this replica's rules for changing
-them (a switch names a limiter of the policy; an override the policy would not apply is
-refused), and the change log. Polled once a second by the server's runner; a part of
-``/status`` and ``/metrics`` (:mod:`extauthz.observe.state`).
+overrides (two stored documents, :mod:`extauthz.documents`) and the change log
+(:class:`FleetState`, polled once a second by the server's runner; a part of ``/status`` and
+``/metrics``, :mod:`extauthz.observe.state`), and the admin routes' control
+(:class:`ReplicaControl`): the one control path of :mod:`extauthz.control` with this
+replica's live policy, boards and change log.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client.metrics_core import Metric
 
 from ..changelog import ChangeLog
 from ..clock import Clock
+from ..control import Actor, Checks, StoreControl
 from ..engine import Engine
-from ..observe.state import ModesPart, OverridesPart
-from ..overrides import (
-    DEFAULT_TTL,
-    MAX_OVERRIDES,
-    Override,
-    OverrideBoard,
-    OverrideError,
-    make_override,
-    refuse_unapplied,
-    with_override,
-    without_override,
-)
+from ..observe.setup import Observability
+from ..observe.state import OverridesPart
+from ..overrides import OverrideBoard
 from ..store.base import Store
 from ..store.keys import Keys
 from ..switches import SwitchBoard
+from .adminauth import ACTOR
 
 
 class FleetState:
     def __init__(self, engine: Engine, store: Store, keys: Keys, clock: Clock, *,
                  interval: float = 1.0) -> None:
         self.engine = engine
+        self.store = store
+        self.keys = keys
         self.clock = clock
         self.interval = interval
         self.switches = SwitchBoard(store, keys.switches, engine.set_switches, interval=interval)
         self.overrides = OverrideBoard(store, keys, engine.set_overrides, wall=clock.wall)
         #: who changed switches and overrides, and why (the last ones; the store's log)
         self.changes = ChangeLog(store, keys.history, wall=clock.wall)
-        self._modes = ModesPart(engine)
         self._overrides = OverridesPart(engine, self.overrides.status)
 
     async def poll(self) -> None:
@@ -57,41 +52,52 @@ class FleetState:
     def metrics(self) -> Iterable[Metric]:
         return self._overrides.metrics()
 
-    # -- switches -------------------------------------------------------------------------
-    def limiter_names(self) -> set[str]:
-        return {spec.name for spec in self.engine.snapshot.policy.limiters}
 
-    def switch_status(self) -> dict[str, Any]:
-        return dict(self._modes.status())
+class ReplicaControl(StoreControl):
+    """The admin routes' :class:`~extauthz.control.Control`: the rules of
+    :class:`~extauthz.control.StoreControl` checked against the policy this replica serves now
+    (the engine's snapshot: a reload changes it), changes made through the replica's boards
+    (applied here at once) and recorded in its change log (logged, kept for ``/status``) as
+    made by the admin request's :class:`~extauthz.control.Actor`. ``/status``, a customer's
+    recent refusals and grants held, and the shadow report come from the replica."""
 
-    # -- overrides ------------------------------------------------------------------------
-    def override_rows(self) -> dict[str, Any]:
-        return {"overrides": self._overrides.rows(), "max": MAX_OVERRIDES}
+    def __init__(self, fleet: FleetState, *, observe: Observability, status: Callable[[], dict[str, Any]]) -> None:
+        super().__init__(fleet.store, fleet.keys, wall=fleet.clock.wall, via="admin")
+        self.engine = fleet.engine
+        self.observe = observe
+        self._status = status
+        self.switch_doc = fleet.switches
+        self.override_doc = fleet.overrides
+        self.changes = fleet.changes
 
-    async def set_override(self, limiter: str, identity: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        """Set one override (the admin port). This replica knows the policy, so an override
-        that would not apply is refused. Raises OverrideError or StoreError."""
-        numbers = body.get("numbers")
-        if not isinstance(numbers, dict):
-            raise OverrideError('"numbers" is an object like {"rate": 1000, "burst": 5000}')
-        now = self.clock.wall()
+    @property
+    def where(self) -> str:
+        return "admin"
+
+    def checks(self) -> Checks:
         snap = self.engine.snapshot
-        kind = next((spec.type for spec in snap.policy.limiters if spec.name == limiter), None)
-        new = make_override(limiter, identity, numbers, ttl=body.get("ttl", DEFAULT_TTL),
-                            reason=str(body.get("reason", "")), by=str(body.get("by", "")),
-                            source=str(body.get("source", "")), now=now, kind=kind)
-        refuse_unapplied(new, snap.limiters, snap.policy.identity_labels)
-        await self.overrides.change(lambda entries: with_override(entries, new, now))
-        return self.override_rows()
+        return Checks(snap.limiters, snap.policy.identity_labels, snap.policy)
 
-    async def clear_override(self, limiter: str, identity: str) -> bool:
-        """False when there was none. Raises StoreError."""
-        found = False
+    def actor(self) -> Actor:
+        return ACTOR.get() or Actor(token=None, user="", reason="")
 
-        def clear(entries: list[Override]) -> list[Override]:
-            nonlocal found
-            out, found = without_override(entries, limiter, identity, self.clock.wall())
-            return out
+    async def status(self) -> dict[str, Any]:
+        return self._status()
 
-        await self.overrides.change(clear)
-        return found
+    async def shadow_report(self, window: float, top: int) -> dict[str, Any]:
+        from ..observe.shadow import read_report
+
+        await self.observe.shadow.flush()  # include what this replica noted in the last second
+        return await self._store(read_report(self.store, self.keys.shadow_log, window, now=self.wall(), top=top),
+                                 "cannot read the shadow log")
+
+    async def customer(self, identity: str, plan: str | None) -> dict[str, Any]:
+        """One customer's limiters, live counters, the grants this replica holds and its
+        recent refusals here (``GET /customers/<hash>``; :mod:`extauthz.inspect`)."""
+        from ..inspect import held_grants
+
+        view = await self._customer(identity, plan)
+        held_grants(view, self.engine.snapshot.limiters, self.keys, self.wall())
+        refusals = self.observe.refusals
+        view["recent_refusals"] = {**refusals.describe(), "refusals": refusals.of(identity)}
+        return view

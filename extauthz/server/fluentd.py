@@ -9,14 +9,14 @@ fields go to the entry handling shared with the gRPC access log
 ``[tag, <msgpack entries as bin>]`` are read too, and an ``option`` map's ``chunk`` is answered
 ``{"ack": chunk}`` (Envoy 1.40 asks for none).
 
-The record is what ``extauthz envoy-config --access-log fluentd`` renders (:data:`RECORD`):
-the request id, the ext_authz dynamic-metadata namespace as a nested map, the response flags
-(``UAEX``: refused by the authorization filter), what the check saw of the request (start
-time in microseconds, method, path, original path: the request-id index's ``seen``), the
-duration in milliseconds (``serve --record``), and Envoy's fail-open header with the authority:
-a request Envoy let through unchecked is counted by the tier its method, path and host give
-(the tier rules' headers and the route's tier are not in this record; the gRPC access log
-carries them).
+The record is what ``extauthz envoy-config --access-log fluentd`` renders
+(:data:`extauthz.envoy.records.FLUENTD_RECORD`): the request id, the ext_authz
+dynamic-metadata namespace as a nested map, the response flags (``UAEX``: refused by the
+authorization filter), what the check saw of the request (start time in microseconds, method,
+path, original path: the request-id index's ``seen``), the duration in milliseconds
+(``serve --record``), and Envoy's fail-open header with the authority: a request Envoy let
+through unchecked is counted by the tier its method, path and host give (the tier rules'
+headers and the route's tier are not in this record; the gRPC access log carries them).
 
 Trust: the port releases leases, so it is as trusted as the gRPC access-log port: bind it to
 localhost or the pod (docs/security.md); the lease tickets are vetted as on the gRPC stream.
@@ -37,36 +37,14 @@ from typing import Any, cast
 import msgpack
 
 from ..context import RawRequest
+from ..envoy.records import IN_FLIGHT_TYPES, UNAUTHORIZED_FLAG
 from .leases import MAX_PENDING_RELEASES, FinishedEntries, seen_as, seen_at
 from .ports import parse_listen
 
-__all__ = ["RECORD", "TAG", "FluentdLimits", "FluentdReceiver", "MalformedMessage", "entries_of"]
+__all__ = ["FluentdLimits", "FluentdReceiver", "MalformedMessage", "entries_of"]
 
 log = logging.getLogger("extauthz.fluentd")
 
-#: the tag ``extauthz envoy-config`` gives Envoy's fluentd logger (any tag is accepted)
-TAG = "extauthz.release"
-#: the record Envoy's fluentd logger sends per finished request (its ``record`` setting)
-RECORD: dict[str, str] = {
-    "request_id": "%REQ(X-REQUEST-ID)%",
-    "ext_authz": "%DYNAMIC_METADATA(envoy.filters.http.ext_authz)%",
-    "response_flags": "%RESPONSE_FLAGS%",
-    "start_us": "%START_TIME(%s%6f)%",
-    "method": "%REQ(:METHOD)%",
-    "path": "%REQ(:PATH)%",
-    "original_path": "%REQ(X-ENVOY-ORIGINAL-PATH)%",
-    "duration_ms": "%DURATION%",
-    # a request Envoy let through unchecked: its fail-open header, and where it went (the tier)
-    "failure_mode_allowed": "%REQ(X-ENVOY-AUTH-FAILURE-MODE-ALLOWED)%",
-    "authority": "%REQ(:AUTHORITY)%",
-    # DownstreamEnd; DownstreamStart / DownstreamPeriodic: an entry of a request still in flight
-    "log_type": "%ACCESS_LOG_TYPE%",
-}
-#: the ``log_type`` of entries written while the request is still in flight
-#: (``flush_access_log_on_new_request``, ``access_log_flush_interval``)
-IN_FLIGHT_TYPES = frozenset({"DownstreamStart", "DownstreamPeriodic"})
-#: the response flag Envoy sets on a request the ext_authz filter refused
-UNAUTHORIZED_FLAG = "UAEX"
 #: reasons a connection was closed (status ``malformed``)
 REASONS = ("msgpack", "shape", "too_large", "compressed", "too_many_connections")
 

@@ -21,8 +21,10 @@ a server exposed to a network need on top, each bounded (:class:`H2Limits`, docs
   Envoy's stream, not our memory); outbound data waits for the peer's windows and the socket:
   a peer that stops reading is closed once ``max_write_buffer`` bytes wait for it;
 * a handshake and an idle timeout, and a unary request's body due within ``request_timeout``;
-* graceful stop: GOAWAY, running calls finish (up to the grace), client streams (the access
-  log) are ended cleanly and answered, the rest cancelled.
+* every call shape: unary, server streaming (health Watch), client streaming (the access
+  log), bidirectional (the rate limit quota stream);
+* graceful stop: GOAWAY, running calls finish (up to the grace), request streams (the access
+  log, the quota stream) are ended cleanly and answered, the rest cancelled.
 
 The common answer (one message, ``grpc-status`` 0) is written as constant frames with h2's
 stream state told (:meth:`_Connection._answer`): h2's send path was most of a no-op check's
@@ -185,7 +187,7 @@ def _code(code: Any) -> int:
 
 class Call:
     """One RPC, and the part of ``grpc.aio.ServicerContext`` the servicers use; for a
-    client-streaming method also the request iterator."""
+    client- or bidirectional-streaming method also the request iterator."""
 
     __slots__ = (
         "_callbacks",
@@ -353,8 +355,9 @@ class GrpcH2Server:
                 conn.expire(now)
 
     async def stop(self, grace: float | None = 5.0) -> None:
-        """GOAWAY; running unary calls finish (up to ``grace`` s); client streams (the access
-        log) are then ended and answered; what still runs is cancelled; connections close."""
+        """GOAWAY; running unary calls finish (up to ``grace`` s); request streams (the access
+        log, the quota stream) are then ended and answered; what still runs is cancelled;
+        connections close."""
         if self.server is None:
             return
         self.stopping = True
@@ -781,10 +784,10 @@ class _Connection(asyncio.Protocol):
 
     def _start(self, call: Call) -> None:
         h = call.handler
-        if h.request_streaming:
-            coro = self._stream_unary(call) if not h.response_streaming else self._unsupported(call)
-        elif h.response_streaming:
-            coro = self._unary_stream(call)
+        if h.response_streaming:
+            coro = self._server_stream(call)
+        elif h.request_streaming:
+            coro = self._stream_unary(call)
         else:
             coro = self._unary_unary(call)
         call.task = self.loop.create_task(
@@ -831,14 +834,19 @@ class _Connection(asyncio.Protocol):
             self._queue(call, body)
         self._finish(call, code, details)
 
-    async def _unary_stream(self, call: Call) -> None:
+    async def _server_stream(self, call: Call) -> None:
+        """A server-streaming call: one request (health Watch) or a request stream (the rate
+        limit quota stream, bidirectional: the call is its request iterator)."""
         h = call.handler
         code, details = OK, ""
         try:
-            request = h.request_deserializer(call.first)
-            call.first = None
-            self.consumed(call, call.held)
-            result = h.unary_stream(request, call)
+            if h.request_streaming:
+                result = h.stream_stream(call, call)
+            else:
+                request = h.request_deserializer(call.first)
+                call.first = None
+                self.consumed(call, call.held)
+                result = h.unary_stream(request, call)
             if hasattr(result, "__aiter__"):
                 async for message in result:
                     await call.write(message)
@@ -878,9 +886,6 @@ class _Connection(asyncio.Protocol):
         if body is not None:
             self._queue(call, body)
         self._finish(call, code, details)
-
-    async def _unsupported(self, call: Call) -> None:
-        self._finish(call, UNIMPLEMENTED, "bidirectional streams are not served")
 
     def _failed(self, call: Call, exc: Exception) -> tuple[int, str]:
         log.exception("gRPC method failed on stream %d", call.stream_id)
@@ -1171,11 +1176,15 @@ class _Connection(asyncio.Protocol):
             if at_once and self.paused:  # an error or a flood, and the peer is not reading
                 transport.abort()
             else:
-                if transport.can_write_eof():
-                    transport.write_eof()
+                try:
+                    if transport.can_write_eof():
+                        transport.write_eof()
+                    else:
+                        transport.close()
+                except OSError:  # the peer is gone already (shutdown: ENOTCONN)
+                    transport.abort()
                 else:
-                    transport.close()
-                self.loop.call_later(self.limits.close_linger, transport.abort)
+                    self.loop.call_later(self.limits.close_linger, transport.abort)
         self.closed = True
         for call in list(self.calls.values()):
             self._cancel(call)

@@ -17,87 +17,28 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..answers import PROTOCOLS, TIER_HEADER, denial, lease_fields, ratelimit_headers
+from ..answers import TIER_HEADER, denial, lease_fields, ratelimit_headers
 from ..classify import scalars_at
 from ..context import REQUEST_ID_HEADER, RawRequest, RequestContext
+from ..envoy.headers import (
+    FORWARDED_FOR_HEADER,
+    JWT_NAMESPACE,
+    JWT_PAYLOAD_HEADER,
+    JWT_PAYLOAD_KEY,
+    ROUTE_TIER_HEADER,
+    SHED_STATUS,
+    XFCC_HEADER,
+)
 from ..verdict import Decision
-from .edge import GRPC_EDGE_HEADERS
 
 if TYPE_CHECKING:
-    from ..policy.model import Policy
-
-#: the status that marks a load shedder's (or a fail-closed limiter's) refusal: Envoy does not
-#: forward a 5xx from an authorization service (it counts an error and fails open or closed),
-#: so the shipped configs map this status to 503 with ``local_reply_config``.
-SHED_STATUS = 420
-#: set by a per-route ``header_mutation`` filter from the route (client copies stripped
-#: first); the HTTP protocol's stand-in for route metadata.
-ROUTE_TIER_HEADER = "x-extauthz-route-tier"
-#: where ``jwt_authn``'s ``forward_payload_header`` puts the verified payload (base64url JSON).
-JWT_PAYLOAD_HEADER = "x-jwt-payload"
-#: the namespace and key the forwarded payload is filed under for ``metadata`` identity rules,
-#: as ``jwt_authn`` with ``payload_in_metadata: payload`` files it for the gRPC protocol.
-JWT_NAMESPACE = "envoy.filters.http.jwt_authn"
-JWT_PAYLOAD_KEY = "payload"
-#: Envoy's client-certificate header (``forward_client_cert_details``); ``URI=`` is the principal.
-XFCC_HEADER = "x-forwarded-client-cert"
-#: the client address: the LAST entry, the one Envoy appends (``use_remote_address: true``).
-FORWARDED_FOR_HEADER = "x-forwarded-for"
-
-#: headers the HTTP edge reads whatever the policy says (``envoy-allowed-headers`` lists them).
-EDGE_HEADERS = (REQUEST_ID_HEADER, FORWARDED_FOR_HEADER, ROUTE_TIER_HEADER, JWT_PAYLOAD_HEADER,
-                XFCC_HEADER, "traceparent", "tracestate")
-
-#: headers Envoy sends an HTTP authorization service whatever ``allowed_headers`` says.
-ALWAYS_SENT = frozenset({"host", ":authority", "authorization", "content-length", ":method", ":path"})
+    pass
 
 _EMPTY: Mapping[str, str] = {}
 _NO_METADATA: Mapping[str, Sequence[Sequence[str]]] = {}
 _REASONS = {200: b"OK", 400: b"Bad Request", 408: b"Request Timeout", 420: b"Shedding Load",
             429: b"Too Many Requests", 431: b"Request Header Fields Too Large",
             500: b"Internal Server Error"}
-
-
-def allowed_headers(needed: Iterable[str], protocol: str = "http") -> list[str]:
-    """What the ext_authz filter's ``allowed_headers`` must list for a policy that reads
-    ``needed`` (``Policy.needed_headers``): those, then the ones the edge of ``protocol``
-    reads (``extauthz envoy-allowed-headers``). The HTTP protocol leaves out the headers Envoy
-    always sends an HTTP service; the gRPC protocol sends nothing it does not list (an unset
-    list sends every header), so Authorization stays in its list."""
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"protocol must be one of {PROTOCOLS}, not {protocol!r}")
-    implied = ALWAYS_SENT if protocol == "http" else frozenset()
-    edge = EDGE_HEADERS if protocol == "http" else GRPC_EDGE_HEADERS
-    out = [h for h in sorted({h.lower() for h in needed}) if h not in implied]
-    return out + [h for h in edge if h not in out]
-
-
-#: key parts read from the route (its metadata or context extensions): the HTTP protocol
-#: carries neither, so behind it they yield nothing.
-ROUTE_KEY_PARTS = frozenset({"route", "route_metadata", "context_extension"})
-
-
-def unreadable_over_http(policy: Policy) -> list[str]:
-    """What ``policy`` reads that Envoy's HTTP authorization protocol does not carry, one
-    sentence each (``envoy-config --protocol http`` and ``serve --http-listen`` say them): a
-    key part read from the route (its limiter then skips every request, or with
-    ``on_missing_key: shared`` counts them all in one bucket), and filter metadata other than
-    the JWT payload ``jwt_authn`` forwards."""
-    problems = []
-    for name, index in policy.key_index.items():
-        for part in policy.keys[index].parts:
-            if part.kind in ROUTE_KEY_PARTS:
-                problems.append(
-                    f"limiter '{name}': key part {part.label} yields nothing on the HTTP protocol "
-                    "(no route metadata or context extensions there): use the gRPC protocol, or a "
-                    "header the route sets")
-    for namespace, paths in policy.needed_metadata.items():
-        for path in paths:
-            if namespace != JWT_NAMESPACE or not path or path[0] != JWT_PAYLOAD_KEY:
-                problems.append(
-                    f"metadata {namespace}:{'.'.join(path)} yields nothing on the HTTP protocol "
-                    f"(it carries only the JWT payload, as {JWT_NAMESPACE}:{JWT_PAYLOAD_KEY}.<claim>)")
-    return problems
 
 
 # ---- the request: HTTP -> RawRequest ----------------------------------------------------

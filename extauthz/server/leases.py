@@ -41,18 +41,11 @@ from ..tickets import MALFORMED, LeaseTickets
 from ..tiers import Tier
 from ..verdict import Decision
 
-__all__ = ["FAILURE_MODE_HEADER", "MAX_PENDING_RELEASES", "ROUTE_TIER_TAG", "UNKNOWN_TIER", "FinishedEntries", "Lease",
+__all__ = ["MAX_PENDING_RELEASES", "UNKNOWN_TIER", "FinishedEntries", "Lease",
            "LeaseIndex", "Leases", "engine_index", "seen_as", "seen_at"]
 
 Lease = tuple[tuple[str, ...], str]
 
-#: the request header Envoy's ext_authz filter adds when it let a request through on a failed
-#: check (``failure_mode_allow_header_add: true``); the access log carries it back
-#: (``extauthz envoy-config`` logs it: ``additional_request_headers_to_log``, fluentd ``%REQ``)
-FAILURE_MODE_HEADER = "x-envoy-auth-failure-mode-allowed"
-#: the gRPC access log's custom tag that carries the route's tier (route metadata where the
-#: policy reads it: ``custom_tags`` of ``extauthz envoy-config``'s access log)
-ROUTE_TIER_TAG = "extauthz.route_tier"
 #: the tier of an unchecked request whose entry does not show the request (no method)
 UNKNOWN_TIER = "unknown"
 
@@ -313,7 +306,7 @@ class FinishedEntries:
         ``unauthorized``: the authorization filter refused the request; ``seen``: what the
         entry says of its request (:meth:`Leases.finished`); ``duration``: seconds from the
         request's start to its last byte downstream, for ``serve --record``; ``failed_open``:
-        the entry carries Envoy's fail-open header (:data:`FAILURE_MODE_HEADER`); ``request``:
+        the entry carries Envoy's fail-open header (:data:`~extauthz.envoy.headers.FAILURE_MODE_HEADER`); ``request``:
         what the entry shows of the request for the classifier (None: nothing, the tier is
         ``unknown``), asked only for an unchecked request."""
         if self.on_finished is not None and request_id:

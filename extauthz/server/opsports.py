@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from .adminauth import AdminGuard, TokenFile, require_token_when_exposed
 from .ports import HttpPorts, metrics_app, off, parse_listen
+
+if TYPE_CHECKING:
+    from ..settings import Settings
 
 log = logging.getLogger("extauthz.server")
 
@@ -39,6 +42,13 @@ class OperatorPorts:
         self.admin_optional = admin_optional
         self.admin_port = 0
         self.metrics_port = 0
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> OperatorPorts:
+        """The ports ``settings`` asks for, checked against its public Check ports."""
+        return cls([x for x in (off(settings.listen), off(settings.http_listen)) if x is not None],
+                   settings.admin_listen, settings.metrics_listen, admin_optional=settings.admin_listen_optional,
+                   admin_token_file=settings.admin_token_file, admin_hosts=settings.admin_hosts)
 
     def status(self) -> Mapping[str, Any]:
         return {"admin": self.guard.status() if self.guard is not None else None}

@@ -1,11 +1,13 @@
-"""The gRPC front door: the Authorization/Check, RateLimitService/ShouldRateLimit and
-AccessLogService/StreamAccessLogs servicers.
+"""The gRPC front door: the Authorization/Check, RateLimitService/ShouldRateLimit,
+AccessLogService/StreamAccessLogs and RateLimitQuotaService/StreamRateLimitQuotas servicers.
 
 Thin adapters: Check translates a CheckRequest for the check flow (``server/flow.py``) and
 its decision into a CheckResponse (``server/edge.py``); ShouldRateLimit runs each descriptor
 of a RateLimitRequest through the same flow (``server/rls.py``); StreamAccessLogs reads each entry's
 lease metadata and request and hands them to the entry handling it shares with the fluentd
-port (``server/leases.py`` :class:`~extauthz.server.leases.FinishedEntries`).
+port (``server/leases.py`` :class:`~extauthz.server.leases.FinishedEntries`);
+StreamRateLimitQuotas translates usage reports and bucket actions for the quota book
+(``extauthz/quota_service.py``).
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from functools import partial
 from typing import Any
 
 import grpc
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..context import RawRequest, RequestContext
 from ..engine import Snapshot
+from ..envoy.headers import FAILURE_MODE_HEADER
+from ..envoy.records import EXT_AUTHZ_NAMESPACE, ROUTE_TIER_TAG
 from ..proto import (
     accesslog_data_pb2,
     accesslog_pb2,
@@ -26,16 +31,18 @@ from ..proto import (
     auth_pb2,
     auth_pb2_grpc,
     core_pb2,
+    ratelimit_strategy_pb2,
+    rlqs_pb2,
+    rlqs_pb2_grpc,
     rls_pb2,
     rls_pb2_grpc,
 )
+from ..quota_service import Action, QuotaBook, QuotaError, Stream, Usage
 from ..verdict import Decision
-from .edge import EXT_AUTHZ_NAMESPACE, check_response, lease_metadata, raw_request
+from .edge import check_response, lease_metadata, raw_request
 from .flow import CheckFlow
 from .leases import (
-    FAILURE_MODE_HEADER,
     MAX_PENDING_RELEASES,
-    ROUTE_TIER_TAG,
     FinishedEntries,
     Leases,
     seen_as,
@@ -198,3 +205,115 @@ class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ig
             if pending:
                 await asyncio.wait(pending)
         return accesslog_pb2.StreamAccessLogsResponse()
+
+
+#: messages a quota stream may have waiting to be written; a peer that lets more pile up
+#: (it stopped reading) has its stream ended (its holds stay in the ledger until their TTL)
+MAX_QUOTA_OUTBOX = 256
+
+
+class RateLimitQuotaService(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # type: ignore[misc]
+    """StreamRateLimitQuotas (RLQS, docs/rlqs.md): Envoy's usage reports in, bucket actions
+    out, both ways at once. The quota logic is :class:`~extauthz.quota_service.QuotaBook`;
+    this adapter only translates: each report is one :meth:`QuotaBook.report`, whose actions
+    go to their streams (another stream's shrink pushed to it at once)."""
+
+    def __init__(self, book: QuotaBook) -> None:
+        self.book = book
+        self.outboxes: dict[int, asyncio.Queue[rlqs_pb2.RateLimitQuotaResponse | None]] = {}
+
+    async def StreamRateLimitQuotas(  # noqa: N802 - gRPC method name
+        self,
+        request_iterator: AsyncIterator[rlqs_pb2.RateLimitQuotaUsageReports],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[rlqs_pb2.RateLimitQuotaResponse]:
+        try:
+            stream = self.book.open(context.peer())
+        except QuotaError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            return
+        box: asyncio.Queue[rlqs_pb2.RateLimitQuotaResponse | None] = asyncio.Queue()
+        self.outboxes[stream.id] = box
+        reader = asyncio.create_task(self._read(stream, request_iterator, box), name="extauthz-rlqs-reader")
+        try:
+            while (message := await box.get()) is not None:
+                yield message
+            problem = (reader.result() if reader.done()
+                       else (grpc.StatusCode.RESOURCE_EXHAUSTED, "quota answers are not read"))
+        finally:
+            reader.cancel()
+            self.outboxes.pop(stream.id, None)
+            self.book.close(stream)
+        if problem is not None:
+            await context.abort(*problem)
+
+    async def _read(self, stream: Stream, reports: AsyncIterator[rlqs_pb2.RateLimitQuotaUsageReports],
+                    box: asyncio.Queue[rlqs_pb2.RateLimitQuotaResponse | None]) -> tuple[grpc.StatusCode, str] | None:
+        """Reads the stream's reports until it ends; the status to end it with, if not OK."""
+        try:
+            async for message in reports:
+                usages = [Usage(dict(u.bucket_id.bucket),
+                                u.time_elapsed.seconds + u.time_elapsed.nanos / 1e9,
+                                u.num_requests_allowed, u.num_requests_denied)
+                          for u in message.bucket_quota_usages]
+                try:
+                    out = self.book.report(stream, message.domain, usages)
+                except QuotaError as exc:
+                    return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+                for sid, actions in out.items():
+                    target = self.outboxes.get(sid)
+                    if target is None:
+                        continue
+                    if target.qsize() >= MAX_QUOTA_OUTBOX:
+                        self.book.refused["outbox"] = self.book.refused.get("outbox", 0) + 1
+                        if target is box:
+                            return grpc.StatusCode.RESOURCE_EXHAUSTED, "quota answers are not read"
+                        target.put_nowait(None)  # that stream ends; its holds stay until their TTL
+                        continue
+                    target.put_nowait(quota_response(actions))
+            return None
+        finally:
+            box.put_nowait(None)
+
+
+def quota_response(actions: Iterable[Action]) -> rlqs_pb2.RateLimitQuotaResponse:
+    """Bucket actions as Envoy 1.40 enforces them: a token bucket (``fill_interval`` whole
+    seconds), a DENY_ALL blanket rule (no limiter, or an empty share), or an abandon; every
+    assignment with its TTL."""
+    response = rlqs_pb2.RateLimitQuotaResponse()
+    for action in actions:
+        item = response.bucket_action.add()
+        item.bucket_id.bucket.update(dict(action.bucket))
+        if action.share is None:
+            item.abandon_action.SetInParent()
+            continue
+        assign = item.quota_assignment_action
+        assign.assignment_time_to_live.FromNanoseconds(int(action.ttl * 1e9))
+        strategy = assign.rate_limit_strategy
+        if action.deny or not (action.share.fill and action.share.burst):
+            # an empty share is DENY_ALL: Envoy's TokenBucket takes max_tokens and
+            # tokens_per_fill above 0 only
+            strategy.blanket_rule = ratelimit_strategy_pb2.RateLimitStrategy.DENY_ALL
+            continue
+        bucket = strategy.token_bucket
+        bucket.max_tokens = action.share.burst
+        bucket.tokens_per_fill.value = action.share.fill
+        bucket.fill_interval.seconds = action.interval
+    return response
+
+
+def quota_metrics(book: QuotaBook) -> Iterable[Metric]:
+    """The quota stream's families: over-admission (must stay 0), reports, open streams."""
+    yield CounterMetricFamily("extauthz_quota_overadmission", "Requests Envoy reported allowed past "
+                              "the share this replica's ledger held for the stream (must stay 0).",
+                              value=book.overadmission)
+    yield CounterMetricFamily("extauthz_quota_reports", "Usage reports read on quota streams.",
+                              value=book.reports)
+    streams = GaugeMetricFamily("extauthz_quota_streams", "Quota streams (RLQS) open on this replica.",
+                                value=sum(1 for s in book.streams.values() if not s.gone_at))
+    yield streams
+    refused = CounterMetricFamily("extauthz_quota_refused", "Quota streams or reports refused by a "
+                                  "bound, by reason.", labels=["reason"])
+    for reason in ("streams", "buckets", "outbox"):
+        refused.add_metric([reason], book.refused.get(reason, 0))
+    yield refused

@@ -34,6 +34,7 @@ from ..engine import Engine
 from ..limiters.worker import sample_once
 from ..policy.model import Policy
 from ..store.memory import MemoryStore
+from ..storegate import StoreGate
 from ..tiers import Tier
 from ..verdict import Decision, Outcome
 from .advice import Timelines
@@ -191,7 +192,7 @@ class Lane:
         self.policy = policy
         self.clock = ManualClock(0.0)
         self.store = MemoryStore(self.clock)
-        self.engine = Engine(self.store, policy, clock=self.clock, rng=random.Random(seed), salt=salt)
+        self.engine = Engine(StoreGate(self.store, clock=self.clock), policy, rng=random.Random(seed), salt=salt)
         self.tally = Tally()
         #: each identity's requests, for the numbers that would admit them (the candidate's)
         self.timelines: Timelines | None = None

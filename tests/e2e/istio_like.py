@@ -9,7 +9,8 @@ from typing import Any
 
 import yaml
 
-from extauthz.devtools.envoy_config import GRPC_ACCESS_LOGGER, config_path, validate
+from extauthz.devtools.envoy_config import config_path, validate
+from extauthz.envoy.config import GRPC_ACCESS_LOGGER
 
 from ..conftest import ROOT
 

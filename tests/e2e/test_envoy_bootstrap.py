@@ -1,4 +1,4 @@
-"""``extauthz envoy-config`` (extauthz/envoy_bootstrap.py): each shipped config is exactly the
+"""``extauthz envoy-config`` (extauthz/envoy/config.py): each shipped config is exactly the
 output of the command line in its header (parsed YAML equal), every variant passes
 ``envoy --mode validate``, the access log appears only for a policy holding leases, and a
 rendered config runs in front of the server with real decisions."""
@@ -23,7 +23,7 @@ from extauthz.devtools.envoy_config import validate
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import ServerProcess, free_port
 from extauthz.devtools.upstream import Upstream, start_upstream
-from extauthz.envoy_bootstrap import JwtProvider, TlsFiles, bootstrap, holds_leases, jwks_from_file, render
+from extauthz.envoy.config import JwtProvider, TlsFiles, bootstrap, holds_leases, jwks_from_file, render
 from extauthz.policy import load_policy
 
 from ..conftest import ROOT
@@ -140,7 +140,8 @@ def test_access_log_only_when_the_policy_holds_leases(tmp_path: Path) -> None:
 
 
 def test_access_log_fluentd_renders_envoy_s_fluentd_logger_to_the_fluentd_port(tmp_path: Path) -> None:
-    from extauthz.server.fluentd import RECORD, TAG
+    from extauthz.envoy.records import FLUENTD_RECORD as RECORD
+    from extauthz.envoy.records import FLUENTD_TAG as TAG
 
     (tmp_path / "api.yaml").write_text(RATE_ONLY)
     for protocol in ("grpc", "http"):

@@ -18,21 +18,28 @@ import pytest
 import yaml
 
 from extauthz.devtools.envoy_config import (
-    ACCESS_LOG_BYTES_PER_MS,
-    EXT_AUTHZ_FILTER,
     GRPC_CONFIGS,
-    LOCAL_RATELIMIT_FILTER,
-    SHIPPED_ACCESS_LOG_FLUSH_MS,
     EnvoyConfigError,
     config_path,
     grpc_cluster_problems,
     load_config_text,
-    render_config,
     validate,
 )
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import free_port
 from extauthz.devtools.upstream import Upstream, start_upstream
+from extauthz.envoy import config as generator
+from extauthz.envoy.config import (
+    ACCESS_LOG_BYTES_PER_MS,
+    EXT_AUTHZ_FILTER,
+    LOCAL_RATELIMIT_FILTER,
+    SHIPPED_ACCESS_LOG_FLUSH_MS,
+    JwtProvider,
+    LocalRateLimit,
+    TlsFiles,
+    jwks_from_file,
+)
+from extauthz.policy import load_policy
 
 pytestmark = pytest.mark.e2e
 
@@ -43,15 +50,32 @@ HTTP_CONFIG = REPO / "envoy" / "envoy-http.yaml"
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def render(**kwargs: Any) -> str:
+_TLS_DIR = "/etc/envoy/extauthz-tls"
+#: the options of each shipped file's command line beyond the quick start's (its header;
+#: tests/e2e/test_envoy_bootstrap.py holds each file equal to its command line's output)
+SHIPPED_OPTIONS: dict[str, dict[str, Any]] = {
+    "envoy.yaml": {},
+    "envoy-http.yaml": {"protocol": "http"},
+    "envoy-tls.yaml": {"tls": TlsFiles(f"{_TLS_DIR}/tls.crt", f"{_TLS_DIR}/tls.key", f"{_TLS_DIR}/ca.crt")},
+    "envoy-jwt.yaml": {"jwt": JwtProvider("https://issuer.example", ("extauthz",),
+                                          jwks_from_file(str(REPO / "envoy" / "jwt-demo-jwks.json")))},
+}
+
+
+def render(name: str = "envoy.yaml", **kwargs: Any) -> str:
+    """The shipped config ``name`` as the generator renders it, on free loopback ports (the
+    listener and admin on port 0), with ``kwargs`` (the generator's options) on top."""
     defaults: dict[str, Any] = {
+        "protocol": "grpc",
+        "quickstart_routes": True,
         "listen_port": 0,
         "admin_port": 0,
-        "extauthz": ("127.0.0.1", free_port()),
+        "authz": ("127.0.0.1", free_port()),
         "upstream": ("127.0.0.1", free_port()),
-        "otel": ("127.0.0.1", free_port()),
+        "tracing": ("127.0.0.1", free_port()),
+        **SHIPPED_OPTIONS[name],
     }
-    return render_config(**(defaults | kwargs))
+    return generator.render(load_policy([REPO / "policies"]), **(defaults | kwargs))
 
 
 def http(
@@ -78,10 +102,10 @@ def http(
 
 def test_default_config_is_the_one_in_envoy_dir() -> None:
     # One copy: a checkout reads envoy/ in place (the wheel ships the same files as
-    # extauthz/envoy/, checked by tests/store/redis/test_lua.py's wheel test).
+    # extauthz/envoy/configs/, checked by tests/store/redis/test_lua.py's wheel test).
     assert config_path() == SOURCE_CONFIG
     assert load_config_text() == SOURCE_CONFIG.read_text(encoding="utf-8")
-    assert not (REPO / "extauthz" / "envoy").exists()
+    assert not list((REPO / "extauthz" / "envoy").rglob("*.yaml"))
     assert not list((REPO / "extauthz" / "devtools").glob("*.yaml"))
     with pytest.raises(FileNotFoundError, match=r"no-such\.yaml"):
         config_path("no-such.yaml")
@@ -102,8 +126,8 @@ def _http_ext_authz() -> dict[str, Any]:
 
 
 def test_shipped_http_config_allows_what_the_policy_reads() -> None:
+    from extauthz.envoy.headers import allowed_headers
     from extauthz.policy import load_policy
-    from extauthz.server.httpmap import allowed_headers
 
     listed = [p["exact"] for p in _http_ext_authz()["allowed_headers"]["patterns"]]
     assert listed == allowed_headers(load_policy([REPO / "policies"]).needed_headers), (
@@ -114,8 +138,8 @@ def test_shipped_http_config_allows_what_the_policy_reads() -> None:
 @pytest.mark.parametrize("name", GRPC_CONFIGS)
 def test_shipped_grpc_configs_allow_what_the_policy_reads_and_strip_the_tier(name: str) -> None:
     from extauthz.answers import TIER_HEADER
+    from extauthz.envoy.headers import allowed_headers
     from extauthz.policy import load_policy
-    from extauthz.server.httpmap import allowed_headers
 
     config = yaml.safe_load(config_path(name).read_text(encoding="utf-8"))
     ext = _filters(config)[EXT_AUTHZ_FILTER]
@@ -135,7 +159,8 @@ def test_every_shipped_grpc_config_is_checked() -> None:
     # istio-like.yaml and istio-waypoint.yaml are istiod's output, which has no allowed_headers
     # for a gRPC provider;
     # envoy-gateway.yaml is Envoy Gateway's (one ext_authz filter per SecurityPolicy, each named
-    # after it, their headers checked against the examples in test_envoy_gateway_e2e.py).
+    # after it, their headers checked against the examples in test_envoy_gateway_e2e.py);
+    # envoy-rlqs.yaml is policies/rlqs/'s (checked in test_rlqs_envoy.py).
     found = set()
     for path in (REPO / "envoy").glob("*.yaml"):
         config = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -144,7 +169,7 @@ def test_every_shipped_grpc_config_is_checked() -> None:
         ext = _filters(config).get(EXT_AUTHZ_FILTER, {})
         if "grpc_service" in ext:
             found.add(path.name)
-    assert found == {*GRPC_CONFIGS, "istio-like.yaml", "istio-waypoint.yaml"}
+    assert found == {*GRPC_CONFIGS, "istio-like.yaml", "istio-waypoint.yaml", "envoy-rlqs.yaml"}
     for name in ("istio-like.yaml", "istio-waypoint.yaml"):
         istio = yaml.safe_load((REPO / "envoy" / name).read_text(encoding="utf-8"))
         assert "allowed_headers" not in _filters(istio)[EXT_AUTHZ_FILTER]
@@ -157,28 +182,28 @@ def test_render_sets_or_drops_allowed_headers() -> None:
     validate(every)
     assert "allowed_headers" not in _filters(yaml.safe_load(every))[EXT_AUTHZ_FILTER]
     with pytest.raises(ValueError, match="only the gRPC protocol"):
-        render(base=HTTP_CONFIG, extauthz_http=("127.0.0.1", free_port()), send_all_headers=True)
+        render(HTTP_CONFIG.name, send_all_headers=True)
     with pytest.raises(ValueError, match="exclude each other"):
         render(allowed_headers=["x-api-key"], send_all_headers=True)
     # without the filter there is nothing to set
-    assert EXT_AUTHZ_FILTER not in _filters(yaml.safe_load(render(ext_authz_enabled=False, allowed_headers=[])))
+    assert EXT_AUTHZ_FILTER not in _filters(yaml.safe_load(render(ext_authz=False, allowed_headers=[])))
 
 
 def test_render_lists_n_endpoints_of_the_extauthz_cluster() -> None:
-    text = render(extauthz=("127.0.0.1", 9101), extauthz_endpoints=3)
+    text = render(authz=("127.0.0.1", 9101), authz_endpoints=3)
     validate(text)
     (group,) = _cluster(yaml.safe_load(text), "extauthz")["load_assignment"]["endpoints"]
     ports = [e["endpoint"]["address"]["socket_address"]["port_value"] for e in group["lb_endpoints"]]
     assert ports == [9101, 9102, 9103]
     with pytest.raises(ValueError, match="at least 1"):
-        render(extauthz_endpoints=0)
+        render(authz_endpoints=0)
     with pytest.raises(ValueError, match="out of range"):
-        render(extauthz=("127.0.0.1", 65535), extauthz_endpoints=2)
+        render(authz=("127.0.0.1", 65535), authz_endpoints=2)
 
 
 def test_shipped_http_config_states_fail_open_shed_mapper_and_lease_metadata() -> None:
     from extauthz.answers import LEASE_FIELDS
-    from extauthz.server.httpmap import ROUTE_TIER_HEADER, SHED_STATUS
+    from extauthz.envoy.headers import ROUTE_TIER_HEADER, SHED_STATUS
 
     ext = _http_ext_authz()
     assert ext["failure_mode_allow"] is True
@@ -218,12 +243,12 @@ def test_rendered_variants_validate(
     access_log: bool, ext_authz: bool, ratelimit: bool, direct: bool
 ) -> None:
     text = render(
-        access_log_enabled=access_log,
-        ext_authz_enabled=ext_authz,
-        local_ratelimit={"max_tokens": 100, "fill_interval": 0.5}
+        access_log="always" if access_log else "never",
+        ext_authz=ext_authz,
+        local_ratelimit=LocalRateLimit(max_tokens=100, fill_interval=0.5)
         if ratelimit
         else None,
-        direct_response_upstream=direct,
+        direct_response=direct,
     )
     validate(text)
     hcm = _hcm(yaml.safe_load(text))
@@ -243,7 +268,7 @@ def test_rendered_variants_validate(
 
 
 def test_render_without_tracing_and_with_host_names_validates() -> None:
-    text = render(tracing_enabled=False, upstream=("localhost", 8080))
+    text = render(tracing=None, upstream=("localhost", 8080))
     validate(text)
     config = yaml.safe_load(text)
     assert "tracing" not in _hcm(config)
@@ -278,12 +303,12 @@ def test_shipped_configs_batch_the_access_log_as_chosen(name: str) -> None:
 
 
 def test_render_sets_ports_and_endpoints_by_cluster_name() -> None:
-    text = render_config(
+    text = render(
         listen_port=11000,
         admin_port=11001,
-        extauthz=("127.0.0.2", 11002),
+        authz=("127.0.0.2", 11002),
         upstream=("127.0.0.3", 11003),
-        otel=("127.0.0.4", 11004),
+        tracing=("127.0.0.4", 11004),
     )
     config = yaml.safe_load(text)
     assert config["admin"]["address"]["socket_address"]["port_value"] == 11001
@@ -333,7 +358,7 @@ def test_validate_reports_envoy_output() -> None:
 
 def test_local_ratelimit_rejects_unknown_keys() -> None:
     with pytest.raises(ValueError, match="max_token"):
-        render(local_ratelimit={"max_token": 1})
+        render(local_ratelimit=LocalRateLimit.from_mapping({"max_token": 1}))
 
 
 def _hcm(config: dict[str, Any]) -> dict[str, Any]:
@@ -358,7 +383,7 @@ def upstream() -> Iterator[Upstream]:
 
 def test_fail_open_when_ext_authz_server_is_down(upstream: Upstream) -> None:
     text = render(
-        extauthz=("127.0.0.1", free_port()), upstream=("127.0.0.1", upstream.port)
+        authz=("127.0.0.1", free_port()), upstream=("127.0.0.1", upstream.port)
     )
     with EnvoyProcess(text) as envoy:
         status, _, body = http(envoy.url + "/v1/reports/daily")
@@ -543,7 +568,7 @@ def test_allowed_request_carries_tier_headers_and_metadata(
     upstream: Upstream, fake_ext_authz: FakeExtAuthz
 ) -> None:
     text = render(
-        extauthz=("127.0.0.1", fake_ext_authz.port),
+        authz=("127.0.0.1", fake_ext_authz.port),
         upstream=("127.0.0.1", upstream.port),
     )
     with EnvoyProcess(text) as envoy:
@@ -590,7 +615,7 @@ _CLIENT_HEADERS = {"x-api-key": "sk_live_1", "Authorization": "Bearer t", "x-tes
 
 def test_check_carries_only_the_allowed_headers(upstream: Upstream, fake_ext_authz: FakeExtAuthz) -> None:
     for send_all in (False, True):
-        text = render(extauthz=("127.0.0.1", fake_ext_authz.port), upstream=("127.0.0.1", upstream.port),
+        text = render(authz=("127.0.0.1", fake_ext_authz.port), upstream=("127.0.0.1", upstream.port),
                       send_all_headers=send_all)
         with EnvoyProcess(text) as envoy:
             status, _, body = http(envoy.url + "/v1/items?page=2", headers=_CLIENT_HEADERS)
@@ -612,15 +637,15 @@ def test_check_carries_only_the_allowed_headers(upstream: Upstream, fake_ext_aut
 
 @pytest.mark.parametrize("name", GRPC_CONFIGS)
 def test_fail_open_strips_a_client_tier_header(name: str, upstream: Upstream, tmp_path: Path) -> None:
-    text = render(base=config_path(name), extauthz=("127.0.0.1", free_port()),
-                  upstream=("127.0.0.1", upstream.port))
-    if "/etc/envoy/extauthz-tls/" in text:  # envoy-tls.yaml: real files for Envoy to load
+    options: dict[str, Any] = {}
+    if "tls" in SHIPPED_OPTIONS[name]:  # envoy-tls.yaml: real files for Envoy to load
         from ..infra.certs import CA
 
         ca = CA()
         ca.write(tmp_path / "ca.crt")
         ca.issue("envoy").write(tmp_path, "tls")
-        text = text.replace("/etc/envoy/extauthz-tls/", f"{tmp_path}/")
+        options["tls"] = TlsFiles(f"{tmp_path}/tls.crt", f"{tmp_path}/tls.key", f"{tmp_path}/ca.crt")
+    text = render(name, authz=("127.0.0.1", free_port()), upstream=("127.0.0.1", upstream.port), **options)
     with EnvoyProcess(text) as envoy:
         status, _, body = http(envoy.url + "/v1/reports/daily",
                                headers={"x-api-key": "sk_live_1", "x-extauthz-tier": "critical",
@@ -634,9 +659,9 @@ def test_fail_open_strips_a_client_tier_header(name: str, upstream: Upstream, tm
 
 def test_benchmark_variant_local_ratelimit_with_direct_response() -> None:
     text = render(
-        ext_authz_enabled=False,
-        direct_response_upstream=True,
-        local_ratelimit={"max_tokens": 3, "fill_interval": "60s"},
+        ext_authz=False,
+        direct_response=True,
+        local_ratelimit=LocalRateLimit(max_tokens=3, fill_interval="60s"),
     )
     with EnvoyProcess(text) as envoy:
         answers = [http(envoy.url + "/v1/anything") for _ in range(4)]
@@ -668,7 +693,7 @@ def test_jwt_config_validates_with_jwt_authn_before_ext_authz() -> None:
     assert ext_authz["metadata_context_namespaces"] == ["envoy.filters.http.jwt_authn"]
     assert ext_authz["failure_mode_allow"] is True
     # renders like envoy.yaml (same clusters and listener)
-    validate(render(base=REPO / "envoy" / "envoy-jwt.yaml"))
+    validate(render("envoy-jwt.yaml"))
 
 
 def test_tls_config_validates_with_a_client_certificate(tmp_path: Path) -> None:
@@ -677,7 +702,7 @@ def test_tls_config_validates_with_a_client_certificate(tmp_path: Path) -> None:
     ca = CA()
     ca.write(tmp_path / "ca.crt")
     ca.issue("envoy").write(tmp_path, "tls")
-    text = render(base=REPO / "envoy" / "envoy-tls.yaml").replace("/etc/envoy/extauthz-tls/", f"{tmp_path}/")
+    text = render("envoy-tls.yaml", tls=TlsFiles(f"{tmp_path}/tls.crt", f"{tmp_path}/tls.key", f"{tmp_path}/ca.crt"))
     validate(text)
     config = yaml.safe_load(text)
     socket_ = _cluster(config, "extauthz")["transport_socket"]

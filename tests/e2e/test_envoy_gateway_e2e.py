@@ -23,10 +23,11 @@ import pytest
 import yaml
 
 from extauthz.devtools.client import HttpClient, Result
-from extauthz.devtools.envoy_config import GRPC_ACCESS_LOGGER, config_path, validate
+from extauthz.devtools.envoy_config import config_path, validate
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import ServerProcess, free_port
 from extauthz.devtools.upstream import Upstream, start_upstream
+from extauthz.envoy.config import GRPC_ACCESS_LOGGER
 from extauthz.policy import load_policy
 
 from ..conftest import ROOT

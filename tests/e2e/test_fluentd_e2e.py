@@ -17,7 +17,7 @@ from extauthz.devtools.client import HttpClient
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import ServerProcess, free_port
 from extauthz.devtools.upstream import start_upstream
-from extauthz.envoy_bootstrap import bootstrap
+from extauthz.envoy.config import bootstrap
 from extauthz.policy import load_policy
 
 pytestmark = pytest.mark.e2e

@@ -8,7 +8,6 @@ import json
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,24 +16,18 @@ import yaml
 from extauthz.devtools.client import HttpClient
 from extauthz.devtools.stack import Stack
 
-from ..conftest import ROOT
-
 pytestmark = pytest.mark.e2e
 
 WAIT = 15.0
 
 
-def _with_health_check(directory: Path) -> Path:
+def _with_health_check(config: dict[str, Any]) -> None:
     """envoy/envoy.yaml with Envoy's gRPC health check on the extauthz cluster."""
-    config = yaml.safe_load((ROOT / "envoy" / "envoy.yaml").read_text())
     for cluster in config["static_resources"]["clusters"]:
         if cluster["name"] == "extauthz":
             cluster["health_checks"] = [{"timeout": "1s", "interval": "0.2s", "no_traffic_interval": "0.2s",
                                          "unhealthy_threshold": 2,
                                          "healthy_threshold": 1, "grpc_health_check": {}}]
-    path = directory / "envoy.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +39,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                      {"name": "user-concurrency", "type": "concurrent_requests", "limit": 10,
                       "lease_ttl": "60s"}]}))
     with Stack([d / "policy.yaml"], server_args=["--grpc-server", "asyncio"],
-               base=_with_health_check(d)) as s:
+               edit=_with_health_check) as s:
         yield s
 
 

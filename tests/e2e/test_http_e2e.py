@@ -224,26 +224,16 @@ JWT_POLICY = {
 }
 
 
-def http_config_with_jwt(jwks: str, path: Path) -> Path:
-    """envoy-http.yaml with envoy-jwt.yaml's jwt_authn filter (trusting ``jwks``) right after
-    the filter that strips client-sent x-jwt-payload, forwarding the verified payload."""
-    from .test_identity_e2e import AUDIENCE, ISSUER, JWT_CONFIG
+def http_jwt_config(jwks: str) -> dict[str, Any]:
+    """envoy-http.yaml's options with envoy-jwt.yaml's jwt_authn issuer (trusting ``jwks``):
+    the generator puts its filter right after the filter that strips client-sent x-jwt-payload,
+    forwarding the verified payload."""
+    from .test_identity_e2e import shipped_provider
 
-    def hcm_of(config: dict[str, Any]) -> dict[str, Any]:
-        return config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]  # type: ignore[no-any-return]
-
-    jwt_filter = next(f for f in hcm_of(yaml.safe_load(JWT_CONFIG.read_text()))["http_filters"]
-                      if f["name"] == "envoy.filters.http.jwt_authn")
-    provider = jwt_filter["typed_config"]["providers"]["issuer"]
-    assert (provider["issuer"], provider["audiences"]) == (ISSUER, [AUDIENCE])
-    provider["local_jwks"] = {"inline_string": jwks}
-    provider["forward_payload_header"] = "x-jwt-payload"
-    config = yaml.safe_load((ROOT / "envoy" / "envoy-http.yaml").read_text())
-    filters = hcm_of(config)["http_filters"]
+    filters = yaml.safe_load((ROOT / "envoy" / "envoy-http.yaml").read_text())[
+        "static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
     assert filters[0]["name"] == "extauthz.strip-route-tier"
-    filters.insert(1, jwt_filter)
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path
+    return {"jwt": shipped_provider(jwks)}
 
 
 def test_jwt_payload_forwarded_by_jwt_authn_names_the_user(tmp_path: Path) -> None:
@@ -251,8 +241,7 @@ def test_jwt_payload_forwarded_by_jwt_authn_names_the_user(tmp_path: Path) -> No
 
     issuer = Issuer()
     (tmp_path / "policy.yaml").write_text(yaml.safe_dump(JWT_POLICY))
-    base = http_config_with_jwt(issuer.jwks(), tmp_path / "envoy-http-jwt.yaml")
-    with Stack([tmp_path / "policy.yaml"], protocol="http", base=base, tracing_enabled=False) as s, \
+    with Stack([tmp_path / "policy.yaml"], protocol="http", tracing=None, **http_jwt_config(issuer.jwks())) as s, \
             HttpClient() as c:
         def send(headers: dict[str, str]) -> int:
             return c.send(s.url + "/v1/things", headers=headers).status

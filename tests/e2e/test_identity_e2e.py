@@ -18,6 +18,7 @@ from jwt.algorithms import ECAlgorithm
 
 from extauthz.devtools.client import HttpClient
 from extauthz.devtools.stack import Stack
+from extauthz.envoy.config import JwtProvider
 
 from ..conftest import ROOT
 
@@ -51,23 +52,21 @@ class Issuer:
         return jwt.encode(body, self.key, algorithm="ES256", headers={"kid": self.kid})
 
 
-def _config_with_jwks(jwks: str, path: Path) -> Path:
+def shipped_provider(jwks: str) -> JwtProvider:
+    """envoy/envoy-jwt.yaml's token issuer (its ``iss`` and ``aud``) trusting ``jwks``."""
     config = yaml.safe_load(JWT_CONFIG.read_text())
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     jwt_filter = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.jwt_authn")
     provider = jwt_filter["typed_config"]["providers"]["issuer"]
     assert (provider["issuer"], provider["audiences"]) == (ISSUER, [AUDIENCE])
-    provider["local_jwks"] = {"inline_string": jwks}
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path
+    return JwtProvider(ISSUER, (AUDIENCE,), jwks)
 
 
 @contextmanager
 def stack_with_jwt(policy: dict[str, object], issuer: Issuer, tmp: Path) -> Iterator[Stack]:
     """The quick start's stack behind envoy/envoy-jwt.yaml trusting ``issuer``'s keys."""
     (tmp / "policy.yaml").write_text(yaml.safe_dump(policy))
-    base = _config_with_jwks(issuer.jwks(), tmp / "envoy-jwt.yaml")
-    with Stack([tmp / "policy.yaml"], base=base, tracing_enabled=False) as stack:
+    with Stack([tmp / "policy.yaml"], jwt=shipped_provider(issuer.jwks()), tracing=None) as stack:
         yield stack
 
 

@@ -26,10 +26,10 @@ import pytest
 import yaml
 
 from extauthz.devtools.client import HttpClient
-from extauthz.devtools.envoy_config import EXT_AUTHZ_FILTER, GRPC_ACCESS_LOGGER
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import ServerProcess
 from extauthz.devtools.upstream import Upstream, start_upstream
+from extauthz.envoy.config import EXT_AUTHZ_FILTER, GRPC_ACCESS_LOGGER
 from extauthz.policy import load_policy
 
 from .istio_like import (

@@ -20,7 +20,7 @@ import yaml
 from extauthz.answers import PROBLEM_TYPE
 from extauthz.devtools.client import HttpClient, Result
 from extauthz.devtools.stack import Stack
-from extauthz.envoy_bootstrap import render
+from extauthz.envoy.config import render
 from extauthz.policy import load_policy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -65,7 +65,7 @@ def test_a_starved_server_s_shedder_refuses_instead_of_envoy_timing_out(tmp_path
     [ext] = [f for f in yaml.safe_load(envoy.read_text())["static_resources"]["listeners"][0]["filter_chains"][0]
              ["filters"][0]["typed_config"]["http_filters"] if f["name"] == "envoy.filters.http.ext_authz"]
     assert ext["typed_config"]["grpc_service"]["timeout"] == "4.05s"
-    with Stack([policy], base=envoy, server_args=["--check-budget-ms", str(BUDGET_MS)]) as stack, \
+    with Stack([policy], check_budget_ms=BUDGET_MS, server_args=["--check-budget-ms", str(BUDGET_MS)]) as stack, \
             HttpClient(timeout=30) as client, ThreadPoolExecutor(8) as pool:
         assert stack.envoy is not None
         url = stack.url

@@ -19,7 +19,7 @@ import yaml
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import free_port
 from extauthz.devtools.upstream import Upstream, start_upstream
-from extauthz.envoy_ratelimit import render
+from extauthz.envoy.ratelimit import render
 from extauthz.policy import load_policy
 from extauthz.server.app import Server, ServerConfig
 
@@ -246,7 +246,7 @@ async def test_the_shipped_config_and_policy(upstream: Upstream) -> None:
                          ids=["plain", "with-ext-authz", "mtls"])
 def test_generated_variants_pass_envoy_validation(options: dict[str, Any], tmp_path: Path) -> None:
     from extauthz.devtools.envoy_config import validate
-    from extauthz.envoy_bootstrap import TlsFiles
+    from extauthz.envoy.blocks import TlsFiles
 
     if options.get("tls"):
         ca = CA()

@@ -111,7 +111,7 @@ def test_client_abort_frees_its_slot(client: HttpClient, stack: Stack) -> None:
 
 
 def test_leases_expire_at_ttl_when_the_access_log_is_cut(client: HttpClient, tmp_path: Path) -> None:
-    with Stack([write_policy(tmp_path / "p")], access_log_enabled=False) as cut:
+    with Stack([write_policy(tmp_path / "p")], access_log="never") as cut:
         for _ in range(LIMIT):
             assert client.send(cut.url + "/v1/x", headers=user("cut")).status == 200
         finished = time.monotonic()

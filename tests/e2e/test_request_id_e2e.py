@@ -48,14 +48,10 @@ def hcm(config: dict[str, Any]) -> dict[str, Any]:
     return typed
 
 
-def keeping_client_ids(directory: Path) -> Path:
+def keeping_client_ids(config: dict[str, Any]) -> None:
     """envoy.yaml as before the fix: Envoy keeps a client's x-request-id (no
     ``use_remote_address``), so only the server stands between the client and its slots."""
-    config = yaml.safe_load(config_path(DEFAULT_CONFIG).read_text())
     hcm(config)["use_remote_address"] = False
-    path = directory / "envoy-client-ids.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path
 
 
 def status(stack: Stack) -> dict[str, Any]:
@@ -89,7 +85,7 @@ def answered(sock: socket.socket) -> bool:
 @pytest.fixture(params=["shipped", "client_ids_kept", "shipped_http"])
 def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Stack]:
     """envoy.yaml, envoy.yaml keeping client ids (before the fix), envoy-http.yaml."""
-    render: dict[str, Any] = {"base": keeping_client_ids(tmp_path)} if request.param == "client_ids_kept" else {}
+    render: dict[str, Any] = {"edit": keeping_client_ids} if request.param == "client_ids_kept" else {}
     protocol = "http" if request.param == "shipped_http" else "grpc"
     with Stack([write_policy(tmp_path / "p")], protocol=protocol, **render) as s:
         yield s

@@ -23,10 +23,12 @@ import pytest
 import yaml
 
 from extauthz.devtools.client import HttpClient
-from extauthz.devtools.envoy_config import render_config, validate
+from extauthz.devtools.envoy_config import local_render, validate
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import free_port, wait_for_health
 from extauthz.devtools.upstream import Upstream, start_upstream
+from extauthz.envoy.config import TlsFiles
+from extauthz.policy import load_policy
 from extauthz.proto import auth_pb2, auth_pb2_grpc
 
 from ..conftest import ROOT
@@ -34,7 +36,6 @@ from ..infra.certs import CA, Leaf
 
 pytestmark = pytest.mark.e2e
 
-TLS_CONFIG = ROOT / "envoy" / "envoy-tls.yaml"
 POLICY = {
     "version": 1,
     "identity": [{"header": "x-api-key"}],
@@ -69,11 +70,10 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 
 def envoy_config(pki: Pki, extauthz_port: int, upstream_port: int) -> str:
-    text = render_config(TLS_CONFIG, listen_port=0, admin_port=0, extauthz=("127.0.0.1", extauthz_port),
-                         upstream=("127.0.0.1", upstream_port), otel=("127.0.0.1", free_port()),
-                         tracing_enabled=False)
-    return text.replace("/etc/envoy/extauthz-tls/tls.", f"{pki.dir}/envoy/tls.").replace(
-        "/etc/envoy/extauthz-tls/ca.crt", str(pki.ca_path))
+    """envoy/envoy-tls.yaml's options (the quick start's, with mTLS) with this run's ports and files."""
+    return local_render(load_policy([ROOT / "policies"]), protocol="grpc", grpc_port=extauthz_port,
+                        upstream_port=upstream_port, quickstart_routes=True,
+                        tls=TlsFiles(f"{pki.dir}/envoy/tls.crt", f"{pki.dir}/envoy/tls.key", str(pki.ca_path)))
 
 
 @dataclass

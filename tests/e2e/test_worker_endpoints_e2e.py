@@ -1,5 +1,5 @@
 """``serve --workers N --worker-ports`` behind an Envoy whose ``extauthz`` cluster lists the N
-ports as N endpoints (``render_config(extauthz_endpoints=N)``, ``Stack(server_workers=N)``):
+ports as N endpoints (the generator's ``authz_endpoints=N``, ``Stack(server_workers=N)``):
 Envoy itself spreads the Checks, even with one worker thread and so one connection per endpoint
 (SO_REUSEPORT on one port would send them all to one process)."""
 
@@ -37,7 +37,7 @@ def test_checks_reach_every_worker_process(tmp_path: Path, redis_single_clean: R
     # a generous store deadline: a fresh worker's first Redis connection may be slow here
     args = ["--redis-url", redis_single_clean.url, "--metrics-listen", f"127.0.0.1:{metrics}",
             "--store-deadline-ms", "2000"]
-    with Stack([policy], server_args=args, server_workers=WORKERS, tracing_enabled=False) as stack, \
+    with Stack([policy], server_args=args, server_workers=WORKERS, tracing=None) as stack, \
             HttpClient() as client:
         assert stack.server is not None
         requests = 10 * WORKERS

@@ -17,13 +17,15 @@ from hypothesis import strategies as st
 from extauthz.answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD
 from extauthz.clock import ManualClock
 from extauthz.engine import Engine
+from extauthz.envoy.records import EXT_AUTHZ_NAMESPACE
 from extauthz.policy import load_policy
 from extauthz.proto import accesslog_pb2, auth_pb2
-from extauthz.server.edge import EXT_AUTHZ_NAMESPACE, check_response, raw_request
+from extauthz.server.edge import check_response, raw_request
 from extauthz.server.flow import CheckFlow
 from extauthz.server.leases import LeaseIndex, Leases
 from extauthz.server.services import AccessLogService, AuthorizationService
 from extauthz.store.memory import MemoryStore
+from extauthz.storegate import StoreGate
 from extauthz.tickets import REASONS, LeaseTickets
 
 SETTINGS = settings(max_examples=150, deadline=None,
@@ -99,7 +101,7 @@ class _Context:
 def services(tmp_path: Path) -> Iterator[tuple[AuthorizationService, AccessLogService]]:
     f = tmp_path / "p.yaml"
     f.write_text(POLICY)
-    engine = Engine(MemoryStore(ManualClock()), load_policy([f]), clock=ManualClock())
+    engine = Engine(StoreGate(MemoryStore(ManualClock()), clock=ManualClock()), load_policy([f]))
     index, tickets = LeaseIndex(limit=64), LeaseTickets(engine.keys, "fuzz")
     leases = Leases(engine, tickets=tickets, index=index)
     yield AuthorizationService(CheckFlow(engine, leases)), AccessLogService(leases)

@@ -497,11 +497,18 @@ def test_default_env(default_objects: list[dict[str, Any]]) -> None:
         "EXTAUTHZ_ADMIN_LISTEN": "127.0.0.1:9002",
         "EXTAUTHZ_METRICS_LISTEN": "0.0.0.0:9464",
         "EXTAUTHZ_STORE_DEADLINE_MS": "5",
+        "EXTAUTHZ_CHECK_BUDGET_MS": "200",
         "EXTAUTHZ_KEY_PREFIX": "extauthz",
         "EXTAUTHZ_LOG_LEVEL": "info",
         "EXTAUTHZ_LOG_FORMAT": "json",
     }
     assert container(default_objects)["command"] == ["extauthz", "serve"]
+
+
+def test_memory_max_keys_is_set_only_when_given(chart: Any) -> None:
+    env = env_of(container(render(chart, {"server": {"memoryMaxKeys": 5000, "checkBudgetMs": 400}})))
+    assert env["EXTAUTHZ_MEMORY_MAX_KEYS"]["value"] == "5000"
+    assert env["EXTAUTHZ_CHECK_BUDGET_MS"]["value"] == "400"
 
 
 @pytest.mark.parametrize("name", ["default", "full"])

@@ -33,13 +33,13 @@ def cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 
 async def test_a_foreign_host_cannot_change_a_switch_and_a_change_needs_the_client_header() -> None:
     async with running([ROOT / "policies"]) as (server, _):
-        base = f"http://127.0.0.1:{server.ops.admin_port}"
+        base = f"http://127.0.0.1:{server.ports.admin_port}"
         # DNS rebinding: a page on attacker.example resolved to 127.0.0.1 sends its own Host
         status, body = await http("PUT", f"{base}/switches/*", "off",
                                   {"Host": "attacker.example", "X-Extauthz-Client": "x"})
         assert status == 403, body
         assert "Host 'attacker.example' is not allowed on the admin port" in json.loads(body)["error"]
-        status, _ = await http("GET", f"{base}/status", headers={"Host": f"attacker.example:{server.ops.admin_port}"})
+        status, _ = await http("GET", f"{base}/status", headers={"Host": f"attacker.example:{server.ports.admin_port}"})
         assert status == 403
         assert server.engine.snapshot.switches.to_dict() == {}
         # a cross-origin form post (no custom header) changes nothing either
@@ -49,12 +49,12 @@ async def test_a_foreign_host_cannot_change_a_switch_and_a_change_needs_the_clie
         assert status == 403
         assert server.engine.snapshot.switches.to_dict() == {}
         # loopback names (any port) with the header do
-        for host in ("localhost:9", f"127.0.0.1:{server.ops.admin_port}", "[::1]:9002"):
+        for host in ("localhost:9", f"127.0.0.1:{server.ports.admin_port}", "[::1]:9002"):
             status, _ = await http("GET", f"{base}/switches", headers={"Host": host})
             assert status == 200, host
         status, data = await admin(server, "PUT", "/switches/*", "off", {"Host": "localhost"})
         assert status == 200 and data["switches"] == {"*": "off"}
-        assert server.ops.status()["admin"]["refused"] == {"client_header": 2, "host": 2}
+        assert server.panel.status()["admin"]["refused"] == {"client_header": 2, "host": 2}
 
 
 async def test_a_reason_given_in_an_override_body_is_the_change_logs_reason() -> None:
@@ -64,14 +64,14 @@ async def test_a_reason_given_in_an_override_body_is_the_change_logs_reason() ->
         status, _ = await admin(server, "PUT", "/overrides/user-rate/" + "ab" * 12,
                                 json.dumps({"numbers": {"rate": 50}, "reason": "launch day"}))
         assert status == 200
-        row = server.ops.override_rows()["overrides"][0]
+        row = (await server.control.overrides())["overrides"][0]
         assert row["reason"] == "launch day"
-        assert server.ops.status()["changes"][-1]["reason"] == "launch day"
+        assert server.panel.status()["changes"][-1]["reason"] == "launch day"
 
 
 async def test_configured_admin_hosts_are_answered() -> None:
     async with running([ROOT / "policies"], admin_hosts=("extauthz-admin.internal",)) as (server, _):
-        base = f"http://127.0.0.1:{server.ops.admin_port}"
+        base = f"http://127.0.0.1:{server.ports.admin_port}"
         status, _ = await http("GET", f"{base}/status", headers={"Host": "EXTAUTHZ-admin.internal:9002"})
         assert status == 200
         status, _ = await http("GET", f"{base}/status", headers={"Host": "other.internal"})
@@ -82,7 +82,7 @@ async def test_with_a_token_every_admin_request_needs_it_and_a_change_a_reason(t
     tokens = tmp_path / "admin-tokens"
     tokens.write_text(f"# operators\nalice:{TOKEN_A}\n\nci:{TOKEN_B}\n")
     async with running([ROOT / "policies"], admin_token_file=str(tokens)) as (server, _):
-        base = f"http://127.0.0.1:{server.ops.admin_port}"
+        base = f"http://127.0.0.1:{server.ports.admin_port}"
         for path in ("/status", "/switches", "/overrides", "/history", "/shadow"):
             status, _ = await http("GET", base + path)
             assert status == 401, path
@@ -92,7 +92,7 @@ async def test_with_a_token_every_admin_request_needs_it_and_a_change_a_reason(t
         assert status == 401
         status, body = await http("GET", f"{base}/healthz")  # health needs none
         assert status == 200 and json.loads(body) == {"ok": True}
-        status, _ = await http("GET", f"http://127.0.0.1:{server.ops.metrics_port}/metrics")
+        status, _ = await http("GET", f"http://127.0.0.1:{server.ports.metrics_port}/metrics")
         assert status == 200  # the metrics port stays open
 
         alice = {"Authorization": f"Bearer {TOKEN_A}"}
@@ -110,7 +110,7 @@ async def test_with_a_token_every_admin_request_needs_it_and_a_change_a_reason(t
             "switch", "set", "user-rate", "shadow")
         assert change["reason"] == "incident 42 \u2014 rollback"
         assert change["by"] == "alice" and change["user"] == "alice.k" and change["via"] == "admin"
-        assert server.ops.status()["changes"] == [change]
+        assert server.panel.status()["changes"] == [change]
 
         # a rotated file is read again at the next request: the old token is refused
         tokens.write_text(f"ci:{TOKEN_B}\n")
@@ -132,7 +132,7 @@ async def test_every_admin_command_takes_the_token_file_and_its_variable(tmp_pat
     mine = tmp_path / "my-token"
     mine.write_text(TOKEN_A + "\n")
     async with running([ROOT / "policies"], admin_token_file=str(tokens)) as (server, _):
-        url = f"http://127.0.0.1:{server.ops.admin_port}"
+        url = f"http://127.0.0.1:{server.ports.admin_port}"
 
         def run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
             return cli(*argv, "--admin", url, env=env)
@@ -283,15 +283,16 @@ async def test_control_characters_are_refused_at_the_admin_port_and_a_stored_one
         status, data = await admin(server, "PUT", "/overrides/user-rate/" + "ab" * 12,
                                    json.dumps({"numbers": {"rate": 50}, "reason": "launch\u2028day"}))
         assert status == 400 and "the reason holds a control character (\\u2028" in data["error"], data
-        assert server.engine.snapshot.switches.to_dict() == {} and server.ops.override_rows()["overrides"] == []
-        assert server.ops.status()["admin"]["refused"] == {"control_character": 2}
-        assert server.ops.status()["changes"] == []
+        assert server.engine.snapshot.switches.to_dict() == {}
+        assert (await server.control.overrides())["overrides"] == []
+        assert server.panel.status()["admin"]["refused"] == {"control_character": 2}
+        assert server.panel.status()["changes"] == []
 
         # a record an older version stored: `extauthz history` prints it escaped, on one line
-        await append_change(server.ops.changes.store, server.ops.changes.key, Change(
+        await append_change(server.fleet.changes.store, server.fleet.changes.key, Change(
             kind="switch", action="set", target="*", value="off", at=1.0, via="admin",
             reason="x\r\n1970-01-01T00:00:00Z     switch   set    *", user="\x1b]0;pwned\x07eve"))
-        r = await asyncio.to_thread(cli, "history", "--admin", f"http://127.0.0.1:{server.ops.admin_port}")
+        r = await asyncio.to_thread(cli, "history", "--admin", f"http://127.0.0.1:{server.ports.admin_port}")
         assert r.returncode == 0, r.stderr
         assert len(r.stdout.splitlines()) == 2 and "\x1b" not in r.stdout and "\r" not in r.stdout
         assert "x\\r\\n1970-01-01T00:00:00Z" in r.stdout and "\\x1b]0;pwned\\x07eve" in r.stdout
@@ -306,7 +307,7 @@ async def test_a_bad_token_file_keeps_the_last_good_tokens_loudly_and_a_deleted_
     tokens.write_text(f"alice:{TOKEN_A}\nci:{TOKEN_B}\n")
     alice, ci, dave = ({"Authorization": f"Bearer {t}"} for t in (TOKEN_A, TOKEN_B, token_c))
     async with running([ROOT / "policies"], admin_token_file=str(tokens)) as (server, _):
-        url = f"http://127.0.0.1:{server.ops.admin_port}"
+        url = f"http://127.0.0.1:{server.ports.admin_port}"
         status, data = await admin(server, "GET", "/status", headers=ci)
         assert status == 200
         assert data["admin"]["token_file"] == {"path": str(tokens), "ok": True, "tokens": 2,
@@ -341,7 +342,7 @@ async def test_a_bad_token_file_keeps_the_last_good_tokens_loudly_and_a_deleted_
             assert (await admin(server, "GET", "/status", headers=headers))[0] == 401
         assert server.engine.snapshot.switches.to_dict() == {}
         assert (await http("GET", f"{url}/healthz"))[0] == 200
-        assert (await http("GET", f"http://127.0.0.1:{server.ops.metrics_port}/metrics"))[0] == 200
+        assert (await http("GET", f"http://127.0.0.1:{server.ports.metrics_port}/metrics"))[0] == 200
         assert [r for r in caplog.records if r.levelname == "ERROR" and "is gone" in r.getMessage()]
 
         tokens.write_text(f"ci:{TOKEN_B}\n")  # back

@@ -102,7 +102,7 @@ async def test_a_request_the_edge_cannot_read_is_allowed_and_counted_at_the_edge
 ) -> None:
     policy = write_policy(tmp_path / "p.yaml", [rate("user-rate", burst=5)])
     async with running([policy], store=MemoryStore(ManualClock())) as (server, _client):
-        service: AuthorizationService = server.ops.auth
+        service: AuthorizationService = server.auth
         for _ in range(3):
             resp = await service.Check(None, None)  # not a CheckRequest at all
             assert resp.HasField("ok_response")

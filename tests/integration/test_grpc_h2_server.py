@@ -33,9 +33,9 @@ from hyperframe.frame import (
     WindowUpdateFrame,
 )
 
+from extauthz.envoy.records import EXT_AUTHZ_NAMESPACE
 from extauthz.proto import accesslog_pb2, accesslog_pb2_grpc, auth_pb2, auth_pb2_grpc
 from extauthz.server.app import Server, ServerConfig
-from extauthz.server.edge import EXT_AUTHZ_NAMESPACE
 from extauthz.server.grpc_h2 import GrpcH2Server, H2Limits, parse_timeout
 
 from ..infra.certs import CA
@@ -82,7 +82,7 @@ async def test_check_with_grpcio_client_decides_on_the_check_flow(server: Server
 async def test_grpc_timeout_is_the_checks_time_left(server: Server) -> None:
     """Envoy's grpc-timeout is the check's deadline: the door's time left comes from it (the
     check flow budgets the decision with it), and a call without one has none."""
-    door = server.ops.auth_service()
+    door = server.auth
     seen: list[float | None] = []
     read = door.time_left
 

@@ -18,9 +18,9 @@ import grpc
 import pytest
 
 from extauthz.clock import ManualClock
+from extauthz.envoy.headers import SHED_STATUS
 from extauthz.proto import auth_pb2, auth_pb2_grpc
 from extauthz.server.app import Server, ServerConfig
-from extauthz.server.httpmap import SHED_STATUS
 
 from .test_http_server import POLICY_HEAD
 

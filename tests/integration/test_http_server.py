@@ -164,7 +164,7 @@ async def test_a_client_that_never_finishes_its_headers_is_cut_off(server: Serve
     assert statuses(raw) == [408]
     assert not raw.endswith(b"<timeout>")
     assert server.http is not None and server.http.rejected.get("header_timeout") == 1
-    assert server.ops.status()["http"]["rejected"] == {"header_timeout": 1}
+    assert server.panel.status()["http"]["rejected"] == {"header_timeout": 1}
     assert statuses(await exchange(server.http_port, request(extra="connection: close\r\n"))) == [200]
 
 
@@ -335,10 +335,10 @@ async def test_the_http_port_warns_of_what_its_protocol_cannot_carry_at_start_an
         assert warned() == ["limiter 'per-route': key part route"]
         policy.write_text(POLICY_HEAD + "  - {name: per-team, type: request_rate, rate: 1, burst: 3,"
                           " key: [{context_extension: team}]}\n")
-        assert srv.ops.watcher is not None and await srv.ops.watcher.poll()
+        assert srv.watcher is not None and await srv.watcher.poll()
         assert warned() == ["limiter 'per-team': key part context_extension:team"]
         policy.write_text(POLICY)  # nothing the HTTP protocol cannot carry
-        assert await srv.ops.watcher.poll()
+        assert await srv.watcher.poll()
         assert warned() == []
     finally:
         await srv.stop(grace=0)

@@ -48,7 +48,7 @@ async def test_hash_and_inspect_through_the_admin_port(tmp_path: Path, capsys: p
     assert KEY not in out + err
     with json_logs() as lines:
         async with running([pol]) as (server, client):
-            url = f"http://127.0.0.1:{server.ops.admin_port}"
+            url = f"http://127.0.0.1:{server.ports.admin_port}"
             status, before = await admin(server, "GET", f"/customers/{hashed}")
             assert status == 200, before
             rows = {r["limiter"]: r for r in before["limiters"]}
@@ -103,7 +103,7 @@ async def test_report_identities_names_the_hashes_of_the_keys_given(
     async with running([pol]) as (server, client):
         for key in ("sk_live_alice", "sk_live_alice", "sk_live_bob", "sk_live_bob"):
             assert await client.check(key) == 200  # shadow: allowed, recorded
-        url = f"http://127.0.0.1:{server.ops.admin_port}"
+        url = f"http://127.0.0.1:{server.ports.admin_port}"
         code, out, err = await cli(["report", "--admin", url, "--identities", str(names), "--policies",
                                     str(pol.parent), "--identity-salt", SALT], capsys, monkeypatch)
         assert code == 0, err
@@ -131,7 +131,7 @@ async def test_inspect_shows_plans_overrides_and_the_grants_this_replica_holds(
     ], plan={"from": [{"header": "x-plan"}], "default": "free"})
     hashed = hash_identity(KEY, "header:x-api-key", SALT.encode())
     async with running([pol]) as (server, client):
-        url = f"http://127.0.0.1:{server.ops.admin_port}"
+        url = f"http://127.0.0.1:{server.ports.admin_port}"
         assert await client.check(KEY, headers={"x-plan": "pro"}) == 200
 
         async def view(*extra: str) -> dict[str, Any]:

@@ -13,9 +13,9 @@ import pytest
 from google.protobuf import struct_pb2
 
 from extauthz.answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD
+from extauthz.envoy.records import EXT_AUTHZ_NAMESPACE
 from extauthz.proto import accesslog_pb2, accesslog_pb2_grpc, auth_pb2, auth_pb2_grpc, core_pb2
 from extauthz.server.app import Server, ServerConfig
-from extauthz.server.edge import EXT_AUTHZ_NAMESPACE
 from extauthz.store.keys import Keys
 from extauthz.tickets import LeaseTickets
 from testinfra.redis_servers import RedisSingle
@@ -119,7 +119,7 @@ async def test_forged_entries_change_nothing_and_are_counted(server: Server, red
             metadata(a_keys, a_id, other_fleet.make(a_id, a_keys)),          # another secret's ticket
         )
         assert server.accesslog.rejected == {"malformed": 1, "foreign_key": 2, "bad_ticket": 5, "no_ticket": 1}
-        assert server.ops.status()["access_log"]["rejected"] == server.accesslog.rejected
+        assert server.panel.status()["access_log"]["rejected"] == server.accesslog.rejected
         assert server.engine.releaser.leases_released == 0
         assert evalsha_calls(redis) == calls  # not one store call for any of them
         assert snapshot(redis) == before      # every key exactly as it was

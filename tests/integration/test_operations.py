@@ -1,5 +1,5 @@
 """A running server's /status and /metrics, built from the per-component parts
-(extauthz/observe/state.py) by Operations: the /status document keeps every key operators
+(extauthz/observe/state.py) by server/panel.py: the /status document keeps every key operators
 read, in its order, and a count shown on /status is the one /metrics exports."""
 
 from __future__ import annotations

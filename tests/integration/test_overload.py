@@ -22,8 +22,8 @@ import pytest
 
 from extauthz.answers import PROBLEM_TYPE
 from extauthz.devtools.stack import ServerProcess, free_port
+from extauthz.envoy.headers import SHED_STATUS
 from extauthz.proto import auth_pb2, auth_pb2_grpc
-from extauthz.server.httpmap import SHED_STATUS
 
 from .test_http_parity import check_request
 

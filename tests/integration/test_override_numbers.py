@@ -236,8 +236,8 @@ async def test_an_override_valid_today_is_reported_not_applied_after_a_policy_ed
                                    json.dumps({"numbers": {"burst": 1_000_000}}))
         assert status == 200, data
         policy.write_text(POLICY.replace("rate: 100", "rate: 0.01").replace("burst: 1000", "burst: 10"))
-        assert server.ops.watcher is not None
-        server.ops.watcher.poll_once()
+        assert server.watcher is not None
+        server.watcher.poll_once()
         status, data = await admin(server, "GET", "/status")
         assert data["reload"]["reloads"] == 1 and data["reload"]["failures"] == 0
         (row,) = data["overrides"]["not_applied"]
@@ -255,7 +255,7 @@ async def test_override_set_through_the_admin_port_for_each_limiter_kind(tmp_pat
     policy = tmp_path / "policy.yaml"
     policy.write_text(POLICY)
     async with running([policy]) as (server, client):
-        url = f"http://127.0.0.1:{server.ops.admin_port}"
+        url = f"http://127.0.0.1:{server.ports.admin_port}"
 
         async def run(*argv: str) -> subprocess.CompletedProcess[str]:
             return await asyncio.to_thread(cli, "override", "set", *argv, "--admin", url,

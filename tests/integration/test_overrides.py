@@ -176,7 +176,7 @@ async def test_the_admin_port_refuses_an_override_hashed_for_a_rule_its_policy_l
     policy = tmp_path / "policy.yaml"
     policy.write_text(BEARER)
     async with running([policy]) as (server, _):
-        url = f"http://127.0.0.1:{server.ops.admin_port}"
+        url = f"http://127.0.0.1:{server.ports.admin_port}"
         env = {"EXTAUTHZ_REDIS_URL": "", "EXTAUTHZ_IDENTITY_SALT": SALT}
         r = await asyncio.to_thread(cli, "override", "set", "user-rate", "--identity", VIP, "burst=70",
                                     "--admin", url, env=env)
@@ -199,7 +199,7 @@ async def test_overrides_through_the_admin_port_with_the_embedded_store(tmp_path
     policy = tmp_path / "policy.yaml"
     policy.write_text(POLICY)
     async with running([policy]) as (server, client):
-        url = f"http://127.0.0.1:{server.ops.admin_port}"
+        url = f"http://127.0.0.1:{server.ports.admin_port}"
         env = {"EXTAUTHZ_REDIS_URL": "", "EXTAUTHZ_IDENTITY_SALT": SALT}
 
         def run(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -227,7 +227,7 @@ async def test_overrides_through_the_admin_port_with_the_embedded_store(tmp_path
 
         # A reload that drops the limiter: the override is kept, reported, not applied.
         policy.write_text(POLICY.replace("name: user-rate", "name: user-rate-v2"))
-        server.ops._apply_policy(load(policy))
+        server.apply_policy(load(policy))
         status, data = await admin(server, "GET", "/status")
         (row,) = data["overrides"]["not_applied"]
         assert row["limiter"] == "user-rate" and row["not_applied"] == (
@@ -236,7 +236,7 @@ async def test_overrides_through_the_admin_port_with_the_embedded_store(tmp_path
         r = await asyncio.to_thread(run, "list")
         assert "NO" in r.stdout and "not applied: the policy has no limiter named 'user-rate'" in r.stdout
         policy.write_text(POLICY)
-        server.ops._apply_policy(load(policy))  # back: applies again
+        server.apply_policy(load(policy))  # back: applies again
         assert server.engine.context(check_request_raw(VIP)).overrides["user-rate"][""].burst == 20
 
         r = await asyncio.to_thread(run, "clear", "user-rate", "--identity", VIP)
@@ -262,7 +262,7 @@ async def test_history_shows_the_overrides_that_lapsed(tmp_path: Path) -> None:
     policy.write_text(POLICY)
     clock = ManualClock(time.time() - 7200)  # the server's changes were made two hours ago
     async with running([policy], clock=clock) as (server, _client):
-        url = f"http://127.0.0.1:{server.ops.admin_port}"
+        url = f"http://127.0.0.1:{server.ports.admin_port}"
         env = {"EXTAUTHZ_REDIS_URL": "", "EXTAUTHZ_IDENTITY_SALT": SALT}
 
         def run(*argv: str) -> subprocess.CompletedProcess[str]:

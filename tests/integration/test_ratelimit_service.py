@@ -124,7 +124,7 @@ async def test_replaces_unlimited_unknown_and_domain_mismatch(stub) -> None:
     mismatch = await rls.ShouldRateLimit(ask("other", ip), timeout=5)
     assert codes(unknown) == (OK, [OK, OK]) and codes(mismatch) == (OK, [OK])
     assert door.unknown == before + 3
-    assert srv.ops.panel.status()["ratelimit_descriptors"] == door.counts() == {
+    assert srv.panel.status()["ratelimit_descriptors"] == door.counts() == {
         "decided": 4, "replaced": 3, "unknown": 3, "unlimited": 5}
 
 

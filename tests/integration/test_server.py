@@ -122,8 +122,8 @@ def test_lease_index_by_request_id() -> None:
 async def test_access_log_releases_with_or_without_our_metadata(tmp_path: Path) -> None:
     """Envoy logs every finished request; when it dropped our answer (client gone, ext_authz
     timeout) the entry lacks the lease metadata, and the request id finds the leases."""
+    from extauthz.envoy.records import EXT_AUTHZ_NAMESPACE
     from extauthz.proto import accesslog_pb2, accesslog_pb2_grpc
-    from extauthz.server.edge import EXT_AUTHZ_NAMESPACE
 
     policy = tmp_path / "p.yaml"
     policy.write_text("version: 1\nidentity: [{header: x-api-key}]\nlimiters:\n"

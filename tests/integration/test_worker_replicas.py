@@ -16,6 +16,7 @@ from extauthz.engine import Engine
 from extauthz.limiters.worker import sample_once
 from extauthz.store.base import ShedParams
 from extauthz.store.redis import RedisStore
+from extauthz.storegate import StoreGate
 from testinfra.redis_servers import RedisSingle
 
 from ..unit.helpers import policy_from
@@ -31,7 +32,7 @@ async def test_two_replicas_converge_on_one_level(tmp_path: Path, redis_single_c
         "sample_interval": "8s"}]})
     clock = ManualClock(start=50_000.0)
     stores = [RedisStore.from_url(redis_single_clean.url, now=clock.wall) for _ in range(2)]
-    a, b = (Engine(s, policy, clock=clock, rng=random.Random(i)) for i, s in enumerate(stores))
+    a, b = (Engine(StoreGate(s, clock=clock), policy, rng=random.Random(i)) for i, s in enumerate(stores))
     try:
         await stores[0].set_value("extauthz:signal:workers", "1.0")
         wa, wb = a.snapshot.workers[0], b.snapshot.workers[0]
@@ -65,11 +66,11 @@ async def test_a_new_replica_picks_up_the_fleet_level(tmp_path: Path, redis_sing
     late = RedisStore.from_url(redis_single_clean.url, now=clock.wall)
     try:
         await first.set_value("extauthz:signal:workers", "1.0")
-        a = Engine(first, policy, clock=clock)
+        a = Engine(StoreGate(first, clock=clock), policy)
         for _ in range(10):
             await sample_once(a, a.snapshot.workers[0])
             clock.advance(8.0)
-        b = Engine(late, policy, clock=clock)  # a replica that just started
+        b = Engine(StoreGate(late, clock=clock), policy)  # a replica that just started
         level = await sample_once(b, b.snapshot.workers[0])
         assert level == pytest.approx(RESTING + 10 * 8.0 / 120)
     finally:

@@ -164,13 +164,13 @@ async def http(method: str, url: str, body: str | None = None,
 async def admin(server: Server, method: str, path: str, body: str | None = None,
                 headers: dict[str, str] | None = None) -> tuple[int, Any]:
     """An admin call as the extauthz commands make it (with the X-Extauthz-Client header)."""
-    status, text = await http(method, f"http://127.0.0.1:{server.ops.admin_port}{path}", body,
+    status, text = await http(method, f"http://127.0.0.1:{server.ports.admin_port}{path}", body,
                               {"X-Extauthz-Client": "tests", **(headers or {})})
     return status, json.loads(text)
 
 
 async def scrape(server: Server) -> str:
-    status, text = await http("GET", f"http://127.0.0.1:{server.ops.metrics_port}/metrics")
+    status, text = await http("GET", f"http://127.0.0.1:{server.ports.metrics_port}/metrics")
     assert status == 200
     return text
 

@@ -13,8 +13,8 @@ from typing import Any
 import grpc
 
 from extauthz.clock import ManualClock
+from extauthz.envoy.records import EXT_AUTHZ_NAMESPACE
 from extauthz.proto import accesslog_pb2, accesslog_pb2_grpc, auth_pb2_grpc
-from extauthz.server.edge import EXT_AUTHZ_NAMESPACE
 from extauthz.verdict import Mode
 from tests.conftest import ROOT
 
@@ -119,9 +119,9 @@ async def test_every_metric_a_panel_queries_is_exported_after_traffic(tmp_path: 
         store.fail = False
         await shed_half(server, store, clock)
         assert await client.check("sk_test_carol") == 503  # the test tier is shed
-        await server.ops.switches.change("dark", Mode.OFF)  # a kill switch set
-        assert server.ops.leases is not None
-        await server.ops.leases.sample_once()
+        await server.control.set_switch("dark", Mode.OFF)  # a kill switch set
+        assert server.leases is not None
+        await server.leases.sample_once()
         text = await scrape(server)
 
     series = samples(text)

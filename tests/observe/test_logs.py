@@ -119,10 +119,10 @@ async def test_no_raw_secret_in_any_log_line_or_span(tmp_path: Path) -> None:
             store.fail = False
             f.write_text(f.read_text() + f"\n# {SECRET_KEY}\nbogus: [\n")  # a broken reload, quoting a secret
             for _ in range(100):
-                if server.ops.watcher is not None and server.ops.watcher.failures:
+                if server.watcher is not None and server.watcher.failures:
                     break
                 await asyncio.sleep(0.02)
-            assert server.ops.watcher is not None and server.ops.watcher.failures == 1
+            assert server.watcher is not None and server.watcher.failures == 1
             server.observe.decision_log.flush()
     assert 429 in statuses
     records = decision_records(lines)

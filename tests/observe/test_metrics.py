@@ -51,8 +51,8 @@ async def test_metrics_after_known_traffic(tmp_path: Path) -> None:
         # Shedding: the utilization signal reads 1.0: 10 s of delay, then 5 s of a 10 s ramp.
         await shed_half(server, store, clock)
         assert await client.check("sk_test_carol") == 503  # the test tier is shed first (p = 1)
-        assert server.ops.leases is not None
-        await server.ops.leases.sample_once()
+        assert server.leases is not None
+        await server.leases.sample_once()
 
         m = samples(await scrape(server))
 
@@ -94,8 +94,8 @@ async def test_metrics_after_known_traffic(tmp_path: Path) -> None:
         assert value(m, "extauthz_store_breaker_open") == 0
 
         # A kill switch shows up too.
-        await server.ops.switches.change("dark", None)
-        await server.ops.switches.change("*", Mode.OFF)
+        await server.control.set_switch("dark", None)
+        await server.control.set_switch("*", Mode.OFF)
         m = samples(await scrape(server))
         assert value(m, "extauthz_switches_set", switch="*", mode="off") == 1
         assert value(m, "extauthz_limiter_mode", limiter="user-rate", mode="off") == 1
@@ -187,7 +187,7 @@ async def test_alert_rules_name_only_exported_metrics(tmp_path: Path) -> None:
     async with running([metrics_policy(tmp_path, batched).parent], memory_max_keys=1) as (server, client):
         await client.check("sk_live_x")
         await client.check("sk_live_y")
-        await server.ops.switches.change("dark", Mode.OFF)
+        await server.control.set_switch("dark", Mode.OFF)
         exported = set()
         for (name, _labels) in samples(await scrape(server)):
             exported.add(name)

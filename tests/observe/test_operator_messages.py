@@ -26,7 +26,7 @@ async def test_status_counts_checks_and_says_what_the_shed_level_means(
     async with running([policy]) as (server, client):
         statuses = [await client.check("sk_live_alice") for _ in range(5)]
         assert statuses == [200, 200, 429, 429, 429]
-        url = f"http://127.0.0.1:{server.ops.admin_port}"
+        url = f"http://127.0.0.1:{server.ports.admin_port}"
         capsys.readouterr()
         assert await asyncio.to_thread(cli.main, ["status", "--admin", url]) == 0
         out = capsys.readouterr().out

@@ -96,7 +96,7 @@ async def test_the_report_lists_who_a_shadow_limiter_would_have_refused(
         assert dark["reasons"] == {"rate_exceeded": 6}
 
         capsys.readouterr()
-        url = f"http://127.0.0.1:{server.ops.admin_port}"
+        url = f"http://127.0.0.1:{server.ports.admin_port}"
         assert await asyncio.to_thread(cli.main, ["report", "--admin", url, "--window", "15m"]) == 0
         out = capsys.readouterr().out
         assert "limiter dark: 6 would-denials, 2 identities, 3 routes" in out
@@ -209,6 +209,7 @@ async def test_the_dark_launch_report_names_the_key_a_keyed_shadow_limiter_count
     from extauthz.engine import Engine
     from extauthz.observe.shadow import ShadowRecorder
     from extauthz.policy import load_policy
+    from extauthz.storegate import StoreGate
 
     (tmp_path / "p.yaml").write_text(
         "version: 1\nidentity: [{header: x-api-key}]\nlimiters:\n"
@@ -217,7 +218,7 @@ async def test_the_dark_launch_report_names_the_key_a_keyed_shadow_limiter_count
     clock = ManualClock()
     store = MemoryStore(clock)
     recorder = ShadowRecorder(store, "shadow", clock=clock)
-    engine = Engine(store, load_policy([tmp_path / "p.yaml"]), clock=clock, observer=recorder)
+    engine = Engine(StoreGate(store, clock=clock), load_policy([tmp_path / "p.yaml"]), observer=recorder)
     for key in ("sk_a", "sk_b", "sk_a"):
         _, d = await engine.check(RawRequest("GET", "/x", headers={"x-api-key": key}, source_ip="10.0.0.9"))
         assert d.allowed

@@ -128,5 +128,5 @@ async def test_tracing_off_installs_nothing_on_the_request_path(tmp_path: Path,
     policy = write_policy(tmp_path / "p.yaml", [rate("user-rate", burst=5)])
     async with running([policy], metrics_listen="") as (server, _):
         assert server.observe.tracing is None
-        assert type(server.ops.auth_service()).__name__ == "AuthorizationService"
-        assert server.engine.store_check == server.store.check  # no wrapper at all
+        assert type(server.auth).__name__ == "AuthorizationService"
+        assert server.engine.gate.store_check == server.store.check  # no wrapper at all

@@ -11,10 +11,13 @@ import yaml
 
 from extauthz.cli import main
 from extauthz.devtools.client import HttpClient
-from extauthz.devtools.envoy_config import config_path, render_config
+from extauthz.devtools.envoy_config import config_path, local_render
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.upstream import start_upstream
+from extauthz.policy import load_policy
 from extauthz.simulate.traffic import parse_line
+
+from ..conftest import ROOT
 
 pytestmark = pytest.mark.e2e
 
@@ -25,9 +28,8 @@ def test_envoy_json_access_log_replays(tmp_path: Path, capsys: pytest.CaptureFix
     assert isinstance(item, list) and len(item) == 1
     item[0]["typed_config"]["path"] = str(log_path)
     with start_upstream() as upstream:
-        config = yaml.safe_load(render_config(listen_port=0, admin_port=0, extauthz=("127.0.0.1", 9),
-                                              upstream=("127.0.0.1", upstream.port),
-                                              ext_authz_enabled=False, tracing_enabled=False))
+        config = yaml.safe_load(local_render(load_policy([ROOT / "policies"]), protocol="grpc", grpc_port=9,
+                                             upstream_port=upstream.port, quickstart_routes=True, ext_authz=False))
         hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
         hcm.setdefault("access_log", []).extend(item)
         started = time.time()

@@ -20,6 +20,7 @@ from extauthz.simulate.record import Recorder, RotatingWriter, pending_ttl, reda
 from extauthz.simulate.replay import run_now
 from extauthz.simulate.traffic import BadLines, TrafficFile, read_traffic
 from extauthz.store.memory import MemoryStore
+from extauthz.storegate import StoreGate
 
 POLICY = {"version": 1, "identity": [{"header": "x-api-key"}], "limiters": [
     {"name": "rate", "type": "request_rate", "rate": 1, "burst": 2},
@@ -32,7 +33,7 @@ def setup(tmp_path: Path, **kw: Any) -> tuple[Engine, Recorder, ManualClock]:
     policy = load_policy([tmp_path / "p.yaml"])
     clock = ManualClock(1_732_420_000.0)
     rec = Recorder(tmp_path / "rec", clock=clock, pending_ttl=pending_ttl(policy), **kw)
-    engine = Engine(MemoryStore(clock), policy, clock=clock, observer=rec)
+    engine = Engine(StoreGate(MemoryStore(clock), clock=clock), policy, observer=rec)
     return engine, rec, clock
 
 
@@ -79,7 +80,7 @@ async def test_rate_limit_descriptors_are_not_recorded(tmp_path: Path) -> None:
     policy = load_policy([tmp_path / "d.yaml"])
     clock = ManualClock(1_732_420_000.0)
     rec = Recorder(tmp_path / "rec", clock=clock, pending_ttl=pending_ttl(policy))
-    engine = Engine(MemoryStore(clock), policy, clock=clock, observer=rec)
+    engine = Engine(StoreGate(MemoryStore(clock), clock=clock), policy, observer=rec)
     raw = RawRequest("", "", descriptor={"remote_address": "10.0.0.1"}, descriptor_target="per-ip")
     _, decision = run_now(engine.check(raw))
     assert [v.limiter for v in decision.verdicts] == ["per-ip"]  # decided, and so observed

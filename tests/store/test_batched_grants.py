@@ -25,7 +25,7 @@ from extauthz.clock import ManualClock
 from extauthz.engine import Engine
 from extauthz.errors import PolicyError, StoreUnavailable
 from extauthz.limiters.fleet import FleetSlots, FleetUsageShedder, default_fleet_batch, grant_ttl
-from extauthz.limiters.grants import SEND_CHUNK, GrantTable, default_batch, grant_early, grant_status
+from extauthz.limiters.grants import SEND_CHUNK, GrantTable, default_batch
 from extauthz.limiters.quota import QuotaLimiter, default_quota_batch
 from extauthz.limiters.refusals import RefusalCache
 from extauthz.limiters.request_rate import RequestRateLimiter
@@ -33,6 +33,7 @@ from extauthz.store import algorithms
 from extauthz.store.base import FleetGrantOp, GrantOp, Op, QuotaGrantOp, ReturnOp, Store
 from extauthz.store.memory import MemoryStore
 from extauthz.store.redis import RedisStore
+from extauthz.storegate import StoreGate
 from extauthz.verdict import Decision, Kind, Outcome, Verdict
 from testinfra.redis_servers import RedisSingle
 from tests.store.conftest import make_redis_store
@@ -109,8 +110,8 @@ async def test_one_store_call_per_grant_and_headers_count_the_grant(tmp_path: Pa
     clock = ManualClock(START)
     store = MemoryStore(clock)
     count = Counting(store)
-    engine = Engine(store, policy_from(tmp_path, {"limiters": [batched(tmp_path)]}), clock=clock,
-                    store_check=count)  # type: ignore[arg-type]
+    engine = Engine(StoreGate(store, clock=clock, store_check=count),
+                    policy_from(tmp_path, {"limiters": [batched(tmp_path)]}))  # type: ignore[arg-type]
     decisions = [(await engine.check(get()))[1] for _ in range(8)]
     assert all(d.allowed for d in decisions)
     assert len(count.calls) == 2  # a grant of 4 tokens serves 4 requests
@@ -126,8 +127,7 @@ async def test_exact_mode_asks_the_store_every_time(tmp_path: Path) -> None:
     store = MemoryStore(clock)
     count = Counting(store)
     spec = {"name": "user-rate", "type": "request_rate", "rate": RATE, "burst": BURST}
-    engine = Engine(store, policy_from(tmp_path, {"limiters": [spec]}), clock=clock,
-                    store_check=count)  # type: ignore[arg-type]
+    engine = Engine(StoreGate(store, clock=clock, store_check=count), policy_from(tmp_path, {"limiters": [spec]}))  # type: ignore[arg-type]
     for _ in range(5):
         await engine.check(get())
     assert len(count.calls) == 5
@@ -152,7 +152,7 @@ async def test_a_grant_in_use_is_renewed_an_unspent_one_goes_back_then_the_key_i
         tmp_path: Path) -> None:
     clock = ManualClock(START)
     store = CountingStore(clock)
-    engine = Engine(store, policy_from(tmp_path, {"limiters": [batched(tmp_path)]}), clock=clock)
+    engine = Engine(StoreGate(store, clock=clock), policy_from(tmp_path, {"limiters": [batched(tmp_path)]}))
     grants = table(engine)
     await engine.check(get())
     key = next(iter(grants._held))
@@ -190,7 +190,7 @@ async def test_a_sync_turn_of_many_keys_goes_back_in_a_few_calls(tmp_path: Path)
     waiting on the store to miss their deadline)."""
     clock = ManualClock(START)
     store = CountingStore(clock)
-    engine = Engine(store, policy_from(tmp_path, {"limiters": [batched(tmp_path)]}), clock=clock)
+    engine = Engine(StoreGate(store, clock=clock), policy_from(tmp_path, {"limiters": [batched(tmp_path)]}))
     grants = table(engine)
     users = 2 * SEND_CHUNK + 10
     for i in range(users):
@@ -221,8 +221,7 @@ async def test_grants_that_land_together_keep_one_and_give_the_rest_back() -> No
     grant's worth (so the bound holds) and gives the rest back at once."""
     clock = ManualClock(START)
     store = MemoryStore(clock)
-    grants = GrantTable(SYNC, clock)
-    grants.store = store
+    grants = GrantTable(SYNC, clock, store=store)
     op = GrantOp("k", RATE, BURST, 1.0, BATCH)
     first, second = (await store.check([op], "")).results[0], (await store.check([op], "")).results[0]
     assert (first.extra, second.extra) == (BATCH, BATCH)
@@ -243,8 +242,8 @@ def test_default_batch_is_one_sync_interval_of_refill() -> None:
 
 async def test_a_refusal_is_the_exact_refusal(tmp_path: Path) -> None:
     clock = ManualClock(START)
-    engine = Engine(MemoryStore(clock), policy_from(tmp_path, {"limiters": [batched(tmp_path)]}),
-                    clock=clock)
+    engine = Engine(StoreGate(MemoryStore(clock), clock=clock),
+                    policy_from(tmp_path, {"limiters": [batched(tmp_path)]}))
     decisions = [(await engine.check(get()))[1] for _ in range(21)]
     assert [d.allowed for d in decisions] == [True] * 20 + [False]
     refused = decisions[-1].denied_by
@@ -263,7 +262,7 @@ async def test_replicas_never_admit_more_than_exact_and_refuse_early_by_at_most_
     clock = ManualClock(START)
     policy = policy_from(tmp_path, {"limiters": [batched(tmp_path)]})
     stores = [make_redis_store(redis_single_clean, clock) for _ in range(replicas)]
-    engines = [Engine(s, policy, clock=clock, deadline=5.0) for s in stores]
+    engines = [Engine(StoreGate(s, clock=clock, deadline=5.0), policy) for s in stores]
     tables = [table(e) for e in engines]
     raw = redis_single_clean.client()
     key = engines[0].snapshot.limiters[0]._keys.bucket(  # type: ignore[attr-defined]
@@ -335,7 +334,7 @@ async def test_a_grant_is_taken_atomically_under_concurrent_replicas(
     clock = ManualClock(START)
     policy = policy_from(tmp_path, {"limiters": [batched(tmp_path, batch=7)]})
     stores = [make_redis_store(redis_single_clean, clock) for _ in range(6)]
-    engines = [Engine(s, policy, clock=clock, deadline=5.0) for s in stores]
+    engines = [Engine(StoreGate(s, clock=clock, deadline=5.0), policy) for s in stores]
     raw = redis_single_clean.client()
     try:
         results = await asyncio.gather(*(e.check(get()) for e in engines for _ in range(5)))
@@ -362,8 +361,8 @@ async def test_a_request_refused_by_another_limiter_spends_no_grant(tmp_path: Pa
     another limiter refused gives its cost back to the grant."""
     clock = ManualClock(START)
     conc = {"name": "user-conc", "type": "concurrent_requests", "limit": 1}
-    engine = Engine(MemoryStore(clock), policy_from(tmp_path, {"limiters": [batched(tmp_path), conc]}),
-                    clock=clock)
+    engine = Engine(StoreGate(MemoryStore(clock), clock=clock),
+                    policy_from(tmp_path, {"limiters": [batched(tmp_path), conc]}))
     grants = table(engine)
     first = (await engine.check(get()))[1]
     assert first.allowed  # holds the one lease (not released)
@@ -416,7 +415,7 @@ async def test_a_late_give_back_does_not_refill_the_same_seconds_twice(
 async def test_a_graceful_stop_gives_back_every_grant_held(tmp_path: Path) -> None:
     clock = ManualClock(START)
     store = MemoryStore(clock)
-    engine = Engine(store, policy_from(tmp_path, {"limiters": [batched(tmp_path)]}), clock=clock)
+    engine = Engine(StoreGate(store, clock=clock), policy_from(tmp_path, {"limiters": [batched(tmp_path)]}))
     await engine.check(get())
     key = next(iter(table(engine)._held))
     assert store.tokens(key) == BURST - BATCH
@@ -435,7 +434,7 @@ class SlowStore(MemoryStore):
 async def test_a_renewal_on_its_way_during_a_graceful_stop_goes_back_too(tmp_path: Path) -> None:
     clock = ManualClock(START)
     store = SlowStore(clock)
-    engine = Engine(store, policy_from(tmp_path, {"limiters": [batched(tmp_path)]}), clock=clock)
+    engine = Engine(StoreGate(store, clock=clock), policy_from(tmp_path, {"limiters": [batched(tmp_path)]}))
     await engine.check(get())
     grants = table(engine)
     key = next(iter(grants._held))
@@ -473,8 +472,8 @@ def counted_quota(tmp_path: Path) -> tuple[ManualClock, MemoryStore, Counting, E
     clock = ManualClock(QSTART)
     store = MemoryStore(clock)
     count = Counting(store)
-    engine = Engine(store, policy_from(tmp_path, {"limiters": [batched_quota()]}), clock=clock,
-                    store_check=count)  # type: ignore[arg-type]
+    engine = Engine(StoreGate(store, clock=clock, store_check=count),
+                    policy_from(tmp_path, {"limiters": [batched_quota()]}))  # type: ignore[arg-type]
     return clock, store, count, engine
 
 
@@ -525,7 +524,7 @@ async def test_quota_replicas_never_admit_more_than_the_limit_and_refuse_early_b
     clock = ManualClock(QSTART)
     policy = policy_from(tmp_path, {"limiters": [batched_quota()]})
     stores = [make_redis_store(redis_single_clean, clock) for _ in range(replicas)]
-    engines = [Engine(s, policy, clock=clock, deadline=5.0) for s in stores]
+    engines = [Engine(StoreGate(s, clock=clock, deadline=5.0), policy) for s in stores]
     tables = [table(e) for e in engines]
     raw = redis_single_clean.client()
     key = quota_key(engines[0])
@@ -582,7 +581,7 @@ async def test_a_reload_gives_the_old_quota_grants_back_and_admits_no_more_than_
         tmp_path: Path, change: dict[str, object]) -> None:
     clock = ManualClock(QSTART)
     store = MemoryStore(clock)
-    engine = Engine(store, policy_from(tmp_path, {"limiters": [batched_quota()]}), clock=clock)
+    engine = Engine(StoreGate(store, clock=clock), policy_from(tmp_path, {"limiters": [batched_quota()]}))
     old = table(engine)
     for _ in range(3):
         assert (await engine.check(get()))[1].allowed
@@ -609,7 +608,7 @@ async def test_a_reload_gives_the_old_quota_grants_back_and_admits_no_more_than_
 async def test_a_reload_gives_the_old_rate_grants_back(tmp_path: Path) -> None:
     clock = ManualClock(START)
     store = MemoryStore(clock)
-    engine = Engine(store, policy_from(tmp_path, {"limiters": [batched(tmp_path)]}), clock=clock)
+    engine = Engine(StoreGate(store, clock=clock), policy_from(tmp_path, {"limiters": [batched(tmp_path)]}))
     old = table(engine)
     await engine.check(get())
     key = next(iter(old._held))
@@ -631,7 +630,7 @@ async def test_a_reload_gives_the_old_rate_grants_back(tmp_path: Path) -> None:
 async def test_grant_counters_are_the_tables_own_status(tmp_path: Path) -> None:
     clock = ManualClock(QSTART)
     store = MemoryStore(clock)
-    engine = Engine(store, policy_from(tmp_path, {"limiters": [batched_quota()]}), clock=clock)
+    engine = Engine(StoreGate(store, clock=clock), policy_from(tmp_path, {"limiters": [batched_quota()]}))
     grants = table(engine)
     for _ in range(6):
         await engine.check(get())
@@ -651,7 +650,7 @@ async def test_a_request_refused_by_another_limiter_spends_no_quota_grant(tmp_pa
     clock = ManualClock(QSTART)
     conc = {"name": "user-conc", "type": "concurrent_requests", "limit": 1}
     store = MemoryStore(clock)
-    engine = Engine(store, policy_from(tmp_path, {"limiters": [batched_quota(), conc]}), clock=clock)
+    engine = Engine(StoreGate(store, clock=clock), policy_from(tmp_path, {"limiters": [batched_quota(), conc]}))
     grants = table(engine)
     assert (await engine.check(get()))[1].allowed  # holds the one lease (not released)
     key = quota_key(engine)
@@ -688,7 +687,7 @@ def fleet_engine(tmp_path: Path) -> tuple[ManualClock, MemoryStore, Engine]:
     """One replica with a batched fleet_usage limiter on the embedded store."""
     clock = ManualClock(START)
     store = MemoryStore(clock)
-    return clock, store, Engine(store, fleet_policy(tmp_path), clock=clock)
+    return clock, store, Engine(StoreGate(store, clock=clock), fleet_policy(tmp_path))
 
 
 def critical() -> Any:
@@ -699,7 +698,7 @@ async def test_fleet_one_store_call_per_grant_and_a_release_frees_the_local_slot
     clock = ManualClock(START)
     store = MemoryStore(clock)
     count = Counting(store)
-    engine = Engine(store, fleet_policy(tmp_path), clock=clock, store_check=count)  # type: ignore[arg-type]
+    engine = Engine(StoreGate(store, clock=clock, store_check=count), fleet_policy(tmp_path))  # type: ignore[arg-type]
     table = slots(engine)
     lim = engine.snapshot.limiters[0]
     assert isinstance(lim, FleetUsageShedder)
@@ -755,7 +754,7 @@ async def test_fleet_replicas_never_hold_more_than_exact_and_refuse_early_by_at_
     clock = ManualClock(START)
     policy = fleet_policy(tmp_path)
     stores = [make_redis_store(redis_single_clean, clock) for _ in range(replicas)]
-    engines = [Engine(s, policy, clock=clock, deadline=5.0) for s in stores]
+    engines = [Engine(StoreGate(s, clock=clock, deadline=5.0), policy) for s in stores]
     tables = [slots(e) for e in engines]
     lim = engines[0].snapshot.limiters[0]
     assert isinstance(lim, FleetUsageShedder)
@@ -810,7 +809,7 @@ async def test_a_replica_that_stops_renewing_gives_its_fleet_slots_back_after_th
     clock = ManualClock(START)
     policy = fleet_policy(tmp_path, batch=NONCRITICAL)  # one replica can take every slot
     stores = [make_redis_store(redis_single_clean, clock) for _ in range(2)]
-    engines = [Engine(s, policy, clock=clock, deadline=5.0) for s in stores]
+    engines = [Engine(StoreGate(s, clock=clock, deadline=5.0), policy) for s in stores]
     dead, alive = slots(engines[0]), slots(engines[1])
     raw = redis_single_clean.client()
     try:
@@ -841,7 +840,7 @@ async def test_a_reload_gives_the_free_fleet_slots_back_and_keeps_those_in_use(t
     assert await engine.releaser.release_and_wait(d.leases, d.lease_id, "access_log") == 1
     await old.sync()
     assert old.done and (await store.inflight([key])) == [0]
-    assert "fleet" in grant_status(engine.snapshot.limiters)
+    assert "fleet" in engine.grants.status()
     old.close()
     slots(engine).close()
 
@@ -872,7 +871,7 @@ async def test_a_fleet_growth_that_failed_open_is_asked_again_and_leaks_nothing(
             raise StoreUnavailable("down")
         return await store.check(ops, lease_id)
 
-    engine = Engine(store, fleet_policy(tmp_path), clock=clock, store_check=failing)  # type: ignore[arg-type]
+    engine = Engine(StoreGate(store, clock=clock, store_check=failing), fleet_policy(tmp_path))  # type: ignore[arg-type]
     table = slots(engine)
     assert (await engine.check(get()))[1].allowed  # failed open
     assert not table._asked and not table._taken
@@ -893,7 +892,7 @@ async def test_free_fleet_slots_that_stood_here_while_the_fleet_was_full_show_as
     clock = ManualClock(START)
     policy = fleet_policy(tmp_path)
     stores = [make_redis_store(redis_single_clean, clock) for _ in range(2)]
-    engines = [Engine(s, policy, clock=clock, deadline=5.0) for s in stores]
+    engines = [Engine(StoreGate(s, clock=clock, deadline=5.0), policy) for s in stores]
     a, b = (slots(e) for e in engines)
     raw = redis_single_clean.client()
     try:
@@ -906,7 +905,7 @@ async def test_free_fleet_slots_that_stood_here_while_the_fleet_was_full_show_as
             await a.sync()
         assert a.grant(engines[0].snapshot.limiters[0].other_key).free == 0  # type: ignore[attr-defined]
         assert (a.status()["early_refusals"], a.status()["early_refusal_amount"]) == (1, 2.0)
-        buckets, total = grant_early(engines[0].snapshot.limiters)["fleet"]
+        buckets, total = engines[0].grants.early()["fleet"]
         assert buckets[:2] == [("1.0", 0.0), ("2.0", 1.0)] and buckets[-1] == ("+Inf", 1.0) and total == 2.0
     finally:
         await shut([a, b], stores, raw)  # type: ignore[list-item]
@@ -918,7 +917,7 @@ async def test_a_bucket_grant_given_back_to_a_dry_bucket_shows_as_early_refusal(
     clock = ManualClock(START)
     store = MemoryStore(clock)
     policy = policy_from(tmp_path, {"limiters": [batched(tmp_path, rate=0.001)]})
-    engines = [Engine(store, policy, clock=clock) for _ in range(2)]
+    engines = [Engine(StoreGate(store, clock=clock), policy) for _ in range(2)]
     a, b = (table(e) for e in engines)
     assert (await engines[0].check(get()))[1].allowed  # A: a grant of 4, 3 left
     admitted = [(await engines[1].check(get()))[1].allowed for _ in range(int(BURST))]
@@ -938,8 +937,7 @@ async def test_a_stale_grant_is_not_shown_as_held() -> None:
     never spent, so it is not held either; reading it drops nothing."""
     clock = ManualClock(START)
     store = MemoryStore(clock)
-    grants = GrantTable(SYNC, clock, spend_within=SYNC)
-    grants.store = store
+    grants = GrantTable(SYNC, clock, spend_within=SYNC, store=store)
     result = (await store.check([GrantOp("k", RATE, BURST, 1.0, BATCH)], "")).results[0]
     grants.granted("k", result.extra, 1.0, result.remaining, BATCH, (RATE, BURST))
     assert grants.held("k") == BATCH - 1

@@ -6,7 +6,7 @@ the batcher's queue before it is written: with long turns the deadline passed wh
 long answered (or had not been asked yet), the check failed open and the breaker opened on a
 healthy store. Now the deadline counts from the check's own write, is checked after one I/O
 poll (``Store.waiting``), each pass counted by where the check was
-(``Engine.deadline_missed``: queued, redis, loop); only a store that is late fails the check
+(``StoreGate.deadline_missed``: queued, redis, loop); only a store that is late fails the check
 and counts on the breaker. A failed-open batched grant op gives back what it took.
 
 Real Redis; the busy loop is a blocking sleep inside the store call, after the command was
@@ -24,13 +24,14 @@ from pathlib import Path
 import pytest
 import redis
 
-from extauthz import engine as engine_module
+from extauthz import storegate as gate_module
 from extauthz.breaker import Breaker
 from extauthz.clock import SYSTEM_CLOCK, ManualClock
 from extauthz.engine import Engine
 from extauthz.limiters.request_rate import RequestRateLimiter
 from extauthz.store.base import CheckResult, Op
 from extauthz.store.redis import RedisStore
+from extauthz.storegate import StoreGate
 from testinfra.redis_servers import RedisSingle
 from tests.store.conftest import make_redis_store
 from tests.store.redis.helpers import wait_until
@@ -74,37 +75,37 @@ def engine_on(store: RedisStore, tmp_path: Path, busy: bool, before_write: bool 
             time.sleep(BUSY)  # noqa: ASYNC251 - the point: nothing runs, nothing is read
         return await call
 
-    return Engine(store, policy_from(tmp_path, {"limiters": [RATE]}), deadline=DEADLINE,
-                  breaker=Breaker(SYSTEM_CLOCK, threshold=1, ratio=0.0), store_check=check)
+    return Engine(StoreGate(store, DEADLINE, breaker=Breaker(SYSTEM_CLOCK, threshold=1, ratio=0.0), store_check=check),
+                  policy_from(tmp_path, {"limiters": [RATE]}))
 
 
-@pytest.mark.parametrize("extensions", [engine_module.LOOP_EXTENSIONS, 0], ids=["shipped", "none"])
+@pytest.mark.parametrize("extensions", [gate_module.LOOP_EXTENSIONS, 0], ids=["shipped", "none"])
 async def test_an_answer_the_busy_loop_has_not_read_is_no_timeout(
         redis_single_clean: RedisSingle, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         extensions: int) -> None:
-    monkeypatch.setattr(engine_module, "LOOP_EXTENSIONS", extensions)
+    monkeypatch.setattr(gate_module, "LOOP_EXTENSIONS", extensions)
     store = RedisStore.from_url(redis_single_clean.url, deadline=DEADLINE)
     try:
         await store.ping()
         engine = engine_on(store, tmp_path, busy=True)
         _, decision = await engine.check(get())
         # Redis answered during the busy turn: its reply was read at the poll after the deadline
-        assert engine.deadline_missed == {"queued": 0, "redis": 0, "loop": 1}
+        assert engine.gate.deadline_missed == {"queued": 0, "redis": 0, "loop": 1}
         if extensions:
             # Redis answered in time: the rate limiter decided, nothing failed open
             assert decision.allowed and decision.failures == ()
             assert decision.verdicts[0].reason != "store_timeout"
-            assert engine.deadline_extended == 1 and engine.failures == {}
+            assert engine.gate.deadline_extended == 1 and engine.failures == {}
         else:  # no extension: the deadline that passed in the busy loop fails it open...
             assert decision.failures == ("timeout",)
             assert engine.failures == {"timeout": 1}
         # ...but the store was not late: no breaker counts it (issue 29: it opened under load)
-        assert engine.breaker.failures == 0 and engine.breaker.state == "closed"
+        assert engine.gate.breaker.failures == 0 and engine.gate.breaker.state == "closed"
     finally:
         await store.close()
 
 
-@pytest.mark.parametrize("extensions", [engine_module.LOOP_EXTENSIONS, 0], ids=["shipped", "none"])
+@pytest.mark.parametrize("extensions", [gate_module.LOOP_EXTENSIONS, 0], ids=["shipped", "none"])
 async def test_a_check_queued_past_its_deadline_is_not_the_stores_failure(
         redis_single_clean: RedisSingle, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         extensions: int) -> None:
@@ -112,7 +113,7 @@ async def test_a_check_queued_past_its_deadline_is_not_the_stores_failure(
     this server (the batcher's queue, a long loop turn) past the deadline before it was even
     written is given the deadline from its write; and when no extension is left it fails
     open without counting on the breaker (Redis was not the one that was late)."""
-    monkeypatch.setattr(engine_module, "LOOP_EXTENSIONS", extensions)
+    monkeypatch.setattr(gate_module, "LOOP_EXTENSIONS", extensions)
     store = RedisStore.from_url(redis_single_clean.url, deadline=DEADLINE)
     try:
         await store.ping()
@@ -120,13 +121,13 @@ async def test_a_check_queued_past_its_deadline_is_not_the_stores_failure(
         _, decision = await engine.check(get())
         # the deadline passed in this server (queued, or the answer not carried yet), never
         # counted against Redis, which answered within a deadline of the write
-        missed = engine.deadline_missed
+        missed = engine.gate.deadline_missed
         assert missed["queued"] + missed["loop"] >= 1 and missed["redis"] == 0
         if extensions:
             assert decision.allowed and decision.failures == () and engine.failures == {}
         else:
             assert decision.failures == ("timeout",)
-        assert engine.breaker.failures == 0 and engine.breaker.state == "closed"
+        assert engine.gate.breaker.failures == 0 and engine.gate.breaker.state == "closed"
     finally:
         await store.close()
 
@@ -136,7 +137,7 @@ async def test_a_half_open_probe_late_in_this_server_is_given_up(
     """A half-open breaker's probe whose deadline passes in this server (the loop, not Redis)
     counts no outcome, and gives the probe up: the next check probes, and the breaker closes
     (before, the probe stayed taken and every later check failed open ``circuit_open``)."""
-    monkeypatch.setattr(engine_module, "LOOP_EXTENSIONS", 0)
+    monkeypatch.setattr(gate_module, "LOOP_EXTENSIONS", 0)
     store = RedisStore.from_url(redis_single_clean.url, deadline=DEADLINE)
     busy = [True]
 
@@ -149,15 +150,16 @@ async def test_a_half_open_probe_late_in_this_server_is_given_up(
 
     try:
         await store.ping()
-        engine = Engine(store, policy_from(tmp_path, {"limiters": [RATE]}), deadline=DEADLINE,
-                        breaker=Breaker(SYSTEM_CLOCK, threshold=1, ratio=0.0), store_check=check)
-        engine.breaker.open_until = SYSTEM_CLOCK.monotonic() - 1  # half-open: the next call probes
+        engine = Engine(StoreGate(store, DEADLINE, breaker=Breaker(SYSTEM_CLOCK, threshold=1, ratio=0.0),
+                                  store_check=check),
+                        policy_from(tmp_path, {"limiters": [RATE]}))
+        engine.gate.breaker.open_until = SYSTEM_CLOCK.monotonic() - 1  # half-open: the next call probes
         _, decision = await engine.check(get())
-        assert decision.failures == ("timeout",) and engine.deadline_missed["redis"] == 0
+        assert decision.failures == ("timeout",) and engine.gate.deadline_missed["redis"] == 0
         busy[0] = False
         _, decision = await engine.check(get())
         assert decision.failures == () and decision.allowed, decision.failures
-        assert engine.breaker.state == "closed"
+        assert engine.gate.breaker.state == "closed"
     finally:
         await store.close()
 
@@ -175,10 +177,10 @@ async def test_a_stalled_store_still_fails_open(redis_single_clean: RedisSingle,
         assert decision.allowed and decision.failures == ("timeout",)
         assert decision.verdicts[0].reason == "store_timeout"
         # the command waited the whole deadline: late at once, at worst after one more
-        assert engine.deadline_extended <= 1
+        assert engine.gate.deadline_extended <= 1
         # the store was late: counted so, and on the breaker (here: open at one failure)
-        assert engine.deadline_missed["redis"] == 1
-        assert engine.breaker.state == "open"
+        assert engine.gate.deadline_missed["redis"] == 1
+        assert engine.gate.breaker.state == "open"
     finally:
         await store.close()
 
@@ -196,7 +198,7 @@ async def test_a_check_waiting_for_a_connection_fails_open_at_the_deadline(tmp_p
         engine = engine_on(store, tmp_path, busy=False)
         _, decision = await engine.check(get())
         assert decision.allowed and decision.failures == ("timeout",)
-        assert engine.deadline_extended == 0
+        assert engine.gate.deadline_extended == 0
     finally:
         await store.close()
         listener.close()
@@ -215,7 +217,7 @@ async def test_a_failed_open_grant_op_gives_its_grant_back(redis_single_clean: R
     policy = policy_from(tmp_path, {"limiters": [{
         "name": "user-rate", "type": "request_rate", "rate": 1, "burst": 10,
         "consistency": "batched", "batch": 5, "sync_interval": "10s"}]})
-    engine = Engine(store, policy, deadline=0.05, clock=clock, breaker=Breaker(clock, threshold=10**9))
+    engine = Engine(StoreGate(store, 0.05, clock=clock, breaker=Breaker(clock, threshold=10**9)), policy)
     bucket = engine.keys.bucket("user-rate", engine.context(get()).identity)
     raw = redis.Redis(port=redis_single_clean.port)
     try:
@@ -228,9 +230,9 @@ async def test_a_failed_open_grant_op_gives_its_grant_back(redis_single_clean: R
         assert decision.allowed and decision.failures == ("timeout",)
         # the late answer runs (the grant of 5 taken), then its give-back
         await wait_until(lambda: _true(raw.get(bucket) is not None), 10.0, "the late grant")
-        await wait_until(lambda: _true(engine.grant_returns == 1 and not engine._returning), 10.0,
+        await wait_until(lambda: _true(engine.grants.abandoned_returns == 1 and not engine.grants._returning), 10.0,
                          "its give-back")
-        assert engine.grant_return_errors == 0
+        assert engine.grants.abandoned_return_errors == 0
         admitted = [(await engine.check(get()))[1].allowed for _ in range(12)]
         # exact mode: 10 tokens, the failed-open request's late commit took 1: 9 admitted
         # (before: the lost grant left 5, and the key refused after 5)
@@ -257,7 +259,7 @@ async def test_a_grant_op_skipped_by_the_open_breaker_gives_back_what_it_lent(
     policy = policy_from(tmp_path, {"limiters": [{
         "name": "user-rate", "type": "request_rate", "rate": 1, "burst": 10, "cost": 3,
         "consistency": "batched", "batch": 4, "sync_interval": "10s"}]})
-    engine = Engine(store, policy, deadline=1.0, clock=clock, breaker=Breaker(clock, threshold=1, ratio=0.0))
+    engine = Engine(StoreGate(store, 1.0, clock=clock, breaker=Breaker(clock, threshold=1, ratio=0.0)), policy)
     bucket = engine.keys.bucket("user-rate", engine.context(get()).identity)
     raw = redis.Redis(port=redis_single_clean.port)
 
@@ -269,10 +271,10 @@ async def test_a_grant_op_skipped_by_the_open_breaker_gives_back_what_it_lent(
     try:
         _, first = await engine.check(get())  # a grant of 4, 3 spent: 1 left here, 6 in Redis
         assert first.allowed and first.failures == () and tokens() == 6.0
-        engine.breaker.failure()  # open
+        engine.gate.breaker.failure()  # open
         _, second = await engine.check(get())  # 1 < 3: lent to a grant op the breaker skips
         assert second.allowed and second.failures == ("circuit_open",)
-        await wait_until(lambda: _true(engine.grant_returns == 1 and not engine._returning), 10.0,
+        await wait_until(lambda: _true(engine.grants.abandoned_returns == 1 and not engine.grants._returning), 10.0,
                          "the give-back")
         assert tokens() == 7.0  # the remainder is back in the shared bucket (before: lost)
     finally:

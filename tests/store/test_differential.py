@@ -56,6 +56,7 @@ from extauthz.store.base import (
 )
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
+from extauthz.storegate import StoreGate
 from testinfra.redis_servers import RedisSingle
 from tests.store.conftest import StoreCase, make_redis_store
 from tests.unit.helpers import policy_from
@@ -608,7 +609,7 @@ def test_engines_agree_on_keyed_limiters_and_quotas(redis_up: RedisSingle, tmp_p
     policy = policy_from(tmp_path_factory.mktemp("keyed"), KEYED_POLICY)
 
     async def body(memory: Store, remote: Store, clock: ManualClock, keys: Keys) -> None:
-        engines = [Engine(s, policy, keys=keys, clock=clock, deadline=5.0) for s in (memory, remote)]
+        engines = [Engine(StoreGate(s, clock=clock, deadline=5.0), policy, keys=keys) for s in (memory, remote)]
         log: list[str] = []
         for gap, raw in requests:
             clock.advance(gap)

@@ -14,6 +14,7 @@ from extauthz.context import RawRequest
 from extauthz.engine import Engine
 from extauthz.observe.metrics import Metrics
 from extauthz.overrides import make_override
+from extauthz.storegate import StoreGate
 
 from ..unit.helpers import get, policy_from
 from .conftest import StoreCase
@@ -21,7 +22,7 @@ from .conftest import StoreCase
 
 def engine(case: StoreCase, tmp_path: Path, limiters: list[dict[str, Any]], **doc: Any) -> Engine:
     policy = policy_from(tmp_path, {"limiters": limiters, **doc})
-    return Engine(case.store, policy, clock=case.clock, deadline=1.0, rng=random.Random(7))
+    return Engine(StoreGate(case.store, clock=case.clock, deadline=1.0), policy, rng=random.Random(7))
 
 
 def req(key: str = "", ip: str = "10.0.0.1", method: str = "POST", path: str = "/v1/login",

@@ -12,6 +12,7 @@ from extauthz.context import RawRequest
 from extauthz.engine import Engine
 from extauthz.limiters.worker import sample_once
 from extauthz.overrides import make_override
+from extauthz.storegate import StoreGate
 from extauthz.verdict import Decision
 
 from ..unit.helpers import get, policy_from
@@ -22,7 +23,7 @@ def engine(case: StoreCase, tmp_path: Path, limiters: list[dict[str, object]]) -
     policy = policy_from(tmp_path, {"limiters": limiters,
                                     "classification": {"rules": [
                                         {"match": {"path_prefix": "/v1/charges"}, "tier": "critical"}]}})
-    return Engine(case.store, policy, clock=case.clock, deadline=1.0, rng=random.Random(7))
+    return Engine(StoreGate(case.store, clock=case.clock, deadline=1.0), policy, rng=random.Random(7))
 
 
 async def test_token_bucket_seed_case(store_case: StoreCase, tmp_path: Path) -> None:
@@ -94,7 +95,7 @@ def plan_engine(case: StoreCase, tmp_path: Path, limiters: list[dict[str, object
     policy = policy_from(tmp_path, {"limiters": limiters,
                                     "plan": {"from": [{"header": "x-plan"}], "default": "free"}})
     # a generous deadline: a fail-open on a loaded machine would admit one request too many
-    return Engine(case.store, policy, clock=case.clock, deadline=5.0, salt=b"salt")
+    return Engine(StoreGate(case.store, clock=case.clock, deadline=5.0), policy, salt=b"salt")
 
 
 def on_plan(key: str, plan: str) -> RawRequest:

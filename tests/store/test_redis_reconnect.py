@@ -21,6 +21,7 @@ from extauthz.engine import Engine
 from extauthz.policy import Policy, load_policy
 from extauthz.store.redis import RedisStore
 from extauthz.store.redis.conn import RECONNECT_BACKOFF_CAP
+from extauthz.storegate import StoreGate
 from testinfra.redis_servers import RedisSingle
 from tests.store.redis.helpers import wait_until
 
@@ -77,8 +78,7 @@ def store_and_engine(redis: RedisSingle, policy: Policy,
     that never opens, so every check reaches the store."""
     store = RedisStore.from_url(redis.url, deadline=DEADLINE,
                                 socket_timeout=CLIENT_TIMEOUT, socket_connect_timeout=CLIENT_TIMEOUT)
-    return store, Engine(store, policy, deadline=DEADLINE,
-                         breaker=breaker or Breaker(SYSTEM_CLOCK, threshold=10**9))
+    return store, Engine(StoreGate(store, DEADLINE, breaker=breaker or Breaker(SYSTEM_CLOCK, threshold=10**9)), policy)
 
 
 def new_failures(engine: Engine, before: dict[str, int]) -> dict[str, int]:
@@ -219,6 +219,6 @@ async def test_the_breaker_opens_on_refused_connects(redis_single_clean: RedisSi
         assert set(new) == {"unavailable", "circuit_open"}, new
         redis_single_clean.restart()
         await wait_until(recovered, 5, "recovery after Redis came back")
-        assert engine.breaker.state == "closed"
+        assert engine.gate.breaker.state == "closed"
     finally:
         await store.close()

@@ -28,6 +28,7 @@ from extauthz.engine import Engine
 from extauthz.policy import Policy, load_policy
 from extauthz.store.redis import RedisStore
 from extauthz.store.redis.cluster import node_of as cluster_node_of
+from extauthz.storegate import StoreGate
 from testinfra.redis_servers import RedisCluster, RedisSingle
 from tests.store.conftest import Topology, masters
 from tests.store.redis.helpers import wait_until
@@ -92,8 +93,7 @@ def single(redis: RedisSingle, policy: Policy, timeout: float, **kw: Any) -> tup
     keep the checks off the stalled connection, and the test from its point)."""
     store = RedisStore.from_url(redis.url, deadline=DEADLINE, socket_timeout=timeout,
                                 socket_connect_timeout=timeout, **kw)
-    return store, Engine(store, policy, deadline=DEADLINE,
-                         breaker=Breaker(SYSTEM_CLOCK, threshold=10**9))
+    return store, Engine(StoreGate(store, DEADLINE, breaker=Breaker(SYSTEM_CLOCK, threshold=10**9)), policy)
 
 
 class Load:
@@ -233,7 +233,7 @@ async def test_one_paused_cluster_master_fails_open_only_its_own_users(
     # what fails must be the paused master, not the machine.
     store = RedisStore.from_url(cluster.url, deadline=CLUSTER_DEADLINE, socket_timeout=1.0,
                                 socket_connect_timeout=1.0)
-    engine = Engine(store, policy, deadline=CLUSTER_DEADLINE)
+    engine = Engine(StoreGate(store, CLUSTER_DEADLINE), policy)
     try:
         await store.ping()
         fleet_op = engine.snapshot.limiters[1].op(
@@ -268,8 +268,8 @@ async def test_one_paused_cluster_master_fails_open_only_its_own_users(
         assert len(healthy_checks) >= 100, len(healthy_checks)
         assert failed_healthy <= len(healthy_checks) // 10, (failed_healthy, len(healthy_checks),
                                                              engine.failures)
-        assert engine.node_breakers[names[paused]].state != "closed"
-        assert engine.node_breakers[fleet_master].state == "closed"
+        assert engine.gate.node_breakers[names[paused]].state != "closed"
+        assert engine.gate.node_breakers[fleet_master].state == "closed"
 
         await no_lease_left(cluster, "the pause")
     finally:

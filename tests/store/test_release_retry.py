@@ -16,6 +16,7 @@ from extauthz.engine import Engine
 from extauthz.errors import StoreUnavailable
 from extauthz.policy import load_policy
 from extauthz.store.redis import RedisStore
+from extauthz.storegate import StoreGate
 from testinfra.redis_servers import RedisSingle, start_single
 from tests.store.redis.helpers import wait_until
 from tests.store.test_redis_stalls import Load, no_lease_left
@@ -41,7 +42,7 @@ async def test_a_release_that_fails_while_redis_is_down_frees_the_slot_when_it_i
             pytest.skip("needs a local redis-server that reloads its dump.rdb on restart")
         (tmp_path / "p.yaml").write_text(POLICY)
         store = RedisStore.from_url(redis.url, deadline=0.5, socket_timeout=1.0, socket_connect_timeout=1.0)
-        engine = Engine(store, load_policy([tmp_path / "p.yaml"]), deadline=0.5)
+        engine = Engine(StoreGate(store, 0.5), load_policy([tmp_path / "p.yaml"]))
         raw = RawRequest("GET", "/v1/x", headers={"x-api-key": "sk_live_retry"})
         try:
             _, held = await engine.check(raw)
@@ -98,8 +99,8 @@ async def test_releases_failing_under_load_are_retried_and_no_lease_is_left_held
     (tmp_path / "p.yaml").write_text(POLICY.replace("limit: 1", "limit: 1000"))
     store = RedisStore.from_url(redis_single_clean.url, deadline=0.05, socket_timeout=1.0,
                                 socket_connect_timeout=1.0)
-    engine = Engine(store, load_policy([tmp_path / "p.yaml"]), deadline=0.05,
-                    breaker=Breaker(SYSTEM_CLOCK, threshold=10**9))
+    engine = Engine(StoreGate(store, 0.05, breaker=Breaker(SYSTEM_CLOCK, threshold=10**9)),
+                    load_policy([tmp_path / "p.yaml"]))
     load = Load(engine, [f"user{i}" for i in range(40)])
     admin = redis_single_clean.client(socket_timeout=2)
     try:

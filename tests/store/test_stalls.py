@@ -22,6 +22,7 @@ from extauthz.engine import Engine
 from extauthz.limiters.fleet import FleetSlots, FleetUsageShedder
 from extauthz.limiters.grants import GrantTable, Synced
 from extauthz.limiters.request_rate import RequestRateLimiter
+from extauthz.storegate import StoreGate
 from extauthz.verdict import Decision
 from testinfra.redis_servers import RedisSingle
 from tests.store.conftest import make_redis_store
@@ -87,7 +88,7 @@ async def test_fleet_in_flight_never_above_capacity_across_a_stall(
     clock = ManualClock(START)
     policy = fleet_policy(tmp_path)
     stores = [make_redis_store(redis_single_clean, clock) for _ in range(3)]
-    engines = [Engine(s, policy, clock=clock, deadline=5.0) for s in stores]
+    engines = [Engine(StoreGate(s, clock=clock, deadline=5.0), policy) for s in stores]
     tables = [fleet_slots(e) for e in engines]
     raw = redis_single_clean.client()
     key = engines[0].snapshot.limiters[0].other_key  # type: ignore[attr-defined]
@@ -121,7 +122,7 @@ async def test_slots_in_use_that_the_store_lost_are_counted_again_as_overadmissi
     clock = ManualClock(START)
     policy = fleet_policy(tmp_path)
     stores = [make_redis_store(redis_single_clean, clock) for _ in range(2)]
-    engines = [Engine(s, policy, clock=clock, deadline=5.0) for s in stores]
+    engines = [Engine(StoreGate(s, clock=clock, deadline=5.0), policy) for s in stores]
     a, b = (fleet_slots(e) for e in engines)
     raw = redis_single_clean.client()
     key = engines[0].snapshot.limiters[0].other_key  # type: ignore[attr-defined]
@@ -180,7 +181,7 @@ async def test_a_grant_held_through_a_stall_is_not_spent_after_it(
         "name": "rate", "type": "request_rate", "rate": RATE, "burst": BURST,
         "consistency": "batched", "batch": RATE_BATCH, "sync_interval": "100ms"}]})
     stores = [make_redis_store(redis_single_clean, clock) for _ in range(2)]
-    engines = [Engine(s, policy, clock=clock, deadline=5.0) for s in stores]
+    engines = [Engine(StoreGate(s, clock=clock, deadline=5.0), policy) for s in stores]
     tables = [rate_table(e) for e in engines]
     try:
         assert (await engines[0].check(get()))[1].allowed  # A: a grant of 5, 4 left

@@ -14,6 +14,7 @@ from extauthz.engine import Engine
 from extauthz.policy import Policy, load_policy
 from extauthz.store.base import StoreBase
 from extauthz.store.memory import MemoryStore
+from extauthz.storegate import StoreGate
 
 
 def policy_from(tmp_path: Path, doc: dict[str, Any], name: str = "policy.yaml") -> Policy:
@@ -24,8 +25,11 @@ def policy_from(tmp_path: Path, doc: dict[str, Any], name: str = "policy.yaml") 
 
 
 def engine_for(policy: Policy, clock: ManualClock, **kw: Any) -> tuple[Engine, MemoryStore]:
+    """An engine on a memory store on ``clock``; ``deadline``, ``breaker`` and ``store_check``
+    go to its :class:`StoreGate`, the rest to the engine."""
     store = MemoryStore(clock)
-    return Engine(store, policy, clock=clock, **kw), store
+    gate = {name: kw.pop(name) for name in ("deadline", "breaker", "store_check") if name in kw}
+    return Engine(StoreGate(store, clock=clock, **gate), policy, **kw), store
 
 
 def get(path: str = "/v1/customers", key: str = "sk_live_alice", **kw: Any) -> RawRequest:

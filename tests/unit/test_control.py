@@ -120,3 +120,23 @@ async def test_an_override_set_on_the_store_records_its_expiry_and_history_shows
                     ("set", f"user-rate {other}", 1000.0, "redis"),
                     ("clear", f"user-rate {other}", 1030.0, "redis"),
                     ("expire", f"user-rate {IDENTITY}", 1060.0, "ttl")]
+
+
+async def test_a_switch_for_a_limiter_the_policy_lacks_is_refused_and_without_a_policy_stored(tmp_path: Path) -> None:
+    """Issue 30: one rule on every path. With the policy the name must be one of its limiters
+    (the admin port's 404, the same words); without one only its form can be checked."""
+    from extauthz.control import UnknownLimiter
+
+    clock = ManualClock(1000.0)
+    store = MemoryStore(clock)
+    ctl = control(tmp_path, store, clock)
+    with pytest.raises(UnknownLimiter, match=r"^no limiter named 'user-rte' in the policy \(did you mean "
+                       r"'user-rate'\?\)$") as refused:
+        await ctl.set_switch("user-rte", Mode.OFF)
+    assert refused.value.known == ["user-rate"]
+    assert await store.get_value(Keys().switches) is None and await ctl.history() == []
+    assert await ctl.set_switch("*", Mode.SHADOW) == {"switches": {"*": "shadow"}}  # names no limiter
+    blind = control(tmp_path, store, clock, policy=False)
+    assert await blind.set_switch("user-rte", Mode.OFF) == {"switches": {"*": "shadow", "user-rte": "off"}}
+    with pytest.raises(ControlError, match="bad switch name"):
+        await blind.set_switch("user rate", Mode.OFF)

@@ -10,7 +10,7 @@ import extauthz
 EXPECTED = [
     "CircuitOpen", "Decision", "Engine", "ExtauthzError", "MemoryStore", "Mode", "Outcome",
     "Policy", "PolicyError", "PolicyIssue", "RawRequest", "RedisStore", "RequestContext",
-    "Store", "StoreError", "StoreInternalError", "StoreTimeout", "StoreUnavailable", "Tier",
+    "Store", "StoreError", "StoreGate", "StoreInternalError", "StoreTimeout", "StoreUnavailable", "Tier",
     "Verdict", "__version__", "load_policy",
 ]
 

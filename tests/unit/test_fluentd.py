@@ -15,7 +15,8 @@ import pytest
 
 from extauthz.answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD
 from extauthz.clock import ManualClock
-from extauthz.server.fluentd import TAG, FluentdLimits, FluentdReceiver, MalformedMessage, entries_of
+from extauthz.envoy.records import FLUENTD_TAG as TAG
+from extauthz.server.fluentd import FluentdLimits, FluentdReceiver, MalformedMessage, entries_of
 from extauthz.server.leases import FinishedEntries, Leases, seen_as
 
 from .helpers import engine_for, get, policy_from

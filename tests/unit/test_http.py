@@ -10,15 +10,13 @@ import pytest
 
 from extauthz.answers import LEASE_ID_FIELD, LEASES_FIELD, lease_fields, read_lease_fields
 from extauthz.clock import ManualClock
+from extauthz.envoy.headers import SHED_STATUS, allowed_headers, unreadable_over_http
 from extauthz.server.httpmap import (
-    SHED_STATUS,
-    allowed_headers,
     http_answer,
     jwt_payload,
     path_prefix,
     raw_request,
     source_ip,
-    unreadable_over_http,
     xfcc_principal,
 )
 
@@ -110,7 +108,8 @@ async def test_http_answer_allowed_and_refused(tmp_path: Path) -> None:
 
 
 def test_http_metadata_files_the_forwarded_jwt_payload_like_jwt_authn() -> None:
-    from extauthz.server.httpmap import JWT_NAMESPACE, http_metadata
+    from extauthz.envoy.headers import JWT_NAMESPACE
+    from extauthz.server.httpmap import http_metadata
 
     claims = {"sub": "alice", "n": 7, "livemode": False, "nested": {"team": "t1"}, "big": "x" * 100}
     header = {"x-jwt-payload": base64.urlsafe_b64encode(json.dumps(claims).encode()).decode()}

@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from extauthz.cli import main
+from extauthz.envoy.headers import allowed_headers
 from extauthz.k8s import Wiring, headers_to_check, resources
 from extauthz.policy import load_policy
-from extauthz.server.httpmap import allowed_headers
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "helm" / "extauthz" / "examples"

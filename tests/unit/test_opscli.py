@@ -173,6 +173,19 @@ def test_a_mistyped_limiter_gets_a_suggestion(capsys: pytest.CaptureFixture[str]
                                               "(did you mean 'user-rate'?)"), err
 
 
+@pytest.mark.parametrize("where", [NOWHERE, ("--redis-url", "redis://127.0.0.1:9/0")])
+def test_a_switch_for_a_limiter_the_given_policy_lacks_is_refused_before_anything_is_sent(
+        capsys: pytest.CaptureFixture[str], where: tuple[str, ...]) -> None:
+    """With --policies, the control's own rule (extauthz/control.py check_switch) refuses the
+    name here, on either path, in the admin port's words; nobody listens at either address."""
+    from ..conftest import ROOT
+
+    code = main(["switch", "usr-rate", "off", *where, "--policies", str(ROOT / "policies")])
+    err = capsys.readouterr().err
+    assert code == 1 and err.strip() == ("extauthz switch: error: no limiter named 'usr-rate' in the "
+                                         "policy (did you mean 'user-rate'?)"), err
+
+
 async def test_status_says_which_admin_tokens_are_in_force_when_the_file_is_bad(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 29 review: the line ended ``keeping the 2 tokens read before (None)``, from a key
@@ -188,7 +201,7 @@ async def test_status_says_which_admin_tokens_are_in_force_when_the_file_is_bad(
     async with running([ROOT / "policies"], admin_token_file=str(tokens)) as (server, _):
         tokens.write_text(f"ci:{token}\nbob:short\n")  # line 2 bad: the 2 tokens read before stay
         assert (await admin(server, "GET", "/status", headers={"Authorization": f"Bearer {token}"}))[0] == 200
-        url = f"http://127.0.0.1:{server.ops.admin_port}"
+        url = f"http://127.0.0.1:{server.ports.admin_port}"
         code = await asyncio.to_thread(main, ["status", "--admin", url])
     out, err = capsys.readouterr()
     assert code == 0, err

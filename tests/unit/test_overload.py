@@ -13,6 +13,7 @@ from extauthz.clock import ManualClock
 from extauthz.engine import Engine
 from extauthz.overload import LoopLag
 from extauthz.store.memory import MemoryStore
+from extauthz.storegate import StoreGate
 from extauthz.verdict import Outcome
 
 from ..observe.helpers import eventually
@@ -189,7 +190,7 @@ async def test_no_time_left_fails_store_limiters_per_failure_mode_counted_overlo
     within the call: decided as usual. A short deadline alone sheds nothing (not starved)."""
     policy = policy_from(tmp_path, {**RULES, "limiters": [
         RATE, dict(RATE, name="strict", failure_mode="closed"), FLEET]})
-    engine = Engine(FaultyStore(MemoryStore(clock)), policy, clock=clock)
+    engine = Engine(StoreGate(FaultyStore(MemoryStore(clock)), clock=clock), policy)
     d = await engine.decide(engine.context(get(**CRITICAL)), 0.0)
     outcomes = {v.limiter: (v.outcome, v.reason) for v in d.verdicts}
     assert outcomes["user-rate"] == (Outcome.FAILED_OPEN, "store_overload")
@@ -227,11 +228,11 @@ async def test_the_store_call_never_outlives_the_time_left(tmp_path: Path, clock
         {"name": "conc", "type": "concurrent_requests", "limit": 5, "lease_ttl": "60s"}]})
     store = _LateStore(MemoryStore(clock))
     # a store deadline far longer than the check's time left: the time left decides
-    engine = Engine(store, policy, clock=clock, deadline=30.0)
+    engine = Engine(StoreGate(store, clock=clock, deadline=30.0), policy)
     d = await asyncio.wait_for(engine.decide(engine.context(get()), 0.05), 10.0)
     assert d.allowed and d.failures == ("overload",) and d.leases == ()
     assert d.verdicts[0].outcome is Outcome.FAILED_OPEN and d.verdicts[0].reason == "store_overload"
-    assert engine.failures == {"overload": 1} and engine.breaker.state == "closed"
+    assert engine.failures == {"overload": 1} and engine.gate.breaker.state == "closed"
     # the call went on: when it lands, the lease it took goes back (nothing leaks)
     store.go.set()
     await eventually(lambda: store.releases > 0, within=10.0)  # the late answer's lease back
@@ -241,11 +242,11 @@ async def test_the_store_call_never_outlives_the_time_left(tmp_path: Path, clock
 
 
 def _half_open(engine: Engine, clock: ManualClock) -> None:
-    for _ in range(engine.breaker.threshold):
-        engine.breaker.failure()
-    assert engine.breaker.state == "open"
-    clock.advance(engine.breaker.open_for)
-    assert engine.breaker.state == "half_open"
+    for _ in range(engine.gate.breaker.threshold):
+        engine.gate.breaker.failure()
+    assert engine.gate.breaker.state == "open"
+    clock.advance(engine.gate.breaker.open_for)
+    assert engine.gate.breaker.state == "half_open"
 
 
 async def test_a_half_open_probe_cut_short_by_the_time_left_does_not_keep_the_breaker_open(
@@ -255,7 +256,7 @@ async def test_a_half_open_probe_cut_short_by_the_time_left_does_not_keep_the_br
     ``circuit_open`` until a restart)."""
     policy = policy_from(tmp_path, {**RULES, "limiters": [RATE]})
     store = _LateStore(MemoryStore(clock))
-    engine = Engine(store, policy, clock=clock, deadline=30.0)
+    engine = Engine(StoreGate(store, clock=clock, deadline=30.0), policy)
     _half_open(engine, clock)
     d = await asyncio.wait_for(engine.decide(engine.context(get()), 0.05), 10.0)
     assert d.failures == ("overload",)  # the probe's call outlived the time left
@@ -263,21 +264,21 @@ async def test_a_half_open_probe_cut_short_by_the_time_left_does_not_keep_the_br
     clock.advance(10.0)
     d = await asyncio.wait_for(engine.decide(engine.context(get()), 0.2), 10.0)
     assert d.failures == () and d.allowed, d
-    assert engine.breaker.state == "closed" and "circuit_open" not in engine.failures
+    assert engine.gate.breaker.state == "closed" and "circuit_open" not in engine.failures
 
 
 async def test_a_half_open_probe_whose_check_envoy_cancels_does_not_keep_the_breaker_open(
         tmp_path: Path, clock: ManualClock) -> None:
     policy = policy_from(tmp_path, {**RULES, "limiters": [RATE]})
     store = _LateStore(MemoryStore(clock))
-    engine = Engine(store, policy, clock=clock, deadline=30.0)
+    engine = Engine(StoreGate(store, clock=clock, deadline=30.0), policy)
     _half_open(engine, clock)
     task = asyncio.ensure_future(engine.decide(engine.context(get())))
-    await eventually(lambda: not engine.breaker.would_allow(), within=10.0)  # the probe taken
+    await eventually(lambda: not engine.gate.breaker.would_allow(), within=10.0)  # the probe taken
     task.cancel()  # Envoy reset the Check while the probe's store call was out
     with pytest.raises(asyncio.CancelledError):
         await task
     store.go.set()
     d = await asyncio.wait_for(engine.decide(engine.context(get())), 10.0)
     assert d.failures == () and d.allowed, d
-    assert engine.breaker.state == "closed"
+    assert engine.gate.breaker.state == "closed"

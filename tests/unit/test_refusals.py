@@ -15,6 +15,7 @@ from extauthz.limiters import RequestRateLimiter
 from extauthz.limiters.refusals import RefusalCache
 from extauthz.store.base import CheckResult, Op
 from extauthz.store.memory import MemoryStore
+from extauthz.storegate import StoreGate
 from extauthz.verdict import Kind, Outcome, Verdict
 
 from .helpers import get, policy_from
@@ -39,7 +40,8 @@ def engines(tmp_path: Path, clock: ManualClock, limiter: dict[str, object]
     """One engine with the refusal cache, one without it, each on a store of its own."""
     policy = policy_from(tmp_path, {"limiters": [limiter]})
     cached_store, plain_store = CountingStore(clock), CountingStore(clock)
-    cached, plain = Engine(cached_store, policy, clock=clock), Engine(plain_store, policy, clock=clock)
+    cached = Engine(StoreGate(cached_store, clock=clock), policy)
+    plain = Engine(StoreGate(plain_store, clock=clock), policy)
     for lim in plain.snapshot.limiters:
         assert isinstance(lim, RequestRateLimiter)
         lim.refusals = None

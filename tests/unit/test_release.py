@@ -17,6 +17,7 @@ from extauthz.release import PATHS, Releaser
 from extauthz.server.app import Server, ServerConfig
 from extauthz.store.base import LeaseOp
 from extauthz.store.memory import MemoryStore
+from extauthz.storegate import StoreGate
 
 from .helpers import FaultyStore, get, policy_from
 
@@ -85,7 +86,7 @@ async def test_abandoned_store_answer_is_released_through_the_releaser(tmp_path:
             return await self.inner.check(ops, lease_id)
 
     store = SlowStore(inner)
-    engine = Engine(store, policy, clock=clock, deadline=0.01)
+    engine = Engine(StoreGate(store, clock=clock, deadline=0.01), policy)
     _, decision = await engine.check(get())
     assert decision.allowed and decision.failures == ("timeout",)
     gate.set()
@@ -116,7 +117,7 @@ async def test_an_answer_read_in_the_deadlines_loop_turn_is_used(tmp_path: Path)
             await landed
             return await self.inner.check(ops, lease_id)
 
-    engine = Engine(AnswersJustInTime(inner), policy, clock=clock, deadline=deadline)
+    engine = Engine(StoreGate(AnswersJustInTime(inner), clock=clock, deadline=deadline), policy)
     _, decision = await engine.check(get())
     assert decision.allowed and decision.failures == ()
     assert len(inner.live_leases()) == 1 and engine.releaser.count("abandoned_answer") == 0
@@ -199,7 +200,7 @@ async def test_drain_cancelling_a_release_in_its_store_call_counts_it_failed() -
 async def test_the_engine_retries_releases_for_the_longest_lease_ttl(tmp_path: Path) -> None:
     policy = policy_from(tmp_path, {"limiters": [{"name": "conc", "type": "concurrent_requests",
                                                   "limit": 5, "lease_ttl": "45s"}]})
-    engine = Engine(FaultyStore(MemoryStore(ManualClock())), policy)
+    engine = Engine(StoreGate(FaultyStore(MemoryStore(ManualClock()))), policy)
     assert engine.releaser.retry_for is not None and engine.releaser.retry_for() == 45.0
 
 

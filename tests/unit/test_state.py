@@ -15,6 +15,7 @@ from extauthz.engine import Engine
 from extauthz.errors import StoreUnavailable
 from extauthz.observe.state import Panel, by_label_part, count_part, engine_parts
 from extauthz.store.memory import MemoryStore
+from extauthz.storegate import StoreGate
 from extauthz.switches import Switches
 from extauthz.verdict import Mode
 
@@ -33,7 +34,7 @@ def scrape(panel: Panel) -> CollectorRegistry:
 async def test_the_engine_parts_give_the_same_figures_to_status_and_metrics(tmp_path: Path) -> None:
     clock = ManualClock(1000.0)
     store = FaultyStore(MemoryStore(clock), check_error=StoreUnavailable("down"))
-    engine = Engine(store, policy_from(tmp_path, POLICY), clock=clock)
+    engine = Engine(StoreGate(store, clock=clock), policy_from(tmp_path, POLICY))
     for _ in range(3):
         await engine.check(get())
     engine.set_switches(Switches(global_mode=Mode.SHADOW))
@@ -58,9 +59,9 @@ async def test_the_engine_parts_give_the_same_figures_to_status_and_metrics(tmp_
 def test_window_failures_count_the_masters_breakers_on_a_cluster(tmp_path: Path) -> None:
     """On Redis Cluster each master's breaker counts its failures; the engine's own breaker is
     only their template and counts none."""
-    engine = Engine(MemoryStore(ManualClock(1000.0)), policy_from(tmp_path, POLICY))
+    engine = Engine(StoreGate(MemoryStore(ManualClock(1000.0))), policy_from(tmp_path, POLICY))
     for name, failures in (("m1", 2), ("m2", 1)):
-        breaker = engine.node_breakers[name] = engine.breaker.like()
+        breaker = engine.gate.node_breakers[name] = engine.gate.breaker.like()
         for _ in range(failures):
             breaker.failure()
     status = Panel(engine_parts(engine)).status()["store"]

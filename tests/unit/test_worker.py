@@ -15,6 +15,7 @@ from extauthz.limiters.worker import WorkerUtilizationShedder, sample_once
 from extauthz.store import algorithms
 from extauthz.store.base import ShedParams
 from extauthz.store.memory import MemoryStore
+from extauthz.storegate import StoreGate
 from extauthz.tiers import Tier
 
 from .helpers import policy_from
@@ -38,7 +39,7 @@ class Drill:
         self.store = MemoryStore(clock)
         policy = policy_from(tmp_path, {"limiters": [dict(WORKERS, **overrides)],
                                         "test_mode": {"key_prefix": "sk_test_"}})
-        self.engine = Engine(self.store, policy, clock=clock, rng=random.Random(seed))
+        self.engine = Engine(StoreGate(self.store, clock=clock), policy, rng=random.Random(seed))
 
     @property
     def shedder(self) -> WorkerUtilizationShedder:

@@ -17,6 +17,7 @@ from extauthz.errors import StoreUnavailable
 from extauthz.policy import load_policy
 from extauthz.store.base import BucketOp, CheckResult, LeaseOp
 from extauthz.store.redis import RedisStore
+from extauthz.storegate import StoreGate
 from testinfra.redis_servers import (
     RedisCluster,
     RedisSingle,
@@ -45,8 +46,8 @@ async def test_abandoned_calls_neither_poison_connections_nor_keep_leases(
     store = make_redis_store(redis_single_clean, batching=batching, socket_timeout=10)
     # The engine gives back what an abandoned store answer committed (the one release path).
     (tmp_path / "conc.yaml").write_text(CONC_POLICY)
-    engine = Engine(store, load_policy([tmp_path / "conc.yaml"]), keys=K, deadline=0.02,
-                    breaker=Breaker(SYSTEM_CLOCK, threshold=1000))
+    engine = Engine(StoreGate(store, 0.02, breaker=Breaker(SYSTEM_CLOCK, threshold=1000)),
+                    load_policy([tmp_path / "conc.yaml"]), keys=K)
     ctxs = [engine.context(RawRequest("GET", "/", headers={"x-api-key": f"user{i}"})) for i in range(20)]
     conc = engine.snapshot.limiters[0]
     users = [op.key for ctx in ctxs if (op := conc.op(ctx, True)) is not None]

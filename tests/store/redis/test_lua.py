@@ -90,12 +90,12 @@ def test_wheel_carries_the_lua_scripts_and_envoy_configs(tmp_path: Path) -> None
             assert init.relative_to(ROOT).as_posix() in names, init
         assert "extauthz/py.typed" in names
         # The Envoy configs ship once, from the top-level envoy/ (package-dir mapping), as
-        # extauthz/envoy/*.yaml: byte-for-byte the repository's files, and no other copy.
+        # extauthz/envoy/configs/*.yaml: byte-for-byte the repository's files, and no other copy.
         configs = sorted((ROOT / "envoy").glob("*.yaml"))
         assert configs
         for config in configs:
-            assert zf.read(f"extauthz/envoy/{config.name}") == config.read_bytes(), config
-        assert {n for n in names if n.endswith(".yaml")} == {f"extauthz/envoy/{c.name}" for c in configs}
+            assert zf.read(f"extauthz/envoy/configs/{config.name}") == config.read_bytes(), config
+        assert {n for n in names if n.endswith(".yaml")} == {f"extauthz/envoy/configs/{c.name}" for c in configs}
     # Installed from the wheel (away from the checkout), the devtools find the shipped config.
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
@@ -105,7 +105,7 @@ def test_wheel_carries_the_lua_scripts_and_envoy_configs(tmp_path: Path) -> None
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)}, check=True, capture_output=True, text=True,
         timeout=60,
     ).stdout.strip()
-    assert Path(found) == site / "extauthz" / "envoy" / "envoy.yaml"
+    assert Path(found) == site / "extauthz" / "envoy" / "configs" / "envoy.yaml"
 
 
 def test_every_script_states_its_contract() -> None:

@@ -20,6 +20,7 @@ from extauthz.policy import Policy, load_policy
 from extauthz.store.base import BucketOp, CheckResult, LeaseOp, Op
 from extauthz.store.keys import Keys
 from extauthz.store.redis import RedisStore
+from extauthz.storegate import StoreGate
 from testinfra.redis_servers import (
     RedisCluster,
     RedisSentinel,
@@ -116,7 +117,7 @@ async def test_fail_open_fast_when_redis_stops_or_pauses_then_recovers(
     store = RedisStore.from_url(redis_single_clean.url, deadline=deadline,
                                 socket_timeout=CLIENT_TIMEOUT, socket_connect_timeout=CLIENT_TIMEOUT)
     breaker = Breaker(SYSTEM_CLOCK, threshold=5, open_for=0.2)
-    engine = Engine(store, policy, deadline=deadline, breaker=breaker)
+    engine = Engine(StoreGate(store, deadline, breaker=breaker), policy)
     latencies: list[float] = []
     counter = 0
 
@@ -163,10 +164,10 @@ async def test_fail_open_fast_when_redis_stops_or_pauses_then_recovers(
             phases.append(f"{name}: {_latencies_ok(latencies, bound)}")
             new = {k: v - before.get(k, 0) for k, v in engine.failures.items()}
             reason = "unavailable" if name == "stopped" else "timeout"
-            assert new.get(reason, 0) >= engine.breaker.threshold, new
+            assert new.get(reason, 0) >= engine.gate.breaker.threshold, new
             assert new.get("circuit_open", 0) > 0, new  # the breaker opened
             await wait_until(recovered, 5, f"recovery after Redis was {name}")
-            assert engine.breaker.state == "closed"
+            assert engine.gate.breaker.state == "closed"
         print("; ".join(phases))
     finally:
         redis_single_clean.resume()
@@ -191,7 +192,7 @@ async def test_sentinel_failover_while_checks_continue(own_sentinel: RedisSentin
     store = RedisStore.from_url(topology.url, deadline=deadline,
                                 socket_timeout=CLIENT_TIMEOUT, socket_connect_timeout=CLIENT_TIMEOUT)
     breaker = Breaker(SYSTEM_CLOCK, threshold=5, open_for=0.2)
-    engine = Engine(store, policy, deadline=deadline, breaker=breaker)
+    engine = Engine(StoreGate(store, deadline, breaker=breaker), policy)
     answered: list[tuple[float, bool, tuple[str, ...]]] = []
     latencies: list[float] = []
     done = asyncio.Event()
@@ -246,7 +247,7 @@ async def test_a_refused_flood_sends_no_evalsha_while_its_refusal_runs(
         "version: 1\nidentity:\n  - header: x-api-key\nlimiters:\n"
         "  - name: user-rate\n    type: request_rate\n    rate: 0.1\n    burst: 2\n")
     store = make_redis_store(redis_single_clean)
-    engine = Engine(store, load_policy([tmp_path / "p.yaml"]), deadline=5.0)
+    engine = Engine(StoreGate(store, 5.0), load_policy([tmp_path / "p.yaml"]))
 
     def evalsha_calls() -> int:
         with redis_single_clean.client() as c:

@@ -10,8 +10,8 @@ by their own actions, ``generic_key`` by a generic key with the match's value, `
 open (``failure_mode_deny: false``) within the server's check budget plus Envoy's margin,
 as ext_authz does; ``ext_authz`` (an auth service of the team's own) can run before it.
 
-This module is the rate limit protocol's part of the Envoy config generator; it reuses
-:mod:`extauthz.envoy_bootstrap`'s cluster blocks.
+The rate limit protocol's part of the Envoy config generator, on :mod:`.blocks` (a
+bootstrap of its own: no ext_authz target, see :mod:`.config` for those).
 """
 
 from __future__ import annotations
@@ -21,20 +21,13 @@ from typing import Any
 
 import yaml
 
-from .envoy_bootstrap import (
-    TlsFiles,
-    _address,
-    _cluster,
-    _grpc_cluster,
-    authz_timeout,
-)
-from .policy.model import Policy
-from .policy.schema import DescriptorMatch
-from .settings import CHECK_BUDGET_MS
+from ..policy.model import Policy
+from ..policy.schema import DescriptorMatch
+from ..settings import CHECK_BUDGET_MS
+from .blocks import Config, TlsFiles, address, authz_timeout, cluster, grpc_cluster, typed
 
 __all__ = ["DEFAULT_RLS", "RATELIMIT_FILTER", "actions_for", "bootstrap", "render"]
 
-Config = dict[str, Any]
 #: the filter's name
 RATELIMIT_FILTER = "envoy.filters.http.ratelimit"
 #: where Envoy reaches ShouldRateLimit by default: the server's gRPC port
@@ -43,10 +36,6 @@ DEFAULT_RLS = ("127.0.0.1", 9001)
 _OWN_ACTIONS = {"remote_address": "remote_address", "masked_remote_address": "masked_remote_address",
                 "source_cluster": "source_cluster", "destination_cluster": "destination_cluster"}
 _PSEUDO = {"path": ":path", "method": ":method", "authority": ":authority"}
-
-
-def _typed(name: str) -> str:
-    return f"type.googleapis.com/{name}"
 
 
 def domain_of(policy: Policy, domain: str | None) -> str:
@@ -106,11 +95,11 @@ def bootstrap(policy: Policy, *, upstream: tuple[str, int], authz: tuple[str, in
     filters: list[Config] = []
     if ext_authz is not None:  # the team's own auth service keeps the ext_authz slot
         filters.append({"name": "envoy.filters.http.ext_authz", "typed_config": {
-            "@type": _typed("envoy.extensions.filters.http.ext_authz.v3.ExtAuthz"),
+            "@type": typed("envoy.extensions.filters.http.ext_authz.v3.ExtAuthz"),
             "grpc_service": {"envoy_grpc": {"cluster_name": "auth_service"}, "timeout": "0.25s"},
             "transport_api_version": "V3", "failure_mode_allow": False}})
     filters.append({"name": RATELIMIT_FILTER, "typed_config": {
-        "@type": _typed("envoy.extensions.filters.http.ratelimit.v3.RateLimit"),
+        "@type": typed("envoy.extensions.filters.http.ratelimit.v3.RateLimit"),
         "domain": name,
         # fail open: a server that does not answer in time lets the request through
         "failure_mode_deny": False,
@@ -119,9 +108,9 @@ def bootstrap(policy: Policy, *, upstream: tuple[str, int], authz: tuple[str, in
                                "transport_api_version": "V3"},
     }})
     filters.append({"name": "envoy.filters.http.router", "typed_config": {
-        "@type": _typed("envoy.extensions.filters.http.router.v3.Router")}})
+        "@type": typed("envoy.extensions.filters.http.router.v3.Router")}})
     hcm: Config = {
-        "@type": _typed("envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"),
+        "@type": typed("envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"),
         "stat_prefix": "ingress_http", "codec_type": "AUTO",
         # the remote_address descriptor is the client's address (x-forwarded-for appended)
         "use_remote_address": True,
@@ -133,14 +122,14 @@ def bootstrap(policy: Policy, *, upstream: tuple[str, int], authz: tuple[str, in
             "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "upstream"}}]}]},
         "http_filters": filters,
     }
-    clusters = [_grpc_cluster("extauthz", authz or DEFAULT_RLS, tls)]
+    clusters = [grpc_cluster("extauthz", authz or DEFAULT_RLS, tls)]
     if ext_authz is not None:
-        clusters.append(_grpc_cluster("auth_service", ext_authz, None))
-    clusters.append(_cluster("upstream", upstream, "1s"))
+        clusters.append(grpc_cluster("auth_service", ext_authz, None))
+    clusters.append(cluster("upstream", upstream, "1s"))
     return {
-        "admin": {"address": _address("127.0.0.1", admin_port)},
+        "admin": {"address": address("127.0.0.1", admin_port)},
         "static_resources": {
-            "listeners": [{"name": "ingress", "address": _address("127.0.0.1", listen_port),
+            "listeners": [{"name": "ingress", "address": address("127.0.0.1", listen_port),
                            "filter_chains": [{"filters": [{
                                "name": "envoy.filters.network.http_connection_manager",
                                "typed_config": hcm}]}]}],

@@ -1,5 +1,6 @@
-"""``extauthz envoy-config --protocol ratelimit``: the rate limit actions each descriptor shape
-needs, the domain, refusals (a real Envoy validates the configs: tests/e2e/test_ratelimit_e2e.py)."""
+"""``extauthz envoy-config --protocol ratelimit`` (extauthz/envoy/ratelimit.py): the rate limit
+actions each descriptor shape needs, the domain, refusals (a real Envoy validates the configs:
+tests/e2e/test_ratelimit_e2e.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import yaml
 
 from extauthz.cli import main
-from extauthz.envoy_ratelimit import bootstrap, rate_limits
+from extauthz.envoy.ratelimit import bootstrap, rate_limits
 
 from .helpers import policy_from
 

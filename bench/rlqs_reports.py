@@ -1,0 +1,81 @@
+"""Server CPU per usage-report bucket entry of the rate limit quota stream (issue 33; docs/rlqs.md):
+the quota book alone (no gRPC), and the gRPC adapter's protobuf decode and answer build on top.
+
+    .venv/bin/python -m bench.rlqs_reports                          # 20 Envoys x 500 buckets
+    .venv/bin/python -m bench.rlqs_reports --envoys 20 --buckets 500 --rounds 5
+
+Each round, every Envoy (one stream) sends one report holding all its buckets, as Envoy 1.40
+does every 5 s. ``shared``: every Envoy holds the same buckets (each divided among all streams:
+a report's entry divides among ``--envoys`` streams, the most work per entry); ``distinct``:
+each Envoy its own buckets (one holder each). Prints process CPU per bucket entry (the
+report decoded, the book, the answers built and encoded) and what ``--envoys x --buckets``
+entries every 5 s cost as a share of one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from extauthz.clock import ManualClock
+from extauthz.proto import rlqs_pb2
+from extauthz.quota_service import QuotaBook, QuotaLimit, Usage
+from extauthz.server.services import quota_response
+
+
+def _report(buckets: int, envoy: int, elapsed: int, shared: bool) -> bytes:
+    msg = rlqs_pb2.RateLimitQuotaUsageReports(domain="extauthz")
+    for b in range(buckets):
+        usage = msg.bucket_quota_usages.add()
+        n = b if shared else envoy * buckets + b
+        usage.bucket_id.bucket.update({"limiter": "ip-rate", "source_ip": f"10.{n >> 16}.{n >> 8 & 255}.{n & 255}"})
+        usage.time_elapsed.seconds = elapsed
+        usage.num_requests_allowed = 3 + (b + envoy) % 7
+        usage.num_requests_denied = (b * envoy) % 3
+    return msg.SerializeToString()
+
+
+def run(envoys: int, buckets: int, rounds: int, shared: bool) -> float:
+    """CPU seconds per bucket entry over ``rounds`` rounds (after one subscribing round)."""
+    clock = ManualClock()
+    limits = {"ip-rate": QuotaLimit(100, 200)}
+    book = QuotaBook(lambda: limits, clock=clock)
+    streams = [book.open(f"envoy-{e}") for e in range(envoys)]
+    first = [_report(buckets, e, 0, shared) for e in range(envoys)]
+    later = [_report(buckets, e, 5, shared) for e in range(envoys)]
+
+    def one(wire: bytes, e: int) -> None:
+        msg = rlqs_pb2.RateLimitQuotaUsageReports.FromString(wire)
+        usages = [Usage(dict(u.bucket_id.bucket), u.time_elapsed.seconds + u.time_elapsed.nanos / 1e9,
+                        u.num_requests_allowed, u.num_requests_denied) for u in msg.bucket_quota_usages]
+        for actions in book.report(streams[e], msg.domain, usages).values():
+            quota_response(actions).SerializeToString()
+
+    for e in range(envoys):
+        one(first[e], e)
+    cpu = 0.0
+    for _ in range(rounds):
+        clock.advance(5)
+        start = time.process_time()
+        for e in range(envoys):
+            one(later[e], e)
+        cpu += time.process_time() - start
+    return cpu / (rounds * envoys * buckets)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--envoys", type=int, default=20)
+    parser.add_argument("--buckets", type=int, default=500)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    entries = args.envoys * args.buckets
+    print(f"{args.envoys} Envoys x {args.buckets} buckets = {entries} entries per 5 s report round")
+    for label, shared in (("distinct", False), ("shared", True)):
+        per = run(args.envoys, args.buckets, args.rounds, shared)
+        print(f"{label:8} {per * 1e6:7.1f} us CPU per entry; {entries} entries / 5 s = "
+              f"{per * entries / 5 * 100:.1f}% of one core")
+
+
+if __name__ == "__main__":
+    main()

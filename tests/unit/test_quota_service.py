@@ -1,0 +1,241 @@
+"""The rate limit quota service's division and book (extauthz/quota_service.py), on an
+injected clock: shares follow demand, never sum past the limit in the ledger, a shrink is
+confirmed by a report before another share grows, idle buckets are abandoned, bounds hold."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from extauthz.clock import ManualClock
+from extauthz.limiters import build_limiters
+from extauthz.policy import load_policy
+from extauthz.quota_service import (
+    NOTHING,
+    Action,
+    QuotaBook,
+    QuotaError,
+    QuotaLimit,
+    Share,
+    Usage,
+    divide,
+    limits_of,
+    shown,
+)
+from extauthz.store.keys import Keys
+
+BUCKET = {"limiter": "per-ip", "ip": "10.0.0.1"}
+
+
+def test_divide_follows_demand_in_whole_tokens() -> None:
+    shares = divide(Share(10, 20), {"a": 9.0, "b": 1.0}, {})
+    assert sum(s.fill for s in shares.values()) == 10
+    assert sum(s.burst for s in shares.values()) == 20
+    assert shares["a"].fill > shares["b"].fill > 0  # the quiet stream keeps a share
+
+
+def test_divide_equal_without_demand_and_empty() -> None:
+    assert divide(Share(4, 4), {"a": 0.0, "b": 0.0}, {}) == {"a": Share(2, 2), "b": Share(2, 2)}
+    assert divide(Share(4, 4), {}, {}) == {}
+
+
+def test_divide_grows_only_into_what_no_stream_holds() -> None:
+    # b holds everything; a's demand rises: b shrinks at once, a gets only what is free (0)
+    shares = divide(Share(10, 10), {"a": 9.0, "b": 1.0}, {"a": NOTHING, "b": Share(10, 10)})
+    assert shares["a"] == NOTHING
+    assert shares["b"].fill < 10
+    # once b's shrink is confirmed (the ledger holds b's new share), a grows
+    confirmed = {"a": NOTHING, "b": shares["b"]}
+    grown = divide(Share(10, 10), {"a": 9.0, "b": 1.0}, confirmed)
+    assert grown["a"].fill == 10 - shares["b"].fill
+
+
+def test_divide_never_sums_past_the_limit_random() -> None:
+    rnd = random.Random(33)
+    for _ in range(500):
+        limit = Share(rnd.randint(0, 50), rnd.randint(0, 50))
+        n = rnd.randint(1, 6)
+        held: dict[int, Share] = {}
+        left = limit
+        for k in range(n):  # a ledger within the limit
+            s = Share(rnd.randint(0, left.fill), rnd.randint(0, left.burst))
+            held[k] = s
+            left = Share(left.fill - s.fill, left.burst - s.burst)
+        demand = {k: rnd.choice([0.0, rnd.random() * 100]) for k in range(n)}
+        shares = divide(limit, demand, held)
+        # the ledger after: each holds the larger of its old hold and its new share
+        assert sum(max(held[k].fill, shares[k].fill) for k in range(n)) <= limit.fill
+        assert sum(max(held[k].burst, shares[k].burst) for k in range(n)) <= limit.burst
+
+
+def test_divide_lowered_limit_only_shrinks() -> None:
+    shares = divide(Share(4, 4), {"a": 1.0, "b": 1.0}, {"a": Share(5, 5), "b": Share(5, 5)})
+    assert all(s.fill <= 5 and s.burst <= 5 for s in shares.values())
+    assert sum(s.fill for s in shares.values()) <= 4
+
+
+def test_quota_limit_interval_in_whole_seconds() -> None:
+    assert QuotaLimit(10, 20).interval == 1 and QuotaLimit(10, 20).total == Share(10, 20)
+    assert QuotaLimit(0.5, 3).interval == 2 and QuotaLimit(0.5, 3).total == Share(1, 3)
+    assert QuotaLimit(0.4, 1).interval == 3 and QuotaLimit(0.4, 1).total.fill == 1
+    with pytest.raises(ValueError):
+        QuotaLimit(float("nan"), 1)
+
+
+def _ledger(book: QuotaBook) -> Share:
+    fill = burst = 0
+    for s in book.streams.values():
+        for h in s.buckets.values():
+            fill += max(h.ledger.fill, h.share.fill)
+            burst += max(h.ledger.burst, h.share.burst)
+    return Share(fill, burst)
+
+
+def _within(a: Share, b: Share) -> bool:
+    return a.fill <= b.fill and a.burst <= b.burst
+
+
+def _book(clock: ManualClock, rate: float = 10, burst: float = 10) -> QuotaBook:
+    limits = {"per-ip": QuotaLimit(rate, burst)}
+    return QuotaBook(lambda: limits, clock=clock)
+
+
+def _shares(actions: list[Action]) -> dict[tuple[tuple[str, str], ...], Share | None]:
+    return {a.bucket: a.share for a in actions}
+
+
+def test_first_report_assigns_and_a_second_stream_waits_for_the_confirmed_shrink() -> None:
+    clock = ManualClock()
+    book = _book(clock)
+    a, b = book.open("a"), book.open("b")
+    out = book.report(a, "edge", [Usage(BUCKET, 0, 0, 0)])
+    (act,) = out[a.id]
+    assert act.share == Share(10, 10) and act.interval == 1 and act.ttl == 15.0
+    # b subscribes: a shrinks at once (pushed to a), b gets nothing yet (a's hold is unconfirmed)
+    out = book.report(b, "edge", [Usage(BUCKET, 0, 0, 0)])
+    assert out[b.id][0].share == NOTHING
+    assert out[a.id][0].share == Share(5, 5)
+    # both report every 5 s (a 5/s, b 2/s): b's share grows once a's shrink is confirmed,
+    # and the ledger (each stream's larger of share and unconfirmed hold) never passes 10
+    for _ in range(4):
+        clock.advance(5)
+        book.report(b, "", [Usage(BUCKET, 5, 0, 10)])
+        assert _within(_ledger(book), Share(10, 10))
+        book.report(a, "", [Usage(BUCKET, 5, 25, 0)])
+        assert _within(_ledger(book), Share(10, 10))
+    held_b = b.buckets[tuple(sorted(BUCKET.items()))].share
+    held_a = a.buckets[tuple(sorted(BUCKET.items()))].share
+    assert held_a.fill > held_b.fill > 0
+    assert held_a.fill + held_b.fill == 10
+    assert book.overadmission == 0
+    status = book.status()
+    assert [len(s["buckets"]) for s in status["streams"]] == [1, 1]  # type: ignore[index, arg-type]
+
+
+def test_overadmission_counted_from_the_reports() -> None:
+    clock = ManualClock()
+    book = _book(clock, rate=2, burst=4)
+    a = book.open("a")
+    book.report(a, "edge", [Usage(BUCKET, 0, 0, 0)])
+    clock.advance(5)
+    # the share over the elapsed time, rounded down by Envoy (up to 1 s more), and the burst
+    book.report(a, "", [Usage(BUCKET, 5, 2 * (5 + 1) + 4, 0)])
+    assert book.overadmission == 0
+    clock.advance(5)
+    book.report(a, "", [Usage(BUCKET, 5, 2 * (5 + 1) + 4 + 3, 0)])
+    assert book.overadmission == 3
+
+
+def test_idle_bucket_abandoned_and_its_share_freed() -> None:
+    clock = ManualClock()
+    book = _book(clock)
+    a = book.open("a")
+    book.report(a, "edge", [Usage(BUCKET, 0, 0, 0)])
+    for _ in range(5):
+        clock.advance(5)
+        out = book.report(a, "", [Usage(BUCKET, 5, 0, 0)])
+        assert _shares(out[a.id]) != {tuple(sorted(BUCKET.items())): None}
+    clock.advance(5)
+    out = book.report(a, "", [Usage(BUCKET, 5, 0, 0)])
+    assert _shares(out[a.id]) == {tuple(sorted(BUCKET.items())): None}  # abandoned
+    assert not book.holders and not a.buckets
+
+
+def test_a_closed_stream_gives_its_shares_back_after_the_ttl() -> None:
+    clock = ManualClock()
+    book = _book(clock)
+    a, b = book.open("a"), book.open("b")
+    book.report(a, "edge", [Usage(BUCKET, 0, 0, 0)])
+    book.close(a)
+    # a's Envoy enforces its assignment until the TTL: its share is still held
+    out = book.report(b, "edge", [Usage(BUCKET, 0, 0, 0)])
+    assert out[b.id][0].share == NOTHING
+    assert book.status()["streams"][0]["closed"] is True  # type: ignore[index]
+    clock.advance(book.ttl)
+    out = book.report(b, "", [Usage(BUCKET, 15, 0, 3)])
+    assert out[b.id][0].share == Share(10, 10)
+    assert list(book.streams) == [b.id]
+
+
+def test_unknown_limiter_is_denied_never_allowed() -> None:
+    book = _book(ManualClock())
+    a = book.open("a")
+    (act,) = book.report(a, "edge", [Usage({"limiter": "gone"}, 0, 0, 0)])[a.id]
+    assert act.deny
+
+
+def test_bounds() -> None:
+    clock = ManualClock()
+    book = QuotaBook(lambda: {}, clock=clock, max_streams=1, max_buckets=2)
+    a = book.open("a")
+    with pytest.raises(QuotaError, match="quota streams are open"):
+        book.open("b")
+    with pytest.raises(QuotaError, match="at most 2 buckets"):
+        book.report(a, "edge", [Usage({"limiter": str(i)}, 0, 0, 0) for i in range(3)])
+    with pytest.raises(QuotaError, match="bytes"):
+        book.report(a, "", [Usage({"limiter": "x" * 600}, 0, 0, 0)])
+    with pytest.raises(QuotaError, match="no entries"):
+        book.report(a, "", [Usage({}, 0, 0, 0)])
+    with pytest.raises(QuotaError, match="domain does not change"):
+        book.report(a, "other", [])
+    assert book.refused == {"streams": 1, "buckets": 1}
+
+
+def test_enforce_envoy_limiters_are_served_here_and_skipped_by_the_check(tmp_path: Path) -> None:
+    policy_file = tmp_path / "p.yaml"
+    policy_file.write_text("version: 1\nlimiters:\n"
+                           "  - {name: edge-ip, type: request_rate, rate: 10, burst: 30, cost: 2,"
+                           " key: [{source_ip: true}], enforce: envoy}\n"
+                           "  - {name: user-rate, type: request_rate, rate: 1, burst: 2}\n")
+    policy = load_policy([policy_file])
+    assert limits_of(policy) == {"edge-ip": QuotaLimit(5, 15)}  # Envoy takes one token a request
+    assert [lim.name for lim in build_limiters(policy, Keys())] == ["user-rate"]
+
+
+def test_status_never_shows_a_header_value() -> None:
+    bucket = (("header:x-api-key", "sk_live_secret"), ("limiter", "key-rate"), ("source_ip", "10.0.0.1"))
+    out = shown(bucket)
+    assert out["limiter"] == "key-rate" and out["source_ip"] == "10.0.0.1"
+    assert out["header:x-api-key"].startswith("sha256:") and "sk_live_secret" not in str(out)
+
+
+def test_reported_numbers_are_bounded() -> None:
+    clock = ManualClock()
+    book = _book(clock)
+    a = book.open("a")
+    book.report(a, "edge", [Usage(BUCKET, 0, 0, 0)])
+    clock.advance(5)
+    book.report(a, "", [Usage(BUCKET, float("inf"), 2**64 - 1, -5)])
+    (held,) = a.buckets.values()
+    assert held.allowed == 10**12 and held.denied == 0
+    assert held.demand == 1.0  # 10**12 requests over 10**12 s
+
+
+def test_one_stream_alone_gets_what_divide_gives_it() -> None:
+    rnd = random.Random(7)
+    for _ in range(200):
+        limit = Share(rnd.randint(0, 30), rnd.randint(0, 30))
+        held = Share(rnd.randint(0, 40), rnd.randint(0, 40))
+        assert divide(limit, {"a": rnd.random() * 10}, {"a": held}) == {"a": limit}
