@@ -61,9 +61,9 @@ def read_lease_fields(lease_id: object, leases: object) -> tuple[list[str], str]
 #: the largest count (``q``, ``r``, the body's ``limit``/``remaining``) and the longest time
 #: in seconds (``Retry-After``, ``t``, ``w``) a header carries, whatever a limiter computed:
 #: the policy's bounds keep them below (extauthz.policy.schema), these make sure. Seconds:
-#: the longer of a bucket's longest refill and a quota's longest window (a 31-day month).
+#: the longer of a bucket's longest refill and a quota's longest window (a 366-day year).
 MAX_HEADER_COUNT = 10**9
-MAX_HEADER_SECONDS = int(max(MAX_REFILL, 31 * 86400))
+MAX_HEADER_SECONDS = int(max(MAX_REFILL, 366 * 86400))
 
 
 def _bounded(value: float, high: int) -> int:

@@ -246,6 +246,8 @@ def key_part_value(part: KeySource, raw: RawRequest, identity: str, method: str,
         return plan
     if kind == "context_extension":
         return folded(raw.context_extensions.get(part.name, ""), part.fold)
+    if kind == "descriptor":
+        return folded(raw.descriptor.get(part.name, ""), part.fold)
     value = identity_text(raw.route_metadata.get(part.route)) if part.route is not None else ""
     if not value and kind == "route":
         value = raw.context_extensions.get("route", "")
@@ -364,4 +366,6 @@ class Classifier:
             plan_source=plan_source,
             overrides=self._overrides.get(identity, _NO_LIMITS) if self._overrides else _NO_LIMITS,
             keys=self.keys(raw, identity, method, plan) if self._keys else (),
+            descriptor_target=raw.descriptor_target,
+            hits=raw.hits,
         )

@@ -27,6 +27,7 @@ from .simulate.cli import add_parser as add_simulate_parser
 from .simulate.cli import cmd_simulate
 
 if TYPE_CHECKING:
+    from .envoy.blocks import TlsFiles
     from .policy.model import Policy
 
 
@@ -150,6 +151,44 @@ def _host_port(flag: str, value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def cmd_import(args: argparse.Namespace) -> int:
+    """``extauthz import ratelimit-config``: converted, checked by the one validator, written."""
+    import tempfile
+    from pathlib import Path
+
+    from .ratelimit_config import ConvertError, convert_paths
+
+    try:
+        converted = convert_paths(args.files)
+    except ConvertError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    names: list[str] = []
+    for conv in converted:
+        stem, n = Path(conv.source).stem, 2
+        name = f"{stem}.yaml"
+        while name in names:
+            name, n = f"{stem}-{n}.yaml", n + 1
+        names.append(name)
+    with tempfile.TemporaryDirectory() as tmp:
+        for conv, name in zip(converted, names, strict=True):
+            (Path(tmp) / name).write_text(conv.text())
+        if _policy_or_errors([tmp]) is None:
+            return 1
+    for conv in converted:
+        for warning in conv.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+    if args.output is None:
+        sys.stdout.write("\n---\n".join(conv.text() for conv in converted))
+        return 0
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    for conv, name in zip(converted, names, strict=True):
+        (out / name).write_text(conv.text())
+        print(f"{conv.source} -> {out / name}", file=sys.stderr)
+    return 0
+
+
 def cmd_envoy_config(args: argparse.Namespace) -> int:
     from .envoy.config import JwtProvider, TlsFiles, jwks_from_file, render
 
@@ -160,6 +199,11 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
     try:
         if any(tls_files) and not all(tls_files):
             raise ValueError("--tls-client-cert, --tls-client-key and --tls-ca go together")
+        if args.protocol == "ratelimit":
+            sys.stdout.write(_ratelimit_config(args, policy, TlsFiles(*tls_files) if all(tls_files) else None))
+            return 0
+        if args.domain or args.descriptor_header or args.ext_authz:
+            raise ValueError("--domain, --descriptor-header and --ext-authz are for --protocol ratelimit")
         if not 0 < args.listen_port < 65536:
             raise ValueError(f"--listen-port: 1-65535, not {args.listen_port}")
         if bool(args.jwt_issuer) != bool(args.jwt_jwks_file) or (args.jwt_audience and not args.jwt_issuer):
@@ -181,6 +225,27 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
     _warn_unreadable(args.protocol, policy)
     sys.stdout.write(text)
     return 0
+
+
+def _ratelimit_config(args: argparse.Namespace, policy: Policy, tls: TlsFiles | None) -> str:
+    """``envoy-config --protocol ratelimit`` (extauthz/envoy/ratelimit.py)."""
+    from .envoy.ratelimit import render as render_ratelimit
+
+    if args.jwt_issuer or args.tracing or args.quickstart_routes or args.access_log != "auto" or args.rlqs:
+        raise ValueError("--jwt-*, --tracing, --quickstart-routes, --access-log and --rlqs are for the "
+                         "ext_authz protocols (grpc, http)")
+    headers: dict[str, str] = {}
+    for item in args.descriptor_header or ():
+        key, sep, header = item.partition("=")
+        if not sep or not key or not header:
+            raise ValueError(f"--descriptor-header: KEY=HEADER, not {item!r}")
+        headers[key] = header.lower()
+    return render_ratelimit(
+        policy, upstream=_host_port("--upstream", args.upstream),
+        authz=_host_port("--authz", args.authz) if args.authz else None, domain=args.domain, headers=headers,
+        listen_port=args.listen_port, tls=tls,
+        ext_authz=_host_port("--ext-authz", args.ext_authz) if args.ext_authz else None,
+        check_budget_ms=args.check_budget_ms)
 
 
 def _warn_unreadable(protocol: str, policy: Policy) -> None:
@@ -294,6 +359,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"extauthz {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)
+    text = ("convert another service's config into policy files: 'ratelimit-config' takes "
+            "envoyproxy/ratelimit config files (docs/migrating.md)")
+    p = sub.add_parser("import", help=text, description=text)
+    what = p.add_subparsers(dest="format", required=True, metavar="FORMAT")
+    text = ("envoyproxy/ratelimit config files -> policy files with the same decisions; what cannot "
+            "be converted is refused with its file and line (exit 1)")
+    q = what.add_parser("ratelimit-config", help=text, description=text)
+    q.add_argument("files", nargs="+", metavar="FILE", help="a config file, or a directory of them")
+    q.add_argument("-o", "--output", metavar="DIR", default=None,
+                   help="write one policy file per input into DIR (default: print them)")
     text = ("validate policy files or directories: errors name file, line and field; "
             "exit 1 on error")
     p = sub.add_parser("check-policies", help=text, description=text)
@@ -312,8 +387,17 @@ def build_parser() -> argparse.ArgumentParser:
             "the access log when the policy holds leases (docs/envoy.md)")
     p = sub.add_parser("envoy-config", help=text, description=text)
     p.add_argument("--policies", nargs="+", required=True, metavar="DIR", help="policy file(s) or directory")
-    p.add_argument("--protocol", choices=PROTOCOLS, required=True,
-                   help="the ext_authz filter's grpc_service (Check) or http_service (serve --http-listen)")
+    p.add_argument("--protocol", choices=(*PROTOCOLS, "ratelimit"), required=True,
+                   help="the ext_authz filter's grpc_service (Check) or http_service (serve --http-listen); "
+                   "ratelimit: Envoy's global rate limit filter calling ShouldRateLimit on the gRPC port, "
+                   "its actions from the policy's limiters with 'match' (docs/migrating.md)")
+    p.add_argument("--domain", default=None, help="ratelimit: the domain the filter sends (default: the "
+                   "policy's only one)")
+    p.add_argument("--descriptor-header", action="append", metavar="KEY=HEADER",
+                   help="ratelimit: the request header a descriptor entry's value comes from (default: the "
+                   "key with '-' for '_'); repeatable")
+    p.add_argument("--ext-authz", metavar="HOST:PORT", default=None,
+                   help="ratelimit: an ext_authz filter before it, calling your own auth service there")
     p.add_argument("--upstream", required=True, metavar="HOST:PORT", help="the protected application")
     p.add_argument("--authz", metavar="HOST:PORT", default=None,
                    help="where Envoy reaches the server: its gRPC port (grpc) or HTTP authorization "
@@ -388,6 +472,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = {
         "serve": cmd_serve,
         "check-policies": cmd_check_policies,
+        "import": cmd_import,
         "schema": cmd_schema,
         "envoy-allowed-headers": cmd_envoy_allowed_headers,
         "envoy-config": cmd_envoy_config,

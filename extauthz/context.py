@@ -73,6 +73,14 @@ class RawRequest:
     metadata: Mapping[str, Any] = field(default_factory=dict, repr=False)
     #: the authenticated peer principal (mTLS: URI SAN, e.g. a SPIFFE id), if any.
     principal: str = field(default="", repr=False)
+    #: a rate limit descriptor's entries, key -> value (``ShouldRateLimit``; empty on a Check):
+    #: the values of a limiter's ``descriptor`` key parts.
+    descriptor: Mapping[str, str] = field(default_factory=dict, repr=False)
+    #: the limiter with ``match`` the descriptor reached (``Policy.descriptors``), by name:
+    #: the one limiter that runs on it; None on a Check (no limiter with ``match`` runs).
+    descriptor_target: str | None = None
+    #: what the descriptor adds to its limiter's count (``hits_addend``; 0: the limiter's ``cost``)
+    hits: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,3 +115,9 @@ class RequestContext:
     #: hash like ``identity`` and whether a part yielded nothing (then the hash is the
     #: key's shared bucket, for ``on_missing_key: shared``).
     keys: tuple[tuple[str, bool], ...] = ()
+    #: ``RawRequest.descriptor_target``: set, the request is one rate limit descriptor and
+    #: only that limiter applies; None, a checked request (limiters with ``match`` do not apply).
+    descriptor_target: str | None = None
+    #: ``RawRequest.hits``: the cost this request takes instead of its limiter's (0: the
+    #: limiter's ``cost``); only a rate limit descriptor sets it.
+    hits: int = 0

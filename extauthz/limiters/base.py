@@ -109,7 +109,8 @@ class LimiterBase:
     def __init__(self, spec: LimiterSpec) -> None:
         self.name = spec.name
         self.failure_mode = spec.failure_mode
-        self.applies_to = compile_match(spec.applies_to)
+        self.applies_to = compile_match(spec.applies_to,
+                                        spec.name if getattr(spec, "match", None) is not None else None)
 
 
 class PerCustomer(LimiterBase):
@@ -187,7 +188,7 @@ def denied_outcome(enforce: bool) -> Outcome:
 
 
 def applies(matcher: Matcher, ctx: RequestContext) -> bool:
-    return matcher.matches(ctx.method, ctx.path, ctx.host, ctx.headers, ctx.tier)
+    return matcher.matches(ctx.method, ctx.path, ctx.host, ctx.headers, ctx.tier, ctx.descriptor_target)
 
 
 class KeyOf:

@@ -46,7 +46,7 @@ RESULTS = ("allowed", "rate_limited", "shed", "failed_closed")
 CHECK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 #: ``extauthz_check_duration_seconds{door}``: the front doors (a Door's ``name``).
-DOORS = ("grpc", "http")
+DOORS = ("grpc", "http", "ratelimit")
 
 CheckFn = Callable[[Sequence[Op], str], Awaitable[CheckResult]]
 

@@ -25,10 +25,10 @@ from ..limiters.worker import sampler_job
 from ..observe import compose
 from ..observe.edge_metrics import EdgeCollector
 from ..observe.setup import Observability
-from ..observe.state import LeaseSampler, RecorderPart, Section
+from ..observe.state import LeaseSampler, RecorderPart, Section, by_label_part
 from ..overload import LoopLag
 from ..policy import Policy, load_policy
-from ..proto import accesslog_pb2_grpc, auth_pb2_grpc, rlqs_pb2_grpc
+from ..proto import accesslog_pb2_grpc, auth_pb2_grpc, rlqs_pb2_grpc, rls_pb2_grpc
 from ..quota_service import QuotaBook, QuotaLimit, limits_of
 from ..reload import PolicyWatcher
 from ..runner import Runner
@@ -50,7 +50,13 @@ from .opsports import OperatorPorts
 from .panel import status_panel
 from .portfile import remove_admin_url, write_admin_url
 from .ports import parse_listen
-from .services import AccessLogService, AuthorizationService, RateLimitQuotaService, quota_metrics
+from .services import (
+    AccessLogService,
+    AuthorizationService,
+    RateLimitQuotaService,
+    RateLimitService,
+    quota_metrics,
+)
 from .tls import CertificateReloader, TlsFiles
 from .traced import check_flow
 
@@ -154,6 +160,8 @@ class Server:
         self.auth = AuthorizationService(check_flow(self.engine, self.accesslog.leases,
                                                     tracing.tracer if tracing is not None else None,
                                                     self.lag, metrics.durations if metrics is not None else None))
+        #: ShouldRateLimit (Envoy's ratelimit filter, docs/migrating.md) on the same check flow
+        self.ratelimit = RateLimitService(self.auth.flow)
         self.leases: LeaseSampler | None = (LeaseSampler(self.engine, LEASES_SAMPLE_INTERVAL)
                                             if metrics is not None else None)
         files = TlsFiles.from_options(config.tls_cert, config.tls_key, config.tls_client_ca)
@@ -163,6 +171,11 @@ class Server:
         #: /status and the scrape-time metrics, one part per component (server/panel.py)
         self.panel = status_panel(self)
         self.panel.add(RecorderPart(self.recorder))  # /status recorder, extauthz_recorder_*
+        self.panel.add(by_label_part(
+            "ratelimit_descriptors", "extauthz_ratelimit_descriptors", "Rate limit descriptors "
+            "(ShouldRateLimit) by what answered them: decided (a limiter), replaced (its limiter "
+            "switched off by another's replaces), unknown (none matched: allowed), unlimited.",
+            "result", self.ratelimit.door.counts))
         self.panel.add(Section(lambda: {"quota": self.quota.book.status()},  # extauthz_quota_*
                                partial(quota_metrics, self.quota.book)))
         if metrics is not None:
@@ -266,6 +279,7 @@ class Server:
                 auth_pb2_grpc.add_AuthorizationServicer_to_server(service, h2server)
                 accesslog_pb2_grpc.add_AccessLogServiceServicer_to_server(self.accesslog, h2server)
                 rlqs_pb2_grpc.add_RateLimitQuotaServiceServicer_to_server(self.quota, h2server)
+                rls_pb2_grpc.add_RateLimitServiceServicer_to_server(self.ratelimit, h2server)
                 health_pb2_grpc.add_HealthServicer_to_server(self.health, h2server)
                 self.port = await h2server.start(self.config.listen, reuse_port=self.config.reuse_port)
                 self.grpc = h2server
@@ -275,6 +289,7 @@ class Server:
                 auth_pb2_grpc.add_AuthorizationServicer_to_server(service, server)
                 accesslog_pb2_grpc.add_AccessLogServiceServicer_to_server(self.accesslog, server)
                 rlqs_pb2_grpc.add_RateLimitQuotaServiceServicer_to_server(self.quota, server)
+                rls_pb2_grpc.add_RateLimitServiceServicer_to_server(self.ratelimit, server)
                 health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
                 self.port = _bind(server, self.config.listen, "--listen",
                                   self.tls.credentials() if self.tls is not None else None)

@@ -1,8 +1,9 @@
-"""The gRPC front door: the Authorization/Check, AccessLogService/StreamAccessLogs and
-RateLimitQuotaService/StreamRateLimitQuotas servicers.
+"""The gRPC front door: the Authorization/Check, RateLimitService/ShouldRateLimit,
+AccessLogService/StreamAccessLogs and RateLimitQuotaService/StreamRateLimitQuotas servicers.
 
 Thin adapters: Check translates a CheckRequest for the check flow (``server/flow.py``) and
-its decision into a CheckResponse (``server/edge.py``); StreamAccessLogs reads each entry's
+its decision into a CheckResponse (``server/edge.py``); ShouldRateLimit runs each descriptor
+of a RateLimitRequest through the same flow (``server/rls.py``); StreamAccessLogs reads each entry's
 lease metadata and request and hands them to the entry handling it shares with the fluentd
 port (``server/leases.py`` :class:`~extauthz.server.leases.FinishedEntries`);
 StreamRateLimitQuotas translates usage reports and bucket actions for the quota book
@@ -33,6 +34,8 @@ from ..proto import (
     ratelimit_strategy_pb2,
     rlqs_pb2,
     rlqs_pb2_grpc,
+    rls_pb2,
+    rls_pb2_grpc,
 )
 from ..quota_service import Action, QuotaBook, QuotaError, Stream, Usage
 from ..verdict import Decision
@@ -45,6 +48,7 @@ from .leases import (
     seen_as,
     seen_at,
 )
+from .rls import RateLimitDoor
 
 _RPC = {"rpc.system": "grpc", "rpc.service": "envoy.service.auth.v3.Authorization", "rpc.method": "Check"}
 
@@ -95,6 +99,19 @@ class AuthorizationService(auth_pb2_grpc.AuthorizationServicer):  # type: ignore
     def carrier(self, message: auth_pb2.CheckRequest,
                 call: grpc.aio.ServicerContext) -> Iterable[tuple[str, Any]]:
         return call.invocation_metadata() or ()
+
+
+class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
+    """ShouldRateLimit: Envoy's ratelimit filter's door to the check flow (one flow, engine,
+    store and policy with Check)."""
+
+    def __init__(self, flow: CheckFlow) -> None:
+        self.door = RateLimitDoor(flow)
+
+    async def ShouldRateLimit(  # noqa: N802 - gRPC method name
+        self, request: rls_pb2.RateLimitRequest, context: grpc.aio.ServicerContext
+    ) -> rls_pb2.RateLimitResponse:
+        return await self.door.should_rate_limit(request, context)
 
 
 def entry_seen(entry: accesslog_data_pb2.HTTPAccessLogEntry) -> tuple[str, ...]:

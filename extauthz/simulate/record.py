@@ -180,6 +180,8 @@ class Recorder(ObserverBase):
             return True
 
     def decided(self, ctx: RequestContext, decision: Decision, policy: Policy) -> None:
+        if ctx.descriptor_target is not None:  # a rate limit descriptor: simulate replays checks only
+            return
         if not self.sampled(ctx.identity):
             self.unsampled += 1
             return

@@ -34,7 +34,7 @@ TLS_DIR = "/etc/envoy/extauthz-tls"
 TLS = TlsFiles(f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key", f"{TLS_DIR}/ca.crt")
 #: every shipped config the generator renders (the others reproduce control planes: istio-like,
 #: envoy-gateway, istio-waypoint)
-SHIPPED = ("envoy.yaml", "envoy-http.yaml", "envoy-tls.yaml", "envoy-jwt.yaml")
+SHIPPED = ("envoy.yaml", "envoy-http.yaml", "envoy-tls.yaml", "envoy-jwt.yaml", "envoy-ratelimit.yaml")
 RATE_ONLY = ("version: 1\nidentity: [{header: x-api-key}]\n"
              "limiters:\n  - {name: r, type: request_rate, rate: 0.001, burst: 2}\n")
 
@@ -187,8 +187,12 @@ def test_the_access_log_never_carries_a_header_that_may_hold_a_credential(tmp_pa
 
 
 def authz_timeouts(config: dict[str, Any]) -> list[str]:
-    """The ext_authz filter's timeout (gRPC: grpc_service; HTTP: http_service.server_uri)."""
-    [ext] = [f["typed_config"] for f in hcm(config)["http_filters"] if f["name"] == "envoy.filters.http.ext_authz"]
+    """The ext_authz filter's timeout (gRPC: grpc_service; HTTP: http_service.server_uri), or
+    the ratelimit filter's (--protocol ratelimit)."""
+    filters = {f["name"]: f["typed_config"] for f in hcm(config)["http_filters"]}
+    if "envoy.filters.http.ext_authz" not in filters:
+        return [filters["envoy.filters.http.ratelimit"]["timeout"]]
+    ext = filters["envoy.filters.http.ext_authz"]
     service = ext.get("grpc_service") or ext["http_service"]["server_uri"]
     return [service["timeout"]]
 

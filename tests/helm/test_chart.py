@@ -803,7 +803,7 @@ def test_a_misspelt_configmaps_key_is_refused_by_name(chart: Any, key: str) -> N
 @pytest.mark.parametrize(("limiter", "field"), [
     ({"name": "r", "type": "request_rate", "rate": 1, "burst": 0}, "/limiters/0/burst': exclusiveMinimum"),
     ({"name": "c", "type": "concurrent_requests", "limit": "ten"}, "/limiters/0/limit': got string, want integer"),
-    ({"name": "q", "type": "quota", "limit": 5, "period": "year"}, "/limiters/0/period': value must be one of"),
+    ({"name": "q", "type": "quota", "limit": 5, "period": "fortnight"}, "/limiters/0/period': value must be one of"),
     ({"name": "r", "type": "request_rat", "rate": 1, "burst": 5}, "/limiters/0/type': value must be one of"),
     ({"name": "r", "type": "request_rate", "rate": 1, "burst": 5, "applies_to": {"tiers": "get"}},
      "/limiters/0/applies_to/tiers': got string, want array"),

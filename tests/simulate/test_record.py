@@ -72,6 +72,22 @@ async def test_lines_carry_decision_and_duration(tmp_path: Path) -> None:
     assert reqs[0].identity == lines[0]["identity"]
 
 
+async def test_rate_limit_descriptors_are_not_recorded(tmp_path: Path) -> None:
+    # simulate replays checked requests; a descriptor (ShouldRateLimit) would replay as one
+    (tmp_path / "d.yaml").write_text(yaml.safe_dump({"version": 1, "limiters": [
+        {"name": "per-ip", "type": "quota", "limit": 5, "period": "minute",
+         "match": {"domain": "edge", "descriptor": [{"key": "remote_address"}]}}]}))
+    policy = load_policy([tmp_path / "d.yaml"])
+    clock = ManualClock(1_732_420_000.0)
+    rec = Recorder(tmp_path / "rec", clock=clock, pending_ttl=pending_ttl(policy))
+    engine = Engine(StoreGate(MemoryStore(clock), clock=clock), policy, observer=rec)
+    raw = RawRequest("", "", descriptor={"remote_address": "10.0.0.1"}, descriptor_target="per-ip")
+    _, decision = run_now(engine.check(raw))
+    assert [v.limiter for v in decision.verdicts] == ["per-ip"]  # decided, and so observed
+    await rec.flush()
+    assert read_all(tmp_path / "rec") == []
+
+
 async def test_missing_access_log_entry_written_without_duration_after_ttl(tmp_path: Path) -> None:
     engine, rec, clock = setup(tmp_path)
     check(engine, "k", "lost")

@@ -100,14 +100,17 @@ class Leases:
 
 @dataclass(frozen=True)
 class Count:
-    """A quota: windows of :data:`QUOTA_WINDOW` virtual seconds, one key per window."""
+    """A quota: windows of ``window`` virtual seconds (:data:`QUOTA_WINDOWS`), one key per
+    window."""
 
     name: str
     limit: int
+    window: float = 2.0
 
 
-#: a quota window in virtual seconds (the key names the window, as QuotaLimiter's does)
-QUOTA_WINDOW = 2.0
+#: quota windows in virtual seconds (the key names the window, as QuotaLimiter's does): a
+#: ``second``, a short one the timelines cross often, and a ``year`` (366 days) none ends
+QUOTA_WINDOWS = (1.0, 2.0, 366 * 86400.0)
 #: a count's TTL: far beyond any timeline (Redis expires it on its own clock)
 QUOTA_TTL = 3600
 
@@ -134,6 +137,7 @@ class CountGrants:
     want: int
     #: the remainder the replica gives back with each grant it asks
     held: int
+    window: float = 2.0
 
 
 Limiter = Bucket | Leases | Count | Grants | CountGrants
@@ -191,11 +195,11 @@ def _limiters(i: int) -> dict[type[Op], st.SearchStrategy[Limiter]]:
         BucketOp: st.builds(Bucket, st.just(f"b{i}"), st.sampled_from(RATES), st.sampled_from(BURSTS)),
         LeaseOp: st.builds(Leases, st.just(f"l{i}"), st.integers(0, 3), st.sampled_from(LEASE_TTLS),
                            st.booleans()),
-        CountOp: st.builds(Count, st.just(f"q{i}"), st.integers(1, 4)),
+        CountOp: st.builds(Count, st.just(f"q{i}"), st.integers(1, 4), st.sampled_from(QUOTA_WINDOWS)),
         GrantOp: st.builds(Grants, st.just(f"g{i}"), st.sampled_from(RATES), st.sampled_from(BURSTS),
                            st.sampled_from(WANTS), st.sampled_from(HELD)),
         QuotaGrantOp: st.builds(CountGrants, st.just(f"c{i}"), st.integers(1, 6), st.integers(1, 4),
-                                st.integers(0, 2)),
+                                st.integers(0, 2), st.sampled_from(QUOTA_WINDOWS)),
     }
 
 
@@ -249,19 +253,19 @@ def _ops(keys: Keys, limiters: Sequence[Limiter], check: Check, now: float) -> l
     for index, enforce, cost in check.ops:
         lim = limiters[index]
         if isinstance(lim, Count):
-            window = math.floor(now / QUOTA_WINDOW)
+            window = math.floor(now / lim.window)
             ops.append(CountOp(keys.quota(lim.name, user, window), lim.limit, math.ceil(cost), QUOTA_TTL,
-                               (window + 1) * QUOTA_WINDOW - now, enforce))
+                               (window + 1) * lim.window - now, enforce))
         elif isinstance(lim, Bucket):
             ops.append(BucketOp(keys.bucket(lim.name, user), lim.rate, lim.burst, cost, enforce))
         elif isinstance(lim, Grants):
             ops.append(GrantOp(keys.bucket(lim.name, user), lim.rate, lim.burst, min(cost, lim.burst),
                                max(lim.want, cost), enforce, lim.held))
         elif isinstance(lim, CountGrants):
-            window = math.floor(now / QUOTA_WINDOW)
+            window = math.floor(now / lim.window)
             units = min(math.ceil(cost), lim.limit)
             ops.append(QuotaGrantOp(keys.quota(lim.name, user, window), lim.limit, units,
-                                    max(lim.want, units), QUOTA_TTL, (window + 1) * QUOTA_WINDOW - now,
+                                    max(lim.want, units), QUOTA_TTL, (window + 1) * lim.window - now,
                                     enforce, lim.held))
         else:
             key = keys.fleet_leases(lim.name, "other") if lim.fleet else keys.user_leases(lim.name, user)
@@ -275,7 +279,7 @@ def _give_back(keys: Keys, limiters: Sequence[Limiter], step: GiveBack,
     if isinstance(lim, Leases | Count):
         return None
     if isinstance(lim, CountGrants):  # whole units, to the window of now
-        return QuotaReturnOp(keys.quota(lim.name, f"user{step.user}", math.floor(now / QUOTA_WINDOW)),
+        return QuotaReturnOp(keys.quota(lim.name, f"user{step.user}", math.floor(now / lim.window)),
                              math.ceil(step.amount))
     if isinstance(lim, Grants) and step.renew:
         return bucket_renew(keys.bucket(lim.name, f"user{step.user}"), (lim.rate, lim.burst), step.amount,
@@ -296,7 +300,7 @@ def _gap(gap: float | str | tuple[int, int] | tuple[str, int], limiters: Sequenc
         return lim.ttl if isinstance(lim, Leases) else 1.0
     assert isinstance(what, int)
     if isinstance(lim, Count | CountGrants):
-        return QUOTA_WINDOW * what / 2  # on a window's end, or half-way
+        return min(lim.window, 2.0) * what / 2  # on a (short) window's end, or half-way
     return what / lim.rate if isinstance(lim, Bucket | Grants) else what * 0.5
 
 

@@ -135,8 +135,8 @@ def test_header_numbers_are_bounded_whatever_a_limiter_computed() -> None:
                     retry_after=huge, reset=huge, quota=Quota(limit=huge, window=huge))
         d = denial(ctx, Decision(False, ctx.tier, (v,), denied_by=v))
         headers = dict(d.headers)
-        assert headers["retry-after"] == str(MAX_HEADER_SECONDS) == "2678400"  # 31 days: a quota's longest window
+        assert headers["retry-after"] == str(MAX_HEADER_SECONDS) == "31622400"  # 366 days: a leap year
         q = "0" if huge != huge else str(MAX_HEADER_COUNT)
         assert headers["ratelimit-policy"] == f'"user-rate";q={q};w={MAX_HEADER_SECONDS}'
         assert headers["ratelimit"] == f'"user-rate";r={q};t={MAX_HEADER_SECONDS}'
-        assert '"retry_after":2678400' in d.body and '"limit":1000000000' in d.body
+        assert '"retry_after":31622400' in d.body and '"limit":1000000000' in d.body
