@@ -206,6 +206,7 @@ class Call:
         "out",
         "owed",
         "queued",
+        "stopped",
         "stream_id",
         "task",
         "timer",
@@ -227,7 +228,8 @@ class Call:
         self.first: bytes | None = None  # a unary call's message
         self.messages: deque[bytes] = deque()  # a client stream's messages not yet read
         self.queued = 0
-        self.ended = False  # the client half-closed
+        self.ended = False  # the client half-closed (or the server ended its request stream: stopped)
+        self.stopped = False  # a graceful stop ended the request stream the client kept open
         self.task: asyncio.Task[None] | None = None
         self.timer: asyncio.TimerHandle | None = None  # the deadline's
         self.out = bytearray()  # answer bytes waiting for the peer's window
@@ -316,6 +318,10 @@ class GrpcH2Server:
         self._sweeper: asyncio.Task[None] | None = None
         self._terminated: asyncio.Event | None = None
         self._emptied: asyncio.Event | None = None  # set when stopping and the last connection is gone
+        #: streams answered by a graceful stop whose client has not closed its side yet, and
+        #: the event set when there are none (stop waits for it before closing connections)
+        self.half_open = 0
+        self._peers_closed: asyncio.Event | None = None
 
     # -- registration (what the generated add_*Servicer_to_server call)
     def add_generic_rpc_handlers(self, handlers: Iterable[Any]) -> None:
@@ -376,8 +382,8 @@ class GrpcH2Server:
             await asyncio.wait(unary, timeout=max(0.0, end - loop.time()))
         for conn in list(self.connections):  # the access log streams: ended, answered
             for call in conn.calls.values():
-                if call.handler is not None and call.handler.request_streaming:
-                    call.ended = True
+                if call.handler is not None and call.handler.request_streaming and not call.ended:
+                    call.ended = call.stopped = True
                     call.wake()
         streams = running("stream")
         if streams:
@@ -385,6 +391,18 @@ class GrpcH2Server:
         for task in running(None):  # what is left (health Watch streams): cancelled
             task.cancel()
         await asyncio.sleep(0)
+        # A stream answered while its client still had its side open is closed by the client
+        # (grpcio: RST_STREAM NO_ERROR once it has the trailers; Envoy: a reset or END_STREAM).
+        # The connection is closed after that, within close_linger: a FIN that reaches grpcio's
+        # client before it closed the stream fails the call UNAVAILABLE "Stream removed",
+        # whatever the trailers said (and our own RST_STREAM NO_ERROR after the trailers did
+        # so every time).
+        if self.half_open:
+            self._peers_closed = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._peers_closed.wait(), self.limits.close_linger)
+            except TimeoutError:
+                pass
         for conn in list(self.connections):
             conn.close()
         # the peers take what is queued and close; what is left after close_linger is aborted
@@ -405,6 +423,13 @@ class GrpcH2Server:
     async def wait_for_termination(self) -> None:
         if self._terminated is not None:
             await self._terminated.wait()
+
+    def peer_closed(self, n: int) -> None:
+        """``n`` streams left half open by a graceful stop were closed by their client (or
+        dropped with their connection)."""
+        self.half_open -= n
+        if not self.half_open and self._peers_closed is not None:
+            self._peers_closed.set()
 
     def status(self) -> dict[str, Any]:
         return {"server": "asyncio", "connections": len(self.connections), "calls": self.calls,
@@ -514,6 +539,8 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.paused = False
         self.goaway_at: int | None = None  # last stream id of our GOAWAY
+        #: streams a graceful stop answered whose client has not closed its side yet
+        self.half_open: set[int] = set()
         self.peer_away = False  # the peer sent GOAWAY
         self.resets = _Budget(limits.resets_per_second, now)
         self.control = _Budget(limits.control_per_second, now)
@@ -549,6 +576,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._forget_half_open()
         server = self.server
         server.connections.discard(self)
         if not server.connections and server._emptied is not None:
@@ -764,6 +792,7 @@ class _Connection(asyncio.Protocol):
     def _ended(self, sid: int) -> None:
         call = self.calls.get(sid)
         if call is None:
+            self._peer_closed(sid)
             return
         call.ended = True
         if call.handler.request_streaming:
@@ -803,6 +832,7 @@ class _Connection(asyncio.Protocol):
     def _reset(self, sid: int, now: float) -> None:
         call = self.calls.pop(sid, None)
         if call is None:
+            self._peer_closed(sid)
             return
         if call.trailers is None:  # reset before its answer
             self.server.reject("reset_by_peer")
@@ -1015,6 +1045,9 @@ class _Connection(asyncio.Protocol):
                 self.h2.reset_stream(sid, ErrorCodes.NO_ERROR)
             except ProtocolError:
                 pass
+        elif call.stopped and not self.closed:  # the client closes its side (stop waits for it)
+            self.half_open.add(sid)
+            self.server.half_open += 1
         if call.writer is not None and not call.writer.done():
             call.writer.set_result(None)
         call.done()
@@ -1022,9 +1055,22 @@ class _Connection(asyncio.Protocol):
             self.loop.call_soon(self._drained)
 
     def _drained(self) -> None:
-        if not self.calls:
+        if not self.calls and not self.half_open:
             self.flush()
             self.close()
+
+    def _peer_closed(self, sid: int) -> None:
+        """The client closed a stream a graceful stop had answered (END_STREAM or RST_STREAM)."""
+        if sid in self.half_open:
+            self.half_open.discard(sid)
+            self.server.peer_closed(1)
+            if not self.half_open and not self.calls and (self.goaway_at is not None or self.peer_away):
+                self.loop.call_soon(self._drained)
+
+    def _forget_half_open(self) -> None:
+        if self.half_open:
+            self.server.peer_closed(len(self.half_open))
+            self.half_open.clear()
 
     def _cancel(self, call: Call) -> None:
         """The call can no longer be answered (reset, connection lost)."""
@@ -1177,6 +1223,7 @@ class _Connection(asyncio.Protocol):
                     transport.close()
                 self.loop.call_later(self.limits.close_linger, transport.abort)
         self.closed = True
+        self._forget_half_open()
         for call in list(self.calls.values()):
             self._cancel(call)
         self.calls.clear()

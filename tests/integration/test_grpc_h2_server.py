@@ -160,6 +160,42 @@ async def test_access_log_stream_with_grpcio_client_releases_leases(server: Serv
         assert await call.code() == grpc.StatusCode.OK
 
 
+async def test_a_graceful_stop_ends_an_access_log_stream_the_grpcio_client_keeps_open(tmp_path: Path) -> None:
+    """Envoy keeps its access-log stream open; a graceful stop ends it and answers it OK. The
+    connection is closed only once the client closed its side of that stream: a FIN before
+    grpcio's client did so failed the call UNAVAILABLE "Stream removed" (2 of 15 runs
+    before). Repeated, as the race was."""
+    policy = tmp_path / "p.yaml"
+    policy.write_text("version: 1\nidentity: [{header: x-api-key}]\nlimiters:\n"
+                      "  - {name: conc, type: concurrent_requests, limit: 3}\n")
+    for run in range(20):
+        srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0", admin_listen="off"))
+        await srv.start()
+        assert isinstance(srv.grpc, GrpcH2Server)
+        h2server = srv.grpc
+        sent = asyncio.Event()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+
+            async def entries(sent: asyncio.Event) -> AsyncIterator[accesslog_pb2.StreamAccessLogsMessage]:
+                msg = accesslog_pb2.StreamAccessLogsMessage()
+                msg.http_logs.log_entry.add().request.request_id = "r"
+                yield msg
+                sent.set()
+                await asyncio.sleep(3 * WAIT)  # open until the call ends (cancelled with it)
+
+            call = accesslog_pb2_grpc.AccessLogServiceStub(ch).StreamAccessLogs(entries(sent), timeout=3 * WAIT)
+            await asyncio.wait_for(sent.wait(), WAIT)
+            for _ in range(int(WAIT / 0.01)):  # the entry was read: the stream is running
+                if srv.accesslog.entries == 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert srv.accesslog.entries == 1
+            await srv.stop(grace=WAIT)
+            assert isinstance(await asyncio.wait_for(call, WAIT), accesslog_pb2.StreamAccessLogsResponse), run
+            assert await call.code() == grpc.StatusCode.OK, (run, await call.details())
+        assert h2server.half_open == 0 and not h2server.connections
+
+
 # -- raw HTTP/2 against a standalone server with small bounds ---------------------------------
 
 
@@ -500,6 +536,49 @@ async def test_graceful_stop_goaway_in_flight_finish(probe: tuple[GrpcH2Server, 
     assert (await raw.trailers(1))["grpc-status"] == "0"
     await asyncio.wait_for(stopping, WAIT)
     await raw.ended()
+
+
+async def test_graceful_stop_waits_for_the_client_to_close_a_stream_it_kept_open() -> None:
+    """A client stream (the access log) ended by the stop is answered; the connection closes
+    once the client closes its side (RST_STREAM NO_ERROR, as grpcio's client sends), and a
+    client that never does holds the stop no longer than close_linger."""
+    seen: list[bytes] = []
+
+    async def sink(requests: Any, context: Any) -> bytes:
+        async for message in requests:
+            seen.append(message)
+        return b"ok"
+
+    same = lambda b: b  # noqa: E731 - bytes in, bytes out
+    for closes in (True, False):
+        srv = GrpcH2Server(LIMITS)
+        srv.add_registered_method_handlers("t.T", {"Sink": grpc.stream_unary_rpc_method_handler(
+            sink, request_deserializer=same, response_serializer=same)})
+        await srv.start("127.0.0.1:0")
+        try:
+            client = await Raw.open(srv.port)
+            client.call(1, body=b"entry", path="/t.T/Sink", end=False)  # the stream stays open
+            for _ in range(int(WAIT / 0.01)):
+                if seen:
+                    break
+                await asyncio.sleep(0.01)
+            assert seen == [b"entry"]
+            stopping = asyncio.create_task(srv.stop(WAIT))
+            await client.goaway()
+            assert (await client.trailers(1))["grpc-status"] == "0"
+            for _ in range(int(WAIT / 0.01)):  # answered, the client's side still open: waiting
+                if srv.half_open:
+                    break
+                await asyncio.sleep(0.01)
+            assert srv.half_open == 1 and not stopping.done()
+            if closes:
+                client.send(RstStreamFrame(1, error_code=ErrorCodes.NO_ERROR))
+            await asyncio.wait_for(stopping, WAIT)  # closed by the client, or after close_linger
+            await client.ended()
+            assert srv.half_open == 0 and not srv.connections, closes
+            seen.clear()
+        finally:
+            await srv.stop(0)
 
 
 async def test_the_peers_goaway_lets_its_calls_finish(probe: tuple[GrpcH2Server, Probe]) -> None:
