@@ -23,7 +23,7 @@ from ..engine import Engine
 from ..limiters.worker import sampler_job
 from ..observe import compose
 from ..observe.setup import Observability
-from ..observe.state import RecorderPart
+from ..observe.state import RecorderPart, Section
 from ..policy import Policy, load_policy
 from ..proto import accesslog_pb2_grpc, auth_pb2_grpc
 from ..runner import Runner
@@ -187,9 +187,11 @@ class Server:
                 auth_pb2_grpc.add_AuthorizationServicer_to_server(service, h2server)
                 accesslog_pb2_grpc.add_AccessLogServiceServicer_to_server(self.accesslog, h2server)
                 health_pb2_grpc.add_HealthServicer_to_server(self.health, h2server)
-                self.port = await h2server.start(self.config.listen, reuse_port=self.config.reuse_port)
+                self.port = await h2server.start(self.config.listen, reuse_port=self.config.reuse_port,
+                                                 flag="--listen")
                 self.grpc = h2server
                 self.ops.status_sections["grpc"] = h2server.status
+                self.ops.panel.add(Section(metrics=h2server.metrics))  # extauthz_grpc_*
             elif not is_off(self.config.listen):
                 server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.config.reuse_port))])
                 auth_pb2_grpc.add_AuthorizationServicer_to_server(service, server)
@@ -204,7 +206,7 @@ class Server:
                 health_pb2_grpc.add_HealthServicer_to_server(self.health, h2health)
                 self.health_grpc = h2health
                 self.health_port = await h2health.start(self.config.health_listen,
-                                                        reuse_port=self.config.reuse_port)
+                                                        reuse_port=self.config.reuse_port, flag="--health-listen")
             elif not is_off(self.config.health_listen):
                 assert self.config.health_listen is not None
                 health_server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.config.reuse_port))])

@@ -40,7 +40,7 @@ import asyncio
 import logging
 import ssl
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -76,6 +76,7 @@ from hyperframe.frame import (
     SettingsFrame,
     WindowUpdateFrame,
 )
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from .ports import parse_listen
 
@@ -96,6 +97,20 @@ _HEAD = ((b":status", b"200"), (b"content-type", b"application/grpc"))
 _HEAD_BLOCK = b"\x88\x0f\x10\x10application/grpc"
 _OK_BLOCK = b"\x00\x0bgrpc-status\x010"
 _OK = [(b"grpc-status", b"0")]
+
+
+#: the reasons :meth:`GrpcH2Server.reject` counts, by what each ended (the ``extauthz_grpc_*``
+#: metrics; docs/operations.md): a connection closed before it served a call, ...
+CONNECTION_REFUSED = ("too_many_connections", "stopping", "alpn", "tls_handshake", "handshake_timeout")
+#: ... a connection ended by a bound or a protocol error, ...
+CONNECTION_CLOSED = ("frame_too_large", "protocol_error", "control_flood", "rapid_reset", "slow_frame",
+                     "peer_not_reading", "idle_timeout")
+#: ... one stream reset (refused, malformed, timed out; or reset by the peer before its answer)
+STREAM_RESET = ("too_many_streams", "after_goaway", "malformed_request", "message_too_large",
+                "request_timeout", "reset_by_peer")
+#: the GOAWAY error codes this server sends, exported from 0
+GOAWAY_CODES = ("NO_ERROR", "PROTOCOL_ERROR", "FLOW_CONTROL_ERROR", "FRAME_SIZE_ERROR", "COMPRESSION_ERROR",
+                "ENHANCE_YOUR_CALM")
 
 
 @dataclass(frozen=True)
@@ -162,6 +177,16 @@ class _Budget:
         self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate) - 1
         self.at = now
         return self.tokens >= 0
+
+    def give(self, n: float) -> None:
+        self.tokens = min(self.burst, self.tokens + n)
+
+
+#: no-progress frames each call started earns its connection (within the burst): a client's
+#: own WINDOW_UPDATEs and BDP PINGs come with its calls (grpcio's sends a 5-byte and a
+#: message-sized stream WINDOW_UPDATE per unary call: at 100/s alone, its 70th sequential
+#: Check was cut off as a flood)
+_CONTROL_PER_CALL = 4
 
 
 #: frames that never make a call progress: each draws from the control budget
@@ -309,11 +334,15 @@ class GrpcH2Server:
         self.ssl_context = ssl_context
         self.handlers: dict[bytes, Any] = {}
         self.connections: set[_Connection] = set()
+        #: TLS connections accepted and still handshaking (they count against max_connections)
+        self.handshaking: set[_Handshake] = set()
         self.server: asyncio.AbstractServer | None = None
         self.port = 0
         self.stopping = False
         #: connections and streams refused or closed by a bound, by reason
         self.rejected: dict[str, int] = {}
+        #: GOAWAY frames sent, by error code name
+        self.goaways: dict[str, int] = {}
         self.calls = 0
         self._sweeper: asyncio.Task[None] | None = None
         self._terminated: asyncio.Event | None = None
@@ -334,15 +363,29 @@ class GrpcH2Server:
     def reject(self, reason: str) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
 
-    async def start(self, listen: str, *, reuse_port: bool = False) -> int:
+    def goaway_sent(self, code: int) -> None:
+        try:
+            name = ErrorCodes(code).name
+        except ValueError:
+            name = str(code)
+        self.goaways[name] = self.goaways.get(name, 0) + 1
+
+    async def start(self, listen: str, *, reuse_port: bool = False, flag: str = "") -> int:
+        """Serve on ``listen``; the port bound. A taken port raises an OSError naming ``flag``."""
         host, port = parse_listen(listen)
         loop = asyncio.get_running_loop()
         self._terminated = asyncio.Event()
-        self.server = await loop.create_server(lambda: _Connection(self), host or None, port,
-                                               reuse_port=reuse_port or None, backlog=1024,
-                                               ssl=self.ssl_context,
-                                               ssl_handshake_timeout=self.limits.handshake_timeout
-                                               if self.ssl_context is not None else None)
+        # TLS is started by hand on each accepted connection (:class:`_Handshake`), so that a
+        # handshake in progress counts against max_connections (asyncio's ``ssl=`` server
+        # shows a connection only once its handshake is done)
+        factory: Callable[[], asyncio.Protocol] = (
+            (lambda: _Connection(self)) if self.ssl_context is None else (lambda: _Handshake(self)))
+        try:
+            self.server = await loop.create_server(factory, host or None, port,
+                                                   reuse_port=reuse_port or None, backlog=1024)
+        except OSError as exc:
+            where = f"{listen} ({flag})" if flag else listen
+            raise OSError(exc.errno, f"cannot listen on {where}: {exc.strerror or exc}") from None
         self.port = int(self.server.sockets[0].getsockname()[1])
         self._sweeper = asyncio.create_task(self._sweep(), name="extauthz-grpc-sweeper")
         return self.port
@@ -371,6 +414,8 @@ class GrpcH2Server:
         end = loop.time() + (grace or 0.0)
         for conn in list(self.connections):
             conn.goaway()
+        for handshake in list(self.handshaking):
+            handshake.cancel()
 
         def running(kind: str | None) -> list[asyncio.Task[None]]:
             return [c.task for conn in self.connections for c in conn.calls.values()
@@ -432,8 +477,91 @@ class GrpcH2Server:
             self._peers_closed.set()
 
     def status(self) -> dict[str, Any]:
-        return {"server": "asyncio", "connections": len(self.connections), "calls": self.calls,
-                "running": sum(len(c.calls) for c in self.connections), "rejected": dict(self.rejected)}
+        return {"server": "asyncio", "connections": len(self.connections),
+                "handshaking": len(self.handshaking), "calls": self.calls,
+                "running": sum(len(c.calls) for c in self.connections), "rejected": dict(self.rejected),
+                "goaways": dict(self.goaways)}
+
+    def metrics(self) -> Iterator[Metric]:
+        """The port's bounds at work, as Prometheus families (docs/operations.md)."""
+        connections = GaugeMetricFamily("extauthz_grpc_connections", "Connections on the gRPC port: "
+                                        "open (serving) and TLS handshakes in progress (both count "
+                                        "against the connection bound).", labels=["state"])
+        connections.add_metric(["open"], len(self.connections))
+        connections.add_metric(["handshaking"], len(self.handshaking))
+        yield connections
+        yield CounterMetricFamily("extauthz_grpc_calls", "gRPC calls started on the gRPC port.", value=self.calls)
+        for name, help, reasons in (
+                ("extauthz_grpc_connections_refused", "gRPC port connections closed before serving a "
+                 "call, by reason (the connection bound, stopping, no ALPN h2, a failed or timed-out "
+                 "TLS handshake or preface).", CONNECTION_REFUSED),
+                ("extauthz_grpc_connections_closed", "gRPC port connections ended by a bound or a "
+                 "protocol error, by reason (floods, rapid reset, slow frames, a peer not reading, "
+                 "idle).", CONNECTION_CLOSED),
+                ("extauthz_grpc_streams_reset", "gRPC port streams reset, by reason: refused (the "
+                 "stream bound, after GOAWAY), malformed, too large, unfinished in time; "
+                 "reset_by_peer: the client cancelled before the answer.", STREAM_RESET)):
+            family = CounterMetricFamily(name, help, labels=["reason"])
+            for reason in reasons:
+                family.add_metric([reason], self.rejected.get(reason, 0))
+            yield family
+        goaways = CounterMetricFamily("extauthz_grpc_goaways_sent", "GOAWAY frames the gRPC port sent, by "
+                                      "error code (NO_ERROR: a graceful stop or idle close).", labels=["code"])
+        for code, n in (dict.fromkeys(GOAWAY_CODES, 0) | self.goaways).items():
+            goaways.add_metric([code], n)
+        yield goaways
+
+
+class _Handshake(asyncio.Protocol):
+    """A TLS connection from its accept to the end of its handshake: counted against
+    ``max_connections`` (one more is closed before any TLS work), bounded by
+    ``handshake_timeout``; then the :class:`_Connection` takes the TLS transport."""
+
+    def __init__(self, server: GrpcH2Server) -> None:
+        self.server = server
+        self.task: asyncio.Task[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        server = self.server
+        if len(server.connections) + len(server.handshaking) >= server.limits.max_connections or server.stopping:
+            server.reject("too_many_connections" if not server.stopping else "stopping")
+            transport.close()
+            return
+        transport.pause_reading()  # type: ignore[attr-defined]  # the ClientHello waits for start_tls
+        server.handshaking.add(self)
+        self.task = asyncio.get_running_loop().create_task(self._handshake(transport))  # type: ignore[arg-type]
+
+    async def _handshake(self, transport: asyncio.Transport) -> None:
+        server = self.server
+        assert server.ssl_context is not None
+        conn = _Connection(server)
+        try:
+            tls = await asyncio.get_running_loop().start_tls(
+                transport, conn, server.ssl_context, server_side=True,
+                ssl_handshake_timeout=server.limits.handshake_timeout)
+        except asyncio.CancelledError:  # the server stops
+            transport.abort()
+            raise
+        except Exception as exc:
+            server.reject("handshake_timeout" if isinstance(exc, ConnectionAbortedError) else "tls_handshake")
+            log.debug("gRPC TLS handshake failed: %s", exc)
+            transport.abort()
+            return
+        finally:
+            server.handshaking.discard(self)
+        if tls is None:  # the transport closed meanwhile
+            return
+        conn.connection_made(tls)
+
+    def data_received(self, data: bytes) -> None:  # reading is paused until start_tls takes over
+        pass
+
+    def connection_lost(self, exc: Exception | None) -> None:  # gone before start_tls took it
+        self.cancel()
+
+    def cancel(self) -> None:
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
 
 
 class _Draining(H2ConnectionStateMachine):
@@ -711,6 +839,7 @@ class _Connection(asyncio.Protocol):
         call = Call(self, sid, handler, headers, now, deadline)
         self.calls[sid] = call
         server.calls += 1
+        self.control.give(_CONTROL_PER_CALL)
         if deadline is not None:
             call.timer = self.loop.call_at(deadline, self._expire, call)
         if handler.request_streaming:
@@ -1132,6 +1261,7 @@ class _Connection(asyncio.Protocol):
         decode gets COMPRESSION_ERROR instead of h2's PROTOCOL_ERROR (RFC 9113 4.3)."""
         if isinstance(exc, _Flood):
             self.server.reject("control_flood")
+            self.server.goaway_sent(ErrorCodes.ENHANCE_YOUR_CALM)  # h2's
             log.warning("gRPC connection closed: %s", exc,
                         extra={"fields": {"event": "grpc_connection_calm", "reason": "control_flood"}})
             self.flush()  # h2's GOAWAY ENHANCE_YOUR_CALM
@@ -1148,6 +1278,7 @@ class _Connection(asyncio.Protocol):
                 self.transport.write(out)
             self._close_with(ErrorCodes.COMPRESSION_ERROR)
             return
+        self.server.goaway_sent(getattr(exc, "error_code", None) or ErrorCodes.PROTOCOL_ERROR)  # h2's
         self.flush()
         self.close(at_once=True)
 
@@ -1164,6 +1295,7 @@ class _Connection(asyncio.Protocol):
         self._close_with(ErrorCodes.ENHANCE_YOUR_CALM)
 
     def _goaway_frame(self, code: int) -> bytes:
+        self.server.goaway_sent(code)
         frame = GoAwayFrame(0, last_stream_id=self.h2.highest_inbound_stream_id, error_code=code)
         return bytes(self.h2.data_to_send()) + frame.serialize()
 
@@ -1217,11 +1349,15 @@ class _Connection(asyncio.Protocol):
             if at_once and self.paused:  # an error or a flood, and the peer is not reading
                 transport.abort()
             else:
-                if transport.can_write_eof():
-                    transport.write_eof()
+                try:
+                    if transport.can_write_eof():
+                        transport.write_eof()
+                    else:
+                        transport.close()
+                except OSError:  # the peer is gone already (shutdown: ENOTCONN)
+                    transport.abort()
                 else:
-                    transport.close()
-                self.loop.call_later(self.limits.close_linger, transport.abort)
+                    self.loop.call_later(self.limits.close_linger, transport.abort)
         self.closed = True
         self._forget_half_open()
         for call in list(self.calls.values()):

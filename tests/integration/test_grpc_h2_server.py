@@ -100,6 +100,20 @@ async def test_grpc_timeout_is_the_checks_time_left(server: Server) -> None:
     assert seen[1] is None
 
 
+async def test_many_sequential_checks_from_grpcio_are_not_a_flood(server: Server) -> None:
+    """grpcio's client sends two small stream WINDOW_UPDATEs per unary call (and BDP PINGs):
+    frames that make no progress by themselves. Counted alone against the control budget,
+    its 70th sequential Check was cut off (GOAWAY ENHANCE_YOUR_CALM); each call now earns
+    its connection a few such frames."""
+    def checks(port: int, n: int) -> int:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = auth_pb2_grpc.AuthorizationStub(ch)
+            return sum(stub.Check(check_request(f"sk_{i}"), timeout=WAIT).status.code == 0 for i in range(n))
+
+    assert await asyncio.to_thread(checks, server.port, 600) == 600
+    assert isinstance(server.grpc, GrpcH2Server) and server.grpc.rejected == {}
+
+
 async def test_health_check_and_watch_with_grpcio_client(server: Server) -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
         stub = health_pb2_grpc.HealthStub(ch)
@@ -801,6 +815,55 @@ async def test_mtls_as_grpcio_serves_it(tmp_path: Path) -> None:
         await srv.stop(grace=0)
 
 
+async def test_tls_handshakes_in_progress_count_against_max_connections(tmp_path: Path) -> None:
+    """Connections that never finish their TLS handshake hold max_connections (one more is
+    closed before any TLS work), and are let go when they leave or their handshake times out."""
+    ca = CA()
+    cert, key = ca.issue("extauthz", dns=("extauthz",), ips=("127.0.0.1",)).write(tmp_path / "server", "tls")
+    ca_path = ca.write(tmp_path / "ca.crt")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    context.set_alpn_protocols(["h2"])
+    srv = GrpcH2Server(replace(LIMITS, handshake_timeout=WAIT), ssl_context=context)
+    same = lambda b: b  # noqa: E731 - bytes in, bytes out
+    srv.add_registered_method_handlers("t.T", {"Echo": grpc.unary_unary_rpc_method_handler(
+        lambda request, context: _echo(request), request_deserializer=same, response_serializer=same)})
+    await srv.start("127.0.0.1:0")
+    try:
+        silent = [await asyncio.open_connection("127.0.0.1", srv.port) for _ in range(LIMITS.max_connections)]
+        for _ in range(int(WAIT / 0.01)):
+            if len(srv.handshaking) == LIMITS.max_connections:
+                break
+            await asyncio.sleep(0.01)
+        assert len(srv.handshaking) == LIMITS.max_connections and not srv.connections
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)  # one more: closed at once
+        assert await asyncio.wait_for(reader.read(100), WAIT) == b""
+        writer.close()
+        assert srv.rejected["too_many_connections"] == 1
+        for _, w in silent:  # they leave: their slots are free again
+            w.close()
+        for _ in range(int(WAIT / 0.01)):
+            if not srv.handshaking:
+                break
+            await asyncio.sleep(0.01)
+        assert not srv.handshaking and srv.rejected["tls_handshake"] == LIMITS.max_connections
+        client = ssl.create_default_context(cafile=str(ca_path))
+        client.set_alpn_protocols(["h2"])
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port, ssl=client, server_hostname="extauthz")
+        raw = Raw(reader, writer)
+        raw.write(PREFACE + SettingsFrame(0).serialize())
+        raw.call(1, body=b"over tls")
+        assert (await raw.trailers(1))["grpc-status"] == "0"
+        assert srv.status()["connections"] == 1
+        raw.close()
+    finally:
+        await srv.stop(0)
+
+
+async def _echo(request: bytes) -> bytes:
+    return request
+
+
 async def test_a_long_grpc_timeout_holds_nothing_after_the_call(probe: tuple[GrpcH2Server, Probe]) -> None:
     """Each deadline is a timer on the loop: it goes with its call, or calls with a grpc-timeout
     of years would pile up until then."""
@@ -1025,3 +1088,48 @@ async def test_a_malformed_request_is_a_stream_error(probe: tuple[GrpcH2Server, 
     assert (await raw.trailers(5))["grpc-status"] == "0"
     p.release.set()
     assert (await raw.trailers(1))["grpc-status"] == "0"
+
+
+def _samples(srv: GrpcH2Server) -> dict[tuple[str, str], float]:
+    """The port's metric samples by (name, label value)."""
+    return {(s.name, next(iter(s.labels.values()), "")): s.value for family in srv.metrics() for s in family.samples}
+
+
+async def test_the_bounds_are_counted_on_metrics(probe: tuple[GrpcH2Server, Probe]) -> None:
+    """extauthz_grpc_*: connections open, refused and closed by reason, streams reset by reason,
+    GOAWAYs by error code; every known reason exported from 0."""
+    srv, _ = probe
+    before = _samples(srv)
+    assert before[("extauthz_grpc_goaways_sent_total", "ENHANCE_YOUR_CALM")] == 0
+    assert before[("extauthz_grpc_streams_reset_total", "too_many_streams")] == 0
+    assert before[("extauthz_grpc_connections_refused_total", "too_many_connections")] == 0
+    flood = await Raw.open(srv.port)  # a PING flood: closed, GOAWAY ENHANCE_YOUR_CALM
+    flood.send(*[PingFrame(0, opaque_data=b"flooding")] * 5000)
+    assert (await flood.goaway()).error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    await flood.ended()
+    await gone(srv)
+    raw = await Raw.open(srv.port)
+    raw.send(HeadersFrame(1, raw.encoder.encode([(":method", "POST"), (":scheme", "http"), (":authority", "t")]),
+                          flags=["END_HEADERS", "END_STREAM"]))  # malformed: no :path
+    await raw.until(lambda f: isinstance(f, RstStreamFrame))
+    raw.call(3)
+    assert (await raw.trailers(3))["grpc-status"] == "0"
+    held = [await Raw.open(srv.port) for _ in range(LIMITS.max_connections - 1)]
+    for other in held:
+        await other.until(lambda f: isinstance(f, SettingsFrame))
+    extra = await Raw.open(srv.port)  # past the bound: closed at once
+    await asyncio.wait_for(extra.ended(), WAIT)
+    after = _samples(srv)
+    assert after[("extauthz_grpc_connections", "open")] == LIMITS.max_connections
+    assert after[("extauthz_grpc_connections", "handshaking")] == 0
+    assert after[("extauthz_grpc_connections_closed_total", "control_flood")] == 1
+    assert after[("extauthz_grpc_goaways_sent_total", "ENHANCE_YOUR_CALM")] == 1
+    assert after[("extauthz_grpc_streams_reset_total", "malformed_request")] == 1
+    assert after[("extauthz_grpc_connections_refused_total", "too_many_connections")] == 1
+    assert after[("extauthz_grpc_calls_total", "")] == 1
+    stopping = asyncio.create_task(srv.stop(WAIT))  # graceful: GOAWAY NO_ERROR on each
+    for conn in (raw, *held):
+        assert (await conn.goaway()).error_code == ErrorCodes.NO_ERROR
+        conn.close()
+    await asyncio.wait_for(stopping, WAIT)
+    assert _samples(srv)[("extauthz_grpc_goaways_sent_total", "NO_ERROR")] == LIMITS.max_connections

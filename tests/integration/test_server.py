@@ -237,3 +237,21 @@ async def test_a_kubernetes_health_probe_on_the_main_and_health_ports(tmp_path: 
             assert await asyncio.to_thread(health_probe, f"127.0.0.1:{port}") == "NOT_SERVING"
     finally:
         await srv.stop(grace=0)
+
+
+async def test_the_grpc_ports_bounds_are_on_the_metrics_port(tmp_path: Path) -> None:
+    from tests.observe.helpers import http
+
+    srv = Server(ServerConfig(policies=[str(ROOT / "policies")], listen="127.0.0.1:0", admin_listen="off",
+                              metrics_listen="127.0.0.1:0"))
+    await srv.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            assert (await auth_pb2_grpc.AuthorizationStub(ch).Check(check_request())).status.code == 0
+            status, body = await http("GET", f"http://127.0.0.1:{srv.ops.metrics_port}/metrics")
+        assert status == 200
+        assert 'extauthz_grpc_connections{state="open"} 1.0' in body
+        assert "extauthz_grpc_calls_total 1.0" in body
+        assert 'extauthz_grpc_goaways_sent_total{code="ENHANCE_YOUR_CALM"} 0.0' in body
+    finally:
+        await srv.stop(grace=0)
