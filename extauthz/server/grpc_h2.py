@@ -1,4 +1,5 @@
-"""The gRPC port served on the event loop (``serve --grpc-server asyncio``).
+"""The gRPC port served on the event loop (what ``serve`` runs; ``--grpc-server grpcio``
+selects grpc.aio instead for one release).
 
 grpc.aio answers a no-op ``Check`` at ~395 us of CPU, most of it system calls and hand-offs
 between gRPC's poller thread and the event loop (docs/design.md, "The gRPC front door"). This
@@ -22,7 +23,10 @@ a server exposed to a network need on top, each bounded (:class:`H2Limits`, docs
   a peer that stops reading is closed once ``max_write_buffer`` bytes wait for it;
 * a handshake and an idle timeout, and a unary request's body due within ``request_timeout``;
 * graceful stop: GOAWAY, running calls finish (up to the grace), client streams (the access
-  log) are ended cleanly and answered, the rest cancelled.
+  log) are ended cleanly and answered, the rest cancelled; connections close once their
+  clients closed those streams (within ``close_linger``);
+* TLS started on each accepted connection (:class:`_Handshake`), so handshakes in progress
+  count against ``max_connections``; every bound counted (:meth:`GrpcH2Server.metrics`).
 
 The common answer (one message, ``grpc-status`` 0) is written as constant frames with h2's
 stream state told (:meth:`_Connection._answer`): h2's send path was most of a no-op check's

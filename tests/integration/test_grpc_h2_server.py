@@ -1,4 +1,4 @@
-"""The gRPC port on the event loop (``--grpc-server asyncio``, server/grpc_h2.py).
+"""The gRPC port on the event loop (the default, ``--grpc-server asyncio``, server/grpc_h2.py).
 
 grpcio's own client for every method of the real server (unary Check, server-streaming health
 Watch, client-streaming access log); then the HTTP/2 and gRPC rules and bounds, each attacked
@@ -166,9 +166,8 @@ async def test_access_log_stream_with_grpcio_client_releases_leases(server: Serv
                 break
             await asyncio.sleep(0.01)
         assert releaser.leases_released == 3 and server.accesslog.entries == 3
-        # the client ends its stream: the server answers it OK. (A graceful stop ending a
-        # stream the client keeps open is answered OK on the wire, but grpcio's client then
-        # reports UNAVAILABLE "Stream removed" in about 1 run of 3: open, issue 31.)
+        # the client ends its stream: the server answers it OK (a graceful stop ending a
+        # stream the client keeps open: the test below)
         finish.set()
         assert isinstance(await asyncio.wait_for(call, WAIT), accesslog_pb2.StreamAccessLogsResponse)
         assert await call.code() == grpc.StatusCode.OK
