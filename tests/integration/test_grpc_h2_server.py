@@ -86,9 +86,10 @@ async def test_grpc_timeout_is_the_checks_time_left(server: Server) -> None:
     seen: list[float | None] = []
     read = door.time_left
 
-    def time_left(message: Any, call: Any) -> tuple[float | None, float]:
+    def time_left(message: Any, call: Any) -> tuple[float | None, float, bool]:
         left = read(message, call)
         seen.append(left[0])
+        assert left[2] is False  # stamped when the loop read the call: a loop stall is unseen
         return left
 
     door.time_left = time_left  # type: ignore[method-assign]
