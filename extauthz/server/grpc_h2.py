@@ -82,6 +82,7 @@ from hyperframe.frame import (
 )
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from ..settings import DEFAULT_MAX_ACTIVE_CHECKS
 from .ports import parse_listen
 
 __all__ = ["Call", "GrpcH2Server", "H2Limits", "parse_timeout"]
@@ -159,6 +160,12 @@ class H2Limits:
     #: waits on, DATA without data or END_STREAM, DATA on a stream no call has (CVE-2019-9512,
     #: -9513, -9515, -9518); past it GOAWAY ENHANCE_YOUR_CALM
     control_per_second: float = 100.0
+    #: unary calls (Check) decided at once, over all connections; more wait their turn before
+    #: their handler starts, their deadline counting (the HTTP port's ``max_active_checks``,
+    #: for the same reason: unbounded, a saturated loop ran every check Envoy had in flight
+    #: at once and their store calls waited in this server past the store deadline: 6-9 % of
+    #: the checks failed open in the harness's (r-h2) and (d-h2) rows, the breaker opened)
+    max_active_calls: int = DEFAULT_MAX_ACTIVE_CHECKS
 
 
 def parse_timeout(value: bytes) -> float:
@@ -348,6 +355,8 @@ class GrpcH2Server:
         #: GOAWAY frames sent, by error code name
         self.goaways: dict[str, int] = {}
         self.calls = 0
+        #: unary handlers running at once (H2Limits.max_active_calls)
+        self.active = asyncio.Semaphore(self.limits.max_active_calls)
         self._sweeper: asyncio.Task[None] | None = None
         self._terminated: asyncio.Event | None = None
         self._emptied: asyncio.Event | None = None  # set when stopping and the last connection is gone
@@ -981,7 +990,8 @@ class _Connection(asyncio.Protocol):
             request = h.request_deserializer(call.first)
             call.first = None
             self.consumed(call, call.held)
-            body = h.response_serializer(await h.unary_unary(request, call))
+            async with self.server.active:
+                body = h.response_serializer(await h.unary_unary(request, call))
         except _Abort as a:
             code, details = a.code, a.details
         except asyncio.CancelledError:

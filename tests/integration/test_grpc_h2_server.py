@@ -815,6 +815,29 @@ async def test_mtls_as_grpcio_serves_it(tmp_path: Path) -> None:
         await srv.stop(grace=0)
 
 
+async def test_unary_calls_decided_at_once_are_bounded(probe: tuple[GrpcH2Server, Probe]) -> None:
+    """At most max_active_calls handlers run at once over all connections (the HTTP port's
+    max_active_checks): the others wait their turn before they start, then are answered."""
+    srv, p = probe
+    assert srv.limits.max_active_calls >= 2
+    srv.active = asyncio.Semaphore(2)  # (the fixture's server: 2 at once for this test)
+    raws = [await Raw.open(srv.port) for _ in range(2)]
+    for raw in raws:
+        raw.call(1, path="/t.T/Hang")
+        raw.call(3, path="/t.T/Hang")
+    for _ in range(int(WAIT / 0.01)):
+        if p.hanging == 2 and sum(len(c.calls) for c in srv.connections) == 4:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)  # (the two waiting would have started by now, were they not bounded)
+    assert p.hanging == 2 and sum(len(c.calls) for c in srv.connections) == 4
+    p.release.set()
+    for raw in raws:
+        assert (await raw.trailers(1))["grpc-status"] == "0"
+        assert (await raw.trailers(3))["grpc-status"] == "0"
+        raw.close()
+
+
 async def test_tls_handshakes_in_progress_count_against_max_connections(tmp_path: Path) -> None:
     """Connections that never finish their TLS handshake hold max_connections (one more is
     closed before any TLS work), and are let go when they leave or their handshake times out."""
