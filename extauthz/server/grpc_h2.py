@@ -25,8 +25,7 @@ a server exposed to a network need on top, each bounded (:class:`H2Limits`, docs
 * graceful stop: GOAWAY, running calls finish (up to the grace), client streams (the access
   log) are ended cleanly and answered, the rest cancelled; connections close once their
   clients closed those streams (within ``close_linger``);
-* TLS started on each accepted connection (:class:`_Handshake`), so handshakes in progress
-  count against ``max_connections``; every bound counted (:meth:`GrpcH2Server.metrics`).
+* every bound counted (:meth:`GrpcH2Server.metrics`).
 
 The common answer (one message, ``grpc-status`` 0) is written as constant frames with h2's
 stream state told (:meth:`_Connection._answer`): h2's send path was most of a no-op check's
@@ -106,7 +105,7 @@ _OK = [(b"grpc-status", b"0")]
 
 #: the reasons :meth:`GrpcH2Server.reject` counts, by what each ended (the ``extauthz_grpc_*``
 #: metrics; docs/operations.md): a connection closed before it served a call, ...
-CONNECTION_REFUSED = ("too_many_connections", "stopping", "alpn", "tls_handshake", "handshake_timeout")
+CONNECTION_REFUSED = ("too_many_connections", "stopping", "alpn", "handshake_timeout")
 #: ... a connection ended by a bound or a protocol error, ...
 CONNECTION_CLOSED = ("frame_too_large", "protocol_error", "control_flood", "rapid_reset", "slow_frame",
                      "peer_not_reading", "idle_timeout")
@@ -345,8 +344,6 @@ class GrpcH2Server:
         self.ssl_context = ssl_context
         self.handlers: dict[bytes, Any] = {}
         self.connections: set[_Connection] = set()
-        #: TLS connections accepted and still handshaking (they count against max_connections)
-        self.handshaking: set[_Handshake] = set()
         self.server: asyncio.AbstractServer | None = None
         self.port = 0
         self.stopping = False
@@ -388,14 +385,12 @@ class GrpcH2Server:
         host, port = parse_listen(listen)
         loop = asyncio.get_running_loop()
         self._terminated = asyncio.Event()
-        # TLS is started by hand on each accepted connection (:class:`_Handshake`), so that a
-        # handshake in progress counts against max_connections (asyncio's ``ssl=`` server
-        # shows a connection only once its handshake is done)
-        factory: Callable[[], asyncio.Protocol] = (
-            (lambda: _Connection(self)) if self.ssl_context is None else (lambda: _Handshake(self)))
         try:
-            self.server = await loop.create_server(factory, host or None, port,
-                                                   reuse_port=reuse_port or None, backlog=1024)
+            self.server = await loop.create_server(lambda: _Connection(self), host or None, port,
+                                                   reuse_port=reuse_port or None, backlog=1024,
+                                                   ssl=self.ssl_context,
+                                                   ssl_handshake_timeout=self.limits.handshake_timeout
+                                                   if self.ssl_context is not None else None)
         except OSError as exc:
             where = f"{listen} ({flag})" if flag else listen
             raise OSError(exc.errno, f"cannot listen on {where}: {exc.strerror or exc}") from None
@@ -427,8 +422,6 @@ class GrpcH2Server:
         end = loop.time() + (grace or 0.0)
         for conn in list(self.connections):
             conn.goaway()
-        for handshake in list(self.handshaking):
-            handshake.cancel()
 
         def running(kind: str | None) -> list[asyncio.Task[None]]:
             return [c.task for conn in self.connections for c in conn.calls.values()
@@ -490,19 +483,14 @@ class GrpcH2Server:
             self._peers_closed.set()
 
     def status(self) -> dict[str, Any]:
-        return {"server": "asyncio", "connections": len(self.connections),
-                "handshaking": len(self.handshaking), "calls": self.calls,
+        return {"server": "asyncio", "connections": len(self.connections), "calls": self.calls,
                 "running": sum(len(c.calls) for c in self.connections), "rejected": dict(self.rejected),
                 "goaways": dict(self.goaways)}
 
     def metrics(self) -> Iterator[Metric]:
         """The port's bounds at work, as Prometheus families (docs/operations.md)."""
-        connections = GaugeMetricFamily("extauthz_grpc_connections", "Connections on the gRPC port: "
-                                        "open (serving) and TLS handshakes in progress (both count "
-                                        "against the connection bound).", labels=["state"])
-        connections.add_metric(["open"], len(self.connections))
-        connections.add_metric(["handshaking"], len(self.handshaking))
-        yield connections
+        yield GaugeMetricFamily("extauthz_grpc_connections", "Connections open on the gRPC port (they "
+                                "count against its connection bound).", value=len(self.connections))
         yield CounterMetricFamily("extauthz_grpc_calls", "gRPC calls started on the gRPC port.", value=self.calls)
         for name, help, reasons in (
                 ("extauthz_grpc_connections_refused", "gRPC port connections closed before serving a "
@@ -523,58 +511,6 @@ class GrpcH2Server:
         for code, n in (dict.fromkeys(GOAWAY_CODES, 0) | self.goaways).items():
             goaways.add_metric([code], n)
         yield goaways
-
-
-class _Handshake(asyncio.Protocol):
-    """A TLS connection from its accept to the end of its handshake: counted against
-    ``max_connections`` (one more is closed before any TLS work), bounded by
-    ``handshake_timeout``; then the :class:`_Connection` takes the TLS transport."""
-
-    def __init__(self, server: GrpcH2Server) -> None:
-        self.server = server
-        self.task: asyncio.Task[None] | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        server = self.server
-        if len(server.connections) + len(server.handshaking) >= server.limits.max_connections or server.stopping:
-            server.reject("too_many_connections" if not server.stopping else "stopping")
-            transport.close()
-            return
-        transport.pause_reading()  # type: ignore[attr-defined]  # the ClientHello waits for start_tls
-        server.handshaking.add(self)
-        self.task = asyncio.get_running_loop().create_task(self._handshake(transport))  # type: ignore[arg-type]
-
-    async def _handshake(self, transport: asyncio.Transport) -> None:
-        server = self.server
-        assert server.ssl_context is not None
-        conn = _Connection(server)
-        try:
-            tls = await asyncio.get_running_loop().start_tls(
-                transport, conn, server.ssl_context, server_side=True,
-                ssl_handshake_timeout=server.limits.handshake_timeout)
-        except asyncio.CancelledError:  # the server stops
-            transport.abort()
-            raise
-        except Exception as exc:
-            server.reject("handshake_timeout" if isinstance(exc, ConnectionAbortedError) else "tls_handshake")
-            log.debug("gRPC TLS handshake failed: %s", exc)
-            transport.abort()
-            return
-        finally:
-            server.handshaking.discard(self)
-        if tls is None:  # the transport closed meanwhile
-            return
-        conn.connection_made(tls)
-
-    def data_received(self, data: bytes) -> None:  # reading is paused until start_tls takes over
-        pass
-
-    def connection_lost(self, exc: Exception | None) -> None:  # gone before start_tls took it
-        self.cancel()
-
-    def cancel(self) -> None:
-        if self.task is not None and not self.task.done():
-            self.task.cancel()
 
 
 class _Draining(H2ConnectionStateMachine):
