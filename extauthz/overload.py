@@ -14,12 +14,13 @@ be timed out. Two figures tell it how things stand:
   three loop turns a check takes no longer fit in Envoy's timeout), and after a sample that
   was, for as long again as that lag (at most one budget): the checks that queued during a
   stall cannot be told from fresh ones (a stopped process stamps nothing), and the backlog a
-  stall leaves drains in about as long as it lasted. So on the HTTP port. On the gRPC port
-  only the part of the lag the process did not run through counts (the lag less the CPU time
-  it used meanwhile: stopped, or its CPU taken): gRPC's own threads stamp a call's deadline
-  when it arrives, through a stall of the loop alone (a garbage collection), so the deadline
-  saw that stall; a call that arrived while the process was stopped is stamped when it runs
-  again, its whole timeout left.
+  stall leaves drains in about as long as it lasted. So on the HTTP port, and on the gRPC
+  port served on the event loop (it stamps a call's deadline when the loop reads it). On
+  the gRPC port served by grpc.aio only the part of the lag the process did not run through
+  counts (the lag less the CPU time it used meanwhile: stopped, or its CPU taken): gRPC's
+  own threads stamp a call's deadline when it arrives, through a stall of the loop alone (a
+  garbage collection), so the deadline saw that stall; a call that arrived while the process
+  was stopped is stamped when it runs again, its whole timeout left.
 * **A check's time left** (:meth:`LoopLag.left`): the check budget (``serve
   --check-budget-ms``, 200 ms by default) less what the door saw the check wait: on the gRPC
   port no more than the call's deadline less Envoy's :func:`margin` (Envoy sends its timeout as
@@ -133,8 +134,14 @@ class LoopLag:
         left = self.budget - waited
         return left if remaining is None else min(left, remaining - margin(remaining))
 
-    def check(self, remaining: float | None, waited: float) -> tuple[float, bool]:
+    def check(self, remaining: float | None, waited: float, on_arrival: bool = True) -> tuple[float, bool]:
         """A check's (:meth:`left`, starved), with one clock read (the request path).
+
+        ``on_arrival``: the deadline was stamped when the call arrived (grpc.aio's threads);
+        False when it was stamped when the loop read the call (the gRPC port on the event
+        loop, ``--grpc-server asyncio``): a stall of the loop alone then delayed the check
+        unseen by its deadline, and the HTTP port's rule applies (the deadline still bounds
+        ``left``).
 
         Starved: on the HTTP port (no deadline: every stall of the loop delayed the check
         unseen) while the loop's lag is past the threshold, or the check waited its whole
@@ -151,7 +158,7 @@ class LoopLag:
         if not starved and beat is not None and self._running():
             now = self._clock.monotonic()
             over = now - beat - self.interval
-            if remaining is None:
+            if remaining is None or not on_arrival:
                 starved = over >= self.threshold or self.last >= self.threshold or now < self._starved_until
             else:
                 if over >= self.threshold:  # overdue: the part of it the process ran through

@@ -203,9 +203,10 @@ class Settings:
     listen: str = option(
         "0.0.0.0:9001", "--listen", "gRPC Check + AccessLog + health port; 'off' (or '') turns it off")
     grpc_server: str = option(
-        "grpcio", "--grpc-server", "what serves the --listen port: 'grpcio' (grpc.aio) or 'asyncio' "
+        "asyncio", "--grpc-server", "what serves the --listen and --health-listen ports: 'asyncio' "
         "(HTTP/2 on the event loop, server/grpc_h2.py: the same services at a fraction of the CPU "
-        "per check; docs/design.md)", choices=("grpcio", "asyncio"))
+        "per check; docs/design.md) or 'grpcio' (grpc.aio, the former default, selectable for one "
+        "release)", choices=("asyncio", "grpcio"))
     #: an H2Limits or None (typed Any: the settings import no server code, not even a type)
     grpc_limits: Any = internal(  # noqa: RUF009 - internal() returns a field()
         None, "the asyncio gRPC server's protocol bounds (server/grpc_h2.py H2Limits, "

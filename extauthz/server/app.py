@@ -188,7 +188,7 @@ class Server:
             raise ValueError("both the gRPC (--listen) and the HTTP (--http-listen) ports are off: "
                              "nothing to serve")
         self.grpc: grpc.aio.Server | GrpcH2Server | None = None
-        self.health_grpc: grpc.aio.Server | None = None
+        self.health_grpc: grpc.aio.Server | GrpcH2Server | None = None
         self.http: HttpAuthorization | None = None
         self.fluentd: FluentdReceiver | None = None
         self.fluentd_port = 0
@@ -269,21 +269,23 @@ class Server:
                 self.fluentd_port = await self.fluentd.start(self.config.fluentd_listen,
                                                              reuse_port=self.config.reuse_port)
                 self.status_sections["fluentd"] = self.fluentd.status
+            limits = self.config.grpc_limits or H2Limits(max_connections=max_connections_for())
+            if isinstance(limits, dict):  # a worker's settings arrive as JSON (workers.py)
+                limits = H2Limits(**limits)
             if not is_off(self.config.listen) and self.config.grpc_server == "asyncio":
                 # the same servicers on HTTP/2 served by the event loop (server/grpc_h2.py)
                 # its connection bound follows the file limit, as the HTTP port's does
-                limits = self.config.grpc_limits or H2Limits(max_connections=max_connections_for())
-                if isinstance(limits, dict):  # a worker's settings arrive as JSON (workers.py)
-                    limits = H2Limits(**limits)
                 h2server = GrpcH2Server(limits, ssl_context=self.tls.ssl_context() if self.tls is not None else None)
                 auth_pb2_grpc.add_AuthorizationServicer_to_server(service, h2server)
                 accesslog_pb2_grpc.add_AccessLogServiceServicer_to_server(self.accesslog, h2server)
                 rlqs_pb2_grpc.add_RateLimitQuotaServiceServicer_to_server(self.quota, h2server)
                 rls_pb2_grpc.add_RateLimitServiceServicer_to_server(self.ratelimit, h2server)
                 health_pb2_grpc.add_HealthServicer_to_server(self.health, h2server)
-                self.port = await h2server.start(self.config.listen, reuse_port=self.config.reuse_port)
+                self.port = await h2server.start(self.config.listen, reuse_port=self.config.reuse_port,
+                                                 flag="--listen")
                 self.grpc = h2server
                 self.status_sections["grpc"] = h2server.status
+                self.panel.add(Section(metrics=h2server.metrics))  # extauthz_grpc_*
             elif not is_off(self.config.listen):
                 server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.config.reuse_port))])
                 auth_pb2_grpc.add_AuthorizationServicer_to_server(service, server)
@@ -293,7 +295,15 @@ class Server:
                 health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
                 self.port = _bind(server, self.config.listen, "--listen",
                                   self.tls.credentials() if self.tls is not None else None)
-            if not is_off(self.config.health_listen):
+            if not is_off(self.config.health_listen) and self.config.grpc_server == "asyncio":
+                # plaintext, health only (the kubelet's probes), on the same server kind
+                assert self.config.health_listen is not None
+                h2health = GrpcH2Server(limits)
+                health_pb2_grpc.add_HealthServicer_to_server(self.health, h2health)
+                self.health_grpc = h2health
+                self.health_port = await h2health.start(self.config.health_listen,
+                                                        reuse_port=self.config.reuse_port, flag="--health-listen")
+            elif not is_off(self.config.health_listen):
                 assert self.config.health_listen is not None
                 health_server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.config.reuse_port))])
                 health_pb2_grpc.add_HealthServicer_to_server(self.health, health_server)
@@ -303,6 +313,8 @@ class Server:
         except BaseException:
             if self.grpc is not None:
                 await self.grpc.stop(0)
+            if self.health_grpc is not None:
+                await self.health_grpc.stop(0)
             if self.fluentd is not None:
                 await self.fluentd.stop()
             if self.http is not None:

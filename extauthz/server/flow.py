@@ -77,10 +77,12 @@ class Door(Protocol[M, C, A]):
     def answer(self, message: M, ctx: RequestContext, decision: Decision, ticket: str) -> A:
         """The answer to a decided request (``ticket``: the lease ticket, "" when none)."""
 
-    def time_left(self, message: M, call: C) -> tuple[float | None, float]:
+    def time_left(self, message: M, call: C) -> tuple[float | None, float, bool]:
         """What the door knows of the check's time: the call's own time left (None when the
         call carries no deadline; :class:`~extauthz.overload.LoopLag` takes Envoy's margin
-        off it), and how long the check has waited since the door received it."""
+        off it), how long the check has waited since the door received it, and whether the
+        deadline was stamped on the call's arrival, before the event loop read it
+        (:meth:`~extauthz.overload.LoopLag.check`)."""
 
     def unreadable(self, message: M) -> A:
         """The answer to a request the door could not read: allowed."""

@@ -173,10 +173,10 @@ class HttpAuthorization:
     def answer(self, message: Request, ctx: RequestContext, decision: Decision, ticket: str) -> bytes:
         return http_answer(ctx, decision, close=not message[3], ticket=ticket)
 
-    def time_left(self, message: Request, call: _Connection) -> tuple[float | None, float]:
+    def time_left(self, message: Request, call: _Connection) -> tuple[float | None, float, bool]:
         # Envoy's HTTP call carries no deadline; the wait is since the connection's last
         # bytes arrived (queue time behind max_active_checks included)
-        return None, call.loop.time() - call.last_active
+        return None, call.loop.time() - call.last_active, False
 
     def unreadable(self, message: Request) -> bytes:
         return head(200, (), 0, not message[3])

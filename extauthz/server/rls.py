@@ -34,6 +34,7 @@ from ..policy.schema import MAX_COUNT, QuotaSpec, RequestRateSpec
 from ..proto import core_pb2, rls_pb2
 from ..verdict import Decision, Outcome, Verdict
 from .flow import CheckFlow
+from .grpc_h2 import Call as H2Call
 from .leases import Leases
 
 _RPC = {"rpc.system": "grpc", "rpc.service": "envoy.service.ratelimit.v3.RateLimitService",
@@ -169,8 +170,11 @@ class RateLimitDoor:
         spec = self.flow.engine.snapshot.policy.limiter(message.target)
         return Answer(_status(v, decision, current_limit(spec)), decision)
 
-    def time_left(self, message: DescriptorCall, call: grpc.aio.ServicerContext) -> tuple[float | None, float]:
-        return call.time_remaining(), 0.0
+    def time_left(self, message: DescriptorCall,
+                  call: grpc.aio.ServicerContext) -> tuple[float | None, float, bool]:
+        # as on Check (services.py): grpc.aio stamps the deadline on arrival, the event-loop
+        # server when the loop reads the call
+        return call.time_remaining(), 0.0, not isinstance(call, H2Call)
 
     def unreadable(self, message: DescriptorCall) -> Answer:
         return _NO_LIMIT

@@ -37,7 +37,7 @@ FULL_VALUES: dict[str, Any] = {
     "replicaCount": 3,
     "redis": {"existingSecret": "extauthz-redis", "existingSecretKey": "url"},
     "identitySalt": {"value": "s3cret-salt"},
-    "server": {"workers": 2, "logLevel": "debug", "httpPort": 9005},
+    "server": {"workers": 2, "logLevel": "debug", "httpPort": 9005, "grpcServer": "grpcio"},
     "extraEnv": [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": "http://otel-collector:4317"}],
     "podDisruptionBudget": {"enabled": True},
     "autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 12},
@@ -533,6 +533,7 @@ def test_full_env_uses_secrets(full_objects: list[dict[str, Any]]) -> None:
     }
     assert set(secret["data"]) == {"identity-salt", "lease-secret"}  # lease secret: made by the chart
     assert env["EXTAUTHZ_WORKERS"]["value"] == "2"
+    assert env["EXTAUTHZ_GRPC_SERVER"]["value"] == "grpcio"
     assert env["EXTAUTHZ_LOG_LEVEL"]["value"] == "debug"
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "http://otel-collector:4317"
 
@@ -593,6 +594,7 @@ BAD_VALUES = [
     {"server": {"grpcPort": 70000}},
     {"server": {"workers": 0}},
     {"server": {"logFormat": "xml"}},
+    {"server": {"grpcServer": "grpc.aio"}},
     {"redis": {"url": "http://redis:6379"}},
     {"policies": {"api.json": "{}"}},
     {"policies": {"api.yaml": 42}},

@@ -147,6 +147,30 @@ def test_on_grpc_only_a_stall_the_process_did_not_run_through_starves() -> None:
     assert not lag.check(None, 0.0)[1] and not lag.check(0.25, 0.0)[1]
 
 
+def test_a_deadline_stamped_when_the_loop_read_the_call_saw_no_stall() -> None:
+    """The gRPC port on the event loop stamps a call's deadline when the loop reads it, after
+    any stall of the loop: starved by the HTTP rule, while the deadline still bounds the
+    time left."""
+    clock, cpu = ManualClock(), [0.0]
+    lag = LoopLag(0.2, clock=clock, interval=0.025, cpu=lambda: cpu[0])
+    lag.tick()
+    clock.advance(0.025 + 0.15)  # a 150 ms collection: the loop stalled, the process ran
+    cpu[0] += 0.16
+    assert not lag.check(0.25, 0.0)[1]  # stamped on arrival: the deadline saw it
+    left, starved = lag.check(0.25, 0.0, on_arrival=False)
+    assert starved and left == lag.check(0.25, 0.0)[0]
+    lag.tick()
+    for _ in range(5):  # after it, for as long again as the stall (as on the HTTP port)
+        clock.advance(0.025)
+        lag.tick()
+        assert lag.check(0.25, 0.0, on_arrival=False)[1] == lag.check(None, 0.0)[1]
+    for _ in range(8):  # the loop on time again
+        clock.advance(0.025)
+        lag.tick()
+    assert not lag.check(0.25, 0.0, on_arrival=False)[1]
+    assert lag.check(0.1, 0.0, on_arrival=False)[0] < lag.check(None, 0.0)[0]  # the deadline bounds it
+
+
 # -- what the engine decides ---------------------------------------------------------------
 
 
