@@ -4,6 +4,7 @@ its line in ``TARGETS`` (docs/design.md "Envoy knowledge")."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 from typing import Any
 
@@ -95,3 +96,20 @@ def test_every_registered_target_has_the_target_shape() -> None:
     members = [m for m in vars(Target) if not m.startswith("_")] + list(Target.__annotations__)
     for name, target in config.TARGETS.items():
         assert all(hasattr(target, m) for m in members), name
+
+
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("check_budget_ms", float("nan"), "check_budget_ms must be a number of ms from 20 to 60000, not nan"),
+    ("check_budget_ms", float("inf"), "check_budget_ms must be a number of ms from 20 to 60000, not inf"),
+    ("check_budget_ms", -1000.0, "check_budget_ms must be a number of ms from 20 to 60000, not -1000.0"),
+    ("check_budget_ms", 70_000.0, "check_budget_ms must be a number of ms from 20 to 60000, not 70000.0"),
+    ("access_log_flush_ms", float("nan"), "access_log_flush_ms must be finite and not negative, not nan"),
+    ("access_log_flush_ms", float("inf"), "access_log_flush_ms must be finite and not negative, not inf"),
+    ("access_log_flush_ms", -1.0, "access_log_flush_ms must be finite and not negative, not -1.0"),
+])
+def test_options_refuse_a_budget_or_flush_interval_no_timeout_can_say(option: str, value: float, message: str) -> None:
+    # the server's own range for the budget (serve --check-budget-ms): a negative one would
+    # render a negative Envoy timeout, NaN and infinity no timeout at all
+    policy = load_policy([ROOT / "policies"])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        bootstrap(policy, protocol="grpc", upstream=("127.0.0.1", 8080), access_log="always", **{option: value})
