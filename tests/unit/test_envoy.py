@@ -113,3 +113,12 @@ def test_options_refuse_a_budget_or_flush_interval_no_timeout_can_say(option: st
     policy = load_policy([ROOT / "policies"])
     with pytest.raises(ValueError, match=re.escape(message)):
         bootstrap(policy, protocol="grpc", upstream=("127.0.0.1", 8080), access_log="always", **{option: value})
+
+
+def test_the_http_edge_reads_the_trace_headers_the_filter_is_told_to_send() -> None:
+    # one list: a trace header the server starts reading reaches it only if Envoy sends it
+    from extauthz.envoy import headers
+    from extauthz.server import http
+
+    assert http.TRACE_HEADERS is headers.TRACE_HEADERS
+    assert set(headers.TRACE_HEADERS) <= set(headers.allowed_headers((), "http"))
