@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,16 @@ def test_the_envoy_package_imports_no_server_module() -> None:
     found = {f"{p.name}: {m}" for p in PACKAGE.rglob("*.py") for m in imported_modules(p)
              if m == "extauthz.server" or m.startswith("extauthz.server.")}
     assert found == set()
+
+
+def test_importing_the_envoy_package_loads_no_server_module() -> None:
+    # the AST check above sees direct imports only; this one sees what they import in turn
+    modules = [f"extauthz.envoy.{p.stem}" for p in PACKAGE.glob("*.py") if p.stem != "__init__"]
+    code = ("import importlib, sys\n"
+            f"for m in {modules!r}: importlib.import_module(m)\n"
+            "print(sorted(m for m in sys.modules if m == 'extauthz.server' or m.startswith('extauthz.server.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
 
 
 def test_the_check_sees_its_own_imports() -> None:
