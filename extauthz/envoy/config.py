@@ -28,6 +28,7 @@ and clusters from a :class:`Build`; adding one is that module plus its line in
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
@@ -36,7 +37,7 @@ import yaml
 
 from ..policy.model import Policy
 from ..policy.schema import ConcurrentRequestsSpec, FleetUsageSpec, WorkerUtilizationSpec
-from ..settings import CHECK_BUDGET_MS
+from ..settings import CHECK_BUDGET_MS, MAX_CHECK_BUDGET_MS, MIN_CHECK_BUDGET_MS
 from .blocks import (
     CONNECT_TIMEOUT,
     Config,
@@ -166,8 +167,12 @@ class Options:
             raise ValueError(f"access_log must be one of {', '.join(ACCESS_LOG_MODES)}, not {self.access_log!r}")
         if self.authz_endpoints < 1:
             raise ValueError(f"authz_endpoints must be at least 1, not {self.authz_endpoints}")
-        if self.access_log_flush_ms < 0:
-            raise ValueError(f"access_log_flush_ms must not be negative, not {self.access_log_flush_ms}")
+        if not (math.isfinite(self.access_log_flush_ms) and self.access_log_flush_ms >= 0):
+            raise ValueError(f"access_log_flush_ms must be finite and not negative, not {self.access_log_flush_ms}")
+        # the server's range (serve --check-budget-ms): Envoy's timeout is this plus a margin
+        if not MIN_CHECK_BUDGET_MS <= self.check_budget_ms <= MAX_CHECK_BUDGET_MS:  # False for NaN
+            raise ValueError(f"check_budget_ms must be a number of ms from {MIN_CHECK_BUDGET_MS:.0f} to "
+                             f"{MAX_CHECK_BUDGET_MS:.0f}, not {self.check_budget_ms}")
         if self.allowed_headers is not None and self.send_all_headers:
             raise ValueError("allowed_headers and send_all_headers exclude each other")
         for port in (self.listen_port, self.admin_port):

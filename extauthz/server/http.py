@@ -50,6 +50,7 @@ from .. import settings
 from ..context import RawRequest, RequestContext
 from ..cork import Cork
 from ..engine import Snapshot
+from ..envoy.headers import TRACE_HEADERS
 from ..verdict import Decision
 from .flow import CheckFlow
 from .httpmap import error_answer, head, http_answer, raw_request
@@ -66,7 +67,6 @@ TURN_ANSWERS = 16
 #: bytes handed to the parser at a time; between pieces it stops once ``max_pipelined``
 #: requests wait (a piece holds at most ~110 requests of the smallest size)
 FEED_BYTES = 2048
-_TRACE_HEADERS = ("traceparent", "tracestate")
 
 
 #: :attr:`HttpLimits.max_active_checks` unless set (``serve --http-max-active-checks``).
@@ -183,7 +183,7 @@ class HttpAuthorization:
 
     def carrier(self, message: Request, call: _Connection) -> Iterable[tuple[str, Any]]:
         headers = message[2]
-        return [(k, headers[k]) for k in _TRACE_HEADERS if k in headers]
+        return [(k, headers[k]) for k in TRACE_HEADERS if k in headers]
 
     def status(self) -> dict[str, Any]:
         """The ``http`` section of the admin ``/status``."""

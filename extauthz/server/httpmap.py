@@ -15,7 +15,7 @@ import base64
 import binascii
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..answers import TIER_HEADER, denial, lease_fields, ratelimit_headers
 from ..classify import scalars_at
@@ -30,9 +30,6 @@ from ..envoy.headers import (
     XFCC_HEADER,
 )
 from ..verdict import Decision
-
-if TYPE_CHECKING:
-    pass
 
 _EMPTY: Mapping[str, str] = {}
 _NO_METADATA: Mapping[str, Sequence[Sequence[str]]] = {}
