@@ -24,7 +24,7 @@ import inspect
 import tracemalloc
 from collections.abc import Callable
 
-from extauthz.clock import ManualClock
+from extauthz.core.clock import ManualClock
 from extauthz.store.base import BucketOp, CountOp, LeaseOp, Op
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore

@@ -42,7 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from extauthz.clock import ManualClock
+from extauthz.core.clock import ManualClock
 from extauthz.store.base import (
     BucketOp,
     CountOp,

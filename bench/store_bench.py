@@ -56,13 +56,13 @@ if str(ROOT) not in sys.path:
 import redis  # noqa: E402
 from redis.crc import key_slot  # noqa: E402
 
-from extauthz.context import RawRequest  # noqa: E402
-from extauthz.engine import Engine  # noqa: E402
+from extauthz.core.context import RawRequest  # noqa: E402
+from extauthz.engine.engine import Engine  # noqa: E402
+from extauthz.engine.storegate import StoreGate  # noqa: E402
 from extauthz.policy import load_policy  # noqa: E402
 from extauthz.store.base import Store  # noqa: E402
 from extauthz.store.memory import MemoryStore  # noqa: E402
 from extauthz.store.redis import RedisStore  # noqa: E402
-from extauthz.storegate import StoreGate  # noqa: E402
 from testinfra.redis_servers import start_cluster, start_single  # noqa: E402
 
 from .redispy_store import RedisPyStore  # noqa: E402

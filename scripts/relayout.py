@@ -85,6 +85,7 @@ MOVES: dict[str, str] = {
     "extauthz.k8s": "extauthz.commands.k8s",
     "extauthz.opscli": "extauthz.commands.opscli",
     "extauthz.pictures": "extauthz.commands.pictures",
+    "extauthz.ratelimit_config": "extauthz.commands.ratelimit_config",  # issue 32: import ratelimit-config
     "extauthz.simulate": "extauthz.commands.simulate",
 }
 
@@ -120,7 +121,7 @@ policy loader, the verdict types, the stores and the errors; everything else is 
 | observe | `observe/` | observers: metrics, decision log, traces, shadow, traffic recorder |
 | control | `control/` | switches and overrides (stored documents), the change log, Control |
 | engine | `engine/` | snapshots and the decision, breakers, release, answers, reload, state |
-| envoy | `envoy_bootstrap.py` | what Envoy is told (`extauthz envoy-config`) |
+| envoy | `envoy/` | what Envoy sends and is told: header lists, record shapes, the one config generator |
 | server | `server/` | the doors and the process: the only code that imports grpc and aiohttp |
 | devtools | `devtools/` | a local Envoy + upstream stack for the demo, tests and benchmarks |
 | commands | `commands/` | the `extauthz` commands (`__main__.py`: `python -m extauthz`) |
@@ -133,24 +134,33 @@ core/       settings (every serve option once: flag, EXTAUTHZ_* variable, defaul
 store/      base (Store protocol, ops), keys (every key), algorithms (the rules; lua/check.lua
             mirrors them), memory, redis_events; redis/: url, wire, batcher, conn, cluster, store
 policy/     schema (strict, bounded), loader (file/path/line errors), model (Policy, frozen),
-            jsonschema, classify (identity, tier, plan, limiter keys -> RequestContext)
+            jsonschema, classify (identity, tier, plan, limiter keys -> RequestContext),
+            descriptors (Envoy rate limit descriptors: envoyproxy/ratelimit's lookup)
 limiters/   base (Limiter, PerCustomer, FleetWide), request_rate, concurrent, quota, fleet,
             worker (the worker shedder and its sampler), refusals, grants (batched grants)
 observe/    base (Observer), setup (Observability), metrics, logs, tracing, shadow,
             edge_metrics, recent_refusals, record (`serve --record`)
 control/    documents (Document, Board), switches, overrides, changelog, inspect
             (customer_view), control (Control, AdminControl, StoreControl), admintokens
-engine/     engine (Engine: snapshots; decide, THE fail-open place), breaker, overload
-            (LoopLag, the check budget), release (Releaser, THE release path), answers (what
-            both edges send), tickets (lease tickets), reload (PolicyWatcher), state (Panel
-            and the Parts of /status and /metrics)
+engine/     engine (Engine: snapshots; decide, THE fail-open place), storegate (StoreGate:
+            the store call behind breakers, deadline, blame, abandoned answers; builds the
+            GrantBook), breaker, overload (LoopLag, the check budget), release (Releaser, THE
+            release path), answers (what both edges send), tickets (lease tickets), reload
+            (PolicyWatcher), state (Panel and the Parts of /status and /metrics),
+            quota_service (RLQS: divide, QuotaBook; docs/rlqs.md)
+envoy/      headers (what each protocol sends, each edge reads), records (access-log and
+            fluentd shapes), frame (Options, Build, the Target protocol), config (THE
+            generator: bootstrap, TARGETS), ext_authz (grpc and http targets), ratelimit (the rate limit service's filter), rlqs (the quota
+            filter), blocks (clusters, strips, timeouts); configs/: envoy/*.yaml as shipped
 server/     app (Server: builds everything once from one Settings), flow (CheckFlow, Door),
-            traced, services + edge (the gRPC door), grpc_h2 (gRPC on the event loop),
-            http + httpmap (the HTTP door), fluentd, leases, operations, opsports, fleetstate,
-            admin, adminauth, ports, tls, workers
+            traced (check_flow), services + edge (the gRPC door: Check, access log, RLQS),
+            rls (ShouldRateLimit), grpc_h2 (gRPC on the event loop, the default), http +
+            httpmap (the HTTP door), fluentd, leases, panel (/status), opsports, fleetstate
+            (ReplicaControl), admin, adminauth, ports, tls, workers
 devtools/   client, envoy_config, envoy_process, stack, upstream
 commands/   cli (`extauthz`, serve), opscli (switch, report, status, override, history,
-            hash, inspect), k8s, demo, pictures; simulate/: cli, identities, traffic,
+            hash, inspect), k8s, demo, pictures, ratelimit_config (`import
+            ratelimit-config`); simulate/: cli, identities, traffic,
             replay, advice, report
 lua/        the Lua scripts (shipped as extauthz.lua); peek.lua is read-only
 ```
@@ -161,7 +171,7 @@ name: `extauthz/engine.py` is `extauthz/engine/engine.py`, `settings.py` is
 """
 
 #: top-level modules that stay where they are
-STAYS = {"extauthz.__main__", "extauthz.envoy_bootstrap"}
+STAYS = {"extauthz.__main__"}
 
 TEXT_ROOTS = ("extauthz", "tests", "bench", "testinfra", "scripts", "docs", "helm")
 TEXT_FILES = ("README.md", "pyproject.toml", "Containerfile")

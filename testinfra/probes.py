@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from extauthz.release import Releaser
+from extauthz.engine.release import Releaser
 from extauthz.store.memory import MemoryStore
 
 

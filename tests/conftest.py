@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from extauthz.clock import ManualClock
+from extauthz.core.clock import ManualClock
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

@@ -20,7 +20,7 @@ from types import TracebackType
 from typing import Any, Self
 from urllib.parse import parse_qs, urlsplit
 
-from ..answers import TIER_HEADER
+from ..engine.answers import TIER_HEADER
 from ..envoy.headers import FAILURE_MODE_HEADER
 
 __all__ = ["ECHOED_HEADERS", "TIER_HEADER", "Upstream", "start_upstream"]

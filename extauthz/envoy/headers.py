@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from ..answers import PROTOCOLS
-from ..context import REQUEST_ID_HEADER
+from ..core.context import REQUEST_ID_HEADER
+from ..engine.answers import PROTOCOLS
 
 if TYPE_CHECKING:
     from ..policy.model import Policy

@@ -21,9 +21,9 @@ from typing import Any
 
 import yaml
 
+from ..core.settings import CHECK_BUDGET_MS
 from ..policy.model import Policy
 from ..policy.schema import DescriptorMatch
-from ..settings import CHECK_BUDGET_MS
 from .blocks import Config, TlsFiles, address, authz_timeout, cluster, grpc_cluster, typed
 
 __all__ = ["DEFAULT_RLS", "RATELIMIT_FILTER", "actions_for", "bootstrap", "render"]

@@ -25,12 +25,12 @@ import math
 from collections.abc import Mapping
 from datetime import UTC, datetime
 
-from ..clock import SYSTEM_CLOCK, Clock
-from ..context import RequestContext
+from ..core.clock import SYSTEM_CLOCK, Clock
+from ..core.context import RequestContext
+from ..core.verdict import Limits, Outcome, Quota, Verdict
 from ..policy.schema import QuotaSpec
 from ..store.base import CountOp, Op, OpResult, QuotaGrantOp, QuotaReturnOp, Store
 from ..store.keys import Keys
-from ..verdict import Limits, Outcome, Quota, Verdict
 from .base import BY_IDENTITY, KeyOf, PerCustomer, denied_outcome, override_limit
 from .grants import GrantTable, Numbers
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from ..clock import SYSTEM_CLOCK, Clock
-from ..context import RequestContext
+from ..core.clock import SYSTEM_CLOCK, Clock
+from ..core.context import RequestContext
+from ..core.verdict import Limits, Outcome, Quota, Verdict
 from ..policy.schema import (
     PLAN_NUMBERS,
     RequestRateSpec,
@@ -31,7 +32,6 @@ from ..policy.schema import (
 )
 from ..store.base import BucketOp, GrantOp, OpResult, Store
 from ..store.keys import Keys
-from ..verdict import Limits, Outcome, Quota, Verdict
 from .base import BY_IDENTITY, KeyOf, PerCustomer, denied_outcome
 from .grants import GrantTable, bucket_renew, default_batch
 from .refusals import RefusalCache

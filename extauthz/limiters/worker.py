@@ -60,14 +60,14 @@ import urllib.request
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Protocol
 
-from ..context import RequestContext
+from ..core.context import RequestContext
+from ..core.runner import DONE
+from ..core.tiers import Tier
+from ..core.verdict import Outcome, Verdict
 from ..policy.schema import WorkerUtilizationSpec
-from ..runner import DONE
 from ..store.algorithms import clamp
 from ..store.base import LeaseOp, OpResult, ShedParams, Store
 from ..store.keys import Keys
-from ..tiers import Tier
-from ..verdict import Outcome, Verdict
 from .base import FleetWide, denied_outcome
 
 

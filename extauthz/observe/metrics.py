@@ -13,7 +13,7 @@ Three kinds of metric, chosen by cost:
   everything the server already counts or holds (fail-opens by reason, shed levels, policy
   version, reload failures, leases in flight, access-log counters, switches, the recorder,
   the Redis store's round trips and script calls), from the same per-component parts as
-  ``/status`` (:mod:`extauthz.observe.state`). Nothing per request.
+  ``/status`` (:mod:`extauthz.engine.state`). Nothing per request.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from ..context import RequestContext
+from ..core.context import RequestContext
+from ..core.tiers import Tier
+from ..core.verdict import Decision, Kind, Outcome
 from ..policy.model import Policy
 from ..store.base import CheckResult, Op
-from ..tiers import Tier
-from ..verdict import Decision, Kind, Outcome
 from .base import ObserverBase
 
 log = logging.getLogger("extauthz.metrics")

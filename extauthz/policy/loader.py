@@ -22,8 +22,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from ..errors import PolicyError, PolicyIssue
-from ..settings import POLICY_MAX_BYTES
+from ..core.errors import PolicyError, PolicyIssue
+from ..core.settings import POLICY_MAX_BYTES
 from .descriptors import DescriptorTable
 from .model import Policy, compile_policy, descriptor_targets
 from .schema import LIMITER_TYPES, PolicyFile

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..context import host_name
-from ..tiers import Tier
+from ..core.context import host_name
+from ..core.tiers import Tier
 from .descriptors import DescriptorTable, Target
 from .schema import (
     AppliesTo,

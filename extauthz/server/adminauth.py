@@ -40,16 +40,16 @@ from pathlib import Path
 
 from aiohttp import web
 
-from ..changelog import text_problem
-from ..control import Actor as Actor
-from .admintokens import CLIENT_HEADER as CLIENT_HEADER
-from .admintokens import MIN_TOKEN as MIN_TOKEN
-from .admintokens import REASON_HEADER as REASON_HEADER
-from .admintokens import TEXT_MAX as TEXT_MAX
-from .admintokens import USER_HEADER as USER_HEADER
-from .admintokens import AdminConfigError as AdminConfigError
-from .admintokens import client_token as client_token
-from .admintokens import parse_tokens as parse_tokens
+from ..control.admintokens import CLIENT_HEADER as CLIENT_HEADER
+from ..control.admintokens import MIN_TOKEN as MIN_TOKEN
+from ..control.admintokens import REASON_HEADER as REASON_HEADER
+from ..control.admintokens import TEXT_MAX as TEXT_MAX
+from ..control.admintokens import USER_HEADER as USER_HEADER
+from ..control.admintokens import AdminConfigError as AdminConfigError
+from ..control.admintokens import client_token as client_token
+from ..control.admintokens import parse_tokens as parse_tokens
+from ..control.changelog import text_problem
+from ..control.control import Actor as Actor
 from .ports import parse_listen
 
 log = logging.getLogger("extauthz.server")

@@ -18,28 +18,29 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ..clock import SYSTEM_CLOCK, Clock
-from ..engine import Engine
+from ..core.clock import SYSTEM_CLOCK, Clock
+from ..core.portfile import remove_admin_url, write_admin_url
+from ..core.runner import Runner
+from ..core.settings import Settings, event_loop, off
+from ..engine.engine import Engine
+from ..engine.overload import LoopLag
+from ..engine.quota_service import QuotaBook, QuotaLimit, limits_of
+from ..engine.reload import PolicyWatcher
+from ..engine.state import LeaseSampler, RecorderPart, Section, by_label_part
+from ..engine.storegate import StoreGate
+from ..engine.tickets import REASONS as REJECT_REASONS
+from ..engine.tickets import LeaseTickets
 from ..envoy.headers import unreadable_over_http
 from ..limiters.worker import sampler_job
 from ..observe import compose
 from ..observe.edge_metrics import EdgeCollector
+from ..observe.record import Recorder, pending_ttl
 from ..observe.setup import Observability
-from ..observe.state import LeaseSampler, RecorderPart, Section, by_label_part
-from ..overload import LoopLag
 from ..policy import Policy, load_policy
 from ..proto import accesslog_pb2_grpc, auth_pb2_grpc, rlqs_pb2_grpc, rls_pb2_grpc
-from ..quota_service import QuotaBook, QuotaLimit, limits_of
-from ..reload import PolicyWatcher
-from ..runner import Runner
-from ..settings import Settings, event_loop, off
-from ..simulate.record import Recorder, pending_ttl
 from ..store.base import Store
 from ..store.keys import Keys
 from ..store.memory import MemoryStore
-from ..storegate import StoreGate
-from ..tickets import REASONS as REJECT_REASONS
-from ..tickets import LeaseTickets
 from .admin import admin_app
 from .fleetstate import FleetState, ReplicaControl
 from .fluentd import FluentdReceiver
@@ -48,7 +49,6 @@ from .http import HttpAuthorization, HttpLimits, max_connections_for
 from .leases import Leases
 from .opsports import OperatorPorts
 from .panel import status_panel
-from .portfile import remove_admin_url, write_admin_url
 from .ports import parse_listen
 from .services import (
     AccessLogService,
@@ -69,14 +69,14 @@ SHADOW_FLUSH_INTERVAL = 1.0
 LEASES_SAMPLE_INTERVAL = 2.0
 
 
-#: the server's configuration: one :class:`~extauthz.settings.Settings`, every option declared
+#: the server's configuration: one :class:`~extauthz.core.settings.Settings`, every option declared
 #: once there (flag, variable, default, help) and built from the command line by
-#: :func:`extauthz.settings.from_args`.
+#: :func:`extauthz.core.settings.from_args`.
 ServerConfig = Settings
 
 
 def is_off(listen: str | None) -> bool:
-    """An off listen value (unset, ``""``, ``off``, ``none``: :func:`extauthz.settings.off`)."""
+    """An off listen value (unset, ``""``, ``off``, ``none``: :func:`extauthz.core.settings.off`)."""
     return off(listen) is None
 
 
@@ -142,7 +142,7 @@ class Server:
                         "leases wait for their TTL); give every replica the same --lease-secret",
                         extra={"fields": {"event": "lease_secret_random"}})
         # What operators see and change at run time, each owner built here once:
-        #: the loop's lag (a Runner job) and the check budget (extauthz/overload.py); real
+        #: the loop's lag (a Runner job) and the check budget (extauthz/engine/overload.py); real
         #: time, whatever clock the limiters run on
         self.lag = LoopLag(config.check_budget_ms / 1000.0, running=lambda: self.runner.running("loop_lag"))
         #: the admin and metrics ports, and the admin port's lock
@@ -182,7 +182,7 @@ class Server:
             metrics.registry.register(self.panel)
             metrics.registry.register(EdgeCollector(lambda: self.tls, lambda: self.accesslog.rejected,
                                                     REJECT_REASONS))
-        #: what the admin routes read and change: the one control path (extauthz/control.py)
+        #: what the admin routes read and change: the one control path (extauthz/control/control.py)
         self.control = ReplicaControl(self.fleet, observe=self.observe, status=self.panel.status)
         if is_off(config.listen) and is_off(config.http_listen):
             raise ValueError("both the gRPC (--listen) and the HTTP (--http-listen) ports are off: "

@@ -83,7 +83,7 @@ from hyperframe.frame import (
 )
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ..settings import DEFAULT_MAX_ACTIVE_CHECKS
+from ..core.settings import DEFAULT_MAX_ACTIVE_CHECKS
 from .ports import parse_listen
 
 __all__ = ["Call", "GrpcH2Server", "H2Limits", "parse_timeout"]

@@ -27,7 +27,7 @@ others instead of holding it (on the embedded store a check never suspends: with
 yield one connection's queue ran to its end in one turn, and 20 such connections kept every
 other one waiting for seconds; docs/http.md "Bounds").
 
-Answers are corked (:class:`~extauthz.cork.Cork`): the answers one loop turn produces on a
+Answers are corked (:class:`~extauthz.core.cork.Cork`): the answers one loop turn produces on a
 connection (pipelined requests) go out in one socket write, in order: at once when no request
 waits behind the last of them, else at the start of the next turn; closing a connection writes
 what is held first.
@@ -46,12 +46,12 @@ from typing import Any
 
 import httptools
 
-from .. import settings
-from ..context import RawRequest, RequestContext
-from ..cork import Cork
-from ..engine import Snapshot
+from ..core import settings
+from ..core.context import RawRequest, RequestContext
+from ..core.cork import Cork
+from ..core.verdict import Decision
+from ..engine.engine import Snapshot
 from ..envoy.headers import TRACE_HEADERS
-from ..verdict import Decision
 from .flow import CheckFlow
 from .httpmap import error_answer, head, http_answer, raw_request
 from .leases import Leases, seen_as
@@ -146,7 +146,7 @@ class HttpAuthorization:
                  forward_auth: bool = False, prefix: str = "") -> None:
         self.flow = flow
         self.forward_auth = forward_auth
-        #: ``--http-path-prefix`` (normalized by :func:`~extauthz.settings.path_prefix`)
+        #: ``--http-path-prefix`` (normalized by :func:`~extauthz.core.settings.path_prefix`)
         self.prefix = settings.path_prefix(prefix)
         self.limits = limits if limits is not None else HttpLimits()
         self.server: asyncio.Server | None = None

@@ -1,11 +1,11 @@
 """Envoy's HTTP authorization protocol (``http_service``), mapped: the request Envoy sends ->
-:class:`~extauthz.context.RawRequest`, a decision -> the HTTP/1.1 answer.
+:class:`~extauthz.core.context.RawRequest`, a decision -> the HTTP/1.1 answer.
 
 Envoy sends the client's method, path and the headers its ``allowed_headers`` lists, without
 the body; a 200 admits the request, any other status is the client's answer (docs/http.md has
 the field-by-field mapping to the gRPC protocol). The request is converted once into the same
-:class:`~extauthz.context.RawRequest` the gRPC edge builds, and answered from the same pieces
-(:mod:`extauthz.answers`). Pure functions: the connection is ``server/http.py``'s, the check
+:class:`~extauthz.core.context.RawRequest` the gRPC edge builds, and answered from the same pieces
+(:mod:`extauthz.engine.answers`). Pure functions: the connection is ``server/http.py``'s, the check
 flow ``server/flow.py``'s.
 """
 
@@ -17,9 +17,9 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ..answers import TIER_HEADER, denial, lease_fields, ratelimit_headers
-from ..classify import scalars_at
-from ..context import REQUEST_ID_HEADER, RawRequest, RequestContext
+from ..core.context import REQUEST_ID_HEADER, RawRequest, RequestContext
+from ..core.verdict import Decision
+from ..engine.answers import TIER_HEADER, denial, lease_fields, ratelimit_headers
 from ..envoy.headers import (
     FORWARDED_FOR_HEADER,
     JWT_NAMESPACE,
@@ -29,7 +29,7 @@ from ..envoy.headers import (
     SHED_STATUS,
     XFCC_HEADER,
 )
-from ..verdict import Decision
+from ..policy.classify import scalars_at
 
 _EMPTY: Mapping[str, str] = {}
 _NO_METADATA: Mapping[str, Sequence[Sequence[str]]] = {}

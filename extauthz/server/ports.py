@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from ..settings import OFF, off, parse_listen  # parsed in one place (re-exported here)
+from ..core.settings import OFF, off, parse_listen  # parsed in one place (re-exported here)
 
 __all__ = ["OFF", "HttpPorts", "metrics_app", "off", "parse_listen"]
 

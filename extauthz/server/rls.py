@@ -26,13 +26,13 @@ from typing import Any
 
 import grpc
 
-from ..answers import ratelimit_headers, retry_after_seconds
-from ..context import RawRequest, RequestContext
-from ..engine import Snapshot
+from ..core.context import RawRequest, RequestContext
+from ..core.verdict import Decision, Outcome, Verdict
+from ..engine.answers import ratelimit_headers, retry_after_seconds
+from ..engine.engine import Snapshot
 from ..policy.descriptors import Entries, replaced
 from ..policy.schema import MAX_COUNT, QuotaSpec, RequestRateSpec
 from ..proto import core_pb2, rls_pb2
-from ..verdict import Decision, Outcome, Verdict
 from .flow import CheckFlow
 from .grpc_h2 import Call as H2Call
 from .leases import Leases

@@ -7,7 +7,7 @@ of a RateLimitRequest through the same flow (``server/rls.py``); StreamAccessLog
 lease metadata and request and hands them to the entry handling it shares with the fluentd
 port (``server/leases.py`` :class:`~extauthz.server.leases.FinishedEntries`);
 StreamRateLimitQuotas translates usage reports and bucket actions for the quota book
-(``extauthz/quota_service.py``).
+(``extauthz/engine/quota_service.py``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from typing import Any
 import grpc
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ..context import RawRequest, RequestContext
-from ..engine import Snapshot
+from ..core.context import RawRequest, RequestContext
+from ..core.verdict import Decision
+from ..engine.engine import Snapshot
+from ..engine.quota_service import Action, QuotaBook, QuotaError, Stream, Usage
 from ..envoy.headers import FAILURE_MODE_HEADER
 from ..envoy.records import EXT_AUTHZ_NAMESPACE, ROUTE_TIER_TAG
 from ..proto import (
@@ -37,8 +39,6 @@ from ..proto import (
     rls_pb2,
     rls_pb2_grpc,
 )
-from ..quota_service import Action, QuotaBook, QuotaError, Stream, Usage
-from ..verdict import Decision
 from .edge import check_response, lease_metadata, raw_request
 from .flow import CheckFlow
 from .grpc_h2 import Call as H2Call
@@ -216,7 +216,7 @@ MAX_QUOTA_OUTBOX = 256
 
 class RateLimitQuotaService(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # type: ignore[misc]
     """StreamRateLimitQuotas (RLQS, docs/rlqs.md): Envoy's usage reports in, bucket actions
-    out, both ways at once. The quota logic is :class:`~extauthz.quota_service.QuotaBook`;
+    out, both ways at once. The quota logic is :class:`~extauthz.engine.quota_service.QuotaBook`;
     this adapter only translates: each report is one :meth:`QuotaBook.report`, whose actions
     go to their streams (another stream's shrink pushed to it at once)."""
 

@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import SpanKind
 
-from ..engine import Engine
+from ..engine.engine import Engine
+from ..engine.overload import LoopLag
 from ..observe.tracing import CHECK_SPAN, parent_context
-from ..overload import LoopLag
 from .flow import A, C, CheckFlow, Door, M
 from .leases import Leases
 

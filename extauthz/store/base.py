@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Final, Protocol
 
-from ..errors import StoreUnavailable
+from ..core.errors import StoreUnavailable
 
 #: compare-and-set attempts of one :func:`update_value` while other writers keep changing it
 SWAP_ATTEMPTS = 8
@@ -329,7 +329,7 @@ class Store(Protocol):
         """The events of ``key`` appended at or after ``since`` (Unix seconds), oldest first."""
 
     async def ping(self) -> None:
-        """Raise :class:`~extauthz.errors.StoreError` when the store cannot answer."""
+        """Raise :class:`~extauthz.core.errors.StoreError` when the store cannot answer."""
 
     async def close(self) -> None: ...
 
@@ -387,7 +387,7 @@ async def update_value(store: Store, key: str,
     compare-and-set (:meth:`Store.swap_value`). When another writer (an operator on another
     replica or the CLI) changed the value in between, it is read again and ``change`` applied
     on top, so no change is lost. Returns the value written; raises
-    :class:`~extauthz.errors.StoreUnavailable` after :data:`SWAP_ATTEMPTS` lost races."""
+    :class:`~extauthz.core.errors.StoreUnavailable` after :data:`SWAP_ATTEMPTS` lost races."""
     for _ in range(SWAP_ATTEMPTS):
         stored = await store.get_value(key)
         value, ttl = change(stored)

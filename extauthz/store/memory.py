@@ -31,8 +31,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..clock import SYSTEM_CLOCK, Clock
-from ..settings import MEMORY_MAX_KEYS
+from ..core.clock import SYSTEM_CLOCK, Clock
+from ..core.settings import MEMORY_MAX_KEYS
 from . import algorithms
 from .algorithms import COUNT, LEASES, RULES, SLOTS, TOKENS, Rule, TokensOp, refill
 from .base import CheckResult, FleetGrantOp, LeaseOp, Op, PeekOp, ShedParams, StoreBase, bucket_ttl

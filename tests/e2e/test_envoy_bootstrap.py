@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from extauthz.cli import main
+from extauthz.commands.cli import main
 from extauthz.devtools.client import HttpClient
 from extauthz.devtools.envoy_config import validate
 from extauthz.devtools.envoy_process import EnvoyProcess
@@ -199,7 +199,7 @@ def authz_timeouts(config: dict[str, Any]) -> list[str]:
 
 def test_envoy_s_timeout_is_the_server_s_check_budget_plus_the_margin(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """The server decides within --check-budget-ms (extauthz/overload.py); Envoy waits that
+    """The server decides within --check-budget-ms (extauthz/engine/overload.py); Envoy waits that
     plus 50 ms before it fails the check open, whether the budget is given as serve's flag or
     its variable, and the shipped configs carry the default's (200 ms: 0.25 s)."""
     base = ["--policies", str(ROOT / "policies"), "--upstream", "127.0.0.1:8080"]

@@ -21,8 +21,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from extauthz.core.errors import PolicyError
 from extauthz.devtools import envoy_config
-from extauthz.errors import PolicyError
 from extauthz.policy import load_policy
 from extauthz.server.app import ServerConfig
 
@@ -514,7 +514,7 @@ def test_memory_max_keys_is_set_only_when_given(chart: Any) -> None:
 @pytest.mark.parametrize("name", ["default", "full"])
 def test_env_names_are_the_cli_variables(name: str, request: pytest.FixtureRequest) -> None:
     """Each EXTAUTHZ_* variable the chart sets is one `extauthz serve` reads."""
-    from extauthz.settings import options  # every option serve reads, once
+    from extauthz.core.settings import options  # every option serve reads, once
 
     read = {opt.env for opt in options().values()}
     env = env_of(container(request.getfixturevalue(name + "_objects")))
@@ -814,7 +814,7 @@ def test_a_policy_error_at_render_is_one_line_as_check_policies_says_it(
         chart: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str], limiter: dict[str, Any], field: str) -> None:
     """One bad field: Helm's message names it in one line (it printed about 20, one per limiter
     kind and optional-field alternative), and check-policies names the same field."""
-    from extauthz.cli import main
+    from extauthz.commands.cli import main
 
     policy = {"version": 1, "identity": [{"header": "x-api-key"}], "limiters": [limiter]}
     with pytest.raises(helm.HelmValuesError) as raised:

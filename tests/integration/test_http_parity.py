@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from extauthz.clock import ManualClock
+from extauthz.core.clock import ManualClock
 from extauthz.envoy.headers import SHED_STATUS
 from extauthz.proto import auth_pb2, auth_pb2_grpc
 from extauthz.server.app import Server, ServerConfig

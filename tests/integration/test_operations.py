@@ -1,12 +1,12 @@
 """A running server's /status and /metrics, built from the per-component parts
-(extauthz/observe/state.py) by server/panel.py: the /status document keeps every key operators
+(extauthz/engine/state.py) by server/panel.py: the /status document keeps every key operators
 read, in its order, and a count shown on /status is the one /metrics exports."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from extauthz.opscli import format_status
+from extauthz.commands.opscli import format_status
 from tests.observe.helpers import admin, rate, running, scrape, write_policy
 
 STATUS_KEYS = [

@@ -11,7 +11,7 @@ import grpc
 import pytest
 from google.protobuf import wrappers_pb2
 
-from extauthz.clock import ManualClock
+from extauthz.core.clock import ManualClock
 from extauthz.proto import auth_pb2, auth_pb2_grpc, ratelimit_common_pb2, rls_pb2, rls_pb2_grpc
 from extauthz.server.app import Server, ServerConfig
 

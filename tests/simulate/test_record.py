@@ -10,17 +10,17 @@ from typing import Any
 
 import yaml
 
-from extauthz.clock import ManualClock
-from extauthz.context import RawRequest
-from extauthz.engine import Engine
+from extauthz.commands.simulate.replay import run_now
+from extauthz.commands.simulate.traffic import BadLines, TrafficFile, read_traffic
+from extauthz.core.clock import ManualClock
+from extauthz.core.context import RawRequest
+from extauthz.engine.engine import Engine
+from extauthz.engine.storegate import StoreGate
+from extauthz.observe.record import Recorder, RotatingWriter, pending_ttl, redact_path
 from extauthz.policy import load_policy
 from extauthz.server.app import ServerConfig
 from extauthz.server.workers import child_config
-from extauthz.simulate.record import Recorder, RotatingWriter, pending_ttl, redact_path
-from extauthz.simulate.replay import run_now
-from extauthz.simulate.traffic import BadLines, TrafficFile, read_traffic
 from extauthz.store.memory import MemoryStore
-from extauthz.storegate import StoreGate
 
 POLICY = {"version": 1, "identity": [{"header": "x-api-key"}], "limiters": [
     {"name": "rate", "type": "request_rate", "rate": 1, "burst": 2},
@@ -137,8 +137,8 @@ def test_serve_record_options_parse() -> None:
 
     import pytest
 
-    from extauthz.cli import build_parser, main
-    from extauthz.settings import size as _size
+    from extauthz.commands.cli import build_parser, main
+    from extauthz.core.settings import size as _size
 
     assert _size("500M") == 500 << 20 and _size("2G") == 2 << 30 and _size("4096") == 4096
     with pytest.raises(argparse.ArgumentTypeError):

@@ -21,9 +21,11 @@ from typing import Any
 
 import pytest
 
-from extauthz.clock import ManualClock
-from extauthz.engine import Engine
-from extauthz.errors import PolicyError, StoreUnavailable
+from extauthz.core.clock import ManualClock
+from extauthz.core.errors import PolicyError, StoreUnavailable
+from extauthz.core.verdict import Decision, Kind, Outcome, Verdict
+from extauthz.engine.engine import Engine
+from extauthz.engine.storegate import StoreGate
 from extauthz.limiters.fleet import FleetSlots, FleetUsageShedder, default_fleet_batch, grant_ttl
 from extauthz.limiters.grants import SEND_CHUNK, GrantTable, default_batch
 from extauthz.limiters.quota import QuotaLimiter, default_quota_batch
@@ -33,8 +35,6 @@ from extauthz.store import algorithms
 from extauthz.store.base import FleetGrantOp, GrantOp, Op, QuotaGrantOp, ReturnOp, Store
 from extauthz.store.memory import MemoryStore
 from extauthz.store.redis import RedisStore
-from extauthz.storegate import StoreGate
-from extauthz.verdict import Decision, Kind, Outcome, Verdict
 from testinfra.probes import release_and_wait
 from testinfra.redis_servers import RedisSingle
 from tests.store.conftest import make_redis_store

@@ -35,9 +35,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extauthz.clock import ManualClock
-from extauthz.context import RawRequest
-from extauthz.engine import Engine
+from extauthz.core.clock import ManualClock
+from extauthz.core.context import RawRequest
+from extauthz.engine.engine import Engine
+from extauthz.engine.storegate import StoreGate
 from extauthz.limiters.grants import bucket_renew
 from extauthz.store import algorithms
 from extauthz.store.base import (
@@ -56,7 +57,6 @@ from extauthz.store.base import (
 )
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
-from extauthz.storegate import StoreGate
 from testinfra.redis_servers import RedisSingle
 from tests.store.conftest import StoreCase, make_redis_store
 from tests.unit.helpers import policy_from

@@ -9,12 +9,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from extauthz.answers import denial, ratelimit_headers
-from extauthz.context import RawRequest
-from extauthz.engine import Engine
+from extauthz.control.overrides import make_override
+from extauthz.core.context import RawRequest
+from extauthz.engine.answers import denial, ratelimit_headers
+from extauthz.engine.engine import Engine
+from extauthz.engine.storegate import StoreGate
 from extauthz.observe.metrics import Metrics
-from extauthz.overrides import make_override
-from extauthz.storegate import StoreGate
 from testinfra.probes import release_and_wait
 
 from ..unit.helpers import get, policy_from

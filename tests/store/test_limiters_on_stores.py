@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from extauthz.context import RawRequest
-from extauthz.engine import Engine
+from extauthz.control.overrides import make_override
+from extauthz.core.context import RawRequest
+from extauthz.core.verdict import Decision
+from extauthz.engine.engine import Engine
+from extauthz.engine.storegate import StoreGate
 from extauthz.limiters.worker import sample_once
-from extauthz.overrides import make_override
-from extauthz.storegate import StoreGate
-from extauthz.verdict import Decision
 from testinfra.probes import release_and_wait
 
 from ..unit.helpers import get, policy_from

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench.memory_per_key import KINDS, grow, store_for
-from extauthz.clock import ManualClock
+from extauthz.core.clock import ManualClock
 from extauthz.store.base import BucketOp, CountOp, LeaseOp
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore

@@ -5,7 +5,7 @@ every key inside one check stalled it 163 ms at 300,000 identities)."""
 
 from __future__ import annotations
 
-from extauthz.clock import ManualClock
+from extauthz.core.clock import ManualClock
 from extauthz.store import memory
 from extauthz.store.base import BucketOp, LeaseOp
 from extauthz.store.keys import Keys

@@ -17,7 +17,7 @@ import typing
 import pytest
 from hypothesis import HealthCheck, Phase, find, settings
 
-from extauthz.clock import ManualClock
+from extauthz.core.clock import ManualClock
 from extauthz.store import algorithms
 from extauthz.store.algorithms import RULES
 from extauthz.store.base import OP_KINDS, Op

@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 
-from extauthz.clock import ManualClock
-from extauthz.engine import Engine
+from extauthz.core.clock import ManualClock
+from extauthz.core.verdict import Decision
+from extauthz.engine.engine import Engine
+from extauthz.engine.storegate import StoreGate
 from extauthz.limiters.fleet import FleetSlots, FleetUsageShedder
 from extauthz.limiters.grants import GrantTable, Synced
 from extauthz.limiters.request_rate import RequestRateLimiter
-from extauthz.storegate import StoreGate
-from extauthz.verdict import Decision
 from testinfra.probes import release_and_wait
 from testinfra.redis_servers import RedisSingle
 from tests.store.conftest import make_redis_store

@@ -14,7 +14,10 @@ from typing import Any
 
 import pytest
 
-from extauthz.overrides import change_stored, make_override, parse_overrides, with_override
+from extauthz.control.overrides import change_stored, make_override, parse_overrides, with_override
+from extauthz.control.switches import change_stored as change_switches
+from extauthz.control.switches import parse_switches
+from extauthz.core.verdict import Mode
 from extauthz.store import algorithms
 from extauthz.store.base import (
     BucketOp,
@@ -30,9 +33,6 @@ from extauthz.store.base import (
 )
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
-from extauthz.switches import change_stored as change_switches
-from extauthz.switches import parse_switches
-from extauthz.verdict import Mode
 from testinfra.probes import key_count
 from tests.store.conftest import StoreCase, key_expiry_times, key_ttls, redis_time_ms
 

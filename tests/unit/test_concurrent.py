@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from extauthz.clock import ManualClock
-from extauthz.verdict import Decision
+from extauthz.core.clock import ManualClock
+from extauthz.core.verdict import Decision
 from testinfra.probes import release_and_wait
 
 from .helpers import engine_for, get, policy_from

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from extauthz.classify import Classifier
-from extauthz.clock import ManualClock
-from extauthz.context import RawRequest
+from extauthz.core.clock import ManualClock
+from extauthz.core.context import RawRequest
 from extauthz.observe.metrics import Metrics
+from extauthz.policy.classify import Classifier
 from extauthz.policy.descriptors import Entries, entries_of
 from extauthz.policy.model import Policy
 

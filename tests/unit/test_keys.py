@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from extauthz.classify import Classifier, hash_identity
-from extauthz.context import RawRequest
+from extauthz.core.context import RawRequest
 from extauthz.limiters.quota import calendar_window
+from extauthz.policy.classify import Classifier, hash_identity
 from extauthz.proto import auth_pb2
 from extauthz.server.edge import raw_request
 

@@ -123,7 +123,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("observe", ("observe",)),                 # observers: metrics, logs, traces, shadow, record
     ("control", ("control",)),                 # switches, overrides, the change log, Control
     ("engine", ("engine",)),                   # the engine, release, answers, reload, state
-    ("envoy", ("envoy", "envoy_bootstrap")),   # what Envoy is told and sends
+    ("envoy", ("envoy",)),                     # what Envoy is told and sends
     ("server", ("server",)),                   # the doors and the process (grpc, aiohttp)
     ("devtools", ("devtools",)),               # a local stack for demos, tests, benchmarks
     ("commands", ("commands", "__main__")),    # the `extauthz` commands
@@ -131,13 +131,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 ROOT_MODULE = "extauthz"
 
-#: upward imports that another branch of this round removes (issue 30: the envoy package
-#: imports no server code); each must still occur, so the entry goes when its import does
-PENDING: frozenset[tuple[str, str]] = frozenset({
-    ("extauthz.envoy_bootstrap", "extauthz.server.fluentd"),
-    ("extauthz.envoy_bootstrap", "extauthz.server.httpmap"),
-    ("extauthz.envoy_bootstrap", "extauthz.server.leases"),
-})
+#: upward imports allowed for a while (none: issue 30 removed the last, the envoy package's
+#: imports of server code); each must still occur, so an entry goes when its import does
+PENDING: frozenset[tuple[str, str]] = frozenset()
 
 
 def modules(package: Path = PACKAGE) -> dict[str, Path]:

@@ -1,4 +1,4 @@
-"""Overload (extauthz/overload.py, Engine.decide's time left): the loop's lag on an injected
+"""Overload (extauthz/engine/overload.py, Engine.decide's time left): the loop's lag on an injected
 clock, and what the engine decides for a starved server or a check with no time left."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from extauthz.clock import ManualClock
-from extauthz.engine import Engine
-from extauthz.overload import LoopLag
+from extauthz.core.clock import ManualClock
+from extauthz.core.verdict import Outcome
+from extauthz.engine.engine import Engine
+from extauthz.engine.overload import LoopLag
+from extauthz.engine.storegate import StoreGate
 from extauthz.store.memory import MemoryStore
-from extauthz.storegate import StoreGate
-from extauthz.verdict import Outcome
 
 from ..observe.helpers import eventually
 from .helpers import RATE, FaultyStore, engine_for, get, policy_from

@@ -10,12 +10,7 @@ from typing import Any
 
 import pytest
 
-from extauthz.answers import denial, ratelimit_headers
-from extauthz.classify import hash_identity
-from extauthz.clock import ManualClock
-from extauthz.observe.metrics import Metrics
-from extauthz.observe.state import Panel, engine_parts
-from extauthz.overrides import (
+from extauthz.control.overrides import (
     MAX_OVERRIDES,
     MAX_TTL,
     Override,
@@ -28,9 +23,14 @@ from extauthz.overrides import (
     with_override,
     without_override,
 )
+from extauthz.control.switches import Switches
+from extauthz.core.clock import ManualClock
+from extauthz.core.verdict import Mode
+from extauthz.engine.answers import denial, ratelimit_headers
+from extauthz.engine.state import Panel, engine_parts
+from extauthz.observe.metrics import Metrics
 from extauthz.policy import load_policy
-from extauthz.switches import Switches
-from extauthz.verdict import Mode
+from extauthz.policy.classify import hash_identity
 
 from ..conftest import ROOT
 from .helpers import engine_for, get, policy_from

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from extauthz.cli import main
+from extauthz.commands.cli import main
 from extauthz.envoy.ratelimit import bootstrap, rate_limits
 
 from .helpers import policy_from

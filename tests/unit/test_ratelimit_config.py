@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extauthz.classify import Classifier
-from extauthz.cli import main
-from extauthz.clock import ManualClock
-from extauthz.context import RawRequest
+from extauthz.commands.cli import main
+from extauthz.commands.ratelimit_config import ConvertError, convert_paths
+from extauthz.core.clock import ManualClock
+from extauthz.core.context import RawRequest
 from extauthz.policy import load_policy
+from extauthz.policy.classify import Classifier
 from extauthz.policy.descriptors import entries_of
-from extauthz.ratelimit_config import ConvertError, convert_paths
 
 from .helpers import engine_for
 

@@ -1,4 +1,4 @@
-"""extauthz/settings.py: each option once, and the docs, README and chart naming only options
+"""extauthz/core/settings.py: each option once, and the docs, README and chart naming only options
 that exist, with the defaults the settings declare."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import yaml
 
-from extauthz import settings
-from extauthz.cli import build_parser
-from extauthz.settings import Settings, default_text, off, options
+from extauthz.commands.cli import build_parser
+from extauthz.core import settings
+from extauthz.core.settings import Settings, default_text, off, options
 
 from ..conftest import ROOT
 
@@ -113,7 +113,7 @@ def test_an_in_process_settings_checks_itself(given: dict[str, Any], message: st
 
 
 def test_the_command_line_refuses_what_settings_refuse(capsys: pytest.CaptureFixture[str]) -> None:
-    from extauthz.cli import main
+    from extauthz.commands.cli import main
 
     assert main(["serve", "--record-sample", "1.5"]) == 2
     assert "--record-sample must be in (0, 1], not 1.5" in capsys.readouterr().err

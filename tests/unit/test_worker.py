@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from extauthz.clock import ManualClock
-from extauthz.context import RawRequest
-from extauthz.engine import Engine
+from extauthz.core.clock import ManualClock
+from extauthz.core.context import RawRequest
+from extauthz.core.tiers import Tier
+from extauthz.engine.engine import Engine
+from extauthz.engine.storegate import StoreGate
 from extauthz.limiters.worker import WorkerUtilizationShedder, sample_once
 from extauthz.store import algorithms
 from extauthz.store.base import ShedParams
 from extauthz.store.memory import MemoryStore
-from extauthz.storegate import StoreGate
-from extauthz.tiers import Tier
 from testinfra.probes import release_and_wait
 
 from .helpers import policy_from

@@ -14,7 +14,7 @@ from typing import Any, Final
 from redis import exceptions as rx
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 
-from ...errors import StoreError
+from ...core.errors import StoreError
 from .. import algorithms
 from ..base import CheckResult, Op, OpResult
 from ..keys import Keys

@@ -11,7 +11,7 @@ every replica, so that one budget holds across the fleet.
 * Redis Cluster: :mod:`.cluster` (groups by hash tag, compensation).
 * Auto-batching (default on): :mod:`.batcher`.
 * Client exceptions are wrapped once (:func:`.wire.wrap`) into
-  :class:`~extauthz.errors.StoreTimeout` and :class:`~extauthz.errors.StoreUnavailable`.
+  :class:`~extauthz.core.errors.StoreTimeout` and :class:`~extauthz.core.errors.StoreUnavailable`.
   Nothing here decides fail-open: the engine does.
 """
 
@@ -30,8 +30,8 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.sentinel import Sentinel
 
-from ...errors import StoreError, StoreUnavailable
-from ...settings import STORE_DEADLINE_MS
+from ...core.errors import StoreError, StoreUnavailable
+from ...core.settings import STORE_DEADLINE_MS
 from .. import algorithms, redis_events
 from ..base import RETURN_OPS, CheckResult, Op, PeekOp, ShedParams, StoreBase, StoreStats
 from ..keys import Keys

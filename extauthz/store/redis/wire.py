@@ -16,7 +16,7 @@ from typing import Any, Final
 
 from redis import exceptions as rx
 
-from ...errors import StoreError, StoreTimeout, StoreUnavailable
+from ...core.errors import StoreError, StoreTimeout, StoreUnavailable
 from ..algorithms import RULES
 from ..base import OP_KINDS, CheckResult, Op, OpResult, StoreStats
 
