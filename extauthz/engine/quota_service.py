@@ -11,8 +11,9 @@ into ``RateLimitQuotaResponse`` messages.
 * :func:`divide` (pure) splits them into whole tokens: shares follow the reported demand,
   and a share grows only into what is free in the ledger, where a shrunk share stays held
   until a report sent after Envoy received the shrink confirms it (:attr:`Held.until`).
-  The ledger here is this replica's (:class:`QuotaBook`); a store ledger across replicas
-  replaces it by holding the same :class:`Share` numbers per (bucket, stream) under a TTL.
+  The ledger here is this replica's (:class:`QuotaBook`); beneath it, the store's ledger
+  (:class:`StoreLedger`, ``SliceOp``) holds each (bucket, stream)'s numbers across replicas
+  under a TTL, and a share is sent only as far as the store granted it (:meth:`QuotaBook.settle`).
 * Assignments carry a TTL of a few report intervals; a bucket that reports no requests for
   ``idle_reports`` reports is abandoned (its share goes back); a stream gone gives its
   shares back once its assignments' TTL has passed (its Envoy enforces them until then).
@@ -26,16 +27,23 @@ into ``RateLimitQuotaResponse`` messages.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import logging
 import math
+import secrets
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ..core.clock import SYSTEM_CLOCK, Clock
 from ..policy.model import Policy
+from ..store.base import OpResult, SliceOp, Store
+from ..store.keys import Keys
 
 K = TypeVar("K", bound=Hashable)
+
+log = logging.getLogger(__name__)
 
 #: the bucket id's entry naming the limiter
 LIMITER_KEY = "limiter"
@@ -190,6 +198,11 @@ class Held:
     allowed: int = 0
     denied: int = 0
     reported: float = 0.0
+    #: the store ledger's view (:meth:`QuotaBook.settle`): the share last sent to Envoy, the
+    #: slice the store holds for this stream, and the units no holder holds there
+    sent: Share = NOTHING
+    granted: Share = NOTHING
+    free: Share = NOTHING
 
 
 @dataclass(slots=True)
@@ -227,6 +240,58 @@ class Usage:
     denied: int
 
 
+#: a store slice outlives the assignment it backs by this many report intervals (the answer's
+#: way to Envoy: Envoy counts the assignment's TTL from when it reads it)
+SLICE_MARGIN_REPORTS = 1
+
+
+class StoreLedger:
+    """The ledger across replicas (docs/rlqs.md, "The ledger in the store"): per (bucket,
+    stream) a slice of the limiter's whole tokens per fill interval and one of its burst,
+    each a :class:`~extauthz.store.base.SliceOp` on the bucket's two ledger keys
+    (:meth:`~extauthz.store.keys.Keys.quota_ledger`), taken in one atomic store call under
+    a TTL. A holder is ``<replica>.<stream id>``, the replica's name drawn at start: a
+    restarted replica's streams are new holders, and the slices its predecessor's streams
+    hold stay counted until their TTL (as long as the Envoys may enforce what they got)."""
+
+    def __init__(self, store: Store, keys: Keys, *, replica: str | None = None) -> None:
+        self.store = store
+        self.keys = keys
+        self.replica = replica if replica is not None else secrets.token_hex(6)
+        if not self.replica or " " in self.replica:
+            raise ValueError("a ledger replica name is not empty and has no space")
+        #: store calls that failed (their actions were not sent)
+        self.failures = 0
+        #: the store calls answered since the last failure (0: failing now)
+        self.healthy = True
+
+    def holder(self, sid: int) -> str:
+        return f"{self.replica}.{sid}"
+
+    def ops(self, bucket: BucketKey, sid: int, want: Share, total: Share, ttl: float) -> list[SliceOp]:
+        """The two slices (fill, burst) ``sid`` asks of ``bucket``'s ledger."""
+        limiter = dict(bucket).get(LIMITER_KEY, "")
+        digest = hashlib.sha256(repr(bucket).encode()).hexdigest()[:24]
+        holder = self.holder(sid)
+        return [SliceOp(self.keys.quota_ledger(limiter, digest, "fill"), total.fill, ttl, holder, want.fill),
+                SliceOp(self.keys.quota_ledger(limiter, digest, "burst"), total.burst, ttl, holder, want.burst)]
+
+    async def hold(self, bucket: BucketKey, sid: int, want: Share, total: Share, ttl: float) -> tuple[Share, Share]:
+        """Set ``sid``'s slices of ``bucket`` to ``want``, or what is left of ``total`` when
+        less (:func:`~extauthz.store.algorithms.slice_top`; ``NOTHING`` gives them back):
+        the slices held after it and the units no holder holds. Raises what the store raises."""
+        result = await self.store.check(self.ops(bucket, sid, want, total, ttl), "")
+        fill, burst = result.results
+        return _granted(fill, burst), Share(int(fill.remaining), int(burst.remaining))
+
+    def status(self) -> dict[str, object]:
+        return {"replica": self.replica, "failures": self.failures, "healthy": self.healthy}
+
+
+def _granted(fill: OpResult, burst: OpResult) -> Share:
+    return Share(max(0, int(fill.extra)), max(0, int(burst.extra)))
+
+
 class QuotaBook:
     """This replica's streams, their buckets and the ledger of shares (one per server).
 
@@ -236,8 +301,10 @@ class QuotaBook:
 
     def __init__(self, limits: Callable[[], Mapping[str, QuotaLimit]], *, clock: Clock = SYSTEM_CLOCK,
                  report_interval: float = REPORT_INTERVAL, max_streams: int = MAX_STREAMS,
-                 max_buckets: int = MAX_BUCKETS_PER_STREAM) -> None:
+                 max_buckets: int = MAX_BUCKETS_PER_STREAM, ledger: StoreLedger | None = None) -> None:
         self.limits = limits
+        #: the ledger across replicas beneath this replica's (None: this replica's only)
+        self.ledger = ledger
         self.clock = clock
         self.report_interval = report_interval
         self.max_streams = max_streams
@@ -370,6 +437,71 @@ class QuotaBook:
             if changed or sid in out:  # the reporting stream gets every bucket (TTL refreshed)
                 out.setdefault(sid, []).append(Action(key, share, limit.interval, self.ttl))
 
+    # -- the store ledger
+    async def settle(self, out: dict[int, list[Action]]) -> dict[int, list[Action]]:
+        """The actions of :meth:`report` as far as the store's ledger backs them: each
+        assignment's slices are asked of the store (the held size: a shrunk share's old
+        size until it is confirmed) and the share sent is at most what the store granted; an
+        abandoned bucket's slices go back. An assignment the store did not answer is not sent
+        (its Envoy keeps its last assignment, which its slices back until their TTL, then
+        applies ``expired_assignment_behavior``: DENY_ALL). Without a ledger: ``out``."""
+        ledger = self.ledger
+        if ledger is None:
+            return out
+        limits = self.limits()
+        ttl = self.ttl + SLICE_MARGIN_REPORTS * self.report_interval
+        jobs: list[tuple[int, int, Held | None]] = []
+        calls = []
+        for sid, actions in out.items():
+            stream = self.streams.get(sid)
+            for i, action in enumerate(actions):
+                if action.deny:
+                    continue
+                if action.share is None:  # abandoned: its slices go back
+                    jobs.append((sid, i, None))
+                    calls.append(ledger.hold(action.bucket, sid, NOTHING, NOTHING, ttl))
+                    continue
+                held = stream.buckets.get(action.bucket) if stream is not None else None
+                limit = limits.get(dict(action.bucket).get(LIMITER_KEY, ""))
+                total = limit.total if limit is not None else NOTHING
+                want = _max(held.ledger, action.share) if held is not None else action.share
+                jobs.append((sid, i, held))
+                calls.append(ledger.hold(action.bucket, sid, want, total, ttl))
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        settled: dict[int, list[Action]] = {sid: list(actions) for sid, actions in out.items()}
+        dropped: set[tuple[int, int]] = set()
+        failed = 0
+        for (sid, i, held), answer in zip(jobs, answers, strict=True):
+            if isinstance(answer, BaseException):
+                if not isinstance(answer, Exception):
+                    raise answer
+                failed += 1
+                dropped.add((sid, i))
+                if held is not None:  # Envoy keeps what it was sent last
+                    held.share = held.sent
+                continue
+            if held is None:
+                continue
+            granted, free = answer
+            action = settled[sid][i]
+            assert action.share is not None
+            share = Share(min(action.share.fill, granted.fill), min(action.share.burst, granted.burst))
+            held.share, held.sent, held.granted, held.free = share, share, granted, free
+            if not held.until:
+                held.ledger = share
+            settled[sid][i] = Action(action.bucket, share, action.interval, action.ttl)
+        if failed:
+            ledger.failures += failed
+            if ledger.healthy:
+                log.warning("the quota ledger's store did not answer: %d assignments not sent (each Envoy "
+                            "keeps its last one until its TTL, then DENY_ALL)", failed,
+                            extra={"fields": {"event": "quota_ledger_failed"}})
+            ledger.healthy = False
+        elif jobs:
+            ledger.healthy = True
+        return {sid: kept for sid, actions in settled.items()
+                if (kept := [a for i, a in enumerate(actions) if (sid, i) not in dropped])}
+
     # -- status
     def status(self) -> dict[str, object]:
         return {
@@ -377,10 +509,13 @@ class QuotaBook:
                 "id": s.id, "peer": s.peer, "domain": s.domain, "closed": bool(s.gone_at),
                 "buckets": [{"bucket": shown(k), "fill": h.share.fill, "burst": h.share.burst,
                              "held": {"fill": h.ledger.fill, "burst": h.ledger.burst},
+                             "store": {"fill": h.granted.fill, "burst": h.granted.burst,
+                                       "free": {"fill": h.free.fill, "burst": h.free.burst}},
                              "demand": round(h.demand, 3), "allowed": h.allowed, "denied": h.denied}
                             for k, h in s.buckets.items()],
             } for s in self.streams.values()],
             "reports": self.reports, "overadmission": self.overadmission, "refused": dict(self.refused),
+            "ledger": self.ledger.status() if self.ledger is not None else None,
         }
 
 

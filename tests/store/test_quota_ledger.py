@@ -1,0 +1,199 @@
+"""The quota service's ledger in the store (issue 33; extauthz/engine/quota_service.py
+``StoreLedger`` and ``QuotaBook.settle``): two replicas' books on one store (the embedded
+store and a real Redis, on one injected clock) never assign shares that, in force at their
+Envoys together, sum past the limiter's rate and burst; a restarted replica honours what the
+store holds; a store that does not answer sends nothing (never more)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import pytest
+
+from extauthz.core.clock import ManualClock
+from extauthz.core.errors import StoreUnavailable
+from extauthz.engine.quota_service import (
+    NOTHING,
+    Action,
+    QuotaBook,
+    QuotaLimit,
+    Share,
+    StoreLedger,
+    Stream,
+    Usage,
+)
+from extauthz.store.base import CheckResult, Op, Store
+from extauthz.store.keys import Keys
+from extauthz.store.memory import MemoryStore
+from testinfra.redis_servers import RedisSingle
+from tests.store.conftest import make_redis_store
+
+LIMIT = QuotaLimit(rate=10, burst=20)
+LIMITS = {"per-ip": LIMIT}
+BUCKETS = [{"limiter": "per-ip", "ip": f"10.0.0.{n}"} for n in (1, 2)]
+
+
+@dataclass
+class Case:
+    store: Store
+    clock: ManualClock
+
+
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
+async def case(request: pytest.FixtureRequest) -> AsyncIterator[Case]:
+    clock = ManualClock()
+    if request.param == "memory":
+        yield Case(MemoryStore(clock), clock)
+        return
+    redis: RedisSingle = request.getfixturevalue("redis_single_clean")
+    store = make_redis_store(redis, clock)
+    try:
+        yield Case(store, clock)
+    finally:
+        await store.close()
+
+
+def book(case: Case, name: str) -> QuotaBook:
+    return QuotaBook(lambda: LIMITS, clock=case.clock, ledger=StoreLedger(case.store, Keys(), replica=name))
+
+
+class Envoys:
+    """What the Envoys enforce: per (replica, stream, bucket) the last share sent and when
+    its assignment expires (Envoy keeps it until its TTL, whatever happens to the server)."""
+
+    def __init__(self, clock: ManualClock) -> None:
+        self.clock = clock
+        self.held: dict[tuple[str, int, tuple[tuple[str, str], ...]], tuple[Share, float]] = {}
+
+    def apply(self, replica: str, out: dict[int, list[Action]], ttl: float) -> None:
+        for sid, actions in out.items():
+            for action in actions:
+                where = (replica, sid, action.bucket)
+                if action.share is None or action.deny:
+                    self.held.pop(where, None)
+                else:
+                    self.held[where] = (action.share, self.clock.monotonic() + ttl)
+
+    def in_force(self, bucket: tuple[tuple[str, str], ...]) -> Share:
+        now = self.clock.monotonic()
+        live = [s for (_, _, b), (s, until) in self.held.items() if b == bucket and until > now]
+        return Share(sum(s.fill for s in live), sum(s.burst for s in live))
+
+
+async def report(b: QuotaBook, name: str, envoys: Envoys, stream: Stream, usages: Sequence[Usage]) -> None:
+    envoys.apply(name, await b.settle(b.report(stream, "d", usages)), b.ttl)
+
+
+async def test_two_replicas_never_assign_past_the_limit_random(case: Case) -> None:
+    rnd = random.Random(33)
+    names = ["a", "b"]
+    books = {n: book(case, n) for n in names}
+    envoys = Envoys(case.clock)
+    streams: list[tuple[str, Stream]] = []
+    keys = [tuple(sorted(b.items())) for b in BUCKETS]
+    total = LIMIT.total
+    assigned = 0
+    for _ in range(300):
+        move = rnd.random()
+        if move < 0.1 or not streams:
+            name = rnd.choice(names)
+            streams.append((name, books[name].open("peer")))
+        elif move < 0.15:
+            name, stream = streams.pop(rnd.randrange(len(streams)))
+            books[name].close(stream)
+        elif move < 0.2:  # a replica restarts: a new book (and ledger holder name), same store
+            name = rnd.choice(names)
+            restarted = f"{name}'"
+            books[restarted] = book(case, restarted)
+            names[names.index(name)] = restarted
+            streams = [(n, s) for n, s in streams if n != name]
+        elif move < 0.35:
+            case.clock.advance(rnd.choice([0.5, 1.0, 2.5, 5.0, 9.0]))
+        else:
+            name, stream = rnd.choice(streams)
+            usages = [Usage(b, rnd.choice([0.0, 5.0]), rnd.randint(0, 40), rnd.randint(0, 40))
+                      for b in rnd.sample(BUCKETS, rnd.randint(1, 2))]
+            await report(books[name], name, envoys, stream, usages)
+        for key in keys:
+            held = envoys.in_force(key)
+            assert held.fill <= total.fill and held.burst <= total.burst, (key, held, envoys.held)
+            assigned = max(assigned, held.fill)
+    assert assigned > 0  # the timeline assigned something
+
+
+async def test_a_restarted_replica_honours_what_the_store_holds(case: Case) -> None:
+    old = book(case, "old")
+    envoys = Envoys(case.clock)
+    first = old.open("envoy-1")
+    await report(old, "old", envoys, first, [Usage(BUCKETS[0], 0.0, 0, 1)])
+    key = tuple(sorted(BUCKETS[0].items()))
+    assert envoys.in_force(key) == LIMIT.total  # one stream: the whole limit
+    # the replica restarts (its book is gone, its Envoy keeps its assignment until the TTL)
+    new = book(case, "new")
+    second = new.open("envoy-2")
+    await report(new, "new", envoys, second, [Usage(BUCKETS[0], 0.0, 0, 1)])
+    assert envoys.held[("new", second.id, key)][0] == NOTHING  # early refusal, not over-admission
+    assert envoys.in_force(key) == LIMIT.total
+    status = new.status()
+    bucket = status["streams"][0]["buckets"][0]  # type: ignore[index]
+    assert bucket["store"] == {"fill": 0, "burst": 0, "free": {"fill": 0, "burst": 0}}
+    # the old slices pass their TTL (the assignment's plus one report interval): the whole limit
+    case.clock.advance(old.ttl + old.report_interval)
+    await report(new, "new", envoys, second, [Usage(BUCKETS[0], 5.0, 0, 3)])
+    assert envoys.held[("new", second.id, key)][0] == LIMIT.total
+
+
+async def test_a_shared_bucket_is_split_and_grows_into_what_is_given_back(case: Case) -> None:
+    a, b = book(case, "a"), book(case, "b")
+    envoys = Envoys(case.clock)
+    sa, sb = a.open("envoy-a"), b.open("envoy-b")
+    key = tuple(sorted(BUCKETS[0].items()))
+    await report(a, "a", envoys, sa, [Usage(BUCKETS[0], 0.0, 0, 1)])
+    await report(b, "b", envoys, sb, [Usage(BUCKETS[0], 0.0, 0, 1)])
+    assert envoys.held[("b", sb.id, key)][0] == NOTHING  # a holds the whole limit
+    # a's bucket goes idle: abandoned after IDLE_REPORTS reports, its slices given back
+    for _ in range(6):
+        case.clock.advance(5.0)
+        await report(a, "a", envoys, sa, [Usage(BUCKETS[0], 5.0, 0, 0)])
+    assert ("a", sa.id, key) not in envoys.held
+    await report(b, "b", envoys, sb, [Usage(BUCKETS[0], 5.0, 0, 9)])
+    assert envoys.held[("b", sb.id, key)][0] == LIMIT.total
+
+
+class Failing(MemoryStore):
+    """The embedded store, with its check failing while ``down`` (a store outage)."""
+
+    down = False
+
+    async def check(self, ops: Sequence[Op], lease_id: str) -> CheckResult:
+        if self.down:
+            raise StoreUnavailable("store down")
+        return await super().check(ops, lease_id)
+
+
+async def test_a_store_outage_sends_nothing_more() -> None:
+    clock = ManualClock()
+    store = Failing(clock)
+    b = QuotaBook(lambda: LIMITS, clock=clock, ledger=StoreLedger(store, Keys(), replica="r"))
+    envoys = Envoys(clock)
+    s1 = b.open("envoy-1")
+    await report(b, "r", envoys, s1, [Usage(BUCKETS[0], 0.0, 0, 1)])
+    key = tuple(sorted(BUCKETS[0].items()))
+    sent = envoys.held[("r", s1.id, key)]
+    store.down = True
+    clock.advance(5.0)
+    s2 = b.open("envoy-2")
+    out = await b.settle(b.report(s2, "d", [Usage(BUCKETS[0], 0.0, 0, 1)]))
+    assert out == {}  # no assignment (no renewal, no new share): Envoy's TTL runs out, then DENY_ALL
+    assert b.ledger is not None and b.ledger.failures > 0 and not b.ledger.healthy
+    assert envoys.held[("r", s1.id, key)] == sent
+    assert b.status()["ledger"] == {"replica": "r", "failures": b.ledger.failures, "healthy": False}
+    store.down = False
+    clock.advance(5.0)
+    out = await b.settle(b.report(s2, "d", [Usage(BUCKETS[0], 5.0, 0, 5)]))
+    envoys.apply("r", out, b.ttl)
+    assert b.ledger.healthy
+    held = envoys.in_force(key)
+    assert held.fill <= LIMIT.total.fill and held.burst <= LIMIT.total.burst
