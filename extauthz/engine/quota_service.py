@@ -203,6 +203,8 @@ class Held:
     sent: Share = NOTHING
     granted: Share = NOTHING
     free: Share = NOTHING
+    #: the demand the bucket's other holders (every replica's streams) reported, scaled
+    others: int = 0
 
 
 @dataclass(slots=True)
@@ -243,6 +245,31 @@ class Usage:
 #: a store slice outlives the assignment it backs by this many report intervals (the answer's
 #: way to Envoy: Envoy counts the assignment's TTL from when it reads it)
 SLICE_MARGIN_REPORTS = 1
+#: the demand ledger's units: thousandths of a request per second, at most this per holder
+#: (its total is so large that it never caps a holder: it only sums what the others report)
+DEMAND_SCALE = 1000
+MAX_DEMAND = 10**8
+DEMAND_TOTAL = 10**15
+
+
+@dataclass(frozen=True, slots=True)
+class Granted:
+    """A store ledger's answer for one (bucket, stream): the slices it holds, the units of
+    the limit no holder holds, and the demand the other holders reported (scaled)."""
+
+    share: Share
+    free: Share
+    others: int
+
+
+def fair_cap(total: Share, mine: int, others: int) -> Share:
+    """The most a holder whose demand is ``mine`` may hold of ``total`` when the others'
+    demand sums to ``others`` (both :data:`DEMAND_SCALE`-d): its part of the demand, each
+    holder weighted one request per second more (a quiet holder keeps some), rounded down.
+    A holder over it shrinks at its next report; the units go to the others."""
+    floor = DEMAND_SCALE
+    part = (mine + floor) / (mine + others + floor)
+    return Share(math.floor(total.fill * part + 1e-9), math.floor(total.burst * part + 1e-9))
 
 
 class StoreLedger:
@@ -268,21 +295,27 @@ class StoreLedger:
     def holder(self, sid: int) -> str:
         return f"{self.replica}.{sid}"
 
-    def ops(self, bucket: BucketKey, sid: int, want: Share, total: Share, ttl: float) -> list[SliceOp]:
-        """The two slices (fill, burst) ``sid`` asks of ``bucket``'s ledger."""
+    def ops(self, bucket: BucketKey, sid: int, want: Share, total: Share, ttl: float,
+            demand: int) -> list[SliceOp]:
+        """The three slices ``sid`` asks of ``bucket``'s ledger: of the fill, of the burst,
+        and its demand (on a ledger whose total never binds: the others' sum comes back)."""
         limiter = dict(bucket).get(LIMITER_KEY, "")
         digest = hashlib.sha256(repr(bucket).encode()).hexdigest()[:24]
         holder = self.holder(sid)
         return [SliceOp(self.keys.quota_ledger(limiter, digest, "fill"), total.fill, ttl, holder, want.fill),
-                SliceOp(self.keys.quota_ledger(limiter, digest, "burst"), total.burst, ttl, holder, want.burst)]
+                SliceOp(self.keys.quota_ledger(limiter, digest, "burst"), total.burst, ttl, holder, want.burst),
+                SliceOp(self.keys.quota_ledger(limiter, digest, "demand"), DEMAND_TOTAL, ttl, holder,
+                        min(MAX_DEMAND, max(0, demand)))]
 
-    async def hold(self, bucket: BucketKey, sid: int, want: Share, total: Share, ttl: float) -> tuple[Share, Share]:
+    async def hold(self, bucket: BucketKey, sid: int, want: Share, total: Share, ttl: float,
+                   demand: int = 0) -> Granted:
         """Set ``sid``'s slices of ``bucket`` to ``want``, or what is left of ``total`` when
-        less (:func:`~extauthz.store.algorithms.slice_top`; ``NOTHING`` gives them back):
-        the slices held after it and the units no holder holds. Raises what the store raises."""
-        result = await self.store.check(self.ops(bucket, sid, want, total, ttl), "")
-        fill, burst = result.results
-        return _granted(fill, burst), Share(int(fill.remaining), int(burst.remaining))
+        less (:func:`~extauthz.store.algorithms.slice_top`; ``NOTHING`` and demand 0 give
+        them back), and its demand, in one atomic call. Raises what the store raises."""
+        result = await self.store.check(self.ops(bucket, sid, want, total, ttl, demand), "")
+        fill, burst, asked = result.results
+        others = max(0, DEMAND_TOTAL - int(asked.remaining) - max(0, int(asked.extra)))
+        return Granted(_granted(fill, burst), Share(int(fill.remaining), int(burst.remaining)), others)
 
     def status(self) -> dict[str, object]:
         return {"replica": self.replica, "failures": self.failures, "healthy": self.healthy}
@@ -452,6 +485,8 @@ class QuotaBook:
         ttl = self.ttl + SLICE_MARGIN_REPORTS * self.report_interval
         jobs: list[tuple[int, int, Held | None]] = []
         calls = []
+        dropped: set[tuple[int, int]] = set()
+        out = {sid: list(actions) for sid, actions in out.items()}
         for sid, actions in out.items():
             stream = self.streams.get(sid)
             for i, action in enumerate(actions):
@@ -464,12 +499,21 @@ class QuotaBook:
                 held = stream.buckets.get(action.bucket) if stream is not None else None
                 limit = limits.get(dict(action.bucket).get(LIMITER_KEY, ""))
                 total = limit.total if limit is not None else NOTHING
-                want = _max(held.ledger, action.share) if held is not None else action.share
+                if held is None:  # its stream is gone: nothing backs it, nothing is sent
+                    dropped.add((sid, i))
+                    continue
+                # at most its part of the demand across every holder (the others' as last
+                # answered); the store keeps what its Envoy may hold until it confirms a shrink
+                demand = min(MAX_DEMAND, round(held.demand * DEMAND_SCALE))
+                share = _min(action.share, fair_cap(total, demand, held.others))
+                out[sid][i] = Action(action.bucket, share, action.interval, action.ttl)
+                # (a shrink not yet confirmed: the ledger's size; else what was sent last)
+                keep = _max(held.ledger, held.sent) if held.until else held.sent
                 jobs.append((sid, i, held))
-                calls.append(ledger.hold(action.bucket, sid, want, total, ttl))
+                calls.append(ledger.hold(action.bucket, sid, _max(keep, share), total, ttl, demand))
         answers = await asyncio.gather(*calls, return_exceptions=True)
-        settled: dict[int, list[Action]] = {sid: list(actions) for sid, actions in out.items()}
-        dropped: set[tuple[int, int]] = set()
+        now = self.clock.monotonic()
+        settled = out
         failed = 0
         for (sid, i, held), answer in zip(jobs, answers, strict=True):
             if isinstance(answer, BaseException):
@@ -482,13 +526,15 @@ class QuotaBook:
                 continue
             if held is None:
                 continue
-            granted, free = answer
             action = settled[sid][i]
             assert action.share is not None
-            share = Share(min(action.share.fill, granted.fill), min(action.share.burst, granted.burst))
-            held.share, held.sent, held.granted, held.free = share, share, granted, free
-            if not held.until:
+            share = _min(action.share, answer.share)
+            if share.fill < held.sent.fill or share.burst < held.sent.burst:  # a shrink: held until confirmed
+                held.ledger, held.until = _max(held.ledger, held.sent), max(held.until, now + self.report_interval / 2)
+            elif not held.until:
                 held.ledger = share
+            held.share, held.sent, held.granted, held.free, held.others = (share, share, answer.share, answer.free,
+                                                                           answer.others)
             settled[sid][i] = Action(action.bucket, share, action.interval, action.ttl)
         if failed:
             ledger.failures += failed
@@ -510,7 +556,8 @@ class QuotaBook:
                 "buckets": [{"bucket": shown(k), "fill": h.share.fill, "burst": h.share.burst,
                              "held": {"fill": h.ledger.fill, "burst": h.ledger.burst},
                              "store": {"fill": h.granted.fill, "burst": h.granted.burst,
-                                       "free": {"fill": h.free.fill, "burst": h.free.burst}},
+                                       "free": {"fill": h.free.fill, "burst": h.free.burst},
+                                       "others_demand": round(h.others / DEMAND_SCALE, 3)},
                              "demand": round(h.demand, 3), "allowed": h.allowed, "denied": h.denied}
                             for k, h in s.buckets.items()],
             } for s in self.streams.values()],
@@ -528,3 +575,7 @@ def shown(bucket: BucketKey) -> dict[str, str]:
 
 def _max(a: Share, b: Share) -> Share:
     return Share(max(a.fill, b.fill), max(a.burst, b.burst))
+
+
+def _min(a: Share, b: Share) -> Share:
+    return Share(min(a.fill, b.fill), min(a.burst, b.burst))

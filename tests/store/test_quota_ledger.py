@@ -138,7 +138,7 @@ async def test_a_restarted_replica_honours_what_the_store_holds(case: Case) -> N
     assert envoys.in_force(key) == LIMIT.total
     status = new.status()
     bucket = status["streams"][0]["buckets"][0]  # type: ignore[index]
-    assert bucket["store"] == {"fill": 0, "burst": 0, "free": {"fill": 0, "burst": 0}}
+    assert bucket["store"] == {"fill": 0, "burst": 0, "free": {"fill": 0, "burst": 0}, "others_demand": 0.0}
     # the old slices pass their TTL (the assignment's plus one report interval): the whole limit
     case.clock.advance(old.ttl + old.report_interval)
     await report(new, "new", envoys, second, [Usage(BUCKETS[0], 5.0, 0, 3)])
@@ -160,6 +160,29 @@ async def test_a_shared_bucket_is_split_and_grows_into_what_is_given_back(case: 
     assert ("a", sa.id, key) not in envoys.held
     await report(b, "b", envoys, sb, [Usage(BUCKETS[0], 5.0, 0, 9)])
     assert envoys.held[("b", sb.id, key)][0] == LIMIT.total
+
+
+async def test_replicas_share_by_demand(case: Case) -> None:
+    """A takes the whole limit first; B's Envoy then asks as much: within a few reports A
+    shrinks to its part of the demand across both replicas (confirmed by its next report)
+    and B grows into what A gave back; never past the limit on the way."""
+    a, b = book(case, "a"), book(case, "b")
+    envoys = Envoys(case.clock)
+    sa, sb = a.open("envoy-a"), b.open("envoy-b")
+    key = tuple(sorted(BUCKETS[0].items()))
+    await report(a, "a", envoys, sa, [Usage(BUCKETS[0], 0.0, 0, 1)])
+    await report(b, "b", envoys, sb, [Usage(BUCKETS[0], 0.0, 0, 1)])
+    assert envoys.held[("a", sa.id, key)][0] == LIMIT.total
+    for _ in range(5):
+        case.clock.advance(5.0)
+        await report(a, "a", envoys, sa, [Usage(BUCKETS[0], 5.0, 50, 0)])
+        await report(b, "b", envoys, sb, [Usage(BUCKETS[0], 5.0, 0, 50)])
+        held = envoys.in_force(key)
+        assert held.fill <= LIMIT.total.fill and held.burst <= LIMIT.total.burst
+    sent_a, sent_b = envoys.held[("a", sa.id, key)][0], envoys.held[("b", sb.id, key)][0]
+    assert sent_b.fill >= LIMIT.total.fill // 2 - 1 and sent_a.fill >= LIMIT.total.fill // 2 - 1, (sent_a, sent_b)
+    bucket = b.status()["streams"][0]["buckets"][0]  # type: ignore[index]
+    assert bucket["store"]["others_demand"] == 10.0  # a's 50 requests in 5 s
 
 
 class Failing(MemoryStore):
