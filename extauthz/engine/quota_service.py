@@ -410,13 +410,15 @@ class QuotaBook:
             usage = Usage(usage.bucket, min(max(0.0, usage.elapsed), MAX_REPORTED),
                           min(max(0, usage.allowed), MAX_REPORTED), min(max(0, usage.denied), MAX_REPORTED))
             held = stream.buckets.get(key)
+            first = held is None
             if held is None:
                 if len(stream.buckets) >= self.max_buckets:
                     self._refuse("buckets")
                     raise QuotaError(f"a stream holds at most {self.max_buckets} buckets")
                 held = stream.buckets[key] = Held(reported=now)
                 self.holders.setdefault(key, set()).add(stream.id)
-            self._audit(held, usage, limits.get(dict(key).get(LIMITER_KEY, "")))
+            if not first:  # a first report's requests were allowed under an earlier stream's assignment
+                self._audit(held, usage, limits.get(dict(key).get(LIMITER_KEY, "")))
             held.allowed += usage.allowed
             held.denied += usage.denied
             if usage.elapsed > 0:
