@@ -135,8 +135,10 @@ class Server:
         #: the rate limit quota stream (RLQS, docs/rlqs.md), on the gRPC port
         self._quota_for: Policy | None = None
         self._quota_cache: Mapping[str, QuotaLimit] = {}
-        self.quota = RateLimitQuotaService(QuotaBook(self._quota_limits, clock=clock,
-                                                     ledger=StoreLedger(self.store, keys)))
+        # the store's ledger spans replicas; the embedded store is one replica's (and starts
+        # empty with it): this replica's ledger is the whole ledger there
+        ledger = None if isinstance(self.store, MemoryStore) else StoreLedger(self.store, keys)
+        self.quota = RateLimitQuotaService(QuotaBook(self._quota_limits, clock=clock, ledger=ledger))
         if not config.lease_secret and config.redis_url:
             log.warning("no --lease-secret: lease tickets use a random per-process key, so with several "
                         "replicas an access-log entry reaching another replica releases nothing (its "

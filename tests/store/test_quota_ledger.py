@@ -27,8 +27,8 @@ from extauthz.engine.quota_service import (
 from extauthz.store.base import CheckResult, Op, Store
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
-from testinfra.redis_servers import RedisSingle
-from tests.store.conftest import make_redis_store
+from testinfra.redis_servers import RedisCluster, RedisSingle
+from tests.store.conftest import TOPOLOGY_FIXTURES, make_redis_store
 
 LIMIT = QuotaLimit(rate=10, burst=20)
 LIMITS = {"per-ip": LIMIT}
@@ -41,14 +41,17 @@ class Case:
     clock: ManualClock
 
 
-@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis),
+                        pytest.param("redis-cluster", marks=pytest.mark.redis)])
 async def case(request: pytest.FixtureRequest) -> AsyncIterator[Case]:
+    """The embedded store, a real Redis, and a real Redis Cluster (a bucket's three ledger
+    keys share one hash tag: one atomic call)."""
     clock = ManualClock()
     if request.param == "memory":
         yield Case(MemoryStore(clock), clock)
         return
-    redis: RedisSingle = request.getfixturevalue("redis_single_clean")
-    store = make_redis_store(redis, clock)
+    topology: RedisSingle | RedisCluster = request.getfixturevalue(TOPOLOGY_FIXTURES[request.param])
+    store = make_redis_store(topology, clock)
     try:
         yield Case(store, clock)
     finally:
