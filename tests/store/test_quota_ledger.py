@@ -6,6 +6,7 @@ store holds; a store that does not answer sends nothing (never more)."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from extauthz.engine.quota_service import (
     Stream,
     Usage,
 )
-from extauthz.store.base import CheckResult, Op, Store
+from extauthz.store.base import CheckResult, Op, SliceOp, Store
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
 from testinfra.redis_servers import RedisCluster, RedisSingle
@@ -186,6 +187,17 @@ async def test_replicas_share_by_demand(case: Case) -> None:
     assert sent_b.fill >= LIMIT.total.fill // 2 - 1 and sent_a.fill >= LIMIT.total.fill // 2 - 1, (sent_a, sent_b)
     bucket = b.status()["streams"][0]["buckets"][0]  # type: ignore[index]
     assert bucket["store"]["others_demand"] == 10.0  # a's 50 requests in 5 s
+
+
+async def test_holders_asking_at_once_share_exactly_the_total(case: Case) -> None:
+    """Atomicity: 20 holders each ask 3 of 10 units at once (one store call each, concurrent
+    on Redis): exactly 10 are granted, and every holder asking again gets what it holds."""
+    ops = [SliceOp(Keys().quota_ledger("per-ip", "b", "fill"), 10, 15.0, f"h{n}", 3) for n in range(20)]
+    results = await asyncio.gather(*(case.store.check([op], "") for op in ops))
+    granted = [int(r.results[0].extra) for r in results]
+    assert sum(granted) == 10, granted
+    again = await asyncio.gather(*(case.store.check([op], "") for op in ops))
+    assert [int(r.results[0].extra) for r in again] == granted
 
 
 class Failing(MemoryStore):
