@@ -235,3 +235,17 @@ async def test_a_store_outage_sends_nothing_more() -> None:
     assert b.ledger.healthy
     held = envoys.in_force(key)
     assert held.fill <= LIMIT.total.fill and held.burst <= LIMIT.total.burst
+
+
+def test_the_memory_store_forgets_a_ledger_once_its_slices_expire() -> None:
+    clock = ManualClock()
+    store = MemoryStore(clock)
+    key = Keys().quota_ledger("per-ip", "b", "fill")
+    store.check_now([SliceOp(key, 10, 15.0, "h1", 4), SliceOp(key, 10, 20.0, "h2", 4)], "")
+    assert store.slices(key) == {"h1": 4, "h2": 4}
+    clock.advance(15.0)
+    store.check_now([], "")  # a check sweeps what is due
+    assert store._slices[key] == {"h2": (4, clock.monotonic() + 5.0)}
+    clock.advance(5.0)
+    store.check_now([], "")
+    assert key not in store._slices
