@@ -384,10 +384,16 @@ class QuotaBook:
         }
 
 
+#: the bucket id entries /status shows as they are (the generator's, never a credential);
+#: every other entry's value is shown hashed
+SHOWN_RAW = frozenset({LIMITER_KEY, "source_ip", "method"})
+
+
 def shown(bucket: BucketKey) -> dict[str, str]:
-    """A bucket id as /status shows it: a header's value (it may be a credential, e.g. an API
-    key) as a short hash, the limiter, the client address and the method as they are."""
-    return {k: ("sha256:" + hashlib.sha256(v.encode()).hexdigest()[:16] if k.startswith("header:") else v)
+    """A bucket id as /status shows it: the limiter, the client address and the method as
+    they are; any other value (a header's, or an entry of a hand-written Envoy config such
+    as ``api_key``: it may be a credential) as a short hash."""
+    return {k: (v if k in SHOWN_RAW else "sha256:" + hashlib.sha256(v.encode()).hexdigest()[:16])
             for k, v in bucket}
 
 

@@ -221,6 +221,16 @@ def test_status_never_shows_a_header_value() -> None:
     assert out["header:x-api-key"].startswith("sha256:") and "sk_live_secret" not in str(out)
 
 
+def test_status_shows_only_the_generators_entries_raw() -> None:
+    # a hand-written Envoy config may name its entries as it likes: only the limiter, the
+    # client address and the method are shown as they are
+    bucket = (("api_key", "sk_live_secret"), ("limiter", "key-rate"), ("method", "GET"), ("tenant", "acme"))
+    out = shown(bucket)
+    assert out["limiter"] == "key-rate" and out["method"] == "GET"
+    assert out["api_key"].startswith("sha256:") and out["tenant"].startswith("sha256:")
+    assert "sk_live_secret" not in str(out) and "acme" not in str(out)
+
+
 def test_reported_numbers_are_bounded() -> None:
     clock = ManualClock()
     book = _book(clock)
