@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -190,6 +191,9 @@ class Held:
     allowed: int = 0
     denied: int = 0
     reported: float = 0.0
+    #: abandoned (idle): Envoy drops the bucket when the abandon reaches it, and enforces the
+    #: last assignment until then (up to its TTL): the ledger holds it until ``until``
+    abandoned: bool = False
 
 
 @dataclass(slots=True)
@@ -246,6 +250,8 @@ class QuotaBook:
         #: bucket -> the streams holding it
         self.holders: dict[BucketKey, set[int]] = {}
         self._next = 0
+        #: abandoned holds by the time they go (in order: ``until`` is now + the TTL)
+        self._abandoned: deque[tuple[float, int, BucketKey]] = deque()
         #: counters for /metrics
         self.reports = 0
         self.overadmission = 0
@@ -278,6 +284,13 @@ class QuotaBook:
             for key in stream.buckets:
                 self._unhold(key, stream.id)
             stream.buckets.clear()
+        while self._abandoned and now >= self._abandoned[0][0]:
+            _, sid, key = self._abandoned.popleft()
+            stream = self.streams.get(sid)
+            held = stream.buckets.get(key) if stream is not None else None
+            if stream is not None and held is not None and held.abandoned and now >= held.until:
+                del stream.buckets[key]
+                self._unhold(key, sid)
 
     def _unhold(self, key: BucketKey, sid: int) -> None:
         holders = self.holders.get(key)
@@ -322,12 +335,17 @@ class QuotaBook:
             if usage.elapsed > 0:
                 held.demand = (usage.allowed + usage.denied) / usage.elapsed
             held.idle = held.idle + 1 if usage.allowed + usage.denied == 0 and usage.elapsed > 0 else 0
+            if held.abandoned:  # reported again: Envoy has the bucket (again); its hold stays
+                held.abandoned, held.idle = False, 0
             if held.until and now >= held.until:  # a report sent after the shrink arrived
                 held.ledger, held.until = held.share, 0.0
             held.reported = now
             if held.idle >= IDLE_REPORTS:
-                del stream.buckets[key]
-                self._unhold(key, stream.id)
+                # Envoy enforces its last assignment until the abandon reaches it (or the
+                # assignment's TTL passes, if it never does): held until then, shared by none
+                held.ledger, held.share = _max(held.ledger, held.share), NOTHING
+                held.until, held.abandoned = now + self.ttl, True
+                self._abandoned.append((held.until, stream.id, key))
                 mine.append(Action(key, None))
                 continue
             limit = limits.get(dict(key).get(LIMITER_KEY, ""))
@@ -350,7 +368,7 @@ class QuotaBook:
     def _assign(self, key: BucketKey, limit: QuotaLimit, now: float, out: dict[int, list[Action]]) -> None:
         sids = sorted(self.holders.get(key, ()))
         holders = {sid: self.streams[sid].buckets[key] for sid in sids}
-        live = {sid: holders[sid].demand for sid in sids if not self.streams[sid].gone_at}
+        live = {sid: h.demand for sid, h in holders.items() if not (self.streams[sid].gone_at or h.abandoned)}
         if len(sids) == 1 and live:  # what divide gives one stream alone: the whole limit
             shares = {sids[0]: limit.total}
         else:  # a closed stream holds its last share, gets none

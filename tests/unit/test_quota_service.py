@@ -27,6 +27,7 @@ from extauthz.quota_service import (
 from extauthz.store.keys import Keys
 
 BUCKET = {"limiter": "per-ip", "ip": "10.0.0.1"}
+BUCKET_KEY = tuple(sorted(BUCKET.items()))
 
 
 def test_divide_follows_demand_in_whole_tokens() -> None:
@@ -160,7 +161,54 @@ def test_idle_bucket_abandoned_and_its_share_freed() -> None:
     clock.advance(5)
     out = book.report(a, "", [Usage(BUCKET, 5, 0, 0)])
     assert _shares(out[a.id]) == {tuple(sorted(BUCKET.items())): None}  # abandoned
-    assert not book.holders and not a.buckets
+    # a's Envoy enforces its last assignment until the abandon reaches it: held until the TTL
+    assert _ledger(book) == Share(10, 10)
+    clock.advance(book.ttl)
+    book.report(book.open("b"), "edge", [])
+    assert not a.buckets and BUCKET_KEY not in book.holders
+
+
+def test_an_abandoned_share_is_held_until_envoy_surely_dropped_it() -> None:
+    # a goes idle and is abandoned while b is busy: b does not grow into a's last share at
+    # once (a's Envoy keeps enforcing it until the abandon reaches it, or its TTL passes)
+    clock = ManualClock()
+    book = _book(clock, rate=100, burst=100)
+    a, b = book.open("a"), book.open("b")
+    book.report(a, "edge", [Usage(BUCKET, 0, 0, 0)])
+    book.report(b, "edge", [Usage(BUCKET, 0, 0, 0)])
+    last_a = NOTHING
+    for _ in range(6):
+        clock.advance(5)
+        out = book.report(a, "", [Usage(BUCKET, 5, 0, 0)])
+        if a.id in out and out[a.id][0].share is not None:
+            last_a = out[a.id][0].share
+        book.report(b, "", [Usage(BUCKET, 5, 500, 200)])
+    assert a.buckets[BUCKET_KEY].abandoned and last_a.fill > 0 and last_a.burst > 0
+    clock.advance(1)
+    out = book.report(b, "", [Usage(BUCKET, 1, 100, 40)])
+    share_b = b.buckets[BUCKET_KEY].share
+    assert share_b.fill + last_a.fill <= 100 and share_b.burst + last_a.burst <= 100
+    for _ in range(4):  # after the TTL a's hold is gone: b takes the whole limit
+        clock.advance(5)
+        book.report(b, "", [Usage(BUCKET, 5, 500, 200)])
+    assert b.buckets[BUCKET_KEY].share == Share(100, 100) and BUCKET_KEY not in a.buckets
+
+
+def test_an_abandoned_bucket_reported_again_is_served_again() -> None:
+    clock = ManualClock()
+    book = _book(clock)
+    a = book.open("a")
+    book.report(a, "edge", [Usage(BUCKET, 0, 0, 0)])
+    for _ in range(6):
+        clock.advance(5)
+        out = book.report(a, "", [Usage(BUCKET, 5, 0, 0)])
+    assert out[a.id][0].share is None and a.buckets[BUCKET_KEY].abandoned
+    clock.advance(1)  # a new request: Envoy reports the bucket anew
+    out = book.report(a, "", [Usage(BUCKET, 0, 0, 1)])
+    assert out[a.id][0].share == Share(10, 10) and not a.buckets[BUCKET_KEY].abandoned
+    clock.advance(book.ttl)
+    book.report(a, "", [Usage(BUCKET, 5, 3, 0)])
+    assert BUCKET_KEY in a.buckets and book.holders[BUCKET_KEY] == {a.id}
 
 
 def test_a_closed_stream_gives_its_shares_back_after_the_ttl() -> None:
