@@ -55,6 +55,8 @@ ELAPSED_ROUNDING = 1.0
 #: bounds (docs/rlqs.md)
 MAX_STREAMS = 1024
 MAX_BUCKETS_PER_STREAM = 4096
+#: (bucket, stream) holds in all (each at most a bucket id's bytes and a few numbers)
+MAX_HOLDS = 1 << 18
 MAX_BUCKET_ENTRIES = 8
 MAX_BUCKET_ID_BYTES = 512
 MAX_DOMAIN_BYTES = 128
@@ -240,12 +242,15 @@ class QuotaBook:
 
     def __init__(self, limits: Callable[[], Mapping[str, QuotaLimit]], *, clock: Clock = SYSTEM_CLOCK,
                  report_interval: float = REPORT_INTERVAL, max_streams: int = MAX_STREAMS,
-                 max_buckets: int = MAX_BUCKETS_PER_STREAM) -> None:
+                 max_buckets: int = MAX_BUCKETS_PER_STREAM, max_holds: int = MAX_HOLDS) -> None:
         self.limits = limits
         self.clock = clock
         self.report_interval = report_interval
         self.max_streams = max_streams
         self.max_buckets = max_buckets
+        self.max_holds = max_holds
+        #: (bucket, stream) holds in all streams' ``buckets``
+        self.holds = 0
         self.streams: dict[int, Stream] = {}
         #: bucket -> the streams holding it
         self.holders: dict[BucketKey, set[int]] = {}
@@ -294,8 +299,9 @@ class QuotaBook:
 
     def _unhold(self, key: BucketKey, sid: int) -> None:
         holders = self.holders.get(key)
-        if holders is not None:
+        if holders is not None and sid in holders:
             holders.discard(sid)
+            self.holds -= 1
             if not holders:
                 del self.holders[key]
 
@@ -316,19 +322,26 @@ class QuotaBook:
         self._purge(now)
         limits = self.limits()
         self.reports += 1
+        # the whole report is checked before any of it is applied: a refused report changes
+        # nothing (its other streams' shrinks would be lost with it, never sent but counted)
+        keyed = [(bucket_key(usage.bucket), usage) for usage in usages]
+        new = {key for key, _ in keyed if key not in stream.buckets}
+        if len(stream.buckets) + len(new) > self.max_buckets:
+            self._refuse("buckets")
+            raise QuotaError(f"a stream holds at most {self.max_buckets} buckets")
+        if self.holds + len(new) > self.max_holds:
+            self._refuse("buckets")
+            raise QuotaError(f"{self.max_holds} buckets are held by all streams (the most this server takes)")
         out: dict[int, list[Action]] = {}
         mine = out.setdefault(stream.id, [])
-        for usage in usages:
-            key = bucket_key(usage.bucket)
+        for key, usage in keyed:
             usage = Usage(usage.bucket, min(max(0.0, usage.elapsed), MAX_REPORTED),
                           min(max(0, usage.allowed), MAX_REPORTED), min(max(0, usage.denied), MAX_REPORTED))
             held = stream.buckets.get(key)
             if held is None:
-                if len(stream.buckets) >= self.max_buckets:
-                    self._refuse("buckets")
-                    raise QuotaError(f"a stream holds at most {self.max_buckets} buckets")
                 held = stream.buckets[key] = Held(reported=now)
                 self.holders.setdefault(key, set()).add(stream.id)
+                self.holds += 1
             self._audit(held, usage, limits.get(dict(key).get(LIMITER_KEY, "")))
             held.allowed += usage.allowed
             held.denied += usage.denied

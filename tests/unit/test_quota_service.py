@@ -251,6 +251,36 @@ def test_bounds() -> None:
     assert book.refused == {"streams": 1, "buckets": 1}
 
 
+def test_a_refused_report_changes_nothing() -> None:
+    # b's report subscribes BUCKET (a's share would shrink) then passes b's bound: refused
+    # whole, so a's shrink is never counted without being sent
+    clock = ManualClock()
+    limits = {"per-ip": QuotaLimit(10, 10)}
+    book = QuotaBook(lambda: limits, clock=clock, max_buckets=2)
+    a, b = book.open("a"), book.open("b")
+    book.report(a, "edge", [Usage(BUCKET, 0, 0, 0)])
+    with pytest.raises(QuotaError, match="at most 2 buckets"):
+        book.report(b, "edge", [Usage(BUCKET, 0, 0, 0)] + [Usage({"limiter": str(i)}, 0, 0, 0) for i in range(2)])
+    held = a.buckets[BUCKET_KEY]
+    assert held.share == held.ledger == Share(10, 10) and not held.until
+    assert not b.buckets and book.holders[BUCKET_KEY] == {a.id}
+
+
+def test_holds_in_all_streams_are_bounded() -> None:
+    clock = ManualClock()
+    book = QuotaBook(lambda: {}, clock=clock, max_holds=3)
+    a, b = book.open("a"), book.open("b")
+    book.report(a, "edge", [Usage({"limiter": str(i)}, 0, 0, 0) for i in range(2)])
+    with pytest.raises(QuotaError, match="3 buckets are held by all streams"):
+        book.report(b, "edge", [Usage({"limiter": str(i)}, 0, 0, 0) for i in range(2, 4)])
+    book.report(b, "edge", [Usage({"limiter": "0"}, 0, 0, 0)])  # the third hold
+    assert book.holds == 3 and book.refused == {"buckets": 1}
+    book.close(a)
+    clock.advance(book.ttl)
+    book.report(b, "", [])
+    assert book.holds == 1
+
+
 def test_enforce_envoy_limiters_are_served_here_and_skipped_by_the_check(tmp_path: Path) -> None:
     policy_file = tmp_path / "p.yaml"
     policy_file.write_text("version: 1\nlimiters:\n"
