@@ -223,8 +223,15 @@ def test_a_closed_stream_gives_its_shares_back_after_the_ttl() -> None:
     assert book.status()["streams"][0]["closed"] is True  # type: ignore[index]
     clock.advance(book.ttl)
     out = book.report(b, "", [Usage(BUCKET, 15, 0, 3)])
-    assert out[b.id][0].share == Share(10, 10)
+    # a's 10 tokens go back, but a's Envoy may have spent them: they cool while the unheld
+    # fill (10 a second) refills them, 1 s, before b's new bucket starts full
+    assert out[b.id][0].share == NOTHING and book.cooling[BUCKET_KEY][0] == 10
     assert list(book.streams) == [b.id]
+    clock.advance(0.9)
+    assert book.report(b, "", [Usage(BUCKET, 0, 0, 3)])[b.id][0].share == NOTHING
+    clock.advance(0.1)
+    assert book.report(b, "", [Usage(BUCKET, 1, 0, 3)])[b.id][0].share == Share(10, 10)
+    assert book.cooling[BUCKET_KEY][0] == 0
 
 
 def test_unknown_limiter_is_denied_never_allowed() -> None:
@@ -249,6 +256,30 @@ def test_bounds() -> None:
     with pytest.raises(QuotaError, match="domain does not change"):
         book.report(a, "other", [])
     assert book.refused == {"streams": 1, "buckets": 1}
+
+
+def test_a_reload_changing_only_the_interval_renews_the_bucket() -> None:
+    # 1/s burst 2 -> 0.5/s burst 2: the same share (1 token, up to 2) every 2 s instead of
+    # every 1 s. Envoy 1.40 ignores a change of fill_interval alone: the bucket is denied
+    # (DENY_ALL) and granted anew, never left filling at the old interval
+    clock = ManualClock()
+    limits = {"per-ip": QuotaLimit(1, 2)}
+    book = QuotaBook(lambda: limits, clock=clock)
+    a = book.open("a")
+    (act,) = book.report(a, "edge", [Usage(BUCKET, 0, 0, 0)])[a.id]
+    assert (act.share, act.interval) == (Share(1, 2), 1)
+    limits["per-ip"] = QuotaLimit(0.5, 2)
+    clock.advance(5)
+    (act,) = book.report(a, "", [Usage(BUCKET, 5, 3, 0)])[a.id]
+    assert act.share == NOTHING
+    granted = None
+    for _ in range(4):
+        clock.advance(5)
+        (act,) = book.report(a, "", [Usage(BUCKET, 5, 0, 3)])[a.id]
+        if act.share != NOTHING:
+            granted = act
+            break
+    assert granted is not None and (granted.share, granted.interval) == (Share(1, 2), 2)
 
 
 def test_a_refused_report_changes_nothing() -> None:
@@ -326,4 +357,5 @@ def test_one_stream_alone_gets_what_divide_gives_it() -> None:
     for _ in range(200):
         limit = Share(rnd.randint(0, 30), rnd.randint(0, 30))
         held = Share(rnd.randint(0, 40), rnd.randint(0, 40))
-        assert divide(limit, {"a": rnd.random() * 10}, {"a": held}) == {"a": limit}
+        alone = limit if limit.fill and limit.burst else NOTHING  # Envoy's token bucket needs both
+        assert divide(limit, {"a": rnd.random() * 10}, {"a": held}) == {"a": alone}
