@@ -30,7 +30,6 @@ into ``RateLimitQuotaResponse`` messages.
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import math
 from collections import deque
@@ -38,6 +37,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from .classify import hash_identity
 from .clock import SYSTEM_CLOCK, Clock
 from .policy.model import Policy
 
@@ -269,8 +269,11 @@ class QuotaBook:
 
     def __init__(self, limits: Callable[[], Mapping[str, QuotaLimit]], *, clock: Clock = SYSTEM_CLOCK,
                  report_interval: float = REPORT_INTERVAL, max_streams: int = MAX_STREAMS,
-                 max_buckets: int = MAX_BUCKETS_PER_STREAM, max_holds: int = MAX_HOLDS) -> None:
+                 max_buckets: int = MAX_BUCKETS_PER_STREAM, max_holds: int = MAX_HOLDS,
+                 salt: bytes = b"") -> None:
         self.limits = limits
+        #: the identity salt: /status hashes bucket id values as identities are (keyed)
+        self.salt = salt
         self.clock = clock
         self.report_interval = report_interval
         self.max_streams = max_streams
@@ -499,7 +502,7 @@ class QuotaBook:
         return {
             "streams": [{
                 "id": s.id, "peer": s.peer, "domain": s.domain, "closed": bool(s.gone_at),
-                "buckets": [{"bucket": shown(k), "fill": h.share.fill, "burst": h.share.burst,
+                "buckets": [{"bucket": shown(k, self.salt), "fill": h.share.fill, "burst": h.share.burst,
                              "held": {"fill": h.ledger.fill, "burst": h.ledger.burst},
                              "demand": round(h.demand, 3), "allowed": h.allowed, "denied": h.denied}
                             for k, h in s.buckets.items()],
@@ -513,12 +516,13 @@ class QuotaBook:
 SHOWN_RAW = frozenset({LIMITER_KEY, "source_ip", "method"})
 
 
-def shown(bucket: BucketKey) -> dict[str, str]:
+def shown(bucket: BucketKey, salt: bytes = b"") -> dict[str, str]:
     """A bucket id as /status shows it: the limiter, the client address and the method as
     they are; any other value (a header's, or an entry of a hand-written Envoy config such
-    as ``api_key``: it may be a credential) as a short hash."""
-    return {k: (v if k in SHOWN_RAW else "sha256:" + hashlib.sha256(v.encode()).hexdigest()[:16])
-            for k, v in bucket}
+    as ``api_key``: it may be a credential) hashed as identities are
+    (:func:`~extauthz.classify.hash_identity`, keyed with the identity salt, the entry's
+    name as the source): an unkeyed digest of a short key is found by trying keys."""
+    return {k: (v if k in SHOWN_RAW else hash_identity(v, k, salt)) for k, v in bucket}
 
 
 def _held(h: Held) -> Share:
