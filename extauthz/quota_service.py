@@ -338,8 +338,10 @@ class QuotaBook:
                 limits = self.limits() if limits is None else limits
                 self._cool(key, now, limits.get(dict(key).get(LIMITER_KEY, "")),
                            0 if held.full else _held(held).burst)
-        while self._cooled and now >= self._cooled[0][0]:
-            _, key = heapq.heappop(self._cooled)
+        due = []
+        while self._cooled and now >= self._cooled[0][0]:  # each once (a re-push is later)
+            due.append(heapq.heappop(self._cooled)[1])
+        for key in due:
             if key in self.cooling and key not in self.holders:
                 limits = self.limits() if limits is None else limits
                 self._cool(key, now, limits.get(dict(key).get(LIMITER_KEY, "")))
@@ -362,6 +364,8 @@ class QuotaBook:
         else:
             tokens = max(0.0, tokens - unheld * (now - since) / limit.interval)
         tokens += released
+        if tokens < 1e-6:  # a float's rest is no token
+            tokens = 0.0
         holders = self.holders.get(key, ())
         if not tokens and not holders:
             self.cooling.pop(key, None)

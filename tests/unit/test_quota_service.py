@@ -362,3 +362,19 @@ def test_one_stream_alone_gets_what_divide_gives_it() -> None:
         held = Share(rnd.randint(0, 40), rnd.randint(0, 40))
         alone = limit if limit.fill and limit.burst else NOTHING  # Envoy's token bucket needs both
         assert divide(limit, {"a": rnd.random() * 10}, {"a": held}) == {"a": alone}
+
+
+def test_cooling_of_a_bucket_no_stream_holds_ends_and_is_forgotten() -> None:
+    clock = ManualClock(1e9)  # a large monotonic clock: float rests must not loop the sweep
+    book = _book(clock, rate=3, burst=7)
+    a = book.open("a")
+    book.report(a, "edge", [Usage(BUCKET, 0, 0, 0)])
+    book.close(a)
+    clock.advance(book.ttl)
+    b = book.open("b")  # a's hold goes: its 7 tokens cool at the 3 a second no hold has
+    assert book.cooling[BUCKET_KEY][0] == 7 and not book.holders
+    clock.advance(7 / 3 + 1e-7)
+    book.open("c")
+    assert BUCKET_KEY not in book.cooling and not book._cooled
+    (act,) = book.report(b, "edge", [Usage(BUCKET, 0, 0, 1)])[b.id]
+    assert act.share == Share(3, 7)  # nothing cools: a new bucket gets the whole limit
