@@ -355,7 +355,10 @@ class QuotaBook:
         buckets refill at the fill they hold): ``released`` is added, what the unheld fill
         refilled since the last call is taken off, and the tokens still cooling returned
         (settled after every change of the bucket's ledger)."""
-        tokens, since, unheld = self.cooling.get(key) or (0.0, now, 0.0)
+        state = self.cooling.get(key)
+        if state is None and released <= 0:  # nothing cools: nothing to settle
+            return 0.0
+        tokens, since, unheld = state or (0.0, now, 0.0)
         if limit is None:
             if key not in self.holders:
                 self.cooling.pop(key, None)
@@ -472,17 +475,22 @@ class QuotaBook:
         sids = sorted(self.holders.get(key, ()))
         holders = {sid: self.streams[sid].buckets[key] for sid in sids}
         live = {sid: h.demand for sid, h in holders.items() if not (self.streams[sid].gone_at or h.abandoned)}
-        # while released tokens cool, no burst grows past what they leave and no fill grows
-        # (the unheld fill is what cools them)
-        cooling = self._cool(key, now, limit)
-        reserve = Share(limit.total.fill, math.ceil(cooling - 1e-9)) if cooling > 1e-9 else NOTHING
-        # a closed or abandoned hold keeps its last share, gets none
-        shares = divide(limit.total, live, {sid: _held(h) for sid, h in holders.items()},
-                        {sid: h.share for sid, h in holders.items()}, reserve)
+        whole, interval = limit.total, limit.interval
+        if len(holders) == 1 and live and not holders[sids[0]].until and key not in self.cooling:
+            # what divide gives one stream alone, nothing cooling nor waiting: the whole limit
+            shares = {sids[0]: whole if whole.fill and whole.burst else NOTHING}
+        else:
+            # while released tokens cool, no burst grows past what they leave and no fill
+            # grows (the unheld fill is what cools them)
+            cooling = self._cool(key, now, limit)
+            reserve = Share(whole.fill, math.ceil(cooling - 1e-9)) if cooling > 1e-9 else NOTHING
+            # a closed or abandoned hold keeps its last share, gets none
+            shares = divide(whole, live, {sid: _held(h) for sid, h in holders.items()},
+                            {sid: h.share for sid, h in holders.items()}, reserve)
         confirm_after = now + self.report_interval / 2
         for sid, share in shares.items():
             h = holders[sid]
-            if share != NOTHING and share == h.share and h.interval and h.interval != limit.interval:
+            if share != NOTHING and share == h.share and h.interval and h.interval != interval:
                 # a reload changed the interval only: Envoy 1.40 ignores a change of a token
                 # bucket's fill_interval alone (it compares only the nanoseconds) and would
                 # keep filling at the old one: the bucket goes (DENY_ALL) and is granted anew
@@ -496,9 +504,9 @@ class QuotaBook:
                 h.ledger = _max(h.ledger, share)
             h.share = share
             if share != NOTHING:
-                h.interval = limit.interval
+                h.interval = interval
             if changed or sid in out:  # the reporting stream gets every bucket (TTL refreshed)
-                out.setdefault(sid, []).append(Action(key, share, limit.interval, self.ttl))
+                out.setdefault(sid, []).append(Action(key, share, interval, self.ttl))
         self._cool(key, now, limit)  # the unheld fill from now on
 
     # -- status
