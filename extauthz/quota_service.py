@@ -270,8 +270,12 @@ class QuotaBook:
     def __init__(self, limits: Callable[[], Mapping[str, QuotaLimit]], *, clock: Clock = SYSTEM_CLOCK,
                  report_interval: float = REPORT_INTERVAL, max_streams: int = MAX_STREAMS,
                  max_buckets: int = MAX_BUCKETS_PER_STREAM, max_holds: int = MAX_HOLDS,
-                 salt: bytes = b"") -> None:
+                 salt: bytes = b"", confirm_on_write: bool = False) -> None:
         self.limits = limits
+        #: a shrink's confirmation waits from when it was written (:meth:`written`, the
+        #: server's adapter) rather than from when it was decided: an answer a stream has not
+        #: taken (a peer not reading, a stalled connection) never counts as applied
+        self.confirm_on_write = confirm_on_write
         #: the identity salt: /status hashes bucket id values as identities are (keyed)
         self.salt = salt
         self.clock = clock
@@ -487,7 +491,7 @@ class QuotaBook:
             # a closed or abandoned hold keeps its last share, gets none
             shares = divide(whole, live, {sid: _held(h) for sid, h in holders.items()},
                             {sid: h.share for sid, h in holders.items()}, reserve)
-        confirm_after = now + self.report_interval / 2
+        confirm_after = math.inf if self.confirm_on_write else now + self.report_interval / 2
         for sid, share in shares.items():
             h = holders[sid]
             if share != NOTHING and share == h.share and h.interval and h.interval != interval:
@@ -508,6 +512,17 @@ class QuotaBook:
             if changed or sid in out:  # the reporting stream gets every bucket (TTL refreshed)
                 out.setdefault(sid, []).append(Action(key, share, interval, self.ttl))
         self._cool(key, now, limit)  # the unheld fill from now on
+
+    def written(self, stream: Stream, shares: Iterable[tuple[BucketKey, Share]]) -> None:
+        """Answers were written to ``stream``, each a bucket and the share it carried: a
+        waiting shrink to the share the bucket now has is confirmed by a report arriving half
+        a report interval from now (``confirm_on_write``). An older answer (another share)
+        confirms nothing: one stream's answers arrive in order."""
+        confirm_after = self.clock.monotonic() + self.report_interval / 2
+        for key, share in shares:
+            held = stream.buckets.get(key)
+            if held is not None and held.until == math.inf and not held.abandoned and share == held.share:
+                held.until = confirm_after
 
     # -- status
     def status(self) -> dict[str, object]:

@@ -34,7 +34,7 @@ from ..proto import (
     rlqs_pb2,
     rlqs_pb2_grpc,
 )
-from ..quota_service import Action, QuotaBook, QuotaError, Stream, Usage
+from ..quota_service import NOTHING, Action, BucketKey, QuotaBook, QuotaError, Share, Stream, Usage, bucket_key
 from ..verdict import Decision
 from .edge import check_response, lease_metadata, raw_request
 from .flow import CheckFlow
@@ -228,6 +228,8 @@ class RateLimitQuotaService(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # typ
             while (message := await box.get()) is not None:
                 self.queued[stream.id] -= message.ByteSize()
                 yield message
+                # taken by the connection: a shrink in it may now be confirmed by a report
+                self.book.written(stream, _shares(message))
             problem = (reader.result() if reader.done()
                        else (grpc.StatusCode.RESOURCE_EXHAUSTED, "quota answers are not read"))
         finally:
@@ -269,6 +271,16 @@ class RateLimitQuotaService(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # typ
             return None
         finally:
             box.put_nowait(None)
+
+
+def _shares(response: rlqs_pb2.RateLimitQuotaResponse) -> Iterable[tuple[BucketKey, Share]]:
+    """The buckets an answer assigned and the share each carried (DENY_ALL: none)."""
+    for item in response.bucket_action:
+        if item.HasField("quota_assignment_action"):
+            strategy = item.quota_assignment_action.rate_limit_strategy
+            tb = strategy.token_bucket
+            share = Share(tb.tokens_per_fill.value, tb.max_tokens) if strategy.HasField("token_bucket") else NOTHING
+            yield bucket_key(item.bucket_id.bucket), share
 
 
 def quota_response(actions: Iterable[Action]) -> rlqs_pb2.RateLimitQuotaResponse:

@@ -66,3 +66,71 @@ async def test_answers_not_read_are_bounded_in_bytes() -> None:
     hold.set()
     await answers.aclose()
     assert not service.queued and not service.outboxes
+
+
+class _Peer:
+    """A peer's report stream fed by the test."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[rlqs_pb2.RateLimitQuotaUsageReports | None] = asyncio.Queue()
+
+    async def reports(self) -> AsyncIterator[rlqs_pb2.RateLimitQuotaUsageReports]:
+        while (message := await self.queue.get()) is not None:
+            yield message
+
+
+def _one(domain: str = "", elapsed: int = 0, allowed: int = 0) -> rlqs_pb2.RateLimitQuotaUsageReports:
+    msg = rlqs_pb2.RateLimitQuotaUsageReports(domain=domain)
+    usage = msg.bucket_quota_usages.add()
+    usage.bucket_id.bucket.update(BUCKET)
+    usage.time_elapsed.seconds = elapsed
+    usage.num_requests_allowed = allowed
+    return msg
+
+
+BUCKET = {"limiter": "per-ip", "source_ip": "10.0.0.7"}
+KEY = tuple(sorted(BUCKET.items()))
+
+
+async def _settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+async def test_a_shrink_not_taken_by_its_stream_is_never_confirmed() -> None:
+    # a reads its first answer, then stops reading: the shrink b's subscription pushes to it
+    # waits in its outbox. Its reports keep coming, and must not confirm a shrink it never took
+    clock = ManualClock()
+    book = QuotaBook(lambda: {"per-ip": QuotaLimit(10, 20)}, clock=clock, confirm_on_write=True)
+    service = RateLimitQuotaService(book)
+    a, b = _Peer(), _Peer()
+    answers_a = service.StreamRateLimitQuotas(a.reports(), _Context())
+    answers_b = service.StreamRateLimitQuotas(b.reports(), _Context())
+    await a.queue.put(_one("edge"))
+    first = await answers_a.__anext__()
+    assert first.bucket_action[0].quota_assignment_action.rate_limit_strategy.token_bucket.max_tokens == 20
+    await b.queue.put(_one("edge"))
+    await answers_b.__anext__()  # b: nothing yet (a holds it all)
+    (stream_a,) = [s for s in book.streams.values() if s.peer and KEY in s.buckets and s.id == 1]
+    held = stream_a.buckets[KEY]
+    assert held.share.burst < 20 and held.until == float("inf")  # the shrink waits unwritten
+    for _ in range(3):
+        clock.advance(5)
+        await a.queue.put(_one(elapsed=5, allowed=30))
+        await _settle()
+        assert held.ledger.burst == 20  # a's Envoy may still enforce 20: held
+    shrink = await answers_a.__anext__()
+    assert shrink.bucket_action[0].quota_assignment_action.rate_limit_strategy.token_bucket.max_tokens < 20
+    assert held.until == float("inf")  # handed out, not yet taken: the server waits for the next
+    for _ in range(3):  # the answers to a's three reports
+        await answers_a.__anext__()
+    more = asyncio.ensure_future(answers_a.__anext__())  # a took them all: the connection asks for more
+    await _settle()
+    assert held.until == clock.monotonic() + 2.5
+    clock.advance(5)
+    await a.queue.put(_one(elapsed=5, allowed=30))
+    await asyncio.wait_for(more, 5)
+    assert held.ledger.burst < 20  # confirmed
+    for peer, answers in ((a, answers_a), (b, answers_b)):
+        await peer.queue.put(None)
+        await answers.aclose()
