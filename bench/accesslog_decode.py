@@ -45,7 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from extauthz.answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD
+from extauthz.engine.answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD
 from extauthz.envoy.records import EXT_AUTHZ_NAMESPACE
 from extauthz.proto import accesslog_data_pb2, accesslog_pb2
 

@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from extauthz.classify import hash_identity
 from extauthz.devtools.stack import free_port
 from extauthz.envoy.config import ACCESS_LOG_BYTES_PER_MS
+from extauthz.policy.classify import hash_identity
 from extauthz.store.keys import Keys
 
 from .configs import SETUPS, Options, Setup

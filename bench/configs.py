@@ -58,15 +58,18 @@ class Setup:
 
 SETUPS: dict[str, Setup] = {s.key: s for s in [
     Setup("a", "Envoy alone", ext_authz=False),
-    Setup("b", "no-op ext_authz (ceiling)", policy="noop"),
+    # Issue 31 made the gRPC port on the event loop (--grpc-server asyncio) the default: (b),
+    # (d) and (r) keep grpc.aio (--grpc-server grpcio) for the comparison with their -h2 rows;
+    # the other gRPC rows run the default.
+    Setup("b", "no-op ext_authz (ceiling), grpc.aio", policy="noop", server_args=("--grpc-server", "grpcio")),
     Setup("c", "4 limiters, embedded store", policy="all-on"),
-    Setup("d", "4 limiters, Redis", policy="all-on", redis=True),
+    Setup("d", "4 limiters, Redis, grpc.aio", policy="all-on", redis=True, server_args=("--grpc-server", "grpcio")),
     Setup("e", "Envoy local_ratelimit", ext_authz=False, local_ratelimit=True),
     Setup("d1", "(d), Envoy x2 threads, 1 worker", policy="all-on", redis=True, envoy_concurrency=2),
     Setup("d2", "(d), Envoy x2 threads, --workers 2", policy="all-on", redis=True,
           envoy_concurrency=2, workers=2),
     Setup("b-aio", "(b) on asyncio (no uvloop)", policy="noop", loop="asyncio"),
-    # Issue 31: the gRPC port served on the event loop (serve --grpc-server asyncio).
+    # Issue 31: the gRPC port served on the event loop (serve --grpc-server asyncio, the default).
     Setup("b-h2", "(b), --grpc-server asyncio", policy="noop", server_args=("--grpc-server", "asyncio")),
     Setup("d-h2", "(d), --grpc-server asyncio", policy="all-on", redis=True,
           server_args=("--grpc-server", "asyncio")),
@@ -80,7 +83,8 @@ SETUPS: dict[str, Setup] = {s.key: s for s in [
     Setup("hd", "4 limiters, Redis, HTTP", policy="all-on", redis=True, protocol="http"),
     # Issue 16 (r): one request_rate limiter on Redis, beside the Go peer's figures, on each
     # front door.
-    Setup("r", "1 request_rate limiter, Redis", policy="rate-only", redis=True),
+    Setup("r", "1 request_rate limiter, Redis, grpc.aio", policy="rate-only", redis=True,
+          server_args=("--grpc-server", "grpcio")),
     # Issue 24: (rh) with the Envoy config its policy needs (no access log: it holds no lease);
     # (rhb) the same limiter with consistency: batched (bench/policies/rate-only-batched.yaml).
     Setup("rh", "1 request_rate limiter, Redis, HTTP", policy="rate-only", redis=True,
@@ -140,6 +144,7 @@ P99_ADDED: tuple[tuple[str, str], ...] = (("d", "b"), ("c", "b"))
 P99_RATIOS: tuple[tuple[str, str], ...] = (("f", "fc"),)
 #: issue 31's targets: the gRPC port served on the event loop against grpc.aio and the HTTP door
 CPU_RATIOS += (("b-h2", "b"), ("b-h2", "h"), ("d-h2", "d"), ("r-h2", "rh"), ("r-h2", "b-h2"))
+RATIOS += (("b-h2", "b"), ("d-h2", "b-h2"), ("r-h2", "b-h2"), ("b-h2", "h"))
 
 
 def policy_file(setup: Setup) -> Path:

@@ -1,4 +1,4 @@
-"""Corked writes (extauthz/cork.py): socket writes, instructions and CPU per check of the
+"""Corked writes (extauthz/core/cork.py): socket writes, instructions and CPU per check of the
 HTTP authorization port, on the embedded store and on Redis.
 
 ``extauthz serve --http-listen`` with bench/policies/rate-only.yaml (one request_rate

@@ -28,11 +28,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from extauthz.context import RawRequest
-from extauthz.engine import Engine
+from extauthz.core.context import RawRequest
+from extauthz.engine.engine import Engine
+from extauthz.engine.storegate import StoreGate
 from extauthz.policy import load_policy
 from extauthz.store.redis import RedisStore
-from extauthz.storegate import StoreGate
 from testinfra.redis_servers import start_cluster, start_single
 
 from .configs import POLICIES

@@ -25,10 +25,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from extauthz.context import RawRequest
-from extauthz.engine import Engine
+from extauthz.core.context import RawRequest
+from extauthz.engine.engine import Engine
+from extauthz.engine.storegate import StoreGate
 from extauthz.policy import load_policy
-from extauthz.storegate import StoreGate
 
 POLICY = """
 version: 1

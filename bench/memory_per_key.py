@@ -24,10 +24,11 @@ import inspect
 import tracemalloc
 from collections.abc import Callable
 
-from extauthz.clock import ManualClock
+from extauthz.core.clock import ManualClock
 from extauthz.store.base import BucketOp, CountOp, LeaseOp, Op
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
+from testinfra.probes import key_count
 
 KEYS = Keys()
 MONTH = 31 * 86400
@@ -80,7 +81,7 @@ def main() -> None:
         per_key = grow(store, make, 0, n) / n
         more = grow(store, make, n, 4 * n, finish=True)
         print(f"{kind:<22}{per_key:>8.0f} B/key{more / (4 * n):>10.0f} B/key more "
-              f"({store.key_count()} keys held)")
+              f"({key_count(store)} keys held)")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """How long a policy reload holds the event loop (issue 29, defect 10).
 
 A policy near the size bound (``--policy-max-bytes`` 1M): :func:`big_policy`'s 12,000
-classification rules, 0.88 MiB. A :class:`~extauthz.reload.PolicyWatcher` on a real loop
+classification rules, 0.88 MiB. A :class:`~extauthz.engine.reload.PolicyWatcher` on a real loop
 swaps it in for a one-rule policy (``poll``, the server's job) while a probe task sleeps
 1 ms in a loop and records how late each wake-up came: the largest gap is how long a Check
 would have waited. On a shared machine part of a gap is other processes' turn on the CPU;
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from extauthz.reload import PolicyWatcher
+    from extauthz.engine.reload import PolicyWatcher
 
 SMALL = "version: 1\nlimiters:\n  - {name: user-rate, type: request_rate, rate: 100, burst: 500}\n"
 
@@ -118,11 +118,11 @@ class Probe:
 async def reload_lag(directory: Path, text: str) -> tuple[Lag, PolicyWatcher]:
     """Swap the policy in ``directory`` (one file, small) for ``text`` through a watcher's
     ``poll`` while a :class:`Probe` runs: the loop's lag while it did, and the watcher."""
-    from extauthz.engine import Engine
+    from extauthz.engine.engine import Engine
+    from extauthz.engine.reload import PolicyWatcher
+    from extauthz.engine.storegate import StoreGate
     from extauthz.policy import load_policy
-    from extauthz.reload import PolicyWatcher
     from extauthz.store.memory import MemoryStore
-    from extauthz.storegate import StoreGate
 
     (directory / "api.yaml").write_text(SMALL)
     policy = load_policy([directory])

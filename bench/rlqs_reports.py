@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from extauthz.clock import ManualClock
+from extauthz.core.clock import ManualClock
+from extauthz.engine.quota_service import QuotaBook, QuotaLimit, Usage
 from extauthz.proto import rlqs_pb2
-from extauthz.quota_service import QuotaBook, QuotaLimit, Usage
 from extauthz.server.services import quota_response
 
 

@@ -34,15 +34,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from extauthz.clock import ManualClock
-from extauthz.context import RawRequest
-from extauthz.engine import Engine
+from extauthz.commands.simulate.replay import Lane, Replay, run_now
+from extauthz.commands.simulate.traffic import BadLines, Request, TrafficFile, read_traffic
+from extauthz.core.clock import ManualClock
+from extauthz.core.context import RawRequest
+from extauthz.engine.engine import Engine
+from extauthz.engine.storegate import StoreGate
+from extauthz.observe.record import Recorder
 from extauthz.policy import load_policy
-from extauthz.simulate.record import Recorder
-from extauthz.simulate.replay import Lane, Replay, run_now
-from extauthz.simulate.traffic import BadLines, Request, TrafficFile, read_traffic, write_lines
 from extauthz.store.memory import MemoryStore
-from extauthz.storegate import StoreGate
+from testinfra.probes import write_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 T0 = 1_732_420_000.0

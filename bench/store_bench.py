@@ -11,7 +11,7 @@ in interleaved rounds (the machine is noisy: the table shows medians per configu
   redis         the Redis store, one EVALSHA per check (batching off)
   redis+batch   the Redis store, checks of one event-loop iteration pipelined together
   redis-py+batch  the same as before this round: redis-py's own connections instead of the
-                lean client path (``extauthz/store/redis/conn.py``), releases sent on their
+                lean client path (``extauthz/store/redis/conn.py``; bench/redispy_store.py), releases sent on their
                 own instead of riding with the next check: before/after in one run
 
 each at 1 and at ``--concurrency`` concurrent callers, every check through
@@ -56,14 +56,16 @@ if str(ROOT) not in sys.path:
 import redis  # noqa: E402
 from redis.crc import key_slot  # noqa: E402
 
-from extauthz.context import RawRequest  # noqa: E402
-from extauthz.engine import Engine  # noqa: E402
+from extauthz.core.context import RawRequest  # noqa: E402
+from extauthz.engine.engine import Engine  # noqa: E402
+from extauthz.engine.storegate import StoreGate  # noqa: E402
 from extauthz.policy import load_policy  # noqa: E402
 from extauthz.store.base import Store  # noqa: E402
 from extauthz.store.memory import MemoryStore  # noqa: E402
 from extauthz.store.redis import RedisStore  # noqa: E402
-from extauthz.storegate import StoreGate  # noqa: E402
 from testinfra.redis_servers import start_cluster, start_single  # noqa: E402
+
+from .redispy_store import RedisPyStore  # noqa: E402
 
 POLICY = """\
 version: 1
@@ -162,9 +164,9 @@ async def one_run(config: str, concurrency: int, seconds: float, url: str | None
     if config == "memory":
         store = MemoryStore()
     else:
-        store = RedisStore.from_url(url or "", deadline=deadline, batching=config.endswith("+batch"),
-                                    lean=not config.startswith("redis-py"),
-                                    releases_ride=not config.startswith("redis-py"))
+        kind = RedisPyStore if config.startswith("redis-py") else RedisStore
+        store = kind.from_url(url or "", deadline=deadline, batching=config.endswith("+batch"),
+                              releases_ride=not config.startswith("redis-py"))
     engine = Engine(StoreGate(store, deadline), policy)
     run = Run(config, concurrency)
     try:

@@ -17,9 +17,8 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from .context import RawRequest, RequestContext
-    from .engine import Engine
-    from .errors import (
+    from .core.context import RawRequest, RequestContext
+    from .core.errors import (
         CircuitOpen,
         ExtauthzError,
         PolicyError,
@@ -29,38 +28,39 @@ if TYPE_CHECKING:
         StoreTimeout,
         StoreUnavailable,
     )
+    from .core.tiers import Tier
+    from .core.verdict import Decision, Mode, Outcome, Verdict
+    from .engine.engine import Engine
+    from .engine.storegate import StoreGate
     from .policy import Policy, load_policy
     from .store.base import Store
     from .store.memory import MemoryStore
     from .store.redis import RedisStore
-    from .storegate import StoreGate
-    from .tiers import Tier
-    from .verdict import Decision, Mode, Outcome, Verdict
 
 #: public name -> the module that defines it
 _HOMES = {
-    "Engine": ".engine",
+    "Engine": ".engine.engine",
     "Policy": ".policy",
     "load_policy": ".policy",
-    "RawRequest": ".context",
-    "RequestContext": ".context",
-    "Decision": ".verdict",
-    "Verdict": ".verdict",
-    "Outcome": ".verdict",
-    "Mode": ".verdict",
-    "Tier": ".tiers",
+    "RawRequest": ".core.context",
+    "RequestContext": ".core.context",
+    "Decision": ".core.verdict",
+    "Verdict": ".core.verdict",
+    "Outcome": ".core.verdict",
+    "Mode": ".core.verdict",
+    "Tier": ".core.tiers",
     "Store": ".store.base",
     "MemoryStore": ".store.memory",
     "RedisStore": ".store.redis",
-    "StoreGate": ".storegate",
-    "ExtauthzError": ".errors",
-    "PolicyError": ".errors",
-    "PolicyIssue": ".errors",
-    "StoreError": ".errors",
-    "StoreTimeout": ".errors",
-    "StoreUnavailable": ".errors",
-    "CircuitOpen": ".errors",
-    "StoreInternalError": ".errors",
+    "StoreGate": ".engine.storegate",
+    "ExtauthzError": ".core.errors",
+    "PolicyError": ".core.errors",
+    "PolicyIssue": ".core.errors",
+    "StoreError": ".core.errors",
+    "StoreTimeout": ".core.errors",
+    "StoreUnavailable": ".core.errors",
+    "CircuitOpen": ".core.errors",
+    "StoreInternalError": ".core.errors",
 }
 
 __all__ = [

@@ -31,7 +31,9 @@
 --           (ZADD: a slot in use that expired while its replica stood still is restored),
 --           "<grant>:top .. have-1" removed (one command each for the whole grant)
 -- Only the raw state is returned: the caller derives remaining, retry-after and reset with
--- extauthz.store.algorithms.op_result, as the embedded store does.
+-- the op's rule (extauthz.store.algorithms.RULES), as the embedded store does. Each op kind
+-- declares its code below and its ARGV order (ARGS) in extauthz/store/base.py; a test
+-- (tests/store/test_op_table.py) requires a branch here for every kind.
 --
 -- KEYS          the keys of every op of every request, in order (on Redis Cluster all in
 --               one hash slot): request r's n_r ops take the next n_r keys
@@ -93,7 +95,7 @@
 --                   return: the window's count;
 --                   release: 0;
 --                   as a "%.17g" string (Redis truncates Lua numbers in replies to integers).
---   The caller derives the rest from its own op parameters (algorithms.op_result).
+--   The caller derives the rest from its own op parameters (algorithms.RULES).
 
 local TOKEN_EPSILON = 1e-9
 

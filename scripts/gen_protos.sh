@@ -19,7 +19,7 @@
 #     "duplicate symbol". The package therefore needs googleapis-common-protos at run time.
 #
 # Layout: protos/extauthz_wire/X.proto -> extauthz/proto/extauthz_wire/X_pb2.py(+.pyi);
-# X_pb2_grpc.py only for the files with services (auth, accesslog, rlqs). protoc writes imports
+# X_pb2_grpc.py only for the files with services (auth, accesslog, rls, rlqs). protoc writes imports
 # as `from extauthz_wire import ...`; they are rewritten to `extauthz.proto.extauthz_wire`.
 #
 # Usage: scripts/gen_protos.sh            (uses .venv/bin/python if present, else python3)
@@ -44,7 +44,7 @@ fi
 SRC_DIR=protos
 PKG_DIR=extauthz/proto/extauthz_wire
 SERVICE_PROTOS=("$SRC_DIR/extauthz_wire/auth.proto" "$SRC_DIR/extauthz_wire/accesslog.proto"
-                "$SRC_DIR/extauthz_wire/rlqs.proto")
+                "$SRC_DIR/extauthz_wire/rls.proto" "$SRC_DIR/extauthz_wire/rlqs.proto")
 mapfile -t ALL_PROTOS < <(LC_ALL=C ls "$SRC_DIR"/extauthz_wire/*.proto)
 
 tmp="$(mktemp -d)"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from extauthz.clock import ManualClock
+from extauthz.core.clock import ManualClock
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -15,3 +15,19 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 @pytest.fixture
 def clock() -> ManualClock:
     return ManualClock()
+
+
+#: what serves the gRPC port (``serve --grpc-server``): the default first. The whole suite
+#: runs on the default; the tests of the gRPC door itself (tests/integration/test_server.py,
+#: the parity test, the gRPC e2e files: check, TLS/mTLS, access-log release, health) take
+#: :func:`grpc_server_kind` and so run on both, which keeps CI's time. Server processes
+#: started by testinfra read ``EXTAUTHZ_GRPC_SERVER`` from the environment, so
+#: ``EXTAUTHZ_GRPC_SERVER=grpcio pytest tests/e2e`` runs every e2e file on grpcio.
+GRPC_SERVERS = ("asyncio", "grpcio")
+
+
+@pytest.fixture(scope="module", params=GRPC_SERVERS)
+def grpc_server_kind(request: pytest.FixtureRequest) -> str:
+    """``asyncio`` (server/grpc_h2.py, the default) or ``grpcio`` (grpc.aio); module scoped,
+    so a module's servers start once per kind."""
+    return str(request.param)

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from ..answers import PROTOCOLS
+from ..engine.answers import PROTOCOLS
 from ..envoy.blocks import Config
 from ..policy import load_policy
 from .envoy_config import local_render

@@ -20,11 +20,11 @@ from types import TracebackType
 from typing import Any, Self
 from urllib.parse import parse_qs, urlsplit
 
+from ..engine.answers import TIER_HEADER
 from ..envoy.headers import FAILURE_MODE_HEADER
 
 __all__ = ["ECHOED_HEADERS", "TIER_HEADER", "Upstream", "start_upstream"]
 
-TIER_HEADER = "x-extauthz-tier"
 #: a request header naming the request, for :attr:`Upstream.held` (``demo --pictures``)
 SEQ_HEADER = "x-demo-seq"
 HELD_MAX = 200_000

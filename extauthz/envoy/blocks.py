@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..settings import CHECK_BUDGET_MS, ENVOY_MARGIN_MS
+from ..core.settings import CHECK_BUDGET_MS, ENVOY_MARGIN_MS
 
 __all__ = ["CONNECT_TIMEOUT", "DEFAULT_SERVER_NAME", "Config", "TlsFiles", "address", "authz_timeout", "check_port",
            "cluster", "grpc_cluster", "http1", "http2", "is_ip", "patterns", "strip", "typed"]
@@ -40,8 +40,8 @@ def typed(message: str) -> str:
 
 def authz_timeout(check_budget_ms: float = CHECK_BUDGET_MS) -> str:
     """Envoy's timeout for a call to the server: its check budget (``serve --check-budget-ms``)
-    plus :data:`~extauthz.settings.ENVOY_MARGIN_MS`, so that a starved server's decision
-    (``extauthz.overload``) lands before Envoy gives up and fails the check open."""
+    plus :data:`~extauthz.core.settings.ENVOY_MARGIN_MS`, so that a starved server's decision
+    (``extauthz.engine.overload``) lands before Envoy gives up and fails the check open."""
     return f"{round(check_budget_ms + ENVOY_MARGIN_MS) / 1000:g}s"
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD, TIER_HEADER
+from ..engine.answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD, TIER_HEADER
 from .blocks import CONNECT_TIMEOUT, Config, authz_timeout, cluster, grpc_cluster, http1, patterns, strip, typed
 from .headers import (
     CLIENT_HEADERS_ON_DENY,
@@ -27,7 +27,7 @@ from .headers import (
 from .records import EXT_AUTHZ_NAMESPACE
 
 if TYPE_CHECKING:
-    from .config import Build
+    from .frame import Build
 
 __all__ = ["EXT_AUTHZ_FILTER", "GRPC", "HTTP", "GrpcExtAuthz", "HttpExtAuthz"]
 

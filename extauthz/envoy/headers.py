@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from ..answers import PROTOCOLS
-from ..context import REQUEST_ID_HEADER
+from ..core.context import REQUEST_ID_HEADER
+from ..engine.answers import PROTOCOLS
 
 if TYPE_CHECKING:
     from ..policy.model import Policy
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 __all__ = ["ALWAYS_SENT", "CLIENT_HEADERS_ON_DENY", "CLIENT_HEADERS_ON_SUCCESS", "FAILURE_MODE_HEADER",
            "FORWARDED_FOR_HEADER", "GRPC_EDGE_HEADERS", "HTTP_EDGE_HEADERS", "JWT_NAMESPACE",
            "JWT_PAYLOAD_HEADER", "JWT_PAYLOAD_KEY", "ROUTE_KEY_PARTS", "ROUTE_TIER_HEADER", "SHED_STATUS",
-           "XFCC_HEADER", "allowed_headers", "unreadable_over_http"]
+           "TRACE_HEADERS", "XFCC_HEADER", "allowed_headers", "unreadable_over_http"]
 
 #: the status that marks a load shedder's (or a fail-closed limiter's) refusal: Envoy does not
 #: forward a 5xx from an authorization service (it counts an error and fails open or closed),
@@ -45,9 +45,11 @@ FORWARDED_FOR_HEADER = "x-forwarded-for"
 #: (``extauthz envoy-config`` logs it: ``additional_request_headers_to_log``, fluentd ``%REQ``)
 FAILURE_MODE_HEADER = "x-envoy-auth-failure-mode-allowed"
 
+#: the W3C trace context the HTTP edge reads to parent its span (``server/http.py``)
+TRACE_HEADERS = ("traceparent", "tracestate")
 #: headers the HTTP edge reads whatever the policy says (``envoy-allowed-headers`` lists them).
 HTTP_EDGE_HEADERS = (REQUEST_ID_HEADER, FORWARDED_FOR_HEADER, ROUTE_TIER_HEADER, JWT_PAYLOAD_HEADER,
-                     XFCC_HEADER, "traceparent", "tracestate")
+                     XFCC_HEADER, *TRACE_HEADERS)
 #: headers the gRPC edge reads whatever the policy says (the request id that pairs a Check
 #: with its access-log entry; ``envoy-allowed-headers --protocol grpc`` lists them). The
 #: trace parent arrives in the Check call's gRPC metadata, the client address, the route's

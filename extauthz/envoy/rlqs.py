@@ -9,7 +9,7 @@ bucket per filter: the first matched group wins), each streaming to the server's
   skip``), as header matchers (per-route overrides do not work in 1.40, envoyproxy/envoy#46929);
 * the bucket id: ``limiter: NAME`` plus one entry per key part (``header:NAME`` from the
   header, ``source_ip`` from the client address, ``method``), which the server's quota book
-  groups streams by (:func:`extauthz.quota_service.bucket_key`);
+  groups streams by (:func:`extauthz.engine.quota_service.bucket_key`);
 * ``DENY_ALL`` before the first assignment and after one expires: never allow-all;
 * the deny response: 429, ``application/problem+json`` with the server's problem shape and
   ``Retry-After`` of the limiter's fill interval.
@@ -21,10 +21,10 @@ import base64
 import json
 from typing import Any
 
-from ..answers import PROBLEM_TYPE
+from ..engine.answers import PROBLEM_TYPE
+from ..engine.quota_service import LIMITER_KEY, REPORT_INTERVAL, QuotaLimit
 from ..policy import Policy
 from ..policy.schema import KEY_PARTS, RequestRateSpec
-from ..quota_service import LIMITER_KEY, REPORT_INTERVAL, QuotaLimit
 
 Config = dict[str, Any]
 

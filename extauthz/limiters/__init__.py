@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from ..clock import SYSTEM_CLOCK, Clock
+from ..core.clock import SYSTEM_CLOCK, Clock
 from ..policy.model import Policy
 from ..policy.schema import (
     ConcurrentRequestsSpec,
@@ -39,7 +39,7 @@ def build_limiters(policy: Policy, keys: Keys, rng: random.Random | None = None,
     cache's, :mod:`.refusals`; ``store``: where batched grants are asked and given back,
     None for limiters that never take any, e.g. to check names); none for a ``request_rate``
     limiter with ``enforce: envoy`` (Envoy's quota filter holds its tokens:
-    extauthz/quota_service.py)."""
+    extauthz/engine/quota_service.py)."""
     fleet_keys: tuple[str, ...] = ()
     for spec in policy.limiters:
         if isinstance(spec, FleetUsageSpec) and spec.mode != "off":

@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol
 
-from ..context import RequestContext
+from ..core.context import RequestContext
+from ..core.tiers import Tier
+from ..core.verdict import Kind, Limits, Outcome, Verdict
 from ..policy.model import Matcher, compile_match
 from ..policy.schema import PLAN_NUMBERS, LimiterSpec, not_fields
 from ..store.base import Op, OpResult
 from ..store.keys import Keys
-from ..tiers import Tier
-from ..verdict import Kind, Limits, Outcome, Verdict
 
 #: Retry-After of a request refused because the server was starved (s): a loop stall or a
 #: CPU taken away is over in seconds, or shedding goes on
@@ -109,7 +109,8 @@ class LimiterBase:
     def __init__(self, spec: LimiterSpec) -> None:
         self.name = spec.name
         self.failure_mode = spec.failure_mode
-        self.applies_to = compile_match(spec.applies_to)
+        self.applies_to = compile_match(spec.applies_to,
+                                        spec.name if getattr(spec, "match", None) is not None else None)
 
 
 class PerCustomer(LimiterBase):
@@ -159,7 +160,7 @@ class FleetWide(LimiterBase):
         raise ValueError(f"limiter '{self.name}' limits the whole fleet and takes no per-customer override")
 
     def overloaded(self, ctx: RequestContext, enforce: bool) -> Verdict | None:
-        """The verdict while the server is starved (``extauthz.overload``): a non-critical
+        """The verdict while the server is starved (``extauthz.engine.overload``): a non-critical
         request is refused at once (503, reason ``overload``), without the store; None for a
         critical one, which goes on as usual (never refused here)."""
         if ctx.tier is Tier.CRITICAL:
@@ -187,7 +188,7 @@ def denied_outcome(enforce: bool) -> Outcome:
 
 
 def applies(matcher: Matcher, ctx: RequestContext) -> bool:
-    return matcher.matches(ctx.method, ctx.path, ctx.host, ctx.headers, ctx.tier)
+    return matcher.matches(ctx.method, ctx.path, ctx.host, ctx.headers, ctx.tier, ctx.descriptor_target)
 
 
 class KeyOf:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..context import RequestContext
+from ..core.context import RequestContext
+from ..core.verdict import Limits, Outcome, Quota, Verdict
 from ..policy.schema import ConcurrentRequestsSpec
 from ..store.base import LeaseOp, OpResult
 from ..store.keys import Keys
-from ..verdict import Limits, Outcome, Quota, Verdict
 from .base import BY_IDENTITY, KeyOf, PerCustomer, denied_outcome, override_limit
 
 #: seconds a client is told to wait after a concurrency refusal.

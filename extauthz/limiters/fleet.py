@@ -9,7 +9,7 @@ time as a grant, members of the tier's lease ZSET with an expiry score
 (:class:`~extauthz.store.base.FleetGrantOp`, the rule in
 :mod:`extauthz.store.algorithms`), renews them while it holds them and admits a request
 into a free slot of its grant without a store call. A finished request's lease (released
-through the one release path, :class:`~extauthz.release.Releaser`) frees its slot in the
+through the one release path, :class:`~extauthz.engine.release.Releaser`) frees its slot in the
 LOCAL grant; slots unused for ``sync_interval`` go back (the grant shrinks). A non-critical
 grant grows only while the non-critical leases (every replica's grant members and exact
 leases) leave a slot free, so no more non-critical requests are in flight than the exact
@@ -36,13 +36,13 @@ import os
 from collections.abc import Sequence
 from typing import Final
 
-from ..clock import SYSTEM_CLOCK, Clock
-from ..context import RequestContext
+from ..core.clock import SYSTEM_CLOCK, Clock
+from ..core.context import RequestContext
+from ..core.tiers import Tier
+from ..core.verdict import Outcome, Quota, Verdict
 from ..policy.schema import DEFAULT_FLEET_BATCH_MAX, FleetUsageSpec
 from ..store.base import FleetGrantOp, LeaseOp, OpResult, Store
 from ..store.keys import Keys
-from ..tiers import Tier
-from ..verdict import Outcome, Quota, Verdict
 from .base import FleetWide, denied_outcome
 from .grants import Synced
 

@@ -48,11 +48,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from ..clock import SYSTEM_CLOCK, Clock
-from ..context import RequestContext
+from ..core.clock import SYSTEM_CLOCK, Clock
+from ..core.context import RequestContext
+from ..core.verdict import Verdict
 from ..store.algorithms import admits, take
 from ..store.base import CheckResult, GrantOp, Op, OpResult, ReturnOp, Store
-from ..verdict import Verdict
 from .base import GrantHolder, Limiter
 
 __all__ = ["EARLY_BUCKETS", "GRANT_METRICS", "GrantBook", "GrantTable", "Numbers", "Synced", "bucket_renew",
@@ -558,7 +558,7 @@ class GrantBook:
                 lim.grants.retire()
 
     def retry_for(self) -> float:
-        """How long a failed release is tried again (:class:`~extauthz.release.Releaser`)."""
+        """How long a failed release is tried again (:class:`~extauthz.engine.release.Releaser`)."""
         return self.lease_ttl
 
     # -- the request path -----------------------------------------------------------------

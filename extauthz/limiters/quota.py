@@ -1,7 +1,8 @@
 """Quota limiter: at most ``limit`` requests per calendar ``period`` (UTC), per key.
 
-Windows are calendar windows in UTC: a ``minute``, ``hour`` or ``day`` starts on the
-minute, hour or midnight; a ``week`` on Monday 00:00; a ``month`` on its first day. Each
+Windows are calendar windows in UTC: a ``second``, ``minute``, ``hour`` or ``day`` starts
+on the second, minute, hour or midnight; a ``week`` on Monday 00:00; a ``month`` on its first
+day; a ``year`` on January 1st. Each
 window is its own store key (named by the window's start), a count that the store adds
 ``cost`` to while it stays within ``limit`` (``store.algorithms.count_admits``; the same
 rule on both stores) and that expires at the window's end plus :data:`TTL_MARGIN`, so a
@@ -24,12 +25,12 @@ import math
 from collections.abc import Mapping
 from datetime import UTC, datetime
 
-from ..clock import SYSTEM_CLOCK, Clock
-from ..context import RequestContext
+from ..core.clock import SYSTEM_CLOCK, Clock
+from ..core.context import RequestContext
+from ..core.verdict import Limits, Outcome, Quota, Verdict
 from ..policy.schema import QuotaSpec
 from ..store.base import CountOp, Op, OpResult, QuotaGrantOp, QuotaReturnOp, Store
 from ..store.keys import Keys
-from ..verdict import Limits, Outcome, Quota, Verdict
 from .base import BY_IDENTITY, KeyOf, PerCustomer, denied_outcome, override_limit
 from .grants import GrantTable, Numbers
 
@@ -43,6 +44,8 @@ _THURSDAY = 3
 def calendar_window(period: str, wall: float) -> tuple[int, int]:
     """The UTC calendar window holding ``wall`` (Unix seconds): (start, end), end excluded."""
     now = math.floor(wall)
+    if period == "second":
+        return now, now + 1
     if period == "minute":
         start = now - now % 60
         return start, start + 60
@@ -60,6 +63,10 @@ def calendar_window(period: str, wall: float) -> tuple[int, int]:
         first = datetime(t.year, t.month, 1, tzinfo=UTC)
         after = datetime(t.year + t.month // 12, t.month % 12 + 1, 1, tzinfo=UTC)
         return int(first.timestamp()), int(after.timestamp())
+    if period == "year":
+        year = datetime.fromtimestamp(day, UTC).year
+        return (int(datetime(year, 1, 1, tzinfo=UTC).timestamp()),
+                int(datetime(year + 1, 1, 1, tzinfo=UTC).timestamp()))
     raise ValueError(f"unknown quota period {period!r}")
 
 
@@ -133,7 +140,7 @@ class QuotaLimiter(PerCustomer):
         n = self.limits(ctx)
         wall = self._clock.wall()
         start, end = self.window(wall)
-        remaining = self.grants.spend(self._count_key(ctx, start), self.cost, (float(n.limit),))
+        remaining = self.grants.spend(self._count_key(ctx, start), ctx.hits or self.cost, (float(n.limit),))
         if remaining is None:
             return None
         self._spent = ctx  # op() is called next, for the same request: nothing to ask
@@ -148,7 +155,7 @@ class QuotaLimiter(PerCustomer):
             key = self._count_key(ctx, start)
             if key in self.grants:  # else the window ended meanwhile: the unit is dropped
                 # (it only refuses early), never given to the new window's count
-                self.grants.restore(key, float(self.cost), (float(self.limits(ctx).limit),))
+                self.grants.restore(key, float(ctx.hits or self.cost), (float(self.limits(ctx).limit),))
 
     def op(self, ctx: RequestContext, enforce: bool) -> CountOp | QuotaGrantOp | None:
         if self._spent is not None:
@@ -161,9 +168,9 @@ class QuotaLimiter(PerCustomer):
         n = self.limits(ctx)
         ttl = math.ceil(end - wall) + TTL_MARGIN
         if self.grants is not None:
-            return QuotaGrantOp(key, int(n.limit), self.cost, self.want(n), ttl, end - wall, enforce,
-                                int(self.grants.lend(key, (float(n.limit),))))
-        return CountOp(key, n.limit, self.cost, ttl, end - wall, enforce)
+            return QuotaGrantOp(key, int(n.limit), ctx.hits or self.cost, self.want(n), ttl, end - wall,
+                                enforce, int(self.grants.lend(key, (float(n.limit),))))
+        return CountOp(key, n.limit, ctx.hits or self.cost, ttl, end - wall, enforce)
 
     def _granted(self, ctx: RequestContext, n: Limits, result: OpResult) -> OpResult:
         """A grant's answer kept in the table (``retry_after`` carries the seconds to its
@@ -180,7 +187,7 @@ class QuotaLimiter(PerCustomer):
             return OpResult(False, result.remaining, reset, reset)
         remaining = result.remaining + self.grants.held(key)
         if result.extra > 0.0:  # a grant was taken: this request spends from it
-            remaining = self.grants.granted(key, result.extra, float(self.cost), result.remaining,
+            remaining = self.grants.granted(key, result.extra, float(ctx.hits or self.cost), result.remaining,
                                             float(self.want(n)), numbers)
         return OpResult(True, remaining, 0.0, reset)
 

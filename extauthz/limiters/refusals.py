@@ -30,9 +30,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Final
 
-from ..clock import SYSTEM_CLOCK, Clock
+from ..core.clock import SYSTEM_CLOCK, Clock
+from ..core.verdict import Outcome, Verdict
 from ..store.algorithms import TOKEN_EPSILON
-from ..verdict import Outcome, Verdict
 
 __all__ = ["MAX_ENTRIES", "RefusalCache"]
 

@@ -58,20 +58,32 @@ import random
 import urllib.parse
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from ..context import RequestContext
+from ..core.context import RequestContext
+from ..core.runner import DONE
+from ..core.tiers import Tier
+from ..core.verdict import Outcome, Verdict
 from ..policy.schema import WorkerUtilizationSpec
-from ..runner import DONE
 from ..store.algorithms import clamp
-from ..store.base import LeaseOp, OpResult, ShedParams
+from ..store.base import LeaseOp, OpResult, ShedParams, Store
 from ..store.keys import Keys
-from ..tiers import Tier
-from ..verdict import Outcome, Verdict
 from .base import FleetWide, denied_outcome
 
-if TYPE_CHECKING:  # the engine holds the shedders: the sampler reads it, never imports it
-    from ..engine import Engine
+
+class _Shedders(Protocol):
+    @property
+    def workers(self) -> tuple[WorkerUtilizationShedder, ...]: ...
+
+
+class EngineView(Protocol):
+    """What the sampler reads of the engine, which holds the shedders (the engine imports
+    this module, so it is named here, not imported): its store and its live snapshot."""
+
+    store: Store
+
+    @property
+    def snapshot(self) -> _Shedders: ...
 
 
 
@@ -178,7 +190,7 @@ def _envoy_active(url: str, cluster: str, timeout: float) -> float:
     raise LookupError(f"Envoy at {url} has no stat {stat}")
 
 
-async def read_utilization(engine: Engine, shedder: WorkerUtilizationShedder) -> float:
+async def read_utilization(engine: EngineView, shedder: WorkerUtilizationShedder) -> float:
     """The shedder's signal now, in [0, 1] (values above 1 are clamped)."""
     signal = shedder.signal
     if signal.source == "inflight":
@@ -194,7 +206,7 @@ async def read_utilization(engine: Engine, shedder: WorkerUtilizationShedder) ->
     return min(1.0, max(0.0, value))
 
 
-async def sample_once(engine: Engine, shedder: WorkerUtilizationShedder,
+async def sample_once(engine: EngineView, shedder: WorkerUtilizationShedder,
                       utilization: float | None = None) -> float:
     """One sample: read, advance the shared controller, install the level, return it.
     Raises when the signal or the store failed (the level is then held; the background
@@ -210,7 +222,7 @@ async def sample_once(engine: Engine, shedder: WorkerUtilizationShedder,
     return level
 
 
-def sampler_job(engine: Engine, name: str) -> tuple[Callable[[], float], Callable[[], Awaitable[object]]]:
+def sampler_job(engine: EngineView, name: str) -> tuple[Callable[[], float], Callable[[], Awaitable[object]]]:
     """(interval, tick) of the named shedder's sampler job for the background runner; the
     tick ends the job (``DONE``) once a reload removed the shedder."""
     def find() -> WorkerUtilizationShedder | None:

@@ -1,6 +1,6 @@
 """Observability and safe rollout: metrics, traces, decision logs, the dark-launch record.
 
-Everything here is an :class:`extauthz.engine.Observer` (called once per decision on the
+Everything here is an :class:`extauthz.engine.engine.Observer` (called once per decision on the
 request path, so each one does only cheap, precomputed work) or a background job the server
 runs. Nothing here imports grpc.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from ..context import RequestContext
+from ..core.context import RequestContext
+from ..core.verdict import Decision
 from ..policy.model import Policy
-from ..verdict import Decision
 from .base import NullObserver, Observer
 
 log = logging.getLogger("extauthz.observe")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ..context import RequestContext
+from ..core.context import RequestContext
+from ..core.verdict import Decision
 from ..policy.model import Policy
-from ..verdict import Decision
 
 __all__ = ["NullObserver", "Observer", "ObserverBase"]
 

@@ -21,10 +21,10 @@ import sys
 import time
 from typing import Any
 
-from ..clock import SYSTEM_CLOCK, Clock
-from ..context import RequestContext
+from ..core.clock import SYSTEM_CLOCK, Clock
+from ..core.context import RequestContext
+from ..core.verdict import Decision, Outcome, Verdict
 from ..policy.model import Policy
-from ..verdict import Decision, Outcome, Verdict
 
 DECISIONS_LOGGER = "extauthz.decisions"
 ROUTE_MAX = 100

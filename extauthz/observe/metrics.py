@@ -13,7 +13,7 @@ Three kinds of metric, chosen by cost:
   everything the server already counts or holds (fail-opens by reason, shed levels, policy
   version, reload failures, leases in flight, access-log counters, switches, the recorder,
   the Redis store's round trips and script calls), from the same per-component parts as
-  ``/status`` (:mod:`extauthz.observe.state`). Nothing per request.
+  ``/status`` (:mod:`extauthz.engine.state`). Nothing per request.
 """
 
 from __future__ import annotations
@@ -27,14 +27,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from ..context import RequestContext
-from ..engine import Engine
+from ..core.context import RequestContext
+from ..core.tiers import Tier
+from ..core.verdict import Decision, Kind, Outcome
 from ..policy.model import Policy
 from ..store.base import CheckResult, Op
-from ..tiers import Tier
-from ..verdict import Decision, Kind, Outcome
 from .base import ObserverBase
-from .state import Panel, engine_parts
 
 log = logging.getLogger("extauthz.metrics")
 
@@ -48,7 +46,7 @@ RESULTS = ("allowed", "rate_limited", "shed", "failed_closed")
 CHECK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 #: ``extauthz_check_duration_seconds{door}``: the front doors (a Door's ``name``).
-DOORS = ("grpc", "http")
+DOORS = ("grpc", "http", "ratelimit")
 
 CheckFn = Callable[[Sequence[Op], str], Awaitable[CheckResult]]
 
@@ -202,15 +200,6 @@ class Metrics(ObserverBase):
                     by_tier.setdefault(sample.labels["tier"], {})[sample.labels["result"]] = int(sample.value)
         totals = {result: sum(row.get(result, 0) for row in by_tier.values()) for result in RESULTS}
         return {**totals, "by_tier": by_tier}
-
-
-class StateCollector(Panel):
-    """The engine's own state (:func:`~extauthz.observe.state.engine_parts`) as a collector:
-    register it on the :class:`Metrics` registry. A server registers its whole
-    :class:`~extauthz.observe.state.Panel` instead."""
-
-    def __init__(self, engine: Engine) -> None:
-        super().__init__(engine_parts(engine))
 
 
 def instrument_store_check(check: CheckFn, *, histogram: Histogram | None = None,

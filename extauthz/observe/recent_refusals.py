@@ -14,11 +14,11 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..clock import SYSTEM_CLOCK, Clock
-from ..context import RequestContext
+from ..core.clock import SYSTEM_CLOCK, Clock
+from ..core.context import RequestContext
+from ..core.settings import RECENT_REFUSALS_PER_IDENTITY
+from ..core.verdict import Decision
 from ..policy.model import Policy
-from ..settings import RECENT_REFUSALS_PER_IDENTITY
-from ..verdict import Decision
 from .base import ObserverBase
 
 #: refusals kept per identity

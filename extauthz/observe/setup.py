@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 from typing import Any
 
-from ..clock import Clock
+from ..core.clock import Clock
 from ..policy.model import Policy
 from ..store.base import Store
 from ..store.keys import Keys

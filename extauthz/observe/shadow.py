@@ -22,12 +22,12 @@ from collections.abc import Iterable
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
-from ..clock import SYSTEM_CLOCK, Clock
-from ..context import RequestContext
-from ..errors import StoreError
+from ..core.clock import SYSTEM_CLOCK, Clock
+from ..core.context import RequestContext
+from ..core.errors import StoreError
+from ..core.verdict import Decision, Outcome
 from ..policy.model import Policy
 from ..store.base import Store, load_json
-from ..verdict import Decision, Outcome
 from .base import ObserverBase
 from .logs import route_of
 

@@ -31,9 +31,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from ..context import RequestContext
+from ..core.context import RequestContext
+from ..core.verdict import Decision, Outcome
 from ..policy.model import Policy
-from ..verdict import Decision, Outcome
 
 TRACER_NAME = "extauthz"
 CHECK_SPAN = "extauthz.check"

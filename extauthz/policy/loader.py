@@ -22,9 +22,10 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from ..errors import PolicyError, PolicyIssue
-from ..settings import POLICY_MAX_BYTES
-from .model import Policy, compile_policy
+from ..core.errors import PolicyError, PolicyIssue
+from ..core.settings import POLICY_MAX_BYTES
+from .descriptors import DescriptorTable
+from .model import Policy, compile_policy, descriptor_targets
 from .schema import LIMITER_TYPES, PolicyFile
 
 YAML_SUFFIXES = (".yaml", ".yml")
@@ -260,6 +261,46 @@ def read_bounded(path: Path, max_bytes: int) -> bytes:
     return raw
 
 
+def _descriptor_issues(parsed: Sequence[tuple[str, PolicyFile, _Document]]) -> list[PolicyIssue]:
+    """Descriptors two targets match alike (envoyproxy/ratelimit's "duplicate descriptor
+    composite key"), names in ``replaces`` no target has, and an unlimited entry's name
+    that a limiter or another entry has."""
+    issues: list[PolicyIssue] = []
+    table = DescriptorTable()
+    first: dict[str, str] = {}  # target name -> its file
+    entries: list[tuple[str, _Document, str, list[str]]] = []  # file, doc, where, replaces
+    for file, model, doc in parsed:
+        placed = [("limiters", i) for i, spec in enumerate(model.limiters) if getattr(spec, "match", None)]
+        placed += [("unlimited", i) for i in range(len(model.unlimited))]
+        targets = descriptor_targets(model.limiters, model.unlimited)
+        for (section, i), (match, target) in zip(placed, targets, strict=True):
+            where = f"{section}[{i}]"
+            line = doc.line_of((section, i, "match"))
+            if target.unlimited and target.name and (
+                    target.name in first or any(s.name == target.name for _, m, _ in parsed for s in m.limiters)):
+                issues.append(PolicyIssue(file, f"{where}.name", doc.line_of((section, i, "name")),
+                                          f"duplicate name '{target.name}' (a limiter or an "
+                                          "unlimited entry has it)"))
+            if target.name:
+                first.setdefault(target.name, file)
+            shape = ", ".join(e.key if e.value is None else f"{e.key}={e.value}" for e in match.descriptor)
+            clash = table.add(match.domain, [(e.key, e.value) for e in match.descriptor], target)
+            if clash is not None:
+                issues.append(PolicyIssue(
+                    file, f"{where}.match", line,
+                    f"duplicate descriptor: domain '{match.domain}' [{shape}] is matched by "
+                    f"'{clash.name or 'an unlimited entry'}' already"))
+            entries.append((file, doc, where, sorted(target.replaces)))
+    for file, doc, where, replaces in entries:
+        for name in replaces:
+            if name not in first:
+                section, _, rest = where.partition("[")
+                issues.append(PolicyIssue(
+                    file, f"{where}.replaces", doc.line_of((section, int(rest[:-1]), "replaces")),
+                    f"replaces '{name}': no limiter with 'match' (or unlimited entry) has that name"))
+    return issues
+
+
 def load_policy(paths: Sequence[Path | str], *, max_bytes: int = MAX_FILE_BYTES) -> Policy:
     """Load, validate, merge and compile a policy. Raises :class:`PolicyError`.
 
@@ -327,6 +368,7 @@ def load_policy(paths: Sequence[Path | str], *, max_bytes: int = MAX_FILE_BYTES)
                         file, f"limiters[{i}].plans", doc.line_of(("limiters", i, "plans")),
                         "plans need a top-level 'plan' section (where a request's plan comes from)",
                     ))
+    issues.extend(_descriptor_issues(parsed))
     if issues:
         raise PolicyError(issues)
     return compile_policy([m for _, m, _ in parsed], version=digest.hexdigest()[:12],

@@ -5,9 +5,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..context import host_name
-from ..tiers import Tier
-from .schema import AppliesTo, Classification, IdentityRule, KeyPart, LimiterSpec, Match, PolicyFile
+from ..core.context import host_name
+from ..core.tiers import Tier
+from .descriptors import DescriptorTable, Target
+from .schema import (
+    AppliesTo,
+    Classification,
+    DescriptorMatch,
+    IdentityRule,
+    KeyPart,
+    LimiterSpec,
+    Match,
+    PolicyFile,
+    UnlimitedSpec,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,9 +30,14 @@ class Matcher:
     hosts: frozenset[str] | None = None
     headers: tuple[tuple[str, str], ...] = ()
     tiers: frozenset[Tier] | None = None
+    #: a limiter with ``match``: its name (it applies to the descriptors that reach it and
+    #: to nothing else); None: it applies to checked requests, never to a descriptor.
+    descriptor: str | None = None
 
     def matches(self, method: str, path: str, host: str, headers: Mapping[str, str],
-                tier: Tier | None = None) -> bool:
+                tier: Tier | None = None, target: str | None = None) -> bool:
+        if self.descriptor != target:
+            return False
         if self.methods is not None and method not in self.methods:
             return False
         if self.path_prefix is not None and not path.startswith(self.path_prefix):
@@ -38,7 +54,8 @@ class Matcher:
         return frozenset(name for name, _ in self.headers)
 
 
-def compile_match(m: Match | AppliesTo) -> Matcher:
+def compile_match(m: Match | AppliesTo, descriptor: str | None = None) -> Matcher:
+    """A matcher of ``m``; ``descriptor``: the name of the limiter with ``match`` it belongs to."""
     headers = getattr(m, "headers", None) or {}
     tiers = getattr(m, "tiers", None)
     return Matcher(
@@ -47,6 +64,7 @@ def compile_match(m: Match | AppliesTo) -> Matcher:
         hosts=frozenset(host_name(h) for h in m.hosts) if m.hosts else None,
         headers=tuple((k.lower(), v) for k, v in sorted(headers.items())),
         tiers=frozenset(Tier(t) for t in tiers) if tiers else None,
+        descriptor=descriptor,
     )
 
 
@@ -86,7 +104,7 @@ class KeySource:
     kind: str
     #: header, source_ip, principal, metadata: the same extraction as an identity rule.
     source: IdentitySource | None = None
-    #: context_extension: its name.
+    #: context_extension: its name; descriptor: the entry's key.
     name: str = ""
     #: route, route_metadata: where in the route's metadata.
     route: RouteRef | None = None
@@ -98,7 +116,7 @@ class KeySource:
         if self.source is not None:
             return self.source.label
         if self.name:
-            return f"context_extension:{self.name}"
+            return f"{self.kind}:{self.name}"
         if self.kind == "route_metadata" and self.route is not None:
             return f"route_metadata:{self.route[0]}:{'.'.join(map(str, self.route[1]))}"
         return self.kind
@@ -157,6 +175,9 @@ class Policy:
     #: each keyed limiter's index into them (``RequestContext.keys`` holds their values).
     keys: tuple[KeySpec, ...] = ()
     key_index: Mapping[str, int] = field(default_factory=dict)
+    #: the limiters with ``match`` and the ``unlimited`` entries, by domain and descriptor
+    #: (what ``ShouldRateLimit`` looks up; empty: the policy counts no descriptors)
+    descriptors: DescriptorTable = field(default_factory=DescriptorTable)
     #: the longest ``lease_ttl`` of the policy's limiters (0 without lease limiters): no lease
     #: the policy takes outlives it. Computed once: the request-id index reads it per check.
     longest_lease_ttl: float = field(init=False)
@@ -242,6 +263,8 @@ def compile_key(parts: Sequence[KeyPart], route_namespace: str) -> KeySpec:
                 metadata=part.metadata, principal=bool(part.principal))])[0], fold=fold))
         elif part.context_extension is not None:
             out.append(KeySource("context_extension", name=part.context_extension, fold=fold))
+        elif part.descriptor is not None:
+            out.append(KeySource("descriptor", name=part.descriptor, fold=fold))
         elif part.route:
             out.append(KeySource("route", route=(route_namespace, ("route",)), fold=fold))
         elif part.route_metadata is not None:
@@ -261,6 +284,9 @@ def compile_keys(limiters: Sequence[LimiterSpec], route_namespace: str
     index: dict[str, int] = {}
     for spec in limiters:
         parts = getattr(spec, "key", None)
+        match: DescriptorMatch | None = getattr(spec, "match", None)
+        if not parts and match is not None:  # the counter per descriptor value
+            parts = [KeyPart(descriptor=e.key) for e in match.descriptor]
         if not parts:
             continue
         key = compile_key(parts, route_namespace)
@@ -270,6 +296,28 @@ def compile_keys(limiters: Sequence[LimiterSpec], route_namespace: str
             specs.append(key)
         index[spec.name] = specs.index(key)
     return tuple(specs), index
+
+
+def descriptor_targets(limiters: Sequence[LimiterSpec], unlimited: Sequence[UnlimitedSpec]
+                       ) -> list[tuple[DescriptorMatch, Target]]:
+    """What the descriptor table files: each limiter with ``match`` and each ``unlimited``
+    entry, in policy order."""
+    out: list[tuple[DescriptorMatch, Target]] = []
+    for spec in limiters:
+        match: DescriptorMatch | None = getattr(spec, "match", None)
+        if match is not None:
+            out.append((match, Target(spec.name, replaces=frozenset(getattr(spec, "replaces", None) or ()))))
+    for entry in unlimited:
+        out.append((entry.match, Target(entry.name or "", True, frozenset(entry.replaces or ()))))
+    return out
+
+
+def compile_descriptors(targets: Sequence[tuple[DescriptorMatch, Target]]) -> DescriptorTable:
+    """The table of ``targets`` (the loader has refused duplicates; a later one is dropped)."""
+    table = DescriptorTable()
+    for match, target in targets:
+        table.add(match.domain, [(e.key, e.value) for e in match.descriptor], target)
+    return table
 
 
 def route_tier_ref(classification: Classification | None) -> RouteRef:
@@ -316,4 +364,6 @@ def compile_policy(files: Sequence[PolicyFile], *, version: str,
         ) if plan else frozenset(),
         keys=keys,
         key_index=key_index,
+        descriptors=compile_descriptors(descriptor_targets(
+            limiters, [entry for f in files for entry in f.unlimited])),
     )

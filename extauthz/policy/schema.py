@@ -210,9 +210,53 @@ def _true_only(value: Any) -> Any:
 TrueFlag = Annotated[bool, BeforeValidator(_true_only)]
 
 
+# -- rate limit descriptors (Envoy's ratelimit filter; extauthz.policy.descriptors) ---------
+
+#: entries in one descriptor a limiter matches (Envoy sends a few; envoyproxy/ratelimit's
+#: configs nest a handful of levels)
+MAX_DESCRIPTOR_ENTRIES = 16
+DescriptorKey = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class DescriptorEntryMatch(_Strict):
+    """One entry of a descriptor: its key, and the value it must have (any value if unset)."""
+
+    key: DescriptorKey = Field(description="The entry's key (a rate limit action's "
+                               "descriptor_key, or its fixed key such as 'remote_address').")
+    value: Annotated[str, Field(min_length=1, max_length=1024)] | None = Field(
+        None, description="The value the entry must have; a value ending in '*' matches the "
+        "values starting with what precedes it; unset: any value (the default for the values "
+        "no sibling entry names).")
+
+
+class DescriptorMatch(_Strict):
+    """The rate limit descriptors (``ShouldRateLimit``) a limiter counts: a domain and the
+    entries, in order. The most specific match wins, entry by entry, as envoyproxy/ratelimit
+    decides (docs/ratelimit.md)."""
+
+    domain: Annotated[str, Field(min_length=1, max_length=256)] = Field(
+        description="The rate limit domain (the ratelimit filter's 'domain').")
+    descriptor: list[DescriptorEntryMatch] = Field(
+        min_length=1, max_length=MAX_DESCRIPTOR_ENTRIES,
+        description="The descriptor's entries, in order: a descriptor matches only with as many "
+        "entries.")
+
+
+class UnlimitedSpec(_Strict):
+    """A descriptor that no limit applies to (envoyproxy/ratelimit's ``unlimited: true``):
+    answered OK, never counted, and it keeps the less specific limiters off the descriptor."""
+
+    name: Name | None = Field(None, description="Its name, for another's 'replaces'.")
+    match: DescriptorMatch
+    replaces: list[Name] | None = Field(
+        None, min_length=1, description="Limiters with 'match' this one switches off for the "
+        "request, when both match its descriptors.")
+
+
 #: the key parts whose value is text a client or a route chooses (``case: fold`` applies);
 #: ``method`` is upper case, ``host`` and ``plan`` lower case already.
-FOLDABLE_PARTS = ("header", "principal", "metadata", "route", "route_metadata", "context_extension")
+FOLDABLE_PARTS = ("header", "principal", "metadata", "route", "route_metadata", "context_extension",
+                  "descriptor")
 
 
 class KeyPart(_Strict):
@@ -240,6 +284,9 @@ class KeyPart(_Strict):
     context_extension: str | None = Field(
         None, min_length=1, description="A per-route context extension, by name.")
     plan: TrueFlag | None = Field(None, description="The request's plan.")
+    descriptor: DescriptorKey | None = Field(
+        None, description="The value of a rate limit descriptor's entry, by its key (a limiter "
+        "with 'match' only: Envoy's ratelimit filter, ShouldRateLimit).")
     case: Literal["fold"] | None = Field(
         None, description="'fold': the value case-folded ('ACME' and 'acme' are one key); "
         "only on a part whose value is text: " + ", ".join(f"'{f}'" for f in FOLDABLE_PARTS) + ".")
@@ -258,7 +305,7 @@ class KeyPart(_Strict):
 
 
 KEY_PARTS = ("identity", "header", "source_ip", "principal", "metadata", "method", "host", "route",
-             "route_metadata", "context_extension", "plan")
+             "route_metadata", "context_extension", "plan", "descriptor")
 Key = Annotated[list[KeyPart], Field(min_length=1, max_length=8)]
 OnMissingKey = Literal["skip", "shared"]
 
@@ -442,6 +489,44 @@ class _KeyedBase(_LimiterBase):
     on_missing_key: OnMissingKey = Field(
         "skip", description="A request for which a key part yields nothing: 'skip' (the "
         "limiter does not apply; counted) or 'shared' (one bucket for all such requests).")
+    match: DescriptorMatch | None = Field(
+        None, description="Count rate limit descriptors (Envoy's ratelimit filter, "
+        "ShouldRateLimit) instead of checked requests: the domain and entries matched; the key "
+        "defaults to every entry's value.")
+    replaces: list[Name] | None = Field(
+        None, min_length=1, description="With 'match': limiters with 'match' this one switches "
+        "off for the request, when both match its descriptors.")
+    detailed_metric: bool = Field(
+        False, description="With 'match': the limiter's decisions are counted per descriptor "
+        "value too (a bounded label: the first values seen, then 'other').")
+
+    @model_validator(mode="after")
+    def _descriptor_fields(self) -> _KeyedBase:
+        if self.match is None:
+            extra = [f for f in ("replaces", "detailed_metric") if f in self.model_fields_set]
+            if extra:
+                verb = "applies" if len(extra) == 1 else "apply"
+                raise ValueError(f"{' and '.join(extra)} only {verb} with 'match'")
+            if any(p.descriptor is not None for p in self.key or ()):
+                raise ValueError("a 'descriptor' key part needs 'match' (only a rate limit "
+                                 "descriptor has entries)")
+            return self
+        known = [e.key for e in self.match.descriptor]
+        for part in self.key or ():
+            if part.descriptor is None:
+                raise ValueError("a limiter with 'match' counts per descriptor entries: its key "
+                                 "parts are 'descriptor' (a ShouldRateLimit request has no headers "
+                                 "or route)")
+            if part.descriptor not in known:
+                raise ValueError(f"key part 'descriptor: {part.descriptor}' is not an entry of "
+                                 f"'match' ({', '.join(known)})")
+        if self.applies_to != AppliesTo():
+            raise ValueError("'applies_to' does not apply with 'match' (the descriptor decides)")
+        if self.on_missing_key != "skip":
+            raise ValueError("'on_missing_key' does not apply with 'match' (every entry is there)")
+        if self.name in (self.replaces or ()):
+            raise ValueError(f"'{self.name}' replaces itself")
+        return self
 
 
 # -- batched grants (consistency: batched; extauthz.limiters.grants) -----------------------
@@ -558,8 +643,15 @@ class ConcurrentRequestsSpec(_KeyedBase):
     plans: dict[Name, ConcurrentRequestsPlan] | None = Field(
         None, description="The limit per plan; a plan not listed uses the limiter's own.")
 
+    @model_validator(mode="after")
+    def _no_match(self) -> ConcurrentRequestsSpec:
+        if self.match is not None:
+            raise ValueError("'match' applies to request_rate and quota limiters (a lease needs "
+                             "the access log: checked requests only)")
+        return self
 
-QuotaPeriod = Literal["minute", "hour", "day", "week", "month"]
+
+QuotaPeriod = Literal["second", "minute", "hour", "day", "week", "month", "year"]
 
 
 class QuotaSpec(_BatchedGrants, _KeyedBase):
@@ -664,3 +756,6 @@ class PolicyFile(_Strict):
     test_mode: TestModeSpec | None = None
     classification: Classification | None = None
     limiters: list[LimiterSpec] = Field(default_factory=list)
+    unlimited: list[UnlimitedSpec] = Field(
+        default_factory=list, description="Rate limit descriptors no limit applies to "
+        "(envoyproxy/ratelimit's 'unlimited: true').")

@@ -34,6 +34,17 @@ Short aliases (module -> protobuf package, main contents):
     HeaderValueOption, HeaderMap, QueryParameter, Node, RequestMethod.
 ``http_status_pb2``
     ``envoy.type.v3``: HttpStatus, StatusCode (e.g. ``http_status_pb2.TooManyRequests``).
+``rls_pb2``
+    ``envoy.service.ratelimit.v3``: RateLimitRequest, RateLimitResponse (.Code,
+    .RateLimit, .DescriptorStatus): what Envoy's ratelimit filter sends and reads.
+``rls_pb2_grpc``
+    ``RateLimitService`` service: RateLimitServiceServicer, RateLimitServiceStub,
+    add_RateLimitServiceServicer_to_server.
+``ratelimit_common_pb2``
+    ``envoy.extensions.common.ratelimit.v3``: RateLimitDescriptor (.Entry,
+    .RateLimitOverride).
+``ratelimit_unit_pb2``
+    ``envoy.type.v3``: RateLimitUnit.
 ``rlqs_pb2``
     ``envoy.service.rate_limit_quota.v3`` as Envoy 1.40.0 speaks it (pinned by Envoy
     version, docs/rlqs.md): RateLimitQuotaUsageReports (.BucketQuotaUsage),
@@ -61,9 +72,13 @@ from extauthz.proto.extauthz_wire import (
     auth_pb2_grpc,
     core_pb2,
     http_status_pb2,
+    ratelimit_common_pb2,
     ratelimit_strategy_pb2,
+    ratelimit_unit_pb2,
     rlqs_pb2,
     rlqs_pb2_grpc,
+    rls_pb2,
+    rls_pb2_grpc,
 )
 
 __all__ = [
@@ -74,8 +89,12 @@ __all__ = [
     "auth_pb2_grpc",
     "core_pb2",
     "http_status_pb2",
+    "ratelimit_common_pb2",
     "ratelimit_strategy_pb2",
+    "ratelimit_unit_pb2",
     "rlqs_pb2",
     "rlqs_pb2_grpc",
+    "rls_pb2",
+    "rls_pb2_grpc",
     "status_pb2",
 ]

@@ -27,10 +27,10 @@ configured ``Host``, the bearer token when ``--admin-token-file`` is set, and on
 
 What the routes read and change is the server's
 :class:`~extauthz.server.fleetstate.ReplicaControl`, the one control path of
-:mod:`extauthz.control` (the CLI with ``--redis-url`` runs the same rules): a switch names a
+:mod:`extauthz.control.control` (the CLI with ``--redis-url`` runs the same rules): a switch names a
 limiter of the live policy (404 otherwise; a switch that is set can always be cleared), an
 override the policy would not apply is refused (400), the store's failures are 503, and every
-change of a switch or an override is recorded (:mod:`extauthz.changelog`) with the reason
+change of a switch or an override is recorded (:mod:`extauthz.control.changelog`) with the reason
 (``X-Extauthz-Reason``) and who: the token's name and the user the client names. The routes
 only translate HTTP.
 
@@ -45,11 +45,11 @@ from typing import Any
 
 from aiohttp import web
 
-from ..control import ControlError, StoreControl, StoreFailed, UnknownLimiter
-from ..overrides import DEFAULT_TTL, OverrideError, make_override
+from ..control.control import ControlError, StoreControl, StoreFailed, UnknownLimiter
+from ..control.overrides import DEFAULT_TTL, OverrideError, make_override
+from ..core.verdict import Mode
 from ..policy.schema import parse_duration
 from ..store.base import load_json
-from ..verdict import Mode
 from .adminauth import ACTOR, HEALTH_PATH, AdminGuard
 
 MAX_WINDOW = 7 * 24 * 3600.0

@@ -32,7 +32,6 @@ import hmac
 import ipaddress
 import logging
 import os
-import re
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable
@@ -41,16 +40,16 @@ from pathlib import Path
 
 from aiohttp import web
 
-from ..changelog import text_problem
-from ..control import Actor as Actor
-from .admintokens import CLIENT_HEADER as CLIENT_HEADER
-from .admintokens import MIN_TOKEN as MIN_TOKEN
-from .admintokens import REASON_HEADER as REASON_HEADER
-from .admintokens import TEXT_MAX as TEXT_MAX
-from .admintokens import USER_HEADER as USER_HEADER
-from .admintokens import AdminConfigError as AdminConfigError
-from .admintokens import client_token as client_token
-from .admintokens import parse_tokens as parse_tokens
+from ..control.admintokens import CLIENT_HEADER as CLIENT_HEADER
+from ..control.admintokens import MIN_TOKEN as MIN_TOKEN
+from ..control.admintokens import REASON_HEADER as REASON_HEADER
+from ..control.admintokens import TEXT_MAX as TEXT_MAX
+from ..control.admintokens import USER_HEADER as USER_HEADER
+from ..control.admintokens import AdminConfigError as AdminConfigError
+from ..control.admintokens import client_token as client_token
+from ..control.admintokens import parse_tokens as parse_tokens
+from ..control.changelog import text_problem
+from ..control.control import Actor as Actor
 from .ports import parse_listen
 
 log = logging.getLogger("extauthz.server")
@@ -182,15 +181,6 @@ def require_token_when_exposed(admin_listen: str | None, token_file: str | None)
         f"the admin port would listen on {admin_listen}, not a loopback address, without a "
         "token: anyone reaching it could change kill switches and customers' limits. Give "
         "--admin-token-file (EXTAUTHZ_ADMIN_TOKEN_FILE), or listen on 127.0.0.1")
-
-
-def parse_hosts(text: str | None) -> tuple[str, ...]:
-    """``--admin-hosts``: comma-separated host names (no port), lower-cased."""
-    hosts = tuple(h.strip().lower().strip("[]") for h in (text or "").split(",") if h.strip())
-    for h in hosts:
-        if not re.fullmatch(r"[a-z0-9_.:-]{1,253}", h):
-            raise AdminConfigError(f"--admin-hosts: {h!r} is not a host name or address")
-    return hosts
 
 
 def _header_host(value: str | None) -> str | None:

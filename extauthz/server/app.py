@@ -9,7 +9,6 @@ import asyncio
 import errno
 import gc
 import logging
-import os
 import signal
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -19,41 +18,47 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ..clock import SYSTEM_CLOCK, Clock
-from ..engine import Engine
+from ..core.clock import SYSTEM_CLOCK, Clock
+from ..core.portfile import remove_admin_url, write_admin_url
+from ..core.runner import Runner
+from ..core.settings import Settings, event_loop, off
+from ..engine.engine import Engine
+from ..engine.overload import LoopLag
+from ..engine.quota_service import QuotaBook, QuotaLimit, limits_of
+from ..engine.reload import PolicyWatcher
+from ..engine.state import LeaseSampler, RecorderPart, Section, by_label_part
+from ..engine.storegate import StoreGate
+from ..engine.tickets import REASONS as REJECT_REASONS
+from ..engine.tickets import LeaseTickets
 from ..envoy.headers import unreadable_over_http
 from ..limiters.worker import sampler_job
 from ..observe import compose
 from ..observe.edge_metrics import EdgeCollector
+from ..observe.record import Recorder, pending_ttl
 from ..observe.setup import Observability
-from ..observe.state import LeaseSampler, RecorderPart, Section
-from ..overload import LoopLag
 from ..policy import Policy, load_policy
-from ..proto import accesslog_pb2_grpc, auth_pb2_grpc, rlqs_pb2_grpc
-from ..quota_service import QuotaBook, QuotaLimit, limits_of
-from ..reload import PolicyWatcher
-from ..runner import Runner
-from ..settings import Settings, off
-from ..simulate.record import Recorder, pending_ttl
+from ..proto import accesslog_pb2_grpc, auth_pb2_grpc, rlqs_pb2_grpc, rls_pb2_grpc
 from ..store.base import Store
 from ..store.keys import Keys
 from ..store.memory import MemoryStore
-from ..storegate import StoreGate
-from ..tickets import REASONS as REJECT_REASONS
-from ..tickets import LeaseTickets
 from .admin import admin_app
 from .fleetstate import FleetState, ReplicaControl
-from .flow import check_flow
 from .fluentd import FluentdReceiver
 from .grpc_h2 import GrpcH2Server, H2Limits
 from .http import HttpAuthorization, HttpLimits, max_connections_for
 from .leases import Leases
 from .opsports import OperatorPorts
 from .panel import status_panel
-from .portfile import remove_admin_url, write_admin_url
 from .ports import parse_listen
-from .services import AccessLogService, AuthorizationService, RateLimitQuotaService, quota_metrics
+from .services import (
+    AccessLogService,
+    AuthorizationService,
+    RateLimitQuotaService,
+    RateLimitService,
+    quota_metrics,
+)
 from .tls import CertificateReloader, TlsFiles
+from .traced import check_flow
 
 log = logging.getLogger("extauthz.server")
 
@@ -64,14 +69,14 @@ SHADOW_FLUSH_INTERVAL = 1.0
 LEASES_SAMPLE_INTERVAL = 2.0
 
 
-#: the server's configuration: one :class:`~extauthz.settings.Settings`, every option declared
+#: the server's configuration: one :class:`~extauthz.core.settings.Settings`, every option declared
 #: once there (flag, variable, default, help) and built from the command line by
-#: :func:`extauthz.settings.from_args`.
+#: :func:`extauthz.core.settings.from_args`.
 ServerConfig = Settings
 
 
 def is_off(listen: str | None) -> bool:
-    """An off listen value (unset, ``""``, ``off``, ``none``: :func:`extauthz.settings.off`)."""
+    """An off listen value (unset, ``""``, ``off``, ``none``: :func:`extauthz.core.settings.off`)."""
     return off(listen) is None
 
 
@@ -139,7 +144,7 @@ class Server:
                         "leases wait for their TTL); give every replica the same --lease-secret",
                         extra={"fields": {"event": "lease_secret_random"}})
         # What operators see and change at run time, each owner built here once:
-        #: the loop's lag (a Runner job) and the check budget (extauthz/overload.py); real
+        #: the loop's lag (a Runner job) and the check budget (extauthz/engine/overload.py); real
         #: time, whatever clock the limiters run on
         self.lag = LoopLag(config.check_budget_ms / 1000.0, running=lambda: self.runner.running("loop_lag"))
         #: the admin and metrics ports, and the admin port's lock
@@ -157,6 +162,8 @@ class Server:
         self.auth = AuthorizationService(check_flow(self.engine, self.accesslog.leases,
                                                     tracing.tracer if tracing is not None else None,
                                                     self.lag, metrics.durations if metrics is not None else None))
+        #: ShouldRateLimit (Envoy's ratelimit filter, docs/migrating.md) on the same check flow
+        self.ratelimit = RateLimitService(self.auth.flow)
         self.leases: LeaseSampler | None = (LeaseSampler(self.engine, LEASES_SAMPLE_INTERVAL)
                                             if metrics is not None else None)
         files = TlsFiles.from_options(config.tls_cert, config.tls_key, config.tls_client_ca)
@@ -166,19 +173,24 @@ class Server:
         #: /status and the scrape-time metrics, one part per component (server/panel.py)
         self.panel = status_panel(self)
         self.panel.add(RecorderPart(self.recorder))  # /status recorder, extauthz_recorder_*
+        self.panel.add(by_label_part(
+            "ratelimit_descriptors", "extauthz_ratelimit_descriptors", "Rate limit descriptors "
+            "(ShouldRateLimit) by what answered them: decided (a limiter), replaced (its limiter "
+            "switched off by another's replaces), unknown (none matched: allowed), unlimited.",
+            "result", self.ratelimit.door.counts))
         self.panel.add(Section(lambda: {"quota": self.quota.book.status()},  # extauthz_quota_*
                                partial(quota_metrics, self.quota.book)))
         if metrics is not None:
             metrics.registry.register(self.panel)
             metrics.registry.register(EdgeCollector(lambda: self.tls, lambda: self.accesslog.rejected,
                                                     REJECT_REASONS))
-        #: what the admin routes read and change: the one control path (extauthz/control.py)
+        #: what the admin routes read and change: the one control path (extauthz/control/control.py)
         self.control = ReplicaControl(self.fleet, observe=self.observe, status=self.panel.status)
         if is_off(config.listen) and is_off(config.http_listen):
             raise ValueError("both the gRPC (--listen) and the HTTP (--http-listen) ports are off: "
                              "nothing to serve")
         self.grpc: grpc.aio.Server | GrpcH2Server | None = None
-        self.health_grpc: grpc.aio.Server | None = None
+        self.health_grpc: grpc.aio.Server | GrpcH2Server | None = None
         self.http: HttpAuthorization | None = None
         self.fluentd: FluentdReceiver | None = None
         self.fluentd_port = 0
@@ -259,29 +271,41 @@ class Server:
                 self.fluentd_port = await self.fluentd.start(self.config.fluentd_listen,
                                                              reuse_port=self.config.reuse_port)
                 self.status_sections["fluentd"] = self.fluentd.status
+            limits = self.config.grpc_limits or H2Limits(max_connections=max_connections_for())
+            if isinstance(limits, dict):  # a worker's settings arrive as JSON (workers.py)
+                limits = H2Limits(**limits)
             if not is_off(self.config.listen) and self.config.grpc_server == "asyncio":
                 # the same servicers on HTTP/2 served by the event loop (server/grpc_h2.py)
                 # its connection bound follows the file limit, as the HTTP port's does
-                limits = self.config.grpc_limits or H2Limits(max_connections=max_connections_for())
-                if isinstance(limits, dict):  # a worker's settings arrive as JSON (workers.py)
-                    limits = H2Limits(**limits)
                 h2server = GrpcH2Server(limits, ssl_context=self.tls.ssl_context() if self.tls is not None else None)
                 auth_pb2_grpc.add_AuthorizationServicer_to_server(service, h2server)
                 accesslog_pb2_grpc.add_AccessLogServiceServicer_to_server(self.accesslog, h2server)
                 rlqs_pb2_grpc.add_RateLimitQuotaServiceServicer_to_server(self.quota, h2server)
+                rls_pb2_grpc.add_RateLimitServiceServicer_to_server(self.ratelimit, h2server)
                 health_pb2_grpc.add_HealthServicer_to_server(self.health, h2server)
-                self.port = await h2server.start(self.config.listen, reuse_port=self.config.reuse_port)
+                self.port = await h2server.start(self.config.listen, reuse_port=self.config.reuse_port,
+                                                 flag="--listen")
                 self.grpc = h2server
                 self.status_sections["grpc"] = h2server.status
+                self.panel.add(Section(metrics=h2server.metrics))  # extauthz_grpc_*
             elif not is_off(self.config.listen):
                 server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.config.reuse_port))])
                 auth_pb2_grpc.add_AuthorizationServicer_to_server(service, server)
                 accesslog_pb2_grpc.add_AccessLogServiceServicer_to_server(self.accesslog, server)
                 rlqs_pb2_grpc.add_RateLimitQuotaServiceServicer_to_server(self.quota, server)
+                rls_pb2_grpc.add_RateLimitServiceServicer_to_server(self.ratelimit, server)
                 health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
                 self.port = _bind(server, self.config.listen, "--listen",
                                   self.tls.credentials() if self.tls is not None else None)
-            if not is_off(self.config.health_listen):
+            if not is_off(self.config.health_listen) and self.config.grpc_server == "asyncio":
+                # plaintext, health only (the kubelet's probes), on the same server kind
+                assert self.config.health_listen is not None
+                h2health = GrpcH2Server(limits)
+                health_pb2_grpc.add_HealthServicer_to_server(self.health, h2health)
+                self.health_grpc = h2health
+                self.health_port = await h2health.start(self.config.health_listen,
+                                                        reuse_port=self.config.reuse_port, flag="--health-listen")
+            elif not is_off(self.config.health_listen):
                 assert self.config.health_listen is not None
                 health_server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.config.reuse_port))])
                 health_pb2_grpc.add_HealthServicer_to_server(self.health, health_server)
@@ -291,6 +315,8 @@ class Server:
         except BaseException:
             if self.grpc is not None:
                 await self.grpc.stop(0)
+            if self.health_grpc is not None:
+                await self.health_grpc.stop(0)
             if self.fluentd is not None:
                 await self.fluentd.stop()
             if self.http is not None:
@@ -405,7 +431,7 @@ async def run(config: ServerConfig, on_ready: Callable[[int], None] | None = Non
 def serve(config: ServerConfig, on_ready: Callable[[int], None] | None = None) -> None:
     """Run until SIGTERM/SIGINT. uvloop unless ``EXTAUTHZ_EVENT_LOOP=asyncio`` (measured in
     docs/benchmarks.md: uvloop is the faster of the two here)."""
-    if os.environ.get("EXTAUTHZ_EVENT_LOOP", "uvloop") != "asyncio":
+    if event_loop() != "asyncio":
         try:
             import uvloop
         except ImportError:  # pragma: no cover - uvloop is a dependency on Linux

@@ -11,19 +11,19 @@ from typing import Any
 
 from google.protobuf import struct_pb2
 
-from ..answers import (
+from ..core.context import REQUEST_ID_HEADER, RawRequest, RequestContext
+from ..core.tiers import Tier
+from ..core.verdict import Decision
+from ..engine.answers import (
     LEASE_FIELDS,
     TIER_HEADER,
     denial,
     lease_fields,
     ratelimit_headers,
 )
-from ..classify import route_metadata_values, scalars_at
-from ..context import REQUEST_ID_HEADER, RawRequest, RequestContext
+from ..policy.classify import route_metadata_values, scalars_at
 from ..policy.model import RouteRef
 from ..proto import auth_pb2, core_pb2, http_status_pb2, status_pb2
-from ..tiers import Tier
-from ..verdict import Decision
 
 _OVERWRITE = core_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _GRPC_OK = 0
@@ -95,7 +95,7 @@ _OK_TEMPLATES = {tier.value: _ok_template(tier.value) for tier in Tier}
 
 
 def check_response(ctx: RequestContext, decision: Decision, ticket: str = "") -> auth_pb2.CheckResponse:
-    """``ticket``: the lease ticket (extauthz/tickets.py) put beside the leases."""
+    """``ticket``: the lease ticket (extauthz/engine/tickets.py) put beside the leases."""
     if decision.allowed:
         resp = auth_pb2.CheckResponse()
         template = _OK_TEMPLATES.get(ctx.tier.value)

@@ -1,8 +1,8 @@
 """What operators change at run time, on every replica: the kill switches and the live
-overrides (two stored documents, :mod:`extauthz.documents`) and the change log
+overrides (two stored documents, :mod:`extauthz.control.documents`) and the change log
 (:class:`FleetState`, polled once a second by the server's runner; a part of ``/status`` and
-``/metrics``, :mod:`extauthz.observe.state`), and the admin routes' control
-(:class:`ReplicaControl`): the one control path of :mod:`extauthz.control` with this
+``/metrics``, :mod:`extauthz.engine.state`), and the admin routes' control
+(:class:`ReplicaControl`): the one control path of :mod:`extauthz.control.control` with this
 replica's live policy, boards and change log.
 """
 
@@ -13,16 +13,16 @@ from typing import Any
 
 from prometheus_client.metrics_core import Metric
 
-from ..changelog import ChangeLog
-from ..clock import Clock
-from ..control import Actor, Checks, StoreControl
-from ..engine import Engine
+from ..control.changelog import ChangeLog
+from ..control.control import Actor, Checks, StoreControl
+from ..control.overrides import OverrideBoard
+from ..control.switches import SwitchBoard
+from ..core.clock import Clock
+from ..engine.engine import Engine
+from ..engine.state import OverridesPart
 from ..observe.setup import Observability
-from ..observe.state import OverridesPart
-from ..overrides import OverrideBoard
 from ..store.base import Store
 from ..store.keys import Keys
-from ..switches import SwitchBoard
 from .adminauth import ACTOR
 
 
@@ -54,11 +54,11 @@ class FleetState:
 
 
 class ReplicaControl(StoreControl):
-    """The admin routes' :class:`~extauthz.control.Control`: the rules of
-    :class:`~extauthz.control.StoreControl` checked against the policy this replica serves now
+    """The admin routes' :class:`~extauthz.control.control.Control`: the rules of
+    :class:`~extauthz.control.control.StoreControl` checked against the policy this replica serves now
     (the engine's snapshot: a reload changes it), changes made through the replica's boards
     (applied here at once) and recorded in its change log (logged, kept for ``/status``) as
-    made by the admin request's :class:`~extauthz.control.Actor`. ``/status``, a customer's
+    made by the admin request's :class:`~extauthz.control.control.Actor`. ``/status``, a customer's
     recent refusals and grants held, and the shadow report come from the replica."""
 
     def __init__(self, fleet: FleetState, *, observe: Observability, status: Callable[[], dict[str, Any]]) -> None:
@@ -93,8 +93,8 @@ class ReplicaControl(StoreControl):
 
     async def customer(self, identity: str, plan: str | None) -> dict[str, Any]:
         """One customer's limiters, live counters, the grants this replica holds and its
-        recent refusals here (``GET /customers/<hash>``; :mod:`extauthz.inspect`)."""
-        from ..inspect import held_grants
+        recent refusals here (``GET /customers/<hash>``; :mod:`extauthz.control.inspect`)."""
+        from ..control.inspect import held_grants
 
         view = await self._customer(identity, plan)
         held_grants(view, self.engine.snapshot.limiters, self.keys, self.wall())

@@ -7,17 +7,17 @@ port (``server/http.py`` with ``server/httpmap.py``, an HTTP/1.1 request -> an H
 :meth:`CheckFlow.check` runs the same steps for both (opa-envoy-plugin's ``envoyauth/`` under
 its gRPC and HTTP servers is the model):
 
-1. the door reads its message into a :class:`~extauthz.context.RawRequest`, which the
+1. the door reads its message into a :class:`~extauthz.core.context.RawRequest`, which the
    policy's classifier turns into a request context; a request the door cannot read is
    allowed and counted here (``extauthz_bad_requests_total``), never an error;
 2. the engine decides (it never raises; fail-open is decided there) within the time the
-   check has left (:class:`~extauthz.overload.LoopLag`: the check budget less what the door
+   check has left (:class:`~extauthz.engine.overload.LoopLag`: the check budget less what the door
    saw it wait), and knowing whether the server is starved (its loop lags): then the
    shedders refuse non-critical requests at once instead of Envoy timing the check out;
 3. an admitted decision's leases go to the lease owner (:class:`~extauthz.server.leases.Leases`):
    remembered by request id with the ticket the answer carries, or given back at once when
    the door says its answer can no longer reach Envoy;
-4. the door builds its answer from the same pieces (:mod:`extauthz.answers`).
+4. the door builds its answer from the same pieces (:mod:`extauthz.engine.answers`).
 
 With metrics on, the time from 1 to 4 of a decided check is counted by door and decision
 (``extauthz_check_duration_seconds``, :class:`~extauthz.observe.metrics.CheckDurations`).
@@ -30,17 +30,17 @@ from collections.abc import Iterable, Mapping
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from ..context import RawRequest, RequestContext
-from ..engine import Engine, Snapshot
-from ..overload import LoopLag
-from ..throttle import LogThrottle
-from ..verdict import Decision
+from ..core.context import RawRequest, RequestContext
+from ..core.throttle import LogThrottle
+from ..core.verdict import Decision
+from ..engine.engine import Engine, Snapshot
+from ..engine.overload import LoopLag
 from .leases import Leases
 
 if TYPE_CHECKING:
     from ..observe.metrics import CheckDurations
 
-__all__ = ["CheckFlow", "Door", "check_flow"]
+__all__ = ["CheckFlow", "Door"]
 
 log = logging.getLogger("extauthz.server")
 
@@ -77,10 +77,12 @@ class Door(Protocol[M, C, A]):
     def answer(self, message: M, ctx: RequestContext, decision: Decision, ticket: str) -> A:
         """The answer to a decided request (``ticket``: the lease ticket, "" when none)."""
 
-    def time_left(self, message: M, call: C) -> tuple[float | None, float]:
+    def time_left(self, message: M, call: C) -> tuple[float | None, float, bool]:
         """What the door knows of the check's time: the call's own time left (None when the
-        call carries no deadline; :class:`~extauthz.overload.LoopLag` takes Envoy's margin
-        off it), and how long the check has waited since the door received it."""
+        call carries no deadline; :class:`~extauthz.engine.overload.LoopLag` takes Envoy's margin
+        off it), how long the check has waited since the door received it, and whether the
+        deadline was stamped on the call's arrival, before the event loop read it
+        (:meth:`~extauthz.engine.overload.LoopLag.check`)."""
 
     def unreadable(self, message: M) -> A:
         """The answer to a request the door could not read: allowed."""
@@ -142,14 +144,3 @@ class CheckFlow:
         self.bad_requests += 1
         self._bad_log.log(logging.WARNING, "could not read %s; allowing it: %s: %s", what,
                           type(exc).__name__, exc, fields={"event": "bad_request"})
-
-
-def check_flow(engine: Engine, leases: Leases, tracer: Any = None,
-               lag: LoopLag | None = None, durations: CheckDurations | None = None) -> CheckFlow:
-    """The server's check flow: inside one span per check when ``tracer`` is given
-    (``server/traced.py``, which imports OpenTelemetry only then)."""
-    if tracer is None:
-        return CheckFlow(engine, leases, lag, durations)
-    from .traced import TracedCheckFlow
-
-    return TracedCheckFlow(engine, leases, tracer, lag, durations)

@@ -36,7 +36,7 @@ from typing import Any, cast
 
 import msgpack
 
-from ..context import RawRequest
+from ..core.context import RawRequest
 from ..envoy.records import IN_FLIGHT_TYPES, UNAUTHORIZED_FLAG
 from .leases import MAX_PENDING_RELEASES, FinishedEntries, seen_as, seen_at
 from .ports import parse_listen

@@ -1,4 +1,5 @@
-"""The gRPC port served on the event loop (``serve --grpc-server asyncio``).
+"""The gRPC port served on the event loop (what ``serve`` runs; ``--grpc-server grpcio``
+selects grpc.aio instead for one release).
 
 grpc.aio answers a no-op ``Check`` at ~395 us of CPU, most of it system calls and hand-offs
 between gRPC's poller thread and the event loop (docs/design.md, "The gRPC front door"). This
@@ -24,7 +25,9 @@ a server exposed to a network need on top, each bounded (:class:`H2Limits`, docs
 * every call shape: unary, server streaming (health Watch), client streaming (the access
   log), bidirectional (the rate limit quota stream);
 * graceful stop: GOAWAY, running calls finish (up to the grace), request streams (the access
-  log, the quota stream) are ended cleanly and answered, the rest cancelled.
+  log, the quota stream) are ended cleanly and answered, the rest cancelled; connections close
+  once their clients closed those streams (within ``close_linger``);
+* every bound counted (:meth:`GrpcH2Server.metrics`).
 
 The common answer (one message, ``grpc-status`` 0) is written as constant frames with h2's
 stream state told (:meth:`_Connection._answer`): h2's send path was most of a no-op check's
@@ -42,7 +45,7 @@ import asyncio
 import logging
 import ssl
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -78,7 +81,9 @@ from hyperframe.frame import (
     SettingsFrame,
     WindowUpdateFrame,
 )
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from ..core.settings import DEFAULT_MAX_ACTIVE_CHECKS
 from .ports import parse_listen
 
 __all__ = ["Call", "GrpcH2Server", "H2Limits", "parse_timeout"]
@@ -98,6 +103,20 @@ _HEAD = ((b":status", b"200"), (b"content-type", b"application/grpc"))
 _HEAD_BLOCK = b"\x88\x0f\x10\x10application/grpc"
 _OK_BLOCK = b"\x00\x0bgrpc-status\x010"
 _OK = [(b"grpc-status", b"0")]
+
+
+#: the reasons :meth:`GrpcH2Server.reject` counts, by what each ended (the ``extauthz_grpc_*``
+#: metrics; docs/operations.md): a connection closed before it served a call, ...
+CONNECTION_REFUSED = ("too_many_connections", "stopping", "alpn", "handshake_timeout")
+#: ... a connection ended by a bound or a protocol error, ...
+CONNECTION_CLOSED = ("frame_too_large", "protocol_error", "control_flood", "rapid_reset", "slow_frame",
+                     "peer_not_reading", "idle_timeout")
+#: ... one stream reset (refused, malformed, timed out; or reset by the peer before its answer)
+STREAM_RESET = ("too_many_streams", "after_goaway", "malformed_request", "message_too_large",
+                "request_timeout", "reset_by_peer")
+#: the GOAWAY error codes this server sends, exported from 0
+GOAWAY_CODES = ("NO_ERROR", "PROTOCOL_ERROR", "FLOW_CONTROL_ERROR", "FRAME_SIZE_ERROR", "COMPRESSION_ERROR",
+                "ENHANCE_YOUR_CALM")
 
 
 @dataclass(frozen=True)
@@ -142,6 +161,12 @@ class H2Limits:
     #: waits on, DATA without data or END_STREAM, DATA on a stream no call has (CVE-2019-9512,
     #: -9513, -9515, -9518); past it GOAWAY ENHANCE_YOUR_CALM
     control_per_second: float = 100.0
+    #: unary calls (Check) decided at once, over all connections; more wait their turn before
+    #: their handler starts, their deadline counting (the HTTP port's ``max_active_checks``,
+    #: for the same reason: unbounded, a saturated loop ran every check Envoy had in flight
+    #: at once and their store calls waited in this server past the store deadline: 6-9 % of
+    #: the checks failed open in the harness's (r-h2) and (d-h2) rows, the breaker opened)
+    max_active_calls: int = DEFAULT_MAX_ACTIVE_CHECKS
 
 
 def parse_timeout(value: bytes) -> float:
@@ -164,6 +189,16 @@ class _Budget:
         self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate) - 1
         self.at = now
         return self.tokens >= 0
+
+    def give(self, n: float) -> None:
+        self.tokens = min(self.burst, self.tokens + n)
+
+
+#: no-progress frames each call started earns its connection (within the burst): a client's
+#: own WINDOW_UPDATEs and BDP PINGs come with its calls (grpcio's sends a 5-byte and a
+#: message-sized stream WINDOW_UPDATE per unary call: at 100/s alone, its 70th sequential
+#: Check was cut off as a flood)
+_CONTROL_PER_CALL = 4
 
 
 #: frames that never make a call progress: each draws from the control budget
@@ -208,6 +243,7 @@ class Call:
         "out",
         "owed",
         "queued",
+        "stopped",
         "stream_id",
         "task",
         "timer",
@@ -229,7 +265,8 @@ class Call:
         self.first: bytes | None = None  # a unary call's message
         self.messages: deque[bytes] = deque()  # a client stream's messages not yet read
         self.queued = 0
-        self.ended = False  # the client half-closed
+        self.ended = False  # the client half-closed (or the server ended its request stream: stopped)
+        self.stopped = False  # a graceful stop ended the request stream the client kept open
         self.task: asyncio.Task[None] | None = None
         self.timer: asyncio.TimerHandle | None = None  # the deadline's
         self.out = bytearray()  # answer bytes waiting for the peer's window
@@ -314,10 +351,18 @@ class GrpcH2Server:
         self.stopping = False
         #: connections and streams refused or closed by a bound, by reason
         self.rejected: dict[str, int] = {}
+        #: GOAWAY frames sent, by error code name
+        self.goaways: dict[str, int] = {}
         self.calls = 0
+        #: unary handlers running at once (H2Limits.max_active_calls)
+        self.active = asyncio.Semaphore(self.limits.max_active_calls)
         self._sweeper: asyncio.Task[None] | None = None
         self._terminated: asyncio.Event | None = None
         self._emptied: asyncio.Event | None = None  # set when stopping and the last connection is gone
+        #: streams answered by a graceful stop whose client has not closed its side yet, and
+        #: the event set when there are none (stop waits for it before closing connections)
+        self.half_open = 0
+        self._peers_closed: asyncio.Event | None = None
 
     # -- registration (what the generated add_*Servicer_to_server call)
     def add_generic_rpc_handlers(self, handlers: Iterable[Any]) -> None:
@@ -330,15 +375,27 @@ class GrpcH2Server:
     def reject(self, reason: str) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
 
-    async def start(self, listen: str, *, reuse_port: bool = False) -> int:
+    def goaway_sent(self, code: int) -> None:
+        try:
+            name = ErrorCodes(code).name
+        except ValueError:
+            name = str(code)
+        self.goaways[name] = self.goaways.get(name, 0) + 1
+
+    async def start(self, listen: str, *, reuse_port: bool = False, flag: str = "") -> int:
+        """Serve on ``listen``; the port bound. A taken port raises an OSError naming ``flag``."""
         host, port = parse_listen(listen)
         loop = asyncio.get_running_loop()
         self._terminated = asyncio.Event()
-        self.server = await loop.create_server(lambda: _Connection(self), host or None, port,
-                                               reuse_port=reuse_port or None, backlog=1024,
-                                               ssl=self.ssl_context,
-                                               ssl_handshake_timeout=self.limits.handshake_timeout
-                                               if self.ssl_context is not None else None)
+        try:
+            self.server = await loop.create_server(lambda: _Connection(self), host or None, port,
+                                                   reuse_port=reuse_port or None, backlog=1024,
+                                                   ssl=self.ssl_context,
+                                                   ssl_handshake_timeout=self.limits.handshake_timeout
+                                                   if self.ssl_context is not None else None)
+        except OSError as exc:
+            where = f"{listen} ({flag})" if flag else listen
+            raise OSError(exc.errno, f"cannot listen on {where}: {exc.strerror or exc}") from None
         self.port = int(self.server.sockets[0].getsockname()[1])
         self._sweeper = asyncio.create_task(self._sweep(), name="extauthz-grpc-sweeper")
         return self.port
@@ -379,8 +436,8 @@ class GrpcH2Server:
             await asyncio.wait(unary, timeout=max(0.0, end - loop.time()))
         for conn in list(self.connections):  # the access log streams: ended, answered
             for call in conn.calls.values():
-                if call.handler is not None and call.handler.request_streaming:
-                    call.ended = True
+                if call.handler is not None and call.handler.request_streaming and not call.ended:
+                    call.ended = call.stopped = True
                     call.wake()
         streams = running("stream")
         if streams:
@@ -388,6 +445,18 @@ class GrpcH2Server:
         for task in running(None):  # what is left (health Watch streams): cancelled
             task.cancel()
         await asyncio.sleep(0)
+        # A stream answered while its client still had its side open is closed by the client
+        # (grpcio: RST_STREAM NO_ERROR once it has the trailers; Envoy: a reset or END_STREAM).
+        # The connection is closed after that, within close_linger: a FIN that reaches grpcio's
+        # client before it closed the stream fails the call UNAVAILABLE "Stream removed",
+        # whatever the trailers said (and our own RST_STREAM NO_ERROR after the trailers did
+        # so every time).
+        if self.half_open:
+            self._peers_closed = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._peers_closed.wait(), self.limits.close_linger)
+            except TimeoutError:
+                pass
         for conn in list(self.connections):
             conn.close()
         # the peers take what is queued and close; what is left after close_linger is aborted
@@ -409,9 +478,42 @@ class GrpcH2Server:
         if self._terminated is not None:
             await self._terminated.wait()
 
+    def peer_closed(self, n: int) -> None:
+        """``n`` streams left half open by a graceful stop were closed by their client (or
+        dropped with their connection)."""
+        self.half_open -= n
+        if not self.half_open and self._peers_closed is not None:
+            self._peers_closed.set()
+
     def status(self) -> dict[str, Any]:
         return {"server": "asyncio", "connections": len(self.connections), "calls": self.calls,
-                "running": sum(len(c.calls) for c in self.connections), "rejected": dict(self.rejected)}
+                "running": sum(len(c.calls) for c in self.connections), "rejected": dict(self.rejected),
+                "goaways": dict(self.goaways)}
+
+    def metrics(self) -> Iterator[Metric]:
+        """The port's bounds at work, as Prometheus families (docs/operations.md)."""
+        yield GaugeMetricFamily("extauthz_grpc_connections", "Connections open on the gRPC port (they "
+                                "count against its connection bound).", value=len(self.connections))
+        yield CounterMetricFamily("extauthz_grpc_calls", "gRPC calls started on the gRPC port.", value=self.calls)
+        for name, help, reasons in (
+                ("extauthz_grpc_connections_refused", "gRPC port connections closed before serving a "
+                 "call, by reason (the connection bound, stopping, no ALPN h2, a failed or timed-out "
+                 "TLS handshake or preface).", CONNECTION_REFUSED),
+                ("extauthz_grpc_connections_closed", "gRPC port connections ended by a bound or a "
+                 "protocol error, by reason (floods, rapid reset, slow frames, a peer not reading, "
+                 "idle).", CONNECTION_CLOSED),
+                ("extauthz_grpc_streams_reset", "gRPC port streams reset, by reason: refused (the "
+                 "stream bound, after GOAWAY), malformed, too large, unfinished in time; "
+                 "reset_by_peer: the client cancelled before the answer.", STREAM_RESET)):
+            family = CounterMetricFamily(name, help, labels=["reason"])
+            for reason in reasons:
+                family.add_metric([reason], self.rejected.get(reason, 0))
+            yield family
+        goaways = CounterMetricFamily("extauthz_grpc_goaways_sent", "GOAWAY frames the gRPC port sent, by "
+                                      "error code (NO_ERROR: a graceful stop or idle close).", labels=["code"])
+        for code, n in (dict.fromkeys(GOAWAY_CODES, 0) | self.goaways).items():
+            goaways.add_metric([code], n)
+        yield goaways
 
 
 class _Draining(H2ConnectionStateMachine):
@@ -517,6 +619,8 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.paused = False
         self.goaway_at: int | None = None  # last stream id of our GOAWAY
+        #: streams a graceful stop answered whose client has not closed its side yet
+        self.half_open: set[int] = set()
         self.peer_away = False  # the peer sent GOAWAY
         self.resets = _Budget(limits.resets_per_second, now)
         self.control = _Budget(limits.control_per_second, now)
@@ -552,6 +656,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._forget_half_open()
         server = self.server
         server.connections.discard(self)
         if not server.connections and server._emptied is not None:
@@ -686,6 +791,7 @@ class _Connection(asyncio.Protocol):
         call = Call(self, sid, handler, headers, now, deadline)
         self.calls[sid] = call
         server.calls += 1
+        self.control.give(_CONTROL_PER_CALL)
         if deadline is not None:
             call.timer = self.loop.call_at(deadline, self._expire, call)
         if handler.request_streaming:
@@ -767,6 +873,7 @@ class _Connection(asyncio.Protocol):
     def _ended(self, sid: int) -> None:
         call = self.calls.get(sid)
         if call is None:
+            self._peer_closed(sid)
             return
         call.ended = True
         if call.handler.request_streaming:
@@ -806,6 +913,7 @@ class _Connection(asyncio.Protocol):
     def _reset(self, sid: int, now: float) -> None:
         call = self.calls.pop(sid, None)
         if call is None:
+            self._peer_closed(sid)
             return
         if call.trailers is None:  # reset before its answer
             self.server.reject("reset_by_peer")
@@ -821,7 +929,8 @@ class _Connection(asyncio.Protocol):
             request = h.request_deserializer(call.first)
             call.first = None
             self.consumed(call, call.held)
-            body = h.response_serializer(await h.unary_unary(request, call))
+            async with self.server.active:
+                body = h.response_serializer(await h.unary_unary(request, call))
         except _Abort as a:
             code, details = a.code, a.details
         except asyncio.CancelledError:
@@ -1020,6 +1129,9 @@ class _Connection(asyncio.Protocol):
                 self.h2.reset_stream(sid, ErrorCodes.NO_ERROR)
             except ProtocolError:
                 pass
+        elif call.stopped and not self.closed:  # the client closes its side (stop waits for it)
+            self.half_open.add(sid)
+            self.server.half_open += 1
         if call.writer is not None and not call.writer.done():
             call.writer.set_result(None)
         call.done()
@@ -1027,9 +1139,22 @@ class _Connection(asyncio.Protocol):
             self.loop.call_soon(self._drained)
 
     def _drained(self) -> None:
-        if not self.calls:
+        if not self.calls and not self.half_open:
             self.flush()
             self.close()
+
+    def _peer_closed(self, sid: int) -> None:
+        """The client closed a stream a graceful stop had answered (END_STREAM or RST_STREAM)."""
+        if sid in self.half_open:
+            self.half_open.discard(sid)
+            self.server.peer_closed(1)
+            if not self.half_open and not self.calls and (self.goaway_at is not None or self.peer_away):
+                self.loop.call_soon(self._drained)
+
+    def _forget_half_open(self) -> None:
+        if self.half_open:
+            self.server.peer_closed(len(self.half_open))
+            self.half_open.clear()
 
     def _cancel(self, call: Call) -> None:
         """The call can no longer be answered (reset, connection lost)."""
@@ -1091,6 +1216,7 @@ class _Connection(asyncio.Protocol):
         decode gets COMPRESSION_ERROR instead of h2's PROTOCOL_ERROR (RFC 9113 4.3)."""
         if isinstance(exc, _Flood):
             self.server.reject("control_flood")
+            self.server.goaway_sent(ErrorCodes.ENHANCE_YOUR_CALM)  # h2's
             log.warning("gRPC connection closed: %s", exc,
                         extra={"fields": {"event": "grpc_connection_calm", "reason": "control_flood"}})
             self.flush()  # h2's GOAWAY ENHANCE_YOUR_CALM
@@ -1107,6 +1233,7 @@ class _Connection(asyncio.Protocol):
                 self.transport.write(out)
             self._close_with(ErrorCodes.COMPRESSION_ERROR)
             return
+        self.server.goaway_sent(getattr(exc, "error_code", None) or ErrorCodes.PROTOCOL_ERROR)  # h2's
         self.flush()
         self.close(at_once=True)
 
@@ -1123,6 +1250,7 @@ class _Connection(asyncio.Protocol):
         self._close_with(ErrorCodes.ENHANCE_YOUR_CALM)
 
     def _goaway_frame(self, code: int) -> bytes:
+        self.server.goaway_sent(code)
         frame = GoAwayFrame(0, last_stream_id=self.h2.highest_inbound_stream_id, error_code=code)
         return bytes(self.h2.data_to_send()) + frame.serialize()
 
@@ -1186,6 +1314,7 @@ class _Connection(asyncio.Protocol):
                 else:
                     self.loop.call_later(self.limits.close_linger, transport.abort)
         self.closed = True
+        self._forget_half_open()
         for call in list(self.calls.values()):
             self._cancel(call)
         self.calls.clear()

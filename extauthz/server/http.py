@@ -27,7 +27,7 @@ others instead of holding it (on the embedded store a check never suspends: with
 yield one connection's queue ran to its end in one turn, and 20 such connections kept every
 other one waiting for seconds; docs/http.md "Bounds").
 
-Answers are corked (:class:`~extauthz.cork.Cork`): the answers one loop turn produces on a
+Answers are corked (:class:`~extauthz.core.cork.Cork`): the answers one loop turn produces on a
 connection (pipelined requests) go out in one socket write, in order: at once when no request
 waits behind the last of them, else at the start of the next turn; closing a connection writes
 what is held first.
@@ -46,13 +46,14 @@ from typing import Any
 
 import httptools
 
-from .. import settings
-from ..context import RawRequest, RequestContext
-from ..cork import Cork
-from ..engine import Snapshot
-from ..verdict import Decision
+from ..core import settings
+from ..core.context import RawRequest, RequestContext
+from ..core.cork import Cork
+from ..core.verdict import Decision
+from ..engine.engine import Snapshot
+from ..envoy.headers import TRACE_HEADERS
 from .flow import CheckFlow
-from .httpmap import error_answer, head, http_answer, path_prefix, raw_request
+from .httpmap import error_answer, head, http_answer, raw_request
 from .leases import Leases, seen_as
 from .ports import parse_listen
 
@@ -66,7 +67,6 @@ TURN_ANSWERS = 16
 #: bytes handed to the parser at a time; between pieces it stops once ``max_pipelined``
 #: requests wait (a piece holds at most ~110 requests of the smallest size)
 FEED_BYTES = 2048
-_TRACE_HEADERS = ("traceparent", "tracestate")
 
 
 #: :attr:`HttpLimits.max_active_checks` unless set (``serve --http-max-active-checks``).
@@ -146,8 +146,8 @@ class HttpAuthorization:
                  forward_auth: bool = False, prefix: str = "") -> None:
         self.flow = flow
         self.forward_auth = forward_auth
-        #: ``--http-path-prefix`` (normalized by :func:`~extauthz.server.httpmap.path_prefix`)
-        self.prefix = path_prefix(prefix)
+        #: ``--http-path-prefix`` (normalized by :func:`~extauthz.core.settings.path_prefix`)
+        self.prefix = settings.path_prefix(prefix)
         self.limits = limits if limits is not None else HttpLimits()
         self.server: asyncio.Server | None = None
         self.port = 0
@@ -173,17 +173,17 @@ class HttpAuthorization:
     def answer(self, message: Request, ctx: RequestContext, decision: Decision, ticket: str) -> bytes:
         return http_answer(ctx, decision, close=not message[3], ticket=ticket)
 
-    def time_left(self, message: Request, call: _Connection) -> tuple[float | None, float]:
+    def time_left(self, message: Request, call: _Connection) -> tuple[float | None, float, bool]:
         # Envoy's HTTP call carries no deadline; the wait is since the connection's last
         # bytes arrived (queue time behind max_active_checks included)
-        return None, call.loop.time() - call.last_active
+        return None, call.loop.time() - call.last_active, False
 
     def unreadable(self, message: Request) -> bytes:
         return head(200, (), 0, not message[3])
 
     def carrier(self, message: Request, call: _Connection) -> Iterable[tuple[str, Any]]:
         headers = message[2]
-        return [(k, headers[k]) for k in _TRACE_HEADERS if k in headers]
+        return [(k, headers[k]) for k in TRACE_HEADERS if k in headers]
 
     def status(self) -> dict[str, Any]:
         """The ``http`` section of the admin ``/status``."""

@@ -1,11 +1,11 @@
 """Envoy's HTTP authorization protocol (``http_service``), mapped: the request Envoy sends ->
-:class:`~extauthz.context.RawRequest`, a decision -> the HTTP/1.1 answer.
+:class:`~extauthz.core.context.RawRequest`, a decision -> the HTTP/1.1 answer.
 
 Envoy sends the client's method, path and the headers its ``allowed_headers`` lists, without
 the body; a 200 admits the request, any other status is the client's answer (docs/http.md has
 the field-by-field mapping to the gRPC protocol). The request is converted once into the same
-:class:`~extauthz.context.RawRequest` the gRPC edge builds, and answered from the same pieces
-(:mod:`extauthz.answers`). Pure functions: the connection is ``server/http.py``'s, the check
+:class:`~extauthz.core.context.RawRequest` the gRPC edge builds, and answered from the same pieces
+(:mod:`extauthz.engine.answers`). Pure functions: the connection is ``server/http.py``'s, the check
 flow ``server/flow.py``'s.
 """
 
@@ -15,11 +15,11 @@ import base64
 import binascii
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..answers import TIER_HEADER, denial, lease_fields, ratelimit_headers
-from ..classify import scalars_at
-from ..context import REQUEST_ID_HEADER, RawRequest, RequestContext
+from ..core.context import REQUEST_ID_HEADER, RawRequest, RequestContext
+from ..core.verdict import Decision
+from ..engine.answers import TIER_HEADER, denial, lease_fields, ratelimit_headers
 from ..envoy.headers import (
     FORWARDED_FOR_HEADER,
     JWT_NAMESPACE,
@@ -29,10 +29,7 @@ from ..envoy.headers import (
     SHED_STATUS,
     XFCC_HEADER,
 )
-from ..verdict import Decision
-
-if TYPE_CHECKING:
-    pass
+from ..policy.classify import scalars_at
 
 _EMPTY: Mapping[str, str] = {}
 _NO_METADATA: Mapping[str, Sequence[Sequence[str]]] = {}
@@ -113,14 +110,6 @@ def http_metadata(headers: Mapping[str, str],
     if payload is None:
         return {}
     return {JWT_NAMESPACE: scalars_at({JWT_PAYLOAD_KEY: payload}, paths)}
-
-
-def path_prefix(value: str) -> str:
-    """``--http-path-prefix``: ``""`` (none) or ``/seg[/seg...]`` without a trailing slash."""
-    prefix = value.rstrip("/")
-    if prefix and (not prefix.startswith("/") or any(c in prefix for c in "?#") or " " in prefix):
-        raise ValueError(f"an HTTP path prefix is a path such as /auth, not {value!r}")
-    return prefix
 
 
 def client_path(path: str, prefix: str) -> str:

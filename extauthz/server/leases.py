@@ -1,7 +1,7 @@
 """The server's side of the lease loop, in one owner.
 
 A check admitted with leases (concurrency slots held until the request finishes) is answered
-with the lease metadata (:func:`extauthz.answers.lease_fields`) and a lease ticket; Envoy's
+with the lease metadata (:func:`extauthz.engine.answers.lease_fields`) and a lease ticket; Envoy's
 access log hands the metadata back when the request finishes and the leases are released.
 :class:`Leases` holds what the server keeps between the two, for both front doors (gRPC and
 HTTP, through :mod:`extauthz.server.flow`) and the AccessLogService:
@@ -13,7 +13,7 @@ HTTP, through :mod:`extauthz.server.flow`) and the AccessLogService:
   anything acts on it;
 * :meth:`Leases.finished`: match a finished request's entry to its leases (its metadata, or
   the request-id index when Envoy dropped our answer) and hand them to the releaser
-  (:class:`~extauthz.release.Releaser`, the one release path).
+  (:class:`~extauthz.engine.release.Releaser`, the one release path).
 
 :class:`FinishedEntries` is what both release receivers (the gRPC AccessLogService in
 ``server/services.py`` and the fluentd port in ``server/fluentd.py``) do with one finished
@@ -29,17 +29,17 @@ import asyncio
 import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 
-from ..answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD, read_lease_fields
-from ..clock import SYSTEM_CLOCK, Clock
-from ..context import RawRequest, RequestContext
-from ..engine import Engine
-from ..errors import StoreError
+from ..core.clock import SYSTEM_CLOCK, Clock
+from ..core.context import RawRequest, RequestContext
+from ..core.errors import StoreError
+from ..core.tiers import Tier
+from ..core.verdict import Decision
+from ..engine.answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD, read_lease_fields
+from ..engine.engine import Engine
+from ..engine.tickets import MALFORMED, LeaseTickets
 from ..limiters import FleetUsageShedder
 from ..limiters.base import applies
 from ..store.base import LeaseOp
-from ..tickets import MALFORMED, LeaseTickets
-from ..tiers import Tier
-from ..verdict import Decision
 
 __all__ = ["MAX_PENDING_RELEASES", "UNKNOWN_TIER", "FinishedEntries", "Lease",
            "LeaseIndex", "Leases", "engine_index", "seen_as", "seen_at"]

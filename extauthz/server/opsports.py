@@ -17,7 +17,7 @@ from .adminauth import AdminGuard, TokenFile, require_token_when_exposed
 from .ports import HttpPorts, metrics_app, off, parse_listen
 
 if TYPE_CHECKING:
-    from ..settings import Settings
+    from ..core.settings import Settings
 
 log = logging.getLogger("extauthz.server")
 

@@ -1,17 +1,23 @@
 """The server's ``/status`` document and scrape-time metrics: one
-:class:`~extauthz.observe.state.Panel` of every component's part, in ``/status`` order
+:class:`~extauthz.engine.state.Panel` of every component's part, in ``/status`` order
 (tests/integration/test_operations.py keeps that order). A component with state of its own adds
 its part here (or later with ``Panel.add``, as the recorder does)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from .. import __version__
-from ..observe.state import (
+from ..core.runner import Runner
+from ..engine.engine import Engine
+from ..engine.overload import LoopLag
+from ..engine.reload import PolicyWatcher
+from ..engine.state import (
     AccessLogPart,
     FailOpenPart,
     GrantsPart,
+    LeaseSampler,
     ModesPart,
     OverloadPart,
     Panel,
@@ -27,12 +33,32 @@ from ..observe.state import (
     classifier_part,
     count_part,
 )
+from ..observe.setup import Observability
+from .fleetstate import FleetState
+from .opsports import OperatorPorts
+from .services import AccessLogService, AuthorizationService
+from .tls import CertificateReloader
 
-if TYPE_CHECKING:
-    from .app import Server
+
+class Owners(Protocol):
+    """What the panel reads of the server's built owners (server/app.py's Server is one;
+    the panel never imports it: the app builds the panel)."""
+
+    engine: Engine
+    observe: Observability
+    runner: Runner
+    accesslog: AccessLogService
+    watcher: PolicyWatcher | None
+    lag: LoopLag
+    auth: AuthorizationService
+    fleet: FleetState
+    leases: LeaseSampler | None
+    tls: CertificateReloader | None
+    ports: OperatorPorts
+    status_sections: dict[str, Callable[[], Any]]
 
 
-def status_panel(server: Server) -> Panel:
+def status_panel(server: Owners) -> Panel:
     """The parts of the server's built owners, read at each ``/status`` and scrape."""
     engine, observe, runner, accesslog = server.engine, server.observe, server.runner, server.accesslog
     metrics = observe.metrics

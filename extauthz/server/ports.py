@@ -14,18 +14,11 @@ from collections.abc import Sequence
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from ..settings import OFF, off  # "off" is parsed in one place (re-exported here)
+from ..core.settings import OFF, off, parse_listen  # parsed in one place (re-exported here)
 
 __all__ = ["OFF", "HttpPorts", "metrics_app", "off", "parse_listen"]
 
 log = logging.getLogger("extauthz.server")
-
-def parse_listen(listen: str) -> tuple[str, int]:
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"expected HOST:PORT, got {listen!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
-
 
 def metrics_app(registry: CollectorRegistry) -> web.Application:
     """``GET /metrics`` (and ``/``) in the Prometheus text format."""

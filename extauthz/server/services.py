@@ -1,12 +1,13 @@
-"""The gRPC front door: the Authorization/Check, AccessLogService/StreamAccessLogs and
-RateLimitQuotaService/StreamRateLimitQuotas servicers.
+"""The gRPC front door: the Authorization/Check, RateLimitService/ShouldRateLimit,
+AccessLogService/StreamAccessLogs and RateLimitQuotaService/StreamRateLimitQuotas servicers.
 
 Thin adapters: Check translates a CheckRequest for the check flow (``server/flow.py``) and
-its decision into a CheckResponse (``server/edge.py``); StreamAccessLogs reads each entry's
+its decision into a CheckResponse (``server/edge.py``); ShouldRateLimit runs each descriptor
+of a RateLimitRequest through the same flow (``server/rls.py``); StreamAccessLogs reads each entry's
 lease metadata and request and hands them to the entry handling it shares with the fluentd
 port (``server/leases.py`` :class:`~extauthz.server.leases.FinishedEntries`);
 StreamRateLimitQuotas translates usage reports and bucket actions for the quota book
-(``extauthz/quota_service.py``).
+(``extauthz/engine/quota_service.py``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from typing import Any
 import grpc
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ..context import RawRequest, RequestContext
-from ..engine import Snapshot
+from ..core.context import RawRequest, RequestContext
+from ..core.verdict import Decision
+from ..engine.engine import Snapshot
+from ..engine.quota_service import NOTHING, Action, BucketKey, QuotaBook, QuotaError, Share, Stream, Usage, bucket_key
 from ..envoy.headers import FAILURE_MODE_HEADER
 from ..envoy.records import EXT_AUTHZ_NAMESPACE, ROUTE_TIER_TAG
 from ..proto import (
@@ -33,11 +36,12 @@ from ..proto import (
     ratelimit_strategy_pb2,
     rlqs_pb2,
     rlqs_pb2_grpc,
+    rls_pb2,
+    rls_pb2_grpc,
 )
-from ..quota_service import NOTHING, Action, BucketKey, QuotaBook, QuotaError, Share, Stream, Usage, bucket_key
-from ..verdict import Decision
 from .edge import check_response, lease_metadata, raw_request
 from .flow import CheckFlow
+from .grpc_h2 import Call as H2Call
 from .leases import (
     MAX_PENDING_RELEASES,
     FinishedEntries,
@@ -45,6 +49,7 @@ from .leases import (
     seen_as,
     seen_at,
 )
+from .rls import RateLimitDoor
 
 _RPC = {"rpc.system": "grpc", "rpc.service": "envoy.service.auth.v3.Authorization", "rpc.method": "Check"}
 
@@ -83,11 +88,12 @@ class AuthorizationService(auth_pb2_grpc.AuthorizationServicer):  # type: ignore
         return check_response(ctx, decision, ticket)
 
     def time_left(self, message: auth_pb2.CheckRequest,
-                  call: grpc.aio.ServicerContext) -> tuple[float | None, float]:
-        # Envoy sends its timeout as grpc-timeout; gRPC's own threads stamp the deadline when
-        # the call arrives, before (and while) this loop runs anything else; LoopLag takes the
-        # margin off it
-        return call.time_remaining(), 0.0
+                  call: grpc.aio.ServicerContext) -> tuple[float | None, float, bool]:
+        # Envoy sends its timeout as grpc-timeout; LoopLag takes the margin off it. grpc.aio's
+        # own threads stamp the deadline when the call arrives, before (and while) this loop
+        # runs anything else; the event-loop server (grpc_h2) stamps it when the loop reads
+        # the call, after any stall of the loop
+        return call.time_remaining(), 0.0, not isinstance(call, H2Call)
 
     def unreadable(self, message: auth_pb2.CheckRequest) -> auth_pb2.CheckResponse:
         return auth_pb2.CheckResponse(ok_response=auth_pb2.OkHttpResponse())
@@ -95,6 +101,19 @@ class AuthorizationService(auth_pb2_grpc.AuthorizationServicer):  # type: ignore
     def carrier(self, message: auth_pb2.CheckRequest,
                 call: grpc.aio.ServicerContext) -> Iterable[tuple[str, Any]]:
         return call.invocation_metadata() or ()
+
+
+class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
+    """ShouldRateLimit: Envoy's ratelimit filter's door to the check flow (one flow, engine,
+    store and policy with Check)."""
+
+    def __init__(self, flow: CheckFlow) -> None:
+        self.door = RateLimitDoor(flow)
+
+    async def ShouldRateLimit(  # noqa: N802 - gRPC method name
+        self, request: rls_pb2.RateLimitRequest, context: grpc.aio.ServicerContext
+    ) -> rls_pb2.RateLimitResponse:
+        return await self.door.should_rate_limit(request, context)
 
 
 def entry_seen(entry: accesslog_data_pb2.HTTPAccessLogEntry) -> tuple[str, ...]:
@@ -200,7 +219,7 @@ MAX_QUOTA_OUTBOX_BYTES = 4 << 20
 
 class RateLimitQuotaService(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # type: ignore[misc]
     """StreamRateLimitQuotas (RLQS, docs/rlqs.md): Envoy's usage reports in, bucket actions
-    out, both ways at once. The quota logic is :class:`~extauthz.quota_service.QuotaBook`;
+    out, both ways at once. The quota logic is :class:`~extauthz.engine.quota_service.QuotaBook`;
     this adapter only translates: each report is one :meth:`QuotaBook.report`, whose actions
     go to their streams (another stream's shrink pushed to it at once)."""
 

@@ -1,4 +1,5 @@
-"""The check flow inside a span: installed only when tracing is on."""
+"""The check flow inside a span, installed only when tracing is on; check_flow picks the
+server's (flow.py imports nothing of this module: no circle)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import SpanKind
 
-from ..engine import Engine
+from ..engine.engine import Engine
+from ..engine.overload import LoopLag
 from ..observe.tracing import CHECK_SPAN, parent_context
-from ..overload import LoopLag
 from .flow import A, C, CheckFlow, Door, M
 from .leases import Leases
 
@@ -30,3 +31,11 @@ class TracedCheckFlow(CheckFlow):
         with self._start(CHECK_SPAN, context=parent_context(door.carrier(message, call)),
                          kind=SpanKind.SERVER, attributes=door.span):
             return await super().check(door, message, call)
+
+
+def check_flow(engine: Engine, leases: Leases, tracer: Any = None,
+               lag: LoopLag | None = None, durations: CheckDurations | None = None) -> CheckFlow:
+    """The server's check flow: inside one span per check when ``tracer`` is given."""
+    if tracer is None:
+        return CheckFlow(engine, leases, lag, durations)
+    return TracedCheckFlow(engine, leases, tracer, lag, durations)

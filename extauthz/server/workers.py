@@ -46,7 +46,7 @@ from .ports import parse_listen
 
 log = logging.getLogger("extauthz.server")
 
-#: the worker's whole configuration, one :class:`~extauthz.settings.Settings` as JSON (log
+#: the worker's whole configuration, one :class:`~extauthz.core.settings.Settings` as JSON (log
 #: level and format included: a worker reads nothing else from its parent's options)
 CONFIG_ENV = "EXTAUTHZ_WORKER_CONFIG"
 #: the pipe on which the worker says it is serving (not configuration)
@@ -215,7 +215,7 @@ def serve_workers(config: ServerConfig, *, startup_timeout: float = 60.0) -> int
 
 
 def _child_main() -> int:
-    from ..errors import PolicyError
+    from ..core.errors import PolicyError
     from ..observe.logs import configure_logging
     from .app import serve
 

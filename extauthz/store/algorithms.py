@@ -1,10 +1,12 @@
 """The limiting rules, defined once: token bucket, leases, and the shed controller.
 
-Both stores follow these exactly, so that the embedded store and Redis give the same
+:data:`RULES` is the table of op kinds: one :class:`Rule` per kind (the state it reads,
+whether it admits, what its commit leaves, its answer, what a Cluster gives back), built from
+the functions below. Both stores follow these exactly, so that the embedded store and Redis give the same
 answers (``tests/store/test_differential.py`` drives both through the same timelines and
 requires identical decisions, remaining, retry-after and levels):
 
-* the memory store calls every function here;
+* the memory store calls every function here, through :data:`RULES`;
 * the Redis store must change its state atomically inside Redis, so ``lua/check.lua``
   runs the minimal part of the rule, :func:`refill`, :func:`admits`, :func:`take`, the
   batched grants' :func:`grant_pool`, :func:`grant_size`, :func:`give_back` and
@@ -14,8 +16,8 @@ requires identical decisions, remaining, retry-after and levels):
   (:func:`fleet_grant_admits`, :func:`fleet_grant_top`), with the same float operations in the same order and the same
   :data:`TOKEN_EPSILON` (its header says so; a test pins the constant). The script
   returns raw state (tokens or live leases before the commit, and whether each op allows),
-  and Python derives every reported number from it with :func:`op_result`, as the memory
-  store does;
+  and Python derives every reported number from it with the op's ``Rule.result``, as the
+  memory store does;
 * the shed controller (:func:`shed_advance`) runs only here, for both stores: Redis keeps
   its state (``lua/shed_state.lua``) and swaps it with a compare-and-set, so replicas
   sampling one fleet move at one controller's pace.
@@ -25,6 +27,10 @@ a double, so Lua and Python compute on bit-identical inputs.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final, Generic, Literal, Protocol, TypeVar
 
 from .base import (
     BucketOp,
@@ -121,8 +127,8 @@ def grant_result(op: GrantOp, allowed: bool, tokens: float, committed: bool) -> 
     return OpResult(allowed, take(pool, granted), retry, granted)
 
 
-def return_result(op: ReturnOp, tokens: float) -> OpResult:
-    """The answer for a return: the shared bucket's tokens after it."""
+def return_result(op: ReturnOp, allowed: bool, tokens: float, committed: bool) -> OpResult:
+    """The answer for a return (always allowed): the shared bucket's tokens after it."""
     return OpResult(True, give_back(tokens, op.amount, op.burst), 0.0, 0.0)
 
 
@@ -140,9 +146,9 @@ def lease_admits(live: int, limit: int) -> bool:
     return limit <= 0 or live < limit
 
 
-def lease_result(op: LeaseOp, allowed: bool, live: int, committed: bool) -> OpResult:
+def lease_result(op: LeaseOp, allowed: bool, live: float, committed: bool) -> OpResult:
     """The answer for ``op`` from the live leases before the request (after the sweep)."""
-    count = live + 1 if committed else live
+    count = int(live) + 1 if committed else int(live)
     free = float(op.limit - count) if op.limit > 0 else float("inf")
     return OpResult(allowed, max(0.0, free), 0.0, float(count))
 
@@ -155,9 +161,9 @@ def count_admits(count: int, cost: int, limit: int) -> bool:
     return count + cost <= limit
 
 
-def count_result(op: CountOp, allowed: bool, count: int, committed: bool) -> OpResult:
+def count_result(op: CountOp, allowed: bool, count: float, committed: bool) -> OpResult:
     """The answer for ``op`` from the window's count before the request."""
-    after = count + op.cost if committed else count
+    after = int(count) + op.cost if committed else int(count)
     return OpResult(allowed, float(max(0, op.limit - after)), 0.0 if allowed else op.reset, op.reset)
 
 
@@ -184,12 +190,12 @@ def quota_give_back(count: int, amount: int) -> int:
     return max(0, count - amount)
 
 
-def quota_grant_result(op: QuotaGrantOp, allowed: bool, count: int, committed: bool) -> OpResult:
+def quota_grant_result(op: QuotaGrantOp, allowed: bool, count: float, committed: bool) -> OpResult:
     """The answer for a quota grant from the window's count before it: ``remaining`` is
     what the window has left after it; ``retry_after`` the seconds to the window's end
     (allowed or not: the grant belongs to that window); ``extra`` the units granted (> 0),
     or minus the ``held`` units that stay with the replica when nothing was committed (<= 0)."""
-    pool = quota_pool(count, op.held)
+    pool = quota_pool(int(count), op.held)
     retry = op.reset  # allowed too: the window the grant belongs to (the limiter keys it)
     if not committed:
         return OpResult(allowed, float(max(0, op.limit - pool)), retry, float(-op.held))
@@ -197,9 +203,10 @@ def quota_grant_result(op: QuotaGrantOp, allowed: bool, count: int, committed: b
     return OpResult(allowed, float(max(0, op.limit - pool - granted)), retry, float(granted))
 
 
-def quota_return_result(op: QuotaReturnOp, count: int) -> OpResult:
-    """The answer for a quota give-back: ``remaining`` is the window's count after it."""
-    return OpResult(True, float(quota_give_back(count, op.amount)), 0.0, 0.0)
+def quota_return_result(op: QuotaReturnOp, allowed: bool, count: float, committed: bool) -> OpResult:
+    """The answer for a quota give-back (always allowed): ``remaining`` is the window's count
+    after it."""
+    return OpResult(True, float(quota_give_back(int(count), op.amount)), 0.0, 0.0)
 
 
 # --------------------------------------------------------------------------- fleet grants
@@ -246,11 +253,12 @@ def fleet_grant_over(others: int, top: int, limit: int) -> int:
     return 0 if limit <= 0 else max(0, others + top - limit)
 
 
-def fleet_grant_result(op: FleetGrantOp, allowed: bool, others: int, committed: bool) -> OpResult:
+def fleet_grant_result(op: FleetGrantOp, allowed: bool, live: float, committed: bool) -> OpResult:
     """The answer for a fleet grant from the others' live leases before it: ``remaining`` the
     free slots of ``limit`` after it (inf for count only); ``extra`` the grant's size after
     it, or -1 when nothing was committed (the grant stands as it was: not renewed);
     ``retry_after`` the leases past ``limit`` after it (:func:`fleet_grant_over`)."""
+    others = int(live)
     if not committed:
         free = float(op.limit - others - op.have) if op.limit > 0 else float("inf")
         return OpResult(allowed, max(0.0, free), 0.0, -1.0)
@@ -259,28 +267,154 @@ def fleet_grant_result(op: FleetGrantOp, allowed: bool, others: int, committed: 
     return OpResult(allowed, max(0.0, free), float(fleet_grant_over(others, top, op.limit)), float(top))
 
 
-# --------------------------------------------------------------------------- one request
+# --------------------------------------------------------------------------- the op table
+# One rule per op kind (:data:`RULES`, a row for every kind of ``base.OP_KINDS``): what state
+# the op reads, whether it allows from that state, the state its commit leaves and the
+# answer. The memory store evaluates every op of a check with it and commits by it; Redis's
+# ``check.lua`` runs the same admits and commit (its branch for the op's ``CODE``) and
+# returns the state read, from which the wire derives the answers with ``result`` as the
+# memory store does; the Cluster's compensation gives back ``refund``.
+
+#: the states an op reads (and its commit writes), one value each, as both stores keep them:
+#: a token bucket's tokens refilled to now (the op has ``rate`` and ``burst``); a quota
+#: window's count (0 when there is none); a lease set's live leases after the sweep; a fleet
+#: key's live leases other than the op's grant's members (``FleetGrantOp``)
+State = Literal["tokens", "count", "leases", "slots"]
+TOKENS: Final = "tokens"
+COUNT: Final = "count"
+LEASES: Final = "leases"
+SLOTS: Final = "slots"
+
+K = TypeVar("K")
+
+
+class TokensOp(Protocol):
+    """What an op reading :data:`TOKENS` carries: its bucket and the bucket's numbers."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def rate(self) -> float: ...
+    @property
+    def burst(self) -> float: ...
+
+
+def stamp_now(now: float, last: float | None) -> float:
+    """The time an exact bucket op stores with its tokens: ``now`` (``check.lua``'s "b")."""
+    return now
+
+
+@dataclass(frozen=True)  # no slots: ``Rule[BucketOp](...)`` sets __orig_class__
+class Rule(Generic[K]):
+    """How ops of one kind are evaluated and committed, from ``value``: the op's state
+    before the request (:data:`State`) as a float, exactly as both stores read it."""
+
+    #: what the op reads and its commit writes
+    state: State
+    #: whether the op allows, on its own
+    admits: Callable[[K, float], bool]
+    #: the state after the op commits (tokens left, the window's count, live leases, the
+    #: grant's size); the stores write it
+    commit: Callable[[K, float], float]
+    #: the answer: (op, allowed, value, committed) -> OpResult
+    result: Callable[[K, bool, float, bool], OpResult]
+    #: Redis Cluster: what a committed op gives back when another slot group refused its
+    #: request (tokens, units; a lease: its lease id, the amount unused), from ``value``;
+    #: None: nothing (a give-back is sent alone and always allows; a fleet grant's slots
+    #: expire with their TTL)
+    refund: Callable[[K, float], float] | None = None
+    #: tokens: the time stored with the tokens, from now and the stored one
+    #: (:func:`grant_stamp` for grants and give-backs)
+    stamp: Callable[[float, float | None], float] = stamp_now
+    #: count: whether a commit into a window that is gone starts a new count (a give-back
+    #: does not: it carries no limit or TTL)
+    creates: bool = True
+    #: an answer that never came (the call may have run, :data:`extauthz.store.redis.wire.UNKNOWN`)
+    #: is taken as committed: only where undoing what was not done is harmless (a lease:
+    #: releasing a lease id that is not there); elsewhere as not committed (refunding what
+    #: was not taken would admit more)
+    assume_committed: bool = False
+
+
+def _grant_taken(op: GrantOp, tokens: float) -> float:
+    """The tokens a committed grant takes from the bucket's ``tokens``."""
+    return grant_size(grant_pool(tokens, op.held, op.burst), op.want)
+
+
+def _quota_granted(op: QuotaGrantOp, count: float) -> int:
+    """The units a committed quota grant adds to the window's ``count``."""
+    return quota_grant_size(quota_pool(int(count), op.held), op.want, op.limit)
+
+
+#: op kind -> its rule
+RULES: Final[dict[type[Op], Rule[Any]]] = {
+    BucketOp: Rule[BucketOp](
+        TOKENS,
+        admits=lambda op, tokens: admits(tokens, op.cost),
+        commit=lambda op, tokens: take(tokens, op.cost),
+        result=bucket_result,
+        refund=lambda op, tokens: op.cost,
+    ),
+    GrantOp: Rule[GrantOp](
+        TOKENS,
+        admits=lambda op, tokens: admits(grant_pool(tokens, op.held, op.burst), op.cost),
+        commit=lambda op, tokens: take(grant_pool(tokens, op.held, op.burst), _grant_taken(op, tokens)),
+        result=grant_result,
+        # the grant taken, less the remainder it brought (the replica keeps that: the
+        # answer is "not committed"); granted >= cost > held
+        refund=lambda op, tokens: max(0.0, _grant_taken(op, tokens) - op.held),
+        stamp=grant_stamp,
+    ),
+    ReturnOp: Rule[ReturnOp](
+        TOKENS,
+        admits=lambda op, tokens: True,
+        commit=lambda op, tokens: give_back(tokens, op.amount, op.burst),
+        result=return_result,
+        stamp=grant_stamp,
+    ),
+    CountOp: Rule[CountOp](
+        COUNT,
+        admits=lambda op, count: count_admits(int(count), op.cost, op.limit),
+        commit=lambda op, count: float(int(count) + op.cost),
+        result=count_result,
+        refund=lambda op, count: op.cost,
+    ),
+    QuotaGrantOp: Rule[QuotaGrantOp](
+        COUNT,
+        admits=lambda op, count: count_admits(quota_pool(int(count), op.held), op.cost, op.limit),
+        commit=lambda op, count: float(quota_pool(int(count), op.held) + _quota_granted(op, count)),
+        result=quota_grant_result,
+        # what the grant added to the count, less the remainder it brought back
+        refund=lambda op, count: max(0, _quota_granted(op, count) - op.held),
+    ),
+    QuotaReturnOp: Rule[QuotaReturnOp](
+        COUNT,
+        admits=lambda op, count: True,
+        commit=lambda op, count: float(quota_give_back(int(count), op.amount)),
+        result=quota_return_result,
+        creates=False,
+    ),
+    LeaseOp: Rule[LeaseOp](
+        LEASES,
+        admits=lambda op, live: lease_admits(int(live), op.limit),
+        commit=lambda op, live: live + 1,
+        result=lease_result,
+        refund=lambda op, live: 1.0,
+        assume_committed=True,
+    ),
+    FleetGrantOp: Rule[FleetGrantOp](
+        SLOTS,
+        admits=lambda op, others: fleet_grant_admits(int(others), op),
+        commit=lambda op, others: float(fleet_grant_top(int(others), op, True)),
+        result=fleet_grant_result,
+    ),
+}
 
 
 def op_result(op: Op, allowed: bool, value: float, admitted: bool) -> OpResult:
     """The answer for ``op`` from its state before the request; it was committed when the
     request was admitted and the op allows."""
-    committed = admitted and allowed
-    if isinstance(op, BucketOp):
-        return bucket_result(op, allowed, value, committed)
-    if isinstance(op, CountOp):
-        return count_result(op, allowed, int(value), committed)
-    if isinstance(op, GrantOp):
-        return grant_result(op, allowed, value, committed)
-    if isinstance(op, ReturnOp):
-        return return_result(op, value)
-    if isinstance(op, QuotaGrantOp):
-        return quota_grant_result(op, allowed, int(value), committed)
-    if isinstance(op, QuotaReturnOp):
-        return quota_return_result(op, int(value))
-    if isinstance(op, FleetGrantOp):
-        return fleet_grant_result(op, allowed, int(value), committed)
-    return lease_result(op, allowed, int(value), committed)
+    return RULES[type(op)].result(op, allowed, value, admitted and allowed)
 
 
 # --------------------------------------------------------------------------- shed controller

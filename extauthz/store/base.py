@@ -13,6 +13,12 @@ their TTL; expired leases are swept inside the same atomic operation that reads 
 
 The rules themselves (refill, admit, sweep, the answers' numbers, the shed controller) are
 defined once, in :mod:`extauthz.store.algorithms`, and every store follows them exactly.
+
+The op kinds form one table (:data:`OP_KINDS`): each op class declares its ``check.lua`` code
+(``CODE``) and the order of its three ARGV there (``ARGS``), its rule is
+``algorithms.RULES[kind]``, and ``tests/store/test_op_table.py`` checks that every kind has
+a rule, a ``check.lua`` branch and a generator in the differential test. Adding an op kind
+is those four steps (docs/design.md, "Adding a store op kind").
 """
 
 from __future__ import annotations
@@ -21,17 +27,26 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Final, Protocol
 
-from ..errors import StoreUnavailable
+from ..core.errors import StoreUnavailable
 
 #: compare-and-set attempts of one :func:`update_value` while other writers keep changing it
 SWAP_ATTEMPTS = 8
+
+# Each op kind below declares what ``check.lua`` reads of it: ``CODE``, its one-letter kind
+# (ARGV[a]; "r" is the release entry's), then ARGV[a+1] is ``enforce`` ("1"/"0") and
+# ``ARGS`` names the three ARGV after it (ARGV[a+2..a+4]) in order: a field, several fields
+# joined by one space, or "" (sent empty). A float field is sent as ``repr(float)``, an int
+# as an integer, a str as it is (extauthz.store.redis.wire packs them from this).
 
 
 @dataclass(frozen=True, slots=True)
 class BucketOp:
     """Token bucket: ``rate`` tokens/s refilled continuously up to ``burst``; take ``cost``."""
+
+    CODE: ClassVar[str] = "b"
+    ARGS: ClassVar[tuple[str, str, str]] = ("rate", "burst", "cost")
 
     key: str
     rate: float
@@ -56,6 +71,9 @@ def bucket_ttl(rate: float, burst: float) -> int:
 class LeaseOp:
     """Hold a lease in ``key`` while fewer than ``limit`` are live (``limit`` 0: count only)."""
 
+    CODE: ClassVar[str] = "l"
+    ARGS: ClassVar[tuple[str, str, str]] = ("limit", "ttl", "")
+
     key: str
     limit: int
     ttl: float
@@ -68,6 +86,9 @@ class CountOp:
     names one window (its start is part of the key); a new count expires ``ttl`` seconds
     later (the window's end plus a margin). ``reset``: seconds from now to the window's end,
     what the answer reports (not sent to the store)."""
+
+    CODE: ClassVar[str] = "q"
+    ARGS: ClassVar[tuple[str, str, str]] = ("limit", "cost", "ttl")
 
     key: str
     limit: int
@@ -86,6 +107,9 @@ class GrantOp:
     :func:`~extauthz.store.algorithms.grant_size`, taken atomically before any of it is
     spent."""
 
+    CODE: ClassVar[str] = "g"
+    ARGS: ClassVar[tuple[str, str, str]] = ("rate", "burst", "cost want held")
+
     key: str
     rate: float
     burst: float
@@ -99,6 +123,9 @@ class GrantOp:
 class ReturnOp:
     """Give ``amount`` unspent granted tokens back to the shared bucket ``key`` (capped at
     ``burst``; :func:`~extauthz.store.algorithms.give_back`). Always allowed."""
+
+    CODE: ClassVar[str] = "u"
+    ARGS: ClassVar[tuple[str, str, str]] = ("rate", "burst", "amount")
 
     key: str
     rate: float
@@ -116,6 +143,9 @@ class QuotaGrantOp:
     the grant is :func:`~extauthz.store.algorithms.quota_grant_size`, added to the count
     atomically before any of it is spent."""
 
+    CODE: ClassVar[str] = "c"
+    ARGS: ClassVar[tuple[str, str, str]] = ("limit", "cost want held", "ttl")
+
     key: str
     limit: int
     cost: int
@@ -131,6 +161,9 @@ class QuotaReturnOp:
     """Give ``amount`` unspent granted quota units back to the window's count ``key``
     (:func:`~extauthz.store.algorithms.quota_give_back`; nothing when the window's count is
     gone). Always allowed."""
+
+    CODE: ClassVar[str] = "v"
+    ARGS: ClassVar[tuple[str, str, str]] = ("amount", "", "")
 
     key: str
     amount: int
@@ -149,6 +182,9 @@ class FleetGrantOp:
     ``limit`` 0: count only), and every member it keeps gets a new expiry, ``ttl`` seconds
     from now (the renewal): a replica that stops renewing gives its slots back when the
     TTL runs out."""
+
+    CODE: ClassVar[str] = "f"
+    ARGS: ClassVar[tuple[str, str, str]] = ("limit", "ttl", "grant have want used")
 
     key: str
     limit: int
@@ -173,6 +209,8 @@ class PeekOp:
 
 
 Op = BucketOp | LeaseOp | CountOp | GrantOp | ReturnOp | QuotaGrantOp | QuotaReturnOp | FleetGrantOp
+#: every op kind, the table's rows (the members of :data:`Op`; a test keeps the two the same)
+OP_KINDS: Final = (BucketOp, LeaseOp, CountOp, GrantOp, ReturnOp, QuotaGrantOp, QuotaReturnOp, FleetGrantOp)
 #: the ops that give unspent grants back (they ride with the next check)
 RETURN_OPS = (ReturnOp, QuotaReturnOp)
 
@@ -291,7 +329,7 @@ class Store(Protocol):
         """The events of ``key`` appended at or after ``since`` (Unix seconds), oldest first."""
 
     async def ping(self) -> None:
-        """Raise :class:`~extauthz.errors.StoreError` when the store cannot answer."""
+        """Raise :class:`~extauthz.core.errors.StoreError` when the store cannot answer."""
 
     async def close(self) -> None: ...
 
@@ -349,7 +387,7 @@ async def update_value(store: Store, key: str,
     compare-and-set (:meth:`Store.swap_value`). When another writer (an operator on another
     replica or the CLI) changed the value in between, it is read again and ``change`` applied
     on top, so no change is lost. Returns the value written; raises
-    :class:`~extauthz.errors.StoreUnavailable` after :data:`SWAP_ATTEMPTS` lost races."""
+    :class:`~extauthz.core.errors.StoreUnavailable` after :data:`SWAP_ATTEMPTS` lost races."""
     for _ in range(SWAP_ATTEMPTS):
         stored = await store.get_value(key)
         value, ttl = change(stored)

@@ -11,11 +11,11 @@ import functools
 import re
 from dataclasses import dataclass
 
-from ..settings import KEY_PREFIX
+from ..core.settings import KEY_PREFIX
 
 #: a limiter name (policy schema ``Name``) and a hashed identity (classify.hash_identity).
 _NAME = r"[a-z0-9][a-z0-9_.-]{0,62}"
-#: (the one pattern: :func:`extauthz.classify.valid_hash` matches it; here, the lightest module
+#: (the one pattern: :func:`extauthz.policy.classify.valid_hash` matches it; here, the lightest module
 #: that needs it, so that the command line imports it without the policy's models)
 IDENTITY_HASH_PATTERN = r"[0-9a-f]{24}"
 _IDENTITY = IDENTITY_HASH_PATTERN
@@ -68,7 +68,7 @@ class Keys:
 
     @property
     def overrides(self) -> str:
-        """Live per-customer overrides: one JSON value (``extauthz.overrides``)."""
+        """Live per-customer overrides: one JSON value (``extauthz.control.overrides``)."""
         return f"{self.prefix}:overrides"
 
     @property
@@ -83,7 +83,7 @@ class Keys:
     @property
     def history(self) -> str:
         """Who changed a kill switch or an override, and why: a bounded event log
-        (``extauthz.changelog``; ``Store.append_events``)."""
+        (``extauthz.control.changelog``; ``Store.append_events``)."""
         return f"{self.prefix}:history"
 
     def is_lease_key(self, key: str) -> bool:

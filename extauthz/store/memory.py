@@ -28,27 +28,14 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from ..clock import SYSTEM_CLOCK, Clock
-from ..settings import MEMORY_MAX_KEYS
+from ..core.clock import SYSTEM_CLOCK, Clock
+from ..core.settings import MEMORY_MAX_KEYS
 from . import algorithms
-from .algorithms import admits, bucket_result, count_admits, count_result, lease_admits, lease_result, refill, take
-from .base import (
-    BucketOp,
-    CheckResult,
-    CountOp,
-    FleetGrantOp,
-    GrantOp,
-    Op,
-    PeekOp,
-    QuotaGrantOp,
-    QuotaReturnOp,
-    ReturnOp,
-    ShedParams,
-    StoreBase,
-    bucket_ttl,
-)
+from .algorithms import COUNT, LEASES, RULES, SLOTS, TOKENS, Rule, TokensOp, refill
+from .base import CheckResult, FleetGrantOp, LeaseOp, Op, PeekOp, ShedParams, StoreBase, bucket_ttl
 from .keys import Keys
 
 #: due heap entries a check looks at, at most (a check creates at most a few keys, so the
@@ -97,6 +84,15 @@ class MemoryStore(StoreBase):
         self._rotation: deque[str] = deque()
         #: limiter -> per-user keys forgotten before they expired (:meth:`_hold`)
         self.evictions: dict[str, int] = {}
+        #: each state's reader and writer (algorithms.State): ``check_now`` goes by the rule
+        self._read: dict[str, Callable[[Any, float], float]] = {
+            TOKENS: self._read_tokens, COUNT: self._read_count, LEASES: self._read_leases, SLOTS: self._read_slots}
+        self._write: dict[str, Callable[[Any, Rule[Any], float, float, str, str | None], None]] = {
+            TOKENS: self._write_tokens, COUNT: self._write_count, LEASES: self._write_leases,
+            SLOTS: self._write_slots}
+        #: op kind -> its rule and its state's reader and writer (one lookup per op)
+        self._kinds = {kind: (rule, self._read[rule.state], self._write[rule.state])
+                       for kind, rule in RULES.items()}
         #: due entries looked at, in total (tests bound the work per check with it)
         self.swept = 0
 
@@ -133,11 +129,11 @@ class MemoryStore(StoreBase):
         leases = self._grant_leases(op.key, now)
         return len(leases) - sum(1 for i in range(op.have) if f"{op.grant}:{i}" in leases)
 
-    def _fleet_grant(self, op: FleetGrantOp, others: int, now: float) -> None:
-        """Commit a fleet grant (the rule: :func:`~extauthz.store.algorithms.fleet_grant_top`):
-        renew the members kept (adding back those that expired, as Redis's ``ZADD``), add the
-        new ones, drop the rest; the key stays in expiry order."""
-        top = algorithms.fleet_grant_top(others, op, True)
+    def _fleet_grant(self, op: FleetGrantOp, top: int, now: float) -> None:
+        """Commit a fleet grant of ``top`` slots (the rule:
+        :func:`~extauthz.store.algorithms.fleet_grant_top`): renew the members kept (adding
+        back those that expired, as Redis's ``ZADD``), add the new ones, drop the rest; the
+        key stays in expiry order."""
         leases = self._leases.setdefault(op.key, {})
         at = now + op.ttl
         for i in range(top):
@@ -298,96 +294,75 @@ class MemoryStore(StoreBase):
         now = self._clock.monotonic()
         if self._sweep_batch:
             self._sweep(now, self._sweep_batch)
-        # State before the request, then the same rules and answers as every store.
-        values: list[float] = []
-        allowed: list[bool] = []
-        owners: list[str | None] = []
+        # Every op evaluated on its state before the request, then committed iff admitted:
+        # the rules and answers of every store (algorithms.RULES).
+        kinds = self._kinds
+        evaluated = []
         admitted = True
         for op in ops:
-            owners.append(self._touch(op.key))
-            if isinstance(op, BucketOp | GrantOp | ReturnOp):
-                state = self._buckets.get(op.key)
-                value = op.burst if state is None else refill(state[0], state[1], now, op.rate, op.burst)
-                if isinstance(op, GrantOp):
-                    ok = admits(algorithms.grant_pool(value, op.held, op.burst), op.cost)
-                else:
-                    ok = True if isinstance(op, ReturnOp) else admits(value, op.cost)
-            elif isinstance(op, CountOp):
-                value = self._count(op.key, now)
-                ok = count_admits(int(value), op.cost, op.limit)
-            elif isinstance(op, QuotaGrantOp | QuotaReturnOp):
-                value = self._count(op.key, now)
-                ok = (isinstance(op, QuotaReturnOp)
-                      or count_admits(algorithms.quota_pool(int(value), op.held), op.cost, op.limit))
-            elif isinstance(op, FleetGrantOp):
-                value = float(self._grant_others(op, now))
-                ok = algorithms.fleet_grant_admits(int(value), op)
-            else:
-                value = float(len(self._live_leases(op.key, now)))
-                ok = lease_admits(int(value), op.limit)
-            values.append(value)
-            allowed.append(ok)
+            rule, read, write = kinds[type(op)]
+            owner = self._touch(op.key)
+            value = read(op, now)
+            ok = rule.admits(op, value)
             if not ok and op.enforce:
                 admitted = False  # shadow ops never block
+            evaluated.append((op, rule, write, value, ok, owner))
         results = []
-        for op, ok, value, owner in zip(ops, allowed, values, owners, strict=True):
+        for op, rule, write, value, ok, owner in evaluated:
             commit = admitted and ok
-            if isinstance(op, BucketOp):
-                if commit:
-                    self._buckets[op.key] = [take(value, op.cost), now, now + op.ttl]
-                    self._schedule(_BUCKET, op.key, now + op.ttl, owner)
-                results.append(bucket_result(op, ok, value, commit))
-            elif isinstance(op, GrantOp | ReturnOp):
-                if commit:
-                    if isinstance(op, GrantOp):
-                        pool = algorithms.grant_pool(value, op.held, op.burst)
-                        left = take(pool, algorithms.grant_size(pool, op.want))
-                    else:
-                        left = algorithms.give_back(value, op.amount, op.burst)
-                    ttl = bucket_ttl(op.rate, op.burst)
-                    state = self._buckets.get(op.key)
-                    stamp = algorithms.grant_stamp(now, None if state is None else state[1])
-                    self._buckets[op.key] = [left, stamp, now + ttl]
-                    self._schedule(_BUCKET, op.key, now + ttl, owner)
-                results.append(algorithms.op_result(op, ok, value, admitted))
-            elif isinstance(op, CountOp):
-                if commit:
-                    state = self._buckets.get(op.key)
-                    if state is not None and state[2] > now:
-                        state[0] += op.cost  # the window's expiry stays
-                        state[3] = op.limit
-                    else:
-                        self._buckets[op.key] = [float(op.cost), now, now + op.ttl, op.limit]
-                        self._schedule(_BUCKET, op.key, now + op.ttl, owner)
-                results.append(count_result(op, ok, int(value), commit))
-            elif isinstance(op, QuotaGrantOp | QuotaReturnOp):
-                if commit:
-                    state = self._buckets.get(op.key)
-                    live = state is not None and state[2] > now
-                    if isinstance(op, QuotaGrantOp):
-                        pool = algorithms.quota_pool(int(value), op.held)
-                        after = pool + algorithms.quota_grant_size(pool, op.want, op.limit)
-                        if state is not None and live:
-                            state[0] = float(after)  # the window's expiry stays
-                            state[3] = op.limit
-                        else:
-                            self._buckets[op.key] = [float(after), now, now + op.ttl, op.limit]
-                            self._schedule(_BUCKET, op.key, now + op.ttl, owner)
-                    elif state is not None and live:  # a window gone takes nothing back
-                        state[0] = float(algorithms.quota_give_back(int(value), op.amount))
-                results.append(algorithms.op_result(op, ok, value, admitted))
-            elif isinstance(op, FleetGrantOp):
-                if commit:
-                    self._fleet_grant(op, int(value), now)
-                results.append(algorithms.op_result(op, ok, value, admitted))
-            else:
-                if commit:
-                    leases = self._leases.setdefault(op.key, {})
-                    leases.pop(lease_id, None)  # a renewed lease moves to the end (expiry order)
-                    leases[lease_id] = now + op.ttl
-                    self._schedule(_LEASES, op.key, now + op.ttl, owner)
-                results.append(lease_result(op, ok, int(value), commit))
+            if commit:
+                write(op, rule, value, now, lease_id, owner)
+            results.append(rule.result(op, ok, value, commit))
         return CheckResult(admitted, tuple(results))
+
+    # -- the states ops read and write (algorithms.State), one reader and writer each -------
+    def _read_tokens(self, op: TokensOp, now: float) -> float:
+        state = self._buckets.get(op.key)
+        return op.burst if state is None else refill(state[0], state[1], now, op.rate, op.burst)
+
+    def _write_tokens(self, op: TokensOp, rule: Rule[Any], value: float, now: float, lease_id: str,
+                      owner: str | None) -> None:
+        state = self._buckets.get(op.key)
+        ttl = bucket_ttl(op.rate, op.burst)
+        self._buckets[op.key] = [rule.commit(op, value), rule.stamp(now, None if state is None else state[1]),
+                                 now + ttl]
+        self._schedule(_BUCKET, op.key, now + ttl, owner)
+
+    def _read_count(self, op: Op, now: float) -> float:
+        return self._count(op.key, now)
+
+    def _write_count(self, op: Any, rule: Rule[Any], value: float, now: float, lease_id: str,
+                     owner: str | None) -> None:
+        """The window's count moves by what the commit adds (INCRBY, as ``check.lua``: the
+        window's expiry stays); a window gone starts a new count, with the op's ``ttl``
+        and ``limit`` (kept for eviction, :meth:`_hold`), unless the op does not create
+        one (``Rule.creates``: a give-back, which carries neither)."""
+        after = rule.commit(op, value)
+        state = self._buckets.get(op.key)
+        if state is not None and state[2] > now:
+            state[0] += after - value
+            if rule.creates:
+                state[3] = op.limit
+        elif rule.creates:
+            self._buckets[op.key] = [after, now, now + op.ttl, op.limit]
+            self._schedule(_BUCKET, op.key, now + op.ttl, owner)
+
+    def _read_leases(self, op: Op, now: float) -> float:
+        return float(len(self._live_leases(op.key, now)))
+
+    def _write_leases(self, op: LeaseOp, rule: Rule[Any], value: float, now: float, lease_id: str,
+                      owner: str | None) -> None:
+        leases = self._leases.setdefault(op.key, {})
+        leases.pop(lease_id, None)  # a renewed lease moves to the end (expiry order)
+        leases[lease_id] = now + op.ttl
+        self._schedule(_LEASES, op.key, now + op.ttl, owner)
+
+    def _read_slots(self, op: FleetGrantOp, now: float) -> float:
+        return float(self._grant_others(op, now))
+
+    def _write_slots(self, op: FleetGrantOp, rule: Rule[Any], value: float, now: float, lease_id: str,
+                     owner: str | None) -> None:
+        self._fleet_grant(op, int(rule.commit(op, value)), now)
 
     async def release(self, keys: Sequence[str], lease_id: str) -> int:
         return self.release_now(keys, lease_id)
@@ -492,7 +467,3 @@ class MemoryStore(StoreBase):
         """Per-user keys held per limiter (each at most :attr:`max_keys`, but for lease sets
         with requests in flight), for ``/status``."""
         return {owner: len(table) for owner, table in sorted(self._held.items())}
-
-    def key_count(self) -> int:
-        return (len(self._buckets) + len(self._leases) + len(self._values) + len(self._shed)
-                + len(self._events))

@@ -8,7 +8,7 @@ time with ``XRANGE``: the fleet shares Redis's clock.
 
 Plain functions taking a ``redis.asyncio`` client (standalone, cluster or a Sentinel master)
 so :class:`extauthz.store.redis.RedisStore` delegates to them and the CLI can call them
-with a client of its own. Client errors are wrapped into :class:`~extauthz.errors.StoreError`
+with a client of its own. Client errors are wrapped into :class:`~extauthz.core.errors.StoreError`
 by the Redis store's one wrapper (:func:`extauthz.store.redis.wire.wrap`).
 """
 

@@ -71,7 +71,7 @@ def _fluentd_envoy_config(fluent_port: int) -> str:
     """Envoy answering itself, with the fluentd logger (FLUENTD_RECORD) to ``fluent_port`` and
     the lease fields a check would write set as ext_authz dynamic metadata."""
     from bench.accesslog_decode import FLUENTD_RECORD, LEASE_ID, LEASE_KEYS, TAG, TICKET
-    from extauthz.answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD
+    from extauthz.engine.answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD
     from extauthz.envoy.records import EXT_AUTHZ_NAMESPACE
 
     def addr(port: int) -> dict[str, object]:

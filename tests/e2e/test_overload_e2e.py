@@ -1,4 +1,4 @@
-"""Overload is decided, not timed out, through a real Envoy (extauthz/overload.py): the server
+"""Overload is decided, not timed out, through a real Envoy (extauthz/engine/overload.py): the server
 stopped (SIGSTOP) with requests waiting at Envoy, for longer than half its check budget and
 less than Envoy's timeout (rendered by ``envoy-config --check-budget-ms``: the budget plus
 50 ms). When it runs again its fleet shedder refuses the non-critical requests (503,
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extauthz.answers import PROBLEM_TYPE
 from extauthz.devtools.client import HttpClient, Result
 from extauthz.devtools.stack import Stack
+from extauthz.engine.answers import PROBLEM_TYPE
 from extauthz.envoy.config import render
 from extauthz.policy import load_policy
 

@@ -36,8 +36,9 @@ def write_policy(directory: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with Stack([write_policy(tmp_path_factory.mktemp("release"))]) as s:
+def stack(tmp_path_factory: pytest.TempPathFactory, grpc_server_kind: str) -> Iterator[Stack]:
+    with Stack([write_policy(tmp_path_factory.mktemp("release"))],
+               server_args=["--grpc-server", grpc_server_kind]) as s:
         yield s
 
 

@@ -33,6 +33,7 @@ from extauthz.proto import auth_pb2, auth_pb2_grpc
 
 from ..conftest import ROOT
 from ..infra.certs import CA, Leaf
+from ..infra.probe import health_probe
 
 pytestmark = pytest.mark.e2e
 
@@ -90,7 +91,7 @@ class TlsServer:
 
 
 @pytest.fixture(scope="module")
-def server(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsServer]:
+def server(pki: Pki, tmp_path_factory: pytest.TempPathFactory, grpc_server_kind: str) -> Iterator[TlsServer]:
     d = tmp_path_factory.mktemp("server")
     (d / "policy.yaml").write_text(yaml.safe_dump(POLICY))
     port, health_port, admin_port = free_port(), free_port(), free_port()
@@ -103,7 +104,7 @@ def server(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsSe
         proc = subprocess.Popen(
             [sys.executable, "-m", "extauthz", "serve", "--policies", str(d / "policy.yaml"),
              "--listen", f"127.0.0.1:{port}", "--health-listen", f"127.0.0.1:{health_port}",
-             "--admin-listen", f"127.0.0.1:{admin_port}"],
+             "--admin-listen", f"127.0.0.1:{admin_port}", "--grpc-server", grpc_server_kind],
             env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
         wait_for_health(health_port, 30, proc, log)  # the plaintext health-only port
@@ -206,3 +207,16 @@ def test_certificate_rotated_on_disk_is_served_without_restart(pki: Pki, server:
     assert _grpc_check(server.port, good).status.code == 0
     # put the original back for other tests (module-scoped server)
     pki.server.write(pki.dir / "server", "tls")
+
+
+def test_a_kubernetes_health_probe_over_mtls_and_on_the_plaintext_health_port(pki: Pki, server: TlsServer) -> None:
+    """grpc_health_probe with ``-tls -tls-ca-cert -tls-client-cert -tls-client-key`` on the
+    main port, and plaintext on ``--health-listen`` (the kubelet's own gRPC probe has no TLS);
+    a probe without a client certificate is refused at the handshake."""
+    good = grpc.ssl_channel_credentials(pki.ca.pem, pki.envoy.key_pem, pki.envoy.cert_pem)
+    for _ in range(3):  # a fresh connection per probe, as the kubelet runs it
+        assert health_probe(f"127.0.0.1:{server.port}", good, server_name="extauthz") == "SERVING"
+        assert health_probe(f"127.0.0.1:{server.health_port}") == "SERVING"
+    no_certificate = grpc.ssl_channel_credentials(pki.ca.pem)
+    assert health_probe(f"127.0.0.1:{server.port}", no_certificate, server_name="extauthz") == "UNAVAILABLE"
+    assert health_probe(f"127.0.0.1:{server.port}") == "UNAVAILABLE"  # plaintext on the TLS port

@@ -14,9 +14,11 @@ from google.protobuf import struct_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extauthz.answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD
-from extauthz.clock import ManualClock
-from extauthz.engine import Engine
+from extauthz.core.clock import ManualClock
+from extauthz.engine.answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD
+from extauthz.engine.engine import Engine
+from extauthz.engine.storegate import StoreGate
+from extauthz.engine.tickets import REASONS, LeaseTickets
 from extauthz.envoy.records import EXT_AUTHZ_NAMESPACE
 from extauthz.policy import load_policy
 from extauthz.proto import accesslog_pb2, auth_pb2
@@ -25,8 +27,6 @@ from extauthz.server.flow import CheckFlow
 from extauthz.server.leases import LeaseIndex, Leases
 from extauthz.server.services import AccessLogService, AuthorizationService
 from extauthz.store.memory import MemoryStore
-from extauthz.storegate import StoreGate
-from extauthz.tickets import REASONS, LeaseTickets
 
 SETTINGS = settings(max_examples=150, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

@@ -12,7 +12,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extauthz.errors import PolicyError
+from extauthz.core.errors import PolicyError
 from extauthz.policy import Policy, load_policy
 from extauthz.policy.loader import parse_file
 

@@ -21,8 +21,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from extauthz.core.errors import PolicyError
 from extauthz.devtools import envoy_config
-from extauthz.errors import PolicyError
 from extauthz.policy import load_policy
 from extauthz.server.app import ServerConfig
 
@@ -37,7 +37,7 @@ FULL_VALUES: dict[str, Any] = {
     "replicaCount": 3,
     "redis": {"existingSecret": "extauthz-redis", "existingSecretKey": "url"},
     "identitySalt": {"value": "s3cret-salt"},
-    "server": {"workers": 2, "logLevel": "debug", "httpPort": 9005},
+    "server": {"workers": 2, "logLevel": "debug", "httpPort": 9005, "grpcServer": "grpcio"},
     "extraEnv": [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": "http://otel-collector:4317"}],
     "podDisruptionBudget": {"enabled": True},
     "autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 12},
@@ -514,7 +514,7 @@ def test_memory_max_keys_is_set_only_when_given(chart: Any) -> None:
 @pytest.mark.parametrize("name", ["default", "full"])
 def test_env_names_are_the_cli_variables(name: str, request: pytest.FixtureRequest) -> None:
     """Each EXTAUTHZ_* variable the chart sets is one `extauthz serve` reads."""
-    from extauthz.settings import options  # every option serve reads, once
+    from extauthz.core.settings import options  # every option serve reads, once
 
     read = {opt.env for opt in options().values()}
     env = env_of(container(request.getfixturevalue(name + "_objects")))
@@ -533,6 +533,7 @@ def test_full_env_uses_secrets(full_objects: list[dict[str, Any]]) -> None:
     }
     assert set(secret["data"]) == {"identity-salt", "lease-secret"}  # lease secret: made by the chart
     assert env["EXTAUTHZ_WORKERS"]["value"] == "2"
+    assert env["EXTAUTHZ_GRPC_SERVER"]["value"] == "grpcio"
     assert env["EXTAUTHZ_LOG_LEVEL"]["value"] == "debug"
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "http://otel-collector:4317"
 
@@ -593,6 +594,7 @@ BAD_VALUES = [
     {"server": {"grpcPort": 70000}},
     {"server": {"workers": 0}},
     {"server": {"logFormat": "xml"}},
+    {"server": {"grpcServer": "grpc.aio"}},
     {"redis": {"url": "http://redis:6379"}},
     {"policies": {"api.json": "{}"}},
     {"policies": {"api.yaml": 42}},
@@ -803,7 +805,7 @@ def test_a_misspelt_configmaps_key_is_refused_by_name(chart: Any, key: str) -> N
 @pytest.mark.parametrize(("limiter", "field"), [
     ({"name": "r", "type": "request_rate", "rate": 1, "burst": 0}, "/limiters/0/burst': exclusiveMinimum"),
     ({"name": "c", "type": "concurrent_requests", "limit": "ten"}, "/limiters/0/limit': got string, want integer"),
-    ({"name": "q", "type": "quota", "limit": 5, "period": "year"}, "/limiters/0/period': value must be one of"),
+    ({"name": "q", "type": "quota", "limit": 5, "period": "fortnight"}, "/limiters/0/period': value must be one of"),
     ({"name": "r", "type": "request_rat", "rate": 1, "burst": 5}, "/limiters/0/type': value must be one of"),
     ({"name": "r", "type": "request_rate", "rate": 1, "burst": 5, "applies_to": {"tiers": "get"}},
      "/limiters/0/applies_to/tiers': got string, want array"),
@@ -812,7 +814,7 @@ def test_a_policy_error_at_render_is_one_line_as_check_policies_says_it(
         chart: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str], limiter: dict[str, Any], field: str) -> None:
     """One bad field: Helm's message names it in one line (it printed about 20, one per limiter
     kind and optional-field alternative), and check-policies names the same field."""
-    from extauthz.cli import main
+    from extauthz.commands.cli import main
 
     policy = {"version": 1, "identity": [{"header": "x-api-key"}], "limiters": [limiter]}
     with pytest.raises(helm.HelmValuesError) as raised:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from extauthz.changelog import HISTORY_MAXLEN, HISTORY_TTL, Change, append_change, read_history
+from extauthz.control.changelog import HISTORY_MAXLEN, HISTORY_TTL, Change, append_change, read_history
 from extauthz.devtools.stack import ServerProcess, free_port
 from testinfra.redis_servers import RedisSingle
 from tests.observe.helpers import admin, http, running

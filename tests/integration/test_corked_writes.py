@@ -1,4 +1,4 @@
-"""Corked writes (extauthz/cork.py), counted on real sockets: the answers to pipelined HTTP
+"""Corked writes (extauthz/core/cork.py), counted on real sockets: the answers to pipelined HTTP
 requests decided in one loop turn leave in one ``transport.write``, and so do the Redis
 commands of one turn on the lean connection; order and answers unchanged."""
 

@@ -12,16 +12,16 @@ from typing import Any
 
 import pytest
 
-from extauthz.clock import ManualClock
-from extauthz.context import RawRequest, RequestContext
-from extauthz.engine import Engine
+from extauthz.core.clock import ManualClock
+from extauthz.core.context import RawRequest, RequestContext
+from extauthz.core.runner import DONE, Runner
+from extauthz.core.verdict import Outcome
+from extauthz.engine.engine import Engine
 from extauthz.limiters import Limiter
-from extauthz.runner import DONE, Runner
 from extauthz.server.services import AuthorizationService
 from extauthz.store.base import Op
 from extauthz.store.memory import MemoryStore
 from extauthz.store.redis import RedisStore
-from extauthz.verdict import Outcome
 from testinfra.redis_servers import RedisSingle
 from tests.observe.helpers import eventually, rate, running, samples, scrape, value, write_policy
 

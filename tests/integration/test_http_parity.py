@@ -1,8 +1,9 @@
 """The HTTP port and the gRPC port give the same decision and the same headers for the same
 request, over every limiter kind and outcome (docs/http.md has the mapping).
 
-Two servers with the same policy, fresh embedded stores and one frozen clock get the same
-sequence of requests, one over gRPC and one over HTTP; their answers are compared step by
+Three servers with the same policy, fresh embedded stores and one frozen clock get the same
+sequence of requests, over gRPC on each gRPC server kind (``--grpc-server asyncio`` and
+``grpcio``) and over HTTP; their answers are compared step by
 step after the documented mapping (gRPC ``ok_response.headers`` + ``response_headers_to_add``
 + dynamic metadata <-> HTTP 200 headers; denied 503 <-> HTTP 420). Lease ids are random and
 tickets keyed per process: only their presence is compared; the lease keys must be equal.
@@ -17,11 +18,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from extauthz.clock import ManualClock
+from extauthz.core.clock import ManualClock
 from extauthz.envoy.headers import SHED_STATUS
 from extauthz.proto import auth_pb2, auth_pb2_grpc
 from extauthz.server.app import Server, ServerConfig
+from extauthz.server.grpc_h2 import GrpcH2Server
 
+from ..conftest import GRPC_SERVERS
 from .test_http_server import POLICY_HEAD
 
 POLICY = POLICY_HEAD + """\
@@ -79,19 +82,24 @@ TABLE = [
 
 
 @pytest.fixture
-async def servers(tmp_path: Path) -> AsyncIterator[tuple[Server, Server]]:
+async def servers(tmp_path: Path) -> AsyncIterator[tuple[Server, ...]]:
+    """One server per gRPC server kind (GRPC_SERVERS: the asyncio one, then grpcio) and one
+    for the HTTP port, last."""
     policy = tmp_path / "p.yaml"
     policy.write_text(POLICY)
     clock = ManualClock()
     made = []
-    for http in (None, "127.0.0.1:0"):
-        srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0", http_listen=http,
-                                  admin_listen="off", reload_interval=0, identity_salt="s"), clock=clock)
-        await srv.start()
-        made.append(srv)
-    yield made[0], made[1]
-    for srv in made:
-        await srv.stop(grace=0)
+    try:
+        for kind, http in [*((kind, None) for kind in GRPC_SERVERS), ("asyncio", "127.0.0.1:0")]:
+            srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0", http_listen=http,
+                                      grpc_server=kind, admin_listen="off", reload_interval=0,
+                                      identity_salt="s"), clock=clock)
+            await srv.start()
+            made.append(srv)
+        yield tuple(made)
+    finally:
+        for srv in made:
+            await srv.stop(grace=0)
 
 
 Answer = tuple[int, dict[str, str], str]
@@ -140,25 +148,30 @@ def masked(answer: Answer) -> Answer:
     return status, headers, body
 
 
-async def test_same_decisions_and_headers_over_both_protocols(servers: tuple[Server, Server]) -> None:
-    grpc_server, http_server = servers
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_server.port}") as channel:
-        stub = auth_pb2_grpc.AuthorizationStub(channel)
-        reader, writer = await asyncio.open_connection("127.0.0.1", http_server.http_port)
-        try:
-            seen = []
-            for method, path, key, expected in TABLE:
-                for srv in servers:  # (the sampler, every 8 s, would lower it again)
-                    for shedder in srv.engine.snapshot.workers:
-                        shedder.set_level(1.0)  # shed every non-critical tier
-                over_grpc = grpc_answer(await stub.Check(check_request(method, path, key)))
-                over_http = await http_answer(reader, writer, method, path, key)
-                step = (method, path, key)
-                assert masked(over_http) == masked(over_grpc), step
-                assert over_http[0] == expected, (step, over_http)
-                seen.append(over_http)
-        finally:
-            writer.close()
+async def test_same_decisions_and_headers_over_both_protocols(servers: tuple[Server, ...]) -> None:
+    """Every gRPC server kind and the HTTP port, step by step: the same answers."""
+    *grpc_servers, http_server = servers
+    assert [isinstance(srv.grpc, GrpcH2Server) for srv in grpc_servers] == [True, False]  # both kinds
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") for srv in grpc_servers]
+    stubs = [auth_pb2_grpc.AuthorizationStub(channel) for channel in channels]
+    reader, writer = await asyncio.open_connection("127.0.0.1", http_server.http_port)
+    try:
+        seen = []
+        for method, path, key, expected in TABLE:
+            for srv in servers:  # (the sampler, every 8 s, would lower it again)
+                for shedder in srv.engine.snapshot.workers:
+                    shedder.set_level(1.0)  # shed every non-critical tier
+            over_grpc = [grpc_answer(await stub.Check(check_request(method, path, key))) for stub in stubs]
+            over_http = await http_answer(reader, writer, method, path, key)
+            step = (method, path, key)
+            for kind, answer in zip(GRPC_SERVERS, over_grpc, strict=True):
+                assert masked(over_http) == masked(answer), (kind, step)
+            assert over_http[0] == expected, (step, over_http)
+            seen.append(over_http)
+    finally:
+        writer.close()
+        for channel in channels:
+            await channel.close()
     # the table exercised what it claims: leases, RateLimit headers, problem+json
     assert any("x-extauthz-leases" in h and "x-extauthz-lease-ticket" in h for _, h, _ in seen)
     assert any("ratelimit" in h for s, h, _ in seen if s == 200)

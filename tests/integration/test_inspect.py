@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from extauthz.classify import hash_identity
-from extauthz.cli import main
+from extauthz.commands.cli import main
+from extauthz.policy.classify import hash_identity
 from tests.observe.helpers import SALT, admin, json_logs, rate, running, write_policy
 
 pytestmark = pytest.mark.asyncio

@@ -12,12 +12,12 @@ import grpc
 import pytest
 from google.protobuf import struct_pb2
 
-from extauthz.answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD
+from extauthz.engine.answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD
+from extauthz.engine.tickets import LeaseTickets
 from extauthz.envoy.records import EXT_AUTHZ_NAMESPACE
 from extauthz.proto import accesslog_pb2, accesslog_pb2_grpc, auth_pb2, auth_pb2_grpc, core_pb2
 from extauthz.server.app import Server, ServerConfig
 from extauthz.store.keys import Keys
-from extauthz.tickets import LeaseTickets
 from testinfra.redis_servers import RedisSingle
 
 pytestmark = pytest.mark.redis

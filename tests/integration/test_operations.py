@@ -1,12 +1,12 @@
 """A running server's /status and /metrics, built from the per-component parts
-(extauthz/observe/state.py) by server/panel.py: the /status document keeps every key operators
+(extauthz/engine/state.py) by server/panel.py: the /status document keeps every key operators
 read, in its order, and a count shown on /status is the one /metrics exports."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from extauthz.opscli import format_status
+from extauthz.commands.opscli import format_status
 from tests.observe.helpers import admin, rate, running, scrape, write_policy
 
 STATUS_KEYS = [
@@ -14,8 +14,8 @@ STATUS_KEYS = [
     "bad_requests",
     "background_errors", "switches", "limiters", "switch_poll", "overrides", "shedding",
     "leases_in_flight", "access_log", "lease_releases", "shadow", "decision_log",
-    "observer_errors", "tracing", "tls", "admin", "changes", "change_log_errors",
-    "grants", "recorder",
+    "observer_errors", "tracing", "tls", "admin", "changes", "change_log_errors", "grpc",
+    "grants", "recorder", "ratelimit_descriptors", "quota",
 ]
 
 
@@ -40,6 +40,7 @@ async def test_status_keeps_its_keys_and_agrees_with_metrics(tmp_path: Path) -> 
     assert sample(metrics, "extauthz_loop_lag_seconds") >= 0 and not status["overload"]["starved"]
     assert sample(metrics, f'extauthz_policy_info{{version="{status["policy"]["version"]}"}}') == 1
     assert sample(metrics, "extauthz_access_log_entries_total") == status["access_log"]["entries"]
+    assert sample(metrics, "extauthz_grpc_calls_total") == status["grpc"]["calls"]
     assert sample(metrics, 'extauthz_unchecked_requests_total{tier="critical"}') == 0
     assert status["unchecked_requests"] == {"total": 0, "by_tier": dict.fromkeys(
         ("critical", "post", "get", "test", "unknown"), 0), "fleet": {"in_flight": 0, "counted": 0, "errors": 0}}

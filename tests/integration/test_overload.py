@@ -1,4 +1,4 @@
-"""Overload is decided, not timed out (extauthz/overload.py), through a real server process
+"""Overload is decided, not timed out (extauthz/engine/overload.py), through a real server process
 on both front doors: checks that queued while the server was stopped (SIGSTOP, a stall as
 a starved CPU gives) get a decision when it runs again: the shedders refuse the non-critical
 ones (503, reason ``overload``) without the store, the critical ones pass; and a gRPC call
@@ -20,8 +20,8 @@ from typing import Any
 import grpc
 import pytest
 
-from extauthz.answers import PROBLEM_TYPE
 from extauthz.devtools.stack import ServerProcess, free_port
+from extauthz.engine.answers import PROBLEM_TYPE
 from extauthz.envoy.headers import SHED_STATUS
 from extauthz.proto import auth_pb2, auth_pb2_grpc
 

@@ -21,8 +21,8 @@ from typing import Any
 import grpc
 import pytest
 
-from extauthz.classify import hash_identity
 from extauthz.devtools.stack import ServerProcess
+from extauthz.policy.classify import hash_identity
 from extauthz.proto import auth_pb2_grpc
 from testinfra.redis_servers import RedisSingle
 from tests.observe.helpers import SALT, _open, admin, check_request, running

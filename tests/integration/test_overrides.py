@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from extauthz.classify import hash_identity
-from extauthz.context import RawRequest
-from extauthz.overrides import KEY_SLACK, MAX_OVERRIDES, MAX_TTL
+from extauthz.control.overrides import KEY_SLACK, MAX_OVERRIDES, MAX_TTL
+from extauthz.core.context import RawRequest
 from extauthz.policy import Policy, load_policy
+from extauthz.policy.classify import hash_identity
 from extauthz.proto import auth_pb2_grpc
 from testinfra.redis_servers import RedisSingle
 from tests.observe.helpers import SALT, admin, check_request, running, scrape
@@ -256,7 +256,7 @@ def load(path: Path) -> Policy:
 async def test_history_shows_the_overrides_that_lapsed(tmp_path: Path) -> None:
     """An override whose TTL ran out is an ``expire`` row of ``extauthz history`` at its expiry;
     one cleared (or set again) before it is not, nor one still live."""
-    from extauthz.clock import ManualClock
+    from extauthz.core.clock import ManualClock
 
     policy = tmp_path / "policy.yaml"
     policy.write_text(POLICY)

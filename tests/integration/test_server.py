@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from extauthz.devtools.stack import ServerProcess
 from extauthz.proto import auth_pb2, auth_pb2_grpc
 from extauthz.server.app import Server, ServerConfig
+from extauthz.server.grpc_h2 import GrpcH2Server
 
 from ..conftest import ROOT
 
@@ -29,11 +30,12 @@ def check_request(key: str = "sk_live_x", method: str = "GET", path: str = "/v1/
 
 
 @pytest.fixture
-async def server(tmp_path: Path) -> AsyncIterator[Server]:
+async def server(tmp_path: Path, grpc_server_kind: str) -> AsyncIterator[Server]:
     policy = tmp_path / "p.yaml"
     policy.write_text("version: 1\nidentity: [{header: x-api-key}]\nlimiters:\n"
                       "  - {name: user-rate, type: request_rate, rate: 1, burst: 2}\n")
-    srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0", admin_listen="127.0.0.1:0"))
+    srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0", admin_listen="127.0.0.1:0",
+                              grpc_server=grpc_server_kind))
     await srv.start()
     yield srv
     await srv.stop(grace=0)
@@ -66,8 +68,9 @@ async def test_malformed_request_is_decided_safely(server: Server) -> None:
         assert {h.header.key: h.header.value for h in resp.ok_response.headers}["x-extauthz-tier"] == "post"
 
 
-async def test_health_serving_then_not_serving_on_stop(tmp_path: Path) -> None:
-    srv = Server(ServerConfig(policies=[str(ROOT / "policies")], listen="127.0.0.1:0", admin_listen="127.0.0.1:0"))
+async def test_health_serving_then_not_serving_on_stop(tmp_path: Path, grpc_server_kind: str) -> None:
+    srv = Server(ServerConfig(policies=[str(ROOT / "policies")], listen="127.0.0.1:0", admin_listen="127.0.0.1:0",
+                              grpc_server=grpc_server_kind))
     await srv.start()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
         stub = health_pb2_grpc.HealthStub(ch)
@@ -80,17 +83,26 @@ async def test_health_serving_then_not_serving_on_stop(tmp_path: Path) -> None:
     await srv.stop(grace=0)
 
 
-def test_sigterm_stops_gracefully(tmp_path: Path) -> None:
-    proc = ServerProcess([ROOT / "policies"], workdir=tmp_path).start()
+def test_sigterm_stops_gracefully(tmp_path: Path, grpc_server_kind: str) -> None:
+    proc = ServerProcess([ROOT / "policies"], workdir=tmp_path, args=["--grpc-server", grpc_server_kind]).start()
     assert proc.proc is not None
-    with grpc.insecure_channel(f"127.0.0.1:{proc.port}") as ch:
-        stub = auth_pb2_grpc.AuthorizationStub(ch)
-        assert stub.Check(check_request(), timeout=5).status.code == 0
-    proc.proc.send_signal(signal.SIGTERM)
-    started = time.monotonic()
-    assert proc.proc.wait(10) == 0
-    assert time.monotonic() - started < 8
-    assert "NOT_SERVING" in proc.log()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{proc.port}") as ch:
+            stub = auth_pb2_grpc.AuthorizationStub(ch)
+            # the quick start's shedders refuse while a busy machine starves the fresh process
+            # (503 "overload"): it answers allowed once fed (bounded)
+            for _ in range(50):
+                if (code := stub.Check(check_request(), timeout=5).status.code) == 0:
+                    break
+                time.sleep(0.1)
+            assert code == 0
+        proc.proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        assert proc.proc.wait(10) == 0
+        assert time.monotonic() - started < 8
+        assert "NOT_SERVING" in proc.log()
+    finally:
+        proc.stop()
 
 
 def test_bad_policy_refuses_to_start_with_a_clear_error(tmp_path: Path) -> None:
@@ -119,7 +131,7 @@ def test_lease_index_by_request_id() -> None:
     assert idx.take("y", None, ("t:1",)) == (("k",), "y")
 
 
-async def test_access_log_releases_with_or_without_our_metadata(tmp_path: Path) -> None:
+async def test_access_log_releases_with_or_without_our_metadata(tmp_path: Path, grpc_server_kind: str) -> None:
     """Envoy logs every finished request; when it dropped our answer (client gone, ext_authz
     timeout) the entry lacks the lease metadata, and the request id finds the leases."""
     from extauthz.envoy.records import EXT_AUTHZ_NAMESPACE
@@ -128,7 +140,8 @@ async def test_access_log_releases_with_or_without_our_metadata(tmp_path: Path) 
     policy = tmp_path / "p.yaml"
     policy.write_text("version: 1\nidentity: [{header: x-api-key}]\nlimiters:\n"
                       "  - {name: conc, type: concurrent_requests, limit: 2}\n")
-    srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0", admin_listen="127.0.0.1:0"))
+    srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0", admin_listen="127.0.0.1:0",
+                              grpc_server=grpc_server_kind))
     await srv.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
@@ -179,7 +192,7 @@ async def test_access_log_releases_with_or_without_our_metadata(tmp_path: Path) 
         await srv.stop(grace=0)
 
 
-async def test_the_health_listen_port_serves_health_only(tmp_path: Path) -> None:
+async def test_the_health_listen_port_serves_health_only(tmp_path: Path, grpc_server_kind: str) -> None:
     """``--health-listen`` is plaintext for the kubelet's probes: it must not become a way
     around the main port's TLS, so Check and the access log are not served there."""
     from extauthz.proto import accesslog_pb2, accesslog_pb2_grpc
@@ -188,10 +201,12 @@ async def test_the_health_listen_port_serves_health_only(tmp_path: Path) -> None
     policy.write_text("version: 1\nidentity: [{header: x-api-key}]\nlimiters:\n"
                       "  - {name: user-rate, type: request_rate, rate: 1, burst: 2}\n")
     srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0", admin_listen="off",
-                              health_listen="127.0.0.1:0"))
+                              health_listen="127.0.0.1:0", grpc_server=grpc_server_kind))
     await srv.start()
     try:
         assert srv.health_port and srv.health_port != srv.port
+        # the health port is served by the same kind of server as the main port
+        assert isinstance(srv.health_grpc, GrpcH2Server) == (grpc_server_kind == "asyncio")
         async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.health_port}") as ch:
             health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""))
             assert health.status == health_pb2.HealthCheckResponse.SERVING
@@ -205,5 +220,47 @@ async def test_the_health_listen_port_serves_health_only(tmp_path: Path) -> None
                 await accesslog_pb2_grpc.AccessLogServiceStub(ch).StreamAccessLogs(entries())
             assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
         assert srv.accesslog.entries == 0
+    finally:
+        await srv.stop(grace=0)
+
+
+async def test_a_kubernetes_health_probe_on_the_main_and_health_ports(tmp_path: Path, grpc_server_kind: str) -> None:
+    """grpc_health_probe's way (a fresh plaintext connection per probe, Health/Check, 1 s):
+    SERVING on both ports, probe after probe, then NOT_SERVING once the stop begins."""
+    import asyncio
+
+    from ..infra.probe import health_probe
+
+    srv = Server(ServerConfig(policies=[str(ROOT / "policies")], listen="127.0.0.1:0", admin_listen="off",
+                              health_listen="127.0.0.1:0", grpc_server=grpc_server_kind))
+    await srv.start()
+    try:
+        for port in (srv.port, srv.health_port):
+            for service in ("", "envoy.service.auth.v3.Authorization", "envoy.service.accesslog.v3.AccessLogService"):
+                assert await asyncio.to_thread(health_probe, f"127.0.0.1:{port}", service=service) == "SERVING"
+            for _ in range(5):  # the kubelet probes every period, each time on a new connection
+                assert await asyncio.to_thread(health_probe, f"127.0.0.1:{port}") == "SERVING"
+            assert await asyncio.to_thread(health_probe, f"127.0.0.1:{port}", service="nope") == "NOT_FOUND"
+        await srv.health.enter_graceful_shutdown()
+        for port in (srv.port, srv.health_port):
+            assert await asyncio.to_thread(health_probe, f"127.0.0.1:{port}") == "NOT_SERVING"
+    finally:
+        await srv.stop(grace=0)
+
+
+async def test_the_grpc_ports_bounds_are_on_the_metrics_port(tmp_path: Path) -> None:
+    from tests.observe.helpers import http
+
+    srv = Server(ServerConfig(policies=[str(ROOT / "policies")], listen="127.0.0.1:0", admin_listen="off",
+                              metrics_listen="127.0.0.1:0"))
+    await srv.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            assert (await auth_pb2_grpc.AuthorizationStub(ch).Check(check_request())).status.code == 0
+            status, body = await http("GET", f"http://127.0.0.1:{srv.ports.metrics_port}/metrics")
+        assert status == 200
+        assert "extauthz_grpc_connections 1.0" in body
+        assert "extauthz_grpc_calls_total 1.0" in body
+        assert 'extauthz_grpc_goaways_sent_total{code="ENHANCE_YOUR_CALM"} 0.0' in body
     finally:
         await srv.stop(grace=0)

@@ -1,4 +1,4 @@
-"""The options of extauthz/settings.py through the installed console script (``extauthz``)."""
+"""The options of extauthz/core/settings.py through the installed console script (``extauthz``)."""
 
 from __future__ import annotations
 

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from extauthz import cli
-from extauthz.clock import ManualClock
-from extauthz.errors import StoreUnavailable
+from extauthz.commands import cli
+from extauthz.control.switches import SwitchBoard, Switches, parse_switches, with_switch
+from extauthz.core.clock import ManualClock
+from extauthz.core.errors import StoreUnavailable
+from extauthz.core.verdict import Mode
 from extauthz.server.app import Server
 from extauthz.store.memory import MemoryStore
-from extauthz.switches import SwitchBoard, Switches, parse_switches, with_switch
-from extauthz.verdict import Mode
 from tests.observe.helpers import Client, admin, eventually, rate, running, write_policy
 
 
@@ -150,7 +150,7 @@ async def test_an_unknown_limiter_is_refused_on_both_paths_with_the_same_message
         tmp_path: Path, redis_single_clean, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
     """Issue 30: the admin port refused a switch for a limiter its policy lacks (404) while
     ``extauthz switch --redis-url`` stored any well-formed name. Both now run the one control
-    path (extauthz/control.py) against the policy: the same refusal, word for word."""
+    path (extauthz/control/control.py) against the policy: the same refusal, word for word."""
     policy = write_policy(tmp_path / "p.yaml", [rate("user-rate", burst=1)])
     url = redis_single_clean.url
     async with running([policy]) as (server, _):

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from extauthz.clock import ManualClock
-from extauthz.engine import Engine
+from extauthz.core.clock import ManualClock
+from extauthz.engine.engine import Engine
+from extauthz.engine.storegate import StoreGate
 from extauthz.limiters.worker import sample_once
 from extauthz.store.base import ShedParams
 from extauthz.store.redis import RedisStore
-from extauthz.storegate import StoreGate
 from testinfra.redis_servers import RedisSingle
 
 from ..unit.helpers import policy_from

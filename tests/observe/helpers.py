@@ -16,10 +16,10 @@ from typing import Any
 import grpc
 import yaml
 
-from extauthz.classify import hash_identity
-from extauthz.clock import Clock, ManualClock
-from extauthz.errors import StoreUnavailable
+from extauthz.core.clock import Clock, ManualClock
+from extauthz.core.errors import StoreUnavailable
 from extauthz.observe.logs import JsonFormatter
+from extauthz.policy.classify import hash_identity
 from extauthz.proto import auth_pb2, auth_pb2_grpc
 from extauthz.server.app import Server, ServerConfig
 from extauthz.store.base import CheckResult, Op, Store

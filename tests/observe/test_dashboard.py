@@ -12,10 +12,10 @@ from typing import Any
 
 import grpc
 
-from extauthz.clock import ManualClock
+from extauthz.core.clock import ManualClock
+from extauthz.core.verdict import Mode
 from extauthz.envoy.records import EXT_AUTHZ_NAMESPACE
 from extauthz.proto import accesslog_pb2, accesslog_pb2_grpc, auth_pb2_grpc
-from extauthz.verdict import Mode
 from tests.conftest import ROOT
 
 from .helpers import FlakyStore, check_request, http, metrics_policy, running, samples, scrape, shed_half

@@ -14,10 +14,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from extauthz.clock import ManualClock
+from extauthz.core.clock import ManualClock
+from extauthz.core.tiers import Tier
+from extauthz.core.verdict import Decision, Kind, Outcome, Verdict
 from extauthz.observe.logs import DecisionLog, JsonFormatter
-from extauthz.tiers import Tier
-from extauthz.verdict import Decision, Kind, Outcome, Verdict
 from tests.unit.helpers import policy_from
 
 from .helpers import identity_of, json_logs, rate, running, write_policy
@@ -59,7 +59,7 @@ def test_a_flood_of_denials_is_capped_and_summarised(tmp_path: Path) -> None:
         dlog = DecisionLog(logger, max_per_second=3, clock=clock)
         verdict = Verdict("r", Kind.RATE_LIMITER, Outcome.DENIED, limit=1, remaining=0, retry_after=1)
         decision = Decision(False, Tier.GET, (verdict,), denied_by=verdict)
-        from extauthz.context import RequestContext
+        from extauthz.core.context import RequestContext
 
         ctx = RequestContext(Tier.GET, "abc", "header:x-api-key", False, "GET", "/" + "x" * 300, "h", "default")
         for _ in range(10):

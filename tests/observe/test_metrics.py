@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import yaml
 
-from extauthz.clock import ManualClock
+from extauthz.core.clock import ManualClock
+from extauthz.core.verdict import Mode
 from extauthz.store.redis import RedisStore
-from extauthz.verdict import Mode
 from testinfra.redis_servers import RedisSingle
 from tests.conftest import ROOT
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from extauthz import cli
+from extauthz.commands import cli
 from extauthz.observe.shadow import format_report
 
 from .helpers import rate, running, write_policy
@@ -85,7 +85,7 @@ def test_serve_with_a_malformed_listen_address_says_so_without_a_traceback(tmp_p
 
 def test_demo_pictures_without_matplotlib_names_pictures_and_its_install(tmp_path: Path) -> None:
     # matplotlib made unimportable in a child interpreter (None in sys.modules: ImportError)
-    code = ("import sys; sys.modules['matplotlib'] = None; from extauthz.cli import main; "
+    code = ("import sys; sys.modules['matplotlib'] = None; from extauthz.commands.cli import main; "
             f"sys.exit(main(['demo', '--pictures', {str(tmp_path / 'pics')!r}]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from extauthz import cli
-from extauthz.clock import ManualClock
+from extauthz.commands import cli
+from extauthz.core.clock import ManualClock
 from extauthz.observe.shadow import build_report, format_report
 from extauthz.store.memory import MemoryStore
 
@@ -165,10 +165,10 @@ async def test_a_flush_waits_for_the_flush_already_writing(clock: ManualClock) -
     """``flush()`` called while the background flush is writing (``GET /shadow``, stop, a
     test) returns only once what was noted before it is in the store: it must not find the
     buffer already swapped out and return at once, leaving the report to miss those events."""
-    from extauthz.context import RequestContext
+    from extauthz.core.context import RequestContext
+    from extauthz.core.tiers import Tier
+    from extauthz.core.verdict import Decision, Kind, Outcome, Verdict
     from extauthz.observe.shadow import ShadowRecorder
-    from extauthz.tiers import Tier
-    from extauthz.verdict import Decision, Kind, Outcome, Verdict
 
     class GatedStore(MemoryStore):
         def __init__(self) -> None:
@@ -205,11 +205,11 @@ async def test_a_flush_waits_for_the_flush_already_writing(clock: ManualClock) -
 async def test_the_dark_launch_report_names_the_key_a_keyed_shadow_limiter_counts(tmp_path: Path) -> None:
     """A shadow per-IP limit and a shadow quota: their would-refusals are grouped by what
     each counts (the hashed client IP for the keyed one, the identity for the quota)."""
-    from extauthz.context import RawRequest
-    from extauthz.engine import Engine
+    from extauthz.core.context import RawRequest
+    from extauthz.engine.engine import Engine
+    from extauthz.engine.storegate import StoreGate
     from extauthz.observe.shadow import ShadowRecorder
     from extauthz.policy import load_policy
-    from extauthz.storegate import StoreGate
 
     (tmp_path / "p.yaml").write_text(
         "version: 1\nidentity: [{header: x-api-key}]\nlimiters:\n"

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extauthz.cli import main
+from extauthz.commands.cli import main
+from extauthz.commands.simulate.traffic import parse_line
 from extauthz.devtools.client import HttpClient
 from extauthz.devtools.envoy_config import config_path, local_render
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.upstream import start_upstream
 from extauthz.policy import load_policy
-from extauthz.simulate.traffic import parse_line
 
 from ..conftest import ROOT
 

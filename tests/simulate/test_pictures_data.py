@@ -1,6 +1,6 @@
 """The claims of the four pictures' captions, checked from the data written beside them
 (docs/pictures/*.csv, made by ``extauthz demo --pictures``) by the demo's own caption checks
-(extauthz/pictures.py ``CAPTION_CHECKS``); test_pictures_e2e.py runs them on freshly made data.
+(extauthz/commands/pictures.py ``CAPTION_CHECKS``); test_pictures_e2e.py runs them on freshly made data.
 And the checks themselves: a fleet past its cap is reported, with the requests that passed
 unchecked, which the data, the tables and the fleet picture mark."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from extauthz.pictures import (
+from extauthz.commands.pictures import (
     CAPTION_CHECKS,
     CSV_FIELDS,
     Flow,

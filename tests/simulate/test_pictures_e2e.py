@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from extauthz.cli import main
-from extauthz.pictures import check_captions
+from extauthz.commands.cli import main
+from extauthz.commands.pictures import check_captions
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from extauthz.pictures import REFILL_PER_S, Scenario, Sent, draw, scenarios
+from extauthz.commands.pictures import REFILL_PER_S, Scenario, Sent, draw, scenarios
 
 from .test_pictures_data import fleet_run
 

@@ -10,17 +10,17 @@ from typing import Any
 
 import yaml
 
-from extauthz.clock import ManualClock
-from extauthz.context import RawRequest
-from extauthz.engine import Engine
+from extauthz.commands.simulate.replay import run_now
+from extauthz.commands.simulate.traffic import BadLines, TrafficFile, read_traffic
+from extauthz.core.clock import ManualClock
+from extauthz.core.context import RawRequest
+from extauthz.engine.engine import Engine
+from extauthz.engine.storegate import StoreGate
+from extauthz.observe.record import Recorder, RotatingWriter, pending_ttl, redact_path
 from extauthz.policy import load_policy
 from extauthz.server.app import ServerConfig
 from extauthz.server.workers import child_config
-from extauthz.simulate.record import Recorder, RotatingWriter, pending_ttl, redact_path
-from extauthz.simulate.replay import run_now
-from extauthz.simulate.traffic import BadLines, TrafficFile, read_traffic
 from extauthz.store.memory import MemoryStore
-from extauthz.storegate import StoreGate
 
 POLICY = {"version": 1, "identity": [{"header": "x-api-key"}], "limiters": [
     {"name": "rate", "type": "request_rate", "rate": 1, "burst": 2},
@@ -72,6 +72,22 @@ async def test_lines_carry_decision_and_duration(tmp_path: Path) -> None:
     assert reqs[0].identity == lines[0]["identity"]
 
 
+async def test_rate_limit_descriptors_are_not_recorded(tmp_path: Path) -> None:
+    # simulate replays checked requests; a descriptor (ShouldRateLimit) would replay as one
+    (tmp_path / "d.yaml").write_text(yaml.safe_dump({"version": 1, "limiters": [
+        {"name": "per-ip", "type": "quota", "limit": 5, "period": "minute",
+         "match": {"domain": "edge", "descriptor": [{"key": "remote_address"}]}}]}))
+    policy = load_policy([tmp_path / "d.yaml"])
+    clock = ManualClock(1_732_420_000.0)
+    rec = Recorder(tmp_path / "rec", clock=clock, pending_ttl=pending_ttl(policy))
+    engine = Engine(StoreGate(MemoryStore(clock), clock=clock), policy, observer=rec)
+    raw = RawRequest("", "", descriptor={"remote_address": "10.0.0.1"}, descriptor_target="per-ip")
+    _, decision = run_now(engine.check(raw))
+    assert [v.limiter for v in decision.verdicts] == ["per-ip"]  # decided, and so observed
+    await rec.flush()
+    assert read_all(tmp_path / "rec") == []
+
+
 async def test_missing_access_log_entry_written_without_duration_after_ttl(tmp_path: Path) -> None:
     engine, rec, clock = setup(tmp_path)
     check(engine, "k", "lost")
@@ -121,8 +137,8 @@ def test_serve_record_options_parse() -> None:
 
     import pytest
 
-    from extauthz.cli import build_parser, main
-    from extauthz.settings import size as _size
+    from extauthz.commands.cli import build_parser, main
+    from extauthz.core.settings import size as _size
 
     assert _size("500M") == 500 << 20 and _size("2G") == 2 << 30 and _size("4096") == 4096
     with pytest.raises(argparse.ArgumentTypeError):

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from extauthz.commands.simulate.replay import Replay, ReplayedRequest
+from extauthz.commands.simulate.traffic import BadLines, TrafficFile, read_traffic
 from extauthz.devtools.client import HttpClient
 from extauthz.devtools.stack import Stack
 from extauthz.policy import load_policy
-from extauthz.simulate.replay import Replay, ReplayedRequest
-from extauthz.simulate.traffic import BadLines, TrafficFile, read_traffic
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -9,11 +9,12 @@ from typing import Any
 import pytest
 import yaml
 
-from extauthz.classify import hash_identity
-from extauthz.cli import main
+from extauthz.commands.cli import main
+from extauthz.commands.simulate.replay import Replay, ReplayedRequest
+from extauthz.commands.simulate.traffic import BadLines, Request, TrafficFile, read_traffic
 from extauthz.policy import load_policy
-from extauthz.simulate.replay import Replay, ReplayedRequest
-from extauthz.simulate.traffic import BadLines, Request, TrafficFile, read_traffic, write_lines
+from extauthz.policy.classify import hash_identity
+from testinfra.probes import write_lines
 
 T0 = 1_732_420_000.0
 REQUIRED = {"requests", "allowed", "refused", "by_limiter", "by_tier", "top_identities", "customers",

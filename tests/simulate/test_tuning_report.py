@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from extauthz.classify import hash_identity
-from extauthz.simulate.traffic import write_lines
+from extauthz.policy.classify import hash_identity
+from testinfra.probes import write_lines
 
 from ..conftest import ROOT
 from .test_replay import RATE, T0, line, policy_dir
@@ -160,7 +160,7 @@ class Ran:
     """What ``extauthz simulate`` did in this process (no interpreter start per run)."""
 
     def __init__(self, capsys: pytest.CaptureFixture[str], *args: str) -> None:
-        from extauthz.cli import main
+        from extauthz.commands.cli import main
 
         try:
             self.returncode = main(["simulate", *args])
@@ -328,8 +328,8 @@ def test_the_smallest_numbers_that_admit_each_refused_customer(
 
 
 def test_the_bucket_rule_is_the_stores_and_no_rate_admits_a_crowd_at_one_instant() -> None:
-    from extauthz.simulate.advice import bucket_admits_all, bucket_advice
-    from extauthz.verdict import Limits
+    from extauthz.commands.simulate.advice import bucket_admits_all, bucket_advice
+    from extauthz.core.verdict import Limits
 
     times = [0.0, 0.0, 0.0, 1.0]
     advice = bucket_advice(times, Limits(rate=1.0, burst=2.0, cost=1.0))

@@ -2,7 +2,7 @@
 
 Parametrized over the embedded memory store and the Redis store on a real single Redis,
 a real 3-master Redis Cluster and a real Sentinel pair (``tests.infra`` fixtures; flushed
-before each test). Every store reads one :class:`~extauthz.clock.ManualClock`: the
+before each test). Every store reads one :class:`~extauthz.core.clock.ManualClock`: the
 memory store as its clock, the Redis store as the injected ``now`` passed to the
 scripts, so timelines are exact and need no sleeping.
 """
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import redis
 
-from extauthz.clock import ManualClock
+from extauthz.core.clock import ManualClock
 from extauthz.store.base import Store
 from extauthz.store.memory import MemoryStore
 from extauthz.store.redis import RedisStore

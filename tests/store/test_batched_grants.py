@@ -21,9 +21,11 @@ from typing import Any
 
 import pytest
 
-from extauthz.clock import ManualClock
-from extauthz.engine import Engine
-from extauthz.errors import PolicyError, StoreUnavailable
+from extauthz.core.clock import ManualClock
+from extauthz.core.errors import PolicyError, StoreUnavailable
+from extauthz.core.verdict import Decision, Kind, Outcome, Verdict
+from extauthz.engine.engine import Engine
+from extauthz.engine.storegate import StoreGate
 from extauthz.limiters.fleet import FleetSlots, FleetUsageShedder, default_fleet_batch, grant_ttl
 from extauthz.limiters.grants import SEND_CHUNK, GrantTable, default_batch
 from extauthz.limiters.quota import QuotaLimiter, default_quota_batch
@@ -33,8 +35,7 @@ from extauthz.store import algorithms
 from extauthz.store.base import FleetGrantOp, GrantOp, Op, QuotaGrantOp, ReturnOp, Store
 from extauthz.store.memory import MemoryStore
 from extauthz.store.redis import RedisStore
-from extauthz.storegate import StoreGate
-from extauthz.verdict import Decision, Kind, Outcome, Verdict
+from testinfra.probes import release_and_wait
 from testinfra.redis_servers import RedisSingle
 from tests.store.conftest import make_redis_store
 from tests.unit.helpers import get, policy_from
@@ -711,7 +712,7 @@ async def test_fleet_one_store_call_per_grant_and_a_release_frees_the_local_slot
     assert [d.verdicts[0].remaining for d in decisions] == [7.0, 6.0, 5.0]
     assert all(d.leases == (other.key,) and d.lease_id for d in decisions)
     # a finished request gives its slot back to the LOCAL grant (no store call) ...
-    assert await engine.releaser.release_and_wait(decisions[0].leases, decisions[0].lease_id, "access_log") == 1
+    assert await release_and_wait(engine.releaser, decisions[0].leases, decisions[0].lease_id, "access_log") == 1
     assert other.used == FLEET_BATCH - 1 and (await store.inflight([other.key])) == [FLEET_BATCH]
     # ... where the next request finds it without asking the store
     assert (await engine.check(get()))[1].allowed
@@ -733,7 +734,7 @@ async def test_fleet_slots_unused_for_sync_interval_go_back(tmp_path: Path) -> N
     clock.advance(0.1)
     assert await table.sync() == FLEET_BATCH - 1  # two slots unused for sync_interval
     assert (await store.inflight([key])) == [1]  # the slot in use stays, renewed
-    await engine.releaser.release_and_wait(d.leases, d.lease_id, "access_log")
+    await release_and_wait(engine.releaser, d.leases, d.lease_id, "access_log")
     clock.advance(0.1)
     assert await table.sync() == 0  # in use during the last window
     clock.advance(0.1)
@@ -766,11 +767,11 @@ async def test_fleet_replicas_never_hold_more_than_exact_and_refuse_early_by_at_
             i = rng.randrange(replicas)
             if inflight and rng.random() < 0.4:  # a request finishes: its access-log entry
                 j, d = inflight.pop(rng.randrange(len(inflight)))
-                await engines[j].releaser.release_and_wait(d.leases, d.lease_id, "access_log")
+                await release_and_wait(engines[j].releaser, d.leases, d.lease_id, "access_log")
             elif rng.random() < 0.15:
                 d = (await engines[i].check(critical()))[1]
                 assert d.allowed  # critical traffic is never refused here
-                await engines[i].releaser.release_and_wait(d.leases, d.lease_id, "access_log")
+                await release_and_wait(engines[i].releaser, d.leases, d.lease_id, "access_log")
             else:
                 d = (await engines[i].check(get()))[1]
                 if d.allowed:
@@ -790,7 +791,7 @@ async def test_fleet_replicas_never_hold_more_than_exact_and_refuse_early_by_at_
         assert refused > 0  # the run reached the limit
         assert sum(t.local for t in tables) > 0
         for j, d in inflight:
-            await engines[j].releaser.release_and_wait(d.leases, d.lease_id, "access_log")
+            await release_and_wait(engines[j].releaser, d.leases, d.lease_id, "access_log")
         for _ in range(3):
             clock.advance(0.1)
             for t in tables:
@@ -837,7 +838,7 @@ async def test_a_reload_gives_the_free_fleet_slots_back_and_keeps_those_in_use(t
     assert (await store.inflight([key])) == [1]  # the free slots went back; the used one stays
     assert old.retired and not old.done
     # the old grant still takes its lease back (the release finds it), then holds nothing
-    assert await engine.releaser.release_and_wait(d.leases, d.lease_id, "access_log") == 1
+    assert await release_and_wait(engine.releaser, d.leases, d.lease_id, "access_log") == 1
     await old.sync()
     assert old.done and (await store.inflight([key])) == [0]
     assert "fleet" in engine.grants.status()

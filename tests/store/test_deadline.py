@@ -24,14 +24,14 @@ from pathlib import Path
 import pytest
 import redis
 
-from extauthz import storegate as gate_module
-from extauthz.breaker import Breaker
-from extauthz.clock import SYSTEM_CLOCK, ManualClock
-from extauthz.engine import Engine
+from extauthz.core.clock import SYSTEM_CLOCK, ManualClock
+from extauthz.engine import storegate as gate_module
+from extauthz.engine.breaker import Breaker
+from extauthz.engine.engine import Engine
+from extauthz.engine.storegate import StoreGate
 from extauthz.limiters.request_rate import RequestRateLimiter
 from extauthz.store.base import CheckResult, Op
 from extauthz.store.redis import RedisStore
-from extauthz.storegate import StoreGate
 from testinfra.redis_servers import RedisSingle
 from tests.store.conftest import make_redis_store
 from tests.store.redis.helpers import wait_until

@@ -35,9 +35,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extauthz.clock import ManualClock
-from extauthz.context import RawRequest
-from extauthz.engine import Engine
+from extauthz.core.clock import ManualClock
+from extauthz.core.context import RawRequest
+from extauthz.engine.engine import Engine
+from extauthz.engine.storegate import StoreGate
 from extauthz.limiters.grants import bucket_renew
 from extauthz.store import algorithms
 from extauthz.store.base import (
@@ -56,7 +57,6 @@ from extauthz.store.base import (
 )
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
-from extauthz.storegate import StoreGate
 from testinfra.redis_servers import RedisSingle
 from tests.store.conftest import StoreCase, make_redis_store
 from tests.unit.helpers import policy_from
@@ -100,14 +100,17 @@ class Leases:
 
 @dataclass(frozen=True)
 class Count:
-    """A quota: windows of :data:`QUOTA_WINDOW` virtual seconds, one key per window."""
+    """A quota: windows of ``window`` virtual seconds (:data:`QUOTA_WINDOWS`), one key per
+    window."""
 
     name: str
     limit: int
+    window: float = 2.0
 
 
-#: a quota window in virtual seconds (the key names the window, as QuotaLimiter's does)
-QUOTA_WINDOW = 2.0
+#: quota windows in virtual seconds (the key names the window, as QuotaLimiter's does): a
+#: ``second``, a short one the timelines cross often, and a ``year`` (366 days) none ends
+QUOTA_WINDOWS = (1.0, 2.0, 366 * 86400.0)
 #: a count's TTL: far beyond any timeline (Redis expires it on its own clock)
 QUOTA_TTL = 3600
 
@@ -134,6 +137,7 @@ class CountGrants:
     want: int
     #: the remainder the replica gives back with each grant it asks
     held: int
+    window: float = 2.0
 
 
 Limiter = Bucket | Leases | Count | Grants | CountGrants
@@ -185,18 +189,32 @@ class GiveBack:
 Step = Check | Advance | Release | Inflight | GiveBack
 
 
+def _limiters(i: int) -> dict[type[Op], st.SearchStrategy[Limiter]]:
+    """The limiters a timeline draws, by the op kind each one's checks send (:func:`_ops`)."""
+    return {
+        BucketOp: st.builds(Bucket, st.just(f"b{i}"), st.sampled_from(RATES), st.sampled_from(BURSTS)),
+        LeaseOp: st.builds(Leases, st.just(f"l{i}"), st.integers(0, 3), st.sampled_from(LEASE_TTLS),
+                           st.booleans()),
+        CountOp: st.builds(Count, st.just(f"q{i}"), st.integers(1, 4), st.sampled_from(QUOTA_WINDOWS)),
+        GrantOp: st.builds(Grants, st.just(f"g{i}"), st.sampled_from(RATES), st.sampled_from(BURSTS),
+                           st.sampled_from(WANTS), st.sampled_from(HELD)),
+        QuotaGrantOp: st.builds(CountGrants, st.just(f"c{i}"), st.integers(1, 6), st.integers(1, 4),
+                                st.integers(0, 2), st.sampled_from(QUOTA_WINDOWS)),
+    }
+
+
+#: the op kinds the timelines' limiters send only with ``grants`` (batched grants)
+GRANT_KINDS = (GrantOp, QuotaGrantOp)
+
+
 def _limiter(i: int, grants: bool) -> st.SearchStrategy[Limiter]:
-    buckets = st.builds(Bucket, st.just(f"b{i}"), st.sampled_from(RATES), st.sampled_from(BURSTS))
-    leases = st.builds(Leases, st.just(f"l{i}"), st.integers(0, 3), st.sampled_from(LEASE_TTLS),
-                       st.booleans())
-    counts = st.builds(Count, st.just(f"q{i}"), st.integers(1, 4))
-    if not grants:
-        return st.one_of(buckets, leases, counts)
-    granted = st.builds(Grants, st.just(f"g{i}"), st.sampled_from(RATES), st.sampled_from(BURSTS),
-                        st.sampled_from(WANTS), st.sampled_from(HELD))
-    quota_granted = st.builds(CountGrants, st.just(f"c{i}"), st.integers(1, 6), st.integers(1, 4),
-                              st.integers(0, 2))
-    return st.one_of(buckets, leases, counts, granted, quota_granted)
+    return st.one_of(*(lim for kind, lim in _limiters(i).items() if grants or kind not in GRANT_KINDS))
+
+
+#: a give-back step of a timeline with grants: a ``ReturnOp`` for a bucket's grants, a
+#: ``QuotaReturnOp`` for a quota's (:func:`_give_back`)
+GIVE_BACKS = st.builds(GiveBack, st.integers(0, 3), st.integers(0, 1), st.sampled_from(AMOUNTS),
+                       st.sampled_from((0.0, 1 / 7, 0.5, 0.5)), st.booleans())
 
 
 @st.composite
@@ -224,9 +242,7 @@ def timelines(draw: st.DrawFn, grants: bool = False) -> tuple[tuple[Limiter, ...
              "inflight": st.just(Inflight())}
     if grants:
         del steps["release"]
-        steps["give_back"] = st.builds(GiveBack, st.integers(0, 3), st.integers(0, 1),
-                                       st.sampled_from(AMOUNTS), st.sampled_from((0.0, 1 / 7, 0.5, 0.5)),
-                                       st.booleans())
+        steps["give_back"] = GIVE_BACKS
     kinds = draw(st.lists(st.sampled_from(("check",) * 4 + tuple(steps)), min_size=8, max_size=30))
     return limiters, [draw(steps[kind]) for kind in kinds]
 
@@ -237,19 +253,19 @@ def _ops(keys: Keys, limiters: Sequence[Limiter], check: Check, now: float) -> l
     for index, enforce, cost in check.ops:
         lim = limiters[index]
         if isinstance(lim, Count):
-            window = math.floor(now / QUOTA_WINDOW)
+            window = math.floor(now / lim.window)
             ops.append(CountOp(keys.quota(lim.name, user, window), lim.limit, math.ceil(cost), QUOTA_TTL,
-                               (window + 1) * QUOTA_WINDOW - now, enforce))
+                               (window + 1) * lim.window - now, enforce))
         elif isinstance(lim, Bucket):
             ops.append(BucketOp(keys.bucket(lim.name, user), lim.rate, lim.burst, cost, enforce))
         elif isinstance(lim, Grants):
             ops.append(GrantOp(keys.bucket(lim.name, user), lim.rate, lim.burst, min(cost, lim.burst),
                                max(lim.want, cost), enforce, lim.held))
         elif isinstance(lim, CountGrants):
-            window = math.floor(now / QUOTA_WINDOW)
+            window = math.floor(now / lim.window)
             units = min(math.ceil(cost), lim.limit)
             ops.append(QuotaGrantOp(keys.quota(lim.name, user, window), lim.limit, units,
-                                    max(lim.want, units), QUOTA_TTL, (window + 1) * QUOTA_WINDOW - now,
+                                    max(lim.want, units), QUOTA_TTL, (window + 1) * lim.window - now,
                                     enforce, lim.held))
         else:
             key = keys.fleet_leases(lim.name, "other") if lim.fleet else keys.user_leases(lim.name, user)
@@ -263,7 +279,7 @@ def _give_back(keys: Keys, limiters: Sequence[Limiter], step: GiveBack,
     if isinstance(lim, Leases | Count):
         return None
     if isinstance(lim, CountGrants):  # whole units, to the window of now
-        return QuotaReturnOp(keys.quota(lim.name, f"user{step.user}", math.floor(now / QUOTA_WINDOW)),
+        return QuotaReturnOp(keys.quota(lim.name, f"user{step.user}", math.floor(now / lim.window)),
                              math.ceil(step.amount))
     if isinstance(lim, Grants) and step.renew:
         return bucket_renew(keys.bucket(lim.name, f"user{step.user}"), (lim.rate, lim.burst), step.amount,
@@ -284,7 +300,7 @@ def _gap(gap: float | str | tuple[int, int] | tuple[str, int], limiters: Sequenc
         return lim.ttl if isinstance(lim, Leases) else 1.0
     assert isinstance(what, int)
     if isinstance(lim, Count | CountGrants):
-        return QUOTA_WINDOW * what / 2  # on a window's end, or half-way
+        return min(lim.window, 2.0) * what / 2  # on a (short) window's end, or half-way
     return what / lim.rate if isinstance(lim, Bucket | Grants) else what * 0.5
 
 
@@ -647,6 +663,18 @@ def fleet_timelines(draw: st.DrawFn) -> tuple[int, float, float, list[FleetStep]
     return limit, ttl, lease_ttl, [dataclasses.replace(x, gap=ttl if x.gap == "ttl" else x.gap) for x in steps]
 
 
+def _fleet_op(key: str, limit: int, ttl: float, lease_ttl: float, step: FleetStep, have: int,
+              enforce: bool) -> Op:
+    """The op of a ``lease``, ``grow``, ``renew`` or ``shrink`` step, the replica's grant
+    holding ``have`` slots."""
+    if step.what == "lease":
+        return LeaseOp(key, limit, lease_ttl, enforce)
+    want = {"grow": step.amount, "renew": 0, "shrink": -step.amount}[step.what]
+    # the slots in use: any of them (restored if expired)
+    return FleetGrantOp(key, limit, ttl, f"g{step.replica}", have, want, enforce and want > 0,
+                        used=step.amount % (have + 1))
+
+
 @pytest.mark.redis
 @DIFFERENTIAL
 @given(timeline=fleet_timelines(), enforce=st.booleans())
@@ -676,14 +704,7 @@ def test_stores_agree_on_fleet_grants(redis_up: RedisSingle, timeline: tuple[int
                     log.append(f"release {lease_id} -> {counts}")
                     assert counts[0] == counts[1], "\n".join(log)
                 continue
-            op: Op
-            if step.what == "lease":
-                op = LeaseOp(key, limit, lease_ttl, enforce)
-            else:
-                want = {"grow": step.amount, "renew": 0, "shrink": -step.amount}[step.what]
-                held = have[step.replica]  # the slots in use: any of them (restored if expired)
-                op = FleetGrantOp(key, limit, ttl, f"g{step.replica}", held, want,
-                                  enforce and want > 0, used=step.amount % (held + 1))
+            op = _fleet_op(key, limit, ttl, lease_ttl, step, have[step.replica], enforce)
             before = (await memory.inflight([key]))[0]
             results = [await s.check([op], f"x{n}") for s in (memory, remote)]
             log.append(f"t={clock.now!r} {op} -> {results[0]}")
@@ -702,3 +723,36 @@ def test_stores_agree_on_fleet_grants(redis_up: RedisSingle, timeline: tuple[int
                 exact.append(f"x{n}")
 
     _both(redis_up, body)
+
+
+# --------------------------------------------------------------------------- every op kind
+
+
+def _check_ops(limiter: Limiter) -> list[Op]:
+    """The ops a timeline's check of ``limiter`` sends."""
+    return _ops(Keys("kinds"), [limiter], Check(0, ((0, True, 1.0),)), START)
+
+
+def _give_back_ops(drawn: tuple[Limiter, GiveBack]) -> list[Op]:
+    """The op a timeline's give-back step sends for ``limiter`` (none for some limiters)."""
+    back = _give_back(Keys("kinds"), [drawn[0]], drawn[1], START)
+    return [] if back is None else [back]
+
+
+def _fleet_ops(drawn: tuple[tuple[int, float, float, list[FleetStep]], bool]) -> list[Op]:
+    """The ops of a fleet timeline's first steps (each replica's grant still empty)."""
+    (limit, ttl, lease_ttl, steps), enforce = drawn
+    key = Keys("kinds").fleet_leases("f", "other")
+    return [_fleet_op(key, limit, ttl, lease_ttl, step, 0, enforce) for step in steps
+            if step.what not in ("advance", "release")]
+
+
+#: op kind -> the ops this file's timelines send, drawn from the same generators: every kind
+#: of ``extauthz.store.base.OP_KINDS`` needs one that makes it (tests/store/test_op_table.py),
+#: so that a new op kind is compared on both stores here
+GENERATORS: dict[type[Op], st.SearchStrategy[list[Op]]] = {
+    **{kind: limiter.map(_check_ops) for kind, limiter in _limiters(0).items()},
+    ReturnOp: st.tuples(_limiters(0)[GrantOp], GIVE_BACKS).map(_give_back_ops),
+    QuotaReturnOp: st.tuples(_limiters(0)[QuotaGrantOp], GIVE_BACKS).map(_give_back_ops),
+    FleetGrantOp: st.tuples(fleet_timelines(), st.booleans()).map(_fleet_ops),
+}

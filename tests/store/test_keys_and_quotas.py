@@ -9,12 +9,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from extauthz.answers import denial, ratelimit_headers
-from extauthz.context import RawRequest
-from extauthz.engine import Engine
+from extauthz.control.overrides import make_override
+from extauthz.core.context import RawRequest
+from extauthz.engine.answers import denial, ratelimit_headers
+from extauthz.engine.engine import Engine
+from extauthz.engine.storegate import StoreGate
 from extauthz.observe.metrics import Metrics
-from extauthz.overrides import make_override
-from extauthz.storegate import StoreGate
+from testinfra.probes import release_and_wait
 
 from ..unit.helpers import get, policy_from
 from .conftest import StoreCase
@@ -101,7 +102,7 @@ async def test_keyed_concurrency_limit(store_case: StoreCase, tmp_path: Path) ->
     assert first.allowed and first.leases
     assert not await allowed(e, req("sk_a", host="API.example.com"))  # the same host, no port
     assert await allowed(e, req("sk_a", host="eu.example.com"))
-    assert await e.releaser.release_and_wait(first.leases, first.lease_id, "access_log") == 1
+    assert await release_and_wait(e.releaser, first.leases, first.lease_id, "access_log") == 1
     assert await allowed(e, req("sk_a", host="api.example.com"))
 
 

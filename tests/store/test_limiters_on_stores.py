@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from extauthz.context import RawRequest
-from extauthz.engine import Engine
+from extauthz.control.overrides import make_override
+from extauthz.core.context import RawRequest
+from extauthz.core.verdict import Decision
+from extauthz.engine.engine import Engine
+from extauthz.engine.storegate import StoreGate
 from extauthz.limiters.worker import sample_once
-from extauthz.overrides import make_override
-from extauthz.storegate import StoreGate
-from extauthz.verdict import Decision
+from testinfra.probes import release_and_wait
 
 from ..unit.helpers import get, policy_from
 from .conftest import StoreCase
@@ -38,7 +39,7 @@ async def test_concurrency_seed_case(store_case: StoreCase, tmp_path: Path) -> N
     for _ in range(1001):
         _, d = await e.check(get())
         assert d.allowed
-        assert await e.releaser.release_and_wait(d.leases, d.lease_id, "access_log") == 1
+        assert await release_and_wait(e.releaser, d.leases, d.lease_id, "access_log") == 1
     held: list[Decision] = []
     for _ in range(100):
         _, d = await e.check(get())

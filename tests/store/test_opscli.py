@@ -1,5 +1,5 @@
-"""The operator commands (extauthz/opscli.py) against a real Redis: the options they share
-with serve come from extauthz/settings.py, variables included."""
+"""The operator commands (extauthz/commands/opscli.py) against a real Redis: the options they share
+with serve come from extauthz/core/settings.py, variables included."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from extauthz.cli import main
+from extauthz.commands.cli import main
 
 
 @pytest.mark.redis

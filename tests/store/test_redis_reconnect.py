@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from extauthz.breaker import Breaker
-from extauthz.clock import SYSTEM_CLOCK
-from extauthz.context import RawRequest
-from extauthz.engine import Engine
+from extauthz.core.clock import SYSTEM_CLOCK
+from extauthz.core.context import RawRequest
+from extauthz.engine.breaker import Breaker
+from extauthz.engine.engine import Engine
+from extauthz.engine.storegate import StoreGate
 from extauthz.policy import Policy, load_policy
 from extauthz.store.redis import RedisStore
 from extauthz.store.redis.conn import RECONNECT_BACKOFF_CAP
-from extauthz.storegate import StoreGate
 from testinfra.redis_servers import RedisSingle
 from tests.store.redis.helpers import wait_until
 

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from extauthz.breaker import Breaker
-from extauthz.clock import SYSTEM_CLOCK
-from extauthz.context import RawRequest
-from extauthz.engine import Engine
-from extauthz.errors import StoreUnavailable
+from extauthz.core.clock import SYSTEM_CLOCK
+from extauthz.core.context import RawRequest
+from extauthz.core.errors import StoreUnavailable
+from extauthz.engine.breaker import Breaker
+from extauthz.engine.engine import Engine
+from extauthz.engine.storegate import StoreGate
 from extauthz.policy import load_policy
 from extauthz.store.redis import RedisStore
-from extauthz.storegate import StoreGate
 from testinfra.redis_servers import RedisSingle, start_single
 from tests.store.redis.helpers import wait_until
 from tests.store.test_redis_stalls import Load, no_lease_left

@@ -17,13 +17,14 @@ from typing import Any
 
 import pytest
 
-from extauthz.clock import ManualClock
-from extauthz.engine import Engine
+from extauthz.core.clock import ManualClock
+from extauthz.core.verdict import Decision
+from extauthz.engine.engine import Engine
+from extauthz.engine.storegate import StoreGate
 from extauthz.limiters.fleet import FleetSlots, FleetUsageShedder
 from extauthz.limiters.grants import GrantTable, Synced
 from extauthz.limiters.request_rate import RequestRateLimiter
-from extauthz.storegate import StoreGate
-from extauthz.verdict import Decision
+from testinfra.probes import release_and_wait
 from testinfra.redis_servers import RedisSingle
 from tests.store.conftest import make_redis_store
 from tests.unit.helpers import get, policy_from
@@ -144,7 +145,7 @@ async def test_slots_in_use_that_the_store_lost_are_counted_again_as_overadmissi
         await b.sync()  # B's renewal sees the same excess: each replica counts what it sees
         assert b.status()["overadmission"] == BATCH
         for d in held:  # A's requests finish: their slots go back at A's next turns
-            await engines[0].releaser.release_and_wait(d.leases, d.lease_id, "access_log")
+            await release_and_wait(engines[0].releaser, d.leases, d.lease_id, "access_log")
         for _ in range(4):
             clock.advance(a.period)
             await a.sync()

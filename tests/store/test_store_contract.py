@@ -14,14 +14,26 @@ from typing import Any
 
 import pytest
 
-from extauthz.overrides import change_stored, make_override, parse_overrides, with_override
+from extauthz.control.overrides import change_stored, make_override, parse_overrides, with_override
+from extauthz.control.switches import change_stored as change_switches
+from extauthz.control.switches import parse_switches
+from extauthz.core.verdict import Mode
 from extauthz.store import algorithms
-from extauthz.store.base import BucketOp, CheckResult, LeaseOp, Op, ShedParams, Store
+from extauthz.store.base import (
+    BucketOp,
+    CheckResult,
+    CountOp,
+    GrantOp,
+    LeaseOp,
+    Op,
+    PeekOp,
+    QuotaGrantOp,
+    ShedParams,
+    Store,
+)
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
-from extauthz.switches import change_stored as change_switches
-from extauthz.switches import parse_switches
-from extauthz.verdict import Mode
+from testinfra.probes import key_count
 from tests.store.conftest import StoreCase, key_expiry_times, key_ttls, redis_time_ms
 
 K = Keys("t")
@@ -214,6 +226,26 @@ async def test_denied_by_user_op_gives_fleet_lease_back(store: Store) -> None:
     assert (await store.check([bucket(OTHER_BUCKET, burst=5)], "n")).results[0].remaining == 4.0
 
 
+async def test_a_request_refused_elsewhere_leaves_every_op_kind_as_it_was(store: Store) -> None:
+    """Every op kind whose commit a refused request must not keep (a bucket's tokens, a
+    grant's, a quota count's units, a quota grant's, a lease) is as it was when a fleet-slot
+    op refuses: never committed, or on a Cluster committed in the user's slot and given back
+    by its rule's refund (``algorithms.Rule.refund``, compensate.lua)."""
+    fleet = lease(FLEET, limit=1)
+    assert (await store.check([fleet], "holder")).admitted
+    count, granted = K.quota("q", "alice", 0), K.quota("qg", "alice", 0)
+    ops: list[Op] = [bucket(burst=5), GrantOp(OTHER_BUCKET, 1, 5, 1, 3), CountOp(count, 3, 2, 60, 60.0),
+                     QuotaGrantOp(granted, 6, 1, 4, 60, 60.0), lease(USER_LEASES, limit=5), fleet]
+    res = await store.check(ops, "refused")
+    assert not res.admitted
+    assert [r.allowed for r in res.results] == [True, True, True, True, True, False]
+    peeks = [PeekOp("bucket", BUCKET, 100, 5), PeekOp("bucket", OTHER_BUCKET, 1, 5), PeekOp("count", count),
+             PeekOp("count", granted), PeekOp("leases", USER_LEASES)]
+    assert await store.peek(peeks) == [5.0, 5.0, 0.0, 0.0, 0.0]
+    assert (await store.check(ops[:-1], "alone")).admitted  # and what it did not keep is there
+    assert await store.peek(peeks) == [4.0, 2.0, 2.0, 4.0, 1.0]
+
+
 async def test_admitted_commits_every_op(store: Store) -> None:
     ops: list[Op] = [bucket(burst=5), lease(USER_LEASES, limit=5), lease(FLEET, limit=5)]
     res = await store.check(ops, "ok")
@@ -385,10 +417,10 @@ async def test_every_key_has_a_ttl(store_case: StoreCase) -> None:
         # The embedded store has no key TTLs: it forgets idle buckets and expired leases
         # in its periodic sweep.
         assert isinstance(store, MemoryStore)
-        assert store.key_count() == 5
+        assert key_count(store) == 5
         store_case.clock.advance(31.0)  # past every bucket's idle time and lease TTL
         store._sweep(store_case.clock.monotonic())
-        assert store.key_count() == 0
+        assert key_count(store) == 0
         return
     await store.shed_update(K.shed_state("w"), 0.9, p)
     await store.set_value(K.signal("w"), "0.9", ttl=0.5)

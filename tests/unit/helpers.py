@@ -8,13 +8,13 @@ from typing import Any
 
 import yaml
 
-from extauthz.clock import ManualClock
-from extauthz.context import RawRequest
-from extauthz.engine import Engine
+from extauthz.core.clock import ManualClock
+from extauthz.core.context import RawRequest
+from extauthz.engine.engine import Engine
+from extauthz.engine.storegate import StoreGate
 from extauthz.policy import Policy, load_policy
 from extauthz.store.base import StoreBase
 from extauthz.store.memory import MemoryStore
-from extauthz.storegate import StoreGate
 
 
 def policy_from(tmp_path: Path, doc: dict[str, Any], name: str = "policy.yaml") -> Policy:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+from extauthz.core.settings import Settings
 from extauthz.server.app import Server
 from extauthz.server.opsports import OperatorPorts
-from extauthz.settings import Settings
 
 
 def test_the_server_takes_the_one_settings_object_not_its_options() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from extauthz.backoff import Backoff
-from extauthz.release import RETRY_BACKOFF
+from extauthz.core.backoff import Backoff
+from extauthz.engine.release import RETRY_BACKOFF
 from extauthz.store.redis.conn import RECONNECT_BACKOFF
 
 

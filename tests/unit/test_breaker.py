@@ -1,12 +1,12 @@
-"""The circuit breaker (extauthz/breaker.py) on an injected clock."""
+"""The circuit breaker (extauthz/engine/breaker.py) on an injected clock."""
 
 from __future__ import annotations
 
-from extauthz.clock import ManualClock
+from extauthz.core.clock import ManualClock
 
 
 def test_breaker_opens_on_failure_rate_not_on_a_few_late_answers(clock: ManualClock) -> None:
-    from extauthz.breaker import Breaker
+    from extauthz.engine.breaker import Breaker
 
     b = Breaker(clock, threshold=5, ratio=0.5, window=1.0, open_for=1.0)
     for i in range(100):  # 10% failures on a busy host: stays closed
@@ -34,7 +34,7 @@ def test_a_burst_of_late_answers_right_after_the_window_rolls_keeps_it_closed(cl
     together. A fixed window judged the ratio on the calls since it began: 32 late answers
     just after it rolled over were "every call failed" and opened the breaker for a second
     under load that Redis carried. Over the last second they are 32 of 1,032 calls."""
-    from extauthz.breaker import Breaker
+    from extauthz.engine.breaker import Breaker
 
     b = Breaker(clock, threshold=10, ratio=0.5, window=1.0, open_for=1.0)
     for _ in range(1000):  # a healthy second under load

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from extauthz.classify import Classifier, hash_identity
-from extauthz.context import RawRequest
+from extauthz.core.context import RawRequest
+from extauthz.core.tiers import Tier
 from extauthz.policy import load_policy
-from extauthz.tiers import Tier
+from extauthz.policy.classify import Classifier, hash_identity
 
 from ..conftest import ROOT
 from .helpers import policy_from
@@ -118,8 +118,8 @@ def test_raw_values_stay_out_of_repr(classifier: Classifier) -> None:
 def test_one_identity_hash_check_everywhere() -> None:
     """Three copies of the hash pattern disagreed: overrides' ``^...$`` with ``.match``
     accepted a trailing newline (a stored identity no request hashes to)."""
-    from extauthz.classify import normal_hash, valid_hash
-    from extauthz.overrides import OverrideError, make_override
+    from extauthz.control.overrides import OverrideError, make_override
+    from extauthz.policy.classify import normal_hash, valid_hash
 
     good = hash_identity("alice", "header:x-api-key")
     assert valid_hash(good) and normal_hash(f" {good.upper()}\n") == good

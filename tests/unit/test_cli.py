@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from extauthz.cli import main
+from extauthz.commands.cli import main
 
 from ..conftest import FIXTURES, ROOT
 
@@ -124,7 +124,7 @@ def test_envoy_allowed_headers_bad_policy_exits_1(capsys: pytest.CaptureFixture[
 
 
 def test_serve_and_demo_take_the_http_options() -> None:
-    from extauthz.cli import build_parser
+    from extauthz.commands.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--listen", "off", "--http-listen", "127.0.0.1:9003"])
     assert (args.listen, args.http_listen) == ("off", "127.0.0.1:9003")
@@ -134,7 +134,7 @@ def test_serve_and_demo_take_the_http_options() -> None:
 
 
 def test_http_listen_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from extauthz.cli import build_parser
+    from extauthz.commands.cli import build_parser
 
     monkeypatch.setenv("EXTAUTHZ_HTTP_LISTEN", "0.0.0.0:9003")
     monkeypatch.setenv("EXTAUTHZ_LISTEN", "off")
@@ -143,7 +143,7 @@ def test_http_listen_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_the_bound_options_from_flags_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from extauthz.cli import build_parser
+    from extauthz.commands.cli import build_parser
 
     args = build_parser().parse_args(["serve"])
     assert args.http_max_connections is None  # derived from the file limit at start
@@ -159,7 +159,7 @@ def test_the_bound_options_from_flags_and_the_environment(monkeypatch: pytest.Mo
 
 
 def test_fluentd_listen_is_off_unless_given(monkeypatch: pytest.MonkeyPatch) -> None:
-    from extauthz.cli import build_parser
+    from extauthz.commands.cli import build_parser
 
     assert build_parser().parse_args(["serve"]).fluentd_listen is None
     monkeypatch.setenv("EXTAUTHZ_FLUENTD_LISTEN", "127.0.0.1:9004")

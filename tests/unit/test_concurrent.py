@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from extauthz.clock import ManualClock
-from extauthz.verdict import Decision
+from extauthz.core.clock import ManualClock
+from extauthz.core.verdict import Decision
+from testinfra.probes import release_and_wait
 
 from .helpers import engine_for, get, policy_from
 
@@ -20,7 +21,7 @@ async def test_seed_gist_concurrency_case(tmp_path: Path, clock: ManualClock) ->
     for _ in range(1001):  # check, finish, release: never more than one in flight
         _, d = await engine.check(get())
         assert d.allowed and len(d.leases) == 1
-        assert await engine.releaser.release_and_wait(d.leases, d.lease_id, "access_log") == 1
+        assert await release_and_wait(engine.releaser, d.leases, d.lease_id, "access_log") == 1
     held: list[Decision] = []
     for _ in range(100):
         _, d = await engine.check(get())
@@ -31,7 +32,7 @@ async def test_seed_gist_concurrency_case(tmp_path: Path, clock: ManualClock) ->
     assert d.denied_by is not None and d.denied_by.limiter == "user-concurrency"
     assert d.denied_by.reason == "concurrency_exceeded" and d.leases == ()
     # one release frees one slot
-    await engine.releaser.release_and_wait(held[0].leases, held[0].lease_id, "access_log")
+    await release_and_wait(engine.releaser, held[0].leases, held[0].lease_id, "access_log")
     _, d = await engine.check(get())
     assert d.allowed
 
@@ -39,12 +40,12 @@ async def test_seed_gist_concurrency_case(tmp_path: Path, clock: ManualClock) ->
 async def test_release_is_idempotent(tmp_path: Path, clock: ManualClock) -> None:
     engine, _ = engine_for(policy_from(tmp_path, {"limiters": [dict(CONC, limit=1)]}), clock)
     _, d = await engine.check(get())
-    assert await engine.releaser.release_and_wait(d.leases, d.lease_id, "access_log") == 1
-    assert await engine.releaser.release_and_wait(d.leases, d.lease_id, "access_log") == 0
+    assert await release_and_wait(engine.releaser, d.leases, d.lease_id, "access_log") == 1
+    assert await release_and_wait(engine.releaser, d.leases, d.lease_id, "access_log") == 0
     _, d2 = await engine.check(get())
     assert d2.allowed
     # an old id never frees a new lease
-    assert await engine.releaser.release_and_wait(d.leases, d.lease_id, "access_log") == 0
+    assert await release_and_wait(engine.releaser, d.leases, d.lease_id, "access_log") == 0
     _, d3 = await engine.check(get())
     assert not d3.allowed
 

@@ -1,4 +1,4 @@
-"""The control interface (extauthz/control.py): StoreControl applies the admin port's rules on
+"""The control interface (extauthz/control/control.py): StoreControl applies the admin port's rules on
 the store (the embedded one here; the CLI's on Redis is in tests/integration/test_overrides.py),
 AdminControl says what failed. Every failure is one ControlError (or the refusal's own
 OverrideError)."""
@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 
-from extauthz.clock import ManualClock
-from extauthz.control import AdminControl, AdminTarget, ControlError, StoreControl
-from extauthz.errors import StoreUnavailable
+from extauthz.control.control import AdminControl, AdminTarget, ControlError, StoreControl
+from extauthz.control.overrides import OverrideError, make_override
+from extauthz.control.switches import parse_switches
+from extauthz.core.clock import ManualClock
+from extauthz.core.errors import StoreUnavailable
+from extauthz.core.verdict import Mode
 from extauthz.limiters import build_limiters
-from extauthz.overrides import OverrideError, make_override
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
-from extauthz.switches import parse_switches
-from extauthz.verdict import Mode
 
 from .helpers import policy_from
 
@@ -102,7 +102,7 @@ async def test_an_unreachable_admin_port_is_a_control_error(unused_tcp_port: int
 async def test_an_override_set_on_the_store_records_its_expiry_and_history_shows_the_lapse(tmp_path: Path) -> None:
     """``override set --redis-url``: the change log keeps the expiry, and ``history`` (the
     command's with_expiries) shows an ``expire`` row once it passed, unless cleared before."""
-    from extauthz.changelog import with_expiries
+    from extauthz.control.changelog import with_expiries
 
     clock = ManualClock(1000.0)
     store = MemoryStore(clock)
@@ -125,7 +125,7 @@ async def test_an_override_set_on_the_store_records_its_expiry_and_history_shows
 async def test_a_switch_for_a_limiter_the_policy_lacks_is_refused_and_without_a_policy_stored(tmp_path: Path) -> None:
     """Issue 30: one rule on every path. With the policy the name must be one of its limiters
     (the admin port's 404, the same words); without one only its form can be checked."""
-    from extauthz.control import UnknownLimiter
+    from extauthz.control.control import UnknownLimiter
 
     clock = ManualClock(1000.0)
     store = MemoryStore(clock)

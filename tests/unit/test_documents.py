@@ -1,4 +1,4 @@
-"""The stored-document pattern (extauthz/documents.py): one JSON value operators change, a
+"""The stored-document pattern (extauthz/control/documents.py): one JSON value operators change, a
 compare-and-set writer and a replica's board, on the embedded store with an injected clock."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import math
 
-from extauthz.clock import ManualClock
-from extauthz.documents import Board, Document
-from extauthz.errors import StoreUnavailable
+from extauthz.control.documents import Board, Document
+from extauthz.core.clock import ManualClock
+from extauthz.core.errors import StoreUnavailable
 from extauthz.store.memory import MemoryStore
 
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from google.protobuf import json_format, struct_pb2
 
-from extauthz.answers import LEASE_ID_FIELD, LEASES_FIELD, denial, ratelimit_headers, read_lease_fields
-from extauthz.clock import ManualClock
-from extauthz.context import RequestContext
+from extauthz.core.clock import ManualClock
+from extauthz.core.context import RequestContext
+from extauthz.core.verdict import Decision
+from extauthz.engine.answers import LEASE_ID_FIELD, LEASES_FIELD, denial, ratelimit_headers, read_lease_fields
 from extauthz.proto import auth_pb2, core_pb2, status_pb2
 from extauthz.server.edge import TIER_HEADER, check_response, lease_metadata
-from extauthz.verdict import Decision
 
 from .helpers import engine_for, get, policy_from
 
@@ -125,8 +125,8 @@ def test_header_numbers_are_bounded_whatever_a_limiter_computed() -> None:
     # burst=1e308,cost=1e308 once answered 429 with a 309-digit Retry-After; inf and NaN
     # raised in math.floor/ceil. The policy's bounds keep such numbers out; these are the
     # last line: every header number is an integer of at most 10 digits.
-    from extauthz.answers import MAX_HEADER_COUNT, MAX_HEADER_SECONDS
-    from extauthz.verdict import Kind, Outcome, Quota, Tier, Verdict
+    from extauthz.core.verdict import Kind, Outcome, Quota, Tier, Verdict
+    from extauthz.engine.answers import MAX_HEADER_COUNT, MAX_HEADER_SECONDS
 
     ctx = RequestContext(tier=Tier.GET, identity="a" * 24, identity_source="header:x-api-key",
                          test_mode=False, method="GET", path="/", host="h", tier_source="default")
@@ -135,8 +135,8 @@ def test_header_numbers_are_bounded_whatever_a_limiter_computed() -> None:
                     retry_after=huge, reset=huge, quota=Quota(limit=huge, window=huge))
         d = denial(ctx, Decision(False, ctx.tier, (v,), denied_by=v))
         headers = dict(d.headers)
-        assert headers["retry-after"] == str(MAX_HEADER_SECONDS) == "2678400"  # 31 days: a quota's longest window
+        assert headers["retry-after"] == str(MAX_HEADER_SECONDS) == "31622400"  # 366 days: a leap year
         q = "0" if huge != huge else str(MAX_HEADER_COUNT)
         assert headers["ratelimit-policy"] == f'"user-rate";q={q};w={MAX_HEADER_SECONDS}'
         assert headers["ratelimit"] == f'"user-rate";r={q};t={MAX_HEADER_SECONDS}'
-        assert '"retry_after":2678400' in d.body and '"limit":1000000000' in d.body
+        assert '"retry_after":31622400' in d.body and '"limit":1000000000' in d.body

@@ -1,4 +1,4 @@
-"""The engine (extauthz/engine.py) on the embedded store and an injected clock: modes (shadow,
+"""The engine (extauthz/engine/engine.py) on the embedded store and an injected clock: modes (shadow,
 off, switched at runtime), a limiter's scope, no partial commit across limiters, fail-open on a
 store error."""
 
@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from extauthz.clock import ManualClock
-from extauthz.switches import Switches
-from extauthz.verdict import Mode, Outcome
+from extauthz.control.switches import Switches
+from extauthz.core.clock import ManualClock
+from extauthz.core.verdict import Mode, Outcome
+from testinfra.probes import key_count
 
 from .helpers import RATE, allowed_count, engine_for, get, policy_from
 
@@ -30,7 +31,7 @@ async def test_off_mode_skips_the_limiter(tmp_path: Path, clock: ManualClock) ->
     for _ in range(3):
         _, d = await engine.check(get())
         assert d.allowed and d.verdicts == ()
-    assert store.key_count() == 0
+    assert key_count(store) == 0
 
 
 async def test_switches_override_policy_mode(tmp_path: Path, clock: ManualClock) -> None:
@@ -62,7 +63,7 @@ async def test_no_partial_commit_between_two_buckets(tmp_path: Path, clock: Manu
 
 
 async def test_an_immediate_store_error_fails_open_and_is_counted(tmp_path: Path, clock: ManualClock) -> None:
-    from extauthz.errors import StoreUnavailable
+    from extauthz.core.errors import StoreUnavailable
 
     async def broken(ops, lease_id):  # type: ignore[no-untyped-def]
         raise StoreUnavailable("down")

@@ -4,6 +4,9 @@ its line in ``TARGETS`` (docs/design.md "Envoy knowledge")."""
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,16 @@ def test_the_envoy_package_imports_no_server_module() -> None:
     found = {f"{p.name}: {m}" for p in PACKAGE.rglob("*.py") for m in imported_modules(p)
              if m == "extauthz.server" or m.startswith("extauthz.server.")}
     assert found == set()
+
+
+def test_importing_the_envoy_package_loads_no_server_module() -> None:
+    # the AST check above sees direct imports only; this one sees what they import in turn
+    modules = [f"extauthz.envoy.{p.stem}" for p in PACKAGE.glob("*.py") if p.stem != "__init__"]
+    code = ("import importlib, sys\n"
+            f"for m in {modules!r}: importlib.import_module(m)\n"
+            "print(sorted(m for m in sys.modules if m == 'extauthz.server' or m.startswith('extauthz.server.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
 
 
 def test_the_check_sees_its_own_imports() -> None:
@@ -95,3 +108,29 @@ def test_every_registered_target_has_the_target_shape() -> None:
     members = [m for m in vars(Target) if not m.startswith("_")] + list(Target.__annotations__)
     for name, target in config.TARGETS.items():
         assert all(hasattr(target, m) for m in members), name
+
+
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("check_budget_ms", float("nan"), "check_budget_ms must be a number of ms from 20 to 60000, not nan"),
+    ("check_budget_ms", float("inf"), "check_budget_ms must be a number of ms from 20 to 60000, not inf"),
+    ("check_budget_ms", -1000.0, "check_budget_ms must be a number of ms from 20 to 60000, not -1000.0"),
+    ("check_budget_ms", 70_000.0, "check_budget_ms must be a number of ms from 20 to 60000, not 70000.0"),
+    ("access_log_flush_ms", float("nan"), "access_log_flush_ms must be finite and not negative, not nan"),
+    ("access_log_flush_ms", float("inf"), "access_log_flush_ms must be finite and not negative, not inf"),
+    ("access_log_flush_ms", -1.0, "access_log_flush_ms must be finite and not negative, not -1.0"),
+])
+def test_options_refuse_a_budget_or_flush_interval_no_timeout_can_say(option: str, value: float, message: str) -> None:
+    # the server's own range for the budget (serve --check-budget-ms): a negative one would
+    # render a negative Envoy timeout, NaN and infinity no timeout at all
+    policy = load_policy([ROOT / "policies"])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        bootstrap(policy, protocol="grpc", upstream=("127.0.0.1", 8080), access_log="always", **{option: value})
+
+
+def test_the_http_edge_reads_the_trace_headers_the_filter_is_told_to_send() -> None:
+    # one list: a trace header the server starts reading reaches it only if Envoy sends it
+    from extauthz.envoy import headers
+    from extauthz.server import http
+
+    assert http.TRACE_HEADERS is headers.TRACE_HEADERS
+    assert set(headers.TRACE_HEADERS) <= set(headers.allowed_headers((), "http"))

@@ -21,13 +21,13 @@ def test_all_is_pinned_and_sorted() -> None:
 
 
 def test_every_exported_name_is_the_object_its_module_defines() -> None:
-    from extauthz.context import RawRequest
-    from extauthz.engine import Engine
-    from extauthz.errors import StoreError
+    from extauthz.core.context import RawRequest
+    from extauthz.core.errors import StoreError
+    from extauthz.core.verdict import Decision
+    from extauthz.engine.engine import Engine
     from extauthz.policy.loader import load_policy
     from extauthz.store.memory import MemoryStore
     from extauthz.store.redis import RedisStore
-    from extauthz.verdict import Decision
 
     for name in extauthz.__all__:
         assert getattr(extauthz, name) is not None, name

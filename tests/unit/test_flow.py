@@ -17,14 +17,15 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from extauthz.answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD
-from extauthz.clock import ManualClock
-from extauthz.engine import Engine
+from extauthz.core.clock import ManualClock
+from extauthz.engine.answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD
+from extauthz.engine.engine import Engine
 from extauthz.proto import auth_pb2
-from extauthz.server.flow import CheckFlow, check_flow
+from extauthz.server.flow import CheckFlow
 from extauthz.server.http import HttpAuthorization, Request
 from extauthz.server.leases import Leases, seen_as, seen_at
 from extauthz.server.services import AuthorizationService
+from extauthz.server.traced import check_flow
 
 from .helpers import engine_for, policy_from
 

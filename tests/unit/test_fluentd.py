@@ -13,8 +13,8 @@ from typing import Any
 import msgpack
 import pytest
 
-from extauthz.answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD
-from extauthz.clock import ManualClock
+from extauthz.core.clock import ManualClock
+from extauthz.engine.answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD
 from extauthz.envoy.records import FLUENTD_TAG as TAG
 from extauthz.server.fluentd import FluentdLimits, FluentdReceiver, MalformedMessage, entries_of
 from extauthz.server.leases import FinishedEntries, Leases, seen_as
@@ -188,7 +188,7 @@ async def test_an_unchecked_request_longer_than_the_lease_ttl_stays_counted_and_
     """Issue 29 review: the lease was taken once and later periodic entries ignored, so a
     request in flight longer than lease_ttl left the fleet's count; and an entry whose last
     entry never came (Envoy restarted) stayed in /status's in_flight until the bound evicted it."""
-    from extauthz.observe.state import UncheckedPart
+    from extauthz.engine.state import UncheckedPart
 
     clock = ManualClock()
     finished, fleet = fleet_entries(tmp_path, clock)
@@ -213,8 +213,8 @@ async def test_an_unchecked_request_takes_no_slot_of_a_fleet_limiter_switched_of
     """Issue 29 review: the in-flight count read every limiter of the policy, so entries (a
     forged header behind a config that does not strip it) took slots of a limiter switched off,
     still held when it was switched on again."""
-    from extauthz.switches import Switches
-    from extauthz.verdict import Mode
+    from extauthz.control.switches import Switches
+    from extauthz.core.verdict import Mode
 
     clock = ManualClock()
     finished, fleet = fleet_entries(tmp_path, clock)

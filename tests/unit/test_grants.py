@@ -1,16 +1,16 @@
 """The engine's grant book (extauthz/limiters/grants.py, GrantBook), built by its store gate
-(extauthz/storegate.py) with the store up front: nothing bound afterwards."""
+(extauthz/engine/storegate.py) with the store up front: nothing bound afterwards."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from extauthz.clock import ManualClock
-from extauthz.engine import Engine
+from extauthz.core.clock import ManualClock
+from extauthz.engine.engine import Engine
+from extauthz.engine.storegate import StoreGate
 from extauthz.limiters import build_limiters
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
-from extauthz.storegate import StoreGate
 
 from .helpers import get, policy_from
 

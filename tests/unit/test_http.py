@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from extauthz.answers import LEASE_ID_FIELD, LEASES_FIELD, lease_fields, read_lease_fields
-from extauthz.clock import ManualClock
+from extauthz.core.clock import ManualClock
+from extauthz.core.settings import path_prefix
+from extauthz.engine.answers import LEASE_ID_FIELD, LEASES_FIELD, lease_fields, read_lease_fields
 from extauthz.envoy.headers import SHED_STATUS, allowed_headers, unreadable_over_http
 from extauthz.server.httpmap import (
     http_answer,
     jwt_payload,
-    path_prefix,
     raw_request,
     source_ip,
     xfcc_principal,
@@ -72,8 +72,8 @@ def test_allowed_headers_for_grpc_lists_authorization_and_the_request_id() -> No
 
 
 def test_lease_fields_round_trip() -> None:
-    from extauthz.tiers import Tier
-    from extauthz.verdict import Decision
+    from extauthz.core.tiers import Tier
+    from extauthz.core.verdict import Decision
 
     d = Decision(allowed=True, tier=Tier.GET, leases=("p:{u:1}:cc:a", "p:{fleet}:fl:f:other"), lease_id="id1")
     fields = dict(lease_fields(d))

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 from google.protobuf import struct_pb2
 
-from extauthz.classify import Classifier, identity_text, scalars_at
-from extauthz.context import RawRequest
+from extauthz.core.context import RawRequest
+from extauthz.core.tiers import Tier
 from extauthz.policy import load_policy
+from extauthz.policy.classify import Classifier, identity_text, scalars_at
 from extauthz.policy.model import DEFAULT_ROUTE_TIER
 from extauthz.proto import auth_pb2
 from extauthz.server.edge import raw_request
-from extauthz.tiers import Tier
 
 from .helpers import policy_from
 

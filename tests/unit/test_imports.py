@@ -13,7 +13,7 @@ from ..conftest import ROOT
 #: default, metrics and HTTP too), stops it and prints the Redis modules loaded meanwhile.
 _SERVE_EMBEDDED = textwrap.dedent("""
     import asyncio, sys
-    import extauthz.cli, extauthz.opscli, extauthz.observe.metrics
+    import extauthz.commands.cli, extauthz.commands.opscli, extauthz.observe.metrics
     from extauthz.server.app import Server, ServerConfig
 
     async def main():
@@ -38,13 +38,13 @@ def test_a_server_on_the_embedded_store_does_not_import_redis() -> None:
 
 _COMMAND_LINE = textwrap.dedent("""
     import sys
-    from extauthz.cli import build_parser, main
+    from extauthz.commands.cli import build_parser, main
 
     def loaded(heavy):
         return sorted(m for m in sys.modules if any(m == h or m.startswith(h + ".") for h in heavy))
 
     server = ("pydantic", "aiohttp", "grpc", "prometheus_client", "redis", "extauthz.policy",
-              "extauthz.limiters", "extauthz.overrides", "extauthz.server.adminauth")
+              "extauthz.limiters", "extauthz.control.overrides", "extauthz.server.adminauth")
     build_parser()  # every command's options, as `extauthz COMMAND --help` builds them
     print(loaded((*server, "asyncio")))
     for argv in (["status"], ["switch", "--list"], ["history"]):  # an admin port nobody listens on

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import yaml
 
-from extauthz.cli import main
+from extauthz.commands.cli import main
+from extauthz.commands.k8s import Wiring, headers_to_check, resources
 from extauthz.envoy.headers import allowed_headers
-from extauthz.k8s import Wiring, headers_to_check, resources
 from extauthz.policy import load_policy
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from extauthz.classify import Classifier, hash_identity
-from extauthz.context import RawRequest
+from extauthz.core.context import RawRequest
 from extauthz.limiters.quota import calendar_window
+from extauthz.policy.classify import Classifier, hash_identity
 from extauthz.proto import auth_pb2
 from extauthz.server.edge import raw_request
 
@@ -113,6 +113,7 @@ def test_route_and_route_metadata_parts_through_the_grpc_edge(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize(("period", "at", "start", "end"), [
+    ("second", "2026-03-04T10:20:30", "2026-03-04T10:20:30", "2026-03-04T10:20:31"),
     ("minute", "2026-03-04T10:20:30", "2026-03-04T10:20:00", "2026-03-04T10:21:00"),
     ("hour", "2026-03-04T10:20:30", "2026-03-04T10:00:00", "2026-03-04T11:00:00"),
     ("day", "2026-03-04T23:59:59", "2026-03-04T00:00:00", "2026-03-05T00:00:00"),
@@ -122,6 +123,8 @@ def test_route_and_route_metadata_parts_through_the_grpc_edge(tmp_path: Path) ->
     ("month", "2026-12-31T23:59:59", "2026-12-01T00:00:00", "2027-01-01T00:00:00"),
     ("month", "2028-02-29T12:00:00", "2028-02-01T00:00:00", "2028-03-01T00:00:00"),  # leap year
     ("month", "2026-02-01T00:00:00", "2026-02-01T00:00:00", "2026-03-01T00:00:00"),
+    ("year", "2026-12-31T23:59:59", "2026-01-01T00:00:00", "2027-01-01T00:00:00"),
+    ("year", "2028-01-01T00:00:00", "2028-01-01T00:00:00", "2029-01-01T00:00:00"),  # 366 days
 ])
 def test_calendar_windows_in_utc(period: str, at: str, start: str, end: str) -> None:
     def ts(text: str) -> float:

@@ -1,13 +1,27 @@
 """The tests are laid out like the package (docs/design.md, "Tests"): ``tests/unit/test_X.py``
 and ``tests/store/redis/test_X.py`` name a module that exists, except the short list of
 cross-module files below; ``bench/`` and ``testinfra/`` never import ``tests`` (the Redis
-topologies both use live in ``testinfra/``), and the package imports neither."""
+topologies both use live in ``testinfra/``), and the package imports neither.
+
+The package's layers (docs/design.md, "Layers"): every module of ``extauthz`` belongs to one
+layer (its longest prefix in ``LAYERS``); a module imports from its own layer and the layers
+below it, never from one above, and no chain of imports comes back to where it started (a
+circle), inside a layer or across. Imports are read with ``ast``, not by importing:
+module-level and function-level imports both count, and so do imports under ``if
+TYPE_CHECKING:`` (a type is a dependency too: an upward type becomes a ``Protocol`` in the
+lower layer). ``from PKG import NAME`` is an import of ``PKG.NAME`` when that is a module,
+else of ``PKG``; the packages a dotted import passes through (their ``__init__``) are not
+counted. The root ``extauthz`` (the public facade) is in no layer: it names each public
+name's home and imports it when first used, so any module may take ``__version__`` from it;
+its imports still count for circles."""
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import ROOT
 
@@ -94,3 +108,201 @@ def test_the_checks_find_what_they_look_for(tmp_path: Path) -> None:
         (tmp_path / "unit" / name).write_text("")
     assert module_names(tmp_path / "pkg") == {"alpha", "sub", "pkg"}
     assert unnamed_tests(tmp_path / "unit", module_names(tmp_path / "pkg"), {"test_gamma"}) == ["test_beta.py"]
+
+
+# -- layers ------------------------------------------------------------------------------------
+
+PACKAGE = ROOT / "extauthz"
+
+#: the layers, lowest first: (name, the module prefixes it holds, under ``extauthz.``)
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("core", ("core", "proto")),               # types, settings, small tools; protobuf classes
+    ("store", ("store",)),                     # Store: memory and Redis, keys, the algorithms
+    ("policy", ("policy",)),                   # the policy format, classify (request -> context)
+    ("limiters", ("limiters",)),               # one module per limiter kind
+    ("observe", ("observe",)),                 # observers: metrics, logs, traces, shadow, record
+    ("control", ("control",)),                 # switches, overrides, the change log, Control
+    ("engine", ("engine",)),                   # the engine, release, answers, reload, state
+    ("envoy", ("envoy",)),                     # what Envoy is told and sends
+    ("server", ("server",)),                   # the doors and the process (grpc, aiohttp)
+    ("devtools", ("devtools",)),               # a local stack for demos, tests, benchmarks
+    ("commands", ("commands", "__main__")),    # the `extauthz` commands
+)
+
+ROOT_MODULE = "extauthz"
+
+#: upward imports allowed for a while (none: issue 30 removed the last, the envoy package's
+#: imports of server code); each must still occur, so an entry goes when its import does
+PENDING: frozenset[tuple[str, str]] = frozenset()
+
+
+def modules(package: Path = PACKAGE) -> dict[str, Path]:
+    """Every module of the package (generated protobuf code left out) -> its file."""
+    found: dict[str, Path] = {}
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package.parent).with_suffix("")
+        if "extauthz_wire" in rel.parts:
+            continue
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        found[".".join(parts)] = path
+    return found
+
+
+def module_imports(name: str, path: Path, known: dict[str, Path]) -> Iterator[str]:
+    """The package modules ``name`` imports, anywhere in its body."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            subs = [f"{module}.{alias.name}" for alias in node.names]
+            targets = [s for s in subs if s in known]
+            if len(targets) < len(subs):
+                targets.append(module)
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # a name inside a module: the module
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                yield target
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: set(module_imports(name, path, known)) for name, path in known.items()}
+
+
+def layer_of(module: str) -> int:
+    best, found = -1, -1
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in (f"extauthz.{p}" for p in prefixes):
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, found = len(prefix), index
+    if found < 0:
+        raise LookupError(f"{module} is in no layer: add it to LAYERS (and to docs/design.md)")
+    return found
+
+
+def upward_imports() -> list[tuple[str, str]]:
+    return sorted((src, dst) for src, targets in graph().items() if src != ROOT_MODULE
+                  for dst in targets if dst != ROOT_MODULE and layer_of(dst) > layer_of(src))
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in sorted(edges):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(edges[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, rest = work[-1]
+            for nxt in rest:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(edges.get(nxt, ())))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return sorted(found)
+
+
+def test_every_module_is_in_a_layer() -> None:
+    missing = []
+    for name in modules():
+        if name == ROOT_MODULE:
+            continue
+        try:
+            layer_of(name)
+        except LookupError:
+            missing.append(name)
+    assert missing == []
+
+
+def test_no_module_imports_from_a_layer_above_its_own() -> None:
+    found = [edge for edge in upward_imports() if edge not in PENDING]
+    assert found == [], "\n".join(
+        f"{src} ({LAYERS[layer_of(src)][0]}) imports {dst} ({LAYERS[layer_of(dst)][0]})"
+        for src, dst in found)
+
+
+def test_every_pending_exception_still_occurs() -> None:
+    edges = graph()
+    stale = sorted(edge for edge in PENDING if edge[1] not in edges.get(edge[0], set()))
+    assert stale == [], "these imports are gone: remove them from PENDING"
+
+
+def test_no_import_circles() -> None:
+    assert circles(graph()) == []
+
+
+# -- the reader itself, on small trees -------------------------------------------------------
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> dict[str, set[str]]:
+    for rel, text in files.items():
+        path = tmp_path / "extauthz" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    known = modules(tmp_path / "extauthz")
+    return {name: set(module_imports(name, path, known)) for name, path in known.items()}
+
+
+def test_function_level_and_type_checking_imports_count(tmp_path: Path) -> None:
+    edges = _tree(tmp_path, {
+        "__init__.py": "",
+        "a.py": "def f():\n    from .b import g\n",
+        "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import f\n",
+    })
+    assert edges["extauthz.a"] == {"extauthz.b"}
+    assert edges["extauthz.b"] == {"extauthz.a"}
+    assert circles(edges) == [["extauthz.a", "extauthz.b"]]
+
+
+def test_a_submodule_import_is_not_an_import_of_its_package(tmp_path: Path) -> None:
+    edges = _tree(tmp_path, {
+        "__init__.py": "",
+        "pkg/__init__.py": "from .mod import X\n",
+        "pkg/mod.py": "from . import other\nimport extauthz.pkg.other as o\nX = 1\n",
+        "pkg/other.py": "from ..pkg.mod import X\n",
+    })
+    assert edges["extauthz.pkg"] == {"extauthz.pkg.mod"}
+    assert edges["extauthz.pkg.mod"] == {"extauthz.pkg.other"}
+    assert circles(edges) == [["extauthz.pkg.mod", "extauthz.pkg.other"]]
+
+
+@pytest.mark.parametrize(("module", "layer"), [
+    ("extauthz.core.settings", "core"), ("extauthz.store.redis.wire", "store"),
+    ("extauthz.server.app", "server"), ("extauthz.commands.simulate.cli", "commands"),
+])
+def test_a_module_is_in_the_layer_of_its_longest_prefix(module: str, layer: str) -> None:
+    assert LAYERS[layer_of(module)][0] == layer

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from extauthz.clock import ManualClock
-from extauthz.context import RequestContext
+from extauthz.core.clock import ManualClock
+from extauthz.core.context import RequestContext
+from extauthz.engine.tickets import BAD_TICKET, MALFORMED, NO_TICKET
 from extauthz.proto import accesslog_data_pb2, core_pb2
 from extauthz.server.leases import LeaseIndex, Leases, seen_as, seen_at
 from extauthz.server.services import entry_seen
-from extauthz.tickets import BAD_TICKET, MALFORMED, NO_TICKET
 
 from .helpers import engine_for, get, policy_from
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from extauthz.cli import main
+from extauthz.commands.cli import main
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -51,7 +51,7 @@ def test_bad_ttl_says_why_with_units(capsys: pytest.CaptureFixture[str], ttl: li
 
 
 def test_a_ttl_in_days_is_taken(capsys: pytest.CaptureFixture[str]) -> None:
-    from extauthz.overrides import parse_ttl
+    from extauthz.control.overrides import parse_ttl
 
     assert parse_ttl("7d") == 7 * 86400 and parse_ttl("1.5d") == 1.5 * 86400 and parse_ttl("30d") == 30 * 86400
     # a valid TTL passes every check: the command goes on to the (unreachable) admin port
@@ -77,8 +77,8 @@ def test_an_explicit_admin_port_wins_over_the_redis_url_of_the_environment(
 
 def test_numbers_print_whole_not_in_scientific_notation() -> None:
     """`override set/list` and `history` said limit=5e+06 for a monthly quota of 5,000,000."""
-    from extauthz.changelog import Change
-    from extauthz.opscli import format_overrides
+    from extauthz.commands.opscli import format_overrides
+    from extauthz.control.changelog import Change
 
     rows = {"overrides": [{"limiter": "monthly", "identity": "ab12", "numbers": {"limit": 5000000.0},
                            "by": "ops", "set_at": 0, "expires_at": 60, "applied": True, "reason": "deal"}]}
@@ -109,7 +109,7 @@ def test_a_control_character_in_a_reason_or_user_is_refused_before_anything_is_s
 
 
 async def test_the_store_control_refuses_a_control_character() -> None:
-    from extauthz.control import ControlError, StoreControl
+    from extauthz.control.control import ControlError, StoreControl
     from extauthz.store.keys import Keys
     from extauthz.store.memory import MemoryStore
 
@@ -121,8 +121,8 @@ async def test_the_store_control_refuses_a_control_character() -> None:
 
 def test_history_and_override_rows_print_stored_control_characters_escaped() -> None:
     # a record an older version stored (or one written straight into Redis)
-    from extauthz.changelog import Change, format_history
-    from extauthz.opscli import format_overrides
+    from extauthz.commands.opscli import format_overrides
+    from extauthz.control.changelog import Change, format_history
 
     change = Change(kind="switch", action="set", target="*", value="off", at=0.0, server="h", via="redis",
                     reason="x\r\n1970-01-01T00:00:00Z switch set * off", user="\x1b]0;pwned\x07eve")
@@ -176,7 +176,7 @@ def test_a_mistyped_limiter_gets_a_suggestion(capsys: pytest.CaptureFixture[str]
 @pytest.mark.parametrize("where", [NOWHERE, ("--redis-url", "redis://127.0.0.1:9/0")])
 def test_a_switch_for_a_limiter_the_given_policy_lacks_is_refused_before_anything_is_sent(
         capsys: pytest.CaptureFixture[str], where: tuple[str, ...]) -> None:
-    """With --policies, the control's own rule (extauthz/control.py check_switch) refuses the
+    """With --policies, the control's own rule (extauthz/control/control.py check_switch) refuses the
     name here, on either path, in the admin port's words; nobody listens at either address."""
     from ..conftest import ROOT
 

@@ -1,4 +1,4 @@
-"""Overload (extauthz/overload.py, Engine.decide's time left): the loop's lag on an injected
+"""Overload (extauthz/engine/overload.py, Engine.decide's time left): the loop's lag on an injected
 clock, and what the engine decides for a starved server or a check with no time left."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from extauthz.clock import ManualClock
-from extauthz.engine import Engine
-from extauthz.overload import LoopLag
+from extauthz.core.clock import ManualClock
+from extauthz.core.verdict import Outcome
+from extauthz.engine.engine import Engine
+from extauthz.engine.overload import LoopLag
+from extauthz.engine.storegate import StoreGate
 from extauthz.store.memory import MemoryStore
-from extauthz.storegate import StoreGate
-from extauthz.verdict import Outcome
 
 from ..observe.helpers import eventually
 from .helpers import RATE, FaultyStore, engine_for, get, policy_from
@@ -145,6 +145,30 @@ def test_on_grpc_only_a_stall_the_process_did_not_run_through_starves() -> None:
     clock.advance(0.05)
     lag.tick()
     assert not lag.check(None, 0.0)[1] and not lag.check(0.25, 0.0)[1]
+
+
+def test_a_deadline_stamped_when_the_loop_read_the_call_saw_no_stall() -> None:
+    """The gRPC port on the event loop stamps a call's deadline when the loop reads it, after
+    any stall of the loop: starved by the HTTP rule, while the deadline still bounds the
+    time left."""
+    clock, cpu = ManualClock(), [0.0]
+    lag = LoopLag(0.2, clock=clock, interval=0.025, cpu=lambda: cpu[0])
+    lag.tick()
+    clock.advance(0.025 + 0.15)  # a 150 ms collection: the loop stalled, the process ran
+    cpu[0] += 0.16
+    assert not lag.check(0.25, 0.0)[1]  # stamped on arrival: the deadline saw it
+    left, starved = lag.check(0.25, 0.0, on_arrival=False)
+    assert starved and left == lag.check(0.25, 0.0)[0]
+    lag.tick()
+    for _ in range(5):  # after it, for as long again as the stall (as on the HTTP port)
+        clock.advance(0.025)
+        lag.tick()
+        assert lag.check(0.25, 0.0, on_arrival=False)[1] == lag.check(None, 0.0)[1]
+    for _ in range(8):  # the loop on time again
+        clock.advance(0.025)
+        lag.tick()
+    assert not lag.check(0.25, 0.0, on_arrival=False)[1]
+    assert lag.check(0.1, 0.0, on_arrival=False)[0] < lag.check(None, 0.0)[0]  # the deadline bounds it
 
 
 # -- what the engine decides ---------------------------------------------------------------

@@ -10,11 +10,7 @@ from typing import Any
 
 import pytest
 
-from extauthz.answers import denial, ratelimit_headers
-from extauthz.classify import hash_identity
-from extauthz.clock import ManualClock
-from extauthz.observe.metrics import Metrics, StateCollector
-from extauthz.overrides import (
+from extauthz.control.overrides import (
     MAX_OVERRIDES,
     MAX_TTL,
     Override,
@@ -27,9 +23,14 @@ from extauthz.overrides import (
     with_override,
     without_override,
 )
+from extauthz.control.switches import Switches
+from extauthz.core.clock import ManualClock
+from extauthz.core.verdict import Mode
+from extauthz.engine.answers import denial, ratelimit_headers
+from extauthz.engine.state import Panel, engine_parts
+from extauthz.observe.metrics import Metrics
 from extauthz.policy import load_policy
-from extauthz.switches import Switches
-from extauthz.verdict import Mode
+from extauthz.policy.classify import hash_identity
 
 from ..conftest import ROOT
 from .helpers import engine_for, get, policy_from
@@ -93,7 +94,7 @@ async def test_unknown_plan_uses_the_default_and_is_counted(tmp_path: Path) -> N
     await engine.check(on_plan("gold"))
     await engine.check(on_plan("free"))  # known: not counted
     assert engine.snapshot.classifier.unknown_plans == 2
-    collector = StateCollector(engine)
+    collector = Panel(engine_parts(engine))  # the engine's own state as a collector
     metrics.registry.register(collector)
     assert metrics.registry.get_sample_value("extauthz_plan_unknown_total") == 2
     engine.set_switches(Switches(global_mode=Mode.SHADOW))  # a new snapshot keeps the count

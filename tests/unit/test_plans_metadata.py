@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from extauthz.classify import Classifier
+from extauthz.policy.classify import Classifier
 from extauthz.policy.model import DEFAULT_ROUTE_TIER
 from extauthz.proto import auth_pb2
 from extauthz.server.edge import raw_request

@@ -10,7 +10,8 @@ import jsonschema
 import pytest
 import yaml
 
-from extauthz.errors import PolicyError
+from extauthz.core.errors import PolicyError
+from extauthz.core.tiers import Tier
 from extauthz.policy import load_policy, loader
 from extauthz.policy.jsonschema import policy_json_schema
 from extauthz.policy.schema import (
@@ -19,7 +20,6 @@ from extauthz.policy.schema import (
     RequestRateSpec,
     WorkerUtilizationSpec,
 )
-from extauthz.tiers import Tier
 
 from ..conftest import FIXTURES, ROOT
 

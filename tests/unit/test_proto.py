@@ -29,6 +29,9 @@ from extauthz.proto import (
     auth_pb2_grpc,
     core_pb2,
     http_status_pb2,
+    ratelimit_common_pb2,
+    ratelimit_unit_pb2,
+    rls_pb2,
     status_pb2,
 )
 
@@ -142,7 +145,8 @@ def test_names_and_layout() -> None:
         == "envoy.service.accesslog.v3.StreamAccessLogsMessage"
     )
     # ... in descriptor files that cannot collide with xds-protos' envoy/**.proto ...
-    for mod in (auth_pb2, accesslog_pb2, accesslog_data_pb2, core_pb2, http_status_pb2):
+    for mod in (auth_pb2, accesslog_pb2, accesslog_data_pb2, core_pb2, http_status_pb2, rls_pb2,
+                ratelimit_common_pb2, ratelimit_unit_pb2):
         assert mod.DESCRIPTOR.name.startswith("extauthz_wire/"), mod.DESCRIPTOR.name
         assert mod.__name__.startswith("extauthz.proto.extauthz_wire.")
     assert auth_pb2.CheckRequest.__module__ == "extauthz.proto.extauthz_wire.auth_pb2"
@@ -158,6 +162,13 @@ def test_names_and_layout() -> None:
     als = accesslog_pb2.DESCRIPTOR.services_by_name["AccessLogService"]
     assert als.full_name == "envoy.service.accesslog.v3.AccessLogService"
     assert als.methods_by_name["StreamAccessLogs"].client_streaming
+    rls = rls_pb2.DESCRIPTOR.services_by_name["RateLimitService"]
+    assert rls.full_name == "envoy.service.ratelimit.v3.RateLimitService"
+    assert [m.name for m in rls.methods] == ["ShouldRateLimit"]
+    # Envoy's unit numbers (WEEK came last)
+    assert [(u.name, u.number) for u in ratelimit_unit_pb2.RateLimitUnit.DESCRIPTOR.values] == [
+        ("UNKNOWN", 0), ("SECOND", 1), ("MINUTE", 2), ("HOUR", 3), ("DAY", 4), ("MONTH", 5), ("YEAR", 6),
+        ("WEEK", 7)]
     assert hasattr(auth_pb2_grpc, "add_AuthorizationServicer_to_server")
     assert hasattr(accesslog_pb2_grpc, "add_AccessLogServiceServicer_to_server")
 
@@ -495,6 +506,36 @@ FIELD_NUMBERS = [
         "google.protobuf.UInt32Value",
     ),
     (accesslog_data_pb2.HTTPResponseProperties, "response_code_details", 6, _S, None),
+    # envoy/service/ratelimit/v3/rls.proto, envoy/extensions/common/ratelimit/v3/ratelimit.proto
+    (rls_pb2.RateLimitRequest, "domain", 1, _S, None),
+    (rls_pb2.RateLimitRequest, "descriptors", 2, _M, "envoy.extensions.common.ratelimit.v3.RateLimitDescriptor"),
+    (rls_pb2.RateLimitRequest, "hits_addend", 3, FD.TYPE_UINT32, None),
+    (ratelimit_common_pb2.RateLimitDescriptor, "entries", 1, _M,
+     "envoy.extensions.common.ratelimit.v3.RateLimitDescriptor.Entry"),
+    (ratelimit_common_pb2.RateLimitDescriptor, "limit", 2, _M,
+     "envoy.extensions.common.ratelimit.v3.RateLimitDescriptor.RateLimitOverride"),
+    (ratelimit_common_pb2.RateLimitDescriptor, "hits_addend", 3, _M, "google.protobuf.UInt64Value"),
+    (ratelimit_common_pb2.RateLimitDescriptor.Entry, "key", 1, _S, None),
+    (ratelimit_common_pb2.RateLimitDescriptor.Entry, "value", 2, _S, None),
+    (ratelimit_common_pb2.RateLimitDescriptor.RateLimitOverride, "requests_per_unit", 1, FD.TYPE_UINT32, None),
+    (ratelimit_common_pb2.RateLimitDescriptor.RateLimitOverride, "unit", 2, FD.TYPE_ENUM,
+     "envoy.type.v3.RateLimitUnit"),
+    (rls_pb2.RateLimitResponse, "overall_code", 1, FD.TYPE_ENUM, "envoy.service.ratelimit.v3.RateLimitResponse.Code"),
+    (rls_pb2.RateLimitResponse, "statuses", 2, _M, "envoy.service.ratelimit.v3.RateLimitResponse.DescriptorStatus"),
+    (rls_pb2.RateLimitResponse, "response_headers_to_add", 3, _M, "envoy.config.core.v3.HeaderValue"),
+    (rls_pb2.RateLimitResponse, "request_headers_to_add", 4, _M, "envoy.config.core.v3.HeaderValue"),
+    (rls_pb2.RateLimitResponse, "raw_body", 5, FD.TYPE_BYTES, None),
+    (rls_pb2.RateLimitResponse, "dynamic_metadata", 6, _M, "google.protobuf.Struct"),
+    (rls_pb2.RateLimitResponse.DescriptorStatus, "code", 1, FD.TYPE_ENUM,
+     "envoy.service.ratelimit.v3.RateLimitResponse.Code"),
+    (rls_pb2.RateLimitResponse.DescriptorStatus, "current_limit", 2, _M,
+     "envoy.service.ratelimit.v3.RateLimitResponse.RateLimit"),
+    (rls_pb2.RateLimitResponse.DescriptorStatus, "limit_remaining", 3, FD.TYPE_UINT32, None),
+    (rls_pb2.RateLimitResponse.DescriptorStatus, "duration_until_reset", 4, _M, "google.protobuf.Duration"),
+    (rls_pb2.RateLimitResponse.RateLimit, "requests_per_unit", 1, FD.TYPE_UINT32, None),
+    (rls_pb2.RateLimitResponse.RateLimit, "unit", 2, FD.TYPE_ENUM,
+     "envoy.service.ratelimit.v3.RateLimitResponse.RateLimit.Unit"),
+    (rls_pb2.RateLimitResponse.RateLimit, "name", 3, _S, None),
 ]
 
 

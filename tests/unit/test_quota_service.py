@@ -1,4 +1,4 @@
-"""The rate limit quota service's division and book (extauthz/quota_service.py), on an
+"""The rate limit quota service's division and book (extauthz/engine/quota_service.py), on an
 injected clock: shares follow demand, never sum past the limit in the ledger, a shrink is
 confirmed by a report before another share grows, idle buckets are abandoned, bounds hold."""
 
@@ -9,11 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from extauthz.classify import valid_hash
-from extauthz.clock import ManualClock
-from extauthz.limiters import build_limiters
-from extauthz.policy import load_policy
-from extauthz.quota_service import (
+from extauthz.core.clock import ManualClock
+from extauthz.engine.quota_service import (
     NOTHING,
     Action,
     QuotaBook,
@@ -25,6 +22,9 @@ from extauthz.quota_service import (
     limits_of,
     shown,
 )
+from extauthz.limiters import build_limiters
+from extauthz.policy import load_policy
+from extauthz.policy.classify import valid_hash
 from extauthz.store.keys import Keys
 
 BUCKET = {"limiter": "per-ip", "ip": "10.0.0.1"}

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from extauthz.clock import ManualClock
-from extauthz.context import RequestContext
+from extauthz.core.clock import ManualClock
+from extauthz.core.context import RequestContext
+from extauthz.core.tiers import Tier
+from extauthz.core.verdict import Decision, Kind, Outcome, Verdict
 from extauthz.observe.recent_refusals import RecentRefusals
-from extauthz.tiers import Tier
-from extauthz.verdict import Decision, Kind, Outcome, Verdict
 
 
 def ctx(identity: str) -> RequestContext:
@@ -57,10 +57,10 @@ def test_every_row_carries_the_answer_the_request_got() -> None:
 def test_the_inspect_help_says_the_ring_size(monkeypatch: pytest.MonkeyPatch,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     """The help said "the last 20 per identity" in a literal: it follows the one constant."""
-    from extauthz import opscli
-    from extauthz.cli import main
+    from extauthz.commands import opscli
+    from extauthz.commands.cli import main
+    from extauthz.core.settings import RECENT_REFUSALS_PER_IDENTITY
     from extauthz.observe import recent_refusals
-    from extauthz.settings import RECENT_REFUSALS_PER_IDENTITY
 
     assert recent_refusals.PER_IDENTITY == RECENT_REFUSALS_PER_IDENTITY
     monkeypatch.setattr(opscli, "RECENT_REFUSALS_PER_IDENTITY", 7)

@@ -8,15 +8,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from extauthz.answers import denial
-from extauthz.clock import ManualClock
-from extauthz.engine import Engine
+from extauthz.core.clock import ManualClock
+from extauthz.core.verdict import Kind, Outcome, Verdict
+from extauthz.engine.answers import denial
+from extauthz.engine.engine import Engine
+from extauthz.engine.storegate import StoreGate
 from extauthz.limiters import RequestRateLimiter
 from extauthz.limiters.refusals import RefusalCache
 from extauthz.store.base import CheckResult, Op
 from extauthz.store.memory import MemoryStore
-from extauthz.storegate import StoreGate
-from extauthz.verdict import Kind, Outcome, Verdict
 
 from .helpers import get, policy_from
 

@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from extauthz.clock import ManualClock
-from extauthz.engine import Engine
-from extauthz.release import PATHS, Releaser
+from extauthz.core.clock import ManualClock
+from extauthz.engine.engine import Engine
+from extauthz.engine.release import PATHS, Releaser
+from extauthz.engine.storegate import StoreGate
 from extauthz.server.app import Server, ServerConfig
 from extauthz.store.base import LeaseOp
 from extauthz.store.memory import MemoryStore
-from extauthz.storegate import StoreGate
 
 from .helpers import FaultyStore, get, policy_from
 
@@ -205,9 +205,9 @@ async def test_the_engine_retries_releases_for_the_longest_lease_ttl(tmp_path: P
 
 
 async def test_at_most_max_retrying_releases_wait_for_a_retry(monkeypatch: pytest.MonkeyPatch) -> None:
-    import extauthz.release
+    import extauthz.engine.release
 
-    monkeypatch.setattr(extauthz.release, "MAX_RETRYING", 3)
+    monkeypatch.setattr(extauthz.engine.release, "MAX_RETRYING", 3)
     store = FaultyStore(MemoryStore(ManualClock()), release_error=ConnectionError("down"))
     releaser = Releaser(store, retry_for=lambda: 60.0)
     tasks = [releaser.release(["k"], f"lease-{i}", "access_log") for i in range(5)]

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 
 from bench.reload_lag import big_policy, reload_lag
-from extauthz import reload as reload_module
-from extauthz.clock import ManualClock
+from extauthz.core.clock import ManualClock
+from extauthz.engine import reload as reload_module
+from extauthz.engine.reload import PolicyWatcher
 from extauthz.policy import load_policy
 from extauthz.policy.loader import MAX_FILE_BYTES
-from extauthz.reload import PolicyWatcher
 from tests.observe.helpers import admin, eventually, rate, running, write_policy
 from tests.unit.helpers import engine_for, get
 

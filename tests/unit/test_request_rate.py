@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from extauthz.clock import ManualClock
+from extauthz.core.clock import ManualClock
 
 from .helpers import RATE, allowed_count, engine_for, get, policy_from
 

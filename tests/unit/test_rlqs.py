@@ -87,7 +87,7 @@ def test_rlqs_needs_envoy_limiters_and_envoy_limiters_need_rlqs(tmp_path: Path) 
 
 
 def test_check_policies_says_which_limiters_run_in_envoy(capsys: pytest.CaptureFixture[str]) -> None:
-    from extauthz.cli import main
+    from extauthz.commands.cli import main
 
     from ..conftest import ROOT
 
@@ -98,7 +98,7 @@ def test_check_policies_says_which_limiters_run_in_envoy(capsys: pytest.CaptureF
 
 
 def test_k8s_refuses_a_policy_with_limiters_in_envoy(capsys: pytest.CaptureFixture[str]) -> None:
-    from extauthz.cli import main
+    from extauthz.commands.cli import main
 
     from ..conftest import ROOT
 

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from extauthz.classify import Classifier, path_value
-from extauthz.errors import PolicyError
+from extauthz.core.errors import PolicyError
+from extauthz.core.tiers import Tier
 from extauthz.policy import Policy
+from extauthz.policy.classify import Classifier, path_value
 from extauthz.proto import auth_pb2
 from extauthz.server.edge import raw_request
-from extauthz.tiers import Tier
 
 from .helpers import policy_from
 

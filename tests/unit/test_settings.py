@@ -1,9 +1,10 @@
-"""extauthz/settings.py: each option once, and the docs, README and chart naming only options
+"""extauthz/core/settings.py: each option once, and the docs, README and chart naming only options
 that exist, with the defaults the settings declare."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import re
 from pathlib import Path
@@ -12,9 +13,9 @@ from typing import Any
 import pytest
 import yaml
 
-from extauthz import settings
-from extauthz.cli import build_parser
-from extauthz.settings import Settings, default_text, off, options
+from extauthz.commands.cli import build_parser
+from extauthz.core import settings
+from extauthz.core.settings import Settings, default_text, off, options
 
 from ..conftest import ROOT
 
@@ -22,8 +23,8 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CHART = ROOT / "helm" / "extauthz"
 #: EXTAUTHZ_* names that are not serve options, and who reads them
 NOT_OPTIONS = {
-    "EXTAUTHZ_ADMIN_URL": "the operator commands' admin URL (opscli.py)",
-    "EXTAUTHZ_EVENT_LOOP": "serve's event loop, asyncio or uvloop (server/app.py)",
+    "EXTAUTHZ_ADMIN_URL": "the operator commands' admin URL (settings.admin_url, for opscli.py)",
+    "EXTAUTHZ_EVENT_LOOP": "serve's event loop, asyncio or uvloop (settings.event_loop, for server/app.py)",
     "EXTAUTHZ_SKIP_MIN_DEPS": "scripts/test: skip the run under the minimum dependency versions",
 }
 #: chart values that differ from the server's default on purpose
@@ -97,6 +98,41 @@ def test_a_bad_value_is_refused_naming_the_flag(argv: list[str], capsys: pytest.
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", *argv])
     assert argv[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("given", "message"), [
+    ({"record_sample": 0.0}, "--record-sample must be in (0, 1], not 0.0"),
+    ({"record_sample": float("nan")}, "--record-sample must be in (0, 1], not nan"),
+    ({"http_path_prefix": "auth"}, "--http-path-prefix: an HTTP path prefix is a path such as /auth"),
+    ({"workers": 0}, "--workers must be at least 1"),
+])
+def test_an_in_process_settings_checks_itself(given: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Settings(**given)
+    assert Settings(record_sample=1.0, http_path_prefix="/auth/", workers=1).record_sample == 1.0
+
+
+def test_the_command_line_refuses_what_settings_refuse(capsys: pytest.CaptureFixture[str]) -> None:
+    from extauthz.commands.cli import main
+
+    assert main(["serve", "--record-sample", "1.5"]) == 2
+    assert "--record-sample must be in (0, 1], not 1.5" in capsys.readouterr().err
+
+
+def test_every_extauthz_variable_is_read_in_settings() -> None:
+    """A name a read uses (a whole string ``EXTAUTHZ_*``) is in the settings module only, but
+    server/workers.py's two: the parent's hand-over of the one Settings to its workers."""
+    where: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "extauthz").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and re.fullmatch(r"EXTAUTHZ_[A-Z0-9_]+", node.value):
+                where.setdefault(node.value, set()).add(path.relative_to(ROOT / "extauthz").as_posix())
+    outside = {name: sorted(files) for name, files in where.items()
+               if any(not f.endswith("settings.py") for f in files)}
+    assert outside == {"EXTAUTHZ_WORKER_CONFIG": ["server/workers.py"],
+                       "EXTAUTHZ_WORKER_READY_FD": ["server/workers.py"]}
+    assert {"EXTAUTHZ_EVENT_LOOP", "EXTAUTHZ_ADMIN_URL"} <= set(where)
 
 
 def test_off_is_parsed_once() -> None:

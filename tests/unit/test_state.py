@@ -1,4 +1,4 @@
-"""The per-component state (extauthz/observe/state.py): each part renders the same figures
+"""The per-component state (extauthz/engine/state.py): each part renders the same figures
 as /status keys and as metric families, and a new component's part shows in both."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 
-from extauthz.clock import ManualClock
-from extauthz.engine import Engine
-from extauthz.errors import StoreUnavailable
-from extauthz.observe.state import Panel, by_label_part, count_part, engine_parts
+from extauthz.control.switches import Switches
+from extauthz.core.clock import ManualClock
+from extauthz.core.errors import StoreUnavailable
+from extauthz.core.verdict import Mode
+from extauthz.engine.engine import Engine
+from extauthz.engine.state import Panel, by_label_part, count_part, engine_parts
+from extauthz.engine.storegate import StoreGate
 from extauthz.store.memory import MemoryStore
-from extauthz.storegate import StoreGate
-from extauthz.switches import Switches
-from extauthz.verdict import Mode
 
 from .helpers import FaultyStore, get, policy_from
 

@@ -1,14 +1,14 @@
-"""Lease tickets (extauthz/tickets.py) and the key-space check they rely on."""
+"""Lease tickets (extauthz/engine/tickets.py) and the key-space check they rely on."""
 
 from __future__ import annotations
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from extauthz.classify import hash_identity
+from extauthz.engine.tickets import MAX_LEASE_KEYS, REASONS, LeaseTickets
 from extauthz.observe.edge_metrics import EdgeCollector
+from extauthz.policy.classify import hash_identity
 from extauthz.store.keys import Keys
-from extauthz.tickets import MAX_LEASE_KEYS, REASONS, LeaseTickets
 
 KEYS = Keys("extauthz")
 USER = KEYS.user_leases("user-concurrency", hash_identity("sk_live_alice", "header:x-api-key"))

@@ -8,15 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from extauthz.clock import ManualClock
-from extauthz.context import RawRequest
-from extauthz.engine import Engine
+from extauthz.core.clock import ManualClock
+from extauthz.core.context import RawRequest
+from extauthz.core.tiers import Tier
+from extauthz.engine.engine import Engine
+from extauthz.engine.storegate import StoreGate
 from extauthz.limiters.worker import WorkerUtilizationShedder, sample_once
 from extauthz.store import algorithms
 from extauthz.store.base import ShedParams
 from extauthz.store.memory import MemoryStore
-from extauthz.storegate import StoreGate
-from extauthz.tiers import Tier
+from testinfra.probes import release_and_wait
 
 from .helpers import policy_from
 
@@ -189,5 +190,5 @@ async def test_inflight_signal_counts_leases(tmp_path: Path, clock: ManualClock)
     from extauthz.limiters.worker import read_utilization
 
     assert await read_utilization(drill.engine, drill.shedder) == 1.0
-    await drill.engine.releaser.release_and_wait(decisions[0].leases, decisions[0].lease_id, "access_log")
+    await release_and_wait(drill.engine.releaser, decisions[0].leases, decisions[0].lease_id, "access_log")
     assert await read_utilization(drill.engine, drill.shedder) == 0.75

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
+from extauthz.core.settings import Settings
 from extauthz.server.workers import child_config
-from extauthz.settings import Settings
 
 
 @pytest.mark.parametrize("own_ports", [False, True])

@@ -23,7 +23,7 @@ from typing import Any, Final
 
 from redis import exceptions as rx
 
-from ...errors import StoreUnavailable
+from ...core.errors import StoreUnavailable
 from .wire import CLIENT_ERRORS, UNKNOWN, Reply, Script, Unanswered, wrap
 
 __all__ = ["RIDE_FLUSH_DELAY", "Batcher", "Call", "written"]

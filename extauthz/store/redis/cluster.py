@@ -9,18 +9,18 @@ import asyncio
 import functools
 import operator
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any
+from typing import Any, Final
 
 from redis import exceptions as rx
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 
-from ...errors import StoreError
+from ...core.errors import StoreError
 from .. import algorithms
-from ..base import BucketOp, CheckResult, CountOp, FleetGrantOp, GrantOp, Op, OpResult, QuotaGrantOp
+from ..base import CheckResult, Op, OpResult
 from ..keys import Keys
 from .wire import UNKNOWN, Merge, Reply, StoreStats, Unanswered, check_results, num, unknown_reply, wrap
 
-__all__ = ["check_groups", "group_by_tag", "node_of", "pipeline_by_node"]
+__all__ = ["REFUNDS", "check_groups", "group_by_tag", "node_of", "pipeline_by_node"]
 
 #: submit(script name, keys, args) -> the reply's future
 Submit = Callable[[str, Sequence[str], Sequence[str | bytes]], Awaitable[Reply]]
@@ -123,36 +123,32 @@ def _late_group(submit: Submit, stats: StoreStats, subset: list[Op], lease_id: s
     return _compensate(submit, stats, [(subset, reply)], lease_id)
 
 
+#: compensate.lua's entry for a refund of each state (see its header): its kind and two ARGV,
+#: from the op and its rule's ``refund`` amount (a state absent here is never refunded)
+REFUNDS: Final[dict[str, Callable[[Any, float], tuple[str, str, str]]]] = {
+    algorithms.TOKENS: lambda op, amount: ("b", num(op.burst), num(amount)),
+    algorithms.COUNT: lambda op, amount: ("q", str(int(amount)), ""),
+    algorithms.LEASES: lambda op, amount: ("l", "", ""),
+}
+
+
 async def _compensate(submit: Submit, stats: StoreStats,
                       committed: list[tuple[list[Op], Reply]], lease_id: str) -> None:
+    """Give back, per group, what its committed ops took: each op's rule says how much
+    (``Rule.refund``, from the state it read: what check.lua returned)."""
     calls = []
     for subset, reply in committed:
         keys: list[str] = []
         args: list[str | bytes] = [lease_id]
         for i, op in enumerate(subset):
-            if int(reply[1 + 2 * i]) != 1 or isinstance(op, FleetGrantOp):
-                # refused on its own (shadow): nothing was committed; a fleet grant's
-                # slots stay taken until their life (grant TTL + lease_ttl, FleetSlots.life):
-                # only early refusals
+            rule = algorithms.RULES[type(op)]
+            if int(reply[1 + 2 * i]) != 1 or rule.refund is None:
+                # refused on its own (shadow): nothing was committed; nothing to refund
+                # (a fleet grant's slots stay taken until their life, grant TTL +
+                # lease_ttl, FleetSlots.life: only early refusals)
                 continue
             keys.append(op.key)
-            if isinstance(op, BucketOp):
-                args.extend(("b", num(op.burst), num(op.cost)))
-            elif isinstance(op, GrantOp):
-                # the grant taken goes back, less the remainder it brought (the replica
-                # keeps that: the answer is "not committed"); granted >= cost > held
-                pool = algorithms.grant_pool(float(reply[2 + 2 * i]), op.held, op.burst)
-                granted = algorithms.grant_size(pool, op.want)
-                args.extend(("b", num(op.burst), num(max(0.0, granted - op.held))))
-            elif isinstance(op, CountOp):
-                args.extend(("q", str(op.cost), ""))
-            elif isinstance(op, QuotaGrantOp):
-                # what the grant added to the count, less the remainder it brought back
-                pool = algorithms.quota_pool(int(float(reply[2 + 2 * i])), op.held)
-                added = algorithms.quota_grant_size(pool, op.want, op.limit) - op.held
-                args.extend(("q", str(max(0, added)), ""))
-            else:
-                args.extend(("l", "", ""))
+            args.extend(REFUNDS[rule.state](op, rule.refund(op, float(reply[2 + 2 * i]))))
         if keys:
             calls.append(submit("compensate", keys, args))
     stats.compensations += len(calls)

@@ -39,7 +39,7 @@ import hiredis
 from redis import exceptions as rx
 from redis.asyncio.connection import AbstractConnection
 
-from ...backoff import Backoff
+from ...core.backoff import Backoff
 from .wire import UNKNOWN, Unanswered
 
 __all__ = ["RECONNECT_BACKOFF", "RETIRED_LIMIT", "RETIRED_READ_FOR", "NodeConnection", "RespProtocol"]

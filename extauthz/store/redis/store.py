@@ -11,7 +11,7 @@ every replica, so that one budget holds across the fleet.
 * Redis Cluster: :mod:`.cluster` (groups by hash tag, compensation).
 * Auto-batching (default on): :mod:`.batcher`.
 * Client exceptions are wrapped once (:func:`.wire.wrap`) into
-  :class:`~extauthz.errors.StoreTimeout` and :class:`~extauthz.errors.StoreUnavailable`.
+  :class:`~extauthz.core.errors.StoreTimeout` and :class:`~extauthz.core.errors.StoreUnavailable`.
   Nothing here decides fail-open: the engine does.
 """
 
@@ -30,8 +30,8 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.sentinel import Sentinel
 
-from ...errors import StoreError, StoreUnavailable
-from ...settings import STORE_DEADLINE_MS
+from ...core.errors import StoreError, StoreUnavailable
+from ...core.settings import STORE_DEADLINE_MS
 from .. import algorithms, redis_events
 from ..base import RETURN_OPS, CheckResult, Op, PeekOp, ShedParams, StoreBase, StoreStats
 from ..keys import Keys
@@ -66,6 +66,10 @@ _SHED_ATTEMPTS: Final = 8
 class RedisStore(StoreBase):
     """The store contract on Redis, Redis Cluster or Sentinel. Build it with :meth:`from_url`."""
 
+    #: script calls go over the lean client path (:mod:`.conn`); the benchmark's store over
+    #: redis-py's connections (bench/redispy_store.py) says False
+    lean: bool = True
+
     def __init__(
         self,
         client: Client,
@@ -74,7 +78,6 @@ class RedisStore(StoreBase):
         now: Callable[[], float] | None = None,
         batching: bool = True,
         sentinel: Sentinel | None = None,
-        lean: bool = True,
         releases_ride: bool = True,
     ) -> None:
         self.name = name
@@ -91,11 +94,10 @@ class RedisStore(StoreBase):
         #: see _ensure_ready
         self._ready = False
         self._init_task: asyncio.Task[None] | None = None
-        #: the lean client path (:mod:`.conn`), one connection per node (key: node name);
-        #: off (``lean=False``) only to measure it against redis-py's own path
-        self.lean = lean
         #: releases wait (a few ms) for the next check's round trip (batcher riders)
         self.releases_ride = releases_ride
+        #: the lean client path (:mod:`.conn`), one connection per node (key: node name);
+        #: bench/redispy_store.py measures it against redis-py's own connections
         self._nodes: dict[str, NodeConnection] = {}
         #: the script calls (a key of each, the call) of each check under way, by lease id:
         #: one, or on a cluster one per slot group (see :meth:`waiting`)
@@ -113,7 +115,6 @@ class RedisStore(StoreBase):
         deadline: float = STORE_DEADLINE_MS / 1000.0,
         now: Callable[[], float] | None = None,
         batching: bool | None = None,
-        lean: bool = True,
         releases_ride: bool = True,
         **kw: Any,
     ) -> RedisStore:
@@ -121,14 +122,14 @@ class RedisStore(StoreBase):
 
         ``deadline`` is the engine's per-call deadline (socket timeouts derive from it);
         ``batching`` (default on; also the URL query option ``batching=false``) pipelines
-        the checks of one event-loop iteration; ``lean`` (default on) sends script calls
-        over :mod:`.conn` instead of redis-py's connections, ``releases_ride`` (default on)
-        sends releases with the next check (both off only to measure them).
+        the checks of one event-loop iteration; script calls go over :mod:`.conn`;
+        ``releases_ride`` (default on) sends releases with the next check (off only to
+        measure it).
         ``kw`` goes to the redis-py client.
         """
         conn = connect(url, deadline=deadline, batching=batching, **kw)
         return cls(conn.client, name=conn.name, now=now, batching=conn.batching,
-                   sentinel=conn.sentinel, lean=lean, releases_ride=releases_ride)
+                   sentinel=conn.sentinel, releases_ride=releases_ride)
 
     # -- sending ------------------------------------------------------------------------
     def _now_arg(self) -> str:
@@ -166,25 +167,17 @@ class RedisStore(StoreBase):
             self.stats.round_trips += 1
             await self.client.initialize()
             # Best effort: with a master down the load fails there, and the healthy masters
-            # must still serve (NOSCRIPT loads a script where it is missing).
-            if self.lean:  # over the lean connections, opened here: one per master
-                await asyncio.gather(*(self._cluster_node(node).call(data, len(scripts))
-                                       for node in self.client.get_primaries()),
-                                     return_exceptions=True)
-            else:
-                await asyncio.gather(*(self.client.script_load(s.source) for s in scripts),
-                                     return_exceptions=True)
-        elif self.lean:
+            # must still serve (NOSCRIPT loads a script where it is missing). Over the lean
+            # connections, opened here: one per master.
+            await asyncio.gather(*(self._cluster_node(node).call(data, len(scripts))
+                                   for node in self.client.get_primaries()),
+                                 return_exceptions=True)
+        else:
             # The lean connection opened here, with the scripts: the first checks need
             # no connect of their own.
             for reply in await self._single_node().call(data, len(scripts)):
                 if isinstance(reply, BaseException):
                     raise reply
-        else:
-            pipe = self.client.pipeline(transaction=False)
-            for script in scripts:
-                pipe.script_load(script.source)
-            await pipe.execute()
         self.stats.round_trips += 1
         self.stats.script_loads += len(scripts)
         self._ready = True
@@ -233,49 +226,20 @@ class RedisStore(StoreBase):
         dead master cannot keep scripts off the others."""
         self.stats.script_loads += 1
         self.stats.round_trips += 1
-        if self.lean:
-            target = self._single_node() if node is None else self._cluster_node(node)
-            reply, = await target.call(pack_command("SCRIPT", "LOAD", script.source), 1)
-            if isinstance(reply, BaseException):
-                raise reply
-        elif node is None:
-            await self.client.script_load(script.source)
-        else:
-            await self.client.execute_command("SCRIPT LOAD", script.source, target_nodes=node)
+        target = self._single_node() if node is None else self._cluster_node(node)
+        reply, = await target.call(pack_command("SCRIPT", "LOAD", script.source), 1)
+        if isinstance(reply, BaseException):
+            raise reply
 
     async def _raw_pipeline(self, batch: Sequence[Call]) -> list[Any]:
-        """Single Redis and Sentinel: the batch's EVALSHAs packed here and written at once,
-        one reply per call (error replies in place, like a pipeline's
-        ``raise_on_error=False``): over the lean connection (:mod:`.conn`), or with
-        ``lean=False`` on one pooled redis-py connection."""
-        assert isinstance(self.client, Redis)
-        pool = self.client.connection_pool
-
+        """Single Redis and Sentinel: the batch's EVALSHAs packed here and written at once
+        over the lean connection (:mod:`.conn`), one reply per call (error replies in
+        place, like a pipeline's ``raise_on_error=False``)."""
         async def send_lean(todo: list[int]) -> list[Any]:
             return await self._single_node().call(_packed_calls(batch, todo), len(todo), late=True,
                                                   sent=_stamp(batch, todo))
 
-        async def send(todo: list[int]) -> list[Any]:
-            conn = await pool.get_connection()  # type: ignore[no-untyped-call]
-            answers: list[Any] = []
-            try:
-                await conn.send_packed_command(_packed_calls(batch, todo))
-                for _ in todo:
-                    try:
-                        answers.append(await conn.read_response())
-                    except rx.ResponseError as exc:  # this call's error; the stream goes on
-                        answers.append(exc)
-            except BaseException:
-                # A half-read stream must never go back to the pool (redis-py disconnects
-                # on its own errors; this covers every other way out).
-                await conn.disconnect(nowait=True)
-                raise
-            finally:
-                await pool.release(conn)
-            return answers
-
-        return await send_reloading([call.script for call in batch],
-                                    send_lean if self.lean else send,
+        return await send_reloading([call.script for call in batch], send_lean,
                                     lambda script: self._script_load(script, None), self.stats)
 
     def _single_node(self) -> NodeConnection:
@@ -294,13 +258,14 @@ class RedisStore(StoreBase):
         return node
 
     async def _pipeline_on(self, batch: Sequence[Call], node: ClusterNode | None) -> list[Any]:
-        """Redis Cluster, one master: the calls as one pipeline of EVALSHAs
-        (``transaction=False``), or one plain call (cheaper than a one-command pipeline)."""
+        """Redis Cluster, one master: the calls over the lean connection to it (a batch of
+        no known master through redis-py's client: :meth:`_pipeline_client`)."""
+        if node is None:
+            return await self._pipeline_client(batch, node)
         assert isinstance(self.client, RedisCluster)
         client = self.client
 
         async def send_lean(todo: list[int]) -> list[Any]:
-            assert node is not None
             answers = await self._cluster_node(node).call(_packed_calls(batch, todo), len(todo),
                                                           late=True, sent=_stamp(batch, todo))
             # MOVED/ASK (slots moved since the map was read): that call once more through
@@ -314,6 +279,15 @@ class RedisStore(StoreBase):
                     except rx.ResponseError as exc:
                         answers[j] = exc
             return list(answers)
+
+        return await send_reloading([call.script for call in batch], send_lean,
+                                    lambda script: self._script_load(script, node), self.stats)
+
+    async def _pipeline_client(self, batch: Sequence[Call], node: ClusterNode | None) -> list[Any]:
+        """Redis Cluster through redis-py's client: the calls as one pipeline of EVALSHAs
+        (``transaction=False``), or one plain call (cheaper than a one-command pipeline)."""
+        assert isinstance(self.client, RedisCluster)
+        client = self.client
 
         async def send(todo: list[int]) -> list[Any]:
             if len(batch) == 1:
@@ -332,8 +306,7 @@ class RedisStore(StoreBase):
                                      *call.args)
             return list(await pipe.execute(raise_on_error=False))
 
-        return await send_reloading([call.script for call in batch],
-                                    send_lean if self.lean and node is not None else send,
+        return await send_reloading([call.script for call in batch], send,
                                     lambda script: self._script_load(script, node), self.stats)
 
     async def _run(self, script: str, keys: Sequence[str], args: Sequence[str | bytes]) -> Reply:
@@ -414,7 +387,7 @@ class RedisStore(StoreBase):
         return out
 
     def _node_of(self, key: str) -> NodeConnection | None:
-        """The lean connection serving ``key`` (None: not opened yet, or not lean)."""
+        """The lean connection serving ``key`` (None: not opened yet)."""
         if not self._cluster:
             return self._nodes.get("")
         node = cluster.node_of(self.client, key)

@@ -5,30 +5,20 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import importlib.resources
+import operator
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 from redis import exceptions as rx
 
-from ...errors import StoreError, StoreTimeout, StoreUnavailable
-from .. import algorithms
-from ..base import (
-    BucketOp,
-    CheckResult,
-    CountOp,
-    FleetGrantOp,
-    GrantOp,
-    Op,
-    OpResult,
-    QuotaGrantOp,
-    QuotaReturnOp,
-    ReturnOp,
-    StoreStats,
-)
+from ...core.errors import StoreError, StoreTimeout, StoreUnavailable
+from ..algorithms import RULES
+from ..base import OP_KINDS, CheckResult, Op, OpResult, StoreStats
 
 __all__ = [
     "CLIENT_ERRORS", "MERGES", "NOSCRIPT_ATTEMPTS", "SCRIPT_NAMES", "UNKNOWN", "Merge", "Reply", "Script",
@@ -194,42 +184,42 @@ def _entry(now: str, keys: list[str], lease_id: str,
 
 
 def op_args(op: Op) -> tuple[bytes, ...]:
-    """The 5 ARGV check.lua reads per op (see its header)."""
-    if isinstance(op, BucketOp):
-        return _bucket_args(op.enforce, op.rate, op.burst, op.cost)
-    if isinstance(op, GrantOp):
-        return (b"g", b"1" if op.enforce else b"0", num(op.rate).encode(), num(op.burst).encode(),
-                f"{num(op.cost)} {num(op.want)} {num(op.held)}".encode())
-    if isinstance(op, ReturnOp):
-        return (b"u", b"0", num(op.rate).encode(), num(op.burst).encode(), num(op.amount).encode())
-    if isinstance(op, CountOp):
-        return _count_args(op.enforce, op.limit, op.cost, op.ttl)
-    if isinstance(op, QuotaGrantOp):
-        return (b"c", b"1" if op.enforce else b"0", str(int(op.limit)).encode(),
-                f"{int(op.cost)} {int(op.want)} {int(op.held)}".encode(), str(int(op.ttl)).encode())
-    if isinstance(op, QuotaReturnOp):
-        return (b"v", b"0", str(int(op.amount)).encode(), b"", b"")
-    if isinstance(op, FleetGrantOp):
-        return (b"f", b"1" if op.enforce else b"0", str(int(op.limit)).encode(), num(op.ttl).encode(),
-                f"{op.grant} {int(op.have)} {int(op.want)} {int(op.used)}".encode())
-    return _lease_args(op.enforce, op.limit, op.ttl)
+    """The 5 ARGV check.lua reads per op (see its header): packed by the op kind's ``CODE``
+    and ``ARGS`` (:mod:`extauthz.store.base`)."""
+    return _PACKERS[type(op)](op)
 
 
-@functools.lru_cache(maxsize=4096)
-def _bucket_args(enforce: bool, rate: float, burst: float, cost: float) -> tuple[bytes, ...]:
-    return (b"b", b"1" if enforce else b"0", num(rate).encode(), num(burst).encode(),
-            num(cost).encode())
+#: how a field of each type crosses to Redis: floats as ``repr(float)`` (exact; check.lua
+#: reads them back with tonumber), ints as integers, strings as they are
+_FORMATS: Final[dict[str, Callable[[Any], bytes]]] = {
+    "float": lambda x: num(x).encode(),
+    "int": lambda x: str(int(x)).encode(),
+    "str": lambda x: str(x).encode(),
+}
 
 
-@functools.lru_cache(maxsize=4096)
-def _count_args(enforce: bool, limit: int, cost: int, ttl: int) -> tuple[bytes, ...]:
-    return (b"q", b"1" if enforce else b"0", str(int(limit)).encode(), str(int(cost)).encode(),
-            str(int(ttl)).encode())
+def _packer(kind: type[Op]) -> Callable[[Op], tuple[bytes, ...]]:
+    """The ARGV packer of one op kind, from its ``CODE`` and ``ARGS``: the fields' values are
+    read in ``ARGS`` order, and what they pack to is cached (an op's numbers repeat from
+    check to check; its key is not part of them)."""
+    types = {f.name: str(f.type) for f in dataclasses.fields(kind)}
+    slots = [name.split() for name in kind.ARGS]
+    names = [name for slot in slots for name in slot]
+    formats = [_FORMATS[types[name]] for name in names]
+    code = kind.CODE.encode()
+    read = operator.attrgetter(*names) if len(names) > 1 else (lambda op: (getattr(op, names[0]),))
+
+    @functools.lru_cache(maxsize=4096)
+    def pack(enforce: bool, values: tuple[Any, ...]) -> tuple[bytes, ...]:
+        packed = iter([fmt(v) for fmt, v in zip(formats, values, strict=True)])
+        return (code, b"1" if enforce else b"0",
+                *(b" ".join(next(packed) for _ in slot) for slot in slots))
+
+    return lambda op: pack(op.enforce, read(op))
 
 
-@functools.lru_cache(maxsize=4096)
-def _lease_args(enforce: bool, limit: int, ttl: float) -> tuple[bytes, ...]:
-    return (b"l", b"1" if enforce else b"0", str(int(limit)).encode(), num(ttl).encode(), b"")
+#: op kind -> its ARGV packer
+_PACKERS: Final = {kind: _packer(kind) for kind in OP_KINDS}
 
 
 def _bulk(arg: str | bytes) -> bytes:
@@ -253,15 +243,15 @@ def pack_evalsha(sha: bytes, keys: Sequence[str], args: Sequence[str | bytes]) -
 
 
 def unknown_reply(ops: Sequence[Op]) -> list[Any]:
-    """check.lua's reply taken for a call that may have run (:data:`UNKNOWN`): admitted, every
-    lease op held (releasing a lease id that is not there is harmless), no bucket op taken
-    (refunding tokens that were not taken would not be; a grant or give-back neither, of
-    tokens or of quota units; a fleet grant's slots neither: taken, they expire with its TTL)."""
+    """check.lua's reply taken for a call that may have run (:data:`UNKNOWN`): admitted, and
+    each op committed where its rule says so (``Rule.assume_committed``: every lease op
+    held, as releasing a lease id that is not there is harmless) and not elsewhere (no
+    bucket op taken: refunding tokens that were not taken would not be; a grant or give-back
+    neither, of tokens or of quota units; a fleet grant's slots neither: taken, they expire
+    with its TTL)."""
     reply: list[Any] = [1]
     for op in ops:
-        reply.extend((0 if isinstance(op, BucketOp | GrantOp | ReturnOp | QuotaGrantOp | QuotaReturnOp
-                                      | FleetGrantOp)
-                      else 1, b"0"))
+        reply.extend((1 if RULES[type(op)].assume_committed else 0, b"0"))
     return reply
 
 
@@ -281,9 +271,12 @@ def check_result(ops: Sequence[Op], reply: Reply) -> CheckResult:
 
 def check_results(ops: Sequence[Op], reply: Sequence[Any], admitted: bool) -> list[OpResult]:
     """check.lua's reply (each op's allowed flag and its state before the commit) -> the
-    results, derived by :func:`~extauthz.store.algorithms.op_result` as on the memory store."""
-    return [algorithms.op_result(op, int(reply[1 + 2 * i]) == 1, float(reply[2 + 2 * i]), admitted)
-            for i, op in enumerate(ops)]
+    results, derived by each op's rule (``algorithms.RULES``) as on the memory store."""
+    results = []
+    for i, op in enumerate(ops):
+        allowed = int(reply[1 + 2 * i]) == 1
+        results.append(RULES[type(op)].result(op, allowed, float(reply[2 + 2 * i]), admitted and allowed))
+    return results
 
 
 async def send_reloading(

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from extauthz.breaker import Breaker
-from extauthz.clock import SYSTEM_CLOCK
-from extauthz.context import RawRequest
-from extauthz.engine import Engine
-from extauthz.errors import StoreUnavailable
+from extauthz.core.clock import SYSTEM_CLOCK
+from extauthz.core.context import RawRequest
+from extauthz.core.errors import StoreUnavailable
+from extauthz.engine.breaker import Breaker
+from extauthz.engine.engine import Engine
+from extauthz.engine.storegate import StoreGate
 from extauthz.policy import load_policy
 from extauthz.store.base import BucketOp, CheckResult, LeaseOp
 from extauthz.store.redis import RedisStore
-from extauthz.storegate import StoreGate
 from testinfra.redis_servers import (
     RedisCluster,
     RedisSingle,

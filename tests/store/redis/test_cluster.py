@@ -7,7 +7,7 @@ import pytest
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.crc import key_slot
 
-from extauthz.errors import StoreUnavailable
+from extauthz.core.errors import StoreUnavailable
 from extauthz.store.base import LeaseOp
 from extauthz.store.redis import RedisStore
 from testinfra.redis_servers import RedisCluster

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from extauthz.errors import StoreUnavailable
+from extauthz.core.errors import StoreUnavailable
 from extauthz.store.base import BucketOp
 from testinfra.redis_servers import RedisSingle
 from tests.store.conftest import make_redis_store

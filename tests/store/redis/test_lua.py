@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from extauthz.clock import ManualClock
+from extauthz.core.clock import ManualClock
 from extauthz.store.base import BucketOp, FleetGrantOp, LeaseOp
 from extauthz.store.redis import SCRIPT_NAMES, load_script
 from testinfra.redis_servers import RedisSingle

@@ -9,7 +9,7 @@ import pytest
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.sentinel import SentinelConnectionPool
 
-from extauthz.errors import StoreUnavailable
+from extauthz.core.errors import StoreUnavailable
 from extauthz.store.base import BucketOp
 from extauthz.store.redis import RedisStore
 from testinfra.redis_servers import start_single

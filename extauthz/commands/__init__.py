@@ -1,0 +1,1 @@
+"""The ``extauthz`` commands: serve, the operator commands, simulate, pictures, k8s."""

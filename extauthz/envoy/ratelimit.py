@@ -1,0 +1,143 @@
+"""``extauthz envoy-config --protocol ratelimit``: an Envoy bootstrap whose global rate limit
+filter (``envoy.filters.http.ratelimit``) calls ShouldRateLimit on the server's gRPC port.
+
+The rate limit actions come from the policy's limiters with ``match`` (and ``unlimited``
+entries) of one domain: one ``rate_limits`` entry per descriptor shape, one action per entry:
+``remote_address``, ``masked_remote_address``, ``source_cluster`` and ``destination_cluster``
+by their own actions, ``generic_key`` by a generic key with the match's value, ``path``,
+``method`` and ``authority`` from the pseudo-headers, every other key from a request header
+(``--descriptor-header KEY=HEADER``; default: the key with ``-`` for ``_``). The filter fails
+open (``failure_mode_deny: false``) within the server's check budget plus Envoy's margin,
+as ext_authz does; ``ext_authz`` (an auth service of the team's own) can run before it.
+
+The rate limit protocol's part of the Envoy config generator, on :mod:`.blocks` (a
+bootstrap of its own: no ext_authz target, see :mod:`.config` for those).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from ..core.settings import CHECK_BUDGET_MS
+from ..policy.model import Policy
+from ..policy.schema import DescriptorMatch
+from .blocks import Config, TlsFiles, address, authz_timeout, cluster, grpc_cluster, typed
+
+__all__ = ["DEFAULT_RLS", "RATELIMIT_FILTER", "actions_for", "bootstrap", "render"]
+
+#: the filter's name
+RATELIMIT_FILTER = "envoy.filters.http.ratelimit"
+#: where Envoy reaches ShouldRateLimit by default: the server's gRPC port
+DEFAULT_RLS = ("127.0.0.1", 9001)
+#: descriptor keys Envoy fills with an action of their own
+_OWN_ACTIONS = {"remote_address": "remote_address", "masked_remote_address": "masked_remote_address",
+                "source_cluster": "source_cluster", "destination_cluster": "destination_cluster"}
+_PSEUDO = {"path": ":path", "method": ":method", "authority": ":authority"}
+
+
+def domain_of(policy: Policy, domain: str | None) -> str:
+    """The domain the filter sends: ``domain``, else the policy's only one."""
+    domains = policy.descriptors.domains
+    if domain is not None:
+        if domain not in domains:
+            raise ValueError(f"--domain {domain!r}: no limiter with 'match' has it "
+                             f"({', '.join(sorted(domains)) or 'none has match'})")
+        return domain
+    if len(domains) != 1:
+        raise ValueError("the policy's limiters with 'match' name "
+                         + (f"{len(domains)} domains ({', '.join(sorted(domains))}): pick one with --domain"
+                            if domains else "no domain: add 'match' to a request_rate or quota limiter"))
+    return next(iter(domains))
+
+
+def _matches(policy: Policy, domain: str) -> list[DescriptorMatch]:
+    found: list[DescriptorMatch] = [m for spec in policy.limiters
+                                    if (m := getattr(spec, "match", None)) is not None and m.domain == domain]
+    return found
+
+
+def actions_for(match: DescriptorMatch, headers: Mapping[str, str]) -> list[Config]:
+    """The rate limit actions that build a descriptor of ``match``'s shape."""
+    out: list[Config] = []
+    for e in match.descriptor:
+        if e.key in _OWN_ACTIONS:
+            out.append({_OWN_ACTIONS[e.key]: {}})
+        elif e.key == "generic_key":
+            if e.value is None or e.value.endswith("*"):
+                raise ValueError("a 'generic_key' entry needs its value (the action sends a fixed one)")
+            out.append({"generic_key": {"descriptor_value": e.value}})
+        else:
+            header = headers.get(e.key) or _PSEUDO.get(e.key) or e.key.replace("_", "-")
+            out.append({"request_headers": {"header_name": header, "descriptor_key": e.key}})
+    return out
+
+
+def rate_limits(policy: Policy, domain: str, headers: Mapping[str, str]) -> list[Config]:
+    """One ``rate_limits`` entry per distinct action list, in policy order."""
+    out: list[Config] = []
+    for match in _matches(policy, domain):
+        entry = {"actions": actions_for(match, headers)}
+        if entry not in out:
+            out.append(entry)
+    return out
+
+
+def bootstrap(policy: Policy, *, upstream: tuple[str, int], authz: tuple[str, int] | None = None,
+              domain: str | None = None, headers: Mapping[str, str] | None = None,
+              listen_port: int = 10000, admin_port: int = 9901, tls: TlsFiles | None = None,
+              ext_authz: tuple[str, int] | None = None, check_budget_ms: float = CHECK_BUDGET_MS) -> Config:
+    """The bootstrap as a mapping (module docstring)."""
+    name = domain_of(policy, domain)
+    limits = rate_limits(policy, name, headers or {})
+    filters: list[Config] = []
+    if ext_authz is not None:  # the team's own auth service keeps the ext_authz slot
+        filters.append({"name": "envoy.filters.http.ext_authz", "typed_config": {
+            "@type": typed("envoy.extensions.filters.http.ext_authz.v3.ExtAuthz"),
+            "grpc_service": {"envoy_grpc": {"cluster_name": "auth_service"}, "timeout": "0.25s"},
+            "transport_api_version": "V3", "failure_mode_allow": False}})
+    filters.append({"name": RATELIMIT_FILTER, "typed_config": {
+        "@type": typed("envoy.extensions.filters.http.ratelimit.v3.RateLimit"),
+        "domain": name,
+        # fail open: a server that does not answer in time lets the request through
+        "failure_mode_deny": False,
+        "timeout": authz_timeout(check_budget_ms),
+        "rate_limit_service": {"grpc_service": {"envoy_grpc": {"cluster_name": "extauthz"}},
+                               "transport_api_version": "V3"},
+    }})
+    filters.append({"name": "envoy.filters.http.router", "typed_config": {
+        "@type": typed("envoy.extensions.filters.http.router.v3.Router")}})
+    hcm: Config = {
+        "@type": typed("envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"),
+        "stat_prefix": "ingress_http", "codec_type": "AUTO",
+        # the remote_address descriptor is the client's address (x-forwarded-for appended)
+        "use_remote_address": True,
+        "normalize_path": True, "merge_slashes": True,
+        "path_with_escaped_slashes_action": "UNESCAPE_AND_REDIRECT",
+        "common_http_protocol_options": {"headers_with_underscores_action": "REJECT_REQUEST"},
+        "route_config": {"name": "local_route", "virtual_hosts": [{
+            "name": "api", "domains": ["*"], "rate_limits": limits,
+            "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "upstream"}}]}]},
+        "http_filters": filters,
+    }
+    clusters = [grpc_cluster("extauthz", authz or DEFAULT_RLS, tls)]
+    if ext_authz is not None:
+        clusters.append(grpc_cluster("auth_service", ext_authz, None))
+    clusters.append(cluster("upstream", upstream, "1s"))
+    return {
+        "admin": {"address": address("127.0.0.1", admin_port)},
+        "static_resources": {
+            "listeners": [{"name": "ingress", "address": address("127.0.0.1", listen_port),
+                           "filter_chains": [{"filters": [{
+                               "name": "envoy.filters.network.http_connection_manager",
+                               "typed_config": hcm}]}]}],
+            "clusters": clusters,
+        },
+    }
+
+
+def render(policy: Policy, **options: Any) -> str:
+    """:func:`bootstrap` as YAML."""
+    return yaml.safe_dump(bootstrap(policy, **options), sort_keys=False)

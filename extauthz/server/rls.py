@@ -1,0 +1,200 @@
+"""Envoy's rate limit service protocol (``envoy.service.ratelimit.v3.RateLimitService/
+ShouldRateLimit``), the ratelimit filter's door to the check flow.
+
+One ``RateLimitRequest`` is a domain and a list of descriptors. The policy's descriptor table
+(:mod:`extauthz.policy.descriptors`) names the one limiter each descriptor reaches, with
+``replaces`` applied across them, as envoyproxy/ratelimit does; each descriptor that reaches
+a limiter then goes through the check flow (:class:`~extauthz.server.flow.CheckFlow`: the
+same classifier, engine, store, fail-open and shadow handling as ``Check``) as one request
+whose context carries the descriptor's entries and its target (only that limiter applies).
+A descriptor that reaches nothing (an unknown domain or shape) is answered OK and counted
+(:attr:`RateLimitDoor.unknown`); an ``unlimited`` one is answered OK with no limit.
+
+The answer, as envoyproxy/ratelimit's: ``overall_code`` OVER_LIMIT when a descriptor is
+over its limit (a shadow limiter never is: counted as would-refuse), one ``DescriptorStatus``
+per descriptor (``current_limit``, ``limit_remaining``, ``duration_until_reset``), and the
+``RateLimit-Policy``/``RateLimit`` headers (and ``Retry-After`` when over) of the descriptor
+closest to its limit, which the filter adds to the response.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from ..core.context import RawRequest, RequestContext
+from ..core.verdict import Decision, Outcome, Verdict
+from ..engine.answers import ratelimit_headers, retry_after_seconds
+from ..engine.engine import Snapshot
+from ..policy.descriptors import Entries, replaced
+from ..policy.schema import MAX_COUNT, QuotaSpec, RequestRateSpec
+from ..proto import core_pb2, rls_pb2
+from .flow import CheckFlow
+from .grpc_h2 import Call as H2Call
+from .leases import Leases
+
+_RPC = {"rpc.system": "grpc", "rpc.service": "envoy.service.ratelimit.v3.RateLimitService",
+        "rpc.method": "ShouldRateLimit"}
+_OK = rls_pb2.RateLimitResponse.OK
+_OVER = rls_pb2.RateLimitResponse.OVER_LIMIT
+_Unit = rls_pb2.RateLimitResponse.RateLimit
+#: a quota's period -> the response's unit
+UNITS = {"second": _Unit.SECOND, "minute": _Unit.MINUTE, "hour": _Unit.HOUR, "day": _Unit.DAY,
+         "week": _Unit.WEEK, "month": _Unit.MONTH, "year": _Unit.YEAR}
+#: a token bucket's rate, told in the first unit in which it is at least one request
+_RATE_UNITS = ((_Unit.SECOND, 1), (_Unit.MINUTE, 60), (_Unit.HOUR, 3600), (_Unit.DAY, 86400))
+_MAX_UINT32 = 2**32 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class DescriptorCall:
+    """One descriptor of a ``RateLimitRequest`` that reached a limiter: what the door reads."""
+
+    entries: Mapping[str, str]
+    #: the limiter's name
+    target: str
+    #: the hits it adds (``hits_addend``), 0 for the limiter's own cost
+    hits: int
+
+
+def hits_of(request: rls_pb2.RateLimitRequest, descriptor: Any) -> int:
+    """The hits one descriptor adds: its own ``hits_addend``, else the request's, else 0 (the
+    limiter's ``cost``); bounded (a count past :data:`MAX_COUNT` is over any limit)."""
+    hits = descriptor.hits_addend.value if descriptor.HasField("hits_addend") else request.hits_addend
+    return min(int(hits), MAX_COUNT)
+
+
+def current_limit(spec: Any) -> rls_pb2.RateLimitResponse.RateLimit | None:
+    """A limiter's numbers as the response's ``current_limit`` (a bucket's rate in the first
+    unit that holds one request)."""
+    if isinstance(spec, QuotaSpec):
+        return _Unit(name=spec.name, requests_per_unit=min(spec.limit, _MAX_UINT32), unit=UNITS[spec.period])
+    if isinstance(spec, RequestRateSpec):
+        for unit, seconds in _RATE_UNITS:
+            if spec.rate * seconds >= 1 or unit == _Unit.DAY:
+                return _Unit(name=spec.name, requests_per_unit=min(math.floor(spec.rate * seconds), _MAX_UINT32),
+                             unit=unit)
+    return None
+
+
+def _status(v: Verdict | None, decision: Decision, limit: Any) -> rls_pb2.RateLimitResponse.DescriptorStatus:
+    status = rls_pb2.RateLimitResponse.DescriptorStatus(code=_OK if decision.allowed else _OVER)
+    if limit is not None:
+        status.current_limit.CopyFrom(limit)
+    if v is not None and v.remaining is not None:
+        status.limit_remaining = max(0, min(math.floor(v.remaining), _MAX_UINT32))
+    if v is not None:
+        reset = v.retry_after if v.outcome is Outcome.DENIED and v.retry_after else v.reset
+        if reset is not None and reset > 0:
+            status.duration_until_reset.FromNanoseconds(math.ceil(reset * 1e9))
+    return status
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """One descriptor's answer: its status and the decision behind it (None: no limiter)."""
+
+    status: rls_pb2.RateLimitResponse.DescriptorStatus
+    decision: Decision | None = None
+
+
+_NO_LIMIT = Answer(rls_pb2.RateLimitResponse.DescriptorStatus(code=_OK))
+_UNLIMITED = Answer(rls_pb2.RateLimitResponse.DescriptorStatus(code=_OK, limit_remaining=_MAX_UINT32))
+
+
+class RateLimitDoor:
+    """The check flow's door for one descriptor (a :class:`~extauthz.server.flow.Door`):
+    :class:`DescriptorCall` in, :class:`Answer` out; and :meth:`should_rate_limit`, the
+    whole request."""
+
+    name = "ratelimit"
+    what = "a rate limit descriptor"
+    span = _RPC
+
+    def __init__(self, flow: CheckFlow) -> None:
+        self.flow = flow
+        #: descriptors that reached no limiter (unknown domain or shape): answered OK
+        self.unknown = 0
+        #: descriptors an ``unlimited`` entry answered
+        self.unlimited = 0
+        #: descriptors a limiter decided
+        self.decided = 0
+        #: descriptors whose limiter another descriptor's ``replaces`` switched off
+        self.replaced = 0
+
+    def counts(self) -> dict[str, int]:
+        """Descriptors by what answered them (``extauthz_ratelimit_descriptors_total{result}``)."""
+        return {"decided": self.decided, "replaced": self.replaced, "unknown": self.unknown,
+                "unlimited": self.unlimited}
+
+    async def should_rate_limit(self, request: rls_pb2.RateLimitRequest,
+                                context: grpc.aio.ServicerContext) -> rls_pb2.RateLimitResponse:
+        snap = self.flow.engine.snapshot
+        descriptors: list[Entries] = [tuple([(e.key, e.value) for e in d.entries]) for d in request.descriptors]
+        table = snap.policy.descriptors
+        found = [table.lookup(request.domain, entries) for entries in descriptors]
+        targets = replaced(found)
+        answers: list[Answer] = []
+        for d, entries, was, target in zip(request.descriptors, descriptors, found, targets, strict=True):
+            if target is None:
+                if was is None:
+                    self.unknown += 1
+                else:
+                    self.replaced += 1
+                answers.append(_NO_LIMIT)
+            elif target.unlimited:
+                self.unlimited += 1
+                answers.append(_UNLIMITED)
+            else:
+                self.decided += 1
+                answers.append(await self.flow.check(
+                    self, DescriptorCall(dict(entries), target.name, hits_of(request, d)), context))
+        return response(answers)
+
+    # -- the Door: one descriptor in, its answer out
+    def read(self, message: DescriptorCall, snap: Snapshot) -> RawRequest:
+        return RawRequest("", "", descriptor=message.entries, descriptor_target=message.target,
+                          hits=message.hits)
+
+    def hold(self, message: DescriptorCall, call: grpc.aio.ServicerContext, ctx: RequestContext,
+             decision: Decision, leases: Leases) -> str | None:
+        return None  # limiters with match take no leases
+
+    def answer(self, message: DescriptorCall, ctx: RequestContext, decision: Decision,
+               ticket: str) -> Answer:
+        v = next((v for v in decision.verdicts if v.limiter == message.target), None)
+        spec = self.flow.engine.snapshot.policy.limiter(message.target)
+        return Answer(_status(v, decision, current_limit(spec)), decision)
+
+    def time_left(self, message: DescriptorCall,
+                  call: grpc.aio.ServicerContext) -> tuple[float | None, float, bool]:
+        # as on Check (services.py): grpc.aio stamps the deadline on arrival, the event-loop
+        # server when the loop reads the call
+        return call.time_remaining(), 0.0, not isinstance(call, H2Call)
+
+    def unreadable(self, message: DescriptorCall) -> Answer:
+        return _NO_LIMIT
+
+    def carrier(self, message: DescriptorCall, call: grpc.aio.ServicerContext) -> Iterable[tuple[str, Any]]:
+        return call.invocation_metadata() or ()
+
+
+def response(answers: list[Answer]) -> rls_pb2.RateLimitResponse:
+    """The ``RateLimitResponse`` of the descriptors' answers: OVER_LIMIT when one is; the
+    rate limit headers of the one over its limit, else of the one closest to it."""
+    over = next((a for a in answers if a.status.code == _OVER), None)
+    resp = rls_pb2.RateLimitResponse(overall_code=_OVER if over is not None else _OK,
+                                     statuses=[a.status for a in answers])
+    shown = over or min((a for a in answers if a.decision is not None and a.status.HasField("current_limit")),
+                        key=lambda a: a.status.limit_remaining, default=None)
+    if shown is not None and shown.decision is not None:
+        headers = ratelimit_headers(shown.decision)
+        denied = shown.decision.denied_by
+        if denied is not None:
+            headers.append(("retry-after", str(retry_after_seconds(denied))))
+        resp.response_headers_to_add.extend([core_pb2.HeaderValue(key=k, value=v) for k, v in headers])
+    return resp

@@ -1,0 +1,257 @@
+"""A real Envoy with its global rate limit filter (``envoy.filters.http.ratelimit``) calling
+ShouldRateLimit on the server's gRPC port: descriptors from request headers, the remote
+address and generic keys; domain mismatch; unknown descriptors (allowed, counted); shadow
+mode; the server or its Redis down (fail open within the filter's timeout)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from extauthz.devtools.envoy_process import EnvoyProcess
+from extauthz.devtools.stack import free_port
+from extauthz.devtools.upstream import Upstream, start_upstream
+from extauthz.envoy.ratelimit import render
+from extauthz.policy import load_policy
+from extauthz.server.app import Server, ServerConfig
+
+from ..conftest import ROOT
+from ..infra.certs import CA
+
+pytestmark = pytest.mark.e2e
+
+POLICY = """\
+version: 1
+limiters:
+  - name: per-key
+    type: quota
+    limit: 2
+    period: hour
+    match: {domain: edge, descriptor: [{key: api_key}]}
+  - name: search-per-key
+    type: quota
+    limit: 1
+    period: hour
+    match: {domain: edge, descriptor: [{key: generic_key, value: search}, {key: api_key}]}
+  - name: shadow-user
+    type: quota
+    limit: 1
+    period: hour
+    mode: shadow
+    match: {domain: edge, descriptor: [{key: user}]}
+"""
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+#: the filter's timeout: a check slower than this is failed open by Envoy
+TIMEOUT = 0.25
+
+
+def envoy_config(rls_port: int, upstream_port: int, domain: str = "edge", tls: Path | None = None) -> str:
+    limits = [
+        {"actions": [{"request_headers": {"header_name": "x-api-key", "descriptor_key": "api_key"}}]},
+        {"actions": [{"remote_address": {}}]},  # no limiter has it: unknown, allowed
+        {"actions": [{"request_headers": {"header_name": "x-user", "descriptor_key": "user"}}]},
+    ]
+    search = [{"generic_key": {"descriptor_value": "search"}},
+              {"request_headers": {"header_name": "x-api-key", "descriptor_key": "api_key"}}]
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+                 ".HttpConnectionManager",
+        "stat_prefix": "ingress_http",
+        "route_config": {"name": "local", "virtual_hosts": [{
+            "name": "api", "domains": ["*"], "rate_limits": limits,
+            "routes": [
+                {"match": {"prefix": "/search"}, "route": {"cluster": "upstream", "rate_limits": [
+                    *limits, {"actions": search}]}},
+                {"match": {"prefix": "/"}, "route": {"cluster": "upstream"}},
+            ]}]},
+        "http_filters": [
+            {"name": "envoy.filters.http.ratelimit", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit",
+                "domain": domain, "failure_mode_deny": False, "timeout": f"{TIMEOUT}s",
+                "rate_limit_service": {"grpc_service": {"envoy_grpc": {"cluster_name": "extauthz"}},
+                                       "transport_api_version": "V3"}}},
+            {"name": "envoy.filters.http.router", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
+        ],
+    }
+
+    def cluster(name: str, port: int, h2: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "name": name, "type": "STATIC", "connect_timeout": "0.25s",
+            "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [{"endpoint": {
+                "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}]}]}}
+        if h2 and tls is not None:  # mTLS to the server: Envoy's certificate, the server's checked
+            out["transport_socket"] = {"name": "envoy.transport_sockets.tls", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                "sni": "extauthz",
+                "common_tls_context": {
+                    "alpn_protocols": ["h2"],
+                    "tls_certificates": [{"certificate_chain": {"filename": str(tls / "envoy" / "tls.crt")},
+                                          "private_key": {"filename": str(tls / "envoy" / "tls.key")}}],
+                    "validation_context": {"trusted_ca": {"filename": str(tls / "ca.crt")}}}}}
+        if h2:
+            out["typed_extension_protocol_options"] = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}}}}
+        return out
+
+    return yaml.safe_dump({
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
+        "static_resources": {
+            "listeners": [{"name": "ingress", "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}},
+                           "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                           "typed_config": hcm}]}]}],
+            "clusters": [cluster("extauthz", rls_port, True), cluster("upstream", upstream_port, False)],
+        },
+    })
+
+
+def get(url: str, headers: dict[str, str]) -> tuple[int, dict[str, str]]:
+    request = urllib.request.Request(url, headers=headers)
+    try:
+        with _OPENER.open(request, timeout=5) as resp:
+            return resp.status, {k.lower(): v for k, v in resp.headers.items()}
+    except urllib.error.HTTPError as err:
+        return err.code, {k.lower(): v for k, v in err.headers.items()}
+
+
+@pytest.fixture
+def upstream() -> Iterator[Upstream]:
+    with start_upstream("127.0.0.1") as server:
+        yield server
+
+
+@pytest.fixture(params=["grpcio", "asyncio"])
+async def server(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Server]:
+    policy = tmp_path / "p.yaml"
+    policy.write_text(POLICY)
+    srv = Server(ServerConfig(policies=[str(policy)], listen=f"127.0.0.1:{free_port()}", admin_listen="off",
+                              reload_interval=0, identity_salt="s", grpc_server=request.param))
+    await srv.start()
+    try:
+        yield srv
+    finally:
+        await srv.stop(grace=0)
+
+
+async def statuses(envoy: EnvoyProcess, path: str, n: int, **headers: str) -> list[int]:
+    return [(await asyncio.to_thread(get, envoy.url + path, headers))[0] for _ in range(n)]
+
+
+async def test_descriptors_from_headers_generic_keys_and_unknown_ones(server: Server, upstream: Upstream) -> None:
+    with EnvoyProcess(envoy_config(server.port, upstream.port)) as envoy:
+        assert server.ratelimit is not None
+        door = server.ratelimit.door
+        assert await statuses(envoy, "/a", 3, **{"x-api-key": "k1"}) == [200, 200, 429]
+        assert await statuses(envoy, "/a", 1, **{"x-api-key": "k2"}) == [200]  # a counter per value
+        _, headers = await asyncio.to_thread(get, envoy.url + "/a", {"x-api-key": "k1"})
+        assert headers["x-envoy-ratelimited"] == "true"
+        assert headers["ratelimit"].startswith('"per-key";r=0') and headers["retry-after"]
+        # /search: the generic key's descriptor beside the per-key one (both must allow)
+        assert await statuses(envoy, "/search", 2, **{"x-api-key": "k3"}) == [200, 429]
+        # each descriptor counts on its own, as envoyproxy/ratelimit's do: the refused /search
+        # still took one of per-key's 2
+        assert await statuses(envoy, "/a", 1, **{"x-api-key": "k3"}) == [429]
+        # every request also sent the remote address, which no limiter matches: allowed, counted
+        assert door.unknown == 8
+        # shadow: counted, never refused
+        assert await statuses(envoy, "/a", 3, **{"x-user": "u1"}) == [200, 200, 200]
+
+
+async def test_domain_mismatch_allows_everything(server: Server, upstream: Upstream) -> None:
+    with EnvoyProcess(envoy_config(server.port, upstream.port, domain="other")) as envoy:
+        assert await statuses(envoy, "/a", 4, **{"x-api-key": "k1"}) == [200] * 4
+        assert server.ratelimit is not None and server.ratelimit.door.decided == 0
+
+
+def test_server_down_fails_open(upstream: Upstream) -> None:
+    with EnvoyProcess(envoy_config(free_port(), upstream.port)) as envoy:
+        started = time.monotonic()
+        assert [get(envoy.url + "/a", {"x-api-key": "k1"})[0] for _ in range(3)] == [200] * 3
+        assert time.monotonic() - started < 3 * (TIMEOUT + 1.0)
+
+
+async def test_redis_down_fails_open_within_the_deadline(upstream: Upstream, tmp_path: Path) -> None:
+    policy = tmp_path / "p.yaml"
+    policy.write_text(POLICY)
+    srv = Server(ServerConfig(policies=[str(policy)], listen=f"127.0.0.1:{free_port()}", admin_listen="off",
+                              reload_interval=0, identity_salt="s", grpc_server="asyncio",
+                              redis_url=f"redis://127.0.0.1:{free_port()}"))
+    await srv.start()
+    try:
+        with EnvoyProcess(envoy_config(srv.port, upstream.port)) as envoy:
+            for _ in range(3):
+                status, headers = await asyncio.to_thread(get, envoy.url + "/a", {"x-api-key": "k1"})
+                assert status == 200 and "x-envoy-ratelimited" not in headers
+            stats = envoy.stats(r"ratelimit")
+            # decided by the server (failed open there, counted), not timed out in Envoy
+            assert not any(v for k, v in stats.items() if k.endswith("ratelimit.error")), stats
+        assert srv.ratelimit is not None and srv.ratelimit.door.decided == 3
+    finally:
+        await srv.stop(grace=0)
+
+
+@pytest.mark.parametrize("grpc_server", ["grpcio", "asyncio"])
+async def test_over_mtls(grpc_server: str, upstream: Upstream, tmp_path: Path) -> None:
+    ca = CA()
+    ca.write(tmp_path / "ca.crt")
+    ca.issue("extauthz", dns=("extauthz",), ips=("127.0.0.1",)).write(tmp_path / "server", "tls")
+    ca.issue("envoy").write(tmp_path / "envoy", "tls")
+    policy = tmp_path / "p.yaml"
+    policy.write_text(POLICY)
+    srv = Server(ServerConfig(policies=[str(policy)], listen=f"127.0.0.1:{free_port()}", admin_listen="off",
+                              reload_interval=0, identity_salt="s", grpc_server=grpc_server,
+                              tls_cert=str(tmp_path / "server" / "tls.crt"),
+                              tls_key=str(tmp_path / "server" / "tls.key"),
+                              tls_client_ca=str(tmp_path / "ca.crt")))
+    await srv.start()
+    try:
+        with EnvoyProcess(envoy_config(srv.port, upstream.port, tls=tmp_path)) as envoy:
+            assert await statuses(envoy, "/a", 3, **{"x-api-key": "k1"}) == [200, 200, 429]
+        assert srv.ratelimit is not None and srv.ratelimit.door.decided == 3
+    finally:
+        await srv.stop(grace=0)
+
+
+async def test_the_shipped_config_and_policy(upstream: Upstream) -> None:
+    """envoy/envoy-ratelimit.yaml's generator (on free ports) with policies/ratelimit/."""
+    policies = ROOT / "policies" / "ratelimit"
+    srv = Server(ServerConfig(policies=[str(policies)], listen=f"127.0.0.1:{free_port()}", admin_listen="off",
+                              reload_interval=0, identity_salt="s", grpc_server="asyncio"))
+    await srv.start()
+    try:
+        text = render(load_policy([policies]), upstream=("127.0.0.1", upstream.port), authz=("127.0.0.1", srv.port),
+                      headers={"api_key": "x-api-key", "plan": "x-plan"}, listen_port=0, admin_port=0)
+        with EnvoyProcess(text) as envoy:
+            free = {"x-api-key": "k1", "x-plan": "free"}
+            assert await statuses(envoy, "/a", 11, **free) == [200] * 10 + [429]  # free-per-key: 10 a minute
+            assert await statuses(envoy, "/a", 2, **{"x-api-key": "k1", "x-plan": "pro"}) == [200, 200]
+            # every request sent three descriptors (key, plan+key, address); the pro plan's
+            # plan+key reaches no limiter
+            door = srv.ratelimit.door if srv.ratelimit is not None else None
+            assert door is not None and (door.decided, door.unknown) == (11 * 3 + 2 * 2, 2)
+    finally:
+        await srv.stop(grace=0)
+
+
+@pytest.mark.parametrize("options", [{}, {"ext_authz": ("127.0.0.1", 9000)}, {"tls": "files"}],
+                         ids=["plain", "with-ext-authz", "mtls"])
+def test_generated_variants_pass_envoy_validation(options: dict[str, Any], tmp_path: Path) -> None:
+    from extauthz.devtools.envoy_config import validate
+    from extauthz.envoy.blocks import TlsFiles
+
+    if options.get("tls"):
+        ca = CA()
+        ca.write(tmp_path / "ca.crt")
+        ca.issue("envoy").write(tmp_path, "tls")
+        options = {"tls": TlsFiles(f"{tmp_path}/tls.crt", f"{tmp_path}/tls.key", f"{tmp_path}/ca.crt")}
+    validate(render(load_policy([ROOT / "policies" / "ratelimit"]), upstream=("127.0.0.1", 8080),
+                    headers={"api_key": "x-api-key"}, **options))
