@@ -48,6 +48,11 @@ UNITS = {"second": _Unit.SECOND, "minute": _Unit.MINUTE, "hour": _Unit.HOUR, "da
 #: a token bucket's rate, told in the first unit in which it is at least one request
 _RATE_UNITS = ((_Unit.SECOND, 1), (_Unit.MINUTE, 60), (_Unit.HOUR, 3600), (_Unit.DAY, 86400))
 _MAX_UINT32 = 2**32 - 1
+#: descriptors one ``RateLimitRequest`` may carry (Envoy sends one per rate limit action that
+#: applies to the route, a handful); more is refused with INVALID_ARGUMENT, as a request without
+#: a domain is: each matched descriptor is a decision and a store call, and a 4 MiB message
+#: holds a hundred thousand descriptors.
+MAX_DESCRIPTORS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,14 +130,20 @@ class RateLimitDoor:
         self.decided = 0
         #: descriptors whose limiter another descriptor's ``replaces`` switched off
         self.replaced = 0
+        #: descriptors of requests refused unread (no domain, more than :data:`MAX_DESCRIPTORS`)
+        self.refused = 0
 
     def counts(self) -> dict[str, int]:
         """Descriptors by what answered them (``extauthz_ratelimit_descriptors_total{result}``)."""
-        return {"decided": self.decided, "replaced": self.replaced, "unknown": self.unknown,
-                "unlimited": self.unlimited}
+        return {"decided": self.decided, "refused": self.refused, "replaced": self.replaced,
+                "unknown": self.unknown, "unlimited": self.unlimited}
 
     async def should_rate_limit(self, request: rls_pb2.RateLimitRequest,
                                 context: grpc.aio.ServicerContext) -> rls_pb2.RateLimitResponse:
+        problem = refusal(request)
+        if problem is not None:
+            self.refused += len(request.descriptors)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         snap = self.flow.engine.snapshot
         descriptors: list[Entries] = [tuple([(e.key, e.value) for e in d.entries]) for d in request.descriptors]
         table = snap.policy.descriptors
@@ -181,6 +192,16 @@ class RateLimitDoor:
 
     def carrier(self, message: DescriptorCall, call: grpc.aio.ServicerContext) -> Iterable[tuple[str, Any]]:
         return call.invocation_metadata() or ()
+
+
+def refusal(request: rls_pb2.RateLimitRequest) -> str | None:
+    """Why ``request`` is refused unread (envoyproxy/ratelimit refuses an empty domain too),
+    or None."""
+    if not request.domain:
+        return "rate limit domain must not be empty"
+    if len(request.descriptors) > MAX_DESCRIPTORS:
+        return f"{len(request.descriptors)} descriptors: at most {MAX_DESCRIPTORS} in one request"
+    return None
 
 
 def response(answers: list[Answer]) -> rls_pb2.RateLimitResponse:

@@ -14,6 +14,7 @@ from google.protobuf import wrappers_pb2
 from extauthz.core.clock import ManualClock
 from extauthz.proto import auth_pb2, auth_pb2_grpc, ratelimit_common_pb2, rls_pb2, rls_pb2_grpc
 from extauthz.server.app import Server, ServerConfig
+from extauthz.server.rls import MAX_DESCRIPTORS
 
 POLICY = """\
 version: 1
@@ -125,7 +126,7 @@ async def test_replaces_unlimited_unknown_and_domain_mismatch(stub) -> None:
     assert codes(unknown) == (OK, [OK, OK]) and codes(mismatch) == (OK, [OK])
     assert door.unknown == before + 3
     assert srv.panel.status()["ratelimit_descriptors"] == door.counts() == {
-        "decided": 4, "replaced": 3, "unknown": 3, "unlimited": 5}
+        "decided": 4, "refused": 0, "replaced": 3, "unknown": 3, "unlimited": 5}
 
 
 async def test_shadow_mode_never_answers_over_limit(stub) -> None:
@@ -161,3 +162,22 @@ async def test_check_and_should_rate_limit_share_one_server_but_not_their_limite
         await rls.ShouldRateLimit(ask("edge", [("remote_address", "10.0.0.9")]), timeout=5)
     assert (await check.Check(req, timeout=5)).status.code == 0
     assert (await check.Check(req, timeout=5)).status.code != 0
+
+
+async def test_a_request_without_a_domain_or_with_too_many_descriptors_is_refused(stub) -> None:
+    rls, _, _, srv = stub
+    ip = [("remote_address", "10.0.0.7")]
+    with pytest.raises(grpc.aio.AioRpcError) as empty:
+        await rls.ShouldRateLimit(ask("", ip), timeout=5)
+    assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "domain must not be empty" in (empty.value.details() or "")
+    many = [[("remote_address", f"10.1.{i // 256}.{i % 256}")] for i in range(MAX_DESCRIPTORS + 1)]
+    with pytest.raises(grpc.aio.AioRpcError) as flood:
+        await rls.ShouldRateLimit(ask("edge", *many), timeout=5)
+    assert flood.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"at most {MAX_DESCRIPTORS}" in (flood.value.details() or "")
+    door = srv.ratelimit.door if srv.ratelimit is not None else None
+    assert door is not None and door.decided == 0 and door.refused == 1 + MAX_DESCRIPTORS + 1
+    # as many as allowed are all decided
+    resp = await rls.ShouldRateLimit(ask("edge", *many[:MAX_DESCRIPTORS]), timeout=5)
+    assert codes(resp) == (OK, [OK] * MAX_DESCRIPTORS) and door.decided == MAX_DESCRIPTORS
