@@ -9,7 +9,8 @@ an entry of ``unlimited``. The peer's lookup is the policy's (most specific, gre
 the decisions are the same, except where docs/migrating.md says we differ (calendar weeks,
 months and years; value prefixes at every level). What cannot be converted is refused with
 the file and line: an unknown key, a bad unit, a unit beside ``unlimited``, a limit of 0
-requests, a duplicate descriptor or domain, a ``replaces`` naming its own limit.
+requests, a duplicate descriptor or domain, a ``replaces`` naming its own limit, a ``*``
+before a value's end, and the peer's keys in :data:`NOT_CONVERTED`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,17 @@ from ..policy.schema import MAX_COUNT
 
 #: the peer's keys (src/config/config_impl.go validKeys)
 VALID_KEYS = frozenset({"domain", "key", "value", "descriptors", "rate_limit", "unit", "requests_per_unit",
-                        "unlimited", "shadow_mode", "name", "replaces", "detailed_metric"})
+                        "unlimited", "shadow_mode", "name", "replaces", "detailed_metric", "quota_mode",
+                        "value_to_metric", "share_threshold", "metadata"})
+#: a descriptor's keys the peer knows that change its decisions or answers in ways a policy
+#: cannot say: refused when set (``metadata``: at all; the flags: when true)
+NOT_CONVERTED = {
+    "share_threshold": "it shares one counter among the values a wildcard matches; here each value "
+                       "has its own",
+    "quota_mode": "the peer refuses on such a limit only when every quota-mode limit of the request is "
+                  "over; here each limit refuses alone",
+    "metadata": "the server does not add a limit's metadata to its answer",
+}
 UNITS = ("second", "minute", "hour", "day", "week", "month", "year")
 #: units whose windows differ from the peer's (fixed 7, 30 and 365 days from the epoch)
 CALENDAR_UNITS = ("week", "month", "year")
@@ -101,7 +112,8 @@ class _Names:
 
     def __init__(self) -> None:
         self.used: set[str] = set()
-        self.by_peer: dict[str, str] = {}
+        #: a peer's name -> the limiters so named (the peer's names need not be unique)
+        self.by_peer: dict[str, list[str]] = {}
 
     def make(self, wanted: str) -> str:
         base = _NAME_OK.sub("-", wanted.lower()).strip("-._") or "limit"
@@ -156,7 +168,9 @@ def convert(files: Sequence[tuple[str, str]]) -> list[Converted]:
         if mapped is None:  # the peer ignores a name no limit has
             conv.warnings.append(f"{conv.source}:{line}: replaces '{peer_name}': no limit has that name; left out")
             continue
-        entry.setdefault("replaces", []).append(mapped)
+        # the peer drops every limit of that name
+        have = entry.setdefault("replaces", [])
+        have.extend(name for name in mapped if name not in have)
     return out
 
 
@@ -171,6 +185,16 @@ def _walk(file: str, conv: Converted, node: yaml.Node, path: list[dict[str, str]
             raise ConvertError(file, _line(item), "descriptor has empty key")
         key = _scalar(file, d["key"][1], "key")
         value = _scalar(file, d["value"][1], "value") if "value" in d else ""
+        if "*" in value[:-1]:
+            raise ConvertError(file, _line(d["value"][1]), f"value '{value}': a '*' before the end is a "
+                               "wildcard to envoyproxy/ratelimit, a literal here: not converted (only a "
+                               "trailing '*', a prefix, matches the same)")
+        for what, why in NOT_CONVERTED.items():
+            if what in d and (what == "metadata" or _bool(file, d[what][1], what)):
+                raise ConvertError(file, _line(d[what][0]), f"'{what}' is not converted: {why}")
+        if "value_to_metric" in d and _bool(file, d["value_to_metric"][1], "value_to_metric"):
+            conv.warnings.append(f"{file}:{_line(d['value_to_metric'][0])}: value_to_metric: metrics only, "
+                                 "not converted (the decisions are the same)")
         composite = f"{key}_{value}" if value else key
         if composite in seen:
             raise ConvertError(file, _line(item), f"duplicate descriptor composite key '{composite}' "
@@ -216,7 +240,7 @@ def _limit(file: str, conv: Converted, d: dict[str, tuple[yaml.Node, yaml.Node]]
     wanted = peer_name or f"{conv.domain}.{shape}"
     name = names.make(wanted)
     if peer_name:
-        names.by_peer.setdefault(peer_name, name)
+        names.by_peer.setdefault(peer_name, []).append(name)
     line = _line(key_node)
     if unlimited:
         if unit in UNITS:
