@@ -62,14 +62,21 @@ class DescriptorCall:
     entries: Mapping[str, str]
     #: the limiter's name
     target: str
-    #: the hits it adds (``hits_addend``), 0 for the limiter's own cost
-    hits: int
+    #: the hits it adds (``hits_addend``): None for the limiter's own cost, 0 to check only
+    hits: int | None
 
 
-def hits_of(request: rls_pb2.RateLimitRequest, descriptor: Any) -> int:
-    """The hits one descriptor adds: its own ``hits_addend``, else the request's, else 0 (the
-    limiter's ``cost``); bounded (a count past :data:`MAX_COUNT` is over any limit)."""
-    hits = descriptor.hits_addend.value if descriptor.HasField("hits_addend") else request.hits_addend
+def hits_of(request: rls_pb2.RateLimitRequest, descriptor: Any) -> int | None:
+    """The hits one descriptor adds, as envoyproxy/ratelimit's ``GetHitsAddends``: its own
+    ``hits_addend`` when set (0: checked, nothing added), else the request's when not 0, else
+    None (the limiter's ``cost``, one hit by default); bounded (a count past
+    :data:`MAX_COUNT` is over any limit)."""
+    if descriptor.HasField("hits_addend"):
+        hits = descriptor.hits_addend.value
+    elif request.hits_addend:
+        hits = request.hits_addend
+    else:
+        return None
     return min(int(hits), MAX_COUNT)
 
 

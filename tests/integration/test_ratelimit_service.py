@@ -181,3 +181,18 @@ async def test_a_request_without_a_domain_or_with_too_many_descriptors_is_refuse
     # as many as allowed are all decided
     resp = await rls.ShouldRateLimit(ask("edge", *many[:MAX_DESCRIPTORS]), timeout=5)
     assert codes(resp) == (OK, [OK] * MAX_DESCRIPTORS) and door.decided == MAX_DESCRIPTORS
+
+
+async def test_a_descriptors_hits_addend_of_zero_checks_without_counting(stub) -> None:
+    # envoyproxy/ratelimit (utils.GetHitsAddends): a descriptor's own hits_addend may be 0,
+    # "check only"; the request's 0 is the default (one hit, here the limiter's cost)
+    rls, _, _, _ = stub
+    ip = [("remote_address", "10.0.0.5")]
+    peeks = [await rls.ShouldRateLimit(ask("edge", ip, each=[0]), timeout=5) for _ in range(3)]
+    assert [codes(p) for p in peeks] == [(OK, [OK])] * 3
+    assert [p.statuses[0].limit_remaining for p in peeks] == [2, 2, 2]
+    counted = [await rls.ShouldRateLimit(ask("edge", ip, hits=0), timeout=5) for _ in range(2)]
+    assert [c.statuses[0].limit_remaining for c in counted] == [1, 0]
+    full = await rls.ShouldRateLimit(ask("edge", ip, each=[0]), timeout=5)
+    assert codes(full) == (OK, [OK]) and full.statuses[0].limit_remaining == 0  # at the limit, not over
+    assert codes(await rls.ShouldRateLimit(ask("edge", ip), timeout=5)) == (OVER, [OVER])
