@@ -69,15 +69,15 @@ class DescriptorCall:
 def hits_of(request: rls_pb2.RateLimitRequest, descriptor: Any) -> int | None:
     """The hits one descriptor adds, as envoyproxy/ratelimit's ``GetHitsAddends``: its own
     ``hits_addend`` when set (0: checked, nothing added), else the request's when not 0, else
-    None (the limiter's ``cost``, one hit by default); bounded (a count past
-    :data:`MAX_COUNT` is over any limit)."""
+    None (the limiter's ``cost``, one hit by default); bounded at one past :data:`MAX_COUNT`
+    (over any limit, the largest too)."""
     if descriptor.HasField("hits_addend"):
         hits = descriptor.hits_addend.value
     elif request.hits_addend:
         hits = request.hits_addend
     else:
         return None
-    return min(int(hits), MAX_COUNT)
+    return min(int(hits), MAX_COUNT + 1)
 
 
 def current_limit(spec: Any) -> rls_pb2.RateLimitResponse.RateLimit | None:
