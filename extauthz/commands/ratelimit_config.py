@@ -7,7 +7,7 @@ per ``unit``, ``shadow_mode`` as ``mode: shadow``, ``replaces``, ``detailed_metr
 ``unlimited: true`` one, and a leaf with no limit (which the peer answers with no limit),
 an entry of ``unlimited``. The peer's lookup is the policy's (most specific, greedy), so
 the decisions are the same, except where docs/migrating.md says we differ (calendar weeks,
-months and years; value prefixes at every level). What cannot be converted is refused with
+months and years; over-limit hits not counted). What cannot be converted is refused with
 the file and line: an unknown key, a bad unit, a unit beside ``unlimited``, a limit of 0
 requests, a duplicate descriptor or domain, a ``replaces`` naming its own limit, a ``*``
 before a value's end, and the peer's keys in :data:`NOT_CONVERTED`.

@@ -196,3 +196,14 @@ async def test_a_descriptors_hits_addend_of_zero_checks_without_counting(stub) -
     full = await rls.ShouldRateLimit(ask("edge", ip, each=[0]), timeout=5)
     assert codes(full) == (OK, [OK]) and full.statuses[0].limit_remaining == 0  # at the limit, not over
     assert codes(await rls.ShouldRateLimit(ask("edge", ip), timeout=5)) == (OVER, [OVER])
+
+
+async def test_hits_over_the_limit_are_not_counted(stub) -> None:
+    # where extauthz decides differently (docs/migrating.md): the peer adds a refused
+    # request's hits to its counter too, so a smaller request after it is refused as well
+    rls, _, _, _ = stub
+    ip = [("remote_address", "10.0.0.6")]
+    big = await rls.ShouldRateLimit(ask("edge", ip, hits=5), timeout=5)
+    assert codes(big) == (OVER, [OVER]) and big.statuses[0].limit_remaining == 2
+    small = [await rls.ShouldRateLimit(ask("edge", ip), timeout=5) for _ in range(3)]
+    assert [codes(s) for s in small] == [(OK, [OK]), (OK, [OK]), (OVER, [OVER])]
