@@ -207,3 +207,31 @@ async def test_hits_over_the_limit_are_not_counted(stub) -> None:
     assert codes(big) == (OVER, [OVER]) and big.statuses[0].limit_remaining == 2
     small = [await rls.ShouldRateLimit(ask("edge", ip), timeout=5) for _ in range(3)]
     assert [codes(s) for s in small] == [(OK, [OK]), (OK, [OK]), (OVER, [OVER])]
+
+
+@pytest.mark.parametrize("grpc_server", ["grpcio", "asyncio"])
+async def test_each_decided_descriptor_is_counted_on_the_ratelimit_door(grpc_server: str, tmp_path: Path) -> None:
+    policy = tmp_path / "p.yaml"
+    policy.write_text(POLICY)
+    srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0", admin_listen="off",
+                              metrics_listen="127.0.0.1:0", reload_interval=0, identity_salt="s",
+                              grpc_server=grpc_server), clock=ManualClock(1_800_000_000.5))
+    await srv.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}")
+    try:
+        rls = rls_pb2_grpc.RateLimitServiceStub(channel)
+        ip = [("remote_address", "10.0.0.7")]
+        for _ in range(3):  # 2 allowed, 1 over; the unknown descriptor is not decided
+            await rls.ShouldRateLimit(ask("edge", ip, [("user_agent", "x")]), timeout=5)
+        metrics = srv.observe.metrics
+        assert metrics is not None
+
+        def count(door: str, decision: str) -> float | None:
+            return metrics.registry.get_sample_value("extauthz_check_duration_seconds_count",
+                                                     {"door": door, "decision": decision})
+
+        assert (count("ratelimit", "allowed"), count("ratelimit", "rate_limited")) == (2, 1)
+        assert count("grpc", "allowed") == 0
+    finally:
+        await srv.stop(grace=0)
+        await channel.close()
