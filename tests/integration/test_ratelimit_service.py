@@ -15,6 +15,7 @@ from extauthz.core.clock import ManualClock
 from extauthz.proto import auth_pb2, auth_pb2_grpc, ratelimit_common_pb2, rls_pb2, rls_pb2_grpc
 from extauthz.server.app import Server, ServerConfig
 from extauthz.server.rls import MAX_DESCRIPTORS
+from testinfra.redis_servers import RedisSingle
 
 POLICY = """\
 version: 1
@@ -232,6 +233,34 @@ async def test_each_decided_descriptor_is_counted_on_the_ratelimit_door(grpc_ser
 
         assert (count("ratelimit", "allowed"), count("ratelimit", "rate_limited")) == (2, 1)
         assert count("grpc", "allowed") == 0
+    finally:
+        await srv.stop(grace=0)
+        await channel.close()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("grpc_server", ["grpcio", "asyncio"])
+async def test_a_stalled_redis_fails_every_descriptor_open_within_the_calls_deadline(
+        grpc_server: str, tmp_path: Path, redis_single_clean: RedisSingle) -> None:
+    policy = tmp_path / "p.yaml"
+    policy.write_text(POLICY)
+    srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0", admin_listen="off",
+                              reload_interval=0, identity_salt="s", grpc_server=grpc_server,
+                              redis_url=redis_single_clean.url, check_budget_ms=100))
+    await srv.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}")
+    try:
+        rls = rls_pb2_grpc.RateLimitServiceStub(channel)
+        many = [[("remote_address", f"10.2.0.{i}")] for i in range(8)]
+        assert codes(await rls.ShouldRateLimit(ask("edge", *many), timeout=5)) == (OK, [OK] * 8)
+        redis_single_clean.pause()
+        try:
+            # each descriptor waits at most what the call has left: eight stalled store calls
+            # of the whole budget each would outlive the 300 ms the filter gives
+            resp = await rls.ShouldRateLimit(ask("edge", *many), timeout=0.3)
+        finally:
+            redis_single_clean.resume()
+        assert codes(resp) == (OK, [OK] * 8)  # failed open (failure_mode: open)
     finally:
         await srv.stop(grace=0)
         await channel.close()
