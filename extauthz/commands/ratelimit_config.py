@@ -205,8 +205,8 @@ def _walk(file: str, conv: Converted, node: yaml.Node, path: list[dict[str, str]
         children = d.get("descriptors")
         if "rate_limit" in d:
             _limit(file, conv, d, match, names, pending)
-        elif children is None:  # a leaf without a limit: the peer applies none
-            conv.unlimited.append({"match": match})
+        elif children is None or children[1].value == []:  # a leaf without a limit: the peer
+            conv.unlimited.append({"match": match})  # applies none (no fallback to a default)
         for flag in ("shadow_mode", "detailed_metric"):
             if flag in d and "rate_limit" not in d:
                 _bool(file, d[flag][1], flag)  # checked; no limit to apply it to
@@ -258,6 +258,9 @@ def _limit(file: str, conv: Converted, d: dict[str, tuple[yaml.Node, yaml.Node]]
             raise ConvertError(file, _line(rl["requests_per_unit"][1]) if "requests_per_unit" in rl else line,
                                "requests_per_unit 0 refuses every request: not converted (a quota's limit "
                                "is at least 1; block these requests in Envoy instead)")
+        if raw > MAX_COUNT:
+            conv.warnings.append(f"{file}:{_line(rl['requests_per_unit'][1])}: requests_per_unit {raw}: at most "
+                                 f"{MAX_COUNT} here, converted to that")
         entry = {"name": name, "type": "quota", "limit": min(raw, MAX_COUNT), "period": unit}
         if shadow:
             entry["mode"] = "shadow"

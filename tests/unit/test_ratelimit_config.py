@@ -174,3 +174,28 @@ def test_value_to_metric_is_accepted_with_a_warning() -> None:
     (conv,) = convert([("d.yaml", text)])
     assert len(conv.limiters) == 1
     assert conv.warnings == ["d.yaml:4: value_to_metric: metrics only, not converted (the decisions are the same)"]
+
+
+def test_a_value_with_an_empty_descriptors_list_keeps_its_node(tmp_path: Path) -> None:
+    # the peer finds a_x (no limit, no children) and applies no limit; it never falls back to a's
+    text = """\
+domain: d
+descriptors:
+  - key: a
+    value: x
+    descriptors: []
+  - key: a
+    rate_limit: {unit: second, requests_per_unit: 1}
+"""
+    (conv,) = convert([("d.yaml", text)])
+    (tmp_path / "d.yaml").write_text(conv.text())
+    found = load_policy([tmp_path]).descriptors.resolve("d", [entries_of({"a": "x"}), entries_of({"a": "y"})])
+    assert [(t.name, t.unlimited) if t is not None else None for t in found] == [
+        ("", True), (conv.limiters[0]["name"], False)]
+
+
+def test_a_limit_past_the_largest_count_is_warned_about(tmp_path: Path) -> None:
+    text = "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: year, requests_per_unit: 4294967295}\n"
+    (conv,) = convert([("d.yaml", text)])
+    assert conv.limiters[0]["limit"] == 1_000_000_000
+    assert "d.yaml:4: requests_per_unit 4294967295: at most 1000000000 here" in conv.warnings[0]
