@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from ..policy.schema import MAX_COUNT
+from ..policy.schema import MAX_COUNT, MAX_DESCRIPTOR_ENTRIES, MAX_DESCRIPTOR_KEY, MAX_DESCRIPTOR_VALUE
 
 #: the peer's keys (src/config/config_impl.go validKeys)
 VALID_KEYS = frozenset({"domain", "key", "value", "descriptors", "rate_limit", "unit", "requests_per_unit",
@@ -152,6 +152,9 @@ def convert(files: Sequence[tuple[str, str]]) -> list[Converted]:
         domain = _scalar(file, top["domain"][1], "domain")
         if not domain:
             raise ConvertError(file, _line(top["domain"][1]), "config file cannot have empty domain")
+        if len(domain) > MAX_DESCRIPTOR_KEY:
+            raise ConvertError(file, _line(top["domain"][1]), f"a domain of {len(domain)} characters: at most "
+                               f"{MAX_DESCRIPTOR_KEY} here")
         if domain in domains:
             raise ConvertError(file, _line(top["domain"][1]),
                                f"duplicate domain '{domain}' (first in {domains[domain]})")
@@ -185,6 +188,15 @@ def _walk(file: str, conv: Converted, node: yaml.Node, path: list[dict[str, str]
             raise ConvertError(file, _line(item), "descriptor has empty key")
         key = _scalar(file, d["key"][1], "key")
         value = _scalar(file, d["value"][1], "value") if "value" in d else ""
+        if len(path) >= MAX_DESCRIPTOR_ENTRIES:
+            raise ConvertError(file, _line(item), f"a descriptor nested {len(path) + 1} deep: at most "
+                               f"{MAX_DESCRIPTOR_ENTRIES} entries here")
+        if len(key) > MAX_DESCRIPTOR_KEY:
+            raise ConvertError(file, _line(d["key"][1]), f"a key of {len(key)} characters: at most "
+                               f"{MAX_DESCRIPTOR_KEY} here")
+        if len(value) > MAX_DESCRIPTOR_VALUE:
+            raise ConvertError(file, _line(d["value"][1]), f"a value of {len(value)} characters: at most "
+                               f"{MAX_DESCRIPTOR_VALUE} here")
         if "*" in value[:-1]:
             raise ConvertError(file, _line(d["value"][1]), f"value '{value}': a '*' before the end is a "
                                "wildcard to envoyproxy/ratelimit, a literal here: not converted (only a "
