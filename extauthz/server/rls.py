@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -59,7 +59,8 @@ MAX_DESCRIPTORS = 64
 class DescriptorCall:
     """One descriptor of a ``RateLimitRequest`` that reached a limiter: what the door reads."""
 
-    entries: Mapping[str, str]
+    #: the entries (values may be API keys: never in a repr, a log or a span)
+    entries: Mapping[str, str] = field(repr=False)
     #: the limiter's name
     target: str
     #: the hits it adds (``hits_addend``): None for the limiter's own cost, 0 to check only

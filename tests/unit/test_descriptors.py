@@ -188,3 +188,11 @@ async def test_a_huge_hits_addend_is_over_the_largest_limit(tmp_path: Path) -> N
             raw = RawRequest("", "", descriptor={"k": "v"}, descriptor_target=target, hits=hits)
             assert not (await engine.decide(c.context(raw))).allowed, (target, hits)
     assert hits_of(rls_pb2.RateLimitRequest(hits_addend=3), d.__class__()) == 3
+
+
+def test_a_descriptors_values_are_not_in_its_repr() -> None:
+    from extauthz.server.rls import DescriptorCall
+
+    call = DescriptorCall({"api_key": "sk_live_secret"}, "per-key", None)
+    assert "sk_live_secret" not in repr(call)
+    assert "sk_live_secret" not in repr(RawRequest("", "", descriptor=call.entries, descriptor_target="per-key"))
