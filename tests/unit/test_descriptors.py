@@ -196,3 +196,14 @@ def test_a_descriptors_values_are_not_in_its_repr() -> None:
     call = DescriptorCall({"api_key": "sk_live_secret"}, "per-key", None)
     assert "sk_live_secret" not in repr(call)
     assert "sk_live_secret" not in repr(RawRequest("", "", descriptor=call.entries, descriptor_target="per-key"))
+
+
+def test_a_key_holding_the_tables_separator_reaches_no_value_of_its_own(tmp_path: Path) -> None:
+    # the table files key "path" with value "/admin" under "path\0/admin": a request entry whose
+    # key is that string (any value) must not reach it by the key's default
+    p = policy_from(tmp_path, {"limiters": [
+        quota("admin", "d", {"key": "path", "value": "/admin"}),
+        quota("admin-prefix", "e", {"key": "path", "value": "/admin*"})]})
+    assert p.descriptors.lookup("d", (("path\0/admin", "x"),)) is None
+    assert p.descriptors.lookup("e", (("path\0/admin", "x"),)) is None
+    assert p.descriptors.lookup("d", (("path", "/admin"),)) is not None
