@@ -138,7 +138,9 @@ class Server:
         # the store's ledger spans replicas; the embedded store is one replica's (and starts
         # empty with it): this replica's ledger is the whole ledger there
         ledger = None if isinstance(self.store, MemoryStore) else StoreLedger(self.store, keys)
-        self.quota = RateLimitQuotaService(QuotaBook(self._quota_limits, clock=clock, ledger=ledger))
+        self.quota = RateLimitQuotaService(QuotaBook(self._quota_limits, clock=clock,
+                                                     salt=config.identity_salt.encode(),
+                                                     confirm_on_write=True, ledger=ledger))
         if not config.lease_secret and config.redis_url:
             log.warning("no --lease-secret: lease tickets use a random per-process key, so with several "
                         "replicas an access-log entry reaching another replica releases nothing (its "

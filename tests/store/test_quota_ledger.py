@@ -149,7 +149,7 @@ async def test_a_restarted_replica_honours_what_the_store_holds(case: Case) -> N
     assert envoys.held[("new", second.id, key)][0] == LIMIT.total
 
 
-async def test_a_shared_bucket_is_split_and_grows_into_what_is_given_back(case: Case) -> None:
+async def test_an_abandoned_bucket_s_slices_go_back_after_their_ttl(case: Case) -> None:
     a, b = book(case, "a"), book(case, "b")
     envoys = Envoys(case.clock)
     sa, sb = a.open("envoy-a"), b.open("envoy-b")
@@ -157,11 +157,16 @@ async def test_a_shared_bucket_is_split_and_grows_into_what_is_given_back(case: 
     await report(a, "a", envoys, sa, [Usage(BUCKETS[0], 0.0, 0, 1)])
     await report(b, "b", envoys, sb, [Usage(BUCKETS[0], 0.0, 0, 1)])
     assert envoys.held[("b", sb.id, key)][0] == NOTHING  # a holds the whole limit
-    # a's bucket goes idle: abandoned after IDLE_REPORTS reports, its slices given back
+    # a's bucket goes idle: abandoned after IDLE_REPORTS reports
     for _ in range(6):
         case.clock.advance(5.0)
         await report(a, "a", envoys, sa, [Usage(BUCKETS[0], 5.0, 0, 0)])
     assert ("a", sa.id, key) not in envoys.held
+    # a's Envoy enforces its last assignment until the abandon reaches it: its slices stay
+    # until their TTL (the assignment's plus one report interval), then b takes the limit
+    await report(b, "b", envoys, sb, [Usage(BUCKETS[0], 5.0, 0, 9)])
+    assert envoys.held[("b", sb.id, key)][0] == NOTHING
+    case.clock.advance(a.ttl + a.report_interval)
     await report(b, "b", envoys, sb, [Usage(BUCKETS[0], 5.0, 0, 9)])
     assert envoys.held[("b", sb.id, key)][0] == LIMIT.total
 
