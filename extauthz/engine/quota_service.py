@@ -11,8 +11,9 @@ into ``RateLimitQuotaResponse`` messages.
 * :func:`divide` (pure) splits them into whole tokens: shares follow the reported demand,
   and a share grows only into what is free in the ledger, where a shrunk share stays held
   until a report sent after Envoy received the shrink confirms it (:attr:`Held.until`).
-  The ledger here is this replica's (:class:`QuotaBook`); a store ledger across replicas
-  replaces it by holding the same :class:`Share` numbers per (bucket, stream) under a TTL.
+  The ledger here is this replica's (:class:`QuotaBook`); beneath it, the store's ledger
+  (:class:`StoreLedger`, ``SliceOp``) holds each (bucket, stream)'s numbers across replicas
+  under a TTL, and a share is sent only as far as the store granted it (:meth:`QuotaBook.settle`).
 * Assignments carry a TTL of a few report intervals; a bucket that reports no requests for
   ``idle_reports`` reports is abandoned; a stream gone, or an abandoned bucket, gives its
   shares back once its assignments' TTL has passed (its Envoy enforces them until then).
@@ -30,8 +31,12 @@ into ``RateLimitQuotaResponse`` messages.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import heapq
+import logging
 import math
+import secrets
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -40,8 +45,12 @@ from typing import TypeVar
 from ..core.clock import SYSTEM_CLOCK, Clock
 from ..policy.classify import hash_identity
 from ..policy.model import Policy
+from ..store.base import OpResult, SliceOp, Store
+from ..store.keys import Keys
 
 K = TypeVar("K", bound=Hashable)
+
+log = logging.getLogger(__name__)
 
 #: the bucket id's entry naming the limiter
 LIMITER_KEY = "limiter"
@@ -223,6 +232,13 @@ class Held:
     full: bool = False
     #: the fill interval last sent (0: none yet)
     interval: int = 0
+    #: the store ledger's view (:meth:`QuotaBook.settle`): the share last sent to Envoy, the
+    #: slice the store holds for this stream, and the units no holder holds there
+    sent: Share = NOTHING
+    granted: Share = NOTHING
+    free: Share = NOTHING
+    #: the demand the bucket's other holders (every replica's streams) reported, scaled
+    others: int = 0
 
 
 @dataclass(slots=True)
@@ -260,6 +276,89 @@ class Usage:
     denied: int
 
 
+#: a store slice outlives the assignment it backs by this many report intervals (the answer's
+#: way to Envoy: Envoy counts the assignment's TTL from when it reads it)
+SLICE_MARGIN_REPORTS = 1
+#: the demand ledger's units: thousandths of a request per second, at most this per holder
+#: (its total is so large that it never caps a holder: it only sums what the others report)
+DEMAND_SCALE = 1000
+MAX_DEMAND = 10**8
+DEMAND_TOTAL = 10**15
+
+
+@dataclass(frozen=True, slots=True)
+class Granted:
+    """A store ledger's answer for one (bucket, stream): the slices it holds, the units of
+    the limit no holder holds, and the demand the other holders reported (scaled)."""
+
+    share: Share
+    free: Share
+    others: int
+
+
+def fair_cap(total: Share, mine: int, others: int) -> Share:
+    """The most a holder whose demand is ``mine`` may hold of ``total`` when the others'
+    demand sums to ``others`` (both :data:`DEMAND_SCALE`-d): its part of the demand, each
+    holder weighted one request per second more (a quiet holder keeps some), rounded down.
+    A holder over it shrinks at its next report; the units go to the others."""
+    floor = DEMAND_SCALE
+    part = (mine + floor) / (mine + others + floor)
+    return Share(math.floor(total.fill * part + 1e-9), math.floor(total.burst * part + 1e-9))
+
+
+class StoreLedger:
+    """The ledger across replicas (docs/rlqs.md, "The ledger in the store"): per (bucket,
+    stream) a slice of the limiter's whole tokens per fill interval and one of its burst,
+    each a :class:`~extauthz.store.base.SliceOp` on the bucket's two ledger keys
+    (:meth:`~extauthz.store.keys.Keys.quota_ledger`), taken in one atomic store call under
+    a TTL. A holder is ``<replica>.<stream id>``, the replica's name drawn at start: a
+    restarted replica's streams are new holders, and the slices its predecessor's streams
+    hold stay counted until their TTL (as long as the Envoys may enforce what they got)."""
+
+    def __init__(self, store: Store, keys: Keys, *, replica: str | None = None) -> None:
+        self.store = store
+        self.keys = keys
+        self.replica = replica if replica is not None else secrets.token_hex(6)
+        if not self.replica or " " in self.replica:
+            raise ValueError("a ledger replica name is not empty and has no space")
+        #: store calls that failed (their actions were not sent)
+        self.failures = 0
+        #: the store calls answered since the last failure (0: failing now)
+        self.healthy = True
+
+    def holder(self, sid: int) -> str:
+        return f"{self.replica}.{sid}"
+
+    def ops(self, bucket: BucketKey, sid: int, want: Share, total: Share, ttl: float,
+            demand: int) -> list[SliceOp]:
+        """The three slices ``sid`` asks of ``bucket``'s ledger: of the fill, of the burst,
+        and its demand (on a ledger whose total never binds: the others' sum comes back)."""
+        limiter = dict(bucket).get(LIMITER_KEY, "")
+        digest = hashlib.sha256(repr(bucket).encode()).hexdigest()[:24]
+        holder = self.holder(sid)
+        return [SliceOp(self.keys.quota_ledger(limiter, digest, "fill"), total.fill, ttl, holder, want.fill),
+                SliceOp(self.keys.quota_ledger(limiter, digest, "burst"), total.burst, ttl, holder, want.burst),
+                SliceOp(self.keys.quota_ledger(limiter, digest, "demand"), DEMAND_TOTAL, ttl, holder,
+                        min(MAX_DEMAND, max(0, demand)))]
+
+    async def hold(self, bucket: BucketKey, sid: int, want: Share, total: Share, ttl: float,
+                   demand: int = 0) -> Granted:
+        """Set ``sid``'s slices of ``bucket`` to ``want``, or what is left of ``total`` when
+        less (:func:`~extauthz.store.algorithms.slice_top`; ``NOTHING`` and demand 0 give
+        them back), and its demand, in one atomic call. Raises what the store raises."""
+        result = await self.store.check(self.ops(bucket, sid, want, total, ttl, demand), "")
+        fill, burst, asked = result.results
+        others = max(0, DEMAND_TOTAL - int(asked.remaining) - max(0, int(asked.extra)))
+        return Granted(_granted(fill, burst), Share(int(fill.remaining), int(burst.remaining)), others)
+
+    def status(self) -> dict[str, object]:
+        return {"replica": self.replica, "failures": self.failures, "healthy": self.healthy}
+
+
+def _granted(fill: OpResult, burst: OpResult) -> Share:
+    return Share(max(0, int(fill.extra)), max(0, int(burst.extra)))
+
+
 class QuotaBook:
     """This replica's streams, their buckets and the ledger of shares (one per server).
 
@@ -270,8 +369,10 @@ class QuotaBook:
     def __init__(self, limits: Callable[[], Mapping[str, QuotaLimit]], *, clock: Clock = SYSTEM_CLOCK,
                  report_interval: float = REPORT_INTERVAL, max_streams: int = MAX_STREAMS,
                  max_buckets: int = MAX_BUCKETS_PER_STREAM, max_holds: int = MAX_HOLDS,
-                 salt: bytes = b"", confirm_on_write: bool = False) -> None:
+                 salt: bytes = b"", confirm_on_write: bool = False, ledger: StoreLedger | None = None) -> None:
         self.limits = limits
+        #: the ledger across replicas beneath this replica's (None: this replica's only)
+        self.ledger = ledger
         #: a shrink's confirmation waits from when it was written (:meth:`written`, the
         #: server's adapter) rather than from when it was decided: an answer a stream has not
         #: taken (a peer not reading, a stalled connection) never counts as applied
@@ -425,11 +526,13 @@ class QuotaBook:
             usage = Usage(usage.bucket, min(max(0.0, usage.elapsed), MAX_REPORTED),
                           min(max(0, usage.allowed), MAX_REPORTED), min(max(0, usage.denied), MAX_REPORTED))
             held = stream.buckets.get(key)
+            first = held is None
             if held is None:
                 held = stream.buckets[key] = Held(reported=now)
                 self.holders.setdefault(key, set()).add(stream.id)
                 self.holds += 1
-            self._audit(held, usage, limits.get(dict(key).get(LIMITER_KEY, "")))
+            if not first:  # a first report's requests were allowed under an earlier stream's assignment
+                self._audit(held, usage, limits.get(dict(key).get(LIMITER_KEY, "")))
             held.allowed += usage.allowed
             held.denied += usage.denied
             if usage.elapsed > 0:
@@ -524,6 +627,83 @@ class QuotaBook:
             if held is not None and held.until == math.inf and not held.abandoned and share == held.share:
                 held.until = confirm_after
 
+    # -- the store ledger
+    async def settle(self, out: dict[int, list[Action]]) -> dict[int, list[Action]]:
+        """The actions of :meth:`report` as far as the store's ledger backs them: each
+        assignment's slices are asked of the store (the held size: a shrunk share's old
+        size until it is confirmed) and the share sent is at most what the store granted; an
+        abandoned bucket's slices go back. An assignment the store did not answer is not sent
+        (its Envoy keeps its last assignment, which its slices back until their TTL, then
+        applies ``expired_assignment_behavior``: DENY_ALL). Without a ledger: ``out``."""
+        ledger = self.ledger
+        if ledger is None:
+            return out
+        limits = self.limits()
+        ttl = self.ttl + SLICE_MARGIN_REPORTS * self.report_interval
+        jobs: list[tuple[int, int, Held | None]] = []
+        calls = []
+        dropped: set[tuple[int, int]] = set()
+        out = {sid: list(actions) for sid, actions in out.items()}
+        for sid, actions in out.items():
+            stream = self.streams.get(sid)
+            for i, action in enumerate(actions):
+                if action.deny:
+                    continue
+                if action.share is None:  # abandoned: its slices stay until their TTL (Envoy
+                    continue  # enforces the last assignment until the abandon reaches it)
+                held = stream.buckets.get(action.bucket) if stream is not None else None
+                limit = limits.get(dict(action.bucket).get(LIMITER_KEY, ""))
+                total = limit.total if limit is not None else NOTHING
+                if held is None:  # its stream is gone: nothing backs it, nothing is sent
+                    dropped.add((sid, i))
+                    continue
+                # at most its part of the demand across every holder (the others' as last
+                # answered); the store keeps what its Envoy may hold until it confirms a shrink
+                demand = min(MAX_DEMAND, round(held.demand * DEMAND_SCALE))
+                share = _min(action.share, fair_cap(total, demand, held.others))
+                out[sid][i] = Action(action.bucket, share, action.interval, action.ttl)
+                # (a shrink not yet confirmed: the ledger's size; else what was sent last)
+                keep = _max(held.ledger, held.sent) if held.until else held.sent
+                jobs.append((sid, i, held))
+                calls.append(ledger.hold(action.bucket, sid, _max(keep, share), total, ttl, demand))
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        now = self.clock.monotonic()
+        settled = out
+        failed = 0
+        for (sid, i, held), answer in zip(jobs, answers, strict=True):
+            if isinstance(answer, BaseException):
+                if not isinstance(answer, Exception):
+                    raise answer
+                failed += 1
+                dropped.add((sid, i))
+                if held is not None:  # Envoy keeps what it was sent last
+                    held.share = held.sent
+                continue
+            if held is None:
+                continue
+            action = settled[sid][i]
+            assert action.share is not None
+            share = _min(action.share, answer.share)
+            if share.fill < held.sent.fill or share.burst < held.sent.burst:  # a shrink: held until confirmed
+                confirm_after = math.inf if self.confirm_on_write else now + self.report_interval / 2
+                held.ledger, held.until = _max(held.ledger, held.sent), max(held.until, confirm_after)
+            elif not held.until:
+                held.ledger = share
+            held.share, held.sent, held.granted, held.free, held.others = (share, share, answer.share, answer.free,
+                                                                           answer.others)
+            settled[sid][i] = Action(action.bucket, share, action.interval, action.ttl)
+        if failed:
+            ledger.failures += failed
+            if ledger.healthy:
+                log.warning("the quota ledger's store did not answer: %d assignments not sent (each Envoy "
+                            "keeps its last one until its TTL, then DENY_ALL)", failed,
+                            extra={"fields": {"event": "quota_ledger_failed"}})
+            ledger.healthy = False
+        elif jobs:
+            ledger.healthy = True
+        return {sid: kept for sid, actions in settled.items()
+                if (kept := [a for i, a in enumerate(actions) if (sid, i) not in dropped])}
+
     # -- status
     def status(self) -> dict[str, object]:
         return {
@@ -531,10 +711,14 @@ class QuotaBook:
                 "id": s.id, "peer": s.peer, "domain": s.domain, "closed": bool(s.gone_at),
                 "buckets": [{"bucket": shown(k, self.salt), "fill": h.share.fill, "burst": h.share.burst,
                              "held": {"fill": h.ledger.fill, "burst": h.ledger.burst},
+                             "store": {"fill": h.granted.fill, "burst": h.granted.burst,
+                                       "free": {"fill": h.free.fill, "burst": h.free.burst},
+                                       "others_demand": round(h.others / DEMAND_SCALE, 3)},
                              "demand": round(h.demand, 3), "allowed": h.allowed, "denied": h.denied}
                             for k, h in s.buckets.items()],
             } for s in self.streams.values()],
             "reports": self.reports, "overadmission": self.overadmission, "refused": dict(self.refused),
+            "ledger": self.ledger.status() if self.ledger is not None else None,
         }
 
 
@@ -560,3 +744,7 @@ def _held(h: Held) -> Share:
 
 def _max(a: Share, b: Share) -> Share:
     return Share(max(a.fill, b.fill), max(a.burst, b.burst))
+
+
+def _min(a: Share, b: Share) -> Share:
+    return Share(min(a.fill, b.fill), min(a.burst, b.burst))

@@ -24,7 +24,7 @@ from ..core.runner import Runner
 from ..core.settings import Settings, event_loop, off
 from ..engine.engine import Engine
 from ..engine.overload import LoopLag
-from ..engine.quota_service import QuotaBook, QuotaLimit, limits_of
+from ..engine.quota_service import QuotaBook, QuotaLimit, StoreLedger, limits_of
 from ..engine.reload import PolicyWatcher
 from ..engine.state import LeaseSampler, RecorderPart, Section, by_label_part
 from ..engine.storegate import StoreGate
@@ -135,9 +135,12 @@ class Server:
         #: the rate limit quota stream (RLQS, docs/rlqs.md), on the gRPC port
         self._quota_for: Policy | None = None
         self._quota_cache: Mapping[str, QuotaLimit] = {}
+        # the store's ledger spans replicas; the embedded store is one replica's (and starts
+        # empty with it): this replica's ledger is the whole ledger there
+        ledger = None if isinstance(self.store, MemoryStore) else StoreLedger(self.store, keys)
         self.quota = RateLimitQuotaService(QuotaBook(self._quota_limits, clock=clock,
                                                      salt=config.identity_salt.encode(),
-                                                     confirm_on_write=True))
+                                                     confirm_on_write=True, ledger=ledger))
         if not config.lease_secret and config.redis_url:
             log.warning("no --lease-secret: lease tickets use a random per-process key, so with several "
                         "replicas an access-log entry reaching another replica releases nothing (its "

@@ -221,7 +221,8 @@ class RateLimitQuotaService(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # typ
     """StreamRateLimitQuotas (RLQS, docs/rlqs.md): Envoy's usage reports in, bucket actions
     out, both ways at once. The quota logic is :class:`~extauthz.engine.quota_service.QuotaBook`;
     this adapter only translates: each report is one :meth:`QuotaBook.report`, whose actions
-    go to their streams (another stream's shrink pushed to it at once)."""
+    (settled with the store's ledger, :meth:`QuotaBook.settle`) go to their streams (another
+    stream's shrink pushed to it at once)."""
 
     def __init__(self, book: QuotaBook) -> None:
         self.book = book
@@ -272,6 +273,7 @@ class RateLimitQuotaService(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # typ
                     out = self.book.report(stream, message.domain, usages)
                 except QuotaError as exc:
                     return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+                out = await self.book.settle(out)  # as far as the store's ledger backs it
                 for sid, actions in out.items():
                     target = self.outboxes.get(sid)
                     if target is None:
