@@ -6,7 +6,9 @@ entries) of one domain: one ``rate_limits`` entry per descriptor shape, one acti
 ``remote_address``, ``masked_remote_address``, ``source_cluster`` and ``destination_cluster``
 by their own actions, ``generic_key`` by a generic key with the match's value, ``path``,
 ``method`` and ``authority`` from the pseudo-headers, every other key from a request header
-(``--descriptor-header KEY=HEADER``; default: the key with ``-`` for ``_``). The filter fails
+(``--descriptor-header KEY=HEADER``; default: the key with ``-`` for ``_``); the tier entry
+(``classification.descriptor_key``, default ``tier``) by a generic key with the match's tier,
+else a metadata action reading the route's tier where Check's classifier reads it. The filter fails
 open (``failure_mode_deny: false``) within the server's check budget plus Envoy's margin,
 as ext_authz does; ``ext_authz`` (an auth service of the team's own) can run before it.
 
@@ -22,7 +24,8 @@ from typing import Any
 import yaml
 
 from ..core.settings import CHECK_BUDGET_MS
-from ..policy.model import Policy
+from ..core.tiers import Tier
+from ..policy.model import Policy, RouteRef
 from ..policy.schema import DescriptorMatch
 from .blocks import Config, TlsFiles, address, authz_timeout, cluster, grpc_cluster, typed
 
@@ -36,6 +39,7 @@ DEFAULT_RLS = ("127.0.0.1", 9001)
 _OWN_ACTIONS = {"remote_address": "remote_address", "masked_remote_address": "masked_remote_address",
                 "source_cluster": "source_cluster", "destination_cluster": "destination_cluster"}
 _PSEUDO = {"path": ":path", "method": ":method", "authority": ":authority"}
+TIER_NAMES = tuple(t.value for t in Tier)
 
 
 def domain_of(policy: Policy, domain: str | None) -> str:
@@ -59,11 +63,32 @@ def _matches(policy: Policy, domain: str) -> list[DescriptorMatch]:
     return found
 
 
-def actions_for(match: DescriptorMatch, headers: Mapping[str, str]) -> list[Config]:
-    """The rate limit actions that build a descriptor of ``match``'s shape."""
+def tier_action(key: str, value: str | None, route: RouteRef) -> Config:
+    """The action that sends a descriptor's tier entry ``key``: a fixed tier (``value``) by a
+    generic key (a route's own ``rate_limits``), else the route's tier from its metadata (where
+    the classifier reads it on Check: ``classification.route_metadata``), ``post`` when the
+    route names none."""
+    if value is not None:
+        if value.endswith("*") or value not in TIER_NAMES:
+            raise ValueError(f"the tier entry '{key}: {value}' names no tier ({', '.join(TIER_NAMES)})")
+        return {"generic_key": {"descriptor_key": key, "descriptor_value": value}}
+    namespace, path = route
+    if not all(isinstance(step, str) for step in path):
+        raise ValueError(f"the route's tier is read at a list index ({list(path)}): a rate limit "
+                         "metadata action follows keys only")
+    return {"metadata": {"descriptor_key": key, "source": "ROUTE_ENTRY", "default_value": Tier.POST.value,
+                         "metadata_key": {"key": namespace, "path": [{"key": step} for step in path]}}}
+
+
+def actions_for(match: DescriptorMatch, headers: Mapping[str, str],
+                tier: tuple[str, RouteRef] | None = None) -> list[Config]:
+    """The rate limit actions that build a descriptor of ``match``'s shape; ``tier``: the
+    descriptor entry that names the tier and where the route's metadata names it."""
     out: list[Config] = []
     for e in match.descriptor:
-        if e.key in _OWN_ACTIONS:
+        if tier is not None and e.key == tier[0]:
+            out.append(tier_action(e.key, e.value, tier[1]))
+        elif e.key in _OWN_ACTIONS:
             out.append({_OWN_ACTIONS[e.key]: {}})
         elif e.key == "generic_key":
             if e.value is None or e.value.endswith("*"):
@@ -78,8 +103,9 @@ def actions_for(match: DescriptorMatch, headers: Mapping[str, str]) -> list[Conf
 def rate_limits(policy: Policy, domain: str, headers: Mapping[str, str]) -> list[Config]:
     """One ``rate_limits`` entry per distinct action list, in policy order."""
     out: list[Config] = []
+    tier = (policy.descriptor_tier_key, policy.route_metadata)
     for match in _matches(policy, domain):
-        entry = {"actions": actions_for(match, headers)}
+        entry = {"actions": actions_for(match, headers, tier)}
         if entry not in out:
             out.append(entry)
     return out

@@ -458,6 +458,9 @@ class Classification(_Strict):
         None, min_length=1, description="Short form of route_metadata: {namespace: NS, path: [tier]}."
     )
     context_extension_key: str = Field("tier", description="context_extensions key naming the tier.")
+    descriptor_key: DescriptorKey = Field(
+        "tier", description="The rate limit descriptor entry (ShouldRateLimit) whose value names "
+        "the descriptor's tier: a route's generic_key or route metadata action (docs/migrating.md).")
     rules: list[ClassificationRule] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -689,6 +692,15 @@ class FleetUsageSpec(_BatchedGrants, _LimiterBase):
     lease_ttl: Annotated[Duration, Field(ge=1)] = 60.0
     plans: NoPlans = None
     key: NoKey = None
+    match: DescriptorMatch | None = None
+
+    @model_validator(mode="after")
+    def _no_match(self) -> FleetUsageSpec:
+        if self.match is not None:
+            raise ValueError("'match' does not apply to fleet_usage yet: its slots are leases, "
+                             "released by Envoy's access log, which the rate limit protocol does "
+                             "not carry yet (worker_utilization sheds descriptors by tier)")
+        return self
 
     @model_validator(mode="after")
     def _whole_slots(self) -> FleetUsageSpec:
@@ -731,11 +743,27 @@ class WorkerUtilizationSpec(_LimiterBase):
     lease_ttl: Annotated[Duration, Field(ge=1)] = 60.0
     plans: NoPlans = None
     key: NoKey = None
+    match: DescriptorMatch | None = Field(
+        None, description="Shed rate limit descriptors (Envoy's ratelimit filter, ShouldRateLimit) "
+        "instead of checked requests: the domain and entries matched; each descriptor's tier is "
+        "its entry named by classification.descriptor_key (default 'tier'), else 'post'.")
 
     @model_validator(mode="after")
     def _dead_zone(self) -> WorkerUtilizationSpec:
         if self.good_below > self.bad_above:
             raise ValueError(f"good_below ({self.good_below:g}) is above bad_above ({self.bad_above:g})")
+        return self
+
+    @model_validator(mode="after")
+    def _match_without_leases(self) -> WorkerUtilizationSpec:
+        if self.match is None:
+            return self
+        if self.signal.source == "inflight":
+            raise ValueError("'match' with signal source 'inflight': the inflight signal counts "
+                             "leases, which a rate limit descriptor does not take; use source "
+                             "'redis' or 'envoy_admin'")
+        if self.applies_to != AppliesTo():
+            raise ValueError("'applies_to' does not apply with 'match' (the descriptor decides)")
         return self
 
 

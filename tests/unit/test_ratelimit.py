@@ -77,3 +77,27 @@ def test_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert main(["envoy-config", "--policies", str(f), "--protocol", "grpc", "--upstream", "127.0.0.1:8080",
                  "--domain", "edge"]) == 2
     assert "are for --protocol ratelimit" in capsys.readouterr().err
+
+
+def test_the_tier_entry_by_a_generic_key_or_the_routes_metadata(tmp_path: Path) -> None:
+    def shedder(*entries: dict[str, str]) -> dict[str, Any]:
+        return {"name": "workers", "type": "worker_utilization", "signal": {"source": "redis"},
+                "match": {"domain": "edge", "descriptor": list(entries)}}
+
+    p = policy_from(tmp_path, {"classification": {"route_metadata": {"namespace": "acme", "path": ["rl", "tier"]}},
+                               "limiters": [shedder({"key": "tier"})]})
+    assert rate_limits(p, "edge", {}) == [{"actions": [{"metadata": {
+        "descriptor_key": "tier", "source": "ROUTE_ENTRY", "default_value": "post",
+        "metadata_key": {"key": "acme", "path": [{"key": "rl"}, {"key": "tier"}]}}}]}]
+    p = policy_from(tmp_path, {"classification": {"descriptor_key": "class"},
+                               "limiters": [shedder({"key": "class", "value": "critical"}, {"key": "api_key"})]})
+    assert rate_limits(p, "edge", {}) == [{"actions": [
+        {"generic_key": {"descriptor_key": "class", "descriptor_value": "critical"}},
+        {"request_headers": {"header_name": "api-key", "descriptor_key": "api_key"}}]}]
+    p = policy_from(tmp_path, {"limiters": [shedder({"key": "tier", "value": "urgent"})]})
+    with pytest.raises(ValueError, match="the tier entry 'tier: urgent' names no tier"):
+        rate_limits(p, "edge", {})
+    p = policy_from(tmp_path, {"classification": {"route_metadata": {"namespace": "acme", "path": ["tiers", 0]}},
+                               "limiters": [shedder({"key": "tier"})]})
+    with pytest.raises(ValueError, match="a rate limit metadata action follows keys only"):
+        rate_limits(p, "edge", {})
