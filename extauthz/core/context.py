@@ -81,6 +81,9 @@ class RawRequest:
     descriptor_target: str | None = None
     #: what the descriptor adds to its limiter's count (``hits_addend``; 0: the limiter's ``cost``)
     hits: int = 0
+    #: the lease id the request's leases are held under ("": the engine makes one): the
+    #: descriptors of one ``ShouldRateLimit`` share one, answered in one lease metadata
+    lease_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,3 +124,5 @@ class RequestContext:
     #: ``RawRequest.hits``: the cost this request takes instead of its limiter's (0: the
     #: limiter's ``cost``); only a rate limit descriptor sets it.
     hits: int = 0
+    #: ``RawRequest.lease_id``: the id its leases are held under ("": the engine makes one)
+    lease_id: str = ""

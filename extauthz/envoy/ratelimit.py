@@ -10,7 +10,9 @@ by their own actions, ``generic_key`` by a generic key with the match's value, `
 (``classification.descriptor_key``, default ``tier``) by a generic key with the match's tier,
 else a metadata action reading the route's tier where Check's classifier reads it. The filter fails
 open (``failure_mode_deny: false``) within the server's check budget plus Envoy's margin,
-as ext_authz does; ``ext_authz`` (an auth service of the team's own) can run before it.
+as ext_authz does; ``ext_authz`` (an auth service of the team's own) can run before it. A
+policy whose limiters with ``match`` take leases gets the gRPC access log that releases them
+(the answer's lease metadata, filed under the filter's namespace).
 
 The rate limit protocol's part of the Envoy config generator, on :mod:`.blocks` (a
 bootstrap of its own: no ext_authz target, see :mod:`.config` for those).
@@ -26,8 +28,9 @@ import yaml
 from ..core.settings import CHECK_BUDGET_MS
 from ..core.tiers import Tier
 from ..policy.model import Policy, RouteRef
-from ..policy.schema import DescriptorMatch
+from ..policy.schema import ConcurrentRequestsSpec, DescriptorMatch, FleetUsageSpec, WorkerUtilizationSpec
 from .blocks import Config, TlsFiles, address, authz_timeout, cluster, grpc_cluster, typed
+from .config import ACCESS_LOG_BYTES_PER_MS, GRPC_ACCESS_LOGGER, SHIPPED_ACCESS_LOG_FLUSH_MS
 
 __all__ = ["DEFAULT_RLS", "RATELIMIT_FILTER", "actions_for", "bootstrap", "render"]
 
@@ -100,6 +103,31 @@ def actions_for(match: DescriptorMatch, headers: Mapping[str, str],
     return out
 
 
+def holds_leases(policy: Policy, domain: str) -> bool:
+    """Whether a limiter with ``match`` of ``domain`` takes leases (concurrent_requests,
+    fleet_usage, worker_utilization's inflight signal): its answers' lease metadata is
+    released by Envoy's access log."""
+    for spec in policy.limiters:
+        match = getattr(spec, "match", None)
+        if match is None or match.domain != domain:
+            continue
+        if isinstance(spec, ConcurrentRequestsSpec | FleetUsageSpec) or (
+                isinstance(spec, WorkerUtilizationSpec) and spec.signal.source == "inflight"):
+            return True
+    return False
+
+
+def release_log() -> Config:
+    """The gRPC access log to the server's AccessLogService (the ``extauthz`` cluster): a
+    finished request's entry carries the ratelimit filter's metadata, the leases to release."""
+    return {"name": GRPC_ACCESS_LOGGER, "typed_config": {
+        "@type": typed("envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig"),
+        "common_config": {"log_name": "extauthz", "transport_api_version": "V3",
+                          "grpc_service": {"envoy_grpc": {"cluster_name": "extauthz"}},
+                          "buffer_size_bytes": round(SHIPPED_ACCESS_LOG_FLUSH_MS * ACCESS_LOG_BYTES_PER_MS),
+                          "buffer_flush_interval": f"{SHIPPED_ACCESS_LOG_FLUSH_MS / 1000:.3f}s"}}}
+
+
 def rate_limits(policy: Policy, domain: str, headers: Mapping[str, str]) -> list[Config]:
     """One ``rate_limits`` entry per distinct action list, in policy order."""
     out: list[Config] = []
@@ -148,6 +176,8 @@ def bootstrap(policy: Policy, *, upstream: tuple[str, int], authz: tuple[str, in
             "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "upstream"}}]}]},
         "http_filters": filters,
     }
+    if holds_leases(policy, name):
+        hcm["access_log"] = [release_log()]
     clusters = [grpc_cluster("extauthz", authz or DEFAULT_RLS, tls)]
     if ext_authz is not None:
         clusters.append(grpc_cluster("auth_service", ext_authz, None))

@@ -371,4 +371,5 @@ class Classifier:
             keys=self.keys(raw, identity, method, plan) if self._keys else (),
             descriptor_target=raw.descriptor_target,
             hits=raw.hits,
+            lease_id=raw.lease_id,
         )

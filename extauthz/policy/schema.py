@@ -646,13 +646,6 @@ class ConcurrentRequestsSpec(_KeyedBase):
     plans: dict[Name, ConcurrentRequestsPlan] | None = Field(
         None, description="The limit per plan; a plan not listed uses the limiter's own.")
 
-    @model_validator(mode="after")
-    def _no_match(self) -> ConcurrentRequestsSpec:
-        if self.match is not None:
-            raise ValueError("'match' applies to request_rate and quota limiters (a lease needs "
-                             "the access log: checked requests only)")
-        return self
-
 
 QuotaPeriod = Literal["second", "minute", "hour", "day", "week", "month", "year"]
 
@@ -692,14 +685,16 @@ class FleetUsageSpec(_BatchedGrants, _LimiterBase):
     lease_ttl: Annotated[Duration, Field(ge=1)] = 60.0
     plans: NoPlans = None
     key: NoKey = None
-    match: DescriptorMatch | None = None
+    match: DescriptorMatch | None = Field(
+        None, description="Hold slots for rate limit descriptors (Envoy's ratelimit filter, "
+        "ShouldRateLimit) instead of checked requests: the domain and entries matched; each "
+        "descriptor's tier is its entry named by classification.descriptor_key (default 'tier'), "
+        "else 'post'; the leases are released by Envoy's access log (docs/migrating.md).")
 
     @model_validator(mode="after")
-    def _no_match(self) -> FleetUsageSpec:
-        if self.match is not None:
-            raise ValueError("'match' does not apply to fleet_usage yet: its slots are leases, "
-                             "released by Envoy's access log, which the rate limit protocol does "
-                             "not carry yet (worker_utilization sheds descriptors by tier)")
+    def _match_alone(self) -> FleetUsageSpec:
+        if self.match is not None and self.applies_to != AppliesTo():
+            raise ValueError("'applies_to' does not apply with 'match' (the descriptor decides)")
         return self
 
     @model_validator(mode="after")
@@ -755,14 +750,8 @@ class WorkerUtilizationSpec(_LimiterBase):
         return self
 
     @model_validator(mode="after")
-    def _match_without_leases(self) -> WorkerUtilizationSpec:
-        if self.match is None:
-            return self
-        if self.signal.source == "inflight":
-            raise ValueError("'match' with signal source 'inflight': the inflight signal counts "
-                             "leases, which a rate limit descriptor does not take; use source "
-                             "'redis' or 'envoy_admin'")
-        if self.applies_to != AppliesTo():
+    def _match_alone(self) -> WorkerUtilizationSpec:
+        if self.match is not None and self.applies_to != AppliesTo():
             raise ValueError("'applies_to' does not apply with 'match' (the descriptor decides)")
         return self
 

@@ -20,6 +20,7 @@ closest to its limit, which the filter adds to the response.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,7 @@ import grpc
 
 from ..core.context import RawRequest, RequestContext
 from ..core.verdict import Decision, Outcome, Verdict
-from ..engine.answers import ratelimit_headers, retry_after_seconds
+from ..engine.answers import held_lease_fields, ratelimit_headers, retry_after_seconds
 from ..engine.engine import Snapshot
 from ..policy.descriptors import Entries, replaced
 from ..policy.schema import MAX_COUNT, QuotaSpec, RequestRateSpec
@@ -59,6 +60,8 @@ class DescriptorCall:
     target: str
     #: the hits it adds (``hits_addend``), 0 for the limiter's own cost
     hits: int
+    #: the request's lease id, shared by its descriptors ("": the policy takes no leases)
+    lease_id: str = ""
 
 
 def hits_of(request: rls_pb2.RateLimitRequest, descriptor: Any) -> int:
@@ -138,6 +141,8 @@ class RateLimitDoor:
         table = snap.policy.descriptors
         found = [table.lookup(request.domain, entries) for entries in descriptors]
         targets = replaced(found)
+        # one lease id for the request's descriptors: their leases travel in one metadata
+        lease_id = os.urandom(8).hex() if snap.policy.longest_lease_ttl else ""
         answers: list[Answer] = []
         for d, entries, was, target in zip(request.descriptors, descriptors, found, targets, strict=True):
             if target is None:
@@ -152,17 +157,37 @@ class RateLimitDoor:
             else:
                 self.decided += 1
                 answers.append(await self.flow.check(
-                    self, DescriptorCall(dict(entries), target.name, hits_of(request, d)), context))
-        return response(answers)
+                    self, DescriptorCall(dict(entries), target.name, hits_of(request, d), lease_id), context))
+        resp = response(answers)
+        if lease_id:
+            self._leases(resp, lease_id, [a.decision for a in answers if a.decision is not None and a.decision.leases])
+        return resp
+
+    def _leases(self, resp: rls_pb2.RateLimitResponse, lease_id: str, held: list[Decision]) -> None:
+        """The leases the descriptors' decisions hold, in the response's dynamic metadata (the
+        filter files it under its namespace, the access log hands it back when the request
+        finishes); given back at once when the answer refuses the request (nothing goes on)."""
+        if not held:
+            return
+        leases = self.flow.leases
+        if resp.overall_code == _OVER:
+            for decision in held:
+                leases.abandoned(decision)
+            return
+        keys = tuple(k for decision in held for k in decision.leases)
+        resp.dynamic_metadata.update(dict(held_lease_fields(lease_id, keys, leases.tickets.make(lease_id, keys))))
 
     # -- the Door: one descriptor in, its answer out
     def read(self, message: DescriptorCall, snap: Snapshot) -> RawRequest:
         return RawRequest("", "", descriptor=message.entries, descriptor_target=message.target,
-                          hits=message.hits)
+                          hits=message.hits, lease_id=message.lease_id)
 
     def hold(self, message: DescriptorCall, call: grpc.aio.ServicerContext, ctx: RequestContext,
              decision: Decision, leases: Leases) -> str | None:
-        return None  # limiters with match take no leases
+        # the leases travel in the whole request's answer (should_rate_limit); Envoy may give
+        # up on the call (the filter's timeout): then they never reach the access log
+        call.add_done_callback(lambda c: leases.abandoned(decision) if c.cancelled() else None)
+        return ""  # the request is not seen: no request id (the metadata alone releases)
 
     def answer(self, message: DescriptorCall, ctx: RequestContext, decision: Decision,
                ticket: str) -> Answer:

@@ -101,3 +101,24 @@ def test_the_tier_entry_by_a_generic_key_or_the_routes_metadata(tmp_path: Path) 
                                "limiters": [shedder({"key": "tier"})]})
     with pytest.raises(ValueError, match="a rate limit metadata action follows keys only"):
         rate_limits(p, "edge", {})
+
+
+@pytest.mark.parametrize(("spec", "logged"), [
+    ({"type": "concurrent_requests", "limit": 2}, True),
+    ({"type": "fleet_usage", "capacity": 10}, True),
+    ({"type": "worker_utilization", "signal": {"source": "inflight", "capacity": 4}}, True),  # count-only leases
+    ({"type": "worker_utilization", "signal": {"source": "redis"}}, False),
+    ({"type": "quota", "limit": 5, "period": "minute"}, False),
+])
+def test_the_access_log_that_releases_leases_only_where_a_limiter_takes_them(
+        tmp_path: Path, spec: dict[str, Any], logged: bool) -> None:
+    p = policy_from(tmp_path, {"limiters": [
+        {"name": "l", **spec, "match": {"domain": "edge", "descriptor": [{"key": "tier"}]}},
+        # a Check limiter that takes leases does not count: the ratelimit filter never reaches it
+        {"name": "checked", "type": "concurrent_requests", "limit": 1}]})
+    hcm = bootstrap(p, upstream=("127.0.0.1", 8080))["static_resources"]["listeners"][0]["filter_chains"][0][
+        "filters"][0]["typed_config"]
+    logs = hcm.get("access_log", [])
+    assert [log["name"] for log in logs] == (["envoy.access_loggers.http_grpc"] if logged else [])
+    if logged:
+        assert logs[0]["typed_config"]["common_config"]["grpc_service"] == {"envoy_grpc": {"cluster_name": "extauthz"}}
