@@ -84,6 +84,9 @@ class RawRequest:
     #: the lease id the request's leases are held under ("": the engine makes one): the
     #: descriptors of one ``ShouldRateLimit`` share one, answered in one lease metadata
     lease_id: str = ""
+    #: the numbers the descriptor's own ``limit`` sets for its target (Envoy's override of a
+    #: quota's limit); None: the policy's
+    descriptor_limits: Limits | None = None
 
 
 @dataclass(frozen=True, slots=True)

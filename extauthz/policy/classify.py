@@ -367,7 +367,9 @@ class Classifier:
             headers=raw.headers,
             plan=plan,
             plan_source=plan_source,
-            overrides=self._overrides.get(identity, _NO_LIMITS) if self._overrides else _NO_LIMITS,
+            overrides=(self._overrides.get(identity, _NO_LIMITS) if self._overrides else _NO_LIMITS)
+            if raw.descriptor_limits is None or raw.descriptor_target is None
+            else {raw.descriptor_target: {"": raw.descriptor_limits}},
             keys=self.keys(raw, identity, method, plan) if self._keys else (),
             descriptor_target=raw.descriptor_target,
             hits=raw.hits,
