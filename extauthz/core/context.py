@@ -84,6 +84,12 @@ class RawRequest:
     #: what the descriptor adds to its limiter's count (``hits_addend``; 0: a check that adds
     #: nothing, as envoyproxy/ratelimit's; None: the limiter's ``cost``)
     hits: int | None = None
+    #: the lease id the request's leases are held under ("": the engine makes one): the
+    #: descriptors of one ``ShouldRateLimit`` share one, answered in one lease metadata
+    lease_id: str = ""
+    #: the numbers the descriptor's own ``limit`` sets for its target (Envoy's override of a
+    #: quota's limit); None: the policy's
+    descriptor_limits: Limits | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +130,8 @@ class RequestContext:
     #: ``RawRequest.hits``: the cost this request takes instead of its limiter's (None: the
     #: limiter's ``cost``; 0: checked, nothing added); only a rate limit descriptor sets it.
     hits: int | None = None
+    #: ``RawRequest.lease_id``: the id its leases are held under ("": the engine makes one)
+    lease_id: str = ""
 
     def cost(self, own: _N) -> _N:
         """What this request takes from a limiter whose own cost is ``own``: ``hits`` when set."""

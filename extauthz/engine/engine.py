@@ -222,7 +222,7 @@ class Engine:
             # Nothing to ask the store, or a local shedder refused: nothing is committed.
             verdicts = [local for _, _, local, _ in slots if local is not None]
         else:
-            lease_id = os.urandom(8).hex()
+            lease_id = ctx.lease_id or os.urandom(8).hex()
             try:
                 result = await self._store_check_within(ops, lease_id, left)
             except StoreError as exc:
@@ -263,7 +263,7 @@ class Engine:
             self.grants.refund(ctx, slots)
         if self.grants.holds_leases:  # slots taken from local fleet grants (batched)
             if not lease_id:
-                lease_id = os.urandom(8).hex()
+                lease_id = ctx.lease_id or os.urandom(8).hex()
             held.extend(self.grants.hold(ctx, slots, lease_id, refused is None))
         lease_keys = tuple(held)
         if not lease_keys:

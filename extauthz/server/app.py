@@ -50,6 +50,7 @@ from .leases import Leases
 from .opsports import OperatorPorts
 from .panel import status_panel
 from .ports import parse_listen
+from .rls import detailed_part
 from .services import (
     AccessLogService,
     AuthorizationService,
@@ -181,6 +182,11 @@ class Server:
             "(ShouldRateLimit) by what answered them: decided (a limiter), replaced (its limiter "
             "switched off by another's replaces), unknown (none matched: allowed), unlimited.",
             "result", self.ratelimit.door.counts))
+        self.panel.add(by_label_part(
+            "ratelimit_limit_overrides", "extauthz_ratelimit_limit_overrides", "Rate limit descriptors' "
+            "own limit (Envoy's override): applied (a quota of its unit) or ignored (the policy decides).",
+            "result", lambda: dict(self.ratelimit.door.overrides)))
+        self.panel.add(detailed_part(self.ratelimit.door))
         self.panel.add(Section(lambda: {"quota": self.quota.book.status()},  # extauthz_quota_*
                                partial(quota_metrics, self.quota.book)))
         if metrics is not None:

@@ -13,7 +13,7 @@ StreamRateLimitQuotas translates usage reports and bucket actions for the quota 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from functools import partial
 from typing import Any
 
@@ -25,7 +25,7 @@ from ..core.verdict import Decision
 from ..engine.engine import Snapshot
 from ..engine.quota_service import NOTHING, Action, BucketKey, QuotaBook, QuotaError, Share, Stream, Usage, bucket_key
 from ..envoy.headers import FAILURE_MODE_HEADER
-from ..envoy.records import EXT_AUTHZ_NAMESPACE, ROUTE_TIER_TAG
+from ..envoy.records import LEASE_NAMESPACES, ROUTE_TIER_TAG
 from ..proto import (
     accesslog_data_pb2,
     accesslog_pb2,
@@ -116,6 +116,20 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         return await self.door.should_rate_limit(request, context)
 
 
+def entry_leases(fm: Mapping[str, Any]) -> dict[str, str | None] | None:
+    """The lease fields of an entry's filter metadata: the ext_authz namespace's (Check), else
+    the ratelimit filter's (ShouldRateLimit), the first that holds any; None: neither is there."""
+    found: dict[str, str | None] | None = None
+    for namespace in LEASE_NAMESPACES:
+        if namespace in fm:
+            md = lease_metadata(fm[namespace])
+            if md:
+                return md
+            if found is None:
+                found = md
+    return found
+
+
 def entry_seen(entry: accesslog_data_pb2.HTTPAccessLogEntry) -> tuple[str, ...]:
     """What an access-log entry says of its request, in :meth:`LeaseIndex.take`'s terms."""
     start = entry.common_properties.start_time
@@ -183,8 +197,7 @@ class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ig
                     finished.entries += 1
                     common = entry.common_properties
                     fm = common.metadata.filter_metadata
-                    md = (lease_metadata(fm[EXT_AUTHZ_NAMESPACE]) if EXT_AUTHZ_NAMESPACE in fm
-                          else None)
+                    md = entry_leases(fm)
                     failed_open = FAILURE_MODE_HEADER in entry.request.request_headers
                     task: asyncio.Future[Any] | None
                     if common.intermediate_log_entry:  # in flight (access_log_flush_interval)
