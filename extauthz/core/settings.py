@@ -412,9 +412,10 @@ def worker_handover(environ: Mapping[str, str] | None = None) -> tuple[Settings,
     it is built) and its ready pipe. Raises ValueError when either is missing or malformed."""
     env = os.environ if environ is None else environ
     try:
-        data = json.loads(env[WORKER_CONFIG_ENV])
         tuples = {name for name, value in dataclasses.asdict(Settings()).items() if isinstance(value, tuple)}
-        return (Settings(**{k: tuple(v) if k in tuples else v for k, v in data.items()}),
+        data: dict[str, Any] = {k: tuple(v) if k in tuples else v
+                                for k, v in json.loads(env[WORKER_CONFIG_ENV]).items()}
+        return (Settings(**data),
                 int(env[WORKER_READY_FD_ENV]))
     except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
         raise ValueError(f"not started as a worker of extauthz serve --workers "
