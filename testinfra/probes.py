@@ -13,7 +13,20 @@ from typing import Any
 from extauthz.control.overrides import Override, OverrideDocument
 from extauthz.control.switches import SwitchDocument, Switches, valid_name, with_switch
 from extauthz.core.verdict import Mode
+from extauthz.engine.engine import Engine
 from extauthz.engine.release import Releaser
+from extauthz.engine.state import (
+    FailOpenPart,
+    GrantsPart,
+    ModesPart,
+    OverridesPart,
+    Part,
+    PolicyPart,
+    ReleasesPart,
+    ShedPart,
+    StorePart,
+    classifier_part,
+)
 from extauthz.store.base import Store
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
@@ -61,3 +74,11 @@ async def change_overrides(store: Store, keys: Keys, change: Callable[[list[Over
     another operator changed them in between, ``change`` is applied again on top of theirs."""
     result, _ = await OverrideDocument(keys).change(store, change, now)
     return result
+
+
+def engine_parts(engine: Engine) -> list[Part]:
+    """The parts the engine alone reports (the server's panel, server/panel.py, adds its own
+    between them)."""
+    return [PolicyPart(engine), StorePart(engine), FailOpenPart(engine), ModesPart(engine),
+            OverridesPart(engine), ShedPart(engine), ReleasesPart(engine), GrantsPart(engine),
+            classifier_part(engine)]

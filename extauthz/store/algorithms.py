@@ -434,12 +434,6 @@ def rides(ops: Sequence[Op]) -> bool:
     return all(RULES[type(op)].rides for op in ops)
 
 
-def op_result(op: Op, allowed: bool, value: float, admitted: bool) -> OpResult:
-    """The answer for ``op`` from its state before the request; it was committed when the
-    request was admitted and the op allows."""
-    return RULES[type(op)].result(op, allowed, value, admitted and allowed)
-
-
 # --------------------------------------------------------------------------- shed controller
 
 
