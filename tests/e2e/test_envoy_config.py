@@ -356,11 +356,6 @@ def test_validate_reports_envoy_output() -> None:
         validate(broken)
 
 
-def test_local_ratelimit_rejects_unknown_keys() -> None:
-    with pytest.raises(ValueError, match="max_token"):
-        render(local_ratelimit=LocalRateLimit.from_mapping({"max_token": 1}))
-
-
 def _hcm(config: dict[str, Any]) -> dict[str, Any]:
     listener = config["static_resources"]["listeners"][0]
     # envoy-gateway.yaml: Envoy Gateway's default_filter_chain
