@@ -90,7 +90,11 @@ class Engine:
         """Everything is given here, once: the server builds the store gate (its deadline,
         breaker, clock and store-call wrapper: latency histogram, child span,
         :func:`extauthz.observe.metrics.instrument_store_check`) and the observer (metrics,
-        logs, shadow recorder, tracing) before the engine."""
+        logs, shadow recorder, tracing) before the engine. One gate per engine: its grant
+        book follows this engine's snapshots (ValueError for a gate already serving one)."""
+        if gate.grants.adopted:
+            raise ValueError("this StoreGate already serves an engine (its grant book follows one "
+                             "engine's limiters): build a StoreGate per engine")
         #: the store call of a check, behind its breakers and deadline
         self.gate = gate
         self.store = gate.store

@@ -524,6 +524,9 @@ class GrantBook:
         self._per_master = store.per_master
         #: the current snapshot's limiters, and those of them that take grants
         self.limiters: tuple[Limiter, ...] = ()
+        #: whether an engine's limiters were adopted: a book follows one engine's snapshots
+        #: (a second engine's adopt would retire the first one's grant tables under it)
+        self.adopted = False
         self._batched: tuple[Limiter, ...] = ()
         #: grants that hold leases (fleet slots), current and retired until they hold nothing:
         #: a release finds its slot there before it goes to the store (:meth:`release`)
@@ -546,6 +549,7 @@ class GrantBook:
         that took it, and what goes back only refills the shared count."""
         old, self.limiters = self.limiters, limiters
         self.lease_ttl = lease_ttl
+        self.adopted = True
         if old is limiters:
             return
         self._batched = tuple(lim for lim in limiters if lim.grants is not None)

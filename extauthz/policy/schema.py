@@ -215,7 +215,10 @@ TrueFlag = Annotated[bool, BeforeValidator(_true_only)]
 #: entries in one descriptor a limiter matches (Envoy sends a few; envoyproxy/ratelimit's
 #: configs nest a handful of levels)
 MAX_DESCRIPTOR_ENTRIES = 16
-DescriptorKey = Annotated[str, Field(min_length=1, max_length=256)]
+#: the longest descriptor key (and domain) and value a limiter matches
+MAX_DESCRIPTOR_KEY = 256
+MAX_DESCRIPTOR_VALUE = 1024
+DescriptorKey = Annotated[str, Field(min_length=1, max_length=MAX_DESCRIPTOR_KEY)]
 
 
 class DescriptorEntryMatch(_Strict):
@@ -223,7 +226,7 @@ class DescriptorEntryMatch(_Strict):
 
     key: DescriptorKey = Field(description="The entry's key (a rate limit action's "
                                "descriptor_key, or its fixed key such as 'remote_address').")
-    value: Annotated[str, Field(min_length=1, max_length=1024)] | None = Field(
+    value: Annotated[str, Field(min_length=1, max_length=MAX_DESCRIPTOR_VALUE)] | None = Field(
         None, description="The value the entry must have; a value ending in '*' matches the "
         "values starting with what precedes it; unset: any value (the default for the values "
         "no sibling entry names).")
@@ -234,7 +237,7 @@ class DescriptorMatch(_Strict):
     entries, in order. The most specific match wins, entry by entry, as envoyproxy/ratelimit
     decides (docs/ratelimit.md)."""
 
-    domain: Annotated[str, Field(min_length=1, max_length=256)] = Field(
+    domain: Annotated[str, Field(min_length=1, max_length=MAX_DESCRIPTOR_KEY)] = Field(
         description="The rate limit domain (the ratelimit filter's 'domain').")
     descriptor: list[DescriptorEntryMatch] = Field(
         min_length=1, max_length=MAX_DESCRIPTOR_ENTRIES,

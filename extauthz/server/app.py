@@ -135,7 +135,9 @@ class Server:
         #: the rate limit quota stream (RLQS, docs/rlqs.md), on the gRPC port
         self._quota_for: Policy | None = None
         self._quota_cache: Mapping[str, QuotaLimit] = {}
-        self.quota = RateLimitQuotaService(QuotaBook(self._quota_limits, clock=clock))
+        self.quota = RateLimitQuotaService(QuotaBook(self._quota_limits, clock=clock,
+                                                     salt=config.identity_salt.encode(),
+                                                     confirm_on_write=True))
         if not config.lease_secret and config.redis_url:
             log.warning("no --lease-secret: lease tickets use a random per-process key, so with several "
                         "replicas an access-log entry reaching another replica releases nothing (its "

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -48,24 +48,37 @@ UNITS = {"second": _Unit.SECOND, "minute": _Unit.MINUTE, "hour": _Unit.HOUR, "da
 #: a token bucket's rate, told in the first unit in which it is at least one request
 _RATE_UNITS = ((_Unit.SECOND, 1), (_Unit.MINUTE, 60), (_Unit.HOUR, 3600), (_Unit.DAY, 86400))
 _MAX_UINT32 = 2**32 - 1
+#: descriptors one ``RateLimitRequest`` may carry (Envoy sends one per rate limit action that
+#: applies to the route, a handful); more is refused with INVALID_ARGUMENT, as a request without
+#: a domain is: each matched descriptor is a decision and a store call, and a 4 MiB message
+#: holds a hundred thousand descriptors.
+MAX_DESCRIPTORS = 64
 
 
 @dataclass(frozen=True, slots=True)
 class DescriptorCall:
     """One descriptor of a ``RateLimitRequest`` that reached a limiter: what the door reads."""
 
-    entries: Mapping[str, str]
+    #: the entries (values may be API keys: never in a repr, a log or a span)
+    entries: Mapping[str, str] = field(repr=False)
     #: the limiter's name
     target: str
-    #: the hits it adds (``hits_addend``), 0 for the limiter's own cost
-    hits: int
+    #: the hits it adds (``hits_addend``): None for the limiter's own cost, 0 to check only
+    hits: int | None
 
 
-def hits_of(request: rls_pb2.RateLimitRequest, descriptor: Any) -> int:
-    """The hits one descriptor adds: its own ``hits_addend``, else the request's, else 0 (the
-    limiter's ``cost``); bounded (a count past :data:`MAX_COUNT` is over any limit)."""
-    hits = descriptor.hits_addend.value if descriptor.HasField("hits_addend") else request.hits_addend
-    return min(int(hits), MAX_COUNT)
+def hits_of(request: rls_pb2.RateLimitRequest, descriptor: Any) -> int | None:
+    """The hits one descriptor adds, as envoyproxy/ratelimit's ``GetHitsAddends``: its own
+    ``hits_addend`` when set (0: checked, nothing added), else the request's when not 0, else
+    None (the limiter's ``cost``, one hit by default); bounded at one past :data:`MAX_COUNT`
+    (over any limit, the largest too)."""
+    if descriptor.HasField("hits_addend"):
+        hits = descriptor.hits_addend.value
+    elif request.hits_addend:
+        hits = request.hits_addend
+    else:
+        return None
+    return min(int(hits), MAX_COUNT + 1)
 
 
 def current_limit(spec: Any) -> rls_pb2.RateLimitResponse.RateLimit | None:
@@ -125,14 +138,20 @@ class RateLimitDoor:
         self.decided = 0
         #: descriptors whose limiter another descriptor's ``replaces`` switched off
         self.replaced = 0
+        #: descriptors of requests refused unread (no domain, more than :data:`MAX_DESCRIPTORS`)
+        self.refused = 0
 
     def counts(self) -> dict[str, int]:
         """Descriptors by what answered them (``extauthz_ratelimit_descriptors_total{result}``)."""
-        return {"decided": self.decided, "replaced": self.replaced, "unknown": self.unknown,
-                "unlimited": self.unlimited}
+        return {"decided": self.decided, "refused": self.refused, "replaced": self.replaced,
+                "unknown": self.unknown, "unlimited": self.unlimited}
 
     async def should_rate_limit(self, request: rls_pb2.RateLimitRequest,
                                 context: grpc.aio.ServicerContext) -> rls_pb2.RateLimitResponse:
+        problem = refusal(request)
+        if problem is not None:
+            self.refused += len(request.descriptors)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         snap = self.flow.engine.snapshot
         descriptors: list[Entries] = [tuple([(e.key, e.value) for e in d.entries]) for d in request.descriptors]
         table = snap.policy.descriptors
@@ -181,6 +200,16 @@ class RateLimitDoor:
 
     def carrier(self, message: DescriptorCall, call: grpc.aio.ServicerContext) -> Iterable[tuple[str, Any]]:
         return call.invocation_metadata() or ()
+
+
+def refusal(request: rls_pb2.RateLimitRequest) -> str | None:
+    """Why ``request`` is refused unread (envoyproxy/ratelimit refuses an empty domain too),
+    or None."""
+    if not request.domain:
+        return "rate limit domain must not be empty"
+    if len(request.descriptors) > MAX_DESCRIPTORS:
+        return f"{len(request.descriptors)} descriptors: at most {MAX_DESCRIPTORS} in one request"
+    return None
 
 
 def response(answers: list[Answer]) -> rls_pb2.RateLimitResponse:

@@ -164,3 +164,46 @@ async def test_a_limiter_with_match_counts_only_the_descriptors_that_reach_it(tm
     assert await descriptor("other", remote_address="10.0.0.1") == (True, [])  # domain mismatch
     clock.advance(1.0)  # the next second: a new window
     assert await descriptor("edge", remote_address="10.0.0.1") == (True, ["per-ip"])
+
+
+async def test_a_huge_hits_addend_is_over_the_largest_limit(tmp_path: Path) -> None:
+    from google.protobuf import wrappers_pb2
+
+    from extauthz.policy.schema import MAX_COUNT
+    from extauthz.proto import ratelimit_common_pb2, rls_pb2
+    from extauthz.server.rls import hits_of
+
+    p = policy_from(tmp_path, {"limiters": [
+        {**quota("big", "edge", {"key": "k"}), "limit": MAX_COUNT, "period": "year"},
+        {"name": "big-rate", "type": "request_rate", "rate": 1000, "burst": MAX_COUNT,
+         "match": {"domain": "rate", "descriptor": [{"key": "k"}]}}]})
+    engine, _ = engine_for(p, ManualClock(1_800_000_000.0))
+    c = Classifier(p, salt=b"salt")
+    d = ratelimit_common_pb2.RateLimitDescriptor(hits_addend=wrappers_pb2.UInt64Value(value=2**64 - 1))
+    for request, descriptor in ((rls_pb2.RateLimitRequest(hits_addend=2**32 - 1), d.__class__()),
+                                (rls_pb2.RateLimitRequest(), d)):
+        hits = hits_of(request, descriptor)
+        assert hits is not None and hits > MAX_COUNT
+        for target in ("big", "big-rate"):
+            raw = RawRequest("", "", descriptor={"k": "v"}, descriptor_target=target, hits=hits)
+            assert not (await engine.decide(c.context(raw))).allowed, (target, hits)
+    assert hits_of(rls_pb2.RateLimitRequest(hits_addend=3), d.__class__()) == 3
+
+
+def test_a_descriptors_values_are_not_in_its_repr() -> None:
+    from extauthz.server.rls import DescriptorCall
+
+    call = DescriptorCall({"api_key": "sk_live_secret"}, "per-key", None)
+    assert "sk_live_secret" not in repr(call)
+    assert "sk_live_secret" not in repr(RawRequest("", "", descriptor=call.entries, descriptor_target="per-key"))
+
+
+def test_a_key_holding_the_tables_separator_reaches_no_value_of_its_own(tmp_path: Path) -> None:
+    # the table files key "path" with value "/admin" under "path\0/admin": a request entry whose
+    # key is that string (any value) must not reach it by the key's default
+    p = policy_from(tmp_path, {"limiters": [
+        quota("admin", "d", {"key": "path", "value": "/admin"}),
+        quota("admin-prefix", "e", {"key": "path", "value": "/admin*"})]})
+    assert p.descriptors.lookup("d", (("path\0/admin", "x"),)) is None
+    assert p.descriptors.lookup("e", (("path\0/admin", "x"),)) is None
+    assert p.descriptors.lookup("d", (("path", "/admin"),)) is not None
