@@ -51,8 +51,8 @@ from typing import Any, Final
 from ..core.clock import SYSTEM_CLOCK, Clock
 from ..core.context import RequestContext
 from ..core.verdict import Verdict
-from ..store.algorithms import admits, take
-from ..store.base import CheckResult, GrantOp, Op, OpResult, QuotaReturnOp, ReturnOp, Store
+from ..store.algorithms import admits, given_back, take
+from ..store.base import CheckResult, GrantOp, Op, OpResult, ReturnOp, Store
 from .base import GrantHolder, Limiter
 
 __all__ = ["EARLY_BUCKETS", "GRANT_METRICS", "GrantBook", "GrantTable", "Numbers", "Synced", "bucket_renew",
@@ -470,8 +470,7 @@ class GrantTable(Synced):
         except Exception:  # a lost return only refuses early: counted, never raised
             self.return_errors += len(ops)
             return [None] * len(ops)
-        self.returned += sum(op.held if isinstance(op, GrantOp) else op.amount
-                             if isinstance(op, ReturnOp | QuotaReturnOp) else 0.0 for op in ops)
+        self.returned += sum(given_back(op) for op in ops)
         for op, res in zip(ops, result.results, strict=True):
             self._early(op, res)
         return list(result.results)

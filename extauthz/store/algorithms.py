@@ -29,7 +29,7 @@ a double, so Lua and Python compute on bit-identical inputs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Generic, Literal, Protocol, TypeVar
 
@@ -376,6 +376,12 @@ class Rule(Generic[K]):
     #: releasing a lease id that is not there); elsewhere as not committed (refunding what
     #: was not taken would admit more)
     assume_committed: bool = False
+    #: batched grants: what the op gives back of a replica's grant (a give-back's amount, a
+    #: grant's remainder ``held``), counted by the grant book; None: nothing
+    gives_back: Callable[[K], float] | None = None
+    #: a give-back, sent with no request (always allows): it rides with the next check, as
+    #: releases do (the Redis store)
+    rides: bool = False
 
 
 def _grant_taken(op: GrantOp, tokens: float) -> float:
@@ -406,6 +412,7 @@ RULES: Final[dict[type[Op], Rule[Any]]] = {
         # answer is "not committed"); granted >= cost > held
         refund=lambda op, tokens: max(0.0, _grant_taken(op, tokens) - op.held),
         stamp=grant_stamp,
+        gives_back=lambda op: op.held,
     ),
     ReturnOp: Rule[ReturnOp](
         TOKENS,
@@ -413,6 +420,8 @@ RULES: Final[dict[type[Op], Rule[Any]]] = {
         commit=lambda op, tokens: give_back(tokens, op.amount, op.burst),
         result=return_result,
         stamp=grant_stamp,
+        gives_back=lambda op: op.amount,
+        rides=True,
     ),
     CountOp: Rule[CountOp](
         COUNT,
@@ -428,6 +437,7 @@ RULES: Final[dict[type[Op], Rule[Any]]] = {
         result=quota_grant_result,
         # what the grant added to the count, less the remainder it brought back
         refund=lambda op, count: max(0, _quota_granted(op, count) - op.held),
+        gives_back=lambda op: float(op.held),
     ),
     QuotaReturnOp: Rule[QuotaReturnOp](
         COUNT,
@@ -435,6 +445,8 @@ RULES: Final[dict[type[Op], Rule[Any]]] = {
         commit=lambda op, count: float(quota_give_back(int(count), op.amount)),
         result=quota_return_result,
         creates=False,
+        gives_back=lambda op: float(op.amount),
+        rides=True,
     ),
     LeaseOp: Rule[LeaseOp](
         LEASES,
@@ -459,10 +471,15 @@ RULES: Final[dict[type[Op], Rule[Any]]] = {
 }
 
 
-def op_result(op: Op, allowed: bool, value: float, admitted: bool) -> OpResult:
-    """The answer for ``op`` from its state before the request; it was committed when the
-    request was admitted and the op allows."""
-    return RULES[type(op)].result(op, allowed, value, admitted and allowed)
+def given_back(op: Op) -> float:
+    """What ``op`` gives back of a replica's batched grant (:attr:`Rule.gives_back`; 0: nothing)."""
+    gives_back = RULES[type(op)].gives_back
+    return 0.0 if gives_back is None else gives_back(op)
+
+
+def rides(ops: Sequence[Op]) -> bool:
+    """Whether ``ops`` are give-backs only (:attr:`Rule.rides`): sent with the next check."""
+    return all(RULES[type(op)].rides for op in ops)
 
 
 # --------------------------------------------------------------------------- shed controller

@@ -235,8 +235,6 @@ Op = BucketOp | LeaseOp | CountOp | GrantOp | ReturnOp | QuotaGrantOp | QuotaRet
 #: every op kind, the table's rows (the members of :data:`Op`; a test keeps the two the same)
 OP_KINDS: Final = (BucketOp, LeaseOp, CountOp, GrantOp, ReturnOp, QuotaGrantOp, QuotaReturnOp, FleetGrantOp,
                    SliceOp)
-#: the ops that give unspent grants back (they ride with the next check)
-RETURN_OPS = (ReturnOp, QuotaReturnOp)
 
 
 @dataclass(frozen=True, slots=True)

@@ -245,8 +245,8 @@ async def test_the_shipped_config_and_policy(upstream: Upstream) -> None:
 @pytest.mark.parametrize("options", [{}, {"ext_authz": ("127.0.0.1", 9000)}, {"tls": "files"}],
                          ids=["plain", "with-ext-authz", "mtls"])
 def test_generated_variants_pass_envoy_validation(options: dict[str, Any], tmp_path: Path) -> None:
-    from extauthz.devtools.envoy_config import validate
     from extauthz.envoy.blocks import TlsFiles
+    from testinfra.envoy_configs import validate
 
     if options.get("tls"):
         ca = CA()

@@ -20,13 +20,13 @@ import pytest
 import yaml
 
 from extauthz.devtools.client import HttpClient
-from extauthz.devtools.envoy_config import validate
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import ServerProcess
 from extauthz.devtools.upstream import Upstream, start_upstream
 from extauthz.envoy.config import bootstrap
 from extauthz.envoy.headers import allowed_headers
 from extauthz.policy import load_policy
+from testinfra.envoy_configs import validate
 from testinfra.redis_servers import RedisSingle
 
 from ..conftest import ROOT

@@ -23,13 +23,14 @@ import pytest
 import yaml
 
 from extauthz.devtools.client import HttpClient
-from extauthz.devtools.envoy_config import local_render, validate
+from extauthz.devtools.envoy_config import local_render
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import free_port, wait_for_health
 from extauthz.devtools.upstream import Upstream, start_upstream
 from extauthz.envoy.config import TlsFiles
 from extauthz.policy import load_policy
 from extauthz.proto import auth_pb2, auth_pb2_grpc
+from testinfra.envoy_configs import validate
 
 from ..conftest import ROOT
 from ..infra.certs import CA, Leaf
