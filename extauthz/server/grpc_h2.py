@@ -1105,7 +1105,7 @@ class _Connection(asyncio.Protocol):
             trailers.append((b"grpc-message", quote(details, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~")
                              .encode("ascii")))
         call.trailers = trailers
-        if call.task is not None and not call.task.done() and call.task is not asyncio.current_task():
+        if call.task is not None and not call.task.done() and call.task is not asyncio.current_task(self.loop):
             call.task.cancel()
         self._send_out(call)
         self._flush_later()
