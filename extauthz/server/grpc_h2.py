@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import ssl
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -86,7 +87,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from ..core.settings import DEFAULT_MAX_ACTIVE_CHECKS
 from .ports import parse_listen
 
-__all__ = ["Call", "GrpcH2Server", "H2Limits", "parse_timeout"]
+__all__ = ["Call", "GrpcH2Server", "H2Limits", "malformed", "parse_timeout"]
 
 log = logging.getLogger("extauthz.server")
 
@@ -103,6 +104,63 @@ _HEAD = ((b":status", b"200"), (b"content-type", b"application/grpc"))
 _HEAD_BLOCK = b"\x88\x0f\x10\x10application/grpc"
 _OK_BLOCK = b"\x00\x0bgrpc-status\x010"
 _OK = [(b"grpc-status", b"0")]
+
+#: a request's pseudo-header fields (RFC 9113 8.3.1; a gRPC call is never a CONNECT) and the
+#: connection-specific fields it must not carry (8.2.2), for :func:`malformed`
+_PSEUDO = frozenset((b":method", b":scheme", b":path", b":authority"))
+_REQUIRED_PSEUDO = frozenset((b":method", b":scheme", b":path"))
+_CONNECTION_FIELDS = frozenset((b"connection", b"proxy-connection", b"keep-alive", b"transfer-encoding",
+                                b"upgrade"))
+#: a regular field name: no 0x00-0x20, no uppercase 0x41-0x5a, no 0x7f-0xff, no colon (8.2.1)
+_FIELD_NAME = re.compile(rb"[\x21-\x39\x3b-\x40\x5b-\x7e]+").fullmatch
+#: a field value with NUL, CR or LF, or whitespace at either end (8.2.1)
+_BAD_VALUE = re.compile(rb"[\x00\n\r]|\A[ \t]|[ \t]\Z").search
+
+
+def malformed(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+    """Why a request's header list is malformed (RFC 9113 8.1.1: a stream error), or None.
+
+    What h2's inbound header validation checked (its ``validate_inbound_headers``, off on this
+    server), in one pass with two compiled patterns per field instead of h2's generator chain
+    that walks every byte of every name and value in Python: 27 % of a no-op check's
+    instructions (docs/design.md, "The gRPC port on the event loop")."""
+    seen: set[bytes] = set()
+    regular = False
+    host = authority = None
+    for name, value in headers:
+        if name[:1] == b":":
+            if regular:
+                return f"pseudo-header field {name!r} after a regular field"
+            if name not in _PSEUDO:
+                return f"pseudo-header field {name!r} not of a request"
+            if name in seen:
+                return f"duplicate pseudo-header field {name!r}"
+            seen.add(name)
+            if name == b":authority":
+                authority = value
+            elif name == b":path" and not value:
+                return "empty :path"
+        else:
+            regular = True
+            if _FIELD_NAME(name) is None:
+                return f"bad field name {name!r}"
+            if name in _CONNECTION_FIELDS:
+                return f"connection-specific field {name!r}"
+            if name == b"te" and value.lower() != b"trailers":
+                return "te other than trailers"
+            if name == b"host":
+                if host is not None:
+                    return "more than one host field"
+                host = value
+        if value and _BAD_VALUE(value) is not None:
+            return f"bad value of {name!r}"
+    if not seen >= _REQUIRED_PSEUDO:
+        return f"missing {b', '.join(sorted(_REQUIRED_PSEUDO - seen))!r}"
+    if authority is None and host is None:
+        return "neither :authority nor host"
+    if authority is not None and host is not None and authority != host:
+        return ":authority and host differ"
+    return None
 
 
 #: the reasons :meth:`GrpcH2Server.reject` counts, by what each ended (the ``extauthz_grpc_*``
@@ -561,20 +619,24 @@ class _H2(H2Connection):
         return super()._receive_frame(frame)
 
     def _receive_headers_frame(self, frame: Any) -> Any:
-        """A malformed request (h2's header validation: no ``:path``, an empty or uppercase
-        name, ...) is a stream error, RST_STREAM PROTOCOL_ERROR (RFC 9113 8.1.1), not h2's
-        connection error: one bad request must not end the others on Envoy's connection. The
-        header block was decoded (the HPACK context stays in step); other errors stay
-        connection errors."""
+        """A malformed request (:func:`malformed`: no ``:path``, an empty or uppercase name,
+        ...; h2's own inbound validation is off) is a stream error, RST_STREAM PROTOCOL_ERROR
+        (RFC 9113 8.1.1), not a connection error: one bad request must not end the others on
+        Envoy's connection. Checked here, as each header block is read, so that a read of many
+        bad requests never holds them open at once. The header block was decoded (the HPACK
+        context stays in step); h2's other errors stay connection errors."""
         sid = frame.stream_id
         new = sid not in self.streams
         try:
-            return super()._receive_headers_frame(frame)
+            frames, events = super()._receive_headers_frame(frame)
         except ProtocolError as exc:
             stream = self.streams.get(sid)
             if not new or type(exc) is not ProtocolError or exc.__cause__ is not None \
                     or stream is None or not stream.open:
                 raise
+        else:
+            if not (new and events and type(events[0]) is RequestReceived and malformed(events[0].headers)):
+                return frames, events
         self.malformed(sid)
         self.reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
         return [], []
@@ -597,9 +659,10 @@ class _Connection(asyncio.Protocol):
         self.opened = self.last_active = now
         self.partial_since: float | None = None
         self.transport: asyncio.Transport | None = None
+        # the request headers are checked by :func:`malformed` (in :meth:`_request`), not h2
         self.h2 = _H2(H2Configuration(client_side=False, header_encoding=None,
-                                               validate_outbound_headers=False,
-                                               normalize_outbound_headers=False),
+                                      validate_inbound_headers=False, normalize_inbound_headers=False,
+                                      validate_outbound_headers=False, normalize_outbound_headers=False),
                       limits.max_header_list_size, self._frame_in, self._malformed)
         self.h2.local_settings = Settings(client=False, initial_values={
             SettingCodes.MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams,
@@ -1042,7 +1105,7 @@ class _Connection(asyncio.Protocol):
             trailers.append((b"grpc-message", quote(details, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~")
                              .encode("ascii")))
         call.trailers = trailers
-        if call.task is not None and not call.task.done() and call.task is not asyncio.current_task():
+        if call.task is not None and not call.task.done() and call.task is not asyncio.current_task(self.loop):
             call.task.cancel()
         self._send_out(call)
         self._flush_later()

@@ -36,7 +36,7 @@ from hyperframe.frame import (
 from extauthz.envoy.records import EXT_AUTHZ_NAMESPACE
 from extauthz.proto import accesslog_pb2, accesslog_pb2_grpc, auth_pb2, auth_pb2_grpc
 from extauthz.server.app import Server, ServerConfig
-from extauthz.server.grpc_h2 import GrpcH2Server, H2Limits, parse_timeout
+from extauthz.server.grpc_h2 import GrpcH2Server, H2Limits, malformed, parse_timeout
 
 from ..infra.certs import CA
 from .test_server import check_request
@@ -1043,16 +1043,31 @@ async def test_floods_of_frames_that_make_no_progress_are_cut_off(
     await answers(srv.port)
 
 
-@pytest.mark.parametrize("bad", ["no_path", "empty_name"])
+#: malformed request header lists (RFC 9113 8.1.1, 8.2, 8.3): what is added to a valid one
+MALFORMED = {
+    "no_path": [],
+    "empty_name": [(":path", "/t.T/Echo"), ("", "x")],
+    "uppercase_name": [(":path", "/t.T/Echo"), ("X-Key", "x")],
+    "pseudo_after_regular": [("x-key", "x"), (":path", "/t.T/Echo")],
+    "connection_field": [(":path", "/t.T/Echo"), ("connection", "close")],
+    "newline_in_value": [(":path", "/t.T/Echo"), ("x-key", "a\r\nx-admin: 1")],
+    "duplicate_path": [(":path", "/t.T/Echo"), (":path", "/t.T/Echo")],
+    "empty_path": [(":path", "")],
+}
+
+
+@pytest.mark.parametrize("bad", list(MALFORMED))
 async def test_a_malformed_request_is_a_stream_error(probe: tuple[GrpcH2Server, Probe], bad: str) -> None:
     """RFC 9113 8.1.1: a malformed request gets RST_STREAM PROTOCOL_ERROR; the connection
-    and a call running on it go on (h2 made it a connection error: GOAWAY for every call)."""
+    and a call running on it go on (h2 made it a connection error: GOAWAY for every call).
+    The server's own check (``malformed``), h2's inbound validation being off."""
     srv, p = probe
     raw = await Raw.open(srv.port)
     raw.send(HeadersFrame(1, raw.block("/t.T/Hang"), flags=["END_HEADERS"]),
              DataFrame(1, b"\x00\x00\x00\x00\x00", flags=["END_STREAM"]))
-    headers = [(":method", "POST"), (":scheme", "http"), (":authority", "t"), ("content-type", "application/grpc")]
-    headers += [(":path", "/t.T/Echo"), ("", "x")] if bad == "empty_name" else []
+    headers = [(":method", "POST"), (":scheme", "http"), (":authority", "t")]
+    pseudo = [h for h in MALFORMED[bad] if h[0].startswith(":")] if bad != "pseudo_after_regular" else []
+    headers += pseudo + [("content-type", "application/grpc")] + [h for h in MALFORMED[bad] if h not in pseudo]
     raw.send(HeadersFrame(3, raw.encoder.encode(headers), flags=["END_HEADERS", "END_STREAM"]))
     reset = await raw.until(lambda f: isinstance(f, RstStreamFrame | GoAwayFrame))
     assert isinstance(reset, RstStreamFrame) and reset.stream_id == 3
@@ -1062,6 +1077,52 @@ async def test_a_malformed_request_is_a_stream_error(probe: tuple[GrpcH2Server, 
     assert (await raw.trailers(5))["grpc-status"] == "0"
     p.release.set()
     assert (await raw.trailers(1))["grpc-status"] == "0"
+
+
+async def test_a_flood_of_malformed_requests_is_cut(probe: tuple[GrpcH2Server, Probe]) -> None:
+    """Malformed requests draw from the control budget: a flood of them gets GOAWAY
+    ENHANCE_YOUR_CALM, and a second connection is still answered."""
+    srv, _ = probe
+    raw = await Raw.open(srv.port)
+    headers = [(":method", "POST"), (":scheme", "http"), (":authority", "t"), ("X-Bad", "x")]
+    raw.send(*[HeadersFrame(sid, raw.encoder.encode(headers), flags=["END_HEADERS", "END_STREAM"])
+               for sid in range(1, 2001, 2)])
+    assert (await raw.goaway()).error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    await raw.ended()
+    assert srv.rejected["control_flood"] == 1
+    assert 0 < srv.rejected["malformed_request"] < 1000
+    await gone(srv)
+    await answers(srv.port)
+
+
+@pytest.mark.parametrize("headers, reason", [
+    ([(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/a"), (b":authority", b"t"),
+      (b"te", b"trailers"), (b"x-k", b"v v")], None),
+    ([(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/a"), (b"host", b"t")], None),
+    ([(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/a")], "neither :authority nor host"),
+    ([(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/a"), (b":authority", b"t"), (b"host", b"u")],
+     ":authority and host differ"),
+    ([(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/a"), (b"host", b"t"), (b"host", b"t")],
+     "more than one host field"),
+    ([(b":method", b"POST"), (b":path", b"/a"), (b":authority", b"t")], "missing b':scheme'"),
+    ([(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/a"), (b":status", b"200")],
+     "pseudo-header field b':status' not of a request"),
+    ([(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/a"), (b":authority", b"t"), (b"te", b"gzip")],
+     "te other than trailers"),
+    ([(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/a"), (b":authority", b"t"), (b"x:y", b"1")],
+     "bad field name b'x:y'"),
+    ([(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/a"), (b":authority", b"t"), (b"x\xff", b"1")],
+     "bad field name b'x\\xff'"),
+    ([(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/a"), (b":authority", b"t"), (b"x", b" 1")],
+     "bad value of b'x'"),
+    ([(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/a"), (b":authority", b"t"), (b"x", b"1\t")],
+     "bad value of b'x'"),
+    ([(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/a"), (b":authority", b"\x00")],
+     "bad value of b':authority'"),
+])
+def test_malformed_says_why(headers: list[tuple[bytes, bytes]], reason: str | None) -> None:
+    """The request header checks that replaced h2's inbound validation, case by case."""
+    assert malformed(headers) == reason
 
 
 def _samples(srv: GrpcH2Server) -> dict[tuple[str, str], float]:
