@@ -18,6 +18,7 @@ from extauthz.store.base import (
     QuotaGrantOp,
     QuotaReturnOp,
     ReturnOp,
+    SliceOp,
 )
 from extauthz.store.redis.wire import UNKNOWN, check_args, check_result, op_args
 from tests.store.conftest import Topology, make_redis_store, masters
@@ -71,6 +72,7 @@ def test_each_op_kind_packs_as_check_lua_reads_it() -> None:
         QuotaGrantOp("k", 6, 1, 4, 60, 1.5, False, 2): (b"c", b"0", b"6", b"1 4 2", b"60"),
         QuotaReturnOp("k", 3): (b"v", b"0", b"3", b"", b""),
         FleetGrantOp("k", 7, 0.3, "g1", 3, -2, True, 1): (b"f", b"1", b"7", b"0.3", b"g1 3 -2 1"),
+        SliceOp("k", 10, 15.5, "r1.7", 3): (b"s", b"0", b"10", b"15.5", b"r1.7 3"),
     }
     assert {type(op) for op in expected} == set(OP_KINDS)
     for op, args in expected.items():
