@@ -596,6 +596,8 @@ class _Connection(asyncio.Protocol):
         #: block now being received began
         self.opened = self.last_active = now
         self.partial_since: float | None = None
+        self.unparsed = 0  # bytes h2 holds not parsed into a frame yet, after the last read
+        self.in_block = False  # a header block (HEADERS, CONTINUATIONs) was unfinished after it
         self.transport: asyncio.Transport | None = None
         self.h2 = _H2(H2Configuration(client_side=False, header_encoding=None,
                                                validate_outbound_headers=False,
@@ -692,13 +694,19 @@ class _Connection(asyncio.Protocol):
             self._close_with(ErrorCodes.FRAME_SIZE_ERROR)
             return
         now = self.loop.time()
-        # a frame or header block begun and not finished: due within request_timeout (expire)
-        buffer = h2.incoming_buffer
-        if pending or buffer._headers_buffer:
-            if self.partial_since is None:
+        # a frame or header block begun and not finished: due within request_timeout (expire),
+        # from its own start: a read that completed a frame (fewer bytes left unparsed than
+        # were there plus this read's) began the frame now pending, unless a header block
+        # runs on from before (a busy connection's reads end inside frames all along)
+        unparsed, self.unparsed = self.unparsed, len(pending)
+        block = bool(h2.incoming_buffer._headers_buffer)
+        if pending or block:
+            if self.partial_since is None or (len(pending) < unparsed + len(data)
+                                              and not (block and self.in_block)):
                 self.partial_since = now
         else:
             self.partial_since = None
+        self.in_block = block
         for ev in events:
             kind = type(ev)
             if kind is DataReceived:
