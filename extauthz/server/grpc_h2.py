@@ -450,7 +450,9 @@ class GrpcH2Server:
         # The connection is closed after that, within close_linger: a FIN that reaches grpcio's
         # client before it closed the stream fails the call UNAVAILABLE "Stream removed",
         # whatever the trailers said (and our own RST_STREAM NO_ERROR after the trailers did
-        # so every time).
+        # so every time). One close_linger bounds that wait and the close together: a client
+        # that neither closes its stream nor its connection held the stop for twice as long.
+        linger_end = loop.time() + self.limits.close_linger
         if self.half_open:
             self._peers_closed = asyncio.Event()
             try:
@@ -459,12 +461,12 @@ class GrpcH2Server:
                 pass
         for conn in list(self.connections):
             conn.close()
-        # the peers take what is queued and close; what is left after close_linger is aborted
+        # the peers take what is queued and close; what is left at the linger's end is aborted
         # (nothing is left open past the loop)
         self._emptied = asyncio.Event()
         if self.connections:
             try:
-                await asyncio.wait_for(self._emptied.wait(), self.limits.close_linger)
+                await asyncio.wait_for(self._emptied.wait(), max(0.0, linger_end - loop.time()))
             except TimeoutError:
                 for conn in list(self.connections):
                     if conn.transport is not None:

@@ -112,3 +112,45 @@ async def test_a_header_block_trickled_frame_by_frame_is_still_cut_off(h2: tuple
     assert srv.rejected.get("slow_frame") == 1
     await raw.ended()
     await answers(srv.port)
+
+
+async def _sink_server(limits: H2Limits) -> GrpcH2Server:
+    async def sink(requests: Any, context: Any) -> bytes:
+        async for _ in requests:
+            pass
+        return b"ok"
+
+    same = lambda b: b  # noqa: E731 - bytes in, bytes out
+    srv = GrpcH2Server(limits)
+    srv.add_registered_method_handlers("t.T", {"Sink": grpc.stream_unary_rpc_method_handler(
+        sink, request_deserializer=same, response_serializer=same)})
+    await srv.start("127.0.0.1:0")
+    return srv
+
+
+async def test_a_client_that_never_closes_holds_a_stop_no_longer_than_close_linger() -> None:
+    """A graceful stop answers a client stream the client keeps open, waits for the client to
+    close its side, then shuts the connection and waits for the peer to go: a client that does
+    neither (no RST_STREAM, no FIN, it reads nothing) held the stop for close_linger twice past
+    the stream's end. Now close_linger bounds the two waits together (a timeline bound of the
+    code, with a generous allowance for a slow machine; never a measured speed)."""
+    linger = 2.0
+    srv = await _sink_server(replace(LIMITS, close_linger=linger))
+    try:
+        client = await Raw.open(srv.port)
+        client.call(1, body=b"entry", path="/t.T/Sink", end=False)  # the stream stays open
+        for _ in range(int(WAIT / 0.01)):
+            if any(c.calls for c in srv.connections):
+                break
+            await asyncio.sleep(0.01)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await asyncio.wait_for(srv.stop(0), WAIT)
+        took = loop.time() - start
+        assert not srv.connections and srv.half_open == 0
+        assert took < 1.75 * linger, f"the stop took {took:.2f} s (close_linger {linger} s)"
+    finally:
+        await srv.stop(0)
+        for raw in OPEN:
+            raw.close()
+        OPEN.clear()
