@@ -84,6 +84,7 @@ from hyperframe.frame import (
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..core.settings import DEFAULT_MAX_ACTIVE_CHECKS
+from ..engine.overload import margin
 from .ports import parse_listen
 
 __all__ = ["Call", "GrpcH2Server", "H2Limits", "parse_timeout"]
@@ -114,6 +115,9 @@ CONNECTION_CLOSED = ("frame_too_large", "protocol_error", "control_flood", "rapi
 #: ... one stream reset (refused, malformed, timed out; or reset by the peer before its answer)
 STREAM_RESET = ("too_many_streams", "after_goaway", "malformed_request", "message_too_large",
                 "request_timeout", "reset_by_peer")
+#: ... and a unary call whose deadline neared before a max_active_calls slot was free (run
+#: without one, told no time is left)
+CALL_LATE = ("no_slot_in_time",)
 #: the GOAWAY error codes this server sends, exported from 0
 GOAWAY_CODES = ("NO_ERROR", "PROTOCOL_ERROR", "FLOW_CONTROL_ERROR", "FRAME_SIZE_ERROR", "COMPRESSION_ERROR",
                 "ENHANCE_YOUR_CALM")
@@ -165,7 +169,9 @@ class H2Limits:
     #: their handler starts, their deadline counting (the HTTP port's ``max_active_checks``,
     #: for the same reason: unbounded, a saturated loop ran every check Envoy had in flight
     #: at once and their store calls waited in this server past the store deadline: 6-9 % of
-    #: the checks failed open in the harness's (r-h2) and (d-h2) rows, the breaker opened)
+    #: the checks failed open in the harness's (r-h2) and (d-h2) rows, the breaker opened);
+    #: a call whose deadline less Envoy's margin comes before a slot runs without one, told
+    #: no time is left (``no_slot_in_time``: decided without the store, counted)
     max_active_calls: int = DEFAULT_MAX_ACTIVE_CHECKS
 
 
@@ -239,6 +245,7 @@ class Call:
         "head_sent",
         "headers",
         "held",
+        "late",
         "messages",
         "out",
         "owed",
@@ -274,13 +281,16 @@ class Call:
         self.trailers: list[tuple[bytes, bytes]] | None = None  # due once ``out`` is sent
         self.cancelled_ = False
         self.expired = False
+        self.late = False  # its deadline neared while it waited for a max_active_calls slot
         self._callbacks: list[Callable[[Call], None]] = []
         self._waiter: asyncio.Future[None] | None = None
         self.writer: asyncio.Future[None] | None = None
 
     # -- grpc.aio.ServicerContext
     def time_remaining(self) -> float | None:
-        return None if self.deadline is None else max(0.0, self.deadline - self.conn.loop.time())
+        if self.deadline is None:
+            return None
+        return 0.0 if self.late else max(0.0, self.deadline - self.conn.loop.time())
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in self.headers
@@ -511,6 +521,10 @@ class GrpcH2Server:
             for reason in reasons:
                 family.add_metric([reason], self.rejected.get(reason, 0))
             yield family
+        yield CounterMetricFamily("extauthz_grpc_calls_late", "Unary gRPC calls (Check) whose deadline neared "
+                                  "before one of the max_active_calls slots was free: run without one, told no "
+                                  "time is left (the Check flow decides them without the store, counted as "
+                                  "overload).", value=self.rejected.get(CALL_LATE[0], 0))
         goaways = CounterMetricFamily("extauthz_grpc_goaways_sent", "GOAWAY frames the gRPC port sent, by "
                                       "error code (NO_ERROR: a graceful stop or idle close).", labels=["code"])
         for code, n in (dict.fromkeys(GOAWAY_CODES, 0) | self.goaways).items():
@@ -939,7 +953,16 @@ class _Connection(asyncio.Protocol):
             request = h.request_deserializer(call.first)
             call.first = None
             self.consumed(call, call.held)
-            async with self.server.active:
+            active = self.server.active
+            if call.deadline is None or not active.locked():
+                async with active:
+                    body = h.response_serializer(await h.unary_unary(request, call))
+            elif await self._slot(call, active):
+                try:
+                    body = h.response_serializer(await h.unary_unary(request, call))
+                finally:
+                    active.release()
+            else:  # its time is up without a slot: run now, told none is left (no store call)
                 body = h.response_serializer(await h.unary_unary(request, call))
         except _Abort as a:
             code, details = a.code, a.details
@@ -952,6 +975,21 @@ class _Connection(asyncio.Protocol):
         if body is not None:
             self._queue(call, body)
         self._finish(call, code, details)
+
+    async def _slot(self, call: Call, active: asyncio.Semaphore) -> bool:
+        """Wait for one of the ``max_active_calls`` slots until the call's deadline less
+        Envoy's margin; False when that passed first (the call is then marked ``late``: its
+        ``time_remaining()`` is 0, and the Check flow decides it without the store, counted as
+        ``overload``, instead of Envoy timing it out unseen)."""
+        assert call.deadline is not None
+        try:
+            async with asyncio.timeout_at(call.deadline - margin(call.deadline - call.arrived)):
+                await active.acquire()
+        except TimeoutError:
+            call.late = True
+            self.server.reject("no_slot_in_time")
+            return False
+        return True
 
     async def _server_stream(self, call: Call) -> None:
         """A server-streaming call: one request (health Watch) or a request stream (the rate

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -28,9 +29,14 @@ from hyperframe.frame import (
     WindowUpdateFrame,
 )
 
+from extauthz.core.settings import CHECK_BUDGET_MS, ENVOY_MARGIN_MS
+from extauthz.proto import auth_pb2_grpc
+from extauthz.server.app import Server, ServerConfig
 from extauthz.server.grpc_h2 import GrpcH2Server, H2Limits
+from testinfra.redis_servers import RedisSingle
 
 from .test_grpc_h2_server import LIMITS, OPEN, WAIT, Probe, Raw, answers, gone
+from .test_server import check_request
 
 
 async def _serve(limits: H2Limits = LIMITS) -> tuple[GrpcH2Server, Probe]:
@@ -86,7 +92,7 @@ async def test_a_busy_connection_whose_reads_end_inside_a_frame_is_not_slow(
     for call in calls:  # each read: the rest of one call's frames and the first byte of the next's
         bounds.append(bounds[-1] + len(call))
     answered = 0
-    for i, sid in enumerate(sids):
+    for i in range(len(sids)):
         raw.write(stream[(bounds[i] + 1 if i else 0):bounds[i + 1] + 1])
         await asyncio.sleep(0.05)
         assert not srv.rejected.get("slow_frame"), f"cut off after {i} calls, each answered"
@@ -154,3 +160,106 @@ async def test_a_client_that_never_closes_holds_a_stop_no_longer_than_close_ling
         for raw in OPEN:
             raw.close()
         OPEN.clear()
+
+
+@pytest.mark.parametrize("cheap", ["empty_call", "reset_call"])
+async def test_the_per_call_allowance_buys_no_flood(h2: tuple[GrpcH2Server, Probe], cheap: str) -> None:
+    """Each call started earns its connection 4 no-progress frames (grpcio's WINDOW_UPDATEs),
+    so frames that make no progress are bounded by 4 per call: the cheapest calls (headers
+    only, answered INTERNAL without a handler; or reset at once, CVE-2023-44487) each followed
+    by 5 PINGs, WINDOW_UPDATEs and SETTINGS still overdraw the budget and are cut off; no handler
+    is left running."""
+    srv, p = h2
+    raw = await Raw.open(srv.port)
+    frames: list[Frame] = []
+    noise: list[Frame] = [PingFrame(0, opaque_data=b"flooding"), WindowUpdateFrame(0, window_increment=1),
+                          SettingsFrame(0, settings={}), PingFrame(0, opaque_data=b"flooding"),
+                          WindowUpdateFrame(0, window_increment=1)]
+    for i in range(1000):
+        sid = 2 * i + 1
+        if cheap == "empty_call":
+            frames.append(HeadersFrame(sid, raw.block(), flags=["END_HEADERS", "END_STREAM"]))
+        else:
+            frames += [HeadersFrame(sid, raw.block("/t.T/Hang"), flags=["END_HEADERS"]),
+                       DataFrame(sid, b"\x00\x00\x00\x00\x00", flags=["END_STREAM"]),
+                       RstStreamFrame(sid, error_code=ErrorCodes.CANCEL)]
+        frames += noise
+    raw.send(*frames)
+    assert (await raw.goaway()).error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    await raw.ended()
+    assert srv.rejected.get("control_flood", 0) + srv.rejected.get("rapid_reset", 0) == 1
+    assert srv.calls < 1000
+    await gone(srv)
+    assert p.hanging == 0
+    await answers(srv.port)
+
+
+async def test_grpcio_shaped_calls_within_the_allowance_are_served(h2: tuple[GrpcH2Server, Probe]) -> None:
+    """The allowance's purpose: 1,000 calls one after another, each with the two small stream
+    WINDOW_UPDATEs and a BDP PING grpcio's client sends, far past the control budget's burst,
+    are all answered."""
+    srv, _ = h2
+    raw = await Raw.open(srv.port)
+    for i in range(1000):
+        sid = 2 * i + 1
+        raw.write(_echo(raw, sid))
+        raw.send(WindowUpdateFrame(sid, window_increment=5), WindowUpdateFrame(sid, window_increment=7),
+                 PingFrame(0, opaque_data=b"bdpbdpbd"))
+        assert (await raw.trailers(sid))["grpc-status"] == "0"
+    assert srv.rejected == {}
+
+
+async def test_a_call_that_waits_out_its_time_for_a_slot_is_decided_with_none_left(
+        h2: tuple[GrpcH2Server, Probe]) -> None:
+    """max_active_calls is shared by every connection: one client holding the slots with slow
+    calls made another connection's call wait until its grpc-timeout passed, answered
+    DEADLINE_EXCEEDED, counted nowhere (Envoy fails such a Check open, unseen). Now a call
+    whose deadline nears without a slot runs without one, told it has no time left
+    (time_remaining() 0: the Check flow then decides without the store, counted as
+    ``overload``); a call with time enough still waits its turn."""
+    srv, p = h2
+    srv.active = asyncio.Semaphore(2)  # (2 at once for this test)
+    holder = await Raw.open(srv.port)
+    holder.call(1, path="/t.T/Hang")
+    holder.call(3, path="/t.T/Hang")
+    for _ in range(int(WAIT / 0.01)):
+        if p.hanging == 2:
+            break
+        await asyncio.sleep(0.01)
+    other = await Raw.open(srv.port)
+    other.call(1, extra=[("grpc-timeout", "300m")])
+    trailers = await other.trailers(1)
+    assert trailers["grpc-status"] == "0", trailers
+    assert p.remaining == [0.0] and p.hanging == 2
+    assert srv.rejected == {"no_slot_in_time": 1}
+    other.call(3, extra=[("grpc-timeout", "30S")])  # time enough: it waits for a slot
+    await asyncio.sleep(0.3)
+    assert len(p.remaining) == 1
+    p.release.set()
+    assert (await other.trailers(3))["grpc-status"] == "0"
+    assert len(p.remaining) == 2 and p.remaining[1] is not None and p.remaining[1] > 20
+
+
+async def test_a_check_without_a_slot_in_time_fails_open_counted(
+        tmp_path: Path, redis_single_clean: RedisSingle) -> None:
+    """The real server on Redis, its slots all held (here: none free): Envoy's Check, its
+    grpc-timeout the budget plus Envoy's margin as envoy-config renders it, is answered before
+    that deadline, allowed by failure_mode open and counted in extauthz_fail_open_total
+    {reason="overload"}, not left to Envoy's timeout (before: DEADLINE_EXCEEDED, counted nowhere)."""
+    policy = tmp_path / "p.yaml"
+    policy.write_text("version: 1\nidentity: [{header: x-api-key}]\nlimiters:\n"
+                      "  - {name: user-rate, type: request_rate, rate: 100, burst: 100}\n")
+    srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0", admin_listen="off",
+                              redis_url=redis_single_clean.url))
+    await srv.start()
+    try:
+        assert isinstance(srv.grpc, GrpcH2Server)
+        srv.grpc.active = asyncio.Semaphore(0)  # every slot held by other calls
+        timeout = (CHECK_BUDGET_MS + ENVOY_MARGIN_MS) / 1000
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            answer = await auth_pb2_grpc.AuthorizationStub(ch).Check(check_request(), timeout=timeout)
+        assert answer.HasField("ok_response")
+        assert srv.engine.failures == {"overload": 1}
+        assert srv.grpc.rejected == {"no_slot_in_time": 1}
+    finally:
+        await srv.stop(grace=0)
