@@ -207,6 +207,10 @@ class _Budget:
 _CONTROL_PER_CALL = 4
 
 
+#: a server stream's bytes queued for the peer's windows or socket before a write waits
+_STREAM_QUEUE = 64 << 10
+
+
 #: frames that never make a call progress: each draws from the control budget
 _NO_PROGRESS = (PingFrame, SettingsFrame, PriorityFrame, GoAwayFrame, ExtensionFrame)
 
@@ -1060,13 +1064,16 @@ class _Connection(asyncio.Protocol):
 
     # -- answers
     async def send(self, call: Call, body: bytes) -> None:
-        """One message of a server stream, waiting while the peer's windows are shut."""
+        """One message of a server stream, waiting while more than :data:`_STREAM_QUEUE`
+        bytes of the call wait for the peer's windows or socket (grpc_health's Watch writes
+        holding the lock every status change takes: a write that waited on a peer that never
+        reads held the graceful stop forever)."""
         if call.cancelled_ or call.trailers is not None or self.closed:
             raise asyncio.CancelledError
         self._queue(call, body)
         self._send_out(call)
         self._flush_later()
-        while (call.out or self.paused) and not call.cancelled_ and not self.closed:
+        while len(call.out) > _STREAM_QUEUE and not call.cancelled_ and not self.closed:
             call.writer = self.loop.create_future()
             try:
                 await call.writer

@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 from h2.errors import ErrorCodes
 from hyperframe.frame import (
     ContinuationFrame,
@@ -263,3 +264,38 @@ async def test_a_check_without_a_slot_in_time_fails_open_counted(
         assert srv.grpc.rejected == {"no_slot_in_time": 1}
     finally:
         await srv.stop(grace=0)
+
+
+@pytest.mark.parametrize("shut", ["window", "socket"])
+async def test_a_health_watch_that_is_not_read_blocks_no_status_change(tmp_path: Path, shut: str) -> None:
+    """grpc_health's Watch writes each status while it holds the service's lock, which every
+    status change (``set``, the graceful stop's NOT_SERVING) takes: a Watch whose write
+    waited for a peer that never reads (its stream window 0; or its socket not read, the
+    connection paused under the write buffer bound) held the lock, and the next status change,
+    so the graceful stop, waited forever. A small server-stream message is queued (bounded per
+    call) and the write returns; the stop completes."""
+    policy = tmp_path / "p.yaml"
+    policy.write_text("version: 1\nidentity: [{header: x-api-key}]\nlimiters: []\n")
+    srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0", admin_listen="off"))
+    await srv.start()
+    try:
+        assert isinstance(srv.grpc, GrpcH2Server)
+        raw = await Raw.open(srv.port, settings={SettingsFrame.INITIAL_WINDOW_SIZE: 0} if shut == "window" else {})
+        raw.call(1, body=b"", path="/grpc.health.v1.Health/Watch")
+        conn = None
+        for _ in range(int(WAIT / 0.01)):
+            conn = next(iter(srv.grpc.connections), None)
+            if conn is not None and conn.calls.get(1) is not None and conn.calls[1].task is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert conn is not None
+        if shut == "socket":  # the client reads nothing: the connection's writing is paused
+            conn.pause_writing()
+        await asyncio.wait_for(srv.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING), WAIT)
+        await asyncio.wait_for(srv.stop(grace=0.2), WAIT)
+    finally:
+        for r in OPEN:  # (first: a Watch still blocked is let go with its connection)
+            r.close()
+        OPEN.clear()
+        await asyncio.sleep(0.1)
+        await asyncio.wait_for(srv.stop(grace=0), WAIT)
