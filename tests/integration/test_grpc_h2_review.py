@@ -337,3 +337,43 @@ async def test_many_idle_connections_hold_a_bounded_amount_each() -> None:
         for s in socks:
             s.close()
         await _close(srv, p)
+
+
+@pytest.mark.parametrize("attack", ["continuation_flood", "oversized_block", "bomb"])
+async def test_header_bounds_hold_on_a_request_stream_s_trailers(attack: str) -> None:
+    """The header bounds on a stream that is already running (the access log's, the quota
+    stream's): its trailers, a CONTINUATION flood after them, an encoded block past the
+    list bound, a block that decodes past it, all end the connection before decoding more;
+    another connection is still served."""
+    srv = await _sink_server(LIMITS)
+    try:
+        raw = await Raw.open(srv.port)
+        raw.call(1, body=b"entry", path="/t.T/Sink", end=False)
+        for _ in range(int(WAIT / 0.01)):
+            if any(c.calls.get(1) and c.calls[1].task for c in srv.connections):
+                break
+            await asyncio.sleep(0.01)
+        if attack == "continuation_flood":
+            raw.send(HeadersFrame(1, raw.encoder.encode([("x-t", "1")])[:1], flags=["END_STREAM"]))
+            raw.send(*[ContinuationFrame(1, b"\x40\x01a\x01b") for _ in range(5000)])
+        elif attack == "oversized_block":
+            chunk = b"\xff" * 8000
+            raw.send(HeadersFrame(1, chunk, flags=["END_STREAM"]), ContinuationFrame(1, chunk),
+                     ContinuationFrame(1, chunk, flags=["END_HEADERS"]))
+        else:
+            raw.send(HeadersFrame(1, raw.encoder.encode([("x-bomb", "b" * 4000)]), flags=["END_HEADERS", "END_STREAM"]))
+            raw.send(HeadersFrame(3, raw.block("/t.T/Sink"), flags=["END_HEADERS"]))
+            raw.send(HeadersFrame(3, raw.encoder.encode([("x-bomb", "b" * 4000)]) + b"\xbe" * 1000,
+                                  flags=["END_HEADERS", "END_STREAM"]))
+        away = await raw.goaway()
+        assert away.error_code in (ErrorCodes.PROTOCOL_ERROR, ErrorCodes.ENHANCE_YOUR_CALM), away
+        await raw.ended()
+        await gone(srv)
+        raw = await Raw.open(srv.port)
+        raw.call(1, body=b"entry", path="/t.T/Sink")
+        assert (await raw.trailers(1))["grpc-status"] == "0"
+    finally:
+        await srv.stop(0)
+        for r in OPEN:
+            r.close()
+        OPEN.clear()
