@@ -760,12 +760,26 @@ class _Connection(asyncio.Protocol):
             if (frame.data or "END_STREAM" in frame.flags) and frame.stream_id in self.calls:  # type: ignore[attr-defined]
                 return
         elif kind is WindowUpdateFrame:
-            if frame.window_increment >= 1024 and any(c.out for c in self.calls.values()):  # type: ignore[attr-defined]
+            # free only when the window it widens is what holds an answer back: narrower than
+            # a frame (each free one widens it by 1 KiB or more, so at most 16 in a row)
+            if frame.window_increment >= 1024 and self._window_holds(frame.stream_id):  # type: ignore[attr-defined]
                 return
         elif not isinstance(frame, _NO_PROGRESS):
             return
         if not self.control.take(self.loop.time()):
             raise _Flood(f"a flood of {kind.__name__}s")
+
+    def _window_holds(self, sid: int) -> bool:
+        """An answer waits, and the connection's window (``sid`` 0) or stream ``sid``'s is
+        narrower than a frame (a wider one is not what holds the answer back)."""
+        h2 = self.h2
+        if sid == 0:
+            return (h2.outbound_flow_control_window < h2.max_outbound_frame_size
+                    and any(c.out for c in self.calls.values()))
+        call = self.calls.get(sid)
+        stream = h2.streams.get(sid)
+        return (call is not None and bool(call.out) and stream is not None
+                and stream.outbound_flow_control_window < h2.max_outbound_frame_size)
 
     def _malformed(self, sid: int) -> None:
         self.server.reject("malformed_request")

@@ -385,3 +385,37 @@ async def test_header_bounds_hold_on_a_request_stream_s_trailers(attack: str) ->
         for r in OPEN:
             r.close()
         OPEN.clear()
+
+
+@pytest.mark.parametrize("level", ["connection", "stream"])
+async def test_window_updates_that_cannot_move_an_answer_are_a_flood(
+        h2: tuple[GrpcH2Server, Probe], level: str) -> None:
+    """A WINDOW_UPDATE of 1 KiB or more passed the control budget while any answer waited:
+    with answers held by their own shut stream windows, connection WINDOW_UPDATEs (each
+    making the server retry every waiting answer) came free, a CPU flood with no progress;
+    likewise stream WINDOW_UPDATEs on a stream whose window is already wide open while the
+    connection's is shut. Only an update to a window that is what holds an answer back is
+    free now; the rest draw from the budget and the flood is cut off."""
+    srv, _ = h2
+    if level == "connection":  # every stream window shut: the answers wait on them
+        raw = await Raw.open(srv.port, settings={SettingsFrame.INITIAL_WINDOW_SIZE: 0})
+    else:
+        raw = await Raw.open(srv.port)
+    for sid in (1, 3, 5):
+        raw.call(sid, b"60000" if level == "connection" else b"70000", path="/t.T/Big")
+    for _ in range(int(WAIT / 0.01)):
+        conn = next(iter(srv.connections))
+        if len(conn.calls) == 3 and all(c.out for c in conn.calls.values()):
+            break
+        await asyncio.sleep(0.01)
+    if level == "connection":
+        flood = WindowUpdateFrame(0, window_increment=1024)
+    else:  # the connection window (65,535) is spent on stream 1; stream 3's own window is wide
+        raw.send(WindowUpdateFrame(3, window_increment=1 << 20))
+        flood = WindowUpdateFrame(3, window_increment=1024)
+    raw.send(*[flood] * 5000)
+    assert (await raw.goaway()).error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    await raw.ended()
+    assert srv.rejected["control_flood"] == 1
+    await gone(srv)
+    await answers(srv.port)
