@@ -33,7 +33,9 @@ class Setup:
     #: extra ``extauthz serve`` arguments
     server_args: tuple[str, ...] = ()
     #: Envoy's authorization protocol: "grpc", or "http" (the server also gets ``--http-listen``
-    #: on a free port, and Envoy's ``extauthz_http`` cluster points at it)
+    #: on a free port, and Envoy's ``extauthz_http`` cluster points at it), or "ratelimit"
+    #: (Envoy's global rate limit filter calling ShouldRateLimit, ``envoy-config --protocol
+    #: ratelimit``; its ``ratelimit.*`` stats stand for ext_authz's)
     protocol: str = "grpc"
     #: the load: "users" (wrk rotating 1,000 keys, h2load one key), or the flood mix (issue 16
     #: item 3): "flood" (one key, ``load.FLOOD_KEY``, sends every other request), "calm" (the
@@ -91,6 +93,11 @@ SETUPS: dict[str, Setup] = {s.key: s for s in [
           protocol="http", access_log="auto"),
     Setup("rhb", "(rh), batched", policy="rate-only-batched", redis=True,
           protocol="http", access_log="auto"),
+    # Issue 32 (rl): the peer table's shape itself: Envoy's ratelimit filter, one descriptor per
+    # API key ([api_key]), the same limiter on Redis (bench/policies/rate-descriptor.yaml), the
+    # default gRPC server: beside (r), (r-h2) and (rh).
+    Setup("rl", "1 request_rate limiter, Redis, ratelimit filter", policy="rate-descriptor", redis=True,
+          protocol="ratelimit"),
     # (hd) with request_rate and fleet_usage batched (all-on-batched.yaml).
     Setup("hdb", "(hd), rate + fleet batched", policy="all-on-batched", redis=True, protocol="http",
           access_log="auto"),
@@ -124,7 +131,7 @@ SETUPS: dict[str, Setup] = {s.key: s for s in [
           send_all_headers=True),
 ]}
 DEFAULT_SETUPS = ("a", "b", "c", "d", "e", "d1", "d2", "d2p", "b-aio", "d-aio", "h", "hc", "hd", "hdb", "hdf",
-                  "r", "rh", "rhb", "b-all", "r-all", "d-buf20", "f", "fc", "b-buf0", "d-buf0")
+                  "r", "rh", "rhb", "rl", "b-all", "r-all", "d-buf20", "f", "fc", "b-buf0", "d-buf0")
 SMOKE_SETUPS = ("a", "b", "c")
 
 #: Throughput ratios ``<k>/<base>`` reported besides every ``<k>/a`` (report order).
@@ -145,6 +152,9 @@ P99_RATIOS: tuple[tuple[str, str], ...] = (("f", "fc"),)
 #: issue 31's targets: the gRPC port served on the event loop against grpc.aio and the HTTP door
 CPU_RATIOS += (("b-h2", "b"), ("b-h2", "h"), ("d-h2", "d"), ("r-h2", "rh"), ("r-h2", "b-h2"))
 RATIOS += (("b-h2", "b"), ("d-h2", "b-h2"), ("r-h2", "b-h2"), ("b-h2", "h"))
+#: issue 32's target: ShouldRateLimit against a rate-only Check on the same door (r-h2)
+CPU_RATIOS += (("rl", "r-h2"), ("rl", "r"))
+RATIOS += (("rl", "r-h2"), ("rl", "r"), ("rl", "rh"))
 
 
 def policy_file(setup: Setup) -> Path:

@@ -25,6 +25,8 @@ Envoy in front of a trivial upstream, the extauthz server as a process, and driv
       the Go envoyproxy/ratelimit figures quoted in docs/benchmarks.md); rh: the same over HTTP,
       without the access log its policy does not need (``extauthz envoy-config --access-log auto``)
   rhb (rh) with ``consistency: batched`` (bench/policies/rate-only-batched.yaml)
+  rl  the peer table's shape: Envoy's ratelimit filter (``envoy-config --protocol ratelimit``),
+      one descriptor per API key, the (r) limiter behind it on Redis (rate-descriptor.yaml)
   hdb (hd) with request_rate and fleet_usage batched (bench/policies/all-on-batched.yaml)
   hdf (hd) with the releases through Envoy's fluentd access logger (``serve --fluentd-listen``,
       ``extauthz envoy-config --access-log fluentd``) instead of the gRPC access log

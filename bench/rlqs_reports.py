@@ -3,24 +3,32 @@ the quota book alone (no gRPC), and the gRPC adapter's protobuf decode and answe
 
     .venv/bin/python -m bench.rlqs_reports                          # 20 Envoys x 500 buckets
     .venv/bin/python -m bench.rlqs_reports --envoys 20 --buckets 500 --rounds 5
+    .venv/bin/python -m bench.rlqs_reports --ledger memory          # the store ledger settled too
+    .venv/bin/python -m bench.rlqs_reports --ledger redis://127.0.0.1:6379/0
 
 Each round, every Envoy (one stream) sends one report holding all its buckets, as Envoy 1.40
 does every 5 s. ``shared``: every Envoy holds the same buckets (each divided among all streams:
 a report's entry divides among ``--envoys`` streams, the most work per entry); ``distinct``:
 each Envoy its own buckets (one holder each). Prints process CPU per bucket entry (the
 report decoded, the book, the answers built and encoded) and what ``--envoys x --buckets``
-entries every 5 s cost as a share of one core.
+entries every 5 s cost as a share of one core. ``--ledger``: each report's actions settled with
+the store's ledger too (``QuotaBook.settle``: one store call per bucket), on the embedded store
+or a Redis URL (this process's CPU only: Redis's own is not counted).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import time
 
 from extauthz.core.clock import ManualClock
-from extauthz.engine.quota_service import QuotaBook, QuotaLimit, Usage
+from extauthz.engine.quota_service import QuotaBook, QuotaLimit, StoreLedger, Usage
 from extauthz.proto import rlqs_pb2
 from extauthz.server.services import quota_response
+from extauthz.store.base import Store
+from extauthz.store.keys import Keys
+from extauthz.store.memory import MemoryStore
 
 
 def _report(buckets: int, envoy: int, elapsed: int, shared: bool) -> bytes:
@@ -35,31 +43,49 @@ def _report(buckets: int, envoy: int, elapsed: int, shared: bool) -> bytes:
     return msg.SerializeToString()
 
 
-def run(envoys: int, buckets: int, rounds: int, shared: bool) -> float:
+def _store(ledger: str, clock: ManualClock) -> Store | None:
+    if ledger == "none":
+        return None
+    if ledger == "memory":
+        return MemoryStore(clock)
+    from extauthz.store.redis import RedisStore
+    return RedisStore.from_url(ledger, now=clock.monotonic, socket_timeout=5.0)
+
+
+async def run(envoys: int, buckets: int, rounds: int, shared: bool, ledger: str = "none") -> float:
     """CPU seconds per bucket entry over ``rounds`` rounds (after one subscribing round)."""
     clock = ManualClock()
     limits = {"ip-rate": QuotaLimit(100, 200)}
-    book = QuotaBook(lambda: limits, clock=clock)
+    store = _store(ledger, clock)
+    book = QuotaBook(lambda: limits, clock=clock,
+                     ledger=None if store is None else StoreLedger(store, Keys(f"bench{time.time_ns()}")))
     streams = [book.open(f"envoy-{e}") for e in range(envoys)]
     first = [_report(buckets, e, 0, shared) for e in range(envoys)]
     later = [_report(buckets, e, 5, shared) for e in range(envoys)]
 
-    def one(wire: bytes, e: int) -> None:
+    async def one(wire: bytes, e: int) -> None:
         msg = rlqs_pb2.RateLimitQuotaUsageReports.FromString(wire)
         usages = [Usage(dict(u.bucket_id.bucket), u.time_elapsed.seconds + u.time_elapsed.nanos / 1e9,
                         u.num_requests_allowed, u.num_requests_denied) for u in msg.bucket_quota_usages]
-        for actions in book.report(streams[e], msg.domain, usages).values():
+        out = book.report(streams[e], msg.domain, usages)
+        if book.ledger is not None:
+            out = await book.settle(out)
+        for actions in out.values():
             quota_response(actions).SerializeToString()
 
-    for e in range(envoys):
-        one(first[e], e)
-    cpu = 0.0
-    for _ in range(rounds):
-        clock.advance(5)
-        start = time.process_time()
+    try:
         for e in range(envoys):
-            one(later[e], e)
-        cpu += time.process_time() - start
+            await one(first[e], e)
+        cpu = 0.0
+        for _ in range(rounds):
+            clock.advance(5)
+            start = time.process_time()
+            for e in range(envoys):
+                await one(later[e], e)
+            cpu += time.process_time() - start
+    finally:
+        if store is not None:
+            await store.close()
     return cpu / (rounds * envoys * buckets)
 
 
@@ -68,11 +94,13 @@ def main() -> None:
     parser.add_argument("--envoys", type=int, default=20)
     parser.add_argument("--buckets", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ledger", default="none", help="none, memory, or a redis:// URL")
     args = parser.parse_args()
     entries = args.envoys * args.buckets
-    print(f"{args.envoys} Envoys x {args.buckets} buckets = {entries} entries per 5 s report round")
+    print(f"{args.envoys} Envoys x {args.buckets} buckets = {entries} entries per 5 s report round"
+          f" (ledger: {args.ledger})")
     for label, shared in (("distinct", False), ("shared", True)):
-        per = run(args.envoys, args.buckets, args.rounds, shared)
+        per = asyncio.run(run(args.envoys, args.buckets, args.rounds, shared, args.ledger))
         print(f"{label:8} {per * 1e6:7.1f} us CPU per entry; {entries} entries / 5 s = "
               f"{per * entries / 5 * 100:.1f}% of one core")
 

@@ -30,6 +30,9 @@
 --           or top > min(used, have); members "<grant>:0 .. top-1" renewed or added back
 --           (ZADD: a slot in use that expired while its replica stood still is restored),
 --           "<grant>:top .. have-1" removed (one command each for the whole grant)
+--   slice   (the quota ledger) others = the live slices (expiry > now) of holders other than
+--           the op's, summed; the expired ones removed (HDEL); slice_top = max(0, min(want,
+--           total - others)); always allows; the holder's slice set to it (0: removed)
 -- Only the raw state is returned: the caller derives remaining, retry-after and reset with
 -- the op's rule (extauthz.store.algorithms.RULES), as the embedded store does. Each op kind
 -- declares its code below and its ARGV order (ARGS) in extauthz/store/base.py; a test
@@ -47,7 +50,7 @@
 --   then 5 ARGV per op i, starting at a = j + 2 + 5*(i-1):
 --   ARGV[a]     "b" token bucket | "l" lease | "q" quota count | "r" release | "g" grant |
 --               "u" return (unspent grant) | "c" quota grant | "v" quota return |
---               "f" fleet grant
+--               "f" fleet grant | "s" ledger slice
 --   ARGV[a+1]   "1" enforce | "0" shadow (a release: "0")
 --   bucket:     ARGV[a+2] rate (tokens/s), ARGV[a+3] burst (tokens), ARGV[a+4] cost (tokens)
 --   lease:      ARGV[a+2] limit (live leases; 0 = count only, never refuses),
@@ -68,6 +71,8 @@
 --               change: > 0 grow by up to want, <= 0 shrink; the slots in use); the lease
 --               key's state; the key's PEXPIRE is only ever raised (exact leases on the same
 --               key keep theirs)
+--   slice:      ARGV[a+2] total (units), ARGV[a+3] slice ttl (s, float), ARGV[a+4]
+--               "<holder> <want>" (the holder's name, no space; the units it asks); "0"
 --
 -- State (one key per op; a bucket costs GET + SET, a lease ZREMRANGEBYSCORE + ZCARD + ZADD +
 -- PEXPIRE, a release ZREM, and the call one TIME when no clock is injected; a key met again
@@ -84,6 +89,8 @@
 --   lease   ZSET member = lease id, score = expiry time (now + ttl, s); members with
 --           score <= now are swept (ZREMRANGEBYSCORE -inf now) before counting;
 --           PEXPIRE max(1000, ceil(ttl*1000)) ms on commit (the newest lease's lifetime)
+--   slices  HASH field = holder, value "<units> <expiry>" ("%.17g"); a field with expiry <= now
+--           is gone; PEXPIRE max(1000, ceil(ttl*1000)) ms, only ever raised, on a commit
 --
 -- Returns a flat array, per request in order: {admitted, ok_1, value_1, ..., ok_n, value_n}
 --   admitted, ok_i  integers 1/0 (ok_i: op i allows, on its own); admitted -1: a command
@@ -91,7 +98,8 @@
 --   value_i         state BEFORE this request's commit, as seen at "now":
 --                   bucket, grant, return: tokens available (refilled to now, at most burst);
 --                   lease: live leases (after the sweep); fleet grant: live leases not of
---                   the op's grant (after the sweep); count, quota grant, quota
+--                   the op's grant (after the sweep); slice: the live slices of the
+--                   other holders, summed; count, quota grant, quota
 --                   return: the window's count;
 --                   release: 0;
 --                   as a "%.17g" string (Redis truncates Lua numbers in replies to integers).
@@ -232,6 +240,23 @@ local function check(k, j, n, res)
         ok[i] = limit <= 0 or count < limit
       end
       value[i] = count
+    elseif kind == 's' then  -- the ledger's other live slices; the expired ones removed
+      local holder = string.match(ARGV[a + 4], '^(%S+) ')
+      local stored = redis.call('HGETALL', key)
+      local others, gone = 0, {}
+      for x = 1, #stored, 2 do
+        local units, at = string.match(stored[x + 1], '^(%S+) (%S+)$')
+        if tonumber(at) > now then
+          if stored[x] ~= holder then
+            others = others + tonumber(units)
+          end
+        else
+          gone[#gone + 1] = stored[x]
+        end
+      end
+      call_sliced('HDEL', key, false, gone)
+      ok[i] = true  -- a slice always allows: it is at most what is left
+      value[i] = others
     else
       ok[i] = redis.call('ZREM', key, lease_id) == 1
       value[i] = 0
@@ -318,6 +343,19 @@ local function check(k, j, n, res)
           redis.call('PEXPIRE', key, ms)
         end
         expiry[key] = nil
+      elseif kind == 's' then
+        local total, ttl = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+        local holder, want = string.match(ARGV[a + 4], '^(%S+) (%S+)$')
+        local top = math.max(0, math.min(tonumber(want), total - value[i]))  -- slice_top
+        if top > 0 then
+          redis.call('HSET', key, holder, fmt(top) .. ' ' .. fmt(now + ttl))
+          local ms = math.max(1000, math.ceil(ttl * 1000))
+          if redis.call('PTTL', key) < ms then  -- never shortens another holder's
+            redis.call('PEXPIRE', key, ms)
+          end
+        else
+          redis.call('HDEL', key, holder)
+        end
       elseif kind == 'l' then
         local ttl = tonumber(ARGV[a + 3])
         local added = redis.call('ZADD', key, fmt(now + ttl), lease_id)

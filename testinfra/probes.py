@@ -1,15 +1,34 @@
 """What only the tests and the benchmarks need of the package, kept out of it (issue 30):
-a release awaited to its count, the embedded store's key count, traffic files written."""
+a release awaited to its count, the embedded store's key count, traffic files written, one
+stored document changed without a server (the store contract's race test)."""
 
 from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from extauthz.control.overrides import Override, OverrideDocument
+from extauthz.control.switches import SwitchDocument, Switches, valid_name, with_switch
+from extauthz.core.verdict import Mode
+from extauthz.engine.engine import Engine
 from extauthz.engine.release import Releaser
+from extauthz.engine.state import (
+    FailOpenPart,
+    GrantsPart,
+    ModesPart,
+    OverridesPart,
+    Part,
+    PolicyPart,
+    ReleasesPart,
+    ShedPart,
+    StorePart,
+    classifier_part,
+)
+from extauthz.store.base import Store
+from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
 
 
@@ -35,3 +54,31 @@ def write_lines(path: str | Path, lines: Sequence[Mapping[str, Any]]) -> Path:
     data = "".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines).encode()
     path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
     return path
+
+
+async def change_switches(store: Store, key: str, name: str, mode: Mode | None) -> Switches:
+    """Set (or with None clear) one switch in the store, as
+    :class:`~extauthz.control.control.StoreControl` does for the admin port and the CLI: a
+    compare-and-set (:meth:`~extauthz.control.documents.Document.change`), so two operators
+    flipping switches at once both land. Raises StoreError, ValueError (bad name)."""
+    if not valid_name(name):
+        raise ValueError(f"bad switch name {name!r}")
+    new, _ = await SwitchDocument(key).change(store, lambda current: with_switch(current, name, mode), 0.0)
+    return new
+
+
+async def change_overrides(store: Store, keys: Keys, change: Callable[[list[Override]], list[Override]],
+                           now: float) -> list[Override]:
+    """Read, change and write the stored overrides (then bump the version key) by the
+    document's compare-and-set, as :class:`~extauthz.control.control.StoreControl` does: when
+    another operator changed them in between, ``change`` is applied again on top of theirs."""
+    result, _ = await OverrideDocument(keys).change(store, change, now)
+    return result
+
+
+def engine_parts(engine: Engine) -> list[Part]:
+    """The parts the engine alone reports (the server's panel, server/panel.py, adds its own
+    between them)."""
+    return [PolicyPart(engine), StorePart(engine), FailOpenPart(engine), ModesPart(engine),
+            OverridesPart(engine), ShedPart(engine), ReleasesPart(engine), GrantsPart(engine),
+            classifier_part(engine)]

@@ -7,9 +7,10 @@ per ``unit``, ``shadow_mode`` as ``mode: shadow``, ``replaces``, ``detailed_metr
 ``unlimited: true`` one, and a leaf with no limit (which the peer answers with no limit),
 an entry of ``unlimited``. The peer's lookup is the policy's (most specific, greedy), so
 the decisions are the same, except where docs/migrating.md says we differ (calendar weeks,
-months and years; value prefixes at every level). What cannot be converted is refused with
+months and years; over-limit hits not counted). What cannot be converted is refused with
 the file and line: an unknown key, a bad unit, a unit beside ``unlimited``, a limit of 0
-requests, a duplicate descriptor or domain, a ``replaces`` naming its own limit.
+requests, a duplicate descriptor or domain, a ``replaces`` naming its own limit, a ``*``
+before a value's end, and the peer's keys in :data:`NOT_CONVERTED`.
 """
 
 from __future__ import annotations
@@ -23,11 +24,21 @@ from typing import Any
 
 import yaml
 
-from ..policy.schema import MAX_COUNT
+from ..policy.schema import MAX_COUNT, MAX_DESCRIPTOR_ENTRIES, MAX_DESCRIPTOR_KEY, MAX_DESCRIPTOR_VALUE
 
 #: the peer's keys (src/config/config_impl.go validKeys)
 VALID_KEYS = frozenset({"domain", "key", "value", "descriptors", "rate_limit", "unit", "requests_per_unit",
-                        "unlimited", "shadow_mode", "name", "replaces", "detailed_metric"})
+                        "unlimited", "shadow_mode", "name", "replaces", "detailed_metric", "quota_mode",
+                        "value_to_metric", "share_threshold", "metadata"})
+#: a descriptor's keys the peer knows that change its decisions or answers in ways a policy
+#: cannot say: refused when set (``metadata``: at all; the flags: when true)
+NOT_CONVERTED = {
+    "share_threshold": "it shares one counter among the values a wildcard matches; here each value "
+                       "has its own",
+    "quota_mode": "the peer refuses on such a limit only when every quota-mode limit of the request is "
+                  "over; here each limit refuses alone",
+    "metadata": "the server does not add a limit's metadata to its answer",
+}
 UNITS = ("second", "minute", "hour", "day", "week", "month", "year")
 #: units whose windows differ from the peer's (fixed 7, 30 and 365 days from the epoch)
 CALENDAR_UNITS = ("week", "month", "year")
@@ -101,7 +112,8 @@ class _Names:
 
     def __init__(self) -> None:
         self.used: set[str] = set()
-        self.by_peer: dict[str, str] = {}
+        #: a peer's name -> the limiters so named (the peer's names need not be unique)
+        self.by_peer: dict[str, list[str]] = {}
 
     def make(self, wanted: str) -> str:
         base = _NAME_OK.sub("-", wanted.lower()).strip("-._") or "limit"
@@ -140,6 +152,9 @@ def convert(files: Sequence[tuple[str, str]]) -> list[Converted]:
         domain = _scalar(file, top["domain"][1], "domain")
         if not domain:
             raise ConvertError(file, _line(top["domain"][1]), "config file cannot have empty domain")
+        if len(domain) > MAX_DESCRIPTOR_KEY:
+            raise ConvertError(file, _line(top["domain"][1]), f"a domain of {len(domain)} characters: at most "
+                               f"{MAX_DESCRIPTOR_KEY} here")
         if domain in domains:
             raise ConvertError(file, _line(top["domain"][1]),
                                f"duplicate domain '{domain}' (first in {domains[domain]})")
@@ -156,7 +171,9 @@ def convert(files: Sequence[tuple[str, str]]) -> list[Converted]:
         if mapped is None:  # the peer ignores a name no limit has
             conv.warnings.append(f"{conv.source}:{line}: replaces '{peer_name}': no limit has that name; left out")
             continue
-        entry.setdefault("replaces", []).append(mapped)
+        # the peer drops every limit of that name
+        have = entry.setdefault("replaces", [])
+        have.extend(name for name in mapped if name not in have)
     return out
 
 
@@ -171,6 +188,25 @@ def _walk(file: str, conv: Converted, node: yaml.Node, path: list[dict[str, str]
             raise ConvertError(file, _line(item), "descriptor has empty key")
         key = _scalar(file, d["key"][1], "key")
         value = _scalar(file, d["value"][1], "value") if "value" in d else ""
+        if len(path) >= MAX_DESCRIPTOR_ENTRIES:
+            raise ConvertError(file, _line(item), f"a descriptor nested {len(path) + 1} deep: at most "
+                               f"{MAX_DESCRIPTOR_ENTRIES} entries here")
+        if len(key) > MAX_DESCRIPTOR_KEY:
+            raise ConvertError(file, _line(d["key"][1]), f"a key of {len(key)} characters: at most "
+                               f"{MAX_DESCRIPTOR_KEY} here")
+        if len(value) > MAX_DESCRIPTOR_VALUE:
+            raise ConvertError(file, _line(d["value"][1]), f"a value of {len(value)} characters: at most "
+                               f"{MAX_DESCRIPTOR_VALUE} here")
+        if "*" in value[:-1]:
+            raise ConvertError(file, _line(d["value"][1]), f"value '{value}': a '*' before the end is a "
+                               "wildcard to envoyproxy/ratelimit, a literal here: not converted (only a "
+                               "trailing '*', a prefix, matches the same)")
+        for what, why in NOT_CONVERTED.items():
+            if what in d and (what == "metadata" or _bool(file, d[what][1], what)):
+                raise ConvertError(file, _line(d[what][0]), f"'{what}' is not converted: {why}")
+        if "value_to_metric" in d and _bool(file, d["value_to_metric"][1], "value_to_metric"):
+            conv.warnings.append(f"{file}:{_line(d['value_to_metric'][0])}: value_to_metric: metrics only, "
+                                 "not converted (the decisions are the same)")
         composite = f"{key}_{value}" if value else key
         if composite in seen:
             raise ConvertError(file, _line(item), f"duplicate descriptor composite key '{composite}' "
@@ -181,8 +217,8 @@ def _walk(file: str, conv: Converted, node: yaml.Node, path: list[dict[str, str]
         children = d.get("descriptors")
         if "rate_limit" in d:
             _limit(file, conv, d, match, names, pending)
-        elif children is None:  # a leaf without a limit: the peer applies none
-            conv.unlimited.append({"match": match})
+        elif children is None or children[1].value == []:  # a leaf without a limit: the peer
+            conv.unlimited.append({"match": match})  # applies none (no fallback to a default)
         for flag in ("shadow_mode", "detailed_metric"):
             if flag in d and "rate_limit" not in d:
                 _bool(file, d[flag][1], flag)  # checked; no limit to apply it to
@@ -216,7 +252,7 @@ def _limit(file: str, conv: Converted, d: dict[str, tuple[yaml.Node, yaml.Node]]
     wanted = peer_name or f"{conv.domain}.{shape}"
     name = names.make(wanted)
     if peer_name:
-        names.by_peer.setdefault(peer_name, name)
+        names.by_peer.setdefault(peer_name, []).append(name)
     line = _line(key_node)
     if unlimited:
         if unit in UNITS:
@@ -234,6 +270,9 @@ def _limit(file: str, conv: Converted, d: dict[str, tuple[yaml.Node, yaml.Node]]
             raise ConvertError(file, _line(rl["requests_per_unit"][1]) if "requests_per_unit" in rl else line,
                                "requests_per_unit 0 refuses every request: not converted (a quota's limit "
                                "is at least 1; block these requests in Envoy instead)")
+        if raw > MAX_COUNT:
+            conv.warnings.append(f"{file}:{_line(rl['requests_per_unit'][1])}: requests_per_unit {raw}: at most "
+                                 f"{MAX_COUNT} here, converted to that")
         entry = {"name": name, "type": "quota", "limit": min(raw, MAX_COUNT), "period": unit}
         if shadow:
             entry["mode"] = "shadow"

@@ -308,22 +308,6 @@ class OverrideDocument(Document[list[Override]]):
         return min((e.expires_at for e in doc), default=math.inf)
 
 
-async def change_stored(store: Store, keys: Keys,
-                        change: Callable[[list[Override]], list[Override]],
-                        now: float | None = None) -> list[Override]:
-    """Read, change and write the stored overrides, then bump the version key. Both keys
-    expire a minute after the latest override. (The store contract's race test; the admin port
-    and the CLI change overrides through :class:`~extauthz.control.control.StoreControl`.)
-
-    The write is a compare-and-set (:meth:`~extauthz.control.documents.Document.change`): when
-    another operator changed the overrides in between, ``change`` is applied again on top of
-    theirs, so neither is lost. A stored value that does not parse (written by hand) is
-    replaced, as the servers already ignore it (logged there as ``overrides_malformed``), and
-    an entry whose stored numbers are refused (:attr:`Override.refused`) is dropped."""
-    result, _ = await OverrideDocument(keys).change(store, change, time.time() if now is None else now)
-    return result
-
-
 # -- compiling against the limiters -------------------------------------------------------
 
 

@@ -107,18 +107,6 @@ class SwitchDocument(Document[Switches]):
         return doc.to_dict()
 
 
-async def change_stored(store: Store, key: str, name: str, mode: Mode | None) -> Switches:
-    """Set (or with None clear) one switch in the store (the store contract's race test; the
-    admin port and the CLI change switches through :class:`~extauthz.control.control.StoreControl`): a
-    compare-and-set (:meth:`~extauthz.control.documents.Document.change`) so two operators
-    flipping switches at once both land. A malformed stored value is overwritten. The key
-    has no TTL: a switch holds until cleared. Raises StoreError, ValueError (bad name)."""
-    if not valid_name(name):
-        raise ValueError(f"bad switch name {name!r}")
-    new, _ = await SwitchDocument(key).change(store, lambda current: with_switch(current, name, mode), 0.0)
-    return new
-
-
 def with_switch(switches: Switches, name: str, mode: Mode | None) -> Switches:
     """``switches`` with ``name`` (or ``*``) set to ``mode``, or cleared when None."""
     data = switches.to_dict()

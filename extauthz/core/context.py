@@ -11,10 +11,12 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from .tiers import Tier
 from .verdict import Limits
+
+_N = TypeVar("_N", int, float)
 
 _EMPTY: Mapping[str, str] = {}
 #: the request id Envoy sets (or keeps): it pairs a check with the request's access-log entry
@@ -79,8 +81,15 @@ class RawRequest:
     #: the limiter with ``match`` the descriptor reached (``Policy.descriptors``), by name:
     #: the one limiter that runs on it; None on a Check (no limiter with ``match`` runs).
     descriptor_target: str | None = None
-    #: what the descriptor adds to its limiter's count (``hits_addend``; 0: the limiter's ``cost``)
-    hits: int = 0
+    #: what the descriptor adds to its limiter's count (``hits_addend``; 0: a check that adds
+    #: nothing, as envoyproxy/ratelimit's; None: the limiter's ``cost``)
+    hits: int | None = None
+    #: the lease id the request's leases are held under ("": the engine makes one): the
+    #: descriptors of one ``ShouldRateLimit`` share one, answered in one lease metadata
+    lease_id: str = ""
+    #: the numbers the descriptor's own ``limit`` sets for its target (Envoy's override of a
+    #: quota's limit); None: the policy's
+    descriptor_limits: Limits | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +127,12 @@ class RequestContext:
     #: ``RawRequest.descriptor_target``: set, the request is one rate limit descriptor and
     #: only that limiter applies; None, a checked request (limiters with ``match`` do not apply).
     descriptor_target: str | None = None
-    #: ``RawRequest.hits``: the cost this request takes instead of its limiter's (0: the
-    #: limiter's ``cost``); only a rate limit descriptor sets it.
-    hits: int = 0
+    #: ``RawRequest.hits``: the cost this request takes instead of its limiter's (None: the
+    #: limiter's ``cost``; 0: checked, nothing added); only a rate limit descriptor sets it.
+    hits: int | None = None
+    #: ``RawRequest.lease_id``: the id its leases are held under ("": the engine makes one)
+    lease_id: str = ""
+
+    def cost(self, own: _N) -> _N:
+        """What this request takes from a limiter whose own cost is ``own``: ``hits`` when set."""
+        return own if self.hits is None else self.hits

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import re
@@ -35,9 +36,9 @@ K8S_TARGETS = ("envoy-gateway", "istio-sidecar", "istio-ambient")
 
 __all__ = [
     "CHECK_BUDGET_MS", "DEFAULT_MAX_ACTIVE_CHECKS", "ENVOY_MARGIN_MS", "ENV_PREFIX", "K8S_TARGETS", "KEY_PREFIX",
-    "MEMORY_MAX_KEYS", "OFF", "PROTOCOLS", "SHARED", "STORE_DEADLINE_MS",
-    "Option", "Settings", "add_arguments", "add_shared", "env_value", "from_args", "off", "options",
-    "positive", "size",
+    "MEMORY_MAX_KEYS", "OFF", "PROTOCOLS", "SHARED", "STORE_DEADLINE_MS", "WORKER_CONFIG_ENV",
+    "WORKER_READY_FD_ENV", "Option", "Settings", "add_arguments", "add_shared", "env_value", "from_args", "off",
+    "options", "positive", "size", "worker_env", "worker_handover",
 ]
 
 #: every option's environment variable is ``EXTAUTHZ_`` + its flag, upper case, ``-`` -> ``_``
@@ -392,6 +393,33 @@ def admin_url() -> str | None:
     (opscli.py), without a trailing slash; None when unset or empty."""
     value = os.environ.get("EXTAUTHZ_ADMIN_URL")
     return value.rstrip("/") if value else None
+
+
+#: ``serve --workers``' hand-over to each worker process (server/workers.py), not an option: the
+#: worker's whole configuration, one :class:`Settings` as JSON (log level and format included),
+#: and the pipe on which the worker says it is serving.
+WORKER_CONFIG_ENV = "EXTAUTHZ_WORKER_CONFIG"
+WORKER_READY_FD_ENV = "EXTAUTHZ_WORKER_READY_FD"
+
+
+def worker_env(settings: Settings, ready_fd: int) -> dict[str, str]:
+    """The variables that hand ``settings`` and the ready pipe ``ready_fd`` to a worker."""
+    return {WORKER_CONFIG_ENV: json.dumps(dataclasses.asdict(settings)), WORKER_READY_FD_ENV: str(ready_fd)}
+
+
+def worker_handover(environ: Mapping[str, str] | None = None) -> tuple[Settings, int]:
+    """What :func:`worker_env` handed over: the worker's :class:`Settings` (checked again as
+    it is built) and its ready pipe. Raises ValueError when either is missing or malformed."""
+    env = os.environ if environ is None else environ
+    try:
+        tuples = {name for name, value in dataclasses.asdict(Settings()).items() if isinstance(value, tuple)}
+        data: dict[str, Any] = {k: tuple(v) if k in tuples else v
+                                for k, v in json.loads(env[WORKER_CONFIG_ENV]).items()}
+        return (Settings(**data),
+                int(env[WORKER_READY_FD_ENV]))
+    except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not started as a worker of extauthz serve --workers "
+                         f"({WORKER_CONFIG_ENV}, {WORKER_READY_FD_ENV}): {exc!r}") from None
 
 
 def env_value(opt: Option, environ: Mapping[str, str] | None = None) -> str | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -41,9 +42,15 @@ def lease_fields(decision: Decision, ticket: str = "") -> list[tuple[str, str]]:
     """The lease metadata of an admitted decision (empty when it holds no lease), with its
     ``ticket`` when given: the ONE encoding both edges use; :func:`read_lease_fields` is its
     inverse."""
-    if not decision.leases:
+    return held_lease_fields(decision.lease_id, decision.leases, ticket)
+
+
+def held_lease_fields(lease_id: str, keys: Sequence[str], ticket: str = "") -> list[tuple[str, str]]:
+    """:func:`lease_fields` of leases ``keys`` held under ``lease_id`` (several decisions'
+    under one id: the descriptors of one ShouldRateLimit)."""
+    if not keys:
         return []
-    fields = [(LEASE_ID_FIELD, decision.lease_id), (LEASES_FIELD, _LEASE_SEP.join(decision.leases))]
+    fields = [(LEASE_ID_FIELD, lease_id), (LEASES_FIELD, _LEASE_SEP.join(keys))]
     if ticket:
         fields.append((LEASE_TICKET_FIELD, ticket))
     return fields

@@ -90,7 +90,11 @@ class Engine:
         """Everything is given here, once: the server builds the store gate (its deadline,
         breaker, clock and store-call wrapper: latency histogram, child span,
         :func:`extauthz.observe.metrics.instrument_store_check`) and the observer (metrics,
-        logs, shadow recorder, tracing) before the engine."""
+        logs, shadow recorder, tracing) before the engine. One gate per engine: its grant
+        book follows this engine's snapshots (ValueError for a gate already serving one)."""
+        if gate.grants.adopted:
+            raise ValueError("this StoreGate already serves an engine (its grant book follows one "
+                             "engine's limiters): build a StoreGate per engine")
         #: the store call of a check, behind its breakers and deadline
         self.gate = gate
         self.store = gate.store
@@ -218,7 +222,7 @@ class Engine:
             # Nothing to ask the store, or a local shedder refused: nothing is committed.
             verdicts = [local for _, _, local, _ in slots if local is not None]
         else:
-            lease_id = os.urandom(8).hex()
+            lease_id = ctx.lease_id or os.urandom(8).hex()
             try:
                 result = await self._store_check_within(ops, lease_id, left)
             except StoreError as exc:
@@ -259,7 +263,7 @@ class Engine:
             self.grants.refund(ctx, slots)
         if self.grants.holds_leases:  # slots taken from local fleet grants (batched)
             if not lease_id:
-                lease_id = os.urandom(8).hex()
+                lease_id = ctx.lease_id or os.urandom(8).hex()
             held.extend(self.grants.hold(ctx, slots, lease_id, refused is None))
         lease_keys = tuple(held)
         if not lease_keys:

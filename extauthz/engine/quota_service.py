@@ -11,11 +11,16 @@ into ``RateLimitQuotaResponse`` messages.
 * :func:`divide` (pure) splits them into whole tokens: shares follow the reported demand,
   and a share grows only into what is free in the ledger, where a shrunk share stays held
   until a report sent after Envoy received the shrink confirms it (:attr:`Held.until`).
-  The ledger here is this replica's (:class:`QuotaBook`); a store ledger across replicas
-  replaces it by holding the same :class:`Share` numbers per (bucket, stream) under a TTL.
+  The ledger here is this replica's (:class:`QuotaBook`); beneath it, the store's ledger
+  (:class:`StoreLedger`, ``SliceOp``) holds each (bucket, stream)'s numbers across replicas
+  under a TTL, and a share is sent only as far as the store granted it (:meth:`QuotaBook.settle`).
 * Assignments carry a TTL of a few report intervals; a bucket that reports no requests for
-  ``idle_reports`` reports is abandoned (its share goes back); a stream gone gives its
+  ``idle_reports`` reports is abandoned; a stream gone, or an abandoned bucket, gives its
   shares back once its assignments' TTL has passed (its Envoy enforces them until then).
+* Tokens released from the ledger cool before another stream gets them (Envoy grows a
+  bucket with its ratio of tokens kept and starts a new one full: tokens the releasing
+  Envoy spent would come back at once): :meth:`QuotaBook._cool`, tested against a model of
+  Envoy's filter in ``tests/fuzz/test_fuzz_quota.py``.
 * Envoy 1.40 uses a token bucket's ``fill_interval`` in whole seconds and ignores a change
   of its seconds (it compares only the nanoseconds), so a limiter's interval is fixed:
   ``ceil(1 / rate)`` seconds (at least 1) and only ``tokens_per_fill``/``max_tokens`` vary.
@@ -26,16 +31,26 @@ into ``RateLimitQuotaResponse`` messages.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import heapq
+import logging
 import math
+import secrets
+from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ..core.clock import SYSTEM_CLOCK, Clock
+from ..policy.classify import hash_identity
 from ..policy.model import Policy
+from ..store.base import OpResult, SliceOp, Store
+from ..store.keys import Keys
 
 K = TypeVar("K", bound=Hashable)
+
+log = logging.getLogger(__name__)
 
 #: the bucket id's entry naming the limiter
 LIMITER_KEY = "limiter"
@@ -54,6 +69,8 @@ ELAPSED_ROUNDING = 1.0
 #: bounds (docs/rlqs.md)
 MAX_STREAMS = 1024
 MAX_BUCKETS_PER_STREAM = 4096
+#: (bucket, stream) holds in all (each at most a bucket id's bytes and a few numbers)
+MAX_HOLDS = 1 << 18
 MAX_BUCKET_ENTRIES = 8
 MAX_BUCKET_ID_BYTES = 512
 MAX_DOMAIN_BYTES = 128
@@ -118,34 +135,49 @@ def _split(total: int, weights: Mapping[K, float]) -> dict[K, int]:
     return out
 
 
-def _grow_within(total: int, targets: Mapping[K, int], held: Mapping[K, int]) -> dict[K, int]:
-    """Shrinks at once; growth only into ``total`` minus what the ledger holds."""
-    out = {k: min(t, held.get(k, 0)) for k, t in targets.items()}
-    free = total - sum(held.values())
+def _grow_within(total: int, targets: Mapping[K, int], held: Mapping[K, int], sent: Mapping[K, int],
+                 reserve: int, regrow: bool) -> dict[K, int]:
+    """Shrinks at once; growth into ``total`` minus what the ledger holds minus ``reserve``.
+    ``regrow``: a share may grow back into what its own ledger still holds; else it grows from
+    what was sent, and not at all while a shrink of it waits to be confirmed."""
+    out = {k: min(t, (held if regrow else sent).get(k, 0)) for k, t in targets.items()}
+    free = total - sum(held.values()) - reserve
     for k, t in targets.items():
+        if not regrow and held.get(k, 0) > sent.get(k, 0):
+            continue
         grow = min(max(0, t - out[k]), max(0, free))
         out[k] += grow
         free -= grow
     return out
 
 
-def divide(limit: Share, demand: Mapping[K, float], held: Mapping[K, Share]) -> dict[K, Share]:
+def divide(limit: Share, demand: Mapping[K, float], held: Mapping[K, Share],
+           sent: Mapping[K, Share] | None = None, reserve: Share = Share(0, 0)) -> dict[K, Share]:
     """Each stream's new share of ``limit``.
 
     ``demand``: the requests each stream's bucket saw per second lately (allowed and denied);
     ``held``: what the ledger holds for each (a stream's current share, or a larger one not
-    yet confirmed shrunk; streams not in ``demand`` still hold theirs). Shares follow demand
-    (every stream weighted at least :data:`FLOOR_WEIGHT` of the mean); a share grows only into
-    what no stream holds, so with ``sum(held) <= limit`` the shares and the ledger never sum
-    past ``limit`` in either number, whatever the order the answers reach Envoy.
+    yet confirmed shrunk; streams not in ``demand`` still hold theirs); ``sent``: the share
+    each was last sent (``held`` if not given); ``reserve``: what may not be handed out
+    (released tokens still cooling, :meth:`QuotaBook._cool`). Shares follow demand (every
+    stream weighted at least :data:`FLOOR_WEIGHT` of the mean); a share grows only into what
+    no stream holds and nothing reserves, and a burst never while its own shrink waits to be
+    confirmed (Envoy keeps a changed bucket's ratio of tokens: growing back a shrunk bucket
+    would multiply what it refilled meanwhile), so with ``sum(held) <= limit`` the shares and
+    the ledger never sum past ``limit`` in either number, whatever the order the answers
+    reach Envoy. A share with no fill or no burst is :data:`NOTHING` (Envoy's token bucket
+    needs both: it is sent as DENY_ALL, so its burst is not held).
     """
     if not demand:
         return {}
+    sent = held if sent is None else sent
     mean = sum(max(0.0, d) for d in demand.values()) / len(demand)
     weights = {k: max(0.0, d) + FLOOR_WEIGHT * mean for k, d in demand.items()}
-    fills = _grow_within(limit.fill, _split(limit.fill, weights), {k: s.fill for k, s in held.items()})
-    bursts = _grow_within(limit.burst, _split(limit.burst, weights), {k: s.burst for k, s in held.items()})
-    return {k: Share(fills[k], bursts[k]) for k in demand}
+    fills = _grow_within(limit.fill, _split(limit.fill, weights), {k: s.fill for k, s in held.items()},
+                         {k: s.fill for k, s in sent.items()}, reserve.fill, True)
+    bursts = _grow_within(limit.burst, _split(limit.burst, weights), {k: s.burst for k, s in held.items()},
+                          {k: s.burst for k, s in sent.items()}, reserve.burst, False)
+    return {k: Share(fills[k], bursts[k]) if fills[k] and bursts[k] else NOTHING for k in demand}
 
 
 def limits_of(policy: Policy) -> dict[str, QuotaLimit]:
@@ -190,6 +222,23 @@ class Held:
     allowed: int = 0
     denied: int = 0
     reported: float = 0.0
+    #: abandoned (idle): Envoy drops the bucket when the abandon reaches it, and enforces the
+    #: last assignment until then (up to its TTL): the ledger holds it until ``until``
+    abandoned: bool = False
+    #: seconds of reports in a row without a request (the idle streak)
+    idle_for: float = 0.0
+    #: abandoned after idling long enough for its Envoy bucket to be full: the tokens Envoy
+    #: drops with it were never spent, so its hold goes back without cooling
+    full: bool = False
+    #: the fill interval last sent (0: none yet)
+    interval: int = 0
+    #: the store ledger's view (:meth:`QuotaBook.settle`): the share last sent to Envoy, the
+    #: slice the store holds for this stream, and the units no holder holds there
+    sent: Share = NOTHING
+    granted: Share = NOTHING
+    free: Share = NOTHING
+    #: the demand the bucket's other holders (every replica's streams) reported, scaled
+    others: int = 0
 
 
 @dataclass(slots=True)
@@ -227,6 +276,89 @@ class Usage:
     denied: int
 
 
+#: a store slice outlives the assignment it backs by this many report intervals (the answer's
+#: way to Envoy: Envoy counts the assignment's TTL from when it reads it)
+SLICE_MARGIN_REPORTS = 1
+#: the demand ledger's units: thousandths of a request per second, at most this per holder
+#: (its total is so large that it never caps a holder: it only sums what the others report)
+DEMAND_SCALE = 1000
+MAX_DEMAND = 10**8
+DEMAND_TOTAL = 10**15
+
+
+@dataclass(frozen=True, slots=True)
+class Granted:
+    """A store ledger's answer for one (bucket, stream): the slices it holds, the units of
+    the limit no holder holds, and the demand the other holders reported (scaled)."""
+
+    share: Share
+    free: Share
+    others: int
+
+
+def fair_cap(total: Share, mine: int, others: int) -> Share:
+    """The most a holder whose demand is ``mine`` may hold of ``total`` when the others'
+    demand sums to ``others`` (both :data:`DEMAND_SCALE`-d): its part of the demand, each
+    holder weighted one request per second more (a quiet holder keeps some), rounded down.
+    A holder over it shrinks at its next report; the units go to the others."""
+    floor = DEMAND_SCALE
+    part = (mine + floor) / (mine + others + floor)
+    return Share(math.floor(total.fill * part + 1e-9), math.floor(total.burst * part + 1e-9))
+
+
+class StoreLedger:
+    """The ledger across replicas (docs/rlqs.md, "The ledger in the store"): per (bucket,
+    stream) a slice of the limiter's whole tokens per fill interval and one of its burst,
+    each a :class:`~extauthz.store.base.SliceOp` on the bucket's two ledger keys
+    (:meth:`~extauthz.store.keys.Keys.quota_ledger`), taken in one atomic store call under
+    a TTL. A holder is ``<replica>.<stream id>``, the replica's name drawn at start: a
+    restarted replica's streams are new holders, and the slices its predecessor's streams
+    hold stay counted until their TTL (as long as the Envoys may enforce what they got)."""
+
+    def __init__(self, store: Store, keys: Keys, *, replica: str | None = None) -> None:
+        self.store = store
+        self.keys = keys
+        self.replica = replica if replica is not None else secrets.token_hex(6)
+        if not self.replica or " " in self.replica:
+            raise ValueError("a ledger replica name is not empty and has no space")
+        #: store calls that failed (their actions were not sent)
+        self.failures = 0
+        #: the store calls answered since the last failure (0: failing now)
+        self.healthy = True
+
+    def holder(self, sid: int) -> str:
+        return f"{self.replica}.{sid}"
+
+    def ops(self, bucket: BucketKey, sid: int, want: Share, total: Share, ttl: float,
+            demand: int) -> list[SliceOp]:
+        """The three slices ``sid`` asks of ``bucket``'s ledger: of the fill, of the burst,
+        and its demand (on a ledger whose total never binds: the others' sum comes back)."""
+        limiter = dict(bucket).get(LIMITER_KEY, "")
+        digest = hashlib.sha256(repr(bucket).encode()).hexdigest()[:24]
+        holder = self.holder(sid)
+        return [SliceOp(self.keys.quota_ledger(limiter, digest, "fill"), total.fill, ttl, holder, want.fill),
+                SliceOp(self.keys.quota_ledger(limiter, digest, "burst"), total.burst, ttl, holder, want.burst),
+                SliceOp(self.keys.quota_ledger(limiter, digest, "demand"), DEMAND_TOTAL, ttl, holder,
+                        min(MAX_DEMAND, max(0, demand)))]
+
+    async def hold(self, bucket: BucketKey, sid: int, want: Share, total: Share, ttl: float,
+                   demand: int = 0) -> Granted:
+        """Set ``sid``'s slices of ``bucket`` to ``want``, or what is left of ``total`` when
+        less (:func:`~extauthz.store.algorithms.slice_top`; ``NOTHING`` and demand 0 give
+        them back), and its demand, in one atomic call. Raises what the store raises."""
+        result = await self.store.check(self.ops(bucket, sid, want, total, ttl, demand), "")
+        fill, burst, asked = result.results
+        others = max(0, DEMAND_TOTAL - int(asked.remaining) - max(0, int(asked.extra)))
+        return Granted(_granted(fill, burst), Share(int(fill.remaining), int(burst.remaining)), others)
+
+    def status(self) -> dict[str, object]:
+        return {"replica": self.replica, "failures": self.failures, "healthy": self.healthy}
+
+
+def _granted(fill: OpResult, burst: OpResult) -> Share:
+    return Share(max(0, int(fill.extra)), max(0, int(burst.extra)))
+
+
 class QuotaBook:
     """This replica's streams, their buckets and the ledger of shares (one per server).
 
@@ -236,16 +368,35 @@ class QuotaBook:
 
     def __init__(self, limits: Callable[[], Mapping[str, QuotaLimit]], *, clock: Clock = SYSTEM_CLOCK,
                  report_interval: float = REPORT_INTERVAL, max_streams: int = MAX_STREAMS,
-                 max_buckets: int = MAX_BUCKETS_PER_STREAM) -> None:
+                 max_buckets: int = MAX_BUCKETS_PER_STREAM, max_holds: int = MAX_HOLDS,
+                 salt: bytes = b"", confirm_on_write: bool = False, ledger: StoreLedger | None = None) -> None:
         self.limits = limits
+        #: the ledger across replicas beneath this replica's (None: this replica's only)
+        self.ledger = ledger
+        #: a shrink's confirmation waits from when it was written (:meth:`written`, the
+        #: server's adapter) rather than from when it was decided: an answer a stream has not
+        #: taken (a peer not reading, a stalled connection) never counts as applied
+        self.confirm_on_write = confirm_on_write
+        #: the identity salt: /status hashes bucket id values as identities are (keyed)
+        self.salt = salt
         self.clock = clock
         self.report_interval = report_interval
         self.max_streams = max_streams
         self.max_buckets = max_buckets
+        self.max_holds = max_holds
+        #: (bucket, stream) holds in all streams' ``buckets``
+        self.holds = 0
         self.streams: dict[int, Stream] = {}
         #: bucket -> the streams holding it
         self.holders: dict[BucketKey, set[int]] = {}
         self._next = 0
+        #: abandoned holds by the time they go (in order: ``until`` is now + the TTL)
+        self._abandoned: deque[tuple[float, int, BucketKey]] = deque()
+        #: per bucket, burst tokens released from the ledger and not yet known refilled
+        #: (:meth:`_cool`): [tokens, when settled, fill no hold had then]
+        self.cooling: dict[BucketKey, list[float]] = {}
+        #: buckets no stream holds that still cool, by when they are done (a heap)
+        self._cooled: list[tuple[float, BucketKey]] = []
         #: counters for /metrics
         self.reports = 0
         self.overadmission = 0
@@ -273,16 +424,72 @@ class QuotaBook:
             stream.gone_at = self.clock.monotonic() + self.ttl
 
     def _purge(self, now: float) -> None:
+        limits: Mapping[str, QuotaLimit] | None = None
         for stream in [s for s in self.streams.values() if s.gone_at and now >= s.gone_at]:
             del self.streams[stream.id]
-            for key in stream.buckets:
+            limits = self.limits() if limits is None else limits
+            for key, gone in stream.buckets.items():
                 self._unhold(key, stream.id)
+                self._cool(key, now, limits.get(dict(key).get(LIMITER_KEY, "")),
+                           0 if gone.abandoned and gone.full else _held(gone).burst)
             stream.buckets.clear()
+        while self._abandoned and now >= self._abandoned[0][0]:
+            _, sid, key = self._abandoned.popleft()
+            found = self.streams.get(sid)
+            held = found.buckets.get(key) if found is not None else None
+            if found is not None and held is not None and held.abandoned and now >= held.until:
+                del found.buckets[key]
+                self._unhold(key, sid)
+                limits = self.limits() if limits is None else limits
+                self._cool(key, now, limits.get(dict(key).get(LIMITER_KEY, "")),
+                           0 if held.full else _held(held).burst)
+        due = []
+        while self._cooled and now >= self._cooled[0][0]:  # each once (a re-push is later)
+            due.append(heapq.heappop(self._cooled)[1])
+        for key in due:
+            if key in self.cooling and key not in self.holders:
+                limits = self.limits() if limits is None else limits
+                self._cool(key, now, limits.get(dict(key).get(LIMITER_KEY, "")))
+
+    def _cool(self, key: BucketKey, now: float, limit: QuotaLimit | None, released: int = 0) -> float:
+        """Burst tokens released from the ledger (a shrink confirmed, a gone stream's or an
+        abandoned bucket's hold) cool before another stream gets them: the Envoy that held
+        them may have spent them, and a bucket Envoy grows (its ratio of tokens kept) or
+        starts (full) holds tokens at once. They are known refilled only as fill that no
+        hold has accrues (the limiter's bucket refills at its whole rate while the Envoys'
+        buckets refill at the fill they hold): ``released`` is added, what the unheld fill
+        refilled since the last call is taken off, and the tokens still cooling returned
+        (settled after every change of the bucket's ledger)."""
+        state = self.cooling.get(key)
+        if state is None and released <= 0:  # nothing cools: nothing to settle
+            return 0.0
+        tokens, since, unheld = state or (0.0, now, 0.0)
+        if limit is None:
+            if key not in self.holders:
+                self.cooling.pop(key, None)
+                return 0.0
+            unheld = 0.0
+        else:
+            tokens = max(0.0, tokens - unheld * (now - since) / limit.interval)
+        tokens += released
+        if tokens < 1e-6:  # a float's rest is no token
+            tokens = 0.0
+        holders = self.holders.get(key, ())
+        if not tokens and not holders:
+            self.cooling.pop(key, None)
+            return 0.0
+        unheld = 0.0 if limit is None else max(0, limit.total.fill - sum(
+            _held(self.streams[sid].buckets[key]).fill for sid in holders))
+        self.cooling[key] = [tokens, now, unheld]
+        if not holders and unheld:
+            heapq.heappush(self._cooled, (now + tokens * (limit.interval if limit else 1) / unheld, key))
+        return tokens
 
     def _unhold(self, key: BucketKey, sid: int) -> None:
         holders = self.holders.get(key)
-        if holders is not None:
+        if holders is not None and sid in holders:
             holders.discard(sid)
+            self.holds -= 1
             if not holders:
                 del self.holders[key]
 
@@ -303,31 +510,55 @@ class QuotaBook:
         self._purge(now)
         limits = self.limits()
         self.reports += 1
+        # the whole report is checked before any of it is applied: a refused report changes
+        # nothing (its other streams' shrinks would be lost with it, never sent but counted)
+        keyed = [(bucket_key(usage.bucket), usage) for usage in usages]
+        new = {key for key, _ in keyed if key not in stream.buckets}
+        if len(stream.buckets) + len(new) > self.max_buckets:
+            self._refuse("buckets")
+            raise QuotaError(f"a stream holds at most {self.max_buckets} buckets")
+        if self.holds + len(new) > self.max_holds:
+            self._refuse("buckets")
+            raise QuotaError(f"{self.max_holds} buckets are held by all streams (the most this server takes)")
         out: dict[int, list[Action]] = {}
         mine = out.setdefault(stream.id, [])
-        for usage in usages:
-            key = bucket_key(usage.bucket)
+        for key, usage in keyed:
             usage = Usage(usage.bucket, min(max(0.0, usage.elapsed), MAX_REPORTED),
                           min(max(0, usage.allowed), MAX_REPORTED), min(max(0, usage.denied), MAX_REPORTED))
             held = stream.buckets.get(key)
+            first = held is None
             if held is None:
-                if len(stream.buckets) >= self.max_buckets:
-                    self._refuse("buckets")
-                    raise QuotaError(f"a stream holds at most {self.max_buckets} buckets")
                 held = stream.buckets[key] = Held(reported=now)
                 self.holders.setdefault(key, set()).add(stream.id)
-            self._audit(held, usage, limits.get(dict(key).get(LIMITER_KEY, "")))
+                self.holds += 1
+            if not first:  # a first report's requests were allowed under an earlier stream's assignment
+                self._audit(held, usage, limits.get(dict(key).get(LIMITER_KEY, "")))
             held.allowed += usage.allowed
             held.denied += usage.denied
             if usage.elapsed > 0:
                 held.demand = (usage.allowed + usage.denied) / usage.elapsed
-            held.idle = held.idle + 1 if usage.allowed + usage.denied == 0 and usage.elapsed > 0 else 0
+            idle = usage.allowed + usage.denied == 0 and usage.elapsed > 0
+            held.idle, held.idle_for = (held.idle + 1, held.idle_for + usage.elapsed) if idle else (0, 0.0)
+            if held.abandoned:  # reported again: Envoy has the bucket (again)
+                if usage.elapsed == 0 and held.full:  # a new bucket: the full one was dropped
+                    held.ledger = held.share = NOTHING
+                    held.until = 0.0
+                held.abandoned, held.full, held.idle, held.idle_for = False, False, 0, 0.0
             if held.until and now >= held.until:  # a report sent after the shrink arrived
+                released = _held(held).burst - held.share.burst
                 held.ledger, held.until = held.share, 0.0
+                self._cool(key, now, limits.get(dict(key).get(LIMITER_KEY, "")), released)
             held.reported = now
             if held.idle >= IDLE_REPORTS:
-                del stream.buckets[key]
-                self._unhold(key, stream.id)
+                # Envoy enforces its last assignment until the abandon reaches it (or the
+                # assignment's TTL passes, if it never does): held until then, shared by none
+                last = limits.get(dict(key).get(LIMITER_KEY, ""))
+                slowest = min(held.ledger.fill, held.share.fill)
+                held.full = last is not None and slowest > 0 and (
+                    _held(held).burst * last.interval / slowest <= held.idle_for)
+                held.ledger, held.share = _held(held), NOTHING
+                held.until, held.abandoned = now + self.ttl, True
+                self._abandoned.append((held.until, stream.id, key))
                 mine.append(Action(key, None))
                 continue
             limit = limits.get(dict(key).get(LIMITER_KEY, ""))
@@ -350,15 +581,27 @@ class QuotaBook:
     def _assign(self, key: BucketKey, limit: QuotaLimit, now: float, out: dict[int, list[Action]]) -> None:
         sids = sorted(self.holders.get(key, ()))
         holders = {sid: self.streams[sid].buckets[key] for sid in sids}
-        live = {sid: holders[sid].demand for sid in sids if not self.streams[sid].gone_at}
-        if len(sids) == 1 and live:  # what divide gives one stream alone: the whole limit
-            shares = {sids[0]: limit.total}
-        else:  # a closed stream holds its last share, gets none
-            shares = divide(limit.total, live,
-                            {sid: _max(h.ledger, h.share) if h.until else h.ledger for sid, h in holders.items()})
-        confirm_after = now + self.report_interval / 2
+        live = {sid: h.demand for sid, h in holders.items() if not (self.streams[sid].gone_at or h.abandoned)}
+        whole, interval = limit.total, limit.interval
+        if len(holders) == 1 and live and not holders[sids[0]].until and key not in self.cooling:
+            # what divide gives one stream alone, nothing cooling nor waiting: the whole limit
+            shares = {sids[0]: whole if whole.fill and whole.burst else NOTHING}
+        else:
+            # while released tokens cool, no burst grows past what they leave and no fill
+            # grows (the unheld fill is what cools them)
+            cooling = self._cool(key, now, limit)
+            reserve = Share(whole.fill, math.ceil(cooling - 1e-9)) if cooling > 1e-9 else NOTHING
+            # a closed or abandoned hold keeps its last share, gets none
+            shares = divide(whole, live, {sid: _held(h) for sid, h in holders.items()},
+                            {sid: h.share for sid, h in holders.items()}, reserve)
+        confirm_after = math.inf if self.confirm_on_write else now + self.report_interval / 2
         for sid, share in shares.items():
             h = holders[sid]
+            if share != NOTHING and share == h.share and h.interval and h.interval != interval:
+                # a reload changed the interval only: Envoy 1.40 ignores a change of a token
+                # bucket's fill_interval alone (it compares only the nanoseconds) and would
+                # keep filling at the old one: the bucket goes (DENY_ALL) and is granted anew
+                share = NOTHING
             changed = share != h.share
             if share.fill < h.share.fill or share.burst < h.share.burst:
                 h.ledger, h.until = _max(h.ledger, h.share), confirm_after
@@ -367,29 +610,141 @@ class QuotaBook:
             else:
                 h.ledger = _max(h.ledger, share)
             h.share = share
+            if share != NOTHING:
+                h.interval = interval
             if changed or sid in out:  # the reporting stream gets every bucket (TTL refreshed)
-                out.setdefault(sid, []).append(Action(key, share, limit.interval, self.ttl))
+                out.setdefault(sid, []).append(Action(key, share, interval, self.ttl))
+        self._cool(key, now, limit)  # the unheld fill from now on
+
+    def written(self, stream: Stream, shares: Iterable[tuple[BucketKey, Share]]) -> None:
+        """Answers were written to ``stream``, each a bucket and the share it carried: a
+        waiting shrink to the share the bucket now has is confirmed by a report arriving half
+        a report interval from now (``confirm_on_write``). An older answer (another share)
+        confirms nothing: one stream's answers arrive in order."""
+        confirm_after = self.clock.monotonic() + self.report_interval / 2
+        for key, share in shares:
+            held = stream.buckets.get(key)
+            if held is not None and held.until == math.inf and not held.abandoned and share == held.share:
+                held.until = confirm_after
+
+    # -- the store ledger
+    async def settle(self, out: dict[int, list[Action]]) -> dict[int, list[Action]]:
+        """The actions of :meth:`report` as far as the store's ledger backs them: each
+        assignment's slices are asked of the store (the held size: a shrunk share's old
+        size until it is confirmed) and the share sent is at most what the store granted; an
+        abandoned bucket's slices go back. An assignment the store did not answer is not sent
+        (its Envoy keeps its last assignment, which its slices back until their TTL, then
+        applies ``expired_assignment_behavior``: DENY_ALL). Without a ledger: ``out``."""
+        ledger = self.ledger
+        if ledger is None:
+            return out
+        limits = self.limits()
+        ttl = self.ttl + SLICE_MARGIN_REPORTS * self.report_interval
+        jobs: list[tuple[int, int, Held | None]] = []
+        calls = []
+        dropped: set[tuple[int, int]] = set()
+        out = {sid: list(actions) for sid, actions in out.items()}
+        for sid, actions in out.items():
+            stream = self.streams.get(sid)
+            for i, action in enumerate(actions):
+                if action.deny:
+                    continue
+                if action.share is None:  # abandoned: its slices stay until their TTL (Envoy
+                    continue  # enforces the last assignment until the abandon reaches it)
+                held = stream.buckets.get(action.bucket) if stream is not None else None
+                limit = limits.get(dict(action.bucket).get(LIMITER_KEY, ""))
+                total = limit.total if limit is not None else NOTHING
+                if held is None:  # its stream is gone: nothing backs it, nothing is sent
+                    dropped.add((sid, i))
+                    continue
+                # at most its part of the demand across every holder (the others' as last
+                # answered); the store keeps what its Envoy may hold until it confirms a shrink
+                demand = min(MAX_DEMAND, round(held.demand * DEMAND_SCALE))
+                share = _min(action.share, fair_cap(total, demand, held.others))
+                out[sid][i] = Action(action.bucket, share, action.interval, action.ttl)
+                # (a shrink not yet confirmed: the ledger's size; else what was sent last)
+                keep = _max(held.ledger, held.sent) if held.until else held.sent
+                jobs.append((sid, i, held))
+                calls.append(ledger.hold(action.bucket, sid, _max(keep, share), total, ttl, demand))
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        now = self.clock.monotonic()
+        settled = out
+        failed = 0
+        for (sid, i, held), answer in zip(jobs, answers, strict=True):
+            if isinstance(answer, BaseException):
+                if not isinstance(answer, Exception):
+                    raise answer
+                failed += 1
+                dropped.add((sid, i))
+                if held is not None:  # Envoy keeps what it was sent last
+                    held.share = held.sent
+                continue
+            if held is None:
+                continue
+            action = settled[sid][i]
+            assert action.share is not None
+            share = _min(action.share, answer.share)
+            if share.fill < held.sent.fill or share.burst < held.sent.burst:  # a shrink: held until confirmed
+                confirm_after = math.inf if self.confirm_on_write else now + self.report_interval / 2
+                held.ledger, held.until = _max(held.ledger, held.sent), max(held.until, confirm_after)
+            elif not held.until:
+                held.ledger = share
+            held.share, held.sent, held.granted, held.free, held.others = (share, share, answer.share, answer.free,
+                                                                           answer.others)
+            settled[sid][i] = Action(action.bucket, share, action.interval, action.ttl)
+        if failed:
+            ledger.failures += failed
+            if ledger.healthy:
+                log.warning("the quota ledger's store did not answer: %d assignments not sent (each Envoy "
+                            "keeps its last one until its TTL, then DENY_ALL)", failed,
+                            extra={"fields": {"event": "quota_ledger_failed"}})
+            ledger.healthy = False
+        elif jobs:
+            ledger.healthy = True
+        return {sid: kept for sid, actions in settled.items()
+                if (kept := [a for i, a in enumerate(actions) if (sid, i) not in dropped])}
 
     # -- status
     def status(self) -> dict[str, object]:
         return {
             "streams": [{
                 "id": s.id, "peer": s.peer, "domain": s.domain, "closed": bool(s.gone_at),
-                "buckets": [{"bucket": shown(k), "fill": h.share.fill, "burst": h.share.burst,
+                "buckets": [{"bucket": shown(k, self.salt), "fill": h.share.fill, "burst": h.share.burst,
                              "held": {"fill": h.ledger.fill, "burst": h.ledger.burst},
+                             "store": {"fill": h.granted.fill, "burst": h.granted.burst,
+                                       "free": {"fill": h.free.fill, "burst": h.free.burst},
+                                       "others_demand": round(h.others / DEMAND_SCALE, 3)},
                              "demand": round(h.demand, 3), "allowed": h.allowed, "denied": h.denied}
                             for k, h in s.buckets.items()],
             } for s in self.streams.values()],
             "reports": self.reports, "overadmission": self.overadmission, "refused": dict(self.refused),
+            "ledger": self.ledger.status() if self.ledger is not None else None,
         }
 
 
-def shown(bucket: BucketKey) -> dict[str, str]:
-    """A bucket id as /status shows it: a header's value (it may be a credential, e.g. an API
-    key) as a short hash, the limiter, the client address and the method as they are."""
-    return {k: ("sha256:" + hashlib.sha256(v.encode()).hexdigest()[:16] if k.startswith("header:") else v)
-            for k, v in bucket}
+#: the bucket id entries /status shows as they are (the generator's, never a credential);
+#: every other entry's value is shown hashed
+SHOWN_RAW = frozenset({LIMITER_KEY, "source_ip", "method"})
+
+
+def shown(bucket: BucketKey, salt: bytes = b"") -> dict[str, str]:
+    """A bucket id as /status shows it: the limiter, the client address and the method as
+    they are; any other value (a header's, or an entry of a hand-written Envoy config such
+    as ``api_key``: it may be a credential) hashed as identities are
+    (:func:`~extauthz.classify.hash_identity`, keyed with the identity salt, the entry's
+    name as the source): an unkeyed digest of a short key is found by trying keys."""
+    return {k: (v if k in SHOWN_RAW else hash_identity(v, k, salt)) for k, v in bucket}
+
+
+def _held(h: Held) -> Share:
+    """What the ledger counts for a hold: the share sent, or the larger one a shrink of it
+    waits to be confirmed for."""
+    return _max(h.ledger, h.share)
 
 
 def _max(a: Share, b: Share) -> Share:
     return Share(max(a.fill, b.fill), max(a.burst, b.burst))
+
+
+def _min(a: Share, b: Share) -> Share:
+    return Share(min(a.fill, b.fill), min(a.burst, b.burst))

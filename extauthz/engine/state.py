@@ -610,10 +610,3 @@ class RecorderPart:
         for key, (name, is_counter, text) in RECORDER_METRICS.items():
             yield (counter(name, text, status[key]) if is_counter
                    else GaugeMetricFamily(name, text, value=status[key]))
-
-
-def engine_parts(engine: Engine) -> list[Part]:
-    """The parts the engine alone reports (a server adds its own between them)."""
-    return [PolicyPart(engine), StorePart(engine), FailOpenPart(engine), ModesPart(engine),
-            OverridesPart(engine), ShedPart(engine), ReleasesPart(engine), GrantsPart(engine),
-            classifier_part(engine)]

@@ -8,9 +8,8 @@ The protocol name itself is checked against the registry by :func:`.config.boots
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 from ..core.settings import CHECK_BUDGET_MS, MAX_CHECK_BUDGET_MS, MIN_CHECK_BUDGET_MS
 from ..policy.model import Policy
@@ -46,17 +45,6 @@ class LocalRateLimit:
     max_tokens: int
     tokens_per_fill: int | None = None  # None: max_tokens
     fill_interval: str | float = "1s"  # a number: seconds
-
-    @classmethod
-    def from_mapping(cls, settings: Mapping[str, Any]) -> LocalRateLimit:
-        """From ``{"max_tokens": N, "tokens_per_fill": N, "fill_interval": "1s"}`` (a
-        benchmark's or test's settings), refusing unknown keys."""
-        unknown = set(settings) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"local_ratelimit: unknown keys {sorted(unknown)}")
-        if "max_tokens" not in settings:
-            raise ValueError("local_ratelimit: max_tokens is required")
-        return cls(**settings)
 
 
 @dataclass(frozen=True)

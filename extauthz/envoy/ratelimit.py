@@ -6,9 +6,13 @@ entries) of one domain: one ``rate_limits`` entry per descriptor shape, one acti
 ``remote_address``, ``masked_remote_address``, ``source_cluster`` and ``destination_cluster``
 by their own actions, ``generic_key`` by a generic key with the match's value, ``path``,
 ``method`` and ``authority`` from the pseudo-headers, every other key from a request header
-(``--descriptor-header KEY=HEADER``; default: the key with ``-`` for ``_``). The filter fails
+(``--descriptor-header KEY=HEADER``; default: the key with ``-`` for ``_``); the tier entry
+(``classification.descriptor_key``, default ``tier``) by a generic key with the match's tier,
+else a metadata action reading the route's tier where Check's classifier reads it. The filter fails
 open (``failure_mode_deny: false``) within the server's check budget plus Envoy's margin,
-as ext_authz does; ``ext_authz`` (an auth service of the team's own) can run before it.
+as ext_authz does; ``ext_authz`` (an auth service of the team's own) can run before it. A
+policy whose limiters with ``match`` take leases gets the gRPC access log that releases them
+(the answer's lease metadata, filed under the filter's namespace).
 
 The rate limit protocol's part of the Envoy config generator, on :mod:`.blocks` (a
 bootstrap of its own: no ext_authz target, see :mod:`.config` for those).
@@ -22,9 +26,11 @@ from typing import Any
 import yaml
 
 from ..core.settings import CHECK_BUDGET_MS
-from ..policy.model import Policy
-from ..policy.schema import DescriptorMatch
+from ..core.tiers import Tier
+from ..policy.model import Policy, RouteRef
+from ..policy.schema import ConcurrentRequestsSpec, DescriptorMatch, FleetUsageSpec, WorkerUtilizationSpec
 from .blocks import Config, TlsFiles, address, authz_timeout, cluster, grpc_cluster, typed
+from .config import ACCESS_LOG_BYTES_PER_MS, GRPC_ACCESS_LOGGER, SHIPPED_ACCESS_LOG_FLUSH_MS
 
 __all__ = ["DEFAULT_RLS", "RATELIMIT_FILTER", "actions_for", "bootstrap", "render"]
 
@@ -36,6 +42,7 @@ DEFAULT_RLS = ("127.0.0.1", 9001)
 _OWN_ACTIONS = {"remote_address": "remote_address", "masked_remote_address": "masked_remote_address",
                 "source_cluster": "source_cluster", "destination_cluster": "destination_cluster"}
 _PSEUDO = {"path": ":path", "method": ":method", "authority": ":authority"}
+TIER_NAMES = tuple(t.value for t in Tier)
 
 
 def domain_of(policy: Policy, domain: str | None) -> str:
@@ -59,11 +66,32 @@ def _matches(policy: Policy, domain: str) -> list[DescriptorMatch]:
     return found
 
 
-def actions_for(match: DescriptorMatch, headers: Mapping[str, str]) -> list[Config]:
-    """The rate limit actions that build a descriptor of ``match``'s shape."""
+def tier_action(key: str, value: str | None, route: RouteRef) -> Config:
+    """The action that sends a descriptor's tier entry ``key``: a fixed tier (``value``) by a
+    generic key (a route's own ``rate_limits``), else the route's tier from its metadata (where
+    the classifier reads it on Check: ``classification.route_metadata``), ``post`` when the
+    route names none."""
+    if value is not None:
+        if value.endswith("*") or value not in TIER_NAMES:
+            raise ValueError(f"the tier entry '{key}: {value}' names no tier ({', '.join(TIER_NAMES)})")
+        return {"generic_key": {"descriptor_key": key, "descriptor_value": value}}
+    namespace, path = route
+    if not all(isinstance(step, str) for step in path):
+        raise ValueError(f"the route's tier is read at a list index ({list(path)}): a rate limit "
+                         "metadata action follows keys only")
+    return {"metadata": {"descriptor_key": key, "source": "ROUTE_ENTRY", "default_value": Tier.POST.value,
+                         "metadata_key": {"key": namespace, "path": [{"key": step} for step in path]}}}
+
+
+def actions_for(match: DescriptorMatch, headers: Mapping[str, str],
+                tier: tuple[str, RouteRef] | None = None) -> list[Config]:
+    """The rate limit actions that build a descriptor of ``match``'s shape; ``tier``: the
+    descriptor entry that names the tier and where the route's metadata names it."""
     out: list[Config] = []
     for e in match.descriptor:
-        if e.key in _OWN_ACTIONS:
+        if tier is not None and e.key == tier[0]:
+            out.append(tier_action(e.key, e.value, tier[1]))
+        elif e.key in _OWN_ACTIONS:
             out.append({_OWN_ACTIONS[e.key]: {}})
         elif e.key == "generic_key":
             if e.value is None or e.value.endswith("*"):
@@ -75,11 +103,37 @@ def actions_for(match: DescriptorMatch, headers: Mapping[str, str]) -> list[Conf
     return out
 
 
+def holds_leases(policy: Policy, domain: str) -> bool:
+    """Whether a limiter with ``match`` of ``domain`` takes leases (concurrent_requests,
+    fleet_usage, worker_utilization's inflight signal): its answers' lease metadata is
+    released by Envoy's access log."""
+    for spec in policy.limiters:
+        match = getattr(spec, "match", None)
+        if match is None or match.domain != domain:
+            continue
+        if isinstance(spec, ConcurrentRequestsSpec | FleetUsageSpec) or (
+                isinstance(spec, WorkerUtilizationSpec) and spec.signal.source == "inflight"):
+            return True
+    return False
+
+
+def release_log() -> Config:
+    """The gRPC access log to the server's AccessLogService (the ``extauthz`` cluster): a
+    finished request's entry carries the ratelimit filter's metadata, the leases to release."""
+    return {"name": GRPC_ACCESS_LOGGER, "typed_config": {
+        "@type": typed("envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig"),
+        "common_config": {"log_name": "extauthz", "transport_api_version": "V3",
+                          "grpc_service": {"envoy_grpc": {"cluster_name": "extauthz"}},
+                          "buffer_size_bytes": round(SHIPPED_ACCESS_LOG_FLUSH_MS * ACCESS_LOG_BYTES_PER_MS),
+                          "buffer_flush_interval": f"{SHIPPED_ACCESS_LOG_FLUSH_MS / 1000:.3f}s"}}}
+
+
 def rate_limits(policy: Policy, domain: str, headers: Mapping[str, str]) -> list[Config]:
     """One ``rate_limits`` entry per distinct action list, in policy order."""
     out: list[Config] = []
+    tier = (policy.descriptor_tier_key, policy.route_metadata)
     for match in _matches(policy, domain):
-        entry = {"actions": actions_for(match, headers)}
+        entry = {"actions": actions_for(match, headers, tier)}
         if entry not in out:
             out.append(entry)
     return out
@@ -122,6 +176,8 @@ def bootstrap(policy: Policy, *, upstream: tuple[str, int], authz: tuple[str, in
             "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "upstream"}}]}]},
         "http_filters": filters,
     }
+    if holds_leases(policy, name):
+        hcm["access_log"] = [release_log()]
     clusters = [grpc_cluster("extauthz", authz or DEFAULT_RLS, tls)]
     if ext_authz is not None:
         clusters.append(grpc_cluster("auth_service", ext_authz, None))

@@ -14,11 +14,16 @@ from .headers import FAILURE_MODE_HEADER
 if TYPE_CHECKING:
     from ..policy.model import Policy
 
-__all__ = ["EXT_AUTHZ_NAMESPACE", "FLUENTD_RECORD", "FLUENTD_TAG", "IN_FLIGHT_TYPES", "NEVER_LOGGED",
-           "ROUTE_TIER_TAG", "UNAUTHORIZED_FLAG", "route_tier_tag", "secret_headers", "unchecked_headers"]
+__all__ = ["EXT_AUTHZ_NAMESPACE", "FLUENTD_RECORD", "FLUENTD_TAG", "IN_FLIGHT_TYPES", "LEASE_NAMESPACES",
+           "NEVER_LOGGED", "RATELIMIT_NAMESPACE", "ROUTE_TIER_TAG", "UNAUTHORIZED_FLAG", "route_tier_tag",
+           "secret_headers", "unchecked_headers"]
 
 #: where Envoy files the CheckResponse's dynamic metadata (and the access log shows it).
 EXT_AUTHZ_NAMESPACE = "envoy.filters.http.ext_authz"
+#: where Envoy files the RateLimitResponse's dynamic metadata (the ratelimit filter's leases)
+RATELIMIT_NAMESPACE = "envoy.filters.http.ratelimit"
+#: the namespaces an access-log entry's lease fields are read from, in order
+LEASE_NAMESPACES = (EXT_AUTHZ_NAMESPACE, RATELIMIT_NAMESPACE)
 #: the gRPC access log's custom tag that carries the route's tier (route metadata where the
 #: policy reads it: ``custom_tags`` of ``extauthz envoy-config``'s access log)
 ROUTE_TIER_TAG = "extauthz.route_tier"

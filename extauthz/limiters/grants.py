@@ -51,7 +51,7 @@ from typing import Any, Final
 from ..core.clock import SYSTEM_CLOCK, Clock
 from ..core.context import RequestContext
 from ..core.verdict import Verdict
-from ..store.algorithms import admits, take
+from ..store.algorithms import admits, given_back, take
 from ..store.base import CheckResult, GrantOp, Op, OpResult, ReturnOp, Store
 from .base import GrantHolder, Limiter
 
@@ -470,7 +470,7 @@ class GrantTable(Synced):
         except Exception:  # a lost return only refuses early: counted, never raised
             self.return_errors += len(ops)
             return [None] * len(ops)
-        self.returned += sum(op.held if isinstance(op, GrantOp) else getattr(op, "amount", 0.0) for op in ops)
+        self.returned += sum(given_back(op) for op in ops)
         for op, res in zip(ops, result.results, strict=True):
             self._early(op, res)
         return list(result.results)
@@ -524,6 +524,9 @@ class GrantBook:
         self._per_master = store.per_master
         #: the current snapshot's limiters, and those of them that take grants
         self.limiters: tuple[Limiter, ...] = ()
+        #: whether an engine's limiters were adopted: a book follows one engine's snapshots
+        #: (a second engine's adopt would retire the first one's grant tables under it)
+        self.adopted = False
         self._batched: tuple[Limiter, ...] = ()
         #: grants that hold leases (fleet slots), current and retired until they hold nothing:
         #: a release finds its slot there before it goes to the store (:meth:`release`)
@@ -546,6 +549,7 @@ class GrantBook:
         that took it, and what goes back only refills the shared count."""
         old, self.limiters = self.limiters, limiters
         self.lease_ttl = lease_ttl
+        self.adopted = True
         if old is limiters:
             return
         self._batched = tuple(lim for lim in limiters if lim.grants is not None)

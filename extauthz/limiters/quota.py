@@ -140,7 +140,7 @@ class QuotaLimiter(PerCustomer):
         n = self.limits(ctx)
         wall = self._clock.wall()
         start, end = self.window(wall)
-        remaining = self.grants.spend(self._count_key(ctx, start), ctx.hits or self.cost, (float(n.limit),))
+        remaining = self.grants.spend(self._count_key(ctx, start), ctx.cost(self.cost), (float(n.limit),))
         if remaining is None:
             return None
         self._spent = ctx  # op() is called next, for the same request: nothing to ask
@@ -155,7 +155,7 @@ class QuotaLimiter(PerCustomer):
             key = self._count_key(ctx, start)
             if key in self.grants:  # else the window ended meanwhile: the unit is dropped
                 # (it only refuses early), never given to the new window's count
-                self.grants.restore(key, float(ctx.hits or self.cost), (float(self.limits(ctx).limit),))
+                self.grants.restore(key, float(ctx.cost(self.cost)), (float(self.limits(ctx).limit),))
 
     def op(self, ctx: RequestContext, enforce: bool) -> CountOp | QuotaGrantOp | None:
         if self._spent is not None:
@@ -168,9 +168,9 @@ class QuotaLimiter(PerCustomer):
         n = self.limits(ctx)
         ttl = math.ceil(end - wall) + TTL_MARGIN
         if self.grants is not None:
-            return QuotaGrantOp(key, int(n.limit), ctx.hits or self.cost, self.want(n), ttl, end - wall,
+            return QuotaGrantOp(key, int(n.limit), ctx.cost(self.cost), self.want(n), ttl, end - wall,
                                 enforce, int(self.grants.lend(key, (float(n.limit),))))
-        return CountOp(key, n.limit, ctx.hits or self.cost, ttl, end - wall, enforce)
+        return CountOp(key, n.limit, ctx.cost(self.cost), ttl, end - wall, enforce)
 
     def _granted(self, ctx: RequestContext, n: Limits, result: OpResult) -> OpResult:
         """A grant's answer kept in the table (``retry_after`` carries the seconds to its
@@ -187,7 +187,7 @@ class QuotaLimiter(PerCustomer):
             return OpResult(False, result.remaining, reset, reset)
         remaining = result.remaining + self.grants.held(key)
         if result.extra > 0.0:  # a grant was taken: this request spends from it
-            remaining = self.grants.granted(key, result.extra, float(ctx.hits or self.cost), result.remaining,
+            remaining = self.grants.granted(key, result.extra, float(ctx.cost(self.cost)), result.remaining,
                                             float(self.want(n)), numbers)
         return OpResult(True, remaining, 0.0, reset)
 

@@ -112,13 +112,13 @@ class RequestRateLimiter(PerCustomer):
         if enforce and self.refusals is not None:  # a shadow limiter never blocks
             n = self.limits(ctx)
             refused = self.refusals.refusal(self._bucket(ctx),
-                                            n.rate, n.burst, ctx.hits or n.cost)
+                                            n.rate, n.burst, ctx.cost(n.cost))
             if refused is not None:
                 return refused
         if self.grants is None:
             return None
         n = self.limits(ctx)
-        remaining = self.grants.spend(self._bucket(ctx), ctx.hits or n.cost, (n.rate, n.burst))
+        remaining = self.grants.spend(self._bucket(ctx), ctx.cost(n.cost), (n.rate, n.burst))
         if remaining is None:
             return None
         self._spent = ctx  # op() is called next, for the same request: nothing to ask
@@ -134,7 +134,7 @@ class RequestRateLimiter(PerCustomer):
         its cost goes back to the grant (batched grants only)."""
         if self.grants is not None:
             n = self.limits(ctx)
-            self.grants.restore(self._bucket(ctx), ctx.hits or n.cost, (n.rate, n.burst))
+            self.grants.restore(self._bucket(ctx), ctx.cost(n.cost), (n.rate, n.burst))
 
     def op(self, ctx: RequestContext, enforce: bool) -> BucketOp | GrantOp | None:
         if self._spent is not None:
@@ -144,9 +144,9 @@ class RequestRateLimiter(PerCustomer):
         n = self.limits(ctx)
         key = self._bucket(ctx)
         if self.grants is not None:
-            return GrantOp(key, n.rate, n.burst, ctx.hits or n.cost, self.want(n), enforce,
+            return GrantOp(key, n.rate, n.burst, ctx.cost(n.cost), self.want(n), enforce,
                            self.grants.lend(key, (n.rate, n.burst)))
-        return BucketOp(key, n.rate, n.burst, ctx.hits or n.cost, enforce)
+        return BucketOp(key, n.rate, n.burst, ctx.cost(n.cost), enforce)
 
     def verdict(self, ctx: RequestContext, result: OpResult, enforce: bool) -> Verdict:
         n = self.limits(ctx)
@@ -157,7 +157,7 @@ class RequestRateLimiter(PerCustomer):
             if result.allowed:
                 remaining = result.remaining + self.grants.held(key)
                 if result.extra > 0.0:  # a grant was taken: this request spends from it
-                    remaining = self.grants.granted(key, result.extra, ctx.hits or n.cost, result.remaining,
+                    remaining = self.grants.granted(key, result.extra, ctx.cost(n.cost), result.remaining,
                                                     self.want(n), (n.rate, n.burst))
                 return self._allowed(n, remaining)
         if result.allowed:
@@ -173,5 +173,5 @@ class RequestRateLimiter(PerCustomer):
                     f"Slow down and retry after the Retry-After delay."))
         if enforce and self.refusals is not None:
             self.refusals.remember(self._bucket(ctx), refused,
-                                   n.rate, n.burst, ctx.hits or n.cost)
+                                   n.rate, n.burst, ctx.cost(n.cost))
         return refused

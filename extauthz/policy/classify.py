@@ -1,6 +1,7 @@
 """Identity extraction and tier classification: RawRequest -> RequestContext.
 
-Tier precedence: test mode, route metadata, context extensions, policy rules, then the
+Tier precedence: test mode, route metadata, a rate limit descriptor's tier entry
+(``classification.descriptor_key``), context extensions, policy rules, then the
 method default (GET/HEAD/OPTIONS are ``get``, everything else ``post``). An unknown tier
 name in metadata or extensions is ignored (and counted by the caller), never trusted.
 """
@@ -338,6 +339,8 @@ class Classifier:
             tier, why = Tier.TEST, "test_mode"
         else:
             tier, why = self._known(raw.route_tier), "route_metadata"
+            if tier is None and raw.descriptor:  # a rate limit descriptor's tier entry
+                tier, why = self._known(raw.descriptor.get(policy.descriptor_tier_key)), "descriptor"
             if tier is None:
                 tier = self._known(raw.context_extensions.get(policy.context_extension_key))
                 why = "context_extensions"
@@ -364,8 +367,11 @@ class Classifier:
             headers=raw.headers,
             plan=plan,
             plan_source=plan_source,
-            overrides=self._overrides.get(identity, _NO_LIMITS) if self._overrides else _NO_LIMITS,
+            overrides=(self._overrides.get(identity, _NO_LIMITS) if self._overrides else _NO_LIMITS)
+            if raw.descriptor_limits is None or raw.descriptor_target is None
+            else {raw.descriptor_target: {"": raw.descriptor_limits}},
             keys=self.keys(raw, identity, method, plan) if self._keys else (),
             descriptor_target=raw.descriptor_target,
             hits=raw.hits,
+            lease_id=raw.lease_id,
         )

@@ -96,6 +96,8 @@ class DescriptorTable:
         if node is None or not entries:
             return None
         for key, value in entries:
+            if "\0" in key:  # the separator of key and value: such a key names no node
+                return None
             exact = f"{key}\0{value}"
             nxt = node.children.get(exact)
             if nxt is None:

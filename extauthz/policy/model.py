@@ -178,6 +178,8 @@ class Policy:
     #: the limiters with ``match`` and the ``unlimited`` entries, by domain and descriptor
     #: (what ``ShouldRateLimit`` looks up; empty: the policy counts no descriptors)
     descriptors: DescriptorTable = field(default_factory=DescriptorTable)
+    #: the descriptor entry whose value names a descriptor's tier (``classification.descriptor_key``)
+    descriptor_tier_key: str = "tier"
     #: the longest ``lease_ttl`` of the policy's limiters (0 without lease limiters): no lease
     #: the policy takes outlives it. Computed once: the request-id index reads it per check.
     longest_lease_ttl: float = field(init=False)
@@ -285,6 +287,8 @@ def compile_keys(limiters: Sequence[LimiterSpec], route_namespace: str
     for spec in limiters:
         parts = getattr(spec, "key", None)
         match: DescriptorMatch | None = getattr(spec, "match", None)
+        if spec.type in ("fleet_usage", "worker_utilization"):
+            continue  # fleet-wide: no key (with 'match' too: it sheds every descriptor it matches)
         if not parts and match is not None:  # the counter per descriptor value
             parts = [KeyPart(descriptor=e.key) for e in match.descriptor]
         if not parts:
@@ -350,6 +354,7 @@ def compile_policy(files: Sequence[PolicyFile], *, version: str,
         test_header=test_mode.header.lower() if test_mode and test_mode.header else None,
         route_metadata=route_metadata,
         context_extension_key=classification.context_extension_key if classification else "tier",
+        descriptor_tier_key=classification.descriptor_key if classification else "tier",
         rules=tuple(
             Rule(compile_match(r.match), Tier(r.tier)) for r in classification.rules
         ) if classification else (),

@@ -215,7 +215,10 @@ TrueFlag = Annotated[bool, BeforeValidator(_true_only)]
 #: entries in one descriptor a limiter matches (Envoy sends a few; envoyproxy/ratelimit's
 #: configs nest a handful of levels)
 MAX_DESCRIPTOR_ENTRIES = 16
-DescriptorKey = Annotated[str, Field(min_length=1, max_length=256)]
+#: the longest descriptor key (and domain) and value a limiter matches
+MAX_DESCRIPTOR_KEY = 256
+MAX_DESCRIPTOR_VALUE = 1024
+DescriptorKey = Annotated[str, Field(min_length=1, max_length=MAX_DESCRIPTOR_KEY)]
 
 
 class DescriptorEntryMatch(_Strict):
@@ -223,7 +226,7 @@ class DescriptorEntryMatch(_Strict):
 
     key: DescriptorKey = Field(description="The entry's key (a rate limit action's "
                                "descriptor_key, or its fixed key such as 'remote_address').")
-    value: Annotated[str, Field(min_length=1, max_length=1024)] | None = Field(
+    value: Annotated[str, Field(min_length=1, max_length=MAX_DESCRIPTOR_VALUE)] | None = Field(
         None, description="The value the entry must have; a value ending in '*' matches the "
         "values starting with what precedes it; unset: any value (the default for the values "
         "no sibling entry names).")
@@ -234,7 +237,7 @@ class DescriptorMatch(_Strict):
     entries, in order. The most specific match wins, entry by entry, as envoyproxy/ratelimit
     decides (docs/ratelimit.md)."""
 
-    domain: Annotated[str, Field(min_length=1, max_length=256)] = Field(
+    domain: Annotated[str, Field(min_length=1, max_length=MAX_DESCRIPTOR_KEY)] = Field(
         description="The rate limit domain (the ratelimit filter's 'domain').")
     descriptor: list[DescriptorEntryMatch] = Field(
         min_length=1, max_length=MAX_DESCRIPTOR_ENTRIES,
@@ -458,6 +461,9 @@ class Classification(_Strict):
         None, min_length=1, description="Short form of route_metadata: {namespace: NS, path: [tier]}."
     )
     context_extension_key: str = Field("tier", description="context_extensions key naming the tier.")
+    descriptor_key: DescriptorKey = Field(
+        "tier", description="The rate limit descriptor entry (ShouldRateLimit) whose value names "
+        "the descriptor's tier: a route's generic_key or route metadata action (docs/migrating.md).")
     rules: list[ClassificationRule] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -643,13 +649,6 @@ class ConcurrentRequestsSpec(_KeyedBase):
     plans: dict[Name, ConcurrentRequestsPlan] | None = Field(
         None, description="The limit per plan; a plan not listed uses the limiter's own.")
 
-    @model_validator(mode="after")
-    def _no_match(self) -> ConcurrentRequestsSpec:
-        if self.match is not None:
-            raise ValueError("'match' applies to request_rate and quota limiters (a lease needs "
-                             "the access log: checked requests only)")
-        return self
-
 
 QuotaPeriod = Literal["second", "minute", "hour", "day", "week", "month", "year"]
 
@@ -689,6 +688,17 @@ class FleetUsageSpec(_BatchedGrants, _LimiterBase):
     lease_ttl: Annotated[Duration, Field(ge=1)] = 60.0
     plans: NoPlans = None
     key: NoKey = None
+    match: DescriptorMatch | None = Field(
+        None, description="Hold slots for rate limit descriptors (Envoy's ratelimit filter, "
+        "ShouldRateLimit) instead of checked requests: the domain and entries matched; each "
+        "descriptor's tier is its entry named by classification.descriptor_key (default 'tier'), "
+        "else 'post'; the leases are released by Envoy's access log (docs/migrating.md).")
+
+    @model_validator(mode="after")
+    def _match_alone(self) -> FleetUsageSpec:
+        if self.match is not None and self.applies_to != AppliesTo():
+            raise ValueError("'applies_to' does not apply with 'match' (the descriptor decides)")
+        return self
 
     @model_validator(mode="after")
     def _whole_slots(self) -> FleetUsageSpec:
@@ -731,11 +741,21 @@ class WorkerUtilizationSpec(_LimiterBase):
     lease_ttl: Annotated[Duration, Field(ge=1)] = 60.0
     plans: NoPlans = None
     key: NoKey = None
+    match: DescriptorMatch | None = Field(
+        None, description="Shed rate limit descriptors (Envoy's ratelimit filter, ShouldRateLimit) "
+        "instead of checked requests: the domain and entries matched; each descriptor's tier is "
+        "its entry named by classification.descriptor_key (default 'tier'), else 'post'.")
 
     @model_validator(mode="after")
     def _dead_zone(self) -> WorkerUtilizationSpec:
         if self.good_below > self.bad_above:
             raise ValueError(f"good_below ({self.good_below:g}) is above bad_above ({self.bad_above:g})")
+        return self
+
+    @model_validator(mode="after")
+    def _match_alone(self) -> WorkerUtilizationSpec:
+        if self.match is not None and self.applies_to != AppliesTo():
+            raise ValueError("'applies_to' does not apply with 'match' (the descriptor decides)")
         return self
 
 

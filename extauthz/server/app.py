@@ -24,7 +24,7 @@ from ..core.runner import Runner
 from ..core.settings import Settings, event_loop, off
 from ..engine.engine import Engine
 from ..engine.overload import LoopLag
-from ..engine.quota_service import QuotaBook, QuotaLimit, limits_of
+from ..engine.quota_service import QuotaBook, QuotaLimit, StoreLedger, limits_of
 from ..engine.reload import PolicyWatcher
 from ..engine.state import LeaseSampler, RecorderPart, Section, by_label_part
 from ..engine.storegate import StoreGate
@@ -50,6 +50,7 @@ from .leases import Leases
 from .opsports import OperatorPorts
 from .panel import status_panel
 from .ports import parse_listen
+from .rls import detailed_part
 from .services import (
     AccessLogService,
     AuthorizationService,
@@ -135,7 +136,12 @@ class Server:
         #: the rate limit quota stream (RLQS, docs/rlqs.md), on the gRPC port
         self._quota_for: Policy | None = None
         self._quota_cache: Mapping[str, QuotaLimit] = {}
-        self.quota = RateLimitQuotaService(QuotaBook(self._quota_limits, clock=clock))
+        # the store's ledger spans replicas; the embedded store is one replica's (and starts
+        # empty with it): this replica's ledger is the whole ledger there
+        ledger = None if isinstance(self.store, MemoryStore) else StoreLedger(self.store, keys)
+        self.quota = RateLimitQuotaService(QuotaBook(self._quota_limits, clock=clock,
+                                                     salt=config.identity_salt.encode(),
+                                                     confirm_on_write=True, ledger=ledger))
         if not config.lease_secret and config.redis_url:
             log.warning("no --lease-secret: lease tickets use a random per-process key, so with several "
                         "replicas an access-log entry reaching another replica releases nothing (its "
@@ -176,6 +182,11 @@ class Server:
             "(ShouldRateLimit) by what answered them: decided (a limiter), replaced (its limiter "
             "switched off by another's replaces), unknown (none matched: allowed), unlimited.",
             "result", self.ratelimit.door.counts))
+        self.panel.add(by_label_part(
+            "ratelimit_limit_overrides", "extauthz_ratelimit_limit_overrides", "Rate limit descriptors' "
+            "own limit (Envoy's override): applied (a quota of its unit) or ignored (the policy decides).",
+            "result", lambda: dict(self.ratelimit.door.overrides)))
+        self.panel.add(detailed_part(self.ratelimit.door))
         self.panel.add(Section(lambda: {"quota": self.quota.book.status()},  # extauthz_quota_*
                                partial(quota_metrics, self.quota.book)))
         if metrics is not None:

@@ -20,16 +20,19 @@ closest to its limit, which the filter adds to the response.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 
 from ..core.context import RawRequest, RequestContext
-from ..core.verdict import Decision, Outcome, Verdict
-from ..engine.answers import ratelimit_headers, retry_after_seconds
+from ..core.verdict import Decision, Limits, Outcome, Verdict
+from ..engine.answers import held_lease_fields, ratelimit_headers, retry_after_seconds
 from ..engine.engine import Snapshot
+from ..engine.state import Section
 from ..policy.descriptors import Entries, replaced
 from ..policy.schema import MAX_COUNT, QuotaSpec, RequestRateSpec
 from ..proto import core_pb2, rls_pb2
@@ -48,24 +51,58 @@ UNITS = {"second": _Unit.SECOND, "minute": _Unit.MINUTE, "hour": _Unit.HOUR, "da
 #: a token bucket's rate, told in the first unit in which it is at least one request
 _RATE_UNITS = ((_Unit.SECOND, 1), (_Unit.MINUTE, 60), (_Unit.HOUR, 3600), (_Unit.DAY, 86400))
 _MAX_UINT32 = 2**32 - 1
+#: descriptors one ``RateLimitRequest`` may carry (Envoy sends one per rate limit action that
+#: applies to the route, a handful); more is refused with INVALID_ARGUMENT, as a request without
+#: a domain is: each matched descriptor is a decision and a store call, and a 4 MiB message
+#: holds a hundred thousand descriptors.
+MAX_DESCRIPTORS = 64
+#: distinct descriptor values a ``detailed_metric`` limiter is counted by; the rest: ``other``
+MAX_DETAILED_VALUES = 100
+#: hex characters of a value's keyed hash its label keeps
+DETAILED_HASH_CHARS = 12
+#: the response's unit -> a quota's period
+PERIODS = {unit: period for period, unit in UNITS.items()}
+
+
+def limit_of(limit: Any, spec: Any) -> int | None:
+    """What a descriptor's own ``limit`` (Envoy's override, ``requests_per_unit`` per ``unit``)
+    sets, or None when it is not applied: applied to a ``quota`` whose ``period`` is its
+    unit (the count is the same, only its limit changes), bounded by :data:`MAX_COUNT`;
+    anything else (another unit, a token bucket, a lease limiter) is ignored (counted:
+    ``extauthz_ratelimit_limit_overrides_total{result="ignored"}``), the policy decides."""
+    if isinstance(spec, QuotaSpec) and PERIODS.get(limit.unit) == spec.period:
+        return min(int(limit.requests_per_unit), MAX_COUNT)
+    return None
 
 
 @dataclass(frozen=True, slots=True)
 class DescriptorCall:
     """One descriptor of a ``RateLimitRequest`` that reached a limiter: what the door reads."""
 
-    entries: Mapping[str, str]
+    #: the entries (values may be API keys: never in a repr, a log or a span)
+    entries: Mapping[str, str] = field(repr=False)
     #: the limiter's name
     target: str
-    #: the hits it adds (``hits_addend``), 0 for the limiter's own cost
-    hits: int
+    #: the hits it adds (``hits_addend``): None for the limiter's own cost, 0 to check only
+    hits: int | None
+    #: the request's lease id, shared by its descriptors ("": the policy takes no leases)
+    lease_id: str = ""
+    #: the descriptor's ``limit`` applied to its quota (requests per unit), else None
+    limit: int | None = None
 
 
-def hits_of(request: rls_pb2.RateLimitRequest, descriptor: Any) -> int:
-    """The hits one descriptor adds: its own ``hits_addend``, else the request's, else 0 (the
-    limiter's ``cost``); bounded (a count past :data:`MAX_COUNT` is over any limit)."""
-    hits = descriptor.hits_addend.value if descriptor.HasField("hits_addend") else request.hits_addend
-    return min(int(hits), MAX_COUNT)
+def hits_of(request: rls_pb2.RateLimitRequest, descriptor: Any) -> int | None:
+    """The hits one descriptor adds, as envoyproxy/ratelimit's ``GetHitsAddends``: its own
+    ``hits_addend`` when set (0: checked, nothing added), else the request's when not 0, else
+    None (the limiter's ``cost``, one hit by default); bounded at one past :data:`MAX_COUNT`
+    (over any limit, the largest too)."""
+    if descriptor.HasField("hits_addend"):
+        hits = descriptor.hits_addend.value
+    elif request.hits_addend:
+        hits = request.hits_addend
+    else:
+        return None
+    return min(int(hits), MAX_COUNT + 1)
 
 
 def current_limit(spec: Any) -> rls_pb2.RateLimitResponse.RateLimit | None:
@@ -125,19 +162,33 @@ class RateLimitDoor:
         self.decided = 0
         #: descriptors whose limiter another descriptor's ``replaces`` switched off
         self.replaced = 0
+        #: descriptors' own ``limit`` by what became of it (:func:`limit_of`)
+        self.overrides: dict[str, int] = {"applied": 0, "ignored": 0}
+        #: ``detailed_metric`` limiters' decisions per descriptor value (a bounded label):
+        #: (limiter, value label, code) -> descriptors
+        self.detailed: dict[tuple[str, str, str], int] = {}
+        self._detailed_values: dict[str, set[str]] = {}
+        #: descriptors of requests refused unread (no domain, more than :data:`MAX_DESCRIPTORS`)
+        self.refused = 0
 
     def counts(self) -> dict[str, int]:
         """Descriptors by what answered them (``extauthz_ratelimit_descriptors_total{result}``)."""
-        return {"decided": self.decided, "replaced": self.replaced, "unknown": self.unknown,
-                "unlimited": self.unlimited}
+        return {"decided": self.decided, "refused": self.refused, "replaced": self.replaced,
+                "unknown": self.unknown, "unlimited": self.unlimited}
 
     async def should_rate_limit(self, request: rls_pb2.RateLimitRequest,
                                 context: grpc.aio.ServicerContext) -> rls_pb2.RateLimitResponse:
+        problem = refusal(request)
+        if problem is not None:
+            self.refused += len(request.descriptors)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         snap = self.flow.engine.snapshot
         descriptors: list[Entries] = [tuple([(e.key, e.value) for e in d.entries]) for d in request.descriptors]
         table = snap.policy.descriptors
         found = [table.lookup(request.domain, entries) for entries in descriptors]
         targets = replaced(found)
+        # one lease id for the request's descriptors: their leases travel in one metadata
+        lease_id = os.urandom(8).hex() if snap.policy.longest_lease_ttl else ""
         answers: list[Answer] = []
         for d, entries, was, target in zip(request.descriptors, descriptors, found, targets, strict=True):
             if target is None:
@@ -151,24 +202,70 @@ class RateLimitDoor:
                 answers.append(_UNLIMITED)
             else:
                 self.decided += 1
+                limit = None
+                if d.HasField("limit"):
+                    limit = limit_of(d.limit, snap.policy.limiter(target.name))
+                    self.overrides["ignored" if limit is None else "applied"] += 1
                 answers.append(await self.flow.check(
-                    self, DescriptorCall(dict(entries), target.name, hits_of(request, d)), context))
-        return response(answers)
+                    self, DescriptorCall(dict(entries), target.name, hits_of(request, d), lease_id, limit), context))
+        resp = response(answers)
+        if lease_id:
+            self._leases(resp, lease_id, [a.decision for a in answers if a.decision is not None and a.decision.leases])
+        return resp
+
+    def _leases(self, resp: rls_pb2.RateLimitResponse, lease_id: str, held: list[Decision]) -> None:
+        """The leases the descriptors' decisions hold, in the response's dynamic metadata (the
+        filter files it under its namespace, the access log hands it back when the request
+        finishes); given back at once when the answer refuses the request (nothing goes on)."""
+        if not held:
+            return
+        leases = self.flow.leases
+        if resp.overall_code == _OVER:
+            for decision in held:
+                leases.abandoned(decision)
+            return
+        keys = tuple(k for decision in held for k in decision.leases)
+        resp.dynamic_metadata.update(dict(held_lease_fields(lease_id, keys, leases.tickets.make(lease_id, keys))))
 
     # -- the Door: one descriptor in, its answer out
     def read(self, message: DescriptorCall, snap: Snapshot) -> RawRequest:
         return RawRequest("", "", descriptor=message.entries, descriptor_target=message.target,
-                          hits=message.hits)
+                          hits=message.hits, lease_id=message.lease_id,
+                          descriptor_limits=None if message.limit is None else Limits(limit=message.limit))
 
     def hold(self, message: DescriptorCall, call: grpc.aio.ServicerContext, ctx: RequestContext,
              decision: Decision, leases: Leases) -> str | None:
-        return None  # limiters with match take no leases
+        # the leases travel in the whole request's answer (should_rate_limit); Envoy may give
+        # up on the call (the filter's timeout): then they never reach the access log
+        call.add_done_callback(lambda c: leases.abandoned(decision) if c.cancelled() else None)
+        return ""  # the request is not seen: no request id (the metadata alone releases)
 
     def answer(self, message: DescriptorCall, ctx: RequestContext, decision: Decision,
                ticket: str) -> Answer:
         v = next((v for v in decision.verdicts if v.limiter == message.target), None)
-        spec = self.flow.engine.snapshot.policy.limiter(message.target)
-        return Answer(_status(v, decision, current_limit(spec)), decision)
+        policy = self.flow.engine.snapshot.policy
+        spec = policy.limiter(message.target)
+        limit = current_limit(spec)
+        if limit is not None and message.limit is not None:  # the descriptor's own, applied
+            limit.requests_per_unit = message.limit
+        status = _status(v, decision, limit)
+        if getattr(spec, "detailed_metric", False):
+            self._count_detailed(message.target, ctx, policy.key_index.get(message.target), status.code)
+        return Answer(status, decision)
+
+    def _count_detailed(self, name: str, ctx: RequestContext, index: int | None, code: int) -> None:
+        """One ``detailed_metric`` decision, by the descriptor value's label: its keyed hash,
+        cut (never the raw value: an API key), for the first :data:`MAX_DETAILED_VALUES` values
+        of the limiter; ``other`` for the rest."""
+        value = ctx.keys[index][0][:DETAILED_HASH_CHARS] if index is not None else ctx.identity[:DETAILED_HASH_CHARS]
+        seen = self._detailed_values.setdefault(name, set())
+        if value not in seen:
+            if len(seen) >= MAX_DETAILED_VALUES:
+                value = "other"
+            else:
+                seen.add(value)
+        k = (name, value, "over_limit" if code == _OVER else "ok")
+        self.detailed[k] = self.detailed.get(k, 0) + 1
 
     def time_left(self, message: DescriptorCall,
                   call: grpc.aio.ServicerContext) -> tuple[float | None, float, bool]:
@@ -181,6 +278,16 @@ class RateLimitDoor:
 
     def carrier(self, message: DescriptorCall, call: grpc.aio.ServicerContext) -> Iterable[tuple[str, Any]]:
         return call.invocation_metadata() or ()
+
+
+def refusal(request: rls_pb2.RateLimitRequest) -> str | None:
+    """Why ``request`` is refused unread (envoyproxy/ratelimit refuses an empty domain too),
+    or None."""
+    if not request.domain:
+        return "rate limit domain must not be empty"
+    if len(request.descriptors) > MAX_DESCRIPTORS:
+        return f"{len(request.descriptors)} descriptors: at most {MAX_DESCRIPTORS} in one request"
+    return None
 
 
 def response(answers: list[Answer]) -> rls_pb2.RateLimitResponse:
@@ -198,3 +305,26 @@ def response(answers: list[Answer]) -> rls_pb2.RateLimitResponse:
             headers.append(("retry-after", str(retry_after_seconds(denied))))
         resp.response_headers_to_add.extend([core_pb2.HeaderValue(key=k, value=v) for k, v in headers])
     return resp
+
+
+def detailed_part(door: RateLimitDoor) -> Section:
+    """``detailed_metric`` limiters' decisions per descriptor value: ``/status``
+    ``ratelimit_detailed`` and ``extauthz_ratelimit_detailed_total{limiter, value, code}``
+    (``value``: a keyed hash's first characters, at most :data:`MAX_DETAILED_VALUES` per
+    limiter, then ``other``)."""
+    def status() -> Mapping[str, Any]:
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        for (name, value, code), n in sorted(door.detailed.items()):
+            out.setdefault(name, {}).setdefault(value, {})[code] = n
+        return {"ratelimit_detailed": out}
+
+    def metrics() -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "extauthz_ratelimit_detailed", "Decisions of detailed_metric limiters (ShouldRateLimit) per "
+            "descriptor value (a keyed hash's first characters; past the first values: other).",
+            labels=["limiter", "value", "code"])
+        for (name, value, code), n in sorted(door.detailed.items()):
+            family.add_metric([name, value, code], n)
+        yield family
+
+    return Section(status, metrics)

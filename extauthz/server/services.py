@@ -13,7 +13,7 @@ StreamRateLimitQuotas translates usage reports and bucket actions for the quota 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from functools import partial
 from typing import Any
 
@@ -23,9 +23,9 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from ..core.context import RawRequest, RequestContext
 from ..core.verdict import Decision
 from ..engine.engine import Snapshot
-from ..engine.quota_service import Action, QuotaBook, QuotaError, Stream, Usage
+from ..engine.quota_service import NOTHING, Action, BucketKey, QuotaBook, QuotaError, Share, Stream, Usage, bucket_key
 from ..envoy.headers import FAILURE_MODE_HEADER
-from ..envoy.records import EXT_AUTHZ_NAMESPACE, ROUTE_TIER_TAG
+from ..envoy.records import LEASE_NAMESPACES, ROUTE_TIER_TAG
 from ..proto import (
     accesslog_data_pb2,
     accesslog_pb2,
@@ -116,6 +116,20 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         return await self.door.should_rate_limit(request, context)
 
 
+def entry_leases(fm: Mapping[str, Any]) -> dict[str, str | None] | None:
+    """The lease fields of an entry's filter metadata: the ext_authz namespace's (Check), else
+    the ratelimit filter's (ShouldRateLimit), the first that holds any; None: neither is there."""
+    found: dict[str, str | None] | None = None
+    for namespace in LEASE_NAMESPACES:
+        if namespace in fm:
+            md = lease_metadata(fm[namespace])
+            if md:
+                return md
+            if found is None:
+                found = md
+    return found
+
+
 def entry_seen(entry: accesslog_data_pb2.HTTPAccessLogEntry) -> tuple[str, ...]:
     """What an access-log entry says of its request, in :meth:`LeaseIndex.take`'s terms."""
     start = entry.common_properties.start_time
@@ -183,8 +197,7 @@ class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ig
                     finished.entries += 1
                     common = entry.common_properties
                     fm = common.metadata.filter_metadata
-                    md = (lease_metadata(fm[EXT_AUTHZ_NAMESPACE]) if EXT_AUTHZ_NAMESPACE in fm
-                          else None)
+                    md = entry_leases(fm)
                     failed_open = FAILURE_MODE_HEADER in entry.request.request_headers
                     task: asyncio.Future[Any] | None
                     if common.intermediate_log_entry:  # in flight (access_log_flush_interval)
@@ -209,20 +222,26 @@ class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ig
         return accesslog_pb2.StreamAccessLogsResponse()
 
 
-#: messages a quota stream may have waiting to be written; a peer that lets more pile up
-#: (it stopped reading) has its stream ended (its holds stay in the ledger until their TTL)
+#: messages, and their bytes, a quota stream may have waiting to be written; a peer that
+#: lets more pile up (it stopped reading) has its stream ended (its holds stay in the ledger
+#: until their TTL). One answer may pass the bytes alone (a report of 4096 buckets of 512
+#: bytes is answered in about 2.5 MB): memory per stream stays a few MB, not 256 answers
 MAX_QUOTA_OUTBOX = 256
+MAX_QUOTA_OUTBOX_BYTES = 4 << 20
 
 
 class RateLimitQuotaService(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # type: ignore[misc]
     """StreamRateLimitQuotas (RLQS, docs/rlqs.md): Envoy's usage reports in, bucket actions
     out, both ways at once. The quota logic is :class:`~extauthz.engine.quota_service.QuotaBook`;
     this adapter only translates: each report is one :meth:`QuotaBook.report`, whose actions
-    go to their streams (another stream's shrink pushed to it at once)."""
+    (settled with the store's ledger, :meth:`QuotaBook.settle`) go to their streams (another
+    stream's shrink pushed to it at once)."""
 
     def __init__(self, book: QuotaBook) -> None:
         self.book = book
         self.outboxes: dict[int, asyncio.Queue[rlqs_pb2.RateLimitQuotaResponse | None]] = {}
+        #: bytes waiting in each outbox
+        self.queued: dict[int, int] = {}
 
     async def StreamRateLimitQuotas(  # noqa: N802 - gRPC method name
         self,
@@ -236,15 +255,20 @@ class RateLimitQuotaService(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # typ
             return
         box: asyncio.Queue[rlqs_pb2.RateLimitQuotaResponse | None] = asyncio.Queue()
         self.outboxes[stream.id] = box
+        self.queued[stream.id] = 0
         reader = asyncio.create_task(self._read(stream, request_iterator, box), name="extauthz-rlqs-reader")
         try:
             while (message := await box.get()) is not None:
+                self.queued[stream.id] -= message.ByteSize()
                 yield message
+                # taken by the connection: a shrink in it may now be confirmed by a report
+                self.book.written(stream, _shares(message))
             problem = (reader.result() if reader.done()
                        else (grpc.StatusCode.RESOURCE_EXHAUSTED, "quota answers are not read"))
         finally:
             reader.cancel()
             self.outboxes.pop(stream.id, None)
+            self.queued.pop(stream.id, None)
             self.book.close(stream)
         if problem is not None:
             await context.abort(*problem)
@@ -262,20 +286,35 @@ class RateLimitQuotaService(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # typ
                     out = self.book.report(stream, message.domain, usages)
                 except QuotaError as exc:
                     return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+                out = await self.book.settle(out)  # as far as the store's ledger backs it
                 for sid, actions in out.items():
                     target = self.outboxes.get(sid)
                     if target is None:
                         continue
-                    if target.qsize() >= MAX_QUOTA_OUTBOX:
+                    answer = quota_response(actions)
+                    size = answer.ByteSize()
+                    if target.qsize() >= MAX_QUOTA_OUTBOX or (
+                            target.qsize() and self.queued[sid] + size > MAX_QUOTA_OUTBOX_BYTES):
                         self.book.refused["outbox"] = self.book.refused.get("outbox", 0) + 1
                         if target is box:
                             return grpc.StatusCode.RESOURCE_EXHAUSTED, "quota answers are not read"
                         target.put_nowait(None)  # that stream ends; its holds stay until their TTL
                         continue
-                    target.put_nowait(quota_response(actions))
+                    self.queued[sid] += size
+                    target.put_nowait(answer)
             return None
         finally:
             box.put_nowait(None)
+
+
+def _shares(response: rlqs_pb2.RateLimitQuotaResponse) -> Iterable[tuple[BucketKey, Share]]:
+    """The buckets an answer assigned and the share each carried (DENY_ALL: none)."""
+    for item in response.bucket_action:
+        if item.HasField("quota_assignment_action"):
+            strategy = item.quota_assignment_action.rate_limit_strategy
+            tb = strategy.token_bucket
+            share = Share(tb.tokens_per_fill.value, tb.max_tokens) if strategy.HasField("token_bucket") else NOTHING
+            yield bucket_key(item.bucket_id.bucket), share
 
 
 def quota_response(actions: Iterable[Action]) -> rlqs_pb2.RateLimitQuotaResponse:

@@ -29,7 +29,6 @@ What to know:
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import secrets
@@ -41,16 +40,11 @@ import threading
 import time
 from types import FrameType
 
+from ..core.settings import worker_env, worker_handover
 from .app import ServerConfig, is_off
 from .ports import parse_listen
 
 log = logging.getLogger("extauthz.server")
-
-#: the worker's whole configuration, one :class:`~extauthz.core.settings.Settings` as JSON (log
-#: level and format included: a worker reads nothing else from its parent's options)
-CONFIG_ENV = "EXTAUTHZ_WORKER_CONFIG"
-#: the pipe on which the worker says it is serving (not configuration)
-READY_FD_ENV = "EXTAUTHZ_WORKER_READY_FD"
 
 
 class WorkersError(ValueError):
@@ -126,11 +120,8 @@ def check_workers(config: ServerConfig, workers: int, *, own_ports: bool = False
 def _start_child(config: ServerConfig, i: int) -> tuple[subprocess.Popen[bytes], int]:
     read_fd, write_fd = os.pipe()
     child = child_config(config, i, own_ports=config.worker_ports, workers=config.workers)
-    env = {
-        **os.environ,
-        CONFIG_ENV: json.dumps(dataclasses.asdict(child)),
-        READY_FD_ENV: str(write_fd),
-    }
+    # the one Settings as JSON: a worker reads nothing else from its parent's options
+    env = {**os.environ, **worker_env(child, write_fd)}
     try:
         proc = subprocess.Popen([sys.executable, "-m", "extauthz.server.workers"], env=env,
                                 pass_fds=(write_fd,), stdin=subprocess.DEVNULL)
@@ -219,10 +210,9 @@ def _child_main() -> int:
     from ..observe.logs import configure_logging
     from .app import serve
 
-    config = ServerConfig(**json.loads(os.environ[CONFIG_ENV]))
+    config, ready_fd = worker_handover()
     # the same log lines as a single server (JSON by default), from every worker
     listener = configure_logging(config.log_level, config.log_format)
-    ready_fd = int(os.environ[READY_FD_ENV])
 
     def ready(port: int) -> None:
         os.write(ready_fd, b"1")

@@ -13,7 +13,8 @@ requires identical decisions, remaining, retry-after and levels):
   :func:`grant_stamp`, the lease sweep (:func:`lease_live`), the quota count
   (:func:`count_admits`) and its batched grants (:func:`quota_pool`,
   :func:`quota_grant_size`, :func:`quota_give_back`) and the fleet grants
-  (:func:`fleet_grant_admits`, :func:`fleet_grant_top`), with the same float operations in the same order and the same
+  (:func:`fleet_grant_admits`, :func:`fleet_grant_top`) and the ledger's slices
+  (:func:`slice_live`, :func:`slice_top`), with the same float operations in the same order and the same
   :data:`TOKEN_EPSILON` (its header says so; a test pins the constant). The script
   returns raw state (tokens or live leases before the commit, and whether each op allows),
   and Python derives every reported number from it with the op's ``Rule.result``, as the
@@ -28,7 +29,7 @@ a double, so Lua and Python compute on bit-identical inputs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Generic, Literal, Protocol, TypeVar
 
@@ -44,6 +45,7 @@ from .base import (
     QuotaReturnOp,
     ReturnOp,
     ShedParams,
+    SliceOp,
 )
 
 #: A bucket holding ``cost - TOKEN_EPSILON`` tokens admits the request: float time arithmetic
@@ -267,6 +269,44 @@ def fleet_grant_result(op: FleetGrantOp, allowed: bool, live: float, committed: 
     return OpResult(allowed, max(0.0, free), float(fleet_grant_over(others, top, op.limit)), float(top))
 
 
+# --------------------------------------------------------------------------- ledger slices
+# The rate limit quota service's ledger across replicas (``SliceOp``, docs/rlqs.md): a ledger
+# key holds per holder a slice of whole units of one number (a limiter's tokens per fill
+# interval, or its burst) under an expiry. The store reads the live slices of the others
+# (``others``: every live slice but the holder's own, so it is the same whether the
+# holder's own slice is live or expired) and sets the holder's to what it asks, or to what
+# is left of ``total``: the live slices never sum past ``total`` by a slice taken here (a
+# lowered ``total`` shrinks only the slices renewed after it). Integers, exact.
+
+
+def slice_live(expires_at: float, now: float) -> bool:
+    """A slice is live strictly before its expiry (:func:`lease_live`'s rule)."""
+    return lease_live(expires_at, now)
+
+
+def slice_top(others: int, op: SliceOp) -> int:
+    """The holder's slice after the op, from the others' live slices: ``want``, or what is
+    left of ``total`` when less, never below 0 (0: the slice is returned)."""
+    return max(0, min(op.want, op.total - others))
+
+
+def slice_over(others: int, top: int, total: int) -> int:
+    """Units the ledger holds past ``total`` once the holder holds ``top`` (the others'
+    slices taken under a larger total, until they are renewed or expire)."""
+    return max(0, others + top - total)
+
+
+def slice_result(op: SliceOp, allowed: bool, others: float, committed: bool) -> OpResult:
+    """The answer for a slice from the others' live slices before it: ``remaining`` the
+    units of ``total`` no holder holds after it; ``extra`` the holder's slice after it, or
+    -1 when nothing was committed (the slice stands as it was: not renewed);
+    ``retry_after`` the units held past ``total`` after it (:func:`slice_over`)."""
+    held = int(others)
+    top = slice_top(held, op) if committed else 0
+    free = float(max(0, op.total - held - top))
+    return OpResult(allowed, free, float(slice_over(held, top, op.total)), float(top) if committed else -1.0)
+
+
 # --------------------------------------------------------------------------- the op table
 # One rule per op kind (:data:`RULES`, a row for every kind of ``base.OP_KINDS``): what state
 # the op reads, whether it allows from that state, the state its commit leaves and the
@@ -278,12 +318,14 @@ def fleet_grant_result(op: FleetGrantOp, allowed: bool, live: float, committed: 
 #: the states an op reads (and its commit writes), one value each, as both stores keep them:
 #: a token bucket's tokens refilled to now (the op has ``rate`` and ``burst``); a quota
 #: window's count (0 when there is none); a lease set's live leases after the sweep; a fleet
-#: key's live leases other than the op's grant's members (``FleetGrantOp``)
-State = Literal["tokens", "count", "leases", "slots"]
+#: key's live leases other than the op's grant's members (``FleetGrantOp``); a ledger's live
+#: slices other than the op's holder's, summed (``SliceOp``)
+State = Literal["tokens", "count", "leases", "slots", "slices"]
 TOKENS: Final = "tokens"
 COUNT: Final = "count"
 LEASES: Final = "leases"
 SLOTS: Final = "slots"
+SLICES: Final = "slices"
 
 K = TypeVar("K")
 
@@ -334,6 +376,12 @@ class Rule(Generic[K]):
     #: releasing a lease id that is not there); elsewhere as not committed (refunding what
     #: was not taken would admit more)
     assume_committed: bool = False
+    #: batched grants: what the op gives back of a replica's grant (a give-back's amount, a
+    #: grant's remainder ``held``), counted by the grant book; None: nothing
+    gives_back: Callable[[K], float] | None = None
+    #: a give-back, sent with no request (always allows): it rides with the next check, as
+    #: releases do (the Redis store)
+    rides: bool = False
 
 
 def _grant_taken(op: GrantOp, tokens: float) -> float:
@@ -364,6 +412,7 @@ RULES: Final[dict[type[Op], Rule[Any]]] = {
         # answer is "not committed"); granted >= cost > held
         refund=lambda op, tokens: max(0.0, _grant_taken(op, tokens) - op.held),
         stamp=grant_stamp,
+        gives_back=lambda op: op.held,
     ),
     ReturnOp: Rule[ReturnOp](
         TOKENS,
@@ -371,6 +420,8 @@ RULES: Final[dict[type[Op], Rule[Any]]] = {
         commit=lambda op, tokens: give_back(tokens, op.amount, op.burst),
         result=return_result,
         stamp=grant_stamp,
+        gives_back=lambda op: op.amount,
+        rides=True,
     ),
     CountOp: Rule[CountOp](
         COUNT,
@@ -386,6 +437,7 @@ RULES: Final[dict[type[Op], Rule[Any]]] = {
         result=quota_grant_result,
         # what the grant added to the count, less the remainder it brought back
         refund=lambda op, count: max(0, _quota_granted(op, count) - op.held),
+        gives_back=lambda op: float(op.held),
     ),
     QuotaReturnOp: Rule[QuotaReturnOp](
         COUNT,
@@ -393,6 +445,8 @@ RULES: Final[dict[type[Op], Rule[Any]]] = {
         commit=lambda op, count: float(quota_give_back(int(count), op.amount)),
         result=quota_return_result,
         creates=False,
+        gives_back=lambda op: float(op.amount),
+        rides=True,
     ),
     LeaseOp: Rule[LeaseOp](
         LEASES,
@@ -408,13 +462,24 @@ RULES: Final[dict[type[Op], Rule[Any]]] = {
         commit=lambda op, others: float(fleet_grant_top(int(others), op, True)),
         result=fleet_grant_result,
     ),
+    SliceOp: Rule[SliceOp](
+        SLICES,
+        admits=lambda op, others: True,
+        commit=lambda op, others: float(slice_top(int(others), op)),
+        result=slice_result,
+    ),
 }
 
 
-def op_result(op: Op, allowed: bool, value: float, admitted: bool) -> OpResult:
-    """The answer for ``op`` from its state before the request; it was committed when the
-    request was admitted and the op allows."""
-    return RULES[type(op)].result(op, allowed, value, admitted and allowed)
+def given_back(op: Op) -> float:
+    """What ``op`` gives back of a replica's batched grant (:attr:`Rule.gives_back`; 0: nothing)."""
+    gives_back = RULES[type(op)].gives_back
+    return 0.0 if gives_back is None else gives_back(op)
+
+
+def rides(ops: Sequence[Op]) -> bool:
+    """Whether ``ops`` are give-backs only (:attr:`Rule.rides`): sent with the next check."""
+    return all(RULES[type(op)].rides for op in ops)
 
 
 # --------------------------------------------------------------------------- shed controller

@@ -197,6 +197,29 @@ class FleetGrantOp:
 
 
 @dataclass(frozen=True, slots=True)
+class SliceOp:
+    """A slice of a ledger (the rate limit quota service's shares across replicas,
+    docs/rlqs.md): the ledger ``key`` holds, per holder, a slice of whole units of one
+    number (a limiter's tokens per fill interval, or its burst) under an expiry. The op
+    sets ``holder``'s slice to ``want`` units, or to what is left of ``total`` by the
+    other holders' live slices when less (:func:`~extauthz.store.algorithms.slice_top`;
+    0 returns it), expiring ``ttl`` seconds from now (the renewal): so the live slices
+    never sum past ``total`` while each is taken here, and a holder that stops renewing
+    gives its slice back when the TTL runs out. Always allowed (a renewal or a shrink
+    never fails); the answer's ``extra`` is the slice held after it."""
+
+    CODE: ClassVar[str] = "s"
+    ARGS: ClassVar[tuple[str, str, str]] = ("total", "ttl", "holder want")
+
+    key: str
+    total: int
+    ttl: float
+    holder: str
+    want: int
+    enforce: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class PeekOp:
     """A read of one key's state (:meth:`Store.peek`): ``kind`` ``bucket`` (with the
     limiter's ``rate`` and ``burst``, to refill it to now), ``count`` (a quota window) or
@@ -208,11 +231,10 @@ class PeekOp:
     burst: float = 0.0
 
 
-Op = BucketOp | LeaseOp | CountOp | GrantOp | ReturnOp | QuotaGrantOp | QuotaReturnOp | FleetGrantOp
+Op = BucketOp | LeaseOp | CountOp | GrantOp | ReturnOp | QuotaGrantOp | QuotaReturnOp | FleetGrantOp | SliceOp
 #: every op kind, the table's rows (the members of :data:`Op`; a test keeps the two the same)
-OP_KINDS: Final = (BucketOp, LeaseOp, CountOp, GrantOp, ReturnOp, QuotaGrantOp, QuotaReturnOp, FleetGrantOp)
-#: the ops that give unspent grants back (they ride with the next check)
-RETURN_OPS = (ReturnOp, QuotaReturnOp)
+OP_KINDS: Final = (BucketOp, LeaseOp, CountOp, GrantOp, ReturnOp, QuotaGrantOp, QuotaReturnOp, FleetGrantOp,
+                   SliceOp)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,13 +246,14 @@ class OpResult:
     #: bucket: seconds until ``cost`` tokens are there (0 when allowed); lease: 0; count:
     #: seconds to the window's end when refused (0 when allowed); quota grant: seconds to
     #: the window's end (allowed or not); fleet grant: the leases past ``limit`` after it
-    #: (:func:`~extauthz.store.algorithms.fleet_grant_over`).
+    #: (:func:`~extauthz.store.algorithms.fleet_grant_over`); slice: the units the ledger
+    #: holds past ``total`` after it (:func:`~extauthz.store.algorithms.slice_over`).
     retry_after: float
     #: bucket: seconds until the bucket is full again; lease: live leases after the call;
     #: count: seconds to the window's end; grant (tokens or quota units): the amount
     #: granted (> 0), or, when nothing was committed, minus the ``held`` amount the replica
     #: keeps (<= 0); return: 0; fleet grant: the replica's grant size after the call, or
-    #: -1 when nothing was committed.
+    #: -1 when nothing was committed; slice: the holder's slice after the call.
     extra: float
 
 

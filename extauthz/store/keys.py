@@ -56,6 +56,12 @@ class Keys:
         """``group`` is ``critical`` or ``other`` (fleet usage), or ``all``."""
         return f"{self.prefix}:{self.fleet_tag}:fl:{limiter}:{group}"
 
+    def quota_ledger(self, limiter: str, bucket: str, part: str) -> str:
+        """The rate limit quota service's ledger of one Envoy bucket (``SliceOp``: a HASH of
+        slices by holder): ``bucket`` the bucket id's digest, ``part`` ``fill`` or ``burst``.
+        Both parts of a bucket share the tag ``{ql:<bucket>}`` (one slot: one atomic call)."""
+        return f"{self.prefix}:{{ql:{bucket}}}:ql:{limiter}:{part}"
+
     def shed_state(self, limiter: str) -> str:
         return f"{self.prefix}:{self.fleet_tag}:shed:{limiter}"
 

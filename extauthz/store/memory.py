@@ -34,8 +34,8 @@ from typing import Any
 from ..core.clock import SYSTEM_CLOCK, Clock
 from ..core.settings import MEMORY_MAX_KEYS
 from . import algorithms
-from .algorithms import COUNT, LEASES, RULES, SLOTS, TOKENS, Rule, TokensOp, refill
-from .base import CheckResult, FleetGrantOp, LeaseOp, Op, PeekOp, ShedParams, StoreBase, bucket_ttl
+from .algorithms import COUNT, LEASES, RULES, SLICES, SLOTS, TOKENS, Rule, TokensOp, refill
+from .base import CheckResult, FleetGrantOp, LeaseOp, Op, PeekOp, ShedParams, SliceOp, StoreBase, bucket_ttl
 from .keys import Keys
 
 #: due heap entries a check looks at, at most (a check creates at most a few keys, so the
@@ -46,7 +46,7 @@ SWEEP_BATCH = 32
 #: its bound until requests finish), and so is a spent quota count (if all are, the least
 #: recently used of them goes)
 EVICT_TRIES = 8
-_BUCKET, _LEASES = 0, 1
+_BUCKET, _LEASES, _SLICES = 0, 1, 2
 
 
 class MemoryStore(StoreBase):
@@ -67,6 +67,8 @@ class MemoryStore(StoreBase):
         self._buckets: dict[str, list[float]] = {}
         #: lease key -> {lease id: expires at}, in expiry order
         self._leases: dict[str, dict[str, float]] = {}
+        #: ledger key -> {holder: (units, expires at)} (``SliceOp``)
+        self._slices: dict[str, dict[str, tuple[int, float]]] = {}
         self._values: dict[str, tuple[str, float | None]] = {}
         self._shed: dict[str, tuple[float, float]] = {}
         #: event log key -> (ring buffer of (wall time, event), expires at)
@@ -74,7 +76,7 @@ class MemoryStore(StoreBase):
         #: (time the key may expire, kind, key): one entry per key that is not a user's
         #: (fleet-wide lease sets)
         self._due: list[tuple[float, int, str]] = []
-        self._scheduled: tuple[set[str], set[str]] = (set(), set())
+        self._scheduled: tuple[set[str], set[str], set[str]] = (set(), set(), set())
         #: limiter -> its per-user keys (key -> kind), least recently used first: the bound
         #: (:meth:`_hold`) and the expiry order of per-user state (:meth:`_sweep_held`). Not
         #: the heap: an evicted key's heap entry would stay until its due time (a monthly
@@ -86,10 +88,11 @@ class MemoryStore(StoreBase):
         self.evictions: dict[str, int] = {}
         #: each state's reader and writer (algorithms.State): ``check_now`` goes by the rule
         self._read: dict[str, Callable[[Any, float], float]] = {
-            TOKENS: self._read_tokens, COUNT: self._read_count, LEASES: self._read_leases, SLOTS: self._read_slots}
+            TOKENS: self._read_tokens, COUNT: self._read_count, LEASES: self._read_leases, SLOTS: self._read_slots,
+            SLICES: self._read_slices}
         self._write: dict[str, Callable[[Any, Rule[Any], float, float, str, str | None], None]] = {
             TOKENS: self._write_tokens, COUNT: self._write_count, LEASES: self._write_leases,
-            SLOTS: self._write_slots}
+            SLOTS: self._write_slots, SLICES: self._write_slices}
         #: op kind -> its rule and its state's reader and writer (one lookup per op)
         self._kinds = {kind: (rule, self._read[rule.state], self._write[rule.state])
                        for kind, rule in RULES.items()}
@@ -145,6 +148,17 @@ class MemoryStore(StoreBase):
             self._schedule(_LEASES, op.key, next(iter(self._leases[op.key].values())))
         else:
             del self._leases[op.key]
+
+    def _live_slices(self, key: str, now: float) -> dict[str, tuple[int, float]]:
+        """A ledger's live slices, the expired ones swept (the key goes with the last)."""
+        slices = self._slices.get(key)
+        if slices is None:
+            return {}
+        for holder in [h for h, (_, at) in slices.items() if not algorithms.slice_live(at, now)]:
+            del slices[holder]
+        if not slices:
+            del self._slices[key]
+        return slices
 
     def _schedule(self, kind: int, key: str, at: float, owner: str | None = None) -> None:
         """Keep ``key`` until ``at`` at least: a user's key (of limiter ``owner``, found from
@@ -269,6 +283,11 @@ class MemoryStore(StoreBase):
                     heapq.heappush(due, (state[2], kind, key))
                     continue
                 self._buckets.pop(key, None)
+            elif kind == _SLICES:
+                slices = self._live_slices(key, now)
+                if slices:
+                    heapq.heappush(due, (min(at for _, at in slices.values()), kind, key))
+                    continue
             else:
                 leases = self._live_leases(key, now)
                 if leases:
@@ -363,6 +382,27 @@ class MemoryStore(StoreBase):
     def _write_slots(self, op: FleetGrantOp, rule: Rule[Any], value: float, now: float, lease_id: str,
                      owner: str | None) -> None:
         self._fleet_grant(op, int(rule.commit(op, value)), now)
+
+    def _read_slices(self, op: SliceOp, now: float) -> float:
+        return float(sum(units for holder, (units, _) in self._live_slices(op.key, now).items()
+                         if holder != op.holder))
+
+    def _write_slices(self, op: SliceOp, rule: Rule[Any], value: float, now: float, lease_id: str,
+                      owner: str | None) -> None:
+        """The holder's slice set to the rule's size (HSET, as ``check.lua``), or removed at 0."""
+        top = int(rule.commit(op, value))
+        slices = self._slices.setdefault(op.key, {})
+        if top > 0:
+            slices[op.holder] = (top, now + op.ttl)
+            self._schedule(_SLICES, op.key, now + op.ttl)
+        else:
+            slices.pop(op.holder, None)
+            if not slices:
+                del self._slices[op.key]
+
+    def slices(self, key: str) -> dict[str, int]:
+        """A ledger's live slices by holder (tests, status)."""
+        return {h: units for h, (units, _) in self._live_slices(key, self._clock.monotonic()).items()}
 
     async def release(self, keys: Sequence[str], lease_id: str) -> int:
         return self.release_now(keys, lease_id)

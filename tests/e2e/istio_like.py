@@ -9,8 +9,8 @@ from typing import Any
 
 import yaml
 
-from extauthz.devtools.envoy_config import config_path, validate
 from extauthz.envoy.config import GRPC_ACCESS_LOGGER
+from testinfra.envoy_configs import config_path, validate
 
 from ..conftest import ROOT
 

@@ -19,12 +19,12 @@ import yaml
 
 from extauthz.commands.cli import main
 from extauthz.devtools.client import HttpClient
-from extauthz.devtools.envoy_config import validate
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import ServerProcess, free_port
 from extauthz.devtools.upstream import Upstream, start_upstream
 from extauthz.envoy.config import JwtProvider, TlsFiles, bootstrap, holds_leases, jwks_from_file, render
 from extauthz.policy import load_policy
+from testinfra.envoy_configs import validate
 
 from ..conftest import ROOT
 

@@ -17,14 +17,6 @@ import grpc
 import pytest
 import yaml
 
-from extauthz.devtools.envoy_config import (
-    GRPC_CONFIGS,
-    EnvoyConfigError,
-    config_path,
-    grpc_cluster_problems,
-    load_config_text,
-    validate,
-)
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import free_port
 from extauthz.devtools.upstream import Upstream, start_upstream
@@ -40,6 +32,14 @@ from extauthz.envoy.config import (
     jwks_from_file,
 )
 from extauthz.policy import load_policy
+from testinfra.envoy_configs import (
+    GRPC_CONFIGS,
+    EnvoyConfigError,
+    config_path,
+    grpc_cluster_problems,
+    load_config_text,
+    validate,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -354,11 +354,6 @@ def test_validate_reports_envoy_output() -> None:
     broken = render().replace("failure_mode_allow: true", "failure_mode_alow: true")
     with pytest.raises(EnvoyConfigError, match="failure_mode_alow"):
         validate(broken)
-
-
-def test_local_ratelimit_rejects_unknown_keys() -> None:
-    with pytest.raises(ValueError, match="max_token"):
-        render(local_ratelimit=LocalRateLimit.from_mapping({"max_token": 1}))
 
 
 def _hcm(config: dict[str, Any]) -> dict[str, Any]:

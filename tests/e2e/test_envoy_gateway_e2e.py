@@ -23,12 +23,12 @@ import pytest
 import yaml
 
 from extauthz.devtools.client import HttpClient, Result
-from extauthz.devtools.envoy_config import config_path, validate
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import ServerProcess, free_port
 from extauthz.devtools.upstream import Upstream, start_upstream
 from extauthz.envoy.config import GRPC_ACCESS_LOGGER
 from extauthz.policy import load_policy
+from testinfra.envoy_configs import config_path, validate
 
 from ..conftest import ROOT
 from .waits import GATEWAY_LIMITERS, held_request, live_leases, wait_for

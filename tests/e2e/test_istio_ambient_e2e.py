@@ -16,11 +16,11 @@ import pytest
 import yaml
 
 from extauthz.devtools.client import HttpClient, Result
-from extauthz.devtools.envoy_config import config_path, validate
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import ServerProcess
 from extauthz.devtools.upstream import Upstream, start_upstream
 from extauthz.envoy.config import EXT_AUTHZ_FILTER, GRPC_ACCESS_LOGGER
+from testinfra.envoy_configs import config_path, validate
 
 from ..conftest import ROOT
 from .istio_like import hcm

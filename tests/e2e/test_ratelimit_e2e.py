@@ -245,8 +245,8 @@ async def test_the_shipped_config_and_policy(upstream: Upstream) -> None:
 @pytest.mark.parametrize("options", [{}, {"ext_authz": ("127.0.0.1", 9000)}, {"tls": "files"}],
                          ids=["plain", "with-ext-authz", "mtls"])
 def test_generated_variants_pass_envoy_validation(options: dict[str, Any], tmp_path: Path) -> None:
-    from extauthz.devtools.envoy_config import validate
     from extauthz.envoy.blocks import TlsFiles
+    from testinfra.envoy_configs import validate
 
     if options.get("tls"):
         ca = CA()
@@ -255,3 +255,134 @@ def test_generated_variants_pass_envoy_validation(options: dict[str, Any], tmp_p
         options = {"tls": TlsFiles(f"{tmp_path}/tls.crt", f"{tmp_path}/tls.key", f"{tmp_path}/ca.crt")}
     validate(render(load_policy([ROOT / "policies" / "ratelimit"]), upstream=("127.0.0.1", 8080),
                     headers={"api_key": "x-api-key"}, **options))
+
+
+TIERED = """\
+version: 1
+limiters:
+  - name: per-key
+    type: quota
+    limit: 100
+    period: hour
+    match: {domain: edge, descriptor: [{key: api_key}]}
+  - name: workers
+    type: worker_utilization
+    signal: {source: redis}
+    sample_interval: 3600
+    match: {domain: edge, descriptor: [{key: tier}]}
+"""
+
+
+BUDGET_MS = 5000.0
+
+
+@pytest.mark.parametrize("grpc_server", ["grpcio", "asyncio"])
+async def test_worker_utilization_sheds_by_the_routes_tier(grpc_server: str, upstream: Upstream,
+                                                           tmp_path: Path) -> None:
+    """The generated config's metadata action sends each route's tier (its metadata, where
+    Check's classifier reads it; ``post`` when it names none); the shedder sheds by it. A long
+    check budget: a stall of this shared machine must not make the server starved (then a
+    shedder refuses every non-critical descriptor at once, extauthz/engine/overload.py)."""
+    policy = tmp_path / "p.yaml"
+    policy.write_text(TIERED)
+    srv = Server(ServerConfig(policies=[str(policy)], listen=f"127.0.0.1:{free_port()}", admin_listen="off",
+                              reload_interval=0, identity_salt="s", grpc_server=grpc_server,
+                              check_budget_ms=BUDGET_MS))
+    await srv.start()
+    try:
+        config = yaml.safe_load(render(load_policy([policy]), upstream=("127.0.0.1", upstream.port),
+                                       authz=("127.0.0.1", srv.port), headers={"api_key": "x-api-key"},
+                                       listen_port=0, admin_port=0, check_budget_ms=BUDGET_MS))
+        hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        vhost = hcm["route_config"]["virtual_hosts"][0]
+        assert {"metadata": {"descriptor_key": "tier", "source": "ROUTE_ENTRY", "default_value": "post",
+                             "metadata_key": {"key": "extauthz", "path": [{"key": "tier"}]}}} in [
+            a for limit in vhost["rate_limits"] for a in limit["actions"]]
+        vhost["routes"].insert(0, {"match": {"prefix": "/admin"}, "route": {"cluster": "upstream"},
+                                   "metadata": {"filter_metadata": {"extauthz": {"tier": "critical"}}}})
+        vhost["routes"].insert(1, {"match": {"prefix": "/search"}, "route": {"cluster": "upstream"},
+                                   "metadata": {"filter_metadata": {"extauthz": {"tier": "get"}}}})
+        (worker,) = srv.engine.snapshot.workers
+        with EnvoyProcess(yaml.safe_dump(config)) as envoy:
+            key = {"x-api-key": "k1"}
+            assert [s for p in ("/a", "/search", "/admin") for s in await statuses(envoy, p, 2, **key)] == [200] * 6
+            worker.set_level(1.0)  # shed all it may: everything but critical
+            assert await statuses(envoy, "/a", 2, **key) == [429, 429]
+            assert await statuses(envoy, "/search", 2, **key) == [429, 429]
+            assert await statuses(envoy, "/admin", 2, **key) == [200, 200]
+            worker.set_level(0.0)
+            assert await statuses(envoy, "/a", 1, **key) == [200]
+        door = srv.ratelimit.door if srv.ratelimit is not None else None
+        # every request: its key's descriptor and its tier's
+        assert door is not None and (door.decided, door.unknown) == (2 * 13, 0)
+        assert srv.lag.overloaded == {}
+    finally:
+        await srv.stop(grace=0)
+
+
+LEASED = """\
+version: 1
+limiters:
+  - name: in-flight-per-key
+    type: concurrent_requests
+    limit: 1
+    match: {domain: edge, descriptor: [{key: api_key}]}
+  - name: fleet
+    type: fleet_usage
+    capacity: 4
+    reserved_for_critical: 0.5
+    match: {domain: edge, descriptor: [{key: tier}]}
+"""
+
+
+@pytest.mark.parametrize("grpc_server", ["grpcio", "asyncio"])
+async def test_leases_travel_in_the_answer_and_the_access_log_releases_them(
+        grpc_server: str, upstream: Upstream, tmp_path: Path) -> None:
+    """concurrent_requests and fleet_usage over ShouldRateLimit: the descriptors' leases, under
+    one lease id, in the response's dynamic metadata; the generated config's access log hands
+    them back when the request finishes (the ratelimit filter's namespace)."""
+    policy = tmp_path / "p.yaml"
+    policy.write_text(LEASED)
+    srv = Server(ServerConfig(policies=[str(policy)], listen=f"127.0.0.1:{free_port()}", admin_listen="off",
+                              reload_interval=0, identity_salt="s", grpc_server=grpc_server,
+                              check_budget_ms=BUDGET_MS))
+    await srv.start()
+    try:
+        config = yaml.safe_load(render(load_policy([policy]), upstream=("127.0.0.1", upstream.port),
+                                       authz=("127.0.0.1", srv.port), headers={"api_key": "x-api-key"},
+                                       listen_port=0, admin_port=0, check_budget_ms=BUDGET_MS))
+        hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        assert [log["name"] for log in hcm["access_log"]] == ["envoy.access_loggers.http_grpc"]
+        releaser = srv.engine.releaser
+        with EnvoyProcess(yaml.safe_dump(config)) as envoy:
+            # one request in flight for k1 (the upstream holds it): a second one for k1 is
+            # refused (the filter answers 429), k2 is not
+            door = srv.ratelimit.door if srv.ratelimit is not None else None
+            assert door is not None
+            slow = asyncio.create_task(asyncio.to_thread(get, envoy.url + "/slow?delay=2", {"x-api-key": "k1"}))
+            for _ in range(100):  # bounded: until the slow request's two descriptors were decided
+                if door.decided >= 2:
+                    break
+                await asyncio.sleep(0.02)
+            assert await statuses(envoy, "/a", 1, **{"x-api-key": "k1"}) == [429]
+            assert await statuses(envoy, "/a", 1, **{"x-api-key": "k2"}) == [200]
+            assert (await slow)[0] == 200
+            for _ in range(100):  # bounded: until the access log released the slow one's leases
+                if (await statuses(envoy, "/a", 1, **{"x-api-key": "k1"})) == [200]:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                pytest.fail("the access log never released k1's lease")
+            for _ in range(100):  # bounded: until the last one's entry came back too
+                if releaser.counts[("access_log", "released")] >= 3:
+                    break
+                await asyncio.sleep(0.05)
+        # every admitted request's leases (a concurrency slot and a fleet slot each) came back
+        # through the access log; the refused ones' at once (nothing went on)
+        assert releaser.counts[("access_log", "released")] >= 3
+        assert releaser.counts[("cancelled_check", "released")] >= 1  # the refused ones
+        assert not any(srv.accesslog.finished.rejected.values())  # every ticket held
+        fleet = next(lim for lim, _ in srv.engine.snapshot.active if lim.name == "fleet")
+        assert list(await srv.engine.store.inflight((fleet.critical_key, fleet.other_key))) == [0, 0]
+    finally:
+        await srv.stop(grace=0)

@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from extauthz.devtools.client import HttpClient
-from extauthz.devtools.envoy_config import DEFAULT_CONFIG, HTTP_CONFIG, config_path
 from extauthz.devtools.stack import Stack
+from testinfra.envoy_configs import DEFAULT_CONFIG, HTTP_CONFIG, config_path
 
 from ..conftest import ROOT
 

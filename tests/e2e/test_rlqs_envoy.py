@@ -20,13 +20,14 @@ import pytest
 import yaml
 
 from extauthz.devtools.client import HttpClient
-from extauthz.devtools.envoy_config import validate
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import ServerProcess
 from extauthz.devtools.upstream import Upstream, start_upstream
 from extauthz.envoy.config import bootstrap
 from extauthz.envoy.headers import allowed_headers
 from extauthz.policy import load_policy
+from testinfra.envoy_configs import validate
+from testinfra.redis_servers import RedisSingle
 
 from ..conftest import ROOT
 from .test_envoy_bootstrap import command_line, run_cli
@@ -181,4 +182,61 @@ def test_a_limit_lowered_by_reload_shrinks_envoy_s_bucket(tmp_path: Path) -> Non
             assert upstream.served - before > 0
     finally:
         server.stop()
+        upstream.stop()
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_two_replicas_on_one_redis_keep_one_limit(tmp_path: Path, redis_single_clean: RedisSingle) -> None:
+    """Two server replicas on one Redis, each the quota server of its own Envoy (issue 33:
+    the store's ledger): together the Envoys admit at most ``rate x t + burst`` at the
+    upstream; then a replica is killed and started again (a new ledger holder: it waits for
+    the old one's slices to pass their TTL), and Redis is paused for a few seconds (no
+    assignment is sent meanwhile: the Envoys keep theirs, then DENY_ALL). The promise holds
+    throughout; the refusals meanwhile are the early refusal docs/rlqs.md describes."""
+    (tmp_path / "api.yaml").write_text(POLICY)
+    upstream = start_upstream()
+    args = ["--redis-url", redis_single_clean.url]
+    servers = [ServerProcess([tmp_path], args=args, workdir=tmp_path).start() for _ in range(2)]
+
+    def config(server: ServerProcess) -> str:
+        return yaml.safe_dump(bootstrap(load_policy([tmp_path]), protocol="grpc",
+                                        upstream=("127.0.0.1", upstream.port),
+                                        authz=("127.0.0.1", server.port), listen_port=0, admin_port=0,
+                                        rlqs=True))
+    try:
+        with EnvoyProcess(config(servers[0])) as a, EnvoyProcess(config(servers[1])) as b, HttpClient() as c:
+            promise = Promise(upstream, c)
+            admitted = promise.drive([("a", a), ("b", b)], 25.0)
+            assert promise.held, (upstream.served, promise.worst)
+            assert admitted["a"] + admitted["b"] > 0, admitted
+            for server in servers:
+                quota = _status(server)["quota"]
+                assert quota["overadmission"] == 0
+                assert quota["ledger"]["healthy"] is True
+                (stream,) = quota["streams"]
+                (bucket,) = stream["buckets"]
+                assert bucket["fill"] <= bucket["store"]["fill"]
+            # a replica killed, then started again on its port: a new holder in the ledger
+            port = servers[0].port
+            servers[0].stop()
+            promise.drive([("a", a), ("b", b)], 3.0)
+            assert promise.held, (upstream.served, promise.worst)
+            servers[0] = ServerProcess([tmp_path], args=args, port=port, workdir=tmp_path).start()
+            promise.drive([("a", a), ("b", b)], 12.0)
+            assert promise.held, (upstream.served, promise.worst)
+            # Redis paused for a few seconds
+            redis_single_clean.pause()
+            try:
+                promise.drive([("a", a), ("b", b)], 4.0)
+            finally:
+                redis_single_clean.resume()
+            assert promise.held, (upstream.served, promise.worst)
+            promise.drive([("a", a), ("b", b)], 10.0)
+            assert promise.held, (upstream.served, promise.worst)
+            for server in servers:
+                assert _status(server)["quota"]["overadmission"] == 0
+    finally:
+        for server in servers:
+            server.stop()
         upstream.stop()

@@ -24,7 +24,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extauthz.devtools.client import HttpClient
-from extauthz.devtools.envoy_config import local_render, validate
+from extauthz.devtools.envoy_config import local_render
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import free_port, wait_for_health
 from extauthz.devtools.upstream import Upstream, start_upstream
@@ -32,6 +32,7 @@ from extauthz.envoy.config import TlsFiles
 from extauthz.envoy.records import EXT_AUTHZ_NAMESPACE
 from extauthz.policy import load_policy
 from extauthz.proto import accesslog_pb2, accesslog_pb2_grpc, auth_pb2, auth_pb2_grpc, rls_pb2, rls_pb2_grpc
+from testinfra.envoy_configs import validate
 
 from ..conftest import ROOT
 from ..infra.certs import CA, Leaf

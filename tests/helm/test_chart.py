@@ -22,9 +22,9 @@ import pytest
 import yaml
 
 from extauthz.core.errors import PolicyError
-from extauthz.devtools import envoy_config
 from extauthz.policy import load_policy
 from extauthz.server.app import ServerConfig
+from testinfra import envoy_configs
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "extauthz"
@@ -716,7 +716,7 @@ def test_envoyfilter_access_logger_is_valid_envoy_config() -> None:
                               "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
                               "explicit_http_config": {"http2_protocol_options": {}}}}}],
     }}
-    envoy_config.validate(yaml.safe_dump(bootstrap))
+    envoy_configs.validate(yaml.safe_dump(bootstrap))
 
 
 # -- TLS on the grpc port ----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ STATUS_KEYS = [
     "background_errors", "switches", "limiters", "switch_poll", "overrides", "shedding",
     "leases_in_flight", "access_log", "lease_releases", "shadow", "decision_log",
     "observer_errors", "tracing", "tls", "admin", "changes", "change_log_errors", "grpc",
-    "grants", "recorder", "ratelimit_descriptors", "quota",
+    "grants", "recorder", "ratelimit_descriptors", "ratelimit_limit_overrides", "ratelimit_detailed", "quota",
 ]
 
 

@@ -14,6 +14,8 @@ from google.protobuf import wrappers_pb2
 from extauthz.core.clock import ManualClock
 from extauthz.proto import auth_pb2, auth_pb2_grpc, ratelimit_common_pb2, rls_pb2, rls_pb2_grpc
 from extauthz.server.app import Server, ServerConfig
+from extauthz.server.rls import MAX_DESCRIPTORS
+from testinfra.redis_servers import RedisSingle
 
 POLICY = """\
 version: 1
@@ -125,7 +127,7 @@ async def test_replaces_unlimited_unknown_and_domain_mismatch(stub) -> None:
     assert codes(unknown) == (OK, [OK, OK]) and codes(mismatch) == (OK, [OK])
     assert door.unknown == before + 3
     assert srv.panel.status()["ratelimit_descriptors"] == door.counts() == {
-        "decided": 4, "replaced": 3, "unknown": 3, "unlimited": 5}
+        "decided": 4, "refused": 0, "replaced": 3, "unknown": 3, "unlimited": 5}
 
 
 async def test_shadow_mode_never_answers_over_limit(stub) -> None:
@@ -161,3 +163,104 @@ async def test_check_and_should_rate_limit_share_one_server_but_not_their_limite
         await rls.ShouldRateLimit(ask("edge", [("remote_address", "10.0.0.9")]), timeout=5)
     assert (await check.Check(req, timeout=5)).status.code == 0
     assert (await check.Check(req, timeout=5)).status.code != 0
+
+
+async def test_a_request_without_a_domain_or_with_too_many_descriptors_is_refused(stub) -> None:
+    rls, _, _, srv = stub
+    ip = [("remote_address", "10.0.0.7")]
+    with pytest.raises(grpc.aio.AioRpcError) as empty:
+        await rls.ShouldRateLimit(ask("", ip), timeout=5)
+    assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "domain must not be empty" in (empty.value.details() or "")
+    many = [[("remote_address", f"10.1.{i // 256}.{i % 256}")] for i in range(MAX_DESCRIPTORS + 1)]
+    with pytest.raises(grpc.aio.AioRpcError) as flood:
+        await rls.ShouldRateLimit(ask("edge", *many), timeout=5)
+    assert flood.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"at most {MAX_DESCRIPTORS}" in (flood.value.details() or "")
+    door = srv.ratelimit.door if srv.ratelimit is not None else None
+    assert door is not None and door.decided == 0 and door.refused == 1 + MAX_DESCRIPTORS + 1
+    # as many as allowed are all decided
+    resp = await rls.ShouldRateLimit(ask("edge", *many[:MAX_DESCRIPTORS]), timeout=5)
+    assert codes(resp) == (OK, [OK] * MAX_DESCRIPTORS) and door.decided == MAX_DESCRIPTORS
+
+
+async def test_a_descriptors_hits_addend_of_zero_checks_without_counting(stub) -> None:
+    # envoyproxy/ratelimit (utils.GetHitsAddends): a descriptor's own hits_addend may be 0,
+    # "check only"; the request's 0 is the default (one hit, here the limiter's cost)
+    rls, _, _, _ = stub
+    ip = [("remote_address", "10.0.0.5")]
+    peeks = [await rls.ShouldRateLimit(ask("edge", ip, each=[0]), timeout=5) for _ in range(3)]
+    assert [codes(p) for p in peeks] == [(OK, [OK])] * 3
+    assert [p.statuses[0].limit_remaining for p in peeks] == [2, 2, 2]
+    counted = [await rls.ShouldRateLimit(ask("edge", ip, hits=0), timeout=5) for _ in range(2)]
+    assert [c.statuses[0].limit_remaining for c in counted] == [1, 0]
+    full = await rls.ShouldRateLimit(ask("edge", ip, each=[0]), timeout=5)
+    assert codes(full) == (OK, [OK]) and full.statuses[0].limit_remaining == 0  # at the limit, not over
+    assert codes(await rls.ShouldRateLimit(ask("edge", ip), timeout=5)) == (OVER, [OVER])
+
+
+async def test_hits_over_the_limit_are_not_counted(stub) -> None:
+    # where extauthz decides differently (docs/migrating.md): the peer adds a refused
+    # request's hits to its counter too, so a smaller request after it is refused as well
+    rls, _, _, _ = stub
+    ip = [("remote_address", "10.0.0.6")]
+    big = await rls.ShouldRateLimit(ask("edge", ip, hits=5), timeout=5)
+    assert codes(big) == (OVER, [OVER]) and big.statuses[0].limit_remaining == 2
+    small = [await rls.ShouldRateLimit(ask("edge", ip), timeout=5) for _ in range(3)]
+    assert [codes(s) for s in small] == [(OK, [OK]), (OK, [OK]), (OVER, [OVER])]
+
+
+@pytest.mark.parametrize("grpc_server", ["grpcio", "asyncio"])
+async def test_each_decided_descriptor_is_counted_on_the_ratelimit_door(grpc_server: str, tmp_path: Path) -> None:
+    policy = tmp_path / "p.yaml"
+    policy.write_text(POLICY)
+    srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0", admin_listen="off",
+                              metrics_listen="127.0.0.1:0", reload_interval=0, identity_salt="s",
+                              grpc_server=grpc_server), clock=ManualClock(1_800_000_000.5))
+    await srv.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}")
+    try:
+        rls = rls_pb2_grpc.RateLimitServiceStub(channel)
+        ip = [("remote_address", "10.0.0.7")]
+        for _ in range(3):  # 2 allowed, 1 over; the unknown descriptor is not decided
+            await rls.ShouldRateLimit(ask("edge", ip, [("user_agent", "x")]), timeout=5)
+        metrics = srv.observe.metrics
+        assert metrics is not None
+
+        def count(door: str, decision: str) -> float | None:
+            return metrics.registry.get_sample_value("extauthz_check_duration_seconds_count",
+                                                     {"door": door, "decision": decision})
+
+        assert (count("ratelimit", "allowed"), count("ratelimit", "rate_limited")) == (2, 1)
+        assert count("grpc", "allowed") == 0
+    finally:
+        await srv.stop(grace=0)
+        await channel.close()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("grpc_server", ["grpcio", "asyncio"])
+async def test_a_stalled_redis_fails_every_descriptor_open_within_the_calls_deadline(
+        grpc_server: str, tmp_path: Path, redis_single_clean: RedisSingle) -> None:
+    policy = tmp_path / "p.yaml"
+    policy.write_text(POLICY)
+    srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0", admin_listen="off",
+                              reload_interval=0, identity_salt="s", grpc_server=grpc_server,
+                              redis_url=redis_single_clean.url, check_budget_ms=100))
+    await srv.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}")
+    try:
+        rls = rls_pb2_grpc.RateLimitServiceStub(channel)
+        many = [[("remote_address", f"10.2.0.{i}")] for i in range(8)]
+        assert codes(await rls.ShouldRateLimit(ask("edge", *many), timeout=5)) == (OK, [OK] * 8)
+        redis_single_clean.pause()
+        try:
+            # each descriptor waits at most what the call has left: eight stalled store calls
+            # of the whole budget each would outlive the 300 ms the filter gives
+            resp = await rls.ShouldRateLimit(ask("edge", *many), timeout=0.3)
+        finally:
+            redis_single_clean.resume()
+        assert codes(resp) == (OK, [OK] * 8)  # failed open (failure_mode: open)
+    finally:
+        await srv.stop(grace=0)
+        await channel.close()

@@ -12,10 +12,11 @@ import yaml
 from extauthz.commands.cli import main
 from extauthz.commands.simulate.traffic import parse_line
 from extauthz.devtools.client import HttpClient
-from extauthz.devtools.envoy_config import config_path, local_render
+from extauthz.devtools.envoy_config import local_render
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.upstream import start_upstream
 from extauthz.policy import load_policy
+from testinfra.envoy_configs import config_path
 
 from ..conftest import ROOT
 

@@ -53,6 +53,7 @@ from extauthz.store.base import (
     QuotaReturnOp,
     ReturnOp,
     ShedParams,
+    SliceOp,
     Store,
 )
 from extauthz.store.keys import Keys
@@ -725,6 +726,75 @@ def test_stores_agree_on_fleet_grants(redis_up: RedisSingle, timeline: tuple[int
     _both(redis_up, body)
 
 
+# --------------------------------------------------------------------------- ledger slices
+
+
+@dataclass(frozen=True)
+class SliceStep:
+    """One step of a quota ledger shared by holders (``SliceOp``): ``take`` (ask ``amount``
+    units), ``renew`` (ask what the holder has), ``give`` (ask 0) or ``advance`` (gap)."""
+
+    what: str
+    holder: int
+    amount: int
+    gap: float
+
+
+@st.composite
+def slice_timelines(draw: st.DrawFn) -> tuple[int, float, list[SliceStep]]:
+    total = draw(st.sampled_from((0, 1, 3, 7, 20)))
+    ttl = draw(st.sampled_from(GRANT_TTLS))
+    steps = draw(st.lists(st.builds(
+        SliceStep, st.sampled_from(("take", "take", "renew", "give", "advance")),
+        st.integers(0, 3), st.integers(0, 9), st.sampled_from((*GAPS, "ttl"))), min_size=1, max_size=30))
+    return total, ttl, [dataclasses.replace(x, gap=ttl if x.gap == "ttl" else x.gap) for x in steps]
+
+
+def _slice_op(key: str, total: int, ttl: float, step: SliceStep, have: int) -> SliceOp:
+    want = {"take": step.amount, "renew": have, "give": 0}[step.what]
+    return SliceOp(key, total, ttl, f"h{step.holder}", want)
+
+
+@pytest.mark.redis
+@DIFFERENTIAL
+@given(timeline=slice_timelines(), lowered=st.integers(0, 3))
+def test_stores_agree_on_ledger_slices(redis_up: RedisSingle, timeline: tuple[int, float, list[SliceStep]],
+                                       lowered: int) -> None:
+    """Slices of one ledger (``SliceOp``) taken, renewed and given back by four holders,
+    some expiring: the same answers from ``check.lua`` and the embedded store, and the live
+    slices never sum past ``total`` (the second half of a timeline runs with ``total``
+    lowered by ``lowered``: the slices taken before it shrink as they are renewed)."""
+    total, ttl, steps = timeline
+
+    async def body(memory: Store, remote: Store, clock: ManualClock, keys: Keys) -> None:
+        assert isinstance(memory, MemoryStore)
+        key = keys.quota_ledger("q", "b0", "fill")
+        have: dict[int, tuple[int, float]] = {}  # holder -> (slice, expires at)
+        log: list[str] = []
+        for n, step in enumerate(steps):
+            if step.what == "advance":
+                clock.advance(step.gap)
+                log.append(f"advance {step.gap!r}")
+                continue
+            now_total = total if n < len(steps) // 2 else max(0, total - lowered)
+            mine, until = have.get(step.holder, (0, 0.0))
+            op = _slice_op(key, now_total, ttl, step, mine if until > clock.now else 0)
+            others = sum(s for h, (s, at) in have.items() if h != step.holder and at > clock.now)
+            results = [await s.check([op], f"x{n}") for s in (memory, remote)]
+            log.append(f"t={clock.now!r} {op} -> {results[0]}")
+            assert results[0] == results[1], "\n".join([*log, repr(results)])
+            res = results[0].results[0]
+            assert res.allowed and results[0].admitted
+            assert res.extra == algorithms.slice_top(others, op), "\n".join(log)
+            have[step.holder] = (int(res.extra), clock.now + ttl)
+            live = memory.slices(key)
+            assert sum(live.values()) == others + res.extra, "\n".join(log)
+            if others <= now_total:  # never past the total by a slice taken under it
+                assert sum(live.values()) <= now_total, "\n".join(log)
+
+    _both(redis_up, body)
+
+
 # --------------------------------------------------------------------------- every op kind
 
 
@@ -747,6 +817,13 @@ def _fleet_ops(drawn: tuple[tuple[int, float, float, list[FleetStep]], bool]) ->
             if step.what not in ("advance", "release")]
 
 
+def _slice_ops(drawn: tuple[int, float, list[SliceStep]]) -> list[Op]:
+    """The ops of a ledger timeline's steps (each holder's slice still empty)."""
+    total, ttl, steps = drawn
+    key = Keys("kinds").quota_ledger("q", "b0", "fill")
+    return [_slice_op(key, total, ttl, step, 0) for step in steps if step.what != "advance"]
+
+
 #: op kind -> the ops this file's timelines send, drawn from the same generators: every kind
 #: of ``extauthz.store.base.OP_KINDS`` needs one that makes it (tests/store/test_op_table.py),
 #: so that a new op kind is compared on both stores here
@@ -755,4 +832,5 @@ GENERATORS: dict[type[Op], st.SearchStrategy[list[Op]]] = {
     ReturnOp: st.tuples(_limiters(0)[GrantOp], GIVE_BACKS).map(_give_back_ops),
     QuotaReturnOp: st.tuples(_limiters(0)[QuotaGrantOp], GIVE_BACKS).map(_give_back_ops),
     FleetGrantOp: st.tuples(fleet_timelines(), st.booleans()).map(_fleet_ops),
+    SliceOp: slice_timelines().map(_slice_ops),
 }

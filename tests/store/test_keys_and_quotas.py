@@ -184,3 +184,26 @@ async def test_a_request_refused_elsewhere_takes_nothing_from_the_quota(store_ca
     assert await allowed(e, req("sk_a", "10.0.0.2"))  # the quota's second request
     _, d = await e.check(req("sk_a", "10.0.0.3"))
     assert d.denied_by is not None and d.denied_by.limiter == "daily"
+
+
+async def test_a_descriptor_with_zero_hits_is_checked_without_counting(store_case: StoreCase,
+                                                                        tmp_path: Path) -> None:
+    # ShouldRateLimit: a descriptor's own hits_addend of 0 checks only (envoyproxy/ratelimit)
+    match = {"domain": "d", "descriptor": [{"key": "user"}]}
+    e = engine(store_case, tmp_path, [
+        {"name": "per-user-day", "type": "quota", "limit": 2, "period": "day", "match": match},
+        {"name": "per-user-rate", "type": "request_rate", "rate": 0.001, "burst": 2,
+         "match": {"domain": "r", "descriptor": [{"key": "user"}]}}])
+
+    async def ask(target: str, hits: int | None) -> tuple[bool, float | None]:
+        raw = RawRequest("", "", descriptor={"user": "u1"}, descriptor_target=target, hits=hits)
+        d = (await e.check(raw))[1]
+        v = next(v for v in d.verdicts if v.limiter == target)
+        return d.allowed, v.remaining
+
+    for target in ("per-user-day", "per-user-rate"):
+        assert [await ask(target, 0) for _ in range(3)] == [(True, 2)] * 3, target
+        assert [(await ask(target, None))[0] for _ in range(2)] == [True, True], target
+        allowed, remaining = await ask(target, 0)
+        assert allowed and remaining is not None and remaining < 1, target  # at the limit, not over
+        assert (await ask(target, None))[0] is False, target

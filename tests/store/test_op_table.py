@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, find, settings
 
 from extauthz.core.clock import ManualClock
-from extauthz.store import algorithms
+from extauthz.store import algorithms, base
 from extauthz.store.algorithms import RULES
 from extauthz.store.base import OP_KINDS, Op
 from extauthz.store.memory import MemoryStore
@@ -105,3 +105,18 @@ def test_the_memory_store_reads_and_writes_every_state() -> None:
     states = set(typing.get_args(algorithms.State))
     assert set(store._read) == states
     assert set(store._write) == states
+
+
+def test_give_backs_ride_and_the_grant_book_counts_what_each_op_gives_back() -> None:
+    """A call of give-backs only rides with the next check (the Redis store); a renewal (a
+    grant of cost 0 that brings its remainder back) takes from the store, so it does not."""
+    back = base.ReturnOp("k", 1.0, 10.0, 3.5)
+    quota_back = base.QuotaReturnOp("q", 2)
+    renewal = base.GrantOp("k", 1.0, 10.0, 0.0, 4.0, False, 1.5)
+    quota_grant = base.QuotaGrantOp("q", 100, 1, 10, 60, 30.0, True, 3)
+    assert algorithms.rides([back, quota_back]) and algorithms.rides([])
+    assert not algorithms.rides([back, renewal])
+    assert not algorithms.rides([base.BucketOp("b", 1.0, 10.0, 1.0)])
+    assert [algorithms.given_back(op) for op in (back, quota_back, renewal, quota_grant)] == [3.5, 2.0, 1.5, 3.0]
+    assert algorithms.given_back(base.CountOp("c", 10, 1, 60, 30.0)) == 0.0
+    assert {kind for kind, rule in RULES.items() if rule.rides} == {base.ReturnOp, base.QuotaReturnOp}

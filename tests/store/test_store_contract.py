@@ -14,8 +14,7 @@ from typing import Any
 
 import pytest
 
-from extauthz.control.overrides import change_stored, make_override, parse_overrides, with_override
-from extauthz.control.switches import change_stored as change_switches
+from extauthz.control.overrides import make_override, parse_overrides, with_override
 from extauthz.control.switches import parse_switches
 from extauthz.core.verdict import Mode
 from extauthz.store import algorithms
@@ -33,7 +32,7 @@ from extauthz.store.base import (
 )
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
-from testinfra.probes import key_count
+from testinfra.probes import change_overrides, change_switches, key_count
 from tests.store.conftest import StoreCase, key_expiry_times, key_ttls, redis_time_ms
 
 K = Keys("t")
@@ -330,11 +329,11 @@ async def test_two_operators_changing_the_overrides_at_once_lose_nothing(store_c
                              ttl: float | None = None) -> bool:
             if not self.raced:
                 self.raced = True
-                await change_stored(self.inner, K, lambda e: with_override(e, b, now), now)
+                await change_overrides(self.inner, K, lambda e: with_override(e, b, now), now)
             return await self.inner.swap_value(key, expected, value, ttl)
 
     racing = BRacesA(store_case.store)
-    result = await change_stored(racing, K, lambda e: with_override(e, a, now), now)  # type: ignore[arg-type]
+    result = await change_overrides(racing, K, lambda e: with_override(e, a, now), now)  # type: ignore[arg-type]
     assert racing.raced and result == [a, b]
     assert parse_overrides(await store_case.store.get_value(K.overrides)) == [a, b]
     assert await store_case.store.get_value(K.overrides_version) is not None

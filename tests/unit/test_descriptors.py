@@ -164,3 +164,103 @@ async def test_a_limiter_with_match_counts_only_the_descriptors_that_reach_it(tm
     assert await descriptor("other", remote_address="10.0.0.1") == (True, [])  # domain mismatch
     clock.advance(1.0)  # the next second: a new window
     assert await descriptor("edge", remote_address="10.0.0.1") == (True, ["per-ip"])
+
+
+def shedder(domain: str, *entries: dict[str, str]) -> dict[str, Any]:
+    return {"name": "workers", "type": "worker_utilization", "signal": {"source": "redis"},
+            "match": {"domain": domain, "descriptor": list(entries)}}
+
+
+@pytest.mark.parametrize(("classification", "entries", "tier"), [
+    ({}, {"tier": "critical"}, "critical"),
+    ({}, {"tier": "GET "}, "get"),
+    ({}, {"tier": "nonsense"}, "post"),  # an unknown tier is never trusted (counted)
+    ({}, {"api_key": "k"}, "post"),  # no tier entry: post, as before
+    ({"descriptor_key": "class"}, {"class": "test"}, "test"),
+    ({"descriptor_key": "class"}, {"tier": "critical"}, "post"),
+])
+def test_a_descriptor_names_its_tier_in_the_entry_the_policy_says(
+        tmp_path: Path, classification: dict[str, str], entries: dict[str, str], tier: str) -> None:
+    p = policy_from(tmp_path, {"classification": classification, "limiters": [quota("q", "edge", {"key": "a"})]})
+    ctx = Classifier(p, salt=b"salt").context(RawRequest("", "", descriptor=entries, descriptor_target="q"))
+    assert (ctx.tier.value, ctx.tier_source) == (tier, "descriptor" if tier != "post" else "default")
+
+
+async def test_worker_utilization_sheds_descriptors_by_their_tier_never_critical(tmp_path: Path) -> None:
+    p = policy_from(tmp_path, {"limiters": [
+        shedder("edge", {"key": "tier"}),
+        {"name": "per-user", "type": "request_rate", "rate": 100, "burst": 100},
+    ]})
+    assert p.key_index == {}  # fleet-wide: no key of its own
+    engine, _ = engine_for(p, ManualClock(1_800_000_000.0))
+    c = Classifier(p, salt=b"salt")
+    (worker,) = engine.snapshot.workers
+    worker.set_level(1.0)  # shed everything sheddable
+
+    async def shed(**entries: str) -> tuple[bool, list[str]]:
+        target = p.descriptors.lookup("edge", entries_of(entries))
+        assert target is not None and target.name == "workers"
+        d = await engine.decide(c.context(RawRequest("", "", descriptor=entries, descriptor_target=target.name)))
+        return d.allowed, [v.limiter for v in d.verdicts]
+
+    assert await shed(tier="critical") == (True, ["workers"])
+    for tier in ("post", "get", "test"):
+        assert await shed(tier=tier) == (False, ["workers"])
+    # a checked request: the shedder with match does not apply to it
+    d = await engine.decide(c.context(RawRequest("POST", "/x", headers={"x-api-key": "k"})))
+    assert d.allowed and [v.limiter for v in d.verdicts] == ["per-user"]
+    worker.set_level(0.0)
+    assert await shed(tier="post") == (True, ["workers"])
+
+
+@pytest.mark.parametrize("spec", [
+    {**shedder("edge", {"key": "tier"}), "applies_to": {"tiers": ["get"]}},
+    {"name": "fleet", "type": "fleet_usage", "capacity": 10, "applies_to": {"tiers": ["get"]},
+     "match": {"domain": "e", "descriptor": [{"key": "tier"}]}},
+])
+def test_fleet_wide_limiters_with_match_take_no_applies_to(tmp_path: Path, spec: dict[str, Any]) -> None:
+    with pytest.raises(Exception, match="'applies_to' does not apply with 'match'"):
+        policy_from(tmp_path, {"limiters": [spec]})
+
+
+async def test_a_huge_hits_addend_is_over_the_largest_limit(tmp_path: Path) -> None:
+    from google.protobuf import wrappers_pb2
+
+    from extauthz.policy.schema import MAX_COUNT
+    from extauthz.proto import ratelimit_common_pb2, rls_pb2
+    from extauthz.server.rls import hits_of
+
+    p = policy_from(tmp_path, {"limiters": [
+        {**quota("big", "edge", {"key": "k"}), "limit": MAX_COUNT, "period": "year"},
+        {"name": "big-rate", "type": "request_rate", "rate": 1000, "burst": MAX_COUNT,
+         "match": {"domain": "rate", "descriptor": [{"key": "k"}]}}]})
+    engine, _ = engine_for(p, ManualClock(1_800_000_000.0))
+    c = Classifier(p, salt=b"salt")
+    d = ratelimit_common_pb2.RateLimitDescriptor(hits_addend=wrappers_pb2.UInt64Value(value=2**64 - 1))
+    for request, descriptor in ((rls_pb2.RateLimitRequest(hits_addend=2**32 - 1), d.__class__()),
+                                (rls_pb2.RateLimitRequest(), d)):
+        hits = hits_of(request, descriptor)
+        assert hits is not None and hits > MAX_COUNT
+        for target in ("big", "big-rate"):
+            raw = RawRequest("", "", descriptor={"k": "v"}, descriptor_target=target, hits=hits)
+            assert not (await engine.decide(c.context(raw))).allowed, (target, hits)
+    assert hits_of(rls_pb2.RateLimitRequest(hits_addend=3), d.__class__()) == 3
+
+
+def test_a_descriptors_values_are_not_in_its_repr() -> None:
+    from extauthz.server.rls import DescriptorCall
+
+    call = DescriptorCall({"api_key": "sk_live_secret"}, "per-key", None)
+    assert "sk_live_secret" not in repr(call)
+    assert "sk_live_secret" not in repr(RawRequest("", "", descriptor=call.entries, descriptor_target="per-key"))
+
+
+def test_a_key_holding_the_tables_separator_reaches_no_value_of_its_own(tmp_path: Path) -> None:
+    # the table files key "path" with value "/admin" under "path\0/admin": a request entry whose
+    # key is that string (any value) must not reach it by the key's default
+    p = policy_from(tmp_path, {"limiters": [
+        quota("admin", "d", {"key": "path", "value": "/admin"}),
+        quota("admin-prefix", "e", {"key": "path", "value": "/admin*"})]})
+    assert p.descriptors.lookup("d", (("path\0/admin", "x"),)) is None
+    assert p.descriptors.lookup("e", (("path\0/admin", "x"),)) is None
+    assert p.descriptors.lookup("d", (("path", "/admin"),)) is not None

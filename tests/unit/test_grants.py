@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from extauthz.core.clock import ManualClock
 from extauthz.engine.engine import Engine
 from extauthz.engine.storegate import StoreGate
@@ -62,3 +64,20 @@ async def test_a_reload_adopts_the_new_limiters_and_retires_the_old_tables(tmp_p
     assert engine.grants.status()["rate"]["held"] == 0
     await old.drain()  # type: ignore[attr-defined]
     assert old.status()["returned"] == 4.0  # the grant of 5, less the request's 1, reached the store
+
+
+async def test_a_gate_serves_one_engine(tmp_path: Path) -> None:
+    """A second engine on a gate would adopt its limiters into the same grant book, which
+    retires the first engine's tables under it (their grants given back while it spends
+    them): refused with a clear error instead, the first engine untouched."""
+    clock = ManualClock(1000.0)
+    gate = StoreGate(MemoryStore(clock), clock=clock)
+    policy = policy_from(tmp_path, {"limiters": BATCHED[:1]})
+    engine = Engine(gate, policy)
+    assert (await engine.check(get()))[1].allowed
+    table = engine.snapshot.limiters[0].grants
+    assert table is not None and table.status()["held"] == 4.0
+    with pytest.raises(ValueError, match="StoreGate per engine"):
+        Engine(gate, policy)
+    assert table.status()["held"] == 4.0  # not retired
+    assert engine.grants.limiters == engine.snapshot.limiters

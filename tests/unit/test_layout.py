@@ -18,6 +18,7 @@ its imports still count for circles."""
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Collection, Iterator
 from pathlib import Path
 
@@ -306,3 +307,70 @@ def test_a_submodule_import_is_not_an_import_of_its_package(tmp_path: Path) -> N
 ])
 def test_a_module_is_in_the_layer_of_its_longest_prefix(module: str, layer: str) -> None:
     assert LAYERS[layer_of(module)][0] == layer
+
+
+# -- the module map and the paths the docs name ---------------------------------------------
+
+#: the Markdown files whose relative links and ``extauthz/...`` paths must exist
+DOCS = ("README.md", "envoy/README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")))
+#: paths the docs write on purpose that are no file: design.md's old flat name beside its new one
+NO_FILE = {"extauthz/engine.py"}
+
+
+def unmapped_modules(design: str, package: Path) -> list[str]:
+    """The modules of ``package`` that docs/design.md's module map (the code block after
+    "Layers") does not name in their package's entry (generated protobuf modules aside)."""
+    block = design[design.index("```\ncore/"):]
+    block = block[:block.index("```", 4)]
+    entries: dict[str, str] = {}
+    current = ""
+    for line in block.splitlines()[1:]:
+        head = line.split(" ", 1)[0]
+        if head.endswith("/") and not line.startswith(" "):
+            current = head.rstrip("/")
+        entries[current] = entries.get(current, "") + " " + line
+    missing = []
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package).parts
+        if len(parts) < 2 or path.stem == "__init__" or parts[0] == "proto":
+            continue
+        words = set(re.findall(r"\w+", entries.get(parts[0], "")))
+        if path.stem not in words:
+            missing.append(path.relative_to(package.parent).as_posix())
+    return missing
+
+
+def missing_paths(root: Path, docs: Collection[str]) -> list[str]:
+    """``doc: target`` for every relative Markdown link and every ``extauthz/...`` path (.py,
+    .lua) that names no file (placeholders in capitals and :data:`NO_FILE` aside)."""
+    missing = []
+    for doc in docs:
+        path = root / doc
+        text = path.read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)", text):
+            if not (path.parent / target).exists():
+                missing.append(f"{doc}: {target}")
+        for named in set(re.findall(r"extauthz/[\w/]+\.(?:py|lua)", text)) - NO_FILE:
+            if not re.search(r"/[A-Z]+\.", named) and not (root / named).exists():
+                missing.append(f"{doc}: {named}")
+    return sorted(missing)
+
+
+def test_the_module_map_names_every_module() -> None:
+    assert unmapped_modules((ROOT / "docs" / "design.md").read_text(), ROOT / "extauthz") == []
+
+
+def test_every_path_the_docs_name_exists() -> None:
+    assert missing_paths(ROOT, DOCS) == []
+
+
+def test_the_map_and_path_checks_find_what_they_look_for(tmp_path: Path) -> None:
+    package = tmp_path / "extauthz"
+    (package / "core").mkdir(parents=True)
+    (package / "core" / "clock.py").write_text("")
+    (package / "core" / "tiers.py").write_text("")
+    assert unmapped_modules("```\ncore/  clock (the clock), other\n```\n", package) == ["extauthz/core/tiers.py"]
+    (tmp_path / "a.md").write_text("[x](extauthz/core/clock.py) [y](extauthz/gone.py) `extauthz/old.py` "
+                                   "`extauthz/core/X.py` [z](https://e.org/a.py)")
+    assert missing_paths(tmp_path, ["a.md"]) == ["a.md: extauthz/gone.py", "a.md: extauthz/gone.py",
+                                                 "a.md: extauthz/old.py"]

@@ -27,10 +27,11 @@ from extauthz.control.switches import Switches
 from extauthz.core.clock import ManualClock
 from extauthz.core.verdict import Mode
 from extauthz.engine.answers import denial, ratelimit_headers
-from extauthz.engine.state import Panel, engine_parts
+from extauthz.engine.state import Panel
 from extauthz.observe.metrics import Metrics
 from extauthz.policy import load_policy
 from extauthz.policy.classify import hash_identity
+from testinfra.probes import engine_parts
 
 from ..conftest import ROOT
 from .helpers import engine_for, get, policy_from

@@ -24,9 +24,11 @@ from extauthz.engine.quota_service import (
 )
 from extauthz.limiters import build_limiters
 from extauthz.policy import load_policy
+from extauthz.policy.classify import valid_hash
 from extauthz.store.keys import Keys
 
 BUCKET = {"limiter": "per-ip", "ip": "10.0.0.1"}
+BUCKET_KEY = tuple(sorted(BUCKET.items()))
 
 
 def test_divide_follows_demand_in_whole_tokens() -> None:
@@ -160,7 +162,54 @@ def test_idle_bucket_abandoned_and_its_share_freed() -> None:
     clock.advance(5)
     out = book.report(a, "", [Usage(BUCKET, 5, 0, 0)])
     assert _shares(out[a.id]) == {tuple(sorted(BUCKET.items())): None}  # abandoned
-    assert not book.holders and not a.buckets
+    # a's Envoy enforces its last assignment until the abandon reaches it: held until the TTL
+    assert _ledger(book) == Share(10, 10)
+    clock.advance(book.ttl)
+    book.report(book.open("b"), "edge", [])
+    assert not a.buckets and BUCKET_KEY not in book.holders
+
+
+def test_an_abandoned_share_is_held_until_envoy_surely_dropped_it() -> None:
+    # a goes idle and is abandoned while b is busy: b does not grow into a's last share at
+    # once (a's Envoy keeps enforcing it until the abandon reaches it, or its TTL passes)
+    clock = ManualClock()
+    book = _book(clock, rate=100, burst=100)
+    a, b = book.open("a"), book.open("b")
+    book.report(a, "edge", [Usage(BUCKET, 0, 0, 0)])
+    book.report(b, "edge", [Usage(BUCKET, 0, 0, 0)])
+    last_a = NOTHING
+    for _ in range(6):
+        clock.advance(5)
+        out = book.report(a, "", [Usage(BUCKET, 5, 0, 0)])
+        if a.id in out and out[a.id][0].share is not None:
+            last_a = out[a.id][0].share
+        book.report(b, "", [Usage(BUCKET, 5, 500, 200)])
+    assert a.buckets[BUCKET_KEY].abandoned and last_a.fill > 0 and last_a.burst > 0
+    clock.advance(1)
+    out = book.report(b, "", [Usage(BUCKET, 1, 100, 40)])
+    share_b = b.buckets[BUCKET_KEY].share
+    assert share_b.fill + last_a.fill <= 100 and share_b.burst + last_a.burst <= 100
+    for _ in range(4):  # after the TTL a's hold is gone: b takes the whole limit
+        clock.advance(5)
+        book.report(b, "", [Usage(BUCKET, 5, 500, 200)])
+    assert b.buckets[BUCKET_KEY].share == Share(100, 100) and BUCKET_KEY not in a.buckets
+
+
+def test_an_abandoned_bucket_reported_again_is_served_again() -> None:
+    clock = ManualClock()
+    book = _book(clock)
+    a = book.open("a")
+    book.report(a, "edge", [Usage(BUCKET, 0, 0, 0)])
+    for _ in range(6):
+        clock.advance(5)
+        out = book.report(a, "", [Usage(BUCKET, 5, 0, 0)])
+    assert out[a.id][0].share is None and a.buckets[BUCKET_KEY].abandoned
+    clock.advance(1)  # a new request: Envoy reports the bucket anew
+    out = book.report(a, "", [Usage(BUCKET, 0, 0, 1)])
+    assert out[a.id][0].share == Share(10, 10) and not a.buckets[BUCKET_KEY].abandoned
+    clock.advance(book.ttl)
+    book.report(a, "", [Usage(BUCKET, 5, 3, 0)])
+    assert BUCKET_KEY in a.buckets and book.holders[BUCKET_KEY] == {a.id}
 
 
 def test_a_closed_stream_gives_its_shares_back_after_the_ttl() -> None:
@@ -175,8 +224,15 @@ def test_a_closed_stream_gives_its_shares_back_after_the_ttl() -> None:
     assert book.status()["streams"][0]["closed"] is True  # type: ignore[index]
     clock.advance(book.ttl)
     out = book.report(b, "", [Usage(BUCKET, 15, 0, 3)])
-    assert out[b.id][0].share == Share(10, 10)
+    # a's 10 tokens go back, but a's Envoy may have spent them: they cool while the unheld
+    # fill (10 a second) refills them, 1 s, before b's new bucket starts full
+    assert out[b.id][0].share == NOTHING and book.cooling[BUCKET_KEY][0] == 10
     assert list(book.streams) == [b.id]
+    clock.advance(0.9)
+    assert book.report(b, "", [Usage(BUCKET, 0, 0, 3)])[b.id][0].share == NOTHING
+    clock.advance(0.1)
+    assert book.report(b, "", [Usage(BUCKET, 1, 0, 3)])[b.id][0].share == Share(10, 10)
+    assert book.cooling[BUCKET_KEY][0] == 0
 
 
 def test_unknown_limiter_is_denied_never_allowed() -> None:
@@ -203,6 +259,60 @@ def test_bounds() -> None:
     assert book.refused == {"streams": 1, "buckets": 1}
 
 
+def test_a_reload_changing_only_the_interval_renews_the_bucket() -> None:
+    # 1/s burst 2 -> 0.5/s burst 2: the same share (1 token, up to 2) every 2 s instead of
+    # every 1 s. Envoy 1.40 ignores a change of fill_interval alone: the bucket is denied
+    # (DENY_ALL) and granted anew, never left filling at the old interval
+    clock = ManualClock()
+    limits = {"per-ip": QuotaLimit(1, 2)}
+    book = QuotaBook(lambda: limits, clock=clock)
+    a = book.open("a")
+    (act,) = book.report(a, "edge", [Usage(BUCKET, 0, 0, 0)])[a.id]
+    assert (act.share, act.interval) == (Share(1, 2), 1)
+    limits["per-ip"] = QuotaLimit(0.5, 2)
+    clock.advance(5)
+    (act,) = book.report(a, "", [Usage(BUCKET, 5, 3, 0)])[a.id]
+    assert act.share == NOTHING
+    granted = None
+    for _ in range(4):
+        clock.advance(5)
+        (act,) = book.report(a, "", [Usage(BUCKET, 5, 0, 3)])[a.id]
+        if act.share != NOTHING:
+            granted = act
+            break
+    assert granted is not None and (granted.share, granted.interval) == (Share(1, 2), 2)
+
+
+def test_a_refused_report_changes_nothing() -> None:
+    # b's report subscribes BUCKET (a's share would shrink) then passes b's bound: refused
+    # whole, so a's shrink is never counted without being sent
+    clock = ManualClock()
+    limits = {"per-ip": QuotaLimit(10, 10)}
+    book = QuotaBook(lambda: limits, clock=clock, max_buckets=2)
+    a, b = book.open("a"), book.open("b")
+    book.report(a, "edge", [Usage(BUCKET, 0, 0, 0)])
+    with pytest.raises(QuotaError, match="at most 2 buckets"):
+        book.report(b, "edge", [Usage(BUCKET, 0, 0, 0)] + [Usage({"limiter": str(i)}, 0, 0, 0) for i in range(2)])
+    held = a.buckets[BUCKET_KEY]
+    assert held.share == held.ledger == Share(10, 10) and not held.until
+    assert not b.buckets and book.holders[BUCKET_KEY] == {a.id}
+
+
+def test_holds_in_all_streams_are_bounded() -> None:
+    clock = ManualClock()
+    book = QuotaBook(lambda: {}, clock=clock, max_holds=3)
+    a, b = book.open("a"), book.open("b")
+    book.report(a, "edge", [Usage({"limiter": str(i)}, 0, 0, 0) for i in range(2)])
+    with pytest.raises(QuotaError, match="3 buckets are held by all streams"):
+        book.report(b, "edge", [Usage({"limiter": str(i)}, 0, 0, 0) for i in range(2, 4)])
+    book.report(b, "edge", [Usage({"limiter": "0"}, 0, 0, 0)])  # the third hold
+    assert book.holds == 3 and book.refused == {"buckets": 1}
+    book.close(a)
+    clock.advance(book.ttl)
+    book.report(b, "", [])
+    assert book.holds == 1
+
+
 def test_enforce_envoy_limiters_are_served_here_and_skipped_by_the_check(tmp_path: Path) -> None:
     policy_file = tmp_path / "p.yaml"
     policy_file.write_text("version: 1\nlimiters:\n"
@@ -218,7 +328,19 @@ def test_status_never_shows_a_header_value() -> None:
     bucket = (("header:x-api-key", "sk_live_secret"), ("limiter", "key-rate"), ("source_ip", "10.0.0.1"))
     out = shown(bucket)
     assert out["limiter"] == "key-rate" and out["source_ip"] == "10.0.0.1"
-    assert out["header:x-api-key"].startswith("sha256:") and "sk_live_secret" not in str(out)
+    assert valid_hash(out["header:x-api-key"]) and "sk_live_secret" not in str(out)
+    # keyed with the identity salt, as identities are: another salt, another hash
+    assert shown(bucket, b"salt")["header:x-api-key"] != out["header:x-api-key"]
+
+
+def test_status_shows_only_the_generators_entries_raw() -> None:
+    # a hand-written Envoy config may name its entries as it likes: only the limiter, the
+    # client address and the method are shown as they are
+    bucket = (("api_key", "sk_live_secret"), ("limiter", "key-rate"), ("method", "GET"), ("tenant", "acme"))
+    out = shown(bucket)
+    assert out["limiter"] == "key-rate" and out["method"] == "GET"
+    assert valid_hash(out["api_key"]) and valid_hash(out["tenant"])
+    assert "sk_live_secret" not in str(out) and "acme" not in str(out)
 
 
 def test_reported_numbers_are_bounded() -> None:
@@ -238,4 +360,21 @@ def test_one_stream_alone_gets_what_divide_gives_it() -> None:
     for _ in range(200):
         limit = Share(rnd.randint(0, 30), rnd.randint(0, 30))
         held = Share(rnd.randint(0, 40), rnd.randint(0, 40))
-        assert divide(limit, {"a": rnd.random() * 10}, {"a": held}) == {"a": limit}
+        alone = limit if limit.fill and limit.burst else NOTHING  # Envoy's token bucket needs both
+        assert divide(limit, {"a": rnd.random() * 10}, {"a": held}) == {"a": alone}
+
+
+def test_cooling_of_a_bucket_no_stream_holds_ends_and_is_forgotten() -> None:
+    clock = ManualClock(1e9)  # a large monotonic clock: float rests must not loop the sweep
+    book = _book(clock, rate=3, burst=7)
+    a = book.open("a")
+    book.report(a, "edge", [Usage(BUCKET, 0, 0, 0)])
+    book.close(a)
+    clock.advance(book.ttl)
+    b = book.open("b")  # a's hold goes: its 7 tokens cool at the 3 a second no hold has
+    assert book.cooling[BUCKET_KEY][0] == 7 and not book.holders
+    clock.advance(7 / 3 + 1e-7)
+    book.open("c")
+    assert BUCKET_KEY not in book.cooling and not book._cooled
+    (act,) = book.report(b, "edge", [Usage(BUCKET, 0, 0, 1)])[b.id]
+    assert act.share == Share(3, 7)  # nothing cools: a new bucket gets the whole limit

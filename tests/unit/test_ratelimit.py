@@ -77,3 +77,48 @@ def test_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert main(["envoy-config", "--policies", str(f), "--protocol", "grpc", "--upstream", "127.0.0.1:8080",
                  "--domain", "edge"]) == 2
     assert "are for --protocol ratelimit" in capsys.readouterr().err
+
+
+def test_the_tier_entry_by_a_generic_key_or_the_routes_metadata(tmp_path: Path) -> None:
+    def shedder(*entries: dict[str, str]) -> dict[str, Any]:
+        return {"name": "workers", "type": "worker_utilization", "signal": {"source": "redis"},
+                "match": {"domain": "edge", "descriptor": list(entries)}}
+
+    p = policy_from(tmp_path, {"classification": {"route_metadata": {"namespace": "acme", "path": ["rl", "tier"]}},
+                               "limiters": [shedder({"key": "tier"})]})
+    assert rate_limits(p, "edge", {}) == [{"actions": [{"metadata": {
+        "descriptor_key": "tier", "source": "ROUTE_ENTRY", "default_value": "post",
+        "metadata_key": {"key": "acme", "path": [{"key": "rl"}, {"key": "tier"}]}}}]}]
+    p = policy_from(tmp_path, {"classification": {"descriptor_key": "class"},
+                               "limiters": [shedder({"key": "class", "value": "critical"}, {"key": "api_key"})]})
+    assert rate_limits(p, "edge", {}) == [{"actions": [
+        {"generic_key": {"descriptor_key": "class", "descriptor_value": "critical"}},
+        {"request_headers": {"header_name": "api-key", "descriptor_key": "api_key"}}]}]
+    p = policy_from(tmp_path, {"limiters": [shedder({"key": "tier", "value": "urgent"})]})
+    with pytest.raises(ValueError, match="the tier entry 'tier: urgent' names no tier"):
+        rate_limits(p, "edge", {})
+    p = policy_from(tmp_path, {"classification": {"route_metadata": {"namespace": "acme", "path": ["tiers", 0]}},
+                               "limiters": [shedder({"key": "tier"})]})
+    with pytest.raises(ValueError, match="a rate limit metadata action follows keys only"):
+        rate_limits(p, "edge", {})
+
+
+@pytest.mark.parametrize(("spec", "logged"), [
+    ({"type": "concurrent_requests", "limit": 2}, True),
+    ({"type": "fleet_usage", "capacity": 10}, True),
+    ({"type": "worker_utilization", "signal": {"source": "inflight", "capacity": 4}}, True),  # count-only leases
+    ({"type": "worker_utilization", "signal": {"source": "redis"}}, False),
+    ({"type": "quota", "limit": 5, "period": "minute"}, False),
+])
+def test_the_access_log_that_releases_leases_only_where_a_limiter_takes_them(
+        tmp_path: Path, spec: dict[str, Any], logged: bool) -> None:
+    p = policy_from(tmp_path, {"limiters": [
+        {"name": "l", **spec, "match": {"domain": "edge", "descriptor": [{"key": "tier"}]}},
+        # a Check limiter that takes leases does not count: the ratelimit filter never reaches it
+        {"name": "checked", "type": "concurrent_requests", "limit": 1}]})
+    hcm = bootstrap(p, upstream=("127.0.0.1", 8080))["static_resources"]["listeners"][0]["filter_chains"][0][
+        "filters"][0]["typed_config"]
+    logs = hcm.get("access_log", [])
+    assert [log["name"] for log in logs] == (["envoy.access_loggers.http_grpc"] if logged else [])
+    if logged:
+        assert logs[0]["typed_config"]["common_config"]["grpc_service"] == {"envoy_grpc": {"cluster_name": "extauthz"}}

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from extauthz.commands.cli import main
-from extauthz.commands.ratelimit_config import ConvertError, convert_paths
+from extauthz.commands.ratelimit_config import ConvertError, convert, convert_paths
 from extauthz.core.clock import ManualClock
 from extauthz.core.context import RawRequest
 from extauthz.policy import load_policy
@@ -145,3 +145,57 @@ def test_what_cannot_be_converted_is_refused_with_file_and_line(
     assert main(["import", "ratelimit-config", str(path)]) == 1
     err = capsys.readouterr().err.strip()
     assert err == f"error: {path.parent}/{expected}"
+
+
+def test_replaces_drops_every_limit_of_that_name(tmp_path: Path) -> None:
+    # the peer's names need not be unique: its replaces drops every limit so named
+    text = """\
+domain: d
+descriptors:
+  - key: a
+    rate_limit: {unit: second, requests_per_unit: 1, name: shared}
+  - key: b
+    rate_limit: {unit: second, requests_per_unit: 1, name: shared}
+  - key: c
+    rate_limit: {unit: second, requests_per_unit: 9, replaces: [{name: shared}]}
+"""
+    (conv,) = convert([("d.yaml", text)])
+    by_shape = {lim["match"]["descriptor"][0]["key"]: lim for lim in conv.limiters}
+    assert sorted(by_shape["c"]["replaces"]) == sorted([by_shape["a"]["name"], by_shape["b"]["name"]])
+    (tmp_path / "d.yaml").write_text(conv.text())
+    found = load_policy([tmp_path]).descriptors.resolve("d", [entries_of({"a": "1"}), entries_of({"b": "1"}),
+                                                               entries_of({"c": "1"})])
+    assert [t.name if t is not None else None for t in found] == [None, None, by_shape["c"]["name"]]
+
+
+def test_value_to_metric_is_accepted_with_a_warning() -> None:
+    text = "domain: d\ndescriptors:\n  - key: a\n    value_to_metric: true\n    rate_limit: {unit: second, " \
+           "requests_per_unit: 1}\n"
+    (conv,) = convert([("d.yaml", text)])
+    assert len(conv.limiters) == 1
+    assert conv.warnings == ["d.yaml:4: value_to_metric: metrics only, not converted (the decisions are the same)"]
+
+
+def test_a_value_with_an_empty_descriptors_list_keeps_its_node(tmp_path: Path) -> None:
+    # the peer finds a_x (no limit, no children) and applies no limit; it never falls back to a's
+    text = """\
+domain: d
+descriptors:
+  - key: a
+    value: x
+    descriptors: []
+  - key: a
+    rate_limit: {unit: second, requests_per_unit: 1}
+"""
+    (conv,) = convert([("d.yaml", text)])
+    (tmp_path / "d.yaml").write_text(conv.text())
+    found = load_policy([tmp_path]).descriptors.resolve("d", [entries_of({"a": "x"}), entries_of({"a": "y"})])
+    assert [(t.name, t.unlimited) if t is not None else None for t in found] == [
+        ("", True), (conv.limiters[0]["name"], False)]
+
+
+def test_a_limit_past_the_largest_count_is_warned_about(tmp_path: Path) -> None:
+    text = "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: year, requests_per_unit: 4294967295}\n"
+    (conv,) = convert([("d.yaml", text)])
+    assert conv.limiters[0]["limit"] == 1_000_000_000
+    assert "d.yaml:4: requests_per_unit 4294967295: at most 1000000000 here" in conv.warnings[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ import yaml
 
 from extauthz.commands.cli import build_parser
 from extauthz.core import settings
-from extauthz.core.settings import Settings, default_text, off, options
+from extauthz.core.settings import Settings, default_text, off, options, worker_env, worker_handover
 
 from ..conftest import ROOT
 
@@ -120,8 +121,8 @@ def test_the_command_line_refuses_what_settings_refuse(capsys: pytest.CaptureFix
 
 
 def test_every_extauthz_variable_is_read_in_settings() -> None:
-    """A name a read uses (a whole string ``EXTAUTHZ_*``) is in the settings module only, but
-    server/workers.py's two: the parent's hand-over of the one Settings to its workers."""
+    """A name a read uses (a whole string ``EXTAUTHZ_*``) is in the settings module only, the
+    workers' hand-over (server/workers.py) included."""
     where: dict[str, set[str]] = {}
     for path in sorted((ROOT / "extauthz").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -130,9 +131,9 @@ def test_every_extauthz_variable_is_read_in_settings() -> None:
                 where.setdefault(node.value, set()).add(path.relative_to(ROOT / "extauthz").as_posix())
     outside = {name: sorted(files) for name, files in where.items()
                if any(not f.endswith("settings.py") for f in files)}
-    assert outside == {"EXTAUTHZ_WORKER_CONFIG": ["server/workers.py"],
-                       "EXTAUTHZ_WORKER_READY_FD": ["server/workers.py"]}
-    assert {"EXTAUTHZ_EVENT_LOOP", "EXTAUTHZ_ADMIN_URL"} <= set(where)
+    assert outside == {}
+    assert {"EXTAUTHZ_EVENT_LOOP", "EXTAUTHZ_ADMIN_URL", "EXTAUTHZ_WORKER_CONFIG",
+            "EXTAUTHZ_WORKER_READY_FD"} <= set(where)
 
 
 def test_off_is_parsed_once() -> None:
@@ -144,10 +145,18 @@ def test_the_workers_receive_the_one_settings_object() -> None:
     from extauthz.server import workers
 
     source = Path(workers.__file__).read_text()
-    assert set(re.findall(r"EXTAUTHZ_[A-Z_]+", source)) == {"EXTAUTHZ_WORKER_CONFIG", "EXTAUTHZ_WORKER_READY_FD"}
+    assert set(re.findall(r"EXTAUTHZ_[A-Z_]+", source)) == set()
     config = Settings(log_level="debug", log_format="text", workers=2, worker_ports=True, redis_url="redis://x")
     child = workers.child_config(config, 1, own_ports=True, workers=2)
     assert (child.log_level, child.log_format) == ("debug", "text")
+    # handed over as one Settings (checked again on arrival) and the ready pipe
+    received, fd = worker_handover(worker_env(child, 7))
+    assert (received, fd) == (child, 7)
+    bad = worker_env(child, 7) | {"EXTAUTHZ_WORKER_CONFIG": json.dumps({"workers": 0})}
+    with pytest.raises(ValueError, match="workers"):
+        worker_handover(bad)
+    with pytest.raises(ValueError, match="not started as a worker of extauthz serve --workers"):
+        worker_handover({})
 
 
 # -- the docs, the README and the chart ----------------------------------------------------

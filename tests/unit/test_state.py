@@ -15,9 +15,10 @@ from extauthz.core.clock import ManualClock
 from extauthz.core.errors import StoreUnavailable
 from extauthz.core.verdict import Mode
 from extauthz.engine.engine import Engine
-from extauthz.engine.state import Panel, by_label_part, count_part, engine_parts
+from extauthz.engine.state import Panel, by_label_part, count_part
 from extauthz.engine.storegate import StoreGate
 from extauthz.store.memory import MemoryStore
+from testinfra.probes import engine_parts
 
 from .helpers import FaultyStore, get, policy_from
 

@@ -33,7 +33,7 @@ from redis.asyncio.sentinel import Sentinel
 from ...core.errors import StoreError, StoreUnavailable
 from ...core.settings import STORE_DEADLINE_MS
 from .. import algorithms, redis_events
-from ..base import RETURN_OPS, CheckResult, Op, PeekOp, ShedParams, StoreBase, StoreStats
+from ..base import CheckResult, Op, PeekOp, ShedParams, StoreBase, StoreStats
 from ..keys import Keys
 from . import cluster
 from .batcher import Batcher, Call, written
@@ -320,7 +320,7 @@ class RedisStore(StoreBase):
             return await self._check_groups(ops, groups, lease_id)
         keys, args = self._check_args(ops, lease_id)
         try:
-            if all(isinstance(op, RETURN_OPS) for op in ops):
+            if algorithms.rides(ops):
                 # batched grants given back: they ride with the next check, as releases do
                 reply = await self._submit("check", keys, args, ride=self.releases_ride)
             else:

@@ -96,13 +96,14 @@ def test_wheel_carries_the_lua_scripts_and_envoy_configs(tmp_path: Path) -> None
         for config in configs:
             assert zf.read(f"extauthz/envoy/configs/{config.name}") == config.read_bytes(), config
         assert {n for n in names if n.endswith(".yaml")} == {f"extauthz/envoy/configs/{c.name}" for c in configs}
-    # Installed from the wheel (away from the checkout), the devtools find the shipped config.
+    # Installed from the wheel (away from the checkout), the tests find the shipped config.
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
                     "--target", str(site), str(wheel)], check=True, capture_output=True, timeout=300)
     found = subprocess.run(
-        [sys.executable, "-c", "from extauthz.devtools.envoy_config import config_path; print(config_path())"],
-        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)}, check=True, capture_output=True, text=True,
+        [sys.executable, "-c", "from testinfra.envoy_configs import config_path; print(config_path())"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join((str(site), str(ROOT)))}, check=True,
+        capture_output=True, text=True,
         timeout=60,
     ).stdout.strip()
     assert Path(found) == site / "extauthz" / "envoy" / "configs" / "envoy.yaml"

@@ -1,0 +1,256 @@
+"""The quota service's ledger in the store (issue 33; extauthz/engine/quota_service.py
+``StoreLedger`` and ``QuotaBook.settle``): two replicas' books on one store (the embedded
+store and a real Redis, on one injected clock) never assign shares that, in force at their
+Envoys together, sum past the limiter's rate and burst; a restarted replica honours what the
+store holds; a store that does not answer sends nothing (never more)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import pytest
+
+from extauthz.core.clock import ManualClock
+from extauthz.core.errors import StoreUnavailable
+from extauthz.engine.quota_service import (
+    NOTHING,
+    Action,
+    QuotaBook,
+    QuotaLimit,
+    Share,
+    StoreLedger,
+    Stream,
+    Usage,
+)
+from extauthz.store.base import CheckResult, Op, SliceOp, Store
+from extauthz.store.keys import Keys
+from extauthz.store.memory import MemoryStore
+from testinfra.redis_servers import RedisCluster, RedisSingle
+from tests.store.conftest import TOPOLOGY_FIXTURES, make_redis_store
+
+LIMIT = QuotaLimit(rate=10, burst=20)
+LIMITS = {"per-ip": LIMIT}
+BUCKETS = [{"limiter": "per-ip", "ip": f"10.0.0.{n}"} for n in (1, 2)]
+
+
+@dataclass
+class Case:
+    store: Store
+    clock: ManualClock
+
+
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis),
+                        pytest.param("redis-cluster", marks=pytest.mark.redis)])
+async def case(request: pytest.FixtureRequest) -> AsyncIterator[Case]:
+    """The embedded store, a real Redis, and a real Redis Cluster (a bucket's three ledger
+    keys share one hash tag: one atomic call)."""
+    clock = ManualClock()
+    if request.param == "memory":
+        yield Case(MemoryStore(clock), clock)
+        return
+    topology: RedisSingle | RedisCluster = request.getfixturevalue(TOPOLOGY_FIXTURES[request.param])
+    store = make_redis_store(topology, clock)
+    try:
+        yield Case(store, clock)
+    finally:
+        await store.close()
+
+
+def book(case: Case, name: str) -> QuotaBook:
+    return QuotaBook(lambda: LIMITS, clock=case.clock, ledger=StoreLedger(case.store, Keys(), replica=name))
+
+
+class Envoys:
+    """What the Envoys enforce: per (replica, stream, bucket) the last share sent and when
+    its assignment expires (Envoy keeps it until its TTL, whatever happens to the server)."""
+
+    def __init__(self, clock: ManualClock) -> None:
+        self.clock = clock
+        self.held: dict[tuple[str, int, tuple[tuple[str, str], ...]], tuple[Share, float]] = {}
+
+    def apply(self, replica: str, out: dict[int, list[Action]], ttl: float) -> None:
+        for sid, actions in out.items():
+            for action in actions:
+                where = (replica, sid, action.bucket)
+                if action.share is None or action.deny:
+                    self.held.pop(where, None)
+                else:
+                    self.held[where] = (action.share, self.clock.monotonic() + ttl)
+
+    def in_force(self, bucket: tuple[tuple[str, str], ...]) -> Share:
+        now = self.clock.monotonic()
+        live = [s for (_, _, b), (s, until) in self.held.items() if b == bucket and until > now]
+        return Share(sum(s.fill for s in live), sum(s.burst for s in live))
+
+
+async def report(b: QuotaBook, name: str, envoys: Envoys, stream: Stream, usages: Sequence[Usage]) -> None:
+    envoys.apply(name, await b.settle(b.report(stream, "d", usages)), b.ttl)
+
+
+async def test_two_replicas_never_assign_past_the_limit_random(case: Case) -> None:
+    rnd = random.Random(33)
+    names = ["a", "b"]
+    books = {n: book(case, n) for n in names}
+    envoys = Envoys(case.clock)
+    streams: list[tuple[str, Stream]] = []
+    keys = [tuple(sorted(b.items())) for b in BUCKETS]
+    total = LIMIT.total
+    assigned = 0
+    for _ in range(300):
+        move = rnd.random()
+        if move < 0.1 or not streams:
+            name = rnd.choice(names)
+            streams.append((name, books[name].open("peer")))
+        elif move < 0.15:
+            name, stream = streams.pop(rnd.randrange(len(streams)))
+            books[name].close(stream)
+        elif move < 0.2:  # a replica restarts: a new book (and ledger holder name), same store
+            name = rnd.choice(names)
+            restarted = f"{name}'"
+            books[restarted] = book(case, restarted)
+            names[names.index(name)] = restarted
+            streams = [(n, s) for n, s in streams if n != name]
+        elif move < 0.35:
+            case.clock.advance(rnd.choice([0.5, 1.0, 2.5, 5.0, 9.0]))
+        else:
+            name, stream = rnd.choice(streams)
+            usages = [Usage(b, rnd.choice([0.0, 5.0]), rnd.randint(0, 40), rnd.randint(0, 40))
+                      for b in rnd.sample(BUCKETS, rnd.randint(1, 2))]
+            await report(books[name], name, envoys, stream, usages)
+        for key in keys:
+            held = envoys.in_force(key)
+            assert held.fill <= total.fill and held.burst <= total.burst, (key, held, envoys.held)
+            assigned = max(assigned, held.fill)
+    assert assigned > 0  # the timeline assigned something
+
+
+async def test_a_restarted_replica_honours_what_the_store_holds(case: Case) -> None:
+    old = book(case, "old")
+    envoys = Envoys(case.clock)
+    first = old.open("envoy-1")
+    await report(old, "old", envoys, first, [Usage(BUCKETS[0], 0.0, 0, 1)])
+    key = tuple(sorted(BUCKETS[0].items()))
+    assert envoys.in_force(key) == LIMIT.total  # one stream: the whole limit
+    # the replica restarts (its book is gone, its Envoy keeps its assignment until the TTL)
+    new = book(case, "new")
+    second = new.open("envoy-2")
+    await report(new, "new", envoys, second, [Usage(BUCKETS[0], 0.0, 0, 1)])
+    assert envoys.held[("new", second.id, key)][0] == NOTHING  # early refusal, not over-admission
+    assert envoys.in_force(key) == LIMIT.total
+    status = new.status()
+    bucket = status["streams"][0]["buckets"][0]  # type: ignore[index]
+    assert bucket["store"] == {"fill": 0, "burst": 0, "free": {"fill": 0, "burst": 0}, "others_demand": 0.0}
+    # the old slices pass their TTL (the assignment's plus one report interval): the whole limit
+    case.clock.advance(old.ttl + old.report_interval)
+    await report(new, "new", envoys, second, [Usage(BUCKETS[0], 5.0, 0, 3)])
+    assert envoys.held[("new", second.id, key)][0] == LIMIT.total
+
+
+async def test_an_abandoned_bucket_s_slices_go_back_after_their_ttl(case: Case) -> None:
+    a, b = book(case, "a"), book(case, "b")
+    envoys = Envoys(case.clock)
+    sa, sb = a.open("envoy-a"), b.open("envoy-b")
+    key = tuple(sorted(BUCKETS[0].items()))
+    await report(a, "a", envoys, sa, [Usage(BUCKETS[0], 0.0, 0, 1)])
+    await report(b, "b", envoys, sb, [Usage(BUCKETS[0], 0.0, 0, 1)])
+    assert envoys.held[("b", sb.id, key)][0] == NOTHING  # a holds the whole limit
+    # a's bucket goes idle: abandoned after IDLE_REPORTS reports
+    for _ in range(6):
+        case.clock.advance(5.0)
+        await report(a, "a", envoys, sa, [Usage(BUCKETS[0], 5.0, 0, 0)])
+    assert ("a", sa.id, key) not in envoys.held
+    # a's Envoy enforces its last assignment until the abandon reaches it: its slices stay
+    # until their TTL (the assignment's plus one report interval), then b takes the limit
+    await report(b, "b", envoys, sb, [Usage(BUCKETS[0], 5.0, 0, 9)])
+    assert envoys.held[("b", sb.id, key)][0] == NOTHING
+    case.clock.advance(a.ttl + a.report_interval)
+    await report(b, "b", envoys, sb, [Usage(BUCKETS[0], 5.0, 0, 9)])
+    assert envoys.held[("b", sb.id, key)][0] == LIMIT.total
+
+
+async def test_replicas_share_by_demand(case: Case) -> None:
+    """A takes the whole limit first; B's Envoy then asks as much: within a few reports A
+    shrinks to its part of the demand across both replicas (confirmed by its next report)
+    and B grows into what A gave back; never past the limit on the way."""
+    a, b = book(case, "a"), book(case, "b")
+    envoys = Envoys(case.clock)
+    sa, sb = a.open("envoy-a"), b.open("envoy-b")
+    key = tuple(sorted(BUCKETS[0].items()))
+    await report(a, "a", envoys, sa, [Usage(BUCKETS[0], 0.0, 0, 1)])
+    await report(b, "b", envoys, sb, [Usage(BUCKETS[0], 0.0, 0, 1)])
+    assert envoys.held[("a", sa.id, key)][0] == LIMIT.total
+    for _ in range(5):
+        case.clock.advance(5.0)
+        await report(a, "a", envoys, sa, [Usage(BUCKETS[0], 5.0, 50, 0)])
+        await report(b, "b", envoys, sb, [Usage(BUCKETS[0], 5.0, 0, 50)])
+        held = envoys.in_force(key)
+        assert held.fill <= LIMIT.total.fill and held.burst <= LIMIT.total.burst
+    sent_a, sent_b = envoys.held[("a", sa.id, key)][0], envoys.held[("b", sb.id, key)][0]
+    assert sent_b.fill >= LIMIT.total.fill // 2 - 1 and sent_a.fill >= LIMIT.total.fill // 2 - 1, (sent_a, sent_b)
+    bucket = b.status()["streams"][0]["buckets"][0]  # type: ignore[index]
+    assert bucket["store"]["others_demand"] == 10.0  # a's 50 requests in 5 s
+
+
+async def test_holders_asking_at_once_share_exactly_the_total(case: Case) -> None:
+    """Atomicity: 20 holders each ask 3 of 10 units at once (one store call each, concurrent
+    on Redis): exactly 10 are granted, and every holder asking again gets what it holds."""
+    ops = [SliceOp(Keys().quota_ledger("per-ip", "b", "fill"), 10, 15.0, f"h{n}", 3) for n in range(20)]
+    results = await asyncio.gather(*(case.store.check([op], "") for op in ops))
+    granted = [int(r.results[0].extra) for r in results]
+    assert sum(granted) == 10, granted
+    again = await asyncio.gather(*(case.store.check([op], "") for op in ops))
+    assert [int(r.results[0].extra) for r in again] == granted
+
+
+class Failing(MemoryStore):
+    """The embedded store, with its check failing while ``down`` (a store outage)."""
+
+    down = False
+
+    async def check(self, ops: Sequence[Op], lease_id: str) -> CheckResult:
+        if self.down:
+            raise StoreUnavailable("store down")
+        return await super().check(ops, lease_id)
+
+
+async def test_a_store_outage_sends_nothing_more() -> None:
+    clock = ManualClock()
+    store = Failing(clock)
+    b = QuotaBook(lambda: LIMITS, clock=clock, ledger=StoreLedger(store, Keys(), replica="r"))
+    envoys = Envoys(clock)
+    s1 = b.open("envoy-1")
+    await report(b, "r", envoys, s1, [Usage(BUCKETS[0], 0.0, 0, 1)])
+    key = tuple(sorted(BUCKETS[0].items()))
+    sent = envoys.held[("r", s1.id, key)]
+    store.down = True
+    clock.advance(5.0)
+    s2 = b.open("envoy-2")
+    out = await b.settle(b.report(s2, "d", [Usage(BUCKETS[0], 0.0, 0, 1)]))
+    assert out == {}  # no assignment (no renewal, no new share): Envoy's TTL runs out, then DENY_ALL
+    assert b.ledger is not None and b.ledger.failures > 0 and not b.ledger.healthy
+    assert envoys.held[("r", s1.id, key)] == sent
+    assert b.status()["ledger"] == {"replica": "r", "failures": b.ledger.failures, "healthy": False}
+    store.down = False
+    clock.advance(5.0)
+    out = await b.settle(b.report(s2, "d", [Usage(BUCKETS[0], 5.0, 0, 5)]))
+    envoys.apply("r", out, b.ttl)
+    assert b.ledger.healthy
+    held = envoys.in_force(key)
+    assert held.fill <= LIMIT.total.fill and held.burst <= LIMIT.total.burst
+
+
+def test_the_memory_store_forgets_a_ledger_once_its_slices_expire() -> None:
+    clock = ManualClock()
+    store = MemoryStore(clock)
+    key = Keys().quota_ledger("per-ip", "b", "fill")
+    store.check_now([SliceOp(key, 10, 15.0, "h1", 4), SliceOp(key, 10, 20.0, "h2", 4)], "")
+    assert store.slices(key) == {"h1": 4, "h2": 4}
+    clock.advance(15.0)
+    store.check_now([], "")  # a check sweeps what is due
+    assert store._slices[key] == {"h2": (4, clock.monotonic() + 5.0)}
+    clock.advance(5.0)
+    store.check_now([], "")
+    assert key not in store._slices
