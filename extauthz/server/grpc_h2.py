@@ -85,6 +85,7 @@ from hyperframe.frame import (
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..core.settings import DEFAULT_MAX_ACTIVE_CHECKS
+from ..engine.overload import margin
 from .ports import parse_listen
 
 __all__ = ["Call", "GrpcH2Server", "H2Limits", "malformed", "parse_timeout"]
@@ -172,6 +173,9 @@ CONNECTION_CLOSED = ("frame_too_large", "protocol_error", "control_flood", "rapi
 #: ... one stream reset (refused, malformed, timed out; or reset by the peer before its answer)
 STREAM_RESET = ("too_many_streams", "after_goaway", "malformed_request", "message_too_large",
                 "request_timeout", "reset_by_peer")
+#: ... and a unary call whose deadline neared before a max_active_calls slot was free (run
+#: without one, told no time is left)
+CALL_LATE = ("no_slot_in_time",)
 #: the GOAWAY error codes this server sends, exported from 0
 GOAWAY_CODES = ("NO_ERROR", "PROTOCOL_ERROR", "FLOW_CONTROL_ERROR", "FRAME_SIZE_ERROR", "COMPRESSION_ERROR",
                 "ENHANCE_YOUR_CALM")
@@ -223,7 +227,9 @@ class H2Limits:
     #: their handler starts, their deadline counting (the HTTP port's ``max_active_checks``,
     #: for the same reason: unbounded, a saturated loop ran every check Envoy had in flight
     #: at once and their store calls waited in this server past the store deadline: 6-9 % of
-    #: the checks failed open in the harness's (r-h2) and (d-h2) rows, the breaker opened)
+    #: the checks failed open in the harness's (r-h2) and (d-h2) rows, the breaker opened);
+    #: a call whose deadline less Envoy's margin comes before a slot runs without one, told
+    #: no time is left (``no_slot_in_time``: decided without the store, counted)
     max_active_calls: int = DEFAULT_MAX_ACTIVE_CHECKS
 
 
@@ -257,6 +263,10 @@ class _Budget:
 #: message-sized stream WINDOW_UPDATE per unary call: at 100/s alone, its 70th sequential
 #: Check was cut off as a flood)
 _CONTROL_PER_CALL = 4
+
+
+#: a server stream's bytes queued for the peer's windows or socket before a write waits
+_STREAM_QUEUE = 64 << 10
 
 
 #: frames that never make a call progress: each draws from the control budget
@@ -297,6 +307,7 @@ class Call:
         "head_sent",
         "headers",
         "held",
+        "late",
         "messages",
         "out",
         "owed",
@@ -332,13 +343,16 @@ class Call:
         self.trailers: list[tuple[bytes, bytes]] | None = None  # due once ``out`` is sent
         self.cancelled_ = False
         self.expired = False
+        self.late = False  # its deadline neared while it waited for a max_active_calls slot
         self._callbacks: list[Callable[[Call], None]] = []
         self._waiter: asyncio.Future[None] | None = None
         self.writer: asyncio.Future[None] | None = None
 
     # -- grpc.aio.ServicerContext
     def time_remaining(self) -> float | None:
-        return None if self.deadline is None else max(0.0, self.deadline - self.conn.loop.time())
+        if self.deadline is None:
+            return None
+        return 0.0 if self.late else max(0.0, self.deadline - self.conn.loop.time())
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in self.headers
@@ -508,7 +522,9 @@ class GrpcH2Server:
         # The connection is closed after that, within close_linger: a FIN that reaches grpcio's
         # client before it closed the stream fails the call UNAVAILABLE "Stream removed",
         # whatever the trailers said (and our own RST_STREAM NO_ERROR after the trailers did
-        # so every time).
+        # so every time). One close_linger bounds that wait and the close together: a client
+        # that neither closes its stream nor its connection held the stop for twice as long.
+        linger_end = loop.time() + self.limits.close_linger
         if self.half_open:
             self._peers_closed = asyncio.Event()
             try:
@@ -517,12 +533,12 @@ class GrpcH2Server:
                 pass
         for conn in list(self.connections):
             conn.close()
-        # the peers take what is queued and close; what is left after close_linger is aborted
+        # the peers take what is queued and close; what is left at the linger's end is aborted
         # (nothing is left open past the loop)
         self._emptied = asyncio.Event()
         if self.connections:
             try:
-                await asyncio.wait_for(self._emptied.wait(), self.limits.close_linger)
+                await asyncio.wait_for(self._emptied.wait(), max(0.0, linger_end - loop.time()))
             except TimeoutError:
                 for conn in list(self.connections):
                     if conn.transport is not None:
@@ -567,6 +583,10 @@ class GrpcH2Server:
             for reason in reasons:
                 family.add_metric([reason], self.rejected.get(reason, 0))
             yield family
+        yield CounterMetricFamily("extauthz_grpc_calls_late", "Unary gRPC calls (Check) whose deadline neared "
+                                  "before one of the max_active_calls slots was free: run without one, told no "
+                                  "time is left (the Check flow decides them without the store, counted as "
+                                  "overload).", value=self.rejected.get(CALL_LATE[0], 0))
         goaways = CounterMetricFamily("extauthz_grpc_goaways_sent", "GOAWAY frames the gRPC port sent, by "
                                       "error code (NO_ERROR: a graceful stop or idle close).", labels=["code"])
         for code, n in (dict.fromkeys(GOAWAY_CODES, 0) | self.goaways).items():
@@ -658,6 +678,8 @@ class _Connection(asyncio.Protocol):
         #: block now being received began
         self.opened = self.last_active = now
         self.partial_since: float | None = None
+        self.unparsed = 0  # bytes h2 holds not parsed into a frame yet, after the last read
+        self.in_block = False  # a header block (HEADERS, CONTINUATIONs) was unfinished after it
         self.transport: asyncio.Transport | None = None
         # the request headers are checked by :func:`malformed` (in :meth:`_request`), not h2
         self.h2 = _H2(H2Configuration(client_side=False, header_encoding=None,
@@ -755,13 +777,19 @@ class _Connection(asyncio.Protocol):
             self._close_with(ErrorCodes.FRAME_SIZE_ERROR)
             return
         now = self.loop.time()
-        # a frame or header block begun and not finished: due within request_timeout (expire)
-        buffer = h2.incoming_buffer
-        if pending or buffer._headers_buffer:
-            if self.partial_since is None:
+        # a frame or header block begun and not finished: due within request_timeout (expire),
+        # from its own start: a read that completed a frame (fewer bytes left unparsed than
+        # were there plus this read's) began the frame now pending, unless a header block
+        # runs on from before (a busy connection's reads end inside frames all along)
+        unparsed, self.unparsed = self.unparsed, len(pending)
+        block = bool(h2.incoming_buffer._headers_buffer)
+        if pending or block:
+            if self.partial_since is None or (len(pending) < unparsed + len(data)
+                                              and not (block and self.in_block)):
                 self.partial_since = now
         else:
             self.partial_since = None
+        self.in_block = block
         for ev in events:
             kind = type(ev)
             if kind is DataReceived:
@@ -795,12 +823,26 @@ class _Connection(asyncio.Protocol):
             if (frame.data or "END_STREAM" in frame.flags) and frame.stream_id in self.calls:  # type: ignore[attr-defined]
                 return
         elif kind is WindowUpdateFrame:
-            if frame.window_increment >= 1024 and any(c.out for c in self.calls.values()):  # type: ignore[attr-defined]
+            # free only when the window it widens is what holds an answer back: narrower than
+            # a frame (each free one widens it by 1 KiB or more, so at most 16 in a row)
+            if frame.window_increment >= 1024 and self._window_holds(frame.stream_id):  # type: ignore[attr-defined]
                 return
         elif not isinstance(frame, _NO_PROGRESS):
             return
         if not self.control.take(self.loop.time()):
             raise _Flood(f"a flood of {kind.__name__}s")
+
+    def _window_holds(self, sid: int) -> bool:
+        """An answer waits, and the connection's window (``sid`` 0) or stream ``sid``'s is
+        narrower than a frame (a wider one is not what holds the answer back)."""
+        h2 = self.h2
+        if sid == 0:
+            return (h2.outbound_flow_control_window < h2.max_outbound_frame_size
+                    and any(c.out for c in self.calls.values()))
+        call = self.calls.get(sid)
+        stream = h2.streams.get(sid)
+        return (call is not None and bool(call.out) and stream is not None
+                and stream.outbound_flow_control_window < h2.max_outbound_frame_size)
 
     def _malformed(self, sid: int) -> None:
         self.server.reject("malformed_request")
@@ -992,7 +1034,16 @@ class _Connection(asyncio.Protocol):
             request = h.request_deserializer(call.first)
             call.first = None
             self.consumed(call, call.held)
-            async with self.server.active:
+            active = self.server.active
+            if call.deadline is None or not active.locked():
+                async with active:
+                    body = h.response_serializer(await h.unary_unary(request, call))
+            elif await self._slot(call, active):
+                try:
+                    body = h.response_serializer(await h.unary_unary(request, call))
+                finally:
+                    active.release()
+            else:  # its time is up without a slot: run now, told none is left (no store call)
                 body = h.response_serializer(await h.unary_unary(request, call))
         except _Abort as a:
             code, details = a.code, a.details
@@ -1005,6 +1056,21 @@ class _Connection(asyncio.Protocol):
         if body is not None:
             self._queue(call, body)
         self._finish(call, code, details)
+
+    async def _slot(self, call: Call, active: asyncio.Semaphore) -> bool:
+        """Wait for one of the ``max_active_calls`` slots until the call's deadline less
+        Envoy's margin; False when that passed first (the call is then marked ``late``: its
+        ``time_remaining()`` is 0, and the Check flow decides it without the store, counted as
+        ``overload``, instead of Envoy timing it out unseen)."""
+        assert call.deadline is not None
+        try:
+            async with asyncio.timeout_at(call.deadline - margin(call.deadline - call.arrived)):
+                await active.acquire()
+        except TimeoutError:
+            call.late = True
+            self.server.reject("no_slot_in_time")
+            return False
+        return True
 
     async def _server_stream(self, call: Call) -> None:
         """A server-streaming call: one request (health Watch) or a request stream (the rate
@@ -1075,13 +1141,16 @@ class _Connection(asyncio.Protocol):
 
     # -- answers
     async def send(self, call: Call, body: bytes) -> None:
-        """One message of a server stream, waiting while the peer's windows are shut."""
+        """One message of a server stream, waiting while more than :data:`_STREAM_QUEUE`
+        bytes of the call wait for the peer's windows or socket (grpc_health's Watch writes
+        holding the lock every status change takes: a write that waited on a peer that never
+        reads held the graceful stop forever)."""
         if call.cancelled_ or call.trailers is not None or self.closed:
             raise asyncio.CancelledError
         self._queue(call, body)
         self._send_out(call)
         self._flush_later()
-        while (call.out or self.paused) and not call.cancelled_ and not self.closed:
+        while len(call.out) > _STREAM_QUEUE and not call.cancelled_ and not self.closed:
             call.writer = self.loop.create_future()
             try:
                 await call.writer

@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extauthz.devtools.client import HttpClient
 from extauthz.devtools.envoy_config import local_render
@@ -28,8 +29,9 @@ from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import free_port, wait_for_health
 from extauthz.devtools.upstream import Upstream, start_upstream
 from extauthz.envoy.config import TlsFiles
+from extauthz.envoy.records import EXT_AUTHZ_NAMESPACE
 from extauthz.policy import load_policy
-from extauthz.proto import auth_pb2, auth_pb2_grpc
+from extauthz.proto import accesslog_pb2, accesslog_pb2_grpc, auth_pb2, auth_pb2_grpc, rls_pb2, rls_pb2_grpc
 from testinfra.envoy_configs import validate
 
 from ..conftest import ROOT
@@ -221,3 +223,34 @@ def test_a_kubernetes_health_probe_over_mtls_and_on_the_plaintext_health_port(pk
     no_certificate = grpc.ssl_channel_credentials(pki.ca.pem)
     assert health_probe(f"127.0.0.1:{server.port}", no_certificate, server_name="extauthz") == "UNAVAILABLE"
     assert health_probe(f"127.0.0.1:{server.port}") == "UNAVAILABLE"  # plaintext on the TLS port
+
+
+def test_every_method_with_grpcio_client_over_mtls(pki: Pki, server: TlsServer) -> None:
+    """grpcio's own client over mTLS on one channel, every call shape the port serves: unary
+    (Check, ShouldRateLimit, health Check), server streaming (health Watch), client streaming
+    (the access log: the Check's lease released by its entry)."""
+    good = grpc.ssl_channel_credentials(pki.ca.pem, pki.envoy.key_pem, pki.envoy.cert_pem)
+    with grpc.secure_channel(f"127.0.0.1:{server.port}", good,
+                             options=[("grpc.ssl_target_name_override", "extauthz")]) as channel:
+        answer = auth_pb2_grpc.AuthorizationStub(channel).Check(_check_request(os.urandom(6).hex()), timeout=5)
+        assert answer.status.code == 0 and answer.dynamic_metadata.fields  # the concurrency lease
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+        limited = rls_pb2_grpc.RateLimitServiceStub(channel).ShouldRateLimit(
+            rls_pb2.RateLimitRequest(domain="extauthz", hits_addend=1), timeout=5)
+        assert limited.overall_code in (rls_pb2.RateLimitResponse.OK, rls_pb2.RateLimitResponse.UNKNOWN)
+        before = server.status()["lease_releases"]["leases_released"]
+        msg = accesslog_pb2.StreamAccessLogsMessage()
+        entry = msg.http_logs.log_entry.add()
+        entry.request.request_id = "r1"
+        entry.common_properties.metadata.filter_metadata[EXT_AUTHZ_NAMESPACE].CopyFrom(answer.dynamic_metadata)
+        reply = accesslog_pb2_grpc.AccessLogServiceStub(channel).StreamAccessLogs(iter([msg]), timeout=5)
+        assert isinstance(reply, accesslog_pb2.StreamAccessLogsResponse)
+    deadline = time.monotonic() + 5
+    while server.status()["lease_releases"]["leases_released"] <= before:  # released by the entry
+        assert time.monotonic() < deadline, "the lease was never released"
+        time.sleep(0.02)
