@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import yaml
 
-from extauthz.devtools.envoy_config import config_path, validate
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import free_port
 from extauthz.devtools.upstream import start_upstream
 from extauthz.envoy.ratelimit import RATELIMIT_FILTER
 from extauthz.server.app import Server, ServerConfig
+from testinfra.envoy_configs import config_path, validate
 
 from ..conftest import ROOT
 from . import istio_like
