@@ -63,6 +63,7 @@ from h2.events import (
     RequestReceived,
     StreamEnded,
     StreamReset,
+    TrailersReceived,
     WindowUpdated,
 )
 from h2.exceptions import DenialOfServiceError, ProtocolError
@@ -118,18 +119,22 @@ _FIELD_NAME = re.compile(rb"[\x21-\x39\x3b-\x40\x5b-\x7e]+").fullmatch
 _BAD_VALUE = re.compile(rb"[\x00\n\r]|\A[ \t]|[ \t]\Z").search
 
 
-def malformed(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
-    """Why a request's header list is malformed (RFC 9113 8.1.1: a stream error), or None.
+def malformed(headers: Iterable[tuple[bytes, bytes]], trailers: bool = False) -> str | None:
+    """Why a request's header list (or with ``trailers``, its trailer list) is malformed
+    (RFC 9113 8.1.1: a stream error), or None.
 
     What h2's inbound header validation checked (its ``validate_inbound_headers``, off on this
     server), in one pass with two compiled patterns per field instead of h2's generator chain
     that walks every byte of every name and value in Python: 27 % of a no-op check's
-    instructions (docs/design.md, "The gRPC port on the event loop")."""
+    instructions (docs/design.md, "The gRPC port on the event loop"). Trailers carry no
+    pseudo-header field and need none (8.1)."""
     seen: set[bytes] = set()
-    regular = False
+    regular = connect = False
     host = authority = None
     for name, value in headers:
         if name[:1] == b":":
+            if trailers:
+                return f"pseudo-header field {name!r} in trailers"
             if regular:
                 return f"pseudo-header field {name!r} after a regular field"
             if name not in _PSEUDO:
@@ -141,6 +146,8 @@ def malformed(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
                 authority = value
             elif name == b":path" and not value:
                 return "empty :path"
+            elif name == b":method":
+                connect = value == b"CONNECT"
         else:
             regular = True
             if _FIELD_NAME(name) is None:
@@ -155,8 +162,12 @@ def malformed(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
                 host = value
         if value and _BAD_VALUE(value) is not None:
             return f"bad value of {name!r}"
+    if trailers:
+        return None
     if not seen >= _REQUIRED_PSEUDO:
         return f"missing {b', '.join(sorted(_REQUIRED_PSEUDO - seen))!r}"
+    if connect:  # a CONNECT must omit :scheme and :path (8.5)
+        return "CONNECT with :scheme and :path"
     if authority is None and host is None:
         return "neither :authority nor host"
     if authority is not None and host is not None and authority != host:
@@ -656,6 +667,12 @@ class _H2(H2Connection):
                 raise
         else:
             if not (new and events and type(events[0]) is RequestReceived and malformed(events[0].headers)):
+                # malformed request trailers (nothing reads them; no gRPC client sends any)
+                # end the connection, as h2's validation did (a stream error may be, 5.4.1)
+                if not new and events and type(events[0]) is TrailersReceived:
+                    why = malformed(events[0].headers, trailers=True)
+                    if why is not None:
+                        raise ProtocolError(f"malformed request trailers: {why}")
                 return frames, events
         self.malformed(sid)
         self.reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
@@ -681,7 +698,8 @@ class _Connection(asyncio.Protocol):
         self.unparsed = 0  # bytes h2 holds not parsed into a frame yet, after the last read
         self.in_block = False  # a header block (HEADERS, CONTINUATIONs) was unfinished after it
         self.transport: asyncio.Transport | None = None
-        # the request headers are checked by :func:`malformed` (in :meth:`_request`), not h2
+        # the request headers and trailers are checked by :func:`malformed` (in
+        # :meth:`_H2._receive_headers_frame`), not h2
         self.h2 = _H2(H2Configuration(client_side=False, header_encoding=None,
                                       validate_inbound_headers=False, normalize_inbound_headers=False,
                                       validate_outbound_headers=False, normalize_outbound_headers=False),

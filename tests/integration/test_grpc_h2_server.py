@@ -1119,10 +1119,65 @@ async def test_a_flood_of_malformed_requests_is_cut(probe: tuple[GrpcH2Server, P
      "bad value of b'x'"),
     ([(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/a"), (b":authority", b"\x00")],
      "bad value of b':authority'"),
+    ([(b":method", b"CONNECT"), (b":scheme", b"http"), (b":path", b"/a"), (b":authority", b"t")],
+     "CONNECT with :scheme and :path"),
 ])
 def test_malformed_says_why(headers: list[tuple[bytes, bytes]], reason: str | None) -> None:
     """The request header checks that replaced h2's inbound validation, case by case."""
     assert malformed(headers) == reason
+
+
+@pytest.mark.parametrize("trailers, reason", [
+    ([(b"x-t", b"1"), (b"te", b"trailers")], None),
+    ([], None),
+    ([(b":path", b"/a")], "pseudo-header field b':path' in trailers"),
+    ([(b"X-T", b"1")], "bad field name b'X-T'"),
+    ([(b"", b"1")], "bad field name b''"),
+    ([(b"transfer-encoding", b"chunked")], "connection-specific field b'transfer-encoding'"),
+    ([(b"te", b"gzip")], "te other than trailers"),
+    ([(b"x-t", b"a\x00b")], "bad value of b'x-t'"),
+])
+def test_malformed_trailers_say_why(trailers: list[tuple[bytes, bytes]], reason: str | None) -> None:
+    """Request trailers as h2's inbound validation checked them: no pseudo-header field, and
+    each field as in a request; no :authority, host or other pseudo-header field needed."""
+    assert malformed(trailers, trailers=True) == reason
+
+
+@pytest.mark.parametrize("trailers", [[("x-t", "1")], [(":path", "/t.T/Echo")], [("X-T", "1")],
+                                      [("connection", "close")], [("x-t", "a\nb")]])
+async def test_malformed_request_trailers_end_the_connection(
+        probe: tuple[GrpcH2Server, Probe], trailers: list[tuple[str, str]]) -> None:
+    """Request trailers are checked as h2 checked them (its validation is off): malformed ones
+    end the connection, GOAWAY PROTOCOL_ERROR (a stream error may be one, RFC 9113 5.4.1);
+    well-formed ones end the request, which is answered."""
+    srv, _ = probe
+    raw = await Raw.open(srv.port)
+    raw.call(1, end=False)
+    raw.send(HeadersFrame(1, raw.encoder.encode(trailers), flags=["END_HEADERS", "END_STREAM"]))
+    if trailers == [("x-t", "1")]:
+        assert (await raw.trailers(1))["grpc-status"] == "0"
+        assert "protocol_error" not in srv.rejected
+        return
+    assert (await raw.goaway()).error_code == ErrorCodes.PROTOCOL_ERROR
+    await raw.ended()
+    assert srv.rejected["protocol_error"] == 1
+    assert not any(isinstance(f, HeadersFrame) and "END_STREAM" in f.flags for f in raw.frames)
+    await answers(srv.port)
+
+
+async def test_a_connect_request_is_a_stream_error(probe: tuple[GrpcH2Server, Probe]) -> None:
+    """A CONNECT with :scheme and :path is malformed (RFC 9113 8.5), as h2 held: RST_STREAM
+    PROTOCOL_ERROR, not an answer."""
+    srv, _ = probe
+    raw = await Raw.open(srv.port)
+    headers = [(":method", "CONNECT"), (":scheme", "http"), (":path", "/t.T/Echo"), (":authority", "t"),
+               ("content-type", "application/grpc")]
+    raw.send(HeadersFrame(1, raw.encoder.encode(headers), flags=["END_HEADERS", "END_STREAM"]))
+    reset = await raw.until(lambda f: isinstance(f, RstStreamFrame | GoAwayFrame | HeadersFrame))
+    assert isinstance(reset, RstStreamFrame) and reset.error_code == ErrorCodes.PROTOCOL_ERROR
+    assert srv.rejected["malformed_request"] == 1
+    raw.call(3)
+    assert (await raw.trailers(3))["grpc-status"] == "0"
 
 
 def _samples(srv: GrpcH2Server) -> dict[tuple[str, str], float]:
