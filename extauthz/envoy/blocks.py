@@ -119,3 +119,27 @@ def strip(name: str, headers: Sequence[str]) -> Config:
 
 def patterns(names: Sequence[str]) -> Config:
     return {"patterns": [{"exact": n} for n in names]}
+
+
+def client_manager() -> Config:
+    """The client-facing connection manager's settings every shipped listener has (the
+    protocol adds its routes, filters and logs after them): Envoy generates every
+    x-request-id and appends the client's address to x-forwarded-for (docs/security.md
+    "Request ids and paths"; the ratelimit filter's remote_address is that address); one
+    normalized path for routes, the checks and the upstream (policy path rules); x_api_key
+    refused (400), not passed on: an upstream that folds "_" into "-" (CGI, WSGI) would read it
+    as the x-api-key the policy never saw (docs/security.md)."""
+    return {
+        "@type": typed("envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"),
+        "stat_prefix": "ingress_http", "codec_type": "AUTO",
+        "use_remote_address": True,
+        "normalize_path": True, "merge_slashes": True,
+        "path_with_escaped_slashes_action": "UNESCAPE_AND_REDIRECT",
+        "common_http_protocol_options": {"headers_with_underscores_action": "REJECT_REQUEST"},
+    }
+
+
+def router() -> Config:
+    """The last HTTP filter of every chain: Envoy's router."""
+    return {"name": "envoy.filters.http.router", "typed_config": {
+        "@type": typed("envoy.extensions.filters.http.router.v3.Router")}}

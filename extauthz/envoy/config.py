@@ -40,9 +40,11 @@ from .blocks import (
     TlsFiles,
     address,
     authz_timeout,
+    client_manager,
     cluster,
     grpc_cluster,
     http2,
+    router,
     typed,
 )
 from .ext_authz import EXT_AUTHZ_FILTER, GRPC, HTTP
@@ -248,19 +250,7 @@ def bootstrap(policy: Policy, **options: Any) -> Config:
                          "(without the quota filter nothing would enforce them)")
     b = _build(policy, o, target)
     vhost: Config = {"name": "api", "domains": ["*"], "routes": _routes(target, b)}
-    hcm: Config = {
-        "@type": typed("envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"),
-        "stat_prefix": "ingress_http", "codec_type": "AUTO",
-        # client-facing: Envoy generates every x-request-id and appends the client's address
-        # to x-forwarded-for (docs/security.md "Request ids and paths")
-        "use_remote_address": True,
-        # one normalized path for routes, ext_authz and the upstream (policy path rules)
-        "normalize_path": True, "merge_slashes": True,
-        "path_with_escaped_slashes_action": "UNESCAPE_AND_REDIRECT",
-        # x_api_key refused (400), not passed on: an upstream that folds "_" into "-" (CGI,
-        # WSGI) would read it as the x-api-key the policy never saw (docs/security.md)
-        "common_http_protocol_options": {"headers_with_underscores_action": "REJECT_REQUEST"},
-    }
+    hcm = client_manager()  # client-facing (blocks.py)
     if o.tracing is not None:
         hcm["tracing"] = _tracing("otel_collector")
     target.manager(b, hcm, vhost)
@@ -284,8 +274,7 @@ def bootstrap(policy: Policy, **options: Any) -> Config:
     elif fluentd is not None:
         hcm["access_log"] = [fluentd[0]]
     hcm["route_config"] = {"name": "local_route", "virtual_hosts": [vhost]}
-    hcm["http_filters"] = [*filters, {"name": "envoy.filters.http.router", "typed_config": {
-        "@type": typed("envoy.extensions.filters.http.router.v3.Router")}}]
+    hcm["http_filters"] = [*filters, router()]
 
     clusters = target.clusters(b)
     if b.log and not b.log_shared:

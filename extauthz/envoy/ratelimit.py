@@ -29,7 +29,7 @@ from ..core.settings import CHECK_BUDGET_MS
 from ..core.tiers import Tier
 from ..policy.model import Policy, RouteRef
 from ..policy.schema import ConcurrentRequestsSpec, DescriptorMatch, FleetUsageSpec, WorkerUtilizationSpec
-from .blocks import Config, TlsFiles, address, authz_timeout, cluster, grpc_cluster, typed
+from .blocks import Config, TlsFiles, address, authz_timeout, client_manager, cluster, grpc_cluster, router, typed
 from .config import ACCESS_LOG_BYTES_PER_MS, GRPC_ACCESS_LOGGER, SHIPPED_ACCESS_LOG_FLUSH_MS
 
 __all__ = ["DEFAULT_RLS", "RATELIMIT_FILTER", "actions_for", "bootstrap", "render"]
@@ -161,21 +161,12 @@ def bootstrap(policy: Policy, *, upstream: tuple[str, int], authz: tuple[str, in
         "rate_limit_service": {"grpc_service": {"envoy_grpc": {"cluster_name": "extauthz"}},
                                "transport_api_version": "V3"},
     }})
-    filters.append({"name": "envoy.filters.http.router", "typed_config": {
-        "@type": typed("envoy.extensions.filters.http.router.v3.Router")}})
-    hcm: Config = {
-        "@type": typed("envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"),
-        "stat_prefix": "ingress_http", "codec_type": "AUTO",
-        # the remote_address descriptor is the client's address (x-forwarded-for appended)
-        "use_remote_address": True,
-        "normalize_path": True, "merge_slashes": True,
-        "path_with_escaped_slashes_action": "UNESCAPE_AND_REDIRECT",
-        "common_http_protocol_options": {"headers_with_underscores_action": "REJECT_REQUEST"},
-        "route_config": {"name": "local_route", "virtual_hosts": [{
-            "name": "api", "domains": ["*"], "rate_limits": limits,
-            "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "upstream"}}]}]},
-        "http_filters": filters,
-    }
+    filters.append(router())
+    hcm = client_manager()  # the remote_address descriptor is the client's address (blocks.py)
+    hcm["route_config"] = {"name": "local_route", "virtual_hosts": [{
+        "name": "api", "domains": ["*"], "rate_limits": limits,
+        "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "upstream"}}]}]}
+    hcm["http_filters"] = filters
     if holds_leases(policy, name):
         hcm["access_log"] = [release_log()]
     clusters = [grpc_cluster("extauthz", authz or DEFAULT_RLS, tls)]
