@@ -187,8 +187,12 @@ class Policy:
     #: the policy is compiled (a walk over every rule: 23 ms at 12,000 rules, which a reload's
     #: swap on the event loop must not pay; a pickled policy carries it).
     needed_headers: frozenset[str] = field(init=False)
+    #: each limiter's index in ``limiters`` by name (:meth:`limiter`: ShouldRateLimit looks one
+    #: up per descriptor). Names and ints only: a pickled policy's limiters travel once.
+    limiter_index: Mapping[str, int] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "limiter_index", {spec.name: i for i, spec in enumerate(self.limiters)})
         object.__setattr__(self, "longest_lease_ttl", max(
             (float(getattr(spec, "lease_ttl", 0.0)) for spec in self.limiters), default=0.0))
         names = {s.header for s in (*self.identity, *self.plan_sources, *self._key_sources) if s.header}
@@ -239,10 +243,8 @@ class Policy:
         return tuple(s.label for s in self.identity)
 
     def limiter(self, name: str) -> LimiterSpec | None:
-        for spec in self.limiters:
-            if spec.name == name:
-                return spec
-        return None
+        at = self.limiter_index.get(name)
+        return None if at is None else self.limiters[at]
 
 
 def compile_sources(rules: Sequence[IdentityRule]) -> tuple[IdentitySource, ...]:
