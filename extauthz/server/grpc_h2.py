@@ -89,7 +89,7 @@ from ..core.settings import DEFAULT_MAX_ACTIVE_CHECKS
 from ..engine.overload import margin
 from .ports import parse_listen
 
-__all__ = ["Call", "GrpcH2Server", "H2Limits", "malformed", "parse_timeout"]
+__all__ = ["Call", "GrpcH2Server", "H2Limits", "call_time_left", "malformed", "parse_timeout"]
 
 log = logging.getLogger("extauthz.server")
 
@@ -418,6 +418,15 @@ class Call:
                 callback(self)
             except Exception:
                 log.exception("gRPC call done callback failed")
+
+
+def call_time_left(call: Any) -> tuple[float | None, float, bool]:
+    """What a gRPC door tells the check flow of a call's time (``Door.time_left``), on either
+    server: Envoy's ``grpc-timeout`` as the time left (LoopLag takes the margin off it), and
+    whether the deadline was stamped on arrival. grpc.aio's own threads stamp it when the call
+    arrives, before (and while) the event loop runs anything else; this server stamps it when
+    the loop reads the call, after any stall of the loop."""
+    return call.time_remaining(), 0.0, not isinstance(call, Call)
 
 
 class GrpcH2Server:

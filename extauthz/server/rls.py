@@ -37,7 +37,7 @@ from ..policy.descriptors import Entries, replaced
 from ..policy.schema import MAX_COUNT, QuotaSpec, RequestRateSpec
 from ..proto import core_pb2, rls_pb2
 from .flow import CheckFlow
-from .grpc_h2 import Call as H2Call
+from .grpc_h2 import call_time_left
 from .leases import Leases
 
 _RPC = {"rpc.system": "grpc", "rpc.service": "envoy.service.ratelimit.v3.RateLimitService",
@@ -269,9 +269,7 @@ class RateLimitDoor:
 
     def time_left(self, message: DescriptorCall,
                   call: grpc.aio.ServicerContext) -> tuple[float | None, float, bool]:
-        # as on Check (services.py): grpc.aio stamps the deadline on arrival, the event-loop
-        # server when the loop reads the call
-        return call.time_remaining(), 0.0, not isinstance(call, H2Call)
+        return call_time_left(call)
 
     def unreadable(self, message: DescriptorCall) -> Answer:
         return _NO_LIMIT

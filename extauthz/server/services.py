@@ -41,7 +41,7 @@ from ..proto import (
 )
 from .edge import check_response, lease_metadata, raw_request
 from .flow import CheckFlow
-from .grpc_h2 import Call as H2Call
+from .grpc_h2 import call_time_left
 from .leases import (
     MAX_PENDING_RELEASES,
     FinishedEntries,
@@ -89,11 +89,7 @@ class AuthorizationService(auth_pb2_grpc.AuthorizationServicer):  # type: ignore
 
     def time_left(self, message: auth_pb2.CheckRequest,
                   call: grpc.aio.ServicerContext) -> tuple[float | None, float, bool]:
-        # Envoy sends its timeout as grpc-timeout; LoopLag takes the margin off it. grpc.aio's
-        # own threads stamp the deadline when the call arrives, before (and while) this loop
-        # runs anything else; the event-loop server (grpc_h2) stamps it when the loop reads
-        # the call, after any stall of the loop
-        return call.time_remaining(), 0.0, not isinstance(call, H2Call)
+        return call_time_left(call)
 
     def unreadable(self, message: auth_pb2.CheckRequest) -> auth_pb2.CheckResponse:
         return auth_pb2.CheckResponse(ok_response=auth_pb2.OkHttpResponse())
