@@ -11,6 +11,8 @@ promise too, and a limit lowered by reload shrinks Envoy's bucket. Each Envoy re
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 import urllib.request
 from pathlib import Path
@@ -190,8 +192,8 @@ def test_a_limit_lowered_by_reload_shrinks_envoy_s_bucket(tmp_path: Path) -> Non
 def test_two_replicas_on_one_redis_keep_one_limit(tmp_path: Path, redis_single_clean: RedisSingle) -> None:
     """Two server replicas on one Redis, each the quota server of its own Envoy (issue 33:
     the store's ledger): together the Envoys admit at most ``rate x t + burst`` at the
-    upstream; then a replica is killed and started again (a new ledger holder: it waits for
-    the old one's slices to pass their TTL), and Redis is paused for a few seconds (no
+    upstream; then a replica is stalled (SIGSTOP), killed (SIGKILL) and started again (a new
+    ledger holder: it waits for the old one's slices to pass their TTL), and Redis is paused for a few seconds (no
     assignment is sent meanwhile: the Envoys keep theirs, then DENY_ALL). The promise holds
     throughout; the refusals meanwhile are the early refusal docs/rlqs.md describes."""
     (tmp_path / "api.yaml").write_text(POLICY)
@@ -217,9 +219,20 @@ def test_two_replicas_on_one_redis_keep_one_limit(tmp_path: Path, redis_single_c
                 (stream,) = quota["streams"]
                 (bucket,) = stream["buckets"]
                 assert bucket["fill"] <= bucket["store"]["fill"]
-            # a replica killed, then started again on its port: a new holder in the ledger
-            port = servers[0].port
-            servers[0].stop()
+            # a replica stalled mid-run (SIGSTOP: its stream stops answering, Envoy keeps its
+            # assignment, then DENY_ALL), then killed (SIGKILL: nothing given back, its slices
+            # stay held in the store until their TTL), then started again on its port: a new
+            # holder in the ledger
+            port, proc = servers[0].port, servers[0].proc
+            assert proc is not None
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                promise.drive([("a", a), ("b", b)], 3.0)
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            assert promise.held, (upstream.served, promise.worst)
+            proc.kill()
+            proc.wait()
             promise.drive([("a", a), ("b", b)], 3.0)
             assert promise.held, (upstream.served, promise.worst)
             servers[0] = ServerProcess([tmp_path], args=args, port=port, workdir=tmp_path).start()
