@@ -213,7 +213,8 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
                if args.jwt_issuer else None)
         text = render(
             policy, protocol=args.protocol, upstream=_host_port("--upstream", args.upstream),
-            authz=_host_port("--authz", args.authz) if args.authz else None,
+            authz=_host_port("--authz", args.authz[0]) if args.authz else None,
+            authz_more=tuple(_host_port("--authz", a) for a in (args.authz or [])[1:]),
             access_log_to=_host_port("--access-log-to", args.access_log_to) if args.access_log_to else None,
             listen_port=args.listen_port, access_log=args.access_log,
             tls=TlsFiles(*tls_files) if all(tls_files) else None,
@@ -241,9 +242,11 @@ def _ratelimit_config(args: argparse.Namespace, policy: Policy, tls: TlsFiles | 
         if not sep or not key or not header:
             raise ValueError(f"--descriptor-header: KEY=HEADER, not {item!r}")
         headers[key] = header.lower()
+    if args.authz and len(args.authz) > 1:
+        raise ValueError("several --authz are for --protocol grpc")
     return render_ratelimit(
         policy, upstream=_host_port("--upstream", args.upstream),
-        authz=_host_port("--authz", args.authz) if args.authz else None, domain=args.domain, headers=headers,
+        authz=_host_port("--authz", args.authz[0]) if args.authz else None, domain=args.domain, headers=headers,
         listen_port=args.listen_port, tls=tls,
         ext_authz=_host_port("--ext-authz", args.ext_authz) if args.ext_authz else None,
         check_budget_ms=args.check_budget_ms)
@@ -400,9 +403,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ext-authz", metavar="HOST:PORT", default=None,
                    help="ratelimit: an ext_authz filter before it, calling your own auth service there")
     p.add_argument("--upstream", required=True, metavar="HOST:PORT", help="the protected application")
-    p.add_argument("--authz", metavar="HOST:PORT", default=None,
+    p.add_argument("--authz", metavar="HOST:PORT", default=None, action="append",
                    help="where Envoy reaches the server: its gRPC port (grpc) or HTTP authorization "
-                   "port (http); default 127.0.0.1:9001 / 127.0.0.1:9003")
+                   "port (http); default 127.0.0.1:9001 / 127.0.0.1:9003. Repeat for several replicas "
+                   "in one cluster (grpc: the checks, the access log and the quota stream, which moves "
+                   "to another replica when its own goes; a host name resolving to several addresses "
+                   "does the same)")
     p.add_argument("--access-log-to", metavar="HOST:PORT", default=None,
                    help="the gRPC port that receives the access log (default: --authz on grpc, "
                    "port 9001 of the --authz host on http); with --access-log fluentd the server's "

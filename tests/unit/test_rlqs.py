@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from extauthz.core.context import RawRequest
 from extauthz.envoy.config import bootstrap
@@ -199,3 +200,27 @@ def test_rlqs_with_only_a_pushed_shedder_renders_its_filter_first(tmp_path: Path
     config = bootstrap(_policy(tmp_path, SHED_POLICY), protocol="grpc", upstream=("127.0.0.1", 8080), rlqs=True)
     manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     assert "extauthz.rlqs.shed.workers" in [f["name"] for f in manager["http_filters"]]
+
+
+def test_several_authz_put_every_replica_in_the_one_grpc_cluster(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``envoy-config --authz A --authz B``: the quota stream (and the checks) may reach either
+    replica; Envoy opens the stream again on the other when its own goes."""
+    from extauthz.commands.cli import main
+
+    _policy(tmp_path)
+    base = ["envoy-config", "--policies", str(tmp_path), "--upstream", "127.0.0.1:8080", "--rlqs"]
+    assert main([*base, "--protocol", "grpc", "--authz", "10.0.0.1:9001", "--authz", "10.0.0.2:9001"]) == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    endpoints = clusters["extauthz"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert [(e["endpoint"]["address"]["socket_address"]["address"],
+             e["endpoint"]["address"]["socket_address"]["port_value"]) for e in endpoints] == [
+        ("10.0.0.1", 9001), ("10.0.0.2", 9001)]
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    quota = [f for f in manager["http_filters"] if f["name"].startswith("extauthz.rlqs.")]
+    assert {f["typed_config"]["rlqs_server"]["envoy_grpc"]["cluster_name"] for f in quota} == {"extauthz"}
+    assert main([*base, "--protocol", "http", "--authz", "10.0.0.1:9003", "--authz", "10.0.0.2:9003"]) == 2
+    assert "several --authz are for --protocol grpc" in capsys.readouterr().err
+    assert main([*base, "--protocol", "grpc", "--authz", "10.0.0.1:9001", "--authz", "extauthz:9001"]) == 2
+    assert "all addresses or all host names" in capsys.readouterr().err
