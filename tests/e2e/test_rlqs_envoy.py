@@ -23,7 +23,7 @@ import yaml
 
 from extauthz.devtools.client import HttpClient
 from extauthz.devtools.envoy_process import EnvoyProcess
-from extauthz.devtools.stack import ServerProcess, free_port_block
+from extauthz.devtools.stack import ServerProcess
 from extauthz.devtools.upstream import Upstream, start_upstream
 from extauthz.envoy.config import bootstrap
 from extauthz.envoy.headers import allowed_headers
@@ -259,8 +259,8 @@ def test_two_replicas_on_one_redis_keep_one_limit(tmp_path: Path, redis_single_c
 @pytest.mark.slow
 def test_a_stream_moves_to_another_replica_behind_one_cluster(tmp_path: Path, redis_single_clean: RedisSingle) -> None:
     """One Envoy whose server cluster has two endpoints: two replicas on one Redis (the
-    ``extauthz`` cluster carries both the checks and the quota stream; ``authz_endpoints``,
-    as for ``serve --workers 2 --worker-ports``). The replica holding the quota stream is
+    ``extauthz`` cluster carries both the checks and the quota stream: ``envoy-config --authz
+    A --authz B``). The replica holding the quota stream is
     killed (SIGKILL, nothing given back) while traffic runs: Envoy opens its stream again at
     its next report, on the other replica (a new holder in the store's ledger: it waits for
     the dead one's slices to pass their TTL), and admitted requests counted at the upstream
@@ -268,14 +268,14 @@ def test_a_stream_moves_to_another_replica_behind_one_cluster(tmp_path: Path, re
     (tmp_path / "api.yaml").write_text(POLICY)
     upstream = start_upstream()
     args = ["--redis-url", redis_single_clean.url]
-    port = free_port_block(2)
-    servers = [ServerProcess([tmp_path], args=args, port=port + i, workdir=tmp_path).start() for i in range(2)]
+    servers = [ServerProcess([tmp_path], args=args, workdir=tmp_path).start() for _ in range(2)]
+    # envoy-config --authz A --authz B
+    one, two = (("127.0.0.1", s.port) for s in servers)
     config = yaml.safe_dump(bootstrap(load_policy([tmp_path]), protocol="grpc", upstream=("127.0.0.1", upstream.port),
-                                      authz=("127.0.0.1", port), authz_endpoints=2, listen_port=0, admin_port=0,
-                                      rlqs=True))
+                                      authz=one, authz_more=(two,), listen_port=0, admin_port=0, rlqs=True))
     clusters = {c["name"]: c for c in yaml.safe_load(config)["static_resources"]["clusters"]}
-    assert [e["endpoint"]["address"]["socket_address"]["port_value"]
-            for e in clusters["extauthz"]["load_assignment"]["endpoints"][0]["lb_endpoints"]] == [port, port + 1]
+    endpoints = clusters["extauthz"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert [e["endpoint"]["address"]["socket_address"]["port_value"] for e in endpoints] == [s.port for s in servers]
 
     def holding() -> list[int]:
         """The replicas with an open quota stream (by index)."""
