@@ -5,8 +5,10 @@ that counts what it admits: the promise ``admitted <= rate x t + burst`` holds, 
 first request is refused (DENY_ALL before the first assignment, never allow-all), the refusal
 is the problem+json 429, /status lists both streams and their bucket, and no over-admission is
 counted; one Envoy taking 90% of the requests, then the other killed and replaced, keeps the
-promise too, and a limit lowered by reload shrinks Envoy's bucket. Each Envoy reports every
-5 s (1.40): each run lasts a few reports."""
+promise too, and a limit lowered by reload shrinks Envoy's bucket; across replicas, on one
+Redis, the promise holds through a replica stalled, killed and restarted, and through a quota
+stream moving to another replica behind one cluster. Each Envoy reports every 5 s (1.40):
+each run lasts a few reports."""
 
 from __future__ import annotations
 
