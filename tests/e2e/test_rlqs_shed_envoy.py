@@ -21,7 +21,7 @@ import yaml
 from extauthz.devtools.client import HttpClient, Result
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import ServerProcess, free_port
-from extauthz.devtools.upstream import start_upstream
+from extauthz.devtools.upstream import Upstream, start_upstream
 from extauthz.engine.answers import PROBLEM_TYPE
 from extauthz.engine.quota_service import REPORT_INTERVAL
 from extauthz.envoy.config import bootstrap
@@ -79,6 +79,16 @@ def quota(server: ServerProcess) -> dict[str, Any]:
     return doc
 
 
+def served_at_least(upstream: Upstream, n: int) -> int:
+    """The upstream's count once it reaches ``n`` (it counts a request after answering it: a
+    moment after the client has the answer), or what it is after a second."""
+    for _ in range(50):
+        if upstream.served >= n:
+            break
+        time.sleep(0.02)
+    return upstream.served
+
+
 def send(client: HttpClient, envoy: EnvoyProcess, tier: str) -> Result:
     method, path, headers = TIERS[tier]
     return client.send(envoy.url + path, method, dict(headers, **{"x-api-key": "sk_live_1"}))
@@ -100,7 +110,7 @@ def test_envoy_refuses_a_tier_shed_whole_while_critical_passes(tmp_path: Path,
             # calm: every tier's bucket is created (ALLOW_ALL before an assignment) and checked
             calm = {t: send(client, envoy, t) for t in TIERS}
             assert {t: (a.status, a.tier) for t, a in calm.items()} == {t: (200, t) for t in TIERS}
-            assert upstream.served == 4
+            assert served_at_least(upstream, 4) == 4
             r.set(SIGNAL_KEY, "1.0")  # every worker busy: test, get, post shed whole within ~1.5 s
             # Envoy gets DENY_ALL for them at its next report (every 5 s), not before
             deadline = time.monotonic() + 2 * REPORT_INTERVAL + 3
@@ -121,9 +131,11 @@ def test_envoy_refuses_a_tier_shed_whole_while_critical_passes(tmp_path: Path,
                     assert (body["type"], body["limiter"], body["tier"]) == (
                         f"{PROBLEM_TYPE}shedding_{tier}", "workers", tier)
                 assert send(client, envoy, "critical").status == 200
-            after = checks(metrics)
             # refused in Envoy: neither the upstream nor the server saw a shed tier's request
+            assert served_at_least(upstream, served + 5) - served == 5
+            time.sleep(0.2)  # anything more on its way arrives
             assert upstream.served - served == 5
+            after = checks(metrics)
             assert {t: after.get(t, 0) - before.get(t, 0) for t in TIERS} == {
                 "test": 0, "get": 0, "post": 0, "critical": 5}
             (stream,) = quota(server)["streams"]

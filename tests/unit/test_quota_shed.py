@@ -11,11 +11,21 @@ from pathlib import Path
 from extauthz.control.switches import Mode, Switches
 from extauthz.core.clock import ManualClock
 from extauthz.engine.engine import Engine
-from extauthz.engine.quota_service import NOTHING, Action, QuotaBook, QuotaLimit, Share, Usage, envoy_sheds
+from extauthz.engine.quota_service import (
+    NOTHING,
+    Action,
+    QuotaBook,
+    QuotaLimit,
+    Share,
+    StoreLedger,
+    Usage,
+    envoy_sheds,
+)
 from extauthz.engine.storegate import StoreGate
 from extauthz.limiters.worker import sample_once
 from extauthz.proto import ratelimit_strategy_pb2
 from extauthz.server.services import quota_metrics, quota_response
+from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
 
 from .helpers import policy_from
@@ -164,3 +174,19 @@ def test_a_shedder_bucket_holds_no_tokens_beside_a_limiter(tmp_path: Path) -> No
     by_kind = {next(iter(dict(a.bucket))): a for a in out[stream.id]}
     assert by_kind["limiter"].share == Share(2, 4) and not by_kind["limiter"].deny
     assert by_kind["shedder"].deny and by_kind["shedder"].share == NOTHING
+
+
+async def test_the_store_ledger_leaves_blanket_rules_as_they_are(tmp_path: Path) -> None:
+    """With the store's ledger beneath the book (several replicas), a shedder's answers pass
+    :meth:`QuotaBook.settle` unchanged and take no slice: ALLOW_ALL stays ALLOW_ALL (an
+    empty share there would be DENY_ALL)."""
+    clock = ManualClock()
+    store = MemoryStore(clock)
+    book = QuotaBook(dict, clock=clock, sheds=lambda: {"workers": frozenset({"get"})},
+                     ledger=StoreLedger(store, Keys(), replica="r"))
+    stream = book.open("envoy")
+    out = book.report(stream, "extauthz", [Usage(_bucket(t), 1, 1, 0) for t in ("get", "post")])
+    settled = await book.settle(out)
+    assert {dict(a.bucket)["tier"]: (a.deny, a.allow) for a in settled[stream.id]} == {
+        "get": (True, False), "post": (False, True)}
+    assert book.ledger is not None and book.ledger.failures == 0
