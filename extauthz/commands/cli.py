@@ -82,7 +82,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_check_policies(args: argparse.Namespace) -> int:
     from ..core.errors import PolicyError
-    from ..envoy.rlqs import envoy_limiters
+    from ..envoy.rlqs import envoy_limiters, envoy_shedders
     from ..policy import load_policy
 
     failed = False
@@ -94,8 +94,9 @@ def cmd_check_policies(args: argparse.Namespace) -> int:
             for issue in exc.issues:
                 print(f"error: {issue}", file=sys.stderr)
         else:
-            in_envoy = {s.name for s in envoy_limiters(policy)}  # docs/rlqs.md
-            names = ", ".join(f"{s.name} ({s.type}, {s.mode}{' in envoy' if s.name in in_envoy else ''})"
+            in_envoy = {s.name: " in envoy" for s in envoy_limiters(policy)}  # docs/rlqs.md
+            in_envoy.update({s.name: ", DENY_ALL in envoy" for s in envoy_shedders(policy)})
+            names = ", ".join(f"{s.name} ({s.type}, {s.mode}{in_envoy.get(s.name, '')})"
                               for s in policy.limiters) or "no limiters"
             print(f"ok: {path} (version {policy.version}): {names}")
     return 1 if failed else 0

@@ -26,7 +26,7 @@ from ..core.errors import PolicyError, PolicyIssue
 from ..core.settings import POLICY_MAX_BYTES
 from .descriptors import DescriptorTable
 from .model import Policy, compile_policy, descriptor_targets
-from .schema import LIMITER_TYPES, PolicyFile
+from .schema import LIMITER_TYPES, PolicyFile, WorkerUtilizationSpec
 
 YAML_SUFFIXES = (".yaml", ".yml")
 #: the default bound on one policy file's size (``serve --policy-max-bytes``): a Kubernetes
@@ -306,7 +306,7 @@ def _envoy_tier_issues(parsed: Sequence[tuple[str, PolicyFile, _Document]]) -> l
     must be one Envoy's quota filter matchers can read (request headers, method, path): each
     other one is refused where it is written (docs/rlqs.md, "Shedders in Envoy")."""
     pushed = [spec.name for _, model, _ in parsed for spec in model.limiters
-              if getattr(spec, "envoy_deny_all", False)]
+              if isinstance(spec, WorkerUtilizationSpec) and spec.envoy_deny_all]
     if not pushed:
         return []
     why = (f"the shedder '{pushed[0]}' pushes DENY_ALL to Envoy (envoy_deny_all), whose quota filter "

@@ -192,6 +192,15 @@ def test_a_shedder_s_filter_allows_without_an_assignment_and_refuses_with_the_sh
         assert {"key": "retry-after", "value": "3"} in [h["header"] for h in deny["response_headers_to_add"]]
 
 
+def test_check_policies_says_which_shedders_push_deny_all_to_envoy(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from extauthz.commands.cli import main
+
+    (tmp_path / "api.yaml").write_text(SHED_POLICY)
+    assert main(["check-policies", str(tmp_path)]) == 0
+    assert "workers (worker_utilization, enforce, DENY_ALL in envoy)" in capsys.readouterr().out
+
+
 def test_rlqs_with_only_a_pushed_shedder_renders_its_filter_first(tmp_path: Path) -> None:
     both = SHED_POLICY + "  - {name: ip-rate, type: request_rate, rate: 5, burst: 10, key: [{source_ip: true}], " \
                          "enforce: envoy}\n"
