@@ -110,3 +110,28 @@ def test_quota_counters_flag_refusals_and_a_reconnected_stream() -> None:
     assert refused.refused == 500
     assert any("refused 500 of 100000" in p for p in refused.problems), refused.problems
     assert any("1 quota stream(s) closed" in p for p in refused.problems), refused.problems
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.skipif(shutil.which("wrk") is None or shutil.which("h2load") is None
+                    or shutil.which("redis-server") is None,
+                    reason="wrk/h2load/redis-server not installed (scripts/install-system-deps.sh)")
+def test_quota_row_runs_through_real_envoy(tmp_path: Path) -> None:
+    """(q) through the harness: Envoy's quota filter decides every request after the warm-up
+    (nothing refused in the measured run, no stream closed), the server holds one bucket per
+    rotating key, and Envoy's CPU per request is read beside (a)'s."""
+    out = tmp_path / "run.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.harness", "--smoke", "--configs", "a,q", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = json.loads(out.read_text())
+    q = {p["kind"]: p for p in run["phases"] if p["setup"] == "q"}
+    sat = q["saturated"]
+    assert sat["requests"] > 0 and sat["refused"] == 0, sat
+    assert sat["quota_buckets"] == 1000, sat  # one bucket per rotating API key
+    assert not any("closed" in x for x in sat["problems"]), sat["problems"]
+    assert sat["envoy_cpu_us"] and sat["server_cpu_us"] is not None, sat
+    assert q["latency"]["quota_buckets"] == 1, q["latency"]  # h2load: one key
+    assert "envoy cpu q/a" in run["summary"]["ratios"]
