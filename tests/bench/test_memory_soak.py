@@ -1,0 +1,39 @@
+"""bench/memory_soak.py: the figures it prints come from the samples (start after the warm-up,
+end, max, ratios), and RSS is read from /proc for every process given. No timing assertions."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench.memory_soak import rss_bytes, summarize
+
+
+def test_summary_starts_after_the_warmup() -> None:
+    mib = 2**20
+    samples = [(0.0, 50 * mib), (5.0, 200 * mib), (10.0, 100 * mib), (15.0, 130 * mib), (20.0, 110 * mib)]
+    m = summarize(samples, warmup=10.0)
+    assert (m["start_mib"], m["end_mib"], m["max_mib"]) == (100, 110, 130)
+    assert m["end_ratio"] == pytest.approx(1.1) and m["max_ratio"] == pytest.approx(1.3)
+    assert m["samples"] == 3 and m["measured_s"] == 10.0
+
+
+def test_a_run_without_a_sample_after_the_warmup_is_refused() -> None:
+    with pytest.raises(ValueError, match="no sample after the 30.0 s warm-up"):
+        summarize([(0.0, 1), (10.0, 2)], warmup=30.0)
+
+
+def test_rss_sums_every_process_and_skips_the_gone() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        mine, theirs = rss_bytes([os.getpid()]), rss_bytes([child.pid])
+        assert mine > 0 and theirs > 0
+        assert rss_bytes([os.getpid(), child.pid]) >= mine  # the child's own pages add
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait()
+    assert rss_bytes([child.pid]) == 0
