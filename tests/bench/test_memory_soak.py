@@ -22,7 +22,7 @@ def test_summary_starts_after_the_warmup() -> None:
 
 
 def test_a_run_without_a_sample_after_the_warmup_is_refused() -> None:
-    with pytest.raises(ValueError, match="no sample after the 30.0 s warm-up"):
+    with pytest.raises(ValueError, match=r"no sample after the 30\.0 s warm-up"):
         summarize([(0.0, 1), (10.0, 2)], warmup=30.0)
 
 
