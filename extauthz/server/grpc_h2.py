@@ -583,8 +583,12 @@ class GrpcH2Server:
             self.reject("stopping" if self.stopping else "too_many_connections")
             sock.close()
             return
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:  # the peer is gone already
+            sock.close()
+            return
         task = asyncio.get_running_loop().create_task(self._handshake(sock), name="extauthz-grpc-handshake")
         self.handshakes.add(task)
         task.add_done_callback(self.handshakes.discard)
