@@ -86,9 +86,10 @@ def soak(setup: Setup, *, seconds: float, warmup: float, interval: float, connec
                 print(f"  {at:7.1f} s  server RSS {rss / 2**20:8.1f} MiB", flush=True)
                 time.sleep(max(0.0, interval - (time.monotonic() - began - at)))
             out, err = wrk.communicate()
+            samples.append((time.monotonic() - began, rss_bytes(running.server_pids())))
+            print(f"memory: {json.dumps(summarize(samples, warmup))}", flush=True)  # whatever wrk says
             if wrk.returncode:
                 raise RuntimeError(f"wrk exited {wrk.returncode}:\n{out}\n{err}")
-            samples.append((time.monotonic() - began, rss_bytes(running.server_pids())))
             return {"setup": setup.key, "label": setup.label, "samples": samples,
                     "memory": summarize(samples, warmup), "wrk": read_wrk(out),
                     "fail_open": running.fail_open(),

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from bench.load import read_wrk
 from bench.memory_soak import rss_bytes, summarize
 
 
@@ -37,3 +38,14 @@ def test_rss_sums_every_process_and_skips_the_gone() -> None:
         child.stdin.close()
         child.wait()
     assert rss_bytes([child.pid]) == 0
+
+
+@pytest.mark.parametrize("length,seconds", [("10.01s", 10.01), ("11.00m", 660.0), ("850.00ms", 0.85)])
+def test_wrk_runs_of_any_length_are_read(length: str, seconds: float) -> None:
+    # wrk prints a run's length in its largest whole unit: a 10-minute soak says "11.00m"
+    out = (f"  608011 requests in {length}, 161.82MB read\n  Non-2xx or 3xx responses: 5770\n"
+           "  Socket errors: connect 0, read 1, write 0, timeout 2\n")
+    figures = read_wrk(out)
+    assert figures["seconds"] == pytest.approx(seconds)
+    assert figures["rps"] == pytest.approx(608011 / seconds)
+    assert (figures["non_2xx"], figures["errors"]) == (5770, 3)
