@@ -22,6 +22,7 @@ import json
 import subprocess
 import tempfile
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -51,6 +52,19 @@ def rss_bytes(pids: Sequence[int]) -> int:
                 total += int(line.split()[1]) * 1024
                 break
     return total
+
+
+def grpc_state(admin_port: int) -> dict[str, Any]:
+    """The gRPC port's own counts from admin ``/status`` (connections, calls it holds: a leak
+    of calls shows here before it shows in memory); empty if unreachable."""
+    try:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+                f"http://127.0.0.1:{admin_port}/status", timeout=2) as resp:
+            status = json.load(resp)
+    except (OSError, ValueError):
+        return {}
+    grpc = status.get("grpc") or {}
+    return {k: grpc[k] for k in ("connections", "running", "calls") if k in grpc}
 
 
 def summarize(samples: Sequence[tuple[float, int]], warmup: float) -> dict[str, float]:
@@ -83,7 +97,8 @@ def soak(setup: Setup, *, seconds: float, warmup: float, interval: float, connec
                 at = time.monotonic() - began
                 rss = rss_bytes(running.server_pids())
                 samples.append((at, rss))
-                print(f"  {at:7.1f} s  server RSS {rss / 2**20:8.1f} MiB", flush=True)
+                print(f"  {at:7.1f} s  server RSS {rss / 2**20:8.1f} MiB  gRPC port {grpc_state(running.admin_base)}",
+                      flush=True)
                 time.sleep(max(0.0, interval - (time.monotonic() - began - at)))
             out, err = wrk.communicate()
             samples.append((time.monotonic() - began, rss_bytes(running.server_pids())))
