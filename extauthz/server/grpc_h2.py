@@ -42,8 +42,10 @@ behind the same gRPC door adapter whichever server carries it.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import re
+import socket
 import ssl
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -177,7 +179,7 @@ def malformed(headers: Iterable[tuple[bytes, bytes]], trailers: bool = False) ->
 
 #: the reasons :meth:`GrpcH2Server.reject` counts, by what each ended (the ``extauthz_grpc_*``
 #: metrics; docs/operations.md): a connection closed before it served a call, ...
-CONNECTION_REFUSED = ("too_many_connections", "stopping", "alpn", "handshake_timeout")
+CONNECTION_REFUSED = ("too_many_connections", "stopping", "alpn", "handshake_timeout", "tls_handshake")
 #: ... a connection ended by a bound or a protocol error, ...
 CONNECTION_CLOSED = ("frame_too_large", "protocol_error", "control_flood", "rapid_reset", "slow_frame",
                      "peer_not_reading", "idle_timeout")
@@ -429,6 +431,86 @@ def call_time_left(call: Any) -> tuple[float | None, float, bool]:
     return call.time_remaining(), 0.0, not isinstance(call, Call)
 
 
+#: accept() errors that mean the process or the system is out of something: accepting pauses
+#: for a second (as asyncio's own server does) instead of spinning on a readable socket
+_ACCEPT_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_BACKLOG = 1024
+
+
+def listen_sockets(host: str | None, port: int, *, reuse_port: bool = False,
+                   backlog: int = _BACKLOG) -> list[socket.socket]:
+    """Non-blocking listening sockets on ``host:port`` bound as ``loop.create_server`` binds
+    them: every address the host resolves to (every interface when None), IPv6 ones v6-only,
+    SO_REUSEADDR, and SO_REUSEPORT when asked."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(backlog)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+class _TlsListener:
+    """The TLS port's own accept loop. asyncio's ``ssl=`` server builds the protocol at the
+    accept but calls its ``connection_made`` only after the handshake, and never calls a
+    failed handshake back, so a connection could count against ``max_connections`` only once
+    its handshake was done: a flood of handshakes that never finish was bounded by the
+    handshake timeout alone. Here a connection counts from its accept
+    (:meth:`GrpcH2Server._accepted`), one past the bound is closed at once, and the handshake
+    runs in ``loop.connect_accepted_socket`` (asyncio's and uvloop's, with the same SSL
+    protocol as their servers; starting TLS by hand with ``loop.start_tls`` broke Envoy's mTLS
+    under uvloop), whose end, done or failed, releases the count."""
+
+    def __init__(self, server: GrpcH2Server, sockets: list[socket.socket]) -> None:
+        self.server = server
+        self.sockets = sockets
+        self.loop = asyncio.get_running_loop()
+        self.closed = False
+        for sock in sockets:
+            self.loop.add_reader(sock.fileno(), self._accept, sock)
+
+    def _accept(self, sock: socket.socket) -> None:
+        for _ in range(_BACKLOG):  # what is waiting, in one go (bounded)
+            try:
+                conn, _ = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in _ACCEPT_EXHAUSTED:
+                    log.warning("gRPC port: cannot accept (%s): pausing accepts for 1 s", exc.strerror or exc,
+                                extra={"fields": {"event": "grpc_accept_paused", "errno": exc.errno}})
+                    self.loop.remove_reader(sock.fileno())
+                    self.loop.call_later(1.0, self._resume, sock)
+                    return
+                continue  # the peer left before its accept (ECONNABORTED, ...)
+            self.server._accepted(conn)
+
+    def _resume(self, sock: socket.socket) -> None:
+        if not self.closed:
+            self.loop.add_reader(sock.fileno(), self._accept, sock)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for sock in self.sockets:
+            self.loop.remove_reader(sock.fileno())
+            sock.close()
+
+
 class GrpcH2Server:
     """gRPC over HTTP/2 on the event loop; the subset of ``grpc.aio.Server`` that
     ``add_*Servicer_to_server``, :class:`~extauthz.server.app.Server` and the tests use."""
@@ -438,7 +520,9 @@ class GrpcH2Server:
         self.ssl_context = ssl_context
         self.handlers: dict[bytes, Any] = {}
         self.connections: set[_Connection] = set()
-        self.server: asyncio.AbstractServer | None = None
+        self.server: asyncio.AbstractServer | _TlsListener | None = None
+        #: TLS connections accepted whose handshake runs: they count against max_connections
+        self.handshakes: set[asyncio.Task[None]] = set()
         self.port = 0
         self.stopping = False
         #: connections and streams refused or closed by a bound, by reason
@@ -480,17 +564,51 @@ class GrpcH2Server:
         loop = asyncio.get_running_loop()
         self._terminated = asyncio.Event()
         try:
-            self.server = await loop.create_server(lambda: _Connection(self), host or None, port,
-                                                   reuse_port=reuse_port or None, backlog=1024,
-                                                   ssl=self.ssl_context,
-                                                   ssl_handshake_timeout=self.limits.handshake_timeout
-                                                   if self.ssl_context is not None else None)
+            if self.ssl_context is None:
+                self.server = await loop.create_server(lambda: _Connection(self), host or None, port,
+                                                       reuse_port=reuse_port or None, backlog=_BACKLOG)
+            else:  # handshakes counted from the accept (_TlsListener)
+                self.server = _TlsListener(self, listen_sockets(host or None, port, reuse_port=reuse_port))
         except OSError as exc:
             where = f"{listen} ({flag})" if flag else listen
             raise OSError(exc.errno, f"cannot listen on {where}: {exc.strerror or exc}") from None
         self.port = int(self.server.sockets[0].getsockname()[1])
         self._sweeper = asyncio.create_task(self._sweep(), name="extauthz-grpc-sweeper")
         return self.port
+
+    def _accepted(self, sock: socket.socket) -> None:
+        """A TLS connection accepted: counted from now (its handshake included), or closed at
+        once past the bound or while stopping."""
+        if self.stopping or len(self.connections) + len(self.handshakes) >= self.limits.max_connections:
+            self.reject("stopping" if self.stopping else "too_many_connections")
+            sock.close()
+            return
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:  # the peer is gone already
+            sock.close()
+            return
+        task = asyncio.get_running_loop().create_task(self._handshake(sock), name="extauthz-grpc-handshake")
+        self.handshakes.add(task)
+        task.add_done_callback(self.handshakes.discard)
+
+    async def _handshake(self, sock: socket.socket) -> None:
+        """The TLS handshake of one accepted connection; once done, the connection is the
+        protocol's (``connection_made``: ALPN, then counted in ``connections``). A handshake
+        that fails or outlasts ``handshake_timeout`` is counted and its socket closed."""
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        try:
+            await loop.connect_accepted_socket(lambda: _Connection(self), sock, ssl=self.ssl_context,
+                                               ssl_handshake_timeout=self.limits.handshake_timeout)
+        except asyncio.CancelledError:  # a stop: the transport closed the socket
+            sock.close()
+            raise
+        except OSError:  # ssl.SSLError, a reset, the timeout's ConnectionAbortedError: counted, closed
+            timed_out = loop.time() - began >= self.limits.handshake_timeout
+            self.reject("handshake_timeout" if timed_out else "tls_handshake")
+            sock.close()
 
     async def _sweep(self) -> None:
         """Handshake, idle and request timeouts, checked a few times per smallest timeout."""
@@ -513,6 +631,11 @@ class GrpcH2Server:
         self.server.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
+        handshakes = list(self.handshakes)  # TLS handshakes still running: ended
+        for task in handshakes:
+            task.cancel()
+        if handshakes:
+            await asyncio.wait(handshakes)
         loop = asyncio.get_running_loop()
         end = loop.time() + (grace or 0.0)
         for conn in list(self.connections):
@@ -580,14 +703,16 @@ class GrpcH2Server:
             self._peers_closed.set()
 
     def status(self) -> dict[str, Any]:
-        return {"server": "asyncio", "connections": len(self.connections), "calls": self.calls,
+        return {"server": "asyncio", "connections": len(self.connections), "handshakes": len(self.handshakes),
+                "calls": self.calls,
                 "running": sum(len(c.calls) for c in self.connections), "rejected": dict(self.rejected),
                 "goaways": dict(self.goaways)}
 
     def metrics(self) -> Iterator[Metric]:
         """The port's bounds at work, as Prometheus families (docs/operations.md)."""
-        yield GaugeMetricFamily("extauthz_grpc_connections", "Connections open on the gRPC port (they "
-                                "count against its connection bound).", value=len(self.connections))
+        yield GaugeMetricFamily("extauthz_grpc_connections", "Connections open on the gRPC port, TLS ones "
+                                "from their accept, handshake included (they count against its connection "
+                                "bound).", value=len(self.connections) + len(self.handshakes))
         yield CounterMetricFamily("extauthz_grpc_calls", "gRPC calls started on the gRPC port.", value=self.calls)
         for name, help, reasons in (
                 ("extauthz_grpc_connections_refused", "gRPC port connections closed before serving a "
