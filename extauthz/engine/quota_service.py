@@ -239,6 +239,11 @@ class Held:
     free: Share = NOTHING
     #: the demand the bucket's other holders (every replica's streams) reported, scaled
     others: int = 0
+    #: the store's cooling (:meth:`QuotaBook._store_ask`): the slices last asked without it,
+    #: the larger ones kept while released burst cools, and until when (inf: no spare fill)
+    asked: Share = NOTHING
+    cooling: Share = NOTHING
+    cool_until: float = 0.0
 
 
 @dataclass(slots=True)
@@ -330,29 +335,43 @@ class StoreLedger:
         return f"{self.replica}.{sid}"
 
     def ops(self, bucket: BucketKey, sid: int, want: Share, total: Share, ttl: float,
-            demand: int) -> list[SliceOp]:
-        """The three slices ``sid`` asks of ``bucket``'s ledger: of the fill, of the burst,
-        and its demand (on a ledger whose total never binds: the others' sum comes back)."""
+            demand: int, cool: float = 0.0) -> list[SliceOp]:
+        """The three slices ``sid`` asks of ``bucket``'s ledger: of the fill, of the burst
+        (both ``cool`` seconds past ``ttl``: :func:`cool_tail`), and its demand (on a ledger
+        whose total never binds: the others' sum comes back)."""
         limiter = dict(bucket).get(LIMITER_KEY, "")
         digest = hashlib.sha256(repr(bucket).encode()).hexdigest()[:24]
         holder = self.holder(sid)
-        return [SliceOp(self.keys.quota_ledger(limiter, digest, "fill"), total.fill, ttl, holder, want.fill),
-                SliceOp(self.keys.quota_ledger(limiter, digest, "burst"), total.burst, ttl, holder, want.burst),
+        held_for = ttl + cool
+        return [SliceOp(self.keys.quota_ledger(limiter, digest, "fill"), total.fill, held_for, holder, want.fill),
+                SliceOp(self.keys.quota_ledger(limiter, digest, "burst"), total.burst, held_for, holder,
+                        want.burst),
                 SliceOp(self.keys.quota_ledger(limiter, digest, "demand"), DEMAND_TOTAL, ttl, holder,
                         min(MAX_DEMAND, max(0, demand)))]
 
     async def hold(self, bucket: BucketKey, sid: int, want: Share, total: Share, ttl: float,
-                   demand: int = 0) -> Granted:
+                   demand: int = 0, cool: float = 0.0) -> Granted:
         """Set ``sid``'s slices of ``bucket`` to ``want``, or what is left of ``total`` when
         less (:func:`~extauthz.store.algorithms.slice_top`; ``NOTHING`` and demand 0 give
-        them back), and its demand, in one atomic call. Raises what the store raises."""
-        result = await self.store.check(self.ops(bucket, sid, want, total, ttl, demand), "")
+        them back), and its demand, in one atomic call; the fill and burst slices are held
+        ``cool`` seconds past ``ttl``. Raises what the store raises."""
+        result = await self.store.check(self.ops(bucket, sid, want, total, ttl, demand, cool), "")
         fill, burst, asked = result.results
         others = max(0, DEMAND_TOTAL - int(asked.remaining) - max(0, int(asked.extra)))
         return Granted(_granted(fill, burst), Share(int(fill.remaining), int(burst.remaining)), others)
 
     def status(self) -> dict[str, object]:
         return {"replica": self.replica, "failures": self.failures, "healthy": self.healthy}
+
+
+def cool_tail(slices: Share, interval: int) -> float:
+    """How long a holder's fill and burst slices are held past the TTL of the assignment
+    they back: the time their own fill takes to refill their burst. Its Envoy enforces
+    nothing once the assignment expires, and the fill held meanwhile is no one else's, so
+    the limiter's own bucket refills the burst that Envoy may have spent before another
+    replica's Envoy can start a bucket full with it (0: no fill held, no Envoy has tokens
+    from these slices)."""
+    return slices.burst * interval / slices.fill if slices.fill > 0 else 0.0
 
 
 def _granted(fill: OpResult, burst: OpResult) -> Share:
@@ -639,6 +658,7 @@ class QuotaBook:
         if ledger is None:
             return out
         limits = self.limits()
+        now = self.clock.monotonic()
         ttl = self.ttl + SLICE_MARGIN_REPORTS * self.report_interval
         jobs: list[tuple[int, int, Held | None]] = []
         calls = []
@@ -661,11 +681,19 @@ class QuotaBook:
                 # answered); the store keeps what its Envoy may hold until it confirms a shrink
                 demand = min(MAX_DEMAND, round(held.demand * DEMAND_SCALE))
                 share = _min(action.share, fair_cap(total, demand, held.others))
+                if now < held.cool_until and share.burst > held.sent.burst:
+                    # no burst grows while its own release cools (a bucket Envoy grows or
+                    # starts anew holds tokens at once: the released ones, maybe spent)
+                    share = Share(share.fill, held.sent.burst)
+                if not (share.fill and share.burst):  # Envoy's token bucket needs both
+                    share = NOTHING
                 out[sid][i] = Action(action.bucket, share, action.interval, action.ttl)
                 # (a shrink not yet confirmed: the ledger's size; else what was sent last)
                 keep = _max(held.ledger, held.sent) if held.until else held.sent
+                ask = self._store_ask(held, _max(keep, share), limit, now)
                 jobs.append((sid, i, held))
-                calls.append(ledger.hold(action.bucket, sid, _max(keep, share), total, ttl, demand))
+                calls.append(ledger.hold(action.bucket, sid, ask, total, ttl, demand,
+                                         cool_tail(ask, limit.interval) if limit is not None else 0.0))
         answers = await asyncio.gather(*calls, return_exceptions=True)
         now = self.clock.monotonic()
         settled = out
@@ -703,6 +731,34 @@ class QuotaBook:
             ledger.healthy = True
         return {sid: kept for sid, actions in settled.items()
                 if (kept := [a for i, a in enumerate(actions) if (sid, i) not in dropped])}
+
+    @staticmethod
+    def _store_ask(held: Held, base: Share, limit: QuotaLimit | None, now: float) -> Share:
+        """The slices to ask of the store: ``base`` (what its Envoy may enforce), or more
+        while burst this holder released cools. Envoy grows a bucket with its ratio of tokens
+        kept and starts a new one full, so burst released to the store at once could come
+        back in another replica's Envoy right after this one's spent it (docs/rlqs.md,
+        "Cooling across replicas"). So a release of burst keeps the larger slices asked
+        before it (``cooling``) for the time the fill they hold and the Envoy no longer
+        uses (``cooling.fill - base.fill``, which no other holder can take meanwhile) takes
+        to refill the released burst; with no such fill, until there is some. A cooling
+        that the holder's own fill grows into is timed again from now (less of it spare)."""
+        if held.cool_until and now >= held.cool_until:
+            held.cooling, held.cool_until = NOTHING, 0.0
+        last, held.asked = held.asked, base
+        if limit is None:
+            return _max(base, held.cooling) if held.cool_until else base
+        if base.burst < last.burst:  # burst released: it cools before the store frees it
+            held.cooling = _max(held.cooling, last)
+        elif not held.cool_until or (base.fill <= last.fill and held.cool_until < math.inf):
+            return _max(base, held.cooling) if held.cool_until else base
+        spare, left = held.cooling.fill - base.fill, held.cooling.burst - base.burst
+        if left <= 0:  # grown back past what cooled: nothing left to cool
+            held.cooling, held.cool_until = NOTHING, 0.0
+            return base
+        until = now + left * limit.interval / spare if spare > 0 else math.inf
+        held.cool_until = until if held.cool_until == math.inf else max(held.cool_until, until)
+        return _max(base, held.cooling)
 
     # -- status
     def status(self) -> dict[str, object]:
