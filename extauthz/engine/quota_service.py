@@ -24,9 +24,16 @@ into ``RateLimitQuotaResponse`` messages.
 * Envoy 1.40 uses a token bucket's ``fill_interval`` in whole seconds and ignores a change
   of its seconds (it compares only the nanoseconds), so a limiter's interval is fixed:
   ``ceil(1 / rate)`` seconds (at least 1) and only ``tokens_per_fill``/``max_tokens`` vary.
-* Over-admission is computed from the reports against the ledger: a report allowing more
-  than the stream's share (its rate over the time elapsed plus its burst) counts the excess
-  (``extauthz_quota_overadmission_total``, must stay 0).
+* Over-admission counts only what the ledger proves: tokens of a share grown while the
+  shares held sum past the limit, in this replica's ledger or the store's
+  (``extauthz_quota_overadmission_total``, must stay 0). A report allowing more than the
+  stream's share could is self-reported: it counts one entry in ``reported_excess``
+  (``extauthz_quota_reported_excess_total``), never its requests, so a peer cannot inflate
+  the first and raises the second by at most one per entry settled.
+* A bucket's entry sooner than half a report interval after the stream's last one settled
+  is coalesced (``extauthz_quota_coalesced_total``): a peer reporting faster than Envoy costs
+  no division and no store call.
+* Released burst cools in the store too (:meth:`QuotaBook._store_ask`, :func:`cool_tail`).
 """
 
 from __future__ import annotations
@@ -66,6 +73,10 @@ FLOOR_WEIGHT = 0.1
 MAX_REPORTED = 10**12
 #: Envoy 1.40's time_elapsed is whole seconds, rounded down
 ELAPSED_ROUNDING = 1.0
+#: a bucket's entry arriving within this part of a report interval of the stream's last one
+#: settled for it is coalesced into the next (Envoy sends one every 5 s, and one at once for
+#: a bucket it has not reported: a peer reporting faster costs no division, no store call)
+COALESCE_PART = 0.5
 #: bounds (docs/rlqs.md)
 MAX_STREAMS = 1024
 MAX_BUCKETS_PER_STREAM = 4096
@@ -244,6 +255,9 @@ class Held:
     asked: Share = NOTHING
     cooling: Share = NOTHING
     cool_until: float = 0.0
+    #: coalesced entries (:data:`COALESCE_PART`) not yet audited: requests allowed, seconds
+    pending_allowed: int = 0
+    pending_elapsed: float = 0.0
 
 
 @dataclass(slots=True)
@@ -299,6 +313,9 @@ class Granted:
     share: Share
     free: Share
     others: int
+    #: the units the ledger holds past the limit after the call (a lowered limit, until the
+    #: slices taken under the old one are renewed)
+    over: Share = NOTHING
 
 
 def fair_cap(total: Share, mine: int, others: int) -> Share:
@@ -358,7 +375,8 @@ class StoreLedger:
         result = await self.store.check(self.ops(bucket, sid, want, total, ttl, demand, cool), "")
         fill, burst, asked = result.results
         others = max(0, DEMAND_TOTAL - int(asked.remaining) - max(0, int(asked.extra)))
-        return Granted(_granted(fill, burst), Share(int(fill.remaining), int(burst.remaining)), others)
+        return Granted(_granted(fill, burst), Share(int(fill.remaining), int(burst.remaining)), others,
+                       Share(max(0, int(fill.retry_after)), max(0, int(burst.retry_after))))
 
     def status(self) -> dict[str, object]:
         return {"replica": self.replica, "failures": self.failures, "healthy": self.healthy}
@@ -388,8 +406,14 @@ class QuotaBook:
     def __init__(self, limits: Callable[[], Mapping[str, QuotaLimit]], *, clock: Clock = SYSTEM_CLOCK,
                  report_interval: float = REPORT_INTERVAL, max_streams: int = MAX_STREAMS,
                  max_buckets: int = MAX_BUCKETS_PER_STREAM, max_holds: int = MAX_HOLDS,
-                 salt: bytes = b"", confirm_on_write: bool = False, ledger: StoreLedger | None = None) -> None:
+                 salt: bytes = b"", confirm_on_write: bool = False, ledger: StoreLedger | None = None,
+                 min_report_gap: float | None = None) -> None:
         self.limits = limits
+        #: a bucket's entry sooner than this after the stream's last one settled for it is
+        #: coalesced (default: :data:`COALESCE_PART` of a report interval; 0: never)
+        self.min_report_gap = report_interval * COALESCE_PART if min_report_gap is None else min_report_gap
+        if not (math.isfinite(self.min_report_gap) and 0 <= self.min_report_gap <= report_interval):
+            raise ValueError("min_report_gap is between 0 and the report interval")
         #: the ledger across replicas beneath this replica's (None: this replica's only)
         self.ledger = ledger
         #: a shrink's confirmation waits from when it was written (:meth:`written`, the
@@ -418,7 +442,14 @@ class QuotaBook:
         self._cooled: list[tuple[float, BucketKey]] = []
         #: counters for /metrics
         self.reports = 0
+        #: tokens this replica granted past the limit, as its ledger and the store prove
+        #: them (a share grown while the shares held sum past the limit): 0 by construction
         self.overadmission = 0
+        #: report entries allowing more than the share they were sent could (self-reported:
+        #: an Envoy not enforcing what it got, or a peer lying; one per entry, never requests)
+        self.reported_excess = 0
+        #: report entries coalesced (:data:`COALESCE_PART`)
+        self.coalesced = 0
         self.refused: dict[str, int] = {}
 
     @property
@@ -546,6 +577,15 @@ class QuotaBook:
                           min(max(0, usage.allowed), MAX_REPORTED), min(max(0, usage.denied), MAX_REPORTED))
             held = stream.buckets.get(key)
             first = held is None
+            if held is not None and not held.abandoned and now - held.reported < self.min_report_gap:
+                # sooner than Envoy reports: counted, audited with the next entry settled,
+                # nothing divided nor asked of the store (its assignment stands)
+                held.allowed += usage.allowed
+                held.denied += usage.denied
+                held.pending_allowed = min(MAX_REPORTED, held.pending_allowed + usage.allowed)
+                held.pending_elapsed = min(float(MAX_REPORTED), held.pending_elapsed + usage.elapsed)
+                self.coalesced += 1
+                continue
             if held is None:
                 held = stream.buckets[key] = Held(reported=now)
                 self.holders.setdefault(key, set()).add(stream.id)
@@ -588,14 +628,17 @@ class QuotaBook:
         return {sid: actions for sid, actions in out.items() if actions}
 
     def _audit(self, held: Held, usage: Usage, limit: QuotaLimit | None) -> None:
-        """Requests allowed past the stream's share (the larger of what it held) count."""
-        if limit is None or usage.elapsed <= 0:
+        """An entry allowing more than the stream's share (the larger of what it held) could
+        counts once in :attr:`reported_excess` (with the entries coalesced into it)."""
+        allowed, elapsed = usage.allowed + held.pending_allowed, usage.elapsed + held.pending_elapsed
+        held.pending_allowed, held.pending_elapsed = 0, 0.0
+        if limit is None or elapsed <= 0:
             return
         share = Share(max(held.share.fill, held.ledger.fill), max(held.share.burst, held.ledger.burst))
         # Envoy 1.40 rounds time_elapsed down to whole seconds (4 s for ~4.98 s): up to 1 s more
-        bound = share.fill * (usage.elapsed + ELAPSED_ROUNDING) / limit.interval + share.burst
-        if usage.allowed > bound + 1e-9:
-            self.overadmission += math.ceil(usage.allowed - bound)
+        bound = share.fill * (elapsed + ELAPSED_ROUNDING) / limit.interval + share.burst
+        if allowed > bound + 1e-9:
+            self.reported_excess += 1
 
     def _assign(self, key: BucketKey, limit: QuotaLimit, now: float, out: dict[int, list[Action]]) -> None:
         sids = sorted(self.holders.get(key, ()))
@@ -622,6 +665,7 @@ class QuotaBook:
                 # keep filling at the old one: the bucket goes (DENY_ALL) and is granted anew
                 share = NOTHING
             changed = share != h.share
+            before = _held(h)
             if share.fill < h.share.fill or share.burst < h.share.burst:
                 h.ledger, h.until = _max(h.ledger, h.share), confirm_after
             elif not h.until:
@@ -633,6 +677,12 @@ class QuotaBook:
                 h.interval = interval
             if changed or sid in out:  # the reporting stream gets every bucket (TTL refreshed)
                 out.setdefault(sid, []).append(Action(key, share, interval, self.ttl))
+            grown = _past(_held(h), before)
+            if grown != NOTHING:
+                # what the ledger proves: a hold grown while the holds sum past the limit
+                held_sum = Share(sum(_held(o).fill for o in holders.values()),
+                                 sum(_held(o).burst for o in holders.values()))
+                self.overadmission += _sum(_min(grown, _past(held_sum, whole)))
         self._cool(key, now, limit)  # the unheld fill from now on
 
     def written(self, stream: Stream, shares: Iterable[tuple[BucketKey, Share]]) -> None:
@@ -712,6 +762,8 @@ class QuotaBook:
             action = settled[sid][i]
             assert action.share is not None
             share = _min(action.share, answer.share)
+            # what the store proves: a share grown while the slices sum past the limit
+            self.overadmission += _sum(_min(_past(share, held.sent), answer.over))
             if share.fill < held.sent.fill or share.burst < held.sent.burst:  # a shrink: held until confirmed
                 confirm_after = math.inf if self.confirm_on_write else now + self.report_interval / 2
                 held.ledger, held.until = _max(held.ledger, held.sent), max(held.until, confirm_after)
@@ -773,7 +825,8 @@ class QuotaBook:
                              "demand": round(h.demand, 3), "allowed": h.allowed, "denied": h.denied}
                             for k, h in s.buckets.items()],
             } for s in self.streams.values()],
-            "reports": self.reports, "overadmission": self.overadmission, "refused": dict(self.refused),
+            "reports": self.reports, "overadmission": self.overadmission,
+            "reported_excess": self.reported_excess, "coalesced": self.coalesced, "refused": dict(self.refused),
             "ledger": self.ledger.status() if self.ledger is not None else None,
         }
 
@@ -804,3 +857,12 @@ def _max(a: Share, b: Share) -> Share:
 
 def _min(a: Share, b: Share) -> Share:
     return Share(min(a.fill, b.fill), min(a.burst, b.burst))
+
+
+def _past(a: Share, b: Share) -> Share:
+    """What ``a`` holds past ``b``, in each number (0 where it does not)."""
+    return Share(max(0, a.fill - b.fill), max(0, a.burst - b.burst))
+
+
+def _sum(a: Share) -> int:
+    return a.fill + a.burst
