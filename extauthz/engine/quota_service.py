@@ -45,7 +45,7 @@ import logging
 import math
 import secrets
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -318,6 +318,23 @@ class Granted:
     over: Share = NOTHING
 
 
+#: (bucket, stream) holds settled in one store call (one report's, up to this many)
+MAX_HOLDS_PER_CALL = 128
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """One (bucket, stream)'s slices to ask of the store (:meth:`StoreLedger.hold`)."""
+
+    bucket: BucketKey
+    sid: int
+    want: Share
+    total: Share
+    ttl: float
+    demand: int = 0
+    cool: float = 0.0
+
+
 def fair_cap(total: Share, mine: int, others: int) -> Share:
     """The most a holder whose demand is ``mine`` may hold of ``total`` when the others'
     demand sums to ``others`` (both :data:`DEMAND_SCALE`-d): its part of the demand, each
@@ -372,11 +389,33 @@ class StoreLedger:
         less (:func:`~extauthz.store.algorithms.slice_top`; ``NOTHING`` and demand 0 give
         them back), and its demand, in one atomic call; the fill and burst slices are held
         ``cool`` seconds past ``ttl``. Raises what the store raises."""
-        result = await self.store.check(self.ops(bucket, sid, want, total, ttl, demand, cool), "")
-        fill, burst, asked = result.results
-        others = max(0, DEMAND_TOTAL - int(asked.remaining) - max(0, int(asked.extra)))
-        return Granted(_granted(fill, burst), Share(int(fill.remaining), int(burst.remaining)), others,
-                       Share(max(0, int(fill.retry_after)), max(0, int(burst.retry_after))))
+        (answer,) = await self.hold_many([Hold(bucket, sid, want, total, ttl, demand, cool)])
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    async def hold_many(self, holds: Sequence[Hold]) -> list[Granted | BaseException]:
+        """:meth:`hold` for many (bucket, stream)s: one store call per
+        :data:`MAX_HOLDS_PER_CALL` of them (their ops in one ``check``, each bucket's three
+        atomic as in :meth:`hold`), the calls at once; a call that fails fails its holds
+        (the exception in their place)."""
+        chunks = [holds[i:i + MAX_HOLDS_PER_CALL] for i in range(0, len(holds), MAX_HOLDS_PER_CALL)]
+        results = await asyncio.gather(*(self.store.check(
+            [op for h in chunk for op in self.ops(h.bucket, h.sid, h.want, h.total, h.ttl, h.demand, h.cool)], "")
+            for chunk in chunks), return_exceptions=True)
+        out: list[Granted | BaseException] = []
+        for chunk, result in zip(chunks, results, strict=True):
+            if isinstance(result, BaseException):
+                if not isinstance(result, Exception):
+                    raise result
+                out.extend([result] * len(chunk))
+                continue
+            for n in range(len(chunk)):
+                fill, burst, asked = result.results[3 * n:3 * n + 3]
+                others = max(0, DEMAND_TOTAL - int(asked.remaining) - max(0, int(asked.extra)))
+                out.append(Granted(_granted(fill, burst), Share(int(fill.remaining), int(burst.remaining)), others,
+                                   Share(max(0, int(fill.retry_after)), max(0, int(burst.retry_after)))))
+        return out
 
     def status(self) -> dict[str, object]:
         return {"replica": self.replica, "failures": self.failures, "healthy": self.healthy}
@@ -699,7 +738,8 @@ class QuotaBook:
     # -- the store ledger
     async def settle(self, out: dict[int, list[Action]]) -> dict[int, list[Action]]:
         """The actions of :meth:`report` as far as the store's ledger backs them: each
-        assignment's slices are asked of the store (the held size: a shrunk share's old
+        assignment's slices are asked of the store (one call for them all,
+        :meth:`StoreLedger.hold_many`) (the held size: a shrunk share's old
         size until it is confirmed) and the share sent is at most what the store granted; an
         abandoned bucket's slices go back. An assignment the store did not answer is not sent
         (its Envoy keeps its last assignment, which its slices back until their TTL, then
@@ -711,7 +751,7 @@ class QuotaBook:
         now = self.clock.monotonic()
         ttl = self.ttl + SLICE_MARGIN_REPORTS * self.report_interval
         jobs: list[tuple[int, int, Held | None]] = []
-        calls = []
+        holds: list[Hold] = []
         dropped: set[tuple[int, int]] = set()
         out = {sid: list(actions) for sid, actions in out.items()}
         for sid, actions in out.items():
@@ -742,9 +782,9 @@ class QuotaBook:
                 keep = _max(held.ledger, held.sent) if held.until else held.sent
                 ask = self._store_ask(held, _max(keep, share), limit, now)
                 jobs.append((sid, i, held))
-                calls.append(ledger.hold(action.bucket, sid, ask, total, ttl, demand,
-                                         cool_tail(ask, limit.interval) if limit is not None else 0.0))
-        answers = await asyncio.gather(*calls, return_exceptions=True)
+                holds.append(Hold(action.bucket, sid, ask, total, ttl, demand,
+                                  cool_tail(ask, limit.interval) if limit is not None else 0.0))
+        answers = await ledger.hold_many(holds) if holds else []
         now = self.clock.monotonic()
         settled = out
         failed = 0

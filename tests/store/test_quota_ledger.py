@@ -257,3 +257,28 @@ def test_the_memory_store_forgets_a_ledger_once_its_slices_expire() -> None:
     clock.advance(5.0)
     store.check_now([], "")
     assert key not in store._slices
+
+
+async def test_a_report_of_many_buckets_settles_in_few_store_calls(case: Case) -> None:
+    """300 buckets in one report: settled in one store call per 128 (each bucket's three
+    slices atomic, on Redis Cluster split by hash tag), each granted the whole limit; a
+    second replica's stream then gets nothing of any of them."""
+    buckets = [{"limiter": "per-ip", "ip": f"10.1.{n // 256}.{n % 256}"} for n in range(300)]
+    a, b = book(case, "a"), book(case, "b")
+    assert a.ledger is not None
+    calls = 0
+    check = case.store.check
+
+    async def counted(ops: Sequence[Op], lease_id: str) -> CheckResult:
+        nonlocal calls
+        calls += 1
+        return await check(ops, lease_id)
+
+    case.store.check = counted  # type: ignore[method-assign]
+    sa, sb = a.open("envoy-a"), b.open("envoy-b")
+    out = await a.settle(a.report(sa, "d", [Usage(x, 0.0, 0, 1) for x in buckets]))
+    assert calls == 3  # 128 + 128 + 44
+    assert [action.share for action in out[sa.id]] == [LIMIT.total] * 300
+    out = await b.settle(b.report(sb, "d", [Usage(x, 0.0, 0, 1) for x in buckets]))
+    assert calls == 6
+    assert {action.share for action in out[sb.id]} == {NOTHING}
