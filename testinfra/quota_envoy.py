@@ -200,3 +200,13 @@ class World:
             for j in range(i, len(times)):
                 worst = max(worst, (j - i + 1) - (rate * (times[j] - times[i]) + burst))
         return worst
+
+
+async def two_replicas(world: World, envoys: int) -> None:
+    """The timeline of the two-replica tests: five spells of 10-30 s, demand moved between
+    the Envoys at each; Envoys restart, streams break and move, replicas restart."""
+    rng = world.rng
+    for _ in range(5):
+        weights = [rng.choice([0.0, 0.1, 1.0, 9.0]) for _ in range(envoys)]
+        await world.run(rng.uniform(10, 30), weights, mean_gap=rng.choice([0.05, 0.2]),
+                        restarts=0.05, reconnects=0.2, replica_restarts=0.03)

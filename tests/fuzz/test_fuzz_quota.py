@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from extauthz.core.clock import ManualClock
 from extauthz.engine.quota_service import REPORT_INTERVAL, QuotaLimit
 from extauthz.store.memory import MemoryStore
-from testinfra.quota_envoy import World
+from testinfra.quota_envoy import World, two_replicas
 
 LIMITS = st.sampled_from([(0.5, 2.0), (1.0, 4.0), (2.0, 4.0), (3.0, 10.0), (0.2, 3.0)])
 
@@ -64,16 +64,6 @@ def test_a_lowered_limit_holds_from_one_report_and_delivery_after_the_reload(
         asyncio.run(world.run(rng.uniform(10, 20), [rng.choice([0.1, 1.0, 9.0]) for _ in range(envoys)], mean_gap=0.05))
     # every Envoy reports within 5 s and its answer arrives within 2 s (the model's delays)
     assert world.worst_excess(rate, burst, since=reloaded + REPORT_INTERVAL + 2.0) <= 1e-6
-
-
-async def two_replicas(world: World, envoys: int) -> None:
-    """Five spells of 10-30 s, demand moved between the Envoys at each; Envoys restart,
-    streams break and move, replicas restart."""
-    rng = world.rng
-    for _ in range(5):
-        weights = [rng.choice([0.0, 0.1, 1.0, 9.0]) for _ in range(envoys)]
-        await world.run(rng.uniform(10, 30), weights, mean_gap=rng.choice([0.05, 0.2]),
-                        restarts=0.05, reconnects=0.2, replica_restarts=0.03)
 
 
 #: with bursts many seconds of fill deep, released burst outlasts a shrink's confirmation

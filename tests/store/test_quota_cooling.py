@@ -19,9 +19,8 @@ from extauthz.engine.quota_service import NOTHING, QuotaBook, QuotaLimit, StoreL
 from extauthz.store.base import Store
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
-from testinfra.quota_envoy import BUCKET, World
+from testinfra.quota_envoy import BUCKET, World, two_replicas
 from testinfra.redis_servers import RedisSingle
-from tests.fuzz.test_fuzz_quota import two_replicas
 from tests.store.conftest import make_redis_store
 
 
