@@ -85,3 +85,28 @@ def test_the_promise_holds_across_two_replicas_on_one_store(seed: int, envoys: i
     world = World(rng, envoys, *limit, replicas=2, store=MemoryStore(clock), clock=clock)
     asyncio.run(two_replicas(world, envoys))
     assert world.worst_excess(*limit) <= 1e-6
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), envoys=st.integers(2, 3), limit=WIDE_LIMITS, lower=st.sampled_from([0.25, 0.5]))
+def test_a_lowered_limit_holds_across_two_replicas(seed: int, envoys: int, limit: tuple[float, float],
+                                                   lower: float) -> None:
+    """A reload lowers the limit while both replicas' streams hold slices of the old one
+    (streams moving between them): from one report and delivery after it, the new
+    ``rate x t + burst`` holds."""
+    rng = random.Random(seed)
+    clock = ManualClock(0.0)
+    world = World(rng, envoys, *limit, replicas=2, store=MemoryStore(clock), clock=clock)
+
+    async def run() -> float:
+        weights = [rng.choice([0.1, 1.0, 9.0]) for _ in range(envoys)]
+        await world.run(rng.uniform(10, 30), weights, mean_gap=0.05, reconnects=0.1)
+        reloaded = clock.monotonic()
+        rate, burst = limit[0] * lower, max(1.0, limit[1] * lower)
+        world.limit = QuotaLimit(rate, burst)
+        for _ in range(3):
+            weights = [rng.choice([0.1, 1.0, 9.0]) for _ in range(envoys)]
+            await world.run(rng.uniform(10, 20), weights, mean_gap=0.05, reconnects=0.1)
+        return world.worst_excess(rate, burst, since=reloaded + REPORT_INTERVAL + 2.0)
+
+    assert asyncio.run(run()) <= 1e-6
