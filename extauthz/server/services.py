@@ -315,8 +315,8 @@ def _shares(response: rlqs_pb2.RateLimitQuotaResponse) -> Iterable[tuple[BucketK
 
 def quota_response(actions: Iterable[Action]) -> rlqs_pb2.RateLimitQuotaResponse:
     """Bucket actions as Envoy 1.40 enforces them: a token bucket (``fill_interval`` whole
-    seconds), a DENY_ALL blanket rule (no limiter, or an empty share), or an abandon; every
-    assignment with its TTL."""
+    seconds), a DENY_ALL blanket rule (no limiter, an empty share, a tier shed whole), an
+    ALLOW_ALL one (a shedder's tier not shed whole), or an abandon; every assignment with its TTL."""
     response = rlqs_pb2.RateLimitQuotaResponse()
     for action in actions:
         item = response.bucket_action.add()
@@ -327,6 +327,9 @@ def quota_response(actions: Iterable[Action]) -> rlqs_pb2.RateLimitQuotaResponse
         assign = item.quota_assignment_action
         assign.assignment_time_to_live.FromNanoseconds(int(action.ttl * 1e9))
         strategy = assign.rate_limit_strategy
+        if action.allow:  # a shedder's tier it does not refuse whole
+            strategy.blanket_rule = ratelimit_strategy_pb2.RateLimitStrategy.ALLOW_ALL
+            continue
         if action.deny or not (action.share.fill and action.share.burst):
             # an empty share is DENY_ALL: Envoy's TokenBucket takes max_tokens and
             # tokens_per_fill above 0 only
@@ -360,3 +363,5 @@ def quota_metrics(book: QuotaBook) -> Iterable[Metric]:
     for reason in ("streams", "buckets", "outbox"):
         refused.add_metric([reason], book.refused.get(reason, 0))
     yield refused
+    yield CounterMetricFamily("extauthz_quota_shed_denials", "DENY_ALL answers sent to shedders' tier "
+                              "buckets (envoy_deny_all: a tier shed whole).", value=book.shed_denials)
