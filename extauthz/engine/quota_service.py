@@ -903,10 +903,15 @@ class QuotaBook:
 
     # -- status
     def status(self) -> dict[str, object]:
+        def sent(h: Held) -> Share:
+            """The share sent to Envoy: with a store ledger, the last one it settled (a
+            report's division waiting for its store call is not sent yet)."""
+            return h.sent if self.ledger is not None else h.share
+
         return {
             "streams": [{
                 "id": s.id, "peer": s.peer, "domain": s.domain, "closed": bool(s.gone_at),
-                "buckets": [{"bucket": shown(k, self.salt), "fill": h.share.fill, "burst": h.share.burst,
+                "buckets": [{"bucket": shown(k, self.salt), "fill": sent(h).fill, "burst": sent(h).burst,
                              "held": {"fill": h.ledger.fill, "burst": h.ledger.burst},
                              "store": {"fill": h.granted.fill, "burst": h.granted.burst,
                                        "free": {"fill": h.free.fill, "burst": h.free.burst},
