@@ -12,7 +12,7 @@ a report's entry divides among ``--envoys`` streams, the most work per entry); `
 each Envoy its own buckets (one holder each). Prints process CPU per bucket entry (the
 report decoded, the book, the answers built and encoded) and what ``--envoys x --buckets``
 entries every 5 s cost as a share of one core. ``--ledger``: each report's actions settled with
-the store's ledger too (``QuotaBook.settle``: one store call per bucket), on the embedded store
+the store's ledger too (``QuotaBook.settle``: one store call per report), on the embedded store
 or a Redis URL (this process's CPU only: Redis's own is not counted).
 
 ``--memory`` (with a Redis ledger): Redis's ``used_memory`` (``INFO memory``) before the first

@@ -377,9 +377,15 @@ def quota_response(actions: Iterable[Action]) -> rlqs_pb2.RateLimitQuotaResponse
 
 def quota_metrics(book: QuotaBook) -> Iterable[Metric]:
     """The quota stream's families: over-admission (must stay 0), reports, open streams."""
-    yield CounterMetricFamily("extauthz_quota_overadmission", "Requests Envoy reported allowed past "
-                              "the share this replica's ledger held for the stream (must stay 0).",
+    yield CounterMetricFamily("extauthz_quota_overadmission", "Tokens granted past the limit as this "
+                              "replica's ledger and the store's prove them (must stay 0).",
                               value=book.overadmission)
+    yield CounterMetricFamily("extauthz_quota_reported_excess", "Usage report entries allowing more "
+                              "than the share sent could (self-reported; entries, not requests).",
+                              value=book.reported_excess)
+    yield CounterMetricFamily("extauthz_quota_coalesced", "Usage report entries coalesced: sooner than "
+                              "half a report interval after the bucket's last one on the stream.",
+                              value=book.coalesced)
     yield CounterMetricFamily("extauthz_quota_reports", "Usage reports read on quota streams.",
                               value=book.reports)
     streams = GaugeMetricFamily("extauthz_quota_streams", "Quota streams (RLQS) open on this replica.",

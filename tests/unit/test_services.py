@@ -40,7 +40,8 @@ def _report(domain: str = "") -> rlqs_pb2.RateLimitQuotaUsageReports:
 
 
 async def test_answers_not_read_are_bounded_in_bytes() -> None:
-    book = QuotaBook(lambda: {"per-ip": QuotaLimit(10, 20)}, clock=ManualClock())
+    clock = ManualClock()
+    book = QuotaBook(lambda: {"per-ip": QuotaLimit(10, 20)}, clock=clock)
     service = RateLimitQuotaService(book)
     service.answer_wait = 0.05  # how long the reader waits for the peer to take an answer
     sent = 0
@@ -50,6 +51,7 @@ async def test_answers_not_read_are_bounded_in_bytes() -> None:
         nonlocal sent
         for n in range(40):
             sent += 1
+            clock.advance(5.0)  # at Envoy's pace (sooner, a bucket's entries are coalesced)
             yield _report("edge" if n == 0 else "")
         await hold.wait()  # the peer keeps its stream open
 
