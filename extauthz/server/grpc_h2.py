@@ -3,10 +3,11 @@ selects grpc.aio instead for one release).
 
 grpc.aio answers a no-op ``Check`` at ~395 us of CPU, most of it system calls and hand-offs
 between gRPC's poller thread and the event loop (docs/design.md, "The gRPC front door"). This
-server runs HTTP/2 on the event loop itself: the python-hyper ``h2`` state machine does the
-framing, HPACK and stream states (preface, SETTINGS, CONTINUATION, padding, PRIORITY, PING,
-stream ids, frame and header-list sizes, flow-control windows); this module adds what gRPC and
-a server exposed to a network need on top, each bounded (:class:`H2Limits`, docs/security.md
+server runs HTTP/2 on the event loop itself: ``server/h2conn.py``, the connection written by
+hand (preface, SETTINGS, stream states, CONTINUATION, padding, PRIORITY, PING, stream ids,
+frame and header-list sizes, flow-control windows; the ``hpack`` library decodes request
+headers), tells this module what it read; this module adds what gRPC and a server exposed to
+a network need on top, each bounded (:class:`H2Limits`, docs/security.md
 "HTTP/2 bounds"):
 
 * gRPC framing of messages (5-byte prefix), a message size bound (RESOURCE_EXHAUSTED),
@@ -15,7 +16,7 @@ a server exposed to a network need on top, each bounded (:class:`H2Limits`, docs
 * concurrency counted on the calls still running (a reset stream's handler counts until it
   ends), so rapid reset (CVE-2023-44487) cannot pile up work; peer resets
   and every frame that makes no progress (PING, SETTINGS, PRIORITY, small WINDOW_UPDATEs,
-  empty DATA, ...: :meth:`_Connection._frame_in`) drawn from budgets that refill with time: a
+  empty DATA, ...: :meth:`_Connection.inspect`) drawn from budgets that refill with time: a
   flood gets GOAWAY ENHANCE_YOUR_CALM; a header block's encoded bytes bounded before decoding;
 * inbound flow control tied to consumption: a stream's window is reopened only while what this
   connection holds unconsumed stays under ``max_buffered`` (a slow access-log handler slows
@@ -29,9 +30,9 @@ a server exposed to a network need on top, each bounded (:class:`H2Limits`, docs
   once their clients closed those streams (within ``close_linger``);
 * every bound counted (:meth:`GrpcH2Server.metrics`).
 
-The common answer (one message, ``grpc-status`` 0) is written as constant frames with h2's
-stream state told (:meth:`_Connection._answer`): h2's send path was most of a no-op check's
-CPU (docs/design.md, "The gRPC port on the event loop").
+The common answer (one message, ``grpc-status`` 0) is written as three frames of constant
+header blocks in one piece (:meth:`_Connection._answer`; docs/design.md, "The gRPC port on the
+event loop").
 
 The servicers are the ones grpc.aio runs (``server/services.py``, grpc_health's servicer):
 ``add_*Servicer_to_server`` registers them here too, and each call gets a :class:`Call`, the
@@ -106,8 +107,8 @@ def malformed(headers: Iterable[tuple[bytes, bytes]], trailers: bool = False) ->
     """Why a request's header list (or with ``trailers``, its trailer list) is malformed
     (RFC 9113 8.1.1: a stream error), or None.
 
-    What h2's inbound header validation checked (its ``validate_inbound_headers``, off on this
-    server), in one pass with two compiled patterns per field instead of h2's generator chain
+    What h2's inbound header validation checked (its ``validate_inbound_headers``, when this
+    server ran on h2), in one pass with two compiled patterns per field instead of h2's generator chain
     that walks every byte of every name and value in Python: 27 % of a no-op check's
     instructions (docs/design.md, "The gRPC port on the event loop"). Trailers carry no
     pseudo-header field and need none (8.1)."""
