@@ -523,14 +523,9 @@ class H2Conn:
         return self.recv_window, self.processed
 
     # -- writing
-    def local_flow_control_window(self, sid: int) -> int:
-        """Bytes of DATA stream ``sid`` may send now; KeyError if it cannot send."""
-        stream = self.streams[sid]
-        if stream.state == HALF_CLOSED_LOCAL:
-            raise KeyError(sid)
-        return min(stream.send_window, self.outbound_flow_control_window)
-
     def sendable(self, sid: int) -> Stream | None:
+        """Stream ``sid`` if this side may still send on it (its ``send_window`` and
+        :attr:`outbound_flow_control_window` bound its DATA), else None."""
         stream = self.streams.get(sid)
         return stream if stream is not None and stream.state != HALF_CLOSED_LOCAL else None
 
@@ -563,7 +558,7 @@ class H2Conn:
             stream.state = HALF_CLOSED_LOCAL
 
     def send_data(self, sid: int, data: bytes | bytearray | memoryview) -> None:
-        """DATA within the windows (the caller checked them: :meth:`local_flow_control_window`)."""
+        """DATA within the windows (the caller checked them and the peer's frame size)."""
         stream = self.streams[sid]
         n = len(data)
         stream.send_window -= n
