@@ -7,6 +7,9 @@ Raw frames (hyperframe, hpack) and the helpers of test_grpc_h2_server.py.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from h2.errors import ErrorCodes
 from hpack import Decoder
@@ -196,3 +199,12 @@ def test_encoded_headers_decode(size: int) -> None:
     decoder.max_header_list_size = 1 << 20
     assert decoder.decode(encode_headers(headers), raw=True) == headers
     assert len(decoder.header_table.dynamic_entries) == 0
+
+
+def test_the_server_runs_without_h2() -> None:
+    """No h2 and no hyperframe on any path of the gRPC port: importing the server and the app
+    that builds it loads neither (the tests' raw client and bench's ``h2`` candidate use them)."""
+    code = ("import sys; import extauthz.server.app, extauthz.server.grpc_h2; "
+            "print(sorted(m for m in ('h2', 'hyperframe') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]"
