@@ -82,7 +82,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_check_policies(args: argparse.Namespace) -> int:
     from ..core.errors import PolicyError
-    from ..envoy.rlqs import envoy_limiters
+    from ..envoy.rlqs import envoy_limiters, envoy_shedders
     from ..policy import load_policy
 
     failed = False
@@ -94,8 +94,9 @@ def cmd_check_policies(args: argparse.Namespace) -> int:
             for issue in exc.issues:
                 print(f"error: {issue}", file=sys.stderr)
         else:
-            in_envoy = {s.name for s in envoy_limiters(policy)}  # docs/rlqs.md
-            names = ", ".join(f"{s.name} ({s.type}, {s.mode}{' in envoy' if s.name in in_envoy else ''})"
+            in_envoy = {s.name: " in envoy" for s in envoy_limiters(policy)}  # docs/rlqs.md
+            in_envoy.update({s.name: ", DENY_ALL in envoy" for s in envoy_shedders(policy)})
+            names = ", ".join(f"{s.name} ({s.type}, {s.mode}{in_envoy.get(s.name, '')})"
                               for s in policy.limiters) or "no limiters"
             print(f"ok: {path} (version {policy.version}): {names}")
     return 1 if failed else 0
@@ -213,7 +214,8 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
                if args.jwt_issuer else None)
         text = render(
             policy, protocol=args.protocol, upstream=_host_port("--upstream", args.upstream),
-            authz=_host_port("--authz", args.authz) if args.authz else None,
+            authz=_host_port("--authz", args.authz[0]) if args.authz else None,
+            authz_more=tuple(_host_port("--authz", a) for a in (args.authz or [])[1:]),
             access_log_to=_host_port("--access-log-to", args.access_log_to) if args.access_log_to else None,
             listen_port=args.listen_port, access_log=args.access_log,
             tls=TlsFiles(*tls_files) if all(tls_files) else None,
@@ -241,9 +243,11 @@ def _ratelimit_config(args: argparse.Namespace, policy: Policy, tls: TlsFiles | 
         if not sep or not key or not header:
             raise ValueError(f"--descriptor-header: KEY=HEADER, not {item!r}")
         headers[key] = header.lower()
+    if args.authz and len(args.authz) > 1:
+        raise ValueError("several --authz are for --protocol grpc")
     return render_ratelimit(
         policy, upstream=_host_port("--upstream", args.upstream),
-        authz=_host_port("--authz", args.authz) if args.authz else None, domain=args.domain, headers=headers,
+        authz=_host_port("--authz", args.authz[0]) if args.authz else None, domain=args.domain, headers=headers,
         listen_port=args.listen_port, tls=tls,
         ext_authz=_host_port("--ext-authz", args.ext_authz) if args.ext_authz else None,
         check_budget_ms=args.check_budget_ms)
@@ -400,9 +404,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ext-authz", metavar="HOST:PORT", default=None,
                    help="ratelimit: an ext_authz filter before it, calling your own auth service there")
     p.add_argument("--upstream", required=True, metavar="HOST:PORT", help="the protected application")
-    p.add_argument("--authz", metavar="HOST:PORT", default=None,
+    p.add_argument("--authz", metavar="HOST:PORT", default=None, action="append",
                    help="where Envoy reaches the server: its gRPC port (grpc) or HTTP authorization "
-                   "port (http); default 127.0.0.1:9001 / 127.0.0.1:9003")
+                   "port (http); default 127.0.0.1:9001 / 127.0.0.1:9003. Repeat for several replicas "
+                   "in one cluster (grpc: the checks, the access log and the quota stream, which moves "
+                   "to another replica when its own goes; a host name resolving to several addresses "
+                   "does the same)")
     p.add_argument("--access-log-to", metavar="HOST:PORT", default=None,
                    help="the gRPC port that receives the access log (default: --authz on grpc, "
                    "port 9001 of the --authz host on http); with --access-log fluentd the server's "

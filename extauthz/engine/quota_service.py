@@ -27,6 +27,10 @@ into ``RateLimitQuotaResponse`` messages.
 * Over-admission is computed from the reports against the ledger: a report allowing more
   than the stream's share (its rate over the time elapsed plus its burst) counts the excess
   (``extauthz_quota_overadmission_total``, must stay 0).
+* A bucket id naming a shedder and a tier (``shedder: NAME``, ``tier: T``: a
+  ``worker_utilization`` shedder with ``envoy_deny_all``) holds no tokens: it is answered
+  ``DENY_ALL`` while that shedder refuses the tier whole, else ``ALLOW_ALL`` (critical: always
+  ``ALLOW_ALL``), at each report (:meth:`QuotaBook._shed`).
 """
 
 from __future__ import annotations
@@ -38,11 +42,13 @@ import logging
 import math
 import secrets
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ..core.clock import SYSTEM_CLOCK, Clock
+from ..core.tiers import Tier
+from ..limiters.worker import WorkerUtilizationShedder
 from ..policy.classify import hash_identity
 from ..policy.model import Policy
 from ..store.base import OpResult, SliceOp, Store
@@ -54,6 +60,9 @@ log = logging.getLogger(__name__)
 
 #: the bucket id's entry naming the limiter
 LIMITER_KEY = "limiter"
+#: a shedder's bucket (``envoy_deny_all``): the entries naming the shedder and the tier
+SHEDDER_KEY = "shedder"
+TIER_KEY = "tier"
 #: Envoy 1.40 reports every 5 s whatever the filter's reporting_interval says
 REPORT_INTERVAL = 5.0
 #: an assignment lives this many report intervals (refreshed by every report)
@@ -192,6 +201,19 @@ def limits_of(policy: Policy) -> dict[str, QuotaLimit]:
     return out
 
 
+def envoy_sheds(active: Iterable[tuple[object, bool]]) -> dict[str, frozenset[str]]:
+    """The shedders pushed to Envoy among the engine's active limiters (``Snapshot.active``:
+    (limiter, enforce) of those whose effective mode is not off), each with the tiers it
+    refuses whole now (within its ``applies_to.tiers``); one switched to shadow refuses none."""
+    out: dict[str, frozenset[str]] = {}
+    for lim, enforce in active:
+        if isinstance(lim, WorkerUtilizationShedder) and lim.spec.envoy_deny_all:
+            scope = lim.spec.applies_to.tiers
+            out[lim.name] = frozenset(t.value for t in lim.shed_whole()
+                                      if enforce and (scope is None or t.value in scope))
+    return out
+
+
 # -- the replica's book: streams, buckets, the ledger ------------------------------------
 
 BucketKey = tuple[tuple[str, str], ...]
@@ -200,13 +222,16 @@ BucketKey = tuple[tuple[str, str], ...]
 @dataclass(frozen=True, slots=True)
 class Action:
     """One bucket action for a stream: ``share`` None is an abandon; ``deny`` a DENY_ALL
-    blanket rule (a bucket of no limiter served here); else a token bucket."""
+    blanket rule (a bucket of no limiter served here, or a tier a shedder refuses whole);
+    ``allow`` an ALLOW_ALL blanket rule (a shedder's tier it does not refuse whole); else a
+    token bucket."""
 
     bucket: BucketKey
     share: Share | None
     interval: int = 1
     ttl: float = 0.0
     deny: bool = False
+    allow: bool = False
 
 
 @dataclass(slots=True)
@@ -239,6 +264,8 @@ class Held:
     free: Share = NOTHING
     #: the demand the bucket's other holders (every replica's streams) reported, scaled
     others: int = 0
+    #: a shedder's bucket: the blanket rule last sent (``DENY_ALL``/``ALLOW_ALL``)
+    rule: str = ""
 
 
 @dataclass(slots=True)
@@ -369,8 +396,12 @@ class QuotaBook:
     def __init__(self, limits: Callable[[], Mapping[str, QuotaLimit]], *, clock: Clock = SYSTEM_CLOCK,
                  report_interval: float = REPORT_INTERVAL, max_streams: int = MAX_STREAMS,
                  max_buckets: int = MAX_BUCKETS_PER_STREAM, max_holds: int = MAX_HOLDS,
-                 salt: bytes = b"", confirm_on_write: bool = False, ledger: StoreLedger | None = None) -> None:
+                 salt: bytes = b"", confirm_on_write: bool = False, ledger: StoreLedger | None = None,
+                 sheds: Callable[[], Mapping[str, Collection[str]]] = dict) -> None:
         self.limits = limits
+        #: the shedders pushed to Envoy (``envoy_deny_all``, active) by name, each with the
+        #: tiers it refuses whole now (read at every report of a shedder's bucket)
+        self.sheds = sheds
         #: the ledger across replicas beneath this replica's (None: this replica's only)
         self.ledger = ledger
         #: a shrink's confirmation waits from when it was written (:meth:`written`, the
@@ -401,6 +432,8 @@ class QuotaBook:
         self.reports = 0
         self.overadmission = 0
         self.refused: dict[str, int] = {}
+        #: DENY_ALL answers sent to shedders' tier buckets
+        self.shed_denials = 0
 
     @property
     def ttl(self) -> float:
@@ -561,12 +594,28 @@ class QuotaBook:
                 self._abandoned.append((held.until, stream.id, key))
                 mine.append(Action(key, None))
                 continue
-            limit = limits.get(dict(key).get(LIMITER_KEY, ""))
+            if SHEDDER_KEY in (entries := dict(key)) and LIMITER_KEY not in entries:
+                mine.append(self._shed(key, entries, held))
+                continue
+            limit = limits.get(entries.get(LIMITER_KEY, ""))
             if limit is None:
                 mine.append(Action(key, NOTHING, ttl=self.ttl, deny=True))
                 continue
             self._assign(key, limit, now, out)
         return {sid: actions for sid, actions in out.items() if actions}
+
+    def _shed(self, key: BucketKey, entries: Mapping[str, str], held: Held) -> Action:
+        """A shedder's tier bucket: DENY_ALL while the shedder (pushed to Envoy, active)
+        refuses the tier whole, else ALLOW_ALL; never DENY_ALL for critical traffic nor for
+        a shedder the policy in force does not push (removed, switched off: fail open, as
+        the check's shedder does). Its TTL is the assignments': a server gone for longer
+        lets Envoy's ``expired_assignment_behavior`` (ALLOW_ALL) take it back."""
+        tiers = self.sheds().get(entries[SHEDDER_KEY])
+        tier = entries.get(TIER_KEY, "")
+        deny = tiers is not None and tier != Tier.CRITICAL.value and tier in tiers
+        held.rule = "DENY_ALL" if deny else "ALLOW_ALL"
+        self.shed_denials += deny
+        return Action(key, NOTHING, ttl=self.ttl, deny=deny, allow=not deny)
 
     def _audit(self, held: Held, usage: Usage, limit: QuotaLimit | None) -> None:
         """Requests allowed past the stream's share (the larger of what it held) count."""
@@ -647,7 +696,7 @@ class QuotaBook:
         for sid, actions in out.items():
             stream = self.streams.get(sid)
             for i, action in enumerate(actions):
-                if action.deny:
+                if action.deny or action.allow:  # a blanket rule holds no tokens
                     continue
                 if action.share is None:  # abandoned: its slices stay until their TTL (Envoy
                     continue  # enforces the last assignment until the abandon reaches it)
@@ -714,17 +763,19 @@ class QuotaBook:
                              "store": {"fill": h.granted.fill, "burst": h.granted.burst,
                                        "free": {"fill": h.free.fill, "burst": h.free.burst},
                                        "others_demand": round(h.others / DEMAND_SCALE, 3)},
-                             "demand": round(h.demand, 3), "allowed": h.allowed, "denied": h.denied}
+                             "demand": round(h.demand, 3), "allowed": h.allowed, "denied": h.denied,
+                             **({"rule": h.rule} if h.rule else {})}
                             for k, h in s.buckets.items()],
             } for s in self.streams.values()],
             "reports": self.reports, "overadmission": self.overadmission, "refused": dict(self.refused),
+            "shed_denials": self.shed_denials,
             "ledger": self.ledger.status() if self.ledger is not None else None,
         }
 
 
 #: the bucket id entries /status shows as they are (the generator's, never a credential);
 #: every other entry's value is shown hashed
-SHOWN_RAW = frozenset({LIMITER_KEY, "source_ip", "method"})
+SHOWN_RAW = frozenset({LIMITER_KEY, "source_ip", "method", SHEDDER_KEY, TIER_KEY})
 
 
 def shown(bucket: BucketKey, salt: bytes = b"") -> dict[str, str]:

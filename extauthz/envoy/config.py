@@ -59,7 +59,7 @@ from .frame import (
 )
 from .headers import JWT_NAMESPACE, JWT_PAYLOAD_HEADER
 from .records import FLUENTD_RECORD, FLUENTD_TAG, route_tier_tag, unchecked_headers
-from .rlqs import envoy_limiters, quota_filters
+from .rlqs import envoy_limiters, envoy_shedders, quota_filters
 
 __all__ = ["ACCESS_LOG_BYTES_PER_MS", "ACCESS_LOG_MODES", "DEFAULT_AUTHZ", "EXT_AUTHZ_FILTER", "GRPC_ACCESS_LOGGER",
            "LOCAL_RATELIMIT_FILTER", "SHIPPED_ACCESS_LOG_FLUSH_MS", "TARGETS", "Build", "JwtProvider",
@@ -221,7 +221,7 @@ def _routes(target: Target, b: Build) -> list[Config]:
 def _build(policy: Policy, options: Options, target: Target) -> Build:
     o = options
     authz = o.authz or target.default_authz
-    more = tuple((authz[0], authz[1] + i) for i in range(1, o.authz_endpoints))
+    more = tuple((authz[0], authz[1] + i) for i in range(1, o.authz_endpoints)) + o.authz_more
     # the access log's gRPC port: by default the target's own gRPC port, else port 9001 of its host
     log_to = o.access_log_to or (authz if target.grpc_cluster else (authz[0], ACCESS_LOG_PORT))
     # one cluster for the check and the access log when they share a port
@@ -240,11 +240,14 @@ def bootstrap(policy: Policy, **options: Any) -> Config:
         raise ValueError(f"protocol must be one of {', '.join(TARGETS)}, not {protocol!r}")
     o = Options(**options)
     target = TARGETS[o.protocol]
+    if o.authz_more and target.grpc_cluster is None:
+        raise ValueError("several --authz are for --protocol grpc (its one cluster carries the checks, the "
+                         "access log and the quota stream)")
     if o.tls is not None and not target.tls:
         raise ValueError("TLS to the server is for the gRPC protocol only (the HTTP port is plaintext)")
     enforced_in_envoy = [spec.name for spec in envoy_limiters(policy)]
-    if o.rlqs and not enforced_in_envoy:
-        raise ValueError("--rlqs: the policy has no limiter with enforce: envoy")
+    if o.rlqs and not enforced_in_envoy and not envoy_shedders(policy):
+        raise ValueError("--rlqs: the policy has no limiter with enforce: envoy (nor a shedder with envoy_deny_all)")
     if enforced_in_envoy and not o.rlqs:
         raise ValueError(f"the policy enforces {', '.join(enforced_in_envoy)} in Envoy: add --rlqs "
                          "(without the quota filter nothing would enforce them)")

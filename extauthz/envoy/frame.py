@@ -13,7 +13,7 @@ from typing import Protocol
 
 from ..core.settings import CHECK_BUDGET_MS, MAX_CHECK_BUDGET_MS, MIN_CHECK_BUDGET_MS
 from ..policy.model import Policy
-from .blocks import Config, TlsFiles, check_port
+from .blocks import Config, TlsFiles, check_port, is_ip
 
 __all__ = ["ACCESS_LOG_MODES", "SHIPPED_ACCESS_LOG_FLUSH_MS", "Build", "JwtProvider", "LocalRateLimit",
            "Options", "Target"]
@@ -55,6 +55,10 @@ class Options:
     upstream: tuple[str, int]
     #: where Envoy reaches the server (None: the target's default port on loopback)
     authz: tuple[str, int] | None = None
+    #: more replicas in the server's cluster beside ``authz`` (gRPC: its one cluster carries the
+    #: checks, the access log and the quota stream, which Envoy opens again on another
+    #: endpoint when its replica goes; docs/rlqs.md), all addresses or all host names
+    authz_more: tuple[tuple[str, int], ...] = ()
     #: the access log's port (None: the Check port on gRPC, port 9001 of the authz host on HTTP;
     #: with ``access_log="fluentd"``: port 9004 of the authz host)
     access_log_to: tuple[str, int] | None = None
@@ -91,6 +95,11 @@ class Options:
             raise ValueError(f"access_log must be one of {', '.join(ACCESS_LOG_MODES)}, not {self.access_log!r}")
         if self.authz_endpoints < 1:
             raise ValueError(f"authz_endpoints must be at least 1, not {self.authz_endpoints}")
+        if self.authz_more:
+            if self.authz is None or self.authz_endpoints > 1:
+                raise ValueError("more server endpoints need the first one (authz), and not authz_endpoints")
+            if len({is_ip(h) for h, _ in (self.authz, *self.authz_more)}) > 1:
+                raise ValueError("the server's endpoints are all addresses or all host names (one cluster type)")
         if not (math.isfinite(self.access_log_flush_ms) and self.access_log_flush_ms >= 0):
             raise ValueError(f"access_log_flush_ms must be finite and not negative, not {self.access_log_flush_ms}")
         # the server's range (serve --check-budget-ms): Envoy's timeout is this plus a margin

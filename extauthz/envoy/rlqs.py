@@ -13,18 +13,25 @@ bucket per filter: the first matched group wins), each streaming to the server's
 * ``DENY_ALL`` before the first assignment and after one expires: never allow-all;
 * the deny response: 429, ``application/problem+json`` with the server's problem shape and
   ``Retry-After`` of the limiter's fill interval.
+
+A ``worker_utilization`` shedder with ``envoy_deny_all`` gets a filter of its own, first: the
+policy's classification as matchers (:func:`tier_matchers`), one bucket per tier, answered
+DENY_ALL by the server while the shedder refuses that tier whole (:func:`shed_filter`).
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import math
 from typing import Any
 
+from ..core.tiers import READ_METHODS, Tier
 from ..engine.answers import PROBLEM_TYPE
-from ..engine.quota_service import LIMITER_KEY, REPORT_INTERVAL, QuotaLimit
+from ..engine.quota_service import LIMITER_KEY, REPORT_INTERVAL, SHEDDER_KEY, TIER_KEY, QuotaLimit
 from ..policy import Policy
-from ..policy.schema import KEY_PARTS, RequestRateSpec
+from ..policy.model import Matcher
+from ..policy.schema import KEY_PARTS, RequestRateSpec, WorkerUtilizationSpec
 
 Config = dict[str, Any]
 
@@ -35,6 +42,7 @@ _SETTINGS = "type.googleapis.com/envoy.extensions.filters.http.rate_limit_quota.
 _HEADER_INPUT = "type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput"
 _SOURCE_IP_INPUT = "type.googleapis.com/envoy.extensions.matching.common_inputs.network.v3.SourceIPInput"
 _DENY_ALL = {"fallback_rate_limit": {"blanket_rule": "DENY_ALL"}}
+_ALLOW_ALL = {"fallback_rate_limit": {"blanket_rule": "ALLOW_ALL"}}
 
 
 def envoy_limiters(policy: Policy) -> list[RequestRateSpec]:
@@ -117,5 +125,91 @@ def quota_filter(spec: RequestRateSpec, cluster: str) -> Config:
 
 
 def quota_filters(policy: Policy, cluster: str) -> list[Config]:
-    """Every ``enforce: envoy`` limiter's filter (none: the policy has none)."""
-    return [quota_filter(spec, cluster) for spec in envoy_limiters(policy)]
+    """Every pushed shedder's filter, then every ``enforce: envoy`` limiter's (none: the
+    policy has none): a request a shed tier refuses takes no limiter's token."""
+    return ([shed_filter(policy, spec, cluster) for spec in envoy_shedders(policy)]
+            + [quota_filter(spec, cluster) for spec in envoy_limiters(policy)])
+
+
+# -- shedders pushed to Envoy (envoy_deny_all)
+
+
+def envoy_shedders(policy: Policy) -> list[WorkerUtilizationSpec]:
+    """The shedders whose whole-shed tiers Envoy refuses (``envoy_deny_all``), in policy order."""
+    return [s for s in policy.limiters if isinstance(s, WorkerUtilizationSpec) and s.envoy_deny_all]
+
+
+def _always() -> Config:
+    return _single(":path", {"prefix": "/"})
+
+
+def _rule_predicate(m: Matcher) -> Config:
+    predicates = []
+    if m.path_prefix is not None:
+        predicates.append(_single(":path", {"prefix": m.path_prefix}))
+    if m.methods is not None:
+        predicates.append(_any_of([_single(":method", {"exact": x}) for x in sorted(m.methods)]))
+    predicates += [_single(name, {"exact": value}) for name, value in m.headers]
+    if not predicates:
+        return _always()
+    return predicates[0] if len(predicates) == 1 else {"and_matcher": {"predicate": predicates}}
+
+
+def tier_matchers(policy: Policy) -> list[tuple[Config, Tier]]:
+    """The policy's classification as Envoy matchers, first match wins as in the classifier
+    (:meth:`~extauthz.policy.classify.Classifier.context`): the test-mode header, each rule
+    (methods, path prefix, headers), then the method default. The loader refuses a policy
+    with a shedder pushed to Envoy whose tiers come from elsewhere (an identity prefix,
+    filter or route metadata, hosts); route metadata and context extensions a hand-written
+    Envoy route adds are not seen here (docs/rlqs.md)."""
+    out: list[tuple[Config, Tier]] = []
+    if policy.test_header:  # the classifier compares the value lowercased to "true"
+        out.append((_single(policy.test_header, {"safe_regex": {"google_re2": {}, "regex": "(?i)true"}}),
+                    Tier.TEST))
+    out += [(_rule_predicate(rule.matcher), rule.tier) for rule in policy.rules]
+    out.append((_any_of([_single(":method", {"exact": m}) for m in sorted(READ_METHODS)]), Tier.GET))
+    out.append((_always(), Tier.POST))
+    return out
+
+
+def shed_response(spec: WorkerUtilizationSpec, tier: Tier) -> Config:
+    """503 with the check's shedding problem shape (answers.denial's fields Envoy can know)."""
+    retry = max(1, math.ceil(spec.sample_interval))
+    body = json.dumps({"type": f"{PROBLEM_TYPE}shedding_{tier.value}", "title": "Service Unavailable",
+                       "status": 503,
+                       "detail": (f"The API is overloaded and is shedding {tier.value} traffic (load shedder "
+                                  f"'{spec.name}', all of it now). Retry later with backoff."),
+                       "limiter": spec.name, "tier": tier.value, "retry_after": retry}, separators=(",", ":"))
+    return {
+        "http_status": {"code": "ServiceUnavailable"},
+        "http_body": base64.b64encode(body.encode()).decode("ascii"),
+        "response_headers_to_add": [
+            {"header": {"key": "content-type", "value": "application/problem+json"},
+             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
+            {"header": {"key": "retry-after", "value": str(retry)},
+             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
+        ],
+    }
+
+
+def shed_filter(policy: Policy, spec: WorkerUtilizationSpec, cluster: str) -> Config:
+    """One shedder's ``rate_limit_quota`` filter: one bucket per tier (``shedder: NAME``,
+    ``tier: T``), which the server answers DENY_ALL while the shedder refuses that tier
+    whole and ALLOW_ALL otherwise (critical: always). ALLOW_ALL before an assignment and
+    after one expires: a server away lifts the push, and the check's shedder goes on."""
+    matchers = []
+    for predicate, tier in tier_matchers(policy):
+        settings = {
+            "@type": _SETTINGS,
+            "bucket_id_builder": {"bucket_id_builder": {
+                SHEDDER_KEY: {"string_value": spec.name}, TIER_KEY: {"string_value": tier.value}}},
+            "reporting_interval": f"{REPORT_INTERVAL:g}s",
+            "deny_response_settings": shed_response(spec, tier),
+            "no_assignment_behavior": _ALLOW_ALL,
+            "expired_assignment_behavior": _ALLOW_ALL,
+        }
+        matchers.append({"predicate": predicate,
+                         "on_match": {"action": {"name": f"{spec.name}.{tier.value}", "typed_config": settings}}})
+    return {"name": f"extauthz.rlqs.shed.{spec.name}", "typed_config": {
+        "@type": _FILTER, "rlqs_server": {"envoy_grpc": {"cluster_name": cluster}},
+        "domain": DOMAIN, "bucket_matchers": {"matcher_list": {"matchers": matchers}}}}

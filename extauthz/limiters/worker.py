@@ -124,6 +124,11 @@ class WorkerUtilizationShedder(FleetWide):
         self.utilization = utilization
         self.probabilities = drop_probabilities(level)
 
+    def shed_whole(self) -> frozenset[Tier]:
+        """The tiers this shedder refuses whole now (drop probability 1; never critical):
+        what ``envoy_deny_all`` pushes to Envoy as DENY_ALL (docs/rlqs.md)."""
+        return frozenset(t for t, p in self.probabilities.items() if p >= 1.0 and t is not Tier.CRITICAL)
+
     def local(self, ctx: RequestContext, enforce: bool) -> Verdict:
         p = self.probabilities[ctx.tier]
         if p > 0.0 and self._rng.random() < p:

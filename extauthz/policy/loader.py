@@ -26,7 +26,7 @@ from ..core.errors import PolicyError, PolicyIssue
 from ..core.settings import POLICY_MAX_BYTES
 from .descriptors import DescriptorTable
 from .model import Policy, compile_policy, descriptor_targets
-from .schema import LIMITER_TYPES, PolicyFile
+from .schema import LIMITER_TYPES, PolicyFile, WorkerUtilizationSpec
 
 YAML_SUFFIXES = (".yaml", ".yml")
 #: the default bound on one policy file's size (``serve --policy-max-bytes``): a Kubernetes
@@ -301,6 +301,41 @@ def _descriptor_issues(parsed: Sequence[tuple[str, PolicyFile, _Document]]) -> l
     return issues
 
 
+def _envoy_tier_issues(parsed: Sequence[tuple[str, PolicyFile, _Document]]) -> list[PolicyIssue]:
+    """With a shedder pushed to Envoy (``envoy_deny_all``), every tier source the policy sets
+    must be one Envoy's quota filter matchers can read (request headers, method, path): each
+    other one is refused where it is written (docs/rlqs.md, "Shedders in Envoy")."""
+    pushed = [spec.name for _, model, _ in parsed for spec in model.limiters
+              if isinstance(spec, WorkerUtilizationSpec) and spec.envoy_deny_all]
+    if not pushed:
+        return []
+    why = (f"the shedder '{pushed[0]}' pushes DENY_ALL to Envoy (envoy_deny_all), whose quota filter "
+           "tells tiers apart by request headers, method and path only: ")
+    issues: list[PolicyIssue] = []
+    for file, model, doc in parsed:
+        test = model.test_mode
+        if test is not None and test.key_prefix is not None:
+            issues.append(PolicyIssue(file, "test_mode.key_prefix", doc.line_of(("test_mode", "key_prefix")),
+                                      why + "an identity prefix is read by this server (use test_mode.header)"))
+        if test is not None and test.metadata is not None:
+            issues.append(PolicyIssue(file, "test_mode.metadata", doc.line_of(("test_mode", "metadata")),
+                                      why + "filter metadata is not a matcher input (use test_mode.header)"))
+        rules = model.classification
+        if rules is None:
+            continue
+        for field in ("route_metadata", "route_metadata_namespace"):
+            if getattr(rules, field) is not None:
+                issues.append(PolicyIssue(file, f"classification.{field}", doc.line_of(("classification", field)),
+                                          why + "route metadata is not a matcher input (classify by rules)"))
+        for i, rule in enumerate(rules.rules):
+            if rule.match.hosts is not None:
+                issues.append(PolicyIssue(
+                    file, f"classification.rules[{i}].match.hosts",
+                    doc.line_of(("classification", "rules", i, "match", "hosts")),
+                    why + "hosts are matched by this server's host rules (match on a header instead)"))
+    return issues
+
+
 def load_policy(paths: Sequence[Path | str], *, max_bytes: int = MAX_FILE_BYTES) -> Policy:
     """Load, validate, merge and compile a policy. Raises :class:`PolicyError`.
 
@@ -369,6 +404,7 @@ def load_policy(paths: Sequence[Path | str], *, max_bytes: int = MAX_FILE_BYTES)
                         "plans need a top-level 'plan' section (where a request's plan comes from)",
                     ))
     issues.extend(_descriptor_issues(parsed))
+    issues.extend(_envoy_tier_issues(parsed))
     if issues:
         raise PolicyError(issues)
     return compile_policy([m for _, m, _ in parsed], version=digest.hexdigest()[:12],

@@ -605,6 +605,21 @@ def envoy_problem(spec: RequestRateSpec) -> str | None:
     return None
 
 
+def shed_envoy_problem(spec: WorkerUtilizationSpec) -> str | None:
+    """Why ``envoy_deny_all`` cannot push this shedder's tiers to Envoy (docs/rlqs.md), or
+    None. The policy's tier sources are checked by the loader (they are other sections)."""
+    why = "envoy_deny_all: "
+    if spec.match is not None:
+        return f"{why}a shedder of descriptors ('match') has no quota filter bucket to deny"
+    if spec.mode != "enforce":
+        return f"{why}Envoy enforces what it is given: mode '{spec.mode}' is not pushed there"
+    applies = spec.applies_to
+    if applies.hosts is not None or applies.path_prefix is not None or applies.methods is not None:
+        return (f"{why}applies_to takes 'tiers' only (the quota filter's first matcher decides a "
+                "request's tier bucket: a scope beside it would move requests to another tier)")
+    return None
+
+
 class RequestRateSpec(_BatchedGrants, _KeyedBase):
     """Token bucket per user: ``rate`` tokens per second up to ``burst``."""
 
@@ -745,6 +760,19 @@ class WorkerUtilizationSpec(_LimiterBase):
         None, description="Shed rate limit descriptors (Envoy's ratelimit filter, ShouldRateLimit) "
         "instead of checked requests: the domain and entries matched; each descriptor's tier is "
         "its entry named by classification.descriptor_key (default 'tier'), else 'post'.")
+    envoy_deny_all: bool = Field(
+        False, description="Also push DENY_ALL to Envoy's rate limit quota filter (envoy-config "
+        "--rlqs) for each tier this shedder sheds whole (drop probability 1; never critical), at "
+        "the quota stream's report cadence, and take it back when it sheds less: Envoy refuses "
+        "that traffic without a check. The ramp stays in the check. Envoy must tell the tiers "
+        "apart: test_mode.header, classification rules on methods, path_prefix and headers, the "
+        "method default (docs/rlqs.md).")
+
+    @model_validator(mode="after")
+    def _envoy_deny_all(self) -> WorkerUtilizationSpec:
+        if self.envoy_deny_all and (problem := shed_envoy_problem(self)) is not None:
+            raise ValueError(problem)
+        return self
 
     @model_validator(mode="after")
     def _dead_zone(self) -> WorkerUtilizationSpec:

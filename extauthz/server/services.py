@@ -218,12 +218,18 @@ class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ig
         return accesslog_pb2.StreamAccessLogsResponse()
 
 
-#: messages, and their bytes, a quota stream may have waiting to be written; a peer that
-#: lets more pile up (it stopped reading) has its stream ended (its holds stay in the ledger
-#: until their TTL). One answer may pass the bytes alone (a report of 4096 buckets of 512
-#: bytes is answered in about 2.5 MB): memory per stream stays a few MB, not 256 answers
+#: messages, and their bytes, a quota stream may have waiting to be written. Its own answers
+#: past them hold its reader (no report of it is read until the connection took some: the
+#: peer's own writes then wait on HTTP/2 flow control), for at most ANSWER_WAIT: then its
+#: stream ends (it stopped reading); a shrink pushed to another stream
+#: whose answers pile up past them ends that stream (it stopped reading; its holds stay in the
+#: ledger until their TTL). One answer may pass the bytes alone (a report of 4096 buckets of
+#: 512 bytes is answered in about 2.5 MB): memory per stream stays a few MB, not 256 answers
 MAX_QUOTA_OUTBOX = 256
 MAX_QUOTA_OUTBOX_BYTES = 4 << 20
+#: seconds a stream's reader waits for room in its full outbox before it ends the stream
+#: (two of Envoy 1.40's report intervals)
+ANSWER_WAIT = 10.0
 
 
 class RateLimitQuotaService(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # type: ignore[misc]
@@ -238,6 +244,11 @@ class RateLimitQuotaService(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # typ
         self.outboxes: dict[int, asyncio.Queue[rlqs_pb2.RateLimitQuotaResponse | None]] = {}
         #: bytes waiting in each outbox
         self.queued: dict[int, int] = {}
+        #: set when a stream's writer took an answer out (its reader, held by a full outbox,
+        #: reads on)
+        self.room: dict[int, asyncio.Event] = {}
+        #: how long a stream's reader waits for its full outbox to make room
+        self.answer_wait = ANSWER_WAIT
 
     async def StreamRateLimitQuotas(  # noqa: N802 - gRPC method name
         self,
@@ -252,10 +263,12 @@ class RateLimitQuotaService(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # typ
         box: asyncio.Queue[rlqs_pb2.RateLimitQuotaResponse | None] = asyncio.Queue()
         self.outboxes[stream.id] = box
         self.queued[stream.id] = 0
+        room = self.room[stream.id] = asyncio.Event()
         reader = asyncio.create_task(self._read(stream, request_iterator, box), name="extauthz-rlqs-reader")
         try:
             while (message := await box.get()) is not None:
                 self.queued[stream.id] -= message.ByteSize()
+                room.set()
                 yield message
                 # taken by the connection: a shrink in it may now be confirmed by a report
                 self.book.written(stream, _shares(message))
@@ -265,6 +278,7 @@ class RateLimitQuotaService(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # typ
             reader.cancel()
             self.outboxes.pop(stream.id, None)
             self.queued.pop(stream.id, None)
+            self.room.pop(stream.id, None)
             self.book.close(stream)
         if problem is not None:
             await context.abort(*problem)
@@ -272,6 +286,7 @@ class RateLimitQuotaService(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # typ
     async def _read(self, stream: Stream, reports: AsyncIterator[rlqs_pb2.RateLimitQuotaUsageReports],
                     box: asyncio.Queue[rlqs_pb2.RateLimitQuotaResponse | None]) -> tuple[grpc.StatusCode, str] | None:
         """Reads the stream's reports until it ends; the status to end it with, if not OK."""
+        room = self.room[stream.id]
         try:
             async for message in reports:
                 usages = [Usage(dict(u.bucket_id.bucket),
@@ -289,18 +304,36 @@ class RateLimitQuotaService(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # typ
                         continue
                     answer = quota_response(actions)
                     size = answer.ByteSize()
-                    if target.qsize() >= MAX_QUOTA_OUTBOX or (
-                            target.qsize() and self.queued[sid] + size > MAX_QUOTA_OUTBOX_BYTES):
+                    if target is box:
+                        # a burst of reports (a fresh Envoy reports each new bucket at once) is
+                        # answered as fast as the connection takes the answers; a peer that
+                        # took none for ANSWER_WAIT seconds stopped reading: its stream ends
+                        while self._full(sid, size):
+                            room.clear()
+                            try:
+                                await asyncio.wait_for(room.wait(), self.answer_wait)
+                            except TimeoutError:
+                                self.book.refused["outbox"] = self.book.refused.get("outbox", 0) + 1
+                                return grpc.StatusCode.RESOURCE_EXHAUSTED, "quota answers are not read"
+                    elif self._full(sid, size):
                         self.book.refused["outbox"] = self.book.refused.get("outbox", 0) + 1
-                        if target is box:
-                            return grpc.StatusCode.RESOURCE_EXHAUSTED, "quota answers are not read"
                         target.put_nowait(None)  # that stream ends; its holds stay until their TTL
                         continue
                     self.queued[sid] += size
                     target.put_nowait(answer)
+                # reports already read (one connection read may hold hundreds) yield the loop
+                # between them, as the checks on other connections wait for it
+                await asyncio.sleep(0)
             return None
         finally:
             box.put_nowait(None)
+
+
+    def _full(self, sid: int, size: int) -> bool:
+        """Whether stream ``sid``'s outbox has no room for an answer of ``size`` bytes."""
+        box = self.outboxes[sid]
+        waiting = box.qsize()
+        return waiting >= MAX_QUOTA_OUTBOX or (waiting > 0 and self.queued[sid] + size > MAX_QUOTA_OUTBOX_BYTES)
 
 
 def _shares(response: rlqs_pb2.RateLimitQuotaResponse) -> Iterable[tuple[BucketKey, Share]]:
@@ -315,8 +348,8 @@ def _shares(response: rlqs_pb2.RateLimitQuotaResponse) -> Iterable[tuple[BucketK
 
 def quota_response(actions: Iterable[Action]) -> rlqs_pb2.RateLimitQuotaResponse:
     """Bucket actions as Envoy 1.40 enforces them: a token bucket (``fill_interval`` whole
-    seconds), a DENY_ALL blanket rule (no limiter, or an empty share), or an abandon; every
-    assignment with its TTL."""
+    seconds), a DENY_ALL blanket rule (no limiter, an empty share, a tier shed whole), an
+    ALLOW_ALL one (a shedder's tier not shed whole), or an abandon; every assignment with its TTL."""
     response = rlqs_pb2.RateLimitQuotaResponse()
     for action in actions:
         item = response.bucket_action.add()
@@ -327,6 +360,9 @@ def quota_response(actions: Iterable[Action]) -> rlqs_pb2.RateLimitQuotaResponse
         assign = item.quota_assignment_action
         assign.assignment_time_to_live.FromNanoseconds(int(action.ttl * 1e9))
         strategy = assign.rate_limit_strategy
+        if action.allow:  # a shedder's tier it does not refuse whole
+            strategy.blanket_rule = ratelimit_strategy_pb2.RateLimitStrategy.ALLOW_ALL
+            continue
         if action.deny or not (action.share.fill and action.share.burst):
             # an empty share is DENY_ALL: Envoy's TokenBucket takes max_tokens and
             # tokens_per_fill above 0 only
@@ -354,3 +390,5 @@ def quota_metrics(book: QuotaBook) -> Iterable[Metric]:
     for reason in ("streams", "buckets", "outbox"):
         refused.add_metric([reason], book.refused.get(reason, 0))
     yield refused
+    yield CounterMetricFamily("extauthz_quota_shed_denials", "DENY_ALL answers sent to shedders' tier "
+                              "buckets (envoy_deny_all: a tier shed whole).", value=book.shed_denials)

@@ -5,8 +5,10 @@ that counts what it admits: the promise ``admitted <= rate x t + burst`` holds, 
 first request is refused (DENY_ALL before the first assignment, never allow-all), the refusal
 is the problem+json 429, /status lists both streams and their bucket, and no over-admission is
 counted; one Envoy taking 90% of the requests, then the other killed and replaced, keeps the
-promise too, and a limit lowered by reload shrinks Envoy's bucket. Each Envoy reports every
-5 s (1.40): each run lasts a few reports."""
+promise too, and a limit lowered by reload shrinks Envoy's bucket; across replicas, on one
+Redis, the promise holds through a replica stalled, killed and restarted, and through a quota
+stream moving to another replica behind one cluster. Each Envoy reports every 5 s (1.40):
+each run lasts a few reports."""
 
 from __future__ import annotations
 
@@ -249,6 +251,64 @@ def test_two_replicas_on_one_redis_keep_one_limit(tmp_path: Path, redis_single_c
             assert promise.held, (upstream.served, promise.worst)
             for server in servers:
                 assert _status(server)["quota"]["overadmission"] == 0
+    finally:
+        for server in servers:
+            server.stop()
+        upstream.stop()
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_a_stream_moves_to_another_replica_behind_one_cluster(tmp_path: Path, redis_single_clean: RedisSingle) -> None:
+    """One Envoy whose server cluster has two endpoints: two replicas on one Redis (the
+    ``extauthz`` cluster carries both the checks and the quota stream: ``envoy-config --authz
+    A --authz B``). The replica holding the quota stream is
+    killed (SIGKILL, nothing given back) while traffic runs: Envoy opens its stream again at
+    its next report, on the other replica (a new holder in the store's ledger: it waits for
+    the dead one's slices to pass their TTL), and admitted requests counted at the upstream
+    stay within ``rate x t + burst`` throughout."""
+    (tmp_path / "api.yaml").write_text(POLICY)
+    upstream = start_upstream()
+    args = ["--redis-url", redis_single_clean.url]
+    servers = [ServerProcess([tmp_path], args=args, workdir=tmp_path).start() for _ in range(2)]
+    # envoy-config --authz A --authz B
+    one, two = (("127.0.0.1", s.port) for s in servers)
+    config = yaml.safe_dump(bootstrap(load_policy([tmp_path]), protocol="grpc", upstream=("127.0.0.1", upstream.port),
+                                      authz=one, authz_more=(two,), listen_port=0, admin_port=0, rlqs=True))
+    clusters = {c["name"]: c for c in yaml.safe_load(config)["static_resources"]["clusters"]}
+    endpoints = clusters["extauthz"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert [e["endpoint"]["address"]["socket_address"]["port_value"] for e in endpoints] == [s.port for s in servers]
+
+    def holding() -> list[int]:
+        """The replicas with an open quota stream (by index)."""
+        return [i for i, s in enumerate(servers) if s.proc is not None and s.proc.poll() is None
+                and any(not st["closed"] for st in _status(s)["quota"]["streams"])]
+    try:
+        with EnvoyProcess(config) as a, HttpClient() as c:
+            promise = Promise(upstream, c)
+            first = promise.drive([("a", a)], 12.0)
+            assert promise.held, (upstream.served, promise.worst)
+            assert first["a"] > 0, first
+            (old,) = holding()  # one Envoy, one stream, on one replica
+            proc = servers[old].proc
+            assert proc is not None
+            proc.kill()
+            proc.wait()
+            moved = promise.drive([("a", a)], 12.0)
+            assert promise.held, (upstream.served, promise.worst)
+            assert holding() == [1 - old]  # the stream moved to the other replica
+            # it gets a share once the dead replica's slices pass their TTL (<= 20 s after its
+            # last report), then Envoy admits again
+            later = promise.drive([("a", a)], 15.0)
+            assert promise.held, (upstream.served, promise.worst)
+            assert moved["a"] + later["a"] > 0, (moved, later)
+            quota = _status(servers[1 - old])["quota"]
+            assert quota["overadmission"] == 0
+            assert quota["ledger"]["healthy"] is True
+            (stream,) = [s for s in quota["streams"] if not s["closed"]]
+            (bucket,) = stream["buckets"]
+            assert bucket["bucket"] == {"limiter": "ip-rate", "source_ip": "127.0.0.1"}
+            assert bucket["fill"] <= bucket["store"]["fill"]
     finally:
         for server in servers:
             server.stop()

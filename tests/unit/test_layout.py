@@ -37,6 +37,7 @@ CROSS_MODULE = {
     "test_layout": "this file",
     "test_plans": "plans and live overrides: policy, overrides and the engine",
     "test_plans_metadata": "a plan from a verified claim: the edge and the classifier",
+    "test_quota_shed": "shedders pushed to Envoy: the worker shedder, the quota book, its answers on the wire",
     "test_readme": "README.md as a new user follows it: the walkthrough, installs, the test command",
     "test_route_metadata": "the tier from the route's metadata: the edge and the classifier",
 }

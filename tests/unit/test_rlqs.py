@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+from extauthz.core.context import RawRequest
 from extauthz.envoy.config import bootstrap
 from extauthz.envoy.rlqs import quota_filters
 from extauthz.policy import load_policy
+from extauthz.policy.classify import Classifier
 
 POLICY = """version: 1
 identity: [{header: x-api-key}]
@@ -106,3 +110,126 @@ def test_k8s_refuses_a_policy_with_limiters_in_envoy(capsys: pytest.CaptureFixtu
             "--selector", "app=api"]
     assert main(argv) == 2
     assert "enforces ip-rate, key-rate in Envoy" in capsys.readouterr().err
+
+
+# -- shedders pushed to Envoy (envoy_deny_all)
+
+SHED_POLICY = """version: 1
+identity: [{header: x-api-key}]
+test_mode: {header: X-Test}
+classification:
+  rules:
+    - {match: {path_prefix: /v1/charges, methods: [POST, PUT]}, tier: critical}
+    - {match: {headers: {x-batch: "yes"}}, tier: test}
+    - {match: {path_prefix: /v1/search}, tier: post}
+limiters:
+  - {name: workers, type: worker_utilization, signal: {source: redis}, sample_interval: 2.5s,
+     envoy_deny_all: true}
+"""
+
+
+def _holds(predicate: dict[str, Any], method: str, path: str, headers: dict[str, str]) -> bool:
+    """Envoy's matcher semantics for the predicate shapes the generator writes."""
+    if "and_matcher" in predicate:
+        return all(_holds(p, method, path, headers) for p in predicate["and_matcher"]["predicate"])
+    if "or_matcher" in predicate:
+        return any(_holds(p, method, path, headers) for p in predicate["or_matcher"]["predicate"])
+    single = predicate["single_predicate"]
+    name = single["input"]["typed_config"]["header_name"]
+    value = {":method": method, ":path": path}.get(name, headers.get(name))
+    if value is None:
+        return False
+    match = single["value_match"]
+    if "prefix" in match:
+        return bool(value.startswith(match["prefix"]))
+    if "exact" in match:
+        return bool(value == match["exact"])
+    return re.fullmatch(match["safe_regex"]["regex"], value) is not None  # RE2 matches whole values
+
+
+def test_a_shedder_s_filter_buckets_requests_by_the_classifier_s_tier(tmp_path: Path) -> None:
+    """Its matchers, read with Envoy's semantics, put every request in the bucket of the tier
+    the server's classifier gives it (the whole cross product of methods, paths, headers)."""
+    policy = _policy(tmp_path, SHED_POLICY)
+    (shed,) = quota_filters(policy, "extauthz")
+    assert shed["name"] == "extauthz.rlqs.shed.workers"
+    matchers = shed["typed_config"]["bucket_matchers"]["matcher_list"]["matchers"]
+    classifier = Classifier(policy)
+    seen = set()
+    for method in ("GET", "HEAD", "OPTIONS", "POST", "PUT", "DELETE"):
+        for path in ("/", "/v1/charges", "/v1/charges/ch_1", "/v1/search?q=1", "/v2/x"):
+            for test in (None, "true", "TRUE", "false"):
+                for batch in (None, "yes", "no"):
+                    headers = {"x-api-key": "sk_live_1"}
+                    if test is not None:
+                        headers["x-test"] = test
+                    if batch is not None:
+                        headers["x-batch"] = batch
+                    tier = classifier.context(RawRequest(method, path, headers=headers)).tier.value
+                    first = next(m for m in matchers if _holds(m["predicate"], method, path, headers))
+                    settings = first["on_match"]["action"]["typed_config"]
+                    bucket = settings["bucket_id_builder"]["bucket_id_builder"]
+                    assert bucket == {"shedder": {"string_value": "workers"}, "tier": {"string_value": tier}}, (
+                        method, path, headers)
+                    seen.add(tier)
+    assert seen == {"critical", "post", "get", "test"}
+
+
+def test_a_shedder_s_filter_allows_without_an_assignment_and_refuses_with_the_shedder_s_problem(
+        tmp_path: Path) -> None:
+    (shed,) = quota_filters(_policy(tmp_path, SHED_POLICY), "extauthz")
+    for matcher in shed["typed_config"]["bucket_matchers"]["matcher_list"]["matchers"]:
+        settings = matcher["on_match"]["action"]["typed_config"]
+        tier = settings["bucket_id_builder"]["bucket_id_builder"]["tier"]["string_value"]
+        # a server away lifts the push (the check's shedder goes on): never DENY_ALL by default
+        assert settings["no_assignment_behavior"] == {"fallback_rate_limit": {"blanket_rule": "ALLOW_ALL"}}
+        assert settings["expired_assignment_behavior"] == {"fallback_rate_limit": {"blanket_rule": "ALLOW_ALL"}}
+        deny = settings["deny_response_settings"]
+        assert deny["http_status"] == {"code": "ServiceUnavailable"}
+        body = json.loads(base64.b64decode(deny["http_body"]))
+        assert (body["type"], body["status"], body["limiter"], body["tier"], body["retry_after"]) == (
+            f"urn:extauthz:problem:shedding_{tier}", 503, "workers", tier, 3)
+        assert {"key": "retry-after", "value": "3"} in [h["header"] for h in deny["response_headers_to_add"]]
+
+
+def test_check_policies_says_which_shedders_push_deny_all_to_envoy(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from extauthz.commands.cli import main
+
+    (tmp_path / "api.yaml").write_text(SHED_POLICY)
+    assert main(["check-policies", str(tmp_path)]) == 0
+    assert "workers (worker_utilization, enforce, DENY_ALL in envoy)" in capsys.readouterr().out
+
+
+def test_rlqs_with_only_a_pushed_shedder_renders_its_filter_first(tmp_path: Path) -> None:
+    both = SHED_POLICY + "  - {name: ip-rate, type: request_rate, rate: 5, burst: 10, key: [{source_ip: true}], " \
+                         "enforce: envoy}\n"
+    names = [f["name"] for f in quota_filters(_policy(tmp_path, both), "extauthz")]
+    assert names == ["extauthz.rlqs.shed.workers", "extauthz.rlqs.ip-rate"]
+    config = bootstrap(_policy(tmp_path, SHED_POLICY), protocol="grpc", upstream=("127.0.0.1", 8080), rlqs=True)
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert "extauthz.rlqs.shed.workers" in [f["name"] for f in manager["http_filters"]]
+
+
+def test_several_authz_put_every_replica_in_the_one_grpc_cluster(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``envoy-config --authz A --authz B``: the quota stream (and the checks) may reach either
+    replica; Envoy opens the stream again on the other when its own goes."""
+    from extauthz.commands.cli import main
+
+    _policy(tmp_path)
+    base = ["envoy-config", "--policies", str(tmp_path), "--upstream", "127.0.0.1:8080", "--rlqs"]
+    assert main([*base, "--protocol", "grpc", "--authz", "10.0.0.1:9001", "--authz", "10.0.0.2:9001"]) == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    endpoints = clusters["extauthz"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert [(e["endpoint"]["address"]["socket_address"]["address"],
+             e["endpoint"]["address"]["socket_address"]["port_value"]) for e in endpoints] == [
+        ("10.0.0.1", 9001), ("10.0.0.2", 9001)]
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    quota = [f for f in manager["http_filters"] if f["name"].startswith("extauthz.rlqs.")]
+    assert {f["typed_config"]["rlqs_server"]["envoy_grpc"]["cluster_name"] for f in quota} == {"extauthz"}
+    assert main([*base, "--protocol", "http", "--authz", "10.0.0.1:9003", "--authz", "10.0.0.2:9003"]) == 2
+    assert "several --authz are for --protocol grpc" in capsys.readouterr().err
+    assert main([*base, "--protocol", "grpc", "--authz", "10.0.0.1:9001", "--authz", "extauthz:9001"]) == 2
+    assert "all addresses or all host names" in capsys.readouterr().err
