@@ -257,7 +257,9 @@ def test_table_size_updates_at_the_start() -> None:
     assert decoder.table == [(b"aa", b"bb")]
     decoder.decode(b"\x40\x0a" + b"c" * 10 + b"\x01d")  # 43: evicts the other
     assert decoder.table == [(b"c" * 10, b"d")]
-    decoder.decode(b"\x40\x0a" + b"c" * 10 + b"\x0ad" + b"d" * 9)  # 52 > 48: empties the table
+    decoder.decode(b"\x40\x08" + b"c" * 8 + b"\x08" + b"d" * 8)  # 48: the whole table
+    assert decoder.table == [(b"c" * 8, b"d" * 8)] and decoder.table_bytes == 48
+    decoder.decode(b"\x40\x08" + b"c" * 8 + b"\x09" + b"d" * 9)  # 49 > 48: empties the table
     assert decoder.table == [] and decoder.table_bytes == 0
 
 
