@@ -117,7 +117,9 @@ STATIC_TABLE: tuple[tuple[bytes, bytes], ...] = (
     (b'via', b''),  # 60
     (b'www-authenticate', b''),  # 61
 )
-_STATIC_LAST = len(STATIC_TABLE) - 1  # 61
+_STATIC_LAST = len(STATIC_TABLE) - 1  # 61 (literal in :meth:`Decoder.decode`)
+_STATIC_SIZES = tuple(len(n) + len(v) + FIELD_OVERHEAD for n, v in STATIC_TABLE)
+assert _STATIC_LAST == 61
 
 # RFC 7541 Appendix B: the code length of each symbol (256 is EOS). The code is canonical:
 # codes are assigned in order of (length, symbol), which :func:`_huffman_codes` rebuilds.
@@ -338,6 +340,7 @@ class Decoder:
         headers: list[tuple[bytes, bytes]] = []
         append = headers.append
         static = STATIC_TABLE
+        static_sizes = _STATIC_SIZES
         table = self._table
         limit = self.max_header_list_size
         listed = 0
@@ -350,23 +353,25 @@ class Decoder:
                 index = first & 0x7F
                 if index == 0x7F:
                     index, pos = _integer(block, pos, end, 0x7F)
-                if 0 < index <= _STATIC_LAST:
+                if index <= 61:
+                    if not index:
+                        raise HpackError("index 0")
                     field = static[index]
-                elif index > _STATIC_LAST and index - _STATIC_LAST <= len(table):
-                    field = table[index - _STATIC_LAST - 1]
+                    listed += static_sizes[index]
                 else:
-                    field = self._field(index)  # raises
-            elif first & 0x40:  # 6.2.1 literal with incremental indexing
+                    try:
+                        field = table[index - 62]
+                    except IndexError:
+                        raise HpackError(f"index {index} past the dynamic table") from None
+                    listed += len(field[0]) + len(field[1]) + 32
+                if listed > limit:
+                    raise HeaderListTooLarge(f"header list larger than {limit} bytes")
+                append(field)
+                continue
+            if first & 0x40:  # 6.2.1 literal with incremental indexing
                 index = first & 0x3F
-                if index:
-                    if index == 0x3F:
-                        index, pos = _integer(block, pos, end, 0x3F)
-                    name = self._field(index)[0]
-                else:
-                    name, pos = _string(block, pos, end)
-                value, pos = _string(block, pos, end)
-                field = (name, value)
-                self._add(name, value)
+                if index == 0x3F:
+                    index, pos = _integer(block, pos, end, 0x3F)
             elif first & 0x20:  # 6.3 dynamic table size update
                 if headers:
                     raise HpackError("table size update after a field")
@@ -379,15 +384,17 @@ class Decoder:
                 continue
             else:  # 6.2.2 without indexing, 6.2.3 never indexed
                 index = first & 0x0F
-                if index:
-                    if index == 0x0F:
-                        index, pos = _integer(block, pos, end, 0x0F)
-                    name = self._field(index)[0]
-                else:
-                    name, pos = _string(block, pos, end)
-                value, pos = _string(block, pos, end)
-                field = (name, value)
-            listed += len(field[0]) + len(field[1]) + FIELD_OVERHEAD
+                if index == 0x0F:
+                    index, pos = _integer(block, pos, end, 0x0F)
+            if index:
+                name = self._field(index)[0]
+            else:
+                name, pos = _string(block, pos, end)
+            value, pos = _string(block, pos, end)
+            field = (name, value)
+            if first & 0x40:
+                self._add(name, value)
+            listed += len(name) + len(value) + 32
             if listed > limit:
                 raise HeaderListTooLarge(f"header list larger than {limit} bytes")
             append(field)
