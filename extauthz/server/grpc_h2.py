@@ -87,6 +87,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 from ..core.settings import DEFAULT_MAX_ACTIVE_CHECKS
 from ..engine.overload import margin
+from .hpackd import H2Decoder
 from .ports import parse_listen
 
 __all__ = ["Call", "GrpcH2Server", "H2Limits", "call_time_left", "malformed", "parse_timeout"]
@@ -649,6 +650,7 @@ class _H2(H2Connection):
     def __init__(self, config: H2Configuration, max_block: int, inspect: Callable[[Frame], None],
                  malformed: Callable[[int], None]) -> None:
         super().__init__(config)
+        self.decoder = H2Decoder()  # type: ignore[assignment]  # hpackd: HPACK by hand (issue 31)
         self.state_machine = _Draining()
         self.incoming_buffer = _Frames(max_block)
         self.inspect = inspect  # sees each frame before h2 handles it; may raise ProtocolError
