@@ -5,8 +5,11 @@ path: a ``HeaderTuple`` and a ``logging.debug`` call per field, a memoryview sli
 literal, Huffman decoded a nibble at a time with a flag test per nibble. This decoder reads a
 header block in one method with the common cases inline (an indexed field below 127, a length
 below 127), and decodes Huffman strings a byte at a time through a state table built once at
-import (:data:`_NEXT`, :data:`_EMIT`: 257 states x 256 bytes), with a bounded LRU cache of
-short Huffman strings (Envoy sends the same values, e.g. on each new connection).
+import (:data:`_NEXT`, :data:`_EMIT`: 257 states x 256 bytes), with a bounded cache of short
+Huffman strings shared by the connections (:data:`_huffman_cache`, emptied when full: a plain
+dict costs less per miss than ``functools.lru_cache``, and Envoy's unique ids miss on every
+request; the hits are the constant values Envoy sends again after its encoder evicted them,
+and on each new connection).
 
 Everything a peer controls is bounded: an integer takes at most 5 continuation bytes (as
 ``hpack``: values stay below 2**36) and each value is checked where it is used (an index
@@ -25,11 +28,11 @@ answers COMPRESSION_ERROR (RFC 9113 4.3); the decoding context is then unusable.
 from __future__ import annotations
 
 from collections import deque
-from functools import lru_cache
 
 from hpack.exceptions import HPACKDecodingError, InvalidTableSizeError, OversizedHeaderListError
 
-__all__ = ["Decoder", "H2Decoder", "HeaderListTooLarge", "HpackError", "TableSizeError", "decode_huffman"]
+__all__ = ["Decoder", "H2Decoder", "HeaderListTooLarge", "HpackError", "TableSizeError", "clear_huffman_cache",
+           "decode_huffman"]
 
 #: RFC 9113 6.5.2 / RFC 7541 4.1: what a field costs in a header list and in the dynamic table
 FIELD_OVERHEAD = 32
@@ -231,7 +234,13 @@ def decode_huffman(data: bytes) -> bytes:
     return b"".join(out)
 
 
-_decode_huffman_cached = lru_cache(maxsize=CACHED_HUFFMAN_STRINGS)(decode_huffman)
+#: short Huffman strings decoded, shared by every connection; emptied when full
+_huffman_cache: dict[bytes, bytes] = {}
+
+
+def clear_huffman_cache() -> None:
+    """Empty the cache of decoded Huffman strings (benchmarks start from it empty)."""
+    _huffman_cache.clear()
 
 
 def _string(block: bytes, pos: int, end: int) -> tuple[bytes, int]:
@@ -248,7 +257,15 @@ def _string(block: bytes, pos: int, end: int) -> tuple[bytes, int]:
         raise HpackError("string longer than the header block")
     raw = block[pos:stop]
     if first & 0x80:
-        raw = _decode_huffman_cached(raw) if length <= CACHED_HUFFMAN_BYTES else decode_huffman(raw)
+        cache = _huffman_cache
+        text = cache.get(raw)
+        if text is None:
+            text = decode_huffman(raw)
+            if length <= CACHED_HUFFMAN_BYTES:
+                if len(cache) >= CACHED_HUFFMAN_STRINGS:
+                    cache.clear()
+                cache[raw] = text
+        raw = text
     return raw, stop
 
 
