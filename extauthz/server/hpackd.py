@@ -223,10 +223,11 @@ def decode_huffman(data: bytes) -> bytes:
     """``data`` Huffman-decoded (RFC 7541 5.2), or :class:`HpackError`."""
     nxt, emit = _NEXT, _EMIT
     state = 0
-    out = []
+    out: list[bytes] = []
+    append = out.append
     for byte in data:
         i = state | byte
-        out.append(emit[i])
+        append(emit[i])
         state = nxt[i]
     if state not in _ACCEPT:
         raise HpackError("Huffman string with EOS" if state == _FAIL << 8
