@@ -9,7 +9,7 @@ import (:data:`_NEXT`, :data:`_EMIT`: 257 states x 256 bytes), with a bounded ca
 Huffman strings shared by the connections (:data:`_huffman_cache`, emptied when full: a plain
 dict costs less per miss than ``functools.lru_cache``, and Envoy's unique ids miss on every
 request; the hits are the constant values Envoy sends again after its encoder evicted them,
-and on each new connection).
+and on each new connection; never-indexed values, a client's secrets, are not cached).
 
 Everything a peer controls is bounded: an integer takes at most 5 continuation bytes (as
 ``hpack``: values stay below 2**36) and each value is checked where it is used (an index
@@ -244,8 +244,9 @@ def clear_huffman_cache() -> None:
     _huffman_cache.clear()
 
 
-def _string(block: bytes, pos: int, end: int) -> tuple[bytes, int]:
-    """The string literal at ``pos`` (RFC 7541 5.2) and the position after it."""
+def _string(block: bytes, pos: int, end: int, cached: bool = True) -> tuple[bytes, int]:
+    """The string literal at ``pos`` (RFC 7541 5.2) and the position after it; a Huffman
+    string through the shared cache unless not ``cached``."""
     if pos >= end:
         raise HpackError("truncated header block")
     first = block[pos]
@@ -258,6 +259,8 @@ def _string(block: bytes, pos: int, end: int) -> tuple[bytes, int]:
         raise HpackError("string longer than the header block")
     raw = block[pos:stop]
     if first & 0x80:
+        if not cached:
+            return decode_huffman(raw), stop
         cache = _huffman_cache
         text = cache.get(raw)
         if text is None:
@@ -408,7 +411,9 @@ class Decoder:
                 name = self._field(index)[0]
             else:
                 name, pos = _string(block, pos, end)
-            value, pos = _string(block, pos, end)
+            # a never-indexed value (RFC 7541 6.2.3: a client's secret) stays out of the cache
+            # shared by the connections: another connection could time its hits
+            value, pos = _string(block, pos, end, first & 0xF0 != 0x10)
             field = (name, value)
             if first & 0x40:
                 self._add(name, value)

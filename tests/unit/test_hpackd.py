@@ -21,6 +21,7 @@ from hpack.table import HeaderTable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from extauthz.server import hpackd
 from extauthz.server.hpackd import (
     HUFFMAN_CODES,
     STATIC_TABLE,
@@ -292,6 +293,22 @@ def test_hpack_bomb_stopped() -> None:
     with pytest.raises(HeaderListTooLarge, match="larger than 16384"):
         decoder.decode(block)
     assert decoder.table == [(b"b", big)]  # the entry went in; the references were refused
+
+
+def test_never_indexed_values_stay_out_of_the_shared_cache() -> None:
+    """The Huffman cache is shared by the connections: a value sent never indexed (a secret)
+    must not be in it, where another connection could time a hit; other values are."""
+    hpackd.clear_huffman_cache()
+    secret, plain = HUFFMAN.encode(b"Bearer s3cret-token"), HUFFMAN.encode(b"application/grpc")
+    block = b"\x1f\x08" + _string_of(secret) + b"\x0f\x10" + _string_of(plain)  # authorization, content-type
+    assert Decoder().decode(block) == fields(("authorization", "Bearer s3cret-token"),
+                                             ("content-type", "application/grpc"))
+    assert secret not in hpackd._huffman_cache
+    assert hpackd._huffman_cache[plain] == b"application/grpc"
+
+
+def _string_of(huffman: bytes) -> bytes:
+    return bytes([0x80 | len(huffman)]) + huffman
 
 
 def test_empty_block_and_bytes_like_input() -> None:
