@@ -27,8 +27,8 @@ peer's SETTINGS and WINDOW_UPDATEs, each bounded by 2^31-1), the peer's SETTINGS
 GOAWAY and closes); a stream error is RST_STREAM here.
 
 HPACK: header blocks are decoded by ``decode`` (one seam: a callable taking the block and
-returning ``list[tuple[bytes, bytes]]``, raising on a bad block; the ``hpack`` library's
-``Decoder`` today). Blocks are encoded without the dynamic table (:func:`encode_headers`:
+returning ``list[tuple[bytes, bytes]]``, raising on a bad block: :mod:`extauthz.server.hpackd`,
+HPACK decoded by hand, docs/design.md). Blocks are encoded without the dynamic table (:func:`encode_headers`:
 literal, never indexed), so no encoder table is kept; a change of the peer's
 SETTINGS_HEADER_TABLE_SIZE is answered by a table size update to 0 before the next block.
 """
@@ -36,10 +36,9 @@ SETTINGS_HEADER_TABLE_SIZE is answered by a table size update to 0 before the ne
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Protocol
 
-from hpack import Decoder
-from hpack.exceptions import OversizedHeaderListError
+from .hpackd import Decoder, HeaderListTooLarge
 
 __all__ = ["PREFACE", "ErrorCode", "H2Conn", "H2Error", "Owner", "Stream", "encode_headers"]
 
@@ -150,15 +149,9 @@ def _frame(kind: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
 
 
 def hpack_decoder(max_header_list_size: int, max_table_size: int) -> Callable[[bytes], list[tuple[bytes, bytes]]]:
-    """The header block decoder (the seam): the ``hpack`` library's, bounded."""
-    decoder = Decoder(max_header_list_size=max_header_list_size)
-    decoder.max_allowed_table_size = max_table_size
-    decode: Callable[..., Any] = decoder.decode
-
-    def run(block: bytes) -> list[tuple[bytes, bytes]]:
-        return decode(block, raw=True)  # type: ignore[no-any-return]
-
-    return run
+    """The header block decoder (the seam): :class:`~extauthz.server.hpackd.Decoder`, bounded
+    (an oversized list raises :class:`~extauthz.server.hpackd.HeaderListTooLarge`)."""
+    return Decoder(max_header_list_size=max_header_list_size, max_allowed_table_size=max_table_size).decode
 
 
 class H2Conn:
@@ -386,7 +379,7 @@ class H2Conn:
     def _block_done(self, sid: int, flags: int, block: bytes) -> None:
         try:
             headers = self.decode(block)
-        except OversizedHeaderListError as exc:
+        except HeaderListTooLarge as exc:
             raise H2Error(ErrorCode.ENHANCE_YOUR_CALM, f"header list too large: {exc}") from exc
         except Exception as exc:  # the decoder's any failure: the block does not decode (4.3)
             raise H2Error(ErrorCode.COMPRESSION_ERROR, f"header block does not decode: {exc}") from exc
