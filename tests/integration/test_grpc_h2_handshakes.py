@@ -8,6 +8,10 @@ long before the timeout."""
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
+import os
+import resource
 import socket
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -95,7 +99,8 @@ def test_handshakes_that_never_start_fill_the_bound_until_the_timeout(tmp_path: 
     tls = Tls(tmp_path)
 
     async def body() -> None:
-        srv, h2 = await serving(tmp_path, tls, handshake_timeout=1.0)
+        # long enough for a grpcio client to connect on a loaded machine before it ends them
+        srv, h2 = await serving(tmp_path, tls, handshake_timeout=3.0)
         silent: list[socket.socket] = []
         try:
             assert await in_thread(grpcio_check, srv.port, tls.client) == grpc.StatusCode.OK
@@ -165,3 +170,45 @@ def test_a_stop_ends_the_handshakes_in_progress(tmp_path: Path) -> None:
     uvloop.run(body())
 
 
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_accepts_pause_while_the_process_is_out_of_descriptors_and_resume(
+        tmp_path: Path, loop: str, caplog: pytest.LogCaptureFixture) -> None:
+    """EMFILE at accept: the TLS port stops reading its listening socket for a second (it
+    neither spins on the readable socket nor raises out of the loop), the connection waits in
+    the backlog, and once descriptors are free again it is accepted and its handshake runs."""
+    tls = Tls(tmp_path)
+
+    async def body() -> None:
+        srv, h2 = await serving(tmp_path, tls, handshake_timeout=300.0)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        client = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # made before the table fills
+        fillers: list[int] = []
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, hard))
+            try:
+                while True:
+                    fillers.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError as exc:
+                assert exc.errno == errno.EMFILE
+            client.connect(("127.0.0.1", srv.port))  # the kernel completes it: in the backlog
+            await until(lambda: any(getattr(r, "fields", {}).get("event") == "grpc_accept_paused"
+                                    for r in caplog.records), "the accept paused on EMFILE")
+            assert not h2.handshakes and counted(h2) == 0
+            for fd in fillers:
+                os.close(fd)
+            fillers.clear()
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            await until(lambda: len(h2.handshakes) == 1, "the waiting connection accepted after the pause")
+            assert counted(h2) == 1
+        finally:
+            for fd in fillers:
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            client.close()
+            await srv.stop(grace=0)
+        assert not h2.handshakes
+
+    with caplog.at_level(logging.WARNING, logger="extauthz"):
+        LOOPS[loop](body())
