@@ -13,6 +13,7 @@ import logging
 import os
 import resource
 import socket
+import ssl
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ import uvloop
 
 from extauthz.proto import auth_pb2_grpc
 from extauthz.server.app import Server, ServerConfig
-from extauthz.server.grpc_h2 import GrpcH2Server, H2Limits
+from extauthz.server.grpc_h2 import GrpcH2Server, H2Limits, _TlsListener
 
 from ..infra.certs import CA
 from .test_server import check_request
@@ -212,3 +213,45 @@ def test_accepts_pause_while_the_process_is_out_of_descriptors_and_resume(
 
     with caplog.at_level(logging.WARNING, logger="extauthz"):
         LOOPS[loop](body())
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_the_tls_port_binds_as_create_server_did(tmp_path: Path, loop: str) -> None:
+    """The TLS port's own listening sockets (grpc_h2.listen_sockets): SO_REUSEPORT lets the
+    workers share the port, a port taken without it is refused naming the flag, and an IPv6
+    address listens on IPv6 only (as asyncio's and uvloop's create_server)."""
+    tls = Tls(tmp_path)
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(tls.cert, tls.key)
+
+    async def body() -> None:
+        first, second, third = (GrpcH2Server(H2Limits(), ssl_context=ctx) for _ in range(3))
+        port = await first.start("127.0.0.1:0", reuse_port=True, flag="--listen")
+        try:
+            assert await second.start(f"127.0.0.1:{port}", reuse_port=True, flag="--listen") == port
+            with pytest.raises(OSError, match=rf"cannot listen on 127.0.0.1:{port} \(--listen\)"):
+                await third.start(f"127.0.0.1:{port}", flag="--listen")
+            assert third.server is None
+            for srv in (first, second):
+                assert isinstance(srv.server, _TlsListener)
+                [sock] = srv.server.sockets
+                assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT) == 1
+                assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR) == 1
+        finally:
+            await first.stop(0)
+            await second.stop(0)
+        if socket.has_ipv6:
+            six = GrpcH2Server(H2Limits(), ssl_context=ctx)
+            try:
+                await six.start("[::1]:0")
+            except OSError:
+                return  # no IPv6 on this machine
+            try:
+                assert isinstance(six.server, _TlsListener)
+                [sock] = six.server.sockets
+                assert sock.family == socket.AF_INET6
+                assert sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 1
+            finally:
+                await six.stop(0)
+
+    LOOPS[loop](body())
