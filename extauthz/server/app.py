@@ -423,7 +423,7 @@ class Server:
             doors.append(self.health_grpc.stop(0))
         await asyncio.gather(*doors)
         if self.fluentd is not None:  # after the front doors: the last entries still release
-            await self.fluentd.stop()
+            await self.fluentd.stop(within=max(0.0, deadline - loop.time()))  # within the budget
         await self._stop_operations()
         if self.config.admin_url_file and self.admin_url is not None:
             remove_admin_url(Path(self.config.admin_url_file), self.admin_url)

@@ -5,6 +5,7 @@ one the server computes and logs."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import http.client
 import re
@@ -14,13 +15,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import msgpack
 
 from extauthz.devtools.stack import ServerProcess, free_port
+from extauthz.engine.answers import LEASE_ID_FIELD, LEASE_TICKET_FIELD, LEASES_FIELD
+from extauthz.envoy.records import FLUENTD_TAG
 from extauthz.proto import accesslog_pb2, accesslog_pb2_grpc, auth_pb2_grpc
-from extauthz.server.app import ServerConfig, stop_budget
+from extauthz.server.app import Server, ServerConfig, stop_budget
 from extauthz.server.grpc_h2 import H2Limits
+from extauthz.server.leases import seen_as
 from testinfra.redis_servers import RedisSingle
 
+from ..unit.helpers import get
 from .test_server import check_request
 
 #: a store call waits this long on the paused Redis before failing open (ms): the calls are
@@ -95,3 +101,47 @@ def test_sigterm_with_both_ports_busy_answers_every_call_within_the_budget(
             redis_single_clean.resume()
         pool.shutdown(wait=False, cancel_futures=True)
         proc.stop()
+
+
+async def test_a_stalled_store_holds_no_stop_past_its_budget_on_the_fluentd_port(
+        tmp_path: Path, redis_single_clean: RedisSingle) -> None:
+    """The fluentd port's last release waits on a store that stopped answering (a release is
+    retried up to the longest lease TTL, here 600 s): the stop waits for it only within what
+    is left of its budget, then closes; the lease is left to its TTL."""
+    policy = tmp_path / "p.yaml"
+    policy.write_text("version: 1\nidentity: [{header: x-api-key}]\nlimiters:\n"
+                      "  - {name: conc, type: concurrent_requests, limit: 2, lease_ttl: 600s}\n")
+    srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0", admin_listen="off",
+                              redis_url=redis_single_clean.url, fluentd_listen="127.0.0.1:0",
+                              store_deadline_ms=500))
+    await srv.start()
+    paused = False
+    writer: asyncio.StreamWriter | None = None
+    try:
+        assert srv.fluentd is not None and srv.fluentd.server is not None
+        port = srv.fluentd.server.sockets[0].getsockname()[1]
+        leases = srv.accesslog.leases
+        ctx = srv.engine.context(get(request_id="rid-1"))
+        decision = await srv.engine.decide(ctx)
+        assert decision.allowed and decision.leases
+        ticket = leases.admitted(ctx, decision, seen_as("GET", "/v1/customers"))
+        record = {"request_id": "rid-1", "response_flags": "-", "method": "GET", "path": "/v1/customers",
+                  "ext_authz": {LEASE_ID_FIELD: decision.lease_id, LEASES_FIELD: ",".join(decision.leases),
+                                LEASE_TICKET_FIELD: ticket}}
+        redis_single_clean.pause()
+        paused = True
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(msgpack.packb([FLUENTD_TAG, [[1795000000, record]]]))
+        await writer.drain()
+        for _ in range(1000):  # the entry read, its release waiting on the store
+            if srv.accesslog.finished.entries == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert srv.accesslog.finished.entries == 1
+        # a bound against the lease TTL's 600 s, far above the budget: not a speed
+        await asyncio.wait_for(srv.stop(), 120)
+    finally:
+        if writer is not None:
+            writer.close()
+        if paused:
+            redis_single_clean.resume()

@@ -8,7 +8,12 @@ long before the timeout."""
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
+import os
+import resource
 import socket
+import ssl
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -19,7 +24,7 @@ import uvloop
 
 from extauthz.proto import auth_pb2_grpc
 from extauthz.server.app import Server, ServerConfig
-from extauthz.server.grpc_h2 import GrpcH2Server, H2Limits
+from extauthz.server.grpc_h2 import GrpcH2Server, H2Limits, _TlsListener
 
 from ..infra.certs import CA
 from .test_server import check_request
@@ -95,7 +100,8 @@ def test_handshakes_that_never_start_fill_the_bound_until_the_timeout(tmp_path: 
     tls = Tls(tmp_path)
 
     async def body() -> None:
-        srv, h2 = await serving(tmp_path, tls, handshake_timeout=1.0)
+        # long enough for a grpcio client to connect on a loaded machine before it ends them
+        srv, h2 = await serving(tmp_path, tls, handshake_timeout=3.0)
         silent: list[socket.socket] = []
         try:
             assert await in_thread(grpcio_check, srv.port, tls.client) == grpc.StatusCode.OK
@@ -165,3 +171,87 @@ def test_a_stop_ends_the_handshakes_in_progress(tmp_path: Path) -> None:
     uvloop.run(body())
 
 
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_accepts_pause_while_the_process_is_out_of_descriptors_and_resume(
+        tmp_path: Path, loop: str, caplog: pytest.LogCaptureFixture) -> None:
+    """EMFILE at accept: the TLS port stops reading its listening socket for a second (it
+    neither spins on the readable socket nor raises out of the loop), the connection waits in
+    the backlog, and once descriptors are free again it is accepted and its handshake runs."""
+    tls = Tls(tmp_path)
+
+    async def body() -> None:
+        srv, h2 = await serving(tmp_path, tls, handshake_timeout=300.0)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        client = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # made before the table fills
+        fillers: list[int] = []
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, hard))
+            try:
+                while True:
+                    fillers.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError as exc:
+                assert exc.errno == errno.EMFILE
+            client.connect(("127.0.0.1", srv.port))  # the kernel completes it: in the backlog
+            await until(lambda: any(getattr(r, "fields", {}).get("event") == "grpc_accept_paused"
+                                    for r in caplog.records), "the accept paused on EMFILE")
+            assert not h2.handshakes and counted(h2) == 0
+            for fd in fillers:
+                os.close(fd)
+            fillers.clear()
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            await until(lambda: len(h2.handshakes) == 1, "the waiting connection accepted after the pause")
+            assert counted(h2) == 1
+        finally:
+            for fd in fillers:
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            client.close()
+            await srv.stop(grace=0)
+        assert not h2.handshakes
+
+    with caplog.at_level(logging.WARNING, logger="extauthz"):
+        LOOPS[loop](body())
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_the_tls_port_binds_as_create_server_did(tmp_path: Path, loop: str) -> None:
+    """The TLS port's own listening sockets (grpc_h2.listen_sockets): SO_REUSEPORT lets the
+    workers share the port, a port taken without it is refused naming the flag, and an IPv6
+    address listens on IPv6 only (as asyncio's and uvloop's create_server)."""
+    tls = Tls(tmp_path)
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(tls.cert, tls.key)
+
+    async def body() -> None:
+        first, second, third = (GrpcH2Server(H2Limits(), ssl_context=ctx) for _ in range(3))
+        port = await first.start("127.0.0.1:0", reuse_port=True, flag="--listen")
+        try:
+            assert await second.start(f"127.0.0.1:{port}", reuse_port=True, flag="--listen") == port
+            with pytest.raises(OSError, match=rf"cannot listen on 127.0.0.1:{port} \(--listen\)"):
+                await third.start(f"127.0.0.1:{port}", flag="--listen")
+            assert third.server is None
+            for srv in (first, second):
+                assert isinstance(srv.server, _TlsListener)
+                [sock] = srv.server.sockets
+                assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT) == 1
+                assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR) == 1
+        finally:
+            await first.stop(0)
+            await second.stop(0)
+        if socket.has_ipv6:
+            six = GrpcH2Server(H2Limits(), ssl_context=ctx)
+            try:
+                await six.start("[::1]:0")
+            except OSError:
+                return  # no IPv6 on this machine
+            try:
+                assert isinstance(six.server, _TlsListener)
+                [sock] = six.server.sockets
+                assert sock.family == socket.AF_INET6
+                assert sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 1
+            finally:
+                await six.stop(0)
+
+    LOOPS[loop](body())

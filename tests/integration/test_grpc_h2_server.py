@@ -795,6 +795,14 @@ async def test_mtls_as_grpcio_serves_it(tmp_path: Path) -> None:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await check(credentials)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE, what
+        # each refused in its handshake, counted, and its place against the bound given back
+        assert isinstance(srv.grpc, GrpcH2Server)
+        assert srv.grpc.rejected.get("tls_handshake", 0) >= len(refused), srv.grpc.rejected
+        for _ in range(int(WAIT / 0.01)):
+            if not srv.grpc.handshakes:
+                break
+            await asyncio.sleep(0.01)
+        assert not srv.grpc.handshakes and srv.grpc.status()["handshakes"] == 0
         loop = asyncio.get_running_loop()
         der, alpn = await loop.run_in_executor(None, _handshake, srv.port, ca_path, envoy_cert, envoy_key)
         assert der == server_leaf.der and alpn == "h2"

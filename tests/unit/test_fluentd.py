@@ -286,3 +286,36 @@ def test_entries_of_reads_the_three_modes_and_refuses_other_shapes() -> None:
 def test_limits_must_be_positive() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         FluentdLimits(max_entries=0)
+
+
+class _StuckReleases(FinishedEntries):
+    """Releases that never end (a store that stopped answering): each entry's task waits."""
+
+    def __init__(self, leases: Leases) -> None:
+        super().__init__(leases)
+        self.stuck: list[asyncio.Future[int]] = []
+
+    def entry(self, *args: Any, **kwargs: Any) -> asyncio.Task[int] | None:
+        never: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.stuck.append(never)
+        return asyncio.ensure_future(never)  # type: ignore[return-value]
+
+
+async def test_a_stop_waits_for_releases_within_its_timeout_only(tmp_path: Path) -> None:
+    """A graceful stop passes what is left of its budget (server/app.py stop_budget): a release
+    that never ends does not hold the stop past it (Kubernetes would kill the pod first)."""
+    a = Admitted(tmp_path)
+    stuck = _StuckReleases(a.leases)
+    a.receiver = FluentdReceiver(stuck)
+    a.port = await a.receiver.start("127.0.0.1:0")
+    record = await a.admit("rid-stuck")
+    _, writer = await asyncio.open_connection("127.0.0.1", a.port)
+    writer.write(msgpack.packb([TAG, [[1795000000, record]]]))
+    await writer.drain()
+    await settle(lambda: len(stuck.stuck) == 1)
+    assert len(stuck.stuck) == 1 and a.receiver.status()["connections"] == 1
+    # bounded by the test only so that a stop ignoring its timeout fails instead of hanging
+    await asyncio.wait_for(a.receiver.stop(within=0.05), 60)
+    assert not stuck.stuck[0].done()  # the stop returned with the release still running
+    stuck.stuck[0].cancel()
+    writer.close()
