@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+from collections.abc import Iterable
 from typing import Any
 
 from ..core.tiers import READ_METHODS, Tier
@@ -62,6 +63,13 @@ def _any_of(predicates: list[Config]) -> Config:
     return predicates[0] if len(predicates) == 1 else {"or_matcher": {"predicate": predicates}}
 
 
+def _methods(methods: Iterable[str]) -> Config:
+    """``:method`` is one of ``methods`` (upper case), in any case: the server reads a
+    request's method upper-cased (``post`` over HTTP/2 is POST to the classifier and to a
+    limiter's ``applies_to``), so Envoy's exact match must ignore case too."""
+    return _any_of([_single(":method", {"exact": m, "ignore_case": True}) for m in sorted(methods)])
+
+
 def bucket_id(spec: RequestRateSpec) -> Config:
     """The bucket id builder: the limiter's name and one value per key part."""
     builder: Config = {LIMITER_KEY: {"string_value": spec.name}}
@@ -82,7 +90,7 @@ def _predicate(spec: RequestRateSpec) -> Config:
     applies = spec.applies_to
     predicates = [_single(":path", {"prefix": applies.path_prefix or "/"})]
     if applies.methods:
-        predicates.append(_any_of([_single(":method", {"exact": m}) for m in applies.methods]))
+        predicates.append(_methods(applies.methods))
     for part in spec.key or ():
         if part.header is not None:  # present, with a value
             predicates.append(_single(part.header.lower(), {"safe_regex": {"google_re2": {}, "regex": ".+"}}))
@@ -148,7 +156,7 @@ def _rule_predicate(m: Matcher) -> Config:
     if m.path_prefix is not None:
         predicates.append(_single(":path", {"prefix": m.path_prefix}))
     if m.methods is not None:
-        predicates.append(_any_of([_single(":method", {"exact": x}) for x in sorted(m.methods)]))
+        predicates.append(_methods(m.methods))
     predicates += [_single(name, {"exact": value}) for name, value in m.headers]
     if not predicates:
         return _always()
@@ -167,7 +175,7 @@ def tier_matchers(policy: Policy) -> list[tuple[Config, Tier]]:
         out.append((_single(policy.test_header, {"safe_regex": {"google_re2": {}, "regex": "(?i)true"}}),
                     Tier.TEST))
     out += [(_rule_predicate(rule.matcher), rule.tier) for rule in policy.rules]
-    out.append((_any_of([_single(":method", {"exact": m}) for m in sorted(READ_METHODS)]), Tier.GET))
+    out.append((_methods(READ_METHODS), Tier.GET))
     out.append((_always(), Tier.POST))
     return out
 

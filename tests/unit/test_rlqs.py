@@ -140,6 +140,8 @@ def _holds(predicate: dict[str, Any], method: str, path: str, headers: dict[str,
     if value is None:
         return False
     match = single["value_match"]
+    if match.get("ignore_case"):  # Envoy's StringMatcher: ASCII case folded on both sides
+        value, match = value.lower(), {k: v.lower() if isinstance(v, str) else v for k, v in match.items()}
     if "prefix" in match:
         return bool(value.startswith(match["prefix"]))
     if "exact" in match:
@@ -156,7 +158,8 @@ def test_a_shedder_s_filter_buckets_requests_by_the_classifier_s_tier(tmp_path: 
     matchers = shed["typed_config"]["bucket_matchers"]["matcher_list"]["matchers"]
     classifier = Classifier(policy)
     seen = set()
-    for method in ("GET", "HEAD", "OPTIONS", "POST", "PUT", "DELETE"):
+    # methods in any case: HTTP/2 carries ``post`` as it is, the classifier upper-cases it
+    for method in ("GET", "HEAD", "OPTIONS", "POST", "PUT", "DELETE", "get", "Head", "post", "put"):
         for path in ("/", "/v1/charges", "/v1/charges/ch_1", "/v1/search?q=1", "/v2/x"):
             for test in (None, "true", "TRUE", "false"):
                 for batch in (None, "yes", "no"):
@@ -233,3 +236,16 @@ def test_several_authz_put_every_replica_in_the_one_grpc_cluster(tmp_path: Path,
     assert "several --authz are for --protocol grpc" in capsys.readouterr().err
     assert main([*base, "--protocol", "grpc", "--authz", "10.0.0.1:9001", "--authz", "extauthz:9001"]) == 2
     assert "all addresses or all host names" in capsys.readouterr().err
+
+
+def test_a_limiter_s_methods_match_in_envoy_in_any_case_as_in_the_check(tmp_path: Path) -> None:
+    """``applies_to.methods`` holds for ``post`` (HTTP/2 carries a method's case as sent) in
+    Envoy as in the check, which upper-cases it: else a request in lower case is outside the
+    limiter in Envoy, and the check no longer counts it (it is Envoy's)."""
+    policy = _policy(tmp_path)
+    key, _ = quota_filters(policy, "extauthz")
+    predicate, _ = _settings(key)
+    applies = next(s for s in policy.limiters if s.name == "key-rate").applies_to
+    for method in ("GET", "post", "Post", "get", "PUT", "delete"):
+        held = _holds(predicate, method, "/v1/x", {"x-api-key": "k"})
+        assert held == (method.upper() in (applies.methods or ())), method
