@@ -249,3 +249,15 @@ def test_a_limiter_s_methods_match_in_envoy_in_any_case_as_in_the_check(tmp_path
     for method in ("GET", "post", "Post", "get", "PUT", "delete"):
         held = _holds(predicate, method, "/v1/x", {"x-api-key": "k"})
         assert held == (method.upper() in (applies.methods or ())), method
+
+
+def test_quickstart_routes_are_refused_with_a_pushed_shedder(tmp_path: Path) -> None:
+    """The quick start's routes name their tiers in route metadata and context extensions,
+    which the quota filter cannot read: POST /v1/charges, critical in the check, would be in
+    Envoy's post bucket and refused there while post is shed whole."""
+    policy = _policy(tmp_path, SHED_POLICY)
+    for protocol in ("grpc", "http"):
+        with pytest.raises(ValueError, match="--quickstart-routes with --rlqs: the shedder workers pushes DENY_ALL"):
+            bootstrap(policy, protocol=protocol, upstream=("127.0.0.1", 8080), rlqs=True, quickstart_routes=True)
+        # without the push (no --rlqs) the routes are as before: the check sheds alone
+        bootstrap(policy, protocol=protocol, upstream=("127.0.0.1", 8080), quickstart_routes=True)
