@@ -36,6 +36,7 @@ from ..policy.model import Policy
 from ..policy.schema import ConcurrentRequestsSpec, FleetUsageSpec, WorkerUtilizationSpec
 from .blocks import (
     CONNECT_TIMEOUT,
+    HEALTHZ_PATH,
     Config,
     TlsFiles,
     address,
@@ -209,7 +210,7 @@ def _quickstart_routes(target: Target, b: Build) -> list[Config]:
 
 
 def _routes(target: Target, b: Build) -> list[Config]:
-    healthz: Config = {"name": "healthz", "match": {"path": "/healthz"},
+    healthz: Config = {"name": "healthz", "match": {"path": HEALTHZ_PATH},
                        "direct_response": {"status": 200, "body": {"inline_string": "ok\n"}}}
     skip = target.skip_route(b)
     if skip:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -33,6 +34,7 @@ from ..engine.quota_service import LIMITER_KEY, REPORT_INTERVAL, SHEDDER_KEY, TI
 from ..policy import Policy
 from ..policy.model import Matcher
 from ..policy.schema import KEY_PARTS, RequestRateSpec, WorkerUtilizationSpec
+from .blocks import HEALTHZ_PATH
 
 Config = dict[str, Any]
 
@@ -68,6 +70,18 @@ def _methods(methods: Iterable[str]) -> Config:
     request's method upper-cased (``post`` over HTTP/2 is POST to the classifier and to a
     limiter's ``applies_to``), so Envoy's exact match must ignore case too."""
     return _any_of([_single(":method", {"exact": m, "ignore_case": True}) for m in sorted(methods)])
+
+
+def checked(matchers: list[Config]) -> Config:
+    """A quota filter's ``bucket_matchers``: ``matchers`` under one matcher that leaves out
+    Envoy's own health route (:data:`~extauthz.envoy.blocks.HEALTHZ_PATH`, which the route
+    matches with the query string removed, and answers without a check). A request without a
+    bucket passes the filter: neither a shed tier's DENY_ALL nor a limiter's empty bucket
+    refuses a health probe the check never sees (a load balancer would take an overloaded
+    Envoy out for it)."""
+    health = _single(":path", {"safe_regex": {"google_re2": {}, "regex": re.escape(HEALTHZ_PATH) + r"(\?.*)?"}})
+    return {"matcher_list": {"matchers": [{"predicate": {"not_matcher": health},
+                                           "on_match": {"matcher": {"matcher_list": {"matchers": matchers}}}}]}}
 
 
 def bucket_id(spec: RequestRateSpec) -> Config:
@@ -125,11 +139,10 @@ def quota_filter(spec: RequestRateSpec, cluster: str) -> Config:
         "no_assignment_behavior": _DENY_ALL,
         "expired_assignment_behavior": _DENY_ALL,
     }
-    matchers = {"matcher_list": {"matchers": [
-        {"predicate": _predicate(spec), "on_match": {"action": {"name": spec.name, "typed_config": settings}}}]}}
+    matchers = [{"predicate": _predicate(spec), "on_match": {"action": {"name": spec.name, "typed_config": settings}}}]
     return {"name": f"extauthz.rlqs.{spec.name}", "typed_config": {
         "@type": _FILTER, "rlqs_server": {"envoy_grpc": {"cluster_name": cluster}},
-        "domain": DOMAIN, "bucket_matchers": matchers}}
+        "domain": DOMAIN, "bucket_matchers": checked(matchers)}}
 
 
 def quota_filters(policy: Policy, cluster: str) -> list[Config]:
@@ -220,4 +233,4 @@ def shed_filter(policy: Policy, spec: WorkerUtilizationSpec, cluster: str) -> Co
                          "on_match": {"action": {"name": f"{spec.name}.{tier.value}", "typed_config": settings}}})
     return {"name": f"extauthz.rlqs.shed.{spec.name}", "typed_config": {
         "@type": _FILTER, "rlqs_server": {"envoy_grpc": {"cluster_name": cluster}},
-        "domain": DOMAIN, "bucket_matchers": {"matcher_list": {"matchers": matchers}}}}
+        "domain": DOMAIN, "bucket_matchers": checked(matchers)}}

@@ -33,9 +33,31 @@ def _policy(tmp_path: Path, text: str = POLICY) -> Any:
     return load_policy([tmp_path])
 
 
+def _matchers(f: dict[str, Any]) -> list[dict[str, Any]]:
+    """A quota filter's own matchers, under the one that leaves Envoy's health route out."""
+    (outer,) = f["typed_config"]["bucket_matchers"]["matcher_list"]["matchers"]
+    assert "not_matcher" in outer["predicate"]
+    matchers: list[dict[str, Any]] = outer["on_match"]["matcher"]["matcher_list"]["matchers"]
+    return matchers
+
+
 def _settings(f: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    (matcher,) = f["typed_config"]["bucket_matchers"]["matcher_list"]["matchers"]
+    (matcher,) = _matchers(f)
     return matcher["predicate"], matcher["on_match"]["action"]["typed_config"]
+
+
+def _bucket(f: dict[str, Any], method: str, path: str, headers: dict[str, str]) -> dict[str, Any] | None:
+    """The settings of the bucket Envoy's matcher tree gives a request (None: no bucket,
+    the filter lets it pass), first match wins at each level."""
+    matchers = f["typed_config"]["bucket_matchers"]["matcher_list"]["matchers"]
+    while True:
+        first = next((m for m in matchers if _holds(m["predicate"], method, path, headers)), None)
+        if first is None:
+            return None
+        if "matcher" not in first["on_match"]:
+            settings: dict[str, Any] = first["on_match"]["action"]["typed_config"]
+            return settings
+        matchers = first["on_match"]["matcher"]["matcher_list"]["matchers"]
 
 
 def test_one_filter_per_envoy_limiter_with_its_bucket_id_and_matchers(tmp_path: Path) -> None:
@@ -130,6 +152,8 @@ limiters:
 
 def _holds(predicate: dict[str, Any], method: str, path: str, headers: dict[str, str]) -> bool:
     """Envoy's matcher semantics for the predicate shapes the generator writes."""
+    if "not_matcher" in predicate:
+        return not _holds(predicate["not_matcher"], method, path, headers)
     if "and_matcher" in predicate:
         return all(_holds(p, method, path, headers) for p in predicate["and_matcher"]["predicate"])
     if "or_matcher" in predicate:
@@ -155,7 +179,6 @@ def test_a_shedder_s_filter_buckets_requests_by_the_classifier_s_tier(tmp_path: 
     policy = _policy(tmp_path, SHED_POLICY)
     (shed,) = quota_filters(policy, "extauthz")
     assert shed["name"] == "extauthz.rlqs.shed.workers"
-    matchers = shed["typed_config"]["bucket_matchers"]["matcher_list"]["matchers"]
     classifier = Classifier(policy)
     seen = set()
     # methods in any case: HTTP/2 carries ``post`` as it is, the classifier upper-cases it
@@ -169,8 +192,8 @@ def test_a_shedder_s_filter_buckets_requests_by_the_classifier_s_tier(tmp_path: 
                     if batch is not None:
                         headers["x-batch"] = batch
                     tier = classifier.context(RawRequest(method, path, headers=headers)).tier.value
-                    first = next(m for m in matchers if _holds(m["predicate"], method, path, headers))
-                    settings = first["on_match"]["action"]["typed_config"]
+                    settings = _bucket(shed, method, path, headers)
+                    assert settings is not None, (method, path, headers)
                     bucket = settings["bucket_id_builder"]["bucket_id_builder"]
                     assert bucket == {"shedder": {"string_value": "workers"}, "tier": {"string_value": tier}}, (
                         method, path, headers)
@@ -181,7 +204,7 @@ def test_a_shedder_s_filter_buckets_requests_by_the_classifier_s_tier(tmp_path: 
 def test_a_shedder_s_filter_allows_without_an_assignment_and_refuses_with_the_shedder_s_problem(
         tmp_path: Path) -> None:
     (shed,) = quota_filters(_policy(tmp_path, SHED_POLICY), "extauthz")
-    for matcher in shed["typed_config"]["bucket_matchers"]["matcher_list"]["matchers"]:
+    for matcher in _matchers(shed):
         settings = matcher["on_match"]["action"]["typed_config"]
         tier = settings["bucket_id_builder"]["bucket_id_builder"]["tier"]["string_value"]
         # a server away lifts the push (the check's shedder goes on): never DENY_ALL by default
@@ -261,3 +284,21 @@ def test_quickstart_routes_are_refused_with_a_pushed_shedder(tmp_path: Path) -> 
             bootstrap(policy, protocol=protocol, upstream=("127.0.0.1", 8080), rlqs=True, quickstart_routes=True)
         # without the push (no --rlqs) the routes are as before: the check sheds alone
         bootstrap(policy, protocol=protocol, upstream=("127.0.0.1", 8080), quickstart_routes=True)
+
+
+def test_envoy_s_health_route_is_in_no_quota_bucket(tmp_path: Path) -> None:
+    """``/healthz`` is answered by Envoy without a check (the check's shedder and limiters
+    never see it): no quota filter buckets it, so a tier shed whole or a limiter's empty
+    bucket never fails a load balancer's probe; ``/healthzx`` and ``/v1/healthz`` are
+    checked routes and bucketed as the check classifies them."""
+    both = SHED_POLICY + "  - {name: ip-rate, type: request_rate, rate: 5, burst: 10, key: [{source_ip: true}], " \
+                         "enforce: envoy}\n"
+    shed, ip = quota_filters(_policy(tmp_path, both), "extauthz")
+    for f in (shed, ip):
+        for path in ("/healthz", "/healthz?full=1"):
+            assert _bucket(f, "GET", path, {}) is None, (f["name"], path)
+        for path in ("/healthzx", "/v1/healthz", "/"):
+            assert _bucket(f, "GET", path, {}) is not None, (f["name"], path)
+    settings = _bucket(shed, "GET", "/healthzx", {})
+    assert settings is not None and settings["bucket_id_builder"]["bucket_id_builder"]["tier"] == {
+        "string_value": "get"}
