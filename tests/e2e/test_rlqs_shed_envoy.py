@@ -24,8 +24,10 @@ from extauthz.devtools.stack import ServerProcess, free_port
 from extauthz.devtools.upstream import Upstream, start_upstream
 from extauthz.engine.answers import PROBLEM_TYPE
 from extauthz.engine.quota_service import REPORT_INTERVAL
+from extauthz.envoy.blocks import TlsFiles
 from extauthz.envoy.config import bootstrap
 from extauthz.policy import load_policy
+from testinfra.envoy_configs import validate
 from testinfra.redis_servers import RedisSingle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.slow]
@@ -177,3 +179,34 @@ def test_envoy_refuses_a_tier_shed_whole_while_critical_passes(tmp_path: Path,
     finally:
         server.stop()
         upstream.stop()
+
+
+#: every tier source a pushed shedder takes: the test header, rules on methods, path and headers
+RULES_POLICY = POLICY.replace(
+    "    - {match: {path_prefix: /v1/charges, methods: [POST]}, tier: critical}\n",
+    "    - {match: {path_prefix: /v1/charges, methods: [POST, put]}, tier: critical}\n"
+    "    - {match: {headers: {X-Batch: 'yes'}, methods: [GET]}, tier: test}\n"
+    "    - {match: {path_prefix: /v1/search}, tier: post}\n")
+
+
+def test_a_pushed_shedder_s_config_is_valid_with_several_replicas_and_tls(tmp_path: Path) -> None:
+    """``envoy --mode validate`` of what ``envoy-config --rlqs`` renders for a pushed shedder
+    whose tiers come from every source it takes (case-free method matchers, header and path
+    matchers under the /healthz exclusion), with two replicas behind one cluster: by address,
+    by one host name on two ports, and over mTLS to every endpoint."""
+    from ..infra.certs import CA
+
+    (tmp_path / "api.yaml").write_text(RULES_POLICY)
+    policy = load_policy([tmp_path])
+    ca = CA()
+    ca.write(tmp_path / "ca.crt")
+    ca.issue("envoy").write(tmp_path, "tls")
+    tls = TlsFiles(f"{tmp_path}/tls.crt", f"{tmp_path}/tls.key", f"{tmp_path}/ca.crt")
+    for authz, more, files in ((("10.0.0.1", 9001), (("10.0.0.2", 9001),), None),
+                               (("extauthz.svc", 9001), (("extauthz.svc", 9002),), tls),
+                               (("10.0.0.1", 9001), (("10.0.0.2", 9001),), tls)):
+        config = bootstrap(policy, protocol="grpc", upstream=("127.0.0.1", 8080), rlqs=True, authz=authz,
+                           authz_more=more, tls=files)
+        validate(yaml.safe_dump(config))
+        (cluster,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "extauthz"]
+        assert ("transport_socket" in cluster) == (files is not None)

@@ -302,3 +302,43 @@ def test_envoy_s_health_route_is_in_no_quota_bucket(tmp_path: Path) -> None:
     settings = _bucket(shed, "GET", "/healthzx", {})
     assert settings is not None and settings["bucket_id_builder"]["bucket_id_builder"]["tier"] == {
         "string_value": "get"}
+
+
+@pytest.mark.parametrize(("authz", "more", "tls", "message"), [
+    (("10.0.0.1", 9001), (("10.0.0.1", 9001),), False, "the server endpoint 10.0.0.1:9001 is given twice"),
+    (("a.svc", 9001), (("b.svc", 9001), ("a.svc", 9001)), False, "the server endpoint a.svc:9001 is given twice"),
+    (("10.0.0.1", 9001), tuple(("10.0.0.1", 9002 + i) for i in range(64)), False,
+     "at most 64 server endpoints (--authz), not 65"),
+    (("10.0.0.1", 9001), (("10.0.0.2", 0),), False, "a port in 1-65535, not 10.0.0.2:0"),
+    (("10.0.0.1", 9001), (("", 9001),), False, "a port in 1-65535, not :9001"),
+    (("a.svc", 9001), (("b.svc", 9001),), True,
+     "with TLS the server's endpoints share one host name (the certificate each must show, checked as 'a.svc'), "
+     "not a.svc, b.svc"),
+])
+def test_several_authz_are_bounded_each_once_and_one_tls_name(
+        tmp_path: Path, authz: tuple[str, int], more: tuple[tuple[str, int], ...], tls: bool, message: str) -> None:
+    """A repeated endpoint would double its replica's share silently; with TLS the cluster
+    checks every endpoint's certificate against the first host name, so a second name would
+    fail every handshake to that replica and its checks would fail open."""
+    from extauthz.envoy.blocks import TlsFiles
+
+    policy = _policy(tmp_path, SHED_POLICY)
+    files = TlsFiles("c.pem", "k.pem", "ca.pem") if tls else None
+    with pytest.raises(ValueError) as caught:
+        bootstrap(policy, protocol="grpc", upstream=("127.0.0.1", 8080), rlqs=True, authz=authz,
+                  authz_more=more, tls=files)
+    assert message in str(caught.value)
+
+
+def test_several_authz_with_tls_on_one_name_or_on_addresses_render(tmp_path: Path) -> None:
+    from extauthz.envoy.blocks import TlsFiles
+
+    policy = _policy(tmp_path, SHED_POLICY)
+    files = TlsFiles("c.pem", "k.pem", "ca.pem")
+    for authz, more, name in ((("extauthz.svc", 9001), (("extauthz.svc", 9002),), "extauthz.svc"),
+                              (("10.0.0.1", 9001), (("10.0.0.2", 9001),), "extauthz")):
+        config = bootstrap(policy, protocol="grpc", upstream=("127.0.0.1", 8080), rlqs=True, authz=authz,
+                           authz_more=more, tls=files)
+        (cluster,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "extauthz"]
+        assert len(cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 2
+        assert cluster["transport_socket"]["typed_config"]["sni"] == name  # one socket: every endpoint
