@@ -30,7 +30,15 @@ from typing import Any
 
 from ..core.tiers import READ_METHODS, Tier
 from ..engine.answers import PROBLEM_TYPE
-from ..engine.quota_service import LIMITER_KEY, REPORT_INTERVAL, SHEDDER_KEY, TIER_KEY, QuotaLimit
+from ..engine.quota_service import (
+    CLASSIFICATION_KEY,
+    LIMITER_KEY,
+    REPORT_INTERVAL,
+    SHEDDER_KEY,
+    TIER_KEY,
+    QuotaLimit,
+    classification_id,
+)
 from ..policy import Policy
 from ..policy.model import Matcher
 from ..policy.schema import KEY_PARTS, RequestRateSpec, WorkerUtilizationSpec
@@ -219,11 +227,13 @@ def shed_filter(policy: Policy, spec: WorkerUtilizationSpec, cluster: str) -> Co
     whole and ALLOW_ALL otherwise (critical: always). ALLOW_ALL before an assignment and
     after one expires: a server away lifts the push, and the check's shedder goes on."""
     matchers = []
+    rendered_from = classification_id(policy)
     for predicate, tier in tier_matchers(policy):
         settings = {
             "@type": _SETTINGS,
             "bucket_id_builder": {"bucket_id_builder": {
-                SHEDDER_KEY: {"string_value": spec.name}, TIER_KEY: {"string_value": tier.value}}},
+                SHEDDER_KEY: {"string_value": spec.name}, TIER_KEY: {"string_value": tier.value},
+                CLASSIFICATION_KEY: {"string_value": rendered_from}}},
             "reporting_interval": f"{REPORT_INTERVAL:g}s",
             "deny_response_settings": shed_response(spec, tier),
             "no_assignment_behavior": _ALLOW_ALL,

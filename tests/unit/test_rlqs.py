@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from extauthz.core.context import RawRequest
+from extauthz.engine.quota_service import classification_id
 from extauthz.envoy.config import bootstrap
 from extauthz.envoy.rlqs import quota_filters
 from extauthz.policy import load_policy
@@ -180,6 +181,7 @@ def test_a_shedder_s_filter_buckets_requests_by_the_classifier_s_tier(tmp_path: 
     (shed,) = quota_filters(policy, "extauthz")
     assert shed["name"] == "extauthz.rlqs.shed.workers"
     classifier = Classifier(policy)
+    rendered = classification_id(policy)
     seen = set()
     # methods in any case: HTTP/2 carries ``post`` as it is, the classifier upper-cases it
     for method in ("GET", "HEAD", "OPTIONS", "POST", "PUT", "DELETE", "get", "Head", "post", "put"):
@@ -195,8 +197,8 @@ def test_a_shedder_s_filter_buckets_requests_by_the_classifier_s_tier(tmp_path: 
                     settings = _bucket(shed, method, path, headers)
                     assert settings is not None, (method, path, headers)
                     bucket = settings["bucket_id_builder"]["bucket_id_builder"]
-                    assert bucket == {"shedder": {"string_value": "workers"}, "tier": {"string_value": tier}}, (
-                        method, path, headers)
+                    assert bucket == {"shedder": {"string_value": "workers"}, "tier": {"string_value": tier},
+                                      "classification": {"string_value": rendered}}, (method, path, headers)
                     seen.add(tier)
     assert seen == {"critical", "post", "get", "test"}
 
@@ -342,3 +344,25 @@ def test_several_authz_with_tls_on_one_name_or_on_addresses_render(tmp_path: Pat
         (cluster,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "extauthz"]
         assert len(cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 2
         assert cluster["transport_socket"]["typed_config"]["sni"] == name  # one socket: every endpoint
+
+
+def test_the_classification_id_follows_what_the_matchers_read(tmp_path: Path) -> None:
+    """The digest a shedder's buckets carry changes with every tier source its matchers read
+    (a rule's methods, path, headers or tier, their order, the test header), and not with
+    anything else (a limiter's numbers): a reload of the latter leaves Envoy's push on."""
+    base = classification_id(_policy(tmp_path, SHED_POLICY))
+    same = SHED_POLICY.replace("sample_interval: 2.5s", "sample_interval: 4s")
+    assert classification_id(_policy(tmp_path, same)) == base
+    changed = [
+        SHED_POLICY.replace("methods: [POST, PUT]", "methods: [POST]"),
+        SHED_POLICY.replace("path_prefix: /v1/search", "path_prefix: /v1/find"),
+        SHED_POLICY.replace('x-batch: "yes"', 'x-batch: "no"'),
+        SHED_POLICY.replace("tier: post}", "tier: critical}"),
+        SHED_POLICY.replace("header: X-Test", "header: X-Sandbox"),
+        SHED_POLICY.replace("    - {match: {headers: {x-batch: \"yes\"}}, tier: test}\n", ""),
+        SHED_POLICY.replace("    - {match: {path_prefix: /v1/search}, tier: post}\n", "").replace(
+            "  rules:\n", "  rules:\n    - {match: {path_prefix: /v1/search}, tier: post}\n"),  # order
+    ]
+    ids = {classification_id(_policy(tmp_path, text)) for text in changed}
+    assert all(text != SHED_POLICY for text in changed)
+    assert len(ids) == len(changed) and base not in ids
