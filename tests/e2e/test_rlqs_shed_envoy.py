@@ -56,6 +56,8 @@ TIERS = {
     "post": ("POST", "/v1/customers", {}),
     "critical": ("POST", "/v1/charges", {}),
 }
+#: how long the server or Envoy may take to start on a loaded machine (no measurement here)
+STARTUP = 60.0
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
@@ -114,11 +116,11 @@ def test_envoy_refuses_a_tier_shed_whole_while_critical_passes(tmp_path: Path,
     metrics = free_port()
     upstream = start_upstream()
     server = ServerProcess([tmp_path], args=["--redis-url", redis_single_clean.url,
-                                              "--metrics-listen", f"127.0.0.1:{metrics}"]).start()
+                                              "--metrics-listen", f"127.0.0.1:{metrics}"]).start(STARTUP)
     config = yaml.safe_dump(bootstrap(load_policy([tmp_path]), protocol="grpc", upstream=("127.0.0.1", upstream.port),
                                       authz=("127.0.0.1", server.port), listen_port=0, admin_port=0, rlqs=True))
     try:
-        with EnvoyProcess(config) as envoy, HttpClient() as client:
+        with EnvoyProcess(config, startup_timeout=STARTUP) as envoy, HttpClient() as client:
             # calm: every tier's bucket is created (ALLOW_ALL before an assignment) and checked
             calm = {t: send(client, envoy, t) for t in TIERS}
             assert {t: (a.status, a.tier) for t, a in calm.items()} == {t: (200, t) for t in TIERS}
