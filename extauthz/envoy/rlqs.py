@@ -241,6 +241,6 @@ def shed_filter(policy: Policy, spec: WorkerUtilizationSpec, cluster: str) -> Co
         }
         matchers.append({"predicate": predicate,
                          "on_match": {"action": {"name": f"{spec.name}.{tier.value}", "typed_config": settings}}})
-    return {"name": f"extauthz.rlqs.shed.{spec.name}", "typed_config": {
+    return {"name": f"extauthz.rlqs-shed.{spec.name}", "typed_config": {
         "@type": _FILTER, "rlqs_server": {"envoy_grpc": {"cluster_name": cluster}},
         "domain": DOMAIN, "bucket_matchers": checked(matchers)}}

@@ -179,7 +179,7 @@ def test_a_shedder_s_filter_buckets_requests_by_the_classifier_s_tier(tmp_path: 
     the server's classifier gives it (the whole cross product of methods, paths, headers)."""
     policy = _policy(tmp_path, SHED_POLICY)
     (shed,) = quota_filters(policy, "extauthz")
-    assert shed["name"] == "extauthz.rlqs.shed.workers"
+    assert shed["name"] == "extauthz.rlqs-shed.workers"
     classifier = Classifier(policy)
     rendered = classification_id(policy)
     seen = set()
@@ -233,10 +233,10 @@ def test_rlqs_with_only_a_pushed_shedder_renders_its_filter_first(tmp_path: Path
     both = SHED_POLICY + "  - {name: ip-rate, type: request_rate, rate: 5, burst: 10, key: [{source_ip: true}], " \
                          "enforce: envoy}\n"
     names = [f["name"] for f in quota_filters(_policy(tmp_path, both), "extauthz")]
-    assert names == ["extauthz.rlqs.shed.workers", "extauthz.rlqs.ip-rate"]
+    assert names == ["extauthz.rlqs-shed.workers", "extauthz.rlqs.ip-rate"]
     config = bootstrap(_policy(tmp_path, SHED_POLICY), protocol="grpc", upstream=("127.0.0.1", 8080), rlqs=True)
     manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    assert "extauthz.rlqs.shed.workers" in [f["name"] for f in manager["http_filters"]]
+    assert "extauthz.rlqs-shed.workers" in [f["name"] for f in manager["http_filters"]]
 
 
 def test_several_authz_put_every_replica_in_the_one_grpc_cluster(tmp_path: Path,
@@ -366,3 +366,12 @@ def test_the_classification_id_follows_what_the_matchers_read(tmp_path: Path) ->
     ids = {classification_id(_policy(tmp_path, text)) for text in changed}
     assert all(text != SHED_POLICY for text in changed)
     assert len(ids) == len(changed) and base not in ids
+
+
+def test_a_shedder_s_filter_name_is_never_a_limiter_s(tmp_path: Path) -> None:
+    """Names may hold dots: a limiter named ``shed.workers`` beside the shedder ``workers``
+    had the shedder's filter name (Envoy takes two filters of one name without a word)."""
+    both = SHED_POLICY + "  - {name: shed.workers, type: request_rate, rate: 5, burst: 10, " \
+                         "key: [{source_ip: true}], enforce: envoy}\n"
+    names = [f["name"] for f in quota_filters(_policy(tmp_path, both), "extauthz")]
+    assert names == ["extauthz.rlqs-shed.workers", "extauthz.rlqs.shed.workers"]
