@@ -92,8 +92,19 @@ def checked(matchers: list[Config]) -> Config:
                                            "on_match": {"matcher": {"matcher_list": {"matchers": matchers}}}}]}}
 
 
-def bucket_id(spec: RequestRateSpec) -> Config:
-    """The bucket id builder: the limiter's name and one value per key part."""
+#: the methods a limiter's ``method`` key part names in Envoy, as the check does (upper case,
+#: whatever case the request used): RFC 9110's and PATCH; any other method is :data:`OTHER_METHOD`
+NAMED_METHODS = ("GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH")
+#: the ``method`` entry of a bucket id for every method outside :data:`NAMED_METHODS` (one
+#: bucket for all: Envoy can name a method only by a matcher of its own)
+OTHER_METHOD = "other"
+
+
+def bucket_id(spec: RequestRateSpec, method: str = OTHER_METHOD) -> Config:
+    """The bucket id builder: the limiter's name and one value per key part; a ``method``
+    part is ``method``, named by the matcher that matched (:func:`quota_filter`): Envoy's own
+    ``:method`` keeps the request's case, so ``get``, ``gEt``... over HTTP/2 were each a bucket
+    of their own, each with the limiter's whole rate, where the check upper-cases them to one."""
     builder: Config = {LIMITER_KEY: {"string_value": spec.name}}
     for part in spec.key or ():
         kind = next(f for f in KEY_PARTS if getattr(part, f) is not None)
@@ -104,7 +115,7 @@ def bucket_id(spec: RequestRateSpec) -> Config:
             builder["source_ip"] = {"custom_value": {"name": "source_ip",
                                                      "typed_config": {"@type": _SOURCE_IP_INPUT}}}
         else:  # method (the policy refuses the others)
-            builder["method"] = {"custom_value": _header(":method")}
+            builder["method"] = {"string_value": method}
     return builder
 
 
@@ -139,15 +150,28 @@ def deny_response(spec: RequestRateSpec) -> Config:
 
 def quota_filter(spec: RequestRateSpec, cluster: str) -> Config:
     """One limiter's ``rate_limit_quota`` filter, streaming to ``cluster``."""
-    settings = {
-        "@type": _SETTINGS,
-        "bucket_id_builder": {"bucket_id_builder": bucket_id(spec)},
-        "reporting_interval": f"{REPORT_INTERVAL:g}s",  # Envoy 1.40 reports every 5 s anyway
-        "deny_response_settings": deny_response(spec),
-        "no_assignment_behavior": _DENY_ALL,
-        "expired_assignment_behavior": _DENY_ALL,
-    }
-    matchers = [{"predicate": _predicate(spec), "on_match": {"action": {"name": spec.name, "typed_config": settings}}}]
+    def settings(method: str = OTHER_METHOD) -> Config:
+        return {
+            "@type": _SETTINGS,
+            "bucket_id_builder": {"bucket_id_builder": bucket_id(spec, method)},
+            "reporting_interval": f"{REPORT_INTERVAL:g}s",  # Envoy 1.40 reports every 5 s anyway
+            "deny_response_settings": deny_response(spec),
+            "no_assignment_behavior": _DENY_ALL,
+            "expired_assignment_behavior": _DENY_ALL,
+        }
+
+    def on(method: str = OTHER_METHOD) -> Config:
+        return {"action": {"name": spec.name, "typed_config": settings(method)}}
+
+    predicate = _predicate(spec)
+    if not any(part.method for part in spec.key or ()):
+        matchers = [{"predicate": predicate, "on_match": on()}]
+    else:  # a matcher per method names it in the bucket id (any case), then the others
+        named = sorted(spec.applies_to.methods) if spec.applies_to.methods else NAMED_METHODS
+        matchers = [{"predicate": {"and_matcher": {"predicate": [_methods([m]), predicate]}}, "on_match": on(m)}
+                    for m in named]
+        if not spec.applies_to.methods:
+            matchers.append({"predicate": predicate, "on_match": on()})
     return {"name": f"extauthz.rlqs.{spec.name}", "typed_config": {
         "@type": _FILTER, "rlqs_server": {"envoy_grpc": {"cluster_name": cluster}},
         "domain": DOMAIN, "bucket_matchers": checked(matchers)}}

@@ -188,13 +188,15 @@ RULES_POLICY = POLICY.replace(
     "    - {match: {path_prefix: /v1/charges, methods: [POST]}, tier: critical}\n",
     "    - {match: {path_prefix: /v1/charges, methods: [POST, put]}, tier: critical}\n"
     "    - {match: {headers: {X-Batch: 'yes'}, methods: [GET]}, tier: test}\n"
-    "    - {match: {path_prefix: /v1/search}, tier: post}\n")
+    "    - {match: {path_prefix: /v1/search}, tier: post}\n") + (
+    "  - {name: m-rate, type: request_rate, rate: 1, burst: 2, key: [{method: true}], enforce: envoy}\n")
 
 
 def test_a_pushed_shedder_s_config_is_valid_with_several_replicas_and_tls(tmp_path: Path) -> None:
     """``envoy --mode validate`` of what ``envoy-config --rlqs`` renders for a pushed shedder
     whose tiers come from every source it takes (case-free method matchers, header and path
-    matchers under the /healthz exclusion), with two replicas behind one cluster: by address,
+    matchers under the /healthz exclusion), beside a limiter keyed on the method (a matcher
+    per method), with two replicas behind one cluster: by address,
     by one host name on two ports, and over mTLS to every endpoint."""
     from ..infra.certs import CA
 

@@ -65,12 +65,18 @@ def test_one_filter_per_envoy_limiter_with_its_bucket_id_and_matchers(tmp_path: 
     key, ip = quota_filters(_policy(tmp_path), "extauthz")
     assert [key["name"], ip["name"]] == ["extauthz.rlqs.key-rate", "extauthz.rlqs.ip-rate"]
     assert key["typed_config"]["rlqs_server"] == {"envoy_grpc": {"cluster_name": "extauthz"}}
-    predicate, settings = _settings(key)
+    # a method key part: one matcher per method of applies_to names it in the bucket id
+    get, post = _matchers(key)
+    settings = get["on_match"]["action"]["typed_config"]
     builder = settings["bucket_id_builder"]["bucket_id_builder"]
     assert builder["limiter"] == {"string_value": "key-rate"}
     assert builder["header:x-api-key"]["custom_value"]["typed_config"]["header_name"] == "x-api-key"
-    assert builder["method"]["custom_value"]["typed_config"]["header_name"] == ":method"
-    path, methods, present = predicate["and_matcher"]["predicate"]
+    assert builder["method"] == {"string_value": "GET"}
+    assert post["on_match"]["action"]["typed_config"]["bucket_id_builder"]["bucket_id_builder"]["method"] == {
+        "string_value": "POST"}
+    method, scope = get["predicate"]["and_matcher"]["predicate"]
+    assert method["single_predicate"]["value_match"] == {"exact": "GET", "ignore_case": True}
+    path, methods, present = scope["and_matcher"]["predicate"]
     assert path["single_predicate"]["value_match"] == {"prefix": "/v1/"}
     exact = [p["single_predicate"]["value_match"]["exact"] for p in methods["or_matcher"]["predicate"]]
     assert exact == ["GET", "POST"]
@@ -269,10 +275,9 @@ def test_a_limiter_s_methods_match_in_envoy_in_any_case_as_in_the_check(tmp_path
     limiter in Envoy, and the check no longer counts it (it is Envoy's)."""
     policy = _policy(tmp_path)
     key, _ = quota_filters(policy, "extauthz")
-    predicate, _ = _settings(key)
     applies = next(s for s in policy.limiters if s.name == "key-rate").applies_to
     for method in ("GET", "post", "Post", "get", "PUT", "delete"):
-        held = _holds(predicate, method, "/v1/x", {"x-api-key": "k"})
+        held = _bucket(key, method, "/v1/x", {"x-api-key": "k"}) is not None
         assert held == (method.upper() in (applies.methods or ())), method
 
 
@@ -375,3 +380,28 @@ def test_a_shedder_s_filter_name_is_never_a_limiter_s(tmp_path: Path) -> None:
                          "key: [{source_ip: true}], enforce: envoy}\n"
     names = [f["name"] for f in quota_filters(_policy(tmp_path, both), "extauthz")]
     assert names == ["extauthz.rlqs-shed.workers", "extauthz.rlqs.shed.workers"]
+
+
+def test_a_method_key_part_is_one_bucket_per_method_in_any_case(tmp_path: Path) -> None:
+    """The check keys ``get``, ``gEt`` and ``GET`` as GET (upper-cased); Envoy's ``:method``
+    keeps the case (HTTP/2 passes ``gEt`` on), so a bucket id built from it made a bucket per
+    spelling, each with the limiter's whole rate. The matcher that matches names the method
+    instead; methods beyond RFC 9110's and PATCH share one bucket (``other``: stricter than
+    the check, never looser)."""
+    text = POLICY + "  - {name: m-rate, type: request_rate, rate: 1, burst: 2, key: [{method: true}], " \
+                    "enforce: envoy}\n"
+    key, _, m = quota_filters(_policy(tmp_path, text), "extauthz")
+
+    def method_of(f: dict[str, Any], method: str) -> str | None:
+        settings = _bucket(f, method, "/v1/x", {"x-api-key": "k"})
+        return None if settings is None else settings["bucket_id_builder"]["bucket_id_builder"]["method"][
+            "string_value"]
+
+    for spelling in ("GET", "get", "gEt", "Get"):
+        assert method_of(m, spelling) == "GET", spelling
+        assert method_of(key, spelling) == "GET", spelling
+    for spelling in ("delete", "DELETE", "Patch", "options"):
+        assert method_of(m, spelling) == spelling.upper(), spelling
+        assert method_of(key, spelling) is None, spelling  # outside applies_to.methods
+    for spelling in ("PROPFIND", "propfind", "MKCOL"):
+        assert method_of(m, spelling) == "other", spelling
