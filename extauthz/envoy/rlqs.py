@@ -98,19 +98,24 @@ NAMED_METHODS = ("GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "
 #: the ``method`` entry of a bucket id for every method outside :data:`NAMED_METHODS` (one
 #: bucket for all: Envoy can name a method only by a matcher of its own)
 OTHER_METHOD = "other"
+#: the value of every header key part of the one bucket shared by requests whose key headers
+#: hold a comma (a value no comma-free header has)
+SHARED_VALUE = ","
 
 
-def bucket_id(spec: RequestRateSpec, method: str = OTHER_METHOD) -> Config:
+def bucket_id(spec: RequestRateSpec, method: str = OTHER_METHOD, shared: bool = False) -> Config:
     """The bucket id builder: the limiter's name and one value per key part; a ``method``
     part is ``method``, named by the matcher that matched (:func:`quota_filter`): Envoy's own
     ``:method`` keeps the request's case, so ``get``, ``gEt``... over HTTP/2 were each a bucket
-    of their own, each with the limiter's whole rate, where the check upper-cases them to one."""
+    of their own, each with the limiter's whole rate, where the check upper-cases them to one.
+    ``shared``: the header parts are :data:`SHARED_VALUE` (a key header holding a comma)."""
     builder: Config = {LIMITER_KEY: {"string_value": spec.name}}
     for part in spec.key or ():
         kind = next(f for f in KEY_PARTS if getattr(part, f) is not None)
         if kind == "header":
             assert part.header is not None
-            builder[f"header:{part.header.lower()}"] = {"custom_value": _header(part.header.lower())}
+            builder[f"header:{part.header.lower()}"] = ({"string_value": SHARED_VALUE} if shared
+                                                        else {"custom_value": _header(part.header.lower())})
         elif kind == "source_ip":
             builder["source_ip"] = {"custom_value": {"name": "source_ip",
                                                      "typed_config": {"@type": _SOURCE_IP_INPUT}}}
@@ -119,14 +124,17 @@ def bucket_id(spec: RequestRateSpec, method: str = OTHER_METHOD) -> Config:
     return builder
 
 
-def _predicate(spec: RequestRateSpec) -> Config:
+def _predicate(spec: RequestRateSpec, comma_free: bool = False) -> Config:
+    """The limiter's scope, each header key part present with a value (``comma_free``: a
+    value without a comma)."""
     applies = spec.applies_to
     predicates = [_single(":path", {"prefix": applies.path_prefix or "/"})]
     if applies.methods:
         predicates.append(_methods(applies.methods))
+    value = "[^,]+" if comma_free else ".+"
     for part in spec.key or ():
         if part.header is not None:  # present, with a value
-            predicates.append(_single(part.header.lower(), {"safe_regex": {"google_re2": {}, "regex": ".+"}}))
+            predicates.append(_single(part.header.lower(), {"safe_regex": {"google_re2": {}, "regex": value}}))
     return predicates[0] if len(predicates) == 1 else {"and_matcher": {"predicate": predicates}}
 
 
@@ -150,28 +158,33 @@ def deny_response(spec: RequestRateSpec) -> Config:
 
 def quota_filter(spec: RequestRateSpec, cluster: str) -> Config:
     """One limiter's ``rate_limit_quota`` filter, streaming to ``cluster``."""
-    def settings(method: str = OTHER_METHOD) -> Config:
+    def settings(method: str, shared: bool) -> Config:
         return {
             "@type": _SETTINGS,
-            "bucket_id_builder": {"bucket_id_builder": bucket_id(spec, method)},
+            "bucket_id_builder": {"bucket_id_builder": bucket_id(spec, method, shared)},
             "reporting_interval": f"{REPORT_INTERVAL:g}s",  # Envoy 1.40 reports every 5 s anyway
             "deny_response_settings": deny_response(spec),
             "no_assignment_behavior": _DENY_ALL,
             "expired_assignment_behavior": _DENY_ALL,
         }
 
-    def on(method: str = OTHER_METHOD) -> Config:
-        return {"action": {"name": spec.name, "typed_config": settings(method)}}
+    def on(method: str, shared: bool) -> Config:
+        return {"action": {"name": spec.name, "typed_config": settings(method, shared)}}
 
-    predicate = _predicate(spec)
-    if not any(part.method for part in spec.key or ()):
-        matchers = [{"predicate": predicate, "on_match": on()}]
-    else:  # a matcher per method names it in the bucket id (any case), then the others
+    # key headers without a comma: their values; with one (a header repeated, "k,k"), one
+    # bucket for all, as the check's AMBIGUOUS: Envoy reads a value whole, and "k,k", "k,k,k"...
+    # were each a bucket with the whole rate where the check keys "k,k" as k (stricter here)
+    headers = any(part.header is not None for part in spec.key or ())
+    variants = [(_predicate(spec, comma_free=True), False), (_predicate(spec), True)] if headers else [
+        (_predicate(spec), False)]
+    matchers: list[Config] = []
+    if any(part.method for part in spec.key or ()):  # a matcher per method names it (any case)
         named = sorted(spec.applies_to.methods) if spec.applies_to.methods else NAMED_METHODS
-        matchers = [{"predicate": {"and_matcher": {"predicate": [_methods([m]), predicate]}}, "on_match": on(m)}
-                    for m in named]
-        if not spec.applies_to.methods:
-            matchers.append({"predicate": predicate, "on_match": on()})
+        matchers += [{"predicate": {"and_matcher": {"predicate": [_methods([m]), predicate]}},
+                      "on_match": on(m, shared)} for m in named for predicate, shared in variants]
+        if spec.applies_to.methods:
+            variants = []  # no other method is in scope
+    matchers += [{"predicate": predicate, "on_match": on(OTHER_METHOD, shared)} for predicate, shared in variants]
     return {"name": f"extauthz.rlqs.{spec.name}", "typed_config": {
         "@type": _FILTER, "rlqs_server": {"envoy_grpc": {"cluster_name": cluster}},
         "domain": DOMAIN, "bucket_matchers": checked(matchers)}}

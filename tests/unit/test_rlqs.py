@@ -66,7 +66,7 @@ def test_one_filter_per_envoy_limiter_with_its_bucket_id_and_matchers(tmp_path: 
     assert [key["name"], ip["name"]] == ["extauthz.rlqs.key-rate", "extauthz.rlqs.ip-rate"]
     assert key["typed_config"]["rlqs_server"] == {"envoy_grpc": {"cluster_name": "extauthz"}}
     # a method key part: one matcher per method of applies_to names it in the bucket id
-    get, post = _matchers(key)
+    get, get_shared, post, _ = _matchers(key)
     settings = get["on_match"]["action"]["typed_config"]
     builder = settings["bucket_id_builder"]["bucket_id_builder"]
     assert builder["limiter"] == {"string_value": "key-rate"}
@@ -81,6 +81,10 @@ def test_one_filter_per_envoy_limiter_with_its_bucket_id_and_matchers(tmp_path: 
     exact = [p["single_predicate"]["value_match"]["exact"] for p in methods["or_matcher"]["predicate"]]
     assert exact == ["GET", "POST"]
     assert present["single_predicate"]["input"]["typed_config"]["header_name"] == "x-api-key"
+    assert present["single_predicate"]["value_match"]["safe_regex"]["regex"] == "[^,]+"
+    # a key header with a comma (repeated): one bucket for all such requests
+    shared = get_shared["on_match"]["action"]["typed_config"]["bucket_id_builder"]["bucket_id_builder"]
+    assert shared["header:x-api-key"] == {"string_value": ","} and shared["method"] == {"string_value": "GET"}
     # never allow-all before or after an assignment; the refusal is ours
     deny = {"fallback_rate_limit": {"blanket_rule": "DENY_ALL"}}
     assert settings["no_assignment_behavior"] == deny and settings["expired_assignment_behavior"] == deny
@@ -405,3 +409,21 @@ def test_a_method_key_part_is_one_bucket_per_method_in_any_case(tmp_path: Path) 
         assert method_of(key, spelling) is None, spelling  # outside applies_to.methods
     for spelling in ("PROPFIND", "propfind", "MKCOL"):
         assert method_of(m, spelling) == "other", spelling
+
+
+def test_a_key_header_with_a_comma_is_one_shared_bucket_in_envoy(tmp_path: Path) -> None:
+    """The check reads ``k,k`` (a header repeated) as k and ``k,j`` as one ambiguous value;
+    Envoy reads a value whole, so ``k,k``, ``k,k,k``... were each a bucket of their own with the
+    limiter's whole rate: a client multiplied its limit by repeating its key. Every such
+    request shares one bucket in Envoy (stricter than the check, never looser)."""
+    key, _ = quota_filters(_policy(tmp_path), "extauthz")
+
+    def header_of(value: str) -> dict[str, Any] | None:
+        settings = _bucket(key, "GET", "/v1/x", {"x-api-key": value})
+        return None if settings is None else settings["bucket_id_builder"]["bucket_id_builder"]["header:x-api-key"]
+
+    plain = header_of("k")
+    assert plain is not None and "custom_value" in plain  # the value itself
+    for value in ("k,k", "k,k,k", "k, j", "k,"):
+        assert header_of(value) == {"string_value": ","}, value
+    assert _bucket(key, "GET", "/v1/x", {}) is None  # no key: not limited (on_missing_key: skip)
