@@ -56,6 +56,15 @@ class Setup:
     #: ``extauthz envoy-config --access-log auto`` (extauthz.envoy.config.holds_leases);
     #: "fluentd": Envoy's fluentd access logger to ``serve --fluentd-listen`` instead
     access_log: str = "always"
+    #: issue 33: the policy's ``enforce: envoy`` limiters run in Envoy's rate limit quota filter
+    #: (``extauthz envoy-config --rlqs``), which streams usage reports to the server's gRPC port;
+    #: with ``ext_authz=False`` the server runs for that stream alone (no Check per request)
+    rlqs: bool = False
+
+    @property
+    def server(self) -> bool:
+        """Whether the extauthz server runs: for ext_authz, or for the quota stream alone."""
+        return self.ext_authz or self.rlqs
 
 
 SETUPS: dict[str, Setup] = {s.key: s for s in [
@@ -126,12 +135,18 @@ SETUPS: dict[str, Setup] = {s.key: s for s in [
     Setup("b-buf0", "(b), access log entry by entry", policy="noop", accesslog_flush_ms=0),
     Setup("d-buf0", "(d), access log entry by entry", policy="all-on", redis=True, accesslog_flush_ms=0),
     # Envoy sends less (issue 16 item 4): the same without allowed_headers, every header sent.
+    # Issue 33 (q): (r)'s rate-only shape enforced in Envoy: the quota filter holds a token
+    # bucket per API key (1,000 buckets under wrk), no ext_authz; the server only divides the
+    # limit over the quota stream, its ledger on Redis (q) or in the process (q-mem)
+    Setup("q", "1 request_rate limiter in Envoy (RLQS), Redis", ext_authz=False, rlqs=True,
+          policy="rate-envoy", redis=True),
+    Setup("q-mem", "(q), embedded store", ext_authz=False, rlqs=True, policy="rate-envoy"),
     Setup("b-all", "(b), every header to the server", policy="noop", send_all_headers=True),
     Setup("r-all", "(r), every header to the server", policy="rate-only", redis=True,
           send_all_headers=True),
 ]}
 DEFAULT_SETUPS = ("a", "b", "c", "d", "e", "d1", "d2", "d2p", "b-aio", "d-aio", "h", "hc", "hd", "hdb", "hdf",
-                  "r", "rh", "rhb", "rl", "b-all", "r-all", "d-buf20", "f", "fc", "b-buf0", "d-buf0")
+                  "r", "rh", "rhb", "rl", "q", "q-mem", "b-all", "r-all", "d-buf20", "f", "fc", "b-buf0", "d-buf0")
 SMOKE_SETUPS = ("a", "b", "c")
 
 #: Throughput ratios ``<k>/<base>`` reported besides every ``<k>/a`` (report order).
@@ -155,6 +170,10 @@ RATIOS += (("b-h2", "b"), ("d-h2", "b-h2"), ("r-h2", "b-h2"), ("b-h2", "h"))
 #: issue 32's target: ShouldRateLimit against a rate-only Check on the same door (r-h2)
 CPU_RATIOS += (("rl", "r-h2"), ("rl", "r"))
 RATIOS += (("rl", "r-h2"), ("rl", "r"), ("rl", "rh"))
+#: issue 33's targets: a rate-only policy enforced in Envoy against Envoy alone (a), and beside
+#: Envoy's local rate limit (e); ``envoy cpu <k>/<base>``: Envoy's CPU per request of k over base
+RATIOS += (("q", "e"), ("q", "q-mem"), ("q", "rl"))
+ENVOY_CPU_RATIOS: tuple[tuple[str, str], ...] = (("q", "a"), ("q-mem", "a"), ("e", "a"))
 
 
 def policy_file(setup: Setup) -> Path:

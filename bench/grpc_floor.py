@@ -34,8 +34,8 @@ Candidates (``--candidates``, default all):
   h2            a hand-rolled asyncio protocol on the ``h2`` library (uvloop)
   h2-lean       HTTP/2 framing by hand (``hpack`` for the request headers, the answer's
                 header blocks precomputed), one write per read: how low Python can go
-  h2-server     the server ``serve --grpc-server asyncio`` runs (server/grpc_h2.py: h2, with
-                every bound), uvloop
+  h2-server     the server ``serve --grpc-server asyncio`` runs (server/grpc_h2.py on
+                server/h2conn.py, with every bound), uvloop
 
     python -m bench.grpc_floor [--checks 2000] [--streams 8] [--candidates aio-uvloop,h2]
                                [--no-callgrind] [--no-cpu]
@@ -79,7 +79,7 @@ ENV = {
     # off-by-default experiments on the TCP path
     "aio-exp": {"GRPC_EXPERIMENTS": "tcp_frame_size_tuning,tcp_rcv_lowat,pollset_alternative"},
 }
-NEEDS = {"grpclib": "grpclib", "h2": "h2", "h2-lean": "hpack", "h2-server": "h2"}
+NEEDS = {"grpclib": "grpclib", "h2": "h2", "h2-lean": "hpack", "h2-server": "hpack"}
 
 
 # ---- the request and the answer ----------------------------------------------------------

@@ -27,6 +27,14 @@ Envoy in front of a trivial upstream, the extauthz server as a process, and driv
   rhb (rh) with ``consistency: batched`` (bench/policies/rate-only-batched.yaml)
   rl  the peer table's shape: Envoy's ratelimit filter (``envoy-config --protocol ratelimit``),
       one descriptor per API key, the (r) limiter behind it on Redis (rate-descriptor.yaml)
+  q   issue 33: (r)'s limiter enforced in Envoy (``enforce: envoy``, ``envoy-config --rlqs``):
+      Envoy's rate limit quota filter holds a token bucket per API key (1,000 buckets under
+      wrk, one under h2load), no ext_authz; the server reads the usage reports (every 5 s, each
+      carrying every bucket) and divides the limit, its ledger on Redis; q-mem: the embedded
+      store (no store ledger). Their warm-up lasts at least ``RLQS_WARMUP`` s: a bucket's first
+      request is refused (``no_assignment_behavior``: DENY_ALL) and its first usage report
+      (``time_elapsed`` 0) only subscribes it, so the measured window starts after every bucket
+      has its assignment and has sent one report with demand
   hdb (hd) with request_rate and fleet_usage batched (bench/policies/all-on-batched.yaml)
   hdf (hd) with the releases through Envoy's fluentd access logger (``serve --fluentd-listen``,
       ``extauthz envoy-config --access-log fluentd``) instead of the gRPC access log
@@ -75,6 +83,7 @@ from pathlib import Path
 from typing import Any
 
 from extauthz.devtools.stack import free_port
+from extauthz.engine.quota_service import REPORT_INTERVAL
 
 from .configs import DEFAULT_SETUPS, SETUPS, SMOKE_SETUPS, Options, Setup, policy_file
 from .load import (
@@ -108,6 +117,9 @@ from .stats import Phase, latency_summary, summarize, targets
 FLOOD_CONNECTIONS = 16
 #: the loads whose paced run is two wrk processes (the others: h2load, one key)
 PAIRED = ("flood", "calm")
+#: the quota rows' shortest warm-up (Setup.rlqs): one report interval and a second, so every
+#: bucket holds its assignment and has reported its demand once before the measured window
+RLQS_WARMUP = REPORT_INTERVAL + 1.0
 
 
 def log(msg: str) -> None:
@@ -173,14 +185,15 @@ class Harness:
             self.redis_flush()
         phase = Phase(setup.key, kind, r)
         running = Running(setup, self.redis if setup.redis else None, opts, self.workdir).start()
+        warmup = max(opts.warmup, RLQS_WARMUP) if setup.rlqs else opts.warmup
         try:
             def warm() -> None:
                 if kind == "saturated":
-                    self._wrk(running.url, opts.warmup, setup)
+                    self._wrk(running.url, warmup, setup)
                 elif setup.load in PAIRED:
-                    self._paced_pair(running.url, opts.warmup, setup)
+                    self._paced_pair(running.url, warmup, setup)
                 else:
-                    self._h2load(running.url, opts.warmup, "warm")
+                    self._h2load(running.url, warmup, "warm")
 
             if setup.workers > 1:
                 phase.worker_connections = running.balance_workers(warm)
@@ -222,6 +235,11 @@ class Harness:
                   f"p50 {phase.p50_ms:.2f} p99 {phase.p99_ms:.2f} p99.9 {phase.p999_ms:.2f} ms "
                   f"at {phase.rps:,.0f}/s")
         cpu = f", server {phase.server_cpu_us:.0f} us/req" if phase.server_cpu_us is not None else ""
+        if phase.envoy_cpu_us is not None and setup.rlqs:
+            cpu += (f", Envoy {phase.envoy_cpu_us:.0f} us/req, refused {phase.refused}, quota reports "
+                    f"{phase.quota_reports} ({phase.quota_entries} entries, {phase.quota_buckets} buckets, "
+                    f"server {fmt(phase.server_cpu_us_per_entry)} us/entry), Envoy reported allowed "
+                    f"{phase.quota_allowed} denied {phase.quota_denied}")
         extra = f", workers {phase.worker_connections} conns {phase.worker_cpu_share} cpu" \
             if phase.worker_connections else ""
         bad = f"  PROBLEMS: {'; '.join(phase.problems)}" if phase.problems else ""

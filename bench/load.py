@@ -117,10 +117,11 @@ def run_wrk_pair(url: str, seconds: float, scripts: tuple[Path, Path], *,
 
 def read_wrk(out: str) -> dict[str, float]:
     """:func:`run_wrk`'s figures from wrk's output."""
-    m = re.search(r"(\d+) requests in ([\d.]+)(m?s)", out)
+    m = re.search(r"(\d+) requests in ([\d.]+)(us|ms|s|m|h)\b", out)
     if m is None:
         raise RuntimeError(f"cannot read wrk output:\n{out}")
-    secs = float(m.group(2)) * (0.001 if m.group(3) == "ms" else 1.0)
+    # wrk prints the run's length in its largest whole unit ("10.01s", "11.00m")
+    secs = float(m.group(2)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}[m.group(3)]
     non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
     lat = read_wrk_latency(out)

@@ -107,6 +107,11 @@ def markdown(o: Options, summary: dict[str, Any], env: dict[str, str], command: 
         if row["worker_cpu_share"]:
             notes.append("worker CPU shares " + "; ".join("/".join(f"{x:.2f}" for x in s)
                                                           for s in row["worker_cpu_share"]))
+        if (quota := row.get("quota")) is not None:  # issue 33: Envoy decides, the server reads reports
+            notes.append(f"quota stream: {fmt(quota['reports'])} reports, {fmt(quota['entries'])} bucket entries "
+                         f"per saturated run ({fmt(quota['buckets'])} buckets), server "
+                         f"{fmt(quota['server_cpu_us_per_entry'])} us/entry; refused {quota['refused']:,}; "
+                         f"over-admission {quota['overadmission']}")
         notes += row["problems"]
         consulted = "n/a" if row["consulted"] is None else (
             f"yes: {row['ext_authz_ok']:,} ok of {row['requests']:,}, Envoy failure_mode_allowed "

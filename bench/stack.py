@@ -15,6 +15,7 @@ import yaml
 from extauthz.devtools.envoy_config import local_render
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import ServerProcess, free_port
+from extauthz.engine.quota_service import REPORT_INTERVAL
 from extauthz.envoy.config import GRPC_ACCESS_LOGGER, LocalRateLimit
 from extauthz.envoy.ratelimit import render as ratelimit_render
 from extauthz.policy import load_policy
@@ -52,7 +53,7 @@ class Running:
         s = self.setup
         try:
             extauthz_port = free_port()
-            if s.ext_authz:
+            if s.server:  # for ext_authz, or (rlqs) for the quota stream alone
                 args = ["--store-deadline-ms", str(self.opts.deadline_ms)]
                 if s.redis:
                     assert self.redis is not None
@@ -100,7 +101,9 @@ class Running:
             # what the policy reads, or (send_all_headers) every header, as Envoy does unlisted
             "send_all_headers": s.send_all_headers,
             # always, auto (only when the policy holds a lease) or fluentd (instead of the gRPC log)
-            "access_log": s.access_log}
+            "access_log": s.access_log,
+            # the policy's enforce: envoy limiters in Envoy's quota filter (envoy-config --rlqs)
+            "rlqs": s.rlqs}
         if s.protocol == "ratelimit":
             return self._ratelimit_config(extauthz_port)
         if s.accesslog_flush_ms is not None:
@@ -196,8 +199,37 @@ class Running:
             "fail_open": self.fail_open(),
             "redis_commands": self.redis_commands(),
             "store": self.store_counters(),
+            "quota": self.quota() if self.setup.rlqs else {},
         }
         return snap
+
+    def quota(self) -> dict[str, int]:
+        """The quota stream's counters from admin ``/status`` ``quota`` (docs/rlqs.md), summed
+        over the server's processes: reports read, bucket entries held by open streams (each
+        report carries every bucket of its stream), over-admission, the store ledger's failed
+        calls, what Envoy reported allowed and denied (since each bucket's subscription), and the
+        open and closed streams (a closed one: Envoy's stream ended, e.g. reconnected)."""
+        total = {"reports": 0, "streams": 0, "closed": 0, "bound_refused": 0, "buckets": 0, "overadmission": 0,
+                 "ledger_failures": 0, "allowed": 0, "denied": 0}
+        for i in range(self.setup.workers):
+            with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+                    f"http://127.0.0.1:{self.admin_base + i}/status", timeout=5) as resp:
+                quota = json.load(resp).get("quota") or {}
+            total["reports"] += int(quota.get("reports", 0))
+            total["overadmission"] += int(quota.get("overadmission", 0))
+            total["ledger_failures"] += int((quota.get("ledger") or {}).get("failures", 0))
+            # streams or reports a bound refused (streams, buckets, outbox: docs/rlqs.md)
+            total["bound_refused"] += sum(int(n) for n in (quota.get("refused") or {}).values())
+            for stream in quota.get("streams") or ():
+                if stream.get("closed"):  # its holds wait for their TTL
+                    total["closed"] += 1
+                    continue
+                buckets = stream.get("buckets") or ()
+                total["streams"] += 1
+                total["buckets"] += len(buckets)
+                total["allowed"] += sum(int(b.get("allowed", 0)) for b in buckets)
+                total["denied"] += sum(int(b.get("denied", 0)) for b in buckets)
+        return total
 
     def redis_commands(self) -> dict[str, int]:
         """Redis ``INFO commandstats``: calls by command (lowercase, ``cmdstat_`` dropped)."""
@@ -310,6 +342,8 @@ def fill_counters(phase: Phase, before: dict[str, Any], after: dict[str, Any], s
         phase.local_ratelimit_ok = delta("http_local_rate_limit.ok")
         if not phase.local_ratelimit_ok:
             phase.problems.append("local_ratelimit did not count the requests")
+    if setup.rlqs:
+        fill_quota(phase, before, after, setup)
     phase.envoy_cpu_us = (after["envoy_cpu"] - before["envoy_cpu"]) / n * 1e6
     if setup.redis:
         phase.redis_cpu_us = (after["redis_cpu"] - before["redis_cpu"]) / n * 1e6
@@ -325,8 +359,48 @@ def fill_counters(phase: Phase, before: dict[str, Any], after: dict[str, Any], s
                                  for name, v in store_after.items() if name.startswith(f"{DEADLINE_MISSED}:")}
     # the flooding key's refusals are expected (429s; Envoy's and wrk's counts may differ by
     # the requests in flight at either end)
-    unexpected = phase.non_2xx - ((phase.ext_authz_denied or 0) if flood else 0)
+    unexpected = phase.non_2xx - ((phase.ext_authz_denied or 0) if flood else 0) - (phase.refused or 0)
     if flood and abs(unexpected) <= 0.01 * n:
         unexpected = 0
     if unexpected or phase.errors:
         phase.problems.append(f"{unexpected} unexpected non-2xx responses, {phase.errors} socket errors")
+
+
+def fill_quota(phase: Phase, before: dict[str, Any], after: dict[str, Any], setup: Setup) -> None:
+    """The quota rows (``Setup.rlqs``, issue 33): Envoy decides every request, the server reads
+    usage reports. Its CPU per request and per report entry, the reports and what Envoy said it
+    allowed and denied, and Envoy's refusals (its 429s, the load tool's non-2xx): the policy
+    never refuses the benchmark traffic once a bucket holds its assignment, so a refusal in the
+    measured window means a bucket without one (the start not excluded, or shares held back)."""
+    n = max(1, phase.requests)
+    q0, q1 = before["quota"], after["quota"]
+    if not setup.ext_authz:
+        used = sum(after["server_cpu"][pid] - before["server_cpu"].get(pid, 0.0) for pid in after["server_cpu"])
+        phase.server_cpu_us = used / n * 1e6
+    phase.quota_reports = q1["reports"] - q0["reports"]
+    # every report carries each bucket its Envoy holds (idle ones 0/0): entries = reports x buckets
+    phase.quota_buckets = q1["buckets"]
+    per_stream = q1["buckets"] / q1["streams"] if q1["streams"] else 0.0
+    phase.quota_entries = round(phase.quota_reports * per_stream)
+    if phase.quota_entries and phase.server_cpu_us is not None:
+        phase.server_cpu_us_per_entry = phase.server_cpu_us * n / phase.quota_entries
+    phase.quota_allowed = q1["allowed"] - q0["allowed"]
+    phase.quota_denied = q1["denied"] - q0["denied"]
+    phase.quota_overadmission = q1["overadmission"] - q0["overadmission"]
+    phase.quota_ledger_failures = q1["ledger_failures"] - q0["ledger_failures"]
+    phase.refused = phase.non_2xx
+    # a stream closed in the warm-up too: its holds stay until their TTL, so the new stream's
+    # buckets wait (refused) and the measured window is not the steady state
+    if q1["closed"] or q1["bound_refused"]:
+        phase.problems.append(f"{q1['closed']} quota stream(s) closed, {q1['bound_refused']} refused by a bound "
+                              "(e.g. the outbox: Envoy reconnected, its new stream waits for the old one's "
+                              "holds): figures not comparable")
+    if phase.quota_reports == 0 and phase.seconds > REPORT_INTERVAL:
+        phase.problems.append("the quota stream read no report (the server was not consulted)")
+    if phase.refused:
+        phase.problems.append(f"Envoy's quota filter refused {phase.refused} of {phase.requests} requests in the "
+                              "measured run (a bucket without an assignment): figures not comparable")
+    if phase.quota_overadmission:
+        phase.problems.append(f"quota over-admission {phase.quota_overadmission} (must stay 0)")
+    if phase.quota_ledger_failures:
+        phase.problems.append(f"the store ledger failed {phase.quota_ledger_failures} times: figures not comparable")

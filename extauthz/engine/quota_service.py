@@ -24,9 +24,16 @@ into ``RateLimitQuotaResponse`` messages.
 * Envoy 1.40 uses a token bucket's ``fill_interval`` in whole seconds and ignores a change
   of its seconds (it compares only the nanoseconds), so a limiter's interval is fixed:
   ``ceil(1 / rate)`` seconds (at least 1) and only ``tokens_per_fill``/``max_tokens`` vary.
-* Over-admission is computed from the reports against the ledger: a report allowing more
-  than the stream's share (its rate over the time elapsed plus its burst) counts the excess
-  (``extauthz_quota_overadmission_total``, must stay 0).
+* Over-admission counts only what the ledger proves: tokens of a share grown while the
+  shares held sum past the limit, in this replica's ledger or the store's
+  (``extauthz_quota_overadmission_total``, must stay 0). A report allowing more than the
+  stream's share could is self-reported: it counts one entry in ``reported_excess``
+  (``extauthz_quota_reported_excess_total``), never its requests, so a peer cannot inflate
+  the first and raises the second by at most one per entry settled.
+* A bucket's entry sooner than half a report interval after the stream's last one settled
+  is coalesced (``extauthz_quota_coalesced_total``): a peer reporting faster than Envoy costs
+  no division and no store call.
+* Released burst cools in the store too (:meth:`QuotaBook._store_ask`, :func:`cool_tail`).
 * A bucket id naming a shedder and a tier (``shedder: NAME``, ``tier: T``: a
   ``worker_utilization`` shedder with ``envoy_deny_all``) holds no tokens: it is answered
   ``DENY_ALL`` while that shedder refuses the tier whole, else ``ALLOW_ALL`` (critical: always
@@ -43,7 +50,7 @@ import logging
 import math
 import secrets
 from collections import deque
-from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -78,6 +85,10 @@ FLOOR_WEIGHT = 0.1
 MAX_REPORTED = 10**12
 #: Envoy 1.40's time_elapsed is whole seconds, rounded down
 ELAPSED_ROUNDING = 1.0
+#: a bucket's entry arriving within this part of a report interval of the stream's last one
+#: settled for it is coalesced into the next (Envoy sends one every 5 s, and one at once for
+#: a bucket it has not reported: a peer reporting faster costs no division, no store call)
+COALESCE_PART = 0.5
 #: bounds (docs/rlqs.md)
 MAX_STREAMS = 1024
 MAX_BUCKETS_PER_STREAM = 4096
@@ -282,6 +293,14 @@ class Held:
     free: Share = NOTHING
     #: the demand the bucket's other holders (every replica's streams) reported, scaled
     others: int = 0
+    #: the store's cooling (:meth:`QuotaBook._store_ask`): the slices last asked without it,
+    #: the larger ones kept while released burst cools, and until when (inf: no spare fill)
+    asked: Share = NOTHING
+    cooling: Share = NOTHING
+    cool_until: float = 0.0
+    #: coalesced entries (:data:`COALESCE_PART`) not yet audited: requests allowed, seconds
+    pending_allowed: int = 0
+    pending_elapsed: float = 0.0
     #: a shedder's bucket: the blanket rule last sent (``DENY_ALL``/``ALLOW_ALL``)
     rule: str = ""
 
@@ -339,6 +358,26 @@ class Granted:
     share: Share
     free: Share
     others: int
+    #: the units the ledger holds past the limit after the call (a lowered limit, until the
+    #: slices taken under the old one are renewed)
+    over: Share = NOTHING
+
+
+#: (bucket, stream) holds settled in one store call (one report's, up to this many)
+MAX_HOLDS_PER_CALL = 128
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """One (bucket, stream)'s slices to ask of the store (:meth:`StoreLedger.hold`)."""
+
+    bucket: BucketKey
+    sid: int
+    want: Share
+    total: Share
+    ttl: float
+    demand: int = 0
+    cool: float = 0.0
 
 
 def fair_cap(total: Share, mine: int, others: int) -> Share:
@@ -375,29 +414,66 @@ class StoreLedger:
         return f"{self.replica}.{sid}"
 
     def ops(self, bucket: BucketKey, sid: int, want: Share, total: Share, ttl: float,
-            demand: int) -> list[SliceOp]:
-        """The three slices ``sid`` asks of ``bucket``'s ledger: of the fill, of the burst,
-        and its demand (on a ledger whose total never binds: the others' sum comes back)."""
+            demand: int, cool: float = 0.0) -> list[SliceOp]:
+        """The three slices ``sid`` asks of ``bucket``'s ledger: of the fill, of the burst
+        (both ``cool`` seconds past ``ttl``: :func:`cool_tail`), and its demand (on a ledger
+        whose total never binds: the others' sum comes back)."""
         limiter = dict(bucket).get(LIMITER_KEY, "")
         digest = hashlib.sha256(repr(bucket).encode()).hexdigest()[:24]
         holder = self.holder(sid)
-        return [SliceOp(self.keys.quota_ledger(limiter, digest, "fill"), total.fill, ttl, holder, want.fill),
-                SliceOp(self.keys.quota_ledger(limiter, digest, "burst"), total.burst, ttl, holder, want.burst),
+        held_for = ttl + cool
+        return [SliceOp(self.keys.quota_ledger(limiter, digest, "fill"), total.fill, held_for, holder, want.fill),
+                SliceOp(self.keys.quota_ledger(limiter, digest, "burst"), total.burst, held_for, holder,
+                        want.burst),
                 SliceOp(self.keys.quota_ledger(limiter, digest, "demand"), DEMAND_TOTAL, ttl, holder,
                         min(MAX_DEMAND, max(0, demand)))]
 
     async def hold(self, bucket: BucketKey, sid: int, want: Share, total: Share, ttl: float,
-                   demand: int = 0) -> Granted:
+                   demand: int = 0, cool: float = 0.0) -> Granted:
         """Set ``sid``'s slices of ``bucket`` to ``want``, or what is left of ``total`` when
         less (:func:`~extauthz.store.algorithms.slice_top`; ``NOTHING`` and demand 0 give
-        them back), and its demand, in one atomic call. Raises what the store raises."""
-        result = await self.store.check(self.ops(bucket, sid, want, total, ttl, demand), "")
-        fill, burst, asked = result.results
-        others = max(0, DEMAND_TOTAL - int(asked.remaining) - max(0, int(asked.extra)))
-        return Granted(_granted(fill, burst), Share(int(fill.remaining), int(burst.remaining)), others)
+        them back), and its demand, in one atomic call; the fill and burst slices are held
+        ``cool`` seconds past ``ttl``. Raises what the store raises."""
+        (answer,) = await self.hold_many([Hold(bucket, sid, want, total, ttl, demand, cool)])
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    async def hold_many(self, holds: Sequence[Hold]) -> list[Granted | BaseException]:
+        """:meth:`hold` for many (bucket, stream)s: one store call per
+        :data:`MAX_HOLDS_PER_CALL` of them (their ops in one ``check``, each bucket's three
+        atomic as in :meth:`hold`), the calls at once; a call that fails fails its holds
+        (the exception in their place)."""
+        chunks = [holds[i:i + MAX_HOLDS_PER_CALL] for i in range(0, len(holds), MAX_HOLDS_PER_CALL)]
+        results = await asyncio.gather(*(self.store.check(
+            [op for h in chunk for op in self.ops(h.bucket, h.sid, h.want, h.total, h.ttl, h.demand, h.cool)], "")
+            for chunk in chunks), return_exceptions=True)
+        out: list[Granted | BaseException] = []
+        for chunk, result in zip(chunks, results, strict=True):
+            if isinstance(result, BaseException):
+                if not isinstance(result, Exception):
+                    raise result
+                out.extend([result] * len(chunk))
+                continue
+            for n in range(len(chunk)):
+                fill, burst, asked = result.results[3 * n:3 * n + 3]
+                others = max(0, DEMAND_TOTAL - int(asked.remaining) - max(0, int(asked.extra)))
+                out.append(Granted(_granted(fill, burst), Share(int(fill.remaining), int(burst.remaining)), others,
+                                   Share(max(0, int(fill.retry_after)), max(0, int(burst.retry_after)))))
+        return out
 
     def status(self) -> dict[str, object]:
         return {"replica": self.replica, "failures": self.failures, "healthy": self.healthy}
+
+
+def cool_tail(slices: Share, interval: int) -> float:
+    """How long a holder's fill and burst slices are held past the TTL of the assignment
+    they back: the time their own fill takes to refill their burst. Its Envoy enforces
+    nothing once the assignment expires, and the fill held meanwhile is no one else's, so
+    the limiter's own bucket refills the burst that Envoy may have spent before another
+    replica's Envoy can start a bucket full with it (0: no fill held, no Envoy has tokens
+    from these slices)."""
+    return slices.burst * interval / slices.fill if slices.fill > 0 else 0.0
 
 
 def _granted(fill: OpResult, burst: OpResult) -> Share:
@@ -416,7 +492,7 @@ class QuotaBook:
                  max_buckets: int = MAX_BUCKETS_PER_STREAM, max_holds: int = MAX_HOLDS,
                  salt: bytes = b"", confirm_on_write: bool = False, ledger: StoreLedger | None = None,
                  sheds: Callable[[], Mapping[str, Collection[str]]] = dict,
-                 classification: Callable[[], str] = str) -> None:
+                 classification: Callable[[], str] = str, min_report_gap: float | None = None) -> None:
         self.limits = limits
         #: the shedders pushed to Envoy (``envoy_deny_all``, active) by name, each with the
         #: tiers it refuses whole now (read at every report of a shedder's bucket)
@@ -424,6 +500,11 @@ class QuotaBook:
         #: :func:`classification_id` of the policy in force (a shedder's bucket carrying
         #: another one is never denied)
         self.classification = classification
+        #: a bucket's entry sooner than this after the stream's last one settled for it is
+        #: coalesced (default: :data:`COALESCE_PART` of a report interval; 0: never)
+        self.min_report_gap = report_interval * COALESCE_PART if min_report_gap is None else min_report_gap
+        if not (math.isfinite(self.min_report_gap) and 0 <= self.min_report_gap <= report_interval):
+            raise ValueError("min_report_gap is between 0 and the report interval")
         #: the ledger across replicas beneath this replica's (None: this replica's only)
         self.ledger = ledger
         #: a shrink's confirmation waits from when it was written (:meth:`written`, the
@@ -452,7 +533,14 @@ class QuotaBook:
         self._cooled: list[tuple[float, BucketKey]] = []
         #: counters for /metrics
         self.reports = 0
+        #: tokens this replica granted past the limit, as its ledger and the store prove
+        #: them (a share grown while the shares held sum past the limit): 0 by construction
         self.overadmission = 0
+        #: report entries allowing more than the share they were sent could (self-reported:
+        #: an Envoy not enforcing what it got, or a peer lying; one per entry, never requests)
+        self.reported_excess = 0
+        #: report entries coalesced (:data:`COALESCE_PART`)
+        self.coalesced = 0
         self.refused: dict[str, int] = {}
         #: DENY_ALL answers sent to shedders' tier buckets
         self.shed_denials = 0
@@ -582,6 +670,15 @@ class QuotaBook:
                           min(max(0, usage.allowed), MAX_REPORTED), min(max(0, usage.denied), MAX_REPORTED))
             held = stream.buckets.get(key)
             first = held is None
+            if held is not None and not held.abandoned and now - held.reported < self.min_report_gap:
+                # sooner than Envoy reports: counted, audited with the next entry settled,
+                # nothing divided nor asked of the store (its assignment stands)
+                held.allowed += usage.allowed
+                held.denied += usage.denied
+                held.pending_allowed = min(MAX_REPORTED, held.pending_allowed + usage.allowed)
+                held.pending_elapsed = min(float(MAX_REPORTED), held.pending_elapsed + usage.elapsed)
+                self.coalesced += 1
+                continue
             if held is None:
                 held = stream.buckets[key] = Held(reported=now)
                 self.holders.setdefault(key, set()).add(stream.id)
@@ -642,14 +739,17 @@ class QuotaBook:
         return Action(key, NOTHING, ttl=self.ttl, deny=deny, allow=not deny)
 
     def _audit(self, held: Held, usage: Usage, limit: QuotaLimit | None) -> None:
-        """Requests allowed past the stream's share (the larger of what it held) count."""
-        if limit is None or usage.elapsed <= 0:
+        """An entry allowing more than the stream's share (the larger of what it held) could
+        counts once in :attr:`reported_excess` (with the entries coalesced into it)."""
+        allowed, elapsed = usage.allowed + held.pending_allowed, usage.elapsed + held.pending_elapsed
+        held.pending_allowed, held.pending_elapsed = 0, 0.0
+        if limit is None or elapsed <= 0:
             return
         share = Share(max(held.share.fill, held.ledger.fill), max(held.share.burst, held.ledger.burst))
         # Envoy 1.40 rounds time_elapsed down to whole seconds (4 s for ~4.98 s): up to 1 s more
-        bound = share.fill * (usage.elapsed + ELAPSED_ROUNDING) / limit.interval + share.burst
-        if usage.allowed > bound + 1e-9:
-            self.overadmission += math.ceil(usage.allowed - bound)
+        bound = share.fill * (elapsed + ELAPSED_ROUNDING) / limit.interval + share.burst
+        if allowed > bound + 1e-9:
+            self.reported_excess += 1
 
     def _assign(self, key: BucketKey, limit: QuotaLimit, now: float, out: dict[int, list[Action]]) -> None:
         sids = sorted(self.holders.get(key, ()))
@@ -676,6 +776,7 @@ class QuotaBook:
                 # keep filling at the old one: the bucket goes (DENY_ALL) and is granted anew
                 share = NOTHING
             changed = share != h.share
+            before = _held(h)
             if share.fill < h.share.fill or share.burst < h.share.burst:
                 h.ledger, h.until = _max(h.ledger, h.share), confirm_after
             elif not h.until:
@@ -687,6 +788,12 @@ class QuotaBook:
                 h.interval = interval
             if changed or sid in out:  # the reporting stream gets every bucket (TTL refreshed)
                 out.setdefault(sid, []).append(Action(key, share, interval, self.ttl))
+            grown = _past(_held(h), before)
+            if grown != NOTHING:
+                # what the ledger proves: a hold grown while the holds sum past the limit
+                held_sum = Share(sum(_held(o).fill for o in holders.values()),
+                                 sum(_held(o).burst for o in holders.values()))
+                self.overadmission += _sum(_min(grown, _past(held_sum, whole)))
         self._cool(key, now, limit)  # the unheld fill from now on
 
     def written(self, stream: Stream, shares: Iterable[tuple[BucketKey, Share]]) -> None:
@@ -703,7 +810,8 @@ class QuotaBook:
     # -- the store ledger
     async def settle(self, out: dict[int, list[Action]]) -> dict[int, list[Action]]:
         """The actions of :meth:`report` as far as the store's ledger backs them: each
-        assignment's slices are asked of the store (the held size: a shrunk share's old
+        assignment's slices are asked of the store (one call for them all,
+        :meth:`StoreLedger.hold_many`) (the held size: a shrunk share's old
         size until it is confirmed) and the share sent is at most what the store granted; an
         abandoned bucket's slices go back. An assignment the store did not answer is not sent
         (its Envoy keeps its last assignment, which its slices back until their TTL, then
@@ -712,9 +820,10 @@ class QuotaBook:
         if ledger is None:
             return out
         limits = self.limits()
+        now = self.clock.monotonic()
         ttl = self.ttl + SLICE_MARGIN_REPORTS * self.report_interval
         jobs: list[tuple[int, int, Held | None]] = []
-        calls = []
+        holds: list[Hold] = []
         dropped: set[tuple[int, int]] = set()
         out = {sid: list(actions) for sid, actions in out.items()}
         for sid, actions in out.items():
@@ -734,12 +843,20 @@ class QuotaBook:
                 # answered); the store keeps what its Envoy may hold until it confirms a shrink
                 demand = min(MAX_DEMAND, round(held.demand * DEMAND_SCALE))
                 share = _min(action.share, fair_cap(total, demand, held.others))
+                if now < held.cool_until and share.burst > held.sent.burst:
+                    # no burst grows while its own release cools (a bucket Envoy grows or
+                    # starts anew holds tokens at once: the released ones, maybe spent)
+                    share = Share(share.fill, held.sent.burst)
+                if not (share.fill and share.burst):  # Envoy's token bucket needs both
+                    share = NOTHING
                 out[sid][i] = Action(action.bucket, share, action.interval, action.ttl)
                 # (a shrink not yet confirmed: the ledger's size; else what was sent last)
                 keep = _max(held.ledger, held.sent) if held.until else held.sent
+                ask = self._store_ask(held, _max(keep, share), limit, now)
                 jobs.append((sid, i, held))
-                calls.append(ledger.hold(action.bucket, sid, _max(keep, share), total, ttl, demand))
-        answers = await asyncio.gather(*calls, return_exceptions=True)
+                holds.append(Hold(action.bucket, sid, ask, total, ttl, demand,
+                                  cool_tail(ask, limit.interval) if limit is not None else 0.0))
+        answers = await ledger.hold_many(holds) if holds else []
         now = self.clock.monotonic()
         settled = out
         failed = 0
@@ -757,6 +874,8 @@ class QuotaBook:
             action = settled[sid][i]
             assert action.share is not None
             share = _min(action.share, answer.share)
+            # what the store proves: a share grown while the slices sum past the limit
+            self.overadmission += _sum(_min(_past(share, held.sent), answer.over))
             if share.fill < held.sent.fill or share.burst < held.sent.burst:  # a shrink: held until confirmed
                 confirm_after = math.inf if self.confirm_on_write else now + self.report_interval / 2
                 held.ledger, held.until = _max(held.ledger, held.sent), max(held.until, confirm_after)
@@ -777,12 +896,45 @@ class QuotaBook:
         return {sid: kept for sid, actions in settled.items()
                 if (kept := [a for i, a in enumerate(actions) if (sid, i) not in dropped])}
 
+    @staticmethod
+    def _store_ask(held: Held, base: Share, limit: QuotaLimit | None, now: float) -> Share:
+        """The slices to ask of the store: ``base`` (what its Envoy may enforce), or more
+        while burst this holder released cools. Envoy grows a bucket with its ratio of tokens
+        kept and starts a new one full, so burst released to the store at once could come
+        back in another replica's Envoy right after this one's spent it (docs/rlqs.md,
+        "Cooling across replicas"). So a release of burst keeps the larger slices asked
+        before it (``cooling``) for the time the fill they hold and the Envoy no longer
+        uses (``cooling.fill - base.fill``, which no other holder can take meanwhile) takes
+        to refill the released burst; with no such fill, until there is some. A cooling
+        that the holder's own fill grows into is timed again from now (less of it spare)."""
+        if held.cool_until and now >= held.cool_until:
+            held.cooling, held.cool_until = NOTHING, 0.0
+        last, held.asked = held.asked, base
+        if limit is None:
+            return _max(base, held.cooling) if held.cool_until else base
+        if base.burst < last.burst:  # burst released: it cools before the store frees it
+            held.cooling = _max(held.cooling, last)
+        elif not held.cool_until or (base.fill <= last.fill and held.cool_until < math.inf):
+            return _max(base, held.cooling) if held.cool_until else base
+        spare, left = held.cooling.fill - base.fill, held.cooling.burst - base.burst
+        if left <= 0:  # grown back past what cooled: nothing left to cool
+            held.cooling, held.cool_until = NOTHING, 0.0
+            return base
+        until = now + left * limit.interval / spare if spare > 0 else math.inf
+        held.cool_until = until if held.cool_until == math.inf else max(held.cool_until, until)
+        return _max(base, held.cooling)
+
     # -- status
     def status(self) -> dict[str, object]:
+        def sent(h: Held) -> Share:
+            """The share sent to Envoy: with a store ledger, the last one it settled (a
+            report's division waiting for its store call is not sent yet)."""
+            return h.sent if self.ledger is not None else h.share
+
         return {
             "streams": [{
                 "id": s.id, "peer": s.peer, "domain": s.domain, "closed": bool(s.gone_at),
-                "buckets": [{"bucket": shown(k, self.salt), "fill": h.share.fill, "burst": h.share.burst,
+                "buckets": [{"bucket": shown(k, self.salt), "fill": sent(h).fill, "burst": sent(h).burst,
                              "held": {"fill": h.ledger.fill, "burst": h.ledger.burst},
                              "store": {"fill": h.granted.fill, "burst": h.granted.burst,
                                        "free": {"fill": h.free.fill, "burst": h.free.burst},
@@ -791,7 +943,8 @@ class QuotaBook:
                              **({"rule": h.rule} if h.rule else {})}
                             for k, h in s.buckets.items()],
             } for s in self.streams.values()],
-            "reports": self.reports, "overadmission": self.overadmission, "refused": dict(self.refused),
+            "reports": self.reports, "overadmission": self.overadmission,
+            "reported_excess": self.reported_excess, "coalesced": self.coalesced, "refused": dict(self.refused),
             "shed_denials": self.shed_denials,
             "ledger": self.ledger.status() if self.ledger is not None else None,
         }
@@ -823,3 +976,12 @@ def _max(a: Share, b: Share) -> Share:
 
 def _min(a: Share, b: Share) -> Share:
     return Share(min(a.fill, b.fill), min(a.burst, b.burst))
+
+
+def _past(a: Share, b: Share) -> Share:
+    """What ``a`` holds past ``b``, in each number (0 where it does not)."""
+    return Share(max(0, a.fill - b.fill), max(0, a.burst - b.burst))
+
+
+def _sum(a: Share) -> int:
+    return a.fill + a.burst

@@ -23,7 +23,8 @@ from .base import ObserverBase
 
 #: refusals kept per identity
 PER_IDENTITY = RECENT_REFUSALS_PER_IDENTITY
-#: identities kept (about 200 bytes a refusal: at most about 4 MB)
+#: identities kept (about 364 bytes a refusal, measured with tracemalloc in bench.memory_soak
+#: (docs/benchmarks.md, issue 31): about 7 MiB when every identity holds PER_IDENTITY)
 IDENTITIES = 1000
 
 

@@ -83,6 +83,15 @@ LEASES_SAMPLE_INTERVAL = 2.0
 ServerConfig = Settings
 
 
+def stop_budget(grace: float, close_linger: float = H2Limits.close_linger) -> float:
+    """The longest a graceful stop takes after SIGTERM (s): the ports' grace (all at once),
+    the event-loop gRPC port's ``close_linger`` after it (clients close their answered
+    streams, then their connections), and the release drain (``grace``, at least 1 s). The
+    chart's ``terminationGracePeriodSeconds`` must exceed its preStop sleep plus this
+    (helm/extauthz/values.yaml; tests/helm/test_chart.py renders both)."""
+    return grace + close_linger + max(grace, 1.0)
+
+
 def is_off(listen: str | None) -> bool:
     """An off listen value (unset, ``""``, ``off``, ``none``: :func:`extauthz.core.settings.off`)."""
     return off(listen) is None
@@ -397,16 +406,31 @@ class Server:
             interval, tick = sampler_job(self.engine, shedder.name)
             self.runner.every(f"sampler:{shedder.name}", interval, tick, first=True)
 
+    def stop_budget(self, grace: float | None = None) -> float:
+        """The longest :meth:`stop` takes (s) with this grace (default the configured one)."""
+        linger = max((s.limits.close_linger for s in (self.grpc, self.health_grpc)
+                      if isinstance(s, GrpcH2Server)), default=0.0)
+        return stop_budget(self.config.grace_seconds if grace is None else grace, linger)
+
     async def stop(self, grace: float | None = None) -> None:
-        """Graceful stop: NOT_SERVING first, let in-flight calls finish, then close."""
+        """Graceful stop: NOT_SERVING first, let in-flight calls finish on every port at once
+        (up to ``grace`` s, the configured grace by default), then drain the releases with what
+        is left of :meth:`stop_budget`, and close."""
+        grace = self.config.grace_seconds if grace is None else grace
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.stop_budget(grace)
         await self.health.enter_graceful_shutdown()
         await self.runner.stop()
+        # The ports' graces run at once, not one after the other: in turn they came to about
+        # 22 s with the preStop sleep, past the chart's terminationGracePeriodSeconds (20 s).
+        doors: list[Any] = []
         if self.http is not None:
-            await self.http.stop(self.config.grace_seconds if grace is None else grace)
+            doors.append(self.http.stop(grace))
         if self.grpc is not None:
-            await self.grpc.stop(self.config.grace_seconds if grace is None else grace)
+            doors.append(self.grpc.stop(grace))
         if self.health_grpc is not None:
-            await self.health_grpc.stop(0)
+            doors.append(self.health_grpc.stop(0))
+        await asyncio.gather(*doors)
         if self.fluentd is not None:  # after the front doors: the last entries still release
             await self.fluentd.stop()
         await self._stop_operations()
@@ -415,9 +439,10 @@ class Server:
         if self.recorder is not None:  # what finished, and what still waits (no duration)
             await self.recorder.close()
         # Batched grants still held go back; releases still on their way (access log,
-        # cancelled Checks, late store answers) finish before the store closes.
+        # cancelled Checks, late store answers) finish before the store closes, within what
+        # is left of the budget.
         await self.engine.settle_grants()
-        await self.engine.releaser.drain(self.config.grace_seconds if grace is None else max(grace, 1.0))
+        await self.engine.releaser.drain(min(max(grace, 1.0), max(0.5, deadline - loop.time())))
         await self.store.close()
 
     async def wait(self) -> None:
@@ -443,7 +468,9 @@ async def run(config: ServerConfig, on_ready: Callable[[int], None] | None = Non
     if on_ready is not None:
         on_ready(server.port or server.http_port)
     await stopping.wait()
-    log.info("stopping: health NOT_SERVING, finishing in-flight calls")
+    budget = server.stop_budget()
+    log.info("stopping: health NOT_SERVING, finishing in-flight calls within %.1f s", budget,
+             extra={"fields": {"event": "stopping", "budget_seconds": budget}})
     await server.stop()
 
 

@@ -3,10 +3,11 @@ selects grpc.aio instead for one release).
 
 grpc.aio answers a no-op ``Check`` at ~395 us of CPU, most of it system calls and hand-offs
 between gRPC's poller thread and the event loop (docs/design.md, "The gRPC front door"). This
-server runs HTTP/2 on the event loop itself: the python-hyper ``h2`` state machine does the
-framing, HPACK and stream states (preface, SETTINGS, CONTINUATION, padding, PRIORITY, PING,
-stream ids, frame and header-list sizes, flow-control windows); this module adds what gRPC and
-a server exposed to a network need on top, each bounded (:class:`H2Limits`, docs/security.md
+server runs HTTP/2 on the event loop itself: ``server/h2conn.py``, the connection written by
+hand (preface, SETTINGS, stream states, CONTINUATION, padding, PRIORITY, PING, stream ids,
+frame and header-list sizes, flow-control windows; the ``hpack`` library decodes request
+headers), tells this module what it read; this module adds what gRPC and a server exposed to
+a network need on top, each bounded (:class:`H2Limits`, docs/security.md
 "HTTP/2 bounds"):
 
 * gRPC framing of messages (5-byte prefix), a message size bound (RESOURCE_EXHAUSTED),
@@ -15,7 +16,7 @@ a server exposed to a network need on top, each bounded (:class:`H2Limits`, docs
 * concurrency counted on the calls still running (a reset stream's handler counts until it
   ends), so rapid reset (CVE-2023-44487) cannot pile up work; peer resets
   and every frame that makes no progress (PING, SETTINGS, PRIORITY, small WINDOW_UPDATEs,
-  empty DATA, ...: :meth:`_Connection._frame_in`) drawn from budgets that refill with time: a
+  empty DATA, ...: :meth:`_Connection.inspect`) drawn from budgets that refill with time: a
   flood gets GOAWAY ENHANCE_YOUR_CALM; a header block's encoded bytes bounded before decoding;
 * inbound flow control tied to consumption: a stream's window is reopened only while what this
   connection holds unconsumed stays under ``max_buffered`` (a slow access-log handler slows
@@ -29,9 +30,9 @@ a server exposed to a network need on top, each bounded (:class:`H2Limits`, docs
   once their clients closed those streams (within ``close_linger``);
 * every bound counted (:meth:`GrpcH2Server.metrics`).
 
-The common answer (one message, ``grpc-status`` 0) is written as constant frames with h2's
-stream state told (:meth:`_Connection._answer`): h2's send path was most of a no-op check's
-CPU (docs/design.md, "The gRPC port on the event loop").
+The common answer (one message, ``grpc-status`` 0) is written as three frames of constant
+header blocks in one piece (:meth:`_Connection._answer`; docs/design.md, "The gRPC port on the
+event loop").
 
 The servicers are the ones grpc.aio runs (``server/services.py``, grpc_health's servicer):
 ``add_*Servicer_to_server`` registers them here too, and each call gets a :class:`Call`, the
@@ -42,8 +43,10 @@ behind the same gRPC door adapter whichever server carries it.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import re
+import socket
 import ssl
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -52,41 +55,27 @@ from typing import Any
 from urllib.parse import quote
 
 import grpc
-from h2.config import H2Configuration
-from h2.connection import ConnectionInputs, ConnectionState, H2Connection, H2ConnectionStateMachine
-from h2.errors import ErrorCodes
-from h2.events import (
-    ConnectionTerminated,
-    DataReceived,
-    PingReceived,
-    RemoteSettingsChanged,
-    RequestReceived,
-    StreamEnded,
-    StreamReset,
-    TrailersReceived,
-    WindowUpdated,
-)
-from h2.exceptions import DenialOfServiceError, ProtocolError
-from h2.frame_buffer import FrameBuffer
-from h2.settings import SettingCodes, Settings
-from h2.stream import StreamInputs
-from hpack import HPACKError
-from hyperframe.frame import (
-    ContinuationFrame,
-    DataFrame,
-    ExtensionFrame,
-    Frame,
-    GoAwayFrame,
-    HeadersFrame,
-    PingFrame,
-    PriorityFrame,
-    SettingsFrame,
-    WindowUpdateFrame,
-)
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..core.settings import DEFAULT_MAX_ACTIVE_CHECKS
 from ..engine.overload import margin
+from .h2conn import (
+    CODE_NAMES,
+    CONTINUATION,
+    DATA,
+    GOAWAY,
+    HEADERS,
+    PING,
+    PRIORITY,
+    RST_STREAM,
+    SETTINGS,
+    WINDOW_UPDATE,
+    ErrorCode,
+    H2Conn,
+    H2Error,
+    Stream,
+    encode_headers,
+)
 from .ports import parse_listen
 
 __all__ = ["Call", "GrpcH2Server", "H2Limits", "call_time_left", "malformed", "parse_timeout"]
@@ -96,10 +85,7 @@ log = logging.getLogger("extauthz.server")
 OK, CANCELLED, UNKNOWN, DEADLINE_EXCEEDED = 0, 1, 2, 4
 RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE = 8, 12, 13, 14
 
-#: h2's FrameBuffer attribute holding the bytes not parsed into frames yet (renamed in 4.2)
-_UNPARSED = "_data" if hasattr(FrameBuffer(server=True), "_data") else "data"
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
-_HEAD = ((b":status", b"200"), (b"content-type", b"application/grpc"))
 #: the answer's header blocks as constant bytes that touch no HPACK table (``:status`` 200
 #: from the static table; content-type and grpc-status 0 literal, never indexed), for the fast
 #: path of :meth:`_Connection._send_out`
@@ -123,8 +109,8 @@ def malformed(headers: Iterable[tuple[bytes, bytes]], trailers: bool = False) ->
     """Why a request's header list (or with ``trailers``, its trailer list) is malformed
     (RFC 9113 8.1.1: a stream error), or None.
 
-    What h2's inbound header validation checked (its ``validate_inbound_headers``, off on this
-    server), in one pass with two compiled patterns per field instead of h2's generator chain
+    What h2's inbound header validation checked (its ``validate_inbound_headers``, when this
+    server ran on h2), in one pass with two compiled patterns per field instead of h2's generator chain
     that walks every byte of every name and value in Python: 27 % of a no-op check's
     instructions (docs/design.md, "The gRPC port on the event loop"). Trailers carry no
     pseudo-header field and need none (8.1)."""
@@ -177,7 +163,7 @@ def malformed(headers: Iterable[tuple[bytes, bytes]], trailers: bool = False) ->
 
 #: the reasons :meth:`GrpcH2Server.reject` counts, by what each ended (the ``extauthz_grpc_*``
 #: metrics; docs/operations.md): a connection closed before it served a call, ...
-CONNECTION_REFUSED = ("too_many_connections", "stopping", "alpn", "handshake_timeout")
+CONNECTION_REFUSED = ("too_many_connections", "stopping", "alpn", "handshake_timeout", "tls_handshake")
 #: ... a connection ended by a bound or a protocol error, ...
 CONNECTION_CLOSED = ("frame_too_large", "protocol_error", "control_flood", "rapid_reset", "slow_frame",
                      "peer_not_reading", "idle_timeout")
@@ -280,13 +266,10 @@ _CONTROL_PER_CALL = 4
 _STREAM_QUEUE = 64 << 10
 
 
-#: frames that never make a call progress: each draws from the control budget
-_NO_PROGRESS = (PingFrame, SettingsFrame, PriorityFrame, GoAwayFrame, ExtensionFrame)
-
-
-class _Flood(DenialOfServiceError):
-    """Frames that make no progress, past the control budget (h2 answers GOAWAY
-    ENHANCE_YOUR_CALM, the error code of DenialOfServiceError)."""
+#: frames that make no call progress whatever they carry (unknown types too): each draws from
+#: the control budget; DATA and WINDOW_UPDATE are judged by what they carry
+_NO_PROGRESS = frozenset((PING, SETTINGS, PRIORITY, GOAWAY))
+_CALL_FRAMES = frozenset((HEADERS, CONTINUATION, RST_STREAM))
 
 
 class _Abort(Exception):
@@ -429,6 +412,86 @@ def call_time_left(call: Any) -> tuple[float | None, float, bool]:
     return call.time_remaining(), 0.0, not isinstance(call, Call)
 
 
+#: accept() errors that mean the process or the system is out of something: accepting pauses
+#: for a second (as asyncio's own server does) instead of spinning on a readable socket
+_ACCEPT_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_BACKLOG = 1024
+
+
+def listen_sockets(host: str | None, port: int, *, reuse_port: bool = False,
+                   backlog: int = _BACKLOG) -> list[socket.socket]:
+    """Non-blocking listening sockets on ``host:port`` bound as ``loop.create_server`` binds
+    them: every address the host resolves to (every interface when None), IPv6 ones v6-only,
+    SO_REUSEADDR, and SO_REUSEPORT when asked."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(backlog)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+class _TlsListener:
+    """The TLS port's own accept loop. asyncio's ``ssl=`` server builds the protocol at the
+    accept but calls its ``connection_made`` only after the handshake, and never calls a
+    failed handshake back, so a connection could count against ``max_connections`` only once
+    its handshake was done: a flood of handshakes that never finish was bounded by the
+    handshake timeout alone. Here a connection counts from its accept
+    (:meth:`GrpcH2Server._accepted`), one past the bound is closed at once, and the handshake
+    runs in ``loop.connect_accepted_socket`` (asyncio's and uvloop's, with the same SSL
+    protocol as their servers; starting TLS by hand with ``loop.start_tls`` broke Envoy's mTLS
+    under uvloop), whose end, done or failed, releases the count."""
+
+    def __init__(self, server: GrpcH2Server, sockets: list[socket.socket]) -> None:
+        self.server = server
+        self.sockets = sockets
+        self.loop = asyncio.get_running_loop()
+        self.closed = False
+        for sock in sockets:
+            self.loop.add_reader(sock.fileno(), self._accept, sock)
+
+    def _accept(self, sock: socket.socket) -> None:
+        for _ in range(_BACKLOG):  # what is waiting, in one go (bounded)
+            try:
+                conn, _ = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in _ACCEPT_EXHAUSTED:
+                    log.warning("gRPC port: cannot accept (%s): pausing accepts for 1 s", exc.strerror or exc,
+                                extra={"fields": {"event": "grpc_accept_paused", "errno": exc.errno}})
+                    self.loop.remove_reader(sock.fileno())
+                    self.loop.call_later(1.0, self._resume, sock)
+                    return
+                continue  # the peer left before its accept (ECONNABORTED, ...)
+            self.server._accepted(conn)
+
+    def _resume(self, sock: socket.socket) -> None:
+        if not self.closed:
+            self.loop.add_reader(sock.fileno(), self._accept, sock)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for sock in self.sockets:
+            self.loop.remove_reader(sock.fileno())
+            sock.close()
+
+
 class GrpcH2Server:
     """gRPC over HTTP/2 on the event loop; the subset of ``grpc.aio.Server`` that
     ``add_*Servicer_to_server``, :class:`~extauthz.server.app.Server` and the tests use."""
@@ -438,7 +501,9 @@ class GrpcH2Server:
         self.ssl_context = ssl_context
         self.handlers: dict[bytes, Any] = {}
         self.connections: set[_Connection] = set()
-        self.server: asyncio.AbstractServer | None = None
+        self.server: asyncio.AbstractServer | _TlsListener | None = None
+        #: TLS connections accepted whose handshake runs: they count against max_connections
+        self.handshakes: set[asyncio.Task[None]] = set()
         self.port = 0
         self.stopping = False
         #: connections and streams refused or closed by a bound, by reason
@@ -468,10 +533,7 @@ class GrpcH2Server:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
 
     def goaway_sent(self, code: int) -> None:
-        try:
-            name = ErrorCodes(code).name
-        except ValueError:
-            name = str(code)
+        name = CODE_NAMES.get(code, str(code))
         self.goaways[name] = self.goaways.get(name, 0) + 1
 
     async def start(self, listen: str, *, reuse_port: bool = False, flag: str = "") -> int:
@@ -480,17 +542,51 @@ class GrpcH2Server:
         loop = asyncio.get_running_loop()
         self._terminated = asyncio.Event()
         try:
-            self.server = await loop.create_server(lambda: _Connection(self), host or None, port,
-                                                   reuse_port=reuse_port or None, backlog=1024,
-                                                   ssl=self.ssl_context,
-                                                   ssl_handshake_timeout=self.limits.handshake_timeout
-                                                   if self.ssl_context is not None else None)
+            if self.ssl_context is None:
+                self.server = await loop.create_server(lambda: _Connection(self), host or None, port,
+                                                       reuse_port=reuse_port or None, backlog=_BACKLOG)
+            else:  # handshakes counted from the accept (_TlsListener)
+                self.server = _TlsListener(self, listen_sockets(host or None, port, reuse_port=reuse_port))
         except OSError as exc:
             where = f"{listen} ({flag})" if flag else listen
             raise OSError(exc.errno, f"cannot listen on {where}: {exc.strerror or exc}") from None
         self.port = int(self.server.sockets[0].getsockname()[1])
         self._sweeper = asyncio.create_task(self._sweep(), name="extauthz-grpc-sweeper")
         return self.port
+
+    def _accepted(self, sock: socket.socket) -> None:
+        """A TLS connection accepted: counted from now (its handshake included), or closed at
+        once past the bound or while stopping."""
+        if self.stopping or len(self.connections) + len(self.handshakes) >= self.limits.max_connections:
+            self.reject("stopping" if self.stopping else "too_many_connections")
+            sock.close()
+            return
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:  # the peer is gone already
+            sock.close()
+            return
+        task = asyncio.get_running_loop().create_task(self._handshake(sock), name="extauthz-grpc-handshake")
+        self.handshakes.add(task)
+        task.add_done_callback(self.handshakes.discard)
+
+    async def _handshake(self, sock: socket.socket) -> None:
+        """The TLS handshake of one accepted connection; once done, the connection is the
+        protocol's (``connection_made``: ALPN, then counted in ``connections``). A handshake
+        that fails or outlasts ``handshake_timeout`` is counted and its socket closed."""
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        try:
+            await loop.connect_accepted_socket(lambda: _Connection(self), sock, ssl=self.ssl_context,
+                                               ssl_handshake_timeout=self.limits.handshake_timeout)
+        except asyncio.CancelledError:  # a stop: the transport closed the socket
+            sock.close()
+            raise
+        except OSError:  # ssl.SSLError, a reset, the timeout's ConnectionAbortedError: counted, closed
+            timed_out = loop.time() - began >= self.limits.handshake_timeout
+            self.reject("handshake_timeout" if timed_out else "tls_handshake")
+            sock.close()
 
     async def _sweep(self) -> None:
         """Handshake, idle and request timeouts, checked a few times per smallest timeout."""
@@ -513,6 +609,11 @@ class GrpcH2Server:
         self.server.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
+        handshakes = list(self.handshakes)  # TLS handshakes still running: ended
+        for task in handshakes:
+            task.cancel()
+        if handshakes:
+            await asyncio.wait(handshakes)
         loop = asyncio.get_running_loop()
         end = loop.time() + (grace or 0.0)
         for conn in list(self.connections):
@@ -580,14 +681,16 @@ class GrpcH2Server:
             self._peers_closed.set()
 
     def status(self) -> dict[str, Any]:
-        return {"server": "asyncio", "connections": len(self.connections), "calls": self.calls,
+        return {"server": "asyncio", "connections": len(self.connections), "handshakes": len(self.handshakes),
+                "calls": self.calls,
                 "running": sum(len(c.calls) for c in self.connections), "rejected": dict(self.rejected),
                 "goaways": dict(self.goaways)}
 
     def metrics(self) -> Iterator[Metric]:
         """The port's bounds at work, as Prometheus families (docs/operations.md)."""
-        yield GaugeMetricFamily("extauthz_grpc_connections", "Connections open on the gRPC port (they "
-                                "count against its connection bound).", value=len(self.connections))
+        yield GaugeMetricFamily("extauthz_grpc_connections", "Connections open on the gRPC port, TLS ones "
+                                "from their accept, handshake included (they count against its connection "
+                                "bound).", value=len(self.connections) + len(self.handshakes))
         yield CounterMetricFamily("extauthz_grpc_calls", "gRPC calls started on the gRPC port.", value=self.calls)
         for name, help, reasons in (
                 ("extauthz_grpc_connections_refused", "gRPC port connections closed before serving a "
@@ -614,85 +717,9 @@ class GrpcH2Server:
         yield goaways
 
 
-class _Draining(H2ConnectionStateMachine):
-    """h2 closes the connection on the peer's GOAWAY and would refuse to answer the streams
-    the peer still waits on (Envoy sends GOAWAY when it drains a connection): here the
-    connection stays open until those are answered, then closed. A stream the peer opens
-    after its own GOAWAY (it should open none) is still served; only streams above *our*
-    GOAWAY's last id are refused (:meth:`_Connection._request`)."""
-
-    _transitions = {**H2ConnectionStateMachine._transitions,  # noqa: RUF012 - h2's own table
-                    (ConnectionState.SERVER_OPEN, ConnectionInputs.RECV_GOAWAY):
-                        (None, ConnectionState.SERVER_OPEN)}
-
-
-class _Frames(FrameBuffer):
-    """h2's frame buffer bounding a header block's encoded bytes (HEADERS and its
-    CONTINUATIONs) by SETTINGS_MAX_HEADER_LIST_SIZE: h2 bounds only the number of frames, so up
-    to ~1 MiB would be buffered and then Huffman-decoded. Past the bound: ENHANCE_YOUR_CALM,
-    before any decoding (a header list's encoded form is never larger than the list by more
-    than a few bytes per field: an honest block under the list bound fits)."""
-
-    def __init__(self, max_block: int) -> None:
-        super().__init__(server=True)
-        self.max_block = max_block
-
-    def _update_header_buffer(self, f: Any) -> Any:
-        if isinstance(f, HeadersFrame | ContinuationFrame):
-            size = len(f.data) + sum(len(x.data) for x in self._headers_buffer)
-            if size > self.max_block:
-                raise DenialOfServiceError(f"header block of more than {self.max_block} encoded bytes")
-        return super()._update_header_buffer(f)
-
-
-class _H2(H2Connection):
-    def __init__(self, config: H2Configuration, max_block: int, inspect: Callable[[Frame], None],
-                 malformed: Callable[[int], None]) -> None:
-        super().__init__(config)
-        self.state_machine = _Draining()
-        self.incoming_buffer = _Frames(max_block)
-        self.inspect = inspect  # sees each frame before h2 handles it; may raise ProtocolError
-        self.malformed = malformed  # told of a malformed request; may raise ProtocolError
-
-    def _receive_frame(self, frame: Frame) -> Any:
-        self.inspect(frame)
-        return super()._receive_frame(frame)
-
-    def _receive_headers_frame(self, frame: Any) -> Any:
-        """A malformed request (:func:`malformed`: no ``:path``, an empty or uppercase name,
-        ...; h2's own inbound validation is off) is a stream error, RST_STREAM PROTOCOL_ERROR
-        (RFC 9113 8.1.1), not a connection error: one bad request must not end the others on
-        Envoy's connection. Checked here, as each header block is read, so that a read of many
-        bad requests never holds them open at once. The header block was decoded (the HPACK
-        context stays in step); h2's other errors stay connection errors."""
-        sid = frame.stream_id
-        new = sid not in self.streams
-        try:
-            frames, events = super()._receive_headers_frame(frame)
-        except ProtocolError as exc:
-            stream = self.streams.get(sid)
-            if not new or type(exc) is not ProtocolError or exc.__cause__ is not None \
-                    or stream is None or not stream.open:
-                raise
-        else:
-            if not (new and events and type(events[0]) is RequestReceived and malformed(events[0].headers)):
-                # malformed request trailers (nothing reads them; no gRPC client sends any)
-                # end the connection, as h2's validation did (a stream error may be, 5.4.1)
-                if not new and events and type(events[0]) is TrailersReceived:
-                    why = malformed(events[0].headers, trailers=True)
-                    if why is not None:
-                        raise ProtocolError(f"malformed request trailers: {why}")
-                return frames, events
-        self.malformed(sid)
-        self.reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
-        return [], []
-
-    def clear_outbound_data_buffer(self) -> None:
-        """Kept on the peer's GOAWAY: the answers to its streams are in it."""
-
-
 class _Connection(asyncio.Protocol):
-    """One HTTP/2 connection: the h2 state machine, the calls on it, its bounds."""
+    """One HTTP/2 connection: its frames and stream states (:class:`H2Conn`), the calls on
+    it, its bounds."""
 
     def __init__(self, server: GrpcH2Server) -> None:
         self.server = server
@@ -702,28 +729,22 @@ class _Connection(asyncio.Protocol):
         #: when the last call ended (the idle timeout runs from it, not from any bytes: PINGs
         #: and trickled frames do not keep a connection open), and when the frame or header
         #: block now being received began
-        self.opened = self.last_active = now
+        self.opened = self.last_active = self.now = now
         self.partial_since: float | None = None
-        self.unparsed = 0  # bytes h2 holds not parsed into a frame yet, after the last read
+        self.unparsed = 0  # bytes read not parsed into a frame yet, after the last read
         self.in_block = False  # a header block (HEADERS, CONTINUATIONs) was unfinished after it
         self.transport: asyncio.Transport | None = None
-        # the request headers and trailers are checked by :func:`malformed` (in
-        # :meth:`_H2._receive_headers_frame`), not h2
-        self.h2 = _H2(H2Configuration(client_side=False, header_encoding=None,
-                                      validate_inbound_headers=False, normalize_inbound_headers=False,
-                                      validate_outbound_headers=False, normalize_outbound_headers=False),
-                      limits.max_header_list_size, self._frame_in, self._malformed)
-        self.h2.local_settings = Settings(client=False, initial_values={
-            SettingCodes.MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams,
-            SettingCodes.MAX_HEADER_LIST_SIZE: limits.max_header_list_size,
-            SettingCodes.INITIAL_WINDOW_SIZE: limits.stream_window,
-            SettingCodes.MAX_FRAME_SIZE: limits.max_frame_size,
-            SettingCodes.HEADER_TABLE_SIZE: limits.header_table_size,
-            SettingCodes.ENABLE_PUSH: 0,
-        })
-        self.h2.decoder.max_header_list_size = limits.max_header_list_size
-        self.h2.decoder.max_allowed_table_size = limits.header_table_size
-        self.h2.max_inbound_frame_size = limits.max_frame_size
+        # The advertised stream bound is enforced on the running calls (:meth:`request`:
+        # REFUSED_STREAM, a stream error); H2Conn's own, a connection error, is kept for a peer
+        # that ignores it grossly. A read may open many streams before any is refused: the
+        # slack is for those. A header block's encoded bytes are bounded by the header list
+        # bound before any decoding (an honest block under the list bound fits: its encoded
+        # form is never larger than the list by more than a few bytes per field).
+        self.h2 = H2Conn(self, max_concurrent_streams=limits.max_concurrent_streams,
+                         max_frame_size=limits.max_frame_size, max_header_list_size=limits.max_header_list_size,
+                         header_table_size=limits.header_table_size, stream_window=limits.stream_window,
+                         connection_window=limits.connection_window, max_block=limits.max_header_list_size,
+                         stream_slack=256)
         self.calls: dict[int, Call] = {}
         self.buffered = 0
         self.owing: set[Call] = set()
@@ -755,19 +776,10 @@ class _Connection(asyncio.Protocol):
             return
         server.connections.add(self)
         transport.set_write_buffer_limits(high=min(256 << 10, self.limits.max_write_buffer))  # type: ignore[attr-defined]
-        h2 = self.h2
-        h2.initiate_connection()
-        # The advertised stream bound is enforced on the running calls (:meth:`_request`:
-        # REFUSED_STREAM, a stream error); h2's own check, a connection error, is kept for a
-        # peer that ignores it grossly.
-        # A read may open many streams before any is refused: the margin is for those.
-        h2.local_settings._settings[SettingCodes.MAX_CONCURRENT_STREAMS] = deque(
-            [self.limits.max_concurrent_streams + 256])
-        h2.increment_flow_control_window(self.limits.connection_window - 65535)
-        transport.write(h2.data_to_send())  # type: ignore[attr-defined]
+        transport.write(self.h2.data_to_send())  # type: ignore[attr-defined]
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
+        self.closed = self.h2.halted = True
         self._forget_half_open()
         server = self.server
         server.connections.discard(self)
@@ -791,73 +803,100 @@ class _Connection(asyncio.Protocol):
         if self.closed:
             return
         h2 = self.h2
+        self.now = now = self.loop.time()
         try:
-            events = h2.receive_data(data)
-        except ProtocolError as exc:
-            self._protocol_error(exc)
+            h2.receive(data)
+        except H2Error as exc:
+            self._h2_error(exc)
             return
-        # h2 reads a frame whole before it checks its length: a frame header announcing more
-        # than SETTINGS_MAX_FRAME_SIZE is refused here at once (else up to 16 MiB would wait)
-        pending = getattr(h2.incoming_buffer, _UNPARSED)
-        if len(pending) >= 9 and int.from_bytes(pending[:3], "big") > self.limits.max_frame_size:
-            self.server.reject("frame_too_large")
-            self._close_with(ErrorCodes.FRAME_SIZE_ERROR)
+        if self.closed:
             return
-        now = self.loop.time()
         # a frame or header block begun and not finished: due within request_timeout (expire),
         # from its own start: a read that completed a frame (fewer bytes left unparsed than
         # were there plus this read's) began the frame now pending, unless a header block
         # runs on from before (a busy connection's reads end inside frames all along)
-        unparsed, self.unparsed = self.unparsed, len(pending)
-        block = bool(h2.incoming_buffer._headers_buffer)
+        unparsed, self.unparsed = self.unparsed, h2.unparsed
+        pending = self.unparsed
+        block = h2.block_sid != 0
         if pending or block:
-            if self.partial_since is None or (len(pending) < unparsed + len(data)
+            if self.partial_since is None or (pending < unparsed + len(data)
                                               and not (block and self.in_block)):
                 self.partial_since = now
         else:
             self.partial_since = None
         self.in_block = block
-        for ev in events:
-            kind = type(ev)
-            if kind is DataReceived:
-                self._data(ev)  # type: ignore[arg-type]
-            elif kind is StreamEnded:
-                self._ended(ev.stream_id)  # type: ignore[attr-defined]
-            elif kind is RequestReceived:
-                self._request(ev, now)  # type: ignore[arg-type]
-            elif kind is WindowUpdated:
-                self._window(ev.stream_id)  # type: ignore[attr-defined]
-            elif kind is StreamReset:
-                self._reset(ev.stream_id, now)  # type: ignore[attr-defined]
-                if self.closed:
-                    return
-            elif kind is PingReceived or kind is RemoteSettingsChanged:
-                self.handshaken = True
-            elif kind is ConnectionTerminated:  # the peer's GOAWAY: its calls finish, then closed
-                self.peer_away = True
-                if not self.calls:
-                    self.flush()
-                    self.close()
-                    return
         self.flush()
 
-    # -- events
-    def _frame_in(self, frame: Frame) -> None:
+    # -- what H2Conn read (its Owner)
+    def inspect(self, kind: int, sid: int, flags: int, arg: int) -> None:
         """A frame that makes no call progress draws from the control budget (H2Limits
-        ``control_per_second``); a flood of them ends the connection (:class:`_Flood`)."""
-        kind = type(frame)
-        if kind is DataFrame:
-            if (frame.data or "END_STREAM" in frame.flags) and frame.stream_id in self.calls:  # type: ignore[attr-defined]
+        ``control_per_second``); a flood of them ends the connection (GOAWAY
+        ENHANCE_YOUR_CALM)."""
+        if kind == DATA:
+            if (arg or flags & 1) and sid in self.calls:  # data or END_STREAM on a call
                 return
-        elif kind is WindowUpdateFrame:
+        elif kind == WINDOW_UPDATE:
             # free only when the window it widens is what holds an answer back: narrower than
             # a frame (each free one widens it by 1 KiB or more, so at most 16 in a row)
-            if frame.window_increment >= 1024 and self._window_holds(frame.stream_id):  # type: ignore[attr-defined]
+            if arg >= 1024 and self._window_holds(sid):
                 return
-        elif not isinstance(frame, _NO_PROGRESS):
+        elif kind in _CALL_FRAMES:
             return
         if not self.control.take(self.loop.time()):
-            raise _Flood(f"a flood of {kind.__name__}s")
+            name = {PING: "PING", SETTINGS: "SETTINGS", PRIORITY: "PRIORITY", GOAWAY: "GOAWAY", DATA: "DATA",
+                    WINDOW_UPDATE: "WINDOW_UPDATE"}.get(kind, f"frame type {kind}")
+            raise H2Error(ErrorCode.ENHANCE_YOUR_CALM, f"a flood of {name} frames", "control_flood")
+
+    def request(self, sid: int, headers: list[tuple[bytes, bytes]], end: bool) -> None:
+        """A request's headers. A malformed request (:func:`malformed`: no ``:path``, an empty
+        or uppercase name, ...) is a stream error, RST_STREAM PROTOCOL_ERROR (RFC 9113 8.1.1),
+        not a connection error: one bad request must not end the others on Envoy's connection.
+        Checked as each header block is read, so that a read of many bad requests never holds
+        them open at once (the block was decoded: the HPACK context stays in step)."""
+        if malformed(headers) is not None:
+            self.server.reject("malformed_request")
+            if not self.control.take(self.loop.time()):
+                raise H2Error(ErrorCode.ENHANCE_YOUR_CALM, "a flood of malformed requests", "control_flood")
+            self.h2.reset_stream(sid, ErrorCode.PROTOCOL_ERROR)
+            return
+        self._request(sid, headers, self.now)
+
+    def trailers(self, sid: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """Request trailers: nothing reads them (no gRPC client sends any); malformed ones end
+        the connection, as h2's validation did (a stream error may be, RFC 9113 5.4.1)."""
+        why = malformed(headers, trailers=True)
+        if why is not None:
+            raise H2Error(ErrorCode.PROTOCOL_ERROR, f"malformed request trailers: {why}")
+
+    def data(self, sid: int, data: bytes, n: int, end: bool) -> None:
+        self._data(sid, data, n)
+
+    def ended(self, sid: int) -> None:
+        self._ended(sid)
+
+    def reset(self, sid: int, by_peer: bool) -> None:
+        if by_peer:
+            self._reset(sid, self.now)
+            return
+        call = self.calls.pop(sid, None)  # a stream error of ours (STREAM_CLOSED, FLOW_CONTROL_ERROR)
+        if call is not None:
+            self._cancel(call)
+
+    def window(self, sid: int) -> None:
+        self._window(sid)
+
+    def spoke(self) -> None:
+        self.handshaken = True
+
+    def peer_goaway(self) -> None:
+        """The peer's GOAWAY: the calls it still waits on finish, then the connection is
+        closed (Envoy sends GOAWAY when it drains a connection). A stream the peer opens after
+        its own GOAWAY (it should open none) is still served; only streams above *our*
+        GOAWAY's last id are refused (:meth:`_request`)."""
+        self.peer_away = True
+        if not self.calls:
+            self.flush()
+            self.close()
 
     def _window_holds(self, sid: int) -> bool:
         """An answer waits, and the connection's window (``sid`` 0) or stream ``sid``'s is
@@ -869,15 +908,9 @@ class _Connection(asyncio.Protocol):
         call = self.calls.get(sid)
         stream = h2.streams.get(sid)
         return (call is not None and bool(call.out) and stream is not None
-                and stream.outbound_flow_control_window < h2.max_outbound_frame_size)
+                and stream.send_window < h2.max_outbound_frame_size)
 
-    def _malformed(self, sid: int) -> None:
-        self.server.reject("malformed_request")
-        if not self.control.take(self.loop.time()):
-            raise _Flood("a flood of malformed requests")
-
-    def _request(self, ev: RequestReceived, now: float) -> None:
-        sid = ev.stream_id
+    def _request(self, sid: int, headers: list[tuple[bytes, bytes]], now: float) -> None:
         server = self.server
         if self.goaway_at is not None and sid > self.goaway_at:
             self._refuse(sid, "after_goaway")
@@ -885,7 +918,6 @@ class _Connection(asyncio.Protocol):
         if len(self.calls) >= self.limits.max_concurrent_streams:
             self._refuse(sid, "too_many_streams")
             return
-        headers: list[tuple[bytes, bytes]] = ev.headers
         path = method = ctype = timeout = encoding = b""
         for k, v in headers:
             if k[0] == 58:  # b":"
@@ -929,15 +961,12 @@ class _Connection(asyncio.Protocol):
         if handler.request_streaming:
             self._start(call)
 
-    def _data(self, ev: DataReceived) -> None:
-        sid = ev.stream_id
-        n = ev.flow_controlled_length
+    def _data(self, sid: int, data: bytes, n: int) -> None:
         call = self.calls.get(sid)
         if call is None or call.trailers is not None or (call.task is not None and not call.handler.request_streaming):
             if n:  # nobody reads it (answered, or a call that has its message): dropped
                 self.h2.acknowledge_received_data(n, sid)
             return
-        data: bytes = ev.data
         buf = call.buf
         buf += data
         call.held += n
@@ -993,13 +1022,10 @@ class _Connection(asyncio.Protocol):
 
     def _settle(self, call: Call) -> None:
         """The connection window is credited for what ``call`` still owes (also for a call
-        answered or gone: h2 then credits the connection only)."""
+        answered or gone: the connection's only)."""
         self.owing.discard(call)
         if call.owed and not self.closed:
-            try:
-                self.h2.acknowledge_received_data(call.owed, call.stream_id)
-            except ProtocolError:
-                pass
+            self.h2.acknowledge_received_data(call.owed, call.stream_id)
         call.owed = 0
 
     def _ended(self, sid: int) -> None:
@@ -1207,71 +1233,56 @@ class _Connection(asyncio.Protocol):
         self._flush_later()
 
     def _send_out(self, call: Call) -> None:
-        """Hand what the call has to send to h2 as far as the windows allow; its trailers last."""
+        """Send what the call has as far as the windows allow; its trailers last."""
         if self.closed or self.paused:
             return
         h2 = self.h2
         sid = call.stream_id
+        stream = h2.sendable(sid)
+        if stream is None:  # the stream is gone (reset meanwhile)
+            self._cancel(call)
+            self.calls.pop(sid, None)
+            return
         out = call.out
-        if (call.trailers is _OK and not call.head_sent and out and not h2.encoder.table_size_changes
-                and len(out) <= h2.max_outbound_frame_size and len(out) <= h2.local_flow_control_window(sid)):
-            self._answer(call, h2, sid, out)
+        if (call.trailers is _OK and not call.head_sent and out and not h2.table_update
+                and len(out) <= h2.max_outbound_frame_size and len(out) <= stream.send_window
+                and len(out) <= h2.outbound_flow_control_window):
+            self._answer(call, h2, sid, stream, out)
             return
-        try:
-            if not call.head_sent:
-                if not call.out and call.trailers is not None:  # Trailers-Only
-                    h2.send_headers(sid, [*_HEAD, *call.trailers], end_stream=True)
-                    self._done(call)
-                    return
-                h2.send_headers(sid, _HEAD)
-                call.head_sent = True
-            out = call.out
-            while out:
-                size = min(len(out), h2.local_flow_control_window(sid), h2.max_outbound_frame_size)
-                if size <= 0:
-                    break
-                h2.send_data(sid, bytes(out[:size]))
-                del out[:size]
-            if not out:
-                if call.writer is not None and not call.writer.done():
-                    call.writer.set_result(None)
-                if call.trailers is not None:
-                    h2.send_headers(sid, call.trailers, end_stream=True)
-                    self._done(call)
-        except ProtocolError:  # the stream is gone (reset meanwhile)
-            self._cancel(call)
-            self.calls.pop(sid, None)
+        if not call.head_sent:
+            if not out and call.trailers is not None:  # Trailers-Only
+                h2.send_headers(sid, _HEAD_BLOCK + encode_headers(call.trailers), end_stream=True)
+                self._done(call)
+                return
+            h2.send_headers(sid, _HEAD_BLOCK)
+            call.head_sent = True
+        while out:
+            size = min(len(out), stream.send_window, h2.outbound_flow_control_window, h2.max_outbound_frame_size)
+            if size <= 0:
+                break
+            h2.send_data(sid, out[:size])
+            del out[:size]
+        if not out:
+            if call.writer is not None and not call.writer.done():
+                call.writer.set_result(None)
+            if call.trailers is not None:
+                h2.send_headers(sid, encode_headers(call.trailers), end_stream=True)
+                self._done(call)
 
-    def _answer(self, call: Call, h2: H2Connection, sid: int, out: bytearray) -> None:
+    def _answer(self, call: Call, h2: H2Conn, sid: int, stream: Stream, out: bytearray) -> None:
         """The common answer (one message that the windows take, grpc-status 0) written as
-        three frames of constant header blocks; h2's stream state and windows told, as its
-        ``send_headers``/``send_data``/``send_headers`` would (the profile: h2's send path
-        was most of a no-op check's CPU; docs/design.md)."""
-        stream = h2.streams.get(sid)
-        if stream is None:
-            self._cancel(call)
-            self.calls.pop(sid, None)
-            return
+        three frames of constant header blocks in one write."""
         n = len(out)
-        sm = stream.state_machine
-        try:
-            sm.process_input(StreamInputs.SEND_HEADERS)
-            sm.process_input(StreamInputs.SEND_DATA)
-            sm.process_input(StreamInputs.SEND_HEADERS)
-            sm.process_input(StreamInputs.SEND_END_STREAM)
-        except ProtocolError:  # the stream is gone (reset meanwhile)
-            self._cancel(call)
-            self.calls.pop(sid, None)
-            return
-        stream.outbound_flow_control_window -= n
+        stream.send_window -= n
         h2.outbound_flow_control_window -= n
         head = sid.to_bytes(4, "big")
-        h2._data_to_send += b"".join((
+        h2.out += b"".join((
             b"\x00\x00\x14\x01\x04", head, _HEAD_BLOCK,  # HEADERS, END_HEADERS
             n.to_bytes(3, "big"), b"\x00\x00", head, out,  # DATA
             b"\x00\x00\x0f\x01\x05", head, _OK_BLOCK))  # HEADERS, END_HEADERS | END_STREAM
         out.clear()
         call.head_sent = True
+        h2.local_ended(sid, stream)
         self._done(call)
 
     def _done(self, call: Call) -> None:
@@ -1284,10 +1295,7 @@ class _Connection(asyncio.Protocol):
         self._settle(call)
         self.last_active = self.loop.time()
         if not call.ended:
-            try:
-                self.h2.reset_stream(sid, ErrorCodes.NO_ERROR)
-            except ProtocolError:
-                pass
+            self.h2.reset_stream(sid, ErrorCode.NO_ERROR)
         elif call.stopped and not self.closed:  # the client closes its side (stop waits for it)
             self.half_open.add(sid)
             self.server.half_open += 1
@@ -1340,18 +1348,13 @@ class _Connection(asyncio.Protocol):
         self._finish(call, code, details, extra)
 
     def _http_error(self, sid: int, status: bytes) -> None:
-        try:
-            self.h2.send_headers(sid, [(b":status", status)], end_stream=True)
-            self.h2.reset_stream(sid, ErrorCodes.NO_ERROR)
-        except ProtocolError:
-            pass  # the stream is closed already
+        if self.h2.sendable(sid) is not None:
+            self.h2.send_headers(sid, encode_headers([(b":status", status)]), end_stream=True)
+            self.h2.reset_stream(sid, ErrorCode.NO_ERROR)
 
     def _refuse(self, sid: int, reason: str) -> None:
         self.server.reject(reason)
-        try:
-            self.h2.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
-        except ProtocolError:
-            pass
+        self.h2.reset_stream(sid, ErrorCode.REFUSED_STREAM)
 
     # -- the connection
     def _flush_later(self) -> None:
@@ -1363,38 +1366,26 @@ class _Connection(asyncio.Protocol):
         self._flush_soon = False
         if self.transport is None or self.closed or self.transport.is_closing():
             return
-        out = self.h2.data_to_send()
+        out = self.h2.out
         if out:
-            self.transport.write(out)
+            self.transport.write(bytes(out))
+            out.clear()
         if self.paused and self.transport.get_write_buffer_size() > self.limits.max_write_buffer:
             self.server.reject("peer_not_reading")
             self.transport.abort()
 
-    def _protocol_error(self, exc: ProtocolError) -> None:
-        """h2 refused what the peer sent and queued its GOAWAY; a header block that does not
-        decode gets COMPRESSION_ERROR instead of h2's PROTOCOL_ERROR (RFC 9113 4.3)."""
-        if isinstance(exc, _Flood):
-            self.server.reject("control_flood")
-            self.server.goaway_sent(ErrorCodes.ENHANCE_YOUR_CALM)  # h2's
+    def _h2_error(self, exc: H2Error) -> None:
+        """A connection error (what the peer sent broke the protocol or a bound): GOAWAY with
+        its code (a header block that does not decode: COMPRESSION_ERROR, RFC 9113 4.3; a
+        flood: ENHANCE_YOUR_CALM), counted by its reason, then closed."""
+        reason = exc.reason or "protocol_error"
+        self.server.reject(reason)
+        if reason == "control_flood":
             log.warning("gRPC connection closed: %s", exc,
-                        extra={"fields": {"event": "grpc_connection_calm", "reason": "control_flood"}})
-            self.flush()  # h2's GOAWAY ENHANCE_YOUR_CALM
-            self.close(at_once=True)
-            return
-        self.server.reject("protocol_error")
-        log.debug("gRPC connection: HTTP/2 protocol error: %s", exc)
-        if (isinstance(exc.__cause__ or exc.__context__, HPACKError)  # (h2 < 4.2 chains implicitly)
-                and not isinstance(exc, DenialOfServiceError)):
-            out = bytes(self.h2.data_to_send())
-            if len(out) >= 17 and out[-14] == 7:  # h2's GOAWAY, last: replaced
-                out = out[:-17]
-            if self.transport is not None and not self.transport.is_closing():
-                self.transport.write(out)
-            self._close_with(ErrorCodes.COMPRESSION_ERROR)
-            return
-        self.server.goaway_sent(getattr(exc, "error_code", None) or ErrorCodes.PROTOCOL_ERROR)  # h2's
-        self.flush()
-        self.close(at_once=True)
+                        extra={"fields": {"event": "grpc_connection_calm", "reason": reason}})
+        else:
+            log.debug("gRPC connection: HTTP/2 error: %s", exc)
+        self._close_with(exc.code)
 
     def _close_with(self, code: int) -> None:
         if self.transport is not None and not self.closed and not self.transport.is_closing():
@@ -1406,19 +1397,18 @@ class _Connection(asyncio.Protocol):
         self.server.reject(reason)
         log.warning("gRPC connection closed: %s", reason.replace("_", " "),
                     extra={"fields": {"event": "grpc_connection_calm", "reason": reason}})
-        self._close_with(ErrorCodes.ENHANCE_YOUR_CALM)
+        self._close_with(ErrorCode.ENHANCE_YOUR_CALM)
 
     def _goaway_frame(self, code: int) -> bytes:
         self.server.goaway_sent(code)
-        frame = GoAwayFrame(0, last_stream_id=self.h2.highest_inbound_stream_id, error_code=code)
-        return bytes(self.h2.data_to_send()) + frame.serialize()
+        return self.h2.data_to_send() + self.h2.goaway_frame(code)
 
     def goaway(self) -> None:
         """Graceful: no stream above the last one seen is served; the rest finish."""
         if self.closed or self.transport is None or self.goaway_at is not None:
             return
         self.goaway_at = self.h2.highest_inbound_stream_id
-        self.transport.write(self._goaway_frame(ErrorCodes.NO_ERROR))
+        self.transport.write(self._goaway_frame(ErrorCode.NO_ERROR))
 
     def expire(self, now: float) -> None:
         if self.closed:
@@ -1444,10 +1434,7 @@ class _Connection(asyncio.Protocol):
                 self.server.reject("request_timeout")
                 self._cancel(call)
                 self.calls.pop(call.stream_id, None)
-                try:
-                    self.h2.reset_stream(call.stream_id, ErrorCodes.CANCEL)
-                except ProtocolError:
-                    pass
+                self.h2.reset_stream(call.stream_id, ErrorCode.CANCEL)
         self.flush()
 
     def close(self, *, at_once: bool = False) -> None:
@@ -1472,7 +1459,7 @@ class _Connection(asyncio.Protocol):
                     transport.abort()
                 else:
                     self.loop.call_later(self.limits.close_linger, transport.abort)
-        self.closed = True
+        self.closed = self.h2.halted = True
         self._forget_half_open()
         for call in list(self.calls.values()):
             self._cancel(call)

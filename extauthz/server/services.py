@@ -218,12 +218,18 @@ class AccessLogService(accesslog_pb2_grpc.AccessLogServiceServicer):  # type: ig
         return accesslog_pb2.StreamAccessLogsResponse()
 
 
-#: messages, and their bytes, a quota stream may have waiting to be written; a peer that
-#: lets more pile up (it stopped reading) has its stream ended (its holds stay in the ledger
-#: until their TTL). One answer may pass the bytes alone (a report of 4096 buckets of 512
-#: bytes is answered in about 2.5 MB): memory per stream stays a few MB, not 256 answers
+#: messages, and their bytes, a quota stream may have waiting to be written. Its own answers
+#: past them hold its reader (no report of it is read until the connection took some: the
+#: peer's own writes then wait on HTTP/2 flow control), for at most ANSWER_WAIT: then its
+#: stream ends (it stopped reading); a shrink pushed to another stream
+#: whose answers pile up past them ends that stream (it stopped reading; its holds stay in the
+#: ledger until their TTL). One answer may pass the bytes alone (a report of 4096 buckets of
+#: 512 bytes is answered in about 2.5 MB): memory per stream stays a few MB, not 256 answers
 MAX_QUOTA_OUTBOX = 256
 MAX_QUOTA_OUTBOX_BYTES = 4 << 20
+#: seconds a stream's reader waits for room in its full outbox before it ends the stream
+#: (two of Envoy 1.40's report intervals)
+ANSWER_WAIT = 10.0
 
 
 class RateLimitQuotaService(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # type: ignore[misc]
@@ -238,6 +244,11 @@ class RateLimitQuotaService(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # typ
         self.outboxes: dict[int, asyncio.Queue[rlqs_pb2.RateLimitQuotaResponse | None]] = {}
         #: bytes waiting in each outbox
         self.queued: dict[int, int] = {}
+        #: set when a stream's writer took an answer out (its reader, held by a full outbox,
+        #: reads on)
+        self.room: dict[int, asyncio.Event] = {}
+        #: how long a stream's reader waits for its full outbox to make room
+        self.answer_wait = ANSWER_WAIT
 
     async def StreamRateLimitQuotas(  # noqa: N802 - gRPC method name
         self,
@@ -252,10 +263,12 @@ class RateLimitQuotaService(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # typ
         box: asyncio.Queue[rlqs_pb2.RateLimitQuotaResponse | None] = asyncio.Queue()
         self.outboxes[stream.id] = box
         self.queued[stream.id] = 0
+        room = self.room[stream.id] = asyncio.Event()
         reader = asyncio.create_task(self._read(stream, request_iterator, box), name="extauthz-rlqs-reader")
         try:
             while (message := await box.get()) is not None:
                 self.queued[stream.id] -= message.ByteSize()
+                room.set()
                 yield message
                 # taken by the connection: a shrink in it may now be confirmed by a report
                 self.book.written(stream, _shares(message))
@@ -265,6 +278,7 @@ class RateLimitQuotaService(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # typ
             reader.cancel()
             self.outboxes.pop(stream.id, None)
             self.queued.pop(stream.id, None)
+            self.room.pop(stream.id, None)
             self.book.close(stream)
         if problem is not None:
             await context.abort(*problem)
@@ -272,6 +286,7 @@ class RateLimitQuotaService(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # typ
     async def _read(self, stream: Stream, reports: AsyncIterator[rlqs_pb2.RateLimitQuotaUsageReports],
                     box: asyncio.Queue[rlqs_pb2.RateLimitQuotaResponse | None]) -> tuple[grpc.StatusCode, str] | None:
         """Reads the stream's reports until it ends; the status to end it with, if not OK."""
+        room = self.room[stream.id]
         try:
             async for message in reports:
                 usages = [Usage(dict(u.bucket_id.bucket),
@@ -289,18 +304,36 @@ class RateLimitQuotaService(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # typ
                         continue
                     answer = quota_response(actions)
                     size = answer.ByteSize()
-                    if target.qsize() >= MAX_QUOTA_OUTBOX or (
-                            target.qsize() and self.queued[sid] + size > MAX_QUOTA_OUTBOX_BYTES):
+                    if target is box:
+                        # a burst of reports (a fresh Envoy reports each new bucket at once) is
+                        # answered as fast as the connection takes the answers; a peer that
+                        # took none for ANSWER_WAIT seconds stopped reading: its stream ends
+                        while self._full(sid, size):
+                            room.clear()
+                            try:
+                                await asyncio.wait_for(room.wait(), self.answer_wait)
+                            except TimeoutError:
+                                self.book.refused["outbox"] = self.book.refused.get("outbox", 0) + 1
+                                return grpc.StatusCode.RESOURCE_EXHAUSTED, "quota answers are not read"
+                    elif self._full(sid, size):
                         self.book.refused["outbox"] = self.book.refused.get("outbox", 0) + 1
-                        if target is box:
-                            return grpc.StatusCode.RESOURCE_EXHAUSTED, "quota answers are not read"
                         target.put_nowait(None)  # that stream ends; its holds stay until their TTL
                         continue
                     self.queued[sid] += size
                     target.put_nowait(answer)
+                # reports already read (one connection read may hold hundreds) yield the loop
+                # between them, as the checks on other connections wait for it
+                await asyncio.sleep(0)
             return None
         finally:
             box.put_nowait(None)
+
+
+    def _full(self, sid: int, size: int) -> bool:
+        """Whether stream ``sid``'s outbox has no room for an answer of ``size`` bytes."""
+        box = self.outboxes[sid]
+        waiting = box.qsize()
+        return waiting >= MAX_QUOTA_OUTBOX or (waiting > 0 and self.queued[sid] + size > MAX_QUOTA_OUTBOX_BYTES)
 
 
 def _shares(response: rlqs_pb2.RateLimitQuotaResponse) -> Iterable[tuple[BucketKey, Share]]:
@@ -344,9 +377,15 @@ def quota_response(actions: Iterable[Action]) -> rlqs_pb2.RateLimitQuotaResponse
 
 def quota_metrics(book: QuotaBook) -> Iterable[Metric]:
     """The quota stream's families: over-admission (must stay 0), reports, open streams."""
-    yield CounterMetricFamily("extauthz_quota_overadmission", "Requests Envoy reported allowed past "
-                              "the share this replica's ledger held for the stream (must stay 0).",
+    yield CounterMetricFamily("extauthz_quota_overadmission", "Tokens granted past the limit as this "
+                              "replica's ledger and the store's prove them (must stay 0).",
                               value=book.overadmission)
+    yield CounterMetricFamily("extauthz_quota_reported_excess", "Usage report entries allowing more "
+                              "than the share sent could (self-reported; entries, not requests).",
+                              value=book.reported_excess)
+    yield CounterMetricFamily("extauthz_quota_coalesced", "Usage report entries coalesced: sooner than "
+                              "half a report interval after the bucket's last one on the stream.",
+                              value=book.coalesced)
     yield CounterMetricFamily("extauthz_quota_reports", "Usage reports read on quota streams.",
                               value=book.reports)
     streams = GaugeMetricFamily("extauthz_quota_streams", "Quota streams (RLQS) open on this replica.",

@@ -41,7 +41,7 @@ import time
 from types import FrameType
 
 from ..core.settings import worker_env, worker_handover
-from .app import ServerConfig, is_off
+from .app import ServerConfig, is_off, stop_budget
 from .ports import parse_listen
 
 log = logging.getLogger("extauthz.server")
@@ -134,7 +134,7 @@ def _stop_all(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace + 5.0
+    deadline = time.monotonic() + stop_budget(grace) + 2.0  # each worker's own stop, then a margin
     for proc in procs:
         try:
             proc.wait(max(0.1, deadline - time.monotonic()))

@@ -70,3 +70,68 @@ def test_batched_configurations_run_and_count_store_calls(tmp_path: Path) -> Non
     # a grant serves many requests of its key: fewer script calls per request than exact
     assert phases["rhb"]["store_script_calls"] < phases["rh"]["store_script_calls"], phases
     assert "script calls/req" in proc.stdout and "store fail-opens timeout" in proc.stdout
+
+
+@pytest.mark.parametrize("key", ["q", "q-mem"])
+def test_quota_rows_run_the_quota_filter_without_ext_authz(key: str, tmp_path: Path) -> None:
+    """Issue 33: (q) and (q-mem) are (a) plus Envoy's rate limit quota filter streaming to the
+    server's gRPC port (envoy-config --rlqs); no Check per request, so no ext_authz filter."""
+    setup = SETUPS[key]
+    assert setup.server and not setup.ext_authz
+    config = Running(setup, None, Options(), tmp_path)._config(4321)
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    names = [f["name"] for f in manager["http_filters"]]
+    assert "extauthz.rlqs.user-rate" in names
+    assert not any("ext_authz" in n for n in names), names
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    assert "4321" in str(clusters["extauthz"])  # the quota stream's cluster: the server's gRPC port
+
+
+def test_quota_counters_flag_refusals_and_a_reconnected_stream() -> None:
+    """bench/stack.py fill_quota on made-up snapshots: CPU per report entry, and a run whose
+    Envoy refused requests or whose stream ended (its new stream waits for the old holds) is
+    flagged not comparable."""
+    from bench.stack import fill_quota
+    from bench.stats import Phase
+
+    def snap(cpu: float, reports: int, closed: int = 0, allowed: int = 0) -> dict[str, object]:
+        return {"server_cpu": {1: cpu}, "quota": {
+            "reports": reports, "streams": 1, "closed": closed, "bound_refused": closed, "buckets": 1000,
+            "overadmission": 0, "ledger_failures": 0, "allowed": allowed, "denied": 0}}
+
+    clean = Phase("q", "saturated", 0, requests=100_000, seconds=10.0)
+    fill_quota(clean, snap(1.0, 1000), snap(1.04, 1002, allowed=100_000), SETUPS["q"])
+    assert clean.quota_reports == 2 and clean.quota_entries == 2000
+    assert clean.server_cpu_us_per_entry == pytest.approx(20.0)
+    assert clean.quota_allowed == 100_000 and clean.problems == []
+
+    refused = Phase("q", "saturated", 0, requests=100_000, seconds=10.0, non_2xx=500)
+    fill_quota(refused, snap(1.0, 1000), snap(1.04, 1002, closed=1), SETUPS["q"])
+    assert refused.refused == 500
+    assert any("refused 500 of 100000" in p for p in refused.problems), refused.problems
+    assert any("1 quota stream(s) closed" in p for p in refused.problems), refused.problems
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.skipif(shutil.which("wrk") is None or shutil.which("h2load") is None
+                    or shutil.which("redis-server") is None,
+                    reason="wrk/h2load/redis-server not installed (scripts/install-system-deps.sh)")
+def test_quota_row_runs_through_real_envoy(tmp_path: Path) -> None:
+    """(q) through the harness: Envoy's quota filter decides every request after the warm-up
+    (nothing refused in the measured run, no stream closed), the server holds one bucket per
+    rotating key, and Envoy's CPU per request is read beside (a)'s."""
+    out = tmp_path / "run.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.harness", "--smoke", "--configs", "a,q", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = json.loads(out.read_text())
+    q = {p["kind"]: p for p in run["phases"] if p["setup"] == "q"}
+    sat = q["saturated"]
+    assert sat["requests"] > 0 and sat["refused"] == 0, sat
+    assert sat["quota_buckets"] == 1000, sat  # one bucket per rotating API key
+    assert not any("closed" in x for x in sat["problems"]), sat["problems"]
+    assert sat["envoy_cpu_us"] and sat["server_cpu_us"] is not None, sat
+    assert q["latency"]["quota_buckets"] == 1, q["latency"]  # h2load: one key
+    assert "envoy cpu q/a" in run["summary"]["ratios"]

@@ -77,3 +77,32 @@ def test_redis_calls_per_request_are_medians_by_command_and_reported() -> None:
     assert "| r | saturated | 3.75 | evalsha 1.00, get 1.00, time 1.00, set 0.75 | 0.500 | 1.000 |" in table
     assert not any("| r | latency |" in line for line in table)
     assert summarize([SETUPS["c"]], [])["rows"][0]["redis_calls"] is None  # no Redis in (c)
+
+
+def test_quota_rows_read_envoy_cpu_and_the_peer_against_envoy_alone() -> None:
+    """Issue 33: (q)'s Envoy CPU per request and throughput over (a)'s, per round, and the Go
+    peer's requests per second read as its share of Envoy alone (PEER_OVER_ENVOY_ALONE)."""
+    from bench.stats import PEER_OVER_ENVOY_ALONE, targets
+
+    out = []
+    for r, (a, q, ea, eq) in enumerate([(20000.0, 12000.0, 50.0, 60.0), (18000.0, 9000.0, 50.0, 80.0),
+                                        (20000.0, 13000.0, 40.0, 50.0)]):
+        out.append(Phase("a", "saturated", r, requests=int(a), rps=a, envoy_cpu_us=ea))
+        out.append(Phase("q", "saturated", r, requests=int(q), rps=q, envoy_cpu_us=eq, server_cpu_us=3.0,
+                         refused=0, quota_reports=2, quota_entries=2000, quota_buckets=1000,
+                         server_cpu_us_per_entry=18.0, quota_allowed=int(q), quota_denied=0,
+                         quota_overadmission=0, quota_ledger_failures=0))
+    summary = summarize([SETUPS["a"], SETUPS["q"]], out)
+    ratios = summary["ratios"]
+    assert ratios["q/a"]["rounds"] == [0.6, 0.5, 0.65]
+    assert ratios["envoy cpu q/a"]["rounds"] == [1.2, 1.6, 1.25]
+    row = {r["key"]: r for r in summary["rows"]}["q"]
+    assert row["quota"]["entries"] == 2000 and row["quota"]["refused"] == 0
+    assert row["cores"]["server"] is not None  # the server runs (the quota stream) without ext_authz
+    found = {t["target"]: t for t in targets(summary, limits=None, outages=[], deadline_ms=5.0)}
+    assert found["(q) Envoy CPU per request / (a)"]["value"] == pytest.approx(1.25)
+    assert found["(q) Envoy CPU per request / (a)"]["met"]
+    assert found["(q) throughput / (a)"]["value"] == pytest.approx(0.6) and found["(q) throughput / (a)"]["met"]
+    peer = found["(q) throughput / the Go peer's (as shares of Envoy alone)"]
+    assert peer["value"] == pytest.approx(0.6 / PEER_OVER_ENVOY_ALONE, abs=1e-3) and peer["met"]
+    assert found["(q) quota over-admission"]["value"] == 0 and found["(q) quota over-admission"]["met"]

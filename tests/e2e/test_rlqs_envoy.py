@@ -140,6 +140,7 @@ def test_two_envoys_share_one_limit(tmp_path: Path) -> None:
                 assert bucket["bucket"] == {"limiter": "ip-rate", "source_ip": "127.0.0.1"}
             assert quota["reports"] >= 4
             assert quota["overadmission"] == 0
+            assert quota["reported_excess"] == 0  # each Envoy admitted within what it was sent
     finally:
         server.stop()
         upstream.stop()
@@ -163,6 +164,7 @@ def test_skewed_load_and_an_envoy_restarted(tmp_path: Path) -> None:
             assert after["a"] + after["b2"] > 0
             quota = _status(server)["quota"]
             assert quota["overadmission"] == 0
+            assert quota["reported_excess"] == 0  # each Envoy admitted within what it was sent
             # a's stream is open; b2's (and b's, until its TTL) are listed closed
             assert quota["streams"][0]["closed"] is False
             assert sum(not s["closed"] for s in quota["streams"]) == 1
@@ -224,6 +226,7 @@ def test_two_replicas_on_one_redis_keep_one_limit(tmp_path: Path, redis_single_c
             for server in servers:
                 quota = _status(server)["quota"]
                 assert quota["overadmission"] == 0
+                assert quota["reported_excess"] == 0
                 assert quota["ledger"]["healthy"] is True
                 (stream,) = quota["streams"]
                 (bucket,) = stream["buckets"]
@@ -257,7 +260,8 @@ def test_two_replicas_on_one_redis_keep_one_limit(tmp_path: Path, redis_single_c
             promise.drive([("a", a), ("b", b)], 10.0)
             assert promise.held, (upstream.served, promise.worst)
             for server in servers:
-                assert _status(server)["quota"]["overadmission"] == 0
+                quota = _status(server)["quota"]
+                assert (quota["overadmission"], quota["reported_excess"]) == (0, 0)
     finally:
         for server in servers:
             server.stop()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,8 @@ import yaml
 
 from extauthz.core.errors import PolicyError
 from extauthz.policy import load_policy
-from extauthz.server.app import ServerConfig
+from extauthz.server.app import ServerConfig, stop_budget
+from extauthz.server.grpc_h2 import H2Limits
 from testinfra import envoy_configs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -448,14 +450,34 @@ def test_grpc_probes_target_the_check_port(name: str, request: pytest.FixtureReq
 
 def test_graceful_stop_fits_the_termination_grace(default_objects: list[dict[str, Any]],
                                                   full_objects: list[dict[str, Any]]) -> None:
-    drain = ServerConfig().grace_seconds  # the server's own drain after NOT_SERVING
+    # what the server computes for its stop after SIGTERM (every port's grace at once, the
+    # gRPC port's close linger, the release drain), from the code's own defaults
+    budget = stop_budget(ServerConfig().grace_seconds, H2Limits().close_linger)
     for objects, hook in [(default_objects, {"sleep": {"seconds": 5}}),
                           (full_objects, {"exec": {"command": ["sleep", "5"]}})]:
         pod = by_kind(objects, "Deployment")["spec"]["template"]["spec"]
         pre_stop = container(objects)["lifecycle"]["preStop"]
         assert pre_stop == hook
         sleep = int(pre_stop.get("sleep", {}).get("seconds") or pre_stop["exec"]["command"][1])
-        assert pod["terminationGracePeriodSeconds"] >= sleep + drain + 5
+        # Kubernetes counts the grace from the preStop hook's start: the hook, then the stop,
+        # then at least 2 s for the process's exit
+        assert pod["terminationGracePeriodSeconds"] >= sleep + budget + 2
+
+
+@pytest.mark.parametrize("sleep,mode", [(5, "exec"), (0, "exec"), (9, "none"), (30, "sleep")])
+def test_a_grace_shorter_than_the_stop_is_refused(chart: Any, sleep: int, mode: str) -> None:
+    # the chart's own stop budget is the code's: the shortest grace it takes is exactly the
+    # hook's sleep + stop_budget + 2 s
+    counted = 0 if mode == "none" else sleep
+    shortest = counted + math.ceil(stop_budget(ServerConfig().grace_seconds)) + 2
+    lifecycle = {"preStopSleepSeconds": sleep, "preStopMode": mode}
+    pod = by_kind(render(chart, merged({"lifecycle": lifecycle, "terminationGracePeriodSeconds": shortest})),
+                  "Deployment")["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == shortest
+    # the templates' check, or with no preStop sleep the schema's minimum (the budget + 2 s)
+    refused = f"terminationGracePeriodSeconds {shortest - 1} is too short|minimum: got {shortest - 1}, want"
+    with pytest.raises(Exception, match=refused):
+        render(chart, merged({"lifecycle": lifecycle, "terminationGracePeriodSeconds": shortest - 1}))
 
 
 def test_security_context(default_objects: list[dict[str, Any]]) -> None:

@@ -307,7 +307,7 @@ async def test_a_health_watch_that_is_not_read_blocks_no_status_change(tmp_path:
 def _held_by_connections(snapshot: tracemalloc.Snapshot) -> int:
     """The heap a connection's parts hold (its h2 state, HPACK tables, protocol, transport and
     socket), whatever other threads (grpcio's, of other tests) allocate meanwhile."""
-    parts = ("*/h2/*", "*/hpack/*", "*/hyperframe/*", "*/asyncio/*", "*/grpc_h2.py", "*/socket.py",
+    parts = ("*/h2/*", "*/hpack/*", "*/hpackd.py", "*/hyperframe/*", "*/asyncio/*", "*/grpc_h2.py", "*/socket.py",
              "*/selectors.py")
     return sum(t.size for t in snapshot.filter_traces([tracemalloc.Filter(True, p) for p in parts]).traces)
 

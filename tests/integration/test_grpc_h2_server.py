@@ -966,8 +966,8 @@ async def test_dropped_request_bytes_credit_the_connection_window(bad: str) -> N
         raw.call(sid)
         assert (await raw.trailers(sid))["grpc-status"] == "0"
         conn = next(iter(srv.connections))
-        manager = conn.h2._inbound_flow_control_window_manager
-        assert manager.current_window_size + manager._bytes_processed == window  # every byte credited
+        receive_window, processed = conn.h2.inbound_window
+        assert receive_window + processed == window  # every byte credited
     finally:
         await srv.stop(0)
         for raw in OPEN:

@@ -81,6 +81,8 @@ async def test_streams_divide_one_limit(server: Server) -> None:
         families = {m.name: m.samples for m in quota_metrics(server.quota.book)}
         assert families["extauthz_quota_streams"][0].value == 2
         assert families["extauthz_quota_overadmission"][0].value == 0
+        assert families["extauthz_quota_reported_excess"][0].value == status["reported_excess"] == 0
+        assert families["extauthz_quota_coalesced"][0].value == status["coalesced"]
         await first.done_writing()
         await second.done_writing()
         assert await asyncio.wait_for(first.code(), WAIT) == grpc.StatusCode.OK

@@ -24,6 +24,7 @@ from extauthz.engine.quota_service import (
     StoreLedger,
     Stream,
     Usage,
+    cool_tail,
 )
 from extauthz.store.base import CheckResult, Op, SliceOp, Store
 from extauthz.store.keys import Keys
@@ -143,8 +144,9 @@ async def test_a_restarted_replica_honours_what_the_store_holds(case: Case) -> N
     status = new.status()
     bucket = status["streams"][0]["buckets"][0]  # type: ignore[index]
     assert bucket["store"] == {"fill": 0, "burst": 0, "free": {"fill": 0, "burst": 0}, "others_demand": 0.0}
-    # the old slices pass their TTL (the assignment's plus one report interval): the whole limit
-    case.clock.advance(old.ttl + old.report_interval)
+    # the old slices pass their TTL (the assignment's plus one report interval) and the time
+    # their fill takes to refill their burst (its Envoy may have spent it): the whole limit
+    case.clock.advance(old.ttl + old.report_interval + cool_tail(LIMIT.total, LIMIT.interval))
     await report(new, "new", envoys, second, [Usage(BUCKETS[0], 5.0, 0, 3)])
     assert envoys.held[("new", second.id, key)][0] == LIMIT.total
 
@@ -163,10 +165,11 @@ async def test_an_abandoned_bucket_s_slices_go_back_after_their_ttl(case: Case) 
         await report(a, "a", envoys, sa, [Usage(BUCKETS[0], 5.0, 0, 0)])
     assert ("a", sa.id, key) not in envoys.held
     # a's Envoy enforces its last assignment until the abandon reaches it: its slices stay
-    # until their TTL (the assignment's plus one report interval), then b takes the limit
+    # until their TTL (the assignment's plus one report interval) and their cooling, then b
+    # takes the limit
     await report(b, "b", envoys, sb, [Usage(BUCKETS[0], 5.0, 0, 9)])
     assert envoys.held[("b", sb.id, key)][0] == NOTHING
-    case.clock.advance(a.ttl + a.report_interval)
+    case.clock.advance(a.ttl + a.report_interval + cool_tail(LIMIT.total, LIMIT.interval))
     await report(b, "b", envoys, sb, [Usage(BUCKETS[0], 5.0, 0, 9)])
     assert envoys.held[("b", sb.id, key)][0] == LIMIT.total
 
@@ -254,3 +257,28 @@ def test_the_memory_store_forgets_a_ledger_once_its_slices_expire() -> None:
     clock.advance(5.0)
     store.check_now([], "")
     assert key not in store._slices
+
+
+async def test_a_report_of_many_buckets_settles_in_few_store_calls(case: Case) -> None:
+    """300 buckets in one report: settled in one store call per 128 (each bucket's three
+    slices atomic, on Redis Cluster split by hash tag), each granted the whole limit; a
+    second replica's stream then gets nothing of any of them."""
+    buckets = [{"limiter": "per-ip", "ip": f"10.1.{n // 256}.{n % 256}"} for n in range(300)]
+    a, b = book(case, "a"), book(case, "b")
+    assert a.ledger is not None
+    calls = 0
+    check = case.store.check
+
+    async def counted(ops: Sequence[Op], lease_id: str) -> CheckResult:
+        nonlocal calls
+        calls += 1
+        return await check(ops, lease_id)
+
+    case.store.check = counted  # type: ignore[method-assign]
+    sa, sb = a.open("envoy-a"), b.open("envoy-b")
+    out = await a.settle(a.report(sa, "d", [Usage(x, 0.0, 0, 1) for x in buckets]))
+    assert calls == 3  # 128 + 128 + 44
+    assert [action.share for action in out[sa.id]] == [LIMIT.total] * 300
+    out = await b.settle(b.report(sb, "d", [Usage(x, 0.0, 0, 1) for x in buckets]))
+    assert calls == 6
+    assert {action.share for action in out[sb.id]} == {NOTHING}

@@ -4,7 +4,9 @@ confirmed by a report before another share grows, idle buckets are abandoned, bo
 
 from __future__ import annotations
 
+import asyncio
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from extauthz.engine.quota_service import (
     QuotaError,
     QuotaLimit,
     Share,
+    StoreLedger,
     Usage,
     divide,
     limits_of,
@@ -25,7 +28,9 @@ from extauthz.engine.quota_service import (
 from extauthz.limiters import build_limiters
 from extauthz.policy import load_policy
 from extauthz.policy.classify import valid_hash
+from extauthz.store.base import CheckResult, Op
 from extauthz.store.keys import Keys
+from extauthz.store.memory import MemoryStore
 
 BUCKET = {"limiter": "per-ip", "ip": "10.0.0.1"}
 BUCKET_KEY = tuple(sorted(BUCKET.items()))
@@ -99,9 +104,11 @@ def _within(a: Share, b: Share) -> bool:
     return a.fill <= b.fill and a.burst <= b.burst
 
 
-def _book(clock: ManualClock, rate: float = 10, burst: float = 10) -> QuotaBook:
+def _book(clock: ManualClock, rate: float = 10, burst: float = 10, min_report_gap: float = 0.0) -> QuotaBook:
+    """A book; its timelines report faster than Envoy does (``min_report_gap`` 0: none
+    coalesced) unless a test says otherwise."""
     limits = {"per-ip": QuotaLimit(rate, burst)}
-    return QuotaBook(lambda: limits, clock=clock)
+    return QuotaBook(lambda: limits, clock=clock, min_report_gap=min_report_gap)
 
 
 def _shares(actions: list[Action]) -> dict[tuple[tuple[str, str], ...], Share | None]:
@@ -136,18 +143,76 @@ def test_first_report_assigns_and_a_second_stream_waits_for_the_confirmed_shrink
     assert [len(s["buckets"]) for s in status["streams"]] == [1, 1]  # type: ignore[index, arg-type]
 
 
-def test_overadmission_counted_from_the_reports() -> None:
+def test_a_report_past_its_share_counts_one_entry_never_its_requests() -> None:
+    """Self-reported usage proves nothing: an entry allowing more than its share could counts
+    once in reported_excess, however many requests it claims; over-admission counts only what
+    the ledger proves, and stays 0."""
     clock = ManualClock()
-    book = _book(clock, rate=2, burst=4)
+    book = _book(clock, rate=2, burst=4, min_report_gap=2.5)
     a = book.open("a")
     book.report(a, "edge", [Usage(BUCKET, 0, 0, 0)])
     clock.advance(5)
     # the share over the elapsed time, rounded down by Envoy (up to 1 s more), and the burst
     book.report(a, "", [Usage(BUCKET, 5, 2 * (5 + 1) + 4, 0)])
-    assert book.overadmission == 0
+    assert book.reported_excess == 0
     clock.advance(5)
     book.report(a, "", [Usage(BUCKET, 5, 2 * (5 + 1) + 4 + 3, 0)])
-    assert book.overadmission == 3
+    assert book.reported_excess == 1
+    clock.advance(5)
+    book.report(a, "", [Usage(BUCKET, 5, 10**15, 0)])  # a peer inflating: taken up to 10^12, one entry
+    assert book.reported_excess == 2
+    # entries sooner than Envoy reports are coalesced: audited once, with the next one settled
+    for _ in range(20):  # 2 s: within half a report interval of the last entry settled
+        clock.advance(0.1)
+        assert book.report(a, "", [Usage(BUCKET, 0, 10**6, 0)]) == {}
+    assert book.coalesced == 20 and book.reported_excess == 2
+    clock.advance(5)
+    book.report(a, "", [Usage(BUCKET, 5, 0, 0)])
+    assert book.reported_excess == 3
+    assert book.overadmission == 0
+    status = book.status()
+    assert (status["overadmission"], status["reported_excess"], status["coalesced"]) == (0, 3, 20)
+
+
+def test_a_stream_flooding_reports_costs_no_store_calls_and_another_is_served() -> None:
+    """One stream sends 2,000 reports of 20 buckets in 10 s (Envoy sends 2): its buckets are
+    settled on their first entry and at most once per half report interval after, so the
+    store sees a handful of calls; another stream reporting at Envoy's pace gets its
+    assignments."""
+    clock = ManualClock()
+    store = _CountingStore(clock)
+    book = QuotaBook(lambda: {"per-ip": QuotaLimit(10, 20)}, clock=clock,
+                     ledger=StoreLedger(store, Keys(), replica="r"))
+    flood, calm = book.open("flood"), book.open("calm")
+    buckets = [{"limiter": "per-ip", "ip": f"10.0.1.{n}"} for n in range(20)]
+
+    async def run() -> int:
+        served = 0
+        for n in range(2000):
+            clock.advance(0.005)
+            await book.settle(book.report(flood, "edge", [Usage(b, 0 if n == 0 else 1, 5, 5) for b in buckets]))
+            if n % 1000 == 999:  # the calm stream at Envoy's pace (every 5 s)
+                out = await book.settle(book.report(calm, "edge", [Usage(BUCKET, 0 if n < 1000 else 5, 0, 1)]))
+                served += len(out.get(calm.id, []))
+        return served
+
+    served = asyncio.run(run())
+    assert served == 2  # each calm report answered
+    # a bucket settled at most once per 2.5 s: the flood's first report and 4 more in 10 s,
+    # one store call each (a report's holds in one call), and the calm stream's 2
+    assert store.calls <= 5 + 2, store.calls
+    assert book.coalesced >= 2000 * 20 - 20 * 5
+    assert book.overadmission == 0
+
+
+class _CountingStore(MemoryStore):
+    """The embedded store, counting its check calls."""
+
+    calls = 0
+
+    async def check(self, ops: Sequence[Op], lease_id: str) -> CheckResult:
+        self.calls += 1
+        return await super().check(ops, lease_id)
 
 
 def test_idle_bucket_abandoned_and_its_share_freed() -> None:

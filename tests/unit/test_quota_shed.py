@@ -53,8 +53,9 @@ class Stack:
         policy = policy_from(tmp_path, {"limiters": [dict(WORKERS, **overrides)]})
         self.engine = Engine(StoreGate(self.store, clock=self.clock), policy, rng=random.Random(0))
         limits: dict[str, QuotaLimit] = {}
+        # the timelines report every second (sooner than Envoy: none coalesced here)
         self.book = QuotaBook(lambda: limits, clock=self.clock,
-                              sheds=lambda: envoy_sheds(self.engine.snapshot.active),
+                              sheds=lambda: envoy_sheds(self.engine.snapshot.active), min_report_gap=0.0,
                               classification=lambda: classification_id(self.engine.snapshot.policy))
         self.stream = self.book.open("envoy")
 

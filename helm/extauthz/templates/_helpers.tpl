@@ -140,6 +140,15 @@ Metrics ports as a JSON list of {name, port}: worker i listens on metrics.port +
 {{- if and .Values.identitySalt.value .Values.identitySalt.existingSecret }}
 {{- fail "set only one of identitySalt.value and identitySalt.existingSecret" }}
 {{- end }}
+{{- /* The server's stop budget after SIGTERM (extauthz/server/app.py stop_budget: the ports'
+grace 5 s, all at once, the gRPC port's close linger 2 s, the release drain 5 s); the preStop
+sleep runs before SIGTERM and inside the grace, and 2 s are left for the process's exit.
+tests/helm/test_chart.py checks this number against the code. */}}
+{{- $stopBudget := 12 }}
+{{- $sleep := ternary 0 (int .Values.lifecycle.preStopSleepSeconds) (eq .Values.lifecycle.preStopMode "none") }}
+{{- if lt (int .Values.terminationGracePeriodSeconds) (add $sleep $stopBudget 2) }}
+{{- fail (printf "terminationGracePeriodSeconds %d is too short: at least lifecycle.preStopSleepSeconds (%d) + the server's stop budget (%d s) + 2 s, or Kubernetes kills the pod before in-flight calls finish and leases are released" (int .Values.terminationGracePeriodSeconds) $sleep $stopBudget) }}
+{{- end }}
 {{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.enabled) }}
 {{- fail "metrics.serviceMonitor.enabled needs metrics.enabled" }}
 {{- end }}

@@ -1,0 +1,210 @@
+"""The gRPC port's HTTP/2 connection written by hand (server/h2conn.py): the protocol rules
+the h2 library enforced for the server and no other test sent, each with RFC 9113's error
+code, and the connection still serving (or a fresh one served) after each.
+
+Raw frames (hyperframe, hpack) and the helpers of test_grpc_h2_server.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from h2.errors import ErrorCodes
+from hpack import Decoder
+from hyperframe.frame import (
+    ContinuationFrame,
+    DataFrame,
+    HeadersFrame,
+    PingFrame,
+    RstStreamFrame,
+    SettingsFrame,
+    WindowUpdateFrame,
+)
+
+from extauthz.server.grpc_h2 import GrpcH2Server
+from extauthz.server.h2conn import encode_headers
+
+from .test_grpc_h2_server import Probe, Raw, answers, probe
+
+__all__ = ["probe"]  # the fixture, used by name
+
+
+def _frame(kind: int, flags: int, sid: int, payload: bytes) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + sid.to_bytes(4, "big") + payload
+
+
+async def _ends_with(raw: Raw, code: ErrorCodes) -> None:
+    away = await raw.goaway()
+    assert away.error_code == code, away
+    await raw.ended()
+
+
+async def test_headers_on_an_even_stream_id_end_the_connection(probe: tuple[GrpcH2Server, Probe]) -> None:
+    srv, _ = probe
+    raw = await Raw.open(srv.port)
+    raw.send(HeadersFrame(2, raw.block(), flags=["END_HEADERS", "END_STREAM"]))
+    await _ends_with(raw, ErrorCodes.PROTOCOL_ERROR)
+    assert srv.rejected["protocol_error"] == 1
+    await answers(srv.port)
+
+
+@pytest.mark.parametrize(("setting", "value", "code"), [
+    (SettingsFrame.INITIAL_WINDOW_SIZE, 1 << 31, ErrorCodes.FLOW_CONTROL_ERROR),
+    (SettingsFrame.MAX_FRAME_SIZE, 16383, ErrorCodes.PROTOCOL_ERROR),
+    (SettingsFrame.MAX_FRAME_SIZE, 1 << 24, ErrorCodes.PROTOCOL_ERROR),
+    (SettingsFrame.ENABLE_PUSH, 2, ErrorCodes.PROTOCOL_ERROR),
+])
+async def test_a_settings_value_out_of_range_ends_the_connection(
+        probe: tuple[GrpcH2Server, Probe], setting: int, value: int, code: ErrorCodes) -> None:
+    srv, _ = probe
+    raw = await Raw.open(srv.port)
+    raw.send(SettingsFrame(0, settings={setting: value}))
+    await _ends_with(raw, code)
+    await answers(srv.port)
+
+
+async def test_settings_in_range_are_taken(probe: tuple[GrpcH2Server, Probe]) -> None:
+    """Unknown settings are ignored; a bigger peer frame size lets an answer out in one DATA
+    frame; each SETTINGS is acknowledged."""
+    srv, _ = probe
+    raw = await Raw.open(srv.port, settings={SettingsFrame.MAX_FRAME_SIZE: 65536,
+                                             SettingsFrame.INITIAL_WINDOW_SIZE: 1 << 20, 0x99: 7})
+    raw.send(WindowUpdateFrame(0, window_increment=1 << 20))
+    raw.call(1, b"40000", path="/t.T/Big")
+    assert (await raw.trailers(1))["grpc-status"] == "0"
+    data = [f for f in raw.frames if isinstance(f, DataFrame)]
+    assert [len(f.data) for f in data] == [40005]
+    assert sum(1 for f in raw.frames if isinstance(f, SettingsFrame) and "ACK" in f.flags) == 1
+
+
+async def test_a_connection_window_past_the_maximum_ends_the_connection(
+        probe: tuple[GrpcH2Server, Probe]) -> None:
+    srv, _ = probe
+    raw = await Raw.open(srv.port)
+    raw.send(WindowUpdateFrame(0, window_increment=(1 << 31) - 1))  # 65535 + that > 2^31-1
+    await _ends_with(raw, ErrorCodes.FLOW_CONTROL_ERROR)
+    await answers(srv.port)
+
+
+async def test_a_stream_window_past_the_maximum_resets_the_stream(probe: tuple[GrpcH2Server, Probe]) -> None:
+    srv, p = probe
+    raw = await Raw.open(srv.port)
+    raw.call(1, path="/t.T/Hang")
+    raw.send(WindowUpdateFrame(1, window_increment=(1 << 31) - 1))
+    reset = await raw.until(lambda f: isinstance(f, RstStreamFrame))
+    assert reset.stream_id == 1 and reset.error_code == ErrorCodes.FLOW_CONTROL_ERROR  # type: ignore[attr-defined]
+    raw.call(3)  # the connection serves on
+    assert (await raw.trailers(3))["grpc-status"] == "0"
+    assert p.hanging == 0  # the reset stream's handler was cancelled
+
+
+@pytest.mark.parametrize("sid", [0, 1])
+async def test_a_window_update_of_zero(probe: tuple[GrpcH2Server, Probe], sid: int) -> None:
+    """0 on the connection is a connection error, on a stream a stream error (6.9)."""
+    srv, _ = probe
+    raw = await Raw.open(srv.port)
+    if sid:
+        raw.call(1, path="/t.T/Hang")
+    raw.write(_frame(8, 0, sid, b"\x00\x00\x00\x00"))
+    if not sid:
+        await _ends_with(raw, ErrorCodes.PROTOCOL_ERROR)
+        return
+    reset = await raw.until(lambda f: isinstance(f, RstStreamFrame))
+    assert reset.stream_id == 1 and reset.error_code == ErrorCodes.PROTOCOL_ERROR  # type: ignore[attr-defined]
+    raw.call(3)
+    assert (await raw.trailers(3))["grpc-status"] == "0"
+
+
+async def test_data_on_a_stream_the_server_reset_is_ignored_and_credited(
+        probe: tuple[GrpcH2Server, Probe]) -> None:
+    """DATA the peer had in flight on a stream the server reset (here refused: the stream
+    bound) is dropped without another RST_STREAM, and its bytes reopen the connection window."""
+    srv, p = probe
+    raw = await Raw.open(srv.port)
+    for sid in (1, 3, 5, 7):
+        raw.call(sid, path="/t.T/Hang")
+    raw.send(HeadersFrame(9, raw.block("/t.T/Hang"), flags=["END_HEADERS"]))
+    refused = await raw.until(lambda f: isinstance(f, RstStreamFrame))
+    assert refused.stream_id == 9 and refused.error_code == ErrorCodes.REFUSED_STREAM  # type: ignore[attr-defined]
+    raw.send(DataFrame(9, b"\x00" * 16000), DataFrame(9, b"\x00" * 100, flags=["END_STREAM"]))
+    p.release.set()
+    for sid in (1, 3, 5, 7):
+        assert (await raw.trailers(sid))["grpc-status"] == "0"
+    raw.call(11)
+    assert (await raw.trailers(11))["grpc-status"] == "0"
+    assert [f.stream_id for f in raw.frames if isinstance(f, RstStreamFrame)] == [9]
+    conn = next(iter(srv.connections))
+    window, processed = conn.h2.inbound_window
+    assert window + processed == srv.limits.connection_window
+
+
+@pytest.mark.parametrize("case", ["interrupted", "continuation_alone", "trailers_open", "ping_length",
+                                  "rst_length", "push_promise", "settings_ack_payload", "data_on_0",
+                                  "headers_pad"])
+async def test_framing_violations_end_the_connection(probe: tuple[GrpcH2Server, Probe], case: str) -> None:
+    srv, _ = probe
+    raw = await Raw.open(srv.port)
+    block = raw.block() if case != "rst_length" else b""  # (encoded only when sent: HPACK's state)
+    code = ErrorCodes.PROTOCOL_ERROR
+    if case == "interrupted":  # a header block cut by another frame
+        raw.send(HeadersFrame(1, block[:4]), PingFrame(0, opaque_data=b"12345678"),
+                 ContinuationFrame(1, block[4:], flags=["END_HEADERS"]))
+    elif case == "continuation_alone":
+        raw.send(ContinuationFrame(1, block, flags=["END_HEADERS"]))
+    elif case == "trailers_open":  # trailers must end the stream
+        raw.send(HeadersFrame(1, block, flags=["END_HEADERS"]),
+                 HeadersFrame(1, raw.encoder.encode([("x-t", "1")]), flags=["END_HEADERS"]))
+    elif case == "ping_length":
+        raw.write(_frame(6, 0, 0, b"1234567"))
+        code = ErrorCodes.FRAME_SIZE_ERROR
+    elif case == "rst_length":
+        raw.call(1, path="/t.T/Hang")
+        raw.write(_frame(3, 0, 1, b"\x00\x00\x08"))
+        code = ErrorCodes.FRAME_SIZE_ERROR
+    elif case == "push_promise":
+        raw.write(_frame(5, 4, 1, b"\x00\x00\x00\x02" + block))
+    elif case == "settings_ack_payload":
+        raw.write(_frame(4, 1, 0, b"\x00\x03\x00\x00\x00\x01"))
+        code = ErrorCodes.FRAME_SIZE_ERROR
+    elif case == "data_on_0":
+        raw.write(_frame(0, 0, 0, b"x"))
+    else:  # padding as long as the payload
+        raw.write(_frame(1, 0x4 | 0x8, 1, bytes((len(block) + 1,)) + block))
+    await _ends_with(raw, code)
+    await answers(srv.port)
+
+
+async def test_a_smaller_peer_header_table_is_signalled(probe: tuple[GrpcH2Server, Probe]) -> None:
+    """After the peer's SETTINGS_HEADER_TABLE_SIZE changes, the next header block starts with a
+    dynamic table size update (RFC 7541 4.2) that its decoder takes; the answers decode."""
+    srv, _ = probe
+    raw = await Raw.open(srv.port, settings={SettingsFrame.HEADER_TABLE_SIZE: 0})
+    raw.decoder.max_allowed_table_size = 0  # a peer that holds to its setting
+    raw.call(1)
+    assert (await raw.trailers(1))["grpc-status"] == "0"
+    first = next(f for f in raw.frames if isinstance(f, HeadersFrame) and f.stream_id == 1)
+    assert first.data[:1] == b"\x20"  # type: ignore[attr-defined]
+    raw.call(3)
+    assert (await raw.trailers(3))["grpc-status"] == "0"
+
+
+@pytest.mark.parametrize("size", [0, 1, 126, 127, 128, 300, 20000])
+def test_encoded_headers_decode(size: int) -> None:
+    """The answers' header blocks (literal, never indexed, no Huffman) decode in the hpack
+    library's decoder, long names and values (multi-byte lengths) included, and index nothing."""
+    headers = [(b"grpc-status", b"13"), (b"x" * max(size, 1), b"v" * size), (b"grpc-message", b"a%20b")]
+    decoder = Decoder()
+    decoder.max_header_list_size = 1 << 20
+    assert decoder.decode(encode_headers(headers), raw=True) == headers
+    assert len(decoder.header_table.dynamic_entries) == 0
+
+
+def test_the_server_runs_without_h2() -> None:
+    """No h2 and no hyperframe on any path of the gRPC port: importing the server and the app
+    that builds it loads neither (the tests' raw client and bench's ``h2`` candidate use them)."""
+    code = ("import sys; import extauthz.server.app, extauthz.server.grpc_h2; "
+            "print(sorted(m for m in ('h2', 'hyperframe') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]"
