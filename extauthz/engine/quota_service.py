@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import heapq
+import json
 import logging
 import math
 import secrets
@@ -70,6 +71,8 @@ LIMITER_KEY = "limiter"
 #: a shedder's bucket (``envoy_deny_all``): the entries naming the shedder and the tier
 SHEDDER_KEY = "shedder"
 TIER_KEY = "tier"
+#: and the classification its matchers were rendered from (:func:`classification_id`)
+CLASSIFICATION_KEY = "classification"
 #: Envoy 1.40 reports every 5 s whatever the filter's reporting_interval says
 REPORT_INTERVAL = 5.0
 #: an assignment lives this many report intervals (refreshed by every report)
@@ -223,6 +226,21 @@ def envoy_sheds(active: Iterable[tuple[object, bool]]) -> dict[str, frozenset[st
             out[lim.name] = frozenset(t.value for t in lim.shed_whole()
                                       if enforce and (scope is None or t.value in scope))
     return out
+
+
+def classification_id(policy: Policy) -> str:
+    """A digest of the tier sources a pushed shedder's quota filter reads as Envoy matchers
+    (``test_mode.header``, then each rule in order: methods, path prefix, hosts, headers,
+    tier): ``envoy-config --rlqs`` writes it into each tier bucket's id, and the book answers
+    DENY_ALL only to a bucket whose digest is the policy's in force. An Envoy rendered before
+    a reload changed the classification tiers requests as the check no longer does (a route
+    made critical since is still Envoy's post): its buckets get ALLOW_ALL, and the check sheds
+    them as before, until Envoy's config is rendered again."""
+    rules = [[sorted(m.methods) if m.methods is not None else None, m.path_prefix,
+              sorted(m.hosts) if m.hosts is not None else None, [list(h) for h in m.headers], rule.tier.value]
+             for rule in policy.rules for m in (rule.matcher,)]
+    text = json.dumps([policy.test_header, rules], separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
 
 
 # -- the replica's book: streams, buckets, the ledger ------------------------------------
@@ -474,11 +492,14 @@ class QuotaBook:
                  max_buckets: int = MAX_BUCKETS_PER_STREAM, max_holds: int = MAX_HOLDS,
                  salt: bytes = b"", confirm_on_write: bool = False, ledger: StoreLedger | None = None,
                  sheds: Callable[[], Mapping[str, Collection[str]]] = dict,
-                 min_report_gap: float | None = None) -> None:
+                 classification: Callable[[], str] = str, min_report_gap: float | None = None) -> None:
         self.limits = limits
         #: the shedders pushed to Envoy (``envoy_deny_all``, active) by name, each with the
         #: tiers it refuses whole now (read at every report of a shedder's bucket)
         self.sheds = sheds
+        #: :func:`classification_id` of the policy in force (a shedder's bucket carrying
+        #: another one is never denied)
+        self.classification = classification
         #: a bucket's entry sooner than this after the stream's last one settled for it is
         #: coalesced (default: :data:`COALESCE_PART` of a report interval; 0: never)
         self.min_report_gap = report_interval * COALESCE_PART if min_report_gap is None else min_report_gap
@@ -704,13 +725,15 @@ class QuotaBook:
 
     def _shed(self, key: BucketKey, entries: Mapping[str, str], held: Held) -> Action:
         """A shedder's tier bucket: DENY_ALL while the shedder (pushed to Envoy, active)
-        refuses the tier whole, else ALLOW_ALL; never DENY_ALL for critical traffic nor for
+        refuses the tier whole, else ALLOW_ALL; never DENY_ALL for critical traffic, for
         a shedder the policy in force does not push (removed, switched off: fail open, as
-        the check's shedder does). Its TTL is the assignments': a server gone for longer
+        the check's shedder does), nor to matchers rendered from another classification
+        (:func:`classification_id`). Its TTL is the assignments': a server gone for longer
         lets Envoy's ``expired_assignment_behavior`` (ALLOW_ALL) take it back."""
         tiers = self.sheds().get(entries[SHEDDER_KEY])
         tier = entries.get(TIER_KEY, "")
-        deny = tiers is not None and tier != Tier.CRITICAL.value and tier in tiers
+        deny = (tiers is not None and tier != Tier.CRITICAL.value and tier in tiers
+                and entries.get(CLASSIFICATION_KEY) == self.classification())
         held.rule = "DENY_ALL" if deny else "ALLOW_ALL"
         self.shed_denials += deny
         return Action(key, NOTHING, ttl=self.ttl, deny=deny, allow=not deny)
@@ -929,7 +952,7 @@ class QuotaBook:
 
 #: the bucket id entries /status shows as they are (the generator's, never a credential);
 #: every other entry's value is shown hashed
-SHOWN_RAW = frozenset({LIMITER_KEY, "source_ip", "method", SHEDDER_KEY, TIER_KEY})
+SHOWN_RAW = frozenset({LIMITER_KEY, "source_ip", "method", SHEDDER_KEY, TIER_KEY, CLASSIFICATION_KEY})
 
 
 def shown(bucket: BucketKey, salt: bytes = b"") -> dict[str, str]:

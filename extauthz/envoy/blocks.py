@@ -10,8 +10,8 @@ from typing import Any
 
 from ..core.settings import CHECK_BUDGET_MS, ENVOY_MARGIN_MS
 
-__all__ = ["CONNECT_TIMEOUT", "DEFAULT_SERVER_NAME", "Config", "TlsFiles", "address", "authz_timeout", "check_port",
-           "cluster", "grpc_cluster", "http1", "http2", "is_ip", "patterns", "strip", "typed"]
+__all__ = ["CONNECT_TIMEOUT", "DEFAULT_SERVER_NAME", "HEALTHZ_PATH", "Config", "TlsFiles", "address", "authz_timeout",
+           "check_port", "cluster", "grpc_cluster", "http1", "http2", "is_ip", "patterns", "strip", "typed"]
 
 Config = dict[str, Any]
 
@@ -19,6 +19,8 @@ Config = dict[str, Any]
 CONNECT_TIMEOUT = "0.25s"
 #: the server's name in its certificate when ``--authz`` is an address (the chart's Service)
 DEFAULT_SERVER_NAME = "extauthz"
+#: Envoy's own health route, answered by Envoy without a check (nor a quota filter's bucket)
+HEALTHZ_PATH = "/healthz"
 _TYPE = "type.googleapis.com/"
 _MUTATION = "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation"
 _PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"

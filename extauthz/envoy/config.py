@@ -36,6 +36,7 @@ from ..policy.model import Policy
 from ..policy.schema import ConcurrentRequestsSpec, FleetUsageSpec, WorkerUtilizationSpec
 from .blocks import (
     CONNECT_TIMEOUT,
+    HEALTHZ_PATH,
     Config,
     TlsFiles,
     address,
@@ -209,7 +210,7 @@ def _quickstart_routes(target: Target, b: Build) -> list[Config]:
 
 
 def _routes(target: Target, b: Build) -> list[Config]:
-    healthz: Config = {"name": "healthz", "match": {"path": "/healthz"},
+    healthz: Config = {"name": "healthz", "match": {"path": HEALTHZ_PATH},
                        "direct_response": {"status": 200, "body": {"inline_string": "ok\n"}}}
     skip = target.skip_route(b)
     if skip:
@@ -251,6 +252,13 @@ def bootstrap(policy: Policy, **options: Any) -> Config:
     if enforced_in_envoy and not o.rlqs:
         raise ValueError(f"the policy enforces {', '.join(enforced_in_envoy)} in Envoy: add --rlqs "
                          "(without the quota filter nothing would enforce them)")
+    pushed = [spec.name for spec in envoy_shedders(policy)]
+    if o.rlqs and pushed and o.quickstart_routes:
+        # their tiers travel in route metadata and context extensions, which the quota filter's
+        # matchers cannot read: POST /v1/charges, critical in the check, would be Envoy's post
+        raise ValueError(f"--quickstart-routes with --rlqs: the shedder {pushed[0]} pushes DENY_ALL to Envoy, "
+                         "whose quota filter cannot read the routes' tiers (route metadata, context "
+                         "extensions): their critical traffic would be refused as post (docs/rlqs.md)")
     b = _build(policy, o, target)
     vhost: Config = {"name": "api", "domains": ["*"], "routes": _routes(target, b)}
     hcm = client_manager()  # client-facing (blocks.py)

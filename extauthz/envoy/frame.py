@@ -25,6 +25,8 @@ ACCESS_LOG_MODES = ("auto", "always", "never", "fluentd")
 #: a message every 5 ms or 4 KiB), chosen by measurement (``python -m bench.accesslog_flush``;
 #: docs/limiters.md "Access-log batching").
 SHIPPED_ACCESS_LOG_FLUSH_MS = 5
+#: the most server endpoints (``--authz`` repeated, or ``authz_endpoints``) one cluster lists
+MAX_AUTHZ_ENDPOINTS = 64
 
 
 @dataclass(frozen=True)
@@ -90,16 +92,40 @@ class Options:
     #: (:mod:`.rlqs`, docs/rlqs.md); required exactly when the policy has such limiters
     rlqs: bool = False
 
+    def _more_endpoints(self) -> None:
+        """``authz_more`` checked: beside ``authz`` (not ``authz_endpoints``), at most
+        :data:`MAX_AUTHZ_ENDPOINTS` in all, each once, ports 1-65535, all addresses or all host
+        names (one cluster type); with TLS one server name for all (the cluster verifies every
+        endpoint's certificate against the first one's host name: another name would fail the
+        handshake, and that replica's checks fail open)."""
+        if self.authz is None or self.authz_endpoints > 1:
+            raise ValueError("more server endpoints need the first one (authz), and not authz_endpoints")
+        endpoints = (self.authz, *self.authz_more)
+        if len(endpoints) > MAX_AUTHZ_ENDPOINTS:
+            raise ValueError(f"at most {MAX_AUTHZ_ENDPOINTS} server endpoints (--authz), not {len(endpoints)}")
+        for host, port in endpoints:
+            if not host or not 0 < port < 65536:
+                raise ValueError(f"a server endpoint is HOST:PORT with a port in 1-65535, not {host}:{port}")
+        seen: set[tuple[str, int]] = set()
+        for endpoint in endpoints:
+            if endpoint in seen:
+                raise ValueError(f"the server endpoint {endpoint[0]}:{endpoint[1]} is given twice")
+            seen.add(endpoint)
+        if len({is_ip(h) for h, _ in endpoints}) > 1:
+            raise ValueError("the server's endpoints are all addresses or all host names (one cluster type)")
+        names = sorted({h for h, _ in endpoints if not is_ip(h)})
+        if self.tls is not None and len(names) > 1:
+            raise ValueError(f"with TLS the server's endpoints share one host name (the certificate each must "
+                             f"show, checked as {self.authz[0]!r}), not {', '.join(names)}: give one name that "
+                             "resolves to every replica, or their addresses (checked as their shared name)")
+
     def __post_init__(self) -> None:
         if self.access_log not in ACCESS_LOG_MODES:
             raise ValueError(f"access_log must be one of {', '.join(ACCESS_LOG_MODES)}, not {self.access_log!r}")
-        if self.authz_endpoints < 1:
-            raise ValueError(f"authz_endpoints must be at least 1, not {self.authz_endpoints}")
+        if not 1 <= self.authz_endpoints <= MAX_AUTHZ_ENDPOINTS:
+            raise ValueError(f"authz_endpoints must be 1-{MAX_AUTHZ_ENDPOINTS}, not {self.authz_endpoints}")
         if self.authz_more:
-            if self.authz is None or self.authz_endpoints > 1:
-                raise ValueError("more server endpoints need the first one (authz), and not authz_endpoints")
-            if len({is_ip(h) for h, _ in (self.authz, *self.authz_more)}) > 1:
-                raise ValueError("the server's endpoints are all addresses or all host names (one cluster type)")
+            self._more_endpoints()
         if not (math.isfinite(self.access_log_flush_ms) and self.access_log_flush_ms >= 0):
             raise ValueError(f"access_log_flush_ms must be finite and not negative, not {self.access_log_flush_ms}")
         # the server's range (serve --check-budget-ms): Envoy's timeout is this plus a margin

@@ -24,14 +24,25 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
+from collections.abc import Iterable
 from typing import Any
 
 from ..core.tiers import READ_METHODS, Tier
 from ..engine.answers import PROBLEM_TYPE
-from ..engine.quota_service import LIMITER_KEY, REPORT_INTERVAL, SHEDDER_KEY, TIER_KEY, QuotaLimit
+from ..engine.quota_service import (
+    CLASSIFICATION_KEY,
+    LIMITER_KEY,
+    REPORT_INTERVAL,
+    SHEDDER_KEY,
+    TIER_KEY,
+    QuotaLimit,
+    classification_id,
+)
 from ..policy import Policy
 from ..policy.model import Matcher
 from ..policy.schema import KEY_PARTS, RequestRateSpec, WorkerUtilizationSpec
+from .blocks import HEALTHZ_PATH
 
 Config = dict[str, Any]
 
@@ -62,30 +73,68 @@ def _any_of(predicates: list[Config]) -> Config:
     return predicates[0] if len(predicates) == 1 else {"or_matcher": {"predicate": predicates}}
 
 
-def bucket_id(spec: RequestRateSpec) -> Config:
-    """The bucket id builder: the limiter's name and one value per key part."""
+def _methods(methods: Iterable[str]) -> Config:
+    """``:method`` is one of ``methods`` (upper case), in any case: the server reads a
+    request's method upper-cased (``post`` over HTTP/2 is POST to the classifier and to a
+    limiter's ``applies_to``), so Envoy's exact match must ignore case too."""
+    return _any_of([_single(":method", {"exact": m, "ignore_case": True}) for m in sorted(methods)])
+
+
+def checked(matchers: list[Config]) -> Config:
+    """A quota filter's ``bucket_matchers``: ``matchers`` under one matcher that leaves out
+    Envoy's own health route (:data:`~extauthz.envoy.blocks.HEALTHZ_PATH`, which the route
+    matches with the query string removed, and answers without a check). A request without a
+    bucket passes the filter: neither a shed tier's DENY_ALL nor a limiter's empty bucket
+    refuses a health probe the check never sees (a load balancer would take an overloaded
+    Envoy out for it)."""
+    health = _single(":path", {"safe_regex": {"google_re2": {}, "regex": re.escape(HEALTHZ_PATH) + r"(\?.*)?"}})
+    return {"matcher_list": {"matchers": [{"predicate": {"not_matcher": health},
+                                           "on_match": {"matcher": {"matcher_list": {"matchers": matchers}}}}]}}
+
+
+#: the methods a limiter's ``method`` key part names in Envoy, as the check does (upper case,
+#: whatever case the request used): RFC 9110's and PATCH; any other method is :data:`OTHER_METHOD`
+NAMED_METHODS = ("GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH")
+#: the ``method`` entry of a bucket id for every method outside :data:`NAMED_METHODS` (one
+#: bucket for all: Envoy can name a method only by a matcher of its own)
+OTHER_METHOD = "other"
+#: the value of every header key part of the one bucket shared by requests whose key headers
+#: hold a comma (a value no comma-free header has)
+SHARED_VALUE = ","
+
+
+def bucket_id(spec: RequestRateSpec, method: str = OTHER_METHOD, shared: bool = False) -> Config:
+    """The bucket id builder: the limiter's name and one value per key part; a ``method``
+    part is ``method``, named by the matcher that matched (:func:`quota_filter`): Envoy's own
+    ``:method`` keeps the request's case, so ``get``, ``gEt``... over HTTP/2 were each a bucket
+    of their own, each with the limiter's whole rate, where the check upper-cases them to one.
+    ``shared``: the header parts are :data:`SHARED_VALUE` (a key header holding a comma)."""
     builder: Config = {LIMITER_KEY: {"string_value": spec.name}}
     for part in spec.key or ():
         kind = next(f for f in KEY_PARTS if getattr(part, f) is not None)
         if kind == "header":
             assert part.header is not None
-            builder[f"header:{part.header.lower()}"] = {"custom_value": _header(part.header.lower())}
+            builder[f"header:{part.header.lower()}"] = ({"string_value": SHARED_VALUE} if shared
+                                                        else {"custom_value": _header(part.header.lower())})
         elif kind == "source_ip":
             builder["source_ip"] = {"custom_value": {"name": "source_ip",
                                                      "typed_config": {"@type": _SOURCE_IP_INPUT}}}
         else:  # method (the policy refuses the others)
-            builder["method"] = {"custom_value": _header(":method")}
+            builder["method"] = {"string_value": method}
     return builder
 
 
-def _predicate(spec: RequestRateSpec) -> Config:
+def _predicate(spec: RequestRateSpec, comma_free: bool = False) -> Config:
+    """The limiter's scope, each header key part present with a value (``comma_free``: a
+    value without a comma)."""
     applies = spec.applies_to
     predicates = [_single(":path", {"prefix": applies.path_prefix or "/"})]
     if applies.methods:
-        predicates.append(_any_of([_single(":method", {"exact": m}) for m in applies.methods]))
+        predicates.append(_methods(applies.methods))
+    value = "[^,]+" if comma_free else ".+"
     for part in spec.key or ():
         if part.header is not None:  # present, with a value
-            predicates.append(_single(part.header.lower(), {"safe_regex": {"google_re2": {}, "regex": ".+"}}))
+            predicates.append(_single(part.header.lower(), {"safe_regex": {"google_re2": {}, "regex": value}}))
     return predicates[0] if len(predicates) == 1 else {"and_matcher": {"predicate": predicates}}
 
 
@@ -109,19 +158,36 @@ def deny_response(spec: RequestRateSpec) -> Config:
 
 def quota_filter(spec: RequestRateSpec, cluster: str) -> Config:
     """One limiter's ``rate_limit_quota`` filter, streaming to ``cluster``."""
-    settings = {
-        "@type": _SETTINGS,
-        "bucket_id_builder": {"bucket_id_builder": bucket_id(spec)},
-        "reporting_interval": f"{REPORT_INTERVAL:g}s",  # Envoy 1.40 reports every 5 s anyway
-        "deny_response_settings": deny_response(spec),
-        "no_assignment_behavior": _DENY_ALL,
-        "expired_assignment_behavior": _DENY_ALL,
-    }
-    matchers = {"matcher_list": {"matchers": [
-        {"predicate": _predicate(spec), "on_match": {"action": {"name": spec.name, "typed_config": settings}}}]}}
+    def settings(method: str, shared: bool) -> Config:
+        return {
+            "@type": _SETTINGS,
+            "bucket_id_builder": {"bucket_id_builder": bucket_id(spec, method, shared)},
+            "reporting_interval": f"{REPORT_INTERVAL:g}s",  # Envoy 1.40 reports every 5 s anyway
+            "deny_response_settings": deny_response(spec),
+            "no_assignment_behavior": _DENY_ALL,
+            "expired_assignment_behavior": _DENY_ALL,
+        }
+
+    def on(method: str, shared: bool) -> Config:
+        return {"action": {"name": spec.name, "typed_config": settings(method, shared)}}
+
+    # key headers without a comma: their values; with one (a header repeated, "k,k"), one
+    # bucket for all, as the check's AMBIGUOUS: Envoy reads a value whole, and "k,k", "k,k,k"...
+    # were each a bucket with the whole rate where the check keys "k,k" as k (stricter here)
+    headers = any(part.header is not None for part in spec.key or ())
+    variants = [(_predicate(spec, comma_free=True), False), (_predicate(spec), True)] if headers else [
+        (_predicate(spec), False)]
+    matchers: list[Config] = []
+    if any(part.method for part in spec.key or ()):  # a matcher per method names it (any case)
+        named = sorted(spec.applies_to.methods) if spec.applies_to.methods else NAMED_METHODS
+        matchers += [{"predicate": {"and_matcher": {"predicate": [_methods([m]), predicate]}},
+                      "on_match": on(m, shared)} for m in named for predicate, shared in variants]
+        if spec.applies_to.methods:
+            variants = []  # no other method is in scope
+    matchers += [{"predicate": predicate, "on_match": on(OTHER_METHOD, shared)} for predicate, shared in variants]
     return {"name": f"extauthz.rlqs.{spec.name}", "typed_config": {
         "@type": _FILTER, "rlqs_server": {"envoy_grpc": {"cluster_name": cluster}},
-        "domain": DOMAIN, "bucket_matchers": matchers}}
+        "domain": DOMAIN, "bucket_matchers": checked(matchers)}}
 
 
 def quota_filters(policy: Policy, cluster: str) -> list[Config]:
@@ -148,7 +214,7 @@ def _rule_predicate(m: Matcher) -> Config:
     if m.path_prefix is not None:
         predicates.append(_single(":path", {"prefix": m.path_prefix}))
     if m.methods is not None:
-        predicates.append(_any_of([_single(":method", {"exact": x}) for x in sorted(m.methods)]))
+        predicates.append(_methods(m.methods))
     predicates += [_single(name, {"exact": value}) for name, value in m.headers]
     if not predicates:
         return _always()
@@ -167,7 +233,7 @@ def tier_matchers(policy: Policy) -> list[tuple[Config, Tier]]:
         out.append((_single(policy.test_header, {"safe_regex": {"google_re2": {}, "regex": "(?i)true"}}),
                     Tier.TEST))
     out += [(_rule_predicate(rule.matcher), rule.tier) for rule in policy.rules]
-    out.append((_any_of([_single(":method", {"exact": m}) for m in sorted(READ_METHODS)]), Tier.GET))
+    out.append((_methods(READ_METHODS), Tier.GET))
     out.append((_always(), Tier.POST))
     return out
 
@@ -198,11 +264,13 @@ def shed_filter(policy: Policy, spec: WorkerUtilizationSpec, cluster: str) -> Co
     whole and ALLOW_ALL otherwise (critical: always). ALLOW_ALL before an assignment and
     after one expires: a server away lifts the push, and the check's shedder goes on."""
     matchers = []
+    rendered_from = classification_id(policy)
     for predicate, tier in tier_matchers(policy):
         settings = {
             "@type": _SETTINGS,
             "bucket_id_builder": {"bucket_id_builder": {
-                SHEDDER_KEY: {"string_value": spec.name}, TIER_KEY: {"string_value": tier.value}}},
+                SHEDDER_KEY: {"string_value": spec.name}, TIER_KEY: {"string_value": tier.value},
+                CLASSIFICATION_KEY: {"string_value": rendered_from}}},
             "reporting_interval": f"{REPORT_INTERVAL:g}s",
             "deny_response_settings": shed_response(spec, tier),
             "no_assignment_behavior": _ALLOW_ALL,
@@ -210,6 +278,6 @@ def shed_filter(policy: Policy, spec: WorkerUtilizationSpec, cluster: str) -> Co
         }
         matchers.append({"predicate": predicate,
                          "on_match": {"action": {"name": f"{spec.name}.{tier.value}", "typed_config": settings}}})
-    return {"name": f"extauthz.rlqs.shed.{spec.name}", "typed_config": {
+    return {"name": f"extauthz.rlqs-shed.{spec.name}", "typed_config": {
         "@type": _FILTER, "rlqs_server": {"envoy_grpc": {"cluster_name": cluster}},
-        "domain": DOMAIN, "bucket_matchers": {"matcher_list": {"matchers": matchers}}}}
+        "domain": DOMAIN, "bucket_matchers": checked(matchers)}}

@@ -24,7 +24,14 @@ from ..core.runner import Runner
 from ..core.settings import Settings, event_loop, off
 from ..engine.engine import Engine
 from ..engine.overload import LoopLag
-from ..engine.quota_service import QuotaBook, QuotaLimit, StoreLedger, envoy_sheds, limits_of
+from ..engine.quota_service import (
+    QuotaBook,
+    QuotaLimit,
+    StoreLedger,
+    classification_id,
+    envoy_sheds,
+    limits_of,
+)
 from ..engine.reload import PolicyWatcher
 from ..engine.state import LeaseSampler, RecorderPart, Section, by_label_part
 from ..engine.storegate import StoreGate
@@ -151,7 +158,9 @@ class Server:
         self.quota = RateLimitQuotaService(QuotaBook(self._quota_limits, clock=clock,
                                                      salt=config.identity_salt.encode(),
                                                      confirm_on_write=True, ledger=ledger,
-                                                     sheds=lambda: envoy_sheds(self.engine.snapshot.active)))
+                                                     sheds=lambda: envoy_sheds(self.engine.snapshot.active),
+                                                     classification=lambda: classification_id(
+                                                         self.engine.snapshot.policy)))
         if not config.lease_secret and config.redis_url:
             log.warning("no --lease-secret: lease tickets use a random per-process key, so with several "
                         "replicas an access-log entry reaching another replica releases nothing (its "

@@ -195,8 +195,9 @@ def test_render_lists_n_endpoints_of_the_extauthz_cluster() -> None:
     (group,) = _cluster(yaml.safe_load(text), "extauthz")["load_assignment"]["endpoints"]
     ports = [e["endpoint"]["address"]["socket_address"]["port_value"] for e in group["lb_endpoints"]]
     assert ports == [9101, 9102, 9103]
-    with pytest.raises(ValueError, match="at least 1"):
-        render(authz_endpoints=0)
+    for n in (0, 65):
+        with pytest.raises(ValueError, match=f"authz_endpoints must be 1-64, not {n}"):
+            render(authz_endpoints=n)
     with pytest.raises(ValueError, match="out of range"):
         render(authz=("127.0.0.1", 65535), authz_endpoints=2)
 

@@ -42,9 +42,16 @@ RATE, BURST = 2, 4
 POLICY = ("version: 1\nidentity: [{header: x-api-key}]\nlimiters:\n"
           f"  - {{name: ip-rate, type: request_rate, rate: {RATE}, burst: {BURST}, key: [{{source_ip: true}}],"
           " enforce: envoy}\n")
+#: how long a server or an Envoy may take to start: generous, as a loaded machine (CI, other
+#: tests beside) took longer than the defaults (15 s, 20 s); a start is no measurement here
+STARTUP = 60.0
 #: how long traffic runs: several of Envoy's 5 s reports, so shares move between the streams
 RUN = 17.0
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def started_envoy(config: str) -> EnvoyProcess:
+    return EnvoyProcess(config, startup_timeout=STARTUP)
 
 
 def test_shipped_rlqs_config_is_the_output_of_its_command_line_and_valid(
@@ -101,7 +108,7 @@ def _stack(tmp_path: Path) -> tuple[Upstream, ServerProcess, str]:
     (tmp_path / "api.yaml").write_text(POLICY)
     upstream = start_upstream()
     server = ServerProcess([tmp_path])
-    server.start()
+    server.start(STARTUP)
     config = yaml.safe_dump(bootstrap(load_policy([tmp_path]), protocol="grpc",
                                       upstream=("127.0.0.1", upstream.port),
                                       authz=("127.0.0.1", server.port), listen_port=0, admin_port=0,
@@ -112,7 +119,7 @@ def _stack(tmp_path: Path) -> tuple[Upstream, ServerProcess, str]:
 def test_two_envoys_share_one_limit(tmp_path: Path) -> None:
     upstream, server, config = _stack(tmp_path)
     try:
-        with EnvoyProcess(config) as a, EnvoyProcess(config) as b, HttpClient() as c:
+        with started_envoy(config) as a, started_envoy(config) as b, HttpClient() as c:
             firsts = [c.send(envoy.url + "/x") for envoy in (a, b)]
             # no assignment yet: refused (DENY_ALL), with our problem body
             assert [r.status for r in firsts] == [429, 429]
@@ -145,13 +152,13 @@ def test_skewed_load_and_an_envoy_restarted(tmp_path: Path) -> None:
     its Envoy could still be enforcing them). The promise holds throughout."""
     upstream, server, config = _stack(tmp_path)
     try:
-        with EnvoyProcess(config) as a, HttpClient() as c:
+        with started_envoy(config) as a, HttpClient() as c:
             promise = Promise(upstream, c)
-            with EnvoyProcess(config) as b:
+            with started_envoy(config) as b:
                 busy = promise.drive([("a", a)] * 9 + [("b", b)], 12.0)
                 assert promise.held, (upstream.served, promise.worst)
                 assert busy["a"] > 0
-            with EnvoyProcess(config) as b2:
+            with started_envoy(config) as b2:
                 after = promise.drive([("a", a), ("b2", b2)], 12.0)
                 assert promise.held, (upstream.served, promise.worst)
             assert after["a"] + after["b2"] > 0
@@ -173,7 +180,7 @@ def test_a_limit_lowered_by_reload_shrinks_envoy_s_bucket(tmp_path: Path) -> Non
     bucket, and from then on the upstream admits at most the new rate x t + burst."""
     upstream, server, config = _stack(tmp_path)
     try:
-        with EnvoyProcess(config) as a, HttpClient() as c:
+        with started_envoy(config) as a, HttpClient() as c:
             promise = Promise(upstream, c)
             promise.drive([("a", a)], 8.0)
             assert promise.held, (upstream.served, promise.worst)
@@ -203,7 +210,7 @@ def test_two_replicas_on_one_redis_keep_one_limit(tmp_path: Path, redis_single_c
     (tmp_path / "api.yaml").write_text(POLICY)
     upstream = start_upstream()
     args = ["--redis-url", redis_single_clean.url]
-    servers = [ServerProcess([tmp_path], args=args, workdir=tmp_path).start() for _ in range(2)]
+    servers = [ServerProcess([tmp_path], args=args, workdir=tmp_path).start(STARTUP) for _ in range(2)]
 
     def config(server: ServerProcess) -> str:
         return yaml.safe_dump(bootstrap(load_policy([tmp_path]), protocol="grpc",
@@ -211,7 +218,7 @@ def test_two_replicas_on_one_redis_keep_one_limit(tmp_path: Path, redis_single_c
                                         authz=("127.0.0.1", server.port), listen_port=0, admin_port=0,
                                         rlqs=True))
     try:
-        with EnvoyProcess(config(servers[0])) as a, EnvoyProcess(config(servers[1])) as b, HttpClient() as c:
+        with started_envoy(config(servers[0])) as a, started_envoy(config(servers[1])) as b, HttpClient() as c:
             promise = Promise(upstream, c)
             admitted = promise.drive([("a", a), ("b", b)], 25.0)
             assert promise.held, (upstream.served, promise.worst)
@@ -240,7 +247,7 @@ def test_two_replicas_on_one_redis_keep_one_limit(tmp_path: Path, redis_single_c
             proc.wait()
             promise.drive([("a", a), ("b", b)], 3.0)
             assert promise.held, (upstream.served, promise.worst)
-            servers[0] = ServerProcess([tmp_path], args=args, port=port, workdir=tmp_path).start()
+            servers[0] = ServerProcess([tmp_path], args=args, port=port, workdir=tmp_path).start(STARTUP)
             promise.drive([("a", a), ("b", b)], 12.0)
             assert promise.held, (upstream.served, promise.worst)
             # Redis paused for a few seconds
@@ -274,7 +281,7 @@ def test_a_stream_moves_to_another_replica_behind_one_cluster(tmp_path: Path, re
     (tmp_path / "api.yaml").write_text(POLICY)
     upstream = start_upstream()
     args = ["--redis-url", redis_single_clean.url]
-    servers = [ServerProcess([tmp_path], args=args, workdir=tmp_path).start() for _ in range(2)]
+    servers = [ServerProcess([tmp_path], args=args, workdir=tmp_path).start(STARTUP) for _ in range(2)]
     # envoy-config --authz A --authz B
     one, two = (("127.0.0.1", s.port) for s in servers)
     config = yaml.safe_dump(bootstrap(load_policy([tmp_path]), protocol="grpc", upstream=("127.0.0.1", upstream.port),
@@ -288,7 +295,7 @@ def test_a_stream_moves_to_another_replica_behind_one_cluster(tmp_path: Path, re
         return [i for i, s in enumerate(servers) if s.proc is not None and s.proc.poll() is None
                 and any(not st["closed"] for st in _status(s)["quota"]["streams"])]
     try:
-        with EnvoyProcess(config) as a, HttpClient() as c:
+        with started_envoy(config) as a, HttpClient() as c:
             promise = Promise(upstream, c)
             first = promise.drive([("a", a)], 12.0)
             assert promise.held, (upstream.served, promise.worst)

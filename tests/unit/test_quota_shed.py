@@ -19,6 +19,7 @@ from extauthz.engine.quota_service import (
     Share,
     StoreLedger,
     Usage,
+    classification_id,
     envoy_sheds,
 )
 from extauthz.engine.storegate import StoreGate
@@ -38,8 +39,8 @@ WORKERS = {"name": "workers", "type": "worker_utilization", "signal": {"source":
 TIERS = ("test", "get", "post", "critical")
 
 
-def _bucket(tier: str, shedder: str = "workers") -> dict[str, str]:
-    return {"shedder": shedder, "tier": tier}
+def _bucket(tier: str, shedder: str = "workers", rendered: str = "") -> dict[str, str]:
+    return {"shedder": shedder, "tier": tier, "classification": rendered}
 
 
 class Stack:
@@ -54,7 +55,8 @@ class Stack:
         limits: dict[str, QuotaLimit] = {}
         # the timelines report every second (sooner than Envoy: none coalesced here)
         self.book = QuotaBook(lambda: limits, clock=self.clock,
-                              sheds=lambda: envoy_sheds(self.engine.snapshot.active), min_report_gap=0.0)
+                              sheds=lambda: envoy_sheds(self.engine.snapshot.active), min_report_gap=0.0,
+                              classification=lambda: classification_id(self.engine.snapshot.policy))
         self.stream = self.book.open("envoy")
 
     async def sample(self, utilization: float) -> float:
@@ -62,9 +64,12 @@ class Stack:
         await self.store.set_value(shedder.signal_key, repr(utilization))
         return await sample_once(self.engine, shedder)
 
-    def report(self) -> dict[str, str]:
-        """Envoy's report of every tier's bucket: each tier's answer (DENY_ALL/ALLOW_ALL)."""
-        out = self.book.report(self.stream, "extauthz", [Usage(_bucket(t), 1, 1, 0) for t in TIERS])
+    def report(self, rendered: str | None = None) -> dict[str, str]:
+        """Envoy's report of every tier's bucket (its matchers rendered from the policy's
+        classification, or ``rendered``): each tier's answer (DENY_ALL/ALLOW_ALL)."""
+        rendered = classification_id(self.engine.snapshot.policy) if rendered is None else rendered
+        out = self.book.report(self.stream, "extauthz", [Usage(_bucket(t, rendered=rendered), 1, 1, 0)
+                                                          for t in TIERS])
         answers = {}
         for action in out[self.stream.id]:
             assert action.share == NOTHING and action.ttl == self.book.ttl
@@ -116,6 +121,32 @@ async def test_critical_is_never_denied_and_an_unknown_shedder_allows(tmp_path: 
     assert s.report() == {"test": "DENY_ALL", "get": "DENY_ALL", "post": "DENY_ALL", "critical": "ALLOW_ALL"}
     # a bucket of a shedder the policy in force does not push (removed by a reload): allowed
     out = s.book.report(s.stream, "", [Usage(_bucket("get", "gone"), 1, 1, 0)])
+    (action,) = out[s.stream.id]
+    assert action.allow and not action.deny
+
+
+async def test_matchers_rendered_from_another_classification_are_never_denied(tmp_path: Path) -> None:
+    """A reload that changes the classification (here a rule making /v1/payouts critical)
+    leaves Envoy's matchers as they were rendered: their buckets (the old digest in their
+    id) get ALLOW_ALL, for Envoy would refuse as post what the check now calls critical; an
+    Envoy rendered from the policy in force gets DENY_ALL; a bucket id without the digest
+    (a hand-written filter) is never denied."""
+    s = Stack(tmp_path, delay_before_shedding="1s", time_to_shed_all="1s")
+    for _ in range(4):
+        s.clock.advance(1.0)
+        await s.sample(1.0)
+    before = classification_id(s.engine.snapshot.policy)
+    assert _denied(s.report(before)) == {"test", "get", "post"}
+    doc = {"classification": {"rules": [{"match": {"path_prefix": "/v1/payouts"}, "tier": "critical"}]},
+           "limiters": [dict(WORKERS, delay_before_shedding="1s", time_to_shed_all="1s")]}
+    s.engine.set_policy(policy_from(tmp_path, doc, name="reloaded.yaml"))
+    after = classification_id(s.engine.snapshot.policy)
+    assert after != before
+    (shedder,) = s.engine.snapshot.workers
+    assert {t.value for t in shedder.shed_whole()} == {"test", "get", "post"}  # still shedding
+    assert _denied(s.report(before)) == set()
+    assert _denied(s.report(after)) == {"test", "get", "post"}
+    out = s.book.report(s.stream, "", [Usage({"shedder": "workers", "tier": "get"}, 1, 1, 0)])
     (action,) = out[s.stream.id]
     assert action.allow and not action.deny
 
@@ -172,7 +203,7 @@ def test_a_shedder_bucket_holds_no_tokens_beside_a_limiter(tmp_path: Path) -> No
     stream = book.open("envoy")
     out = book.report(stream, "extauthz", [Usage({"limiter": "ip-rate", "source_ip": "10.0.0.1"}, 0, 0, 1),
                                            Usage(_bucket("get"), 0, 0, 1)])
-    by_kind = {next(iter(dict(a.bucket))): a for a in out[stream.id]}
+    by_kind = {"limiter" if "limiter" in dict(a.bucket) else "shedder": a for a in out[stream.id]}
     assert by_kind["limiter"].share == Share(2, 4) and not by_kind["limiter"].deny
     assert by_kind["shedder"].deny and by_kind["shedder"].share == NOTHING
 
