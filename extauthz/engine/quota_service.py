@@ -425,8 +425,13 @@ class StoreLedger:
         """:meth:`hold` for many (bucket, stream)s: one store call per
         :data:`MAX_HOLDS_PER_CALL` of them (their ops in one ``check``, each bucket's three
         atomic as in :meth:`hold`), the calls at once; a call that fails fails its holds
-        (the exception in their place)."""
-        chunks = [holds[i:i + MAX_HOLDS_PER_CALL] for i in range(0, len(holds), MAX_HOLDS_PER_CALL)]
+        (the exception in their place). On Redis Cluster each hold is its own call: a
+        check fails whole when one of its hash tags' masters fails (and the store runs one
+        script call per hash tag all the same), so a dead master fails only the holds of
+        its own buckets, not every bucket of the report, whose Envoys would go DENY_ALL at
+        their assignments' TTL while their masters answer."""
+        size = 1 if self.store.per_master else MAX_HOLDS_PER_CALL
+        chunks = [holds[i:i + size] for i in range(0, len(holds), size)]
         results = await asyncio.gather(*(self.store.check(
             [op for h in chunk for op in self.ops(h.bucket, h.sid, h.want, h.total, h.ttl, h.demand, h.cool)], "")
             for chunk in chunks), return_exceptions=True)
