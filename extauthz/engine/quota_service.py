@@ -280,8 +280,10 @@ class Held:
     asked: Share = NOTHING
     cooling: Share = NOTHING
     cool_until: float = 0.0
-    #: coalesced entries (:data:`COALESCE_PART`) not yet audited: requests allowed, seconds
+    #: coalesced entries (:data:`COALESCE_PART`) not yet settled: requests allowed and
+    #: denied, seconds
     pending_allowed: int = 0
+    pending_denied: int = 0
     pending_elapsed: float = 0.0
     #: a shedder's bucket: the blanket rule last sent (``DENY_ALL``/``ALLOW_ALL``)
     rule: str = ""
@@ -655,22 +657,31 @@ class QuotaBook:
             held = stream.buckets.get(key)
             first = held is None
             if held is not None and not held.abandoned and now - held.reported < self.min_report_gap:
-                # sooner than Envoy reports: counted, audited with the next entry settled,
-                # nothing divided nor asked of the store (its assignment stands)
+                # sooner than Envoy reports: counted, and added to the next entry settled
+                # (audited, its demand and idle streak), nothing divided nor asked of the
+                # store (its assignment stands)
                 held.allowed += usage.allowed
                 held.denied += usage.denied
                 held.pending_allowed = min(MAX_REPORTED, held.pending_allowed + usage.allowed)
+                held.pending_denied = min(MAX_REPORTED, held.pending_denied + usage.denied)
                 held.pending_elapsed = min(float(MAX_REPORTED), held.pending_elapsed + usage.elapsed)
                 self.coalesced += 1
                 continue
+            fresh = usage
+            if held is not None and (held.pending_allowed or held.pending_denied or held.pending_elapsed):
+                usage = Usage(usage.bucket, min(float(MAX_REPORTED), usage.elapsed + held.pending_elapsed),
+                              min(MAX_REPORTED, usage.allowed + held.pending_allowed),
+                              min(MAX_REPORTED, usage.denied + held.pending_denied))
+                held.pending_allowed = held.pending_denied = 0
+                held.pending_elapsed = 0.0
             if held is None:
                 held = stream.buckets[key] = Held(reported=now)
                 self.holders.setdefault(key, set()).add(stream.id)
                 self.holds += 1
             if not first:  # a first report's requests were allowed under an earlier stream's assignment
                 self._audit(held, usage, limits.get(dict(key).get(LIMITER_KEY, "")))
-            held.allowed += usage.allowed
-            held.denied += usage.denied
+            held.allowed += fresh.allowed
+            held.denied += fresh.denied
             if usage.elapsed > 0:
                 held.demand = (usage.allowed + usage.denied) / usage.elapsed
             idle = usage.allowed + usage.denied == 0 and usage.elapsed > 0
@@ -723,8 +734,7 @@ class QuotaBook:
     def _audit(self, held: Held, usage: Usage, limit: QuotaLimit | None) -> None:
         """An entry allowing more than the stream's share (the larger of what it held) could
         counts once in :attr:`reported_excess` (with the entries coalesced into it)."""
-        allowed, elapsed = usage.allowed + held.pending_allowed, usage.elapsed + held.pending_elapsed
-        held.pending_allowed, held.pending_elapsed = 0, 0.0
+        allowed, elapsed = usage.allowed, usage.elapsed
         if limit is None or elapsed <= 0:
             return
         share = Share(max(held.share.fill, held.ledger.fill), max(held.share.burst, held.ledger.burst))
