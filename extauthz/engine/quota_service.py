@@ -431,25 +431,40 @@ class StoreLedger:
         check fails whole when one of its hash tags' masters fails (and the store runs one
         script call per hash tag all the same), so a dead master fails only the holds of
         its own buckets, not every bucket of the report, whose Envoys would go DENY_ALL at
-        their assignments' TTL while their masters answer."""
+        their assignments' TTL while their masters answer.
+
+        Two holds of one bucket (two streams of this replica) never share a call: a check
+        evaluates every op on the state before any of its commits, so both would take the
+        same free units. The second goes in a later round, after the first is answered."""
+        rounds: list[list[int]] = []
+        seen: dict[BucketKey, int] = {}
+        for n, h in enumerate(holds):
+            k = seen[h.bucket] = seen.get(h.bucket, -1) + 1
+            if k == len(rounds):
+                rounds.append([])
+            rounds[k].append(n)
         size = 1 if self.store.per_master else MAX_HOLDS_PER_CALL
-        chunks = [holds[i:i + size] for i in range(0, len(holds), size)]
-        results = await asyncio.gather(*(self.store.check(
-            [op for h in chunk for op in self.ops(h.bucket, h.sid, h.want, h.total, h.ttl, h.demand, h.cool)], "")
-            for chunk in chunks), return_exceptions=True)
-        out: list[Granted | BaseException] = []
-        for chunk, result in zip(chunks, results, strict=True):
-            if isinstance(result, BaseException):
-                if not isinstance(result, Exception):
-                    raise result
-                out.extend([result] * len(chunk))
-                continue
-            for n in range(len(chunk)):
-                fill, burst, asked = result.results[3 * n:3 * n + 3]
-                others = max(0, DEMAND_TOTAL - int(asked.remaining) - max(0, int(asked.extra)))
-                out.append(Granted(_granted(fill, burst), Share(int(fill.remaining), int(burst.remaining)), others,
-                                   Share(max(0, int(fill.retry_after)), max(0, int(burst.retry_after)))))
-        return out
+        out: list[Granted | BaseException | None] = [None] * len(holds)
+        for members in rounds:
+            chunks = [members[i:i + size] for i in range(0, len(members), size)]
+            results = await asyncio.gather(*(self.store.check(
+                [op for n in chunk for op in self._ops_of(holds[n])], "") for chunk in chunks), return_exceptions=True)
+            for chunk, result in zip(chunks, results, strict=True):
+                if isinstance(result, BaseException):
+                    if not isinstance(result, Exception):
+                        raise result
+                    for n in chunk:
+                        out[n] = result
+                    continue
+                for j, n in enumerate(chunk):
+                    fill, burst, asked = result.results[3 * j:3 * j + 3]
+                    others = max(0, DEMAND_TOTAL - int(asked.remaining) - max(0, int(asked.extra)))
+                    out[n] = Granted(_granted(fill, burst), Share(int(fill.remaining), int(burst.remaining)), others,
+                                     Share(max(0, int(fill.retry_after)), max(0, int(burst.retry_after))))
+        return [answer for answer in out if answer is not None]
+
+    def _ops_of(self, h: Hold) -> list[SliceOp]:
+        return self.ops(h.bucket, h.sid, h.want, h.total, h.ttl, h.demand, h.cool)
 
     def status(self) -> dict[str, object]:
         return {"replica": self.replica, "failures": self.failures, "healthy": self.healthy}

@@ -19,6 +19,8 @@ from extauthz.core.errors import StoreUnavailable
 from extauthz.engine.quota_service import (
     NOTHING,
     Action,
+    Granted,
+    Hold,
     QuotaBook,
     QuotaLimit,
     Share,
@@ -322,3 +324,19 @@ async def test_a_dead_cluster_master_fails_only_the_holds_of_its_own_buckets(
         assert b.ledger is not None and b.ledger.failures == len(keys) - len(answered)
     finally:
         await store.close()
+
+
+async def test_two_streams_holding_one_bucket_in_one_settle_never_take_the_same_units(case: Case) -> None:
+    """One settle may carry two holds of one bucket (the reporting stream and another of
+    this replica whose share its report changed). A store check evaluates every op on the
+    state before its commits, so in one call both would take the same free units: the
+    slices then summed past the limit (a three-replica timeline of the model: fill 3 and
+    burst 53 held of 2 and 30, and 2.3 requests admitted past rate x t + burst)."""
+    ledger = StoreLedger(case.store, Keys(), replica="a")
+    key = tuple(sorted(BUCKETS[0].items()))
+    answers = await ledger.hold_many([Hold(key, 1, LIMIT.total, LIMIT.total, 20.0),
+                                      Hold(key, 2, LIMIT.total, LIMIT.total, 20.0),
+                                      Hold(tuple(sorted(BUCKETS[1].items())), 1, LIMIT.total, LIMIT.total, 20.0)])
+    granted = [answer.share for answer in answers if isinstance(answer, Granted)]
+    assert len(granted) == 3
+    assert granted[0] == LIMIT.total and granted[1] == NOTHING and granted[2] == LIMIT.total
