@@ -881,6 +881,8 @@ class QuotaBook:
             action = settled[sid][i]
             assert action.share is not None
             share = _min(action.share, answer.share)
+            if not (share.fill and share.burst):  # sent as DENY_ALL: Envoy holds no tokens
+                share = NOTHING
             # what the store proves: a share grown while the slices sum past the limit
             self.overadmission += _sum(_min(_past(share, held.sent), answer.over))
             if share.fill < held.sent.fill or share.burst < held.sent.burst:  # a shrink: held until confirmed

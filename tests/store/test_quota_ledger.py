@@ -340,3 +340,19 @@ async def test_two_streams_holding_one_bucket_in_one_settle_never_take_the_same_
     granted = [answer.share for answer in answers if isinstance(answer, Granted)]
     assert len(granted) == 3
     assert granted[0] == LIMIT.total and granted[1] == NOTHING and granted[2] == LIMIT.total
+
+
+async def test_a_store_grant_with_no_fill_is_sent_and_booked_as_nothing(case: Case) -> None:
+    """Another holder has all the fill of the bucket but none of its burst: the store grants
+    this stream burst and no fill, which Envoy gets as DENY_ALL (a token bucket needs both).
+    The book counts what Envoy has: nothing, not a burst that no Envoy holds tokens of."""
+    b = book(case, "a")
+    key = tuple(sorted(BUCKETS[0].items()))
+    ops = StoreLedger(case.store, Keys(), replica="x").ops(key, 1, Share(LIMIT.total.fill, 0), LIMIT.total, 60.0, 0)
+    await case.store.check(ops, "")
+    s = b.open("envoy")
+    out = await b.settle(b.report(s, "d", [Usage(BUCKETS[0], 0.0, 0, 1)]))
+    assert [action.share for action in out[s.id]] == [NOTHING]
+    (shown,) = b.status()["streams"][0]["buckets"]  # type: ignore[index]
+    assert (shown["fill"], shown["burst"]) == (0, 0)
+    assert s.buckets[key].sent == NOTHING
