@@ -867,7 +867,8 @@ class QuotaBook:
         now = self.clock.monotonic()
         settled = out
         failed = 0
-        for (sid, i, held), answer in zip(jobs, answers, strict=True):
+        retail: list[Hold] = []
+        for (sid, i, held), hold, answer in zip(jobs, holds, answers, strict=True):
             if isinstance(answer, BaseException):
                 if not isinstance(answer, Exception):
                     raise answer
@@ -893,6 +894,13 @@ class QuotaBook:
             held.share, held.sent, held.granted, held.free, held.others = (share, share, answer.share, answer.free,
                                                                            answer.others)
             settled[sid][i] = Action(action.bucket, share, action.interval, action.ttl)
+            if hold.cool and (tail := cool_tail(answer.share, action.interval)) > hold.cool + 1e-9:
+                # the store cut the fill more than the burst: the tail asked was timed on fill
+                # this holder does not hold; held again for the tail of what it does hold
+                retail.append(Hold(hold.bucket, hold.sid, answer.share, hold.total, hold.ttl, hold.demand, tail))
+        if retail:  # (no other holder can take the slices granted meanwhile; a failure
+            # leaves the shorter tail, counted)
+            ledger.failures += sum(isinstance(a, BaseException) for a in await ledger.hold_many(retail))
         if failed:
             ledger.failures += failed
             if ledger.healthy:

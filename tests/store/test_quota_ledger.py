@@ -356,3 +356,27 @@ async def test_a_store_grant_with_no_fill_is_sent_and_booked_as_nothing(case: Ca
     (shown,) = b.status()["streams"][0]["buckets"]  # type: ignore[index]
     assert (shown["fill"], shown["burst"]) == (0, 0)
     assert s.buckets[key].sent == NOTHING
+
+
+def test_a_slice_s_tail_is_timed_on_the_fill_the_store_granted() -> None:
+    """Another holder has 8 of the 10 fill and none of the burst: a stream asking the whole
+    limit gets fill 2 and burst 20. Its slices outlive their TTL by the time its own fill
+    refills its burst (``cool_tail``): 20 at 2 a second, 10 s, not the 2 s of the 10 fill it
+    asked (no one else's fill refills that burst once its Envoy stops)."""
+    clock = ManualClock()
+    store = MemoryStore(clock)
+    b = QuotaBook(lambda: LIMITS, clock=clock, ledger=StoreLedger(store, Keys(), replica="a"))
+    key = tuple(sorted(BUCKETS[0].items()))
+    x = StoreLedger(store, Keys(), replica="x")
+    store.check_now(x.ops(key, 1, Share(8, 0), LIMIT.total, 60.0, 0), "")
+    s = b.open("envoy")
+
+    async def run() -> dict[int, list[Action]]:
+        return await b.settle(b.report(s, "d", [Usage(BUCKETS[0], 0.0, 0, 1)]))
+
+    out = asyncio.run(run())
+    assert [action.share for action in out[s.id]] == [Share(2, 20)]
+    ttl = b.ttl + b.report_interval
+    burst_key = x.ops(key, 1, NOTHING, LIMIT.total, 1.0, 0)[1].key
+    assert store._slices[burst_key]["a.1"] == (20, clock.monotonic() + ttl + cool_tail(Share(2, 20), 1))
+    assert cool_tail(Share(2, 20), 1) == 10.0
