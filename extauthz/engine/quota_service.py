@@ -933,7 +933,9 @@ class QuotaBook:
             held.cooling = _max(held.cooling, last)
         elif not held.cool_until or (base.fill <= last.fill and held.cool_until < math.inf):
             return _max(base, held.cooling) if held.cool_until else base
-        spare, left = held.cooling.fill - base.fill, held.cooling.burst - base.burst
+        # the spare fill is what the store holds for it (it may have granted less than asked)
+        held_fill = min(held.cooling.fill, held.granted.fill) if held.granted != NOTHING else held.cooling.fill
+        spare, left = held_fill - base.fill, held.cooling.burst - base.burst
         if left <= 0:  # grown back past what cooled: nothing left to cool
             held.cooling, held.cool_until = NOTHING, 0.0
             return base

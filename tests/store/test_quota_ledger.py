@@ -380,3 +380,30 @@ def test_a_slice_s_tail_is_timed_on_the_fill_the_store_granted() -> None:
     burst_key = x.ops(key, 1, NOTHING, LIMIT.total, 1.0, 0)[1].key
     assert store._slices[burst_key]["a.1"] == (20, clock.monotonic() + ttl + cool_tail(Share(2, 20), 1))
     assert cool_tail(Share(2, 20), 1) == 10.0
+
+
+def test_a_release_cools_on_the_fill_the_store_holds_for_it() -> None:
+    """Another holder has 8 of the 10 fill: a stream asking the whole limit holds fill 2
+    and burst 20, and asks 10 fill again (its share's fill grows as its burst shrinks to 5:
+    the store cuts the fill to 2 again). Once the shrink is confirmed, the 15 burst it
+    releases cools on the fill the store holds for it, none spare (its Envoy uses the 2):
+    until some is, not the 15 / 8 s that the 10 fill it asked would take."""
+    clock = ManualClock()
+    store = MemoryStore(clock)
+    b = QuotaBook(lambda: LIMITS, clock=clock, ledger=StoreLedger(store, Keys(), replica="a"))
+    key = tuple(sorted(BUCKETS[0].items()))
+    store.check_now(StoreLedger(store, Keys(), replica="x").ops(key, 1, Share(8, 0), LIMIT.total, 600.0, 0), "")
+    s = b.open("envoy")
+
+    async def settle(share: Share) -> Share | None:
+        return (await b.settle({s.id: [Action(key, share, 1, b.ttl)]}))[s.id][0].share
+
+    assert asyncio.run(b.settle(b.report(s, "d", [Usage(BUCKETS[0], 0.0, 0, 1)])))[s.id][0].share == Share(2, 20)
+    held = s.buckets[key]
+    clock.advance(5.0)
+    assert asyncio.run(settle(Share(10, 5))) == Share(2, 5)  # asked 10 and 20 (the shrink waits)
+    assert held.asked == Share(10, 20) and held.granted == Share(2, 20)
+    held.ledger, held.until = held.share, 0.0  # the shrink confirmed (a report would)
+    clock.advance(5.0)
+    assert asyncio.run(settle(Share(2, 5))) == Share(2, 5)
+    assert held.cool_until == float("inf")
