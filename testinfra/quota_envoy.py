@@ -23,6 +23,9 @@ from extauthz.store.base import Store
 from extauthz.store.keys import Keys
 
 BUCKET = {"limiter": "per-ip", "ip": "10.0.0.1"}
+#: limits (rate, burst) whose bursts are many seconds of fill deep: released burst outlasts
+#: a shrink's confirmation
+WIDE_LIMITS = [(0.5, 2.0), (1.0, 4.0), (0.2, 3.0), (0.5, 10.0), (1.0, 20.0), (2.0, 30.0), (0.2, 6.0)]
 
 
 @dataclass
@@ -210,3 +213,24 @@ async def two_replicas(world: World, envoys: int) -> None:
         weights = [rng.choice([0.0, 0.1, 1.0, 9.0]) for _ in range(envoys)]
         await world.run(rng.uniform(10, 30), weights, mean_gap=rng.choice([0.05, 0.2]),
                         restarts=0.05, reconnects=0.2, replica_restarts=0.03)
+
+
+async def three_replicas(world: World, envoys: int) -> None:
+    """Five spells of 10-30 s, demand moved between the Envoys at each; Envoys restart,
+    streams break and move, and a replica restarts at one tick in seven (mid-cooling: what
+    it released cools only in the store's slices, its memory gone). Meant for three
+    replicas: a replica's report then often settles several of its streams' holds of the
+    bucket at once."""
+    rng = world.rng
+    for _ in range(5):
+        weights = [rng.choice([0.0, 0.1, 1.0, 9.0]) for _ in range(envoys)]
+        await world.run(rng.uniform(10, 30), weights, mean_gap=rng.choice([0.05, 0.2]),
+                        restarts=0.05, reconnects=0.2, replica_restarts=0.15)
+
+
+def drawn(seed: int) -> tuple[random.Random, tuple[float, float], int]:
+    """A timeline's generator with its limit (of :data:`WIDE_LIMITS`) and its number of
+    Envoys (2-5) drawn from the seed."""
+    rng = random.Random(seed)
+    limit = rng.choice(WIDE_LIMITS)
+    return rng, limit, rng.randint(2, 5)

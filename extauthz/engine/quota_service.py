@@ -298,8 +298,10 @@ class Held:
     asked: Share = NOTHING
     cooling: Share = NOTHING
     cool_until: float = 0.0
-    #: coalesced entries (:data:`COALESCE_PART`) not yet audited: requests allowed, seconds
+    #: coalesced entries (:data:`COALESCE_PART`) not yet settled: requests allowed and
+    #: denied, seconds
     pending_allowed: int = 0
+    pending_denied: int = 0
     pending_elapsed: float = 0.0
     #: a shedder's bucket: the blanket rule last sent (``DENY_ALL``/``ALLOW_ALL``)
     rule: str = ""
@@ -443,24 +445,44 @@ class StoreLedger:
         """:meth:`hold` for many (bucket, stream)s: one store call per
         :data:`MAX_HOLDS_PER_CALL` of them (their ops in one ``check``, each bucket's three
         atomic as in :meth:`hold`), the calls at once; a call that fails fails its holds
-        (the exception in their place)."""
-        chunks = [holds[i:i + MAX_HOLDS_PER_CALL] for i in range(0, len(holds), MAX_HOLDS_PER_CALL)]
-        results = await asyncio.gather(*(self.store.check(
-            [op for h in chunk for op in self.ops(h.bucket, h.sid, h.want, h.total, h.ttl, h.demand, h.cool)], "")
-            for chunk in chunks), return_exceptions=True)
-        out: list[Granted | BaseException] = []
-        for chunk, result in zip(chunks, results, strict=True):
-            if isinstance(result, BaseException):
-                if not isinstance(result, Exception):
-                    raise result
-                out.extend([result] * len(chunk))
-                continue
-            for n in range(len(chunk)):
-                fill, burst, asked = result.results[3 * n:3 * n + 3]
-                others = max(0, DEMAND_TOTAL - int(asked.remaining) - max(0, int(asked.extra)))
-                out.append(Granted(_granted(fill, burst), Share(int(fill.remaining), int(burst.remaining)), others,
-                                   Share(max(0, int(fill.retry_after)), max(0, int(burst.retry_after)))))
-        return out
+        (the exception in their place). On Redis Cluster each hold is its own call: a
+        check fails whole when one of its hash tags' masters fails (and the store runs one
+        script call per hash tag all the same), so a dead master fails only the holds of
+        its own buckets, not every bucket of the report, whose Envoys would go DENY_ALL at
+        their assignments' TTL while their masters answer.
+
+        Two holds of one bucket (two streams of this replica) never share a call: a check
+        evaluates every op on the state before any of its commits, so both would take the
+        same free units. The second goes in a later round, after the first is answered."""
+        rounds: list[list[int]] = []
+        seen: dict[BucketKey, int] = {}
+        for n, h in enumerate(holds):
+            k = seen[h.bucket] = seen.get(h.bucket, -1) + 1
+            if k == len(rounds):
+                rounds.append([])
+            rounds[k].append(n)
+        size = 1 if self.store.per_master else MAX_HOLDS_PER_CALL
+        out: list[Granted | BaseException | None] = [None] * len(holds)
+        for members in rounds:
+            chunks = [members[i:i + size] for i in range(0, len(members), size)]
+            results = await asyncio.gather(*(self.store.check(
+                [op for n in chunk for op in self._ops_of(holds[n])], "") for chunk in chunks), return_exceptions=True)
+            for chunk, result in zip(chunks, results, strict=True):
+                if isinstance(result, BaseException):
+                    if not isinstance(result, Exception):
+                        raise result
+                    for n in chunk:
+                        out[n] = result
+                    continue
+                for j, n in enumerate(chunk):
+                    fill, burst, asked = result.results[3 * j:3 * j + 3]
+                    others = max(0, DEMAND_TOTAL - int(asked.remaining) - max(0, int(asked.extra)))
+                    out[n] = Granted(_granted(fill, burst), Share(int(fill.remaining), int(burst.remaining)), others,
+                                     Share(max(0, int(fill.retry_after)), max(0, int(burst.retry_after))))
+        return [answer for answer in out if answer is not None]
+
+    def _ops_of(self, h: Hold) -> list[SliceOp]:
+        return self.ops(h.bucket, h.sid, h.want, h.total, h.ttl, h.demand, h.cool)
 
     def status(self) -> dict[str, object]:
         return {"replica": self.replica, "failures": self.failures, "healthy": self.healthy}
@@ -671,22 +693,31 @@ class QuotaBook:
             held = stream.buckets.get(key)
             first = held is None
             if held is not None and not held.abandoned and now - held.reported < self.min_report_gap:
-                # sooner than Envoy reports: counted, audited with the next entry settled,
-                # nothing divided nor asked of the store (its assignment stands)
+                # sooner than Envoy reports: counted, and added to the next entry settled
+                # (audited, its demand and idle streak), nothing divided nor asked of the
+                # store (its assignment stands)
                 held.allowed += usage.allowed
                 held.denied += usage.denied
                 held.pending_allowed = min(MAX_REPORTED, held.pending_allowed + usage.allowed)
+                held.pending_denied = min(MAX_REPORTED, held.pending_denied + usage.denied)
                 held.pending_elapsed = min(float(MAX_REPORTED), held.pending_elapsed + usage.elapsed)
                 self.coalesced += 1
                 continue
+            fresh = usage
+            if held is not None and (held.pending_allowed or held.pending_denied or held.pending_elapsed):
+                usage = Usage(usage.bucket, min(float(MAX_REPORTED), usage.elapsed + held.pending_elapsed),
+                              min(MAX_REPORTED, usage.allowed + held.pending_allowed),
+                              min(MAX_REPORTED, usage.denied + held.pending_denied))
+                held.pending_allowed = held.pending_denied = 0
+                held.pending_elapsed = 0.0
             if held is None:
                 held = stream.buckets[key] = Held(reported=now)
                 self.holders.setdefault(key, set()).add(stream.id)
                 self.holds += 1
             if not first:  # a first report's requests were allowed under an earlier stream's assignment
                 self._audit(held, usage, limits.get(dict(key).get(LIMITER_KEY, "")))
-            held.allowed += usage.allowed
-            held.denied += usage.denied
+            held.allowed += fresh.allowed
+            held.denied += fresh.denied
             if usage.elapsed > 0:
                 held.demand = (usage.allowed + usage.denied) / usage.elapsed
             idle = usage.allowed + usage.denied == 0 and usage.elapsed > 0
@@ -741,8 +772,7 @@ class QuotaBook:
     def _audit(self, held: Held, usage: Usage, limit: QuotaLimit | None) -> None:
         """An entry allowing more than the stream's share (the larger of what it held) could
         counts once in :attr:`reported_excess` (with the entries coalesced into it)."""
-        allowed, elapsed = usage.allowed + held.pending_allowed, usage.elapsed + held.pending_elapsed
-        held.pending_allowed, held.pending_elapsed = 0, 0.0
+        allowed, elapsed = usage.allowed, usage.elapsed
         if limit is None or elapsed <= 0:
             return
         share = Share(max(held.share.fill, held.ledger.fill), max(held.share.burst, held.ledger.burst))
@@ -860,7 +890,8 @@ class QuotaBook:
         now = self.clock.monotonic()
         settled = out
         failed = 0
-        for (sid, i, held), answer in zip(jobs, answers, strict=True):
+        retail: list[Hold] = []
+        for (sid, i, held), hold, answer in zip(jobs, holds, answers, strict=True):
             if isinstance(answer, BaseException):
                 if not isinstance(answer, Exception):
                     raise answer
@@ -874,6 +905,8 @@ class QuotaBook:
             action = settled[sid][i]
             assert action.share is not None
             share = _min(action.share, answer.share)
+            if not (share.fill and share.burst):  # sent as DENY_ALL: Envoy holds no tokens
+                share = NOTHING
             # what the store proves: a share grown while the slices sum past the limit
             self.overadmission += _sum(_min(_past(share, held.sent), answer.over))
             if share.fill < held.sent.fill or share.burst < held.sent.burst:  # a shrink: held until confirmed
@@ -884,6 +917,13 @@ class QuotaBook:
             held.share, held.sent, held.granted, held.free, held.others = (share, share, answer.share, answer.free,
                                                                            answer.others)
             settled[sid][i] = Action(action.bucket, share, action.interval, action.ttl)
+            if hold.cool and (tail := cool_tail(answer.share, action.interval)) > hold.cool + 1e-9:
+                # the store cut the fill more than the burst: the tail asked was timed on fill
+                # this holder does not hold; held again for the tail of what it does hold
+                retail.append(Hold(hold.bucket, hold.sid, answer.share, hold.total, hold.ttl, hold.demand, tail))
+        if retail:  # (no other holder can take the slices granted meanwhile; a failure
+            # leaves the shorter tail, counted)
+            ledger.failures += sum(isinstance(a, BaseException) for a in await ledger.hold_many(retail))
         if failed:
             ledger.failures += failed
             if ledger.healthy:
@@ -916,7 +956,9 @@ class QuotaBook:
             held.cooling = _max(held.cooling, last)
         elif not held.cool_until or (base.fill <= last.fill and held.cool_until < math.inf):
             return _max(base, held.cooling) if held.cool_until else base
-        spare, left = held.cooling.fill - base.fill, held.cooling.burst - base.burst
+        # the spare fill is what the store holds for it (it may have granted less than asked)
+        held_fill = min(held.cooling.fill, held.granted.fill) if held.granted != NOTHING else held.cooling.fill
+        spare, left = held_fill - base.fill, held.cooling.burst - base.burst
         if left <= 0:  # grown back past what cooled: nothing left to cool
             held.cooling, held.cool_until = NOTHING, 0.0
             return base

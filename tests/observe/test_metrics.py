@@ -177,7 +177,7 @@ def test_alert_rules_are_well_formed() -> None:
             assert re.fullmatch(r"\d+[smh]", rule["for"]), rule["alert"]
     covered = " ".join(r["expr"] for r in rules)
     for needed in ("extauthz_fail_open_total", "extauthz_shed_level", "extauthz_policy_reload_failures_total",
-                   'outcome="denied"'):
+                   'outcome="denied"', "extauthz_quota_overadmission_total"):
         assert needed in covered
 
 

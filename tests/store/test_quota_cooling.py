@@ -19,7 +19,7 @@ from extauthz.engine.quota_service import NOTHING, QuotaBook, QuotaLimit, StoreL
 from extauthz.store.base import Store
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
-from testinfra.quota_envoy import BUCKET, World, two_replicas
+from testinfra.quota_envoy import BUCKET, World, drawn, three_replicas, two_replicas
 from testinfra.redis_servers import RedisSingle
 from tests.store.conftest import make_redis_store
 
@@ -51,6 +51,19 @@ async def test_two_replicas_on_one_store_keep_rate_t_plus_burst(
                   keys=Keys(prefix=f"cool{seed}"))
     await two_replicas(world, envoys)
     assert world.admitted  # shares were given (the cost is early refusal, never nothing)
+    assert world.worst_excess(*limit) <= 1e-6
+
+
+async def test_three_replicas_restarting_on_one_store_keep_rate_t_plus_burst(
+        store_clock: tuple[Store, ManualClock]) -> None:
+    """Three replicas, one restarting at one tick in seven (``three_replicas``): the
+    timeline that found two holds of one bucket settled in one store call (both took the
+    same free units; 2.3 requests past rate x t + burst), on each store."""
+    store, clock = store_clock
+    rng, limit, envoys = drawn(118)
+    world = World(rng, envoys, *limit, replicas=3, store=store, clock=clock, keys=Keys(prefix="three"))
+    await three_replicas(world, envoys)
+    assert world.admitted
     assert world.worst_excess(*limit) <= 1e-6
 
 

@@ -12,12 +12,15 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import pytest
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
 from extauthz.core.clock import ManualClock
 from extauthz.core.errors import StoreUnavailable
 from extauthz.engine.quota_service import (
     NOTHING,
     Action,
+    Granted,
+    Hold,
     QuotaBook,
     QuotaLimit,
     Share,
@@ -29,6 +32,7 @@ from extauthz.engine.quota_service import (
 from extauthz.store.base import CheckResult, Op, SliceOp, Store
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
+from extauthz.store.redis import RedisStore
 from testinfra.redis_servers import RedisCluster, RedisSingle
 from tests.store.conftest import TOPOLOGY_FIXTURES, make_redis_store
 
@@ -261,8 +265,9 @@ def test_the_memory_store_forgets_a_ledger_once_its_slices_expire() -> None:
 
 async def test_a_report_of_many_buckets_settles_in_few_store_calls(case: Case) -> None:
     """300 buckets in one report: settled in one store call per 128 (each bucket's three
-    slices atomic, on Redis Cluster split by hash tag), each granted the whole limit; a
-    second replica's stream then gets nothing of any of them."""
+    slices atomic; on Redis Cluster one call per bucket, as its store splits a call by hash
+    tag anyway), each granted the whole limit; a second replica's stream then gets nothing
+    of any of them."""
     buckets = [{"limiter": "per-ip", "ip": f"10.1.{n // 256}.{n % 256}"} for n in range(300)]
     a, b = book(case, "a"), book(case, "b")
     assert a.ledger is not None
@@ -277,8 +282,128 @@ async def test_a_report_of_many_buckets_settles_in_few_store_calls(case: Case) -
     case.store.check = counted  # type: ignore[method-assign]
     sa, sb = a.open("envoy-a"), b.open("envoy-b")
     out = await a.settle(a.report(sa, "d", [Usage(x, 0.0, 0, 1) for x in buckets]))
-    assert calls == 3  # 128 + 128 + 44
+    per_report = 300 if case.store.per_master else 3  # 128 + 128 + 44
+    assert calls == per_report
     assert [action.share for action in out[sa.id]] == [LIMIT.total] * 300
     out = await b.settle(b.report(sb, "d", [Usage(x, 0.0, 0, 1) for x in buckets]))
-    assert calls == 6
+    assert calls == 2 * per_report
     assert {action.share for action in out[sb.id]} == {NOTHING}
+
+
+@pytest.mark.redis
+async def test_a_dead_cluster_master_fails_only_the_holds_of_its_own_buckets(
+        redis_cluster_clean: RedisCluster) -> None:
+    """A report of 40 buckets on a Redis Cluster with one master down: the buckets whose
+    ledger keys the live masters serve are answered; only the dead master's are not (their
+    Envoys keep their last assignment until its TTL), not every bucket of the report."""
+    cluster = redis_cluster_clean
+    url = "redis+cluster://" + ",".join(f"{cluster.host}:{port}" for port in cluster.ports)
+    buckets = [{"limiter": "per-ip", "ip": f"10.2.0.{n}"} for n in range(40)]
+    keys = [tuple(sorted(b.items())) for b in buckets]
+    probe = RedisStore.from_url(url)
+    try:
+        await probe.ping()
+        assert isinstance(probe.client, AsyncRedisCluster)
+        # not the client's default node: redis-py's cluster client starts only when it answers
+        default = probe.client.get_default_node().name
+        ledger = StoreLedger(probe, Keys(), replica="probe")
+        node = {key: probe.node_of(ledger.ops(key, 1, NOTHING, LIMIT.total, 1.0, 0)[0].key) for key in keys}
+    finally:
+        await probe.close()
+    dead = next(name for name in node.values() if name != default)
+    assert 0 < sum(name == dead for name in node.values()) < len(keys)
+    # quick: past cluster-node-timeout (2 s) the cluster would refuse every slot
+    cluster.nodes[cluster.ports.index(int(dead.rsplit(":", 1)[1]))].kill()
+    store = RedisStore.from_url(url)
+    try:
+        b = QuotaBook(lambda: LIMITS, clock=ManualClock(), ledger=StoreLedger(store, Keys(), replica="a"))
+        s = b.open("envoy")
+        out = await b.settle(b.report(s, "d", [Usage(x, 0.0, 0, 1) for x in buckets]))
+        answered = {action.bucket for action in out.get(s.id, [])}
+        assert answered == {key for key in keys if node[key] != dead}
+        assert b.ledger is not None and b.ledger.failures == len(keys) - len(answered)
+    finally:
+        await store.close()
+
+
+async def test_two_streams_holding_one_bucket_in_one_settle_never_take_the_same_units(case: Case) -> None:
+    """One settle may carry two holds of one bucket (the reporting stream and another of
+    this replica whose share its report changed). A store check evaluates every op on the
+    state before its commits, so in one call both would take the same free units: the
+    slices then summed past the limit (a three-replica timeline of the model: fill 3 and
+    burst 53 held of 2 and 30, and 2.3 requests admitted past rate x t + burst)."""
+    ledger = StoreLedger(case.store, Keys(), replica="a")
+    key = tuple(sorted(BUCKETS[0].items()))
+    answers = await ledger.hold_many([Hold(key, 1, LIMIT.total, LIMIT.total, 20.0),
+                                      Hold(key, 2, LIMIT.total, LIMIT.total, 20.0),
+                                      Hold(tuple(sorted(BUCKETS[1].items())), 1, LIMIT.total, LIMIT.total, 20.0)])
+    granted = [answer.share for answer in answers if isinstance(answer, Granted)]
+    assert len(granted) == 3
+    assert granted[0] == LIMIT.total and granted[1] == NOTHING and granted[2] == LIMIT.total
+
+
+async def test_a_store_grant_with_no_fill_is_sent_and_booked_as_nothing(case: Case) -> None:
+    """Another holder has all the fill of the bucket but none of its burst: the store grants
+    this stream burst and no fill, which Envoy gets as DENY_ALL (a token bucket needs both).
+    The book counts what Envoy has: nothing, not a burst that no Envoy holds tokens of."""
+    b = book(case, "a")
+    key = tuple(sorted(BUCKETS[0].items()))
+    ops = StoreLedger(case.store, Keys(), replica="x").ops(key, 1, Share(LIMIT.total.fill, 0), LIMIT.total, 60.0, 0)
+    await case.store.check(ops, "")
+    s = b.open("envoy")
+    out = await b.settle(b.report(s, "d", [Usage(BUCKETS[0], 0.0, 0, 1)]))
+    assert [action.share for action in out[s.id]] == [NOTHING]
+    (shown,) = b.status()["streams"][0]["buckets"]  # type: ignore[index]
+    assert (shown["fill"], shown["burst"]) == (0, 0)
+    assert s.buckets[key].sent == NOTHING
+
+
+def test_a_slice_s_tail_is_timed_on_the_fill_the_store_granted() -> None:
+    """Another holder has 8 of the 10 fill and none of the burst: a stream asking the whole
+    limit gets fill 2 and burst 20. Its slices outlive their TTL by the time its own fill
+    refills its burst (``cool_tail``): 20 at 2 a second, 10 s, not the 2 s of the 10 fill it
+    asked (no one else's fill refills that burst once its Envoy stops)."""
+    clock = ManualClock()
+    store = MemoryStore(clock)
+    b = QuotaBook(lambda: LIMITS, clock=clock, ledger=StoreLedger(store, Keys(), replica="a"))
+    key = tuple(sorted(BUCKETS[0].items()))
+    x = StoreLedger(store, Keys(), replica="x")
+    store.check_now(x.ops(key, 1, Share(8, 0), LIMIT.total, 60.0, 0), "")
+    s = b.open("envoy")
+
+    async def run() -> dict[int, list[Action]]:
+        return await b.settle(b.report(s, "d", [Usage(BUCKETS[0], 0.0, 0, 1)]))
+
+    out = asyncio.run(run())
+    assert [action.share for action in out[s.id]] == [Share(2, 20)]
+    ttl = b.ttl + b.report_interval
+    burst_key = x.ops(key, 1, NOTHING, LIMIT.total, 1.0, 0)[1].key
+    assert store._slices[burst_key]["a.1"] == (20, clock.monotonic() + ttl + cool_tail(Share(2, 20), 1))
+    assert cool_tail(Share(2, 20), 1) == 10.0
+
+
+def test_a_release_cools_on_the_fill_the_store_holds_for_it() -> None:
+    """Another holder has 8 of the 10 fill: a stream asking the whole limit holds fill 2
+    and burst 20, and asks 10 fill again (its share's fill grows as its burst shrinks to 5:
+    the store cuts the fill to 2 again). Once the shrink is confirmed, the 15 burst it
+    releases cools on the fill the store holds for it, none spare (its Envoy uses the 2):
+    until some is, not the 15 / 8 s that the 10 fill it asked would take."""
+    clock = ManualClock()
+    store = MemoryStore(clock)
+    b = QuotaBook(lambda: LIMITS, clock=clock, ledger=StoreLedger(store, Keys(), replica="a"))
+    key = tuple(sorted(BUCKETS[0].items()))
+    store.check_now(StoreLedger(store, Keys(), replica="x").ops(key, 1, Share(8, 0), LIMIT.total, 600.0, 0), "")
+    s = b.open("envoy")
+
+    async def settle(share: Share) -> Share | None:
+        return (await b.settle({s.id: [Action(key, share, 1, b.ttl)]}))[s.id][0].share
+
+    assert asyncio.run(b.settle(b.report(s, "d", [Usage(BUCKETS[0], 0.0, 0, 1)])))[s.id][0].share == Share(2, 20)
+    held = s.buckets[key]
+    clock.advance(5.0)
+    assert asyncio.run(settle(Share(10, 5))) == Share(2, 5)  # asked 10 and 20 (the shrink waits)
+    assert held.asked == Share(10, 20) and held.granted == Share(2, 20)
+    held.ledger, held.until = held.share, 0.0  # the shrink confirmed (a report would)
+    clock.advance(5.0)
+    assert asyncio.run(settle(Share(2, 5))) == Share(2, 5)
+    assert held.cool_until == float("inf")

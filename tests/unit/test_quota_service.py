@@ -174,6 +174,25 @@ def test_a_report_past_its_share_counts_one_entry_never_its_requests() -> None:
     assert (status["overadmission"], status["reported_excess"], status["coalesced"]) == (0, 3, 20)
 
 
+def test_a_coalesced_entry_s_requests_count_in_the_next_settled_entry_s_demand() -> None:
+    """A stream reporting every 2 s whose requests all fall in the entries coalesced (sooner
+    than 2.5 s after the last settled one): the entries settled carry none of their own, but
+    the coalesced ones' are added to them, so the bucket has a demand and is never abandoned
+    as idle (six settled entries without a request would abandon it)."""
+    clock = ManualClock()
+    book = _book(clock, min_report_gap=2.5)
+    a = book.open("a")
+    book.report(a, "edge", [Usage(BUCKET, 0, 0, 0)])
+    for n in range(1, 21):
+        clock.advance(2)
+        out = book.report(a, "", [Usage(BUCKET, 2, 30, 10) if n % 2 else Usage(BUCKET, 2, 0, 0)])
+        assert all(action.share is not None for action in out.get(a.id, [])), n  # never abandoned
+    assert book.coalesced == 10
+    (bucket,) = book.status()["streams"][0]["buckets"]  # type: ignore[index]
+    assert bucket["demand"] == 10.0  # 40 requests in each settled entry's 4 s
+    assert (bucket["allowed"], bucket["denied"]) == (300, 100)  # each counted once
+
+
 def test_a_stream_flooding_reports_costs_no_store_calls_and_another_is_served() -> None:
     """One stream sends 2,000 reports of 20 buckets in 10 s (Envoy sends 2): its buckets are
     settled on their first entry and at most once per half report interval after, so the
