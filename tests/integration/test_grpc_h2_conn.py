@@ -208,3 +208,72 @@ def test_the_server_runs_without_h2() -> None:
             "print(sorted(m for m in ('h2', 'hyperframe') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]"
+
+
+class _Walked(dict[int, object]):
+    """A stream map that counts the walks over its streams."""
+
+    walks = 0
+
+    def values(self):  # type: ignore[override]
+        self.walks += 1
+        return super().values()
+
+
+async def _ping(raw: Raw, opaque: bytes = b"syncsync") -> None:
+    """Everything sent before was read by the server: its answer to a PING came back."""
+    raw.send(PingFrame(0, opaque_data=opaque))
+    await raw.until(lambda f: isinstance(f, PingFrame) and "ACK" in f.flags and f.opaque_data == opaque)
+
+
+def _settings(*pairs: tuple[int, int]) -> bytes:
+    return _frame(4, 0, 0, b"".join(k.to_bytes(2, "big") + v.to_bytes(4, "big") for k, v in pairs))
+
+
+async def test_a_settings_frame_of_many_window_sizes_moves_the_open_windows_once(
+        probe: tuple[GrpcH2Server, Probe]) -> None:
+    """A SETTINGS frame of 2,730 INITIAL_WINDOW_SIZE entries (16 KiB) walked every open stream
+    per entry (one frame of the control budget: ~65 ms of CPU with 356 streams): the windows
+    move once, by the last value (RFC 9113 6.5.3: values in order)."""
+    srv, p = probe
+    raw = await Raw.open(srv.port)
+    for sid in (1, 3, 5):
+        raw.call(sid, path="/t.T/Hang")
+    await _ping(raw)
+    conn = next(iter(srv.connections))
+    walked = conn.h2.streams = _Walked(conn.h2.streams)
+    last = 70000
+    raw.write(_settings(*[(SettingsFrame.INITIAL_WINDOW_SIZE, 1000 + i) for i in range(2729)],
+                        (SettingsFrame.INITIAL_WINDOW_SIZE, last)))
+    await _ping(raw, b"settings")
+    assert walked.walks == 1
+    assert sorted(s.send_window for s in conn.h2.streams.values()) == [last] * 3  # nothing sent on them
+    p.release.set()
+    for sid in (1, 3, 5):
+        assert (await raw.trailers(sid))["grpc-status"] == "0"
+
+
+async def test_a_window_past_the_maximum_within_a_settings_frame_still_ends_the_connection(
+        probe: tuple[GrpcH2Server, Probe]) -> None:
+    """A stream widened by 1, then a SETTINGS frame whose first INITIAL_WINDOW_SIZE puts it
+    past 2^31-1 and whose last brings it back: still FLOW_CONTROL_ERROR (6.9.2)."""
+    srv, _ = probe
+    raw = await Raw.open(srv.port)
+    raw.call(1, path="/t.T/Hang")
+    raw.send(WindowUpdateFrame(1, window_increment=1))
+    raw.write(_settings((SettingsFrame.INITIAL_WINDOW_SIZE, (1 << 31) - 1), (SettingsFrame.INITIAL_WINDOW_SIZE, 65535)))
+    await _ends_with(raw, ErrorCodes.FLOW_CONTROL_ERROR)
+    await answers(srv.port)
+
+
+@pytest.mark.parametrize("kind", ["rst_stream", "window_update"])
+async def test_frames_on_an_even_stream_id_end_the_connection(probe: tuple[GrpcH2Server, Probe], kind: str) -> None:
+    """Even ids are the server's, and it opens none: stream 2 is idle even below the client's
+    highest id, and RST_STREAM or WINDOW_UPDATE on an idle stream is PROTOCOL_ERROR (5.1)
+    (they were ignored)."""
+    srv, _ = probe
+    raw = await Raw.open(srv.port)
+    raw.call(3, path="/t.T/Hang")
+    raw.write(_frame(3 if kind == "rst_stream" else 8, 0, 2, b"\x00\x00\x00\x08"))
+    await _ends_with(raw, ErrorCodes.PROTOCOL_ERROR)
+    await answers(srv.port)
