@@ -278,6 +278,8 @@ class H2Conn:
                 raise H2Error(ErrorCode.PROTOCOL_ERROR, "PRIORITY on stream 0")
             if len(payload) != 5:
                 raise H2Error(ErrorCode.FRAME_SIZE_ERROR, "PRIORITY of other than 5 bytes")
+            if int.from_bytes(payload[:4], "big") & 0x7FFFFFFF == sid:  # as on HEADERS (5.3.1, 5.4.1)
+                raise H2Error(ErrorCode.PROTOCOL_ERROR, f"stream {sid} depends on itself")
         elif kind == GOAWAY:
             self.owner.inspect(kind, sid, flags, 0)
             if sid:

@@ -277,3 +277,19 @@ async def test_frames_on_an_even_stream_id_end_the_connection(probe: tuple[GrpcH
     raw.write(_frame(3 if kind == "rst_stream" else 8, 0, 2, b"\x00\x00\x00\x08"))
     await _ends_with(raw, ErrorCodes.PROTOCOL_ERROR)
     await answers(srv.port)
+
+
+@pytest.mark.parametrize("sid", [1, 7])
+async def test_a_priority_frame_on_which_its_stream_depends_ends_the_connection(
+        probe: tuple[GrpcH2Server, Probe], sid: int) -> None:
+    """A stream cannot depend on itself (RFC 9113 5.3.1: PROTOCOL_ERROR), on an open stream or
+    an idle one: as on HEADERS, the connection ends (5.4.1) (a PRIORITY frame saying so was
+    ignored). A PRIORITY frame on another stream, idle or not, is still ignored."""
+    srv, _ = probe
+    raw = await Raw.open(srv.port)
+    raw.call(1, path="/t.T/Hang")
+    raw.write(_frame(2, 0, 3, (sid).to_bytes(4, "big") + b"\x10") + _frame(2, 0, 1, b"\x00\x00\x00\x05\x10"))
+    await _ping(raw)
+    raw.write(_frame(2, 0, sid, (sid | 1 << 31).to_bytes(4, "big") + b"\x10"))  # exclusive bit set
+    await _ends_with(raw, ErrorCodes.PROTOCOL_ERROR)
+    await answers(srv.port)
