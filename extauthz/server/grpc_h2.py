@@ -878,8 +878,13 @@ class _Connection(asyncio.Protocol):
         if by_peer:
             self._reset(sid, self.now)
             return
-        call = self.calls.pop(sid, None)  # a stream error of ours (STREAM_CLOSED, FLOW_CONTROL_ERROR)
+        # a stream error of ours the peer provoked (DATA after END_STREAM, a WINDOW_UPDATE of 0 or
+        # past 2^31-1): it cancels the handler and frees the stream's place as the peer's own
+        # RST_STREAM does, so it draws from the same budget (MadeYouReset, CVE-2025-8671)
+        call = self.calls.pop(sid, None)
         if call is not None:
+            if call.trailers is None and not self.resets.take(self.now):
+                self._calm("rapid_reset")
             self._cancel(call)
 
     def window(self, sid: int) -> None:

@@ -293,3 +293,32 @@ async def test_a_priority_frame_on_which_its_stream_depends_ends_the_connection(
     raw.write(_frame(2, 0, sid, (sid | 1 << 31).to_bytes(4, "big") + b"\x10"))  # exclusive bit set
     await _ends_with(raw, ErrorCodes.PROTOCOL_ERROR)
     await answers(srv.port)
+
+
+@pytest.mark.parametrize("trigger", ["window_update_0", "data_after_end", "window_past_max"])
+async def test_stream_errors_the_peer_provokes_draw_from_the_reset_budget(
+        probe: tuple[GrpcH2Server, Probe], trigger: str) -> None:
+    """MadeYouReset (CVE-2025-8671): rapid reset with the server's own RST_STREAM. Each stream
+    is opened, its handler started, then made to fail a stream rule (a WINDOW_UPDATE of 0, DATA
+    after END_STREAM, a window past 2^31-1): the stream error cancels the handler as the peer's
+    RST_STREAM does, and frees its place among the concurrent streams, so it draws from the same
+    budget (it drew from none, or from the control budget that each call refills)."""
+    srv, p = probe
+    raw = await Raw.open(srv.port)
+    frames: list[bytes] = []
+    for i in range(1000):
+        sid = 2 * i + 1
+        frames += [HeadersFrame(sid, raw.block("/t.T/Hang"), flags=["END_HEADERS"]).serialize(),
+                   DataFrame(sid, b"\x00\x00\x00\x00\x00", flags=["END_STREAM"]).serialize()]
+        if trigger == "window_update_0":
+            frames.append(_frame(8, 0, sid, b"\x00\x00\x00\x00"))
+        elif trigger == "data_after_end":
+            frames.append(_frame(0, 0, sid, b"x"))
+        else:
+            frames.append(_frame(8, 0, sid, ((1 << 31) - 1).to_bytes(4, "big")))
+    raw.write(b"".join(frames))
+    assert (await raw.goaway()).error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    await raw.ended()
+    assert srv.rejected.get("rapid_reset", 0) + srv.rejected.get("control_flood", 0) == 1
+    await answers(srv.port)
+    assert p.hanging == 0
