@@ -883,9 +883,17 @@ class _Connection(asyncio.Protocol):
         # RST_STREAM does, so it draws from the same budget (MadeYouReset, CVE-2025-8671)
         call = self.calls.pop(sid, None)
         if call is not None:
-            if call.trailers is None and not self.resets.take(self.now):
-                self._calm("rapid_reset")
+            self._provoked(call)
             self._cancel(call)
+
+    def _provoked(self, call: Call) -> None:
+        """This server ends ``call`` before its answer for what the peer sent (a stream error,
+        a request stream's message too large or compressed): that cancels its handler and frees
+        its place among the concurrent streams as the peer's own RST_STREAM does, so it draws
+        from the same budget (rapid reset by the server's RST_STREAM: MadeYouReset,
+        CVE-2025-8671)."""
+        if call.trailers is None and not self.resets.take(self.now):
+            self._calm("rapid_reset")
 
     def window(self, sid: int) -> None:
         self._window(sid)
@@ -984,11 +992,13 @@ class _Connection(asyncio.Protocol):
             if length > limit:
                 self.server.reject("message_too_large")
                 self.h2.acknowledge_received_data(n, sid)  # dropped: the window is credited
+                self._provoked(call)
                 self._finish(call, RESOURCE_EXHAUSTED,
                              f"request message larger than {limit} bytes ({length})")
                 return
             if flag != 0:
                 self.h2.acknowledge_received_data(n, sid)
+                self._provoked(call)
                 self._finish(call, INTERNAL,
                              "compressed request message, but no compression was negotiated"
                              if flag == 1 else f"bad message flag {flag}")

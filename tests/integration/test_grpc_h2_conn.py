@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import AsyncIterator
+from typing import Any
 
+import grpc
 import pytest
 from h2.errors import ErrorCodes
 from hpack import Decoder
@@ -26,7 +29,7 @@ from hyperframe.frame import (
 from extauthz.server.grpc_h2 import GrpcH2Server
 from extauthz.server.h2conn import encode_headers
 
-from .test_grpc_h2_server import Probe, Raw, answers, probe
+from .test_grpc_h2_server import LIMITS, Probe, Raw, answers, probe
 
 __all__ = ["probe"]  # the fixture, used by name
 
@@ -322,3 +325,31 @@ async def test_stream_errors_the_peer_provokes_draw_from_the_reset_budget(
     assert srv.rejected.get("rapid_reset", 0) + srv.rejected.get("control_flood", 0) == 1
     await answers(srv.port)
     assert p.hanging == 0
+
+
+async def _drain(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+    async for message in requests:
+        yield message
+
+
+@pytest.mark.parametrize("message", ["too_large", "compressed"])
+async def test_request_streams_ended_for_their_message_draw_from_the_reset_budget(message: str) -> None:
+    """A request stream's handler starts with its headers; a message announced past the bound
+    (RESOURCE_EXHAUSTED) or compressed (INTERNAL) ends the call and cancels the handler at once:
+    1,000 such streams in a row are rapid reset too (they were drawn from no budget)."""
+    srv = GrpcH2Server(LIMITS)
+    same = lambda b: b  # noqa: E731 - bytes in, bytes out
+    srv.add_registered_method_handlers("t.T", {"Drain": grpc.stream_stream_rpc_method_handler(
+        _drain, request_deserializer=same, response_serializer=same)})
+    await srv.start("127.0.0.1:0")
+    try:
+        raw = await Raw.open(srv.port)
+        prefix = (b"\x00" + (LIMITS.max_message_bytes + 1).to_bytes(4, "big") if message == "too_large"
+                  else b"\x01\x00\x00\x00\x01x")
+        raw.write(b"".join(HeadersFrame(2 * i + 1, raw.block("/t.T/Drain"), flags=["END_HEADERS"]).serialize()
+                           + _frame(0, 0, 2 * i + 1, prefix) for i in range(1000)))
+        assert (await raw.goaway()).error_code == ErrorCodes.ENHANCE_YOUR_CALM
+        await raw.ended()
+        assert srv.rejected.get("rapid_reset", 0) == 1
+    finally:
+        await srv.stop(0)
