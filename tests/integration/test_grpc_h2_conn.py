@@ -353,3 +353,37 @@ async def test_request_streams_ended_for_their_message_draw_from_the_reset_budge
         assert srv.rejected.get("rapid_reset", 0) == 1
     finally:
         await srv.stop(0)
+
+
+async def test_a_header_block_on_a_reset_stream_is_still_decoded(probe: tuple[GrpcH2Server, Probe]) -> None:
+    """Trailers on a stream the server reset (a malformed request) are dropped, but their block
+    is decoded: the field it indexes is in the next request's table (RFC 7541 2.2; skipping it
+    would shift every dynamic index after it)."""
+    srv, _ = probe
+    raw = await Raw.open(srv.port)
+    raw.send(HeadersFrame(1, raw.block(extra=[("X-Bad", "1")]), flags=["END_HEADERS"]))
+    reset = await raw.until(lambda f: isinstance(f, RstStreamFrame))
+    assert reset.stream_id == 1 and reset.error_code == ErrorCodes.PROTOCOL_ERROR  # type: ignore[attr-defined]
+    raw.send(HeadersFrame(1, raw.encoder.encode([("x-sync", "one"), ("x-pad", "p" * 40)]),
+                          flags=["END_HEADERS", "END_STREAM"]))
+    block = raw.block(extra=[("x-pad", "p" * 40), ("x-sync", "one")])
+    assert len(block) < 20  # both fields indexed from the trailers' block
+    raw.send(HeadersFrame(3, block, flags=["END_HEADERS"]), DataFrame(3, b"\x00\x00\x00\x00\x02hi", flags=["END_STREAM"]))
+    assert (await raw.trailers(3))["grpc-status"] == "0"
+
+
+async def test_padding_is_credited_back_to_the_windows(probe: tuple[GrpcH2Server, Probe]) -> None:
+    """Padded DATA counts whole against the windows (pad length byte and padding, RFC 9113
+    6.9.1) and comes back whole once the call read its message: the connection's window and
+    what is owed to it add up to the full window again."""
+    srv, _ = probe
+    raw = await Raw.open(srv.port)
+    body = b"\x00\x00\x00\x00\x02hi"
+    raw.send(HeadersFrame(1, raw.block(), flags=["END_HEADERS"]))
+    raw.write(_frame(0, 0x8, 1, bytes((200,)) + body + b"\x00" * 200) + _frame(0, 0x8 | 0x1, 1, b"\xff" + b"\x00" * 255))
+    assert (await raw.trailers(1))["grpc-status"] == "0"
+    await _ping(raw)
+    conn = next(iter(srv.connections))
+    window, processed = conn.h2.inbound_window
+    # 208 + 256 bytes taken and acknowledged (under half the window: not yet given back)
+    assert (window, processed) == (srv.limits.connection_window - 464, 464)
