@@ -302,6 +302,7 @@ class Call:
         "headers",
         "held",
         "late",
+        "length",
         "messages",
         "out",
         "owed",
@@ -338,6 +339,7 @@ class Call:
         self.cancelled_ = False
         self.expired = False
         self.late = False  # its deadline neared while it waited for a max_active_calls slot
+        self.length = -1  # DATA bytes its content-length still announces (RFC 9113 8.1.1), -1: none
         self._callbacks: list[Callable[[Call], None]] = []
         self._waiter: asyncio.Future[None] | None = None
         self.writer: asyncio.Future[None] | None = None
@@ -854,12 +856,16 @@ class _Connection(asyncio.Protocol):
         Checked as each header block is read, so that a read of many bad requests never holds
         them open at once (the block was decoded: the HPACK context stays in step)."""
         if malformed(headers) is not None:
-            self.server.reject("malformed_request")
-            if not self.control.take(self.loop.time()):
-                raise H2Error(ErrorCode.ENHANCE_YOUR_CALM, "a flood of malformed requests", "control_flood")
-            self.h2.reset_stream(sid, ErrorCode.PROTOCOL_ERROR)
+            self._malformed(sid)
             return
         self._request(sid, headers, self.now)
+
+    def _malformed(self, sid: int) -> None:
+        """A malformed request: RST_STREAM PROTOCOL_ERROR, from the control budget."""
+        self.server.reject("malformed_request")
+        if not self.control.take(self.loop.time()):
+            raise H2Error(ErrorCode.ENHANCE_YOUR_CALM, "a flood of malformed requests", "control_flood")
+        self.h2.reset_stream(sid, ErrorCode.PROTOCOL_ERROR)
 
     def trailers(self, sid: int, headers: list[tuple[bytes, bytes]]) -> None:
         """Request trailers: nothing reads them (no gRPC client sends any); malformed ones end
@@ -932,6 +938,7 @@ class _Connection(asyncio.Protocol):
             self._refuse(sid, "too_many_streams")
             return
         path = method = ctype = timeout = encoding = b""
+        length: bytes | None = None
         for k, v in headers:
             if k[0] == 58:  # b":"
                 if k == b":path":
@@ -944,6 +951,11 @@ class _Connection(asyncio.Protocol):
                 timeout = v
             elif k == b"grpc-encoding":
                 encoding = v
+            elif k == b"content-length":  # gRPC clients send none; if sent, it must hold (8.1.1)
+                if length is not None or not v.isdigit() or len(v) > 18:
+                    self._malformed(sid)
+                    return
+                length = v
         if method != b"POST":
             self._http_error(sid, b"405")
             return
@@ -966,6 +978,8 @@ class _Connection(asyncio.Protocol):
                 self._trailers_only(sid, INTERNAL, str(exc))
                 return
         call = Call(self, sid, handler, headers, now, deadline)
+        if length is not None:
+            call.length = int(length)
         self.calls[sid] = call
         server.calls += 1
         self.control.give(_CONTROL_PER_CALL)
@@ -980,6 +994,12 @@ class _Connection(asyncio.Protocol):
             if n:  # nobody reads it (answered, or a call that has its message): dropped
                 self.h2.acknowledge_received_data(n, sid)
             return
+        if call.length >= 0:
+            call.length -= len(data)
+            if call.length < 0:
+                self.h2.acknowledge_received_data(n, sid)
+                self._wrong_length(call)
+                return
         buf = call.buf
         buf += data
         call.held += n
@@ -1049,6 +1069,9 @@ class _Connection(asyncio.Protocol):
             self._peer_closed(sid)
             return
         call.ended = True
+        if call.length > 0 and call.trailers is None:
+            self._wrong_length(call)
+            return
         if call.handler.request_streaming:
             if call.buf:
                 self._finish(call, INTERNAL, "the request stream ended inside a message")
@@ -1061,6 +1084,16 @@ class _Connection(asyncio.Protocol):
             self._finish(call, INTERNAL, "the request ended without one whole message")
             return
         self._start(call)
+
+    def _wrong_length(self, call: Call) -> None:
+        """The request's DATA did not add up to its content-length: malformed (RFC 9113
+        8.1.1), RST_STREAM PROTOCOL_ERROR; a running handler cancelled (the reset budget)."""
+        sid = call.stream_id
+        del self.calls[sid]
+        self.server.reject("malformed_request")
+        self._provoked(call)
+        self._cancel(call)
+        self.h2.reset_stream(sid, ErrorCode.PROTOCOL_ERROR)
 
     def _start(self, call: Call) -> None:
         h = call.handler

@@ -387,3 +387,26 @@ async def test_padding_is_credited_back_to_the_windows(probe: tuple[GrpcH2Server
     window, processed = conn.h2.inbound_window
     # 208 + 256 bytes taken and acknowledged (under half the window: not yet given back)
     assert (window, processed) == (srv.limits.connection_window - 464, 464)
+
+
+@pytest.mark.parametrize(("length", "served"), [("7", True), ("8", False), ("6", False), ("0", False),
+                                                ("-7", False), ("7x", False), ("", False)])
+async def test_a_content_length_the_data_does_not_add_up_to_is_malformed(
+        probe: tuple[GrpcH2Server, Probe], length: str, served: bool) -> None:
+    """RFC 9113 8.1.1: a request whose DATA payloads do not add up to its content-length (more,
+    fewer, or a value that is not a length) is malformed: RST_STREAM PROTOCOL_ERROR for the
+    stream (h2 checked it; the connection by hand did not), the connection serving on. One
+    that matches is served (padding is not content)."""
+    srv, _ = probe
+    raw = await Raw.open(srv.port)
+    raw.send(HeadersFrame(1, raw.block(extra=[("content-length", length)]), flags=["END_HEADERS"]))
+    body = b"\x00\x00\x00\x00\x02hi"
+    raw.write(_frame(0, 0x8, 1, b"\x03" + body[:4] + b"\x00" * 3) + _frame(0, 0x1, 1, body[4:]))
+    if served:
+        assert (await raw.trailers(1))["grpc-status"] == "0"
+    else:
+        reset = await raw.until(lambda f: isinstance(f, RstStreamFrame))
+        assert reset.stream_id == 1 and reset.error_code == ErrorCodes.PROTOCOL_ERROR  # type: ignore[attr-defined]
+        assert srv.rejected["malformed_request"] == 1
+    raw.call(3)
+    assert (await raw.trailers(3))["grpc-status"] == "0"
