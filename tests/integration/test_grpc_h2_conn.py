@@ -368,7 +368,8 @@ async def test_a_header_block_on_a_reset_stream_is_still_decoded(probe: tuple[Gr
                           flags=["END_HEADERS", "END_STREAM"]))
     block = raw.block(extra=[("x-pad", "p" * 40), ("x-sync", "one")])
     assert len(block) < 20  # both fields indexed from the trailers' block
-    raw.send(HeadersFrame(3, block, flags=["END_HEADERS"]), DataFrame(3, b"\x00\x00\x00\x00\x02hi", flags=["END_STREAM"]))
+    raw.send(HeadersFrame(3, block, flags=["END_HEADERS"]),
+             DataFrame(3, b"\x00\x00\x00\x00\x02hi", flags=["END_STREAM"]))
     assert (await raw.trailers(3))["grpc-status"] == "0"
 
 
@@ -380,7 +381,8 @@ async def test_padding_is_credited_back_to_the_windows(probe: tuple[GrpcH2Server
     raw = await Raw.open(srv.port)
     body = b"\x00\x00\x00\x00\x02hi"
     raw.send(HeadersFrame(1, raw.block(), flags=["END_HEADERS"]))
-    raw.write(_frame(0, 0x8, 1, bytes((200,)) + body + b"\x00" * 200) + _frame(0, 0x8 | 0x1, 1, b"\xff" + b"\x00" * 255))
+    raw.write(_frame(0, 0x8, 1, bytes((200,)) + body + b"\x00" * 200)
+              + _frame(0, 0x8 | 0x1, 1, b"\xff" + b"\x00" * 255))
     assert (await raw.trailers(1))["grpc-status"] == "0"
     await _ping(raw)
     conn = next(iter(srv.connections))
