@@ -412,3 +412,36 @@ async def test_a_content_length_the_data_does_not_add_up_to_is_malformed(
         assert srv.rejected["malformed_request"] == 1
     raw.call(3)
     assert (await raw.trailers(3))["grpc-status"] == "0"
+
+
+async def _data_frames(raw: Raw, sid: int, want: int) -> list[int]:
+    """The lengths of the DATA frames on ``sid`` until ``want`` bytes came (no more may)."""
+    sizes: list[int] = []
+    while sum(sizes) < want:
+        frame = await raw.until(lambda f: isinstance(f, DataFrame) and f.stream_id == sid)
+        sizes.append(len(frame.data))  # type: ignore[attr-defined]
+    return sizes
+
+
+async def test_a_window_made_negative_by_settings_holds_the_answer_until_it_is_positive(
+        probe: tuple[GrpcH2Server, Probe]) -> None:
+    """RFC 9113 6.9.2 (h2spec's "window size to be negative"): a stream window of 3 taken
+    whole, SETTINGS_INITIAL_WINDOW_SIZE lowered to 2 leaves it at -1, a WINDOW_UPDATE of 2
+    lets exactly 1 byte out; the rest waits for the window, each frame within the peer's
+    frame size, no byte past what the windows granted."""
+    srv, _ = probe
+    raw = await Raw.open(srv.port, settings={SettingsFrame.INITIAL_WINDOW_SIZE: 3})
+    raw.call(1, b"40000", path="/t.T/Big")  # 40,005 bytes answered
+    assert await _data_frames(raw, 1, 3) == [3]
+    raw.send(SettingsFrame(0, settings={SettingsFrame.INITIAL_WINDOW_SIZE: 2}))
+    await _ping(raw)
+    conn = next(iter(srv.connections))
+    assert conn.h2.streams[1].send_window == -1
+    raw.send(WindowUpdateFrame(1, window_increment=2))
+    assert await _data_frames(raw, 1, 1) == [1]
+    await _ping(raw, b"no-more!")
+    assert sum(len(f.data) for f in raw.frames if isinstance(f, DataFrame) and f.stream_id == 1) == 4
+    raw.send(WindowUpdateFrame(1, window_increment=40001))  # the connection window (65535) is wide enough
+    sizes = await _data_frames(raw, 1, 40001)
+    assert sum(sizes) == 40001 and max(sizes) <= 16384
+    assert (await raw.trailers(1))["grpc-status"] == "0"
