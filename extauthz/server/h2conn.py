@@ -188,7 +188,12 @@ class H2Conn:
         self.processed = 0
         self.table_update = b""  # a dynamic table size update owed before the next block
         self.out = bytearray()
-        self._buf = b""
+        #: bytes read past the last whole frame, in the pieces they came in, and how many bytes
+        #: complete the frame they begin (its header, else 9): a frame trickled in small reads
+        #: is joined once when whole, not copied again at each read (quadratic in its size)
+        self._parts: list[bytes] = []
+        self._have = 0
+        self._need = 0
         #: set by the owner once it ends the connection: what is left unread is not handled
         self.halted = False
         self._preface = False
@@ -211,18 +216,25 @@ class H2Conn:
     @property
     def unparsed(self) -> int:
         """Bytes read and not yet parsed into a frame."""
-        return len(self._buf)
+        return self._have
 
     def receive(self, data: bytes) -> None:
         """Read ``data``: every whole frame is handled (the owner told) in order. Raises
         :class:`H2Error` on a connection error (what was handled before it stands)."""
-        buf = self._buf + data if self._buf else data
+        if self._have:
+            self._parts.append(data)
+            self._have += len(data)
+            if self._have < self._need:
+                return
+            buf = b"".join(self._parts)
+        else:
+            buf = data
         if not self._preface:
             n = min(len(buf), 24)
             if buf[:n] != PREFACE[:n]:
                 raise H2Error(ErrorCode.PROTOCOL_ERROR, "invalid connection preface")
             if len(buf) < 24:
-                self._buf = buf
+                self._parts, self._have, self._need = [buf], len(buf), 0  # checked at each read
                 return
             self._preface = True
             buf = buf[24:]
@@ -242,7 +254,13 @@ class H2Conn:
                 pos += 9 + length
                 self._frame_in(kind, flags, sid, payload)
         finally:
-            self._buf = buf[pos:] if pos < end else b""
+            if pos < end:
+                rest = buf[pos:]
+                self._parts, self._have = [rest], end - pos
+                # a header read (and its length checked above): the frame's whole size
+                self._need = 9 + ((rest[0] << 16) | (rest[1] << 8) | rest[2]) if end - pos >= 9 else 9
+            else:
+                self._parts, self._have = [], 0
 
     def _frame_in(self, kind: int, flags: int, sid: int, payload: bytes) -> None:
         if not self._settings_seen:

@@ -7,6 +7,7 @@ Raw frames (hyperframe, hpack) and the helpers of test_grpc_h2_server.py.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -29,7 +30,7 @@ from hyperframe.frame import (
 from extauthz.server.grpc_h2 import GrpcH2Server
 from extauthz.server.h2conn import encode_headers
 
-from .test_grpc_h2_server import LIMITS, Probe, Raw, answers, probe
+from .test_grpc_h2_server import LIMITS, PREFACE, Probe, Raw, answers, probe
 
 __all__ = ["probe"]  # the fixture, used by name
 
@@ -445,3 +446,22 @@ async def test_a_window_made_negative_by_settings_holds_the_answer_until_it_is_p
     sizes = await _data_frames(raw, 1, 40001)
     assert sum(sizes) == 40001 and max(sizes) <= 16384
     assert (await raw.trailers(1))["grpc-status"] == "0"
+
+
+async def test_a_connection_read_a_byte_at_a_time_is_served(probe: tuple[GrpcH2Server, Probe]) -> None:
+    """The preface, SETTINGS, a request's HEADERS and DATA, each split at every byte (reads that
+    end inside the preface, a frame header, a payload): kept in pieces and joined once each
+    frame is whole, the frames read as if whole."""
+    srv, _ = probe
+    raw = await Raw.open(srv.port, preface=False)
+    body = b"\x00\x00\x00\x00\x05bytes"
+    data = (PREFACE + SettingsFrame(0).serialize() + HeadersFrame(1, raw.block(), flags=["END_HEADERS"]).serialize()
+            + DataFrame(1, body, flags=["END_STREAM"]).serialize())
+    for i in range(len(data)):
+        raw.write(data[i:i + 1])
+        await raw.writer.drain()
+        await asyncio.sleep(0)
+    assert (await raw.trailers(1))["grpc-status"] == "0"
+    assert any(isinstance(f, DataFrame) and f.data == body for f in raw.frames)
+    conn = next(iter(srv.connections))
+    assert conn.h2.unparsed == 0
