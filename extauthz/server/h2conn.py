@@ -27,8 +27,10 @@ peer's SETTINGS and WINDOW_UPDATEs, each bounded by 2^31-1), the peer's SETTINGS
 GOAWAY and closes); a stream error is RST_STREAM here.
 
 HPACK: header blocks are decoded by ``decode`` (one seam: a callable taking the block and
-returning ``list[tuple[bytes, bytes]]``, raising on a bad block: :mod:`extauthz.server.hpackd`,
-HPACK decoded by hand, docs/design.md). Blocks are encoded without the dynamic table (:func:`encode_headers`:
+returning ``list[tuple[bytes, bytes]]``, raising on a bad block: by default
+:func:`hpack_decoder`'s, :mod:`extauthz.server.hpackd`, HPACK decoded by hand, docs/design.md;
+its table bound is the protocol's 4,096 until the peer acknowledges our SETTINGS, ours after).
+Blocks are encoded without the dynamic table (:func:`encode_headers`:
 literal, never indexed), so no encoder table is kept; a change of the peer's
 SETTINGS_HEADER_TABLE_SIZE is answered by a table size update to 0 before the next block.
 """
@@ -148,10 +150,12 @@ def _frame(kind: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
     return bytes((n >> 16, (n >> 8) & 0xFF, n & 0xFF, kind, flags)) + sid.to_bytes(4, "big") + payload
 
 
-def hpack_decoder(max_header_list_size: int, max_table_size: int) -> Callable[[bytes], list[tuple[bytes, bytes]]]:
+def hpack_decoder(max_header_list_size: int, max_table_size: int) -> Decoder:
     """The header block decoder (the seam): :class:`~extauthz.server.hpackd.Decoder`, bounded
-    (an oversized list raises :class:`~extauthz.server.hpackd.HeaderListTooLarge`)."""
-    return Decoder(max_header_list_size=max_header_list_size, max_allowed_table_size=max_table_size).decode
+    (an oversized list raises :class:`~extauthz.server.hpackd.HeaderListTooLarge`); its table
+    bound the protocol's initial 4,096 until :class:`H2Conn` lowers it to ``max_table_size``
+    when the peer acknowledges our SETTINGS."""
+    return Decoder(max_header_list_size=max_header_list_size, max_allowed_table_size=max(max_table_size, 4096))
 
 
 class H2Conn:
@@ -175,7 +179,15 @@ class H2Conn:
         self.hard_streams = max_concurrent_streams + stream_slack
         self.stream_window = stream_window
         self.connection_window = connection_window
-        self.decode = decode or hpack_decoder(max_header_list_size, header_table_size)
+        #: the decoder's table bound is the protocol's 4,096 until the peer acknowledged our
+        #: SETTINGS (RFC 9113 6.5.3: blocks it encoded before it saw a smaller
+        #: SETTINGS_HEADER_TABLE_SIZE are valid), ours after it
+        self._decoder: Decoder | None = None
+        self._table_size = header_table_size
+        if decode is None:
+            self._decoder = hpack_decoder(max_header_list_size, header_table_size)
+            decode = self._decoder.decode
+        self.decode = decode
         self.streams: dict[int, Stream] = {}
         self.reset_ids: dict[int, None] = {}  # streams this side reset (bounded, oldest first)
         self.highest_inbound_stream_id = 0
@@ -471,6 +483,8 @@ class H2Conn:
         if flags & ACK:
             if payload:
                 raise H2Error(ErrorCode.FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
+            if self._decoder is not None:  # our SETTINGS (sent once) now bind the peer's encoder
+                self._decoder.max_allowed_table_size = self._table_size
             return
         if len(payload) % 6:
             raise H2Error(ErrorCode.FRAME_SIZE_ERROR, "SETTINGS not a multiple of 6 bytes")

@@ -11,6 +11,7 @@ import asyncio
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -30,7 +31,7 @@ from hyperframe.frame import (
 from extauthz.server.grpc_h2 import GrpcH2Server
 from extauthz.server.h2conn import encode_headers
 
-from .test_grpc_h2_server import LIMITS, PREFACE, Probe, Raw, answers, probe
+from .test_grpc_h2_server import LIMITS, PREFACE, Probe, Raw, _serve, answers, probe
 
 __all__ = ["probe"]  # the fixture, used by name
 
@@ -465,3 +466,30 @@ async def test_a_connection_read_a_byte_at_a_time_is_served(probe: tuple[GrpcH2S
     assert any(isinstance(f, DataFrame) and f.data == body for f in raw.frames)
     conn = next(iter(srv.connections))
     assert conn.h2.unparsed == 0
+
+
+async def test_a_smaller_header_table_binds_the_peer_once_it_acknowledged_our_settings() -> None:
+    """SETTINGS_HEADER_TABLE_SIZE of 256: a request the client encoded before it read our
+    SETTINGS uses the protocol's 4,096 and is served (RFC 9113 6.5.3; it was COMPRESSION_ERROR:
+    the decoder held the peer to 256 from the first byte); once it acknowledged them, a block
+    that does not shrink its table to 256 is COMPRESSION_ERROR, one that does is served."""
+    srv = await _serve(replace(LIMITS, header_table_size=256))
+    try:
+        raw = await Raw.open(srv.port)
+        raw.call(1, extra=[("x-long", "v" * 300)])  # at once: our SETTINGS not read yet
+        assert (await raw.trailers(1))["grpc-status"] == "0"
+        raw.send(SettingsFrame(0, flags=["ACK"]))
+        raw.call(3)  # the encoder still at 4,096: no size update
+        await _ends_with(raw, ErrorCodes.COMPRESSION_ERROR)
+
+        raw = await Raw.open(srv.port)
+        await raw.until(lambda f: isinstance(f, SettingsFrame) and "ACK" not in f.flags)
+        raw.send(SettingsFrame(0, flags=["ACK"]))
+        raw.encoder.header_table_size = 256  # the next block starts with a size update
+        raw.call(1, extra=[("x-long", "v" * 100)])
+        assert (await raw.trailers(1))["grpc-status"] == "0"
+        raw.call(3, extra=[("x-long", "v" * 100)])
+        assert (await raw.trailers(3))["grpc-status"] == "0"
+        raw.close()
+    finally:
+        await srv.stop(0)
