@@ -229,6 +229,13 @@ class H2Limits:
     #: no time is left (``no_slot_in_time``: decided without the store, counted)
     max_active_calls: int = DEFAULT_MAX_ACTIVE_CHECKS
 
+    def __post_init__(self) -> None:
+        # what a peer may send before it reads our SETTINGS (RFC 9113 6.5.3, 6.9.2): a stream
+        # window below the protocol's initial 65,535 would be a FLOW_CONTROL_ERROR of an
+        # honest client's first request (server/h2conn.py refuses it at each connection)
+        if not 65535 <= self.stream_window <= (1 << 31) - 1:
+            raise ValueError(f"stream_window {self.stream_window} outside 65535..2^31-1")
+
 
 def parse_timeout(value: bytes) -> float:
     """A ``grpc-timeout`` header (1-8 digits and a unit) in seconds; ValueError if malformed."""

@@ -168,8 +168,9 @@ class H2Conn:
                  decode: Callable[[bytes], list[tuple[bytes, bytes]]] | None = None) -> None:
         if not 16384 <= max_frame_size <= (1 << 24) - 1:
             raise ValueError(f"max_frame_size {max_frame_size} outside 16384..16777215")
-        if not 65535 <= connection_window <= MAX_WINDOW or not 0 <= stream_window <= MAX_WINDOW:
-            raise ValueError("windows outside 65535 (connection) or 0 (stream) ..2^31-1")
+        if not 65535 <= connection_window <= MAX_WINDOW or not 65535 <= stream_window <= MAX_WINDOW:
+            # (a stream window below 65,535: the peer may fill 65,535 before it reads our SETTINGS)
+            raise ValueError("windows outside 65535..2^31-1")
         self.owner = owner
         self.max_frame_size = max_frame_size
         self.max_block = max_block

@@ -28,7 +28,7 @@ from hyperframe.frame import (
     WindowUpdateFrame,
 )
 
-from extauthz.server.grpc_h2 import GrpcH2Server
+from extauthz.server.grpc_h2 import GrpcH2Server, H2Limits
 from extauthz.server.h2conn import encode_headers
 
 from .test_grpc_h2_server import LIMITS, PREFACE, Probe, Raw, _serve, answers, probe
@@ -493,3 +493,13 @@ async def test_a_smaller_header_table_binds_the_peer_once_it_acknowledged_our_se
         raw.close()
     finally:
         await srv.stop(0)
+
+
+@pytest.mark.parametrize("window", [0, 65534, 1 << 31])
+def test_a_stream_window_below_the_protocol_s_initial_is_refused(window: int) -> None:
+    """A client may send 65,535 bytes on a stream before it reads our SETTINGS (RFC 9113
+    6.9.2): a smaller stream window would fail its first request with FLOW_CONTROL_ERROR, so
+    the bound refuses it at once (H2Conn took 0..2^31-1 at each connection)."""
+    with pytest.raises(ValueError, match="stream_window"):
+        H2Limits(stream_window=window)
+    H2Limits(stream_window=65535)
