@@ -229,6 +229,13 @@ class H2Limits:
     #: no time is left (``no_slot_in_time``: decided without the store, counted)
     max_active_calls: int = DEFAULT_MAX_ACTIVE_CHECKS
 
+    def __post_init__(self) -> None:
+        # what a peer may send before it reads our SETTINGS (RFC 9113 6.5.3, 6.9.2): a stream
+        # window below the protocol's initial 65,535 would be a FLOW_CONTROL_ERROR of an
+        # honest client's first request (server/h2conn.py refuses it at each connection)
+        if not 65535 <= self.stream_window <= (1 << 31) - 1:
+            raise ValueError(f"stream_window {self.stream_window} outside 65535..2^31-1")
+
 
 def parse_timeout(value: bytes) -> float:
     """A ``grpc-timeout`` header (1-8 digits and a unit) in seconds; ValueError if malformed."""
@@ -302,6 +309,7 @@ class Call:
         "headers",
         "held",
         "late",
+        "length",
         "messages",
         "out",
         "owed",
@@ -338,6 +346,7 @@ class Call:
         self.cancelled_ = False
         self.expired = False
         self.late = False  # its deadline neared while it waited for a max_active_calls slot
+        self.length = -1  # DATA bytes its content-length still announces (RFC 9113 8.1.1), -1: none
         self._callbacks: list[Callable[[Call], None]] = []
         self._waiter: asyncio.Future[None] | None = None
         self.writer: asyncio.Future[None] | None = None
@@ -854,12 +863,16 @@ class _Connection(asyncio.Protocol):
         Checked as each header block is read, so that a read of many bad requests never holds
         them open at once (the block was decoded: the HPACK context stays in step)."""
         if malformed(headers) is not None:
-            self.server.reject("malformed_request")
-            if not self.control.take(self.loop.time()):
-                raise H2Error(ErrorCode.ENHANCE_YOUR_CALM, "a flood of malformed requests", "control_flood")
-            self.h2.reset_stream(sid, ErrorCode.PROTOCOL_ERROR)
+            self._malformed(sid)
             return
         self._request(sid, headers, self.now)
+
+    def _malformed(self, sid: int) -> None:
+        """A malformed request: RST_STREAM PROTOCOL_ERROR, from the control budget."""
+        self.server.reject("malformed_request")
+        if not self.control.take(self.loop.time()):
+            raise H2Error(ErrorCode.ENHANCE_YOUR_CALM, "a flood of malformed requests", "control_flood")
+        self.h2.reset_stream(sid, ErrorCode.PROTOCOL_ERROR)
 
     def trailers(self, sid: int, headers: list[tuple[bytes, bytes]]) -> None:
         """Request trailers: nothing reads them (no gRPC client sends any); malformed ones end
@@ -878,9 +891,22 @@ class _Connection(asyncio.Protocol):
         if by_peer:
             self._reset(sid, self.now)
             return
-        call = self.calls.pop(sid, None)  # a stream error of ours (STREAM_CLOSED, FLOW_CONTROL_ERROR)
+        # a stream error of ours the peer provoked (DATA after END_STREAM, a WINDOW_UPDATE of 0 or
+        # past 2^31-1): it cancels the handler and frees the stream's place as the peer's own
+        # RST_STREAM does, so it draws from the same budget (MadeYouReset, CVE-2025-8671)
+        call = self.calls.pop(sid, None)
         if call is not None:
+            self._provoked(call)
             self._cancel(call)
+
+    def _provoked(self, call: Call) -> None:
+        """This server ends ``call`` before its answer for what the peer sent (a stream error,
+        a request stream's message too large or compressed): that cancels its handler and frees
+        its place among the concurrent streams as the peer's own RST_STREAM does, so it draws
+        from the same budget (rapid reset by the server's RST_STREAM: MadeYouReset,
+        CVE-2025-8671)."""
+        if call.trailers is None and not self.resets.take(self.now):
+            self._calm("rapid_reset")
 
     def window(self, sid: int) -> None:
         self._window(sid)
@@ -919,6 +945,7 @@ class _Connection(asyncio.Protocol):
             self._refuse(sid, "too_many_streams")
             return
         path = method = ctype = timeout = encoding = b""
+        length: bytes | None = None
         for k, v in headers:
             if k[0] == 58:  # b":"
                 if k == b":path":
@@ -931,6 +958,11 @@ class _Connection(asyncio.Protocol):
                 timeout = v
             elif k == b"grpc-encoding":
                 encoding = v
+            elif k == b"content-length":  # gRPC clients send none; if sent, it must hold (8.1.1)
+                if length is not None or not v.isdigit() or len(v) > 18:
+                    self._malformed(sid)
+                    return
+                length = v
         if method != b"POST":
             self._http_error(sid, b"405")
             return
@@ -953,6 +985,8 @@ class _Connection(asyncio.Protocol):
                 self._trailers_only(sid, INTERNAL, str(exc))
                 return
         call = Call(self, sid, handler, headers, now, deadline)
+        if length is not None:
+            call.length = int(length)
         self.calls[sid] = call
         server.calls += 1
         self.control.give(_CONTROL_PER_CALL)
@@ -967,6 +1001,12 @@ class _Connection(asyncio.Protocol):
             if n:  # nobody reads it (answered, or a call that has its message): dropped
                 self.h2.acknowledge_received_data(n, sid)
             return
+        if call.length >= 0:
+            call.length -= len(data)
+            if call.length < 0:
+                self.h2.acknowledge_received_data(n, sid)
+                self._wrong_length(call)
+                return
         buf = call.buf
         buf += data
         call.held += n
@@ -979,11 +1019,13 @@ class _Connection(asyncio.Protocol):
             if length > limit:
                 self.server.reject("message_too_large")
                 self.h2.acknowledge_received_data(n, sid)  # dropped: the window is credited
+                self._provoked(call)
                 self._finish(call, RESOURCE_EXHAUSTED,
                              f"request message larger than {limit} bytes ({length})")
                 return
             if flag != 0:
                 self.h2.acknowledge_received_data(n, sid)
+                self._provoked(call)
                 self._finish(call, INTERNAL,
                              "compressed request message, but no compression was negotiated"
                              if flag == 1 else f"bad message flag {flag}")
@@ -1034,6 +1076,9 @@ class _Connection(asyncio.Protocol):
             self._peer_closed(sid)
             return
         call.ended = True
+        if call.length > 0 and call.trailers is None:
+            self._wrong_length(call)
+            return
         if call.handler.request_streaming:
             if call.buf:
                 self._finish(call, INTERNAL, "the request stream ended inside a message")
@@ -1046,6 +1091,16 @@ class _Connection(asyncio.Protocol):
             self._finish(call, INTERNAL, "the request ended without one whole message")
             return
         self._start(call)
+
+    def _wrong_length(self, call: Call) -> None:
+        """The request's DATA did not add up to its content-length: malformed (RFC 9113
+        8.1.1), RST_STREAM PROTOCOL_ERROR; a running handler cancelled (the reset budget)."""
+        sid = call.stream_id
+        del self.calls[sid]
+        self.server.reject("malformed_request")
+        self._provoked(call)
+        self._cancel(call)
+        self.h2.reset_stream(sid, ErrorCode.PROTOCOL_ERROR)
 
     def _start(self, call: Call) -> None:
         h = call.handler

@@ -27,8 +27,10 @@ peer's SETTINGS and WINDOW_UPDATEs, each bounded by 2^31-1), the peer's SETTINGS
 GOAWAY and closes); a stream error is RST_STREAM here.
 
 HPACK: header blocks are decoded by ``decode`` (one seam: a callable taking the block and
-returning ``list[tuple[bytes, bytes]]``, raising on a bad block: :mod:`extauthz.server.hpackd`,
-HPACK decoded by hand, docs/design.md). Blocks are encoded without the dynamic table (:func:`encode_headers`:
+returning ``list[tuple[bytes, bytes]]``, raising on a bad block: by default
+:func:`hpack_decoder`'s, :mod:`extauthz.server.hpackd`, HPACK decoded by hand, docs/design.md;
+its table bound is the protocol's 4,096 until the peer acknowledges our SETTINGS, ours after).
+Blocks are encoded without the dynamic table (:func:`encode_headers`:
 literal, never indexed), so no encoder table is kept; a change of the peer's
 SETTINGS_HEADER_TABLE_SIZE is answered by a table size update to 0 before the next block.
 """
@@ -148,10 +150,12 @@ def _frame(kind: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
     return bytes((n >> 16, (n >> 8) & 0xFF, n & 0xFF, kind, flags)) + sid.to_bytes(4, "big") + payload
 
 
-def hpack_decoder(max_header_list_size: int, max_table_size: int) -> Callable[[bytes], list[tuple[bytes, bytes]]]:
+def hpack_decoder(max_header_list_size: int, max_table_size: int) -> Decoder:
     """The header block decoder (the seam): :class:`~extauthz.server.hpackd.Decoder`, bounded
-    (an oversized list raises :class:`~extauthz.server.hpackd.HeaderListTooLarge`)."""
-    return Decoder(max_header_list_size=max_header_list_size, max_allowed_table_size=max_table_size).decode
+    (an oversized list raises :class:`~extauthz.server.hpackd.HeaderListTooLarge`); its table
+    bound the protocol's initial 4,096 until :class:`H2Conn` lowers it to ``max_table_size``
+    when the peer acknowledges our SETTINGS."""
+    return Decoder(max_header_list_size=max_header_list_size, max_allowed_table_size=max(max_table_size, 4096))
 
 
 class H2Conn:
@@ -164,8 +168,9 @@ class H2Conn:
                  decode: Callable[[bytes], list[tuple[bytes, bytes]]] | None = None) -> None:
         if not 16384 <= max_frame_size <= (1 << 24) - 1:
             raise ValueError(f"max_frame_size {max_frame_size} outside 16384..16777215")
-        if not 65535 <= connection_window <= MAX_WINDOW or not 0 <= stream_window <= MAX_WINDOW:
-            raise ValueError("windows outside 65535 (connection) or 0 (stream) ..2^31-1")
+        if not 65535 <= connection_window <= MAX_WINDOW or not 65535 <= stream_window <= MAX_WINDOW:
+            # (a stream window below 65,535: the peer may fill 65,535 before it reads our SETTINGS)
+            raise ValueError("windows outside 65535..2^31-1")
         self.owner = owner
         self.max_frame_size = max_frame_size
         self.max_block = max_block
@@ -175,7 +180,15 @@ class H2Conn:
         self.hard_streams = max_concurrent_streams + stream_slack
         self.stream_window = stream_window
         self.connection_window = connection_window
-        self.decode = decode or hpack_decoder(max_header_list_size, header_table_size)
+        #: the decoder's table bound is the protocol's 4,096 until the peer acknowledged our
+        #: SETTINGS (RFC 9113 6.5.3: blocks it encoded before it saw a smaller
+        #: SETTINGS_HEADER_TABLE_SIZE are valid), ours after it
+        self._decoder: Decoder | None = None
+        self._table_size = header_table_size
+        if decode is None:
+            self._decoder = hpack_decoder(max_header_list_size, header_table_size)
+            decode = self._decoder.decode
+        self.decode = decode
         self.streams: dict[int, Stream] = {}
         self.reset_ids: dict[int, None] = {}  # streams this side reset (bounded, oldest first)
         self.highest_inbound_stream_id = 0
@@ -188,7 +201,12 @@ class H2Conn:
         self.processed = 0
         self.table_update = b""  # a dynamic table size update owed before the next block
         self.out = bytearray()
-        self._buf = b""
+        #: bytes read past the last whole frame, in the pieces they came in, and how many bytes
+        #: complete the frame they begin (its header, else 9): a frame trickled in small reads
+        #: is joined once when whole, not copied again at each read (quadratic in its size)
+        self._parts: list[bytes] = []
+        self._have = 0
+        self._need = 0
         #: set by the owner once it ends the connection: what is left unread is not handled
         self.halted = False
         self._preface = False
@@ -211,18 +229,25 @@ class H2Conn:
     @property
     def unparsed(self) -> int:
         """Bytes read and not yet parsed into a frame."""
-        return len(self._buf)
+        return self._have
 
     def receive(self, data: bytes) -> None:
         """Read ``data``: every whole frame is handled (the owner told) in order. Raises
         :class:`H2Error` on a connection error (what was handled before it stands)."""
-        buf = self._buf + data if self._buf else data
+        if self._have:
+            self._parts.append(data)
+            self._have += len(data)
+            if self._have < self._need:
+                return
+            buf = b"".join(self._parts)
+        else:
+            buf = data
         if not self._preface:
             n = min(len(buf), 24)
             if buf[:n] != PREFACE[:n]:
                 raise H2Error(ErrorCode.PROTOCOL_ERROR, "invalid connection preface")
             if len(buf) < 24:
-                self._buf = buf
+                self._parts, self._have, self._need = [buf], len(buf), 0  # checked at each read
                 return
             self._preface = True
             buf = buf[24:]
@@ -242,7 +267,13 @@ class H2Conn:
                 pos += 9 + length
                 self._frame_in(kind, flags, sid, payload)
         finally:
-            self._buf = buf[pos:] if pos < end else b""
+            if pos < end:
+                rest = buf[pos:]
+                self._parts, self._have = [rest], end - pos
+                # a header read (and its length checked above): the frame's whole size
+                self._need = 9 + ((rest[0] << 16) | (rest[1] << 8) | rest[2]) if end - pos >= 9 else 9
+            else:
+                self._parts, self._have = [], 0
 
     def _frame_in(self, kind: int, flags: int, sid: int, payload: bytes) -> None:
         if not self._settings_seen:
@@ -278,6 +309,8 @@ class H2Conn:
                 raise H2Error(ErrorCode.PROTOCOL_ERROR, "PRIORITY on stream 0")
             if len(payload) != 5:
                 raise H2Error(ErrorCode.FRAME_SIZE_ERROR, "PRIORITY of other than 5 bytes")
+            if int.from_bytes(payload[:4], "big") & 0x7FFFFFFF == sid:  # as on HEADERS (5.3.1, 5.4.1)
+                raise H2Error(ErrorCode.PROTOCOL_ERROR, f"stream {sid} depends on itself")
         elif kind == GOAWAY:
             self.owner.inspect(kind, sid, flags, 0)
             if sid:
@@ -421,7 +454,7 @@ class H2Conn:
                 raise H2Error(ErrorCode.FLOW_CONTROL_ERROR, "connection window past 2^31-1")
             self.owner.window(0)
             return
-        if sid > self.highest_inbound_stream_id:
+        if sid > self.highest_inbound_stream_id or not sid & 1:  # an even id: a stream we never open
             raise H2Error(ErrorCode.PROTOCOL_ERROR, f"WINDOW_UPDATE on idle stream {sid}")
         stream = self.streams.get(sid)
         if stream is None:
@@ -439,7 +472,7 @@ class H2Conn:
         self.owner.inspect(RST_STREAM, sid, flags, 0)
         if len(payload) != 4:
             raise H2Error(ErrorCode.FRAME_SIZE_ERROR, "RST_STREAM of other than 4 bytes")
-        if not sid or sid > self.highest_inbound_stream_id:
+        if sid > self.highest_inbound_stream_id or not sid & 1:  # 0, or even: a stream we never open
             raise H2Error(ErrorCode.PROTOCOL_ERROR, f"RST_STREAM on idle stream {sid}")
         if self.streams.pop(sid, None) is not None:
             self.owner.reset(sid, True)
@@ -451,23 +484,24 @@ class H2Conn:
         if flags & ACK:
             if payload:
                 raise H2Error(ErrorCode.FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
+            if self._decoder is not None:  # our SETTINGS (sent once) now bind the peer's encoder
+                self._decoder.max_allowed_table_size = self._table_size
             return
         if len(payload) % 6:
             raise H2Error(ErrorCode.FRAME_SIZE_ERROR, "SETTINGS not a multiple of 6 bytes")
-        grown = False
+        # SETTINGS_INITIAL_WINDOW_SIZE is taken in order, but the open streams' windows move
+        # once per frame, not once per entry (a frame of 2,730 entries times the open streams
+        # was a CPU bound the control budget did not see): by the last value, a window past
+        # 2^31-1 at the frame's largest value still an error (RFC 9113 6.9.2)
+        initial = highest = self.peer_initial_window
         for i in range(0, len(payload), 6):
             key = int.from_bytes(payload[i:i + 2], "big")
             value = int.from_bytes(payload[i + 2:i + 6], "big")
             if key == S_INITIAL_WINDOW_SIZE:
                 if value > MAX_WINDOW:
                     raise H2Error(ErrorCode.FLOW_CONTROL_ERROR, f"SETTINGS_INITIAL_WINDOW_SIZE {value} past 2^31-1")
-                delta = value - self.peer_initial_window
-                self.peer_initial_window = value
-                for stream in self.streams.values():
-                    stream.send_window += delta
-                    if stream.send_window > MAX_WINDOW:
-                        raise H2Error(ErrorCode.FLOW_CONTROL_ERROR, "a stream window past 2^31-1")
-                grown = grown or delta > 0
+                initial = value
+                highest = max(highest, value)
             elif key == S_MAX_FRAME_SIZE:
                 if not 16384 <= value <= (1 << 24) - 1:
                     raise H2Error(ErrorCode.PROTOCOL_ERROR, f"SETTINGS_MAX_FRAME_SIZE {value} out of range")
@@ -477,9 +511,17 @@ class H2Conn:
                     raise H2Error(ErrorCode.PROTOCOL_ERROR, f"SETTINGS_ENABLE_PUSH {value} out of range")
             elif key == S_HEADER_TABLE_SIZE:
                 self.table_update = b"\x20"  # a size update to 0: within any value (we index nothing)
+        delta = initial - self.peer_initial_window
+        if highest > self.peer_initial_window or delta:
+            rise = highest - self.peer_initial_window
+            self.peer_initial_window = initial
+            for stream in self.streams.values():
+                if stream.send_window + rise > MAX_WINDOW:
+                    raise H2Error(ErrorCode.FLOW_CONTROL_ERROR, "a stream window past 2^31-1")
+                stream.send_window += delta
         self.out += b"\x00\x00\x00\x04\x01\x00\x00\x00\x00"  # SETTINGS ACK
         self.owner.spoke()
-        if grown:
+        if delta > 0:
             self.owner.window(0)
 
     # -- inbound flow control
