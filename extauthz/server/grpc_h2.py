@@ -422,25 +422,48 @@ def listen_sockets(host: str | None, port: int, *, reuse_port: bool = False,
                    backlog: int = _BACKLOG) -> list[socket.socket]:
     """Non-blocking listening sockets on ``host:port`` bound as ``loop.create_server`` binds
     them: every address the host resolves to (every interface when None), IPv6 ones v6-only,
-    SO_REUSEADDR, and SO_REUSEPORT when asked."""
+    SO_REUSEADDR, and SO_REUSEPORT when asked. An address whose family this kernel lacks (no
+    socket of it: ``localhost``'s ``::1`` without IPv6) or has not enabled (its bind
+    EADDRNOTAVAIL) is skipped, as ``create_server`` skips it (Python 3.13's the latter too),
+    with a warning; none left is an error naming them all. Any other error fails the whole."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     sockets: list[socket.socket] = []
+    skipped: list[tuple[Any, OSError]] = []
     try:
         for family, kind, proto, _, address in dict.fromkeys(infos):
-            sock = socket.socket(family, kind, proto)
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError as exc:  # EAFNOSUPPORT, ...
+                skipped.append((address, exc))
+                continue
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if reuse_port:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(address)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno != errno.EADDRNOTAVAIL:
+                    raise
+                sockets.pop().close()
+                skipped.append((address, exc))
+                continue
             sock.listen(backlog)
             sock.setblocking(False)
+        if not sockets:
+            errs = "; ".join(f"{address[0]}: {err.strerror or err}" for address, err in skipped)
+            raise OSError(skipped[-1][1].errno if skipped else None,
+                          f"no address of {host or '*'} could listen ({errs or 'none resolved'})")
     except BaseException:
         for sock in sockets:
             sock.close()
         raise
+    for address, err in skipped:
+        log.warning("gRPC port: not listening on %s (%s): the others are", address[0], err.strerror or err,
+                    extra={"fields": {"event": "grpc_listen_skipped", "address": str(address[0]),
+                                      "errno": err.errno}})
     return sockets
 
 

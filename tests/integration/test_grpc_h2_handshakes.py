@@ -44,12 +44,13 @@ class Tls:
         self.client = grpc.ssl_channel_credentials(ca.pem, envoy.key_pem, envoy.cert_pem)
 
 
-async def serving(tmp_path: Path, tls: Tls, handshake_timeout: float) -> tuple[Server, GrpcH2Server]:
+async def serving(tmp_path: Path, tls: Tls, handshake_timeout: float,
+                  listen: str = "127.0.0.1:0") -> tuple[Server, GrpcH2Server]:
     policy = tmp_path / "p.yaml"
     policy.write_text("version: 1\nidentity: [{header: x-api-key}]\nlimiters:\n"
                       "  - {name: user-rate, type: request_rate, rate: 1000, burst: 1000}\n")
     srv = Server(ServerConfig(
-        policies=[str(policy)], listen="127.0.0.1:0", admin_listen="off", grpc_server="asyncio",
+        policies=[str(policy)], listen=listen, admin_listen="off", grpc_server="asyncio",
         tls_cert=str(tls.cert), tls_key=str(tls.key), tls_client_ca=str(tls.ca_path),
         grpc_limits=H2Limits(max_connections=BOUND, handshake_timeout=handshake_timeout)))
     await srv.start()
@@ -255,3 +256,72 @@ def test_the_tls_port_binds_as_create_server_did(tmp_path: Path, loop: str) -> N
                 await six.stop(0)
 
     LOOPS[loop](body())
+
+
+def missing_family() -> socket.AddressFamily:
+    """An address family this kernel makes no sockets of (EAFNOSUPPORT), as a kernel built
+    without IPv6 makes none of AF_INET6."""
+    for name in ("AF_IPX", "AF_APPLETALK", "AF_DECnet", "AF_X25", "AF_ROSE"):
+        family = getattr(socket, name, None)
+        if family is None:
+            continue
+        try:
+            socket.socket(family, socket.SOCK_STREAM).close()
+        except OSError as exc:
+            if exc.errno == errno.EAFNOSUPPORT:
+                return family  # type: ignore[no-any-return]
+    pytest.skip("every address family tried has sockets on this kernel")
+
+
+#: an IPv4 address of no machine (TEST-NET-1): its bind is EADDRNOTAVAIL, as ::1's is on a
+#: kernel whose IPv6 is disabled
+NOT_HERE = "192.0.2.1"
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_the_tls_port_skips_an_address_it_cannot_listen_on_as_create_server_does(
+        tmp_path: Path, loop: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A name that resolves to an address of a family the kernel lacks (``localhost``'s
+    ``::1`` without IPv6) or to one it cannot bind (EADDRNOTAVAIL) beside one it can: the TLS
+    port listens on the one it can, with a warning naming each skipped (it refused to start;
+    ``create_server``, which the plaintext port runs, skips the first, Python 3.13's the second
+    too). None it can: the start fails naming the flag and every address."""
+    if Path("/proc/sys/net/ipv4/ip_nonlocal_bind").read_text().strip() != "0":
+        pytest.skip("this kernel binds addresses it does not have (ip_nonlocal_bind)")
+    tls = Tls(tmp_path)
+    lacking = missing_family()
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: Any, port: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        """``*.test`` names: their addresses, each as getaddrinfo gives them (other names as
+        the system resolves them)."""
+        entries = {"v6-missing.test": [(lacking, ("::1", port, 0, 0)), (socket.AF_INET, ("127.0.0.1", port))],
+                   "not-here.test": [(socket.AF_INET, (NOT_HERE, port)), (socket.AF_INET, ("127.0.0.1", port))],
+                   "none.test": [(lacking, ("::1", port, 0, 0)), (socket.AF_INET, (NOT_HERE, port))]}
+        if host not in entries:
+            return real(host, port, *args, **kwargs)
+        return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", address)
+                for family, address in entries[host]]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+    async def body() -> None:
+        for name, skipped in (("v6-missing.test", "::1"), ("not-here.test", NOT_HERE)):
+            caplog.clear()
+            srv, h2 = await serving(tmp_path, tls, handshake_timeout=300.0, listen=f"{name}:0")
+            try:
+                assert isinstance(h2.server, _TlsListener)
+                assert [s.getsockname()[0] for s in h2.server.sockets] == ["127.0.0.1"]
+                warned = [r for r in caplog.records if getattr(r, "fields", {}).get("event") == "grpc_listen_skipped"]
+                assert [(r.levelno, r.fields["address"]) for r in warned] == [(logging.WARNING, skipped)]  # type: ignore[attr-defined]
+                assert await in_thread(grpcio_check, srv.port, tls.client) == grpc.StatusCode.OK
+            finally:
+                await srv.stop(grace=0)
+        none = GrpcH2Server(H2Limits(), ssl_context=ssl.create_default_context(ssl.Purpose.CLIENT_AUTH))
+        with pytest.raises(OSError, match=r"cannot listen on none.test:0 \(--listen\): no address of none.test "
+                           rf"could listen \(::1: .+; {NOT_HERE}: Cannot assign requested address\)") as raised:
+            await none.start("none.test:0", flag="--listen")
+        assert raised.value.errno == errno.EADDRNOTAVAIL and none.server is None
+
+    with caplog.at_level(logging.WARNING, logger="extauthz"):
+        LOOPS[loop](body())
