@@ -51,6 +51,7 @@ import ssl
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 from urllib.parse import quote
 
@@ -597,11 +598,24 @@ class GrpcH2Server:
     async def _handshake(self, sock: socket.socket) -> None:
         """The TLS handshake of one accepted connection; once done, the connection is the
         protocol's (``connection_made``: ALPN, then counted in ``connections``). A handshake
-        that fails or outlasts ``handshake_timeout`` is counted and its socket closed."""
+        that fails or outlasts ``handshake_timeout`` is counted and its socket closed.
+
+        The count moves from ``handshakes`` to ``connections`` in ``connection_made`` itself
+        (``_Connection.made``), not when this task ends a loop turn or two later: counted in
+        both meanwhile, a connection took two places, and an accept at the bound then was
+        refused. Its task ends on its own (a stop neither waits for it nor cancels it)."""
         loop = asyncio.get_running_loop()
         began = loop.time()
+        task = asyncio.current_task()
+
+        def protocol() -> _Connection:
+            conn = _Connection(self)
+            if task is not None:
+                conn.made = partial(self.handshakes.discard, task)
+            return conn
+
         try:
-            await loop.connect_accepted_socket(lambda: _Connection(self), sock, ssl=self.ssl_context,
+            await loop.connect_accepted_socket(protocol, sock, ssl=self.ssl_context,
                                                ssl_handshake_timeout=self.limits.handshake_timeout)
         except asyncio.CancelledError:  # a stop: the transport closed the socket
             sock.close()
@@ -782,10 +796,17 @@ class _Connection(asyncio.Protocol):
         self.control = _Budget(limits.control_per_second, now)
         self._flush_soon = False
 
+    #: a TLS connection's release of its place in ``server.handshakes``, called (once) as it
+    #: is made (GrpcH2Server._handshake)
+    made: Callable[[], None] | None = None
+
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         server = self.server
+        made, self.made = self.made, None
+        if made is not None:
+            made()
         tls = transport.get_extra_info("ssl_object")
         if tls is not None and tls.selected_alpn_protocol() != "h2":  # as grpcio: ALPN h2 or nothing
             server.reject("alpn")

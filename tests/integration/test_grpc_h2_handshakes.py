@@ -14,6 +14,7 @@ import os
 import resource
 import socket
 import ssl
+import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ import uvloop
 
 from extauthz.proto import auth_pb2_grpc
 from extauthz.server.app import Server, ServerConfig
-from extauthz.server.grpc_h2 import GrpcH2Server, H2Limits, _TlsListener
+from extauthz.server.grpc_h2 import GrpcH2Server, H2Limits, _Connection, _TlsListener
 
 from ..infra.certs import CA
 from .test_server import check_request
@@ -44,7 +45,7 @@ class Tls:
         self.client = grpc.ssl_channel_credentials(ca.pem, envoy.key_pem, envoy.cert_pem)
 
 
-async def serving(tmp_path: Path, tls: Tls, handshake_timeout: float,
+async def serving(tmp_path: Path, tls: Tls, handshake_timeout: float, bound: int = BOUND,
                   listen: str = "127.0.0.1:0") -> tuple[Server, GrpcH2Server]:
     policy = tmp_path / "p.yaml"
     policy.write_text("version: 1\nidentity: [{header: x-api-key}]\nlimiters:\n"
@@ -52,7 +53,7 @@ async def serving(tmp_path: Path, tls: Tls, handshake_timeout: float,
     srv = Server(ServerConfig(
         policies=[str(policy)], listen=listen, admin_listen="off", grpc_server="asyncio",
         tls_cert=str(tls.cert), tls_key=str(tls.key), tls_client_ca=str(tls.ca_path),
-        grpc_limits=H2Limits(max_connections=BOUND, handshake_timeout=handshake_timeout)))
+        grpc_limits=H2Limits(max_connections=bound, handshake_timeout=handshake_timeout)))
     await srv.start()
     assert isinstance(srv.grpc, GrpcH2Server)
     return srv, srv.grpc
@@ -254,6 +255,56 @@ def test_the_tls_port_binds_as_create_server_did(tmp_path: Path, loop: str) -> N
                 assert sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 1
             finally:
                 await six.stop(0)
+
+    LOOPS[loop](body())
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_a_connection_made_counts_once_so_an_accept_at_the_bound_is_taken(
+        tmp_path: Path, loop: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A TLS connection moves from ``handshakes`` to ``connections`` as it is made, in one
+    step: a loop turn or two passed before its handshake task ended, and meanwhile it counted
+    in both, so with a bound of 2 a second connection accepted in that moment was refused
+    (too_many_connections) though one place was free. The accept is made in that very turn:
+    the client's connect is complete in the kernel, and the listener's accept is called from
+    the first connection's ``connection_made`` (what its reader would do a turn later)."""
+    tls = Tls(tmp_path)
+
+    async def body() -> None:
+        srv, h2 = await serving(tmp_path, tls, handshake_timeout=300.0, bound=2)
+        listener = h2.server
+        assert isinstance(listener, _TlsListener)
+        at_made: list[int] = []
+        second: list[socket.socket] = []
+        made = _Connection.connection_made
+
+        def connection_made(conn: _Connection, transport: asyncio.BaseTransport) -> None:
+            made(conn, transport)
+            at_made.append(counted(h2))
+            if second:
+                return
+            waiting = len(h2.handshakes)
+            second.append(socket.create_connection(("127.0.0.1", srv.port)))
+            for _ in range(1000):  # the kernel queues it for accept within a moment (bounded)
+                for sock in listener.sockets:
+                    listener._accept(sock)
+                if len(h2.handshakes) > waiting or h2.rejected:
+                    return
+                time.sleep(0.001)
+
+        monkeypatch.setattr(_Connection, "connection_made", connection_made)
+        try:
+            assert await in_thread(grpcio_check, srv.port, tls.client) == grpc.StatusCode.OK
+            assert "too_many_connections" not in h2.rejected, h2.rejected
+            assert at_made[0] == 1  # the first connection, counted once as it was made
+            assert len(h2.handshakes) == 1  # the second, accepted: its handshake waits
+            second[0].close()  # it ends without a ClientHello: counted, its place given back
+            await until(lambda: not h2.handshakes and not h2.connections, "both connections gone")
+            assert counted(h2) == 0 and h2.rejected == {"tls_handshake": 1}
+        finally:
+            for s in second:
+                s.close()
+            await srv.stop(grace=0)
 
     LOOPS[loop](body())
 
