@@ -59,6 +59,7 @@ import grpc
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..core.settings import DEFAULT_MAX_ACTIVE_CHECKS
+from ..core.throttle import LogThrottle
 from ..engine.overload import margin
 from .h2conn import (
     CODE_NAMES,
@@ -164,7 +165,8 @@ def malformed(headers: Iterable[tuple[bytes, bytes]], trailers: bool = False) ->
 
 #: the reasons :meth:`GrpcH2Server.reject` counts, by what each ended (the ``extauthz_grpc_*``
 #: metrics; docs/operations.md): a connection closed before it served a call, ...
-CONNECTION_REFUSED = ("too_many_connections", "stopping", "alpn", "handshake_timeout", "tls_handshake")
+CONNECTION_REFUSED = ("too_many_connections", "stopping", "alpn", "handshake_timeout", "tls_handshake",
+                      "handshake_error")
 #: ... a connection ended by a bound or a protocol error, ...
 CONNECTION_CLOSED = ("frame_too_large", "protocol_error", "control_flood", "rapid_reset", "slow_frame",
                      "peer_not_reading", "idle_timeout")
@@ -528,6 +530,7 @@ class GrpcH2Server:
         self.server: asyncio.AbstractServer | _TlsListener | None = None
         #: TLS connections accepted whose handshake runs: they count against max_connections
         self.handshakes: set[asyncio.Task[None]] = set()
+        self._handshake_errors = LogThrottle(log)
         self.port = 0
         self.stopping = False
         #: connections and streams refused or closed by a bound, by reason
@@ -598,7 +601,8 @@ class GrpcH2Server:
     async def _handshake(self, sock: socket.socket) -> None:
         """The TLS handshake of one accepted connection; once done, the connection is the
         protocol's (``connection_made``: ALPN, then counted in ``connections``). A handshake
-        that fails or outlasts ``handshake_timeout`` is counted and its socket closed.
+        that fails or outlasts ``handshake_timeout`` is counted and its socket closed; so is one
+        ended by anything else (a bug: logged, throttled), which never leaves the task.
 
         The count moves from ``handshakes`` to ``connections`` in ``connection_made`` itself
         (``_Connection.made``), not when this task ends a loop turn or two later: counted in
@@ -623,6 +627,13 @@ class GrpcH2Server:
         except OSError:  # ssl.SSLError, a reset, the timeout's ConnectionAbortedError: counted, closed
             timed_out = loop.time() - began >= self.limits.handshake_timeout
             self.reject("handshake_timeout" if timed_out else "tls_handshake")
+            sock.close()
+        except Exception:  # the server's own error (connection_made raising comes out of the
+            # handshake's waiter on both loops): counted, logged, closed
+            self.reject("handshake_error")
+            self._handshake_errors.log(logging.ERROR, "gRPC port: a TLS connection failed in the server "
+                                       "during or just after its handshake", exc_info=True,
+                                       fields={"event": "grpc_handshake_error"})
             sock.close()
 
     async def _sweep(self) -> None:

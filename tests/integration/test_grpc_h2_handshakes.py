@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gc
 import logging
 import os
 import resource
@@ -43,6 +44,10 @@ class Tls:
         self.cert, self.key = leaf.write(directory / "server", "tls")
         envoy = ca.issue("envoy")
         self.client = grpc.ssl_channel_credentials(ca.pem, envoy.key_pem, envoy.cert_pem)
+        #: the same client certificate for a raw TLS client (ALPN h2, as grpcio)
+        self.raw = ssl.create_default_context(cafile=self.ca_path)
+        self.raw.load_cert_chain(*envoy.write(directory / "envoy", "tls"))
+        self.raw.set_alpn_protocols(["h2"])
 
 
 async def serving(tmp_path: Path, tls: Tls, handshake_timeout: float, bound: int = BOUND,
@@ -259,6 +264,17 @@ def test_the_tls_port_binds_as_create_server_did(tmp_path: Path, loop: str) -> N
     LOOPS[loop](body())
 
 
+def tls_closed_by_server(tls: Tls, port: int) -> bool:
+    """A raw TLS client (its certificate, ALPN h2): True when the server closes the
+    connection, during or right after the handshake, without a byte of HTTP/2."""
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as sock:
+        try:
+            with tls.raw.wrap_socket(sock, server_hostname="extauthz") as conn:
+                return conn.recv(4096) == b""
+        except (ssl.SSLError, ConnectionResetError):
+            return True
+
+
 @pytest.mark.parametrize("loop", sorted(LOOPS))
 def test_a_connection_made_counts_once_so_an_accept_at_the_bound_is_taken(
         tmp_path: Path, loop: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -307,6 +323,48 @@ def test_a_connection_made_counts_once_so_an_accept_at_the_bound_is_taken(
             await srv.stop(grace=0)
 
     LOOPS[loop](body())
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_an_error_of_the_server_in_a_handshake_is_counted_logged_and_closed(
+        tmp_path: Path, loop: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Anything but an OSError out of ``connect_accepted_socket`` (here the protocol's own
+    ``connection_made`` raising, which both loops pass out through the handshake's waiter):
+    counted as handshake_error, logged (throttled), the socket closed and its place given
+    back, and never raised out of the handshake task (it was logged by the loop as "Task
+    exception was never retrieved", uncounted); the port then serves as before."""
+    tls = Tls(tmp_path)
+
+    async def body() -> None:
+        srv, h2 = await serving(tmp_path, tls, handshake_timeout=300.0)
+        loop_errors: list[dict[str, Any]] = []
+        asyncio.get_running_loop().set_exception_handler(lambda _, context: loop_errors.append(context))
+
+        def connection_made(conn: _Connection, transport: asyncio.BaseTransport) -> None:
+            raise RuntimeError("a bug in connection_made")
+
+        try:
+            with monkeypatch.context() as patch:
+                patch.setattr(_Connection, "connection_made", connection_made)
+                for _ in range(2):
+                    assert await in_thread(tls_closed_by_server, tls, srv.port)
+                await until(lambda: h2.rejected.get("handshake_error") == 2, "the two errors counted")
+            assert not h2.handshakes and counted(h2) == 0
+            gc.collect()  # the tasks (an exception's frames hold cycles): a retrieved one logs nothing
+            await asyncio.sleep(0)
+            assert [c["message"] for c in loop_errors if "task" in c or "future" in c] == []
+            logged = [r for r in caplog.records if getattr(r, "fields", {}).get("event") == "grpc_handshake_error"]
+            assert len(logged) == 1 and logged[0].levelno == logging.ERROR  # the second held back
+            assert logged[0].exc_info is not None and "a bug in connection_made" in str(logged[0].exc_info[1])
+            [refused] = [m for m in h2.metrics() if m.name == "extauthz_grpc_connections_refused"]
+            assert {s.labels["reason"]: s.value for s in refused.samples if s.name.endswith("_total")}[
+                "handshake_error"] == 2
+            assert await in_thread(grpcio_check, srv.port, tls.client) == grpc.StatusCode.OK
+        finally:
+            await srv.stop(grace=0)
+
+    with caplog.at_level(logging.WARNING, logger="extauthz"):
+        LOOPS[loop](body())
 
 
 def missing_family() -> socket.AddressFamily:
