@@ -51,6 +51,7 @@ import ssl
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 from urllib.parse import quote
 
@@ -58,6 +59,7 @@ import grpc
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..core.settings import DEFAULT_MAX_ACTIVE_CHECKS
+from ..core.throttle import LogThrottle
 from ..engine.overload import margin
 from .h2conn import (
     CODE_NAMES,
@@ -163,7 +165,8 @@ def malformed(headers: Iterable[tuple[bytes, bytes]], trailers: bool = False) ->
 
 #: the reasons :meth:`GrpcH2Server.reject` counts, by what each ended (the ``extauthz_grpc_*``
 #: metrics; docs/operations.md): a connection closed before it served a call, ...
-CONNECTION_REFUSED = ("too_many_connections", "stopping", "alpn", "handshake_timeout", "tls_handshake")
+CONNECTION_REFUSED = ("too_many_connections", "stopping", "alpn", "handshake_timeout", "tls_handshake",
+                      "handshake_error")
 #: ... a connection ended by a bound or a protocol error, ...
 CONNECTION_CLOSED = ("frame_too_large", "protocol_error", "control_flood", "rapid_reset", "slow_frame",
                      "peer_not_reading", "idle_timeout")
@@ -431,25 +434,48 @@ def listen_sockets(host: str | None, port: int, *, reuse_port: bool = False,
                    backlog: int = _BACKLOG) -> list[socket.socket]:
     """Non-blocking listening sockets on ``host:port`` bound as ``loop.create_server`` binds
     them: every address the host resolves to (every interface when None), IPv6 ones v6-only,
-    SO_REUSEADDR, and SO_REUSEPORT when asked."""
+    SO_REUSEADDR, and SO_REUSEPORT when asked. An address whose family this kernel lacks (no
+    socket of it: ``localhost``'s ``::1`` without IPv6) or has not enabled (its bind
+    EADDRNOTAVAIL) is skipped, as ``create_server`` skips it (Python 3.13's the latter too),
+    with a warning; none left is an error naming them all. Any other error fails the whole."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     sockets: list[socket.socket] = []
+    skipped: list[tuple[Any, OSError]] = []
     try:
         for family, kind, proto, _, address in dict.fromkeys(infos):
-            sock = socket.socket(family, kind, proto)
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError as exc:  # EAFNOSUPPORT, ...
+                skipped.append((address, exc))
+                continue
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if reuse_port:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(address)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno != errno.EADDRNOTAVAIL:
+                    raise
+                sockets.pop().close()
+                skipped.append((address, exc))
+                continue
             sock.listen(backlog)
             sock.setblocking(False)
+        if not sockets:
+            errs = "; ".join(f"{address[0]}: {err.strerror or err}" for address, err in skipped)
+            raise OSError(skipped[-1][1].errno if skipped else None,
+                          f"no address of {host or '*'} could listen ({errs or 'none resolved'})")
     except BaseException:
         for sock in sockets:
             sock.close()
         raise
+    for address, err in skipped:
+        log.warning("gRPC port: not listening on %s (%s): the others are", address[0], err.strerror or err,
+                    extra={"fields": {"event": "grpc_listen_skipped", "address": str(address[0]),
+                                      "errno": err.errno}})
     return sockets
 
 
@@ -513,6 +539,7 @@ class GrpcH2Server:
         self.server: asyncio.AbstractServer | _TlsListener | None = None
         #: TLS connections accepted whose handshake runs: they count against max_connections
         self.handshakes: set[asyncio.Task[None]] = set()
+        self._handshake_errors = LogThrottle(log)
         self.port = 0
         self.stopping = False
         #: connections and streams refused or closed by a bound, by reason
@@ -583,11 +610,25 @@ class GrpcH2Server:
     async def _handshake(self, sock: socket.socket) -> None:
         """The TLS handshake of one accepted connection; once done, the connection is the
         protocol's (``connection_made``: ALPN, then counted in ``connections``). A handshake
-        that fails or outlasts ``handshake_timeout`` is counted and its socket closed."""
+        that fails or outlasts ``handshake_timeout`` is counted and its socket closed; so is one
+        ended by anything else (a bug: logged, throttled), which never leaves the task.
+
+        The count moves from ``handshakes`` to ``connections`` in ``connection_made`` itself
+        (``_Connection.made``), not when this task ends a loop turn or two later: counted in
+        both meanwhile, a connection took two places, and an accept at the bound then was
+        refused. Its task ends on its own (a stop neither waits for it nor cancels it)."""
         loop = asyncio.get_running_loop()
         began = loop.time()
+        task = asyncio.current_task()
+
+        def protocol() -> _Connection:
+            conn = _Connection(self)
+            if task is not None:
+                conn.made = partial(self.handshakes.discard, task)
+            return conn
+
         try:
-            await loop.connect_accepted_socket(lambda: _Connection(self), sock, ssl=self.ssl_context,
+            await loop.connect_accepted_socket(protocol, sock, ssl=self.ssl_context,
                                                ssl_handshake_timeout=self.limits.handshake_timeout)
         except asyncio.CancelledError:  # a stop: the transport closed the socket
             sock.close()
@@ -595,6 +636,13 @@ class GrpcH2Server:
         except OSError:  # ssl.SSLError, a reset, the timeout's ConnectionAbortedError: counted, closed
             timed_out = loop.time() - began >= self.limits.handshake_timeout
             self.reject("handshake_timeout" if timed_out else "tls_handshake")
+            sock.close()
+        except Exception:  # the server's own error (connection_made raising comes out of the
+            # handshake's waiter on both loops): counted, logged, closed
+            self.reject("handshake_error")
+            self._handshake_errors.log(logging.ERROR, "gRPC port: a TLS connection failed in the server "
+                                       "during or just after its handshake", exc_info=True,
+                                       fields={"event": "grpc_handshake_error"})
             sock.close()
 
     async def _sweep(self) -> None:
@@ -768,10 +816,17 @@ class _Connection(asyncio.Protocol):
         self.control = _Budget(limits.control_per_second, now)
         self._flush_soon = False
 
+    #: a TLS connection's release of its place in ``server.handshakes``, called (once) as it
+    #: is made (GrpcH2Server._handshake)
+    made: Callable[[], None] | None = None
+
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         server = self.server
+        made, self.made = self.made, None
+        if made is not None:
+            made()
         tls = transport.get_extra_info("ssl_object")
         if tls is not None and tls.selected_alpn_protocol() != "h2":  # as grpcio: ALPN h2 or nothing
             server.reject("alpn")
