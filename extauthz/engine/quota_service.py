@@ -648,6 +648,7 @@ class QuotaBook:
         #: run out and cooled by then; ``_flagged``: the last marker read found a reset flag
         self.ledger_resets = 0
         self.frozen_until = 0.0
+        self._reset_until = 0.0
         self._flagged = False
         #: until when a first call's markerless store is only suspect (:meth:`settle`): a
         #: stream's first report of a bucket with time elapsed (an Envoy that held it before,
@@ -942,7 +943,7 @@ class QuotaBook:
         limits = self.limits()
         now = self.clock.monotonic()
         ttl = self.ttl + SLICE_MARGIN_REPORTS * self.report_interval
-        frozen = self._flagged or now < self.frozen_until
+        frozen = now < self.frozen_until  # (a flag read last time: checked on this call's answer)
         jobs: list[tuple[int, int, Held | None]] = []
         holds: list[Hold] = []
         dropped: set[tuple[int, int]] = set()
@@ -1051,11 +1052,12 @@ class QuotaBook:
         reset flag tells the other replicas for as long."""
         freeze = ttl + max((cool_tail(Share(1, limit.total.burst), limit.interval) for limit in limits.values()),
                            default=0.0)
-        if now >= self.frozen_until:
+        if now >= self._reset_until:  # a new loss (not one found again by a concurrent call)
             self.ledger_resets += 1
             log.warning("the quota ledger's store lost its data (this replica's marker was gone): no share "
                         "grows for %.0f s", freeze, extra={"fields": {"event": "quota_ledger_reset"}})
-        self.frozen_until = max(self.frozen_until, now + freeze)
+        self._reset_until = max(self._reset_until, now + freeze)
+        self.frozen_until = max(self.frozen_until, self._reset_until)
         self._flagged = True
         assert self.ledger is not None
         try:
