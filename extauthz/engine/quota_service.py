@@ -34,6 +34,10 @@ into ``RateLimitQuotaResponse`` messages.
   is coalesced (``extauthz_quota_coalesced_total``): a peer reporting faster than Envoy costs
   no division and no store call.
 * Released burst cools in the store too (:meth:`QuotaBook._store_ask`, :func:`cool_tail`).
+* A store that lost its data (the ledger gone while the Envoys enforce what they were sent)
+  is found by the ledger's marker, read and renewed in every settle's store call
+  (:meth:`StoreLedger.hold_marked`): no share grows until those assignments ran out and
+  cooled (:meth:`QuotaBook._reset`, ``extauthz_quota_ledger_resets_total``).
 * A bucket id naming a shedder and a tier (``shedder: NAME``, ``tier: T``: a
   ``worker_utilization`` shedder with ``envoy_deny_all``) holds no tokens: it is answered
   ``DENY_ALL`` while that shedder refuses the tier whole, else ``ALLOW_ALL`` (critical: always
