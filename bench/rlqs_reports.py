@@ -68,6 +68,8 @@ async def run(envoys: int, buckets: int, rounds: int, shared: bool, ledger: str 
     book = QuotaBook(lambda: limits, clock=clock,
                      ledger=None if store is None else StoreLedger(store, Keys(prefix)))
     used_before = _used_memory(ledger) if memory is not None else 0
+    if store is not None:  # a store a replica used before: no new store's first two intervals frozen
+        await store.check(StoreLedger(store, Keys(prefix), replica="earlier").marker_ops(), "")
     streams = [book.open(f"envoy-{e}") for e in range(envoys)]
     first = [_report(buckets, e, 0, shared) for e in range(envoys)]
     later = [_report(buckets, e, 5, shared) for e in range(envoys)]

@@ -15,17 +15,35 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from extauthz.core.clock import ManualClock
-from extauthz.engine.quota_service import REPORT_INTERVAL, Action, QuotaBook, QuotaLimit, StoreLedger, Stream, Usage
-from extauthz.store.base import Store
+from extauthz.engine.quota_service import (
+    MARKER_TOTAL,
+    MARKER_TTL,
+    REPORT_INTERVAL,
+    Action,
+    QuotaBook,
+    QuotaLimit,
+    StoreLedger,
+    Stream,
+    Usage,
+)
+from extauthz.store.base import SliceOp, Store
 from extauthz.store.keys import Keys
 
 BUCKET = {"limiter": "per-ip", "ip": "10.0.0.1"}
 #: limits (rate, burst) whose bursts are many seconds of fill deep: released burst outlasts
 #: a shrink's confirmation
 WIDE_LIMITS = [(0.5, 2.0), (1.0, 4.0), (0.2, 3.0), (0.5, 10.0), (1.0, 20.0), (2.0, 30.0), (0.2, 6.0)]
+
+
+def established(keys: Keys, replica: str = "established") -> list[SliceOp]:
+    """The op that writes another replica's ledger marker: a store some replica has used
+    before (a test about something else than a new store's first settle, which grows nothing
+    for two report intervals: docs/rlqs.md "A store that loses its data")."""
+    return [SliceOp(keys.quota_marker, MARKER_TOTAL, MARKER_TTL, replica, 1)]
 
 
 @dataclass
@@ -91,8 +109,12 @@ class World:
     (a new book and holder name; its Envoys' streams break and reconnect)."""
 
     def __init__(self, rng: random.Random, envoys: int, rate: float, burst: float, *, replicas: int = 0,
-                 store: Store | None = None, clock: ManualClock | None = None, keys: Keys | None = None) -> None:
+                 store: Store | None = None, clock: ManualClock | None = None, keys: Keys | None = None,
+                 wipe: Callable[[], None] | None = None) -> None:
         self.rng = rng
+        #: the store loses its data (FLUSHALL on Redis, ``MemoryStore.flushall``): run's ``wipes``
+        self.wipe = wipe
+        self.wiped: list[float] = []
         self.clock = clock if clock is not None else ManualClock(0.0)
         self.limit = QuotaLimit(rate, burst)
         self.store = store
@@ -150,10 +172,11 @@ class World:
                         self.at(when, "apply", j, (other.stream, action))
 
     async def run(self, seconds: float, weights: list[float], mean_gap: float, restarts: float = 0.0,
-                  reconnects: float = 0.0, replica_restarts: float = 0.0) -> None:
+                  reconnects: float = 0.0, replica_restarts: float = 0.0, wipes: float = 0.0) -> None:
         """``restarts``, ``reconnects``: per Envoy tick, the chance that its Envoy restarts
         (buckets gone) or its stream breaks (buckets kept; with replicas, it reconnects to
-        any); ``replica_restarts``: per tick, the chance a replica restarts."""
+        any); ``replica_restarts``: per tick, the chance a replica restarts; ``wipes``: per
+        tick, the chance the store loses its data (``wipe``)."""
         self.at(self.clock.monotonic() + self.rng.expovariate(1 / mean_gap), "request", -1)
         end = self.clock.monotonic() + seconds
         while self.events and self.events[0][0] <= end:
@@ -176,6 +199,9 @@ class World:
                 envoy = self.envoys[who]
                 if self.store is not None and self.rng.random() < replica_restarts:
                     self.restart_replica(self.rng.choice(list(self.books)))
+                if self.wipe is not None and self.rng.random() < wipes:
+                    self.wipe()
+                    self.wiped.append(now)
                 if envoy.stream is not None and self.rng.random() < restarts:
                     # the Envoy restarts: its buckets are gone, its stream closes
                     self.books[envoy.replica].close(envoy.stream)
@@ -226,6 +252,17 @@ async def three_replicas(world: World, envoys: int) -> None:
         weights = [rng.choice([0.0, 0.1, 1.0, 9.0]) for _ in range(envoys)]
         await world.run(rng.uniform(10, 30), weights, mean_gap=rng.choice([0.05, 0.2]),
                         restarts=0.05, reconnects=0.2, replica_restarts=0.15)
+
+
+async def wiped_ledger(world: World, envoys: int) -> None:
+    """Five spells of 10-30 s, demand moved between the Envoys at each, streams breaking and
+    moving, and the store losing its data at one tick in forty (the ledger gone while the
+    Envoys enforce what they were sent)."""
+    rng = world.rng
+    for _ in range(5):
+        weights = [rng.choice([0.0, 0.1, 1.0, 9.0]) for _ in range(envoys)]
+        await world.run(rng.uniform(10, 30), weights, mean_gap=rng.choice([0.05, 0.2]),
+                        restarts=0.03, reconnects=0.1, replica_restarts=0.02, wipes=1 / 40)
 
 
 def drawn(seed: int) -> tuple[random.Random, tuple[float, float], int]:

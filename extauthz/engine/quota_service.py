@@ -34,6 +34,10 @@ into ``RateLimitQuotaResponse`` messages.
   is coalesced (``extauthz_quota_coalesced_total``): a peer reporting faster than Envoy costs
   no division and no store call.
 * Released burst cools in the store too (:meth:`QuotaBook._store_ask`, :func:`cool_tail`).
+* A store that lost its data (the ledger gone while the Envoys enforce what they were sent)
+  is found by the ledger's marker, read and renewed in every settle's store call
+  (:meth:`StoreLedger.hold_marked`): no share grows until those assignments ran out and
+  cooled (:meth:`QuotaBook._reset`, ``extauthz_quota_ledger_resets_total``).
 * A bucket id naming a shedder and a tier (``shedder: NAME``, ``tier: T``: a
   ``worker_utilization`` shedder with ``envoy_deny_all``) holds no tokens: it is answered
   ``DENY_ALL`` while that shedder refuses the tier whole, else ``ALLOW_ALL`` (critical: always
@@ -367,6 +371,32 @@ class Granted:
 
 #: (bucket, stream) holds settled in one store call (one report's, up to this many)
 MAX_HOLDS_PER_CALL = 128
+#: the ledger's marker (:attr:`~extauthz.store.keys.Keys.quota_marker`, docs/rlqs.md "A store
+#: that loses its data"): each replica holds one unit under its name, renewed by every store
+#: call for this long (bounded: a replica quiet for longer finds its marker gone and freezes
+#: once, which costs early refusal, never over-admission)
+MARKER_TTL = 86400.0
+#: the marker's total (never binds: its slices are only summed) and the reset flag's units
+#: (held under RESET_HOLDER by a replica that found its marker gone, until every assignment
+#: sent before the loss has run out: the other replicas read it in their next call)
+MARKER_TOTAL = 1 << 50
+RESET_UNITS = 1 << 32
+RESET_HOLDER = "~reset"
+#: a holder that never holds anything: its slice op reads every live slice of the marker
+PROBE_HOLDER = "~probe"
+
+
+@dataclass(frozen=True, slots=True)
+class Marked:
+    """What a store call's marker ops read (on the state before the call's commits)."""
+
+    #: this replica's marker was gone though it had written it: the store lost the ledger
+    lost: bool
+    #: a reset flag was there (some replica found the ledger lost), or ``lost``
+    reset: bool
+    #: this replica's first call found no replica's marker: a new store, or one that lost its
+    #: data whose other replicas have not called since (they find it at their next call)
+    fresh: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -411,6 +441,9 @@ class StoreLedger:
         self.failures = 0
         #: the store calls answered since the last failure (0: failing now)
         self.healthy = True
+        #: this replica's marker was written once (a replica's first call finding no
+        #: marker of its own is a loss only when no other replica's is there either)
+        self.marked = False
 
     def holder(self, sid: int) -> str:
         return f"{self.replica}.{sid}"
@@ -442,6 +475,45 @@ class StoreLedger:
         return answer
 
     async def hold_many(self, holds: Sequence[Hold]) -> list[Granted | BaseException]:
+        """:meth:`hold_marked` without the marker."""
+        return (await self._hold(holds, marker=False))[0]
+
+    async def hold_marked(self, holds: Sequence[Hold]) -> tuple[list[Granted | BaseException], Marked | None]:
+        """:meth:`hold_many` with the ledger's marker read and renewed in the same store call
+        (two ``SliceOp`` on :attr:`~extauthz.store.keys.Keys.quota_marker` beside the first
+        holds: one store call still; on Redis Cluster its own call, at once): what they found
+        (None: that call failed, or no holds)."""
+        return await self._hold(holds, marker=True)
+
+    def marker_ops(self) -> list[SliceOp]:
+        """A probe (a holder that holds nothing: the answer gives every live slice's units)
+        and this replica's marker renewed (the answer gives the others')."""
+        key = self.keys.quota_marker
+        return [SliceOp(key, MARKER_TOTAL, MARKER_TTL, PROBE_HOLDER, 0),
+                SliceOp(key, MARKER_TOTAL, MARKER_TTL, self.replica, 1)]
+
+    def marked_by(self, probe: OpResult, renew: OpResult) -> Marked:
+        """Decode the marker ops' answers (:meth:`marker_ops`): this replica's own marker was
+        there iff the probe counted one unit more than the renewal's others."""
+        everyone = MARKER_TOTAL - int(probe.remaining)
+        others = MARKER_TOTAL - int(renew.remaining) - max(0, int(renew.extra))
+        flagged = everyone >= RESET_UNITS
+        gone = everyone - others < 1
+        lost = gone and self.marked
+        fresh = gone and not self.marked and others % RESET_UNITS == 0
+        if renew.extra >= 1:
+            self.marked = True
+        return Marked(lost, flagged or lost, fresh)
+
+    async def flag_reset(self, seconds: float) -> None:
+        """Hold the reset flag for ``seconds`` (bounded: the assignments' TTL and cooling):
+        every replica's next call reads it and grows no share meanwhile. Raises what the
+        store raises."""
+        await self.store.check([SliceOp(self.keys.quota_marker, MARKER_TOTAL, seconds, RESET_HOLDER,
+                                        RESET_UNITS)], "")
+
+    async def _hold(self, holds: Sequence[Hold], *, marker: bool
+                    ) -> tuple[list[Granted | BaseException], Marked | None]:
         """:meth:`hold` for many (bucket, stream)s: one store call per
         :data:`MAX_HOLDS_PER_CALL` of them (their ops in one ``check``, each bucket's three
         atomic as in :meth:`hold`), the calls at once; a call that fails fails its holds
@@ -463,23 +535,32 @@ class StoreLedger:
             rounds[k].append(n)
         size = 1 if self.store.per_master else MAX_HOLDS_PER_CALL
         out: list[Granted | BaseException | None] = [None] * len(holds)
-        for members in rounds:
+        marked: Marked | None = None
+        for r, members in enumerate(rounds):
             chunks = [members[i:i + size] for i in range(0, len(members), size)]
-            results = await asyncio.gather(*(self.store.check(
-                [op for n in chunk for op in self._ops_of(holds[n])], "") for chunk in chunks), return_exceptions=True)
-            for chunk, result in zip(chunks, results, strict=True):
+            calls = [[op for n in chunk for op in self._ops_of(holds[n])] for chunk in chunks]
+            mark = marker and r == 0
+            if mark and self.store.per_master:  # its own call (its own master), at once
+                chunks.append([])
+                calls.append(self.marker_ops())
+            elif mark:  # beside the first chunk's holds: the same store call
+                calls[0] = calls[0] + self.marker_ops()
+            results = await asyncio.gather(*(self.store.check(ops, "") for ops in calls), return_exceptions=True)
+            for c, (chunk, result) in enumerate(zip(chunks, results, strict=True)):
                 if isinstance(result, BaseException):
                     if not isinstance(result, Exception):
                         raise result
                     for n in chunk:
                         out[n] = result
                     continue
+                if mark and c == (len(chunks) - 1 if self.store.per_master else 0):
+                    marked = self.marked_by(*result.results[-2:])
                 for j, n in enumerate(chunk):
                     fill, burst, asked = result.results[3 * j:3 * j + 3]
                     others = max(0, DEMAND_TOTAL - int(asked.remaining) - max(0, int(asked.extra)))
                     out[n] = Granted(_granted(fill, burst), Share(int(fill.remaining), int(burst.remaining)), others,
                                      Share(max(0, int(fill.retry_after)), max(0, int(burst.retry_after))))
-        return [answer for answer in out if answer is not None]
+        return [answer for answer in out if answer is not None], marked
 
     def _ops_of(self, h: Hold) -> list[SliceOp]:
         return self.ops(h.bucket, h.sid, h.want, h.total, h.ttl, h.demand, h.cool)
@@ -566,6 +647,18 @@ class QuotaBook:
         self.refused: dict[str, int] = {}
         #: DENY_ALL answers sent to shedders' tier buckets
         self.shed_denials = 0
+        #: the store's ledger found lost (:meth:`settle`: this replica's marker gone), and
+        #: until when (monotonic) no share grows: every assignment sent before the loss has
+        #: run out and cooled by then; ``_flagged``: the last marker read found a reset flag
+        self.ledger_resets = 0
+        self.frozen_until = 0.0
+        self._reset_until = 0.0
+        self._flagged = False
+        #: until when a first call's markerless store is only suspect (:meth:`settle`): a
+        #: stream's first report of a bucket with time elapsed (an Envoy that held it before,
+        #: maybe under an assignment the lost ledger backed; ``_moved``) makes it a loss
+        self._fresh_until = 0.0
+        self._moved = False
 
     @property
     def ttl(self) -> float:
@@ -711,6 +804,8 @@ class QuotaBook:
                 held.pending_allowed = held.pending_denied = 0
                 held.pending_elapsed = 0.0
             if held is None:
+                if usage.elapsed > 0:
+                    self._moved = True  # an Envoy that held the bucket before: maybe unbacked
                 held = stream.buckets[key] = Held(reported=now)
                 self.holders.setdefault(key, set()).add(stream.id)
                 self.holds += 1
@@ -852,6 +947,7 @@ class QuotaBook:
         limits = self.limits()
         now = self.clock.monotonic()
         ttl = self.ttl + SLICE_MARGIN_REPORTS * self.report_interval
+        frozen = now < self.frozen_until  # (a flag read last time: checked on this call's answer)
         jobs: list[tuple[int, int, Held | None]] = []
         holds: list[Hold] = []
         dropped: set[tuple[int, int]] = set()
@@ -877,6 +973,8 @@ class QuotaBook:
                     # no burst grows while its own release cools (a bucket Envoy grows or
                     # starts anew holds tokens at once: the released ones, maybe spent)
                     share = Share(share.fill, held.sent.burst)
+                if frozen:  # the store lost the ledger: renewed at most at its size
+                    share = _min(share, held.sent)
                 if not (share.fill and share.burst):  # Envoy's token bucket needs both
                     share = NOTHING
                 out[sid][i] = Action(action.bucket, share, action.interval, action.ttl)
@@ -886,8 +984,19 @@ class QuotaBook:
                 jobs.append((sid, i, held))
                 holds.append(Hold(action.bucket, sid, ask, total, ttl, demand,
                                   cool_tail(ask, limit.interval) if limit is not None else 0.0))
-        answers = await ledger.hold_many(holds) if holds else []
+        answers, marked = await ledger.hold_marked(holds) if holds else ([], None)
         now = self.clock.monotonic()
+        if marked is not None:
+            self._flagged = marked.reset
+            if marked.fresh:  # grow nothing until the other replicas' next calls (each within
+                # a report interval, plus its answer) have read their markers and flagged a loss
+                self._fresh_until = now + 2 * self.report_interval
+                self.frozen_until = max(self.frozen_until, self._fresh_until)
+            if marked.lost or (self._moved and now <= self._fresh_until):
+                self._fresh_until = 0.0
+                await self._reset(limits, ttl, now)
+        # no marker read (its call failed): as if reset (no share grows on this answer)
+        frozen = marked is None or marked.reset or now < self.frozen_until
         settled = out
         failed = 0
         retail: list[Hold] = []
@@ -905,6 +1014,8 @@ class QuotaBook:
             action = settled[sid][i]
             assert action.share is not None
             share = _min(action.share, answer.share)
+            if frozen:  # no share grows past what its Envoy holds now
+                share = _min(share, held.sent)
             if not (share.fill and share.burst):  # sent as DENY_ALL: Envoy holds no tokens
                 share = NOTHING
             # what the store proves: a share grown while the slices sum past the limit
@@ -935,6 +1046,28 @@ class QuotaBook:
             ledger.healthy = True
         return {sid: kept for sid, actions in settled.items()
                 if (kept := [a for i, a in enumerate(actions) if (sid, i) not in dropped])}
+
+    async def _reset(self, limits: Mapping[str, QuotaLimit], ttl: float, now: float) -> None:
+        """The store lost the ledger (this replica's marker gone): the Envoys still enforce
+        what they were sent, unbacked. No share grows until every assignment sent before the
+        loss has run out (``ttl``: the slices' TTL, which covers the answers' way) and the
+        tokens those Envoys spent have refilled in the limiter's own bucket (a holder's fill
+        is at least 1 per interval: ``burst x interval``, the longest :func:`cool_tail`); the
+        reset flag tells the other replicas for as long."""
+        freeze = ttl + max((cool_tail(Share(1, limit.total.burst), limit.interval) for limit in limits.values()),
+                           default=0.0)
+        if now >= self._reset_until:  # a new loss (not one found again by a concurrent call)
+            self.ledger_resets += 1
+            log.warning("the quota ledger's store lost its data (this replica's marker was gone): no share "
+                        "grows for %.0f s", freeze, extra={"fields": {"event": "quota_ledger_reset"}})
+        self._reset_until = max(self._reset_until, now + freeze)
+        self.frozen_until = max(self.frozen_until, self._reset_until)
+        self._flagged = True
+        assert self.ledger is not None
+        try:
+            await self.ledger.flag_reset(freeze)
+        except Exception:  # the others find their own markers gone all the same
+            self.ledger.failures += 1
 
     @staticmethod
     def _store_ask(held: Held, base: Share, limit: QuotaLimit | None, now: float) -> Share:
@@ -988,7 +1121,9 @@ class QuotaBook:
             "reports": self.reports, "overadmission": self.overadmission,
             "reported_excess": self.reported_excess, "coalesced": self.coalesced, "refused": dict(self.refused),
             "shed_denials": self.shed_denials,
-            "ledger": self.ledger.status() if self.ledger is not None else None,
+            "ledger": {**self.ledger.status(), "resets": self.ledger_resets,
+                       "frozen_for": round(max(0.0, self.frozen_until - self.clock.monotonic()), 3),
+                       "flagged": self._flagged} if self.ledger is not None else None,
         }
 
 

@@ -386,6 +386,9 @@ def quota_metrics(book: QuotaBook) -> Iterable[Metric]:
     yield CounterMetricFamily("extauthz_quota_coalesced", "Usage report entries coalesced: sooner than "
                               "half a report interval after the bucket's last one on the stream.",
                               value=book.coalesced)
+    yield CounterMetricFamily("extauthz_quota_ledger_resets", "Times the store's quota ledger was found "
+                              "lost (this replica's marker gone): no share grew for the assignments' TTL "
+                              "and cooling after.", value=book.ledger_resets)
     yield CounterMetricFamily("extauthz_quota_reports", "Usage reports read on quota streams.",
                               value=book.reports)
     streams = GaugeMetricFamily("extauthz_quota_streams", "Quota streams (RLQS) open on this replica.",

@@ -62,6 +62,13 @@ class Keys:
         Both parts of a bucket share the tag ``{ql:<bucket>}`` (one slot: one atomic call)."""
         return f"{self.prefix}:{{ql:{bucket}}}:ql:{limiter}:{part}"
 
+    @property
+    def quota_marker(self) -> str:
+        """The quota ledger's marker (``SliceOp`` slices: one per replica, long-lived, and a
+        reset flag while a lost ledger's assignments run out): a store that lost its data has
+        none (:class:`~extauthz.engine.quota_service.StoreLedger`). Its own tag ``{qlm}``."""
+        return f"{self.prefix}:{{qlm}}:qlm"
+
     def shed_state(self, limiter: str) -> str:
         return f"{self.prefix}:{self.fleet_tag}:shed:{limiter}"
 

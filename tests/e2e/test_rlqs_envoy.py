@@ -87,6 +87,8 @@ class Promise:
         self.upstream = upstream
         self.client = client
         self.start = time.monotonic()
+        #: requests the upstream served before: a promise from now on (any window holds it)
+        self.base = upstream.served
         self.held = True
         self.worst = 0.0  # the largest admitted - (rate x t + burst) seen (at most 0 when held)
 
@@ -97,7 +99,7 @@ class Promise:
             for name, envoy in envoys:
                 if self.client.send(envoy.url + "/x").status == 200:
                     admitted[name] += 1
-                over = self.upstream.served - (RATE * (time.monotonic() - self.start) + BURST)
+                over = self.upstream.served - self.base - (RATE * (time.monotonic() - self.start) + BURST)
                 self.worst = max(self.worst, over)
                 self.held &= over <= 0
             time.sleep(0.05)
@@ -270,6 +272,47 @@ def test_two_replicas_on_one_redis_keep_one_limit(tmp_path: Path, redis_single_c
 
 @pytest.mark.redis
 @pytest.mark.slow
+def test_a_redis_restarted_empty_keeps_one_limit(tmp_path: Path, redis_single_clean: RedisSingle) -> None:
+    """Two replicas on one Redis, each the quota server of its own Envoy; after 20 s of
+    traffic Redis is restarted empty (persistence off: the ledger is gone while both Envoys
+    enforce what they were sent). Each replica finds its marker gone at its next settle and
+    grows no share until those assignments ran out and cooled: from the restart on, the
+    upstream admits within ``rate x t + burst`` (a promise counted from the restart), and each
+    replica counts one reset."""
+    (tmp_path / "api.yaml").write_text(POLICY)
+    upstream = start_upstream()
+    args = ["--redis-url", redis_single_clean.url]
+    servers = [ServerProcess([tmp_path], args=args, workdir=tmp_path).start(STARTUP) for _ in range(2)]
+
+    def config(server: ServerProcess) -> str:
+        return yaml.safe_dump(bootstrap(load_policy([tmp_path]), protocol="grpc",
+                                        upstream=("127.0.0.1", upstream.port),
+                                        authz=("127.0.0.1", server.port), listen_port=0, admin_port=0,
+                                        rlqs=True))
+    try:
+        with started_envoy(config(servers[0])) as a, started_envoy(config(servers[1])) as b, HttpClient() as c:
+            before = Promise(upstream, c)
+            admitted = before.drive([("a", a), ("b", b)], 20.0)
+            assert before.held, (upstream.served, before.worst)
+            assert admitted["a"] + admitted["b"] > 0, admitted
+            redis_single_clean.kill()
+            redis_single_clean.restart()
+            after = Promise(upstream, c)
+            # the demand moves to b's Envoy: its replica would grow b's share into what a's holds
+            after.drive([("a", a), ("b", b), ("b", b), ("b", b)], 25.0)
+            assert after.held, (upstream.served - after.base, after.worst)
+            for server in servers:
+                quota = _status(server)["quota"]
+                assert quota["ledger"]["resets"] == 1, quota["ledger"]
+                assert quota["overadmission"] == 0
+    finally:
+        for server in servers:
+            server.stop()
+        upstream.stop()
+
+
+@pytest.mark.redis
+@pytest.mark.slow
 def test_a_stream_moves_to_another_replica_behind_one_cluster(tmp_path: Path, redis_single_clean: RedisSingle) -> None:
     """One Envoy whose server cluster has two endpoints: two replicas on one Redis (the
     ``extauthz`` cluster carries both the checks and the quota stream: ``envoy-config --authz
@@ -297,7 +340,8 @@ def test_a_stream_moves_to_another_replica_behind_one_cluster(tmp_path: Path, re
     try:
         with started_envoy(config) as a, HttpClient() as c:
             promise = Promise(upstream, c)
-            first = promise.drive([("a", a)], 12.0)
+            # (a new store: no share grows for two report intervals after the first settle)
+            first = promise.drive([("a", a)], 20.0)
             assert promise.held, (upstream.served, promise.worst)
             assert first["a"] > 0, first
             (old,) = holding()  # one Envoy, one stream, on one replica

@@ -19,7 +19,7 @@ from extauthz.engine.quota_service import NOTHING, QuotaBook, QuotaLimit, StoreL
 from extauthz.store.base import Store
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
-from testinfra.quota_envoy import BUCKET, World, drawn, three_replicas, two_replicas
+from testinfra.quota_envoy import BUCKET, World, drawn, established, three_replicas, two_replicas
 from testinfra.redis_servers import RedisSingle
 from tests.store.conftest import make_redis_store
 
@@ -81,6 +81,7 @@ async def test_released_burst_cools_in_the_store_before_another_replica_takes_it
         return QuotaBook(lambda: {"per-ip": limit}, clock=clock,
                          ledger=StoreLedger(store, Keys(prefix="cooled"), replica=name))
 
+    await store.check(established(Keys(prefix="cooled")), "")
     a, b = book("a"), book("b")
     sa, sb = a.open("envoy-a"), b.open("envoy-b")
     key = tuple(sorted(BUCKET.items()))

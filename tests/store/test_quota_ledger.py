@@ -33,6 +33,7 @@ from extauthz.store.base import CheckResult, Op, SliceOp, Store
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
 from extauthz.store.redis import RedisStore
+from testinfra.quota_envoy import established
 from testinfra.redis_servers import RedisCluster, RedisSingle
 from tests.store.conftest import TOPOLOGY_FIXTURES, make_redis_store
 
@@ -54,11 +55,14 @@ async def case(request: pytest.FixtureRequest) -> AsyncIterator[Case]:
     keys share one hash tag: one atomic call)."""
     clock = ManualClock()
     if request.param == "memory":
-        yield Case(MemoryStore(clock), clock)
+        memory = MemoryStore(clock)
+        memory.check_now(established(Keys()), "")
+        yield Case(memory, clock)
         return
     topology: RedisSingle | RedisCluster = request.getfixturevalue(TOPOLOGY_FIXTURES[request.param])
     store = make_redis_store(topology, clock)
     try:
+        await store.check(established(Keys()), "")
         yield Case(store, clock)
     finally:
         await store.close()
@@ -226,6 +230,7 @@ class Failing(MemoryStore):
 async def test_a_store_outage_sends_nothing_more() -> None:
     clock = ManualClock()
     store = Failing(clock)
+    store.check_now(established(Keys()), "")
     b = QuotaBook(lambda: LIMITS, clock=clock, ledger=StoreLedger(store, Keys(), replica="r"))
     envoys = Envoys(clock)
     s1 = b.open("envoy-1")
@@ -239,7 +244,8 @@ async def test_a_store_outage_sends_nothing_more() -> None:
     assert out == {}  # no assignment (no renewal, no new share): Envoy's TTL runs out, then DENY_ALL
     assert b.ledger is not None and b.ledger.failures > 0 and not b.ledger.healthy
     assert envoys.held[("r", s1.id, key)] == sent
-    assert b.status()["ledger"] == {"replica": "r", "failures": b.ledger.failures, "healthy": False}
+    assert b.status()["ledger"] == {"replica": "r", "failures": b.ledger.failures, "healthy": False,
+                                    "resets": 0, "frozen_for": 0.0, "flagged": False}
     store.down = False
     clock.advance(5.0)
     out = await b.settle(b.report(s2, "d", [Usage(BUCKETS[0], 5.0, 0, 5)]))
@@ -282,7 +288,8 @@ async def test_a_report_of_many_buckets_settles_in_few_store_calls(case: Case) -
     case.store.check = counted  # type: ignore[method-assign]
     sa, sb = a.open("envoy-a"), b.open("envoy-b")
     out = await a.settle(a.report(sa, "d", [Usage(x, 0.0, 0, 1) for x in buckets]))
-    per_report = 300 if case.store.per_master else 3  # 128 + 128 + 44
+    # 128 + 128 + 44 (the marker's ops beside the first); on a cluster one per bucket and the marker's
+    per_report = 301 if case.store.per_master else 3
     assert calls == per_report
     assert [action.share for action in out[sa.id]] == [LIMIT.total] * 300
     out = await b.settle(b.report(sb, "d", [Usage(x, 0.0, 0, 1) for x in buckets]))
@@ -365,6 +372,7 @@ def test_a_slice_s_tail_is_timed_on_the_fill_the_store_granted() -> None:
     asked (no one else's fill refills that burst once its Envoy stops)."""
     clock = ManualClock()
     store = MemoryStore(clock)
+    store.check_now(established(Keys()), "")
     b = QuotaBook(lambda: LIMITS, clock=clock, ledger=StoreLedger(store, Keys(), replica="a"))
     key = tuple(sorted(BUCKETS[0].items()))
     x = StoreLedger(store, Keys(), replica="x")
@@ -390,6 +398,7 @@ def test_a_release_cools_on_the_fill_the_store_holds_for_it() -> None:
     until some is, not the 15 / 8 s that the 10 fill it asked would take."""
     clock = ManualClock()
     store = MemoryStore(clock)
+    store.check_now(established(Keys()), "")
     b = QuotaBook(lambda: LIMITS, clock=clock, ledger=StoreLedger(store, Keys(), replica="a"))
     key = tuple(sorted(BUCKETS[0].items()))
     store.check_now(StoreLedger(store, Keys(), replica="x").ops(key, 1, Share(8, 0), LIMIT.total, 600.0, 0), "")
