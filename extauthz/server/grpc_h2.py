@@ -105,6 +105,45 @@ _FIELD_NAME = re.compile(rb"[\x21-\x39\x3b-\x40\x5b-\x7e]+").fullmatch
 _BAD_VALUE = re.compile(rb"[\x00\n\r]|\A[ \t]|[ \t]\Z").search
 
 
+#: every regular field name of a request joined by spaces (never in a valid name: a name
+#: holding one adds to their count), for :func:`_well_formed`: one match for them all
+_FIELD_NAMES = re.compile(rb"[\x21-\x39\x3b-\x40\x5b-\x7e]+(?: [\x21-\x39\x3b-\x40\x5b-\x7e]+)*").fullmatch
+
+
+def _well_formed(headers: list[tuple[bytes, bytes]]) -> bool:
+    """True only if :func:`malformed` finds nothing in a request's header list: its rules
+    checked over the whole list at once (names joined into one match, values joined by LF and
+    searched with ``in``: a few C calls instead of two patterns per field, 10 % of a no-op
+    check's Python time). False may still be well formed: :func:`malformed` then decides."""
+    n = 0
+    for name, _ in headers:
+        if name[:1] != b":":
+            break
+        n += 1
+    pseudo = dict(headers[:n])
+    if (len(pseudo) != n or not _REQUIRED_PSEUDO <= pseudo.keys() <= _PSEUDO or not pseudo[b":path"]
+            or pseudo[b":method"] == b"CONNECT"):
+        return False
+    names = [name for name, _ in headers[n:]]
+    joined = b" ".join(names)
+    if (_FIELD_NAMES(joined) is None or joined.count(b" ") != len(names) - 1
+            or not _CONNECTION_FIELDS.isdisjoint(names)):
+        return False
+    values = b"\n".join([value for _, value in headers])
+    if (values.count(b"\n") != len(headers) - 1 or b"\0" in values or b"\r" in values
+            or b"\n " in values or b"\n\t" in values or b" \n" in values or b"\t\n" in values
+            or values[:1] in b" \t" or values[-1:] in b" \t"):
+        return False
+    if b"te" in names and (names.count(b"te") > 1
+                           or headers[n + names.index(b"te")][1].lower() != b"trailers"):
+        return False
+    authority = pseudo.get(b":authority")
+    if b"host" not in names:
+        return authority is not None
+    host = headers[n + names.index(b"host")][1]
+    return names.count(b"host") == 1 and (authority is None or authority == host)
+
+
 def malformed(headers: Iterable[tuple[bytes, bytes]], trailers: bool = False) -> str | None:
     """Why a request's header list (or with ``trailers``, its trailer list) is malformed
     (RFC 9113 8.1.1: a stream error), or None.
@@ -114,6 +153,8 @@ def malformed(headers: Iterable[tuple[bytes, bytes]], trailers: bool = False) ->
     that walks every byte of every name and value in Python: 27 % of a no-op check's
     instructions (docs/design.md, "The gRPC port on the event loop"). Trailers carry no
     pseudo-header field and need none (8.1)."""
+    if not trailers and type(headers) is list and _well_formed(headers):
+        return None
     seen: set[bytes] = set()
     regular = connect = False
     host = authority = None

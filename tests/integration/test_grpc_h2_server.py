@@ -32,6 +32,8 @@ from hyperframe.frame import (
     SettingsFrame,
     WindowUpdateFrame,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from extauthz.envoy.records import EXT_AUTHZ_NAMESPACE
 from extauthz.proto import accesslog_pb2, accesslog_pb2_grpc, auth_pb2, auth_pb2_grpc
@@ -1133,6 +1135,23 @@ async def test_a_flood_of_malformed_requests_is_cut(probe: tuple[GrpcH2Server, P
 def test_malformed_says_why(headers: list[tuple[bytes, bytes]], reason: str | None) -> None:
     """The request header checks that replaced h2's inbound validation, case by case."""
     assert malformed(headers) == reason
+
+
+_NAMES = st.sampled_from([b":method", b":scheme", b":path", b":authority", b":status", b"host", b"te",
+                          b"content-type", b"x-a", b"X-A", b"x:a", b"x a", b"", b"connection", b"x\xff"])
+_VALUES = st.sampled_from([b"POST", b"CONNECT", b"http", b"/a", b"", b"t", b"u", b"trailers", b"TraiLers",
+                           b"gzip", b" t", b"t\t", b"a\nb", b"a\rb", b"\x00", b"a b", b"\xff"])
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.lists(st.tuples(_NAMES, _VALUES), max_size=8),
+       st.permutations([(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/a"), (b":authority", b"t")]))
+def test_malformed_fast_path_agrees_with_the_rules(mixed: list[tuple[bytes, bytes]],
+                                                    pseudo: list[tuple[bytes, bytes]]) -> None:
+    """The whole-list check (a list: what the connection passes) answers as the field by field
+    rules (any other iterable), on lists near and far from a well-formed request."""
+    for headers in (mixed, pseudo + mixed, pseudo[:2] + mixed + pseudo[2:]):
+        assert malformed(headers) == malformed(iter(headers))
 
 
 @pytest.mark.parametrize("trailers, reason", [
