@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 from extauthz.envoy.records import EXT_AUTHZ_NAMESPACE
 from extauthz.proto import accesslog_pb2, accesslog_pb2_grpc, auth_pb2, auth_pb2_grpc
 from extauthz.server.app import Server, ServerConfig
-from extauthz.server.grpc_h2 import GrpcH2Server, H2Limits, malformed, parse_timeout
+from extauthz.server.grpc_h2 import GrpcH2Server, H2Limits, Slots, malformed, parse_timeout
 
 from ..infra.certs import CA
 from .test_server import check_request
@@ -830,7 +830,7 @@ async def test_unary_calls_decided_at_once_are_bounded(probe: tuple[GrpcH2Server
     max_active_checks): the others wait their turn before they start, then are answered."""
     srv, p = probe
     assert srv.limits.max_active_calls >= 2
-    srv.active = asyncio.Semaphore(2)  # (the fixture's server: 2 at once for this test)
+    srv.active = Slots(2)  # (the fixture's server: 2 at once for this test)
     raws = [await Raw.open(srv.port) for _ in range(2)]
     for raw in raws:
         raw.call(1, path="/t.T/Hang")
@@ -1249,3 +1249,29 @@ async def test_the_bounds_are_counted_on_metrics(probe: tuple[GrpcH2Server, Prob
         conn.close()
     await asyncio.wait_for(stopping, WAIT)
     assert _samples(srv)[("extauthz_grpc_goaways_sent_total", "NO_ERROR")] == LIMITS.max_connections
+
+
+async def test_slots_bound_holders_and_serve_waiters_in_order() -> None:
+    """max_active_calls' slots: a free one taken at once, the others waited for in arrival
+    order; a waiter cancelled before its turn is skipped, one cancelled as it was handed a
+    slot hands it on."""
+    slots = Slots(1)
+    assert slots.take() and not slots.take()
+    order: list[str] = []
+
+    async def wait(name: str) -> None:
+        await slots.acquire()
+        order.append(name)
+
+    a, b, c, d = (asyncio.create_task(wait(n)) for n in "abcd")
+    await asyncio.sleep(0)
+    b.cancel()  # cancelled while waiting: skipped
+    slots.release()  # handed to a
+    await asyncio.sleep(0)
+    slots.release()  # handed to c ...
+    c.cancel()  # ... cancelled in the same turn: c hands it to d
+    await asyncio.gather(a, d)
+    assert b.cancelled() and c.cancelled() and order == ["a", "d"]
+    assert not slots.take()  # d holds the only slot
+    slots.release()
+    assert slots.take()
