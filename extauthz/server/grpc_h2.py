@@ -103,17 +103,17 @@ _CONNECTION_FIELDS = frozenset((b"connection", b"proxy-connection", b"keep-alive
 _FIELD_NAME = re.compile(rb"[\x21-\x39\x3b-\x40\x5b-\x7e]+").fullmatch
 #: a field value with NUL, CR or LF, or whitespace at either end (8.2.1)
 _BAD_VALUE = re.compile(rb"[\x00\n\r]|\A[ \t]|[ \t]\Z").search
-
-
 #: every regular field name of a request joined by spaces (never in a valid name: a name
 #: holding one adds to their count), for :func:`_well_formed`: one match for them all
 _FIELD_NAMES = re.compile(rb"[\x21-\x39\x3b-\x40\x5b-\x7e]+(?: [\x21-\x39\x3b-\x40\x5b-\x7e]+)*").fullmatch
+#: a value's first or last byte that makes it malformed (a tuple: b"" is in b" \t", not in it)
+_BLANKS = (b" ", b"\t")
 
 
 def _well_formed(headers: list[tuple[bytes, bytes]]) -> bool:
     """True only if :func:`malformed` finds nothing in a request's header list: its rules
     checked over the whole list at once (names joined into one match, values joined by LF and
-    searched with ``in``: a few C calls instead of two patterns per field, 10 % of a no-op
+    searched with ``in``: a few C calls instead of two patterns per field, 9 % of a no-op
     check's Python time). False may still be well formed: :func:`malformed` then decides."""
     n = 0
     for name, _ in headers:
@@ -132,7 +132,7 @@ def _well_formed(headers: list[tuple[bytes, bytes]]) -> bool:
     values = b"\n".join([value for _, value in headers])
     if (values.count(b"\n") != len(headers) - 1 or b"\0" in values or b"\r" in values
             or b"\n " in values or b"\n\t" in values or b" \n" in values or b"\t\n" in values
-            or values[:1] in b" \t" or values[-1:] in b" \t"):
+            or values[:1] in _BLANKS or values[-1:] in _BLANKS):
         return False
     if b"te" in names and (names.count(b"te") > 1
                            or headers[n + names.index(b"te")][1].lower() != b"trailers"):
