@@ -51,6 +51,7 @@ import ssl
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 from urllib.parse import quote
 
@@ -271,6 +272,7 @@ class H2Limits:
     max_active_calls: int = DEFAULT_MAX_ACTIVE_CHECKS
 
 
+@lru_cache(maxsize=256)  # Envoy's ext_authz sends one value for every call (its filter's timeout)
 def parse_timeout(value: bytes) -> float:
     """A ``grpc-timeout`` header (1-8 digits and a unit) in seconds; ValueError if malformed."""
     digits, unit = value[:-1], value[-1:]

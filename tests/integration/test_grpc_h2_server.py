@@ -398,6 +398,9 @@ async def test_grpc_rules_unimplemented_size_compression_timeout(probe: tuple[Gr
     assert (await raw.trailers(13))["grpc-status"] == "13"
     raw.close()
     assert parse_timeout(b"100m") == pytest.approx(0.1) and parse_timeout(b"2S") == 2.0
+    for _ in range(2):  # parsed values are cached (Envoy sends one), refusals are not
+        with pytest.raises(ValueError, match="malformed grpc-timeout"):
+            parse_timeout(b"1x")
 
 
 async def test_padding_continuation_and_priority(probe: tuple[GrpcH2Server, Probe]) -> None:
