@@ -1009,19 +1009,10 @@ class _Connection(asyncio.Protocol):
         if len(self.calls) >= self.limits.max_concurrent_streams:
             self._refuse(sid, "too_many_streams")
             return
-        path = method = ctype = timeout = encoding = b""
-        for k, v in headers:
-            if k[0] == 58:  # b":"
-                if k == b":path":
-                    path = v
-                elif k == b":method":
-                    method = v
-            elif k == b"content-type":
-                ctype = v
-            elif k == b"grpc-timeout":
-                timeout = v
-            elif k == b"grpc-encoding":
-                encoding = v
+        fields = dict(headers)  # (a field given twice: the last, as a loop over them would take)
+        get = fields.get
+        path, method, ctype = get(b":path", b""), get(b":method", b""), get(b"content-type", b"")
+        timeout, encoding = get(b"grpc-timeout", b""), get(b"grpc-encoding", b"")
         if method != b"POST":
             self._http_error(sid, b"405")
             return
