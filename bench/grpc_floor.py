@@ -414,9 +414,14 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     return int(fields[11]) / tick, int(fields[12]) / tick
 
 
+#: more request headers h2load sends (``--grpc-timeout``: the ``grpc-timeout`` Envoy sends)
+EXTRA_HEADERS: list[str] = []
+
+
 def h2load(port: int, body: Path, checks: int, streams: int) -> None:
     cmd = ["h2load", "-n", str(checks), "-c", "1", "-m", str(streams), "-d", str(body),
            "-H", "content-type: application/grpc", "-H", "te: trailers",
+           *(a for h in EXTRA_HEADERS for a in ("-H", h)),
            f"http://127.0.0.1:{port}{CHECK_PATH}"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=True).stdout
     m = re.search(r"requests: \d+ total, \d+ started, (\d+) done, (\d+) succeeded", out)
@@ -533,6 +538,7 @@ def profile(name: str, seconds: float, streams: int, tmp: Path) -> None:
         wait_serving(port, body, 30)
         load = subprocess.Popen(["h2load", "-D", str(round(seconds) + 4), "-c", "1", "-m", str(streams),
                                  "-d", str(body), "-H", "content-type: application/grpc", "-H", "te: trailers",
+                                 *(a for h in EXTRA_HEADERS for a in ("-H", h)),
                                  f"http://127.0.0.1:{port}{CHECK_PATH}"], stdout=subprocess.PIPE, text=True)
         time.sleep(1.0)
         subprocess.run([_py_spy(), "record", "--pid", str(proc.pid), "--native", "--threads", "--rate", "200",
@@ -577,7 +583,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-cpu", action="store_true")
     ap.add_argument("--profile", metavar="CANDIDATE", help="py-spy profile of one candidate under load")
     ap.add_argument("--seconds", type=float, default=10.0, help="--profile: seconds recorded")
+    ap.add_argument("--grpc-timeout", type=int, metavar="MS",
+                    help="send grpc-timeout (milliseconds) with each check, as Envoy's ext_authz does")
     args = ap.parse_args(argv)
+    if args.grpc_timeout is not None:
+        if args.grpc_timeout <= 0:
+            raise SystemExit("--grpc-timeout: a positive number of milliseconds")
+        EXTRA_HEADERS.append(f"grpc-timeout: {args.grpc_timeout}m")
     if args.serve:
         serve(args.serve[0], int(args.serve[1]))
         return 0

@@ -36,7 +36,7 @@ from hyperframe.frame import (
 from extauthz.core.settings import CHECK_BUDGET_MS, ENVOY_MARGIN_MS
 from extauthz.proto import auth_pb2_grpc
 from extauthz.server.app import Server, ServerConfig
-from extauthz.server.grpc_h2 import GrpcH2Server, H2Limits
+from extauthz.server.grpc_h2 import GrpcH2Server, H2Limits, Slots
 from testinfra.redis_servers import RedisSingle
 
 from .test_grpc_h2_server import LIMITS, OPEN, PREFACE, WAIT, Probe, Raw, answers, gone
@@ -222,7 +222,7 @@ async def test_a_call_that_waits_out_its_time_for_a_slot_is_decided_with_none_le
     (time_remaining() 0: the Check flow then decides without the store, counted as
     ``overload``); a call with time enough still waits its turn."""
     srv, p = h2
-    srv.active = asyncio.Semaphore(2)  # (2 at once for this test)
+    srv.active = Slots(2)  # (2 at once for this test)
     holder = await Raw.open(srv.port)
     holder.call(1, path="/t.T/Hang")
     holder.call(3, path="/t.T/Hang")
@@ -258,7 +258,7 @@ async def test_a_check_without_a_slot_in_time_fails_open_counted(
     await srv.start()
     try:
         assert isinstance(srv.grpc, GrpcH2Server)
-        srv.grpc.active = asyncio.Semaphore(0)  # every slot held by other calls
+        srv.grpc.active = Slots(0)  # every slot held by other calls
         timeout = (CHECK_BUDGET_MS + ENVOY_MARGIN_MS) / 1000
         async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
             answer = await auth_pb2_grpc.AuthorizationStub(ch).Check(check_request(), timeout=timeout)

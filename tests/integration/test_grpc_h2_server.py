@@ -32,11 +32,13 @@ from hyperframe.frame import (
     SettingsFrame,
     WindowUpdateFrame,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from extauthz.envoy.records import EXT_AUTHZ_NAMESPACE
 from extauthz.proto import accesslog_pb2, accesslog_pb2_grpc, auth_pb2, auth_pb2_grpc
 from extauthz.server.app import Server, ServerConfig
-from extauthz.server.grpc_h2 import GrpcH2Server, H2Limits, malformed, parse_timeout
+from extauthz.server.grpc_h2 import GrpcH2Server, H2Limits, Slots, malformed, parse_timeout
 
 from ..infra.certs import CA
 from .test_server import check_request
@@ -396,6 +398,9 @@ async def test_grpc_rules_unimplemented_size_compression_timeout(probe: tuple[Gr
     assert (await raw.trailers(13))["grpc-status"] == "13"
     raw.close()
     assert parse_timeout(b"100m") == pytest.approx(0.1) and parse_timeout(b"2S") == 2.0
+    for _ in range(2):  # parsed values are cached (Envoy sends one), refusals are not
+        with pytest.raises(ValueError, match="malformed grpc-timeout"):
+            parse_timeout(b"1x")
 
 
 async def test_padding_continuation_and_priority(probe: tuple[GrpcH2Server, Probe]) -> None:
@@ -828,7 +833,7 @@ async def test_unary_calls_decided_at_once_are_bounded(probe: tuple[GrpcH2Server
     max_active_checks): the others wait their turn before they start, then are answered."""
     srv, p = probe
     assert srv.limits.max_active_calls >= 2
-    srv.active = asyncio.Semaphore(2)  # (the fixture's server: 2 at once for this test)
+    srv.active = Slots(2)  # (the fixture's server: 2 at once for this test)
     raws = [await Raw.open(srv.port) for _ in range(2)]
     for raw in raws:
         raw.call(1, path="/t.T/Hang")
@@ -1135,6 +1140,23 @@ def test_malformed_says_why(headers: list[tuple[bytes, bytes]], reason: str | No
     assert malformed(headers) == reason
 
 
+_NAMES = st.sampled_from([b":method", b":scheme", b":path", b":authority", b":status", b"host", b"te",
+                          b"content-type", b"x-a", b"X-A", b"x:a", b"x a", b"", b"connection", b"x\xff"])
+_VALUES = st.sampled_from([b"POST", b"CONNECT", b"http", b"/a", b"", b"t", b"u", b"trailers", b"TraiLers",
+                           b"gzip", b" t", b"t\t", b"a\nb", b"a\rb", b"\x00", b"a b", b"\xff"])
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.lists(st.tuples(_NAMES, _VALUES), max_size=8),
+       st.permutations([(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/a"), (b":authority", b"t")]))
+def test_malformed_fast_path_agrees_with_the_rules(mixed: list[tuple[bytes, bytes]],
+                                                    pseudo: list[tuple[bytes, bytes]]) -> None:
+    """The whole-list check (a list: what the connection passes) answers as the field by field
+    rules (any other iterable), on lists near and far from a well-formed request."""
+    for headers in (mixed, pseudo + mixed, pseudo[:2] + mixed + pseudo[2:]):
+        assert malformed(headers) == malformed(iter(headers))
+
+
 @pytest.mark.parametrize("trailers, reason", [
     ([(b"x-t", b"1"), (b"te", b"trailers")], None),
     ([], None),
@@ -1230,3 +1252,29 @@ async def test_the_bounds_are_counted_on_metrics(probe: tuple[GrpcH2Server, Prob
         conn.close()
     await asyncio.wait_for(stopping, WAIT)
     assert _samples(srv)[("extauthz_grpc_goaways_sent_total", "NO_ERROR")] == LIMITS.max_connections
+
+
+async def test_slots_bound_holders_and_serve_waiters_in_order() -> None:
+    """max_active_calls' slots: a free one taken at once, the others waited for in arrival
+    order; a waiter cancelled before its turn is skipped, one cancelled as it was handed a
+    slot hands it on."""
+    slots = Slots(1)
+    assert slots.take() and not slots.take()
+    order: list[str] = []
+
+    async def wait(name: str) -> None:
+        await slots.acquire()
+        order.append(name)
+
+    a, b, c, d = (asyncio.create_task(wait(n)) for n in "abcd")
+    await asyncio.sleep(0)
+    b.cancel()  # cancelled while waiting: skipped
+    slots.release()  # handed to a
+    await asyncio.sleep(0)
+    slots.release()  # handed to c ...
+    c.cancel()  # ... cancelled in the same turn: c hands it to d
+    await asyncio.gather(a, d)
+    assert b.cancelled() and c.cancelled() and order == ["a", "d"]
+    assert not slots.take()  # d holds the only slot
+    slots.release()
+    assert slots.take()
