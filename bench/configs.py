@@ -145,8 +145,9 @@ SETUPS: dict[str, Setup] = {s.key: s for s in [
     Setup("r-all", "(r), every header to the server", policy="rate-only", redis=True,
           send_all_headers=True),
 ]}
-DEFAULT_SETUPS = ("a", "b", "c", "d", "e", "d1", "d2", "d2p", "b-aio", "d-aio", "h", "hc", "hd", "hdb", "hdf",
-                  "b-h2", "r-h2", "d-h2", "r", "rh", "rhb", "rl", "q", "q-mem", "b-all", "r-all", "d-buf20", "f", "fc", "b-buf0", "d-buf0")
+DEFAULT_SETUPS = ("a", "b", "c", "d", "e", "d1", "d2", "d2p", "b-aio", "d-aio", "h", "hc", "hd", "hdb", "hdf", "b-h2",
+                  "r-h2", "d-h2", "r", "rh", "rhb", "rl", "q", "q-mem", "b-all", "r-all", "d-buf20", "f", "fc",
+                  "b-buf0", "d-buf0")
 SMOKE_SETUPS = ("a", "b", "c")
 
 #: Throughput ratios ``<k>/<base>`` reported besides every ``<k>/a`` (report order).
