@@ -6,6 +6,7 @@ mode; the server or its Redis down (fail open within the filter's timeout)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import urllib.error
 import urllib.request
@@ -23,7 +24,7 @@ from extauthz.envoy.ratelimit import render
 from extauthz.policy import load_policy
 from extauthz.server.app import Server, ServerConfig
 
-from ..conftest import ROOT
+from ..conftest import FIXTURES, ROOT
 from ..infra.certs import CA
 
 pytestmark = pytest.mark.e2e
@@ -276,15 +277,13 @@ limiters:
 BUDGET_MS = 5000.0
 
 
-@pytest.mark.parametrize("grpc_server", ["grpcio", "asyncio"])
-async def test_worker_utilization_sheds_by_the_routes_tier(grpc_server: str, upstream: Upstream,
-                                                           tmp_path: Path) -> None:
-    """The generated config's metadata action sends each route's tier (its metadata, where
-    Check's classifier reads it; ``post`` when it names none); the shedder sheds by it. A long
-    check budget: a stall of this shared machine must not make the server starved (then a
-    shedder refuses every non-critical descriptor at once, extauthz/engine/overload.py)."""
-    policy = tmp_path / "p.yaml"
-    policy.write_text(TIERED)
+@contextlib.asynccontextmanager
+async def generated(policy: Path, grpc_server: str, upstream: Upstream
+                    ) -> AsyncIterator[tuple[Server, dict[str, Any], dict[str, Any]]]:
+    """A server on ``policy`` with a long check budget (a stall of this shared machine must
+    not make the server starved: then a shedder refuses every non-critical descriptor at
+    once, extauthz/engine/overload.py), the config ``envoy-config --protocol ratelimit``
+    generates for it, and that config's connection manager."""
     srv = Server(ServerConfig(policies=[str(policy)], listen=f"127.0.0.1:{free_port()}", admin_listen="off",
                               reload_interval=0, identity_salt="s", grpc_server=grpc_server,
                               check_budget_ms=BUDGET_MS))
@@ -293,7 +292,20 @@ async def test_worker_utilization_sheds_by_the_routes_tier(grpc_server: str, ups
         config = yaml.safe_load(render(load_policy([policy]), upstream=("127.0.0.1", upstream.port),
                                        authz=("127.0.0.1", srv.port), headers={"api_key": "x-api-key"},
                                        listen_port=0, admin_port=0, check_budget_ms=BUDGET_MS))
-        hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        yield srv, config, config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+            "typed_config"]
+    finally:
+        await srv.stop(grace=0)
+
+
+@pytest.mark.parametrize("grpc_server", ["grpcio", "asyncio"])
+async def test_worker_utilization_sheds_by_the_routes_tier(grpc_server: str, upstream: Upstream,
+                                                           tmp_path: Path) -> None:
+    """The generated config's metadata action sends each route's tier (its metadata, where
+    Check's classifier reads it; ``post`` when it names none); the shedder sheds by it."""
+    policy = tmp_path / "p.yaml"
+    policy.write_text(TIERED)
+    async with generated(policy, grpc_server, upstream) as (srv, config, hcm):
         vhost = hcm["route_config"]["virtual_hosts"][0]
         assert {"metadata": {"descriptor_key": "tier", "source": "ROUTE_ENTRY", "default_value": "post",
                              "metadata_key": {"key": "extauthz", "path": [{"key": "tier"}]}}} in [
@@ -316,42 +328,19 @@ async def test_worker_utilization_sheds_by_the_routes_tier(grpc_server: str, ups
         # every request: its key's descriptor and its tier's
         assert door is not None and (door.decided, door.unknown) == (2 * 13, 0)
         assert srv.lag.overloaded == {}
-    finally:
-        await srv.stop(grace=0)
 
 
-LEASED = """\
-version: 1
-limiters:
-  - name: in-flight-per-key
-    type: concurrent_requests
-    limit: 1
-    match: {domain: edge, descriptor: [{key: api_key}]}
-  - name: fleet
-    type: fleet_usage
-    capacity: 4
-    reserved_for_critical: 0.5
-    match: {domain: edge, descriptor: [{key: tier}]}
-"""
+#: the lease limiters (shared with tests/integration/test_ratelimit_leases.py)
+LEASED = FIXTURES / "policies" / "ratelimit_leases.yaml"
 
 
 @pytest.mark.parametrize("grpc_server", ["grpcio", "asyncio"])
 async def test_leases_travel_in_the_answer_and_the_access_log_releases_them(
-        grpc_server: str, upstream: Upstream, tmp_path: Path) -> None:
+        grpc_server: str, upstream: Upstream) -> None:
     """concurrent_requests and fleet_usage over ShouldRateLimit: the descriptors' leases, under
     one lease id, in the response's dynamic metadata; the generated config's access log hands
     them back when the request finishes (the ratelimit filter's namespace)."""
-    policy = tmp_path / "p.yaml"
-    policy.write_text(LEASED)
-    srv = Server(ServerConfig(policies=[str(policy)], listen=f"127.0.0.1:{free_port()}", admin_listen="off",
-                              reload_interval=0, identity_salt="s", grpc_server=grpc_server,
-                              check_budget_ms=BUDGET_MS))
-    await srv.start()
-    try:
-        config = yaml.safe_load(render(load_policy([policy]), upstream=("127.0.0.1", upstream.port),
-                                       authz=("127.0.0.1", srv.port), headers={"api_key": "x-api-key"},
-                                       listen_port=0, admin_port=0, check_budget_ms=BUDGET_MS))
-        hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    async with generated(LEASED, grpc_server, upstream) as (srv, config, hcm):
         assert [log["name"] for log in hcm["access_log"]] == ["envoy.access_loggers.http_grpc"]
         releaser = srv.engine.releaser
         with EnvoyProcess(yaml.safe_dump(config)) as envoy:
@@ -360,7 +349,7 @@ async def test_leases_travel_in_the_answer_and_the_access_log_releases_them(
             door = srv.ratelimit.door if srv.ratelimit is not None else None
             assert door is not None
             slow = asyncio.create_task(asyncio.to_thread(get, envoy.url + "/slow?delay=2", {"x-api-key": "k1"}))
-            for _ in range(100):  # bounded: until the slow request's two descriptors were decided
+            for _ in range(100):  # bounded: until the slow request's lease descriptors were decided
                 if door.decided >= 2:
                     break
                 await asyncio.sleep(0.02)
@@ -384,5 +373,3 @@ async def test_leases_travel_in_the_answer_and_the_access_log_releases_them(
         assert not any(srv.accesslog.finished.rejected.values())  # every ticket held
         fleet = next(lim for lim, _ in srv.engine.snapshot.active if lim.name == "fleet")
         assert list(await srv.engine.store.inflight((fleet.critical_key, fleet.other_key))) == [0, 0]
-    finally:
-        await srv.stop(grace=0)

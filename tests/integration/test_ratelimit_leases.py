@@ -6,7 +6,6 @@ and released by an access-log entry that carries them under the ratelimit filter
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -17,34 +16,17 @@ from extauthz.proto import accesslog_pb2, accesslog_pb2_grpc, ratelimit_common_p
 from extauthz.server.app import Server, ServerConfig
 from testinfra.redis_servers import RedisSingle
 
-POLICY = """\
-version: 1
-limiters:
-  - name: in-flight-per-key
-    type: concurrent_requests
-    limit: 1
-    match: {domain: edge, descriptor: [{key: api_key}]}
-  - name: fleet
-    type: fleet_usage
-    capacity: 4
-    reserved_for_critical: 0.5
-    match: {domain: edge, descriptor: [{key: tier}]}
-  - name: per-ip
-    type: quota
-    limit: 100
-    period: hour
-    match: {domain: edge, descriptor: [{key: remote_address}]}
-"""
+from ..conftest import FIXTURES
+
+#: the lease limiters and a plain quota (shared with the e2e access-log test)
+POLICY = FIXTURES / "policies" / "ratelimit_leases.yaml"
 OK = rls_pb2.RateLimitResponse.OK
 OVER = rls_pb2.RateLimitResponse.OVER_LIMIT
 
 
 @pytest.fixture(params=["grpcio", "asyncio"])
-async def server(request: pytest.FixtureRequest, tmp_path: Path,
-                 redis_single_clean: RedisSingle) -> AsyncIterator[Server]:
-    policy = tmp_path / "p.yaml"
-    policy.write_text(POLICY)
-    srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0", admin_listen="off", reload_interval=0,
+async def server(request: pytest.FixtureRequest, redis_single_clean: RedisSingle) -> AsyncIterator[Server]:
+    srv = Server(ServerConfig(policies=[str(POLICY)], listen="127.0.0.1:0", admin_listen="off", reload_interval=0,
                               identity_salt="s", redis_url=redis_single_clean.url, store_deadline_ms=2000,
                               grpc_server=request.param))
     await srv.start()
