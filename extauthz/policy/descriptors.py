@@ -43,6 +43,20 @@ class _Node:
     target: Target | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class ResponseHeaders:
+    """The rate limit headers of ``ShouldRateLimit``'s answers (the policy's
+    ``ratelimit_headers``): ``style`` "ietf" (``RateLimit-Policy``/``RateLimit``, and
+    ``Retry-After`` when over), "counts" (envoyproxy/ratelimit's ``LIMIT_RESPONSE_HEADERS_ENABLED``:
+    the limit, what is left, the seconds until the window ends, under the three names) or
+    "none"."""
+
+    style: str = "ietf"
+    limit: str = "ratelimit-limit"
+    remaining: str = "ratelimit-remaining"
+    reset: str = "ratelimit-reset"
+
+
 def _step(key: str, value: str | None) -> str:
     return key if value is None else f"{key}\0{value}"
 

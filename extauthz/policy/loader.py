@@ -244,7 +244,7 @@ def parse_file(file: str, text: str) -> tuple[PolicyFile | None, _Document, list
         return None, doc, issues
 
 
-_SINGLETONS = ("identity", "plan", "test_mode", "classification")
+_SINGLETONS = ("identity", "plan", "test_mode", "classification", "ratelimit_headers")
 
 
 class _Oversized(Exception):

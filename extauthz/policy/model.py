@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ..core.context import host_name
 from ..core.tiers import Tier
-from .descriptors import DescriptorTable, Target
+from .descriptors import DescriptorTable, ResponseHeaders, Target
 from .schema import (
     AppliesTo,
     Classification,
@@ -17,6 +17,8 @@ from .schema import (
     LimiterSpec,
     Match,
     PolicyFile,
+    RateLimitHeaderNames,
+    RateLimitHeadersSpec,
     UnlimitedSpec,
 )
 
@@ -180,6 +182,8 @@ class Policy:
     descriptors: DescriptorTable = field(default_factory=DescriptorTable)
     #: the descriptor entry whose value names a descriptor's tier (``classification.descriptor_key``)
     descriptor_tier_key: str = "tier"
+    #: the rate limit headers of ShouldRateLimit's answers (``ratelimit_headers``)
+    ratelimit_headers: ResponseHeaders = field(default_factory=ResponseHeaders)
     #: the longest ``lease_ttl`` of the policy's limiters (0 without lease limiters): no lease
     #: the policy takes outlives it. Computed once: the request-id index reads it per check.
     longest_lease_ttl: float = field(init=False)
@@ -339,12 +343,21 @@ def route_tier_ref(classification: Classification | None) -> RouteRef:
     return DEFAULT_ROUTE_TIER
 
 
+def response_headers(spec: RateLimitHeadersSpec | None) -> ResponseHeaders:
+    """The policy's ``ratelimit_headers``, compiled (names lower case, as Envoy sends them)."""
+    if spec is None:
+        return ResponseHeaders()
+    names = spec.names or RateLimitHeaderNames()
+    return ResponseHeaders(spec.style, names.limit.lower(), names.remaining.lower(), names.reset.lower())
+
+
 def compile_policy(files: Sequence[PolicyFile], *, version: str,
                    sources: tuple[str, ...] = ()) -> Policy:
     identity = next((f.identity for f in files if f.identity is not None), None)
     plan = next((f.plan for f in files if f.plan is not None), None)
     test_mode = next((f.test_mode for f in files if f.test_mode is not None), None)
     classification = next((f.classification for f in files if f.classification is not None), None)
+    headers = next((f.ratelimit_headers for f in files if f.ratelimit_headers is not None), None)
     limiters = tuple(spec for f in files for spec in f.limiters)
     route_metadata = route_tier_ref(classification)
     keys, key_index = compile_keys(limiters, route_metadata[0])
@@ -357,6 +370,7 @@ def compile_policy(files: Sequence[PolicyFile], *, version: str,
         route_metadata=route_metadata,
         context_extension_key=classification.context_extension_key if classification else "tier",
         descriptor_tier_key=classification.descriptor_key if classification else "tier",
+        ratelimit_headers=response_headers(headers),
         rules=tuple(
             Rule(compile_match(r.match), Tier(r.tier)) for r in classification.rules
         ) if classification else (),

@@ -256,6 +256,44 @@ class UnlimitedSpec(_Strict):
         "request, when both match its descriptors.")
 
 
+#: a response header's name (an HTTP token)
+ResponseHeaderName = Annotated[str, Field(pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$")]
+
+
+class RateLimitHeaderNames(_Strict):
+    """The three headers of ``ratelimit_headers.style: counts`` (envoyproxy/ratelimit's
+    ``LIMIT_LIMIT_HEADER``, ``LIMIT_REMAINING_HEADER``, ``LIMIT_RESET_HEADER``; their defaults)."""
+
+    limit: ResponseHeaderName = Field("RateLimit-Limit", description="The limit (requests per unit).")
+    remaining: ResponseHeaderName = Field("RateLimit-Remaining", description="What is left of it.")
+    reset: ResponseHeaderName = Field("RateLimit-Reset", description="Seconds until its window ends.")
+
+    @model_validator(mode="after")
+    def _distinct(self) -> RateLimitHeaderNames:
+        if len({self.limit.lower(), self.remaining.lower(), self.reset.lower()}) < 3:
+            raise ValueError("the three header names must differ")
+        return self
+
+
+class RateLimitHeadersSpec(_Strict):
+    """The rate limit headers a ``ShouldRateLimit`` answer asks the ratelimit filter to add
+    (``response_headers_to_add``), of the descriptor over its limit, else the one closest to it."""
+
+    style: Literal["ietf", "counts", "none"] = Field(
+        "ietf", description="ietf: RateLimit-Policy and RateLimit (and Retry-After when over), as Check "
+        "answers; counts: envoyproxy/ratelimit's LIMIT_RESPONSE_HEADERS_ENABLED (limit, remaining, reset: "
+        "'names'); none: no headers (the peer's default).")
+    names: RateLimitHeaderNames | None = Field(
+        None, description="With style counts: the three headers' names (default RateLimit-Limit, "
+        "RateLimit-Remaining, RateLimit-Reset; X-RateLimit-* for Envoy's own names).")
+
+    @model_validator(mode="after")
+    def _names_with_counts(self) -> RateLimitHeadersSpec:
+        if self.names is not None and self.style != "counts":
+            raise ValueError("'names' applies to style 'counts' only")
+        return self
+
+
 #: the key parts whose value is text a client or a route chooses (``case: fold`` applies);
 #: ``method`` is upper case, ``host`` and ``plan`` lower case already.
 FOLDABLE_PARTS = ("header", "principal", "metadata", "route", "route_metadata", "context_extension",
@@ -807,3 +845,5 @@ class PolicyFile(_Strict):
     unlimited: list[UnlimitedSpec] = Field(
         default_factory=list, description="Rate limit descriptors no limit applies to "
         "(envoyproxy/ratelimit's 'unlimited: true').")
+    ratelimit_headers: RateLimitHeadersSpec | None = Field(
+        None, description="The rate limit headers of ShouldRateLimit's answers (default: style ietf).")

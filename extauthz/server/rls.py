@@ -14,7 +14,9 @@ The answer, as envoyproxy/ratelimit's: ``overall_code`` OVER_LIMIT when a descri
 over its limit (a shadow limiter never is: counted as would-refuse), one ``DescriptorStatus``
 per descriptor (``current_limit``, ``limit_remaining``, ``duration_until_reset``), and the
 ``RateLimit-Policy``/``RateLimit`` headers (and ``Retry-After`` when over) of the descriptor
-closest to its limit, which the filter adds to the response.
+closest to its limit, which the filter adds to the response; or, as the policy's
+``ratelimit_headers`` says, envoyproxy/ratelimit's ``LIMIT_RESPONSE_HEADERS_ENABLED`` three
+(limit, remaining, reset, under names of the policy's choosing), or none.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from ..core.verdict import Decision, Limits, Outcome, Verdict
 from ..engine.answers import held_lease_fields, ratelimit_headers, retry_after_seconds
 from ..engine.engine import Snapshot
 from ..engine.state import Section
-from ..policy.descriptors import Entries, replaced
+from ..policy.descriptors import Entries, ResponseHeaders, replaced
 from ..policy.schema import MAX_COUNT, QuotaSpec, RequestRateSpec
 from ..proto import core_pb2, rls_pb2
 from .flow import CheckFlow
@@ -139,6 +141,7 @@ class Answer:
     decision: Decision | None = None
 
 
+_IETF = ResponseHeaders()
 _NO_LIMIT = Answer(rls_pb2.RateLimitResponse.DescriptorStatus(code=_OK))
 _UNLIMITED = Answer(rls_pb2.RateLimitResponse.DescriptorStatus(code=_OK, limit_remaining=_MAX_UINT32))
 
@@ -208,7 +211,7 @@ class RateLimitDoor:
                     self.overrides["ignored" if limit is None else "applied"] += 1
                 answers.append(await self.flow.check(
                     self, DescriptorCall(dict(entries), target.name, hits_of(request, d), lease_id, limit), context))
-        resp = response(answers)
+        resp = response(answers, snap.policy.ratelimit_headers)
         if lease_id:
             self._leases(resp, lease_id, [a.decision for a in answers if a.decision is not None and a.decision.leases])
         return resp
@@ -288,21 +291,44 @@ def refusal(request: rls_pb2.RateLimitRequest) -> str | None:
     return None
 
 
-def response(answers: list[Answer]) -> rls_pb2.RateLimitResponse:
+def response(answers: list[Answer], headers: ResponseHeaders = _IETF) -> rls_pb2.RateLimitResponse:
     """The ``RateLimitResponse`` of the descriptors' answers: OVER_LIMIT when one is; the
-    rate limit headers of the one over its limit, else of the one closest to it."""
+    rate limit headers (``headers``, the policy's ``ratelimit_headers``) of the one over its
+    limit, else of the one closest to it."""
     over = next((a for a in answers if a.status.code == _OVER), None)
     resp = rls_pb2.RateLimitResponse(overall_code=_OVER if over is not None else _OK,
                                      statuses=[a.status for a in answers])
+    if headers.style == "counts":
+        resp.response_headers_to_add.extend(count_headers(answers, headers))
+        return resp
+    if headers.style == "none":
+        return resp
     shown = over or min((a for a in answers if a.decision is not None and a.status.HasField("current_limit")),
                         key=lambda a: a.status.limit_remaining, default=None)
     if shown is not None and shown.decision is not None:
-        headers = ratelimit_headers(shown.decision)
+        found = ratelimit_headers(shown.decision)
         denied = shown.decision.denied_by
         if denied is not None:
-            headers.append(("retry-after", str(retry_after_seconds(denied))))
-        resp.response_headers_to_add.extend([core_pb2.HeaderValue(key=k, value=v) for k, v in headers])
+            found.append(("retry-after", str(retry_after_seconds(denied))))
+        resp.response_headers_to_add.extend([core_pb2.HeaderValue(key=k, value=v) for k, v in found])
     return resp
+
+
+def count_headers(answers: list[Answer], headers: ResponseHeaders) -> list[core_pb2.HeaderValue]:
+    """envoyproxy/ratelimit's ``LIMIT_RESPONSE_HEADERS_ENABLED`` headers: of the descriptors
+    with a ``current_limit``, the one over its limit, else the one with the least left: its
+    limit (requests per unit), what is left, and the whole seconds until its window ends (the
+    status's ``duration_until_reset``, rounded up; 0 without one). None when no descriptor has
+    a limit (unknown, unlimited, a shedder's), as the peer's."""
+    limited = [a.status for a in answers if a.status.HasField("current_limit")]
+    if not limited:
+        return []
+    shown = next((s for s in limited if s.code == _OVER), None) or min(limited, key=lambda s: s.limit_remaining)
+    reset = math.ceil(shown.duration_until_reset.ToNanoseconds() / 1e9) if shown.HasField(
+        "duration_until_reset") else 0
+    return [core_pb2.HeaderValue(key=headers.limit, value=str(shown.current_limit.requests_per_unit)),
+            core_pb2.HeaderValue(key=headers.remaining, value=str(shown.limit_remaining)),
+            core_pb2.HeaderValue(key=headers.reset, value=str(reset))]
 
 
 def detailed_part(door: RateLimitDoor) -> Section:

@@ -373,3 +373,116 @@ async def test_leases_travel_in_the_answer_and_the_access_log_releases_them(
         assert not any(srv.accesslog.finished.rejected.values())  # every ticket held
         fleet = next(lim for lim, _ in srv.engine.snapshot.active if lim.name == "fleet")
         assert list(await srv.engine.store.inflight((fleet.critical_key, fleet.other_key))) == [0, 0]
+
+
+SHAPES = """\
+version: 1
+ratelimit_headers:
+  style: counts
+  names: {limit: X-RateLimit-Limit, remaining: X-RateLimit-Remaining, reset: X-RateLimit-Reset}
+limiters:
+  - name: per-client
+    type: quota
+    limit: 1
+    period: hour
+    match: {domain: shapes, descriptor: [{key: client_id}]}
+  - name: premium
+    type: quota
+    limit: 3
+    period: hour
+    match: {domain: shapes, descriptor: [{key: client_id, value: premium}]}
+  - name: bulk
+    type: quota
+    limit: 2
+    period: hour
+    match: {domain: shapes, descriptor: [{key: generic_key, value: bulk}, {key: client_id}]}
+    replaces: [per-client]
+  - name: heavy
+    type: quota
+    limit: 3
+    period: hour
+    match: {domain: shapes, descriptor: [{key: generic_key, value: heavy}, {key: client_id}]}
+  - name: shadow-user
+    type: quota
+    limit: 1
+    period: hour
+    mode: shadow
+    match: {domain: shapes, descriptor: [{key: user}]}
+unlimited:
+  - match: {domain: shapes, descriptor: [{key: client_id, value: internal}]}
+"""
+
+
+def shapes_config(rls_port: int, upstream_port: int) -> str:
+    """:func:`envoy_config` with the shapes' routes: ``/`` sends the client's and the user's
+    descriptors, ``/bulk`` the client's and a bulk one (which replaces the client's limit),
+    ``/heavy`` a heavy one that adds 2 hits (a ``hits_addend``: Envoy 1.40 sends it from a
+    ``RateLimitPerRoute``'s rate limits, and ignores it on a route's own ``rate_limits``)."""
+    config = yaml.safe_load(envoy_config(rls_port, upstream_port, domain="shapes"))
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    client = {"request_headers": {"header_name": "x-client", "descriptor_key": "client_id"}}
+    user = {"request_headers": {"header_name": "x-user", "descriptor_key": "user"}}
+    hcm["route_config"]["virtual_hosts"][0] = {
+        "name": "api", "domains": ["*"], "rate_limits": [{"actions": [client]}, {"actions": [user]}],
+        "routes": [
+            {"match": {"prefix": "/bulk"}, "route": {"cluster": "upstream", "rate_limits": [
+                {"actions": [client]}, {"actions": [{"generic_key": {"descriptor_value": "bulk"}}, client]}]}},
+            {"match": {"prefix": "/heavy"}, "route": {"cluster": "upstream"}, "typed_per_filter_config": {
+                "envoy.filters.http.ratelimit": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute",
+                    "rate_limits": [{"actions": [{"generic_key": {"descriptor_value": "heavy"}}, client],
+                                     "hits_addend": {"number": 2}}]}}},
+            {"match": {"prefix": "/"}, "route": {"cluster": "upstream"}},
+        ]}
+    return yaml.safe_dump(config)
+
+
+async def test_every_descriptor_shape_and_the_peers_count_headers(upstream: Upstream, tmp_path: Path) -> None:
+    """Through the filter: a value's own limit over its key's default, ``unlimited``,
+    ``replaces``, a rate limit's ``hits_addend``, shadow mode counted as would-refuse, and the
+    ``counts`` headers (envoyproxy/ratelimit's ``LIMIT_RESPONSE_HEADERS_ENABLED``) on the
+    answers Envoy gives, allowed and refused."""
+    policy = tmp_path / "p.yaml"
+    policy.write_text(SHAPES)
+    srv = Server(ServerConfig(policies=[str(policy)], listen=f"127.0.0.1:{free_port()}", admin_listen="off",
+                              metrics_listen="127.0.0.1:0", reload_interval=0, identity_salt="s",
+                              grpc_server="asyncio", check_budget_ms=BUDGET_MS))
+    await srv.start()
+    try:
+        with EnvoyProcess(shapes_config(srv.port, upstream.port)) as envoy:
+            async def answers(path: str, n: int, **headers: str) -> list[tuple[int, dict[str, str]]]:
+                return [await asyncio.to_thread(get, envoy.url + path, headers) for _ in range(n)]
+
+            def counts(answer: tuple[int, dict[str, str]]) -> tuple[str, str] | None:
+                _, h = answer
+                if "x-ratelimit-limit" not in h:
+                    return None
+                assert 0 < int(h["x-ratelimit-reset"]) <= 3600  # the hour's window ends within it
+                return h["x-ratelimit-limit"], h["x-ratelimit-remaining"]
+
+            # a key's default: one an hour per client
+            first, second = await answers("/", 2, **{"x-client": "c1"})
+            assert (first[0], second[0]) == (200, 429)
+            assert (counts(first), counts(second)) == (("1", "0"), ("1", "0"))
+            # a value of its own wins over its key's default
+            premium = await answers("/", 4, **{"x-client": "premium"})
+            assert [a[0] for a in premium] == [200, 200, 200, 429]
+            assert [counts(a) for a in premium] == [("3", "2"), ("3", "1"), ("3", "0"), ("3", "0")]
+            # unlimited: never counted, no limit to tell
+            internal = await answers("/", 5, **{"x-client": "internal"})
+            assert [(a[0], counts(a)) for a in internal] == [(200, None)] * 5
+            # /bulk: the bulk limit (2) replaces the client's (1) in the same request; the
+            # client's limit was not counted there
+            assert [a[0] for a in await answers("/bulk", 3, **{"x-client": "c2"})] == [200, 200, 429]
+            assert [a[0] for a in await answers("/", 2, **{"x-client": "c2"})] == [200, 429]
+            # /heavy: 2 hits a request against 3
+            heavy = await answers("/heavy", 2, **{"x-client": "c3"})
+            assert [(a[0], counts(a)) for a in heavy] == [(200, ("3", "1")), (429, ("3", "1"))]
+            # shadow: never refused, its would-refusals counted
+            assert [a[0] for a in await answers("/", 3, **{"x-user": "u1"})] == [200] * 3
+        metrics = srv.observe.metrics
+        assert metrics is not None
+        assert metrics.registry.get_sample_value("extauthz_limiter_decisions_total", {
+            "limiter": "shadow-user", "outcome": "shadow_denied"}) == 2
+    finally:
+        await srv.stop(grace=0)
