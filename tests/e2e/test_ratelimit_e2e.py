@@ -23,6 +23,7 @@ from extauthz.devtools.upstream import Upstream, start_upstream
 from extauthz.envoy.ratelimit import render
 from extauthz.policy import load_policy
 from extauthz.server.app import Server, ServerConfig
+from testinfra.redis_servers import RedisSingle
 
 from ..conftest import FIXTURES, ROOT
 from ..infra.certs import CA
@@ -180,22 +181,36 @@ def test_server_down_fails_open(upstream: Upstream) -> None:
         assert time.monotonic() - started < 3 * (TIMEOUT + 1.0)
 
 
-async def test_redis_down_fails_open_within_the_deadline(upstream: Upstream, tmp_path: Path) -> None:
+@pytest.mark.parametrize("redis", ["refused", pytest.param("stalled", marks=pytest.mark.redis)])
+async def test_redis_down_fails_open_within_the_deadline(redis: str, upstream: Upstream, tmp_path: Path,
+                                                         request: pytest.FixtureRequest) -> None:
+    """A Redis that refuses connections, or one that accepts and never answers (paused): each
+    descriptor is failed open by the server within the filter's timeout, and counted."""
     policy = tmp_path / "p.yaml"
     policy.write_text(POLICY)
+    stalled: RedisSingle | None = request.getfixturevalue("redis_single_clean") if redis == "stalled" else None
+    url = stalled.url if stalled is not None else f"redis://127.0.0.1:{free_port()}"
     srv = Server(ServerConfig(policies=[str(policy)], listen=f"127.0.0.1:{free_port()}", admin_listen="off",
-                              reload_interval=0, identity_salt="s", grpc_server="asyncio",
-                              redis_url=f"redis://127.0.0.1:{free_port()}"))
+                              reload_interval=0, identity_salt="s", grpc_server="asyncio", redis_url=url))
     await srv.start()
     try:
         with EnvoyProcess(envoy_config(srv.port, upstream.port)) as envoy:
-            for _ in range(3):
-                status, headers = await asyncio.to_thread(get, envoy.url + "/a", {"x-api-key": "k1"})
-                assert status == 200 and "x-envoy-ratelimited" not in headers
+            if stalled is not None:
+                stalled.pause()
+            try:
+                for _ in range(3):
+                    status, headers = await asyncio.to_thread(get, envoy.url + "/a", {"x-api-key": "k1"})
+                    assert status == 200 and "x-envoy-ratelimited" not in headers
+            finally:
+                if stalled is not None:
+                    stalled.resume()
             stats = envoy.stats(r"ratelimit")
             # decided by the server (failed open there, counted), not timed out in Envoy
             assert not any(v for k, v in stats.items() if k.endswith("ratelimit.error")), stats
         assert srv.ratelimit is not None and srv.ratelimit.door.decided == 3
+        # one failure counted per descriptor (a breaker that opened counts circuit_open)
+        failures = srv.engine.failures
+        assert sum(failures.values()) == 3 and failures.get("timeout" if stalled else "unavailable"), failures
     finally:
         await srv.stop(grace=0)
 
@@ -391,6 +406,7 @@ limiters:
     limit: 3
     period: hour
     match: {domain: shapes, descriptor: [{key: client_id, value: premium}]}
+    detailed_metric: true
   - name: bulk
     type: quota
     limit: 2
@@ -439,7 +455,7 @@ def shapes_config(rls_port: int, upstream_port: int) -> str:
 
 async def test_every_descriptor_shape_and_the_peers_count_headers(upstream: Upstream, tmp_path: Path) -> None:
     """Through the filter: a value's own limit over its key's default, ``unlimited``,
-    ``replaces``, a rate limit's ``hits_addend``, shadow mode counted as would-refuse, and the
+    ``replaces``, ``detailed_metric``, a rate limit's ``hits_addend``, shadow mode counted as would-refuse, and the
     ``counts`` headers (envoyproxy/ratelimit's ``LIMIT_RESPONSE_HEADERS_ENABLED``) on the
     answers Envoy gives, allowed and refused."""
     policy = tmp_path / "p.yaml"
@@ -468,6 +484,10 @@ async def test_every_descriptor_shape_and_the_peers_count_headers(upstream: Upst
             premium = await answers("/", 4, **{"x-client": "premium"})
             assert [a[0] for a in premium] == [200, 200, 200, 429]
             assert [counts(a) for a in premium] == [("3", "2"), ("3", "1"), ("3", "0"), ("3", "0")]
+            # detailed_metric: counted per value under a label that is not the value
+            detailed = srv.ratelimit.door.detailed if srv.ratelimit is not None else {}
+            assert sorted((code, n) for (_, _, code), n in detailed.items()) == [("ok", 3), ("over_limit", 1)]
+            assert {(name, value != "premium") for name, value, _ in detailed} == {("premium", True)}
             # unlimited: never counted, no limit to tell
             internal = await answers("/", 5, **{"x-client": "internal"})
             assert [(a[0], counts(a)) for a in internal] == [(200, None)] * 5
