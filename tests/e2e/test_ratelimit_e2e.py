@@ -250,10 +250,10 @@ async def test_the_shipped_config_and_policy(upstream: Upstream) -> None:
             free = {"x-api-key": "k1", "x-plan": "free"}
             assert await statuses(envoy, "/a", 11, **free) == [200] * 10 + [429]  # free-per-key: 10 a minute
             assert await statuses(envoy, "/a", 2, **{"x-api-key": "k1", "x-plan": "pro"}) == [200, 200]
-            # every request sent three descriptors (key, plan+key, address); the pro plan's
-            # plan+key reaches no limiter
+            # every request sent five descriptors (key, plan+key, address, the generic key, the
+            # route's tier: post); the pro plan's plan+key reaches no limiter
             door = srv.ratelimit.door if srv.ratelimit is not None else None
-            assert door is not None and (door.decided, door.unknown) == (11 * 3 + 2 * 2, 2)
+            assert door is not None and (door.decided, door.unknown) == (11 * 5 + 2 * 4, 2)
     finally:
         await srv.stop(grace=0)
 

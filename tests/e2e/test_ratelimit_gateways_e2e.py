@@ -18,7 +18,8 @@ import yaml
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import free_port
 from extauthz.devtools.upstream import start_upstream
-from extauthz.envoy.ratelimit import RATELIMIT_FILTER
+from extauthz.envoy.ratelimit import RATELIMIT_FILTER, rate_limits
+from extauthz.policy import load_policy
 from extauthz.server.app import Server, ServerConfig
 from testinfra.envoy_configs import config_path, validate
 
@@ -67,6 +68,18 @@ def istio_config(extauthz: int, upstream: int) -> str:
     text = yaml.safe_dump(config, sort_keys=False)
     validate(text)
     return text
+
+
+def test_both_shapes_carry_the_actions_envoy_config_renders_for_the_shipped_policy() -> None:
+    """docs/gateways.md: the examples send the descriptors of policies/ratelimit/ (what
+    ``envoy-config --protocol ratelimit`` renders for it, envoy/envoy-ratelimit.yaml's)."""
+    wanted = rate_limits(load_policy([ROOT / "policies" / "ratelimit"]), "edge",
+                         {"api_key": "x-api-key", "plan": "x-plan"})
+    (istio,) = [p["patch"]["value"]["rate_limits"] for d in docs(EXAMPLES / "istio" / "envoyfilter-ratelimit.yaml")
+                for p in d["spec"]["configPatches"] if p["applyTo"] == "VIRTUAL_HOST"]
+    (gateway,) = [p["operation"]["value"] for d in docs(EXAMPLES / "envoy-gateway" / "envoypatchpolicy-ratelimit.yaml")
+                  for p in d["spec"]["jsonPatches"] if p["type"].endswith("RouteConfiguration")]
+    assert istio == gateway == wanted
 
 
 def test_the_envoy_gateway_patch_policy_passes_envoy_validation() -> None:
