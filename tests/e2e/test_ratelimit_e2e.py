@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import yaml
 
@@ -22,6 +23,7 @@ from extauthz.devtools.stack import free_port
 from extauthz.devtools.upstream import Upstream, start_upstream
 from extauthz.envoy.ratelimit import render
 from extauthz.policy import load_policy
+from extauthz.proto import auth_pb2, auth_pb2_grpc, status_pb2
 from extauthz.server.app import Server, ServerConfig
 from testinfra.redis_servers import RedisSingle
 
@@ -506,3 +508,41 @@ async def test_every_descriptor_shape_and_the_peers_count_headers(upstream: Upst
             "limiter": "shadow-user", "outcome": "shadow_denied"}) == 2
     finally:
         await srv.stop(grace=0)
+
+
+class TeamAuth(auth_pb2_grpc.AuthorizationServicer):
+    """A team's own auth service in the ext_authz slot: a key starting ``valid-`` passes."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def Check(self, request: auth_pb2.CheckRequest, context: grpc.aio.ServicerContext) -> auth_pb2.CheckResponse:
+        self.calls += 1
+        valid = request.attributes.request.http.headers.get("x-api-key", "").startswith("valid-")
+        code = 0 if valid else grpc.StatusCode.PERMISSION_DENIED.value[0]
+        return auth_pb2.CheckResponse(status=status_pb2.Status(code=code))
+
+
+async def test_the_teams_auth_service_in_ext_authz_and_extauthz_for_limits(server: Server, upstream: Upstream) -> None:
+    """``envoy-config --protocol ratelimit --ext-authz``: the team's auth service decides first
+    (a refusal never reaches the rate limit filter), extauthz limits what it lets through."""
+    team = TeamAuth()
+    auth = grpc.aio.server()
+    auth_pb2_grpc.add_AuthorizationServicer_to_server(team, auth)
+    port = auth.add_insecure_port("127.0.0.1:0")
+    await auth.start()
+    try:
+        text = render(server.engine.snapshot.policy, upstream=("127.0.0.1", upstream.port),
+                      authz=("127.0.0.1", server.port), ext_authz=("127.0.0.1", port),
+                      headers={"api_key": "x-api-key"}, listen_port=0, admin_port=0)
+        with EnvoyProcess(text) as envoy:
+            assert server.ratelimit is not None
+            door = server.ratelimit.door
+            assert await statuses(envoy, "/a", 2, **{"x-api-key": "stolen"}) == [403, 403]
+            assert (team.calls, door.decided) == (2, 0)  # refused before the rate limit filter
+            # the generated config sends every shape the policy counts on every route: the key's
+            # (per-key: 2 an hour) and the search one's (1 an hour)
+            assert await statuses(envoy, "/a", 3, **{"x-api-key": "valid-1"}) == [200, 429, 429]
+            assert (team.calls, door.decided) == (5, 3 * 2)
+    finally:
+        await auth.stop(grace=0)
