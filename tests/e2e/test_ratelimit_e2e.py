@@ -546,3 +546,26 @@ async def test_the_teams_auth_service_in_ext_authz_and_extauthz_for_limits(serve
             assert (team.calls, door.decided) == (5, 3 * 2)
     finally:
         await auth.stop(grace=0)
+
+
+async def test_fleet_usage_keeps_its_reserve_for_critical_routes(upstream: Upstream) -> None:
+    """fleet_usage over ShouldRateLimit by the route's tier (the metadata action): with the
+    slots other tiers may hold in flight, a post route is refused and a critical one admitted."""
+    async with generated(LEASED, "asyncio", upstream) as (srv, config, hcm):
+        hcm["route_config"]["virtual_hosts"][0]["routes"].insert(0, {
+            "match": {"prefix": "/admin"}, "route": {"cluster": "upstream"},
+            "metadata": {"filter_metadata": {"extauthz": {"tier": "critical"}}}})
+        fleet = next(lim for lim, _ in srv.engine.snapshot.active if lim.name == "fleet")
+        with EnvoyProcess(yaml.safe_dump(config)) as envoy:
+            # capacity 4, half reserved for critical: two post requests in flight fill the rest
+            slow = [asyncio.create_task(asyncio.to_thread(get, envoy.url + "/slow?delay=1", {"x-api-key": k}))
+                    for k in ("k1", "k2")]
+            for _ in range(100):  # bounded: until both hold their fleet slot
+                if list(await srv.engine.store.inflight((fleet.critical_key, fleet.other_key))) == [0, 2]:
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                pytest.fail("the slow requests never held their fleet slots")
+            assert await statuses(envoy, "/a", 1, **{"x-api-key": "k3"}) == [429]
+            assert await statuses(envoy, "/admin", 1, **{"x-api-key": "k4"}) == [200]
+            assert [(await s)[0] for s in slow] == [200, 200]
