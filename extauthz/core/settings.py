@@ -131,7 +131,7 @@ def _budget(text: str) -> float:
 
 
 def _fraction(text: str) -> float:
-    """A number (the range is checked by ``serve``, with its own message)."""
+    """A number (:class:`Settings` checks the range, with its own message)."""
     try:
         return float(text)
     except ValueError:
@@ -336,8 +336,17 @@ class Settings:
         "json", "--log-format", "log lines: one JSON object each, or text", choices=("json", "text"))
 
     def __post_init__(self) -> None:
-        """The checks one option's type cannot make, here so that an in-process
-        ``Settings(...)`` is held to them as serve's command line is. Raises ValueError."""
+        """Every option's range (its parser's: positive, finite, the check budget's bounds)
+        and the checks one option's type cannot make, here so that an in-process
+        ``Settings(...)`` and a worker's hand-over are held to them as serve's command line
+        is. Raises ValueError naming the flag."""
+        for name, opt in options().items():
+            value = getattr(self, name)
+            if opt.parse is not None and value is not None:
+                try:
+                    opt.parse(str(value))
+                except argparse.ArgumentTypeError as exc:
+                    raise ValueError(f"{opt.flag}: {exc}") from None
         if not 0.0 < self.record_sample <= 1.0:
             raise ValueError(f"--record-sample must be in (0, 1], not {self.record_sample}")
         try:
