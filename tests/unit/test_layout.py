@@ -310,6 +310,64 @@ def test_a_module_is_in_the_layer_of_its_longest_prefix(module: str, layer: str)
     assert LAYERS[layer_of(module)][0] == layer
 
 
+# -- Envoy knowledge in one package ------------------------------------------------------------
+
+#: where Envoy config may be written: the generator's package (docs/design.md "Envoy knowledge")
+ENVOY_PACKAGE = PACKAGE / "envoy"
+#: the trees whose code must get its Envoy config from that package (its options, never a YAML
+#: edit after the fact); tests/ may hand-write a minimal config to check one piece against Envoy
+ENVOY_CLIENTS = ("extauthz", "bench", "testinfra", "scripts")
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """The ids of the docstring constants in ``tree`` (modules, classes, functions)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def envoy_config_written(root: Path, trees: Collection[str], package: Path) -> list[str]:
+    """``file:line`` of every string constant outside ``package`` (docstrings aside) that
+    writes Envoy config: a typed config's ``@type`` key or an Envoy type URL."""
+    found: list[tuple[str, int]] = []
+    for name in trees:
+        for path in sorted((root / name).rglob("*.py")):
+            if path.is_relative_to(package) or "proto" in path.relative_to(root).parts[:2]:
+                continue
+            tree = ast.parse(path.read_text(), str(path))
+            skip = _docstrings(tree)
+            for node in ast.walk(tree):
+                if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip
+                        and (node.value == "@type" or "type.googleapis.com/envoy." in node.value)):
+                    found.append((path.relative_to(root).as_posix(), node.lineno))
+    return [f"{name}:{line}" for name, line in sorted(found)]
+
+
+def test_envoy_config_is_written_only_in_the_envoy_package() -> None:
+    """Issue 30: one config generator, whose test and benchmark variants are its options: a
+    listener appended to its output (bench/stack.py's rate limit row did) is Envoy knowledge
+    outside ``extauthz/envoy/``."""
+    assert envoy_config_written(ROOT, ENVOY_CLIENTS, ENVOY_PACKAGE) == []
+
+
+def test_the_envoy_config_check_finds_what_it_looks_for(tmp_path: Path) -> None:
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "pkg" / "envoy").mkdir(parents=True)
+    (tmp_path / "bench" / "edit.py").write_text(
+        '"""Reads type.googleapis.com/envoy.x in its docstring."""\n'
+        'config["listeners"].append({"typed_config": {\n'
+        '    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}})\n'
+        'url = ("type.googleapis.com/"\n       "envoy.config.listener.v3.Listener")\n')
+    (tmp_path / "bench" / "reads.py").write_text('name = manager["typed_config"]["stat_prefix"]\n')
+    (tmp_path / "pkg" / "envoy" / "blocks.py").write_text('TYPE = {"@type": "type.googleapis.com/envoy.x"}\n')
+    assert envoy_config_written(tmp_path, ["bench", "pkg"], tmp_path / "pkg" / "envoy") == [
+        "bench/edit.py:3", "bench/edit.py:3", "bench/edit.py:4"]
+
+
 # -- the module map and the paths the docs name ---------------------------------------------
 
 #: the Markdown files whose relative links and ``extauthz/...`` paths must exist
