@@ -73,7 +73,7 @@ def domain_of(policy: Policy, domain: str | None) -> str:
 
 def _matches(policy: Policy, domain: str) -> list[DescriptorMatch]:
     found: list[DescriptorMatch] = [m for spec in policy.limiters
-                                    if (m := getattr(spec, "match", None)) is not None and m.domain == domain]
+                                    if (m := spec.match) is not None and m.domain == domain]
     return found
 
 
@@ -119,7 +119,7 @@ def holds_leases(policy: Policy, domain: str) -> bool:
     fleet_usage, worker_utilization's inflight signal): its answers' lease metadata is
     released by Envoy's access log."""
     for spec in policy.limiters:
-        match = getattr(spec, "match", None)
+        match = spec.match
         if match is None or match.domain != domain:
             continue
         if isinstance(spec, ConcurrentRequestsSpec | FleetUsageSpec) or (

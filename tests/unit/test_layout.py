@@ -449,6 +449,51 @@ def test_the_unused_check_finds_what_it_looks_for(tmp_path: Path) -> None:
                                            "extauthz/store/use.py:4 go"]
 
 
+# -- what every limiter kind declares, read as attributes --------------------------------------
+
+
+def common_spec_fields() -> set[str]:
+    """The fields every member of the policy's ``LimiterSpec`` union declares."""
+    from typing import get_args
+
+    from extauthz.policy.schema import LimiterSpec
+
+    kinds = get_args(get_args(LimiterSpec)[0])
+    return set.intersection(*(set(kind.model_fields) for kind in kinds))
+
+
+def getattr_of(package: Path, fields: Collection[str]) -> list[str]:
+    """``file:line`` of every ``getattr(x, "FIELD", ...)`` in ``package`` whose FIELD is one of
+    ``fields`` (an attribute every object it is asked of has: mypy should see the read)."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+                    and node.args[1].value in fields):
+                found.append(f"{path.relative_to(package.parent).as_posix()}:{node.lineno}")
+    return found
+
+
+def test_what_every_limiter_kind_declares_is_read_as_an_attribute() -> None:
+    """Capabilities as types (issue 30: limiters declare ``grants`` and ``holds_leases`` as
+    attributes mypy sees): a field every limiter kind's spec declares (``key``, ``match``,
+    ``plans``, ...) is read as ``spec.FIELD``, never by ``getattr`` with a default, which hides
+    a misspelt name from mypy (``match``, added by issue 32, was read so in six places, ``key``
+    and ``plans`` in four more)."""
+    fields = common_spec_fields()
+    assert {"key", "match", "plans", "name"} <= fields
+    assert getattr_of(PACKAGE, fields) == []
+
+
+def test_the_getattr_check_finds_what_it_looks_for(tmp_path: Path) -> None:
+    package = tmp_path / "extauthz"
+    package.mkdir()
+    (package / "a.py").write_text('x = getattr(spec, "match", None)\ny = getattr(spec, "replaces", None)\n'
+                                  'z = spec.match\nw = getattr(spec, name)\n')
+    assert getattr_of(package, {"match", "key"}) == ["extauthz/a.py:1"]
+
+
 # -- the module map and the paths the docs name ---------------------------------------------
 
 #: the Markdown files whose relative links and ``extauthz/...`` paths must exist
