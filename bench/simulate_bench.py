@@ -109,7 +109,6 @@ def record_cost(policy: Any, n: int) -> dict[str, float]:
                 for i in range(n)]
         pairs = [run_now(engine.check(r)) for r in raws]
         _, without = timed(lambda: [run_now(engine.check(r)) for r in raws])
-        engine.observer = rec
 
         def hooks() -> None:
             for ctx, decision in pairs:

@@ -17,7 +17,7 @@ from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import ServerProcess, free_port
 from extauthz.engine.quota_service import REPORT_INTERVAL
 from extauthz.envoy.config import GRPC_ACCESS_LOGGER, LocalRateLimit
-from extauthz.envoy.ratelimit import render as ratelimit_render
+from extauthz.envoy.ratelimit import bootstrap as ratelimit_bootstrap
 from extauthz.policy import load_policy
 
 from .configs import Options, Setup, policy_file
@@ -119,22 +119,12 @@ class Running:
         """The ratelimit filter's bootstrap (``envoy-config --protocol ratelimit``). The filter
         skips a route without a route entry (a direct response), so the route goes to the
         upstream cluster and that is a second listener of the same Envoy answering ``200 ok``
-        itself: Envoy's CPU per request counts both listeners (more than (r)'s one)."""
-        upstream = free_port()
-        config: dict[str, Any] = yaml.safe_load(ratelimit_render(
-            load_policy([policy_file(self.setup)]), upstream=("127.0.0.1", upstream),
-            authz=("127.0.0.1", extauthz_port), headers={"api_key": "x-api-key"}, listen_port=0, admin_port=0))
-        config["static_resources"]["listeners"].append({
-            "name": "upstream", "address": {"socket_address": {"address": "127.0.0.1", "port_value": upstream}},
-            "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
-                         ".HttpConnectionManager",
-                "stat_prefix": "upstream", "codec_type": "AUTO",
-                "route_config": {"virtual_hosts": [{"name": "ok", "domains": ["*"], "routes": [{
-                    "match": {"prefix": "/"}, "direct_response": {"status": 200, "body": {"inline_string": "ok"}}}]}]},
-                "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]}}]}]})
-        return config
+        itself (the generator's ``direct_upstream``): Envoy's CPU per request counts both
+        listeners (more than (r)'s one)."""
+        return ratelimit_bootstrap(
+            load_policy([policy_file(self.setup)]), upstream=("127.0.0.1", free_port()),
+            authz=("127.0.0.1", extauthz_port), headers={"api_key": "x-api-key"}, listen_port=0, admin_port=0,
+            direct_upstream=True)
 
     def access_log(self) -> bool:
         """Whether Envoy sends the gRPC access log: always, or (``auto``) when the policy holds

@@ -1,6 +1,7 @@
 """What only the tests and the benchmarks need of the package, kept out of it (issue 30):
-a release awaited to its count, the embedded store's key count, traffic files written, one
-stored document changed without a server (the store contract's race test)."""
+a release awaited to its count, the embedded store's key count and its FLUSHALL, traffic
+files written, one stored document changed without a server (the store contract's race
+test)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,18 @@ def key_count(store: MemoryStore) -> int:
     """Every key the embedded store holds: buckets, lease sets, values, shed states, events."""
     return (len(store._buckets) + len(store._leases) + len(store._values) + len(store._shed)
             + len(store._events))
+
+
+def flushall(store: MemoryStore) -> None:
+    """Forget every key of the embedded store, as Redis ``FLUSHALL`` (or a restart without
+    persistence) does: the quota ledger's tests lose its data with it."""
+    for table in (store._buckets, store._leases, store._slices, store._values, store._shed, store._events,
+                  store._held, store.evictions):
+        table.clear()
+    store._due.clear()
+    for scheduled in store._scheduled:
+        scheduled.clear()
+    store._rotation.clear()
 
 
 def write_lines(path: str | Path, lines: Sequence[Mapping[str, Any]]) -> Path:

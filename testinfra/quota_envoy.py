@@ -112,7 +112,7 @@ class World:
                  store: Store | None = None, clock: ManualClock | None = None, keys: Keys | None = None,
                  wipe: Callable[[], None] | None = None) -> None:
         self.rng = rng
-        #: the store loses its data (FLUSHALL on Redis, ``MemoryStore.flushall``): run's ``wipes``
+        #: the store loses its data (FLUSHALL on Redis, ``testinfra.probes.flushall``): run's ``wipes``
         self.wipe = wipe
         self.wiped: list[float] = []
         self.clock = clock if clock is not None else ManualClock(0.0)

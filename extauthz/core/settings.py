@@ -7,7 +7,8 @@ its default (envoyproxy/ratelimit's ``settings.go`` is the model); :func:`add_ar
 ``serve``'s argparse options from those declarations and :func:`from_args` builds the one
 :class:`Settings` from the parsed namespace. The few fields without a flag are declared with
 :func:`internal`, which says why. ``extauthz.commands.opscli`` takes the options it shares with ``serve``
-(:data:`SHARED`) from here too.
+(``--redis-url``, ``--key-prefix``, ``--admin-token-file``, ``--identity-salt``) from here too
+(:func:`add_shared`).
 
 Parsers live here once: :func:`off` (``""``, ``off``, ``none`` turn a port off), :func:`size`,
 :func:`positive`; durations use the policy's :func:`~extauthz.policy.schema.parse_duration`.
@@ -36,7 +37,7 @@ K8S_TARGETS = ("envoy-gateway", "istio-sidecar", "istio-ambient")
 
 __all__ = [
     "CHECK_BUDGET_MS", "DEFAULT_MAX_ACTIVE_CHECKS", "ENVOY_MARGIN_MS", "ENV_PREFIX", "K8S_TARGETS", "KEY_PREFIX",
-    "MEMORY_MAX_KEYS", "OFF", "PROTOCOLS", "SHARED", "STORE_DEADLINE_MS", "WORKER_CONFIG_ENV",
+    "MEMORY_MAX_KEYS", "OFF", "PROTOCOLS", "STORE_DEADLINE_MS", "WORKER_CONFIG_ENV",
     "WORKER_READY_FD_ENV", "Option", "Settings", "add_arguments", "add_shared", "env_value", "from_args", "off",
     "options", "positive", "size", "worker_env", "worker_handover",
 ]
@@ -131,7 +132,7 @@ def _budget(text: str) -> float:
 
 
 def _fraction(text: str) -> float:
-    """A number (the range is checked by ``serve``, with its own message)."""
+    """A number (:class:`Settings` checks the range, with its own message)."""
     try:
         return float(text)
     except ValueError:
@@ -336,8 +337,17 @@ class Settings:
         "json", "--log-format", "log lines: one JSON object each, or text", choices=("json", "text"))
 
     def __post_init__(self) -> None:
-        """The checks one option's type cannot make, here so that an in-process
-        ``Settings(...)`` is held to them as serve's command line is. Raises ValueError."""
+        """Every option's range (its parser's: positive, finite, the check budget's bounds)
+        and the checks one option's type cannot make, here so that an in-process
+        ``Settings(...)`` and a worker's hand-over are held to them as serve's command line
+        is. Raises ValueError naming the flag."""
+        for name, opt in options().items():
+            value = getattr(self, name)
+            if opt.parse is not None and value is not None:
+                try:
+                    opt.parse(str(value))
+                except argparse.ArgumentTypeError as exc:
+                    raise ValueError(f"{opt.flag}: {exc}") from None
         if not 0.0 < self.record_sample <= 1.0:
             raise ValueError(f"--record-sample must be in (0, 1], not {self.record_sample}")
         try:
@@ -495,10 +505,6 @@ def from_args(args: argparse.Namespace) -> Settings:
 
 
 # -- what the operator commands share with serve -------------------------------------------
-
-#: the options ``extauthz switch|report|override|history|status`` take with serve's flag,
-#: variable and default (opscli.py); ``envoy-config`` takes ``check_budget_ms`` so too.
-SHARED = ("redis_url", "key_prefix", "admin_token_file", "identity_salt")
 
 
 def add_shared(parser: argparse.ArgumentParser, names: tuple[str, ...], helps: Mapping[str, str]) -> None:

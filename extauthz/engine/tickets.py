@@ -24,10 +24,7 @@ import re
 from collections.abc import Sequence
 
 from ..store.keys import Keys
-from .answers import LEASE_TICKET_FIELD
 
-#: the metadata field the ticket travels in (answers.lease_fields, both edges)
-TICKET_FIELD = LEASE_TICKET_FIELD
 #: most lease keys one request can hold (one per store-backed limiter; policies have few).
 MAX_LEASE_KEYS = 32
 _LEASE_ID = re.compile(r"[0-9a-f]{16}")

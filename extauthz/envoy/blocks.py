@@ -10,8 +10,9 @@ from typing import Any
 
 from ..core.settings import CHECK_BUDGET_MS, ENVOY_MARGIN_MS
 
-__all__ = ["CONNECT_TIMEOUT", "DEFAULT_SERVER_NAME", "HEALTHZ_PATH", "Config", "TlsFiles", "address", "authz_timeout",
-           "check_port", "cluster", "grpc_cluster", "http1", "http2", "is_ip", "patterns", "strip", "typed"]
+__all__ = ["CONNECT_TIMEOUT", "DEFAULT_SERVER_NAME", "HEALTHZ_PATH", "Config", "TlsFiles", "address",
+           "answering_listener", "authz_timeout", "check_port", "cluster", "grpc_cluster", "http1", "http2", "is_ip",
+           "patterns", "router", "strip", "typed"]
 
 Config = dict[str, Any]
 
@@ -145,3 +146,17 @@ def router() -> Config:
     """The last HTTP filter of every chain: Envoy's router."""
     return {"name": "envoy.filters.http.router", "typed_config": {
         "@type": typed("envoy.extensions.filters.http.router.v3.Router")}}
+
+
+def answering_listener(name: str, at: tuple[str, int]) -> Config:
+    """A listener ``name`` on ``at`` where Envoy answers every request ``200 ok`` itself: a
+    benchmark's upstream inside the same Envoy, for a filter that skips a route answering
+    directly (the rate limit filter: :mod:`.ratelimit`'s ``direct_upstream``)."""
+    manager: Config = {
+        "@type": typed("envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"),
+        "stat_prefix": name, "codec_type": "AUTO",
+        "route_config": {"virtual_hosts": [{"name": "ok", "domains": ["*"], "routes": [{
+            "match": {"prefix": "/"}, "direct_response": {"status": 200, "body": {"inline_string": "ok"}}}]}]},
+        "http_filters": [router()]}
+    return {"name": name, "address": address(*at), "filter_chains": [{"filters": [{
+        "name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}]}

@@ -29,7 +29,18 @@ from ..core.settings import CHECK_BUDGET_MS
 from ..core.tiers import Tier
 from ..policy.model import Policy, RouteRef
 from ..policy.schema import ConcurrentRequestsSpec, DescriptorMatch, FleetUsageSpec, WorkerUtilizationSpec
-from .blocks import Config, TlsFiles, address, authz_timeout, client_manager, cluster, grpc_cluster, router, typed
+from .blocks import (
+    Config,
+    TlsFiles,
+    address,
+    answering_listener,
+    authz_timeout,
+    client_manager,
+    cluster,
+    grpc_cluster,
+    router,
+    typed,
+)
 from .config import ACCESS_LOG_BYTES_PER_MS, GRPC_ACCESS_LOGGER, SHIPPED_ACCESS_LOG_FLUSH_MS
 
 __all__ = ["DEFAULT_RLS", "RATELIMIT_FILTER", "actions_for", "bootstrap", "render"]
@@ -62,7 +73,7 @@ def domain_of(policy: Policy, domain: str | None) -> str:
 
 def _matches(policy: Policy, domain: str) -> list[DescriptorMatch]:
     found: list[DescriptorMatch] = [m for spec in policy.limiters
-                                    if (m := getattr(spec, "match", None)) is not None and m.domain == domain]
+                                    if (m := spec.match) is not None and m.domain == domain]
     return found
 
 
@@ -108,7 +119,7 @@ def holds_leases(policy: Policy, domain: str) -> bool:
     fleet_usage, worker_utilization's inflight signal): its answers' lease metadata is
     released by Envoy's access log."""
     for spec in policy.limiters:
-        match = getattr(spec, "match", None)
+        match = spec.match
         if match is None or match.domain != domain:
             continue
         if isinstance(spec, ConcurrentRequestsSpec | FleetUsageSpec) or (
@@ -142,8 +153,12 @@ def rate_limits(policy: Policy, domain: str, headers: Mapping[str, str]) -> list
 def bootstrap(policy: Policy, *, upstream: tuple[str, int], authz: tuple[str, int] | None = None,
               domain: str | None = None, headers: Mapping[str, str] | None = None,
               listen_port: int = 10000, admin_port: int = 9901, tls: TlsFiles | None = None,
-              ext_authz: tuple[str, int] | None = None, check_budget_ms: float = CHECK_BUDGET_MS) -> Config:
-    """The bootstrap as a mapping (module docstring)."""
+              ext_authz: tuple[str, int] | None = None, check_budget_ms: float = CHECK_BUDGET_MS,
+              direct_upstream: bool = False) -> Config:
+    """The bootstrap as a mapping (module docstring). ``direct_upstream``, a benchmark's
+    variant (``envoy-config`` never sets it): the upstream is a second listener of this Envoy,
+    on ``upstream``, answering ``200 ok`` itself (the filter skips a route that answers
+    directly, so the route still goes to the upstream cluster)."""
     name = domain_of(policy, domain)
     limits = rate_limits(policy, name, headers or {})
     filters: list[Config] = []
@@ -173,15 +188,14 @@ def bootstrap(policy: Policy, *, upstream: tuple[str, int], authz: tuple[str, in
     if ext_authz is not None:
         clusters.append(grpc_cluster("auth_service", ext_authz, None))
     clusters.append(cluster("upstream", upstream, "1s"))
+    listeners = [{"name": "ingress", "address": address("127.0.0.1", listen_port),
+                  "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                  "typed_config": hcm}]}]}]
+    if direct_upstream:
+        listeners.append(answering_listener("upstream", upstream))
     return {
         "admin": {"address": address("127.0.0.1", admin_port)},
-        "static_resources": {
-            "listeners": [{"name": "ingress", "address": address("127.0.0.1", listen_port),
-                           "filter_chains": [{"filters": [{
-                               "name": "envoy.filters.network.http_connection_manager",
-                               "typed_config": hcm}]}]}],
-            "clusters": clusters,
-        },
+        "static_resources": {"listeners": listeners, "clusters": clusters},
     }
 
 

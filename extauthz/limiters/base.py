@@ -109,8 +109,7 @@ class LimiterBase:
     def __init__(self, spec: LimiterSpec) -> None:
         self.name = spec.name
         self.failure_mode = spec.failure_mode
-        self.applies_to = compile_match(spec.applies_to,
-                                        spec.name if getattr(spec, "match", None) is not None else None)
+        self.applies_to = compile_match(spec.applies_to, spec.name if spec.match is not None else None)
 
 
 class PerCustomer(LimiterBase):

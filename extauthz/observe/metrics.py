@@ -163,7 +163,7 @@ class Metrics(ObserverBase):
         ``policy`` (plans: the names the policy knows, so the label stays bounded)."""
         plans = sorted(policy.plan_names) or [""]
         for spec in policy.limiters:
-            if getattr(spec, "key", None) and spec.name not in self._skipped:
+            if spec.key and spec.name not in self._skipped:
                 self._skipped[spec.name] = self.skipped.labels(spec.name, "key_missing")
             for tier in Tier:
                 for plan in plans:

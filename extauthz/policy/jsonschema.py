@@ -8,8 +8,6 @@ from typing import Any
 
 from .schema import PolicyFile
 
-SCHEMA_ID = "https://extauthz.invalid/policy.schema.json"
-
 
 def policy_json_schema() -> dict[str, Any]:
     schema = PolicyFile.model_json_schema(mode="validation")

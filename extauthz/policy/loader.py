@@ -270,7 +270,7 @@ def _descriptor_issues(parsed: Sequence[tuple[str, PolicyFile, _Document]]) -> l
     first: dict[str, str] = {}  # target name -> its file
     entries: list[tuple[str, _Document, str, list[str]]] = []  # file, doc, where, replaces
     for file, model, doc in parsed:
-        placed = [("limiters", i) for i, spec in enumerate(model.limiters) if getattr(spec, "match", None)]
+        placed = [("limiters", i) for i, spec in enumerate(model.limiters) if spec.match]
         placed += [("unlimited", i) for i in range(len(model.unlimited))]
         targets = descriptor_targets(model.limiters, model.unlimited)
         for (section, i), (match, target) in zip(placed, targets, strict=True):
@@ -398,7 +398,7 @@ def load_policy(paths: Sequence[Path | str], *, max_bytes: int = MAX_FILE_BYTES)
     if "plan" not in owner:
         for file, model, doc in parsed:
             for i, spec in enumerate(model.limiters):
-                if getattr(spec, "plans", None):
+                if spec.plans:
                     issues.append(PolicyIssue(
                         file, f"limiters[{i}].plans", doc.line_of(("limiters", i, "plans")),
                         "plans need a top-level 'plan' section (where a request's plan comes from)",

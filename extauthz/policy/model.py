@@ -291,8 +291,8 @@ def compile_keys(limiters: Sequence[LimiterSpec], route_namespace: str
     specs: list[KeySpec] = []
     index: dict[str, int] = {}
     for spec in limiters:
-        parts = getattr(spec, "key", None)
-        match: DescriptorMatch | None = getattr(spec, "match", None)
+        parts = spec.key
+        match = spec.match
         if spec.type in ("fleet_usage", "worker_utilization"):
             continue  # fleet-wide: no key (with 'match' too: it sheds every descriptor it matches)
         if not parts and match is not None:  # the counter per descriptor value
@@ -314,7 +314,7 @@ def descriptor_targets(limiters: Sequence[LimiterSpec], unlimited: Sequence[Unli
     entry, in policy order."""
     out: list[tuple[DescriptorMatch, Target]] = []
     for spec in limiters:
-        match: DescriptorMatch | None = getattr(spec, "match", None)
+        match = spec.match
         if match is not None:
             out.append((match, Target(spec.name, replaces=frozenset(getattr(spec, "replaces", None) or ()))))
     for entry in unlimited:
@@ -381,7 +381,7 @@ def compile_policy(files: Sequence[PolicyFile], *, version: str,
         plan_sources=compile_sources(plan.from_) if plan else (),
         plan_default=plan.default if plan else "",
         plan_names=frozenset(
-            [plan.default, *(name for spec in limiters for name in (getattr(spec, "plans", None) or {}))]
+            [plan.default, *(name for spec in limiters for name in (spec.plans or {}))]
         ) if plan else frozenset(),
         keys=keys,
         key_index=key_index,

@@ -318,9 +318,9 @@ _CONTROL_PER_CALL = 4
 _STREAM_QUEUE = 64 << 10
 
 
-#: frames that make no call progress whatever they carry (unknown types too): each draws from
-#: the control budget; DATA and WINDOW_UPDATE are judged by what they carry
-_NO_PROGRESS = frozenset((PING, SETTINGS, PRIORITY, GOAWAY))
+#: frames that are call progress whatever they carry; every other frame draws from the control
+#: budget (PING, SETTINGS, PRIORITY, GOAWAY, unknown types), except DATA and WINDOW_UPDATE that
+#: carry something (:meth:`_Connection.inspect`)
 _CALL_FRAMES = frozenset((HEADERS, CONTINUATION, RST_STREAM))
 
 

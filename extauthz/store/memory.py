@@ -99,17 +99,6 @@ class MemoryStore(StoreBase):
         #: due entries looked at, in total (tests bound the work per check with it)
         self.swept = 0
 
-    def flushall(self) -> None:
-        """Forget every key, as Redis ``FLUSHALL`` (or a restart without persistence): the
-        quota ledger's tests lose its data with it."""
-        for table in (self._buckets, self._leases, self._slices, self._values, self._shed, self._events,
-                      self._held, self.evictions):
-            table.clear()
-        self._due.clear()
-        for scheduled in self._scheduled:
-            scheduled.clear()
-        self._rotation.clear()
-
     # -- helpers ---------------------------------------------------------------------
     def _live_leases(self, key: str, now: float) -> dict[str, float]:
         leases = self._leases.get(key)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from bench.configs import SETUPS, Options, policy_file
 from bench.stack import Running
@@ -85,6 +86,27 @@ def test_quota_rows_run_the_quota_filter_without_ext_authz(key: str, tmp_path: P
     assert not any("ext_authz" in n for n in names), names
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
     assert "4321" in str(clusters["extauthz"])  # the quota stream's cluster: the server's gRPC port
+
+
+def test_the_rate_limit_row_is_the_generators_with_an_upstream_answering_itself(tmp_path: Path) -> None:
+    """(rl): ``envoy-config --protocol ratelimit``'s bootstrap with its ``direct_upstream``
+    option (the filter skips a route that answers directly, so the upstream cluster points at
+    a second listener of the same Envoy answering 200), not a listener appended to its YAML;
+    a real Envoy takes it."""
+    from testinfra.envoy_configs import validate
+
+    config = Running(SETUPS["rl"], None, Options(), tmp_path)._config(4321)
+    ingress, upstream = config["static_resources"]["listeners"]
+    manager = ingress["filter_chains"][0]["filters"][0]["typed_config"]
+    assert [f["name"] for f in manager["http_filters"]] == ["envoy.filters.http.ratelimit", "envoy.filters.http.router"]
+    assert manager["route_config"]["virtual_hosts"][0]["routes"][0]["route"] == {"cluster": "upstream"}
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    endpoint = clusters["upstream"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    assert upstream["address"] == endpoint  # the upstream cluster is the answering listener
+    answer = upstream["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]
+    assert answer["routes"][0]["direct_response"] == {"status": 200, "body": {"inline_string": "ok"}}
+    assert "4321" in str(clusters["extauthz"])
+    validate(yaml.safe_dump(config, sort_keys=False))
 
 
 def test_quota_counters_flag_refusals_and_a_reconnected_stream() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from functools import partial
 
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -18,6 +19,7 @@ from extauthz.core.clock import ManualClock
 from extauthz.engine.quota_service import REPORT_INTERVAL, QuotaLimit
 from extauthz.store.memory import MemoryStore
 from testinfra import quota_envoy
+from testinfra.probes import flushall
 from testinfra.quota_envoy import World, drawn, three_replicas, two_replicas
 
 LIMITS = st.sampled_from([(0.5, 2.0), (1.0, 4.0), (2.0, 4.0), (3.0, 10.0), (0.2, 3.0)])
@@ -142,14 +144,14 @@ def test_three_replicas_found_two_holds_of_one_bucket_in_one_store_call() -> Non
        replicas=st.integers(1, 3))
 def test_the_promise_holds_through_a_store_losing_its_data(seed: int, envoys: int, limit: tuple[float, float],
                                                            replicas: int) -> None:
-    """The store's ledger wiped at random ticks (``MemoryStore.flushall``, as a Redis
+    """The store's ledger wiped at random ticks (``testinfra.probes.flushall``, as a Redis
     restarted empty) while the Envoys enforce what they were sent: every replica finds its
     marker gone at its next settle and grows no share until those assignments ran out and
     cooled (docs/rlqs.md "A store that loses its data")."""
     rng = random.Random(seed)
     clock = ManualClock(0.0)
     store = MemoryStore(clock)
-    world = World(rng, envoys, *limit, replicas=replicas, store=store, clock=clock, wipe=store.flushall)
+    world = World(rng, envoys, *limit, replicas=replicas, store=store, clock=clock, wipe=partial(flushall, store))
     asyncio.run(quota_envoy.wiped_ledger(world, envoys))
     assert world.worst_excess(*limit) <= 1e-6
 
@@ -164,7 +166,7 @@ def test_the_timelines_a_lost_ledger_broke_keep_the_promise() -> None:
         rng, limit, envoys = drawn(seed)
         clock = ManualClock(0.0)
         store = MemoryStore(clock)
-        world = World(rng, envoys, *limit, replicas=replicas, store=store, clock=clock, wipe=store.flushall)
+        world = World(rng, envoys, *limit, replicas=replicas, store=store, clock=clock, wipe=partial(flushall, store))
         asyncio.run(quota_envoy.wiped_ledger(world, envoys))
         assert world.wiped  # the store lost its data in the timeline
         assert world.admitted

@@ -14,6 +14,7 @@ from extauthz.core.context import RawRequest
 from extauthz.engine.answers import denial, ratelimit_headers
 from extauthz.engine.engine import Engine
 from extauthz.engine.storegate import StoreGate
+from extauthz.observe.base import Observer
 from extauthz.observe.metrics import Metrics
 from testinfra.probes import release_and_wait
 
@@ -21,9 +22,11 @@ from ..unit.helpers import get, policy_from
 from .conftest import StoreCase
 
 
-def engine(case: StoreCase, tmp_path: Path, limiters: list[dict[str, Any]], **doc: Any) -> Engine:
+def engine(case: StoreCase, tmp_path: Path, limiters: list[dict[str, Any]], observer: Observer | None = None,
+           **doc: Any) -> Engine:
     policy = policy_from(tmp_path, {"limiters": limiters, **doc})
-    return Engine(StoreGate(case.store, clock=case.clock, deadline=1.0), policy, rng=random.Random(7))
+    return Engine(StoreGate(case.store, clock=case.clock, deadline=1.0), policy, rng=random.Random(7),
+                  observer=observer)
 
 
 def req(key: str = "", ip: str = "10.0.0.1", method: str = "POST", path: str = "/v1/login",
@@ -72,11 +75,10 @@ async def test_a_per_user_per_method_key_keeps_get_and_post_apart(store_case: St
 
 async def test_a_request_without_the_keyed_header_skips_the_limiter(store_case: StoreCase,
                                                                     tmp_path: Path) -> None:
+    metrics = Metrics()  # given at construction, as the server does (nothing set afterwards)
     e = engine(store_case, tmp_path, [{"name": "per-org", "type": "request_rate", "rate": 0.001,
-                                       "burst": 1, "key": [{"header": "x-org"}]}])
-    metrics = Metrics()
+                                       "burst": 1, "key": [{"header": "x-org"}]}], observer=metrics)
     metrics.prime(e.snapshot.policy)
-    e.observer = metrics
     for _ in range(5):  # no x-org: the limiter does not apply, counted
         _, d = await e.check(req("sk_a"))
         assert d.allowed and d.verdicts == () and d.skipped == ("per-org",)

@@ -7,10 +7,13 @@ called since reads the reset flag. Everything on one injected clock."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 
 import pytest
+from hypothesis import HealthCheck, Phase, find, settings
 
 from extauthz.core.clock import ManualClock
 from extauthz.engine.quota_service import (
@@ -23,12 +26,14 @@ from extauthz.engine.quota_service import (
     Usage,
 )
 from extauthz.server.services import quota_metrics
-from extauthz.store.base import Store
+from extauthz.store.base import BucketOp, ShedParams, Store
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
+from testinfra.probes import flushall, key_count
 from testinfra.quota_envoy import BUCKET, World, drawn, established, wiped_ledger
 from testinfra.redis_servers import RedisSingle
 from tests.store.conftest import make_redis_store
+from tests.store.test_differential import GENERATORS
 
 LIMIT = QuotaLimit(2.0, 4.0)
 KEY = tuple(sorted(BUCKET.items()))
@@ -46,7 +51,7 @@ async def case(request: pytest.FixtureRequest) -> AsyncIterator[Case]:
     clock = ManualClock(0.0)
     if request.param == "memory":
         memory = MemoryStore(clock)
-        yield Case(memory, clock, memory.flushall)
+        yield Case(memory, clock, partial(flushall, memory))
         return
     topology: RedisSingle = request.getfixturevalue("redis_single_clean")
     store = make_redis_store(topology, clock)
@@ -171,7 +176,51 @@ def test_the_marker_ops_decode_on_their_own() -> None:
     store.check_now(established(Keys(), "z"), "")
     marked = ledger.marked_by(*store.check_now(ledger.marker_ops(), "").results)
     assert not marked.fresh and not marked.lost and not marked.reset
-    store.flushall()
+    flushall(store)
     store.check_now(established(Keys(), "y"), "")
     marked = ledger.marked_by(*store.check_now(ledger.marker_ops(), "").results)
     assert marked.lost and marked.reset
+
+
+#: the memory store's tables that are its wiring, not data (FLUSHALL keeps them)
+WIRING = {"_read", "_write", "_kinds"}
+
+
+def _tables(store: MemoryStore) -> dict[str, object]:
+    """Every container the embedded store holds (sets in a tuple flattened), wiring aside."""
+    out: dict[str, object] = {}
+    for name, value in vars(store).items():
+        if name in WIRING:
+            continue
+        if isinstance(value, tuple) and all(isinstance(v, set) for v in value):
+            value = set().union(*value)
+        if isinstance(value, dict | list | set | deque):
+            out[name] = value
+    return out
+
+
+async def test_the_wipe_leaves_the_embedded_store_holding_nothing() -> None:
+    """``testinfra.probes.flushall`` (the tests' FLUSHALL of the embedded store) empties every
+    table the store has, a table added later included: a key it missed would survive the
+    "Redis restarted empty" of the tests above."""
+    clock = ManualClock(1000.0)
+    store = MemoryStore(clock, max_keys=1)
+    keys = Keys()
+    for kind, ops in GENERATORS.items():
+        found = find(ops, lambda drawn, kind=kind: any(type(op) is kind for op in drawn),
+                     settings=settings(max_examples=500, database=None, phases=[Phase.generate],
+                                       suppress_health_check=list(HealthCheck)))
+        store.check_now(found, "lease")
+    user = keys.bucket("per-user", "alice"), keys.bucket("per-user", "bob")
+    for key in user:  # per-user keys of one limiter, past its bound: held and evicted
+        store.check_now([BucketOp(key, 1.0, 10.0, 1.0)], "")
+    store.check_now(established(keys, "y"), "")  # a quota ledger's slices
+    await store.set_value("v", "1", ttl=60.0)
+    await store.shed_update("shed", 0.9, ShedParams(0.5, 0.8, 1.0, 10.0, 60.0))
+    await store.append_events("events", ["e"], maxlen=10, ttl=60.0)
+    before = _tables(store)
+    assert {name for name, table in before.items() if table} >= {
+        "_buckets", "_leases", "_slices", "_values", "_shed", "_events", "_held", "evictions", "_scheduled"}
+    flushall(store)
+    assert {name: table for name, table in _tables(store).items() if table} == {}
+    assert key_count(store) == 0

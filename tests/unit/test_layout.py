@@ -310,6 +310,190 @@ def test_a_module_is_in_the_layer_of_its_longest_prefix(module: str, layer: str)
     assert LAYERS[layer_of(module)][0] == layer
 
 
+# -- Envoy knowledge in one package ------------------------------------------------------------
+
+#: where Envoy config may be written: the generator's package (docs/design.md "Envoy knowledge")
+ENVOY_PACKAGE = PACKAGE / "envoy"
+#: the trees whose code must get its Envoy config from that package (its options, never a YAML
+#: edit after the fact); tests/ may hand-write a minimal config to check one piece against Envoy
+ENVOY_CLIENTS = ("extauthz", "bench", "testinfra", "scripts")
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """The ids of the docstring constants in ``tree`` (modules, classes, functions)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def envoy_config_written(root: Path, trees: Collection[str], package: Path) -> list[str]:
+    """``file:line`` of every string constant outside ``package`` (docstrings aside) that
+    writes Envoy config: a typed config's ``@type`` key or an Envoy type URL."""
+    found: list[tuple[str, int]] = []
+    for name in trees:
+        for path in sorted((root / name).rglob("*.py")):
+            if path.is_relative_to(package) or "proto" in path.relative_to(root).parts[:2]:
+                continue
+            tree = ast.parse(path.read_text(), str(path))
+            skip = _docstrings(tree)
+            for node in ast.walk(tree):
+                if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip
+                        and (node.value == "@type" or "type.googleapis.com/envoy." in node.value)):
+                    found.append((path.relative_to(root).as_posix(), node.lineno))
+    return [f"{name}:{line}" for name, line in sorted(found)]
+
+
+def test_envoy_config_is_written_only_in_the_envoy_package() -> None:
+    """Issue 30: one config generator, whose test and benchmark variants are its options: a
+    listener appended to its output (bench/stack.py's rate limit row did) is Envoy knowledge
+    outside ``extauthz/envoy/``."""
+    assert envoy_config_written(ROOT, ENVOY_CLIENTS, ENVOY_PACKAGE) == []
+
+
+def test_the_envoy_config_check_finds_what_it_looks_for(tmp_path: Path) -> None:
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "pkg" / "envoy").mkdir(parents=True)
+    (tmp_path / "bench" / "edit.py").write_text(
+        '"""Reads type.googleapis.com/envoy.x in its docstring."""\n'
+        'config["listeners"].append({"typed_config": {\n'
+        '    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}})\n'
+        'url = ("type.googleapis.com/"\n       "envoy.config.listener.v3.Listener")\n')
+    (tmp_path / "bench" / "reads.py").write_text('name = manager["typed_config"]["stat_prefix"]\n')
+    (tmp_path / "pkg" / "envoy" / "blocks.py").write_text('TYPE = {"@type": "type.googleapis.com/envoy.x"}\n')
+    assert envoy_config_written(tmp_path, ["bench", "pkg"], tmp_path / "pkg" / "envoy") == [
+        "bench/edit.py:3", "bench/edit.py:3", "bench/edit.py:4"]
+
+
+# -- product code the package uses -------------------------------------------------------------
+
+#: methods the package defines for a library to call, never by name in the package: asyncio
+#: protocols, httptools' parser callbacks, pickle's hooks, logging's and http.server's
+HOOKS = frozenset({"connection_made", "connection_lost", "data_received", "eof_received", "pause_writing",
+                   "resume_writing", "on_message_begin", "on_url", "on_header", "on_headers_complete",
+                   "persistent_id", "persistent_load", "prepare", "log_message"})
+#: what the package defines and never names itself, and why it stays in the package (anything
+#: else only the tests or benchmarks use moves to them: testinfra/probes.py, bench/)
+USED_OUTSIDE = {
+    "advance": "ManualClock's step (core/clock.py): the injected clock of every test timeline; "
+               "simulate's replay sets its time instead",
+    "child_main": "the policy-load child's entry, run by name in a subprocess (engine/reload.py _CHILD)",
+    "clear_huffman_cache": "empties hpackd's module cache (benchmarks and tests start from it empty): "
+                           "only the module holds it",
+    "inbound_window": "h2conn's receive window and unacknowledged bytes as one view (tests check "
+                      "the WINDOW_UPDATE arithmetic by it)",
+    "table_bytes": "hpackd's dynamic table size (RFC 7541 4.1) as a view (tests compare it with hpack's)",
+    "sending": "a grant table's store calls on their way as a view (tests wait on it; drain() "
+               "waits on the same set)",
+    "resolve": "DescriptorTable.resolve: only tests call it, server/rls.py writes its body out "
+               "(lookup, then replaced): issue 32's to settle",
+}
+
+
+def unused_definitions(package: Path, skip: Collection[str] = ("proto", "devtools")) -> list[str]:
+    """``file:line name`` of every function, class, method and module constant of
+    ``package`` (outside ``skip``: generated code; devtools/, the tests' and demos' stack)
+    that no code of the package names (a name, an attribute, an import), :data:`HOOKS`,
+    dunders and decorated-by-a-call methods (pydantic's validators) aside."""
+    used: set[str] = set()
+    defined: list[tuple[str, str, int]] = []
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Store):
+                used.add(node.id)
+            elif isinstance(node, ast.Attribute) and not isinstance(node.ctx, ast.Store):
+                used.add(node.attr)
+            elif isinstance(node, ast.ImportFrom):
+                used.update(alias.name for alias in node.names)
+        rel = path.relative_to(package.parent).as_posix()
+        if path.relative_to(package).parts[0] in skip:
+            continue
+        bodies = [tree.body, *(n.body for n in ast.walk(tree) if isinstance(n, ast.ClassDef))]
+        for body in bodies:
+            for node in body:
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                    if not any(isinstance(d, ast.Call) for d in node.decorator_list):
+                        defined.append((node.name, rel, node.lineno))
+                elif body is tree.body and isinstance(node, ast.Assign | ast.AnnAssign):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    defined += [(t.id, rel, node.lineno) for t in targets if isinstance(t, ast.Name)]
+    return sorted(f"{rel}:{line} {name}" for name, rel, line in defined
+                  if name not in used and name not in HOOKS and not name.startswith("__"))
+
+
+def test_product_code_is_used_by_the_package() -> None:
+    """Issue 30: product code that only the tests or benchmarks use moves to them (after it,
+    MemoryStore.flushall had come back for the quota ledger's tests); what stays says why."""
+    unused = unused_definitions(PACKAGE)
+    assert [u for u in unused if u.rpartition(" ")[2] not in USED_OUTSIDE] == []
+    stale = set(USED_OUTSIDE) - {u.rpartition(" ")[2] for u in unused}
+    assert stale == set(), "the package uses these now: drop them from USED_OUTSIDE"
+
+
+def test_the_unused_check_finds_what_it_looks_for(tmp_path: Path) -> None:
+    package = tmp_path / "extauthz"
+    (package / "store").mkdir(parents=True)
+    (package / "proto").mkdir()
+    (package / "store" / "memory.py").write_text(
+        "LIMIT = 3\nUNUSED = 4\n\n\nclass Store:\n    def check(self):\n        return LIMIT\n\n"
+        "    def flushall(self):\n        pass\n\n    def data_received(self, data):\n        pass\n\n"
+        "    @model_validator(mode='after')\n    def _valid(self):\n        return self\n")
+    (package / "store" / "use.py").write_text("from .memory import Store\n\n\ndef go(s: Store):\n"
+                                               "    return s.check()\n")
+    (package / "proto" / "gen.py").write_text("def generated():\n    pass\n")
+    assert unused_definitions(package) == ["extauthz/store/memory.py:2 UNUSED", "extauthz/store/memory.py:9 flushall",
+                                           "extauthz/store/use.py:4 go"]
+
+
+# -- what every limiter kind declares, read as attributes --------------------------------------
+
+
+def common_spec_fields() -> set[str]:
+    """The fields every member of the policy's ``LimiterSpec`` union declares."""
+    from typing import get_args
+
+    from extauthz.policy.schema import LimiterSpec
+
+    kinds = get_args(get_args(LimiterSpec)[0])
+    return set.intersection(*(set(kind.model_fields) for kind in kinds))
+
+
+def getattr_of(package: Path, fields: Collection[str]) -> list[str]:
+    """``file:line`` of every ``getattr(x, "FIELD", ...)`` in ``package`` whose FIELD is one of
+    ``fields`` (an attribute every object it is asked of has: mypy should see the read)."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+                    and node.args[1].value in fields):
+                found.append(f"{path.relative_to(package.parent).as_posix()}:{node.lineno}")
+    return found
+
+
+def test_what_every_limiter_kind_declares_is_read_as_an_attribute() -> None:
+    """Capabilities as types (issue 30: limiters declare ``grants`` and ``holds_leases`` as
+    attributes mypy sees): a field every limiter kind's spec declares (``key``, ``match``,
+    ``plans``, ...) is read as ``spec.FIELD``, never by ``getattr`` with a default, which hides
+    a misspelt name from mypy (``match``, added by issue 32, was read so in six places, ``key``
+    and ``plans`` in four more)."""
+    fields = common_spec_fields()
+    assert {"key", "match", "plans", "name"} <= fields
+    assert getattr_of(PACKAGE, fields) == []
+
+
+def test_the_getattr_check_finds_what_it_looks_for(tmp_path: Path) -> None:
+    package = tmp_path / "extauthz"
+    package.mkdir()
+    (package / "a.py").write_text('x = getattr(spec, "match", None)\ny = getattr(spec, "replaces", None)\n'
+                                  'z = spec.match\nw = getattr(spec, name)\n')
+    assert getattr_of(package, {"match", "key"}) == ["extauthz/a.py:1"]
+
+
 # -- the module map and the paths the docs name ---------------------------------------------
 
 #: the Markdown files whose relative links and ``extauthz/...`` paths must exist

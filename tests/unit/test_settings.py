@@ -113,6 +113,46 @@ def test_an_in_process_settings_checks_itself(given: dict[str, Any], message: st
     assert Settings(record_sample=1.0, http_path_prefix="/auth/", workers=1).record_sample == 1.0
 
 
+@pytest.mark.parametrize(("given", "message"), [
+    ({"store_deadline_ms": 0.0}, "--store-deadline-ms: bad milliseconds '0.0': must be positive and finite"),
+    ({"store_deadline_ms": float("nan")}, "--store-deadline-ms: bad milliseconds 'nan'"),
+    ({"check_budget_ms": 5.0}, "--check-budget-ms: bad milliseconds '5.0': at least 20"),
+    ({"check_budget_ms": float("inf")}, "--check-budget-ms: bad milliseconds 'inf'"),
+    ({"memory_max_keys": 0}, "--memory-max-keys: bad count '0': must be at least 1"),
+    ({"http_max_connections": -1}, "--http-max-connections: bad count '-1': must be at least 1"),
+    ({"policy_max_bytes": 0}, "--policy-max-bytes: bad size '0': must be positive"),
+])
+def test_an_in_process_settings_is_held_to_each_options_range(given: dict[str, Any], message: str) -> None:
+    """Issue 30: ``Settings`` checks itself: the ranges serve's parsers hold a flag to
+    (positive, finite, within the check budget's bounds) hold an in-process ``Settings(...)``
+    and a worker's hand-over too, not only the command line."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Settings(**given)
+    with pytest.raises(ValueError, match=re.escape(message.partition(":")[0])):
+        worker_handover(worker_env(Settings(), 7) | {settings.WORKER_CONFIG_ENV: json.dumps(given)})
+
+
+def test_every_value_a_flag_refuses_an_in_process_settings_refuses() -> None:
+    """For each option with a parser, a number the parser refuses as text is refused by
+    ``Settings`` as a value, naming the flag (and the defaults pass)."""
+    checked = 0
+    for name, opt in options().items():
+        if opt.parse is None:
+            continue
+        default = getattr(Settings(), name)
+        kind = type(default) if default is not None else int
+        for text in ("0", "-1", "nan", "inf", "19", "1e9"):
+            if kind is int and not text.lstrip("-").isdigit():
+                continue  # refused for its form, which a number value does not have
+            try:
+                opt.parse(text)
+            except argparse.ArgumentTypeError:
+                with pytest.raises(ValueError, match=re.escape(opt.flag)):
+                    Settings(**{name: kind(text)})
+                checked += 1
+    assert checked >= 10
+
+
 def test_the_command_line_refuses_what_settings_refuse(capsys: pytest.CaptureFixture[str]) -> None:
     from extauthz.commands.cli import main
 
