@@ -121,10 +121,15 @@ def current_limit(spec: Any) -> rls_pb2.RateLimitResponse.RateLimit | None:
 
 
 def _status(v: Verdict | None, decision: Decision, limit: Any) -> rls_pb2.RateLimitResponse.DescriptorStatus:
+    """One decided descriptor's status. Its ``current_limit`` only beside a count the store
+    gave (``limit_remaining``): a limiter that failed open or closed (the store down) counted
+    nothing, and a limit with ``limit_remaining`` 0 beside it would tell the client it is out
+    (the ``counts`` headers, Envoy's own ``enable_x_ratelimit_headers`` read the statuses);
+    envoyproxy/ratelimit answers no status at all then (the call fails)."""
     status = rls_pb2.RateLimitResponse.DescriptorStatus(code=_OK if decision.allowed else _OVER)
-    if limit is not None:
-        status.current_limit.CopyFrom(limit)
     if v is not None and v.remaining is not None:
+        if limit is not None:
+            status.current_limit.CopyFrom(limit)
         status.limit_remaining = max(0, min(math.floor(v.remaining), _MAX_UINT32))
     if v is not None:
         reset = v.retry_after if v.outcome is Outcome.DENIED and v.retry_after else v.reset
@@ -316,14 +321,16 @@ def response(answers: list[Answer], headers: ResponseHeaders = _IETF) -> rls_pb2
 
 def count_headers(answers: list[Answer], headers: ResponseHeaders) -> list[core_pb2.HeaderValue]:
     """envoyproxy/ratelimit's ``LIMIT_RESPONSE_HEADERS_ENABLED`` headers: of the descriptors
-    with a ``current_limit``, the one over its limit, else the one with the least left: its
-    limit (requests per unit), what is left, and the whole seconds until its window ends (the
-    status's ``duration_until_reset``, rounded up; 0 without one). None when no descriptor has
-    a limit (unknown, unlimited, a shedder's), as the peer's."""
+    with a ``current_limit``, the last one over its limit (the peer's loop keeps the last),
+    else the first with the least left: its limit (requests per unit), what is left, and the
+    whole seconds until its window ends (the status's ``duration_until_reset``, rounded up; 0
+    without one). None when no descriptor has a limit (unknown, unlimited, a shedder's, one
+    whose store failed), as the peer's."""
     limited = [a.status for a in answers if a.status.HasField("current_limit")]
     if not limited:
         return []
-    shown = next((s for s in limited if s.code == _OVER), None) or min(limited, key=lambda s: s.limit_remaining)
+    over = [s for s in limited if s.code == _OVER]
+    shown = over[-1] if over else min(limited, key=lambda s: s.limit_remaining)
     reset = math.ceil(shown.duration_until_reset.ToNanoseconds() / 1e9) if shown.HasField(
         "duration_until_reset") else 0
     return [core_pb2.HeaderValue(key=headers.limit, value=str(shown.current_limit.requests_per_unit)),

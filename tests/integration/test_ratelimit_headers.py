@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from extauthz.core.clock import ManualClock
+from extauthz.devtools.stack import free_port
 from extauthz.proto import ratelimit_common_pb2, rls_pb2, rls_pb2_grpc
 from extauthz.server.app import Server, ServerConfig
 
@@ -44,12 +45,13 @@ START = 1_800_000_000.5
 
 
 @contextlib.asynccontextmanager
-async def served(policy_text: str, grpc_server: str, tmp_path: Path,
-                 clock: ManualClock) -> AsyncIterator[rls_pb2_grpc.RateLimitServiceStub]:
+async def served(policy_text: str, grpc_server: str, tmp_path: Path, clock: ManualClock,
+                 redis_url: str | None = None) -> AsyncIterator[rls_pb2_grpc.RateLimitServiceStub]:
     policy = tmp_path / "p.yaml"
     policy.write_text(policy_text + LIMITERS)
     srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0", admin_listen="off",
-                              reload_interval=0, identity_salt="s", grpc_server=grpc_server), clock=clock)
+                              reload_interval=0, identity_salt="s", grpc_server=grpc_server,
+                              redis_url=redis_url), clock=clock)
     await srv.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}")
     try:
@@ -106,3 +108,35 @@ async def test_none_adds_no_headers(grpc_server: str, tmp_path: Path) -> None:
         assert [a.overall_code for a in answers][-1] == OVER
         assert [headers(a) for a in answers] == [{}, {}, {}]
         assert answers[0].statuses[0].current_limit.requests_per_unit == 2  # the statuses stay whole
+
+
+@pytest.mark.parametrize("grpc_server", ["grpcio", "asyncio"])
+async def test_counts_of_the_last_descriptor_over_its_limit(grpc_server: str, tmp_path: Path) -> None:
+    """Two descriptors over their limits: the peer's loop keeps the last one over (each over
+    one replaces the one kept), so the headers follow the order Envoy sends them in."""
+    async with served(COUNTS, grpc_server, tmp_path, ManualClock(START)) as rls:
+        ip, key = ("remote_address", "10.0.0.7"), ("api_key", "k1")
+        for _ in range(2):
+            await rls.ShouldRateLimit(ask(ip), timeout=5)
+        for _ in range(3):
+            await rls.ShouldRateLimit(ask(key), timeout=5)
+        both = await rls.ShouldRateLimit(ask(ip, key), timeout=5)
+        assert [s.code for s in both.statuses] == [OVER, OVER]
+        assert headers(both) == counts(1, 0, 1)  # the bucket's: a token in 1 s
+        both = await rls.ShouldRateLimit(ask(key, ip), timeout=5)
+        assert [s.code for s in both.statuses] == [OVER, OVER]
+        assert headers(both) == counts(2, 0, 60)  # the quota's: its minute ends in 59.5 s
+
+
+@pytest.mark.parametrize("style", [COUNTS, "version: 1\n"], ids=["counts", "ietf"])
+async def test_a_store_that_fails_tells_no_limit(style: str, tmp_path: Path) -> None:
+    """A Redis that refuses connections: each descriptor fails open (OK) with no count, so
+    its status carries no ``current_limit`` (a limit beside ``limit_remaining`` 0 told the
+    client it was out: the counts headers, and Envoy's own x-ratelimit headers read the
+    statuses) and no headers name a limit; envoyproxy/ratelimit fails the call then."""
+    async with served(style, "asyncio", tmp_path, ManualClock(START),
+                      redis_url=f"redis://127.0.0.1:{free_port()}") as rls:
+        resp = await rls.ShouldRateLimit(ask(("api_key", "k1"), ("remote_address", "10.0.0.7")), timeout=5)
+        assert resp.overall_code == rls_pb2.RateLimitResponse.OK
+        assert [s.HasField("current_limit") for s in resp.statuses] == [False, False]
+        assert headers(resp) == {}
