@@ -533,6 +533,18 @@ def test_memory_max_keys_is_set_only_when_given(chart: Any) -> None:
     assert env["EXTAUTHZ_CHECK_BUDGET_MS"]["value"] == "400"
 
 
+def test_a_million_memory_keys_reach_the_server_as_a_whole_number(chart: Any) -> None:
+    """Helm reads a values file's numbers as float64, which toString writes as 1e+06 from a
+    million on; --memory-max-keys takes a whole number only (the server refused to start)."""
+    from extauthz.core.settings import options
+
+    env = env_of(container(render(chart, {"server": {"memoryMaxKeys": 1_000_000}})))
+    value = env["EXTAUTHZ_MEMORY_MAX_KEYS"]["value"]
+    assert value == "1000000"
+    parse = options()["memory_max_keys"].parse
+    assert parse is not None and parse(value) == 1_000_000
+
+
 @pytest.mark.parametrize("name", ["default", "full"])
 def test_env_names_are_the_cli_variables(name: str, request: pytest.FixtureRequest) -> None:
     """Each EXTAUTHZ_* variable the chart sets is one `extauthz serve` reads."""
