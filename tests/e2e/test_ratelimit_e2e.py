@@ -18,6 +18,7 @@ import grpc
 import pytest
 import yaml
 
+from extauthz.core.clock import ManualClock
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import free_port
 from extauthz.devtools.upstream import Upstream, start_upstream
@@ -52,6 +53,9 @@ limiters:
     mode: shadow
     match: {domain: edge, descriptor: [{key: user}]}
 """
+#: the limiters' clock, frozen half a second into an hour (and a minute): a window that ended
+#: between two requests of a test (the wall clock crossing a minute or an hour) would count anew
+START = 1_800_000_000.5
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 #: the filter's timeout: a check slower than this is failed open by Envoy
 TIMEOUT = 0.25
@@ -138,7 +142,8 @@ async def server(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterato
     policy = tmp_path / "p.yaml"
     policy.write_text(POLICY)
     srv = Server(ServerConfig(policies=[str(policy)], listen=f"127.0.0.1:{free_port()}", admin_listen="off",
-                              reload_interval=0, identity_salt="s", grpc_server=request.param))
+                              reload_interval=0, identity_salt="s", grpc_server=request.param),
+                 clock=ManualClock(START))
     await srv.start()
     try:
         yield srv
@@ -229,7 +234,7 @@ async def test_over_mtls(grpc_server: str, upstream: Upstream, tmp_path: Path) -
                               reload_interval=0, identity_salt="s", grpc_server=grpc_server,
                               tls_cert=str(tmp_path / "server" / "tls.crt"),
                               tls_key=str(tmp_path / "server" / "tls.key"),
-                              tls_client_ca=str(tmp_path / "ca.crt")))
+                              tls_client_ca=str(tmp_path / "ca.crt")), clock=ManualClock(START))
     await srv.start()
     try:
         with EnvoyProcess(envoy_config(srv.port, upstream.port, tls=tmp_path)) as envoy:
@@ -243,7 +248,7 @@ async def test_the_shipped_config_and_policy(upstream: Upstream) -> None:
     """envoy/envoy-ratelimit.yaml's generator (on free ports) with policies/ratelimit/."""
     policies = ROOT / "policies" / "ratelimit"
     srv = Server(ServerConfig(policies=[str(policies)], listen=f"127.0.0.1:{free_port()}", admin_listen="off",
-                              reload_interval=0, identity_salt="s", grpc_server="asyncio"))
+                              reload_interval=0, identity_salt="s", grpc_server="asyncio"), clock=ManualClock(START))
     await srv.start()
     try:
         text = render(load_policy([policies]), upstream=("127.0.0.1", upstream.port), authz=("127.0.0.1", srv.port),
@@ -464,7 +469,7 @@ async def test_every_descriptor_shape_and_the_peers_count_headers(upstream: Upst
     policy.write_text(SHAPES)
     srv = Server(ServerConfig(policies=[str(policy)], listen=f"127.0.0.1:{free_port()}", admin_listen="off",
                               metrics_listen="127.0.0.1:0", reload_interval=0, identity_salt="s",
-                              grpc_server="asyncio", check_budget_ms=BUDGET_MS))
+                              grpc_server="asyncio", check_budget_ms=BUDGET_MS), clock=ManualClock(START))
     await srv.start()
     try:
         with EnvoyProcess(shapes_config(srv.port, upstream.port)) as envoy:
@@ -475,7 +480,7 @@ async def test_every_descriptor_shape_and_the_peers_count_headers(upstream: Upst
                 _, h = answer
                 if "x-ratelimit-limit" not in h:
                     return None
-                assert 0 < int(h["x-ratelimit-reset"]) <= 3600  # the hour's window ends within it
+                assert h["x-ratelimit-reset"] == "3600"  # the hour's window ends in 3599.5 s
                 return h["x-ratelimit-limit"], h["x-ratelimit-remaining"]
 
             # a key's default: one an hour per client
