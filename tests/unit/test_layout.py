@@ -330,16 +330,30 @@ def _docstrings(tree: ast.AST) -> set[int]:
     return found
 
 
+def _reads(tree: ast.AST) -> set[int]:
+    """The ids of the string constants in ``tree`` that read config rather than write it: a
+    subscript's key read (``f["typed_config"]["@type"]``) and a comparison's operands
+    (``== "type.googleapis.com/..."``, ``in (...)``)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+            found.add(id(node.slice))
+        elif isinstance(node, ast.Compare):
+            for operand in (node.left, *node.comparators):
+                found.update(id(n) for n in ast.walk(operand) if isinstance(n, ast.Constant))
+    return found
+
+
 def envoy_config_written(root: Path, trees: Collection[str], package: Path) -> list[str]:
-    """``file:line`` of every string constant outside ``package`` (docstrings aside) that
-    writes Envoy config: a typed config's ``@type`` key or an Envoy type URL."""
+    """``file:line`` of every string constant outside ``package`` (docstrings and reads aside)
+    that writes Envoy config: a typed config's ``@type`` key or an Envoy type URL."""
     found: list[tuple[str, int]] = []
     for name in trees:
         for path in sorted((root / name).rglob("*.py")):
             if path.is_relative_to(package) or "proto" in path.relative_to(root).parts[:2]:
                 continue
             tree = ast.parse(path.read_text(), str(path))
-            skip = _docstrings(tree)
+            skip = _docstrings(tree) | _reads(tree)
             for node in ast.walk(tree):
                 if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip
                         and (node.value == "@type" or "type.googleapis.com/envoy." in node.value)):
@@ -362,7 +376,11 @@ def test_the_envoy_config_check_finds_what_it_looks_for(tmp_path: Path) -> None:
         'config["listeners"].append({"typed_config": {\n'
         '    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}})\n'
         'url = ("type.googleapis.com/"\n       "envoy.config.listener.v3.Listener")\n')
-    (tmp_path / "bench" / "reads.py").write_text('name = manager["typed_config"]["stat_prefix"]\n')
+    (tmp_path / "bench" / "reads.py").write_text(
+        'name = manager["typed_config"]["stat_prefix"]\n'
+        'routers = [f for f in filters if f["typed_config"]["@type"]\n'
+        '           == "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"]\n'
+        'found = url in ("type.googleapis.com/envoy.config.listener.v3.Listener",)\n')
     (tmp_path / "pkg" / "envoy" / "blocks.py").write_text('TYPE = {"@type": "type.googleapis.com/envoy.x"}\n')
     assert envoy_config_written(tmp_path, ["bench", "pkg"], tmp_path / "pkg" / "envoy") == [
         "bench/edit.py:3", "bench/edit.py:3", "bench/edit.py:4"]
@@ -462,15 +480,23 @@ def common_spec_fields() -> set[str]:
     return set.intersection(*(set(kind.model_fields) for kind in kinds))
 
 
+#: the fields every limiter kind declares whose names any object may have (an argparse
+#: namespace's ``key``, an exception's ``name``): a getattr of one is a spec's only when its
+#: object is named as one (``spec``, ``self.spec``, ``limiter_spec``)
+GENERIC_NAMES = frozenset({"name", "type", "mode", "key"})
+
+
 def getattr_of(package: Path, fields: Collection[str]) -> list[str]:
     """``file:line`` of every ``getattr(x, "FIELD", ...)`` in ``package`` whose FIELD is one of
-    ``fields`` (an attribute every object it is asked of has: mypy should see the read)."""
+    ``fields`` (an attribute every object it is asked of has: mypy should see the read); of a
+    :data:`GENERIC_NAMES` field, only when ``x`` names a spec."""
     found = []
     for path in sorted(package.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
                     and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
-                    and node.args[1].value in fields):
+                    and node.args[1].value in fields
+                    and (node.args[1].value not in GENERIC_NAMES or "spec" in ast.unparse(node.args[0]).lower())):
                 found.append(f"{path.relative_to(package.parent).as_posix()}:{node.lineno}")
     return found
 
@@ -490,8 +516,11 @@ def test_the_getattr_check_finds_what_it_looks_for(tmp_path: Path) -> None:
     package = tmp_path / "extauthz"
     package.mkdir()
     (package / "a.py").write_text('x = getattr(spec, "match", None)\ny = getattr(spec, "replaces", None)\n'
-                                  'z = spec.match\nw = getattr(spec, name)\n')
-    assert getattr_of(package, {"match", "key"}) == ["extauthz/a.py:1"]
+                                  'z = spec.match\nw = getattr(spec, name)\n'
+                                  'v = getattr(self.limiter_spec, "key", None)\n'
+                                  'u = getattr(args, "key", None) or getattr(exc, "name", "")\n'
+                                  't = getattr(args, "match", None)\n')
+    assert getattr_of(package, {"match", "key", "name"}) == ["extauthz/a.py:1", "extauthz/a.py:5", "extauthz/a.py:7"]
 
 
 # -- the module map and the paths the docs name ---------------------------------------------
