@@ -414,8 +414,9 @@ USED_OUTSIDE = {
 def unused_definitions(package: Path, skip: Collection[str] = ("proto", "devtools")) -> list[str]:
     """``file:line name`` of every function, class, method and module constant of
     ``package`` (outside ``skip``: generated code; devtools/, the tests' and demos' stack)
-    that no code of the package names (a name, an attribute, an import), :data:`HOOKS`,
-    dunders and decorated-by-a-call methods (pydantic's validators) aside."""
+    that no code of the package names (a name, an attribute, an import, the package's own
+    ``__all__``: its public API), :data:`HOOKS`, dunders and decorated-by-a-call methods
+    (pydantic's validators) aside."""
     used: set[str] = set()
     defined: list[tuple[str, str, int]] = []
     for path in sorted(package.rglob("*.py")):
@@ -427,6 +428,10 @@ def unused_definitions(package: Path, skip: Collection[str] = ("proto", "devtool
                 used.add(node.attr)
             elif isinstance(node, ast.ImportFrom):
                 used.update(alias.name for alias in node.names)
+            elif (path == package / "__init__.py" and isinstance(node, ast.Assign)
+                  and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)):
+                # the package's public API (lazily imported by name): used by its users
+                used.update(c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant))
         rel = path.relative_to(package.parent).as_posix()
         if path.relative_to(package).parts[0] in skip:
             continue
@@ -463,7 +468,12 @@ def test_the_unused_check_finds_what_it_looks_for(tmp_path: Path) -> None:
     (package / "store" / "use.py").write_text("from .memory import Store\n\n\ndef go(s: Store):\n"
                                                "    return s.check()\n")
     (package / "proto" / "gen.py").write_text("def generated():\n    pass\n")
-    assert unused_definitions(package) == ["extauthz/store/memory.py:2 UNUSED", "extauthz/store/memory.py:9 flushall",
+    # the public API, imported lazily by name (extauthz/__init__.py): its users name it
+    (package / "__init__.py").write_text('__all__ = ["Public"]\n_HOMES = {"Public": ".store.api"}\n\n\n'
+                                         'def __getattr__(name):\n    return _HOMES[name]\n')
+    (package / "store" / "api.py").write_text("class Public:\n    pass\n\n\nclass Private:\n    pass\n")
+    assert unused_definitions(package) == ["extauthz/store/api.py:5 Private", "extauthz/store/memory.py:2 UNUSED",
+                                           "extauthz/store/memory.py:9 flushall",
                                            "extauthz/store/use.py:4 go"]
 
 
