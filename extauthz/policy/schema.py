@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -256,8 +257,22 @@ class UnlimitedSpec(_Strict):
         "request, when both match its descriptors.")
 
 
-#: a response header's name (an HTTP token)
-ResponseHeaderName = Annotated[str, Field(pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$")]
+#: names a rate limit header may not take: the response's framing and hop-by-hop headers
+#: (RFC 9110 7.6.1, 6.4.1; RFC 9112 6.1): the filter adds the header to every answer, and a
+#: second Content-Length or a Connection of the policy's making breaks or desyncs the response
+RESERVED_HEADER_NAMES = frozenset({"connection", "content-length", "host", "keep-alive", "proxy-connection",
+                                   "te", "trailer", "transfer-encoding", "upgrade"})
+
+
+def _not_reserved(name: str) -> str:
+    if name.lower() in RESERVED_HEADER_NAMES:
+        raise ValueError(f"{name!r} frames the response or is hop-by-hop: a rate limit header needs another name")
+    return name
+
+
+#: a response header's name (an HTTP token, not one of :data:`RESERVED_HEADER_NAMES`)
+ResponseHeaderName = Annotated[str, Field(pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$"),
+                               AfterValidator(_not_reserved)]
 
 
 class RateLimitHeaderNames(_Strict):
