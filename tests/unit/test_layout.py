@@ -344,13 +344,36 @@ def _reads(tree: ast.AST) -> set[int]:
     return found
 
 
+#: data files that could hold a hand-written Envoy config
+_CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def _is_python(path: Path) -> bool:
+    """A Python file: ``.py``, or an executable script without a suffix whose first line
+    names python (scripts/gen-constraints-min)."""
+    if path.suffix == ".py":
+        return True
+    if path.suffix or not path.is_file():
+        return False
+    with path.open("rb") as f:
+        first = f.readline(200)
+    return first.startswith(b"#!") and b"python" in first
+
+
 def envoy_config_written(root: Path, trees: Collection[str], package: Path) -> list[str]:
     """``file:line`` of every string constant outside ``package`` (docstrings and reads aside)
-    that writes Envoy config: a typed config's ``@type`` key or an Envoy type URL."""
+    that writes Envoy config: a typed config's ``@type`` key or an Envoy type URL; and of
+    every line of a YAML or JSON file there that holds one."""
     found: list[tuple[str, int]] = []
     for name in trees:
-        for path in sorted((root / name).rglob("*.py")):
+        for path in sorted((root / name).rglob("*")):
             if path.is_relative_to(package) or "proto" in path.relative_to(root).parts[:2]:
+                continue
+            if path.suffix in _CONFIG_SUFFIXES and path.is_file():
+                found += [(path.relative_to(root).as_posix(), n) for n, line in enumerate(
+                    path.read_text().splitlines(), 1) if "@type" in line or "type.googleapis.com/envoy." in line]
+                continue
+            if not _is_python(path):
                 continue
             tree = ast.parse(path.read_text(), str(path))
             skip = _docstrings(tree) | _reads(tree)
@@ -382,8 +405,15 @@ def test_the_envoy_config_check_finds_what_it_looks_for(tmp_path: Path) -> None:
         '           == "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"]\n'
         'found = url in ("type.googleapis.com/envoy.config.listener.v3.Listener",)\n')
     (tmp_path / "pkg" / "envoy" / "blocks.py").write_text('TYPE = {"@type": "type.googleapis.com/envoy.x"}\n')
+    # a hand-written config beside the code, and a script without a suffix
+    (tmp_path / "bench" / "policies").mkdir()
+    (tmp_path / "bench" / "policies" / "p.yaml").write_text("version: 1\nlimiters: []\n")
+    (tmp_path / "bench" / "envoy.yaml").write_text(
+        "listeners:\n- filters:\n  - typed_config:\n      '@type': type.googleapis.com/envoy.x.Router\n")
+    (tmp_path / "bench" / "tool").write_text('#!/usr/bin/env python3\nx = {"@type": 1}\n')
+    (tmp_path / "bench" / "run.sh").write_text('#!/bin/sh\necho "@type"\n')
     assert envoy_config_written(tmp_path, ["bench", "pkg"], tmp_path / "pkg" / "envoy") == [
-        "bench/edit.py:3", "bench/edit.py:3", "bench/edit.py:4"]
+        "bench/edit.py:3", "bench/edit.py:3", "bench/edit.py:4", "bench/envoy.yaml:4", "bench/tool:2"]
 
 
 # -- product code the package uses -------------------------------------------------------------
