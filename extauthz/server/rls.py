@@ -325,11 +325,17 @@ def count_headers(answers: list[Answer], headers: ResponseHeaders) -> list[core_
     else the first with the least left: its limit (requests per unit), what is left, and the
     whole seconds until its window ends (the status's ``duration_until_reset``, rounded up; 0
     without one). None when no descriptor has a limit (unknown, unlimited, a shedder's, one
-    whose store failed), as the peer's."""
+    whose store failed), as the peer's, or when the answer refuses and none of those with a
+    limit is over it."""
     limited = [a.status for a in answers if a.status.HasField("current_limit")]
     if not limited:
         return []
     over = [s for s in limited if s.code == _OVER]
+    if not over and any(a.status.code == _OVER for a in answers):
+        # refused by a descriptor with no count to tell (concurrent_requests, a shedder, a
+        # store failed closed): an allowing one's figures would say the client has some left;
+        # the peer's headers on an OVER_LIMIT answer are always an over descriptor's
+        return []
     shown = over[-1] if over else min(limited, key=lambda s: s.limit_remaining)
     reset = math.ceil(shown.duration_until_reset.ToNanoseconds() / 1e9) if shown.HasField(
         "duration_until_reset") else 0

@@ -46,9 +46,10 @@ START = 1_800_000_000.5
 
 @contextlib.asynccontextmanager
 async def served(policy_text: str, grpc_server: str, tmp_path: Path, clock: ManualClock,
-                 redis_url: str | None = None) -> AsyncIterator[rls_pb2_grpc.RateLimitServiceStub]:
+                 redis_url: str | None = None, limiters: str = LIMITERS
+                 ) -> AsyncIterator[rls_pb2_grpc.RateLimitServiceStub]:
     policy = tmp_path / "p.yaml"
-    policy.write_text(policy_text + LIMITERS)
+    policy.write_text(policy_text + limiters)
     srv = Server(ServerConfig(policies=[str(policy)], listen="127.0.0.1:0", admin_listen="off",
                               reload_interval=0, identity_salt="s", grpc_server=grpc_server,
                               redis_url=redis_url), clock=clock)
@@ -140,3 +141,22 @@ async def test_a_store_that_fails_tells_no_limit(style: str, tmp_path: Path) -> 
         assert resp.overall_code == rls_pb2.RateLimitResponse.OK
         assert [s.HasField("current_limit") for s in resp.statuses] == [False, False]
         assert headers(resp) == {}
+
+
+async def test_no_counts_when_what_refuses_has_no_count(tmp_path: Path) -> None:
+    """A concurrent_requests descriptor over its limit beside a bucket that allows: the answer
+    refuses, and the bucket's figures (1 left) would tell the client to go on; the peer's
+    headers on a refusal are always of a descriptor over its limit."""
+    in_flight = LIMITERS.replace("unlimited:", """\
+  - name: in-flight
+    type: concurrent_requests
+    limit: 1
+    match: {domain: edge, descriptor: [{key: conn}]}
+unlimited:""")
+    async with served(COUNTS, "asyncio", tmp_path, ManualClock(START), limiters=in_flight) as rls:
+        conn, key = ("conn", "c1"), ("api_key", "k1")
+        first = await rls.ShouldRateLimit(ask(conn, key), timeout=5)
+        assert first.overall_code == rls_pb2.RateLimitResponse.OK and headers(first) == counts(1, 2, 1)
+        second = await rls.ShouldRateLimit(ask(conn, key), timeout=5)  # the first still in flight
+        assert [s.code for s in second.statuses] == [OVER, rls_pb2.RateLimitResponse.OK]
+        assert second.statuses[1].limit_remaining == 1 and headers(second) == {}
