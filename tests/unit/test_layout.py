@@ -526,6 +526,15 @@ def common_spec_fields() -> set[str]:
 GENERIC_NAMES = frozenset({"name", "type", "mode", "key"})
 
 
+def _names_a_spec(node: ast.expr) -> bool:
+    """Whether an expression's last name ends in ``spec`` (``spec``, ``self.spec``,
+    ``limiter_spec``, ``specs[i]``; not ``inspect``)."""
+    while isinstance(node, ast.Subscript | ast.Call):
+        node = node.value if isinstance(node, ast.Subscript) else node.func
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return re.search(r"spec(s)?$", name.lower()) is not None
+
+
 def getattr_of(package: Path, fields: Collection[str]) -> list[str]:
     """``file:line`` of every ``getattr(x, "FIELD", ...)`` in ``package`` whose FIELD is one of
     ``fields`` (an attribute every object it is asked of has: mypy should see the read); of a
@@ -536,7 +545,7 @@ def getattr_of(package: Path, fields: Collection[str]) -> list[str]:
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
                     and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
                     and node.args[1].value in fields
-                    and (node.args[1].value not in GENERIC_NAMES or "spec" in ast.unparse(node.args[0]).lower())):
+                    and (node.args[1].value not in GENERIC_NAMES or _names_a_spec(node.args[0]))):
                 found.append(f"{path.relative_to(package.parent).as_posix()}:{node.lineno}")
     return found
 
@@ -559,8 +568,10 @@ def test_the_getattr_check_finds_what_it_looks_for(tmp_path: Path) -> None:
                                   'z = spec.match\nw = getattr(spec, name)\n'
                                   'v = getattr(self.limiter_spec, "key", None)\n'
                                   'u = getattr(args, "key", None) or getattr(exc, "name", "")\n'
-                                  't = getattr(args, "match", None)\n')
-    assert getattr_of(package, {"match", "key", "name"}) == ["extauthz/a.py:1", "extauthz/a.py:5", "extauthz/a.py:7"]
+                                  't = getattr(args, "match", None)\n'
+                                  's = getattr(inspected, "name", "") or getattr(specs[0], "key", None)\n')
+    assert getattr_of(package, {"match", "key", "name"}) == ["extauthz/a.py:1", "extauthz/a.py:5", "extauthz/a.py:7",
+                                                            "extauthz/a.py:8"]
 
 
 # -- the module map and the paths the docs name ---------------------------------------------
