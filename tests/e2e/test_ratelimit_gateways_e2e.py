@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
+from extauthz.core.clock import ManualClock
 from extauthz.devtools.envoy_process import EnvoyProcess
 from extauthz.devtools.stack import free_port
 from extauthz.devtools.upstream import start_upstream
@@ -25,7 +26,7 @@ from testinfra.envoy_configs import config_path, validate
 
 from ..conftest import ROOT
 from . import istio_like
-from .test_ratelimit_e2e import get
+from .test_ratelimit_e2e import START, get
 
 pytestmark = pytest.mark.e2e
 
@@ -109,7 +110,8 @@ def test_the_envoy_gateway_patch_policy_passes_envoy_validation() -> None:
 
 async def test_the_istio_envoyfilters_answer_through_a_real_envoy(tmp_path: Path) -> None:
     srv = Server(ServerConfig(policies=[str(ROOT / "policies" / "ratelimit")], listen=f"127.0.0.1:{free_port()}",
-                              admin_listen="off", reload_interval=0, identity_salt="s", grpc_server="asyncio"))
+                              admin_listen="off", reload_interval=0, identity_salt="s", grpc_server="asyncio"),
+                 clock=ManualClock(START))  # the minute's window: 11 requests never straddle two
     await srv.start()
     try:
         with start_upstream("127.0.0.1") as upstream, \
