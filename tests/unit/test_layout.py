@@ -441,13 +441,25 @@ USED_OUTSIDE = {
 }
 
 
-def unused_definitions(package: Path, skip: Collection[str] = ("proto", "devtools")) -> list[str]:
+def entry_points(pyproject: Path) -> set[str]:
+    """The functions ``pyproject`` names as its scripts and entry points (``module:function``):
+    the installer's code calls them, by name."""
+    import tomllib
+
+    project = tomllib.loads(pyproject.read_text()).get("project", {})
+    targets = [*project.get("scripts", {}).values(), *project.get("gui-scripts", {}).values(),
+               *(t for group in project.get("entry-points", {}).values() for t in group.values())]
+    return {t.partition(":")[2].split(".")[-1].split()[0] for t in targets if ":" in t}
+
+
+def unused_definitions(package: Path, skip: Collection[str] = ("proto", "devtools"),
+                       called_by_name: Collection[str] = ()) -> list[str]:
     """``file:line name`` of every function, class, method and module constant of
     ``package`` (outside ``skip``: generated code; devtools/, the tests' and demos' stack)
     that no code of the package names (a name, an attribute, an import, the package's own
     ``__all__``: its public API), :data:`HOOKS`, dunders and decorated-by-a-call methods
-    (pydantic's validators) aside."""
-    used: set[str] = set()
+    (pydantic's validators) and ``called_by_name`` (:func:`entry_points`) aside."""
+    used: set[str] = set(called_by_name)
     defined: list[tuple[str, str, int]] = []
     for path in sorted(package.rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
@@ -481,7 +493,7 @@ def unused_definitions(package: Path, skip: Collection[str] = ("proto", "devtool
 def test_product_code_is_used_by_the_package() -> None:
     """Issue 30: product code that only the tests or benchmarks use moves to them (after it,
     MemoryStore.flushall had come back for the quota ledger's tests); what stays says why."""
-    unused = unused_definitions(PACKAGE)
+    unused = unused_definitions(PACKAGE, called_by_name=entry_points(ROOT / "pyproject.toml"))
     assert [u for u in unused if u.rpartition(" ")[2] not in USED_OUTSIDE] == []
     stale = set(USED_OUTSIDE) - {u.rpartition(" ")[2] for u in unused}
     assert stale == set(), "the package uses these now: drop them from USED_OUTSIDE"
@@ -502,9 +514,14 @@ def test_the_unused_check_finds_what_it_looks_for(tmp_path: Path) -> None:
     (package / "__init__.py").write_text('__all__ = ["Public"]\n_HOMES = {"Public": ".store.api"}\n\n\n'
                                          'def __getattr__(name):\n    return _HOMES[name]\n')
     (package / "store" / "api.py").write_text("class Public:\n    pass\n\n\nclass Private:\n    pass\n")
-    assert unused_definitions(package) == ["extauthz/store/api.py:5 Private", "extauthz/store/memory.py:2 UNUSED",
-                                           "extauthz/store/memory.py:9 flushall",
-                                           "extauthz/store/use.py:4 go"]
+    # a console script's function: the installer's wrapper calls it by name
+    (package / "cli.py").write_text("def run():\n    pass\n")
+    (tmp_path / "pyproject.toml").write_text('[project.scripts]\ntool = "extauthz.cli:run"\n')
+    assert entry_points(tmp_path / "pyproject.toml") == {"run"}
+    assert "extauthz/cli.py:1 run" in unused_definitions(package)
+    assert unused_definitions(package, called_by_name=entry_points(tmp_path / "pyproject.toml")) == [
+        "extauthz/store/api.py:5 Private", "extauthz/store/memory.py:2 UNUSED", "extauthz/store/memory.py:9 flushall",
+        "extauthz/store/use.py:4 go"]
 
 
 # -- what every limiter kind declares, read as attributes --------------------------------------
