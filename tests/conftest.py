@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from extauthz.core.clock import ManualClock
+from extauthz.devtools import stack
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist each worker picks ports from its own hundreds (``gw1`` of 2: the
+    odd ones), so two workers never hand out the same port between a check and a bind."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker.startswith("gw") and count > 1:
+        stack.PORT_STRIPE = (int(worker[2:]), count)
 
 
 @pytest.fixture

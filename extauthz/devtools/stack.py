@@ -27,6 +27,12 @@ from .upstream import Upstream, start_upstream
 #: Every port handed out in this process: a port is handed out once (two back-to-back binds
 #: of port 0 once gave a test server the same public and admin port, and it refused to start).
 _HANDED_OUT: set[int] = set()
+#: this process's share of every port range when several processes pick ports at once (the
+#: tests under pytest-xdist: tests/conftest.py sets it per worker): ``(index, count)``, a
+#: block is handed out only from the hundreds whose number is ``index`` modulo ``count``, so
+#: two workers never pick the same port between one's check and its bind
+PORT_STRIPE: tuple[int, int] = (0, 1)
+_STRIPE_WIDTH = 100
 
 
 def free_port() -> int:
@@ -40,9 +46,12 @@ def free_port_block(n: int, low: int = 20000, high: int = 32000) -> int:
     range (so that outgoing connections do not take them between this check and the bind)."""
     import random
 
-    for _ in range(200):
+    index, count = PORT_STRIPE
+    for _ in range(200 * count):
         base = random.randrange(low, high - n + 1)
         block = range(base, base + n)
+        if count > 1 and not all((p // _STRIPE_WIDTH) % count == index for p in (base, base + n - 1)):
+            continue
         if _HANDED_OUT.intersection(block):
             continue
         socks = []

@@ -106,16 +106,39 @@ class Promise:
         return admitted
 
 
+def _config(tmp_path: Path, upstream: Upstream, *servers: ServerProcess) -> str:
+    """``envoy-config --rlqs --authz A [--authz B ...]`` for the policy in ``tmp_path``: one
+    Envoy in front of ``upstream``, its checks and quota stream to ``servers``' cluster."""
+    first, *more = (("127.0.0.1", s.port) for s in servers)
+    return yaml.safe_dump(bootstrap(load_policy([tmp_path]), protocol="grpc",
+                                    upstream=("127.0.0.1", upstream.port), authz=first,
+                                    authz_more=tuple(more), listen_port=0, admin_port=0, rlqs=True))
+
+
 def _stack(tmp_path: Path) -> tuple[Upstream, ServerProcess, str]:
     (tmp_path / "api.yaml").write_text(POLICY)
     upstream = start_upstream()
     server = ServerProcess([tmp_path])
     server.start(STARTUP)
-    config = yaml.safe_dump(bootstrap(load_policy([tmp_path]), protocol="grpc",
-                                      upstream=("127.0.0.1", upstream.port),
-                                      authz=("127.0.0.1", server.port), listen_port=0, admin_port=0,
-                                      rlqs=True))
-    return upstream, server, config
+    return upstream, server, _config(tmp_path, upstream, server)
+
+
+def _replicas(tmp_path: Path, redis: RedisSingle) -> tuple[Upstream, list[ServerProcess], list[str]]:
+    """The policy, an upstream and two server replicas on one Redis (and their arguments, to
+    start one again)."""
+    (tmp_path / "api.yaml").write_text(POLICY)
+    upstream = start_upstream()
+    args = ["--redis-url", redis.url]
+    servers: list[ServerProcess] = []
+    try:
+        for _ in range(2):
+            servers.append(ServerProcess([tmp_path], args=args, workdir=tmp_path).start(STARTUP))
+    except BaseException:
+        for server in servers:
+            server.stop()
+        upstream.stop()
+        raise
+    return upstream, servers, args
 
 
 def test_two_envoys_share_one_limit(tmp_path: Path) -> None:
@@ -209,18 +232,10 @@ def test_two_replicas_on_one_redis_keep_one_limit(tmp_path: Path, redis_single_c
     ledger holder: it waits for the old one's slices to pass their TTL), and Redis is paused for a few seconds (no
     assignment is sent meanwhile: the Envoys keep theirs, then DENY_ALL). The promise holds
     throughout; the refusals meanwhile are the early refusal docs/rlqs.md describes."""
-    (tmp_path / "api.yaml").write_text(POLICY)
-    upstream = start_upstream()
-    args = ["--redis-url", redis_single_clean.url]
-    servers = [ServerProcess([tmp_path], args=args, workdir=tmp_path).start(STARTUP) for _ in range(2)]
-
-    def config(server: ServerProcess) -> str:
-        return yaml.safe_dump(bootstrap(load_policy([tmp_path]), protocol="grpc",
-                                        upstream=("127.0.0.1", upstream.port),
-                                        authz=("127.0.0.1", server.port), listen_port=0, admin_port=0,
-                                        rlqs=True))
+    upstream, servers, args = _replicas(tmp_path, redis_single_clean)
     try:
-        with started_envoy(config(servers[0])) as a, started_envoy(config(servers[1])) as b, HttpClient() as c:
+        with started_envoy(_config(tmp_path, upstream, servers[0])) as a, \
+                started_envoy(_config(tmp_path, upstream, servers[1])) as b, HttpClient() as c:
             promise = Promise(upstream, c)
             admitted = promise.drive([("a", a), ("b", b)], 25.0)
             assert promise.held, (upstream.served, promise.worst)
@@ -279,18 +294,10 @@ def test_a_redis_restarted_empty_keeps_one_limit(tmp_path: Path, redis_single_cl
     grows no share until those assignments ran out and cooled: from the restart on, the
     upstream admits within ``rate x t + burst`` (a promise counted from the restart), and each
     replica counts one reset."""
-    (tmp_path / "api.yaml").write_text(POLICY)
-    upstream = start_upstream()
-    args = ["--redis-url", redis_single_clean.url]
-    servers = [ServerProcess([tmp_path], args=args, workdir=tmp_path).start(STARTUP) for _ in range(2)]
-
-    def config(server: ServerProcess) -> str:
-        return yaml.safe_dump(bootstrap(load_policy([tmp_path]), protocol="grpc",
-                                        upstream=("127.0.0.1", upstream.port),
-                                        authz=("127.0.0.1", server.port), listen_port=0, admin_port=0,
-                                        rlqs=True))
+    upstream, servers, _ = _replicas(tmp_path, redis_single_clean)
     try:
-        with started_envoy(config(servers[0])) as a, started_envoy(config(servers[1])) as b, HttpClient() as c:
+        with started_envoy(_config(tmp_path, upstream, servers[0])) as a, \
+                started_envoy(_config(tmp_path, upstream, servers[1])) as b, HttpClient() as c:
             before = Promise(upstream, c)
             # a new store grows no share for two report intervals (10 s), and Envoy reports
             # every 5 s from its first request: the first share lands 10-15 s in, and the
@@ -324,14 +331,9 @@ def test_a_stream_moves_to_another_replica_behind_one_cluster(tmp_path: Path, re
     its next report, on the other replica (a new holder in the store's ledger: it waits for
     the dead one's slices to pass their TTL), and admitted requests counted at the upstream
     stay within ``rate x t + burst`` throughout."""
-    (tmp_path / "api.yaml").write_text(POLICY)
-    upstream = start_upstream()
-    args = ["--redis-url", redis_single_clean.url]
-    servers = [ServerProcess([tmp_path], args=args, workdir=tmp_path).start(STARTUP) for _ in range(2)]
+    upstream, servers, _ = _replicas(tmp_path, redis_single_clean)
     # envoy-config --authz A --authz B
-    one, two = (("127.0.0.1", s.port) for s in servers)
-    config = yaml.safe_dump(bootstrap(load_policy([tmp_path]), protocol="grpc", upstream=("127.0.0.1", upstream.port),
-                                      authz=one, authz_more=(two,), listen_port=0, admin_port=0, rlqs=True))
+    config = _config(tmp_path, upstream, *servers)
     clusters = {c["name"]: c for c in yaml.safe_load(config)["static_resources"]["clusters"]}
     endpoints = clusters["extauthz"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
     assert [e["endpoint"]["address"]["socket_address"]["port_value"] for e in endpoints] == [s.port for s in servers]

@@ -39,7 +39,7 @@ from extauthz.server.app import Server, ServerConfig
 from extauthz.server.grpc_h2 import GrpcH2Server, H2Limits, Slots
 from testinfra.redis_servers import RedisSingle
 
-from .test_grpc_h2_server import LIMITS, OPEN, PREFACE, WAIT, Probe, Raw, answers, gone
+from .test_grpc_h2_server import LIMITS, PREFACE, WAIT, Probe, Raw, answers, close_open, gone, stop_and_close
 from .test_server import check_request
 
 
@@ -54,23 +54,11 @@ async def _serve(limits: H2Limits = LIMITS) -> tuple[GrpcH2Server, Probe]:
     return srv, p
 
 
-async def _close(srv: GrpcH2Server, p: Probe) -> None:
-    p.release.set()
-    await srv.stop(0)
-    for raw in OPEN:
-        raw.close()
-        try:
-            await raw.writer.wait_closed()
-        except OSError:
-            pass
-    OPEN.clear()
-
-
 @pytest.fixture
 async def h2() -> AsyncIterator[tuple[GrpcH2Server, Probe]]:
     srv, p = await _serve()
     yield srv, p
-    await _close(srv, p)
+    await stop_and_close(srv, p)
 
 
 def _echo(raw: Raw, sid: int, body: bytes = b"hi") -> bytes:
@@ -161,9 +149,7 @@ async def test_a_client_that_never_closes_holds_a_stop_no_longer_than_close_ling
         assert took < 1.75 * linger, f"the stop took {took:.2f} s (close_linger {linger} s)"
     finally:
         await srv.stop(0)
-        for raw in OPEN:
-            raw.close()
-        OPEN.clear()
+        await close_open(wait=False)
 
 
 @pytest.mark.parametrize("cheap", ["empty_call", "reset_call"])
@@ -297,9 +283,7 @@ async def test_a_health_watch_that_is_not_read_blocks_no_status_change(tmp_path:
         await asyncio.wait_for(srv.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING), WAIT)
         await asyncio.wait_for(srv.stop(grace=0.2), WAIT)
     finally:
-        for r in OPEN:  # (first: a Watch still blocked is let go with its connection)
-            r.close()
-        OPEN.clear()
+        await close_open(wait=False)  # (first: a Watch still blocked is let go with its connection)
         await asyncio.sleep(0.1)
         await asyncio.wait_for(srv.stop(grace=0), WAIT)
 
@@ -344,7 +328,7 @@ async def test_many_idle_connections_hold_a_bounded_amount_each() -> None:
         tracemalloc.stop()
         for s in socks:
             s.close()
-        await _close(srv, p)
+        await stop_and_close(srv, p)
 
 
 @pytest.mark.parametrize("attack", ["continuation_flood", "oversized_block", "bomb"])
@@ -382,9 +366,7 @@ async def test_header_bounds_hold_on_a_request_stream_s_trailers(attack: str) ->
         assert (await raw.trailers(1))["grpc-status"] == "0"
     finally:
         await srv.stop(0)
-        for r in OPEN:
-            r.close()
-        OPEN.clear()
+        await close_open(wait=False)
 
 
 @pytest.mark.parametrize("level", ["connection", "stream"])

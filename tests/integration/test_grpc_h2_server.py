@@ -260,18 +260,31 @@ async def probe() -> AsyncIterator[tuple[GrpcH2Server, Probe]]:
         for name, fn in (("Echo", p.echo), ("Hang", p.hang), ("Big", p.big))})
     await srv.start("127.0.0.1:0")
     yield srv, p
-    p.release.set()
-    await srv.stop(0)
-    for raw in OPEN:
-        raw.close()
-        try:
-            await raw.writer.wait_closed()
-        except OSError:
-            pass
-    OPEN.clear()
+    await stop_and_close(srv, p)
 
 
 OPEN: list[Raw] = []  # every client connection of a test, closed after it
+
+
+async def close_open(*, wait: bool = True) -> None:
+    """Close every raw client connection of the test (``OPEN``); ``wait``: until each is
+    closed (not where the server may have stopped reading: a close waits for its writes)."""
+    for raw in OPEN:
+        raw.close()
+        if wait:
+            try:
+                await raw.writer.wait_closed()
+            except OSError:
+                pass
+    OPEN.clear()
+
+
+async def stop_and_close(srv: GrpcH2Server, p: Probe) -> None:
+    """The probe server's teardown: hung handlers let go, the server stopped, every raw
+    client closed."""
+    p.release.set()
+    await srv.stop(0)
+    await close_open()
 
 
 class Raw:
@@ -983,9 +996,7 @@ async def test_dropped_request_bytes_credit_the_connection_window(bad: str) -> N
         assert receive_window + processed == window  # every byte credited
     finally:
         await srv.stop(0)
-        for raw in OPEN:
-            raw.close()
-        OPEN.clear()
+        await close_open(wait=False)
 
 
 async def test_pings_and_trickled_frames_do_not_dodge_the_timeouts(probe: tuple[GrpcH2Server, Probe]) -> None:
