@@ -28,6 +28,7 @@ from extauthz.engine.state import (
     StorePart,
     classifier_part,
 )
+from extauthz.policy.descriptors import DescriptorTable, Entries, Target, replaced
 from extauthz.store.base import Store
 from extauthz.store.keys import Keys
 from extauthz.store.memory import MemoryStore
@@ -95,3 +96,9 @@ def engine_parts(engine: Engine) -> list[Part]:
     return [PolicyPart(engine), StorePart(engine), FailOpenPart(engine), ModesPart(engine),
             OverridesPart(engine), ShedPart(engine), ReleasesPart(engine), GrantsPart(engine),
             classifier_part(engine)]
+
+
+def resolve(table: DescriptorTable, domain: str, descriptors: Sequence[Entries]) -> list[Target | None]:
+    """Each descriptor's target, as server/rls.py finds them: ``lookup`` each, then ``replaces``
+    applied across them (unlimited targets kept)."""
+    return replaced([table.lookup(domain, d) for d in descriptors])

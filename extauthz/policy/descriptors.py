@@ -8,8 +8,9 @@ its nested config: a node per entry, reached by ``key`` plus ``value`` (or a val
 :meth:`DescriptorTable.lookup` walks a descriptor's entries greedily, as the peer does: at
 each entry the node for the exact value, else the first prefix that fits, else the key's
 default; a descriptor whose entries run past the tree, or that ends on a node without a
-target, gets no limit (no backtracking to a less specific default). :meth:`resolve` then
-applies ``replaces`` across the request's descriptors, and drops the unlimited ones.
+target, gets no limit (no backtracking to a less specific default). :func:`replaced` then
+applies ``replaces`` across the request's descriptors (unlimited targets kept: the door
+answers them OK, uncounted).
 
 The counter is per descriptor value: a limiter's key defaults to every entry's value (the
 limiter's label, ``key:descriptor:a+descriptor:b``, keeps domains and shapes apart).
@@ -125,13 +126,6 @@ class DescriptorTable:
                 return None
             node = nxt
         return node.target
-
-    def resolve(self, domain: str, descriptors: Sequence[Entries]) -> list[Target | None]:
-        """Each descriptor's target, ``replaces`` applied across them (a limiter another
-        matched target replaces is dropped), unlimited targets kept (the caller answers
-        them OK, uncounted)."""
-        return replaced([self.lookup(domain, d) for d in descriptors])
-
 
 def replaced(found: list[Target | None]) -> list[Target | None]:
     """``found`` (each descriptor's :meth:`DescriptorTable.lookup`) with the limiters another

@@ -17,6 +17,7 @@ from extauthz.observe.metrics import Metrics
 from extauthz.policy.classify import Classifier
 from extauthz.policy.descriptors import Entries, entries_of
 from extauthz.policy.model import Policy
+from testinfra.probes import resolve
 
 from .helpers import engine_for, policy_from
 
@@ -27,7 +28,7 @@ def quota(name: str, domain: str, *entries: dict[str, str], **extra: Any) -> dic
 
 
 def names(policy: Policy, domain: str, *descriptors: dict[str, str]) -> list[str | None]:
-    found = policy.descriptors.resolve(domain, [entries_of(d) for d in descriptors])
+    found = resolve(policy.descriptors, domain, [entries_of(d) for d in descriptors])
     return [None if t is None else ("unlimited" if t.unlimited else t.name) for t in found]
 
 

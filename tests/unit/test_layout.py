@@ -436,8 +436,6 @@ USED_OUTSIDE = {
     "table_bytes": "hpackd's dynamic table size (RFC 7541 4.1) as a view (tests compare it with hpack's)",
     "sending": "a grant table's store calls on their way as a view (tests wait on it; drain() "
                "waits on the same set)",
-    "resolve": "DescriptorTable.resolve: only tests call it, server/rls.py writes its body out "
-               "(lookup, then replaced): issue 32's to settle",
 }
 
 

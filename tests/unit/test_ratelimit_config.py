@@ -16,6 +16,7 @@ from extauthz.core.context import RawRequest
 from extauthz.policy import load_policy
 from extauthz.policy.classify import Classifier
 from extauthz.policy.descriptors import entries_of
+from testinfra.probes import resolve
 
 from .helpers import engine_for
 
@@ -35,7 +36,7 @@ class Peer:
 
     async def ask(self, domain: str, *descriptors: dict[str, str]) -> str:
         """OK or OVER_LIMIT, as the response's overall_code."""
-        targets = self.policy.descriptors.resolve(domain, [entries_of(d) for d in descriptors])
+        targets = resolve(self.policy.descriptors, domain, [entries_of(d) for d in descriptors])
         over = False
         for d, target in zip(descriptors, targets, strict=True):
             if target is None or target.unlimited:
@@ -163,7 +164,7 @@ descriptors:
     by_shape = {lim["match"]["descriptor"][0]["key"]: lim for lim in conv.limiters}
     assert sorted(by_shape["c"]["replaces"]) == sorted([by_shape["a"]["name"], by_shape["b"]["name"]])
     (tmp_path / "d.yaml").write_text(conv.text())
-    found = load_policy([tmp_path]).descriptors.resolve("d", [entries_of({"a": "1"}), entries_of({"b": "1"}),
+    found = resolve(load_policy([tmp_path]).descriptors, "d", [entries_of({"a": "1"}), entries_of({"b": "1"}),
                                                                entries_of({"c": "1"})])
     assert [t.name if t is not None else None for t in found] == [None, None, by_shape["c"]["name"]]
 
@@ -189,7 +190,7 @@ descriptors:
 """
     (conv,) = convert([("d.yaml", text)])
     (tmp_path / "d.yaml").write_text(conv.text())
-    found = load_policy([tmp_path]).descriptors.resolve("d", [entries_of({"a": "x"}), entries_of({"a": "y"})])
+    found = resolve(load_policy([tmp_path]).descriptors, "d", [entries_of({"a": "x"}), entries_of({"a": "y"})])
     assert [(t.name, t.unlimited) if t is not None else None for t in found] == [
         ("", True), (conv.limiters[0]["name"], False)]
 
