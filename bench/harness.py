@@ -71,6 +71,7 @@ no plot or docs.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -441,6 +442,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(h.workdir, ignore_errors=True)
         log(f"wrote {DOCS.relative_to(ROOT)} and {PLOT.relative_to(ROOT)} from {opts.report_from}")
         return 0
+    if opts.limits_compare and not opts.smoke and importlib.util.find_spec("limits") is None:
+        # the comparison runs last: find out now, not after the whole run
+        raise SystemExit("the limits comparison needs the `limits` library: pip install -e '.[bench]' "
+                         "(bench/run.sh does), or pass --no-limits")
     h = Harness(opts)
     log(f"configurations {', '.join(opts.setups)}; {opts.rounds} round(s) of {opts.duration:g} s runs; "
         f"work dir {h.workdir}")

@@ -9,9 +9,8 @@ descriptor per API key). A grpc.aio client in this process sends ``--calls`` of 
 warm-up; the figure is the server's user + system CPU from ``/proc`` over the measured calls
 only, divided by the calls. Run it on a quiet machine; it prints figures, it asserts nothing.
 
-``--grpc-server asyncio`` does not run under this client yet: a grpc.aio client meets that
-server's control-frame budget (GOAWAY ENHANCE_YOUR_CALM after about 67 calls, ``Check`` and
-``ShouldRateLimit`` alike; Envoy does not), reported under issue 31.
+``--grpc-server asyncio`` is the default server (server/grpc_h2.py); ``grpcio`` is grpc.aio.
+Three runs on the default, embedded store, 2026-11-29 (machine load about 1): 1.06, 1.03, 1.07.
 
     python -m bench.ratelimit_cpu [--calls 20000] [--concurrency 32] [--grpc-server asyncio]
 """

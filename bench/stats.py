@@ -308,6 +308,16 @@ def targets(summary: dict[str, Any], *, limits: dict[str, Any] | None, outages: 
     add("Flood: (f) throughput / (c)", (ratios.get("f/c") or {}).get("median"), 1.0)
     add("Flood: well-behaved keys' p99 at 1,000 req/s, (f) / (fc)",
         (ratios.get("p99 f/fc") or {}).get("median"), 1.2, higher=False)
+    # issue 31: the gRPC port on the event loop against the HTTP door and its own ceiling;
+    # issue 32: ShouldRateLimit against a rate-only Check on that door
+    add("(b-h2) server CPU per check / (h), issue 31", (ratios.get("cpu b-h2/h") or {}).get("median"), 1.3,
+        higher=False)
+    add("(r-h2) server CPU per check / (rh), issue 31", (ratios.get("cpu r-h2/rh") or {}).get("median"), 1.2,
+        higher=False)
+    add("(r-h2) throughput / (b-h2), issue 31", (ratios.get("r-h2/b-h2") or {}).get("median"), 0.7)
+    add("(d-h2) throughput / (b-h2), issue 31", (ratios.get("d-h2/b-h2") or {}).get("median"), 0.6)
+    add("(rl) server CPU per ShouldRateLimit / (r-h2)'s per Check, issue 32",
+        (ratios.get("cpu rl/r-h2") or {}).get("median"), 1.2, higher=False)
     # issue 33: a rate-only policy enforced in Envoy (its quota filter) against Envoy alone, and
     # the Go peer's requests per second read as its share of Envoy alone (PEER_OVER_ENVOY_ALONE)
     for k in ("q", "q-mem"):

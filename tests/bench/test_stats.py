@@ -106,3 +106,46 @@ def test_quota_rows_read_envoy_cpu_and_the_peer_against_envoy_alone() -> None:
     peer = found["(q) throughput / the Go peer's (as shares of Envoy alone)"]
     assert peer["value"] == pytest.approx(0.6 / PEER_OVER_ENVOY_ALONE, abs=1e-3) and peer["met"]
     assert found["(q) quota over-admission"]["value"] == 0 and found["(q) quota over-admission"]["met"]
+
+
+def test_the_gateway_doors_targets_read_their_cpu_and_throughput_ratios() -> None:
+    """Issue 31's (b-h2, r-h2, d-h2) and issue 32's (rl) targets, each from its round ratios."""
+    from bench.stats import targets
+
+    cpu = {"h": [100.0] * 3, "b-h2": [120.0, 140.0, 125.0], "rh": [200.0] * 3, "r-h2": [250.0, 230.0, 260.0],
+           "d-h2": [400.0] * 3, "rl": [280.0, 300.0, 240.0]}
+    rps = {"h": [9000.0] * 3, "b-h2": [5000.0] * 3, "rh": [7000.0] * 3, "r-h2": [4000.0, 3000.0, 4000.0],
+           "d-h2": [2500.0, 3500.0, 2500.0], "rl": [3800.0] * 3}
+    out = []
+    for key, values in rps.items():
+        for r, v in enumerate(values):
+            out.append(Phase(key, "saturated", r, requests=int(v), rps=v, server_cpu_us=cpu[key][r]))
+            out.append(Phase(key, "latency", r, p50_ms=1.0, p99_ms=2.0, p999_ms=2.0))
+    summary = summarize([SETUPS[k] for k in rps], out)
+    found = {t["target"]: t for t in targets(summary, limits=None, outages=[], deadline_ms=5.0)}
+    rl = found["(rl) server CPU per ShouldRateLimit / (r-h2)'s per Check, issue 32"]
+    assert rl["value"] == pytest.approx(280 / 250) and rl["met"] and not rl["higher"]  # [1.12, 1.30, 0.92]
+    b = found["(b-h2) server CPU per check / (h), issue 31"]
+    assert b["value"] == pytest.approx(1.25) and b["met"]
+    assert not found["(r-h2) server CPU per check / (rh), issue 31"]["met"]  # 1.25 > 1.2
+    assert found["(r-h2) throughput / (b-h2), issue 31"]["value"] == pytest.approx(0.8)
+    d = found["(d-h2) throughput / (b-h2), issue 31"]
+    assert d["value"] == pytest.approx(0.5) and not d["met"]
+
+
+def test_a_full_run_without_the_limits_library_stops_before_it_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The limits comparison runs last: without ``limits`` the harness says so at once (a full
+    run once stopped there after 25 minutes), and --no-limits runs without it."""
+    import importlib.util
+
+    from bench import harness
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "limits" else real(name, *a))
+    started: list[object] = []
+    monkeypatch.setattr(harness.Harness, "run", lambda self: started.append(self))
+    with pytest.raises(SystemExit, match="needs the `limits` library"):
+        harness.main(["--only", "r", "--rounds", "1", "--no-docs"])
+    assert started == []
+    harness.main(["--only", "r", "--rounds", "1", "--no-docs", "--no-limits"])
+    assert len(started) == 1
