@@ -16,11 +16,9 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist each worker picks ports from its own hundreds (``gw1`` of 2: the
-    odd ones), so two workers never hand out the same port between a check and a bind."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if worker.startswith("gw") and count > 1:
-        stack.PORT_STRIPE = (int(worker[2:]), count)
+    odd ones), so two workers never hand out the same port between a check and a bind
+    (devtools/stack.py reads the same variables on import, for the processes a worker starts)."""
+    stack.PORT_STRIPE = stack.stripe_of(os.environ)
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -27,12 +27,31 @@ from .upstream import Upstream, start_upstream
 #: Every port handed out in this process: a port is handed out once (two back-to-back binds
 #: of port 0 once gave a test server the same public and admin port, and it refused to start).
 _HANDED_OUT: set[int] = set()
-#: this process's share of every port range when several processes pick ports at once (the
-#: tests under pytest-xdist: tests/conftest.py sets it per worker): ``(index, count)``, a
-#: block is handed out only from the hundreds whose number is ``index`` modulo ``count``, so
-#: two workers never pick the same port between one's check and its bind
-PORT_STRIPE: tuple[int, int] = (0, 1)
 _STRIPE_WIDTH = 100
+
+
+def stripe_of(env: Mapping[str, str]) -> tuple[int, int]:
+    """``(index, count)`` of pytest-xdist's worker ``gw<index>`` of ``count`` (its variables,
+    which a process it starts inherits), else ``(0, 1)``."""
+    worker, count = env.get("PYTEST_XDIST_WORKER", ""), env.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(worker[2:]) < int(count):
+        return int(worker[2:]), int(count)
+    return 0, 1
+
+
+#: this process's share of every port range when several processes pick ports at once (the
+#: tests under pytest-xdist): ``(index, count)``, a block is handed out only from the hundreds
+#: whose number is ``index`` modulo ``count``, so two workers never pick the same port between
+#: one's check and its bind. Read from the environment, so that a process a worker starts
+#: (``bench.harness --smoke`` in tests/bench, which picks its Redis and server ports) keeps to
+#: the worker's hundreds too.
+PORT_STRIPE: tuple[int, int] = stripe_of(os.environ)
+
+
+def _in_stripe(port: int) -> bool:
+    """Whether ``port`` is in this process's hundreds (:data:`PORT_STRIPE`)."""
+    index, count = PORT_STRIPE
+    return count == 1 or (port // _STRIPE_WIDTH) % count == index
 
 
 def free_port() -> int:
@@ -46,11 +65,10 @@ def free_port_block(n: int, low: int = 20000, high: int = 32000) -> int:
     range (so that outgoing connections do not take them between this check and the bind)."""
     import random
 
-    index, count = PORT_STRIPE
-    for _ in range(200 * count):
+    for _ in range(200 * PORT_STRIPE[1]):
         base = random.randrange(low, high - n + 1)
         block = range(base, base + n)
-        if count > 1 and not all((p // _STRIPE_WIDTH) % count == index for p in (base, base + n - 1)):
+        if not (_in_stripe(base) and _in_stripe(base + n - 1)):
             continue
         if _HANDED_OUT.intersection(block):
             continue

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -50,3 +54,21 @@ def test_a_stripe_hands_out_only_its_own_hundreds(monkeypatch: pytest.MonkeyPatc
     assert all(((p + 2) // 100) % 2 == 1 for p in ports[200:])  # a block stays in one stripe
     with pytest.raises(RuntimeError, match="no block of 1 free ports"):
         stack.free_port_block(1, low=30000, high=30100)  # an even hundred: none of worker 1's
+
+
+def test_a_process_a_worker_starts_keeps_to_the_worker_s_stripe() -> None:
+    # tests/bench start bench.harness --smoke, bench.accesslog_flush and bench.fleet_cluster as
+    # child processes, which pick their Redis and server ports with free_port: from the
+    # worker's hundreds too, or they can take a port the other worker has just checked
+    env = {**os.environ, "PYTEST_XDIST_WORKER": "gw1", "PYTEST_XDIST_WORKER_COUNT": "2"}
+    code = ("import json; from extauthz.devtools import stack; "
+            "print(json.dumps([stack.PORT_STRIPE, [stack.free_port() for _ in range(100)]]))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    stripe, ports = json.loads(out.stdout)
+    assert stripe == [1, 2]
+    assert all((p // 100) % 2 == 1 for p in ports)
+    alone = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
+    out = subprocess.run([sys.executable, "-c", code], env=alone, capture_output=True, text=True, timeout=60)
+    assert json.loads(out.stdout)[0] == [0, 1]  # outside pytest-xdist: every hundred
+
