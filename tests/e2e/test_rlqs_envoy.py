@@ -332,17 +332,18 @@ def test_a_stream_moves_to_another_replica_behind_one_cluster(tmp_path: Path, re
     the dead one's slices to pass their TTL), and admitted requests counted at the upstream
     stay within ``rate x t + burst`` throughout."""
     upstream, servers, _ = _replicas(tmp_path, redis_single_clean)
-    # envoy-config --authz A --authz B
-    config = _config(tmp_path, upstream, *servers)
-    clusters = {c["name"]: c for c in yaml.safe_load(config)["static_resources"]["clusters"]}
-    endpoints = clusters["extauthz"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
-    assert [e["endpoint"]["address"]["socket_address"]["port_value"] for e in endpoints] == [s.port for s in servers]
 
     def holding() -> list[int]:
         """The replicas with an open quota stream (by index)."""
         return [i for i, s in enumerate(servers) if s.proc is not None and s.proc.poll() is None
                 and any(not st["closed"] for st in _status(s)["quota"]["streams"])]
     try:
+        # envoy-config --authz A --authz B (inside the try: a failure here stops the servers too)
+        config = _config(tmp_path, upstream, *servers)
+        clusters = {c["name"]: c for c in yaml.safe_load(config)["static_resources"]["clusters"]}
+        endpoints = clusters["extauthz"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        assert [e["endpoint"]["address"]["socket_address"]["port_value"] for e in endpoints] == [
+            s.port for s in servers]
         with started_envoy(config) as a, HttpClient() as c:
             promise = Promise(upstream, c)
             # (a new store: no share grows for two report intervals after the first settle)
