@@ -21,6 +21,17 @@ def pytest_configure(config: pytest.Config) -> None:
     stack.PORT_STRIPE = stack.stripe_of(os.environ)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a pytest-xdist worker, the tests marked ``serial`` are left out: scripts/test runs
+    them after, in one process (``-n 0 -m serial``)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    alone = [item for item in items if item.get_closest_marker("serial") is not None]
+    if alone:
+        config.hook.pytest_deselected(items=alone)
+        items[:] = [item for item in items if item.get_closest_marker("serial") is None]
+
+
 @pytest.fixture
 def clock() -> ManualClock:
     return ManualClock()

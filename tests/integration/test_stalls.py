@@ -34,7 +34,10 @@ from testinfra.redis_servers import RedisSingle
 from .test_batched_grants import metrics_url
 from .test_two_replicas import check_request
 
-pytestmark = [pytest.mark.redis, pytest.mark.slow]
+#: serial: under a second xdist worker's load (2 cores) the 0.5 s stall once let B and C admit
+#: 31 fleet requests of 30 (a fresh-clone CI, 2026-11-29); not reproduced alone with two CPU
+#: hogs (5 runs), cause not found: it runs alone until it is (docs/limiters.md, Stalls)
+pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.serial]
 
 LIMIT, REPLICAS = 30, 3
 #: the stalls, in order; None: ``kill -9`` (last: A is gone after it)
