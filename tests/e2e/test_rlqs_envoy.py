@@ -17,6 +17,8 @@ import os
 import signal
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -123,9 +125,11 @@ def _stack(tmp_path: Path) -> tuple[Upstream, ServerProcess, str]:
     return upstream, server, _config(tmp_path, upstream, server)
 
 
-def _replicas(tmp_path: Path, redis: RedisSingle) -> tuple[Upstream, list[ServerProcess], list[str]]:
+@contextmanager
+def _replicas(tmp_path: Path, redis: RedisSingle) -> Iterator[tuple[Upstream, list[ServerProcess], list[str]]]:
     """The policy, an upstream and two server replicas on one Redis (and their arguments, to
-    start one again)."""
+    start one again), all stopped on the way out (a replica the test replaced in the list
+    too)."""
     (tmp_path / "api.yaml").write_text(POLICY)
     upstream = start_upstream()
     args = ["--redis-url", redis.url]
@@ -133,12 +137,11 @@ def _replicas(tmp_path: Path, redis: RedisSingle) -> tuple[Upstream, list[Server
     try:
         for _ in range(2):
             servers.append(ServerProcess([tmp_path], args=args, workdir=tmp_path).start(STARTUP))
-    except BaseException:
+        yield upstream, servers, args
+    finally:
         for server in servers:
             server.stop()
         upstream.stop()
-        raise
-    return upstream, servers, args
 
 
 def test_two_envoys_share_one_limit(tmp_path: Path) -> None:
@@ -232,57 +235,52 @@ def test_two_replicas_on_one_redis_keep_one_limit(tmp_path: Path, redis_single_c
     ledger holder: it waits for the old one's slices to pass their TTL), and Redis is paused for a few seconds (no
     assignment is sent meanwhile: the Envoys keep theirs, then DENY_ALL). The promise holds
     throughout; the refusals meanwhile are the early refusal docs/rlqs.md describes."""
-    upstream, servers, args = _replicas(tmp_path, redis_single_clean)
-    try:
-        with started_envoy(_config(tmp_path, upstream, servers[0])) as a, \
-                started_envoy(_config(tmp_path, upstream, servers[1])) as b, HttpClient() as c:
-            promise = Promise(upstream, c)
-            admitted = promise.drive([("a", a), ("b", b)], 25.0)
-            assert promise.held, (upstream.served, promise.worst)
-            assert admitted["a"] + admitted["b"] > 0, admitted
-            for server in servers:
-                quota = _status(server)["quota"]
-                assert quota["overadmission"] == 0
-                assert quota["reported_excess"] == 0
-                assert quota["ledger"]["healthy"] is True
-                (stream,) = quota["streams"]
-                (bucket,) = stream["buckets"]
-                assert bucket["fill"] <= bucket["store"]["fill"]
-            # a replica stalled mid-run (SIGSTOP: its stream stops answering, Envoy keeps its
-            # assignment, then DENY_ALL), then killed (SIGKILL: nothing given back, its slices
-            # stay held in the store until their TTL), then started again on its port: a new
-            # holder in the ledger
-            port, proc = servers[0].port, servers[0].proc
-            assert proc is not None
-            os.kill(proc.pid, signal.SIGSTOP)
-            try:
-                promise.drive([("a", a), ("b", b)], 3.0)
-            finally:
-                os.kill(proc.pid, signal.SIGCONT)
-            assert promise.held, (upstream.served, promise.worst)
-            proc.kill()
-            proc.wait()
-            promise.drive([("a", a), ("b", b)], 3.0)
-            assert promise.held, (upstream.served, promise.worst)
-            servers[0] = ServerProcess([tmp_path], args=args, port=port, workdir=tmp_path).start(STARTUP)
-            promise.drive([("a", a), ("b", b)], 12.0)
-            assert promise.held, (upstream.served, promise.worst)
-            # Redis paused for a few seconds
-            redis_single_clean.pause()
-            try:
-                promise.drive([("a", a), ("b", b)], 4.0)
-            finally:
-                redis_single_clean.resume()
-            assert promise.held, (upstream.served, promise.worst)
-            promise.drive([("a", a), ("b", b)], 10.0)
-            assert promise.held, (upstream.served, promise.worst)
-            for server in servers:
-                quota = _status(server)["quota"]
-                assert (quota["overadmission"], quota["reported_excess"]) == (0, 0)
-    finally:
+    with (_replicas(tmp_path, redis_single_clean) as (upstream, servers, args),
+          started_envoy(_config(tmp_path, upstream, servers[0])) as a,
+          started_envoy(_config(tmp_path, upstream, servers[1])) as b, HttpClient() as c):
+        promise = Promise(upstream, c)
+        admitted = promise.drive([("a", a), ("b", b)], 25.0)
+        assert promise.held, (upstream.served, promise.worst)
+        assert admitted["a"] + admitted["b"] > 0, admitted
         for server in servers:
-            server.stop()
-        upstream.stop()
+            quota = _status(server)["quota"]
+            assert quota["overadmission"] == 0
+            assert quota["reported_excess"] == 0
+            assert quota["ledger"]["healthy"] is True
+            (stream,) = quota["streams"]
+            (bucket,) = stream["buckets"]
+            assert bucket["fill"] <= bucket["store"]["fill"]
+        # a replica stalled mid-run (SIGSTOP: its stream stops answering, Envoy keeps its
+        # assignment, then DENY_ALL), then killed (SIGKILL: nothing given back, its slices
+        # stay held in the store until their TTL), then started again on its port: a new
+        # holder in the ledger
+        port, proc = servers[0].port, servers[0].proc
+        assert proc is not None
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            promise.drive([("a", a), ("b", b)], 3.0)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        assert promise.held, (upstream.served, promise.worst)
+        proc.kill()
+        proc.wait()
+        promise.drive([("a", a), ("b", b)], 3.0)
+        assert promise.held, (upstream.served, promise.worst)
+        servers[0] = ServerProcess([tmp_path], args=args, port=port, workdir=tmp_path).start(STARTUP)
+        promise.drive([("a", a), ("b", b)], 12.0)
+        assert promise.held, (upstream.served, promise.worst)
+        # Redis paused for a few seconds
+        redis_single_clean.pause()
+        try:
+            promise.drive([("a", a), ("b", b)], 4.0)
+        finally:
+            redis_single_clean.resume()
+        assert promise.held, (upstream.served, promise.worst)
+        promise.drive([("a", a), ("b", b)], 10.0)
+        assert promise.held, (upstream.served, promise.worst)
+        for server in servers:
+            quota = _status(server)["quota"]
+            assert (quota["overadmission"], quota["reported_excess"]) == (0, 0)
 
 
 @pytest.mark.redis
@@ -294,31 +292,26 @@ def test_a_redis_restarted_empty_keeps_one_limit(tmp_path: Path, redis_single_cl
     grows no share until those assignments ran out and cooled: from the restart on, the
     upstream admits within ``rate x t + burst`` (a promise counted from the restart), and each
     replica counts one reset."""
-    upstream, servers, _ = _replicas(tmp_path, redis_single_clean)
-    try:
-        with started_envoy(_config(tmp_path, upstream, servers[0])) as a, \
-                started_envoy(_config(tmp_path, upstream, servers[1])) as b, HttpClient() as c:
-            before = Promise(upstream, c)
-            # a new store grows no share for two report intervals (10 s), and Envoy reports
-            # every 5 s from its first request: the first share lands 10-15 s in, and the
-            # drive lasts two intervals past that (20 s failed once in CI with 0 admitted)
-            admitted = before.drive([("a", a), ("b", b)], 30.0)
-            assert before.held, (upstream.served, before.worst)
-            assert admitted["a"] + admitted["b"] > 0, admitted
-            redis_single_clean.kill()
-            redis_single_clean.restart()
-            after = Promise(upstream, c)
-            # the demand moves to b's Envoy: its replica would grow b's share into what a's holds
-            after.drive([("a", a), ("b", b), ("b", b), ("b", b)], 25.0)
-            assert after.held, (upstream.served - after.base, after.worst)
-            for server in servers:
-                quota = _status(server)["quota"]
-                assert quota["ledger"]["resets"] == 1, quota["ledger"]
-                assert quota["overadmission"] == 0
-    finally:
+    with (_replicas(tmp_path, redis_single_clean) as (upstream, servers, _),
+          started_envoy(_config(tmp_path, upstream, servers[0])) as a,
+          started_envoy(_config(tmp_path, upstream, servers[1])) as b, HttpClient() as c):
+        before = Promise(upstream, c)
+        # a new store grows no share for two report intervals (10 s), and Envoy reports
+        # every 5 s from its first request: the first share lands 10-15 s in, and the
+        # drive lasts two intervals past that (20 s failed once in CI with 0 admitted)
+        admitted = before.drive([("a", a), ("b", b)], 30.0)
+        assert before.held, (upstream.served, before.worst)
+        assert admitted["a"] + admitted["b"] > 0, admitted
+        redis_single_clean.kill()
+        redis_single_clean.restart()
+        after = Promise(upstream, c)
+        # the demand moves to b's Envoy: its replica would grow b's share into what a's holds
+        after.drive([("a", a), ("b", b), ("b", b), ("b", b)], 25.0)
+        assert after.held, (upstream.served - after.base, after.worst)
         for server in servers:
-            server.stop()
-        upstream.stop()
+            quota = _status(server)["quota"]
+            assert quota["ledger"]["resets"] == 1, quota["ledger"]
+            assert quota["overadmission"] == 0
 
 
 @pytest.mark.redis
@@ -331,14 +324,14 @@ def test_a_stream_moves_to_another_replica_behind_one_cluster(tmp_path: Path, re
     its next report, on the other replica (a new holder in the store's ledger: it waits for
     the dead one's slices to pass their TTL), and admitted requests counted at the upstream
     stay within ``rate x t + burst`` throughout."""
-    upstream, servers, _ = _replicas(tmp_path, redis_single_clean)
+    with _replicas(tmp_path, redis_single_clean) as (upstream, servers, _):
 
-    def holding() -> list[int]:
-        """The replicas with an open quota stream (by index)."""
-        return [i for i, s in enumerate(servers) if s.proc is not None and s.proc.poll() is None
-                and any(not st["closed"] for st in _status(s)["quota"]["streams"])]
-    try:
-        # envoy-config --authz A --authz B (inside the try: a failure here stops the servers too)
+        def holding() -> list[int]:
+            """The replicas with an open quota stream (by index)."""
+            return [i for i, s in enumerate(servers) if s.proc is not None and s.proc.poll() is None
+                    and any(not st["closed"] for st in _status(s)["quota"]["streams"])]
+
+        # envoy-config --authz A --authz B (inside the with: a failure here stops the servers too)
         config = _config(tmp_path, upstream, *servers)
         clusters = {c["name"]: c for c in yaml.safe_load(config)["static_resources"]["clusters"]}
         endpoints = clusters["extauthz"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
@@ -370,7 +363,3 @@ def test_a_stream_moves_to_another_replica_behind_one_cluster(tmp_path: Path, re
             (bucket,) = stream["buckets"]
             assert bucket["bucket"] == {"limiter": "ip-rate", "source_ip": "127.0.0.1"}
             assert bucket["fill"] <= bucket["store"]["fill"]
-    finally:
-        for server in servers:
-            server.stop()
-        upstream.stop()
